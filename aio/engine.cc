@@ -350,16 +350,15 @@ void Engine::Submit(const File& file, OpKind kind, uint64_t offset, std::byte* b
   const uint64_t end = offset + length;
   const uint64_t align = entry->alignment.offset;
   const uint64_t mem_align = entry->alignment.memory;
-  if (kind == OpKind::kWrite && entry->direct && (offset % align != 0 || end % align != 0)) {
-    struct stat st;
-    if (fstat(entry->fd, &st) != 0) {
-      absl::Status s = ErrnoStatus(errno, "fstat", entry->path);
+  if (kind == OpKind::kWrite && entry->direct) {
+    absl::StatusOr<uint64_t> size = entry->BeginWrite(end);
+    if (!size.ok()) {
       IoCallback cb = std::move(request->done);
       delete request;
-      std::move(cb)(std::move(s));
+      std::move(cb)(size.status());
       return;
     }
-    request->size_before = st.st_size;
+    request->size_before = static_cast<int64_t>(*size);
   }
 
   const uint64_t first_block = offset / bs;

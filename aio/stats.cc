@@ -41,7 +41,10 @@ double LatencyHistogram::Percentile(double q) const {
   uint64_t seen = 0;
   for (int i = 0; i < kBuckets; ++i) {
     seen += buckets_[i];
-    if (seen >= rank) return std::min(BucketUpper(i), static_cast<double>(max_));
+    if (seen >= rank) {
+      if (i == kBuckets - 1) return static_cast<double>(max_);
+      return std::min(BucketUpper(i), static_cast<double>(max_));
+    }
   }
   return static_cast<double>(max_);
 }

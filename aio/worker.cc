@@ -38,6 +38,36 @@ FileEntry::~FileEntry() {
   if (fd >= 0) close(fd);
 }
 
+absl::StatusOr<uint64_t> FileEntry::BeginWrite(uint64_t end) {
+  MutexLock lock(&write_mu_);
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  const auto size = static_cast<uint64_t>(st.st_size);
+  ++writes_in_flight_;
+  if (end > size) batch_extended_ = true;
+  return size;
+}
+
+absl::Status FileEntry::EndWrite(uint64_t end, bool ok) {
+  MutexLock lock(&write_mu_);
+  batch_max_end_ = std::max(batch_max_end_, end);
+  batch_failed_ |= !ok;
+  if (--writes_in_flight_ > 0) return absl::OkStatus();
+  const uint64_t max_end = batch_max_end_;
+  const bool trim = batch_extended_ && !batch_failed_ && max_end % alignment.offset != 0;
+  batch_max_end_ = 0;
+  batch_extended_ = batch_failed_ = false;
+  if (!trim) return absl::OkStatus();
+  struct stat st;
+  if (fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat", path);
+  const uint64_t padded = (max_end / alignment.offset + 1) * alignment.offset;
+  if (static_cast<uint64_t>(st.st_size) == padded &&
+      ftruncate(fd, static_cast<off_t>(max_end)) != 0) {
+    return ErrnoStatus(errno, "ftruncate", path, max_end);
+  }
+  return absl::OkStatus();
+}
+
 int EngineShared::FindRegion(const std::byte* p, uint64_t length) {
   if (region_count.load(std::memory_order_acquire) == 0) return -1;
   const auto begin = reinterpret_cast<uintptr_t>(p);
@@ -270,13 +300,21 @@ void Worker::Handle(Piece* piece, int64_t result, std::deque<Piece*>* ready) {
     Finish(piece, absl::OkStatus());
     return;
   }
-  if (reading && result == 0) {
-    const uint64_t missing_from = piece->io_offset + reached;
-    Finish(piece, absl::OutOfRangeError(absl::StrCat(
-                      "read ", file.path, " @ ", piece->offset, " len ", piece->length,
-                      ": the file ends at ", missing_from,
-                      ", before the last byte asked for (a read must come back whole)")));
-    return;
+  if (reading && (result == 0 || (file.direct && reached % file.alignment.offset != 0))) {
+    // Zero bytes, or an O_DIRECT read cut short off the alignment: has the file ended?
+    struct stat st;
+    if (fstat(file.fd, &st) != 0) {
+      Finish(piece, ErrnoStatus(errno, "fstat", file.path));
+      return;
+    }
+    const auto size = static_cast<uint64_t>(st.st_size);
+    if (size <= piece->io_offset + reached) {
+      Finish(piece, absl::OutOfRangeError(absl::StrCat(
+                        "read ", file.path, " @ ", piece->offset, " len ", piece->length,
+                        ": the file ends at ", size,
+                        ", before the last byte asked for (a read must come back whole)")));
+      return;
+    }
   }
   // A short transfer: continue from an aligned point.
   const uint64_t progress_to =
@@ -331,22 +369,9 @@ void Worker::Finish(Piece* piece, absl::Status status) {
     MutexLock lock(&request->mu);
     final_status = request->status;
   }
-  const FileEntry& file = *request->file;
-  const uint64_t end = request->offset + request->length;
-  if (final_status.ok() && request->kind == OpKind::kWrite && file.direct &&
-      request->size_before >= 0 && static_cast<uint64_t>(request->size_before) < end &&
-      end % file.alignment.offset != 0) {
-    // The last block was written whole: cut the padding so the file ends where the write did,
-    // unless another write has meanwhile extended it further.
-    struct stat st;
-    const uint64_t padded_end =
-        (end + file.alignment.offset - 1) / file.alignment.offset * file.alignment.offset;
-    if (fstat(file.fd, &st) != 0) {
-      final_status = ErrnoStatus(errno, "fstat", file.path);
-    } else if (static_cast<uint64_t>(st.st_size) == padded_end &&
-               ftruncate(file.fd, static_cast<off_t>(end)) != 0) {
-      final_status = ErrnoStatus(errno, "ftruncate", file.path, end);
-    }
+  if (request->size_before >= 0) {
+    final_status.Update(
+        request->file->EndWrite(request->offset + request->length, final_status.ok()));
   }
   {
     MutexLock lock(&mu_);

@@ -29,6 +29,14 @@ using Clock = std::chrono::steady_clock;
 struct FileEntry {
   ~FileEntry();  // Releases the registered slot, then closes the descriptor.
 
+  // Writes on an O_DIRECT file are written in whole aligned blocks, so a write that extends the
+  // file to an unaligned end leaves padding. The padding is cut when no write of this file is in
+  // flight any more, and only when a write of that batch extended the file (so the bytes cut were
+  // never anyone's data). BeginWrite returns the file size (for the read-modify-write of unaligned
+  // edges); EndWrite may trim and then returns the trim's status.
+  absl::StatusOr<uint64_t> BeginWrite(uint64_t end);
+  absl::Status EndWrite(uint64_t end, bool ok);
+
   Engine* engine = nullptr;
   std::string path;
   int fd = -1;
@@ -36,6 +44,13 @@ struct FileEntry {
   bool writable = false;
   DirectIoAlignment alignment;
   int slot = -1;  // Registered-file slot, or -1.
+
+ private:
+  Mutex write_mu_;
+  int writes_in_flight_ ABSL_GUARDED_BY(write_mu_) = 0;
+  uint64_t batch_max_end_ ABSL_GUARDED_BY(write_mu_) = 0;
+  bool batch_extended_ ABSL_GUARDED_BY(write_mu_) = false;
+  bool batch_failed_ ABSL_GUARDED_BY(write_mu_) = false;
 };
 
 // Registered user buffers and file slots, shared by the engine and its workers.
@@ -95,7 +110,7 @@ struct Request {
   std::vector<Piece> pieces;
   std::atomic<size_t> pieces_left{0};
   std::atomic<bool> failed{false};
-  // File size at submission, for writes with an unaligned edge on an O_DIRECT file; else -1.
+  // File size at submission, for writes on an O_DIRECT file; else -1.
   int64_t size_before = -1;
   Mutex mu;
   absl::Status status ABSL_GUARDED_BY(mu);

@@ -1,0 +1,59 @@
+// Helpers shared by the aio tests: a scratch directory on a filesystem that takes O_DIRECT, and
+// seeded random bytes.
+#ifndef STRATA_TESTS_AIO_TEST_UTIL_H_
+#define STRATA_TESTS_AIO_TEST_UTIL_H_
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace strata::testing {
+
+// A fresh directory, removed with its contents at destruction. Under $STRATA_TEST_DIR when set,
+// else under the build tree's working directory (ctest runs in the build folder, which is on the
+// project's disk; /tmp may be tmpfs, which refuses O_DIRECT).
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char* base = getenv("STRATA_TEST_DIR");
+    std::string pattern =
+        (base ? std::string(base) : std::filesystem::current_path().string()) + "/strata-test-XXXXXX";
+    std::vector<char> buf(pattern.begin(), pattern.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";
+    path_ = buf.data();
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {
+  std::vector<std::byte> out(n);
+  std::mt19937_64 rng(seed);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(&out[i], &v, 8);
+  }
+  for (; i < n; ++i) out[i] = static_cast<std::byte>(rng());
+  return out;
+}
+
+}  // namespace strata::testing
+
+#endif  // STRATA_TESTS_AIO_TEST_UTIL_H_
