@@ -2,7 +2,7 @@
 #   make demo   installs what is missing, builds (release) and runs the main job
 #   make test   installs what is missing, builds (release) and runs the test suite
 # and, for sanitizers: make asan, make tsan.
-DEMO_ARGS ?=
+DEMO_ARGS ?= --reserve_hugetlb
 
 .PHONY: deps demo test asan tsan build clean
 

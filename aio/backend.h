@@ -6,8 +6,10 @@
 // io_uring (liburing), libaio, posix (pread/pwrite, executed at Reap); FaultInjectingBackend
 // (aio/fault_injection.h) wraps any of them.
 //
-// Thread safety: a Backend is not thread-safe; each Engine worker thread owns one. The
-// Register*/Update* calls are made before the worker starts or while it is idle, by the Engine.
+// Thread safety: a Backend is not thread-safe; each Engine worker thread owns one and alone calls
+// Submit and Reap. The exception is UpdateBuffer/UpdateFile, which the Engine calls from other
+// threads while the worker runs: io_uring's register calls touch no user-space ring state and the
+// kernel serializes them against submission, and wrappers must only forward them.
 #ifndef STRATA_AIO_BACKEND_H_
 #define STRATA_AIO_BACKEND_H_
 

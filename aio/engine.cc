@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "aio/internal/worker.h"
+#include "base/check.h"
 #include "base/status.h"
 
 namespace strata::aio {
@@ -164,9 +165,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const AioConfig& config,
     c.registered_buffers = c.registered_files = c.sqpoll = false;
   }
 
-  // Staging buffers: enough for the queue depth, within the per-worker byte budget.
+  // Staging buffers: the queue depth plus a quarter (so the queue can be refilled while completed
+  // reads are copied out), within the per-worker byte budget.
   const uint64_t staging = std::min<uint64_t>(
-      c.queue_depth, std::max<uint64_t>(2, engine->options_.staging_bytes_per_worker / c.block_size));
+      c.queue_depth + std::max(1, c.queue_depth / 4),
+      std::max<uint64_t>(2, engine->options_.staging_bytes_per_worker / c.block_size));
   engine->staging_per_worker_ = static_cast<int>(staging);
   const uint64_t staging_bytes = staging * c.block_size * static_cast<uint64_t>(threads);
   if (c.registered_buffers && !probe.io_uring_fixed_rw) {
@@ -182,18 +185,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const AioConfig& config,
   }
 
   for (int i = 0; i < threads; ++i) {
-    std::vector<AlignedBuffer> buffers;
-    for (uint64_t s = 0; s < staging; ++s) {
-      STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::Allocate(c.block_size));
-      buffers.push_back(std::move(buffer));
-    }
+    // Huge pages matter here: a 1 MiB O_DIRECT transfer from 4 KiB pages pins 256 pages and, on
+    // devices with max_segments < 256 (virtio-blk: 254), is split in two; from one 2 MiB page it
+    // is one segment. Measured on this project's virtual disk: 2.6x the read bandwidth.
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer region,
+                            AlignedBuffer::Allocate(staging * c.block_size, {.huge_pages = true}));
     std::unique_ptr<Backend> backend = std::move(backends[i]);
     if (engine->options_.wrap_backend) {
       backend = engine->options_.wrap_backend(std::move(backend), i);
     }
     internal::WorkerConfig wc{i, c.queue_depth, c.single_submit, c.overlap_events};
     engine->workers_.push_back(std::make_unique<internal::Worker>(
-        wc, std::move(backend), std::move(buffers), engine->shared_.get()));
+        wc, std::move(backend), std::move(region), staging, c.block_size, engine->shared_.get()));
   }
 
   // Registration, all or nothing across the workers.
@@ -204,7 +207,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const AioConfig& config,
       s.Update(w->backend().RegisterBufferTable(table));
       for (size_t b = 0; s.ok() && b < w->staging_count(); ++b) {
         s.Update(w->backend().UpdateBuffer(
-            static_cast<int>(b), iovec{w->staging(b).data(), w->staging(b).size()}));
+            static_cast<int>(b), iovec{w->staging(b), w->slot_bytes()}));
       }
       if (!s.ok()) break;
     }
@@ -237,7 +240,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const AioConfig& config,
 }
 
 Engine::~Engine() {
-  workers_.clear();  // Each worker finishes its queue, then joins.
+  // Finish every request first: the last request of a closed File releases its slot through
+  // ReleaseFileSlot, which walks workers_, so no worker may be destroyed before all have stopped.
+  for (auto& w : workers_) w->Stop();
+  STRATA_CHECK(shared_->open_files.load(std::memory_order_acquire) == 0,
+               "aio::Engine destroyed while a File it opened is still open; close (destroy) "
+               "every File before its Engine");
+  workers_.clear();
 }
 
 absl::StatusOr<File> Engine::Open(const std::string& path, OpenOptions options) {
@@ -258,6 +267,8 @@ absl::StatusOr<File> Engine::Open(const std::string& path, OpenOptions options) 
   }
   auto entry = std::make_shared<FileEntry>();
   entry->engine = this;
+  entry->shared = shared_.get();
+  shared_->open_files.fetch_add(1, std::memory_order_acq_rel);
   entry->path = path;
   entry->fd = fd;
   entry->direct = config_.direct;

@@ -111,7 +111,8 @@ struct EngineOptions {
   std::function<void(absl::string_view)> on_warning;
   // Wraps each worker's backend; tests pass a FaultInjectingBackend factory here.
   std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>, int worker_index)> wrap_backend;
-  // Staging buffers per worker = min(queue_depth, max(2, staging_bytes_per_worker / block_size)).
+  // Staging buffers per worker = min(queue_depth * 5/4 (at least +1),
+  //                                  max(2, staging_bytes_per_worker / block_size)).
   uint64_t staging_bytes_per_worker = 64ull << 20;
   // Buffers that Engine::RegisterBuffer may register at once.
   int max_registered_buffers = 64;

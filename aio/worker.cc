@@ -36,6 +36,7 @@ absl::string_view OpName(const Piece& p) {
 FileEntry::~FileEntry() {
   if (slot >= 0) engine->ReleaseFileSlot(slot);
   if (fd >= 0) close(fd);
+  if (shared != nullptr) shared->open_files.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 absl::StatusOr<uint64_t> FileEntry::BeginWrite(uint64_t end) {
@@ -79,16 +80,20 @@ int EngineShared::FindRegion(const std::byte* p, uint64_t length) {
 }
 
 Worker::Worker(WorkerConfig config, std::unique_ptr<Backend> backend,
-               std::vector<AlignedBuffer> staging, EngineShared* shared)
+               AlignedBuffer staging, size_t staging_count, uint64_t slot_bytes,
+               EngineShared* shared)
     : config_(config),
       backend_(std::move(backend)),
       staging_(std::move(staging)),
-      staging_index_(staging_.size(), -1),
+      slot_bytes_(slot_bytes),
+      staging_index_(staging_count, -1),
       shared_(shared) {
-  for (int i = static_cast<int>(staging_.size()) - 1; i >= 0; --i) free_staging_.push_back(i);
+  for (int i = static_cast<int>(staging_count) - 1; i >= 0; --i) free_staging_.push_back(i);
 }
 
-Worker::~Worker() {
+Worker::~Worker() { Stop(); }
+
+void Worker::Stop() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
@@ -132,8 +137,11 @@ void Worker::Run() {
     bool waiting_more;
     {
       MutexLock lock(&mu_);
-      while (queue_.empty() && ready.empty() && in_flight_.empty() && !stopping_) cv_.Wait(&mu_);
-      if (queue_.empty() && ready.empty() && in_flight_.empty()) return;  // stopping
+      while (queue_.empty() && ready.empty() && in_flight_.empty() && copy_out_.empty() &&
+             !stopping_) {
+        cv_.Wait(&mu_);
+      }
+      if (queue_.empty() && ready.empty() && in_flight_.empty() && copy_out_.empty()) return;
       const size_t room = depth - in_flight_.size();
       while (ready.size() < room && !queue_.empty()) {
         ready.push_back(queue_.front());
@@ -182,6 +190,13 @@ void Worker::Run() {
       stats_.write_ops += writes;
       stats_.staged_pieces += staged;
     }
+    // Staged reads that completed: copy out now that the queue is full again, so the copies
+    // overlap the transfers in flight.
+    for (Piece* piece : copy_out_) {
+      std::memcpy(piece->user, piece->io_buf + (piece->offset - piece->io_offset), piece->length);
+      Finish(piece, absl::OkStatus());
+    }
+    copy_out_.clear();
     if (in_flight_.empty()) continue;
 
     // Reap.
@@ -221,7 +236,7 @@ Worker::Prepared Worker::Prepare(Piece* piece, Op* op) {
       if (free_staging_.empty()) return Prepared::kNoStaging;
       piece->staging_slot = free_staging_.back();
       free_staging_.pop_back();
-      piece->io_buf = staging_[piece->staging_slot].data();
+      piece->io_buf = staging(static_cast<size_t>(piece->staging_slot));
       piece->buf_index = staging_index_[piece->staging_slot];
       std::byte* user_in_staging = piece->io_buf + (piece->offset - piece->io_offset);
       if (piece->phase == Phase::kWrite) {
@@ -277,10 +292,10 @@ void Worker::Handle(Piece* piece, int64_t result, std::deque<Piece*>* ready) {
   if (reading && reached >= piece->required) {
     if (piece->phase == Phase::kRead) {
       if (piece->staged) {
-        std::memcpy(piece->user, piece->io_buf + (piece->offset - piece->io_offset),
-                    piece->length);
+        copy_out_.push_back(piece);  // copied after the queue is refilled
+      } else {
+        Finish(piece, absl::OkStatus());
       }
-      Finish(piece, absl::OkStatus());
       return;
     }
     // kFillForWrite: the covering block is in; zero what lies past the end of the file, patch in

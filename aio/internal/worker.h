@@ -26,6 +26,8 @@ namespace strata::aio::internal {
 
 using Clock = std::chrono::steady_clock;
 
+struct EngineShared;
+
 struct FileEntry {
   ~FileEntry();  // Releases the registered slot, then closes the descriptor.
 
@@ -38,6 +40,7 @@ struct FileEntry {
   absl::Status EndWrite(uint64_t end, bool ok);
 
   Engine* engine = nullptr;
+  EngineShared* shared = nullptr;
   std::string path;
   int fd = -1;
   bool direct = false;
@@ -65,6 +68,7 @@ struct EngineShared {
   std::vector<bool> buffer_index_used ABSL_GUARDED_BY(mu);
   std::vector<bool> file_slot_used ABSL_GUARDED_BY(mu);
   std::atomic<int> region_count{0};
+  std::atomic<int> open_files{0};  // FileEntries alive; must be 0 when the Engine is destroyed.
   std::atomic<uint64_t> next_worker{0};
 
   // The registered index whose region holds [p, p + length), or -1.
@@ -125,15 +129,21 @@ struct WorkerConfig {
 
 class Worker {
  public:
-  Worker(WorkerConfig config, std::unique_ptr<Backend> backend, std::vector<AlignedBuffer> staging,
-         EngineShared* shared);
-  ~Worker();  // Stops: runs every queued piece to completion, then joins.
+  // `staging` is one region (huge-page backed where the kernel gives them) cut into
+  // `staging_count` slots of `slot_bytes`.
+  Worker(WorkerConfig config, std::unique_ptr<Backend> backend, AlignedBuffer staging,
+         size_t staging_count, uint64_t slot_bytes, EngineShared* shared);
+  ~Worker();  // Stop(), if not done yet.
+
+  // Runs every queued piece to completion, then joins the thread. Idempotent.
+  void Stop();
 
   Backend& backend() { return *backend_; }
   // Marks staging buffer i as registered under `index` (-1: not registered).
   void SetStagingIndex(size_t i, int index) { staging_index_[i] = index; }
-  size_t staging_count() const { return staging_.size(); }
-  const AlignedBuffer& staging(size_t i) const { return staging_[i]; }
+  size_t staging_count() const { return staging_index_.size(); }
+  std::byte* staging(size_t i) const { return staging_.data() + i * slot_bytes_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
 
   void Start();
   void Enqueue(const std::vector<Piece*>& pieces);
@@ -150,11 +160,13 @@ class Worker {
 
   const WorkerConfig config_;
   std::unique_ptr<Backend> backend_;
-  std::vector<AlignedBuffer> staging_;
+  AlignedBuffer staging_;
+  const uint64_t slot_bytes_;
   std::vector<int> staging_index_;
   std::vector<int> free_staging_;
   EngineShared* const shared_;
   absl::flat_hash_set<Piece*> in_flight_;  // Worker thread only.
+  std::vector<Piece*> copy_out_;           // Worker thread only: staged reads to copy out.
   absl::Status broken_;                    // Worker thread only: a fatal backend error.
   std::thread thread_;
 

@@ -1,6 +1,8 @@
 #include "bench/common/fio.h"
 
+#include <fcntl.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -43,14 +45,90 @@ std::string FioJob::Describe() const {
 
 bool FioAvailable() { return system("fio --version >/dev/null 2>&1") == 0; }
 
+namespace {
+constexpr char kNrHugepages[] = "/proc/sys/vm/nr_hugepages";
+constexpr char kFreeHugepages[] = "/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages";
+constexpr uint64_t kHugePage = 2 << 20;
+volatile long g_previous_pages = -1;  // for RestoreFromSignal
+
+long ReadLong(const char* path) {
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return -1;
+  long v = -1;
+  if (fscanf(f, "%ld", &v) != 1) v = -1;
+  fclose(f);
+  return v;
+}
+
+bool WriteLong(const char* path, long v) {
+  FILE* f = fopen(path, "w");
+  if (f == nullptr) return false;
+  const bool ok = fprintf(f, "%ld\n", v) > 0;
+  return fclose(f) == 0 && ok;
+}
+}  // namespace
+
+uint64_t HugetlbReservation::FreeBytes() {
+  const long free_pages = ReadLong(kFreeHugepages);
+  return free_pages > 0 ? static_cast<uint64_t>(free_pages) * kHugePage : 0;
+}
+
+bool HugetlbReservation::Reserve(uint64_t bytes, std::string* why) {
+  if (FreeBytes() >= bytes) return true;
+  const long total = ReadLong(kNrHugepages);
+  if (total < 0) {
+    *why = "no hugetlb support";
+    return false;
+  }
+  const long want = total + static_cast<long>((bytes - FreeBytes() + kHugePage - 1) / kHugePage);
+  if (!WriteLong(kNrHugepages, want)) {
+    *why = absl::StrCat("cannot raise ", kNrHugepages, " (needs root)");
+    return false;
+  }
+  if (previous_ < 0) {
+    previous_ = total;
+    g_previous_pages = total;
+  }
+  if (FreeBytes() < bytes) {
+    *why = "the kernel could not find enough contiguous memory for huge pages";
+    return false;
+  }
+  return true;
+}
+
+HugetlbReservation::~HugetlbReservation() {
+  if (previous_ >= 0) WriteLong(kNrHugepages, previous_);
+  g_previous_pages = -1;
+}
+
+void HugetlbReservation::RestoreFromSignal() {
+  long v = g_previous_pages;
+  if (v < 0) return;
+  char text[24];
+  int n = 0;
+  char digits[24];
+  do {
+    digits[n++] = static_cast<char>('0' + v % 10);
+    v /= 10;
+  } while (v > 0);
+  for (int i = 0; i < n; ++i) text[i] = digits[n - 1 - i];
+  text[n++] = '\n';
+  const int fd = open(kNrHugepages, O_WRONLY);
+  if (fd < 0) return;
+  ssize_t ignored = write(fd, text, n);
+  (void)ignored;
+  close(fd);
+}
+
 absl::StatusOr<FioResult> RunFio(const FioJob& job) {
   const uint64_t part = job.size_bytes / job.numjobs / job.block_size * job.block_size;
   std::string cmd = absl::StrCat(
       "fio --name=strata --filename='", job.file, "' --rw=", job.write ? "write" : "read",
       " --bs=", job.block_size, " --iodepth=", job.queue_depth, " --ioengine=", job.engine,
       " --direct=1 --size=", part, " --numjobs=", job.numjobs, " --offset_increment=", part,
-      " --group_reporting --output-format=json --thread");
+      " --group_reporting --output-format=json");
   if (job.fixedbufs) absl::StrAppend(&cmd, " --fixedbufs");
+  if (job.hugetlb) absl::StrAppend(&cmd, " --mem=mmaphuge");
   if (job.batch) {
     absl::StrAppend(&cmd, " --iodepth_batch_submit=", job.queue_depth,
                     " --iodepth_batch_complete_max=", job.queue_depth);

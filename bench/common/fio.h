@@ -23,6 +23,7 @@ struct FioJob {
   uint64_t size_bytes = 0;       // whole file
   bool fixedbufs = false;        // io_uring registered buffers
   bool batch = false;            // iodepth_batch_submit / _complete_max matched to the depth
+  bool hugetlb = false;          // buffers in reserved 2 MiB huge pages (--mem=mmaphuge)
   std::string Describe() const;  // "fio io_uring bs=1M qd=8"
 };
 
@@ -34,6 +35,25 @@ struct FioResult {
 
 // Whether fio is on PATH.
 bool FioAvailable();
+
+// 2 MiB hugetlb pages for fio's --mem=mmaphuge. Reserve() raises vm.nr_hugepages (root only) so
+// that `bytes` are free, and the destructor puts the old value back. Without a reservation fio's
+// buffers are 4 KiB pages, which on some devices is a weaker ceiling than the disk (BENCH notes).
+class HugetlbReservation {
+ public:
+  HugetlbReservation() = default;
+  ~HugetlbReservation();
+  HugetlbReservation(const HugetlbReservation&) = delete;
+  HugetlbReservation& operator=(const HugetlbReservation&) = delete;
+  // Returns false (with the reason in *why) when the pages cannot be had.
+  bool Reserve(uint64_t bytes, std::string* why);
+  static uint64_t FreeBytes();
+  // Puts the old value back from a signal handler (async-signal-safe: open/write only).
+  static void RestoreFromSignal();
+
+ private:
+  long previous_ = -1;
+};
 
 // Runs one fio job (O_DIRECT, sequential). Fails with fio's stderr when fio does.
 absl::StatusOr<FioResult> RunFio(const FioJob& job);

@@ -53,6 +53,10 @@ std::vector<Variant> Variants() {
   single.single_submit = true;
   single.overlap_events = false;
   v.push_back({"libaio_single_submit_no_overlap_3threads", single});
+  AioConfig sqpoll = Make(EngineKind::kIoUring);
+  sqpoll.sqpoll = true;
+  sqpoll.sqpoll_idle_ms = 10;
+  v.push_back({"io_uring_sqpoll", sqpoll});
   AioConfig buffered = Make(EngineKind::kIoUring);
   buffered.direct = false;
   v.push_back({"io_uring_buffered", buffered});
@@ -72,6 +76,9 @@ class EngineTest : public ::testing::TestWithParam<Variant> {
       for (const auto& w : engine_->warnings()) why += w + "; ";
       GTEST_SKIP() << "this host has no " << EngineKindName(GetParam().config.engine)
                    << " backend: " << why;
+    }
+    if (GetParam().config.sqpoll && !engine_->config().sqpoll) {
+      GTEST_SKIP() << "SQPOLL refused here: " << engine_->warnings().front();
     }
   }
 
@@ -487,6 +494,21 @@ TEST(EngineConfigTest, FallbacksAndNoticesGoToTheWarningSink) {
   auto engine = Engine::Create(c, o);
   ASSERT_TRUE(engine.ok());
   EXPECT_EQ(seen, (*engine)->warnings());
+}
+
+TEST(EngineDeathTest, FileOutlivingItsEngineIsAProgrammingErrorCaughtAtOnce) {
+  ScratchDir scratch;
+  EXPECT_DEATH(
+      {
+        File f;
+        {
+          auto engine = Engine::Create(AioConfig());
+          OpenOptions o;
+          o.writable = o.create = true;
+          f = *(*engine)->Open(scratch.File("f"), o);
+        }
+      },
+      "destroyed while a File it opened is still open");
 }
 
 }  // namespace
