@@ -17,10 +17,10 @@
 
 #include <cstdint>
 #include <memory>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "aio/config.h"
 
@@ -29,14 +29,14 @@ namespace strata::aio {
 enum class OpKind : uint8_t { kRead, kWrite };
 
 struct Op {
-  uint64_t tag = 0;       // Returned unchanged in the OpResult.
+  uint64_t tag = 0;  // Returned unchanged in the OpResult.
   OpKind kind = OpKind::kRead;
-  int fd = -1;            // Always valid.
-  int file_slot = -1;     // Registered-file slot, or -1 (io_uring only).
+  int fd = -1;         // Always valid.
+  int file_slot = -1;  // Registered-file slot, or -1 (io_uring only).
   void* buf = nullptr;
   uint32_t length = 0;
   uint64_t offset = 0;
-  int buf_index = -1;     // Registered-buffer index containing [buf, buf+length), or -1.
+  int buf_index = -1;  // Registered-buffer index containing [buf, buf+length), or -1.
 };
 
 struct OpResult {
@@ -63,7 +63,9 @@ class Backend {
   // Update* fills one (iov_base == nullptr / fd == -1 clears it). Backends without them return
   // Unimplemented and the Engine passes plain pointers and fds.
   virtual absl::Status RegisterBufferTable(int count) { return Unsupported("registered buffers"); }
-  virtual absl::Status UpdateBuffer(int index, iovec iov) { return Unsupported("registered buffers"); }
+  virtual absl::Status UpdateBuffer(int index, iovec iov) {
+    return Unsupported("registered buffers");
+  }
   virtual absl::Status RegisterFileTable(int count) { return Unsupported("registered files"); }
   virtual absl::Status UpdateFile(int slot, int fd) { return Unsupported("registered files"); }
 

@@ -78,9 +78,9 @@ absl::StatusOr<AlignedBuffer> AlignedBuffer::Allocate(size_t size_bytes, BufferO
   }
   if (p == MAP_FAILED) {
     const int err = errno;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("AlignedBuffer::Allocate: mmap of ", buffer.mapped_,
-                     " bytes failed: ", std::strerror(err)));
+    return absl::ResourceExhaustedError(absl::StrCat("AlignedBuffer::Allocate: mmap of ",
+                                                     buffer.mapped_,
+                                                     " bytes failed: ", std::strerror(err)));
   }
   buffer.data_ = static_cast<std::byte*>(p);
   if (options.prefault) std::memset(buffer.data_, 0, buffer.mapped_);
@@ -93,9 +93,9 @@ absl::Status AlignedBuffer::PinForCuda() {
   const cudaError_t err = cudaHostRegister(data_, mapped_, cudaHostRegisterDefault);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the sticky error state of this thread
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cudaHostRegister of ", mapped_, " bytes failed: ", cudaGetErrorName(err), " (",
-        cudaGetErrorString(err), ")"));
+    return absl::FailedPreconditionError(absl::StrCat("cudaHostRegister of ", mapped_,
+                                                      " bytes failed: ", cudaGetErrorName(err),
+                                                      " (", cudaGetErrorString(err), ")"));
   }
   cuda_pinned_ = true;
   return absl::OkStatus();

@@ -42,7 +42,7 @@ class AlignedBuffer {
   static absl::StatusOr<AlignedBuffer> Allocate(size_t size_bytes, BufferOptions options = {});
 
   std::byte* data() const { return data_; }
-  size_t size() const { return size_; }          // The size asked for.
+  size_t size() const { return size_; }           // The size asked for.
   size_t mapped_size() const { return mapped_; }  // Rounded up to the page (or huge page).
   bool huge_pages() const { return huge_; }
   absl::Span<std::byte> span() const { return {data_, size_}; }

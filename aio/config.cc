@@ -25,8 +25,8 @@ absl::Status ReadInt(const nlohmann::json& block, absl::string_view prefix, cons
   if (it == block.end()) return absl::OkStatus();
   const std::string name = absl::StrCat(prefix, key);
   if (!it->is_number_integer()) {
-    return Invalid(name, absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ",
-                                      it->dump()));
+    return Invalid(name,
+                   absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ", it->dump()));
   }
   const int64_t value = it->get<int64_t>();
   if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(hi)) {
@@ -125,13 +125,13 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
   }
   if (auto it = root.find("aio"); it != root.end()) {
     const nlohmann::json& aio = *it;
-    STRATA_RETURN_IF_ERROR(CheckKeys(aio, "aio",
-                                     {"block_size", "queue_depth", "intra_op_parallelism",
-                                      "thread_count", "single_submit", "overlap_events",
-                                      "use_gds"}));
+    STRATA_RETURN_IF_ERROR(
+        CheckKeys(aio, "aio",
+                  {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                   "single_submit", "overlap_events", "use_gds"}));
     const std::string p = "aio.";
-    STRATA_RETURN_IF_ERROR(ReadInt(aio, p, "block_size", kMinBlockSize, kMaxBlockSize,
-                                   &c.block_size));
+    STRATA_RETURN_IF_ERROR(
+        ReadInt(aio, p, "block_size", kMinBlockSize, kMaxBlockSize, &c.block_size));
     STRATA_RETURN_IF_ERROR(ReadInt(aio, p, "queue_depth", 1, 1024, &c.queue_depth));
     if (aio.contains("thread_count")) {
       if (aio.contains("intra_op_parallelism")) {

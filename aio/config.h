@@ -12,11 +12,11 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "nlohmann/json_fwd.hpp"
 
 namespace strata::aio {
@@ -29,7 +29,8 @@ absl::StatusOr<EngineKind> ParseEngineKind(absl::string_view name);
 struct AioConfig {
   EngineKind engine = EngineKind::kIoUring;
   // A request is split into block_size pieces (at file offsets that are multiples of block_size).
-  // Must be a power of two between 4 KiB and 64 MiB, and a multiple of the file's O_DIRECT alignment.
+  // Must be a power of two between 4 KiB and 64 MiB, and a multiple of the file's O_DIRECT
+  // alignment.
   uint64_t block_size = 1 << 20;
   // Pieces each thread keeps in flight: 1..1024.
   int queue_depth = 8;

@@ -206,8 +206,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const AioConfig& config,
     for (auto& w : engine->workers_) {
       s.Update(w->backend().RegisterBufferTable(table));
       for (size_t b = 0; s.ok() && b < w->staging_count(); ++b) {
-        s.Update(w->backend().UpdateBuffer(
-            static_cast<int>(b), iovec{w->staging(b), w->slot_bytes()}));
+        s.Update(
+            w->backend().UpdateBuffer(static_cast<int>(b), iovec{w->staging(b), w->slot_bytes()}));
       }
       if (!s.ok()) break;
     }
@@ -259,9 +259,10 @@ absl::StatusOr<File> Engine::Open(const std::string& path, OpenOptions options) 
   if (fd < 0) {
     const int err = errno;
     if (err == EINVAL && config_.direct) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "open ", path, ": the filesystem refuses O_DIRECT (tmpfs does); put the file on one "
-          "that accepts it, or set strata.aio.direct to false to run buffered"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("open ", path,
+                       ": the filesystem refuses O_DIRECT (tmpfs does); put the file on one "
+                       "that accepts it, or set strata.aio.direct to false to run buffered"));
     }
     return ErrnoStatus(err, "open", path);
   }
@@ -287,9 +288,9 @@ absl::StatusOr<File> Engine::Open(const std::string& path, OpenOptions options) 
           entry->alignment.source, "); accepted: multiples of ", entry->alignment.offset));
     }
     if (entry->alignment.memory > 4096) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("open ", path, ": O_DIRECT memory alignment ", entry->alignment.memory,
-                       " is larger than a page; not supported"));
+      return absl::InvalidArgumentError(absl::StrCat("open ", path, ": O_DIRECT memory alignment ",
+                                                     entry->alignment.memory,
+                                                     " is larger than a page; not supported"));
     }
   }
   if (config_.registered_files) {
@@ -470,8 +471,8 @@ absl::Status Engine::RegisterBuffer(absl::Span<std::byte> buffer) {
     auto& used = shared_->buffer_index_used;
     auto it = std::find(used.begin(), used.end(), false);
     if (it == used.end()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "RegisterBuffer: all ", used.size(), " registered-buffer slots are taken"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("RegisterBuffer: all ", used.size(), " registered-buffer slots are taken"));
     }
     *it = true;
     index = staging_per_worker_ + static_cast<int>(it - used.begin());

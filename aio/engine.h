@@ -28,9 +28,9 @@
 //
 // Ownership and threads: the Engine is thread-safe: any thread may open files and submit. The
 // caller's buffer must stay valid until the request completes. Callbacks run on a worker thread:
-// they must be short and must not wait on the engine (the synchronous helpers would deadlock there).
-// A File must be closed (destroyed) before its Engine. Destroying the Engine completes every
-// request already submitted, then joins the workers.
+// they must be short and must not wait on the engine (the synchronous helpers would deadlock
+// there). A File must be closed (destroyed) before its Engine. Destroying the Engine completes
+// every request already submitted, then joins the workers.
 #ifndef STRATA_AIO_ENGINE_H_
 #define STRATA_AIO_ENGINE_H_
 
@@ -40,12 +40,12 @@
 #include <future>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "aio/backend.h"
 #include "aio/config.h"

@@ -56,8 +56,12 @@ class FaultInjectingBackend final : public Backend {
     return n + *got;
   }
 
-  absl::Status RegisterBufferTable(int count) override { return inner_->RegisterBufferTable(count); }
-  absl::Status UpdateBuffer(int index, iovec iov) override { return inner_->UpdateBuffer(index, iov); }
+  absl::Status RegisterBufferTable(int count) override {
+    return inner_->RegisterBufferTable(count);
+  }
+  absl::Status UpdateBuffer(int index, iovec iov) override {
+    return inner_->UpdateBuffer(index, iov);
+  }
   absl::Status RegisterFileTable(int count) override { return inner_->RegisterFileTable(count); }
   absl::Status UpdateFile(int slot, int fd) override { return inner_->UpdateFile(slot, fd); }
 
@@ -82,9 +86,8 @@ std::unique_ptr<Backend> FaultInjector::Wrap(std::shared_ptr<FaultInjector> inje
 
 std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>, int)> FaultInjector::ForEngine(
     std::shared_ptr<FaultInjector> injector) {
-  return [injector](std::unique_ptr<Backend> inner, int) {
-    return Wrap(injector, std::move(inner));
-  };
+  return
+      [injector](std::unique_ptr<Backend> inner, int) { return Wrap(injector, std::move(inner)); };
 }
 
 uint64_t FaultInjector::hits(size_t rule) const {
@@ -107,7 +110,8 @@ FaultInjector::Decision FaultInjector::Decide(const Op& op) {
     if (r.only && *r.only != op.kind) continue;
     if (op.offset + op.length <= r.offset_begin || op.offset >= r.offset_end) continue;
     if (++matched_[i] <= r.skip || hits_[i] >= r.max_hits) continue;
-    if (r.probability < 1.0 && std::uniform_real_distribution<double>(0, 1)(rng_) >= r.probability) {
+    if (r.probability < 1.0 &&
+        std::uniform_real_distribution<double>(0, 1)(rng_) >= r.probability) {
       continue;
     }
     switch (r.kind) {

@@ -32,7 +32,7 @@ namespace strata::aio {
 struct FaultRule {
   enum class Kind { kError, kShortTransfer, kLatency };
   Kind kind = Kind::kError;
-  int error = 5;  // EIO; for kError.
+  int error = 5;                         // EIO; for kError.
   std::chrono::microseconds latency{0};  // for kLatency.
   double probability = 1.0;
   std::optional<OpKind> only;  // Reads or writes only.
@@ -74,12 +74,12 @@ class FaultInjector {
   static std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>, int)> ForEngine(
       std::shared_ptr<FaultInjector> injector);
 
-  uint64_t hits(size_t rule) const;   // Times rule `rule` fired.
+  uint64_t hits(size_t rule) const;  // Times rule `rule` fired.
   uint64_t total_hits() const;
 
   struct Decision {
-    int error = 0;                   // != 0: fail the op with -error.
-    uint32_t short_length = 0;       // != 0: report this many bytes instead.
+    int error = 0;              // != 0: fail the op with -error.
+    uint32_t short_length = 0;  // != 0: report this many bytes instead.
     std::chrono::microseconds latency{0};
   };
   Decision Decide(const Op& op);

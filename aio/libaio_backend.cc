@@ -98,8 +98,7 @@ class LibAioBackend final : public Backend {
   }
 
   void Refuse(iocb* cb, int ret) {
-    refused_.push_back(
-        OpResult{static_cast<uint64_t>(reinterpret_cast<uintptr_t>(cb->data)), ret});
+    refused_.push_back(OpResult{static_cast<uint64_t>(reinterpret_cast<uintptr_t>(cb->data)), ret});
     free_.push_back(cb);
   }
 

@@ -51,13 +51,13 @@ std::string SystemProbe::ToString() const {
     absl::StrAppend(&out, absl::StrFormat(", features 0x%x", io_uring_features),
                     io_uring_fixed_rw ? ", fixed buffers" : ", no fixed buffers");
   }
-  absl::StrAppend(&out, "; libaio: ",
-                  libaio_usable ? "usable" : absl::StrCat("unusable (", libaio_reason, ")"),
-                  "; aio-nr ", aio_nr, " of aio-max-nr ", aio_max_nr, "; RLIMIT_MEMLOCK ",
-                  memlock_limit_bytes == std::numeric_limits<uint64_t>::max()
-                      ? std::string("unlimited")
-                      : absl::StrCat(memlock_limit_bytes, " B"),
-                  cap_ipc_lock ? " (CAP_IPC_LOCK held)" : "");
+  absl::StrAppend(
+      &out, "; libaio: ", libaio_usable ? "usable" : absl::StrCat("unusable (", libaio_reason, ")"),
+      "; aio-nr ", aio_nr, " of aio-max-nr ", aio_max_nr, "; RLIMIT_MEMLOCK ",
+      memlock_limit_bytes == std::numeric_limits<uint64_t>::max()
+          ? std::string("unlimited")
+          : absl::StrCat(memlock_limit_bytes, " B"),
+      cap_ipc_lock ? " (CAP_IPC_LOCK held)" : "");
   return out;
 }
 

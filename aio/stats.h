@@ -34,15 +34,15 @@ class LatencyHistogram {
 };
 
 struct EngineStats {
-  uint64_t requests = 0;       // Requests completed (successfully or not).
+  uint64_t requests = 0;  // Requests completed (successfully or not).
   uint64_t failed_requests = 0;
-  uint64_t bytes_read = 0;     // Bytes the callers asked for and got (not bounce padding).
+  uint64_t bytes_read = 0;  // Bytes the callers asked for and got (not bounce padding).
   uint64_t bytes_written = 0;
-  uint64_t read_ops = 0;       // Operations handed to the backend, retries included.
+  uint64_t read_ops = 0;  // Operations handed to the backend, retries included.
   uint64_t write_ops = 0;
-  uint64_t retries = 0;        // Resubmissions after a short transfer, EINTR or EAGAIN.
-  uint64_t staged_pieces = 0;  // Pieces that went through a staging (bounce) buffer.
-  double queue_full_seconds = 0;  // Summed over workers: pieces waiting, queue_depth in flight.
+  uint64_t retries = 0;            // Resubmissions after a short transfer, EINTR or EAGAIN.
+  uint64_t staged_pieces = 0;      // Pieces that went through a staging (bounce) buffer.
+  double queue_full_seconds = 0;   // Summed over workers: pieces waiting, queue_depth in flight.
   LatencyHistogram piece_latency;  // Per block-sized piece: first submission to completion.
 
   std::string ToString() const;

@@ -29,9 +29,9 @@ class UringBackend final : public Backend {
     const int ret = io_uring_queue_init_params(static_cast<unsigned>(options.queue_depth),
                                                &backend->ring_, &params);
     if (ret < 0) {
-      return ErrnoStatus(-ret, "io_uring_queue_init",
-                         absl::StrCat("(entries ", options.queue_depth,
-                                      options.sqpoll ? ", SQPOLL" : "", ")"));
+      return ErrnoStatus(
+          -ret, "io_uring_queue_init",
+          absl::StrCat("(entries ", options.queue_depth, options.sqpoll ? ", SQPOLL" : "", ")"));
     }
     return std::unique_ptr<Backend>(std::move(backend));
   }
@@ -100,8 +100,8 @@ class UringBackend final : public Backend {
 
   absl::Status UpdateBuffer(int index, iovec iov) override {
     __u64 tag = 0;
-    const int ret = io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(index),
-                                                         &iov, &tag, 1);
+    const int ret =
+        io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(index), &iov, &tag, 1);
     if (ret < 0) {
       return ErrnoStatus(-ret, "io_uring_register_buffers_update",
                          absl::StrCat("buffer index ", index), std::nullopt, iov.iov_len);

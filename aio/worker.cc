@@ -8,6 +8,8 @@
 //    progress is rounded down to the offset alignment (re-transferring a few bytes is harmless and
 //    keeps every resubmission aligned); kMaxStalls completions without progress fail the piece.
 //  - 0 bytes on a read before the piece's required bytes: the file ended early, OutOfRange.
+#include "aio/internal/worker.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,7 +17,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "aio/internal/worker.h"
 #include "base/check.h"
 #include "base/status.h"
 
@@ -27,9 +28,7 @@ constexpr int kMaxStalls = 16;
 
 uint64_t AlignDown(uint64_t v, uint64_t a) { return v / a * a; }
 
-absl::string_view OpName(const Piece& p) {
-  return p.phase == Phase::kWrite ? "write" : "read";
-}
+absl::string_view OpName(const Piece& p) { return p.phase == Phase::kWrite ? "write" : "read"; }
 
 }  // namespace
 
@@ -79,9 +78,8 @@ int EngineShared::FindRegion(const std::byte* p, uint64_t length) {
   return -1;
 }
 
-Worker::Worker(WorkerConfig config, std::unique_ptr<Backend> backend,
-               AlignedBuffer staging, size_t staging_count, uint64_t slot_bytes,
-               EngineShared* shared)
+Worker::Worker(WorkerConfig config, std::unique_ptr<Backend> backend, AlignedBuffer staging,
+               size_t staging_count, uint64_t slot_bytes, EngineShared* shared)
     : config_(config),
       backend_(std::move(backend)),
       staging_(std::move(staging)),
@@ -102,7 +100,9 @@ void Worker::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Worker::Start() { thread_ = std::thread([this] { Run(); }); }
+void Worker::Start() {
+  thread_ = std::thread([this] { Run(); });
+}
 
 void Worker::Enqueue(const std::vector<Piece*>& pieces) {
   if (pieces.empty()) return;
@@ -210,8 +210,7 @@ void Worker::Run() {
     }
     if (queue_full) {
       MutexLock lock(&mu_);
-      stats_.queue_full_seconds +=
-          std::chrono::duration<double>(Clock::now() - reap_start).count();
+      stats_.queue_full_seconds += std::chrono::duration<double>(Clock::now() - reap_start).count();
     }
     for (size_t i = 0; i < *reaped; ++i) {
       auto* piece = reinterpret_cast<Piece*>(static_cast<uintptr_t>(results[i].tag));
@@ -332,14 +331,13 @@ void Worker::Handle(Piece* piece, int64_t result, std::deque<Piece*>* ready) {
     }
   }
   // A short transfer: continue from an aligned point.
-  const uint64_t progress_to =
-      file.direct ? AlignDown(reached, file.alignment.offset) : reached;
+  const uint64_t progress_to = file.direct ? AlignDown(reached, file.alignment.offset) : reached;
   if (progress_to <= piece->done) {
     if (++piece->stalls > kMaxStalls) {
       Finish(piece, absl::DataLossError(absl::StrCat(
                         OpName(*piece), " ", file.path, " @ ", piece->io_offset + piece->done,
-                        " len ", piece->io_length - piece->done, ": no progress after ",
-                        kMaxStalls, " short transfers")));
+                        " len ", piece->io_length - piece->done, ": no progress after ", kMaxStalls,
+                        " short transfers")));
       return;
     }
   } else {
@@ -372,8 +370,7 @@ void Worker::Finish(Piece* piece, absl::Status status) {
               .count()));
     }
     if (ok) {
-      (request->kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) +=
-          piece->length;
+      (request->kind == OpKind::kRead ? stats_.bytes_read : stats_.bytes_written) += piece->length;
     }
   }
   if (request->pieces_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;

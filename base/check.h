@@ -13,10 +13,10 @@ namespace strata::internal {
                               absl::string_view message);
 }  // namespace strata::internal
 
-#define STRATA_CHECK(cond, message)                                                  \
-  do {                                                                               \
-    if (!(cond)) [[unlikely]]                                                        \
-      ::strata::internal::CheckFailed(__FILE__, __LINE__, #cond, (message));         \
+#define STRATA_CHECK(cond, message)                                          \
+  do {                                                                       \
+    if (!(cond)) [[unlikely]]                                                \
+      ::strata::internal::CheckFailed(__FILE__, __LINE__, #cond, (message)); \
   } while (false)
 
 #endif  // STRATA_BASE_CHECK_H_

@@ -13,10 +13,10 @@
 
 #include <cstdint>
 #include <optional>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace strata {
 
@@ -40,10 +40,10 @@ absl::Status Annotate(const absl::Status& status, absl::string_view context);
 #define STRATA_STATUS_CONCAT_INNER_(a, b) a##b
 #define STRATA_STATUS_CONCAT_(a, b) STRATA_STATUS_CONCAT_INNER_(a, b)
 
-#define STRATA_RETURN_IF_ERROR(expr)                          \
-  do {                                                        \
-    ::absl::Status strata_status_ = (expr);                   \
-    if (!strata_status_.ok()) return strata_status_;          \
+#define STRATA_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status strata_status_ = (expr);          \
+    if (!strata_status_.ok()) return strata_status_; \
   } while (false)
 
 #define STRATA_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

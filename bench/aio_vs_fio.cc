@@ -42,7 +42,8 @@
 #include "bench/common/report.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the scratch file (on the disk to measure)");
-ABSL_FLAG(int64_t, size_mb, 2048, "scratch file size in MiB (at least 2048 for the issue's target)");
+ABSL_FLAG(int64_t, size_mb, 2048,
+          "scratch file size in MiB (at least 2048 for the issue's target)");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(std::string, engines, "io_uring,libaio", "strata engines to measure");
 ABSL_FLAG(std::string, queue_depths, "8,32", "queue depths to measure");
@@ -100,8 +101,8 @@ size_t SlotsFor(const aio::Engine& engine) {
   return std::min<uint64_t>(kMaxSlots, (in_flight_bytes + kChunk - 1) / kChunk + 1);
 }
 
-absl::StatusOr<Pass> RunOurs(aio::Engine& engine, const aio::File& file, uint64_t size,
-                             bool write, std::byte* buffer) {
+absl::StatusOr<Pass> RunOurs(aio::Engine& engine, const aio::File& file, uint64_t size, bool write,
+                             std::byte* buffer) {
   const size_t slots = SlotsFor(engine);
   std::deque<std::future<absl::Status>> in_flight;
   const double cpu0 = CpuSeconds();
@@ -206,8 +207,8 @@ int Main() {
       return RunOurs(engine, file, size, write, heap.data() + 7);
     }
     const uint64_t bytes = SlotsFor(engine) * kChunk;
-    auto buffer = aio::AlignedBuffer::Allocate(
-        bytes, {.huge_pages = kind == BufferKind::kHugePages});
+    auto buffer =
+        aio::AlignedBuffer::Allocate(bytes, {.huge_pages = kind == BufferKind::kHugePages});
     if (!buffer.ok()) return buffer.status();
     if (write) std::memcpy(buffer->data(), pattern.data(), bytes);
     return RunOurs(engine, file, size, write, buffer->data());
@@ -255,9 +256,8 @@ int Main() {
   std::string hugetlb_note;
   if (have_fio) {
     const uint64_t need = 2 * bs * top_depth + (8ull << 20);
-    fio_hugetlb = absl::GetFlag(FLAGS_reserve_hugetlb)
-                      ? hugetlb.Reserve(need, &hugetlb_note)
-                      : HugetlbReservation::FreeBytes() >= need;
+    fio_hugetlb = absl::GetFlag(FLAGS_reserve_hugetlb) ? hugetlb.Reserve(need, &hugetlb_note)
+                                                       : HugetlbReservation::FreeBytes() >= need;
     if (!fio_hugetlb && hugetlb_note.empty()) {
       hugetlb_note = "no free hugetlb pages (pass --reserve_hugetlb as root)";
     }
@@ -334,7 +334,8 @@ int Main() {
   std::map<std::string, Values> values;  // by figure name ("read_io_uring_qd8", ...)
   for (int round = 0; round <= rounds; ++round) {
     const bool warmup = round == 0;
-    std::printf("%s\n", warmup ? "warm-up round" : absl::StrCat("round ", round, "/", rounds).c_str());
+    std::printf("%s\n",
+                warmup ? "warm-up round" : absl::StrCat("round ", round, "/", rounds).c_str());
     std::fflush(stdout);
     for (bool write : {false, true}) {
       const std::string op = write ? "write_" : "read_";
@@ -413,8 +414,12 @@ int Main() {
                                {"file_bytes", size},
                                {"request_bytes", kChunk},
                                {"rounds", rounds}};
-      Figure same{.name = name, .unit = "GB/s", .value = ours, .ceiling = ref,
-                  .ratio = ratio, .config = config};
+      Figure same{.name = name,
+                  .unit = "GB/s",
+                  .value = ours,
+                  .ceiling = ref,
+                  .ratio = ratio,
+                  .config = config};
       if (row.fio) {
         same.ceiling_source = row.fio->Describe() + " (same config)";
       } else if (!row.reference.empty()) {
@@ -424,16 +429,25 @@ int Main() {
       }
       if (row.fio && !have_fio) same.note = "fio missing: no ceiling";
       report.Add(same);
-      Figure disk_figure{.name = name + "_vs_disk", .unit = "GB/s", .value = ours,
-                         .ceiling = disk, .ceiling_source = ceiling_source,
-                         .ratio = disk_ratio, .config = config};
+      Figure disk_figure{.name = name + "_vs_disk",
+                         .unit = "GB/s",
+                         .value = ours,
+                         .ceiling = disk,
+                         .ceiling_source = ceiling_source,
+                         .ratio = disk_ratio,
+                         .config = config};
       if (!have_fio) disk_figure.note = "fio missing: no ceiling";
       report.Add(disk_figure);
       if (row.fio && have_fio) {
-        report.Add(Figure{.name = name + "_cpu", .unit = "CPU s/GB", .value = cpu_o,
-                          .ceiling = cpu_f, .ceiling_source = "fio's CPU s/GB, same config",
-                          .ratio = Summary::Of({cpu_f.median > 0 ? cpu_o.median / cpu_f.median : 0}),
-                          .lower_is_better = true, .config = config});
+        report.Add(
+            Figure{.name = name + "_cpu",
+                   .unit = "CPU s/GB",
+                   .value = cpu_o,
+                   .ceiling = cpu_f,
+                   .ceiling_source = "fio's CPU s/GB, same config",
+                   .ratio = Summary::Of({cpu_f.median > 0 ? cpu_o.median / cpu_f.median : 0}),
+                   .lower_is_better = true,
+                   .config = config});
       }
     }
   }

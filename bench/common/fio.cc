@@ -151,8 +151,7 @@ absl::StatusOr<FioResult> RunFio(const FioJob& job) {
   if (runtime_s <= 0) return absl::InternalError("fio reported no runtime");
   result.gb_per_s = result.bytes / runtime_s / 1e9;
   const double job_runtime_s = r.value("job_runtime", 0.0) / 1000.0;
-  result.cpu_seconds =
-      (r.value("usr_cpu", 0.0) + r.value("sys_cpu", 0.0)) / 100.0 * job_runtime_s;
+  result.cpu_seconds = (r.value("usr_cpu", 0.0) + r.value("sys_cpu", 0.0)) / 100.0 * job_runtime_s;
   return result;
 }
 

@@ -28,8 +28,8 @@ struct FioJob {
 };
 
 struct FioResult {
-  double gb_per_s = 0;      // bytes moved / runtime, 1e9 bytes per GB
-  double cpu_seconds = 0;   // user + system, summed over jobs
+  double gb_per_s = 0;     // bytes moved / runtime, 1e9 bytes per GB
+  double cpu_seconds = 0;  // user + system, summed over jobs
   double bytes = 0;
 };
 

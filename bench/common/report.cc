@@ -22,11 +22,16 @@ std::string ReadLine(const std::string& path) {
 
 std::string FsName(long type) {
   switch (static_cast<unsigned long>(type)) {
-    case 0xEF53: return "ext4";
-    case 0x58465342: return "xfs";
-    case 0x9123683E: return "btrfs";
-    case 0x01021994: return "tmpfs";
-    case 0x794c7630: return "overlayfs";
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x9123683E:
+      return "btrfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x794c7630:
+      return "overlayfs";
     default: {
       char buf[32];
       std::snprintf(buf, sizeof(buf), "fs 0x%lx", static_cast<unsigned long>(type));
@@ -110,9 +115,10 @@ nlohmann::json Report::ToJson() const {
                         {"ceiling_source", f.ceiling_source},
                         {"ratio", f.ratio.median},
                         {"config", f.config},
-                        {"spread", {{"value", summary(f.value)},
-                                    {"ceiling", summary(f.ceiling)},
-                                    {"ratio", summary(f.ratio)}}}};
+                        {"spread",
+                         {{"value", summary(f.value)},
+                          {"ceiling", summary(f.ceiling)},
+                          {"ratio", summary(f.ratio)}}}};
     if (f.lower_is_better) j["better"] = "lower";
     if (!f.note.empty()) j["note"] = f.note;
     figures.push_back(std::move(j));

@@ -22,13 +22,13 @@ struct Summary {
 struct Figure {
   std::string name;
   std::string unit;
-  Summary value;          // Our figure over the rounds.
-  Summary ceiling;        // The ceiling over the same rounds.
+  Summary value;    // Our figure over the rounds.
+  Summary ceiling;  // The ceiling over the same rounds.
   std::string ceiling_source;
-  Summary ratio;          // Per-round value/ceiling.
+  Summary ratio;  // Per-round value/ceiling.
   bool lower_is_better = false;
   nlohmann::json config = nlohmann::json::object();
-  std::string note;       // e.g. "fio missing: no ceiling" (then ceiling/ratio are empty).
+  std::string note;  // e.g. "fio missing: no ceiling" (then ceiling/ratio are empty).
 };
 
 struct MachineInfo {

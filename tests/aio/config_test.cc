@@ -73,7 +73,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"aio": {"block_size": 6144}})", "block_size: must be a power of two"},
         BadCase{R"({"aio": {"block_size": 512}})", "aio.block_size: must be in [4096"},
         BadCase{R"({"aio": {"block_size": "1M"}})", "aio.block_size: must be an integer"},
-        BadCase{R"({"aio": {"single_submit": "false"}})", "aio.single_submit: must be a JSON boolean"},
+        BadCase{R"({"aio": {"single_submit": "false"}})",
+                "aio.single_submit: must be a JSON boolean"},
         BadCase{R"({"aio": {"use_gds": true}})", "aio.use_gds"},
         BadCase{R"({"aio": {"qd": 8}})", "aio.qd: unknown key; accepted keys: block_size"},
         BadCase{R"({"aio": 5})", "aio: must be a JSON object"},
@@ -83,8 +84,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"strata": {"aio": {"sqpol": true}}})", "strata.aio.sqpol: unknown key"},
         BadCase{R"({"aio": {"queue_depth": -3}})", "got -3"},
         BadCase{R"({"aio": {"queue_depth": 18446744073709551615}})", "aio.queue_depth"},
-        BadCase{R"([1, 2])", "must be a JSON object"},
-        BadCase{R"({"aio": )", "not valid JSON"}));
+        BadCase{R"([1, 2])", "must be a JSON object"}, BadCase{R"({"aio": )", "not valid JSON"}));
 
 TEST(AioConfigTest, ToJsonRoundTripsAndUsesDeepSpeedsKeys) {
   AioConfig c;

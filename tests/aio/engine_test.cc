@@ -99,7 +99,8 @@ class EngineTest : public ::testing::TestWithParam<Variant> {
   // Writes `bytes` at 0 with plain POSIX calls (the reference), outside the engine.
   void WriteReference(const std::string& name, const std::vector<std::byte>& bytes) {
     std::ofstream out(dir_.File(name), std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    out.write(reinterpret_cast<const char*>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
   }
   std::vector<std::byte> ReadReference(const std::string& name) {
     std::ifstream in(dir_.File(name), std::ios::binary);
@@ -124,8 +125,8 @@ TEST_P(EngineTest, RoundTripsRandomDataAtOddSizesOffsetsAndAlignments) {
   for (size_t size : sizes) {
     for (uint64_t offset : offsets) {
       for (int misalign : {0, 1, 17}) {
-        SCOPED_TRACE(::testing::Message() << "size " << size << " offset " << offset
-                                          << " misalign " << misalign);
+        SCOPED_TRACE(::testing::Message()
+                     << "size " << size << " offset " << offset << " misalign " << misalign);
         const auto data = RandomBytes(size, seed++);
         // An ordinary heap buffer shifted by `misalign`, or the aligned one.
         std::vector<std::byte> heap(size + 64);
@@ -223,7 +224,8 @@ TEST_P(EngineTest, ManyConcurrentRequestsFromSeveralThreads) {
       futures.clear();
       std::vector<std::vector<std::byte>> back(kPerThread, std::vector<std::byte>(kRegion));
       for (int i = 0; i < kPerThread; ++i) {
-        futures.push_back(engine_->ReadAsync(f, (t * kPerThread + i) * kStride, absl::MakeSpan(back[i])));
+        futures.push_back(
+            engine_->ReadAsync(f, (t * kPerThread + i) * kStride, absl::MakeSpan(back[i])));
       }
       for (auto& fu : futures) failures += !fu.get().ok();
       for (int i = 0; i < kPerThread; ++i) failures += back[i] != data[i];
@@ -261,7 +263,8 @@ TEST_P(EngineTest, EmptyRequestCompletesAtOnceAndWriteToReadOnlyFileIsRejected) 
   absl::Status s = engine_->WriteSync(*f, 0, data);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("read-only"));
-  EXPECT_EQ(engine_->ReadSync(File(), 0, absl::MakeSpan(data)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->ReadSync(File(), 0, absl::MakeSpan(data)).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_P(EngineTest, MissingPathIsNotFoundNamingIt) {
@@ -416,7 +419,8 @@ TEST(EngineConfigTest, BadConfigIsRejectedNamingTheKey) {
   EXPECT_THAT(Engine::Create(c).status().message(), HasSubstr("intra_op_parallelism"));
   c = AioConfig();
   c.block_size = 3 << 12;
-  EXPECT_THAT(Engine::Create(c).status().message(), HasSubstr("block_size: must be a power of two"));
+  EXPECT_THAT(Engine::Create(c).status().message(),
+              HasSubstr("block_size: must be a power of two"));
 }
 
 TEST(EngineConfigTest, FilesystemWithoutODirectIsRefusedNamingTheWayOut) {

@@ -38,11 +38,11 @@ TEST(FaultInjectorTest, RulesSelectByKindOffsetSkipAndMaxHits) {
   r.skip = 1;
   r.max_hits = 1;
   FaultInjector injector(1, {r});
-  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kRead)).error, 0);   // a read
-  EXPECT_EQ(injector.Decide(MakeOp(0, 4096, OpKind::kWrite)).error, 0);     // before the range
-  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kWrite)).error, 0);  // skipped
+  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kRead)).error, 0);        // a read
+  EXPECT_EQ(injector.Decide(MakeOp(0, 4096, OpKind::kWrite)).error, 0);          // before the range
+  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kWrite)).error, 0);       // skipped
   EXPECT_EQ(injector.Decide(MakeOp(4096, 8192, OpKind::kWrite)).error, ENOSPC);  // overlaps
-  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kWrite)).error, 0);  // max_hits reached
+  EXPECT_EQ(injector.Decide(MakeOp(8192, 4096, OpKind::kWrite)).error, 0);       // max_hits reached
   EXPECT_EQ(injector.hits(0), 1u);
 }
 

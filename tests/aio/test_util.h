@@ -23,8 +23,8 @@ class ScratchDir {
  public:
   ScratchDir() {
     const char* base = getenv("STRATA_TEST_DIR");
-    std::string pattern =
-        (base ? std::string(base) : std::filesystem::current_path().string()) + "/strata-test-XXXXXX";
+    std::string pattern = (base ? std::string(base) : std::filesystem::current_path().string()) +
+                          "/strata-test-XXXXXX";
     std::vector<char> buf(pattern.begin(), pattern.end());
     buf.push_back('\0');
     if (mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";

@@ -10,7 +10,7 @@ int main() {
   config->engine = strata::aio::EngineKind::kPosix;
   auto engine = strata::aio::Engine::Create(*config);
   if (!engine.ok()) return 2;
-  std::printf("strata engine %s, queue_depth %d\n",
-              std::string((*engine)->backend_name()).c_str(), (*engine)->config().queue_depth);
+  std::printf("strata engine %s, queue_depth %d\n", std::string((*engine)->backend_name()).c_str(),
+              (*engine)->config().queue_depth);
   return 0;
 }
