@@ -516,6 +516,10 @@ absl::Status Engine::UnregisterBuffer(absl::Span<std::byte> buffer) {
   return s;
 }
 
+void Engine::ResetStats() {
+  for (auto& w : workers_) w->ResetStats();
+}
+
 EngineStats Engine::Stats() const {
   EngineStats stats;
   for (const auto& w : workers_) w->AddStats(&stats);

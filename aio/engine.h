@@ -171,6 +171,8 @@ class Engine {
   int staging_buffers_per_worker() const { return staging_per_worker_; }
 
   EngineStats Stats() const;
+  // Zeroes the statistics (for example after a warm-up).
+  void ResetStats();
 
  private:
   friend struct internal::FileEntry;

@@ -113,6 +113,11 @@ void Worker::Enqueue(const std::vector<Piece*>& pieces) {
   cv_.Signal();
 }
 
+void Worker::ResetStats() {
+  MutexLock lock(&mu_);
+  stats_ = EngineStats();
+}
+
 void Worker::AddStats(EngineStats* out) const {
   MutexLock lock(&mu_);
   out->requests += stats_.requests;

@@ -148,6 +148,7 @@ class Worker {
   void Start();
   void Enqueue(const std::vector<Piece*>& pieces);
   void AddStats(EngineStats* out) const;
+  void ResetStats();
 
  private:
   enum class Prepared { kReady, kCancelled, kNoStaging };

@@ -1,0 +1,41 @@
+// tools/aio_bench/flags.h: command-line parsing for the aio tools on top of Abseil flags, with the
+// tools' contract: a bad flag or value prints a message naming the flag and what is accepted, and
+// the program exits with code 2 (absl::ParseCommandLine exits with 1). Flag names may be written
+// with '-' or '_' (--allow-buffered is --allow_buffered); booleans take --x, --nox, --x=true|false.
+//
+// Thread safety: call from main() before any other thread starts.
+#ifndef STRATA_TOOLS_AIO_BENCH_FLAGS_H_
+#define STRATA_TOOLS_AIO_BENCH_FLAGS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "aio/config.h"
+
+namespace strata::aio_bench {
+
+// Parses argv into the Abseil flags defined in files whose path contains `flags_file_substr`
+// (so only this tool's flags are accepted). --help prints `usage` and those flags, then exits 0.
+// Positional arguments are an error.
+void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
+                      absl::string_view flags_file_substr);
+
+// Prints "<program>: <flag>: <message>" to stderr and exits with code 2.
+[[noreturn]] void BadFlag(absl::string_view flag, absl::string_view message);
+
+// Parsers for the values of list flags; each names `flag` in its error and exits 2 on error.
+// Sizes take a K/M/G suffix (powers of 1024): "128K,1M,8M".
+std::vector<uint64_t> ParseSizeList(absl::string_view flag, absl::string_view text, uint64_t lo,
+                                    uint64_t hi);
+uint64_t ParseSize(absl::string_view flag, absl::string_view text, uint64_t lo, uint64_t hi);
+std::vector<int> ParseIntList(absl::string_view flag, absl::string_view text, int lo, int hi);
+std::vector<aio::EngineKind> ParseEngineList(absl::string_view flag, absl::string_view text);
+
+// "1M", "128K", "3000" (bytes that are not a whole number of KiB).
+std::string SizeText(uint64_t bytes);
+
+}  // namespace strata::aio_bench
+
+#endif  // STRATA_TOOLS_AIO_BENCH_FLAGS_H_

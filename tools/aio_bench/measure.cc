@@ -1,0 +1,186 @@
+#include "tools/aio_bench/measure.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "tools/aio_bench/flags.h"
+
+namespace strata::aio_bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMinRequest = 4 << 20;
+
+double CpuSeconds() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
+         ru.ru_stime.tv_usec / 1e6;
+}
+
+uint64_t InFlightBytes(const aio::AioConfig& c) {
+  return c.block_size * static_cast<uint64_t>(c.queue_depth) *
+         static_cast<uint64_t>(c.intra_op_parallelism);
+}
+
+}  // namespace
+
+const char* OpName(Op op) { return op == Op::kRead ? "read" : "write"; }
+
+std::string Point::Describe() const {
+  std::string d = absl::StrCat(aio::EngineKindName(config.engine), " ", OpName(op), " bs=",
+                               SizeText(config.block_size), " qd=", config.queue_depth,
+                               " t=", config.intra_op_parallelism);
+  if (config.registered_buffers) absl::StrAppend(&d, " +regbuf");
+  if (config.registered_files) absl::StrAppend(&d, " +regfile");
+  if (config.sqpoll) absl::StrAppend(&d, " +sqpoll");
+  if (config.single_submit) absl::StrAppend(&d, " +single_submit");
+  if (!config.overlap_events) absl::StrAppend(&d, " -overlap");
+  if (!config.direct) absl::StrAppend(&d, " BUFFERED");
+  return d;
+}
+
+std::string Point::ConfigKey() const {
+  Point p = *this;
+  p.op = Op::kRead;
+  return p.Describe();
+}
+
+uint64_t RequestBytesFor(const aio::AioConfig& c) { return std::max(c.block_size, kMinRequest); }
+
+uint64_t BufferBytesFor(const aio::AioConfig& c) {
+  const uint64_t request = RequestBytesFor(c);
+  const uint64_t slots = (InFlightBytes(c) + request - 1) / request + 1;
+  return slots * request;
+}
+
+absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file,
+                                    uint64_t file_bytes, Op op, std::byte* buffer,
+                                    double max_seconds, uint64_t max_bytes) {
+  const aio::AioConfig& c = engine.config();
+  const uint64_t request = RequestBytesFor(c);
+  const size_t slots = BufferBytesFor(c) / request;
+  std::deque<std::future<absl::Status>> in_flight;
+  absl::Status status;
+  uint64_t offset = 0, bytes = 0;
+  size_t slot = 0;
+  const double cpu0 = CpuSeconds();
+  const auto t0 = Clock::now();
+  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
+                                 std::chrono::duration<double>(max_seconds));
+  while (status.ok() && bytes < max_bytes && Clock::now() < deadline) {
+    if (in_flight.size() == slots) {
+      status.Update(in_flight.front().get());
+      in_flight.pop_front();
+    }
+    std::byte* p = buffer + slot * request;
+    slot = (slot + 1) % slots;
+    in_flight.push_back(op == Op::kWrite ? engine.WriteAsync(file, offset, {p, request})
+                                         : engine.ReadAsync(file, offset, {p, request}));
+    bytes += request;
+    offset += request;
+    if (offset + request > file_bytes) offset = 0;
+  }
+  for (auto& f : in_flight) status.Update(f.get());
+  StreamResult r;
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.cpu_seconds = CpuSeconds() - cpu0;
+  r.bytes = bytes;
+  if (!status.ok()) return status;
+  return r;
+}
+
+PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t file_bytes,
+                         std::byte* buffer, const MeasureOptions& options) {
+  PointResult result;
+  result.point = point;
+  const auto t0 = Clock::now();
+  auto finish = [&](std::string error) {
+    result.error = std::move(error);
+    result.ok = result.error.empty();
+    result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    return result;
+  };
+  aio::EngineOptions engine_options;
+  engine_options.on_warning = [](absl::string_view) {};  // kept in Engine::warnings()
+  auto engine = aio::Engine::Create(point.config, engine_options);
+  if (!engine.ok()) return finish(std::string(engine.status().message()));
+  result.engine_warnings = (*engine)->warnings();
+  // A point that silently ran as something else would be a lie: a fallback fails the point.
+  if ((*engine)->backend_name() != aio::EngineKindName(point.config.engine) ||
+      (*engine)->config().registered_buffers != point.config.registered_buffers ||
+      (*engine)->config().registered_files != point.config.registered_files ||
+      (*engine)->config().sqpoll != point.config.sqpoll) {
+    std::string why = "not available here";
+    if (!result.engine_warnings.empty()) why = result.engine_warnings.front();
+    return finish(absl::StrCat("configuration not available: ", why));
+  }
+  aio::OpenOptions open_options;
+  open_options.writable = point.op == Op::kWrite;
+  auto file = (*engine)->Open(path, open_options);
+  if (!file.ok()) return finish(std::string(file.status().message()));
+  const uint64_t request = RequestBytesFor(point.config);
+  const uint64_t usable = file_bytes / request * request;
+  if (usable < request) {
+    return finish(absl::StrCat("the test file (", file_bytes, " B) is smaller than one request (",
+                               request, " B)"));
+  }
+  if (options.warmup_seconds > 0) {
+    auto warm = Stream(**engine, *file, usable, point.op, buffer, options.warmup_seconds, UINT64_MAX);
+    if (!warm.ok()) return finish(std::string(warm.status().message()));
+  }
+  (*engine)->ResetStats();
+  std::vector<double> gbps, iops;
+  double cpu = 0, wall = 0;
+  for (int rep = 0; rep < options.reps; ++rep) {
+    auto r = Stream(**engine, *file, usable, point.op, buffer, options.rep_seconds, UINT64_MAX);
+    if (!r.ok()) return finish(std::string(r.status().message()));
+    gbps.push_back(r->bytes / r->seconds / 1e9);
+    iops.push_back(r->bytes / static_cast<double>(point.config.block_size) / r->seconds);
+    cpu += r->cpu_seconds;
+    wall += r->seconds;
+  }
+  const aio::EngineStats stats = (*engine)->Stats();
+  result.gb_per_s = bench::Summary::Of(gbps);
+  result.iops = bench::Summary::Of(iops).median;
+  result.latency_p50_us = stats.piece_latency.Percentile(0.5);
+  result.latency_p99_us = stats.piece_latency.Percentile(0.99);
+  result.latency_max_us = static_cast<double>(stats.piece_latency.max_us());
+  result.cpu_cores = wall > 0 ? cpu / wall : 0;
+  file->Close();
+  return finish("");
+}
+
+nlohmann::json PointResult::ToJson() const {
+  const aio::AioConfig& c = point.config;
+  nlohmann::json j = {{"engine", std::string(aio::EngineKindName(c.engine))},
+                      {"op", OpName(point.op)},
+                      {"block_size", c.block_size},
+                      {"queue_depth", c.queue_depth},
+                      {"intra_op_parallelism", c.intra_op_parallelism},
+                      {"single_submit", c.single_submit},
+                      {"overlap_events", c.overlap_events},
+                      {"registered_buffers", c.registered_buffers},
+                      {"registered_files", c.registered_files},
+                      {"sqpoll", c.sqpoll},
+                      {"direct", c.direct},
+                      {"status", ok ? "ok" : "failed"},
+                      {"seconds", seconds}};
+  if (!ok) {
+    j["error"] = error;
+    return j;
+  }
+  j["gb_per_s"] = {{"median", gb_per_s.median}, {"min", gb_per_s.min}, {"max", gb_per_s.max}};
+  j["iops"] = iops;
+  j["latency_us"] = {{"p50", latency_p50_us}, {"p99", latency_p99_us}, {"max", latency_max_us}};
+  j["cpu_cores"] = cpu_cores;
+  if (!engine_warnings.empty()) j["engine_warnings"] = engine_warnings;
+  return j;
+}
+
+}  // namespace strata::aio_bench

@@ -1,0 +1,136 @@
+#include "tools/aio_bench/scratch.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "aio/buffer.h"
+#include "aio/engine.h"
+#include "base/status.h"
+
+namespace strata::aio_bench {
+namespace {
+
+char g_path[4096] = {};  // the file the signal handler removes
+
+void OnSignal(int sig) {
+  if (g_path[0] != '\0') unlink(g_path);
+  std::signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+void AtExit() {
+  if (g_path[0] != '\0') unlink(g_path);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::string& dir,
+                                                                 const std::string& name,
+                                                                 uint64_t bytes,
+                                                                 const ScratchOptions& options) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no such directory"));
+  }
+  auto file = std::unique_ptr<ScratchFile>(new ScratchFile());
+  file->path_ = (std::filesystem::absolute(dir) / name).string();
+  file->bytes_ = bytes;
+  if (file->path_.size() >= sizeof(g_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(file->path_, ": path too long"));
+  }
+  const bool exists = std::filesystem::exists(file->path_, ec);
+  if (exists && !options.overwrite) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        file->path_, " exists; not writing over it (pass --overwrite to allow that)"));
+  }
+  uint64_t reusable = 0;
+  if (exists) reusable = std::filesystem::file_size(file->path_, ec);
+  const auto space = std::filesystem::space(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("statfs ", dir, ": ", ec.message()));
+  const uint64_t need = bytes + options.headroom_bytes;
+  if (space.available + reusable < need) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir, ": needs ", need >> 20, " MiB free for the test file (", bytes >> 20,
+        " MiB plus ", options.headroom_bytes >> 20, " MiB headroom), has ",
+        (space.available + reusable) >> 20, " MiB"));
+  }
+
+  // O_DIRECT: does this filesystem take it?
+  const int fd = open(file->path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd < 0 && errno == EINVAL) {
+    if (!options.allow_buffered) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, " is on a filesystem that refuses O_DIRECT (tmpfs on older kernels, some network "
+               "and FUSE filesystems): results would measure the page cache, not the drive. Use "
+               "a directory on the drive to tune, or --allow-buffered to measure anyway"));
+    }
+    file->direct_ = false;
+    file->warning_ = absl::StrCat("BUFFERED: ", dir,
+                                  " refuses O_DIRECT; these figures include the page cache and "
+                                  "do not describe the drive");
+  } else if (fd < 0) {
+    return ErrnoStatus(errno, "open", file->path_);
+  } else {
+    close(fd);
+  }
+  // From here on the file is ours (created, or allowed to be written over) and is removed with us.
+  file->owned_ = true;
+  std::strncpy(g_path, file->path_.c_str(), sizeof(g_path) - 1);
+  static bool handlers = false;
+  if (!handlers) {
+    handlers = true;
+    std::atexit(AtExit);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) std::signal(sig, OnSignal);
+  }
+
+  // Lay the file down whole with random bytes through the engine.
+  aio::AioConfig config;
+  config.direct = file->direct_;
+  config.queue_depth = 16;
+  config.engine = aio::EngineKind::kIoUring;
+  aio::EngineOptions eo;
+  eo.on_warning = [](absl::string_view) {};
+  auto engine = aio::Engine::Create(config, eo);
+  if (!engine.ok()) return engine.status();
+  aio::OpenOptions oo;
+  oo.writable = oo.create = true;
+  auto f = (*engine)->Open(file->path_, oo);
+  if (!f.ok()) return f.status();
+  if (auto s = f->Truncate(0); !s.ok()) return s;
+  if (auto s = f->Allocate(0, bytes); !s.ok()) {
+    return Annotate(s, "reserving the test file's space");
+  }
+  constexpr uint64_t kChunk = 16 << 20;
+  auto buffer = aio::AlignedBuffer::Allocate(kChunk, {.huge_pages = true});
+  if (!buffer.ok()) return buffer.status();
+  std::mt19937_64 rng(0x5eed);
+  for (uint64_t i = 0; i + 8 <= kChunk; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(buffer->data() + i, &v, 8);
+  }
+  for (uint64_t off = 0; off < bytes; off += kChunk) {
+    const uint64_t len = std::min(kChunk, bytes - off);
+    buffer->data()[0] = static_cast<std::byte>(off >> 20);  // no two chunks alike
+    if (auto s = (*engine)->WriteSync(*f, off, {buffer->data(), len}); !s.ok()) {
+      return Annotate(s, "laying down the test file");
+    }
+  }
+  if (auto s = f->Sync(); !s.ok()) return s;
+  return file;
+}
+
+ScratchFile::~ScratchFile() {
+  if (owned_) unlink(path_.c_str());
+  if (path_ == g_path) g_path[0] = '\0';
+}
+
+}  // namespace strata::aio_bench

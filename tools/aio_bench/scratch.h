@@ -1,0 +1,60 @@
+// tools/aio_bench/scratch.h: the test file the aio tools measure on, made safely.
+//
+// ScratchFile::Create(dir, name, bytes, options):
+//  - refuses to start without enough free space in `dir` (the message says how much it needs);
+//  - never writes over an existing file unless options.overwrite;
+//  - checks that the filesystem takes O_DIRECT; when it does not, it stops with a clear message,
+//    unless options.allow_buffered (then direct() is false and warning() says so, to be carried
+//    into every output);
+//  - lays the file down whole with random bytes (through the aio engine, O_DIRECT when possible);
+//  - removes it when destroyed, at exit and on SIGINT/SIGTERM/SIGHUP (the handler unlinks the file
+//    and re-raises the signal).
+//
+// Thread safety: one ScratchFile per process at a time (the signal handler knows one path).
+#ifndef STRATA_TOOLS_AIO_BENCH_SCRATCH_H_
+#define STRATA_TOOLS_AIO_BENCH_SCRATCH_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace strata::aio_bench {
+
+struct ScratchOptions {
+  bool overwrite = false;
+  bool allow_buffered = false;
+  uint64_t headroom_bytes = 64ull << 20;  // free space to leave beyond the file
+};
+
+class ScratchFile {
+ public:
+  // Errors: FailedPrecondition (file exists, not enough space, O_DIRECT refused), NotFound
+  // (dir missing), or the I/O error that stopped the lay-down.
+  static absl::StatusOr<std::unique_ptr<ScratchFile>> Create(const std::string& dir,
+                                                             const std::string& name,
+                                                             uint64_t bytes,
+                                                             const ScratchOptions& options);
+  ~ScratchFile();
+  ScratchFile(const ScratchFile&) = delete;
+  ScratchFile& operator=(const ScratchFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t bytes() const { return bytes_; }
+  bool direct() const { return direct_; }
+  // Non-empty when running buffered: the warning every output must carry.
+  const std::string& warning() const { return warning_; }
+
+ private:
+  ScratchFile() = default;
+  std::string path_;
+  uint64_t bytes_ = 0;
+  bool direct_ = true;
+  std::string warning_;
+  bool owned_ = false;  // removed on destruction only once we made (or may overwrite) it
+};
+
+}  // namespace strata::aio_bench
+
+#endif  // STRATA_TOOLS_AIO_BENCH_SCRATCH_H_
