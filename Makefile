@@ -1,10 +1,13 @@
 # The two commands that do all set-up on a fresh Debian 12 machine:
-#   make demo   installs what is missing, builds (release) and runs the main job
+#   make demo   installs what is missing, builds (release) and runs the main job: the quick NVMe
+#               sweep on a scratch folder under the build directory
 #   make test   installs what is missing, builds (release) and runs the test suite
-# and, for sanitizers: make asan, make tsan.
-DEMO_ARGS ?= --reserve_hugetlb
+# and: make bench (the benchmarks, with their ceilings), make asan, make tsan.
+SCRATCH ?= build/release/scratch
+DEMO_ARGS ?=
+BENCH_ARGS ?= --reserve_hugetlb
 
-.PHONY: deps demo test asan tsan build clean
+.PHONY: deps demo bench test asan tsan build clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -14,8 +17,13 @@ build: deps
 	cmake --build --preset release
 
 demo: build
-	mkdir -p build/release/scratch
-	./build/release/bench/aio_vs_fio --dir build/release/scratch --json build/release/aio_vs_fio.json $(DEMO_ARGS)
+	mkdir -p $(SCRATCH)
+	./build/release/tools/aio_bench/aio_bench_perf_sweep --nvme_dir $(SCRATCH) --quick $(DEMO_ARGS)
+
+bench: build
+	mkdir -p $(SCRATCH)
+	./build/release/bench/aio_vs_fio --dir $(SCRATCH) --json build/release/aio_vs_fio.json $(BENCH_ARGS)
+	./build/release/bench/sweep_vs_fio --dir $(SCRATCH) --json build/release/sweep_vs_fio.json $(BENCH_ARGS)
 
 test: build
 	ctest --preset release

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 
@@ -129,6 +130,13 @@ absl::StatusOr<FioResult> RunFio(const FioJob& job) {
       " --group_reporting --output-format=json");
   if (job.fixedbufs) absl::StrAppend(&cmd, " --fixedbufs");
   if (job.hugetlb) absl::StrAppend(&cmd, " --mem=mmaphuge");
+  if (job.runtime_seconds > 0) {
+    absl::StrAppend(&cmd, " --time_based --runtime=",
+                    std::max<int64_t>(1, static_cast<int64_t>(job.runtime_seconds * 1000)), "ms");
+    if (job.ramp_seconds > 0) {
+      absl::StrAppend(&cmd, " --ramp_time=", static_cast<int64_t>(job.ramp_seconds * 1000), "ms");
+    }
+  }
   if (job.batch) {
     absl::StrAppend(&cmd, " --iodepth_batch_submit=", job.queue_depth,
                     " --iodepth_batch_complete_max=", job.queue_depth);

@@ -24,6 +24,8 @@ struct FioJob {
   bool fixedbufs = false;        // io_uring registered buffers
   bool batch = false;            // iodepth_batch_submit / _complete_max matched to the depth
   bool hugetlb = false;          // buffers in reserved 2 MiB huge pages (--mem=mmaphuge)
+  double runtime_seconds = 0;    // > 0: time-based, looping over the file for this long
+  double ramp_seconds = 0;       // with runtime: warm-up not counted
   std::string Describe() const;  // "fio io_uring bs=1M qd=8"
 };
 

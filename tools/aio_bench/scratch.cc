@@ -65,7 +65,8 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
   }
 
   // O_DIRECT: does this filesystem take it?
-  const int fd = open(file->path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
+  const int fd =
+      options.open_for_probe(file->path_.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0600);
   if (fd < 0 && errno == EINVAL) {
     if (!options.allow_buffered) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -14,7 +14,10 @@
 #ifndef STRATA_TOOLS_AIO_BENCH_SCRATCH_H_
 #define STRATA_TOOLS_AIO_BENCH_SCRATCH_H_
 
+#include <fcntl.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -26,6 +29,9 @@ struct ScratchOptions {
   bool overwrite = false;
   bool allow_buffered = false;
   uint64_t headroom_bytes = 64ull << 20;  // free space to leave beyond the file
+  // The open(2) used to ask whether the filesystem takes O_DIRECT. A seam for tests, which
+  // stand in a filesystem that refuses it; production code leaves the default.
+  std::function<int(const char* path, int flags, mode_t mode)> open_for_probe = ::open;
 };
 
 class ScratchFile {

@@ -1,0 +1,115 @@
+// The two programs as a user runs them: bad flags, a tiny sweep end to end, the test file's fate.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "aio/config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/aio/test_util.h"
+
+namespace {
+
+using ::strata::testing::ScratchDir;
+using ::testing::HasSubstr;
+
+struct Outcome {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+};
+
+Outcome Execute(const std::string& command) {
+  Outcome r;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+const std::string kSweep = STRATA_SWEEP_BINARY;
+const std::string kBench = STRATA_AIO_BENCH_BINARY;
+
+TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"", "--nvme-dir: is required"},
+           {"--nvme_dir /tmp --queue-depths 0", "--queue-depths: \"0\" is not an integer in [1, 1024]"},
+           {"--nvme_dir /tmp --block-sizes 24K", "--block-sizes: each must be a power of two"},
+           {"--nvme_dir /tmp --nosuch", "--nosuch: unknown flag; accepted:"},
+           {"--nvme_dir /tmp --budget -5", "--budget: must be in [0, 604800]"},
+           {"--nvme_dir /tmp --ops both_ways", "--ops: \"both_ways\": accepted: read, write"},
+           {"--nvme_dir /tmp --quick=maybe", "--quick: bad value \"maybe\""},
+           {"--nvme_dir /tmp stray", "stray: unexpected argument"}}) {
+    Outcome r = Execute(kSweep + " " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
+  }
+  Outcome r = Execute(kBench + " --dir /tmp --queue_depth 0");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("queue_depth: must be in [1, 1024], got 0"));
+}
+
+TEST(SweepCliTest, HelpListsTheFlagsAndExitsZero) {
+  Outcome r = Execute(kSweep + " --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("--nvme-dir"));
+  EXPECT_THAT(r.output, HasSubstr("--budget"));
+}
+
+TEST(SweepCliTest, ATinySweepWritesEveryOutputAndRemovesItsTestFile) {
+  ScratchDir dir;
+  Outcome r = Execute(kSweep + " --nvme_dir " + dir.path() +
+                  " --engines io_uring,libaio --block-sizes 1M --queue-depths 4 --threads 1"
+                  " --nouring-options --size 64M --reps 2 --rep-seconds 0.03 --warmup-seconds 0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("[4/4]"));  // not a terminal: plain lines
+  EXPECT_THAT(r.output, HasSubstr("best both:"));
+  EXPECT_THAT(r.output, HasSubstr("\"intra_op_parallelism\": 1"));
+  const std::string out = dir.path() + "/strata-sweep";
+  for (const char* name : {"results.csv", "results.json", "heatmap_io_uring_read.svg",
+                           "heatmap_libaio_write.svg", "best.json", "best_read.json",
+                           "best_write.json"}) {
+    EXPECT_TRUE(std::filesystem::exists(out + "/" + name)) << name;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/strata-sweep.dat"));
+  std::ifstream in(out + "/best.json");
+  std::string block((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(strata::aio::AioConfigFromJsonText(block).ok()) << block;
+  std::ifstream rj(out + "/results.json");
+  const auto j = nlohmann::json::parse(rj);
+  EXPECT_EQ(j["points"].size(), 4u);
+}
+
+TEST(SweepCliTest, AnExistingTestFileIsLeftAlone) {
+  ScratchDir dir;
+  { std::ofstream(dir.path() + "/strata-sweep.dat") << "mine"; }
+  Outcome r = Execute(kSweep + " --nvme_dir " + dir.path() + " --quick");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--overwrite"));
+  EXPECT_EQ(std::filesystem::file_size(dir.path() + "/strata-sweep.dat"), 4u);
+}
+
+TEST(AioBenchCliTest, MeasuresOneConfiguration) {
+  ScratchDir dir;
+  Outcome r = Execute(kBench + " --dir " + dir.path() +
+                  " --size 32M --queue-depth 4 --reps 2 --rep-seconds 0.03 --warmup-seconds 0"
+                  " --op write --json " + dir.path() + "/r.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("GB/s"));
+  EXPECT_THAT(r.output, HasSubstr("latency  p50"));
+  EXPECT_THAT(r.output, HasSubstr("CPU"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/r.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/strata-aio-bench.dat"));
+}
+
+}  // namespace
