@@ -61,38 +61,63 @@ uint64_t BufferBytesFor(const aio::AioConfig& c) {
 
 absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file,
                                     uint64_t file_bytes, Op op, std::byte* buffer,
-                                    double max_seconds, uint64_t max_bytes) {
+                                    const std::vector<double>& boundaries) {
   const aio::AioConfig& c = engine.config();
   const uint64_t request = RequestBytesFor(c);
   const size_t slots = BufferBytesFor(c) / request;
+  StreamResult result;
+  if (boundaries.size() < 2) return result;
+  const size_t windows = boundaries.size() - 1;
+  result.window_seconds.resize(windows);
+  result.window_bytes.assign(windows, 0);
+  result.window_cpu_seconds.resize(windows);
+  for (size_t w = 0; w < windows; ++w) result.window_seconds[w] = boundaries[w + 1] - boundaries[w];
+
   std::deque<std::future<absl::Status>> in_flight;
   absl::Status status;
-  uint64_t offset = 0, bytes = 0;
+  uint64_t offset = 0;
   size_t slot = 0;
-  const double cpu0 = CpuSeconds();
   const auto t0 = Clock::now();
-  const auto deadline = t0 + std::chrono::duration_cast<Clock::duration>(
-                                 std::chrono::duration<double>(max_seconds));
-  while (status.ok() && bytes < max_bytes && Clock::now() < deadline) {
+  auto now_s = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  size_t window = 0;  // the window the next completion lands in, once started
+  bool started = false;
+  double cpu_mark = 0;
+  // Advances the window bookkeeping to time `t`.
+  auto advance = [&](double t) {
+    if (!started && t >= boundaries[0]) {
+      started = true;
+      engine.ResetStats();
+      cpu_mark = CpuSeconds();
+    }
+    while (started && window < windows && t >= boundaries[window + 1]) {
+      const double cpu = CpuSeconds();
+      result.window_cpu_seconds[window] = cpu - cpu_mark;
+      cpu_mark = cpu;
+      ++window;
+    }
+  };
+  while (status.ok()) {
+    const double t = now_s();
+    advance(t);
+    if (t >= boundaries.back()) break;
     if (in_flight.size() == slots) {
       status.Update(in_flight.front().get());
       in_flight.pop_front();
+      const double done_at = now_s();
+      advance(done_at);
+      if (started && window < windows) result.window_bytes[window] += request;
+      continue;
     }
     std::byte* p = buffer + slot * request;
     slot = (slot + 1) % slots;
     in_flight.push_back(op == Op::kWrite ? engine.WriteAsync(file, offset, {p, request})
                                          : engine.ReadAsync(file, offset, {p, request}));
-    bytes += request;
     offset += request;
     if (offset + request > file_bytes) offset = 0;
   }
   for (auto& f : in_flight) status.Update(f.get());
-  StreamResult r;
-  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  r.cpu_seconds = CpuSeconds() - cpu0;
-  r.bytes = bytes;
   if (!status.ok()) return status;
-  return r;
+  return result;
 }
 
 PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t file_bytes,
@@ -130,20 +155,20 @@ PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t f
     return finish(absl::StrCat("the test file (", file_bytes, " B) is smaller than one request (",
                                request, " B)"));
   }
-  if (options.warmup_seconds > 0) {
-    auto warm = Stream(**engine, *file, usable, point.op, buffer, options.warmup_seconds, UINT64_MAX);
-    if (!warm.ok()) return finish(std::string(warm.status().message()));
+  std::vector<double> boundaries = {options.warmup_seconds};
+  for (int rep = 1; rep <= options.reps; ++rep) {
+    boundaries.push_back(options.warmup_seconds + rep * options.rep_seconds);
   }
-  (*engine)->ResetStats();
+  auto stream = Stream(**engine, *file, usable, point.op, buffer, boundaries);
+  if (!stream.ok()) return finish(std::string(stream.status().message()));
   std::vector<double> gbps, iops;
   double cpu = 0, wall = 0;
-  for (int rep = 0; rep < options.reps; ++rep) {
-    auto r = Stream(**engine, *file, usable, point.op, buffer, options.rep_seconds, UINT64_MAX);
-    if (!r.ok()) return finish(std::string(r.status().message()));
-    gbps.push_back(r->bytes / r->seconds / 1e9);
-    iops.push_back(r->bytes / static_cast<double>(point.config.block_size) / r->seconds);
-    cpu += r->cpu_seconds;
-    wall += r->seconds;
+  for (size_t w = 0; w < stream->window_bytes.size(); ++w) {
+    const double seconds = stream->window_seconds[w];
+    gbps.push_back(stream->window_bytes[w] / seconds / 1e9);
+    iops.push_back(stream->window_bytes[w] / static_cast<double>(point.config.block_size) / seconds);
+    cpu += stream->window_cpu_seconds[w];
+    wall += seconds;
   }
   const aio::EngineStats stats = (*engine)->Stats();
   result.gb_per_s = bench::Summary::Of(gbps);

@@ -64,19 +64,23 @@ struct PointResult {
 uint64_t RequestBytesFor(const aio::AioConfig& config);
 uint64_t BufferBytesFor(const aio::AioConfig& config);
 
+// Byte counts of a stream in consecutive time windows.
 struct StreamResult {
-  double seconds = 0;
-  uint64_t bytes = 0;
-  double cpu_seconds = 0;
+  std::vector<double> window_seconds;     // length of each window
+  std::vector<uint64_t> window_bytes;     // bytes of the requests completed in it
+  std::vector<double> window_cpu_seconds;  // CPU time of this process in it
 };
 
 // Streams sequential requests of RequestBytesFor(engine.config()) over [0, file_bytes), wrapping,
-// with enough in flight to fill every worker's queue, until `max_seconds` have passed (then the
-// requests in flight complete) or `max_bytes` have been moved. `buffer` holds at least
-// BufferBytesFor(engine.config()) bytes. file_bytes must be a multiple of the request size.
+// with enough in flight to fill every worker's queue, from time 0 until boundaries.back()
+// (seconds), then lets the requests in flight complete (uncounted). Window i runs from
+// boundaries[i] to boundaries[i + 1]; completions before boundaries[0] (the warm-up) are not
+// counted, and the engine's statistics are reset at boundaries[0]. The queue stays full across
+// windows, so each measures the steady state. `buffer` holds at least
+// BufferBytesFor(engine.config()) bytes; file_bytes is a multiple of the request size.
 absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file,
                                     uint64_t file_bytes, Op op, std::byte* buffer,
-                                    double max_seconds, uint64_t max_bytes);
+                                    const std::vector<double>& boundaries);
 
 // Measures `point` on the file at `path` (which holds at least file_bytes). Never fails as a
 // function: a point that cannot run comes back with ok == false and the reason.
