@@ -120,8 +120,8 @@ int Main() {
 
   // The sweep's best per op: the point with the highest median over rounds.
   Report report("sweep_vs_fio", MachineInfo::Probe(dir));
-  const std::string fio_desc =
-      fio_huge ? "fio, same configuration, hugetlb buffers" : "fio, same configuration, 4 KiB-page buffers";
+  const std::string fio_desc = fio_huge ? "fio, same configuration, hugetlb buffers"
+                                        : "fio, same configuration, 4 KiB-page buffers";
   for (Op op : {Op::kRead, Op::kWrite}) {
     std::string best;
     double best_median = -1;
@@ -155,22 +155,31 @@ int Main() {
       }
     }
     const char* name = op == Op::kRead ? "read" : "write";
-    nlohmann::json config = {{"best", best}, {"rounds", rounds}, {"grid", "quick"},
-                             {"file_bytes", size}, {"fio_hugetlb", fio_huge}};
-    Figure at_best{.name = absl::StrCat("best_", name, "_vs_fio_same_config"), .unit = "GB/s",
-                   .value = Summary::Of(o), .ceiling = Summary::Of(f),
-                   .ceiling_source = fio_desc + " (" + best + ")", .ratio = Summary::Of(ratio),
+    nlohmann::json config = {{"best", best},
+                             {"rounds", rounds},
+                             {"grid", "quick"},
+                             {"file_bytes", size},
+                             {"fio_hugetlb", fio_huge}};
+    Figure at_best{.name = absl::StrCat("best_", name, "_vs_fio_same_config"),
+                   .unit = "GB/s",
+                   .value = Summary::Of(o),
+                   .ceiling = Summary::Of(f),
+                   .ceiling_source = fio_desc + " (" + best + ")",
+                   .ratio = Summary::Of(ratio),
                    .config = config};
     if (!fio_huge) at_best.note = why;
     report.Add(at_best);
     config["fio_best"] = fio_best_point;
-    report.Add(Figure{.name = absl::StrCat("best_", name, "_vs_fio_best_on_grid"), .unit = "GB/s",
-                      .value = Summary::Of({best_median}),
-                      .ceiling = Summary::Of({fio_best_median}),
-                      .ceiling_source = "fio's best point on the quick grid (highest median over "
-                                        "the rounds: " + fio_best_point + ")",
-                      .ratio = Summary::Of({fio_best_median > 0 ? best_median / fio_best_median : 0}),
-                      .config = config});
+    report.Add(
+        Figure{.name = absl::StrCat("best_", name, "_vs_fio_best_on_grid"),
+               .unit = "GB/s",
+               .value = Summary::Of({best_median}),
+               .ceiling = Summary::Of({fio_best_median}),
+               .ceiling_source = "fio's best point on the quick grid (highest median over "
+                                 "the rounds: " +
+                                 fio_best_point + ")",
+               .ratio = Summary::Of({fio_best_median > 0 ? best_median / fio_best_median : 0}),
+               .config = config});
     std::printf("%-5s best %-40s sweep %.3f GB/s, fio there %.3f; fio's best %s %.3f\n", name,
                 best.c_str(), best_median, Summary::Of(f).median, fio_best_point.c_str(),
                 fio_best_median);
@@ -202,8 +211,8 @@ int Main() {
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     nlohmann::json j = report.ToJson();
     for (const Side& side : sides) {
-      j["points"].push_back({{"point", side.point}, {"sweep_gb_per_s", side.ours},
-                             {"fio_gb_per_s", side.fio}});
+      j["points"].push_back(
+          {{"point", side.point}, {"sweep_gb_per_s", side.ours}, {"fio_gb_per_s", side.fio}});
     }
     std::FILE* f = std::fopen(path.c_str(), "w");
     if (f == nullptr || std::fputs((j.dump(2) + "\n").c_str(), f) < 0) return 1;
@@ -216,7 +225,8 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("sweep_vs_fio --dir DIR [--rounds 3] [--reserve_hugetlb] [--json PATH]");
+  absl::SetProgramUsageMessage(
+      "sweep_vs_fio --dir DIR [--rounds 3] [--reserve_hugetlb] [--json PATH]");
   absl::ParseCommandLine(argc, argv);
   return strata::bench::Main();
 }

@@ -240,6 +240,18 @@ TEST_P(EngineTest, ManyConcurrentRequestsFromSeveralThreads) {
   EXPECT_GT(stats.piece_latency.count(), 0u);
 }
 
+TEST_P(EngineTest, ResetStatsStartsTheCountsOver) {
+  File f = OpenRw("reset");
+  const auto data = RandomBytes(200000, 21);
+  ASSERT_TRUE(engine_->WriteSync(f, 0, data).ok());
+  EXPECT_EQ(engine_->Stats().bytes_written, data.size());
+  engine_->ResetStats();
+  const EngineStats stats = engine_->Stats();
+  EXPECT_EQ(stats.requests, 0u);
+  EXPECT_EQ(stats.bytes_written, 0u);
+  EXPECT_EQ(stats.piece_latency.count(), 0u);
+}
+
 TEST_P(EngineTest, RegisteredUserBufferRoundTrips) {
   auto buffer = AlignedBuffer::Allocate(1 << 20);
   ASSERT_TRUE(buffer.ok());

@@ -43,7 +43,8 @@ TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
   };
   for (const Case& c : std::vector<Case>{
            {"", "--nvme-dir: is required"},
-           {"--nvme_dir /tmp --queue-depths 0", "--queue-depths: \"0\" is not an integer in [1, 1024]"},
+           {"--nvme_dir /tmp --queue-depths 0",
+            "--queue-depths: \"0\" is not an integer in [1, 1024]"},
            {"--nvme_dir /tmp --block-sizes 24K", "--block-sizes: each must be a power of two"},
            {"--nvme_dir /tmp --nosuch", "--nosuch: unknown flag; accepted:"},
            {"--nvme_dir /tmp --budget -5", "--budget: must be in [0, 604800]"},
@@ -68,17 +69,18 @@ TEST(SweepCliTest, HelpListsTheFlagsAndExitsZero) {
 
 TEST(SweepCliTest, ATinySweepWritesEveryOutputAndRemovesItsTestFile) {
   ScratchDir dir;
-  Outcome r = Execute(kSweep + " --nvme_dir " + dir.path() +
-                  " --engines io_uring,libaio --block-sizes 1M --queue-depths 4 --threads 1"
-                  " --nouring-options --size 64M --reps 2 --rep-seconds 0.03 --warmup-seconds 0");
+  Outcome r =
+      Execute(kSweep + " --nvme_dir " + dir.path() +
+              " --engines io_uring,libaio --block-sizes 1M --queue-depths 4 --threads 1"
+              " --nouring-options --size 64M --reps 2 --rep-seconds 0.03 --warmup-seconds 0");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("[4/4]"));  // not a terminal: plain lines
   EXPECT_THAT(r.output, HasSubstr("best both:"));
   EXPECT_THAT(r.output, HasSubstr("\"intra_op_parallelism\": 1"));
   const std::string out = dir.path() + "/strata-sweep";
-  for (const char* name : {"results.csv", "results.json", "heatmap_io_uring_read.svg",
-                           "heatmap_libaio_write.svg", "best.json", "best_read.json",
-                           "best_write.json"}) {
+  for (const char* name :
+       {"results.csv", "results.json", "heatmap_io_uring_read.svg", "heatmap_libaio_write.svg",
+        "best.json", "best_read.json", "best_write.json"}) {
     EXPECT_TRUE(std::filesystem::exists(out + "/" + name)) << name;
   }
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/strata-sweep.dat"));
@@ -102,8 +104,9 @@ TEST(SweepCliTest, AnExistingTestFileIsLeftAlone) {
 TEST(AioBenchCliTest, MeasuresOneConfiguration) {
   ScratchDir dir;
   Outcome r = Execute(kBench + " --dir " + dir.path() +
-                  " --size 32M --queue-depth 4 --reps 2 --rep-seconds 0.03 --warmup-seconds 0"
-                  " --op write --json " + dir.path() + "/r.json");
+                      " --size 32M --queue-depth 4 --reps 2 --rep-seconds 0.03 --warmup-seconds 0"
+                      " --op write --json " +
+                      dir.path() + "/r.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("GB/s"));
   EXPECT_THAT(r.output, HasSubstr("latency  p50"));

@@ -64,7 +64,8 @@ PointResult Synthetic(const Point& p) {
   const double q = std::log2(p.config.queue_depth / 16.0);
   const double t = p.config.intra_op_parallelism - 2;
   const double engine = p.config.engine == aio::EngineKind::kIoUring ? 1.0 : 0.9;
-  const double gb = engine * (p.op == Op::kRead ? 4 : 7) / (1 + 0.2 * b * b + 0.1 * q * q + 0.3 * t * t);
+  const double gb =
+      engine * (p.op == Op::kRead ? 4 : 7) / (1 + 0.2 * b * b + 0.1 * q * q + 0.3 * t * t);
   r.gb_per_s = bench::Summary::Of({gb});
   r.seconds = 2;
   return r;
@@ -114,7 +115,7 @@ TEST(PickBestTest, BothIsTheHighestHarmonicMeanOfOneConfiguration) {
   using aio::EngineKind;
   std::vector<PointResult> results = {
       Result(EngineKind::kIoUring, 1 << 20, 8, Op::kRead, 4.0),
-      Result(EngineKind::kIoUring, 1 << 20, 8, Op::kWrite, 2.0),   // hm 2.67
+      Result(EngineKind::kIoUring, 1 << 20, 8, Op::kWrite, 2.0),  // hm 2.67
       Result(EngineKind::kIoUring, 4 << 20, 32, Op::kRead, 3.0),
       Result(EngineKind::kIoUring, 4 << 20, 32, Op::kWrite, 3.5),  // hm 3.23: best both
       Result(EngineKind::kLibAio, 1 << 20, 8, Op::kWrite, 5.0),    // best write, no read pair
@@ -144,9 +145,9 @@ TEST(OutputsTest, EveryPointIsWrittenAndTheBlockIsOneStrataAndDeepSpeedRead) {
   out.dir = dir.File("out");
   auto written = WriteOutputs(out, results, PickBest(results));
   ASSERT_TRUE(written.ok()) << written.status();
-  for (const char* name : {"results.csv", "results.json", "heatmap_io_uring_read.svg",
-                           "heatmap_io_uring_write.svg", "heatmap_libaio_read.svg",
-                           "best_read.json", "best_write.json", "best.json"}) {
+  for (const char* name :
+       {"results.csv", "results.json", "heatmap_io_uring_read.svg", "heatmap_io_uring_write.svg",
+        "heatmap_libaio_read.svg", "best_read.json", "best_write.json", "best.json"}) {
     EXPECT_TRUE(std::filesystem::exists(out.dir + "/" + name)) << name;
   }
   const std::string csv = Slurp(out.dir + "/results.csv");

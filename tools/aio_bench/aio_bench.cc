@@ -26,8 +26,9 @@ ABSL_FLAG(int, reps, 5, "measured runs, 1..1000");
 ABSL_FLAG(double, rep_seconds, 1.0, "seconds per run, 0.01..600");
 ABSL_FLAG(double, warmup_seconds, 0.5, "warm-up seconds, 0..600");
 ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
-ABSL_FLAG(bool, allow_buffered, false, "run on a filesystem that refuses O_DIRECT (figures then "
-                                       "include the page cache)");
+ABSL_FLAG(bool, allow_buffered, false,
+          "run on a filesystem that refuses O_DIRECT (figures then "
+          "include the page cache)");
 ABSL_FLAG(std::string, json, "", "also write the result as JSON here");
 
 namespace strata::aio_bench {
@@ -99,10 +100,11 @@ int Main() {
   }
   std::printf("%s on %s (%s, %s)\n", point.Describe().c_str(), (*scratch)->path().c_str(),
               SizeText(size).c_str(), c.direct ? "O_DIRECT" : "BUFFERED");
-  std::printf("GB/s     %.3f median [min %.3f, max %.3f] over %d runs of %.2f s after %.2f s "
-              "warm-up\n",
-              r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps, mo.rep_seconds,
-              mo.warmup_seconds);
+  std::printf(
+      "GB/s     %.3f median [min %.3f, max %.3f] over %d runs of %.2f s after %.2f s "
+      "warm-up\n",
+      r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps, mo.rep_seconds,
+      mo.warmup_seconds);
   std::printf("IOPS     %.0f (%s operations)\n", r.iops, SizeText(c.block_size).c_str());
   std::printf("latency  p50 %.0f us, p99 %.0f us, max %.0f us (per block, submit to complete)\n",
               r.latency_p50_us, r.latency_p99_us, r.latency_max_us);

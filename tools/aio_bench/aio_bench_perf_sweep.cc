@@ -21,22 +21,25 @@
 ABSL_FLAG(std::string, nvme_dir, "", "directory on the drive to tune (required)");
 ABSL_FLAG(std::string, out, "", "where results go (default NVME_DIR/strata-sweep)");
 ABSL_FLAG(bool, quick, false, "a coarse grid that finishes in under a minute on 2 cores");
-ABSL_FLAG(double, budget, 0, "bound the sweep to this many seconds: the coarse grid first, then "
-                             "refine around the best (0: no bound, measure the whole grid)");
+ABSL_FLAG(double, budget, 0,
+          "bound the sweep to this many seconds: the coarse grid first, then "
+          "refine around the best (0: no bound, measure the whole grid)");
 ABSL_FLAG(std::string, size, "", "test file size (default 1G, 512M with --quick)");
 ABSL_FLAG(std::string, engines, "", "override the grid: engines (io_uring,libaio,posix)");
 ABSL_FLAG(std::string, block_sizes, "", "override the grid: block sizes (e.g. 256K,1M,4M)");
 ABSL_FLAG(std::string, queue_depths, "", "override the grid: queue depths (e.g. 4,16,64)");
 ABSL_FLAG(std::string, threads, "", "override the grid: thread counts (e.g. 1,2)");
 ABSL_FLAG(std::string, ops, "read,write", "read, write or both");
-ABSL_FLAG(bool, uring_options, true, "also sweep io_uring's registered buffers/files and SQPOLL "
-                                     "(full grid only)");
+ABSL_FLAG(bool, uring_options, true,
+          "also sweep io_uring's registered buffers/files and SQPOLL "
+          "(full grid only)");
 ABSL_FLAG(int, reps, 0, "measured runs per point (default 3)");
 ABSL_FLAG(double, rep_seconds, 0, "seconds per run (default 0.5, 0.12 with --quick)");
 ABSL_FLAG(double, warmup_seconds, -1, "warm-up seconds per point (default 0.2, 0.05 with --quick)");
 ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
-ABSL_FLAG(bool, allow_buffered, false, "run on a filesystem that refuses O_DIRECT (every output "
-                                       "then carries a warning)");
+ABSL_FLAG(bool, allow_buffered, false,
+          "run on a filesystem that refuses O_DIRECT (every output "
+          "then carries a warning)");
 
 namespace strata::aio_bench {
 namespace {
@@ -49,7 +52,8 @@ std::string Clock2(double seconds) {
 }
 
 uint64_t PhysicalMemory() {
-  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
 }
 
 int Main() {
@@ -68,8 +72,8 @@ int Main() {
       g->engines = ParseEngineList("--engines", absl::GetFlag(FLAGS_engines));
     }
     if (!absl::GetFlag(FLAGS_block_sizes).empty()) {
-      g->block_sizes = ParseSizeList("--block-sizes", absl::GetFlag(FLAGS_block_sizes), 4096,
-                                     64 << 20);
+      g->block_sizes =
+          ParseSizeList("--block-sizes", absl::GetFlag(FLAGS_block_sizes), 4096, 64 << 20);
       for (uint64_t bs : g->block_sizes) {
         if ((bs & (bs - 1)) != 0) BadFlag("--block-sizes", "each must be a power of two");
       }
@@ -97,9 +101,8 @@ int Main() {
   mo.reps = absl::GetFlag(FLAGS_reps) > 0 ? absl::GetFlag(FLAGS_reps) : 3;
   mo.rep_seconds = absl::GetFlag(FLAGS_rep_seconds) > 0 ? absl::GetFlag(FLAGS_rep_seconds)
                                                         : (quick ? 0.12 : 0.5);
-  mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds) >= 0
-                          ? absl::GetFlag(FLAGS_warmup_seconds)
-                          : (quick ? 0.05 : 0.2);
+  mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds) >= 0 ? absl::GetFlag(FLAGS_warmup_seconds)
+                                                               : (quick ? 0.05 : 0.2);
   if (mo.reps > 1000) BadFlag("--reps", "must be in [1, 1000]");
   if (mo.rep_seconds > 600) BadFlag("--rep-seconds", "must be in (0, 600]");
   if (mo.warmup_seconds > 600) BadFlag("--warmup-seconds", "must be in [0, 600]");
@@ -131,11 +134,13 @@ int Main() {
 
   // One buffer for every point: the most any point of the grid needs, within a quarter of memory.
   uint64_t need = 0;
-  for (const Point& p : (budget > 0 ? fine : grid).Points()) need = std::max(need, BufferBytesFor(p.config));
+  for (const Point& p : (budget > 0 ? fine : grid).Points())
+    need = std::max(need, BufferBytesFor(p.config));
   const uint64_t buffer_bytes = std::min(need, PhysicalMemory() / 4);
   auto buffer = aio::AlignedBuffer::Allocate(buffer_bytes, {.huge_pages = true});
   if (!buffer.ok()) {
-    std::fprintf(stderr, "aio_bench_perf_sweep: %s\n", std::string(buffer.status().message()).c_str());
+    std::fprintf(stderr, "aio_bench_perf_sweep: %s\n",
+                 std::string(buffer.status().message()).c_str());
     return 1;
   }
 
@@ -166,10 +171,10 @@ int Main() {
     for (const auto& r : results) per_point += r.seconds;
     per_point = results.empty() ? mo.warmup_seconds + mo.reps * mo.rep_seconds + 0.05
                                 : per_point / results.size();
-    const double eta = planner ? budget - elapsed
-                               : per_point * static_cast<double>(planned.size() - index + 1);
-    const std::string total = planner ? absl::StrCat(std::max(shown_total, index), "+")
-                                      : absl::StrCat(planned.size());
+    const double eta =
+        planner ? budget - elapsed : per_point * static_cast<double>(planned.size() - index + 1);
+    const std::string total =
+        planner ? absl::StrCat(std::max(shown_total, index), "+") : absl::StrCat(planned.size());
     if (tty) {
       const double frac = planner ? std::min(1.0, elapsed / budget)
                                   : static_cast<double>(index - 1) / planned.size();
@@ -208,8 +213,11 @@ int Main() {
   outputs.dir = out_dir;
   outputs.warnings = warnings;
   const bench::MachineInfo machine = bench::MachineInfo::Probe(dir);
-  outputs.meta = {{"machine", {{"cpu", machine.cpu}, {"cores", machine.cores},
-                               {"fs", machine.fs}, {"device", machine.device}}},
+  outputs.meta = {{"machine",
+                   {{"cpu", machine.cpu},
+                    {"cores", machine.cores},
+                    {"fs", machine.fs},
+                    {"device", machine.device}}},
                   {"nvme_dir", dir},
                   {"file_bytes", size},
                   {"mode", budget > 0 ? "budget" : (quick ? "quick" : "full")},
@@ -231,19 +239,24 @@ int Main() {
     for (const auto& r : results) {
       if (r.ok && r.point.op == op) ok.push_back(&r);
     }
-    std::sort(ok.begin(), ok.end(), [](auto* a, auto* b) { return a->gb_per_s.median > b->gb_per_s.median; });
+    std::sort(ok.begin(), ok.end(),
+              [](auto* a, auto* b) { return a->gb_per_s.median > b->gb_per_s.median; });
     std::printf("%-5s %-44s %8s %17s %9s %9s %6s\n", OpName(op), "configuration", "GB/s",
                 "[min, max]", "p50 us", "p99 us", "CPU");
     for (size_t i = 0; i < ok.size() && i < 5; ++i) {
       const PointResult& r = *ok[i];
-      std::printf("      %-44s %8.3f [%6.3f, %6.3f] %9.0f %9.0f %6.2f\n", r.point.Describe().c_str(),
-                  r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, r.latency_p50_us,
-                  r.latency_p99_us, r.cpu_cores);
+      std::printf("      %-44s %8.3f [%6.3f, %6.3f] %9.0f %9.0f %6.2f\n",
+                  r.point.Describe().c_str(), r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max,
+                  r.latency_p50_us, r.latency_p99_us, r.cpu_cores);
     }
     std::printf("\n");
   }
-  if (best.read) std::printf("best read:  %s, %.3f GB/s\n", best.read->point.Describe().c_str(), best.read->gb_per_s.median);
-  if (best.write) std::printf("best write: %s, %.3f GB/s\n", best.write->point.Describe().c_str(), best.write->gb_per_s.median);
+  if (best.read)
+    std::printf("best read:  %s, %.3f GB/s\n", best.read->point.Describe().c_str(),
+                best.read->gb_per_s.median);
+  if (best.write)
+    std::printf("best write: %s, %.3f GB/s\n", best.write->point.Describe().c_str(),
+                best.write->gb_per_s.median);
   if (best.both_read) {
     std::printf("best both:  %s, read %.3f GB/s, write %.3f GB/s\n",
                 best.both_read->point.ConfigKey().c_str(), best.both_read->gb_per_s.median,
@@ -251,7 +264,8 @@ int Main() {
   }
   for (const auto& w : warnings) std::printf("WARNING: %s\n", w.c_str());
   if (!written.ok()) {
-    std::fprintf(stderr, "aio_bench_perf_sweep: %s\n", std::string(written.status().message()).c_str());
+    std::fprintf(stderr, "aio_bench_perf_sweep: %s\n",
+                 std::string(written.status().message()).c_str());
     return 1;
   }
   std::printf("\nfiles:\n");

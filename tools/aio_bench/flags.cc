@@ -25,15 +25,15 @@ std::vector<absl::CommandLineFlag*> OwnFlags(absl::string_view file_substr) {
       flags.push_back(flag);
     }
   }
-  std::sort(flags.begin(), flags.end(),
-            [](auto* a, auto* b) { return a->Name() < b->Name(); });
+  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
   return flags;
 }
 
 void PrintHelp(absl::string_view usage, const std::vector<absl::CommandLineFlag*>& flags) {
   std::printf("%s\n\nflags:\n", std::string(usage).c_str());
   for (const auto* f : flags) {
-    std::printf("  --%s (default %s)\n      %s\n", absl::StrReplaceAll(f->Name(), {{"_", "-"}}).c_str(),
+    std::printf("  --%s (default %s)\n      %s\n",
+                absl::StrReplaceAll(f->Name(), {{"_", "-"}}).c_str(),
                 f->DefaultValue().empty() ? "\"\"" : f->DefaultValue().c_str(), f->Help().c_str());
   }
 }
@@ -109,10 +109,17 @@ uint64_t ParseSize(absl::string_view flag, absl::string_view text, uint64_t lo, 
   if (!t.empty() && (t.back() == 'I')) t.pop_back();  // "KiB"
   if (!t.empty()) {
     switch (t.back()) {
-      case 'K': mult = 1ull << 10; break;
-      case 'M': mult = 1ull << 20; break;
-      case 'G': mult = 1ull << 30; break;
-      default: break;
+      case 'K':
+        mult = 1ull << 10;
+        break;
+      case 'M':
+        mult = 1ull << 20;
+        break;
+      case 'G':
+        mult = 1ull << 30;
+        break;
+      default:
+        break;
     }
     if (mult != 1) t.pop_back();
   }

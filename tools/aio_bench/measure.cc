@@ -33,8 +33,8 @@ uint64_t InFlightBytes(const aio::AioConfig& c) {
 const char* OpName(Op op) { return op == Op::kRead ? "read" : "write"; }
 
 std::string Point::Describe() const {
-  std::string d = absl::StrCat(aio::EngineKindName(config.engine), " ", OpName(op), " bs=",
-                               SizeText(config.block_size), " qd=", config.queue_depth,
+  std::string d = absl::StrCat(aio::EngineKindName(config.engine), " ", OpName(op),
+                               " bs=", SizeText(config.block_size), " qd=", config.queue_depth,
                                " t=", config.intra_op_parallelism);
   if (config.registered_buffers) absl::StrAppend(&d, " +regbuf");
   if (config.registered_files) absl::StrAppend(&d, " +regfile");
@@ -59,8 +59,8 @@ uint64_t BufferBytesFor(const aio::AioConfig& c) {
   return slots * request;
 }
 
-absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file,
-                                    uint64_t file_bytes, Op op, std::byte* buffer,
+absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file, uint64_t file_bytes,
+                                    Op op, std::byte* buffer,
                                     const std::vector<double>& boundaries) {
   const aio::AioConfig& c = engine.config();
   const uint64_t request = RequestBytesFor(c);
@@ -145,6 +145,14 @@ PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t f
     if (!result.engine_warnings.empty()) why = result.engine_warnings.front();
     return finish(absl::StrCat("configuration not available: ", why));
   }
+  // With registered buffers, the data buffer itself is registered, as strata's pinned pools are.
+  const absl::Span<std::byte> region(buffer, BufferBytesFor(point.config));
+  if (point.config.registered_buffers) {
+    if (auto s = (*engine)->RegisterBuffer(region); !s.ok()) {
+      return finish(
+          absl::StrCat("registering the ", region.size() >> 20, " MiB buffer: ", s.message()));
+    }
+  }
   aio::OpenOptions open_options;
   open_options.writable = point.op == Op::kWrite;
   auto file = (*engine)->Open(path, open_options);
@@ -166,7 +174,8 @@ PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t f
   for (size_t w = 0; w < stream->window_bytes.size(); ++w) {
     const double seconds = stream->window_seconds[w];
     gbps.push_back(stream->window_bytes[w] / seconds / 1e9);
-    iops.push_back(stream->window_bytes[w] / static_cast<double>(point.config.block_size) / seconds);
+    iops.push_back(stream->window_bytes[w] / static_cast<double>(point.config.block_size) /
+                   seconds);
     cpu += stream->window_cpu_seconds[w];
     wall += seconds;
   }
@@ -178,6 +187,7 @@ PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t f
   result.latency_max_us = static_cast<double>(stats.piece_latency.max_us());
   result.cpu_cores = wall > 0 ? cpu / wall : 0;
   file->Close();
+  if (point.config.registered_buffers) (*engine)->UnregisterBuffer(region).IgnoreError();
   return finish("");
 }
 

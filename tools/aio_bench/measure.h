@@ -49,12 +49,12 @@ struct MeasureOptions {
 struct PointResult {
   Point point;
   bool ok = false;
-  std::string error;                  // when !ok: why the point failed
-  bench::Summary gb_per_s;            // over the repetitions
-  double iops = 0;                    // median
+  std::string error;        // when !ok: why the point failed
+  bench::Summary gb_per_s;  // over the repetitions
+  double iops = 0;          // median
   double latency_p50_us = 0, latency_p99_us = 0, latency_max_us = 0;
-  double cpu_cores = 0;               // CPU seconds / wall seconds over the repetitions
-  double seconds = 0;                 // wall time of the whole point, setup included
+  double cpu_cores = 0;                      // CPU seconds / wall seconds over the repetitions
+  double seconds = 0;                        // wall time of the whole point, setup included
   std::vector<std::string> engine_warnings;  // fallbacks the engine took
 
   nlohmann::json ToJson() const;
@@ -66,8 +66,8 @@ uint64_t BufferBytesFor(const aio::AioConfig& config);
 
 // Byte counts of a stream in consecutive time windows.
 struct StreamResult {
-  std::vector<double> window_seconds;     // length of each window
-  std::vector<uint64_t> window_bytes;     // bytes of the requests completed in it
+  std::vector<double> window_seconds;      // length of each window
+  std::vector<uint64_t> window_bytes;      // bytes of the requests completed in it
   std::vector<double> window_cpu_seconds;  // CPU time of this process in it
 };
 
@@ -78,8 +78,8 @@ struct StreamResult {
 // counted, and the engine's statistics are reset at boundaries[0]. The queue stays full across
 // windows, so each measures the steady state. `buffer` holds at least
 // BufferBytesFor(engine.config()) bytes; file_bytes is a multiple of the request size.
-absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file,
-                                    uint64_t file_bytes, Op op, std::byte* buffer,
+absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file, uint64_t file_bytes,
+                                    Op op, std::byte* buffer,
                                     const std::vector<double>& boundaries);
 
 // Measures `point` on the file at `path` (which holds at least file_bytes). Never fails as a

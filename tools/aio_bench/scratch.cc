@@ -49,8 +49,8 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
   }
   const bool exists = std::filesystem::exists(file->path_, ec);
   if (exists && !options.overwrite) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        file->path_, " exists; not writing over it (pass --overwrite to allow that)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(file->path_, " exists; not writing over it (pass --overwrite to allow that)"));
   }
   uint64_t reusable = 0;
   if (exists) reusable = std::filesystem::file_size(file->path_, ec);
@@ -58,10 +58,10 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
   if (ec) return absl::InternalError(absl::StrCat("statfs ", dir, ": ", ec.message()));
   const uint64_t need = bytes + options.headroom_bytes;
   if (space.available + reusable < need) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        dir, ": needs ", need >> 20, " MiB free for the test file (", bytes >> 20,
-        " MiB plus ", options.headroom_bytes >> 20, " MiB headroom), has ",
-        (space.available + reusable) >> 20, " MiB"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": needs ", need >> 20, " MiB free for the test file (", bytes >> 20,
+                     " MiB plus ", options.headroom_bytes >> 20, " MiB headroom), has ",
+                     (space.available + reusable) >> 20, " MiB"));
   }
 
   // O_DIRECT: does this filesystem take it?
@@ -70,9 +70,10 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
   if (fd < 0 && errno == EINVAL) {
     if (!options.allow_buffered) {
       return absl::FailedPreconditionError(absl::StrCat(
-          dir, " is on a filesystem that refuses O_DIRECT (tmpfs on older kernels, some network "
-               "and FUSE filesystems): results would measure the page cache, not the drive. Use "
-               "a directory on the drive to tune, or --allow-buffered to measure anyway"));
+          dir,
+          " is on a filesystem that refuses O_DIRECT (tmpfs on older kernels, some network "
+          "and FUSE filesystems): results would measure the page cache, not the drive. Use "
+          "a directory on the drive to tune, or --allow-buffered to measure anyway"));
     }
     file->direct_ = false;
     file->warning_ = absl::StrCat("BUFFERED: ", dir,

@@ -22,8 +22,10 @@ int IndexOf(const std::vector<T>& values, T v) {
   int best = 0;
   for (int i = 0; i < static_cast<int>(values.size()); ++i) {
     if (values[i] == v) return i;
-    const double d = std::fabs(std::log2(static_cast<double>(values[i])) - std::log2(static_cast<double>(v)));
-    const double db = std::fabs(std::log2(static_cast<double>(values[best])) - std::log2(static_cast<double>(v)));
+    const double d =
+        std::fabs(std::log2(static_cast<double>(values[i])) - std::log2(static_cast<double>(v)));
+    const double db =
+        std::fabs(std::log2(static_cast<double>(values[best])) - std::log2(static_cast<double>(v)));
     if (d < db) best = i;
   }
   return best;
@@ -78,7 +80,8 @@ Grid Grid::Full(int cores) {
   g.queue_depths = {1, 2, 4, 8, 16, 32, 64};
   for (int t = 1; t <= std::max(1, cores); ++t) g.threads.push_back(t);
   g.ops = {Op::kRead, Op::kWrite};
-  g.uring_options = {UringOptions{}, UringOptions{true, true, false}, UringOptions{false, false, true}};
+  g.uring_options = {UringOptions{}, UringOptions{true, true, false},
+                     UringOptions{false, false, true}};
   return g;
 }
 
@@ -154,8 +157,7 @@ std::vector<Point> Planner::Neighbours(const Point& p) const {
   }
   for (aio::EngineKind e : fine_.engines) {
     if (e == c.engine) continue;
-    add(ConfigOf(e, c.block_size, c.queue_depth, c.intra_op_parallelism, UringOptions{},
-                 c.direct));
+    add(ConfigOf(e, c.block_size, c.queue_depth, c.intra_op_parallelism, UringOptions{}, c.direct));
   }
   return out;
 }
@@ -174,7 +176,8 @@ std::optional<Point> Planner::Next(const std::vector<PointResult>& done, double 
     const Op op = (done.size() + attempt) % 2 == 0 ? Op::kRead : Op::kWrite;
     const PointResult* best = nullptr;
     for (const PointResult& r : done) {
-      if (r.ok && r.point.op == op && (best == nullptr || r.gb_per_s.median > best->gb_per_s.median)) {
+      if (r.ok && r.point.op == op &&
+          (best == nullptr || r.gb_per_s.median > best->gb_per_s.median)) {
         best = &r;
       }
     }
@@ -325,11 +328,10 @@ absl::StatusOr<std::vector<std::string>> WriteOutputs(const SweepOutputs& out,
   for (const PointResult& r : results) {
     const aio::AioConfig& c = r.point.config;
     auto b = [](bool v) { return v ? "true" : "false"; };
-    absl::StrAppend(&csv, aio::EngineKindName(c.engine), ",", OpName(r.point.op), ",",
-                    c.block_size, ",", c.queue_depth, ",", c.intra_op_parallelism, ",",
-                    b(c.single_submit), ",", b(c.overlap_events), ",", b(c.registered_buffers), ",",
-                    b(c.registered_files), ",", b(c.sqpoll), ",", b(c.direct), ",",
-                    r.ok ? "ok" : "failed", ",");
+    absl::StrAppend(&csv, aio::EngineKindName(c.engine), ",", OpName(r.point.op), ",", c.block_size,
+                    ",", c.queue_depth, ",", c.intra_op_parallelism, ",", b(c.single_submit), ",",
+                    b(c.overlap_events), ",", b(c.registered_buffers), ",", b(c.registered_files),
+                    ",", b(c.sqpoll), ",", b(c.direct), ",", r.ok ? "ok" : "failed", ",");
     if (r.ok) {
       absl::StrAppendFormat(&csv, "%.4f,%.4f,%.4f,%.1f,%.0f,%.0f,%.0f,%.3f,", r.gb_per_s.median,
                             r.gb_per_s.min, r.gb_per_s.max, r.iops, r.latency_p50_us,
@@ -362,15 +364,15 @@ absl::StatusOr<std::vector<std::string>> WriteOutputs(const SweepOutputs& out,
   STRATA_RETURN_IF_ERROR(WriteFile(json_path, j.dump(2) + "\n"));
   written.push_back(json_path);
 
-  for (aio::EngineKind engine : {aio::EngineKind::kIoUring, aio::EngineKind::kLibAio,
-                                 aio::EngineKind::kPosix}) {
+  for (aio::EngineKind engine :
+       {aio::EngineKind::kIoUring, aio::EngineKind::kLibAio, aio::EngineKind::kPosix}) {
     for (Op op : {Op::kRead, Op::kWrite}) {
       const bool any = std::any_of(results.begin(), results.end(), [&](const PointResult& r) {
         return r.point.config.engine == engine && r.point.op == op;
       });
       if (!any) continue;
-      const std::string path = absl::StrCat(out.dir, "/heatmap_", aio::EngineKindName(engine),
-                                            "_", OpName(op), ".svg");
+      const std::string path =
+          absl::StrCat(out.dir, "/heatmap_", aio::EngineKindName(engine), "_", OpName(op), ".svg");
       STRATA_RETURN_IF_ERROR(WriteFile(path, Heatmap(results, engine, op, out.warnings)));
       written.push_back(path);
     }
@@ -380,9 +382,9 @@ absl::StatusOr<std::vector<std::string>> WriteOutputs(const SweepOutputs& out,
     if (!out.warnings.empty()) b["strata_sweep_warnings"] = out.warnings;
     return b.dump(2) + "\n";
   };
-  for (const auto& [name, r] : {std::pair{"best_read.json", &best.read},
-                                std::pair{"best_write.json", &best.write},
-                                std::pair{"best.json", &best.both_read}}) {
+  for (const auto& [name, r] :
+       {std::pair{"best_read.json", &best.read}, std::pair{"best_write.json", &best.write},
+        std::pair{"best.json", &best.both_read}}) {
     if (!*r) continue;
     const std::string path = out.dir + "/" + name;
     STRATA_RETURN_IF_ERROR(WriteFile(path, block((*r)->point.config)));
