@@ -91,6 +91,15 @@ TEST(PlannerTest, StaysWithinBudgetNeverRepeatsAndFindsThePeakByRefining) {
   EXPECT_EQ(best.read->point.config.intra_op_parallelism, 2);
 }
 
+TEST(PlannerTest, CoarseGridStartsAtItsCentreSoASmallBudgetStillSpreads) {
+  Planner planner(Grid::Full(2), Grid::Quick(2), /*budget_seconds=*/60);
+  auto first = planner.Next({}, 0);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->config.block_size, 1u << 20);
+  EXPECT_EQ(first->config.queue_depth, 16);
+  EXPECT_EQ(first->config.intra_op_parallelism, 1);
+}
+
 TEST(PlannerTest, TinyBudgetMeasuresNothingItCannotFinish) {
   Planner planner(Grid::Full(2), Grid::Quick(2), /*budget_seconds=*/0.5);
   EXPECT_FALSE(planner.Next({}, 0).has_value());  // a point is estimated at 1 s before any ran

@@ -97,6 +97,10 @@ int Main() {
   };
   apply_overrides(&grid);
   apply_overrides(&fine);
+  const bool narrowed =
+      !absl::GetFlag(FLAGS_engines).empty() || !absl::GetFlag(FLAGS_block_sizes).empty() ||
+      !absl::GetFlag(FLAGS_queue_depths).empty() || !absl::GetFlag(FLAGS_threads).empty() ||
+      absl::GetFlag(FLAGS_ops) != "read,write";
   MeasureOptions mo;
   mo.reps = absl::GetFlag(FLAGS_reps) > 0 ? absl::GetFlag(FLAGS_reps) : 3;
   mo.rep_seconds = absl::GetFlag(FLAGS_rep_seconds) > 0 ? absl::GetFlag(FLAGS_rep_seconds)
@@ -146,12 +150,16 @@ int Main() {
 
   std::vector<Point> planned = grid.Points();
   std::optional<Planner> planner;
-  if (budget > 0) planner.emplace(fine, quick ? Grid::Quick(cores) : grid, budget);
+  Grid coarse = Grid::Quick(cores);
+  apply_overrides(&coarse);
+  coarse.direct = grid.direct;
+  if (budget > 0) planner.emplace(fine, coarse, budget);
   const size_t shown_total = planner ? planner->coarse_size() : planned.size();
   const bool tty = isatty(STDOUT_FILENO);
   std::printf("%s: %zu points%s, each %.2f s warm-up + %d x %.2f s; results in %s\n",
               budget > 0 ? absl::StrCat("budget ", Clock2(budget)).c_str()
-                         : (quick ? "quick grid" : "full grid"),
+                         : (quick ? (narrowed ? "narrowed quick grid" : "quick grid")
+                                  : (narrowed ? "narrowed grid" : "full grid")),
               shown_total, budget > 0 ? " first, then refinement around the best" : "",
               mo.warmup_seconds, mo.reps, mo.rep_seconds, out_dir.c_str());
   std::vector<PointResult> results;

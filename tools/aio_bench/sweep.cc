@@ -119,6 +119,15 @@ std::vector<Point> Grid::Points() const {
 
 Planner::Planner(Grid fine, Grid coarse, double budget_seconds)
     : fine_(std::move(fine)), coarse_(coarse.Points()), budget_seconds_(budget_seconds) {
+  // Centre of the grid first (1M, depth 16, one thread), the extremes last, so that a budget too
+  // small for the whole coarse grid still spreads over it.
+  auto distance = [](const Point& p) {
+    return std::fabs(std::log2(static_cast<double>(p.config.block_size) / (1 << 20))) +
+           std::fabs(std::log2(p.config.queue_depth / 16.0)) +
+           std::fabs(static_cast<double>(p.config.intra_op_parallelism - 1));
+  };
+  std::stable_sort(coarse_.begin(), coarse_.end(),
+                   [&](const Point& a, const Point& b) { return distance(a) < distance(b); });
   for (const Point& p : coarse_) planned_.insert(p.Describe());
 }
 
@@ -170,8 +179,17 @@ std::optional<Point> Planner::Next(const std::vector<PointResult>& done, double 
     cost /= static_cast<double>(done.size());
   }
   if (elapsed_seconds + cost > budget_seconds_) return std::nullopt;
+  // The coarse grid takes at most half the budget; then refinement; then what is left of it.
+  if (next_coarse_ < coarse_.size() && elapsed_seconds < budget_seconds_ / 2) {
+    return coarse_[next_coarse_++];
+  }
+  if (std::optional<Point> n = Refine(done)) return n;
   if (next_coarse_ < coarse_.size()) return coarse_[next_coarse_++];
-  // Refine: alternate between read and write, around the best of each so far.
+  return std::nullopt;
+}
+
+std::optional<Point> Planner::Refine(const std::vector<PointResult>& done) {
+  // Alternate between read and write, around the best of each so far.
   for (int attempt = 0; attempt < 2; ++attempt) {
     const Op op = (done.size() + attempt) % 2 == 0 ? Op::kRead : Op::kWrite;
     const PointResult* best = nullptr;

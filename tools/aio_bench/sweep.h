@@ -45,9 +45,11 @@ struct Grid {
   std::vector<Point> Points() const;  // every combination, in a stable order
 };
 
-// Chooses the next point to measure within a time budget: the coarse grid first, then, for read
-// and for write, the unmeasured neighbours (one step along one axis of the fine grid) of the best
-// point so far, closest first, until the budget would be exceeded or nothing new is left.
+// Chooses the next point to measure within a time budget: the coarse grid first (centre first,
+// for at most half the budget), then, for read and for write, the unmeasured neighbours (one step
+// along one axis of the fine grid) of the best point so far, climbing while a neighbour is
+// better, then whatever is left of the coarse grid, until the budget would be exceeded or nothing
+// new is left.
 class Planner {
  public:
   Planner(Grid fine, Grid coarse, double budget_seconds);
@@ -59,6 +61,7 @@ class Planner {
 
  private:
   std::vector<Point> Neighbours(const Point& p) const;
+  std::optional<Point> Refine(const std::vector<PointResult>& done);
 
   Grid fine_;
   std::vector<Point> coarse_;
