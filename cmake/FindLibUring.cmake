@@ -1,11 +1,3 @@
-# Finds liburing and defines LibUring::LibUring.
-find_path(LibUring_INCLUDE_DIR liburing.h)
-find_library(LibUring_LIBRARY uring)
-include(FindPackageHandleStandardArgs)
-find_package_handle_standard_args(LibUring REQUIRED_VARS LibUring_LIBRARY LibUring_INCLUDE_DIR)
-if(LibUring_FOUND AND NOT TARGET LibUring::LibUring)
-  add_library(LibUring::LibUring UNKNOWN IMPORTED)
-  set_target_properties(LibUring::LibUring PROPERTIES IMPORTED_LOCATION "${LibUring_LIBRARY}"
-                        INTERFACE_INCLUDE_DIRECTORIES "${LibUring_INCLUDE_DIR}")
-endif()
-mark_as_advanced(LibUring_INCLUDE_DIR LibUring_LIBRARY)
+# Finds uring and defines LibUring::LibUring.
+include(${CMAKE_CURRENT_LIST_DIR}/StrataFindSimple.cmake)
+strata_find_simple(LibUring liburing.h uring)

@@ -1,0 +1,375 @@
+// CpuAdam against a double-precision reference of the formula in optim_cpu/adam.h, on every
+// kernel ISA this CPU runs, for every dtype combination; determinism across thread counts and
+// chunkings; overflow skip; bad input.
+#include "optim_cpu/adam.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::optim_cpu {
+
+void PrintTo(Isa isa, std::ostream* os) { *os << IsaName(isa); }
+
+namespace {
+
+using ::testing::HasSubstr;
+
+uint16_t ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+float FromBf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+uint16_t ToF16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t out;
+  std::memcpy(&out, &h, 2);
+  return out;
+}
+float FromF16(uint16_t v) {
+  _Float16 h;
+  std::memcpy(&h, &v, 2);
+  return static_cast<float>(h);
+}
+
+// The tensors of a test, with gradients and moments in their storage types.
+struct State {
+  std::vector<float> p;
+  std::vector<uint16_t> g16, m16, v16, copy;
+  std::vector<float> g32, m32, v32;
+  DType grad_dtype = DType::kF32, moment_dtype = DType::kF32;
+  bool with_copy = false;
+  DType copy_dtype = DType::kBF16;
+
+  float Grad(size_t i) const {
+    if (grad_dtype == DType::kF32) return g32[i];
+    return grad_dtype == DType::kBF16 ? FromBf16(g16[i]) : FromF16(g16[i]);
+  }
+  float M(size_t i) const { return moment_dtype == DType::kF32 ? m32[i] : FromBf16(m16[i]); }
+  float V(size_t i) const { return moment_dtype == DType::kF32 ? v32[i] : FromBf16(v16[i]); }
+
+  AdamChunk Chunk(size_t begin, size_t n) {
+    AdamChunk c;
+    c.param = p.data() + begin;
+    c.grad_dtype = grad_dtype;
+    c.grad = grad_dtype == DType::kF32 ? static_cast<const void*>(g32.data() + begin)
+                                       : static_cast<const void*>(g16.data() + begin);
+    c.moment_dtype = moment_dtype;
+    if (moment_dtype == DType::kF32) {
+      c.exp_avg = m32.data() + begin;
+      c.exp_avg_sq = v32.data() + begin;
+    } else {
+      c.exp_avg = m16.data() + begin;
+      c.exp_avg_sq = v16.data() + begin;
+    }
+    if (with_copy) {
+      c.param_copy = copy.data() + begin;
+      c.copy_dtype = copy_dtype;
+    }
+    c.size = n;
+    return c;
+  }
+
+  void NewGrads(std::mt19937_64& rng, float scale) {
+    std::normal_distribution<float> d(0, scale);
+    for (size_t i = 0; i < p.size(); ++i) {
+      const float g = d(rng);
+      if (grad_dtype == DType::kF32) {
+        g32[i] = g;
+      } else {
+        g16[i] = grad_dtype == DType::kBF16 ? ToBf16(g) : ToF16(g);
+      }
+    }
+  }
+};
+
+State MakeState(size_t n, DType grad, DType moments, bool copy, DType copy_dtype, uint64_t seed) {
+  State s;
+  s.grad_dtype = grad;
+  s.moment_dtype = moments;
+  s.with_copy = copy;
+  s.copy_dtype = copy_dtype;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0, 1);
+  s.p.resize(n);
+  for (float& x : s.p) x = d(rng);
+  s.g32.assign(n, 0);
+  s.g16.assign(n, 0);
+  s.m32.assign(n, 0);
+  s.v32.assign(n, 0);
+  s.m16.assign(n, 0);
+  s.v16.assign(n, 0);
+  s.copy.assign(n, 0);
+  s.NewGrads(rng, 0.1f);
+  return s;
+}
+
+struct Reference {
+  double p, m, v;
+  double p_scale, m_scale;  // magnitudes of the terms summed, for the error bound
+};
+
+Reference RefStep(const AdamConfig& c, int64_t t, double p, double g, double m, double v,
+                  double grad_scale) {
+  g *= grad_scale;
+  if (!c.adamw) g += double{c.weight_decay} * p;
+  const double p0 = c.adamw ? p * (1.0 - double{c.lr} * c.weight_decay) : p;
+  Reference r;
+  r.m = c.beta1 * m + (1.0 - c.beta1) * g;
+  r.m_scale = std::fabs(c.beta1 * m) + std::fabs((1.0 - c.beta1) * g);
+  r.v = c.beta2 * v + (1.0 - c.beta2) * g * g;
+  const double bc1 = c.bias_correction ? 1.0 - std::pow(double{c.beta1}, double(t)) : 1.0;
+  const double bc2 = c.bias_correction ? 1.0 - std::pow(double{c.beta2}, double(t)) : 1.0;
+  const double denom = std::sqrt(r.v) / std::sqrt(bc2) + c.eps;
+  const double update = (c.lr / bc1) * (r.m / denom);
+  r.p = p0 - update;
+  r.p_scale = std::fabs(p0) + std::fabs(update) + std::fabs(p);
+  return r;
+}
+
+struct Case {
+  DType grad, moments;
+  bool copy;
+  DType copy_dtype;
+  bool adamw, bias_correction;
+};
+
+std::string CaseName(const Case& c) {
+  return absl::StrCat("grad_", DTypeName(c.grad), "_m_", DTypeName(c.moments),
+                      c.copy ? absl::StrCat("_copy_", DTypeName(c.copy_dtype)) : "",
+                      c.adamw ? "_adamw" : "_adam", c.bias_correction ? "" : "_nobc");
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> out;
+  for (DType g : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (DType m : {DType::kF32, DType::kBF16}) {
+      for (int copy = 0; copy < 3; ++copy) {
+        for (bool adamw : {true, false}) {
+          for (bool bc : {true, false}) {
+            out.push_back({g, m, copy > 0, copy == 2 ? DType::kF16 : DType::kBF16, adamw, bc});
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
+class AdamIsaTest : public ::testing::TestWithParam<Isa> {
+ protected:
+  AdamConfig Config(bool adamw, bool bc) {
+    AdamConfig c;
+    c.lr = 1e-2f;
+    c.weight_decay = 0.01f;
+    c.adamw = adamw;
+    c.bias_correction = bc;
+    c.threads = 2;
+    c.isa = std::string(IsaName(GetParam()));
+    return c;
+  }
+};
+
+TEST_P(AdamIsaTest, MatchesTheDoubleReferenceForEveryDtypeCombination) {
+  constexpr size_t kN = 1000 + 37;  // not a multiple of any vector width
+  constexpr int kSteps = 12;
+  for (const Case& tc : AllCases()) {
+    SCOPED_TRACE(CaseName(tc));
+    const AdamConfig config = Config(tc.adamw, tc.bias_correction);
+    auto adam = CpuAdam::Create(config);
+    ASSERT_TRUE(adam.ok()) << adam.status();
+    ASSERT_EQ((*adam)->isa(), GetParam());
+    State s = MakeState(kN, tc.grad, tc.moments, tc.copy, tc.copy_dtype, 7);
+    std::mt19937_64 rng(11);
+    const float grad_scale = 0.5f;
+    for (int64_t t = 1; t <= kSteps; ++t) {
+      std::vector<Reference> ref(kN);
+      for (size_t i = 0; i < kN; ++i) {
+        ref[i] = RefStep(config, t, s.p[i], s.Grad(i), s.M(i), s.V(i), grad_scale);
+      }
+      auto r = (*adam)->Step(t, s.Chunk(0, kN), {.grad_scale = grad_scale});
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_FALSE(r->overflow);
+      // fp32 moments: every element within 1e-6 of the reference, relative to the magnitude
+      // of the terms summed. bf16 moments: within bf16's half-ulp rounding (2^-8 relative).
+      const double moment_tol = tc.moments == DType::kF32 ? 1e-6 : 1.0 / 256;
+      for (size_t i = 0; i < kN; ++i) {
+        ASSERT_LE(std::fabs(s.p[i] - ref[i].p), 1e-6 * ref[i].p_scale)
+            << "p[" << i << "] step " << t << ": " << s.p[i] << " vs " << ref[i].p;
+        ASSERT_LE(std::fabs(s.M(i) - ref[i].m), moment_tol * ref[i].m_scale + 1e-30)
+            << "m[" << i << "] step " << t;
+        ASSERT_LE(std::fabs(s.V(i) - ref[i].v), moment_tol * ref[i].v + 1e-30)
+            << "v[" << i << "] step " << t;
+        if (tc.copy) {
+          const uint16_t want = tc.copy_dtype == DType::kBF16 ? ToBf16(s.p[i]) : ToF16(s.p[i]);
+          ASSERT_EQ(s.copy[i], want) << "copy[" << i << "] step " << t;
+        }
+      }
+      s.NewGrads(rng, 0.1f);
+    }
+  }
+}
+
+// Runs `steps` steps with the given thread count, cutting the tensors into `cuts` chunks.
+State RunWith(Isa isa, int threads, const std::vector<size_t>& cuts, DType grad, DType moments) {
+  AdamConfig c;
+  c.threads = threads;
+  c.isa = std::string(IsaName(isa));
+  c.weight_decay = 0.1f;
+  auto adam = CpuAdam::Create(c);
+  EXPECT_TRUE(adam.ok());
+  State s = MakeState(5003, grad, moments, true, DType::kBF16, 3);
+  std::mt19937_64 rng(5);
+  for (int64_t t = 1; t <= 5; ++t) {
+    size_t begin = 0;
+    for (size_t cut : cuts) {
+      EXPECT_TRUE((*adam)->Step(t, s.Chunk(begin, cut - begin)).ok());
+      begin = cut;
+    }
+    s.NewGrads(rng, 0.1f);
+  }
+  return s;
+}
+
+TEST_P(AdamIsaTest, BitsDoNotDependOnThreadsOrChunking) {
+  for (DType grad : {DType::kF32, DType::kBF16}) {
+    for (DType moments : {DType::kF32, DType::kBF16}) {
+      const State one = RunWith(GetParam(), 1, {5003}, grad, moments);
+      for (const auto& [threads, cuts] : std::vector<std::pair<int, std::vector<size_t>>>{
+               {2, {5003}}, {3, {5003}}, {7, {5003}}, {2, {1, 17, 2048, 5003}}, {1, {999, 5003}}}) {
+        const State other = RunWith(GetParam(), threads, cuts, grad, moments);
+        EXPECT_EQ(0, std::memcmp(one.p.data(), other.p.data(), one.p.size() * 4))
+            << threads << " threads, " << cuts.size() << " chunks";
+        EXPECT_EQ(one.m32, other.m32);
+        EXPECT_EQ(one.v16, other.v16);
+        EXPECT_EQ(one.copy, other.copy);
+      }
+    }
+  }
+}
+
+TEST_P(AdamIsaTest, OverflowIsReportedAndNoStateIsTouched) {
+  auto adam = CpuAdam::Create(Config(true, true));
+  ASSERT_TRUE(adam.ok());
+  for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (size_t bad_at : {0u, 500u, 1036u}) {
+      for (float bad :
+           {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+            std::numeric_limits<float>::quiet_NaN()}) {
+        State s = MakeState(1037, grad, DType::kF32, true, DType::kBF16, 9);
+        if (grad == DType::kF32) {
+          s.g32[bad_at] = bad;
+        } else {
+          s.g16[bad_at] = grad == DType::kBF16 ? ToBf16(bad) : ToF16(bad);
+        }
+        const State before = s;
+        auto r = (*adam)->Step(1, s.Chunk(0, 1037), {.check_overflow = true});
+        ASSERT_TRUE(r.ok());
+        EXPECT_TRUE(r->overflow);
+        EXPECT_EQ(0, std::memcmp(s.p.data(), before.p.data(), s.p.size() * 4));
+        EXPECT_EQ(s.m32, before.m32);
+        EXPECT_EQ(s.v32, before.v32);
+        EXPECT_EQ(s.copy, before.copy);
+      }
+    }
+    State fine = MakeState(1037, grad, DType::kF32, false, DType::kBF16, 9);
+    EXPECT_FALSE((*adam)->HasNonFinite(fine.Chunk(0, 1037).grad, grad, 1037));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, AdamIsaTest, ::testing::ValuesIn(SupportedIsas()),
+                         [](const auto& info) { return std::string(IsaName(info.param)); });
+
+TEST(AdamConfigTest, BadHyperParametersAreRejectedNamingTheKeyAndRange) {
+  struct Bad {
+    AdamConfig c;
+    const char* message;
+  };
+  auto with = [](auto f) {
+    AdamConfig c;
+    f(c);
+    return c;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {with([](AdamConfig& c) { c.lr = -1; }), "lr: must be finite and >= 0"},
+           {with([](AdamConfig& c) { c.lr = NAN; }), "lr: must be finite"},
+           {with([](AdamConfig& c) { c.beta1 = 1.0f; }), "betas[0]: must be in [0, 1)"},
+           {with([](AdamConfig& c) { c.beta2 = -0.1f; }), "betas[1]: must be in [0, 1)"},
+           {with([](AdamConfig& c) { c.eps = 0; }), "eps: must be finite and > 0"},
+           {with([](AdamConfig& c) { c.eps = INFINITY; }), "eps"},
+           {with([](AdamConfig& c) { c.weight_decay = -1; }), "weight_decay"},
+           {with([](AdamConfig& c) { c.threads = -2; }), "threads: must be in [0, 1024]"},
+           {with([](AdamConfig& c) { c.isa = "avx9000"; }), "accepted here:"}}) {
+    auto adam = CpuAdam::Create(b.c);
+    EXPECT_EQ(adam.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(adam.status().message(), HasSubstr(b.message));
+  }
+}
+
+TEST(AdamStepTest, BadSpansAreRejectedNamingTheArgument) {
+  auto adam = CpuAdam::Create(AdamConfig{.threads = 1});
+  ASSERT_TRUE(adam.ok());
+  State s = MakeState(64, DType::kF32, DType::kF32, false, DType::kBF16, 1);
+  auto expect = [&](AdamChunk c, const char* what, int64_t t = 1) {
+    auto r = (*adam)->Step(t, c);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(r.status().message(), HasSubstr(what));
+  };
+  AdamChunk c = s.Chunk(0, 64);
+  expect(c, "step t must be >= 1", 0);
+  c.size = 0;
+  expect(c, "size is 0");
+  c = s.Chunk(0, 64);
+  c.param = nullptr;
+  expect(c, "param is null");
+  c = s.Chunk(0, 64);
+  c.grad = nullptr;
+  expect(c, "grad is null");
+  c = s.Chunk(0, 64);
+  c.exp_avg_sq = nullptr;
+  expect(c, "exp_avg_sq is null");
+  c = s.Chunk(0, 64);
+  c.moment_dtype = DType::kF16;
+  expect(c, "moment_dtype fp16");
+  c = s.Chunk(0, 64);
+  c.param_copy = s.copy.data();
+  c.copy_dtype = DType::kF32;
+  expect(c, "copy_dtype fp32");
+  c = s.Chunk(0, 64);
+  auto r = (*adam)->Step(1, c, {.grad_scale = NAN});
+  EXPECT_THAT(r.status().message(), HasSubstr("grad_scale"));
+}
+
+TEST(AdamStepTest, ChosenIsaIsTheBestTheCpuHas) {
+  auto adam = CpuAdam::Create(AdamConfig{.threads = 1});
+  ASSERT_TRUE(adam.ok());
+  if (getenv("STRATA_CPU_ADAM_ISA") == nullptr) EXPECT_EQ((*adam)->isa(), SupportedIsas().front());
+}
+
+TEST(ThreadPoolTest, RangesCoverEverythingOnceAtGranuleBoundaries) {
+  auto pool = ThreadPool::Create(3);
+  ASSERT_TRUE(pool.ok());
+  std::vector<std::atomic<int>> hits(1000);
+  std::atomic<int> misaligned{0};
+  (*pool)->ParallelFor(1000, 64, [&](size_t b, size_t e, int) {
+    if (b % 64 != 0) ++misaligned;
+    for (size_t i = b; i < e; ++i) ++hits[i];
+  });
+  for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+  EXPECT_EQ(misaligned.load(), 0);
+  EXPECT_FALSE((*pool)->placement().empty());
+}
+
+}  // namespace
+}  // namespace strata::optim_cpu
