@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -28,8 +28,9 @@
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "parameters");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(std::string, threads, "", "thread counts (default: 1 and all cores)");
-ABSL_FLAG(std::string, torch_python, "/usr/bin/python3", "python with torch for the peer row "
-                                                         "(empty: no peer)");
+ABSL_FLAG(std::string, torch_python, "/usr/bin/python3",
+          "python with torch for the peer row "
+          "(empty: no peer)");
 ABSL_FLAG(std::string, json, "", "write the report here");
 ABSL_FLAG(int, accuracy_steps, 300, "steps of the bf16-moments accuracy experiment (0: skip)");
 
@@ -89,11 +90,13 @@ TorchResult RunTorch(const std::string& python, int64_t params, int threads, boo
   std::string out;
   std::array<char, 4096> buf;
   size_t n;
-  while (pipe != nullptr && (n = fread(buf.data(), 1, buf.size(), pipe)) > 0) out.append(buf.data(), n);
+  while (pipe != nullptr && (n = fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    out.append(buf.data(), n);
   if (pipe != nullptr) pclose(pipe);
   const size_t brace = out.rfind('{');
-  nlohmann::json j = brace == std::string::npos ? nlohmann::json()
-                                                : nlohmann::json::parse(out.substr(brace), nullptr, false);
+  nlohmann::json j = brace == std::string::npos
+                         ? nlohmann::json()
+                         : nlohmann::json::parse(out.substr(brace), nullptr, false);
   if (j.is_discarded() || !j.is_object()) {
     r.why = "peer failed: " + out.substr(0, 300);
     return r;
@@ -160,15 +163,22 @@ void Bf16MomentsAccuracy(int steps, Report* report) {
     norm += double(p32[i]) * p32[i];
   }
   const double rel = std::sqrt(diff / norm), l32 = loss(p32), l16 = loss(p16);
-  std::printf("bf16 moments, %d AdamW steps on a noisy quadratic (2^20 params): parameters differ "
-              "from fp32 moments' by %.2e (relative L2); loss %.4e -> fp32 moments %.6e, bf16 "
-              "moments %.6e (%.3f%%)\n",
-              steps, rel, loss0, l32, l16, 100.0 * (l16 - l32) / l32);
-  nlohmann::json cfg = {{"params", kN}, {"steps", steps}, {"lr", 1e-2}, {"grad_noise", 0.5},
-                        {"initial_loss", loss0}, {"loss_fp32_moments", l32},
+  std::printf(
+      "bf16 moments, %d AdamW steps on a noisy quadratic (2^20 params): parameters differ "
+      "from fp32 moments' by %.2e (relative L2); loss %.4e -> fp32 moments %.6e, bf16 "
+      "moments %.6e (%.3f%%)\n",
+      steps, rel, loss0, l32, l16, 100.0 * (l16 - l32) / l32);
+  nlohmann::json cfg = {{"params", kN},
+                        {"steps", steps},
+                        {"lr", 1e-2},
+                        {"grad_noise", 0.5},
+                        {"initial_loss", loss0},
+                        {"loss_fp32_moments", l32},
                         {"loss_bf16_moments", l16}};
-  report->Add(Figure{.name = "bf16_moments_param_deviation", .unit = "relative L2",
-                     .value = Summary::Of({rel}), .config = cfg,
+  report->Add(Figure{.name = "bf16_moments_param_deviation",
+                     .unit = "relative L2",
+                     .value = Summary::Of({rel}),
+                     .config = cfg,
                      .note = "accuracy, not speed: no ceiling"});
 }
 
@@ -188,7 +198,8 @@ int Main() {
     for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_threads), ',')) {
       int v = 0;
       if (!absl::SimpleAtoi(t, &v) || v < 1 || v > 1024) {
-        std::fprintf(stderr, "cpu_adam: --threads: \"%s\" is not in [1, 1024]\n", std::string(t).c_str());
+        std::fprintf(stderr, "cpu_adam: --threads: \"%s\" is not in [1, 1024]\n",
+                     std::string(t).c_str());
         return 2;
       }
       thread_counts.push_back(v);
@@ -196,7 +207,9 @@ int Main() {
   }
 
   // Data: huge-page backed, random; the same arrays serve the ceiling and Adam.
-  auto alloc = [&](size_t bytes) { return *aio::AlignedBuffer::Allocate(bytes, {.huge_pages = true}); };
+  auto alloc = [&](size_t bytes) {
+    return *aio::AlignedBuffer::Allocate(bytes, {.huge_pages = true});
+  };
   aio::AlignedBuffer pb = alloc(n * 4), gb = alloc(n * 4), mb = alloc(n * 4), vb = alloc(n * 4),
                      g16b = alloc(n * 2), copyb = alloc(n * 2);
   float* p = reinterpret_cast<float*>(pb.data());
@@ -220,11 +233,13 @@ int Main() {
     bool bf16;
     double bytes_per_param;
   };
-  const std::vector<Case> cases = {{"adamw_fp32", false, 28}, {"adamw_bf16_grad_bf16_copy", true, 28}};
+  const std::vector<Case> cases = {{"adamw_fp32", false, 28},
+                                   {"adamw_bf16_grad_bf16_copy", true, 28}};
 
   Report report("cpu_adam", MachineInfo::Probe("."));
   const std::string torch_python = absl::GetFlag(FLAGS_torch_python);
-  std::printf("%zu parameters (%.2f GiB of fp32 state), %d rounds\n", n, n * 16.0 / (1 << 30), rounds);
+  std::printf("%zu parameters (%.2f GiB of fp32 state), %d rounds\n", n, n * 16.0 / (1 << 30),
+              rounds);
   for (int threads : thread_counts) {
     optim_cpu::AdamConfig config;
     config.threads = threads;
@@ -287,34 +302,53 @@ int Main() {
       for (double s : ceil_s) ceil_gbps.push_back(bytes / s / 1e9);
       const Summary o = Summary::Of(ours_gbps), cl = Summary::Of(ceil_gbps), r = Summary::Of(ratio);
       const std::string name = absl::StrCat(c.name, "_", threads, "t");
-      std::printf("%-34s %s: %6.2f GB/s [%5.2f, %5.2f] = %.3f of the bandwidth kernel %6.2f GB/s "
-                  "(%.1f ms/step, %.2f Gparam/s)\n",
-                  name.c_str(), std::string(optim_cpu::IsaName((*adam)->isa())).c_str(), o.median,
-                  o.min, o.max, r.median, cl.median, Summary::Of(ours_s).median * 1e3,
-                  n / Summary::Of(ours_s).median / 1e9);
-      nlohmann::json cfg = {{"params", n}, {"threads", threads}, {"isa", std::string(optim_cpu::IsaName((*adam)->isa()))},
-                            {"bytes_per_param", c.bytes_per_param}, {"placement", pool.placement()},
+      std::printf(
+          "%-34s %s: %6.2f GB/s [%5.2f, %5.2f] = %.3f of the bandwidth kernel %6.2f GB/s "
+          "(%.1f ms/step, %.2f Gparam/s)\n",
+          name.c_str(), std::string(optim_cpu::IsaName((*adam)->isa())).c_str(), o.median, o.min,
+          o.max, r.median, cl.median, Summary::Of(ours_s).median * 1e3,
+          n / Summary::Of(ours_s).median / 1e9);
+      nlohmann::json cfg = {{"params", n},
+                            {"threads", threads},
+                            {"isa", std::string(optim_cpu::IsaName((*adam)->isa()))},
+                            {"bytes_per_param", c.bytes_per_param},
+                            {"placement", pool.placement()},
                             {"rounds", rounds}};
-      report.Add(Figure{.name = name, .unit = "GB/s", .value = o, .ceiling = cl,
-                        .ceiling_source = absl::StrCat("bandwidth kernel of Adam's shape (",
-                                                       c.bytes_per_param, " B/param), same data and threads"),
-                        .ratio = r, .config = cfg});
+      report.Add(Figure{
+          .name = name,
+          .unit = "GB/s",
+          .value = o,
+          .ceiling = cl,
+          .ceiling_source = absl::StrCat("bandwidth kernel of Adam's shape (", c.bytes_per_param,
+                                         " B/param), same data and threads"),
+          .ratio = r,
+          .config = cfg});
       if (!c.bf16) {
         // The peer: torch.optim.AdamW, foreach off and on; ours over the faster of the two.
         const TorchResult off = RunTorch(torch_python, static_cast<int64_t>(n), threads, false);
         const TorchResult on = RunTorch(torch_python, static_cast<int64_t>(n), threads, true);
-        Figure peer{.name = name + "_vs_torch", .unit = "s/step", .value = Summary::Of(ours_s),
-                    .lower_is_better = true, .config = cfg};
+        Figure peer{.name = name + "_vs_torch",
+                    .unit = "s/step",
+                    .value = Summary::Of(ours_s),
+                    .lower_is_better = true,
+                    .config = cfg};
         if (off.available || on.available) {
           double best = 1e30;
           std::string which;
-          if (off.available && off.seconds < best) { best = off.seconds; which = "foreach=False"; }
-          if (on.available && on.seconds < best) { best = on.seconds; which = "foreach=True"; }
+          if (off.available && off.seconds < best) {
+            best = off.seconds;
+            which = "foreach=False";
+          }
+          if (on.available && on.seconds < best) {
+            best = on.seconds;
+            which = "foreach=True";
+          }
           peer.ceiling = Summary::Of({best});
-          peer.ceiling_source = "torch.optim.AdamW " + which + " (the faster), same size and threads";
+          peer.ceiling_source =
+              "torch.optim.AdamW " + which + " (the faster), same size and threads";
           peer.ratio = Summary::Of({Summary::Of(ours_s).median / best});
-          std::printf("%-34s torch AdamW foreach off %.1f ms, on %.1f ms: strata is %.1fx faster\n", "",
-                      off.seconds * 1e3, on.seconds * 1e3, best / Summary::Of(ours_s).median);
+          std::printf("%-34s torch AdamW foreach off %.1f ms, on %.1f ms: strata is %.1fx faster\n",
+                      "", off.seconds * 1e3, on.seconds * 1e3, best / Summary::Of(ours_s).median);
         } else {
           peer.note = off.why;
           std::printf("%-34s torch peer: %s\n", "", off.why.c_str());

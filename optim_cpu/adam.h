@@ -45,17 +45,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "optim_cpu/common.h"
 #include "optim_cpu/thread_pool.h"
 
 namespace strata::optim_cpu {
 
-enum class Isa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
-absl::string_view IsaName(Isa isa);
-// The ISAs this CPU can run, best first.
-std::vector<Isa> SupportedIsas();
-
-enum class DType { kF32, kBF16, kF16 };
-absl::string_view DTypeName(DType t);
+namespace internal {
+class Core;
+}
 
 struct AdamConfig {
   float lr = 1e-3f;
@@ -85,16 +82,6 @@ struct AdamChunk {
   size_t size = 0;                  // elements
 };
 
-struct StepOptions {
-  float grad_scale = 1.0f;  // multiplies every gradient (1/loss_scale times a clip coefficient)
-  bool check_overflow = false;
-  float lr = -1;  // >= 0: this step's learning rate (schedulers); else config's
-};
-
-struct StepResult {
-  bool overflow = false;  // true: a gradient was inf or nan; nothing was changed
-};
-
 class CpuAdam {
  public:
   // Validates the hyper-parameters (lr >= 0, betas in [0, 1), eps > 0, weight_decay >= 0, all
@@ -109,15 +96,16 @@ class CpuAdam {
   // Whether any of the n gradients is inf or nan (vectorized, on the pool).
   bool HasNonFinite(const void* grad, DType dtype, size_t n);
 
-  Isa isa() const { return isa_; }
+  Isa isa() const;
   const AdamConfig& config() const { return config_; }
-  ThreadPool& pool() { return *pool_; }
+  ThreadPool& pool();
+
+  ~CpuAdam();
 
  private:
-  CpuAdam() = default;
+  CpuAdam();
   AdamConfig config_;
-  Isa isa_ = Isa::kScalar;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<internal::Core> core_;
 };
 
 // Validation of hyper-parameters, shared with other optimizers' configs.

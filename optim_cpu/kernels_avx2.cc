@@ -15,6 +15,11 @@ struct Avx2Ops {
   static V Div(V a, V b) { return _mm256_div_ps(a, b); }
   static V Sqrt(V a) { return _mm256_sqrt_ps(a); }
   static V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V Sign(V a) {
+    const V zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), one),
+                         _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
+  }
   static V LoadF32(const float* p) { return _mm256_loadu_ps(p); }
   static void StoreF32(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V LoadBF16(const uint16_t* p) {
@@ -46,6 +51,6 @@ struct Avx2Ops {
 
 }  // namespace
 
-Kernels Avx2Kernels() { return {&AdamKernelFor<Avx2Ops>, &NonFinite}; }
+Kernels Avx2Kernels() { return {&UpdateKernelFor<Avx2Ops>, &NonFinite}; }
 
 }  // namespace strata::optim_cpu::internal

@@ -16,6 +16,11 @@ struct Avx512Ops {
   static V Div(V a, V b) { return _mm512_div_ps(a, b); }
   static V Sqrt(V a) { return _mm512_sqrt_ps(a); }
   static V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V Sign(V a) {
+    const V zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), one),
+                         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), one));
+  }
   static V LoadF32(const float* p) { return _mm512_loadu_ps(p); }
   static void StoreF32(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V LoadBF16(const uint16_t* p) {
@@ -50,9 +55,9 @@ struct Avx512Ops {
 }  // namespace
 
 #if STRATA_NATIVE_BF16
-Kernels Avx512Bf16Kernels() { return {&AdamKernelFor<Avx512Ops>, &NonFinite}; }
+Kernels Avx512Bf16Kernels() { return {&UpdateKernelFor<Avx512Ops>, &NonFinite}; }
 #else
-Kernels Avx512Kernels() { return {&AdamKernelFor<Avx512Ops>, &NonFinite}; }
+Kernels Avx512Kernels() { return {&UpdateKernelFor<Avx512Ops>, &NonFinite}; }
 #endif
 
 }  // namespace strata::optim_cpu::internal

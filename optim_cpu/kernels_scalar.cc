@@ -15,6 +15,7 @@ struct ScalarOps {
   static V Div(V a, V b) { return a / b; }
   static V Sqrt(V a) { return std::sqrt(a); }
   static V Fma(V a, V b, V c) { return std::fma(a, b, c); }
+  static V Sign(V a) { return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f); }
   static V LoadF32(const float* p) { return *p; }
   static void StoreF32(float* p, V v) { *p = v; }
   static V LoadBF16(const uint16_t* p) {
@@ -41,6 +42,6 @@ struct ScalarOps {
 
 }  // namespace
 
-Kernels ScalarKernels() { return {&AdamKernelFor<ScalarOps>, &NonFinite}; }
+Kernels ScalarKernels() { return {&UpdateKernelFor<ScalarOps>, &NonFinite}; }
 
 }  // namespace strata::optim_cpu::internal

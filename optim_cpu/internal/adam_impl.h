@@ -1,6 +1,7 @@
-// The Adam kernel written once over an "Ops" type that each ISA's translation unit provides:
+// The optimizer kernels written once over an "Ops" type that each ISA's translation unit
+// provides:
 //   using V = <vector of float>; static constexpr size_t N = lanes;
-//   Set(float), Add, Mul, Div, Sqrt, Fma(a, b, c) = a * b + c (fused),
+//   Set(float), Add, Mul, Div, Sqrt, Fma(a, b, c) = a * b + c (fused), Sign (-1, 0, +1),
 //   LoadF32/StoreF32, LoadBF16/StoreBF16, LoadF16/StoreF16 (uint16_t storage).
 // Include only from a kernels_<isa>.cc. Everything here is in an anonymous namespace: each ISA's
 // translation unit is compiled with its own flags and must get its own copies (shared inline
@@ -42,78 +43,110 @@ inline void Store(void* base, size_t i, typename O::V v) {
   }
 }
 
-// One vector of elements starting at i. The formula is the one in optim_cpu/adam.h.
-template <class O, DType G, DType M, int C>
-inline void AdamVector(const AdamArgs& a, float* p, const void* g, void* m, void* v, void* out,
-                       size_t i) {
+// One vector of elements starting at i, for rule R. The formulas are the headers'.
+template <class O, Rule R, DType G, DType S, int C>
+inline void UpdateVector(const UpdateArgs& a, float* p, const void* g, void* s1, void* s2,
+                         void* out, size_t i) {
   using V = typename O::V;
   V gv = O::Mul(Load<O, G>(g, i), O::Set(a.grad_scale));
   V pv = O::LoadF32(p + i);
   if (a.l2 != 0.0f) gv = O::Fma(O::Set(a.l2), pv, gv);
-  if (a.adamw) pv = O::Mul(pv, O::Set(a.decay));
-  V mv = Load<O, M>(m, i);
-  V vv = Load<O, M>(v, i);
-  mv = O::Fma(O::Set(a.beta1), mv, O::Mul(O::Set(a.one_minus_beta1), gv));
-  vv = O::Fma(O::Set(a.beta2), vv, O::Mul(O::Mul(O::Set(a.one_minus_beta2), gv), gv));
-  const V denom = O::Add(O::Div(O::Sqrt(vv), O::Set(a.bc2_sqrt)), O::Set(a.eps));
-  pv = O::Fma(O::Set(-a.step_size), O::Div(mv, denom), pv);
+  if (a.decoupled) pv = O::Mul(pv, O::Set(a.decay));
+  if constexpr (R == Rule::kAdam) {
+    V mv = Load<O, S>(s1, i);
+    V vv = Load<O, S>(s2, i);
+    mv = O::Fma(O::Set(a.beta1), mv, O::Mul(O::Set(a.one_minus_beta1), gv));
+    vv = O::Fma(O::Set(a.beta2), vv, O::Mul(O::Mul(O::Set(a.one_minus_beta2), gv), gv));
+    const V denom = O::Add(O::Div(O::Sqrt(vv), O::Set(a.bc2_sqrt)), O::Set(a.eps));
+    pv = O::Fma(O::Set(-a.step_size), O::Div(mv, denom), pv);
+    Store<O, S>(s1, i, mv);
+    Store<O, S>(s2, i, vv);
+  } else if constexpr (R == Rule::kAdagrad) {
+    V sv = Load<O, S>(s1, i);
+    sv = O::Fma(gv, gv, sv);
+    const V std_dev = O::Add(O::Sqrt(sv), O::Set(a.eps));
+    pv = O::Fma(O::Set(-a.step_size), O::Div(gv, std_dev), pv);
+    Store<O, S>(s1, i, sv);
+  } else {  // Lion
+    V mv = Load<O, S>(s1, i);
+    const V c = O::Fma(O::Set(a.beta1), mv, O::Mul(O::Set(a.one_minus_beta1), gv));
+    pv = O::Fma(O::Set(-a.step_size), O::Sign(c), pv);
+    mv = O::Fma(O::Set(a.beta2), mv, O::Mul(O::Set(a.one_minus_beta2), gv));
+    Store<O, S>(s1, i, mv);
+  }
   O::StoreF32(p + i, pv);
-  Store<O, M>(m, i, mv);
-  Store<O, M>(v, i, vv);
   if constexpr (C != kNoCopy) Store<O, static_cast<DType>(C)>(out, i, pv);
 }
 
-template <class O, DType G, DType M, int C>
-void AdamRange(const AdamArgs& a, size_t begin, size_t end) {
+template <class O, Rule R, DType G, DType S, int C>
+void UpdateRange(const UpdateArgs& a, size_t begin, size_t end) {
   size_t i = begin;
   for (; i + O::N <= end; i += O::N) {
-    AdamVector<O, G, M, C>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.param_copy, i);
+    UpdateVector<O, R, G, S, C>(a, a.param, a.grad, a.state1, a.state2, a.param_copy, i);
   }
   if (i == end) return;
   // The tail goes through the same vector code on zero-padded copies.
   const size_t r = end - i;
   alignas(64) float p[O::N] = {};
-  alignas(64) unsigned char g[O::N * 4] = {}, m[O::N * 4] = {}, v[O::N * 4] = {},
+  alignas(64) unsigned char g[O::N * 4] = {}, s1[O::N * 4] = {}, s2[O::N * 4] = {},
                                      out[O::N * 4] = {};
-  const size_t gb = DTypeBytes(G), mb = DTypeBytes(M);
+  const size_t gb = DTypeBytes(G), sb = DTypeBytes(S);
+  auto at = [](const void* base, size_t index, size_t bytes) {
+    return static_cast<const unsigned char*>(base) + index * bytes;
+  };
+  auto at_mut = [](void* base, size_t index, size_t bytes) {
+    return static_cast<unsigned char*>(base) + index * bytes;
+  };
   std::memcpy(p, a.param + i, r * 4);
-  std::memcpy(g, static_cast<const unsigned char*>(a.grad) + i * gb, r * gb);
-  std::memcpy(m, static_cast<unsigned char*>(a.exp_avg) + i * mb, r * mb);
-  std::memcpy(v, static_cast<unsigned char*>(a.exp_avg_sq) + i * mb, r * mb);
-  AdamVector<O, G, M, C>(a, p, g, m, v, out, 0);
+  std::memcpy(g, at(a.grad, i, gb), r * gb);
+  std::memcpy(s1, at(a.state1, i, sb), r * sb);
+  if constexpr (R == Rule::kAdam) std::memcpy(s2, at(a.state2, i, sb), r * sb);
+  UpdateVector<O, R, G, S, C>(a, p, g, s1, s2, out, 0);
   std::memcpy(a.param + i, p, r * 4);
-  std::memcpy(static_cast<unsigned char*>(a.exp_avg) + i * mb, m, r * mb);
-  std::memcpy(static_cast<unsigned char*>(a.exp_avg_sq) + i * mb, v, r * mb);
+  std::memcpy(at_mut(a.state1, i, sb), s1, r * sb);
+  if constexpr (R == Rule::kAdam) std::memcpy(at_mut(a.state2, i, sb), s2, r * sb);
   if constexpr (C != kNoCopy) {
     const size_t cb = DTypeBytes(static_cast<DType>(C));
-    std::memcpy(static_cast<unsigned char*>(a.param_copy) + i * cb, out, r * cb);
+    std::memcpy(at_mut(a.param_copy, i, cb), out, r * cb);
   }
 }
 
-template <class O, DType G, DType M>
-void AdamRangeCopy(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.param_copy == nullptr) return AdamRange<O, G, M, kNoCopy>(a, begin, end);
+template <class O, Rule R, DType G, DType S>
+void UpdateRangeCopy(const UpdateArgs& a, size_t begin, size_t end) {
+  if (a.param_copy == nullptr) return UpdateRange<O, R, G, S, kNoCopy>(a, begin, end);
   if (a.copy_dtype == DType::kBF16) {
-    return AdamRange<O, G, M, static_cast<int>(DType::kBF16)>(a, begin, end);
+    return UpdateRange<O, R, G, S, static_cast<int>(DType::kBF16)>(a, begin, end);
   }
-  return AdamRange<O, G, M, static_cast<int>(DType::kF16)>(a, begin, end);
+  return UpdateRange<O, R, G, S, static_cast<int>(DType::kF16)>(a, begin, end);
 }
 
-template <class O, DType G>
-void AdamRangeMoments(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.moment_dtype == DType::kBF16) return AdamRangeCopy<O, G, DType::kBF16>(a, begin, end);
-  return AdamRangeCopy<O, G, DType::kF32>(a, begin, end);
+template <class O, Rule R, DType G>
+void UpdateRangeState(const UpdateArgs& a, size_t begin, size_t end) {
+  if (a.state_dtype == DType::kBF16) return UpdateRangeCopy<O, R, G, DType::kBF16>(a, begin, end);
+  return UpdateRangeCopy<O, R, G, DType::kF32>(a, begin, end);
+}
+
+template <class O, Rule R>
+void UpdateRangeGrad(const UpdateArgs& a, size_t begin, size_t end) {
+  switch (a.grad_dtype) {
+    case DType::kF32:
+      return UpdateRangeState<O, R, DType::kF32>(a, begin, end);
+    case DType::kBF16:
+      return UpdateRangeState<O, R, DType::kBF16>(a, begin, end);
+    case DType::kF16:
+      return UpdateRangeState<O, R, DType::kF16>(a, begin, end);
+  }
 }
 
 template <class O>
-void AdamKernelFor(const AdamArgs& a, size_t begin, size_t end) {
-  switch (a.grad_dtype) {
-    case DType::kF32:
-      return AdamRangeMoments<O, DType::kF32>(a, begin, end);
-    case DType::kBF16:
-      return AdamRangeMoments<O, DType::kBF16>(a, begin, end);
-    case DType::kF16:
-      return AdamRangeMoments<O, DType::kF16>(a, begin, end);
+void UpdateKernelFor(const UpdateArgs& a, size_t begin, size_t end) {
+  switch (a.rule) {
+    case Rule::kAdam:
+      return UpdateRangeGrad<O, Rule::kAdam>(a, begin, end);
+    case Rule::kAdagrad:
+      return UpdateRangeGrad<O, Rule::kAdagrad>(a, begin, end);
+    case Rule::kLion:
+      return UpdateRangeGrad<O, Rule::kLion>(a, begin, end);
   }
 }
 

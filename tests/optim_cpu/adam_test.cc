@@ -10,6 +10,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "optim_cpu/adagrad.h"
+#include "optim_cpu/lion.h"
 
 namespace strata::optim_cpu {
 
@@ -286,6 +288,95 @@ TEST_P(AdamIsaTest, OverflowIsReportedAndNoStateIsTouched) {
     State fine = MakeState(1037, grad, DType::kF32, false, DType::kBF16, 9);
     EXPECT_FALSE((*adam)->HasNonFinite(fine.Chunk(0, 1037).grad, grad, 1037));
   }
+}
+
+// Adagrad and Lion run through the same kernels; their own reference checks, per ISA.
+TEST_P(AdamIsaTest, AdagradAndLionMatchTheirDoubleReferences) {
+  constexpr size_t kN = 1000 + 37;
+  const std::string isa(IsaName(GetParam()));
+  AdagradConfig ac;
+  ac.lr = 0.05f;
+  ac.lr_decay = 0.01f;
+  ac.weight_decay = 0.01f;
+  ac.threads = 2;
+  ac.isa = isa;
+  auto adagrad = CpuAdagrad::Create(ac);
+  ASSERT_TRUE(adagrad.ok()) << adagrad.status();
+  LionConfig lc;
+  lc.lr = 1e-3f;
+  lc.weight_decay = 0.1f;
+  lc.threads = 2;
+  lc.isa = isa;
+  auto lion = CpuLion::Create(lc);
+  ASSERT_TRUE(lion.ok()) << lion.status();
+  for (DType grad : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (bool is_lion : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(is_lion ? "lion" : "adagrad", " grad ", DTypeName(grad)));
+      State s = MakeState(kN, grad, DType::kF32, true, DType::kF16, 13);
+      std::mt19937_64 rng(17);
+      for (int64_t t = 1; t <= 8; ++t) {
+        std::vector<double> ref_p(kN), ref_s(kN), scale(kN);
+        for (size_t i = 0; i < kN; ++i) {
+          const double p = s.p[i], g = s.Grad(i), st = s.m32[i];
+          if (is_lion) {
+            const double p0 = p * (1.0 - double{lc.lr} * lc.weight_decay);
+            const double c = lc.beta1 * st + (1.0 - lc.beta1) * g;
+            const double sign = c > 0 ? 1 : (c < 0 ? -1 : 0);
+            ref_p[i] = p0 - lc.lr * sign;
+            ref_s[i] = lc.beta2 * st + (1.0 - lc.beta2) * g;
+            scale[i] = std::fabs(p0) + lc.lr + std::fabs(p);
+          } else {
+            const double g2 = g + double{ac.weight_decay} * p;
+            const double clr = ac.lr / (1.0 + (t - 1) * double{ac.lr_decay});
+            ref_s[i] = st + g2 * g2;
+            const double update = clr * g2 / (std::sqrt(ref_s[i]) + ac.eps);
+            ref_p[i] = p - update;
+            scale[i] = std::fabs(p) + std::fabs(update);
+          }
+        }
+        StateChunk c;
+        c.param = s.p.data();
+        c.grad = grad == DType::kF32 ? static_cast<const void*>(s.g32.data())
+                                     : static_cast<const void*>(s.g16.data());
+        c.grad_dtype = grad;
+        c.state = s.m32.data();
+        c.param_copy = s.copy.data();
+        c.copy_dtype = DType::kF16;
+        c.size = kN;
+        auto r = is_lion ? (*lion)->Step(t, c) : (*adagrad)->Step(t, c);
+        ASSERT_TRUE(r.ok()) << r.status();
+        for (size_t i = 0; i < kN; ++i) {
+          ASSERT_LE(std::fabs(s.p[i] - ref_p[i]), 1e-6 * scale[i]) << "p[" << i << "] t " << t;
+          ASSERT_LE(std::fabs(s.m32[i] - ref_s[i]),
+                    1e-6 * (std::fabs(ref_s[i]) + std::fabs(s.Grad(i))) + 1e-30)
+              << "state[" << i << "] t " << t;
+          ASSERT_EQ(s.copy[i], ToF16(s.p[i]));
+        }
+        s.NewGrads(rng, 0.1f);
+      }
+    }
+  }
+}
+
+TEST(AdagradLionConfigTest, BadHyperParametersAreRejected) {
+  AdagradConfig a;
+  a.eps = 0;
+  EXPECT_THAT(CpuAdagrad::Create(a).status().message(), HasSubstr("adagrad config: eps"));
+  a = AdagradConfig();
+  a.lr_decay = -1;
+  EXPECT_THAT(CpuAdagrad::Create(a).status().message(),
+              HasSubstr("lr_decay: must be finite and >= 0"));
+  LionConfig l;
+  l.beta2 = 1;
+  EXPECT_THAT(CpuLion::Create(l).status().message(),
+              HasSubstr("lion config: betas[1]: must be in [0, 1)"));
+  l = LionConfig();
+  l.lr = NAN;
+  EXPECT_THAT(CpuLion::Create(l).status().message(), HasSubstr("lion config: lr"));
+  auto lion = CpuLion::Create(LionConfig{.threads = 1});
+  ASSERT_TRUE(lion.ok());
+  StateChunk empty;
+  EXPECT_THAT((*lion)->Step(1, empty).status().message(), HasSubstr("CpuLion::Step: size is 0"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Isas, AdamIsaTest, ::testing::ValuesIn(SupportedIsas()),
