@@ -80,13 +80,6 @@ void OnSignal(int) {
   _exit(1);
 }
 
-double CpuSeconds() {
-  rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
-         ru.ru_stime.tv_usec / 1e6;
-}
-
 struct Pass {
   double gb_per_s = 0;
   double cpu_seconds = 0;
@@ -105,7 +98,7 @@ absl::StatusOr<Pass> RunOurs(aio::Engine& engine, const aio::File& file, uint64_
                              std::byte* buffer) {
   const size_t slots = SlotsFor(engine);
   std::deque<std::future<absl::Status>> in_flight;
-  const double cpu0 = CpuSeconds();
+  const double cpu0 = ProcessCpuSeconds();
   const auto t0 = Clock::now();
   absl::Status status;
   int slot = 0;
@@ -123,7 +116,7 @@ absl::StatusOr<Pass> RunOurs(aio::Engine& engine, const aio::File& file, uint64_
   for (auto& f : in_flight) status.Update(f.get());
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!status.ok()) return status;
-  return Pass{size / seconds / 1e9, CpuSeconds() - cpu0};
+  return Pass{size / seconds / 1e9, ProcessCpuSeconds() - cpu0};
 }
 
 // Which buffer a row moves data through.

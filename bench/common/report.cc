@@ -1,5 +1,6 @@
 #include "bench/common/report.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
@@ -41,6 +42,13 @@ std::string FsName(long type) {
 }
 
 }  // namespace
+
+double ProcessCpuSeconds() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
+         ru.ru_stime.tv_usec / 1e6;
+}
 
 Summary Summary::Of(std::vector<double> v) {
   Summary s;

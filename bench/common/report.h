@@ -13,6 +13,9 @@
 
 namespace strata::bench {
 
+// CPU seconds (user + system) this process has used, all threads.
+double ProcessCpuSeconds();
+
 // Median, min and max of a sample (empty: all zero).
 struct Summary {
   double median = 0, min = 0, max = 0;

@@ -16,13 +16,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kMinRequest = 4 << 20;
 
-double CpuSeconds() {
-  rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec +
-         ru.ru_stime.tv_usec / 1e6;
-}
-
 uint64_t InFlightBytes(const aio::AioConfig& c) {
   return c.block_size * static_cast<uint64_t>(c.queue_depth) *
          static_cast<uint64_t>(c.intra_op_parallelism);
@@ -87,10 +80,10 @@ absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file, 
     if (!started && t >= boundaries[0]) {
       started = true;
       engine.ResetStats();
-      cpu_mark = CpuSeconds();
+      cpu_mark = bench::ProcessCpuSeconds();
     }
     while (started && window < windows && t >= boundaries[window + 1]) {
-      const double cpu = CpuSeconds();
+      const double cpu = bench::ProcessCpuSeconds();
       result.window_cpu_seconds[window] = cpu - cpu_mark;
       cpu_mark = cpu;
       ++window;
