@@ -1,0 +1,141 @@
+#include "tiering/memory_resource.h"
+
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::tiering {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(LimitingResourceTest, BudgetHoldsUnderConcurrentAllocationFromSeveralThreads) {
+  HostMemoryResource host;
+  LimitingResource limited(&host, 8 << 20, "host tier");
+  std::atomic<int> over{0}, refused{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::vector<std::pair<void*, size_t>> held;
+      for (int i = 0; i < 400; ++i) {
+        if (!held.empty() && rng() % 2) {
+          limited.Deallocate(held.back().first, held.back().second);
+          held.pop_back();
+          continue;
+        }
+        const size_t bytes = 4096 * (1 + rng() % 256);
+        auto p = limited.Allocate(bytes);
+        if (!p.ok()) {
+          ++refused;
+          continue;
+        }
+        if (limited.used_bytes() > limited.budget_bytes()) ++over;
+        held.emplace_back(*p, bytes);
+      }
+      for (auto& [p, bytes] : held) limited.Deallocate(p, bytes);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(over.load(), 0);
+  EXPECT_GT(refused.load(), 0);  // the budget was reached
+  EXPECT_EQ(limited.used_bytes(), 0u);
+}
+
+TEST(LimitingResourceTest, OnExhaustedMayEvictAndTheAllocationIsRetried) {
+  HostMemoryResource host;
+  std::vector<std::pair<void*, size_t>> resident;
+  LimitingResource* self = nullptr;
+  std::vector<size_t> asked;
+  LimitingResource limited(&host, 1 << 20, "device tier (host-emulated)", [&](size_t short_by) {
+    asked.push_back(short_by);
+    if (resident.empty()) return false;
+    self->Deallocate(resident.back().first, resident.back().second);  // evict
+    resident.pop_back();
+    return true;
+  });
+  self = &limited;
+  auto a = limited.Allocate(768 << 10);
+  ASSERT_TRUE(a.ok());
+  resident.emplace_back(*a, 768 << 10);
+  auto b = limited.Allocate(512 << 10);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(asked, std::vector<size_t>{256 << 10});
+  EXPECT_EQ(limited.used_bytes(), 512u << 10);
+  // Nothing left to evict: a clear status, not an OOM.
+  auto c = limited.Allocate(768 << 10);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("device tier (host-emulated) budget of 1048576 bytes: 524288 in use, "
+                        "786432 asked"));
+  limited.Deallocate(*b, 512 << 10);
+}
+
+TEST(LimitingResourceTest, ACallbackThatFreesNothingIsNotRetriedForever) {
+  HostMemoryResource host;
+  int calls = 0;
+  LimitingResource limited(
+      &host, 4096, "t", [&](size_t) { return ++calls > 0; }, 3);
+  EXPECT_FALSE(limited.Allocate(8192).ok());
+  EXPECT_EQ(calls, 3);
+}
+
+TEST(StatisticsResourceTest, CountsBytesPeakAndFailures) {
+  HostMemoryResource host;
+  LimitingResource limited(&host, 1 << 20, "t");
+  StatisticsResource stats(&limited);
+  auto a = stats.Allocate(600 << 10);
+  auto b = stats.Allocate(300 << 10);
+  EXPECT_FALSE(stats.Allocate(300 << 10).ok());
+  stats.Deallocate(*a, 600 << 10);
+  const auto c = stats.counts();
+  EXPECT_EQ(c.bytes_in_use, 300u << 10);
+  EXPECT_EQ(c.peak_bytes, 900u << 10);
+  EXPECT_EQ(c.allocations, 2u);
+  EXPECT_EQ(c.failures, 1u);
+  stats.Deallocate(*b, 300 << 10);
+}
+
+TEST(PinnedHostResourceTest, LocksWhenAllowedAndWarnsOnceWhenNot) {
+  {
+    PinnedHostResource pinned;
+    auto p = pinned.Allocate(4 << 20);
+    ASSERT_TRUE(p.ok());
+    static_cast<char*>(*p)[(4 << 20) - 1] = 1;
+    pinned.Deallocate(*p, 4 << 20);
+  }
+  // A process that may lock nothing: unlocked memory and one warning.
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    rlimit none{0, 0};
+    if (setrlimit(RLIMIT_MEMLOCK, &none) != 0) _exit(3);
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(4);  // no CAP_IPC_LOCK
+    int warnings = 0;
+    PinnedHostResource pinned({.on_warning = [&](absl::string_view w) {
+      if (w.find("RLIMIT_MEMLOCK") != absl::string_view::npos) ++warnings;
+    }});
+    auto a = pinned.Allocate(1 << 20);
+    auto b = pinned.Allocate(1 << 20);
+    if (!a.ok() || !b.ok()) _exit(5);
+    _exit(!pinned.pinned() && warnings == 1 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
+}
+
+TEST(HostMemoryResourceTest, ZeroBytesIsInvalid) {
+  HostMemoryResource host;
+  EXPECT_EQ(host.Allocate(0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata::tiering

@@ -1,0 +1,139 @@
+#include "tiering/memory_resource.h"
+
+#include <hwloc.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace strata::tiering {
+namespace {
+
+constexpr size_t kHugePage = 2u << 20;
+
+size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+absl::StatusOr<void*> MapAnonymous(size_t bytes, absl::string_view who) {
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(who, ": allocation of 0 bytes"));
+  void* p = mmap(nullptr, RoundUp(bytes, 4096), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                 -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(who, ": mmap of ", bytes, " bytes failed: ", std::strerror(errno)));
+  }
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<void*> HostMemoryResource::Allocate(size_t bytes) {
+  return MapAnonymous(bytes, name_);
+}
+
+void HostMemoryResource::Deallocate(void* p, size_t bytes) { munmap(p, RoundUp(bytes, 4096)); }
+
+PinnedHostResource::PinnedHostResource(PinnedOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<void*> PinnedHostResource::Allocate(size_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(void* p, MapAnonymous(bytes, name()));
+  const size_t mapped = RoundUp(bytes, 4096);
+  if (options_.huge_pages && bytes >= kHugePage) madvise(p, mapped, MADV_HUGEPAGE);
+  if (options_.numa_node >= 0) {
+    hwloc_topology_t topology;
+    if (hwloc_topology_init(&topology) == 0 && hwloc_topology_load(topology) == 0) {
+      hwloc_obj_t node = hwloc_get_obj_by_type(topology, HWLOC_OBJ_NUMANODE,
+                                               static_cast<unsigned>(options_.numa_node));
+      if (node != nullptr) {
+        hwloc_set_area_membind(topology, p, mapped, node->nodeset, HWLOC_MEMBIND_BIND,
+                               HWLOC_MEMBIND_BYNODESET);
+      }
+      hwloc_topology_destroy(topology);
+    }
+  }
+  if (mlock(p, mapped) != 0) {
+    const int err = errno;
+    // Used unlocked: the pages are faulted in now so that no fault lands in the I/O path.
+    std::memset(p, 0, mapped);
+    pinned_.store(false);
+    if (!warned_.exchange(true) && options_.on_warning) {
+      options_.on_warning(absl::StrCat(
+          "pinned host memory: mlock of ", mapped, " bytes failed (", std::strerror(err),
+          "); using unlocked memory. Raise RLIMIT_MEMLOCK (ulimit -l) or grant CAP_IPC_LOCK"));
+    }
+  }
+  return p;
+}
+
+void PinnedHostResource::Deallocate(void* p, size_t bytes) {
+  const size_t mapped = RoundUp(bytes, 4096);
+  munlock(p, mapped);
+  munmap(p, mapped);
+}
+
+LimitingResource::LimitingResource(MemoryResource* upstream, uint64_t budget_bytes,
+                                   std::string tier, OnExhausted on_exhausted, int max_retries)
+    : upstream_(upstream),
+      budget_(budget_bytes),
+      tier_(std::move(tier)),
+      on_exhausted_(std::move(on_exhausted)),
+      max_retries_(max_retries) {}
+
+bool LimitingResource::TryReserve(size_t bytes) {
+  uint64_t used = used_.load();
+  while (used + bytes <= budget_) {
+    if (used_.compare_exchange_weak(used, used + bytes)) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<void*> LimitingResource::Allocate(size_t bytes) {
+  int attempt = 0;
+  while (!TryReserve(bytes)) {
+    const uint64_t used = used_.load();
+    const uint64_t short_by = used + bytes > budget_ ? used + bytes - budget_ : 0;
+    if (attempt++ >= max_retries_ || !on_exhausted_ || !on_exhausted_(short_by)) {
+      return absl::ResourceExhaustedError(absl::StrCat(tier_, " budget of ", budget_,
+                                                       " bytes: ", used, " in use, ", bytes,
+                                                       " asked (", short_by, " short)"));
+    }
+  }
+  absl::StatusOr<void*> p = upstream_->Allocate(bytes);
+  if (!p.ok()) used_.fetch_sub(bytes);
+  return p;
+}
+
+void LimitingResource::Deallocate(void* p, size_t bytes) {
+  upstream_->Deallocate(p, bytes);
+  used_.fetch_sub(bytes);
+}
+
+absl::StatusOr<void*> StatisticsResource::Allocate(size_t bytes) {
+  absl::StatusOr<void*> p = upstream_->Allocate(bytes);
+  MutexLock lock(&mu_);
+  if (!p.ok()) {
+    ++counts_.failures;
+    return p;
+  }
+  ++counts_.allocations;
+  counts_.bytes_in_use += bytes;
+  counts_.peak_bytes = std::max(counts_.peak_bytes, counts_.bytes_in_use);
+  return p;
+}
+
+void StatisticsResource::Deallocate(void* p, size_t bytes) {
+  upstream_->Deallocate(p, bytes);
+  MutexLock lock(&mu_);
+  ++counts_.deallocations;
+  counts_.bytes_in_use -= bytes;
+}
+
+StatisticsResource::Counts StatisticsResource::counts() const {
+  MutexLock lock(&mu_);
+  return counts_;
+}
+
+}  // namespace strata::tiering
