@@ -1,0 +1,157 @@
+#include "tiering/residency.h"
+
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::tiering {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+PartitionDesc Desc(PartitionId id, uint64_t bytes = 100) {
+  PartitionDesc d;
+  d.id = id;
+  d.bytes = bytes;
+  d.elements = bytes / 4;
+  return d;
+}
+
+TEST(ResidencyTest, TheOnlyCurrentCopyIsNeverDroppedOrOverwritten) {
+  ResidencyTable t({1000, 1000, 1000});
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
+  absl::Status s = t.Drop(1, Tier::kDevice);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("only current one; write it back first"));
+  // Write it back to host, then the device copy may go.
+  ASSERT_TRUE(t.BeginMove(1, Tier::kDevice, Tier::kHost).ok());
+  EXPECT_FALSE(t.Drop(1, Tier::kDevice).ok());  // the move reads it
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  ASSERT_TRUE(t.Drop(1, Tier::kDevice).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kDevice), 0u);
+  EXPECT_EQ(t.used_bytes(Tier::kHost), 100u);
+}
+
+TEST(ResidencyTest, AFailedMoveLeavesThePreviousCopyAndReleasesTheDestination) {
+  ResidencyTable t({1000, 1000, 1000});
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kNvme).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kNvme), 100u);  // reserved
+  ASSERT_TRUE(t.EndMove(1, false).ok());       // the write-back failed
+  auto r = t.Get(1);
+  EXPECT_TRUE(r->current[static_cast<int>(Tier::kHost)]);
+  EXPECT_FALSE(r->has_copy[static_cast<int>(Tier::kNvme)]);
+  EXPECT_TRUE(r->dirty(Tier::kHost));
+  EXPECT_EQ(t.used_bytes(Tier::kNvme), 0u);
+}
+
+TEST(ResidencyTest, TwoMovesOfOnePartitionNeverRace) {
+  ResidencyTable t({1000, 1000, 1000});
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kNvme).ok());
+  ASSERT_TRUE(t.BeginMove(1, Tier::kNvme, Tier::kHost).ok());
+  absl::Status s = t.BeginMove(1, Tier::kNvme, Tier::kDevice);
+  EXPECT_THAT(s.message(), HasSubstr("a move nvme -> host is already in flight"));
+}
+
+TEST(ResidencyTest, BudgetsAreHardAndNamed) {
+  ResidencyTable t({150, 1000, 1000});
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Register(Desc(2)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
+  absl::Status s = t.Materialize(2, Tier::kDevice);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("device tier's budget of 150 bytes has 50 free, 100 needed"));
+}
+
+TEST(ResidencyTest, PinnedCopiesAreNeverDroppedOrLeftStale) {
+  ResidencyTable t({1000, 1000, 1000});
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kDevice).ok());
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  ASSERT_TRUE(t.Pin(1, Tier::kDevice).ok());
+  EXPECT_THAT(t.Drop(1, Tier::kDevice).message(), HasSubstr("pinned"));
+  ASSERT_TRUE(t.Pin(1, Tier::kHost).ok());
+  EXPECT_THAT(t.MarkWritten(1, Tier::kDevice).status().message(), HasSubstr("would go stale"));
+  ASSERT_TRUE(t.Unpin(1, Tier::kHost).ok());
+  auto stale = t.MarkWritten(1, Tier::kDevice);
+  ASSERT_TRUE(stale.ok());
+  EXPECT_THAT(*stale, ElementsAre(Tier::kHost));
+  EXPECT_TRUE(t.Get(1)->dirty(Tier::kDevice));
+}
+
+TEST(ResidencyTest, BadRegistrationsAreRefused) {
+  ResidencyTable t({1000, 1000, 1000});
+  EXPECT_EQ(t.Register(Desc(1, 0)).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  EXPECT_EQ(t.Register(Desc(1)).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(t.Drop(9, Tier::kHost).code(), absl::StatusCode::kNotFound);
+}
+
+// A seeded property test: a long random sequence of operations, most of them refused; after every
+// one the invariants hold, and a refused operation changed nothing.
+TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
+  for (uint64_t seed : {1, 2, 3, 4, 5}) {
+    SCOPED_TRACE(seed);
+    std::mt19937_64 rng(seed);
+    ResidencyTable t({1000, 3000, 100000});
+    constexpr int kPartitions = 40;
+    for (PartitionId id = 0; id < kPartitions; ++id) {
+      ASSERT_TRUE(t.Register(Desc(id, 50 + 25 * (id % 7))).ok());
+    }
+    int succeeded = 0;
+    for (int step = 0; step < 20000; ++step) {
+      const PartitionId id = rng() % kPartitions;
+      const Tier a = static_cast<Tier>(rng() % 3), b = static_cast<Tier>(rng() % 3);
+      const auto before = t.Get(id);
+      const std::array<uint64_t, 3> used_before = {
+          t.used_bytes(Tier::kDevice), t.used_bytes(Tier::kHost), t.used_bytes(Tier::kNvme)};
+      absl::Status s;
+      switch (rng() % 8) {
+        case 0:
+          s = t.Materialize(id, a);
+          break;
+        case 1:
+          s = t.BeginMove(id, a, b);
+          break;
+        case 2:
+          s = t.EndMove(id, rng() % 4 != 0);
+          break;  // one in four moves fails
+        case 3:
+          s = t.MarkWritten(id, a).status();
+          break;
+        case 4:
+        case 5:
+          s = t.Drop(id, a);
+          break;
+        case 6:
+          s = t.Pin(id, a);
+          break;
+        case 7:
+          s = t.Unpin(id, a);
+          break;
+      }
+      ASSERT_TRUE(t.CheckInvariants().ok()) << "step " << step << ": " << t.CheckInvariants();
+      if (s.ok()) {
+        ++succeeded;
+        continue;
+      }
+      const auto after = t.Get(id);
+      ASSERT_EQ(before->has_copy, after->has_copy) << "a refused op changed the copies";
+      ASSERT_EQ(before->current, after->current);
+      ASSERT_EQ(before->pins, after->pins);
+      ASSERT_EQ(before->move, after->move);
+      ASSERT_EQ(used_before[0], t.used_bytes(Tier::kDevice));
+      ASSERT_EQ(used_before[2], t.used_bytes(Tier::kNvme));
+    }
+    EXPECT_GT(succeeded, 2000);  // the sequence did real work, not only refusals
+  }
+}
+
+}  // namespace
+}  // namespace strata::tiering
