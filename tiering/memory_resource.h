@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -115,6 +116,10 @@ class StatisticsResource final : public MemoryResource {
   mutable Mutex mu_;
   Counts counts_ ABSL_GUARDED_BY(mu_);
 };
+
+// Device memory on CUDA device `device` (stream-ordered allocation). Unimplemented when built
+// without CUDA; FailedPrecondition when there is no such device.
+absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int device);
 
 }  // namespace strata::tiering
 

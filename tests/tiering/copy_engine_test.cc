@@ -1,0 +1,70 @@
+#include "tiering/copy_engine.h"
+
+#include <chrono>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/aio/test_util.h"
+#include "tiering/memory_resource.h"
+
+namespace strata::tiering {
+namespace {
+
+TEST(HostCopyEngineTest, CopiesCompleteInOrderWithTheirBytes) {
+  HostCopyEngine engine;
+  const auto src = strata::testing::RandomBytes(1 << 20, 1);
+  std::vector<std::vector<std::byte>> dst(8, std::vector<std::byte>(src.size()));
+  std::vector<int> order;
+  Mutex mu;
+  std::vector<std::future<absl::Status>> futures;
+  for (int i = 0; i < 8; ++i) {
+    std::promise<absl::Status> p;
+    futures.push_back(p.get_future());
+    engine.Copy(dst[i].data(), src.data(), src.size(),
+                i % 2 ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost,
+                [&, i, p = std::move(p)](absl::Status s) mutable {
+                  {
+                    MutexLock lock(&mu);
+                    order.push_back(i);
+                  }
+                  p.set_value(std::move(s));
+                });
+  }
+  for (auto& f : futures) EXPECT_TRUE(f.get().ok());
+  for (const auto& d : dst) EXPECT_EQ(d, src);
+  MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));
+}
+
+TEST(HostCopyEngineTest, ABandwidthCapPacesTheCopies) {
+  HostCopyEngine engine(/*bytes_per_second=*/100ull << 20);  // 100 MiB/s
+  std::vector<std::byte> src(4 << 20), dst(4 << 20);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(engine.CopyAsync(dst.data(), src.data(), src.size(), CopyDirection::kHostToDevice)
+                  .get()
+                  .ok());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(seconds, 0.039);  // 4 MiB at 100 MiB/s is 40 ms
+}
+
+TEST(CudaCopyEngineTest, RoundTripThroughDeviceMemoryWhenThereIsADevice) {
+  auto engine = CreateCudaCopyEngine(0);
+  if (!engine.ok()) GTEST_SKIP() << "no CUDA device: " << engine.status().message();
+  auto device = CreateCudaDeviceResource(0);
+  ASSERT_TRUE(device.ok()) << device.status();
+  const auto src = strata::testing::RandomBytes(8 << 20, 2);
+  std::vector<std::byte> back(src.size());
+  auto d = (*device)->Allocate(src.size());
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(
+      (*engine)->CopyAsync(*d, src.data(), src.size(), CopyDirection::kHostToDevice).get().ok());
+  ASSERT_TRUE(
+      (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
+  EXPECT_EQ(back, src);
+  (*device)->Deallocate(*d, src.size());
+}
+
+}  // namespace
+}  // namespace strata::tiering

@@ -1,0 +1,81 @@
+// tiering/copy_engine.h: moving bytes between device memory and host memory, asynchronously.
+//
+// Two implementations behind one interface:
+//  - CUDA (CreateCudaCopyEngine): cudaMemcpyAsync on a dedicated stream, completion reported by a
+//    host callback on that stream; host buffers should be pinned. Built when the CUDA toolkit is
+//    present; fails with a clear status when there is no device.
+//  - Host-emulated (HostCopyEngine): a worker thread that memcpy's, in submission order, with an
+//    optional bandwidth cap (bytes per second) so simulations can model PCIe. This is what runs on
+//    machines without a GPU, where the device tier is ordinary memory; it is a test seam and says
+//    so in its name.
+//
+// Copies complete in submission order. `done` runs exactly once, on the engine's thread (CUDA: a
+// CUDA callback thread); it must not block on the engine.
+//
+// Thread safety: Copy may be called from any thread. Destroying an engine waits for the copies
+// already submitted.
+#ifndef STRATA_TIERING_COPY_ENGINE_H_
+#define STRATA_TIERING_COPY_ENGINE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "base/mutex.h"
+
+namespace strata::tiering {
+
+enum class CopyDirection { kHostToDevice, kDeviceToHost };
+
+class CopyEngine {
+ public:
+  using Done = absl::AnyInvocable<void(absl::Status) &&>;
+  virtual ~CopyEngine() = default;
+  virtual void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction,
+                    Done done) = 0;
+  virtual absl::string_view name() const = 0;
+
+  // The same, completed through a future.
+  std::future<absl::Status> CopyAsync(void* dst, const void* src, size_t bytes,
+                                      CopyDirection direction);
+};
+
+class HostCopyEngine final : public CopyEngine {
+ public:
+  // bytes_per_second == 0: no cap.
+  explicit HostCopyEngine(uint64_t bytes_per_second = 0);
+  ~HostCopyEngine() override;
+  void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction, Done done) override;
+  absl::string_view name() const override { return "host-emulated copy engine"; }
+
+ private:
+  struct Job {
+    void* dst;
+    const void* src;
+    size_t bytes;
+    Done done;
+  };
+  void Run();
+
+  const uint64_t bytes_per_second_;
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+// A CUDA copy engine on `device`. Unimplemented when built without CUDA; FailedPrecondition
+// naming the CUDA error when there is no usable device.
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device);
+
+}  // namespace strata::tiering
+
+#endif  // STRATA_TIERING_COPY_ENGINE_H_

@@ -1,0 +1,142 @@
+// The CUDA pieces of tiering/: the copy engine (cudaMemcpyAsync on a stream) and the device
+// memory resource (stream-ordered cudaMallocAsync). The only file of this module where
+// STRATA_HAVE_CUDA appears; without CUDA the factories return Unimplemented.
+#include "absl/strings/str_cat.h"
+#include "tiering/copy_engine.h"
+#include "tiering/memory_resource.h"
+
+#if STRATA_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace strata::tiering {
+
+#if STRATA_HAVE_CUDA
+namespace {
+
+class CudaCopyEngine final : public CopyEngine {
+ public:
+  CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaCopyEngine() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction, Done done) override {
+    cudaSetDevice(device_);
+    const cudaError_t err = cudaMemcpyAsync(
+        dst, src, bytes,
+        direction == CopyDirection::kHostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+        stream_);
+    if (err != cudaSuccess) {
+      std::move(done)(absl::InternalError(
+          absl::StrCat("cudaMemcpyAsync of ", bytes, " bytes: ", cudaGetErrorName(err))));
+      return;
+    }
+    auto* heap = new Done(std::move(done));
+    const cudaError_t cb = cudaLaunchHostFunc(
+        stream_,
+        [](void* arg) {
+          auto* d = static_cast<Done*>(arg);
+          std::move (*d)(absl::OkStatus());
+          delete d;
+        },
+        heap);
+    if (cb != cudaSuccess) {
+      cudaStreamSynchronize(stream_);
+      std::move (*heap)(
+          absl::InternalError(absl::StrCat("cudaLaunchHostFunc: ", cudaGetErrorName(cb))));
+      delete heap;
+    }
+  }
+  absl::string_view name() const override { return "CUDA copy engine"; }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA copy engine: no CUDA device ", device,
+                     err != cudaSuccess ? absl::StrCat(" (", cudaGetErrorName(err), ")")
+                                        : absl::StrCat(" (", count, " present)")));
+  }
+  cudaSetDevice(device);
+  cudaStream_t stream;
+  err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA copy engine: cudaStreamCreate: ", cudaGetErrorName(err)));
+  }
+  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(device, stream));
+}
+
+class CudaDeviceResource final : public MemoryResource {
+ public:
+  CudaDeviceResource(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  ~CudaDeviceResource() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    cudaSetDevice(device_);
+    void* p = nullptr;
+    const cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
+    if (err == cudaSuccess) cudaStreamSynchronize(stream_);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cudaMallocAsync of ", bytes, " bytes: ", cudaGetErrorName(err)));
+    }
+    return p;
+  }
+  void Deallocate(void* p, size_t) override {
+    cudaSetDevice(device_);
+    cudaFreeAsync(p, stream_);
+  }
+  absl::string_view name() const override { return "CUDA device memory"; }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+};
+
+absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int device) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || device < 0 || device >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device memory: no CUDA device ", device));
+  }
+  cudaSetDevice(device);
+  cudaStream_t stream;
+  err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device memory: cudaStreamCreate: ", cudaGetErrorName(err)));
+  }
+  return std::unique_ptr<MemoryResource>(new CudaDeviceResource(device, stream));
+}
+
+#else
+
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int) {
+  return absl::UnimplementedError("CUDA copy engine: strata was built without CUDA");
+}
+
+absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int) {
+  return absl::UnimplementedError("CUDA device memory: strata was built without CUDA");
+}
+
+#endif
+
+}  // namespace strata::tiering
