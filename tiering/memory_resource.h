@@ -6,7 +6,7 @@
 //    own LimitingResource budget), so every test runs without a GPU.
 //  - PinnedHostResource: page-locked host memory: mlock where RLIMIT_MEMLOCK (or CAP_IPC_LOCK)
 //    allows, else ordinary memory with a warning (pinned() says which); bound to a NUMA node with
-//    hwloc when asked; huge pages when asked.
+//    hwloc when asked; huge pages when asked. (Under ASan/TSan mlock is intercepted as a no-op.)
 // Adaptors (each wraps an upstream it does not own):
 //  - LimitingResource: a hard budget. An allocation that would exceed it calls the on-exhausted
 //    callback (which may evict and free, then return true to retry) up to a few times, then fails

@@ -82,6 +82,23 @@ absl::Status ResidencyTable::Register(const PartitionDesc& desc) {
   return absl::OkStatus();
 }
 
+absl::Status ResidencyTable::Unregister(PartitionId id) {
+  MutexLock lock(&mu_);
+  absl::StatusOr<Residency*> found = FindLocked(id);
+  if (!found.ok()) return found.status();
+  const Residency& r = **found;
+  if (r.move) return Refuse(id, "a move is in flight");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (r.pins[t] > 0)
+      return Refuse(id, absl::StrCat("pinned in ", TierName(static_cast<Tier>(t))));
+  }
+  for (int t = 0; t < kTierCount; ++t) {
+    if (r.has_copy[t]) used_[t] -= r.desc.bytes;
+  }
+  table_.erase(id);
+  return absl::OkStatus();
+}
+
 absl::Status ResidencyTable::Materialize(PartitionId id, Tier tier) {
   MutexLock lock(&mu_);
   absl::StatusOr<Residency*> found = FindLocked(id);

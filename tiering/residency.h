@@ -73,6 +73,9 @@ class ResidencyTable {
   // Registers a partition with no copies. bytes > 0; an id registered twice is AlreadyExists.
   absl::Status Register(const PartitionDesc& desc);
 
+  // Forgets a partition and releases its budget. Refused while pinned or moving.
+  absl::Status Unregister(PartitionId id);
+
   // A first copy comes into being in `tier` (the trainer filled it): it is current and reserved
   // against the tier's budget.
   absl::Status Materialize(PartitionId id, Tier tier);

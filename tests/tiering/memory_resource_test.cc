@@ -112,6 +112,10 @@ TEST(PinnedHostResourceTest, LocksWhenAllowedAndWarnsOnceWhenNot) {
     pinned.Deallocate(*p, 4 << 20);
   }
   // A process that may lock nothing: unlocked memory and one warning.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ASan and TSan intercept mlock() and make it a no-op that succeeds, so a "
+                  "refused lock cannot be seen under them";
+#endif
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -125,7 +129,8 @@ TEST(PinnedHostResourceTest, LocksWhenAllowedAndWarnsOnceWhenNot) {
     auto a = pinned.Allocate(1 << 20);
     auto b = pinned.Allocate(1 << 20);
     if (!a.ok() || !b.ok()) _exit(5);
-    _exit(!pinned.pinned() && warnings == 1 ? 0 : 1);
+    if (pinned.pinned()) _exit(6);
+    _exit(warnings == 1 ? 0 : 10 + warnings);
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);

@@ -1,0 +1,294 @@
+#include "tiering/runtime.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace strata::tiering {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+int I(Tier t) { return static_cast<int>(t); }
+bool IsMemory(Tier t) { return t != Tier::kNvme; }
+
+}  // namespace
+
+void Runtime::Warn(std::string w) {
+  if (options_.on_warning) {
+    options_.on_warning(w);
+  } else {
+    std::fprintf(stderr, "strata: %s\n", w.c_str());
+  }
+  warnings_.push_back(std::move(w));
+}
+
+absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& config,
+                                                         RuntimeOptions options) {
+  auto rt = std::unique_ptr<Runtime>(new Runtime());
+  rt->config_ = config;
+  rt->options_ = std::move(options);
+  aio::EngineOptions eo = rt->options_.engine_options;
+  if (!eo.on_warning)
+    eo.on_warning = [r = rt.get()](absl::string_view w) { r->Warn(std::string(w)); };
+  STRATA_ASSIGN_OR_RETURN(rt->engine_, aio::Engine::Create(config.aio, eo));
+  const std::string swap = config.SwapPath();
+  if (!swap.empty()) {
+    NvmeStoreOptions so;
+    so.capacity_bytes = config.nvme_capacity_bytes;
+    std::vector<PartitionId> corrupt;
+    STRATA_ASSIGN_OR_RETURN(rt->store_, NvmeStore::Open(swap, so, rt->engine_.get(), &corrupt));
+    if (!corrupt.empty()) {
+      rt->Warn(absl::StrCat(corrupt.size(), " partitions in ", swap,
+                            " do not match their checksums; reading them fails"));
+    }
+  }
+  if (config.emulated_device) {
+    rt->device_memory_ = std::make_unique<HostMemoryResource>("device memory (host-emulated)");
+    rt->copy_ = std::make_unique<HostCopyEngine>(config.copy_bandwidth_bytes_per_s);
+  } else {
+    auto device = CreateCudaDeviceResource(0);
+    if (!device.ok()) return Annotate(device.status(), "config: strata.device is \"cuda\"");
+    rt->device_memory_ = *std::move(device);
+    STRATA_ASSIGN_OR_RETURN(rt->copy_, CreateCudaCopyEngine(0));
+  }
+  PinnedOptions po;
+  po.on_warning = [r = rt.get()](absl::string_view w) { r->Warn(std::string(w)); };
+  rt->host_memory_ = std::make_unique<PinnedHostResource>(po);
+  rt->table_ = std::make_unique<ResidencyTable>(
+      std::array<uint64_t, kTierCount>{config.device_budget_bytes, config.host_budget_bytes,
+                                       rt->store_ ? rt->store_->capacity_bytes() : 0});
+  return rt;
+}
+
+Runtime::~Runtime() {
+  MutexLock lock(&mu_);
+  for (auto& [id, b] : buffers_) {
+    auto r = table_->Get(id);
+    if (!r.ok()) continue;
+    for (Tier t : {Tier::kDevice, Tier::kHost}) {
+      if (b.ptr[I(t)] != nullptr) ResourceFor(t).Deallocate(b.ptr[I(t)], r->desc.bytes);
+    }
+  }
+}
+
+MemoryResource& Runtime::ResourceFor(Tier t) {
+  return t == Tier::kDevice ? *device_memory_ : *host_memory_;
+}
+
+absl::Status Runtime::Register(const PartitionDesc& desc, Tier tier,
+                               absl::Span<const std::byte> initial) {
+  if (!initial.empty() && initial.size() != desc.bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("partition ", desc.id, ": initial bytes are ",
+                                                   initial.size(), ", the partition ", desc.bytes));
+  }
+  if (tier == Tier::kNvme && store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", desc.id,
+                     ": no NVMe tier (set an nvme_path in offload_param, "
+                     "offload_optimizer or strata)"));
+  }
+  MutexLock lock(&mu_);
+  STRATA_RETURN_IF_ERROR(table_->Register(desc));
+  auto undo = [&](absl::Status s) {
+    table_->Unregister(desc.id).IgnoreError();
+    buffers_.erase(desc.id);
+    return s;
+  };
+  absl::Status s = table_->Materialize(desc.id, tier);
+  if (s.code() == absl::StatusCode::kResourceExhausted && IsMemory(tier)) {
+    if (absl::Status room = MakeRoomLocked(tier, desc.bytes, desc.id); !room.ok())
+      return undo(room);
+    s = table_->Materialize(desc.id, tier);
+  }
+  if (!s.ok()) return undo(s);
+  std::vector<std::byte> zeros;
+  if (initial.empty()) {
+    zeros.assign(desc.bytes, std::byte{0});
+    initial = zeros;
+  }
+  if (tier == Tier::kNvme) {
+    if (absl::Status put = store_->Put(desc.id, initial); !put.ok()) return undo(put);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<void*> p = ResourceFor(tier).Allocate(desc.bytes);
+  if (!p.ok()) return undo(p.status());
+  auto* bytes = static_cast<std::byte*>(*p);
+  if (tier == Tier::kDevice) {
+    absl::Status c =
+        copy_->CopyAsync(bytes, initial.data(), desc.bytes, CopyDirection::kHostToDevice).get();
+    if (!c.ok()) {
+      device_memory_->Deallocate(bytes, desc.bytes);
+      return undo(c);
+    }
+  } else {
+    std::memcpy(bytes, initial.data(), desc.bytes);
+  }
+  Buffers& b = buffers_[desc.id];
+  b.ptr[I(tier)] = bytes;
+  b.last_use[I(tier)] = ++tick_;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId except) {
+  while (table_->used_bytes(t) + bytes > table_->budget_bytes(t)) {
+    // The least recently used copy in `t` that is neither pinned nor moving.
+    PartitionId victim = 0;
+    uint64_t oldest = UINT64_MAX;
+    for (const auto& [id, b] : buffers_) {
+      if (id == except || b.ptr[I(t)] == nullptr || b.last_use[I(t)] >= oldest) continue;
+      auto r = table_->Get(id);
+      if (!r.ok() || r->pins[I(t)] > 0 || r->move) continue;
+      victim = id;
+      oldest = b.last_use[I(t)];
+    }
+    if (oldest == UINT64_MAX) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the ", TierName(t), " tier's budget of ", table_->budget_bytes(t),
+                       " bytes has ", table_->budget_bytes(t) - table_->used_bytes(t), " free, ",
+                       bytes, " needed, and every copy in it is pinned or in use"));
+    }
+    STRATA_RETURN_IF_ERROR(EvictLocked(victim, t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::FreeCopyLocked(PartitionId id, Tier tier) {
+  auto r = table_->Get(id);
+  if (!r.ok()) return r.status();
+  STRATA_RETURN_IF_ERROR(table_->Drop(id, tier));
+  Buffers& b = buffers_[id];
+  if (b.ptr[I(tier)] != nullptr) {
+    ResourceFor(tier).Deallocate(b.ptr[I(tier)], r->desc.bytes);
+    b.ptr[I(tier)] = nullptr;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
+  if (!IsMemory(tier)) {
+    return absl::InvalidArgumentError("evict: only the device and host tiers are evicted");
+  }
+  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+  if (!r.has_copy[I(tier)]) return absl::OkStatus();
+  int others = 0;
+  for (int t = 0; t < kTierCount; ++t) others += t != I(tier) && r.current[t];
+  if (r.current[I(tier)] && others == 0) {
+    const Tier lower = tier == Tier::kDevice ? Tier::kHost : Tier::kNvme;
+    if (lower == Tier::kNvme && store_ == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("partition ", id,
+                       ": its host copy is the only current one and there is no NVMe tier "
+                       "to write it back to"));
+    }
+    STRATA_RETURN_IF_ERROR(MoveLocked(id, tier, lower));
+    ++stats_.write_backs;
+  }
+  STRATA_RETURN_IF_ERROR(FreeCopyLocked(id, tier));
+  ++stats_.evictions;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to) {
+  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+  const uint64_t bytes = r.desc.bytes;
+  absl::Status begun = table_->BeginMove(id, from, to);
+  if (begun.code() == absl::StatusCode::kResourceExhausted && IsMemory(to)) {
+    STRATA_RETURN_IF_ERROR(MakeRoomLocked(to, bytes, id));
+    begun = table_->BeginMove(id, from, to);
+  }
+  STRATA_RETURN_IF_ERROR(begun);
+  Buffers& b = buffers_[id];
+  bool allocated = false;
+  if (IsMemory(to) && b.ptr[I(to)] == nullptr) {
+    absl::StatusOr<void*> p = ResourceFor(to).Allocate(bytes);
+    if (!p.ok()) {
+      table_->EndMove(id, false).IgnoreError();
+      return p.status();
+    }
+    b.ptr[I(to)] = static_cast<std::byte*>(*p);
+    allocated = true;
+  }
+  absl::Status moved;
+  if (from == Tier::kNvme) {  // to host
+    moved = store_->Get(id, {b.ptr[I(to)], bytes});
+  } else if (to == Tier::kNvme) {  // from host
+    moved = store_->Put(id, {b.ptr[I(from)], bytes});
+  } else {
+    moved = copy_
+                ->CopyAsync(b.ptr[I(to)], b.ptr[I(from)], bytes,
+                            to == Tier::kDevice ? CopyDirection::kHostToDevice
+                                                : CopyDirection::kDeviceToHost)
+                .get();
+  }
+  STRATA_RETURN_IF_ERROR(table_->EndMove(id, moved.ok()));
+  if (!moved.ok()) {
+    if (allocated) {
+      ResourceFor(to).Deallocate(b.ptr[I(to)], bytes);
+      b.ptr[I(to)] = nullptr;
+    }
+    return Annotate(
+        moved, absl::StrCat("move of partition ", id, " ", TierName(from), " -> ", TierName(to)));
+  }
+  stats_.bytes_moved[I(from)][I(to)] += bytes;
+  if (IsMemory(to)) b.last_use[I(to)] = ++tick_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
+  if (!IsMemory(tier)) {
+    return absl::InvalidArgumentError("acquire: the device or host tier (nvme is not addressable)");
+  }
+  MutexLock lock(&mu_);
+  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+  ++stats_.acquires;
+  if (!r.current[I(tier)]) {
+    const auto t0 = Clock::now();
+    if (tier == Tier::kDevice) {
+      if (!r.current[I(Tier::kHost)]) {
+        STRATA_RETURN_IF_ERROR(MoveLocked(id, Tier::kNvme, Tier::kHost));
+      }
+      STRATA_RETURN_IF_ERROR(MoveLocked(id, Tier::kHost, Tier::kDevice));
+    } else {
+      STRATA_RETURN_IF_ERROR(
+          MoveLocked(id, r.current[I(Tier::kDevice)] ? Tier::kDevice : Tier::kNvme, Tier::kHost));
+    }
+    stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  } else {
+    ++stats_.acquire_hits;
+  }
+  STRATA_RETURN_IF_ERROR(table_->Pin(id, tier));
+  Buffers& b = buffers_[id];
+  b.last_use[I(tier)] = ++tick_;
+  return b.ptr[I(tier)];
+}
+
+absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {
+  MutexLock lock(&mu_);
+  STRATA_RETURN_IF_ERROR(table_->Unpin(id, tier));
+  if (!dirty) return absl::OkStatus();
+  absl::StatusOr<std::vector<Tier>> stale = table_->MarkWritten(id, tier);
+  if (!stale.ok()) {
+    table_->Pin(id, tier).IgnoreError();  // as it was
+    return stale.status();
+  }
+  for (Tier t : *stale) {
+    // A stale NVMe copy keeps its extent until the next write-back replaces it.
+    if (IsMemory(t)) STRATA_RETURN_IF_ERROR(FreeCopyLocked(id, t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::Evict(PartitionId id, Tier tier) {
+  MutexLock lock(&mu_);
+  return EvictLocked(id, tier);
+}
+
+RuntimeStats Runtime::stats() const {
+  MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace strata::tiering

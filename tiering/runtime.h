@@ -1,0 +1,112 @@
+// tiering/runtime.h: the Runtime facade a trainer links (first cut).
+//
+// A Runtime is made from a RuntimeConfig (tiering/runtime_config.h). It owns the aio engine, the
+// NVMe store (when anything is offloaded to NVMe), the memory of the device tier (CUDA, or
+// host-emulated ordinary memory with its own budget when strata.device is "emulated" — the test
+// seam every CI run uses), the pinned host memory, the copy engine and the residency table.
+//
+// The trainer registers partitions (with their first bytes in a tier), then asks for a partition
+// in a memory tier with Acquire — which brings a current copy there (NVMe -> host through the
+// aio engine; host <-> device through the copy engine; NVMe -> device staged through host),
+// evicting the least recently used unpinned copies of that tier to stay within its budget
+// (writing a copy back first when it is the only current one) — and pins it until Release. A
+// Release marked dirty makes that copy the only current one (the stale copies are freed). The
+// time Acquire spent waiting for bytes to move is counted in stats().
+//
+// Nothing is lost: every move goes through the residency table's rules (tiering/residency.h); a
+// write-back that fails leaves the previous copy valid and the partition dirty, and the caller
+// gets the status.
+//
+// First cut: one operation at a time (a runtime-wide mutex; moves of different partitions do
+// not overlap yet — swap/ and sched/ bring the pipelining). Thread safety: thread-safe.
+#ifndef STRATA_TIERING_RUNTIME_H_
+#define STRATA_TIERING_RUNTIME_H_
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "aio/engine.h"
+#include "base/mutex.h"
+#include "tiering/copy_engine.h"
+#include "tiering/memory_resource.h"
+#include "tiering/nvme_store.h"
+#include "tiering/residency.h"
+#include "tiering/runtime_config.h"
+
+namespace strata::tiering {
+
+struct RuntimeOptions {
+  std::function<void(absl::string_view)> on_warning;  // default: stderr
+  // Passed to the aio engine (tests wrap the backend with a FaultInjector).
+  aio::EngineOptions engine_options;
+};
+
+struct RuntimeStats {
+  double acquire_wait_seconds = 0;          // time Acquire spent moving bytes
+  uint64_t acquires = 0, acquire_hits = 0;  // hits: already current in the tier
+  uint64_t evictions = 0, write_backs = 0;
+  std::array<std::array<uint64_t, kTierCount>, kTierCount> bytes_moved{};  // [from][to]
+};
+
+class Runtime {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runtime>> Create(const RuntimeConfig& config,
+                                                         RuntimeOptions options = {});
+  ~Runtime();
+
+  // Registers a partition whose first bytes are `initial` (zeros when empty), placed in `tier`.
+  absl::Status Register(const PartitionDesc& desc, Tier tier,
+                        absl::Span<const std::byte> initial = {});
+  // Brings a current copy into `tier` (device or host), pins it, returns its address.
+  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
+  // Unpins; `dirty`: the caller changed the bytes in `tier`.
+  absl::Status Release(PartitionId id, Tier tier, bool dirty);
+  // Drops the copy in `tier` (memory tiers), writing it back one tier down first when it is the
+  // only current copy.
+  absl::Status Evict(PartitionId id, Tier tier);
+
+  RuntimeStats stats() const;
+  const ResidencyTable& residency() const { return *table_; }
+  const RuntimeConfig& config() const { return config_; }
+  const std::vector<std::string>& warnings() const { return warnings_; }
+
+ private:
+  Runtime() = default;
+  MemoryResource& ResourceFor(Tier t);
+  absl::Status MoveLocked(PartitionId id, Tier from, Tier to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MakeRoomLocked(Tier t, uint64_t bytes, PartitionId except)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EvictLocked(PartitionId id, Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FreeCopyLocked(PartitionId id, Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Warn(std::string w);
+
+  RuntimeConfig config_;
+  RuntimeOptions options_;
+  std::vector<std::string> warnings_;
+  std::unique_ptr<aio::Engine> engine_;
+  std::unique_ptr<NvmeStore> store_;
+  std::unique_ptr<MemoryResource> device_memory_;
+  std::unique_ptr<MemoryResource> host_memory_;
+  std::unique_ptr<CopyEngine> copy_;
+  std::unique_ptr<ResidencyTable> table_;
+
+  mutable Mutex mu_;
+  struct Buffers {
+    std::array<std::byte*, 2> ptr{};  // device, host
+    std::array<uint64_t, 2> last_use{};
+  };
+  absl::flat_hash_map<PartitionId, Buffers> buffers_ ABSL_GUARDED_BY(mu_);
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  RuntimeStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace strata::tiering
+
+#endif  // STRATA_TIERING_RUNTIME_H_

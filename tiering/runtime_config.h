@@ -1,0 +1,80 @@
+// tiering/runtime_config.h: the Runtime's configuration, read from a DeepSpeed-style JSON config.
+//
+// Read from DeepSpeed's own blocks, with DeepSpeed's names and defaults:
+//   "aio": {...}                                  (aio/config.h)
+//   "zero_optimization": {
+//     "stage": 0..3,
+//     "offload_param":     {"device": "none"|"cpu"|"nvme", "nvme_path", "pin_memory",
+//                           "buffer_count" (5), "buffer_size" (1e8), "max_in_cpu" (1e9)},
+//     "offload_optimizer": {"device", "nvme_path", "pin_memory", "buffer_count" (4),
+//                           "pipeline_read", "pipeline_write", "fast_init", "ratio"},
+//     "stage3_prefetch_bucket_size" (5e7), "stage3_max_live_parameters" (1e9),
+//     "stage3_max_reuse_distance" (1e9)}
+// and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
+//   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_path",
+//   "copy_bandwidth_bytes_per_s", "eviction_policy": "trace"|"lru"}.
+// Inside the offload blocks and the strata block an unknown key is an error naming the accepted
+// keys; elsewhere (DeepSpeed's many other keys) a key strata does not read is reported as a
+// warning, never silently ignored. Every bad value names its key and the accepted range.
+// DeepSpeed writes sizes as floats (1e8); they are accepted when integral.
+//
+// Thread safety: plain values and pure functions.
+#ifndef STRATA_TIERING_RUNTIME_CONFIG_H_
+#define STRATA_TIERING_RUNTIME_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "aio/config.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace strata::tiering {
+
+enum class OffloadDevice { kNone, kCpu, kNvme };
+
+struct OffloadConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  bool pin_memory = false;
+  int64_t buffer_count = 5;
+  int64_t buffer_size = 100000000;
+  int64_t max_in_cpu = 1000000000;
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  bool fast_init = false;
+  double ratio = 1.0;
+};
+
+struct RuntimeConfig {
+  aio::AioConfig aio;
+  int zero_stage = 0;
+  OffloadConfig offload_param;
+  OffloadConfig offload_optimizer;  // buffer_count defaults to 4
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  int64_t stage3_max_live_parameters = 1000000000;
+  int64_t stage3_max_reuse_distance = 1000000000;
+  // strata's own
+  bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
+  uint64_t device_budget_bytes = 1ull << 30;
+  uint64_t host_budget_bytes = 4ull << 30;
+  uint64_t nvme_capacity_bytes = 16ull << 30;
+  std::string nvme_path;                    // default: the offload blocks' nvme_path
+  uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
+  std::string eviction_policy = "trace";
+
+  RuntimeConfig() { offload_optimizer.buffer_count = 4; }
+  // Where NVMe swap lives ("" when nothing is offloaded to NVMe).
+  std::string SwapPath() const;
+};
+
+absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const nlohmann::json& root,
+                                                    std::vector<std::string>* warnings = nullptr);
+absl::StatusOr<RuntimeConfig> RuntimeConfigFromJsonText(
+    absl::string_view text, std::vector<std::string>* warnings = nullptr);
+
+}  // namespace strata::tiering
+
+#endif  // STRATA_TIERING_RUNTIME_CONFIG_H_
