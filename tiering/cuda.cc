@@ -3,6 +3,7 @@
 // STRATA_HAVE_CUDA appears; without CUDA the factories return Unimplemented.
 #include "absl/strings/str_cat.h"
 #include "tiering/copy_engine.h"
+#include "tiering/internal/cuda_host.h"
 #include "tiering/memory_resource.h"
 
 #if STRATA_HAVE_CUDA
@@ -127,7 +128,31 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int dev
   return std::unique_ptr<MemoryResource>(new CudaDeviceResource(device, stream));
 }
 
+absl::Status internal::CudaHostRegister(void* p, size_t bytes) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError("no CUDA device");
+  }
+  const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterDefault);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat("cudaHostRegister: ", cudaGetErrorName(err)));
+  }
+  return absl::OkStatus();
+}
+
+void internal::CudaHostUnregister(void* p) {
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+}
+
 #else
+
+absl::Status internal::CudaHostRegister(void*, size_t) {
+  return absl::UnimplementedError("strata was built without CUDA");
+}
+
+void internal::CudaHostUnregister(void*) {}
 
 absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int) {
   return absl::UnimplementedError("CUDA copy engine: strata was built without CUDA");

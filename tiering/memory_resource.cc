@@ -2,6 +2,8 @@
 
 #include <hwloc.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "tiering/internal/cuda_host.h"
 
 namespace strata::tiering {
 namespace {
@@ -54,6 +57,15 @@ absl::StatusOr<void*> PinnedHostResource::Allocate(size_t bytes) {
       hwloc_topology_destroy(topology);
     }
   }
+  if (options_.cuda_register) {
+    if (absl::Status s = internal::CudaHostRegister(p, mapped);
+        !s.ok() && !cuda_warned_.exchange(true)) {
+      if (options_.on_warning) {
+        options_.on_warning(
+            absl::StrCat("pinned host memory: not registered with CUDA: ", s.message()));
+      }
+    }
+  }
   if (mlock(p, mapped) != 0) {
     const int err = errno;
     // Used unlocked: the pages are faulted in now so that no fault lands in the I/O path.
@@ -70,8 +82,97 @@ absl::StatusOr<void*> PinnedHostResource::Allocate(size_t bytes) {
 
 void PinnedHostResource::Deallocate(void* p, size_t bytes) {
   const size_t mapped = RoundUp(bytes, 4096);
+  if (options_.cuda_register) internal::CudaHostUnregister(p);
   munlock(p, mapped);
   munmap(p, mapped);
+}
+
+PoolingResource::PoolingResource(MemoryResource* upstream, uint64_t max_cached_bytes)
+    : upstream_(upstream), max_cached_(max_cached_bytes) {}
+
+PoolingResource::~PoolingResource() {
+  MutexLock lock(&mu_);
+  for (auto& [size, blocks] : free_) {
+    for (void* p : blocks) upstream_->Deallocate(p, size);
+  }
+}
+
+size_t PoolingResource::ClassOf(size_t bytes) {
+  size_t c = 64 << 10;
+  while (c < bytes) c <<= 1;
+  return c;
+}
+
+absl::StatusOr<void*> PoolingResource::Allocate(size_t bytes) {
+  if (bytes == 0) return absl::InvalidArgumentError("pooled allocation of 0 bytes");
+  const size_t c = ClassOf(bytes);
+  {
+    MutexLock lock(&mu_);
+    auto it = free_.find(c);
+    if (it != free_.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      cached_ -= c;
+      ++reused_;
+      return p;
+    }
+  }
+  return upstream_->Allocate(c);
+}
+
+void PoolingResource::Deallocate(void* p, size_t bytes) {
+  const size_t c = ClassOf(bytes);
+  {
+    MutexLock lock(&mu_);
+    if (cached_ + c <= max_cached_) {
+      free_[c].push_back(p);
+      cached_ += c;
+      return;
+    }
+  }
+  upstream_->Deallocate(p, c);
+}
+
+uint64_t PoolingResource::cached_bytes() const {
+  MutexLock lock(&mu_);
+  return cached_;
+}
+
+uint64_t PoolingResource::reused() const {
+  MutexLock lock(&mu_);
+  return reused_;
+}
+
+int NumaNodeNearest(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return -1;
+  // The block device's name (a partition's parent disk is what hwloc lists).
+  char link[4096];
+  const std::string sys = absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev));
+  const ssize_t n = readlink(sys.c_str(), link, sizeof(link) - 1);
+  if (n <= 0) return -1;
+  link[n] = '\0';
+  std::string dev = link;
+  std::string name = dev.substr(dev.rfind('/') + 1);
+  std::string parent = dev.substr(0, dev.rfind('/'));
+  parent = parent.substr(parent.rfind('/') + 1);
+  hwloc_topology_t topology;
+  if (hwloc_topology_init(&topology) != 0) return -1;
+  hwloc_topology_set_io_types_filter(topology, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  int node = -1;
+  if (hwloc_topology_load(topology) == 0) {
+    for (hwloc_obj_t os = hwloc_get_next_osdev(topology, nullptr); os != nullptr;
+         os = hwloc_get_next_osdev(topology, os)) {
+      if (os->name == nullptr || (name != os->name && parent != os->name)) continue;
+      hwloc_obj_t anc = hwloc_get_non_io_ancestor_obj(topology, os);
+      if (anc != nullptr && anc->nodeset != nullptr && hwloc_bitmap_weight(anc->nodeset) == 1) {
+        node = hwloc_bitmap_first(anc->nodeset);
+      }
+      break;
+    }
+  }
+  hwloc_topology_destroy(topology);
+  return node;
 }
 
 LimitingResource::LimitingResource(MemoryResource* upstream, uint64_t budget_bytes,

@@ -12,6 +12,8 @@
 //    callback (which may evict and free, then return true to retry) up to a few times, then fails
 //    with ResourceExhausted naming the tier, the budget, what is in use and what was asked.
 //  - StatisticsResource: bytes in use, peak, and allocation counts.
+//  - PoolingResource: keeps freed blocks in power-of-two size classes and hands them out again,
+//    so pinned memory is pinned once and reused, never pinned per request.
 //
 // Thread safety: all resources and adaptors here are thread-safe. Deallocate must get the size
 // that Allocate was given.
@@ -24,7 +26,9 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "base/mutex.h"
@@ -54,6 +58,9 @@ class HostMemoryResource final : public MemoryResource {
 struct PinnedOptions {
   int numa_node = -1;      // bind to this NUMA node (hwloc); -1: where the first touch lands
   bool huge_pages = true;  // transparent huge pages for allocations of 2 MiB and more
+  // Also register the memory with CUDA (cudaHostRegister) for device copies, when strata is built
+  // with CUDA and a device is present; otherwise this is skipped with a warning.
+  bool cuda_register = false;
   // Called once with the reason when memory cannot be locked and is used unlocked instead.
   std::function<void(absl::string_view)> on_warning;
 };
@@ -71,6 +78,30 @@ class PinnedHostResource final : public MemoryResource {
   PinnedOptions options_;
   std::atomic<bool> pinned_{true};
   std::atomic<bool> warned_{false};
+  std::atomic<bool> cuda_warned_{false};
+};
+
+class PoolingResource final : public MemoryResource {
+ public:
+  // Blocks are rounded up to a power of two of at least 64 KiB; at most max_cached_bytes of
+  // freed blocks are kept (the rest go back upstream).
+  PoolingResource(MemoryResource* upstream, uint64_t max_cached_bytes);
+  ~PoolingResource() override;  // returns the cached blocks upstream
+  absl::StatusOr<void*> Allocate(size_t bytes) override;
+  void Deallocate(void* p, size_t bytes) override;
+  absl::string_view name() const override { return upstream_->name(); }
+  uint64_t cached_bytes() const;
+  uint64_t reused() const;
+
+  static size_t ClassOf(size_t bytes);
+
+ private:
+  MemoryResource* const upstream_;
+  const uint64_t max_cached_;
+  mutable Mutex mu_;
+  absl::flat_hash_map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
+  uint64_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class LimitingResource final : public MemoryResource {
@@ -116,6 +147,10 @@ class StatisticsResource final : public MemoryResource {
   mutable Mutex mu_;
   Counts counts_ ABSL_GUARDED_BY(mu_);
 };
+
+// The NUMA node nearest the block device that holds `path` (hwloc's view of the PCI tree), or -1
+// when hwloc cannot tell (a virtual disk, one node).
+int NumaNodeNearest(const std::string& path);
 
 // Device memory on CUDA device `device` (stream-ordered allocation). Unimplemented when built
 // without CUDA; FailedPrecondition when there is no such device.

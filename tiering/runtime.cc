@@ -54,9 +54,15 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     rt->device_memory_ = *std::move(device);
     STRATA_ASSIGN_OR_RETURN(rt->copy_, CreateCudaCopyEngine(0));
   }
+  // Pinned host memory: near the NVMe drive's NUMA node, registered with CUDA on a real device,
+  // pinned once and pooled (freed blocks are reused, up to the host budget).
   PinnedOptions po;
   po.on_warning = [r = rt.get()](absl::string_view w) { r->Warn(std::string(w)); };
-  rt->host_memory_ = std::make_unique<PinnedHostResource>(po);
+  po.numa_node = swap.empty() ? -1 : NumaNodeNearest(swap);
+  po.cuda_register = !config.emulated_device;
+  rt->pinned_memory_ = std::make_unique<PinnedHostResource>(po);
+  rt->host_memory_ =
+      std::make_unique<PoolingResource>(rt->pinned_memory_.get(), config.host_budget_bytes);
   rt->table_ = std::make_unique<ResidencyTable>(
       std::array<uint64_t, kTierCount>{config.device_budget_bytes, config.host_budget_bytes,
                                        rt->store_ ? rt->store_->capacity_bytes() : 0});

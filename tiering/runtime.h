@@ -93,7 +93,8 @@ class Runtime {
   std::unique_ptr<aio::Engine> engine_;
   std::unique_ptr<NvmeStore> store_;
   std::unique_ptr<MemoryResource> device_memory_;
-  std::unique_ptr<MemoryResource> host_memory_;
+  std::unique_ptr<MemoryResource> pinned_memory_;
+  std::unique_ptr<MemoryResource> host_memory_;  // pools pinned_memory_
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<ResidencyTable> table_;
 

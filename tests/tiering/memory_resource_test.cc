@@ -137,6 +137,37 @@ TEST(PinnedHostResourceTest, LocksWhenAllowedAndWarnsOnceWhenNot) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
 }
 
+TEST(PoolingResourceTest, FreedBlocksAreReusedUpToTheCap) {
+  HostMemoryResource host;
+  StatisticsResource upstream(&host);
+  {
+    PoolingResource pool(&upstream, 1 << 20);
+    EXPECT_EQ(PoolingResource::ClassOf(1), 64u << 10);
+    EXPECT_EQ(PoolingResource::ClassOf(300000), 512u << 10);
+    auto a = pool.Allocate(300000);
+    ASSERT_TRUE(a.ok());
+    pool.Deallocate(*a, 300000);
+    EXPECT_EQ(pool.cached_bytes(), 512u << 10);
+    auto b = pool.Allocate(400000);  // same class: the same block again
+    ASSERT_TRUE(b.ok());
+    EXPECT_EQ(*a, *b);
+    EXPECT_EQ(pool.reused(), 1u);
+    auto c = pool.Allocate(900 << 10);
+    auto d = pool.Allocate(900 << 10);
+    pool.Deallocate(*b, 400000);
+    pool.Deallocate(*c, 900 << 10);  // over the cap: back upstream
+    pool.Deallocate(*d, 900 << 10);
+    EXPECT_LE(pool.cached_bytes(), 1u << 20);
+    EXPECT_EQ(upstream.counts().allocations, 3u);  // one per block ever pinned
+  }
+  EXPECT_EQ(upstream.counts().bytes_in_use, 0u);  // the pool returned everything
+}
+
+TEST(NumaTest, NearestNodeOfAPathIsANodeOrUnknown) {
+  EXPECT_EQ(NumaNodeNearest("/nonexistent/strata"), -1);
+  EXPECT_GE(NumaNodeNearest("."), -1);
+}
+
 TEST(HostMemoryResourceTest, ZeroBytesIsInvalid) {
   HostMemoryResource host;
   EXPECT_EQ(host.Allocate(0).status().code(), absl::StatusCode::kInvalidArgument);
