@@ -340,45 +340,84 @@ absl::Status NvmeStore::CommitLocked() {
 }
 
 absl::Status NvmeStore::Put(PartitionId id, absl::Span<const std::byte> bytes) {
-  if (bytes.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("nvme store: put ", id, ": no bytes"));
-  }
-  MutexLock partition(PartitionMutex(id));
+  Batch batch(this);
+  STRATA_RETURN_IF_ERROR(batch.Stage(id, bytes));
+  return batch.Commit();
+}
+
+std::unique_ptr<NvmeStore::Batch> NvmeStore::NewBatch() {
+  return std::unique_ptr<Batch>(new Batch(this));
+}
+
+NvmeStore::Batch::~Batch() { Abort(); }
+
+void NvmeStore::Batch::Abort() {
+  MutexLock lock(&store_->mu_);
+  for (const auto& [id, st] : staged_) store_->FreeLocked(st.extent);
+  staged_.clear();
+}
+
+absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte> bytes) {
+  const std::string context = absl::StrCat("nvme store: put partition ", id);
+  if (bytes.empty()) return absl::InvalidArgumentError(absl::StrCat(context, ": no bytes"));
   Extent e;
   {
-    MutexLock lock(&mu_);
-    STRATA_ASSIGN_OR_RETURN(e, AllocateLocked(bytes.size()));
+    MutexLock lock(&store_->mu_);
+    STRATA_ASSIGN_OR_RETURN(e, store_->AllocateLocked(bytes.size()));
   }
-  auto release = [&] {
-    MutexLock lock(&mu_);
-    FreeLocked(e);
-  };
-  const std::string context = absl::StrCat("nvme store: put partition ", id);
-  if (absl::Status s = engine_->WriteSync(files_[e.file], e.offset, bytes); !s.ok()) {
-    release();
+  absl::Status s = store_->engine_->WriteSync(store_->files_[e.file], e.offset, bytes);
+  if (s.ok()) s = store_->files_[e.file].Sync();
+  MutexLock lock(&store_->mu_);
+  if (!s.ok()) {
+    store_->FreeLocked(e);
     return Annotate(s, context);
   }
-  if (absl::Status s = files_[e.file].Sync(); !s.ok()) {
-    release();
-    return Annotate(s, context);
-  }
-  const uint64_t sum = Checksum(bytes);
-  MutexLock lock(&mu_);
-  std::optional<PartitionRecord> old;
-  if (auto it = records_.find(id); it != records_.end()) old = it->second;
-  records_[id] = PartitionRecord{id, e.file, e.offset, bytes.size(), sum, generation_ + 1};
-  if (absl::Status s = CommitLocked(); !s.ok()) {
-    // The manifest in force is still the previous one: so is the partition's previous copy.
-    if (old) {
-      records_[id] = *old;
-    } else {
-      records_.erase(id);
-    }
-    FreeLocked(e);
-    return Annotate(s, context);
-  }
-  if (old) FreeLocked({old->file, old->offset, AlignUp(old->length, options_.alignment)});
+  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extent);
+  staged_[id] = Staged{e, bytes.size(), Checksum(bytes)};
   return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Batch::Commit() {
+  if (staged_.empty()) return absl::OkStatus();
+  // Readers of these partitions finish before their old extents are freed (ids in order: no
+  // deadlock between batches).
+  std::vector<Mutex*> partition_locks;
+  for (const auto& [id, st] : staged_) partition_locks.push_back(store_->PartitionMutex(id));
+  for (Mutex* m : partition_locks) m->Lock();
+  absl::Status result;
+  {
+    MutexLock lock(&store_->mu_);
+    std::map<PartitionId, std::optional<PartitionRecord>> old;
+    for (const auto& [id, st] : staged_) {
+      auto it = store_->records_.find(id);
+      old[id] =
+          it == store_->records_.end() ? std::nullopt : std::optional<PartitionRecord>(it->second);
+      store_->records_[id] = PartitionRecord{id,        st.extent.file, st.extent.offset,
+                                             st.length, st.checksum,    store_->generation_ + 1};
+    }
+    result = store_->CommitLocked();
+    if (!result.ok()) {
+      // The manifest in force is still the previous one: so are the previous copies.
+      for (const auto& [id, r] : old) {
+        if (r) {
+          store_->records_[id] = *r;
+        } else {
+          store_->records_.erase(id);
+        }
+      }
+      for (const auto& [id, st] : staged_) store_->FreeLocked(st.extent);
+      result = Annotate(result, absl::StrCat("nvme store: put partition ", staged_.begin()->first,
+                                             staged_.size() > 1 ? " and others" : ""));
+    } else {
+      for (const auto& [id, r] : old) {
+        if (r)
+          store_->FreeLocked({r->file, r->offset, AlignUp(r->length, store_->options_.alignment)});
+      }
+    }
+    staged_.clear();
+  }
+  for (auto it = partition_locks.rbegin(); it != partition_locks.rend(); ++it) (*it)->Unlock();
+  return result;
 }
 
 absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {

@@ -62,6 +62,11 @@ struct PartitionRecord {
 };
 
 class NvmeStore {
+  struct Extent {
+    uint32_t file;
+    uint64_t offset, length;
+  };
+
  public:
   // Creates the store in `dir` (reserving capacity) or reopens the one there. On reopen the
   // manifest is read, every partition is verified, and `corrupt` (when not null) receives the ids
@@ -76,6 +81,30 @@ class NvmeStore {
 
   // Writes `bytes` as partition `id` (copy on write; see above).
   absl::Status Put(PartitionId id, absl::Span<const std::byte> bytes);
+
+  // Several partitions written as one: Stage writes (and syncs) new bytes into fresh extents
+  // while the previous copies stay in force; Commit makes all of them current in one manifest
+  // commit (all or none); Abort, or destroying an uncommitted Batch, frees what was staged. A
+  // Batch is used by one thread at a time; several Batches may be open at once.
+  class Batch {
+   public:
+    ~Batch();
+    absl::Status Stage(PartitionId id, absl::Span<const std::byte> bytes);
+    absl::Status Commit();
+    void Abort();
+    size_t staged() const { return staged_.size(); }
+
+   private:
+    friend class NvmeStore;
+    explicit Batch(NvmeStore* store) : store_(store) {}
+    struct Staged {
+      Extent extent;
+      uint64_t length = 0, checksum = 0;
+    };
+    NvmeStore* const store_;
+    std::map<PartitionId, Staged> staged_;
+  };
+  std::unique_ptr<Batch> NewBatch();
   // Reads partition `id` into `out`, which must be exactly its length. NotFound when absent;
   // DataLoss when its bytes do not match the checksum.
   absl::Status Get(PartitionId id, absl::Span<std::byte> out);
@@ -89,10 +118,6 @@ class NvmeStore {
   const std::string& dir() const { return dir_; }
 
  private:
-  struct Extent {
-    uint32_t file;
-    uint64_t offset, length;
-  };
   NvmeStore() = default;
   absl::StatusOr<Extent> AllocateLocked(uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(const Extent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -229,6 +229,48 @@ TEST(NvmeStoreTest, AManifestWriteThatFailsOrIsCutShortLeavesThePreviousGenerati
   EXPECT_EQ(GetAll(**store, 1), v2);
 }
 
+TEST(NvmeStoreTest, ABatchCommitsAllOrNothing) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  const auto a1 = RandomBytes(70000, 1), b1 = RandomBytes(70000, 2);
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, Small(), engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, a1).ok());
+    ASSERT_TRUE((*store)->Put(2, b1).ok());
+    // Staged but aborted: nothing changes and the space comes back.
+    const uint64_t used = (*store)->used_bytes();
+    {
+      auto batch = (*store)->NewBatch();
+      ASSERT_TRUE(batch->Stage(1, RandomBytes(70000, 3)).ok());
+      EXPECT_GT((*store)->used_bytes(), used);
+    }
+    EXPECT_EQ((*store)->used_bytes(), used);
+    EXPECT_EQ(GetAll(**store, 1), a1);
+  }
+  // The commit's manifest write fails: neither partition changes, on disk or in memory.
+  aio::FaultRule eio = aio::FaultRule::Error(EIO);
+  eio.only = aio::OpKind::kWrite;
+  eio.offset_begin = 0;
+  eio.offset_end = 1;  // the manifest is written at offset 0; the extents here are not
+  auto engine = MakeEngine({eio});
+  auto store = NvmeStore::Open(path, {}, engine.get());
+  ASSERT_TRUE(store.ok());
+  auto batch = (*store)->NewBatch();
+  ASSERT_TRUE(batch->Stage(1, RandomBytes(70000, 4)).ok());
+  ASSERT_TRUE(batch->Stage(2, RandomBytes(70000, 5)).ok());
+  absl::Status s = batch->Commit();
+  EXPECT_THAT(s.message(), HasSubstr("put partition 1 and others"));
+  EXPECT_EQ(GetAll(**store, 1), a1);
+  EXPECT_EQ(GetAll(**store, 2), b1);
+  auto clean = MakeEngine();
+  auto reopened = NvmeStore::Open(path, {}, clean.get());
+  ASSERT_TRUE(reopened.ok());
+  EXPECT_EQ(GetAll(**reopened, 1), a1);
+  EXPECT_EQ(GetAll(**reopened, 2), b1);
+}
+
 TEST(NvmeStoreTest, ShortTransfersAreRetriedByTheEngine) {
   ScratchDir dir;
   aio::FaultRule r = aio::FaultRule::Short();
