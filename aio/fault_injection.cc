@@ -104,6 +104,7 @@ uint64_t FaultInjector::total_hits() const {
 
 FaultInjector::Decision FaultInjector::Decide(const Op& op) {
   Decision d;
+  if (!armed_.load()) return d;
   MutexLock lock(&mu_);
   for (size_t i = 0; i < rules_.size(); ++i) {
     const FaultRule& r = rules_[i];

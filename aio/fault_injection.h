@@ -15,6 +15,7 @@
 #ifndef STRATA_AIO_FAULT_INJECTION_H_
 #define STRATA_AIO_FAULT_INJECTION_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -74,6 +75,9 @@ class FaultInjector {
   static std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>, int)> ForEngine(
       std::shared_ptr<FaultInjector> injector);
 
+  // Disarmed, no rule matches or counts (tests arm the faults for the part they exercise).
+  void Arm(bool armed) { armed_.store(armed); }
+
   uint64_t hits(size_t rule) const;  // Times rule `rule` fired.
   uint64_t total_hits() const;
 
@@ -85,6 +89,7 @@ class FaultInjector {
   Decision Decide(const Op& op);
 
  private:
+  std::atomic<bool> armed_{true};
   mutable Mutex mu_;
   std::mt19937_64 rng_ ABSL_GUARDED_BY(mu_);
   std::vector<FaultRule> rules_;

@@ -1,0 +1,279 @@
+#include "swap/optimizer_swapper.h"
+
+#include <chrono>
+#include <cstring>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace strata::swap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+uint64_t StateBytes(uint64_t elements) { return elements * 3 * sizeof(float); }
+
+absl::Span<const std::byte> Bytes(const float* p, uint64_t elements) {
+  return {reinterpret_cast<const std::byte*>(p), StateBytes(elements)};
+}
+absl::Span<std::byte> MutableBytes(float* p, uint64_t elements) {
+  return {reinterpret_cast<std::byte*>(p), StateBytes(elements)};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwapper::Create(
+    tiering::NvmeStore* store, optim_cpu::CpuAdam* adam, tiering::MemoryResource* host,
+    const OptimizerSwapperConfig& config,
+    const std::vector<std::pair<tiering::PartitionId, uint64_t>>& partitions) {
+  if (adam == nullptr || host == nullptr) {
+    return absl::InvalidArgumentError("optimizer swapper: adam and host memory are required");
+  }
+  auto s = std::unique_ptr<PipelinedOptimizerSwapper>(new PipelinedOptimizerSwapper());
+  s->store_ = store;
+  s->adam_ = adam;
+  s->host_ = host;
+  s->config_ = config;
+  uint64_t in_cpu = 0;
+  for (const auto& [id, elements] : partitions) {
+    if (elements == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer swapper: partition ", id, " has 0 elements"));
+    }
+    Part part;
+    part.elements = elements;
+    if (in_cpu + StateBytes(elements) <= config.max_in_cpu_bytes) {
+      STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(StateBytes(elements)));
+      part.host_state = static_cast<float*>(p);
+      std::memset(p, 0, StateBytes(elements));
+      in_cpu += StateBytes(elements);
+    } else {
+      if (store == nullptr) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("optimizer swapper: partition ", id, " does not fit in max_in_cpu (",
+                         config.max_in_cpu_bytes, " bytes) and there is no NVMe store"));
+      }
+      s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(elements));
+    }
+    if (!s->parts_.emplace(id, part).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer swapper: partition ", id, " listed twice"));
+    }
+  }
+  if (s->buffer_bytes_ > 0) {
+    const int count = config.pipeline_read || config.pipeline_write ? 3 : 1;
+    for (int i = 0; i < count; ++i) {
+      STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(s->buffer_bytes_));
+      s->buffers_.push_back(static_cast<float*>(p));
+    }
+  }
+  return s;
+}
+
+PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
+  for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
+  for (auto& [id, part] : parts_) {
+    if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
+  }
+}
+
+absl::StatusOr<const PipelinedOptimizerSwapper::Part*> PipelinedOptimizerSwapper::Find(
+    tiering::PartitionId id) const {
+  auto it = parts_.find(id);
+  if (it == parts_.end()) {
+    return absl::NotFoundError(absl::StrCat("optimizer swapper: no partition ", id));
+  }
+  return &it->second;
+}
+
+bool PipelinedOptimizerSwapper::on_nvme(tiering::PartitionId id) const {
+  auto it = parts_.find(id);
+  return it != parts_.end() && it->second.host_state == nullptr;
+}
+
+absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
+                                                   absl::Span<const float> master) {
+  STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
+  if (master.size() != part->elements) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: partition ", id, " has ",
+                                                   part->elements, " elements, got ",
+                                                   master.size()));
+  }
+  float* state = part->host_state != nullptr ? part->host_state : buffers_.front();
+  std::memcpy(state, master.data(), master.size() * sizeof(float));
+  std::memset(state + part->elements, 0, 2 * part->elements * sizeof(float));
+  if (part->host_state != nullptr) return absl::OkStatus();
+  return store_->Put(id, Bytes(state, part->elements));
+}
+
+absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
+                                                  absl::Span<float> exp_avg,
+                                                  absl::Span<float> exp_avg_sq) {
+  STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
+  const uint64_t n = part->elements;
+  if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
+  }
+  const float* state = part->host_state;
+  if (state == nullptr) {
+    STRATA_RETURN_IF_ERROR(store_->Get(id, MutableBytes(buffers_.front(), n)));
+    state = buffers_.front();
+  }
+  std::memcpy(master.data(), state, n * sizeof(float));
+  std::memcpy(exp_avg.data(), state + n, n * sizeof(float));
+  std::memcpy(exp_avg_sq.data(), state + 2 * n, n * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
+                                                           absl::Span<const StepInput> inputs,
+                                                           const optim_cpu::StepOptions& options) {
+  StepReport report;
+  const auto t0 = Clock::now();
+  std::vector<std::pair<const StepInput*, const Part*>> nvme, host;
+  for (const StepInput& in : inputs) {
+    STRATA_ASSIGN_OR_RETURN(const Part* part, Find(in.id));
+    if (in.grad == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer swapper: partition ", in.id, ": grad is null"));
+    }
+    (part->host_state != nullptr ? host : nvme).emplace_back(&in, part);
+  }
+  if (options.check_overflow) {
+    for (const StepInput& in : inputs) {
+      if (adam_->HasNonFinite(in.grad, in.grad_dtype, parts_.at(in.id).elements)) {
+        report.overflow = true;
+        report.seconds = Since(t0);
+        return report;
+      }
+    }
+  }
+  optim_cpu::StepOptions no_check = options;
+  no_check.check_overflow = false;
+  auto step_one = [&](const StepInput& in, uint64_t n, float* state) -> absl::Status {
+    optim_cpu::AdamChunk c;
+    c.param = state;
+    c.exp_avg = state + n;
+    c.exp_avg_sq = state + 2 * n;
+    c.grad = in.grad;
+    c.grad_dtype = in.grad_dtype;
+    c.param_copy = in.param_copy;
+    c.copy_dtype = in.copy_dtype;
+    c.size = n;
+    const auto c0 = Clock::now();
+    absl::Status s = adam_->Step(t, c, no_check).status();
+    report.compute_seconds += Since(c0);
+    return s;
+  };
+
+  // NVMe-resident partitions: read k+1 | step k | write k-1, staged in one batch.
+  std::unique_ptr<tiering::NvmeStore::Batch> batch;
+  if (!nvme.empty()) batch = store_->NewBatch();
+  const size_t n_parts = nvme.size();
+  const size_t ring = buffers_.size();
+  std::vector<std::future<std::pair<absl::Status, double>>> reads(n_parts);
+  std::vector<std::shared_future<std::pair<absl::Status, double>>> writes(n_parts);
+  auto start_read = [&](size_t k) {
+    float* buf = buffers_[k % ring];
+    const StepInput* in = nvme[k].first;
+    const uint64_t n = nvme[k].second->elements;
+    auto work = [this, buf, in, n] {
+      const auto r0 = Clock::now();
+      absl::Status s = store_->Get(in->id, MutableBytes(buf, n));
+      return std::make_pair(s, Since(r0));
+    };
+    reads[k] = config_.pipeline_read ? std::async(std::launch::async, work)
+                                     : std::async(std::launch::deferred, work);
+  };
+  auto start_write = [&](size_t k) {
+    float* buf = buffers_[k % ring];
+    const StepInput* in = nvme[k].first;
+    const uint64_t n = nvme[k].second->elements;
+    std::shared_future<std::pair<absl::Status, double>> prev =
+        k > 0 ? writes[k - 1] : std::shared_future<std::pair<absl::Status, double>>();
+    // Writes are staged one after another (a Batch is used by one thread at a time).
+    auto work = [this, buf, in, n, prev, b = batch.get()] {
+      if (prev.valid()) prev.wait();
+      const auto w0 = Clock::now();
+      absl::Status s = b->Stage(in->id, Bytes(buf, n));
+      return std::make_pair(s, Since(w0));
+    };
+    writes[k] = (config_.pipeline_write ? std::async(std::launch::async, work)
+                                        : std::async(std::launch::deferred, work))
+                    .share();
+    if (!config_.pipeline_write) writes[k].wait();
+  };
+  absl::Status failure;
+  if (n_parts > 0) start_read(0);
+  for (size_t k = 0; k < n_parts && failure.ok(); ++k) {
+    // Read k+1 ahead (pipeline_read) into its buffer, which k+1-ring used last: that write must
+    // be done first.
+    auto start_next = [&] {
+      if (k + 1 >= n_parts) return;
+      if (k + 1 >= ring && !writes[k + 1 - ring].get().first.ok()) {
+        failure = writes[k + 1 - ring].get().first;
+        return;
+      }
+      start_read(k + 1);
+    };
+    if (config_.pipeline_read) start_next();
+    if (!failure.ok()) break;
+    auto [read_status, read_s] = reads[k].get();
+    report.read_seconds += read_s;
+    if (!read_status.ok()) {
+      failure = read_status;
+      break;
+    }
+    report.bytes_read += StateBytes(nvme[k].second->elements);
+    if (absl::Status s = step_one(*nvme[k].first, nvme[k].second->elements, buffers_[k % ring]);
+        !s.ok()) {
+      failure = s;
+      break;
+    }
+    start_write(k);
+    if (!config_.pipeline_read) start_next();
+  }
+  // Wait for everything in flight before deciding (no I/O may outlive this call).
+  for (size_t k = 0; k < n_parts; ++k) {
+    // A deferred read that was never needed is not run.
+    if (reads[k].valid() &&
+        reads[k].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
+      reads[k].wait();
+    }
+    if (writes[k].valid()) {
+      const auto& w = writes[k].get();
+      report.write_seconds += w.second;
+      if (w.first.ok()) {
+        report.bytes_written += StateBytes(nvme[k].second->elements);
+      } else if (failure.ok()) {
+        failure = w.first;
+      }
+    }
+  }
+  if (!failure.ok()) {
+    if (batch) batch->Abort();
+    return Annotate(failure,
+                    absl::StrCat("optimizer step ", t,
+                                 ": nothing was changed (the NVMe state is step ", t - 1, "'s)"));
+  }
+  if (batch) {
+    const auto c0 = Clock::now();
+    absl::Status committed = batch->Commit();
+    report.write_seconds += Since(c0);
+    if (!committed.ok()) {
+      return Annotate(committed, absl::StrCat("optimizer step ", t, ": nothing was changed"));
+    }
+  }
+  // Host-resident partitions, once the NVMe part is committed.
+  for (const auto& [in, part] : host) {
+    STRATA_RETURN_IF_ERROR(step_one(*in, part->elements, part->host_state));
+  }
+  report.seconds = Since(t0);
+  return report;
+}
+
+}  // namespace strata::swap
