@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -144,35 +147,24 @@ uint64_t PoolingResource::reused() const {
 }
 
 int NumaNodeNearest(const std::string& path) {
+  // The kernel's own answer: the first numa_node file up the sysfs path of the block device
+  // (for NVMe, the PCI function of the controller). hwloc reads the same files; its IO discovery
+  // is not needed for this (and its PCI plugin leaks).
   struct stat st;
   if (stat(path.c_str(), &st) != 0) return -1;
-  // The block device's name (a partition's parent disk is what hwloc lists).
-  char link[4096];
-  const std::string sys = absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev));
-  const ssize_t n = readlink(sys.c_str(), link, sizeof(link) - 1);
-  if (n <= 0) return -1;
-  link[n] = '\0';
-  std::string dev = link;
-  std::string name = dev.substr(dev.rfind('/') + 1);
-  std::string parent = dev.substr(0, dev.rfind('/'));
-  parent = parent.substr(parent.rfind('/') + 1);
-  hwloc_topology_t topology;
-  if (hwloc_topology_init(&topology) != 0) return -1;
-  hwloc_topology_set_io_types_filter(topology, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
-  int node = -1;
-  if (hwloc_topology_load(topology) == 0) {
-    for (hwloc_obj_t os = hwloc_get_next_osdev(topology, nullptr); os != nullptr;
-         os = hwloc_get_next_osdev(topology, os)) {
-      if (os->name == nullptr || (name != os->name && parent != os->name)) continue;
-      hwloc_obj_t anc = hwloc_get_non_io_ancestor_obj(topology, os);
-      if (anc != nullptr && anc->nodeset != nullptr && hwloc_bitmap_weight(anc->nodeset) == 1) {
-        node = hwloc_bitmap_first(anc->nodeset);
-      }
-      break;
-    }
+  const std::string dev = absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev));
+  char real[PATH_MAX];
+  if (realpath(dev.c_str(), real) == nullptr) return -1;
+  for (std::string dir = real; dir.size() > std::strlen("/sys/devices");
+       dir = dir.substr(0, dir.rfind('/'))) {
+    FILE* f = std::fopen((dir + "/numa_node").c_str(), "r");
+    if (f == nullptr) continue;
+    int node = -1;
+    if (std::fscanf(f, "%d", &node) != 1) node = -1;
+    std::fclose(f);
+    return node;
   }
-  hwloc_topology_destroy(topology);
-  return node;
+  return -1;
 }
 
 LimitingResource::LimitingResource(MemoryResource* upstream, uint64_t budget_bytes,

@@ -148,8 +148,8 @@ class StatisticsResource final : public MemoryResource {
   Counts counts_ ABSL_GUARDED_BY(mu_);
 };
 
-// The NUMA node nearest the block device that holds `path` (hwloc's view of the PCI tree), or -1
-// when hwloc cannot tell (a virtual disk, one node).
+// The NUMA node nearest the block device that holds `path` (from sysfs, as hwloc finds it), or
+// -1 when the kernel does not say (a virtual disk, one node). PinnedHostResource binds there.
 int NumaNodeNearest(const std::string& path);
 
 // Device memory on CUDA device `device` (stream-ordered allocation). Unimplemented when built

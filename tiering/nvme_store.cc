@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -365,7 +366,11 @@ absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte>
     MutexLock lock(&store_->mu_);
     STRATA_ASSIGN_OR_RETURN(e, store_->AllocateLocked(bytes.size()));
   }
-  absl::Status s = store_->engine_->WriteSync(store_->files_[e.file], e.offset, bytes);
+  // The checksum is computed while the bytes are being written (the engine only reads them).
+  std::future<absl::Status> written =
+      store_->engine_->WriteAsync(store_->files_[e.file], e.offset, bytes);
+  const uint64_t sum = Checksum(bytes);
+  absl::Status s = written.get();
   if (s.ok()) s = store_->files_[e.file].Sync();
   MutexLock lock(&store_->mu_);
   if (!s.ok()) {
@@ -373,7 +378,7 @@ absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte>
     return Annotate(s, context);
   }
   if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extent);
-  staged_[id] = Staged{e, bytes.size(), Checksum(bytes)};
+  staged_[id] = Staged{e, bytes.size(), sum};
   return absl::OkStatus();
 }
 
@@ -435,9 +440,28 @@ absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {
     return absl::InvalidArgumentError(absl::StrCat("nvme store: get partition ", id, ": it is ",
                                                    r.length, " bytes, the buffer ", out.size()));
   }
-  STRATA_RETURN_IF_ERROR(Annotate(engine_->ReadSync(files_[r.file], r.offset, out),
-                                  absl::StrCat("nvme store: get partition ", id)));
-  if (options_.verify_on_get && Checksum(out) != r.checksum) {
+  // Read in chunks, all in flight at once; each chunk is hashed as soon as it is in, while the
+  // later ones are still being read.
+  constexpr uint64_t kChunk = 8 << 20;
+  std::vector<std::future<absl::Status>> chunks;
+  for (uint64_t off = 0; off < r.length; off += kChunk) {
+    chunks.push_back(engine_->ReadAsync(files_[r.file], r.offset + off,
+                                        out.subspan(off, std::min(kChunk, r.length - off))));
+  }
+  XXH3_state_t* hash = options_.verify_on_get ? XXH3_createState() : nullptr;
+  if (hash != nullptr) XXH3_64bits_reset(hash);
+  absl::Status read;
+  for (uint64_t i = 0; i < chunks.size(); ++i) {
+    read.Update(chunks[i].get());
+    if (hash != nullptr && read.ok()) {
+      const uint64_t off = i * kChunk;
+      XXH3_64bits_update(hash, out.data() + off, std::min(kChunk, r.length - off));
+    }
+  }
+  const uint64_t sum = hash != nullptr ? XXH3_64bits_digest(hash) : 0;
+  if (hash != nullptr) XXH3_freeState(hash);
+  STRATA_RETURN_IF_ERROR(Annotate(read, absl::StrCat("nvme store: get partition ", id)));
+  if (options_.verify_on_get && sum != r.checksum) {
     return absl::DataLossError(absl::StrCat(
         "nvme store: partition ", id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
         r.length, ": checksum does not match the manifest's ", Hex(r.checksum)));
