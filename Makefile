@@ -24,6 +24,8 @@ bench: build
 	mkdir -p $(SCRATCH)
 	./build/release/bench/aio_vs_fio --dir $(SCRATCH) --json build/release/aio_vs_fio.json $(BENCH_ARGS)
 	./build/release/bench/sweep_vs_fio --dir $(SCRATCH) --json build/release/sweep_vs_fio.json $(BENCH_ARGS)
+	./build/release/bench/cpu_adam --json build/release/cpu_adam.json
+	./build/release/bench/optimizer_swap --dir $(SCRATCH) --json build/release/optimizer_swap.json $(BENCH_ARGS)
 
 test: build
 	ctest --preset release
