@@ -6,6 +6,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <array>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -382,6 +383,55 @@ absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte>
   return absl::OkStatus();
 }
 
+absl::Status NvmeStore::Batch::StageChunked(PartitionId id, uint64_t length,
+                                            absl::Span<std::byte> buffer_a,
+                                            absl::Span<std::byte> buffer_b,
+                                            const ChunkProducer& produce) {
+  const std::string context = absl::StrCat("nvme store: put partition ", id);
+  const uint64_t chunk = buffer_a.size();
+  if (length == 0 || chunk == 0 || buffer_b.size() != chunk ||
+      chunk % store_->options_.alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(context, ": needs bytes and two buffers of one size, a multiple of ",
+                     store_->options_.alignment));
+  }
+  Extent e;
+  {
+    MutexLock lock(&store_->mu_);
+    STRATA_ASSIGN_OR_RETURN(e, store_->AllocateLocked(length));
+  }
+  const std::array<absl::Span<std::byte>, 2> buffers = {buffer_a, buffer_b};
+  XXH3_state_t* hash = XXH3_createState();
+  XXH3_64bits_reset(hash);
+  std::array<std::future<absl::Status>, 2> writes;
+  absl::Status s;
+  for (uint64_t off = 0, i = 0; off < length && s.ok(); off += chunk, ++i) {
+    const uint64_t n = std::min(chunk, length - off);
+    std::future<absl::Status>& pending = writes[i % 2];
+    if (pending.valid()) s.Update(pending.get());  // chunk i-2 left this buffer
+    if (!s.ok()) break;
+    const absl::Span<std::byte> buf = buffers[i % 2].subspan(0, n);
+    s.Update(produce(off, buf));
+    if (!s.ok()) break;
+    XXH3_64bits_update(hash, buf.data(), n);
+    pending = store_->engine_->WriteAsync(store_->files_[e.file], e.offset + off, buf);
+  }
+  for (auto& w : writes) {
+    if (w.valid()) s.Update(w.get());
+  }
+  const uint64_t sum = XXH3_64bits_digest(hash);
+  XXH3_freeState(hash);
+  if (s.ok()) s = store_->files_[e.file].Sync();
+  MutexLock lock(&store_->mu_);
+  if (!s.ok()) {
+    store_->FreeLocked(e);
+    return Annotate(s, context);
+  }
+  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extent);
+  staged_[id] = Staged{e, length, sum};
+  return absl::OkStatus();
+}
+
 absl::Status NvmeStore::Batch::Commit() {
   if (staged_.empty()) return absl::OkStatus();
   // Readers of these partitions finish before their old extents are freed (ids in order: no
@@ -461,6 +511,56 @@ absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {
   const uint64_t sum = hash != nullptr ? XXH3_64bits_digest(hash) : 0;
   if (hash != nullptr) XXH3_freeState(hash);
   STRATA_RETURN_IF_ERROR(Annotate(read, absl::StrCat("nvme store: get partition ", id)));
+  if (options_.verify_on_get && sum != r.checksum) {
+    return absl::DataLossError(absl::StrCat(
+        "nvme store: partition ", id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
+        r.length, ": checksum does not match the manifest's ", Hex(r.checksum)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_a,
+                                   absl::Span<std::byte> buffer_b, const ChunkConsumer& consume) {
+  const uint64_t chunk = buffer_a.size();
+  if (chunk == 0 || buffer_b.size() != chunk || chunk % options_.alignment != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nvme store: get partition ", id,
+                     ": needs two buffers of one size, a multiple of ", options_.alignment));
+  }
+  MutexLock partition(PartitionMutex(id));
+  PartitionRecord r;
+  {
+    MutexLock lock(&mu_);
+    auto it = records_.find(id);
+    if (it == records_.end()) {
+      return absl::NotFoundError(absl::StrCat("nvme store ", dir_, ": no partition ", id));
+    }
+    r = it->second;
+  }
+  const std::array<absl::Span<std::byte>, 2> buffers = {buffer_a, buffer_b};
+  auto read = [&](uint64_t i) {
+    const uint64_t off = i * chunk;
+    return engine_->ReadAsync(files_[r.file], r.offset + off,
+                              buffers[i % 2].subspan(0, std::min(chunk, r.length - off)));
+  };
+  const uint64_t chunks = (r.length + chunk - 1) / chunk;
+  XXH3_state_t* hash = XXH3_createState();
+  XXH3_64bits_reset(hash);
+  absl::Status s;
+  std::future<absl::Status> next = read(0);
+  for (uint64_t i = 0; i < chunks && s.ok(); ++i) {
+    s.Update(next.get());
+    if (!s.ok()) break;
+    if (i + 1 < chunks) next = read(i + 1);  // into the other buffer, while this one is consumed
+    const uint64_t off = i * chunk, n = std::min(chunk, r.length - off);
+    const absl::Span<const std::byte> got = buffers[i % 2].subspan(0, n);
+    XXH3_64bits_update(hash, got.data(), n);
+    s.Update(consume(off, got));
+  }
+  if (next.valid()) next.wait();
+  const uint64_t sum = XXH3_64bits_digest(hash);
+  XXH3_freeState(hash);
+  STRATA_RETURN_IF_ERROR(Annotate(s, absl::StrCat("nvme store: get partition ", id)));
   if (options_.verify_on_get && sum != r.checksum) {
     return absl::DataLossError(absl::StrCat(
         "nvme store: partition ", id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",

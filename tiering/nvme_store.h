@@ -27,6 +27,7 @@
 #define STRATA_TIERING_NVME_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -90,6 +91,11 @@ class NvmeStore {
    public:
     ~Batch();
     absl::Status Stage(PartitionId id, absl::Span<const std::byte> bytes);
+    // Stages `length` bytes produced chunk by chunk: produce(offset, chunk) fills chunk i into one
+    // of the two buffers while chunk i-1 is written from the other.
+    using ChunkProducer = std::function<absl::Status(uint64_t offset, absl::Span<std::byte>)>;
+    absl::Status StageChunked(PartitionId id, uint64_t length, absl::Span<std::byte> buffer_a,
+                              absl::Span<std::byte> buffer_b, const ChunkProducer& produce);
     absl::Status Commit();
     void Abort();
     size_t staged() const { return staged_.size(); }
@@ -108,6 +114,14 @@ class NvmeStore {
   // Reads partition `id` into `out`, which must be exactly its length. NotFound when absent;
   // DataLoss when its bytes do not match the checksum.
   absl::Status Get(PartitionId id, absl::Span<std::byte> out);
+  // Reads partition `id` in chunks through two caller buffers of equal size (a multiple of the
+  // alignment): chunk i+1 is read while consume(offset, bytes) handles chunk i, so a consumer that
+  // copies to a device overlaps the disk. The checksum is verified as the chunks arrive; on any
+  // error (DataLoss on a mismatch) the consumer must discard what it was given.
+  using ChunkConsumer = std::function<absl::Status(uint64_t offset, absl::Span<const std::byte>)>;
+  absl::Status GetChunked(PartitionId id, absl::Span<std::byte> buffer_a,
+                          absl::Span<std::byte> buffer_b, const ChunkConsumer& consume);
+
   // Drops partition `id` (its extent is freed once the manifest without it is committed).
   absl::Status Erase(PartitionId id);
 

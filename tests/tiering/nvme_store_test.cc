@@ -271,6 +271,52 @@ TEST(NvmeStoreTest, ABatchCommitsAllOrNothing) {
   EXPECT_EQ(GetAll(**reopened, 2), b1);
 }
 
+TEST(NvmeStoreTest, ChunkedStagingAndReadingDoubleBufferThroughTwoBuffers) {
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(dir.File("s"), Small(), engine.get());
+  ASSERT_TRUE(store.ok());
+  const auto v = RandomBytes(300001, 21);
+  std::vector<std::byte> a(64 << 10), b(64 << 10);
+  auto batch = (*store)->NewBatch();
+  int produced = 0;
+  ASSERT_TRUE(batch
+                  ->StageChunked(9, v.size(), absl::MakeSpan(a), absl::MakeSpan(b),
+                                 [&](uint64_t off, absl::Span<std::byte> chunk) {
+                                   ++produced;
+                                   std::memcpy(chunk.data(), v.data() + off, chunk.size());
+                                   return absl::OkStatus();
+                                 })
+                  .ok());
+  ASSERT_TRUE(batch->Commit().ok());
+  EXPECT_EQ(produced, 5);            // 300001 bytes in 64 KiB chunks
+  EXPECT_EQ(GetAll(**store, 9), v);  // the checksum of the chunks is the whole's
+  std::vector<std::byte> back(v.size());
+  std::vector<const std::byte*> seen;
+  ASSERT_TRUE((*store)
+                  ->GetChunked(9, absl::MakeSpan(a), absl::MakeSpan(b),
+                               [&](uint64_t off, absl::Span<const std::byte> chunk) {
+                                 seen.push_back(chunk.data());
+                                 std::memcpy(back.data() + off, chunk.data(), chunk.size());
+                                 return absl::OkStatus();
+                               })
+                  .ok());
+  EXPECT_EQ(back, v);
+  ASSERT_EQ(seen.size(), 5u);
+  EXPECT_EQ(seen[0], a.data());  // alternating buffers
+  EXPECT_EQ(seen[1], b.data());
+  EXPECT_EQ(seen[2], a.data());
+  // A consumer's failure stops the read and is returned.
+  absl::Status s = (*store)->GetChunked(9, absl::MakeSpan(a), absl::MakeSpan(b),
+                                        [](uint64_t, absl::Span<const std::byte>) {
+                                          return absl::InternalError("device copy failed");
+                                        });
+  EXPECT_THAT(s.message(), HasSubstr("device copy failed"));
+  std::vector<std::byte> odd(1000);
+  EXPECT_EQ((*store)->GetChunked(9, absl::MakeSpan(odd), absl::MakeSpan(odd), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(NvmeStoreTest, ShortTransfersAreRetriedByTheEngine) {
   ScratchDir dir;
   aio::FaultRule r = aio::FaultRule::Short();
