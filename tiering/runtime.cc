@@ -1,5 +1,6 @@
 #include "tiering/runtime.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -71,6 +72,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 
 Runtime::~Runtime() {
   MutexLock lock(&mu_);
+  for (std::byte* b : staging_) {
+    if (b != nullptr) pinned_memory_->Deallocate(b, staging_bytes_);
+  }
   for (auto& [id, b] : buffers_) {
     auto r = table_->Get(id);
     if (!r.ok()) continue;
@@ -182,7 +186,10 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
   int others = 0;
   for (int t = 0; t < kTierCount; ++t) others += t != I(tier) && r.current[t];
   if (r.current[I(tier)] && others == 0) {
-    const Tier lower = tier == Tier::kDevice ? Tier::kHost : Tier::kNvme;
+    // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
+    const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
+                                config_.offload_param.device == OffloadDevice::kNvme;
+    const Tier lower = tier == Tier::kDevice && !device_to_nvme ? Tier::kHost : Tier::kNvme;
     if (lower == Tier::kNvme && store_ == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrCat("partition ", id,
@@ -194,6 +201,20 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
   }
   STRATA_RETURN_IF_ERROR(FreeCopyLocked(id, tier));
   ++stats_.evictions;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::StagingLocked() {
+  if (staging_[0] != nullptr) return absl::OkStatus();
+  // Two pinned buffers of offload_param.buffer_size (a multiple of 4 KiB, at most 256 MiB):
+  // pinned once, reused by every NVMe <-> device move.
+  staging_bytes_ = std::clamp<uint64_t>(
+      (static_cast<uint64_t>(config_.offload_param.buffer_size) + 4095) / 4096 * 4096, 4096,
+      256ull << 20);
+  for (auto& b : staging_) {
+    STRATA_ASSIGN_OR_RETURN(void* p, pinned_memory_->Allocate(staging_bytes_));
+    b = static_cast<std::byte*>(p);
+  }
   return absl::OkStatus();
 }
 
@@ -218,7 +239,32 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to) {
     allocated = true;
   }
   absl::Status moved;
-  if (from == Tier::kNvme) {  // to host
+  const bool staged =
+      (from == Tier::kNvme && to == Tier::kDevice) || (from == Tier::kDevice && to == Tier::kNvme);
+  if (staged) moved = StagingLocked();
+  if (!moved.ok()) {
+    // no staging memory: fall through to the failure handling below
+  } else if (from == Tier::kNvme && to == Tier::kDevice) {
+    std::byte* dst = b.ptr[I(to)];
+    moved = store_->GetChunked(id, {staging_[0], staging_bytes_}, {staging_[1], staging_bytes_},
+                               [&](uint64_t off, absl::Span<const std::byte> chunk) {
+                                 return copy_
+                                     ->CopyAsync(dst + off, chunk.data(), chunk.size(),
+                                                 CopyDirection::kHostToDevice)
+                                     .get();
+                               });
+  } else if (from == Tier::kDevice && to == Tier::kNvme) {
+    const std::byte* src = b.ptr[I(from)];
+    auto batch = store_->NewBatch();
+    moved = batch->StageChunked(
+        id, bytes, {staging_[0], staging_bytes_}, {staging_[1], staging_bytes_},
+        [&](uint64_t off, absl::Span<std::byte> chunk) {
+          return copy_
+              ->CopyAsync(chunk.data(), src + off, chunk.size(), CopyDirection::kDeviceToHost)
+              .get();
+        });
+    if (moved.ok()) moved = batch->Commit();
+  } else if (from == Tier::kNvme) {  // to host
     moved = store_->Get(id, {b.ptr[I(to)], bytes});
   } else if (to == Tier::kNvme) {  // from host
     moved = store_->Put(id, {b.ptr[I(from)], bytes});
@@ -243,32 +289,54 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to) {
   return absl::OkStatus();
 }
 
+absl::Status Runtime::BringLocked(PartitionId id, Tier tier) {
+  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+  if (r.current[I(tier)]) {
+    ++stats_.acquire_hits;
+    return absl::OkStatus();
+  }
+  const auto t0 = Clock::now();
+  if (tier == Tier::kDevice) {
+    // From host when it is current there; else straight from NVMe, staged in chunks.
+    STRATA_RETURN_IF_ERROR(
+        MoveLocked(id, r.current[I(Tier::kHost)] ? Tier::kHost : Tier::kNvme, Tier::kDevice));
+  } else {
+    STRATA_RETURN_IF_ERROR(
+        MoveLocked(id, r.current[I(Tier::kDevice)] ? Tier::kDevice : Tier::kNvme, Tier::kHost));
+  }
+  stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   if (!IsMemory(tier)) {
     return absl::InvalidArgumentError("acquire: the device or host tier (nvme is not addressable)");
   }
   MutexLock lock(&mu_);
-  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
   ++stats_.acquires;
-  if (!r.current[I(tier)]) {
-    const auto t0 = Clock::now();
-    if (tier == Tier::kDevice) {
-      if (!r.current[I(Tier::kHost)]) {
-        STRATA_RETURN_IF_ERROR(MoveLocked(id, Tier::kNvme, Tier::kHost));
-      }
-      STRATA_RETURN_IF_ERROR(MoveLocked(id, Tier::kHost, Tier::kDevice));
-    } else {
-      STRATA_RETURN_IF_ERROR(
-          MoveLocked(id, r.current[I(Tier::kDevice)] ? Tier::kDevice : Tier::kNvme, Tier::kHost));
-    }
-    stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-  } else {
-    ++stats_.acquire_hits;
-  }
+  STRATA_RETURN_IF_ERROR(BringLocked(id, tier));
   STRATA_RETURN_IF_ERROR(table_->Pin(id, tier));
   Buffers& b = buffers_[id];
   b.last_use[I(tier)] = ++tick_;
   return b.ptr[I(tier)];
+}
+
+std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
+  if (!IsMemory(tier)) {
+    std::promise<absl::Status> p;
+    p.set_value(absl::InvalidArgumentError("prefetch: the device or host tier"));
+    return p.get_future();
+  }
+  return std::async(std::launch::async, [this, id, tier] {
+    MutexLock lock(&mu_);
+    // A prefetch is not an acquire: it moves bytes, the wait is the caller's choice.
+    const uint64_t hits = stats_.acquire_hits;
+    const double wait = stats_.acquire_wait_seconds;
+    absl::Status s = BringLocked(id, tier);
+    stats_.acquire_hits = hits;
+    stats_.acquire_wait_seconds = wait;
+    return s;
+  });
 }
 
 absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {

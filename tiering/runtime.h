@@ -7,7 +7,8 @@
 //
 // The trainer registers partitions (with their first bytes in a tier), then asks for a partition
 // in a memory tier with Acquire — which brings a current copy there (NVMe -> host through the
-// aio engine; host <-> device through the copy engine; NVMe -> device staged through host),
+// aio engine; host <-> device through the copy engine; NVMe <-> device in chunks through two
+// pinned staging buffers of offload_param.buffer_size, the disk and the copy engine overlapping),
 // evicting the least recently used unpinned copies of that tier to stay within its budget
 // (writing a copy back first when it is the only current one) — and pins it until Release. A
 // Release marked dirty makes that copy the only current one (the stale copies are freed). The
@@ -25,6 +26,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,9 +70,14 @@ class Runtime {
   absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
   // Unpins; `dirty`: the caller changed the bytes in `tier`.
   absl::Status Release(PartitionId id, Tier tier, bool dirty);
-  // Drops the copy in `tier` (memory tiers), writing it back one tier down first when it is the
-  // only current copy.
+  // Drops the copy in `tier` (memory tiers), writing it back first when it is the only current
+  // copy: a device copy to host, or straight to NVMe when parameters are offloaded to NVMe
+  // (offload_param.device "nvme"); a host copy to NVMe. A clean copy is dropped without I/O.
   absl::Status Evict(PartitionId id, Tier tier);
+
+  // Starts bringing a current copy into `tier` in the background (no pin); the future completes
+  // when it is there. Wait for every prefetch before destroying the Runtime.
+  std::future<absl::Status> Prefetch(PartitionId id, Tier tier);
 
   RuntimeStats stats() const;
   const ResidencyTable& residency() const { return *table_; }
@@ -81,6 +88,8 @@ class Runtime {
   Runtime() = default;
   MemoryResource& ResourceFor(Tier t);
   absl::Status MoveLocked(PartitionId id, Tier from, Tier to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BringLocked(PartitionId id, Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status StagingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status MakeRoomLocked(Tier t, uint64_t bytes, PartitionId except)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status EvictLocked(PartitionId id, Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -105,6 +114,8 @@ class Runtime {
   };
   absl::flat_hash_map<PartitionId, Buffers> buffers_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  std::array<std::byte*, 2> staging_ ABSL_GUARDED_BY(mu_){};  // NVMe <-> device chunks
+  uint64_t staging_bytes_ = 0;
   RuntimeStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -115,7 +115,7 @@ TEST(RuntimeTest, APartitionTravelsNvmeToDeviceAndBackWithItsChanges) {
   ASSERT_TRUE(rt.ok()) << rt.status();
   const auto v1 = RandomBytes(100000, 1);
   ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, v1).ok());
-  auto p = (*rt)->Acquire(1, Tier::kDevice);  // staged through host
+  auto p = (*rt)->Acquire(1, Tier::kDevice);  // NVMe -> device, in staged chunks
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_EQ(0, std::memcmp(*p, v1.data(), v1.size()));
   (*p)[0] = std::byte{0x5a};
@@ -133,7 +133,8 @@ TEST(RuntimeTest, APartitionTravelsNvmeToDeviceAndBackWithItsChanges) {
   EXPECT_EQ(0, std::memcmp(*h + 1, v1.data() + 1, v1.size() - 1));
   const RuntimeStats s = (*rt)->stats();
   EXPECT_EQ(s.write_backs, 2u);
-  EXPECT_EQ(s.bytes_moved[2][1], 200000u);  // nvme -> host twice
+  EXPECT_EQ(s.bytes_moved[2][0], 100000u);  // nvme -> device, no host copy on the way
+  EXPECT_EQ(s.bytes_moved[2][1], 100000u);  // nvme -> host at the end
   EXPECT_GT(s.acquire_wait_seconds, 0);
 }
 
@@ -197,6 +198,87 @@ TEST(RuntimeTest, AFailedWriteBackLeavesThePartitionDirtyAndReadable) {
   EXPECT_EQ((*p)[1], std::byte{static_cast<unsigned char>(attempts - 1)});
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
   EXPECT_TRUE((*rt)->Evict(1, Tier::kHost).ok());  // retried, it goes through
+}
+
+TEST(RuntimeTest, ParametersOffloadedToNvmeMoveBetweenDeviceAndNvmeInStagedChunks) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.offload_param.buffer_size = 64 << 10;  // a partition is several chunks
+  config.device_budget_bytes = 1 << 20;
+  config.host_budget_bytes = 1 << 20;
+  auto rt = Runtime::Create(config);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  PartitionDesc big = Desc(1);
+  big.bytes = 300001;
+  const auto v = RandomBytes(big.bytes, 31);
+  ASSERT_TRUE((*rt)->Register(big, Tier::kNvme, v).ok());
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(0, std::memcmp(*p, v.data(), v.size()));
+  EXPECT_EQ((*rt)->residency().used_bytes(Tier::kHost), 0u);  // never through a host copy
+  (*p)[300000] = std::byte{0x77};
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true).ok());
+  ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());  // dirty: device -> NVMe directly
+  auto r = (*rt)->residency().Get(1);
+  EXPECT_TRUE(r->current[static_cast<int>(Tier::kNvme)]);
+  EXPECT_FALSE(r->has_copy[static_cast<int>(Tier::kDevice)]);
+  EXPECT_EQ((*rt)->stats().bytes_moved[0][2], 300001u);
+  // A clean device copy is dropped without any I/O.
+  ASSERT_TRUE((*rt)->Acquire(1, Tier::kDevice).ok());
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+  const RuntimeStats before = (*rt)->stats();
+  ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());
+  EXPECT_EQ((*rt)->stats().bytes_moved, before.bytes_moved);
+  EXPECT_EQ((*rt)->stats().write_backs, before.write_backs);
+  // And the change made it to NVMe.
+  auto h = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ((*h)[300000], std::byte{0x77});
+}
+
+TEST(RuntimeTest, APrefetchBringsThePartitionAheadAndTheAcquireIsAHit) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SmallConfig(dir.File("swap")));
+  ASSERT_TRUE(rt.ok());
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, RandomBytes(100000, 41)).ok());
+  std::future<absl::Status> f = (*rt)->Prefetch(1, Tier::kDevice);
+  ASSERT_TRUE(f.get().ok());
+  const uint64_t hits = (*rt)->stats().acquire_hits;
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ((*rt)->stats().acquire_hits, hits + 1);
+  EXPECT_EQ(0, std::memcmp(*p, RandomBytes(100000, 41).data(), 100000));
+  EXPECT_EQ((*rt)->Prefetch(1, Tier::kNvme).get().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(RuntimeTest, AStagedWriteBackThatFailsKeepsTheDeviceCopyDirty) {
+  ScratchDir dir;
+  aio::FaultRule eio = aio::FaultRule::Error(EIO);
+  eio.only = aio::OpKind::kWrite;
+  auto injector = std::make_shared<aio::FaultInjector>(1, std::vector<aio::FaultRule>{eio});
+  injector->Arm(false);
+  RuntimeOptions ro;
+  ro.engine_options.wrap_backend = aio::FaultInjector::ForEngine(injector);
+  ro.engine_options.on_warning = [](absl::string_view) {};
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.offload_param.buffer_size = 64 << 10;
+  auto rt = Runtime::Create(config, ro);
+  ASSERT_TRUE(rt.ok());
+  const auto v = RandomBytes(100000, 51);
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, v).ok());
+  injector->Arm(true);
+  absl::Status s = (*rt)->Evict(1, Tier::kDevice);
+  injector->Arm(false);
+  EXPECT_EQ(StatusErrno(s), EIO) << s;
+  auto r = (*rt)->residency().Get(1);
+  EXPECT_TRUE(r->dirty(Tier::kDevice));
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(0, std::memcmp(*p, v.data(), v.size()));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+  EXPECT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());
 }
 
 TEST(RuntimeTest, BadSwapPathsAreRefusedAtCreation) {
