@@ -243,13 +243,14 @@ absl::Status NvmeStore::VerifyRecord(const PartitionRecord& r, std::vector<std::
   scratch->resize(r.length);
   STRATA_RETURN_IF_ERROR(engine_->ReadSync(files_[r.file], r.offset, absl::MakeSpan(*scratch)));
   const uint64_t sum = Checksum(*scratch);
-  if (sum != r.checksum) {
-    return absl::DataLossError(absl::StrCat("nvme store: partition ", r.id, " in ", dir_, "/",
-                                            SwapName(r.file), " @ ", r.offset, " len ", r.length,
-                                            ": checksum ", Hex(sum),
-                                            " does not match the manifest's ", Hex(r.checksum)));
-  }
+  if (sum != r.checksum) return Mismatch(r, sum);
   return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Mismatch(const PartitionRecord& r, uint64_t sum) const {
+  return absl::DataLossError(absl::StrCat(
+      "nvme store: partition ", r.id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
+      r.length, ": checksum ", Hex(sum), " does not match the manifest's ", Hex(r.checksum)));
 }
 
 Mutex* NvmeStore::PartitionMutex(PartitionId id) {
@@ -477,15 +478,7 @@ absl::Status NvmeStore::Batch::Commit() {
 
 absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {
   MutexLock partition(PartitionMutex(id));
-  PartitionRecord r;
-  {
-    MutexLock lock(&mu_);
-    auto it = records_.find(id);
-    if (it == records_.end()) {
-      return absl::NotFoundError(absl::StrCat("nvme store ", dir_, ": no partition ", id));
-    }
-    r = it->second;
-  }
+  STRATA_ASSIGN_OR_RETURN(const PartitionRecord r, Find(id));
   if (out.size() != r.length) {
     return absl::InvalidArgumentError(absl::StrCat("nvme store: get partition ", id, ": it is ",
                                                    r.length, " bytes, the buffer ", out.size()));
@@ -511,11 +504,7 @@ absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {
   const uint64_t sum = hash != nullptr ? XXH3_64bits_digest(hash) : 0;
   if (hash != nullptr) XXH3_freeState(hash);
   STRATA_RETURN_IF_ERROR(Annotate(read, absl::StrCat("nvme store: get partition ", id)));
-  if (options_.verify_on_get && sum != r.checksum) {
-    return absl::DataLossError(absl::StrCat(
-        "nvme store: partition ", id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
-        r.length, ": checksum does not match the manifest's ", Hex(r.checksum)));
-  }
+  if (options_.verify_on_get && sum != r.checksum) return Mismatch(r, sum);
   return absl::OkStatus();
 }
 
@@ -528,15 +517,7 @@ absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_
                      ": needs two buffers of one size, a multiple of ", options_.alignment));
   }
   MutexLock partition(PartitionMutex(id));
-  PartitionRecord r;
-  {
-    MutexLock lock(&mu_);
-    auto it = records_.find(id);
-    if (it == records_.end()) {
-      return absl::NotFoundError(absl::StrCat("nvme store ", dir_, ": no partition ", id));
-    }
-    r = it->second;
-  }
+  STRATA_ASSIGN_OR_RETURN(const PartitionRecord r, Find(id));
   const std::array<absl::Span<std::byte>, 2> buffers = {buffer_a, buffer_b};
   auto read = [&](uint64_t i) {
     const uint64_t off = i * chunk;
@@ -561,11 +542,7 @@ absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_
   const uint64_t sum = XXH3_64bits_digest(hash);
   XXH3_freeState(hash);
   STRATA_RETURN_IF_ERROR(Annotate(s, absl::StrCat("nvme store: get partition ", id)));
-  if (options_.verify_on_get && sum != r.checksum) {
-    return absl::DataLossError(absl::StrCat(
-        "nvme store: partition ", id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
-        r.length, ": checksum does not match the manifest's ", Hex(r.checksum)));
-  }
+  if (options_.verify_on_get && sum != r.checksum) return Mismatch(r, sum);
   return absl::OkStatus();
 }
 

@@ -138,6 +138,8 @@ class NvmeStore {
   absl::Status CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status LoadManifest(std::vector<PartitionId>* corrupt);
   absl::Status VerifyRecord(const PartitionRecord& r, std::vector<std::byte>* scratch);
+  // DataLoss naming the partition, its place and both checksums.
+  absl::Status Mismatch(const PartitionRecord& r, uint64_t sum) const;
   Mutex* PartitionMutex(PartitionId id);
 
   std::string dir_;
