@@ -291,11 +291,7 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to) {
 
 absl::Status Runtime::BringLocked(PartitionId id, Tier tier) {
   STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
-  if (r.current[I(tier)]) {
-    ++stats_.acquire_hits;
-    return absl::OkStatus();
-  }
-  const auto t0 = Clock::now();
+  if (r.current[I(tier)]) return absl::OkStatus();
   if (tier == Tier::kDevice) {
     // From host when it is current there; else straight from NVMe, staged in chunks.
     STRATA_RETURN_IF_ERROR(
@@ -304,7 +300,6 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier) {
     STRATA_RETURN_IF_ERROR(
         MoveLocked(id, r.current[I(Tier::kDevice)] ? Tier::kDevice : Tier::kNvme, Tier::kHost));
   }
-  stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
   return absl::OkStatus();
 }
 
@@ -314,7 +309,14 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   }
   MutexLock lock(&mu_);
   ++stats_.acquires;
-  STRATA_RETURN_IF_ERROR(BringLocked(id, tier));
+  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+  if (r.current[I(tier)]) {
+    ++stats_.acquire_hits;
+  } else {
+    const auto t0 = Clock::now();
+    STRATA_RETURN_IF_ERROR(BringLocked(id, tier));
+    stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  }
   STRATA_RETURN_IF_ERROR(table_->Pin(id, tier));
   Buffers& b = buffers_[id];
   b.last_use[I(tier)] = ++tick_;
@@ -329,13 +331,7 @@ std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
   }
   return std::async(std::launch::async, [this, id, tier] {
     MutexLock lock(&mu_);
-    // A prefetch is not an acquire: it moves bytes, the wait is the caller's choice.
-    const uint64_t hits = stats_.acquire_hits;
-    const double wait = stats_.acquire_wait_seconds;
-    absl::Status s = BringLocked(id, tier);
-    stats_.acquire_hits = hits;
-    stats_.acquire_wait_seconds = wait;
-    return s;
+    return BringLocked(id, tier);  // not an acquire: no pin, no wait counted
   });
 }
 
