@@ -500,16 +500,30 @@ TEST(EngineConfigTest, DirectoryWithoutWritePermissionIsPermissionDenied) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: not PermissionDenied, 2: path not named, 3: setuid";
 }
 
-TEST(EngineConfigTest, FallbacksAndNoticesGoToTheWarningSink) {
+TEST(EngineConfigTest, AnOptionThatCannotBeHadIsTurnedOffWithAWarningInTheSink) {
+  // An empty registered-file table is refused by the kernel: registered files are turned off,
+  // said once to the sink and kept in warnings(), and the engine works without them.
   AioConfig c;
-  c.engine = EngineKind::kLibAio;
-  c.registered_buffers = false;
+  c.engine = EngineKind::kIoUring;
+  c.registered_files = true;
   std::vector<std::string> seen;
   EngineOptions o;
   o.on_warning = [&](absl::string_view w) { seen.emplace_back(w); };
+  o.max_registered_files = 0;
   auto engine = Engine::Create(c, o);
-  ASSERT_TRUE(engine.ok());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  if ((*engine)->backend_name() != "io_uring") GTEST_SKIP() << "no io_uring here";
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_THAT(seen[0], HasSubstr("registering files failed"));
   EXPECT_EQ(seen, (*engine)->warnings());
+  EXPECT_FALSE((*engine)->config().registered_files);
+  ScratchDir scratch;
+  OpenOptions oo;
+  oo.writable = oo.create = true;
+  auto f = (*engine)->Open(scratch.File("f"), oo);
+  ASSERT_TRUE(f.ok());
+  const auto data = RandomBytes(70000, 22);
+  ASSERT_TRUE((*engine)->WriteSync(*f, 0, data).ok());
 }
 
 TEST(EngineDeathTest, FileOutlivingItsEngineIsAProgrammingErrorCaughtAtOnce) {
