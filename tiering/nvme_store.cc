@@ -1,17 +1,25 @@
 #include "tiering/nvme_store.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <iterator>
+#include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status.h"
@@ -22,11 +30,19 @@ namespace {
 
 constexpr char kManifest[] = "manifest.json";
 constexpr char kManifestTmp[] = "manifest.json.tmp";
-constexpr int kFormat = 1;
+constexpr char kLockFile[] = "lock";
+constexpr int kFormat = 2;
+// A log record: magic, payload length, XXH3-64 of the payload, the payload (JSON), zero padding
+// to the next multiple of kRecordBlock (a record never shares a block with another, so appending
+// one never rewrites the block of one already committed).
+constexpr uint32_t kRecordMagic = 0x314a5453;  // "STJ1"
+constexpr uint64_t kRecordHeader = 16;
+constexpr uint64_t kRecordBlock = 4096;
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string SwapName(uint32_t i) { return absl::StrFormat("swap-%03d.bin", i); }
+std::string LogName(uint64_t seq) { return absl::StrFormat("journal-%d.log", seq); }
 
 uint64_t Checksum(absl::Span<const std::byte> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
@@ -50,7 +66,7 @@ absl::StatusOr<uint64_t> ParseHex(const std::string& s) {
   return v;
 }
 
-// The manifest's checksum covers its canonical text without the checksum field.
+// The snapshot's checksum covers its canonical text without the checksum field.
 uint64_t ManifestChecksum(nlohmann::json j) {
   j.erase("checksum");
   const std::string text = j.dump();
@@ -67,9 +83,104 @@ absl::Status SyncDir(const std::string& dir) {
   return absl::OkStatus();
 }
 
+nlohmann::json ExtentsJson(const std::vector<StoreExtent>& extents) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const StoreExtent& e : extents) a.push_back({e.file, e.offset, e.length});
+  return a;
+}
+
+nlohmann::json RecordJson(const PartitionRecord& r) {
+  return {{"id", r.id},
+          {"length", r.length},
+          {"checksum", Hex(r.checksum)},
+          {"generation", r.generation},
+          {"extents", ExtentsJson(r.extents)}};
+}
+
+// Parses a record written by RecordJson; throws nlohmann::json::exception on a missing or
+// mistyped field (the callers catch it).
+absl::StatusOr<PartitionRecord> ParseRecord(const nlohmann::json& j) {
+  PartitionRecord r;
+  r.id = j.at("id").get<uint64_t>();
+  r.length = j.at("length").get<uint64_t>();
+  STRATA_ASSIGN_OR_RETURN(r.checksum, ParseHex(j.at("checksum").get<std::string>()));
+  r.generation = j.at("generation").get<uint64_t>();
+  for (const auto& e : j.at("extents")) {
+    r.extents.push_back({e.at(0).get<uint32_t>(), e.at(1).get<uint64_t>(), e.at(2).get<uint64_t>()});
+  }
+  return r;
+}
+
+uint64_t ExtentBytes(const std::vector<StoreExtent>& extents) {
+  uint64_t n = 0;
+  for (const StoreExtent& e : extents) n += e.length;
+  return n;
+}
+
+// Calls fn(file, file_offset, n) for each piece of bytes [offset, offset + length) of a partition
+// laid over `extents`, in order.
+template <typename Fn>
+void ForEachPiece(const std::vector<StoreExtent>& extents, uint64_t offset, uint64_t length,
+                  Fn fn) {
+  uint64_t base = 0;
+  for (const StoreExtent& e : extents) {
+    if (length == 0) break;
+    if (offset < base + e.length) {
+      const uint64_t in = offset - base, n = std::min(length, e.length - in);
+      fn(e.file, e.offset + in, n);
+      offset += n;
+      length -= n;
+    }
+    base += e.length;
+  }
+}
+
 }  // namespace
 
-NvmeStore::~NvmeStore() = default;
+// The I/O of one span, split over extents: several engine requests completing as one.
+class NvmeStore::Pending {
+ public:
+  Pending() = default;
+  Pending(Pending&&) = default;
+  Pending& operator=(Pending&& o) {
+    Wait().IgnoreError();
+    futures_ = std::move(o.futures_);
+    return *this;
+  }
+  ~Pending() { Wait().IgnoreError(); }
+  void Add(std::future<absl::Status> f) { futures_.push_back(std::move(f)); }
+  bool valid() const { return !futures_.empty(); }
+  absl::Status Wait() {
+    absl::Status s;
+    for (auto& f : futures_) s.Update(f.get());
+    futures_.clear();
+    return s;
+  }
+
+ private:
+  std::vector<std::future<absl::Status>> futures_;
+};
+
+NvmeStore::~NvmeStore() {
+  {
+    MutexLock commit(&commit_mu_);
+    log_.Close();
+  }
+  files_.clear();
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+void NvmeStore::Hook(absl::string_view point) const {
+  if (options_.test_hook) options_.test_hook(point);
+}
+
+void NvmeStore::Warn(const std::string& w) const {
+  if (options_.on_warning) {
+    options_.on_warning(w);
+  } else {
+    std::fprintf(stderr, "strata: %s\n", w.c_str());
+  }
+}
 
 absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& dir,
                                                            const NvmeStoreOptions& options,
@@ -104,39 +215,69 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
   if (access(dir.c_str(), W_OK | X_OK) != 0) {
     return Annotate(ErrnoStatus(errno, "access", dir), "nvme store: nvme_path is not writable");
   }
+  STRATA_RETURN_IF_ERROR(store->Lock());
 
-  const std::string manifest = dir + "/" + kManifest;
-  if (std::filesystem::exists(manifest)) {
-    STRATA_RETURN_IF_ERROR(store->LoadManifest(corrupt));
-    return store;
+  if (std::filesystem::exists(dir + "/" + kManifest)) {
+    STRATA_RETURN_IF_ERROR(store->Load());
+  } else {
+    STRATA_RETURN_IF_ERROR(store->Create());
   }
+  if (options.verify_on_open) {
+    STRATA_ASSIGN_OR_RETURN(std::vector<PartitionId> bad, store->Verify());
+    if (corrupt != nullptr) *corrupt = std::move(bad);
+  }
+  return store;
+}
 
+absl::Status NvmeStore::Lock() {
+  const std::string path = dir_ + "/" + kLockFile;
+  lock_fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0) return Annotate(ErrnoStatus(errno, "open", path), "nvme store: lock file");
+  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    if (err != EWOULDBLOCK) return Annotate(ErrnoStatus(err, "flock", path), "nvme store");
+    char holder[32] = {};
+    const ssize_t n = pread(lock_fd_, holder, sizeof(holder) - 1, 0);
+    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "unknown";
+    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "nvme store: ", dir_, " is in use by another strata store (process ", who, " holds ",
+        path, "); each process, Runtime and rank needs an nvme_path of its own"));
+  }
+  const std::string pid = absl::StrCat(getpid(), "\n");
+  if (ftruncate(lock_fd_, 0) != 0 || pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
+    return Annotate(ErrnoStatus(errno, "write", path), "nvme store: lock file");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Create() {
   // A new store: check the space, then reserve it.
-  if (options.capacity_bytes == 0) {
+  if (options_.capacity_bytes == 0) {
     return absl::InvalidArgumentError("nvme store: capacity_bytes: must be > 0");
   }
-  const uint64_t capacity = AlignUp(options.capacity_bytes, options.alignment);
+  const uint64_t capacity = AlignUp(options_.capacity_bytes, options_.alignment);
   struct statvfs vfs;
-  if (statvfs(dir.c_str(), &vfs) != 0) return ErrnoStatus(errno, "statvfs", dir);
+  if (statvfs(dir_.c_str(), &vfs) != 0) return ErrnoStatus(errno, "statvfs", dir_);
   const uint64_t available = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   if (available < capacity) {
-    return absl::ResourceExhaustedError(absl::StrCat("nvme store: ", dir, " has ", available,
+    return absl::ResourceExhaustedError(absl::StrCat("nvme store: ", dir_, " has ", available,
                                                      " bytes free; the store needs ", capacity,
                                                      " (nothing was written)"));
   }
-  const uint64_t file_bytes = AlignUp(options.file_bytes, options.alignment);
+  const uint64_t file_bytes = AlignUp(options_.file_bytes, options_.alignment);
   std::vector<std::string> created;
   auto undo = [&] {
-    store->files_.clear();
+    files_.clear();
     for (const auto& p : created) unlink(p.c_str());
   };
   for (uint64_t reserved = 0; reserved < capacity;) {
     const uint64_t size = std::min(file_bytes, capacity - reserved);
-    const uint32_t index = static_cast<uint32_t>(store->files_.size());
-    const std::string path = dir + "/" + SwapName(index);
+    const uint32_t index = static_cast<uint32_t>(files_.size());
+    const std::string path = dir_ + "/" + SwapName(index);
     aio::OpenOptions oo;
     oo.writable = oo.create = oo.truncate = true;
-    auto file = engine->Open(path, oo);
+    auto file = engine_->Open(path, oo);
     if (!file.ok()) {
       undo();
       return Annotate(file.status(), "nvme store");
@@ -146,21 +287,118 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
       undo();
       return Annotate(s, "nvme store: reserving swap space");
     }
-    store->files_.push_back(*std::move(file));
-    store->file_sizes_.push_back(size);
+    files_.push_back(*std::move(file));
+    file_sizes_.push_back(size);
     reserved += size;
   }
-  MutexLock lock(&store->mu_);
-  store->free_.resize(store->files_.size());
-  for (size_t i = 0; i < store->files_.size(); ++i) store->free_[i][0] = store->file_sizes_[i];
-  if (absl::Status s = store->CommitLocked(); !s.ok()) {
-    undo();
-    return s;
+  {
+    MutexLock lock(&mu_);
+    free_.resize(files_.size());
+    for (size_t i = 0; i < files_.size(); ++i) free_[i][0] = file_sizes_[i];
   }
-  return store;
+  MutexLock commit(&commit_mu_);
+  const std::string log_path = dir_ + "/" + LogName(0);
+  aio::OpenOptions oo;
+  oo.writable = oo.create = oo.truncate = true;
+  auto log = engine_->Open(log_path, oo);
+  if (!log.ok()) {
+    undo();
+    return Annotate(log.status(), "nvme store: manifest log");
+  }
+  created.push_back(log_path);
+  log_ = *std::move(log);
+  absl::Status s = log_.Sync();
+  if (s.ok()) s = SyncDir(dir_);
+  {
+    MutexLock lock(&mu_);
+    generation_ = 1;
+  }
+  if (s.ok()) s = WriteSnapshot(0, &snapshot_bytes_);
+  if (!s.ok()) {
+    log_.Close();
+    undo();
+  }
+  return s;
 }
 
-absl::Status NvmeStore::LoadManifest(std::vector<PartitionId>* corrupt) {
+absl::Status NvmeStore::WriteSnapshot(uint64_t log_seq, uint64_t* bytes) {
+  nlohmann::json j;
+  j["strata_nvme_store"] = kFormat;
+  j["alignment"] = options_.alignment;
+  j["log"] = LogName(log_seq);
+  j["files"] = nlohmann::json::array();
+  for (uint32_t i = 0; i < file_sizes_.size(); ++i) {
+    j["files"].push_back({{"name", SwapName(i)}, {"bytes", file_sizes_[i]}});
+  }
+  j["partitions"] = nlohmann::json::array();
+  {
+    MutexLock lock(&mu_);
+    j["generation"] = generation_;
+    std::vector<PartitionId> ids;
+    for (const auto& [id, r] : records_) ids.push_back(id);
+    std::sort(ids.begin(), ids.end());
+    for (PartitionId id : ids) j["partitions"].push_back(RecordJson(records_.at(id)));
+  }
+  j["checksum"] = Hex(ManifestChecksum(j));
+  const std::string text = j.dump(1) + "\n";
+  const std::string tmp = dir_ + "/" + kManifestTmp, final_path = dir_ + "/" + kManifest;
+  {
+    aio::OpenOptions oo;
+    oo.writable = oo.create = oo.truncate = true;
+    auto file = engine_->Open(tmp, oo);
+    if (!file.ok()) return Annotate(file.status(), "nvme store: writing the manifest snapshot");
+    STRATA_RETURN_IF_ERROR(
+        Annotate(engine_->WriteSync(*file, 0,
+                                    {reinterpret_cast<const std::byte*>(text.data()), text.size()}),
+                 "nvme store: writing the manifest snapshot"));
+    STRATA_RETURN_IF_ERROR(Annotate(file->Sync(), "nvme store: writing the manifest snapshot"));
+  }
+  Hook("compact:snapshot-written");
+  if (rename(tmp.c_str(), final_path.c_str()) != 0) {
+    return ErrnoStatus(errno, "rename", tmp + " -> " + final_path);
+  }
+  STRATA_RETURN_IF_ERROR(SyncDir(dir_));
+  Hook("compact:snapshot-renamed");
+  *bytes = text.size();
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Compact() {
+  const uint64_t seq = log_seq_ + 1;
+  const std::string old_path = dir_ + "/" + LogName(log_seq_), path = dir_ + "/" + LogName(seq);
+  aio::OpenOptions oo;
+  oo.writable = oo.create = oo.truncate = true;
+  auto log = engine_->Open(path, oo);
+  if (!log.ok()) return Annotate(log.status(), "nvme store: compacting the manifest log");
+  absl::Status s = log->Sync();
+  if (s.ok()) s = SyncDir(dir_);
+  if (s.ok()) Hook("compact:log-created");
+  uint64_t bytes = 0;
+  if (s.ok()) s = WriteSnapshot(seq, &bytes);
+  if (!s.ok()) {
+    // The snapshot in force still names the old log; the new one is not needed.
+    log->Close();
+    unlink(path.c_str());
+    return Annotate(s, "nvme store: compacting the manifest log");
+  }
+  log_.Close();
+  if (unlink(old_path.c_str()) != 0 && errno != ENOENT) {
+    Warn(absl::StrCat("nvme store: could not remove the old manifest log ", old_path, ": ",
+                      std::strerror(errno), " (it is removed at the next open)"));
+  }
+  Hook("compact:old-log-removed");
+  log_ = *std::move(log);
+  log_seq_ = seq;
+  log_end_ = 0;
+  snapshot_bytes_ = bytes;
+  log_poisoned_ = false;
+  MutexLock lock(&mu_);
+  FreeLocked(quarantined_);
+  quarantined_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Load() {
   const std::string path = dir_ + "/" + kManifest;
   std::ifstream in(path);
   nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -168,89 +406,195 @@ absl::Status NvmeStore::LoadManifest(std::vector<PartitionId>* corrupt) {
     return absl::DataLossError(absl::StrCat("nvme store: manifest ", path, ": ", what));
   };
   if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
-  if (j.value("strata_nvme_store", 0) != kFormat) return bad("not a strata store manifest");
+  const int format = j.value("strata_nvme_store", 0);
+  if (format != kFormat) {
+    return bad(format == 0 ? std::string("not a strata store manifest")
+                           : absl::StrCat("format ", format, " (this strata reads format ",
+                                          kFormat, "); move the store aside or remove it"));
+  }
   auto stored = ParseHex(j.value("checksum", std::string()));
   if (!stored.ok() || *stored != ManifestChecksum(j)) {
     return bad("checksum does not match its contents (damaged)");
   }
-  MutexLock lock(&mu_);
-  try {
-    generation_ = j.at("generation").get<uint64_t>();
-    options_.alignment = j.at("alignment").get<uint64_t>();
-    for (const auto& f : j.at("files")) {
-      const std::string fpath = dir_ + "/" + f.at("name").get<std::string>();
-      aio::OpenOptions oo;
-      oo.writable = true;
-      auto file = engine_->Open(fpath, oo);
-      if (!file.ok()) return Annotate(file.status(), "nvme store");
-      const uint64_t size = f.at("bytes").get<uint64_t>();
-      auto actual = file->Size();
-      if (!actual.ok()) return actual.status();
-      if (*actual < size) {
-        return bad(absl::StrCat(fpath, " is ", *actual, " bytes, the manifest says ", size));
+  MutexLock commit(&commit_mu_);
+  std::string log_name;
+  bool log_nonempty = false;
+  {
+    MutexLock lock(&mu_);
+    try {
+      generation_ = j.at("generation").get<uint64_t>();
+      options_.alignment = j.at("alignment").get<uint64_t>();
+      log_name = j.at("log").get<std::string>();
+      if (std::sscanf(log_name.c_str(), "journal-%lu.log", &log_seq_) != 1 ||
+          LogName(log_seq_) != log_name) {
+        return bad(absl::StrCat("log name ", log_name, " is not journal-N.log"));
       }
-      files_.push_back(*std::move(file));
-      file_sizes_.push_back(size);
+      for (const auto& f : j.at("files")) {
+        const std::string fpath = dir_ + "/" + f.at("name").get<std::string>();
+        aio::OpenOptions oo;
+        oo.writable = true;
+        auto file = engine_->Open(fpath, oo);
+        if (!file.ok()) return Annotate(file.status(), "nvme store");
+        const uint64_t size = f.at("bytes").get<uint64_t>();
+        auto actual = file->Size();
+        if (!actual.ok()) return actual.status();
+        if (*actual < size) {
+          return bad(absl::StrCat(fpath, " is ", *actual, " bytes, the manifest says ", size));
+        }
+        files_.push_back(*std::move(file));
+        file_sizes_.push_back(size);
+      }
+      free_.assign(files_.size(), {});
+      for (size_t i = 0; i < files_.size(); ++i) free_[i][0] = file_sizes_[i];
+      for (const auto& p : j.at("partitions")) {
+        auto r = ParseRecord(p);
+        if (!r.ok()) return bad(r.status().message());
+        if (absl::Status s = Carve(*r); !s.ok()) return bad(s.message());
+      }
+    } catch (const nlohmann::json::exception& e) {
+      return bad(absl::StrCat("missing or mistyped field (", e.what(), ")"));
     }
-    free_.assign(files_.size(), {});
-    for (size_t i = 0; i < files_.size(); ++i) free_[i][0] = file_sizes_[i];
-    for (const auto& p : j.at("partitions")) {
-      PartitionRecord r;
-      r.id = p.at("id").get<uint64_t>();
-      r.file = p.at("file").get<uint32_t>();
-      r.offset = p.at("offset").get<uint64_t>();
-      r.length = p.at("length").get<uint64_t>();
-      auto sum = ParseHex(p.at("checksum").get<std::string>());
-      if (!sum.ok()) return bad(absl::StrCat("partition ", r.id, ": bad checksum field"));
-      r.checksum = *sum;
-      r.generation = p.at("generation").get<uint64_t>();
-      if (r.file >= files_.size() || r.offset + r.length > file_sizes_[r.file]) {
-        return bad(absl::StrCat("partition ", r.id, " lies outside its swap file"));
-      }
-      // Take the extent out of the free list.
-      const uint64_t len = AlignUp(r.length, options_.alignment);
-      auto& fl = free_[r.file];
-      auto it = fl.upper_bound(r.offset);
-      if (it == fl.begin() || std::prev(it)->first + std::prev(it)->second < r.offset + len) {
-        return bad(absl::StrCat("partition ", r.id, " overlaps another"));
-      }
-      --it;
-      const uint64_t start = it->first, flen = it->second;
-      fl.erase(it);
-      if (r.offset > start) fl[start] = r.offset - start;
-      if (start + flen > r.offset + len) fl[r.offset + len] = start + flen - (r.offset + len);
-      used_ += len;
-      records_[r.id] = r;
-    }
-  } catch (const nlohmann::json::exception& e) {
-    return bad(absl::StrCat("missing or mistyped field (", e.what(), ")"));
+    STRATA_RETURN_IF_ERROR(Replay(dir_ + "/" + log_name, &log_nonempty));
   }
-  // Verify every partition's bytes.
-  std::vector<std::byte> scratch;
-  for (const auto& [id, r] : records_) {
-    absl::Status s = VerifyRecord(r, &scratch);
-    if (s.code() == absl::StatusCode::kDataLoss) {
-      if (corrupt != nullptr) corrupt->push_back(id);
-    } else if (!s.ok()) {
-      return s;
+  aio::OpenOptions oo;
+  oo.writable = true;
+  STRATA_ASSIGN_OR_RETURN(log_, engine_->Open(dir_ + "/" + log_name, oo));
+  snapshot_bytes_ = std::filesystem::file_size(path);
+  // Files no snapshot names: logs of compactions that crashed, a snapshot never renamed.
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if ((absl::StartsWith(name, "journal-") && name != log_name) || name == kManifestTmp) {
+      std::filesystem::remove(entry.path(), ec);
     }
   }
-  if (corrupt != nullptr) std::sort(corrupt->begin(), corrupt->end());
+  // The replayed log becomes a snapshot: each open starts with an empty log.
+  if (log_nonempty) STRATA_RETURN_IF_ERROR(Compact());
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::Replay(const std::string& log_path, bool* any) {
+  std::ifstream in(log_path, std::ios::binary);
+  if (!in) {
+    return absl::DataLossError(
+        absl::StrCat("nvme store: manifest log ", log_path, " named by the snapshot is missing"));
+  }
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  *any = !log.empty();
+  for (uint64_t pos = 0; pos + kRecordHeader <= log.size();) {
+    uint32_t magic = 0, length = 0;
+    uint64_t sum = 0;
+    std::memcpy(&magic, log.data() + pos, 4);
+    std::memcpy(&length, log.data() + pos + 4, 4);
+    std::memcpy(&sum, log.data() + pos + 8, 8);
+    // A torn tail (a commit that never returned) ends the log.
+    if (magic != kRecordMagic || length > log.size() - pos - kRecordHeader) break;
+    const char* payload = log.data() + pos + kRecordHeader;
+    if (XXH3_64bits(payload, length) != sum) break;
+    nlohmann::json j = nlohmann::json::parse(payload, payload + length, nullptr, false);
+    const std::string where = absl::StrCat("nvme store: manifest log ", log_path, " @ ", pos);
+    if (j.is_discarded()) return absl::DataLossError(absl::StrCat(where, ": not valid JSON"));
+    try {
+      const uint64_t g = j.at("g").get<uint64_t>();
+      if (g != generation_ + 1) {
+        return absl::DataLossError(absl::StrCat(where, ": record of generation ", g,
+                                                " does not follow generation ", generation_));
+      }
+      if (absl::Status s = ApplyRecord(j); !s.ok()) return Annotate(s, where);
+    } catch (const nlohmann::json::exception& e) {
+      return absl::DataLossError(absl::StrCat(where, ": missing or mistyped field (", e.what(), ")"));
+    }
+    pos += AlignUp(kRecordHeader + length, kRecordBlock);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::ApplyRecord(const nlohmann::json& j) {
+  const uint64_t g = j.at("g").get<uint64_t>();
+  std::vector<PartitionRecord> puts;
+  for (const auto& p : j.at("put")) {
+    STRATA_ASSIGN_OR_RETURN(PartitionRecord r, ParseRecord(p));
+    puts.push_back(std::move(r));
+  }
+  // Old copies first (a record may move one partition into space another one left).
+  auto drop = [&](PartitionId id) {
+    auto it = records_.find(id);
+    if (it == records_.end()) return;
+    FreeLocked(it->second.extents);
+    lengths_.erase(lengths_.find(ExtentBytes(it->second.extents)));
+    records_.erase(it);
+  };
+  for (const auto& id : j.at("erase")) drop(id.get<PartitionId>());
+  for (const PartitionRecord& r : puts) drop(r.id);
+  for (PartitionRecord& r : puts) STRATA_RETURN_IF_ERROR(Carve(r));
+  generation_ = g;
+  return absl::OkStatus();
+}
+
+// Marks a record's extents used (checking that they lie in free space) and lists it.
+absl::Status NvmeStore::Carve(const PartitionRecord& r) {
+  if (ExtentBytes(r.extents) < r.length) {
+    return absl::DataLossError(absl::StrCat("partition ", r.id, ": its extents hold fewer than its ",
+                                            r.length, " bytes"));
+  }
+  for (const StoreExtent& e : r.extents) {
+    if (e.file >= free_.size() || e.length == 0 || e.offset % options_.alignment != 0 ||
+        e.length % options_.alignment != 0 || e.offset > file_sizes_[e.file] ||
+        e.length > file_sizes_[e.file] - e.offset) {
+      return absl::DataLossError(absl::StrCat("partition ", r.id, " has an extent outside the files"));
+    }
+    auto& fl = free_[e.file];
+    auto it = fl.upper_bound(e.offset);
+    if (it == fl.begin() || std::prev(it)->first + std::prev(it)->second < e.offset + e.length) {
+      return absl::DataLossError(absl::StrCat("partition ", r.id, " overlaps another"));
+    }
+    --it;
+    const uint64_t start = it->first, flen = it->second;
+    fl.erase(it);
+    if (e.offset > start) fl[start] = e.offset - start;
+    if (start + flen > e.offset + e.length) {
+      fl[e.offset + e.length] = start + flen - (e.offset + e.length);
+    }
+    used_ += e.length;
+  }
+  lengths_.insert(ExtentBytes(r.extents));
+  records_[r.id] = r;
   return absl::OkStatus();
 }
 
 absl::Status NvmeStore::VerifyRecord(const PartitionRecord& r, std::vector<std::byte>* scratch) {
   scratch->resize(r.length);
-  STRATA_RETURN_IF_ERROR(engine_->ReadSync(files_[r.file], r.offset, absl::MakeSpan(*scratch)));
+  STRATA_RETURN_IF_ERROR(ReadPieces(r, 0, absl::MakeSpan(*scratch)).Wait());
   const uint64_t sum = Checksum(*scratch);
   if (sum != r.checksum) return Mismatch(r, sum);
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<PartitionId>> NvmeStore::Verify() {
+  std::vector<PartitionId> corrupt;
+  std::vector<std::byte> scratch;
+  for (const PartitionRecord& listed : List()) {
+    MutexLock partition(PartitionMutex(listed.id));
+    auto r = Find(listed.id);
+    if (!r.ok()) continue;  // erased meanwhile
+    absl::Status s = VerifyRecord(*r, &scratch);
+    if (s.code() == absl::StatusCode::kDataLoss) {
+      corrupt.push_back(r->id);
+    } else if (!s.ok()) {
+      return s;
+    }
+  }
+  std::sort(corrupt.begin(), corrupt.end());
+  return corrupt;
+}
+
 absl::Status NvmeStore::Mismatch(const PartitionRecord& r, uint64_t sum) const {
+  const StoreExtent& first = r.extents.front();
   return absl::DataLossError(absl::StrCat(
-      "nvme store: partition ", r.id, " in ", dir_, "/", SwapName(r.file), " @ ", r.offset, " len ",
-      r.length, ": checksum ", Hex(sum), " does not match the manifest's ", Hex(r.checksum)));
+      "nvme store: partition ", r.id, " in ", dir_, "/", SwapName(first.file), " @ ", first.offset,
+      r.extents.size() > 1 ? absl::StrCat(" (+", r.extents.size() - 1, " more extents)") : "",
+      " len ", r.length, ": checksum ", Hex(sum), " does not match the manifest's ",
+      Hex(r.checksum)));
 }
 
 Mutex* NvmeStore::PartitionMutex(PartitionId id) {
@@ -260,85 +604,180 @@ Mutex* NvmeStore::PartitionMutex(PartitionId id) {
   return m.get();
 }
 
-absl::StatusOr<NvmeStore::Extent> NvmeStore::AllocateLocked(uint64_t length) {
+absl::StatusOr<std::vector<StoreExtent>> NvmeStore::AllocateLocked(uint64_t length) {
   const uint64_t len = AlignUp(length, options_.alignment);
-  for (uint32_t f = 0; f < free_.size(); ++f) {
-    for (auto it = free_[f].begin(); it != free_[f].end(); ++it) {
-      if (it->second < len) continue;
-      const Extent e{f, it->first, len};
-      const uint64_t rest = it->second - len, rest_at = it->first + len;
-      free_[f].erase(it);
-      if (rest > 0) free_[f][rest_at] = rest;
-      used_ += len;
-      return e;
+  const uint64_t capacity = capacity_bytes();
+  if (len > capacity - used_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "nvme store ", dir_, ": no room for ", len, " bytes (", used_, " of ", capacity,
+        " bytes in use; nothing was written)"));
+  }
+  // One piece when a free range is large enough (first fit); otherwise the largest free ranges,
+  // as many as it takes.
+  std::vector<StoreExtent> out;
+  for (uint32_t f = 0; f < free_.size() && out.empty(); ++f) {
+    for (auto& [off, flen] : free_[f]) {
+      if (flen >= len) {
+        out.push_back({f, off, len});
+        break;
+      }
     }
   }
-  return absl::ResourceExhaustedError(absl::StrCat("nvme store ", dir_, ": no free extent of ", len,
-                                                   " bytes (", used_, " of ", capacity_bytes(),
-                                                   " bytes in use; nothing was written)"));
-}
-
-void NvmeStore::FreeLocked(const Extent& e) {
-  auto& fl = free_[e.file];
-  uint64_t start = e.offset, len = e.length;
-  auto next = fl.lower_bound(start);
-  if (next != fl.end() && next->first == start + len) {
-    len += next->second;
-    next = fl.erase(next);
-  }
-  if (next != fl.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == start) {
-      start = prev->first;
-      len += prev->second;
-      fl.erase(prev);
+  if (out.empty()) {
+    std::vector<StoreExtent> ranges;
+    for (uint32_t f = 0; f < free_.size(); ++f) {
+      for (const auto& [off, flen] : free_[f]) ranges.push_back({f, off, flen});
+    }
+    std::sort(ranges.begin(), ranges.end(),
+              [](const StoreExtent& a, const StoreExtent& b) { return a.length > b.length; });
+    uint64_t need = len;
+    for (const StoreExtent& r : ranges) {
+      if (need == 0) break;
+      out.push_back({r.file, r.offset, std::min(need, r.length)});
+      need -= out.back().length;
     }
   }
-  fl[start] = len;
-  used_ -= e.length;
+  for (const StoreExtent& e : out) {
+    auto& fl = free_[e.file];
+    auto it = fl.find(e.offset);
+    const uint64_t rest = it->second - e.length;
+    fl.erase(it);
+    if (rest > 0) fl[e.offset + e.length] = rest;
+    used_ += e.length;
+  }
+  return out;
 }
 
-absl::Status NvmeStore::CommitLocked() {
-  nlohmann::json j;
-  j["strata_nvme_store"] = kFormat;
-  j["generation"] = generation_ + 1;
-  j["alignment"] = options_.alignment;
-  j["files"] = nlohmann::json::array();
-  for (uint32_t i = 0; i < file_sizes_.size(); ++i) {
-    j["files"].push_back({{"name", SwapName(i)}, {"bytes", file_sizes_[i]}});
+void NvmeStore::FreeLocked(const std::vector<StoreExtent>& extents) {
+  for (const StoreExtent& e : extents) {
+    auto& fl = free_[e.file];
+    uint64_t start = e.offset, len = e.length;
+    auto next = fl.lower_bound(start);
+    if (next != fl.end() && next->first == start + len) {
+      len += next->second;
+      next = fl.erase(next);
+    }
+    if (next != fl.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == start) {
+        start = prev->first;
+        len += prev->second;
+        fl.erase(prev);
+      }
+    }
+    fl[start] = len;
+    used_ -= e.length;
   }
-  j["partitions"] = nlohmann::json::array();
-  std::vector<PartitionId> ids;
-  for (const auto& [id, r] : records_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
-  for (PartitionId id : ids) {
-    const PartitionRecord& r = records_.at(id);
-    j["partitions"].push_back({{"id", r.id},
-                               {"file", r.file},
-                               {"offset", r.offset},
-                               {"length", r.length},
-                               {"checksum", Hex(r.checksum)},
-                               {"generation", r.generation}});
+}
+
+NvmeStore::Pending NvmeStore::ReadPieces(const PartitionRecord& r, uint64_t offset,
+                                         absl::Span<std::byte> out) {
+  Pending p;
+  uint64_t pos = 0;
+  ForEachPiece(r.extents, offset, out.size(), [&](uint32_t f, uint64_t at, uint64_t n) {
+    p.Add(engine_->ReadAsync(files_[f], at, out.subspan(pos, n)));
+    pos += n;
+  });
+  return p;
+}
+
+NvmeStore::Pending NvmeStore::WritePieces(const std::vector<StoreExtent>& extents,
+                                          uint64_t offset, absl::Span<const std::byte> bytes) {
+  Pending p;
+  uint64_t pos = 0;
+  ForEachPiece(extents, offset, bytes.size(), [&](uint32_t f, uint64_t at, uint64_t n) {
+    p.Add(engine_->WriteAsync(files_[f], at, bytes.subspan(pos, n)));
+    pos += n;
+  });
+  return p;
+}
+
+absl::Status NvmeStore::SyncFiles(const std::vector<StoreExtent>& extents) {
+  std::vector<uint32_t> touched;
+  for (const StoreExtent& e : extents) touched.push_back(e.file);
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (uint32_t f : touched) STRATA_RETURN_IF_ERROR(files_[f].Sync());
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>& puts,
+                                     const std::vector<PartitionId>& erases,
+                                     const std::string& context) {
+  MutexLock commit(&commit_mu_);
+  Hook("commit:data-synced");
+  if (log_poisoned_) {
+    // A failed append left the log's tail unknown: replace the log before appending to it.
+    if (absl::Status c = Compact(); !c.ok()) {
+      MutexLock lock(&mu_);
+      for (const auto& [id, st] : puts) FreeLocked(st.extents);
+      return Annotate(c, context);
+    }
   }
-  j["checksum"] = Hex(ManifestChecksum(j));
-  const std::string text = j.dump(1) + "\n";
-  const std::string tmp = dir_ + "/" + kManifestTmp, final_path = dir_ + "/" + kManifest;
+  uint64_t g = 0;
+  std::vector<PartitionRecord> records;
   {
-    aio::OpenOptions oo;
-    oo.writable = oo.create = oo.truncate = true;
-    auto file = engine_->Open(tmp, oo);
-    if (!file.ok()) return Annotate(file.status(), "nvme store: manifest");
-    STRATA_RETURN_IF_ERROR(
-        Annotate(engine_->WriteSync(*file, 0,
-                                    {reinterpret_cast<const std::byte*>(text.data()), text.size()}),
-                 "nvme store: writing the manifest"));
-    STRATA_RETURN_IF_ERROR(file->Sync());
+    MutexLock lock(&mu_);
+    g = generation_ + 1;
   }
-  if (rename(tmp.c_str(), final_path.c_str()) != 0) {
-    return ErrnoStatus(errno, "rename", tmp + " -> " + final_path);
+  nlohmann::json j;
+  j["g"] = g;
+  j["put"] = nlohmann::json::array();
+  for (const auto& [id, st] : puts) {
+    records.push_back(PartitionRecord{id, st.length, st.checksum, g, st.extents});
+    j["put"].push_back(RecordJson(records.back()));
   }
-  STRATA_RETURN_IF_ERROR(SyncDir(dir_));
-  ++generation_;
+  j["erase"] = erases;
+  const std::string payload = j.dump();
+  std::vector<std::byte> block(AlignUp(kRecordHeader + payload.size(), kRecordBlock));
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  const uint64_t sum = XXH3_64bits(payload.data(), payload.size());
+  std::memcpy(block.data(), &kRecordMagic, 4);
+  std::memcpy(block.data() + 4, &length, 4);
+  std::memcpy(block.data() + 8, &sum, 8);
+  std::memcpy(block.data() + kRecordHeader, payload.data(), payload.size());
+  absl::Status s = engine_->WriteSync(log_, log_end_, block);
+  if (s.ok()) {
+    Hook("commit:log-written");
+    s = log_.Sync();
+  }
+  if (!s.ok()) {
+    s = Annotate(s, absl::StrCat(context, ": writing the manifest log ", log_.path()));
+    // The record may have reached the disk in part or whole: the staged extents must not be
+    // reused until a compaction has replaced this log (tried now, and before the next commit).
+    log_poisoned_ = true;
+    for (const auto& [id, st] : puts) {
+      quarantined_.insert(quarantined_.end(), st.extents.begin(), st.extents.end());
+    }
+    if (absl::Status c = Compact(); !c.ok()) {
+      Warn(absl::StrCat(c.message(), " (retried before the next commit)"));
+    }
+    return s;
+  }
+  Hook("commit:log-synced");
+  log_end_ += block.size();
+  {
+    MutexLock lock(&mu_);
+    auto drop = [&](PartitionId id) {
+      auto it = records_.find(id);
+      if (it == records_.end()) return;
+      FreeLocked(it->second.extents);
+      lengths_.erase(lengths_.find(ExtentBytes(it->second.extents)));
+      records_.erase(it);
+    };
+    for (PartitionId id : erases) drop(id);
+    for (PartitionRecord& r : records) {
+      drop(r.id);
+      lengths_.insert(ExtentBytes(r.extents));
+      records_[r.id] = std::move(r);
+    }
+    generation_ = g;
+  }
+  if (log_end_ > std::max(options_.compact_min_log_bytes, 2 * snapshot_bytes_)) {
+    if (absl::Status c = Compact(); !c.ok()) {
+      Warn(absl::StrCat(c.message(), " (the log keeps growing; retried at the next commit)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -356,32 +795,57 @@ NvmeStore::Batch::~Batch() { Abort(); }
 
 void NvmeStore::Batch::Abort() {
   MutexLock lock(&store_->mu_);
-  for (const auto& [id, st] : staged_) store_->FreeLocked(st.extent);
+  for (const auto& [id, st] : staged_) store_->FreeLocked(st.extents);
   staged_.clear();
+}
+
+absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id,
+                                                                    uint64_t length,
+                                                                    const std::string& context) {
+  MutexLock lock(&store_->mu_);
+  if (!store_->records_.contains(id) && !staged_.contains(id)) {
+    // A new partition: admitted only if a copy-on-write of the largest still fits after it.
+    const uint64_t len = AlignUp(length, store_->options_.alignment);
+    const uint64_t largest =
+        std::max(len, store_->lengths_.empty() ? 0 : *store_->lengths_.rbegin());
+    const uint64_t capacity = store_->capacity_bytes(), free = capacity - store_->used_;
+    if (len > free || free - len < largest) {
+      uint64_t stored = len;
+      for (uint64_t l : store_->lengths_) stored += l;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          context, ": admitting ", len, " more bytes would leave ",
+          len > free ? 0 : free - len, " free, less than the ", largest,
+          " a copy-on-write of the largest partition needs (", store_->used_, " of ", capacity,
+          " bytes in use; a store for these partitions needs ", stored + largest,
+          " bytes: their sum plus the largest; nothing was written)"));
+    }
+  }
+  return store_->AllocateLocked(length);
+}
+
+absl::Status NvmeStore::Batch::Keep(PartitionId id, std::vector<StoreExtent> extents,
+                                    uint64_t length, uint64_t checksum, absl::Status written,
+                                    const std::string& context) {
+  MutexLock lock(&store_->mu_);
+  if (!written.ok()) {
+    store_->FreeLocked(extents);
+    return Annotate(written, context);
+  }
+  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extents);
+  staged_[id] = Staged{std::move(extents), length, checksum};
+  return absl::OkStatus();
 }
 
 absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte> bytes) {
   const std::string context = absl::StrCat("nvme store: put partition ", id);
   if (bytes.empty()) return absl::InvalidArgumentError(absl::StrCat(context, ": no bytes"));
-  Extent e;
-  {
-    MutexLock lock(&store_->mu_);
-    STRATA_ASSIGN_OR_RETURN(e, store_->AllocateLocked(bytes.size()));
-  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<StoreExtent> extents, Allocate(id, bytes.size(), context));
   // The checksum is computed while the bytes are being written (the engine only reads them).
-  std::future<absl::Status> written =
-      store_->engine_->WriteAsync(store_->files_[e.file], e.offset, bytes);
+  Pending written = store_->WritePieces(extents, 0, bytes);
   const uint64_t sum = Checksum(bytes);
-  absl::Status s = written.get();
-  if (s.ok()) s = store_->files_[e.file].Sync();
-  MutexLock lock(&store_->mu_);
-  if (!s.ok()) {
-    store_->FreeLocked(e);
-    return Annotate(s, context);
-  }
-  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extent);
-  staged_[id] = Staged{e, bytes.size(), sum};
-  return absl::OkStatus();
+  absl::Status s = written.Wait();
+  if (s.ok()) s = store_->SyncFiles(extents);
+  return Keep(id, std::move(extents), bytes.size(), sum, s, context);
 }
 
 absl::Status NvmeStore::Batch::StageChunked(PartitionId id, uint64_t length,
@@ -396,41 +860,28 @@ absl::Status NvmeStore::Batch::StageChunked(PartitionId id, uint64_t length,
         absl::StrCat(context, ": needs bytes and two buffers of one size, a multiple of ",
                      store_->options_.alignment));
   }
-  Extent e;
-  {
-    MutexLock lock(&store_->mu_);
-    STRATA_ASSIGN_OR_RETURN(e, store_->AllocateLocked(length));
-  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<StoreExtent> extents, Allocate(id, length, context));
   const std::array<absl::Span<std::byte>, 2> buffers = {buffer_a, buffer_b};
   XXH3_state_t* hash = XXH3_createState();
   XXH3_64bits_reset(hash);
-  std::array<std::future<absl::Status>, 2> writes;
+  std::array<Pending, 2> writes;
   absl::Status s;
   for (uint64_t off = 0, i = 0; off < length && s.ok(); off += chunk, ++i) {
     const uint64_t n = std::min(chunk, length - off);
-    std::future<absl::Status>& pending = writes[i % 2];
-    if (pending.valid()) s.Update(pending.get());  // chunk i-2 left this buffer
+    Pending& pending = writes[i % 2];
+    s.Update(pending.Wait());  // chunk i-2 left this buffer
     if (!s.ok()) break;
     const absl::Span<std::byte> buf = buffers[i % 2].subspan(0, n);
     s.Update(produce(off, buf));
     if (!s.ok()) break;
     XXH3_64bits_update(hash, buf.data(), n);
-    pending = store_->engine_->WriteAsync(store_->files_[e.file], e.offset + off, buf);
+    pending = store_->WritePieces(extents, off, buf);
   }
-  for (auto& w : writes) {
-    if (w.valid()) s.Update(w.get());
-  }
+  for (auto& w : writes) s.Update(w.Wait());
   const uint64_t sum = XXH3_64bits_digest(hash);
   XXH3_freeState(hash);
-  if (s.ok()) s = store_->files_[e.file].Sync();
-  MutexLock lock(&store_->mu_);
-  if (!s.ok()) {
-    store_->FreeLocked(e);
-    return Annotate(s, context);
-  }
-  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extent);
-  staged_[id] = Staged{e, length, sum};
-  return absl::OkStatus();
+  if (s.ok()) s = store_->SyncFiles(extents);
+  return Keep(id, std::move(extents), length, sum, s, context);
 }
 
 absl::Status NvmeStore::Batch::Commit() {
@@ -440,38 +891,11 @@ absl::Status NvmeStore::Batch::Commit() {
   std::vector<Mutex*> partition_locks;
   for (const auto& [id, st] : staged_) partition_locks.push_back(store_->PartitionMutex(id));
   for (Mutex* m : partition_locks) m->Lock();
-  absl::Status result;
-  {
-    MutexLock lock(&store_->mu_);
-    std::map<PartitionId, std::optional<PartitionRecord>> old;
-    for (const auto& [id, st] : staged_) {
-      auto it = store_->records_.find(id);
-      old[id] =
-          it == store_->records_.end() ? std::nullopt : std::optional<PartitionRecord>(it->second);
-      store_->records_[id] = PartitionRecord{id,        st.extent.file, st.extent.offset,
-                                             st.length, st.checksum,    store_->generation_ + 1};
-    }
-    result = store_->CommitLocked();
-    if (!result.ok()) {
-      // The manifest in force is still the previous one: so are the previous copies.
-      for (const auto& [id, r] : old) {
-        if (r) {
-          store_->records_[id] = *r;
-        } else {
-          store_->records_.erase(id);
-        }
-      }
-      for (const auto& [id, st] : staged_) store_->FreeLocked(st.extent);
-      result = Annotate(result, absl::StrCat("nvme store: put partition ", staged_.begin()->first,
-                                             staged_.size() > 1 ? " and others" : ""));
-    } else {
-      for (const auto& [id, r] : old) {
-        if (r)
-          store_->FreeLocked({r->file, r->offset, AlignUp(r->length, store_->options_.alignment)});
-      }
-    }
-    staged_.clear();
-  }
+  const std::string context = absl::StrCat("nvme store: put partition ", staged_.begin()->first,
+                                           staged_.size() > 1 ? " and others" : "");
+  // On failure CommitRecord has freed the staged extents, or kept them until the log is replaced.
+  absl::Status result = store_->CommitRecord(staged_, {}, context);
+  staged_.clear();
   for (auto it = partition_locks.rbegin(); it != partition_locks.rend(); ++it) (*it)->Unlock();
   return result;
 }
@@ -486,16 +910,15 @@ absl::Status NvmeStore::Get(PartitionId id, absl::Span<std::byte> out) {
   // Read in chunks, all in flight at once; each chunk is hashed as soon as it is in, while the
   // later ones are still being read.
   constexpr uint64_t kChunk = 8 << 20;
-  std::vector<std::future<absl::Status>> chunks;
+  std::vector<Pending> chunks;
   for (uint64_t off = 0; off < r.length; off += kChunk) {
-    chunks.push_back(engine_->ReadAsync(files_[r.file], r.offset + off,
-                                        out.subspan(off, std::min(kChunk, r.length - off))));
+    chunks.push_back(ReadPieces(r, off, out.subspan(off, std::min(kChunk, r.length - off))));
   }
   XXH3_state_t* hash = options_.verify_on_get ? XXH3_createState() : nullptr;
   if (hash != nullptr) XXH3_64bits_reset(hash);
   absl::Status read;
   for (uint64_t i = 0; i < chunks.size(); ++i) {
-    read.Update(chunks[i].get());
+    read.Update(chunks[i].Wait());
     if (hash != nullptr && read.ok()) {
       const uint64_t off = i * kChunk;
       XXH3_64bits_update(hash, out.data() + off, std::min(kChunk, r.length - off));
@@ -521,16 +944,15 @@ absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_
   const std::array<absl::Span<std::byte>, 2> buffers = {buffer_a, buffer_b};
   auto read = [&](uint64_t i) {
     const uint64_t off = i * chunk;
-    return engine_->ReadAsync(files_[r.file], r.offset + off,
-                              buffers[i % 2].subspan(0, std::min(chunk, r.length - off)));
+    return ReadPieces(r, off, buffers[i % 2].subspan(0, std::min(chunk, r.length - off)));
   };
   const uint64_t chunks = (r.length + chunk - 1) / chunk;
   XXH3_state_t* hash = XXH3_createState();
   XXH3_64bits_reset(hash);
   absl::Status s;
-  std::future<absl::Status> next = read(0);
+  Pending next = read(0);
   for (uint64_t i = 0; i < chunks && s.ok(); ++i) {
-    s.Update(next.get());
+    s.Update(next.Wait());
     if (!s.ok()) break;
     if (i + 1 < chunks) next = read(i + 1);  // into the other buffer, while this one is consumed
     const uint64_t off = i * chunk, n = std::min(chunk, r.length - off);
@@ -538,7 +960,7 @@ absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_
     XXH3_64bits_update(hash, got.data(), n);
     s.Update(consume(off, got));
   }
-  if (next.valid()) next.wait();
+  next.Wait().IgnoreError();
   const uint64_t sum = XXH3_64bits_digest(hash);
   XXH3_freeState(hash);
   STRATA_RETURN_IF_ERROR(Annotate(s, absl::StrCat("nvme store: get partition ", id)));
@@ -548,19 +970,8 @@ absl::Status NvmeStore::GetChunked(PartitionId id, absl::Span<std::byte> buffer_
 
 absl::Status NvmeStore::Erase(PartitionId id) {
   MutexLock partition(PartitionMutex(id));
-  MutexLock lock(&mu_);
-  auto it = records_.find(id);
-  if (it == records_.end()) {
-    return absl::NotFoundError(absl::StrCat("nvme store ", dir_, ": no partition ", id));
-  }
-  const PartitionRecord old = it->second;
-  records_.erase(it);
-  if (absl::Status s = CommitLocked(); !s.ok()) {
-    records_[id] = old;
-    return Annotate(s, absl::StrCat("nvme store: erase partition ", id));
-  }
-  FreeLocked({old.file, old.offset, AlignUp(old.length, options_.alignment)});
-  return absl::OkStatus();
+  STRATA_RETURN_IF_ERROR(Find(id).status());
+  return CommitRecord({}, {id}, absl::StrCat("nvme store: erase partition ", id));
 }
 
 absl::StatusOr<PartitionRecord> NvmeStore::Find(PartitionId id) const {
@@ -570,6 +981,15 @@ absl::StatusOr<PartitionRecord> NvmeStore::Find(PartitionId id) const {
     return absl::NotFoundError(absl::StrCat("nvme store ", dir_, ": no partition ", id));
   }
   return it->second;
+}
+
+std::vector<PartitionRecord> NvmeStore::List() const {
+  MutexLock lock(&mu_);
+  std::vector<PartitionRecord> out;
+  for (const auto& [id, r] : records_) out.push_back(r);
+  std::sort(out.begin(), out.end(),
+            [](const PartitionRecord& a, const PartitionRecord& b) { return a.id < b.id; });
+  return out;
 }
 
 uint64_t NvmeStore::generation() const {
@@ -586,6 +1006,11 @@ uint64_t NvmeStore::capacity_bytes() const {
   uint64_t total = 0;
   for (uint64_t s : file_sizes_) total += s;
   return total;
+}
+
+uint64_t NvmeStore::log_bytes() const {
+  MutexLock commit(&commit_mu_);
+  return log_end_;
 }
 
 }  // namespace strata::tiering

@@ -1,34 +1,63 @@
 // tiering/nvme_store.h: the NVMe tier's swap space, a crash-consistent store of partitions.
 //
 // Layout. The store owns a directory (created 0700 when missing) holding a few large swap files
-// (swap-000.bin, ...), each preallocated with fallocate when the store is created, and a manifest
-// (manifest.json). Partitions live in extents of those files, aligned for O_DIRECT. Why extents
-// over a few large files rather than a file per partition or per layer: the space is reserved
-// once, so a full disk is found when the store is made and never in the middle of a step; writes
-// create and unlink no files, so no directory metadata is written while training; and few files
-// mean few descriptors and registered-file slots for io_uring.
+// (swap-000.bin, ...), each preallocated with fallocate when the store is created, a manifest
+// snapshot (manifest.json), a manifest log (journal-N.log) and a lock file (lock). Partitions live
+// in extents of the swap files, aligned for O_DIRECT; a partition may span several extents, in
+// one file or several, so a partition larger than one swap file, or one that fits only in the
+// pieces of a fragmented store, is stored all the same. Why extents over a few large files rather
+// than a file per partition or per layer: the space is reserved once, so a full disk is found when
+// the store is made and never in the middle of a step; writes create and unlink no files, so no
+// directory metadata is written while training; and few files mean few descriptors and
+// registered-file slots for io_uring.
 //
-// Nothing is lost. Put(id, bytes) writes the new bytes into a fresh extent (copy on write), syncs
-// the data, then commits a new manifest that points at it, and only then frees the old extent. A
-// Put that fails at any point leaves the previous copy and the previous manifest in force. The
-// manifest is committed atomically: written to manifest.json.tmp, fdatasync'd, renamed over
-// manifest.json, and the directory fsync'd; a crash at any point leaves the previous manifest or
-// the new one, whole (its own checksum proves which). Each partition's bytes carry an XXH3-64
-// checksum; Get verifies it, and Open verifies every partition and names each whose bytes do not
-// match.
+// One store per directory. Open takes an exclusive lock (flock on dir/lock, held for the store's
+// life; the lock file names the holder's pid): a second store on the same directory, in this
+// process or another, is refused with FailedPrecondition naming the holder. A lock dies with its
+// process, so a crashed process never blocks its successor. Ranks of one job must be given
+// directories of their own (the Runtime puts each rank in a subfolder of nvme_path).
 //
-// Space: a Put that cannot get an extent fails with ResourceExhausted before any byte is written.
+// Nothing is lost. A Put writes the new bytes into fresh extents (copy on write), syncs the data,
+// then commits a manifest record that points at them, and only then frees the old extents. A Put
+// that fails at any point leaves the previous copy and the previous manifest in force. (A commit
+// whose log write fails may have reached the disk in part or whole: the store then replaces its
+// log at once, so a reopen finds the previous state; should that fail too, a reopen finds the
+// previous state or the new one, whole, as after a crash in mid-commit, and the new copy's space
+// is not reused until the log has been replaced.) A commit
+// appends one checksummed record (the partitions it changes, padded to a 4 KiB block of its own)
+// to the manifest log and fdatasyncs it, so its cost is proportional to the change, not to the
+// store. When the log has grown past twice the snapshot (and at least 64 KiB), and whenever a
+// store with a non-empty log is reopened, the state is compacted into a new snapshot: a new empty
+// log is made durable, the snapshot naming it is written to manifest.json.tmp, fdatasync'd,
+// renamed over manifest.json and the directory fsync'd, and only then is the old log removed.
+// A crash at any point leaves the previous state or the new one, whole: on reopen the snapshot is
+// read, the log's records are replayed in order up to the first one that is torn or fails its
+// checksum (only the last record can be torn: a commit returns only after its record is synced),
+// and files no snapshot names (an older log, a .tmp) are removed. Each partition's bytes carry an
+// XXH3-64 checksum, verified by Get as the bytes arrive; Open does not reread the partitions
+// (reopening a large store costs only its manifest): Verify() rereads all of them on request, and
+// NvmeStoreOptions::verify_on_open does it at Open.
+//
+// Space. Stored bytes are rounded up to the alignment. A copy-on-write needs room for the new copy
+// while the old one is still in force, so the store keeps a reserve: a new partition is admitted
+// only when, after it, the free space still holds a copy of the largest partition. Capacity for a
+// set of partitions is therefore the sum of their aligned sizes plus the largest one; that
+// guarantees that one Put of an existing partition at a time always finds room. Each further Put
+// in flight at the same time, and each partition staged in an open Batch, needs its own size on
+// top (a Batch that stages every partition needs twice their sum). A Put that cannot get space
+// fails with ResourceExhausted before any byte is written, naming what is in use.
 //
 // Thread safety: NvmeStore is thread-safe; Puts and Gets of different partitions run
-// concurrently (their I/O through the shared aio Engine); two Puts of one partition are
-// serialized, and a Get concurrent with a Put of the same partition reads the old or the new
-// copy, whole.
+// concurrently (their I/O through the shared aio Engine); commits are serialized by the log but
+// readers never wait behind a commit's I/O; two Puts of one partition are serialized, and a Get
+// concurrent with a Put of the same partition reads the old or the new copy, whole.
 #ifndef STRATA_TIERING_NVME_STORE_H_
 #define STRATA_TIERING_NVME_STORE_H_
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,42 +67,64 @@
 #include "absl/types/span.h"
 #include "aio/engine.h"
 #include "base/mutex.h"
+#include "nlohmann/json_fwd.hpp"
 
 namespace strata::tiering {
 
 using PartitionId = uint64_t;
 
 struct NvmeStoreOptions {
-  // Total space to reserve, split over swap files of at most file_bytes each. > 0.
+  // Total space to reserve, split over swap files of at most file_bytes each. > 0. Only read when
+  // the store is created; a reopened store keeps the files it has.
   uint64_t capacity_bytes = 0;
   uint64_t file_bytes = 4ull << 30;
   // Extent alignment (bytes, a power of two >= the files' O_DIRECT alignment).
   uint64_t alignment = 4096;
   // Verify each partition's checksum on Get.
   bool verify_on_get = true;
+  // Reread and verify every partition at Open (see Verify()); off: reopening reads only the
+  // manifest, and Get finds a damaged partition when it is read.
+  bool verify_on_open = false;
+  // The manifest log is compacted into a new snapshot when it grows past
+  // max(compact_min_log_bytes, 2 x the snapshot's size).
+  uint64_t compact_min_log_bytes = 64 << 10;
+  // Notices that are not errors of the call that met them (a compaction that failed and will be
+  // retried; stale files removed at Open). Default: stderr.
+  std::function<void(absl::string_view)> on_warning;
+  // Test seam: called at each step of a commit and of a compaction with the step's name
+  // ("commit:data-synced", "commit:log-written", "commit:log-synced", "compact:log-created",
+  // "compact:snapshot-written", "compact:snapshot-renamed", "compact:old-log-removed"), so a test
+  // can kill the process there and check what a reopen finds.
+  std::function<void(absl::string_view)> test_hook;
+};
+
+// A piece of a swap file: `length` is a multiple of the store's alignment.
+struct StoreExtent {
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  bool operator==(const StoreExtent& o) const {
+    return file == o.file && offset == o.offset && length == o.length;
+  }
 };
 
 struct PartitionRecord {
   PartitionId id = 0;
-  uint32_t file = 0;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-  uint64_t checksum = 0;    // XXH3-64 of the bytes
-  uint64_t generation = 0;  // manifest generation that last wrote it
+  uint64_t length = 0;               // bytes stored
+  uint64_t checksum = 0;             // XXH3-64 of the bytes
+  uint64_t generation = 0;           // manifest generation that last wrote it
+  std::vector<StoreExtent> extents;  // in order; their lengths add up to >= length
 };
 
 class NvmeStore {
-  struct Extent {
-    uint32_t file;
-    uint64_t offset, length;
-  };
-
  public:
-  // Creates the store in `dir` (reserving capacity) or reopens the one there. On reopen the
-  // manifest is read, every partition is verified, and `corrupt` (when not null) receives the ids
-  // whose bytes do not match their checksum (they stay listed; Get on them fails with DataLoss).
-  // Errors name the path: dir not a directory, not writable, a filesystem refusing O_DIRECT (when
-  // the engine uses it), not enough space (ResourceExhausted, before anything is written), a
+  // Creates the store in `dir` (reserving capacity) or reopens the one there, after taking the
+  // directory's lock. On reopen the manifest snapshot and log are read (and compacted when the
+  // log is not empty); with options.verify_on_open every partition is verified and `corrupt`
+  // (when not null) receives the ids whose bytes do not match their checksum (they stay listed;
+  // Get on them fails with DataLoss). Errors name the path: dir not a directory, not writable,
+  // in use by another store (FailedPrecondition), a filesystem refusing O_DIRECT (when the
+  // engine uses it), not enough space (ResourceExhausted, before anything is written), a
   // manifest that does not parse or whose checksum does not match (DataLoss).
   static absl::StatusOr<std::unique_ptr<NvmeStore>> Open(
       const std::string& dir, const NvmeStoreOptions& options, aio::Engine* engine,
@@ -85,14 +136,15 @@ class NvmeStore {
 
   // Several partitions written as one: Stage writes (and syncs) new bytes into fresh extents
   // while the previous copies stay in force; Commit makes all of them current in one manifest
-  // commit (all or none); Abort, or destroying an uncommitted Batch, frees what was staged. A
+  // record (all or none); Abort, or destroying an uncommitted Batch, frees what was staged. A
   // Batch is used by one thread at a time; several Batches may be open at once.
   class Batch {
    public:
     ~Batch();
     absl::Status Stage(PartitionId id, absl::Span<const std::byte> bytes);
     // Stages `length` bytes produced chunk by chunk: produce(offset, chunk) fills chunk i into one
-    // of the two buffers while chunk i-1 is written from the other.
+    // of the two buffers while chunk i-1 is written from the other. The buffers are of one size,
+    // a multiple of the alignment.
     using ChunkProducer = std::function<absl::Status(uint64_t offset, absl::Span<std::byte>)>;
     absl::Status StageChunked(PartitionId id, uint64_t length, absl::Span<std::byte> buffer_a,
                               absl::Span<std::byte> buffer_b, const ChunkProducer& produce);
@@ -104,9 +156,15 @@ class NvmeStore {
     friend class NvmeStore;
     explicit Batch(NvmeStore* store) : store_(store) {}
     struct Staged {
-      Extent extent;
+      std::vector<StoreExtent> extents;
       uint64_t length = 0, checksum = 0;
     };
+    // Allocates room for `length` bytes of `id` (the reserve rule above) and records it staged.
+    absl::StatusOr<std::vector<StoreExtent>> Allocate(PartitionId id, uint64_t length,
+                                                      const std::string& context);
+    // Keeps what was written (replacing an earlier staged copy of `id`), or frees it on error.
+    absl::Status Keep(PartitionId id, std::vector<StoreExtent> extents, uint64_t length,
+                      uint64_t checksum, absl::Status written, const std::string& context);
     NvmeStore* const store_;
     std::map<PartitionId, Staged> staged_;
   };
@@ -122,35 +180,79 @@ class NvmeStore {
   absl::Status GetChunked(PartitionId id, absl::Span<std::byte> buffer_a,
                           absl::Span<std::byte> buffer_b, const ChunkConsumer& consume);
 
-  // Drops partition `id` (its extent is freed once the manifest without it is committed).
+  // Drops partition `id` (its extents are freed once the record without it is committed).
   absl::Status Erase(PartitionId id);
 
+  // Rereads every partition and returns, sorted, the ids whose bytes do not match their
+  // checksum. An I/O error other than a mismatch is returned as the status.
+  absl::StatusOr<std::vector<PartitionId>> Verify();
+
   absl::StatusOr<PartitionRecord> Find(PartitionId id) const;
+  // Every partition in the store, by id (what a restarted process adopts).
+  std::vector<PartitionRecord> List() const;
   uint64_t generation() const;
+  // Bytes held by partitions and by staged copies (aligned).
   uint64_t used_bytes() const;
   uint64_t capacity_bytes() const;
+  // Bytes of manifest log written since the last snapshot (what the next commit appends to).
+  uint64_t log_bytes() const;
   const std::string& dir() const { return dir_; }
 
  private:
+  class Pending;
   NvmeStore() = default;
-  absl::StatusOr<Extent> AllocateLocked(uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeLocked(const Extent& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status LoadManifest(std::vector<PartitionId>* corrupt);
+  absl::Status Lock();
+  absl::Status Create();
+  absl::StatusOr<std::vector<StoreExtent>> AllocateLocked(uint64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeLocked(const std::vector<StoreExtent>& extents) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Carve(const PartitionRecord& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends one record (puts and erases) to the log and makes it durable, then applies it.
+  // Requires commit_mu_, not mu_.
+  absl::Status CommitRecord(const std::map<PartitionId, Batch::Staged>& puts,
+                            const std::vector<PartitionId>& erases, const std::string& context);
+  // Writes a new snapshot of the committed state naming a new, empty log (see above).
+  absl::Status Compact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
+  absl::Status WriteSnapshot(uint64_t log_seq, uint64_t* bytes);
+  absl::Status Load();
+  // Replays the log's records; `*any` is set when the log holds anything (records or a torn tail).
+  absl::Status Replay(const std::string& log_path, bool* any) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ApplyRecord(const nlohmann::json& j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Pending ReadPieces(const PartitionRecord& r, uint64_t offset, absl::Span<std::byte> out);
+  Pending WritePieces(const std::vector<StoreExtent>& extents, uint64_t offset,
+                      absl::Span<const std::byte> bytes);
+  absl::Status SyncFiles(const std::vector<StoreExtent>& extents);
   absl::Status VerifyRecord(const PartitionRecord& r, std::vector<std::byte>* scratch);
   // DataLoss naming the partition, its place and both checksums.
   absl::Status Mismatch(const PartitionRecord& r, uint64_t sum) const;
   Mutex* PartitionMutex(PartitionId id);
+  void Hook(absl::string_view point) const;
+  void Warn(const std::string& w) const;
 
   std::string dir_;
   NvmeStoreOptions options_;
   aio::Engine* engine_ = nullptr;
+  int lock_fd_ = -1;
   std::vector<aio::File> files_;
   std::vector<uint64_t> file_sizes_;
+
+  // Serializes commits (the log's order); held across the log's I/O, never with mu_ over I/O.
+  mutable Mutex commit_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  aio::File log_ ABSL_GUARDED_BY(commit_mu_);
+  uint64_t log_seq_ ABSL_GUARDED_BY(commit_mu_) = 0;  // journal-<log_seq_>.log
+  uint64_t log_end_ ABSL_GUARDED_BY(commit_mu_) = 0;
+  uint64_t snapshot_bytes_ ABSL_GUARDED_BY(commit_mu_) = 0;
+  // After a log write that failed, the log's tail is unknown: no record is appended until a
+  // compaction has replaced the log, and the extents of the failed commit stay allocated until
+  // then (a record that reached the disk after all must not point at reused space).
+  bool log_poisoned_ ABSL_GUARDED_BY(commit_mu_) = false;
+  std::vector<StoreExtent> quarantined_ ABSL_GUARDED_BY(commit_mu_);
 
   mutable Mutex mu_;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<PartitionId, PartitionRecord> records_ ABSL_GUARDED_BY(mu_);
+  // Aligned lengths of the stored partitions (the largest sets the copy-on-write reserve).
+  std::multiset<uint64_t> lengths_ ABSL_GUARDED_BY(mu_);
   // Free extents per file: offset -> length, coalesced.
   std::vector<std::map<uint64_t, uint64_t>> free_ ABSL_GUARDED_BY(mu_);
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;

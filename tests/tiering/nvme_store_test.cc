@@ -1,6 +1,7 @@
-// The NVMe store: round trips, copy on write, a full store and a full disk, injected faults during
-// data and manifest writes (reopening finds the previous generation whole), flipped bytes found on
-// reopen, bad paths, and concurrent use.
+// The NVMe store: round trips, copy on write and its reserve, partitions spanning files, a full
+// store and a full disk, injected faults during data and manifest-log writes (reopening finds the
+// previous generation whole), a kill at each step of a commit and of a compaction, torn log tails,
+// flipped bytes found on Verify and Get, the directory lock, bad paths, and concurrent use.
 #include "tiering/nvme_store.h"
 
 #include <sys/wait.h>
@@ -10,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <utility>
 
 #include "aio/fault_injection.h"
 #include "base/status.h"
@@ -44,9 +46,26 @@ std::unique_ptr<aio::Engine> MakeEngine(std::vector<aio::FaultRule> rules = {},
 
 NvmeStoreOptions Small() {
   NvmeStoreOptions o;
+  o.on_warning = [](absl::string_view) {};
   o.capacity_bytes = 8 << 20;
   o.file_bytes = 3 << 20;  // three swap files: 3 + 3 + 2 MiB
   return o;
+}
+
+NvmeStoreOptions Verifying() {
+  NvmeStoreOptions o;
+  o.on_warning = [](absl::string_view) {};
+  o.verify_on_open = true;
+  return o;
+}
+
+std::vector<std::string> Listing(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 std::vector<std::byte> GetAll(NvmeStore& s, PartitionId id) {
@@ -78,7 +97,7 @@ TEST(NvmeStoreTest, PartitionsRoundTripAndSurviveReopening) {
               std::filesystem::perms::owner_all);
   }
   std::vector<PartitionId> corrupt;
-  auto store = NvmeStore::Open(path, {}, engine.get(), &corrupt);
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_TRUE(corrupt.empty());
   EXPECT_EQ(GetAll(**store, 1), a);
@@ -97,7 +116,7 @@ TEST(NvmeStoreTest, PutIsCopyOnWriteAndFreedSpaceIsReused) {
   const auto first = *(*store)->Find(7);
   ASSERT_TRUE((*store)->Put(7, v2).ok());
   const auto second = *(*store)->Find(7);
-  EXPECT_FALSE(first.file == second.file && first.offset == second.offset);  // never in place
+  EXPECT_NE(first.extents, second.extents);  // never in place
   EXPECT_EQ(GetAll(**store, 7), v2);
   EXPECT_EQ((*store)->used_bytes(), 3u << 20);
   for (int i = 0; i < 10; ++i) ASSERT_TRUE((*store)->Put(7, i % 2 ? v1 : v2).ok()) << i;
@@ -111,15 +130,41 @@ TEST(NvmeStoreTest, AFullStoreRefusesBeforeWritingAndKeepsEverythingElse) {
   auto engine = MakeEngine();
   auto store = NvmeStore::Open(dir.File("s"), Small(), engine.get());
   ASSERT_TRUE(store.ok());
-  const auto a = RandomBytes(3 << 20, 6);
+  const auto a = RandomBytes(3 << 20, 6), b = RandomBytes(2 << 20, 7);
   ASSERT_TRUE((*store)->Put(1, a).ok());
-  ASSERT_TRUE((*store)->Put(2, a).ok());
+  ASSERT_TRUE((*store)->Put(2, b).ok());  // 3 MiB left: one copy-on-write of the largest
   const uint64_t generation = (*store)->generation();
-  absl::Status s = (*store)->Put(3, RandomBytes(3 << 20, 7));  // 2 MiB left, in one file
+  // A third partition would leave less than the copy-on-write reserve.
+  absl::Status s = (*store)->Put(3, RandomBytes(1 << 20, 7));
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   EXPECT_THAT(s.message(), HasSubstr("nothing was written"));
+  EXPECT_THAT(s.message(), HasSubstr("needs 9437184 bytes"));  // 3 + 2 + 1 MiB, + the largest
   EXPECT_EQ((*store)->generation(), generation);
   EXPECT_EQ(GetAll(**store, 1), a);
+  EXPECT_EQ((*store)->used_bytes(), 5u << 20);
+}
+
+TEST(NvmeStoreTest, AStoreSizedByTheRuleNeverJamsOnWriteBacks) {
+  // Capacity = the partitions' sum + the largest: every rewrite finds room for its new copy,
+  // even when the free space is split over files and between partitions.
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  NvmeStoreOptions o = Small();
+  o.file_bytes = 1 << 20;
+  const std::vector<uint64_t> sizes = {700 << 10, 1500 << 10, 300 << 10, 900 << 10};
+  o.capacity_bytes = (700 + 1500 + 300 + 900 + 1500) << 10;
+  auto store = NvmeStore::Open(dir.File("s"), o, engine.get());
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (PartitionId id = 0; id < sizes.size(); ++id) {
+    ASSERT_TRUE((*store)->Put(id, RandomBytes(sizes[id], id)).ok()) << id;
+  }
+  for (int round = 0; round < 12; ++round) {
+    const PartitionId id = static_cast<PartitionId>((round * 7) % sizes.size());
+    const auto v = RandomBytes(sizes[id], 100 + round);
+    absl::Status s = (*store)->Put(id, v);
+    ASSERT_TRUE(s.ok()) << "round " << round << ": " << s;
+    EXPECT_EQ(GetAll(**store, id), v);
+  }
 }
 
 TEST(NvmeStoreTest, NotEnoughDiskIsFoundBeforeAnythingIsWritten) {
@@ -130,7 +175,8 @@ TEST(NvmeStoreTest, NotEnoughDiskIsFoundBeforeAnythingIsWritten) {
   auto store = NvmeStore::Open(dir.File("s"), o, engine.get());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(store.status().message(), HasSubstr("the store needs 1125899906842624"));
-  EXPECT_TRUE(std::filesystem::is_empty(dir.File("s")));
+  // Only the lock file was made (a lock file is never removed: another process may hold it).
+  EXPECT_THAT(Listing(dir.File("s")), ElementsAre("lock"));
 }
 
 TEST(NvmeStoreTest, ADataWriteThatFailsLeavesThePreviousCopy) {
@@ -162,7 +208,7 @@ TEST(NvmeStoreTest, ADataWriteThatFailsLeavesThePreviousCopy) {
   }
   std::vector<PartitionId> corrupt;
   auto engine = MakeEngine();
-  auto store = NvmeStore::Open(path, {}, engine.get(), &corrupt);
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
   ASSERT_TRUE(store.ok());
   EXPECT_TRUE(corrupt.empty());
   EXPECT_EQ(GetAll(**store, 1), v1);
@@ -181,15 +227,16 @@ TEST(NvmeStoreTest, AManifestWriteThatFailsOrIsCutShortLeavesThePreviousGenerati
     generation = (*store)->generation();
   }
   // The next put's extent follows partition 1's (first fit); its data write is one piece per
-  // 64 KiB block it spans, and the write after those is the manifest's. That one fails (EIO), or
-  // is cut short and then fails (a short transfer, then ENOSPC on the rest).
+  // 64 KiB block it spans, and the write after those is the manifest log's record. That one fails
+  // (EIO), or is cut short and then fails (a short transfer, then ENOSPC on the rest).
   uint64_t data_pieces = 0;
   {
     auto engine = MakeEngine();
     auto store = NvmeStore::Open(path, {}, engine.get());
     ASSERT_TRUE(store.ok());
     const PartitionRecord r = *(*store)->Find(1);
-    const uint64_t start = r.offset + (r.length + 4095) / 4096 * 4096, end = start + 100000;
+    ASSERT_EQ(r.extents.size(), 1u);
+    const uint64_t start = r.extents[0].offset + r.extents[0].length, end = start + 100000;
     data_pieces = (end - 1) / (64 << 10) - start / (64 << 10) + 1;
   }
   auto manifest_fault = [&](std::vector<aio::FaultRule> rules) {
@@ -205,6 +252,7 @@ TEST(NvmeStoreTest, AManifestWriteThatFailsOrIsCutShortLeavesThePreviousGenerati
   cut.max_hits = 1;
   aio::FaultRule enospc = aio::FaultRule::Error(ENOSPC);
   enospc.skip = 1;  // after the short one
+  enospc.max_hits = 1;
   for (const auto& rules : {manifest_fault({eio}), manifest_fault({cut, enospc})}) {
     std::shared_ptr<aio::FaultInjector> injector;
     auto engine = MakeEngine(rules, &injector);
@@ -212,13 +260,13 @@ TEST(NvmeStoreTest, AManifestWriteThatFailsOrIsCutShortLeavesThePreviousGenerati
     ASSERT_TRUE(store.ok()) << store.status();
     absl::Status s = (*store)->Put(1, RandomBytes(100000, 11));
     EXPECT_FALSE(s.ok());
-    EXPECT_THAT(s.message(), HasSubstr("writing the manifest")) << s;
+    EXPECT_THAT(s.message(), HasSubstr("writing the manifest log")) << s;
     EXPECT_EQ(injector->total_hits(), rules.size());  // each fault fired, once
     EXPECT_EQ(GetAll(**store, 1), v1);
   }
   std::vector<PartitionId> corrupt;
   auto engine = MakeEngine();
-  auto store = NvmeStore::Open(path, {}, engine.get(), &corrupt);
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_TRUE(corrupt.empty());
   EXPECT_EQ((*store)->generation(), generation);
@@ -249,26 +297,45 @@ TEST(NvmeStoreTest, ABatchCommitsAllOrNothing) {
     EXPECT_EQ((*store)->used_bytes(), used);
     EXPECT_EQ(GetAll(**store, 1), a1);
   }
-  // The commit's manifest write fails: neither partition changes, on disk or in memory.
-  aio::FaultRule eio = aio::FaultRule::Error(EIO);
-  eio.only = aio::OpKind::kWrite;
-  eio.offset_begin = 0;
-  eio.offset_end = 1;  // the manifest is written at offset 0; the extents here are not
-  auto engine = MakeEngine({eio});
-  auto store = NvmeStore::Open(path, {}, engine.get());
-  ASSERT_TRUE(store.ok());
-  auto batch = (*store)->NewBatch();
-  ASSERT_TRUE(batch->Stage(1, RandomBytes(70000, 4)).ok());
-  ASSERT_TRUE(batch->Stage(2, RandomBytes(70000, 5)).ok());
-  absl::Status s = batch->Commit();
-  EXPECT_THAT(s.message(), HasSubstr("put partition 1 and others"));
-  EXPECT_EQ(GetAll(**store, 1), a1);
-  EXPECT_EQ(GetAll(**store, 2), b1);
+  {
+    // Reopening compacts the log: the next session starts with an empty one.
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, {}, engine.get());
+    ASSERT_TRUE(store.ok());
+    EXPECT_EQ((*store)->log_bytes(), 0u);
+  }
+  // The commit's log record fails (it is written at offset 0 of the empty log; the extents here
+  // are not), and so does the compaction that replaces the log after it (the new snapshot is also
+  // written at offset 0): neither partition changes, on disk or in memory.
+  {
+    aio::FaultRule eio = aio::FaultRule::Error(EIO);
+    eio.only = aio::OpKind::kWrite;
+    eio.offset_begin = 0;
+    eio.offset_end = 1;
+    auto engine = MakeEngine({eio});
+    NvmeStoreOptions o;
+    std::vector<std::string> warnings;
+    o.on_warning = [&](absl::string_view w) { warnings.emplace_back(w); };
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto batch = (*store)->NewBatch();
+    ASSERT_TRUE(batch->Stage(1, RandomBytes(70000, 4)).ok());
+    ASSERT_TRUE(batch->Stage(2, RandomBytes(70000, 5)).ok());
+    absl::Status s = batch->Commit();
+    EXPECT_THAT(s.message(), HasSubstr("put partition 1 and others"));
+    EXPECT_THAT(warnings, ElementsAre(HasSubstr("compacting the manifest log")));
+    EXPECT_EQ(GetAll(**store, 1), a1);
+    EXPECT_EQ(GetAll(**store, 2), b1);
+    // Until a compaction replaces the log, nothing more is appended to it.
+    EXPECT_FALSE((*store)->Put(3, RandomBytes(1000, 6)).ok());
+  }
   auto clean = MakeEngine();
   auto reopened = NvmeStore::Open(path, {}, clean.get());
-  ASSERT_TRUE(reopened.ok());
+  ASSERT_TRUE(reopened.ok()) << reopened.status();
   EXPECT_EQ(GetAll(**reopened, 1), a1);
   EXPECT_EQ(GetAll(**reopened, 2), b1);
+  EXPECT_EQ((*reopened)->Find(3).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*reopened)->used_bytes(), 2u * 73728);
 }
 
 TEST(NvmeStoreTest, ChunkedStagingAndReadingDoubleBufferThroughTwoBuffers) {
@@ -339,7 +406,7 @@ void FlipByte(const std::string& path, uint64_t offset) {
   f.write(&c, 1);
 }
 
-TEST(NvmeStoreTest, AFlippedByteIsNamedOnReopenAndGetFailsWithDataLoss) {
+TEST(NvmeStoreTest, AFlippedByteIsFoundByVerifyAndByGetWithDataLoss) {
   ScratchDir dir;
   const std::string path = dir.File("s");
   PartitionRecord victim;
@@ -351,11 +418,22 @@ TEST(NvmeStoreTest, AFlippedByteIsNamedOnReopenAndGetFailsWithDataLoss) {
     victim = *(*store)->Find(11);
   }
   char name[32];
-  std::snprintf(name, sizeof(name), "/swap-%03u.bin", victim.file);
-  FlipByte(path + name, victim.offset + 1234);
+  std::snprintf(name, sizeof(name), "/swap-%03u.bin", victim.extents[0].file);
+  FlipByte(path + name, victim.extents[0].offset + 1234);
+  {
+    // Reopening reads the manifest only; Verify rereads every partition on request.
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, {}, engine.get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto corrupt = (*store)->Verify();
+    ASSERT_TRUE(corrupt.ok()) << corrupt.status();
+    EXPECT_THAT(*corrupt, ElementsAre(11));
+  }
   std::vector<PartitionId> corrupt;
   auto engine = MakeEngine();
-  auto store = NvmeStore::Open(path, {}, engine.get(), &corrupt);
+  NvmeStoreOptions verify;
+  verify.verify_on_open = true;
+  auto store = NvmeStore::Open(path, verify, engine.get(), &corrupt);
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_THAT(corrupt, ElementsAre(11));
   std::vector<std::byte> out(50000);
@@ -363,6 +441,27 @@ TEST(NvmeStoreTest, AFlippedByteIsNamedOnReopenAndGetFailsWithDataLoss) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(s.message(), HasSubstr("partition 11"));
   EXPECT_TRUE((*store)->Get(10, absl::MakeSpan(out)).ok());
+}
+
+TEST(NvmeStoreTest, ReopeningDoesNotRereadThePartitions) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, Small(), engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(300000, 1)).ok());
+  }
+  aio::FaultRule eio = aio::FaultRule::Error(EIO);
+  eio.only = aio::OpKind::kRead;  // any read of a swap file fails
+  {
+    auto engine = MakeEngine({eio});
+    EXPECT_TRUE(NvmeStore::Open(path, {}, engine.get()).ok());
+  }
+  auto engine = MakeEngine({eio});
+  NvmeStoreOptions verify;
+  verify.verify_on_open = true;
+  EXPECT_EQ(StatusErrno(NvmeStore::Open(path, verify, engine.get()).status()), EIO);
 }
 
 TEST(NvmeStoreTest, ADamagedManifestIsDataLossNamingIt) {
@@ -402,10 +501,13 @@ TEST(NvmeStoreTest, BadPathsAndOptionsAreRejectedClearly) {
 }
 
 TEST(NvmeStoreTest, ADirectoryWithoutWritePermissionIsRefused) {
-  ScratchDir dir;
-  const std::string ro = dir.File("ro");
+  // The scratch folder lies under the system's temporary root, which every user can traverse
+  // (the checkout may lie under a folder that the unprivileged user below cannot reach).
+  std::string pattern = (std::filesystem::temp_directory_path() / "strata-ro-XXXXXX").string();
+  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
+  const std::string root = pattern, ro = root + "/ro";
+  ASSERT_EQ(chmod(root.c_str(), 0755), 0);
   ASSERT_EQ(mkdir(ro.c_str(), 0555), 0);
-  chmod(dir.path().c_str(), 0755);
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
@@ -420,6 +522,7 @@ TEST(NvmeStoreTest, ADirectoryWithoutWritePermissionIsRefused) {
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  std::filesystem::remove_all(root);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
 }
 
@@ -445,6 +548,273 @@ TEST(NvmeStoreTest, ConcurrentPutsAndGetsOfDifferentPartitions) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(failures.load(), 0);
 }
+
+TEST(NvmeStoreTest, ASecondStoreOnOneDirectoryIsRefusedInThisProcessAndAnother) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  {
+    auto first = NvmeStore::Open(path, Small(), engine.get());
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_TRUE((*first)->Put(1, RandomBytes(5000, 1)).ok());
+    auto second = NvmeStore::Open(path, Small(), engine.get());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(second.status().message(),
+                HasSubstr(absl::StrCat("in use by another strata store (process ", getpid())));
+    EXPECT_THAT(second.status().message(), HasSubstr("nvme_path of its own"));
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      auto child_engine = aio::Engine::Create(aio::AioConfig{});
+      if (!child_engine.ok()) _exit(4);
+      auto s = NvmeStore::Open(path, Small(), child_engine->get());
+      _exit(s.status().code() == absl::StatusCode::kFailedPrecondition ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    EXPECT_EQ(GetAll(**first, 1), RandomBytes(5000, 1));
+  }
+  // The lock goes with the store.
+  auto again = NvmeStore::Open(path, {}, engine.get());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(GetAll(**again, 1), RandomBytes(5000, 1));
+}
+
+TEST(NvmeStoreTest, APartitionLargerThanASwapFileSpansFiles) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  NvmeStoreOptions o = Small();
+  o.capacity_bytes = 10 << 20;
+  o.file_bytes = 1 << 20;  // ten 1 MiB files
+  const auto big = RandomBytes((3 << 20) + 12345, 31), big2 = RandomBytes((3 << 20) + 12345, 32);
+  std::vector<std::byte> a(256 << 10), b(256 << 10);
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Put(1, big).ok());
+    const PartitionRecord r = *(*store)->Find(1);
+    EXPECT_GE(r.extents.size(), 4u);
+    EXPECT_EQ(GetAll(**store, 1), big);
+    // Chunked staging and reading across the files' boundaries.
+    auto batch = (*store)->NewBatch();
+    ASSERT_TRUE(batch
+                    ->StageChunked(1, big2.size(), absl::MakeSpan(a), absl::MakeSpan(b),
+                                   [&](uint64_t off, absl::Span<std::byte> chunk) {
+                                     std::memcpy(chunk.data(), big2.data() + off, chunk.size());
+                                     return absl::OkStatus();
+                                   })
+                    .ok());
+    ASSERT_TRUE(batch->Commit().ok());
+  }
+  std::vector<PartitionId> corrupt;
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE(corrupt.empty());
+  std::vector<std::byte> back(big2.size());
+  ASSERT_TRUE((*store)
+                  ->GetChunked(1, absl::MakeSpan(a), absl::MakeSpan(b),
+                               [&](uint64_t off, absl::Span<const std::byte> chunk) {
+                                 std::memcpy(back.data() + off, chunk.data(), chunk.size());
+                                 return absl::OkStatus();
+                               })
+                  .ok());
+  EXPECT_EQ(back, big2);
+}
+
+TEST(NvmeStoreTest, FragmentedFreeSpaceHoldsAPartitionInPieces) {
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  NvmeStoreOptions o = Small();
+  o.capacity_bytes = 5 << 20;
+  o.file_bytes = 5 << 20;  // one file
+  auto store = NvmeStore::Open(dir.File("s"), o, engine.get());
+  ASSERT_TRUE(store.ok());
+  // Sixteen 256 KiB partitions, then every other one erased: 2 MiB free in 256 KiB holes, plus
+  // the 1 MiB tail; a 1.5 MiB partition fits only in pieces.
+  for (PartitionId id = 0; id < 16; ++id) {
+    ASSERT_TRUE((*store)->Put(id, RandomBytes(256 << 10, id)).ok()) << id;
+  }
+  for (PartitionId id = 0; id < 16; id += 2) ASSERT_TRUE((*store)->Erase(id).ok());
+  const auto v = RandomBytes(1536 << 10, 99);
+  ASSERT_TRUE((*store)->Put(100, v).ok());
+  EXPECT_GE((*store)->Find(100)->extents.size(), 2u);
+  EXPECT_EQ(GetAll(**store, 100), v);
+  EXPECT_EQ(GetAll(**store, 3), RandomBytes(256 << 10, 3));
+}
+
+TEST(NvmeStoreTest, ACommitAppendsOneBlockAndLeavesTheSnapshotAlone) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  NvmeStoreOptions o = Small();
+  o.compact_min_log_bytes = 1 << 20;
+  auto store = NvmeStore::Open(path, o, engine.get());
+  ASSERT_TRUE(store.ok());
+  for (PartitionId id = 0; id < 50; ++id) {
+    ASSERT_TRUE((*store)->Put(id, RandomBytes(4096, id)).ok());
+  }
+  struct stat before;
+  ASSERT_EQ(stat((path + "/manifest.json").c_str(), &before), 0);
+  const uint64_t log = (*store)->log_bytes();
+  EXPECT_EQ(log, 50u * 4096);
+  // With 50 partitions stored, one more commit still writes one block.
+  ASSERT_TRUE((*store)->Put(7, RandomBytes(4096, 1000)).ok());
+  EXPECT_EQ((*store)->log_bytes(), log + 4096);
+  struct stat after;
+  ASSERT_EQ(stat((path + "/manifest.json").c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino);  // the snapshot was not rewritten
+}
+
+TEST(NvmeStoreTest, TheLogIsCompactedWhenItOutgrowsTheSnapshotAndReplayedOnReopen) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  std::map<PartitionId, std::vector<std::byte>> expect;
+  {
+    auto engine = MakeEngine();
+    NvmeStoreOptions o = Small();
+    o.compact_min_log_bytes = 16 << 10;
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok());
+    uint64_t peak = 0;
+    for (int i = 0; i < 40; ++i) {
+      const PartitionId id = static_cast<PartitionId>(i % 6);
+      expect[id] = RandomBytes(5000 + i, i);
+      ASSERT_TRUE((*store)->Put(id, expect[id]).ok());
+      peak = std::max(peak, (*store)->log_bytes());
+    }
+    EXPECT_LE(peak, 20u << 10);  // compacted past 16 KiB
+    ASSERT_TRUE((*store)->Erase(5).ok());
+    expect.erase(5);
+    EXPECT_THAT(Listing(path), ::testing::Contains(::testing::StartsWith("journal-")).Times(1));
+  }
+  std::vector<PartitionId> corrupt;
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE(corrupt.empty());
+  EXPECT_EQ((*store)->generation(), 42u);  // creation + 40 puts + the erase
+  ASSERT_EQ((*store)->List().size(), expect.size());
+  for (const auto& [id, v] : expect) EXPECT_EQ(GetAll(**store, id), v);
+  uint64_t used = 0;
+  for (const auto& [id, v] : expect) used += (v.size() + 4095) / 4096 * 4096;
+  EXPECT_EQ((*store)->used_bytes(), used);
+}
+
+TEST(NvmeStoreTest, ATornOrGarbledLogTailIsDroppedAndTheRestKept) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  const auto v1 = RandomBytes(9000, 1), v2 = RandomBytes(9000, 2), w = RandomBytes(3000, 3);
+  std::string log;
+  {
+    auto engine = MakeEngine();
+    NvmeStoreOptions o = Small();
+    o.compact_min_log_bytes = 1 << 20;
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, v1).ok());
+    ASSERT_TRUE((*store)->Put(2, w).ok());
+    ASSERT_TRUE((*store)->Put(1, v2).ok());  // the last record: torn below
+    for (const auto& n : Listing(path)) {
+      if (n.rfind("journal-", 0) == 0) log = path + "/" + n;
+    }
+  }
+  ASSERT_FALSE(log.empty());
+  const uint64_t size = std::filesystem::file_size(log);
+  ASSERT_EQ(size, 3u * 4096);
+  std::filesystem::resize_file(log, size - 4096 + 100);  // the last record cut after 100 bytes
+  {
+    std::ofstream garbage(log, std::ios::app | std::ios::binary);
+    garbage << "not a record";
+  }
+  auto engine = MakeEngine();
+  std::vector<PartitionId> corrupt;
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_TRUE(corrupt.empty());
+  EXPECT_EQ(GetAll(**store, 1), v1);  // the torn commit never happened
+  EXPECT_EQ(GetAll(**store, 2), w);
+  EXPECT_EQ((*store)->used_bytes(), 3u * 4096 + 4096);  // v2's extent is free again
+  ASSERT_TRUE((*store)->Put(1, v2).ok());
+  EXPECT_EQ(GetAll(**store, 1), v2);
+}
+
+// A kill at each step of a commit (and of the compaction that follows it): a reopen finds the
+// previous state or the new one, whole, and the store goes on.
+class NvmeStoreKillTest : public ::testing::TestWithParam<std::pair<const char*, int>> {};
+
+TEST_P(NvmeStoreKillTest, AReopenFindsOneStateWholeAndGoesOn) {
+  // The default ("fast") death-test style forks here, so the child sees the store made above; no
+  // thread is running at that point (the engine above is gone).
+  const auto [point, outcome] = GetParam();  // outcome: 1 the old bytes, 2 the new, 0 either
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  const auto v1 = RandomBytes(200000, 1), v2 = RandomBytes(200000, 2), other = RandomBytes(7000, 3);
+  NvmeStoreOptions o = Small();
+  o.compact_min_log_bytes = 1;  // every commit compacts
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, v1).ok());
+    ASSERT_TRUE((*store)->Put(2, other).ok());
+  }
+  const std::string where = point;
+  EXPECT_EXIT(
+      {
+        auto engine = MakeEngine();
+        NvmeStoreOptions k = o;
+        k.test_hook = [&](absl::string_view at) {
+          if (at == where) _exit(42);
+        };
+        auto store = NvmeStore::Open(path, k, engine.get());
+        if (!store.ok()) _exit(2);
+        (void)(*store)->Put(1, v2);
+        _exit(3);  // the kill point was never reached
+      },
+      ::testing::ExitedWithCode(42), "");
+  auto engine = MakeEngine();
+  std::vector<PartitionId> corrupt;
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(store.ok()) << point << ": " << store.status();
+  EXPECT_TRUE(corrupt.empty()) << point;
+  const auto got = GetAll(**store, 1);
+  if (outcome == 1) {
+    EXPECT_EQ(got, v1) << point;
+  } else if (outcome == 2) {
+    EXPECT_EQ(got, v2) << point;
+  } else {
+    EXPECT_TRUE(got == v1 || got == v2) << point;
+  }
+  EXPECT_EQ(GetAll(**store, 2), other);
+  EXPECT_EQ((*store)->used_bytes(), 200704u + 8192u) << point;  // nothing leaked
+  EXPECT_THAT(Listing(path), ElementsAre(::testing::StartsWith("journal-"),
+                                         "lock", "manifest.json", "swap-000.bin", "swap-001.bin",
+                                         "swap-002.bin"))
+      << point;
+  const auto v3 = RandomBytes(200000, 4);
+  ASSERT_TRUE((*store)->Put(1, v3).ok()) << point;
+  EXPECT_EQ(GetAll(**store, 1), v3);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EachStep, NvmeStoreKillTest,
+    ::testing::Values(std::make_pair("commit:data-synced", 1),
+                      std::make_pair("commit:log-written", 0),
+                      std::make_pair("commit:log-synced", 2),
+                      std::make_pair("compact:log-created", 2),
+                      std::make_pair("compact:snapshot-written", 2),
+                      std::make_pair("compact:snapshot-renamed", 2),
+                      std::make_pair("compact:old-log-removed", 2)),
+    [](const auto& info) {
+      std::string name = info.param.first;
+      for (char& c : name) {
+        if (c == ':' || c == '-') c = '_';
+      }
+      return name;
+    });
 
 }  // namespace
 }  // namespace strata::tiering
