@@ -400,7 +400,13 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
                        ": its host copy is the only current one and there is no NVMe tier "
                        "to write it back to"));
     }
-    STRATA_RETURN_IF_ERROR(MoveLocked(id, tier, lower));
+    absl::Status down = MoveLocked(id, tier, lower);
+    if (down.code() == absl::StatusCode::kResourceExhausted && lower == Tier::kHost &&
+        store_ != nullptr) {
+      // The host tier has no room: the device copy goes straight to NVMe, staged.
+      down = MoveLocked(id, tier, Tier::kNvme);
+    }
+    STRATA_RETURN_IF_ERROR(down);
     ++stats_.write_backs;
   }
   STRATA_RETURN_IF_ERROR(FreeCopyLocked(id, tier));

@@ -4,6 +4,8 @@
 #include "tiering/runtime.h"
 
 #include <cerrno>
+#include <atomic>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sys/resource.h>
@@ -305,6 +307,214 @@ TEST(RuntimeTest, BadSwapPathsAreRefusedAtCreation) {
   auto plain = Runtime::Create(no_nvme);
   ASSERT_TRUE(plain.ok());
   EXPECT_THAT((*plain)->Register(Desc(1), Tier::kNvme).message(), HasSubstr("no NVMe tier"));
+}
+
+RuntimeOptions Quiet() {
+  RuntimeOptions o;
+  o.on_warning = [](absl::string_view) {};
+  return o;
+}
+
+std::vector<std::byte> HostBytes(Runtime& rt, PartitionId id, uint64_t n = 100000) {
+  auto p = rt.Acquire(id, Tier::kHost);
+  EXPECT_TRUE(p.ok()) << id << ": " << p.status();
+  if (!p.ok()) return {};
+  std::vector<std::byte> out(*p, *p + n);
+  EXPECT_TRUE(rt.Release(id, Tier::kHost, false).ok());
+  return out;
+}
+
+TEST(RuntimeTest, ARestartedRuntimeAdoptsWhatTheLastOneLeftWithItsLatestBytes) {
+  ScratchDir dir;
+  const RuntimeConfig config = SmallConfig(dir.File("swap"));
+  const auto changed = RandomBytes(100000, 77);
+  {
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, RandomBytes(100000, 1)).ok());
+    ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, RandomBytes(100000, 2)).ok());
+    ASSERT_TRUE((*rt)->Register(Desc(3), Tier::kHost, RandomBytes(100000, 3)).ok());
+    auto p = (*rt)->Acquire(1, Tier::kDevice);
+    ASSERT_TRUE(p.ok());
+    std::memcpy(*p, changed.data(), changed.size());
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, /*dirty=*/true).ok());
+    // Destroyed with partition 1 dirty on the device and 3 only in host memory: both are
+    // written back.
+  }
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::vector<PartitionId> stored;
+  for (const auto& r : (*rt)->StoredPartitions()) stored.push_back(r.id);
+  EXPECT_THAT(stored, ::testing::ElementsAre(1, 2, 3));
+  // Registering a stored id would overwrite it: refused, naming the way out.
+  absl::Status again = (*rt)->Register(Desc(1), Tier::kNvme);
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(again.message(), HasSubstr("Adopt it"));
+  PartitionDesc wrong = Desc(2);
+  wrong.bytes = 5;
+  EXPECT_EQ((*rt)->Adopt(wrong).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*rt)->Adopt(Desc(9)).code(), absl::StatusCode::kNotFound);
+  for (PartitionId id : {1, 2, 3}) ASSERT_TRUE((*rt)->Adopt(Desc(id)).ok()) << id;
+  EXPECT_EQ(HostBytes(**rt, 1), changed);
+  EXPECT_EQ(HostBytes(**rt, 2), RandomBytes(100000, 2));
+  EXPECT_EQ(HostBytes(**rt, 3), RandomBytes(100000, 3));
+  // Unregister forgets it everywhere, and a stored partition never adopted can be dropped too.
+  ASSERT_TRUE((*rt)->Unregister(2).ok());
+  EXPECT_EQ((*rt)->StoredPartitions().size(), 2u);
+  EXPECT_TRUE((*rt)->Register(Desc(2), Tier::kNvme).ok());
+  EXPECT_EQ(HostBytes(**rt, 2), std::vector<std::byte>(100000));  // zeros
+}
+
+TEST(RuntimeTest, TwoRuntimesOnOnePathAreRefusedUnlessTheirRanksDiffer) {
+  ScratchDir dir;
+  const RuntimeConfig config = SmallConfig(dir.File("swap"));
+  RuntimeOptions rank0 = Quiet(), rank1 = Quiet();
+  rank0.rank = 0;
+  rank1.rank = 1;
+  auto a = Runtime::Create(config, rank0);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = Runtime::Create(config, rank0);
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(b.status().message(), HasSubstr("in use by another strata store"));
+  auto c = Runtime::Create(config, rank1);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(std::filesystem::is_directory(dir.File("swap/rank0")));
+  EXPECT_TRUE(std::filesystem::is_directory(dir.File("swap/rank1")));
+  // Without an explicit rank, the launcher's RANK decides; a RANK that is not a number is named.
+  setenv("RANK", "3", 1);
+  auto d = Runtime::Create(config, Quiet());
+  EXPECT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(std::filesystem::is_directory(dir.File("swap/rank3")));
+  setenv("RANK", "three", 1);
+  auto e = Runtime::Create(config, Quiet());
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.status().message(), HasSubstr("RANK=\"three\""));
+  unsetenv("RANK");
+}
+
+TEST(RuntimeTest, WithBothTiersFullACascadeOfEvictionsKeepsTheCopyTheMoveReads) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.host_budget_bytes = 2 * 100000 + 2 * (64 << 10);  // two host slots
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // Host: X (only copy, least recently used), then Y (clean, also on NVMe). Device: V1, V2, each
+  // the only copy.
+  ASSERT_TRUE((*rt)->Register(Desc(10), Tier::kHost, RandomBytes(100000, 10)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(11), Tier::kNvme, RandomBytes(100000, 11)).ok());
+  EXPECT_EQ(HostBytes(**rt, 11), RandomBytes(100000, 11));
+  ASSERT_TRUE((*rt)->Register(Desc(20), Tier::kDevice, RandomBytes(100000, 20)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(21), Tier::kDevice, RandomBytes(100000, 21)).ok());
+  // X to the device: V1 must go down to the host, which must drop Y — not X, which this move reads.
+  auto x = (*rt)->Acquire(10, Tier::kDevice);
+  ASSERT_TRUE(x.ok()) << x.status();
+  EXPECT_EQ(0, std::memcmp(*x, RandomBytes(100000, 10).data(), 100000));
+  ASSERT_TRUE((*rt)->Release(10, Tier::kDevice, false).ok());
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+  for (PartitionId id : {10, 11, 20, 21}) {
+    EXPECT_EQ(HostBytes(**rt, id), RandomBytes(100000, id)) << id;
+  }
+}
+
+TEST(RuntimeTest, MakingRoomGoesOnPastAVictimThatCannotBeWrittenBack) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.offload_param.device = OffloadDevice::kNvme;  // device copies go down to NVMe
+  config.nvme_capacity_bytes = 3 * 102400;  // two stored partitions and the copy-on-write reserve
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // Device: V1 (the only copy; the store has no room to admit it) and V2 (clean, on NVMe).
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, RandomBytes(100000, 1)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, RandomBytes(100000, 2)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(3), Tier::kNvme, RandomBytes(100000, 3)).ok());
+  ASSERT_TRUE((*rt)->Acquire(2, Tier::kDevice).ok());
+  ASSERT_TRUE((*rt)->Release(2, Tier::kDevice, false).ok());
+  auto z = (*rt)->Acquire(3, Tier::kDevice);  // V1 is older, but cannot go: V2 is dropped
+  ASSERT_TRUE(z.ok()) << z.status();
+  EXPECT_EQ(0, std::memcmp(*z, RandomBytes(100000, 3).data(), 100000));
+  ASSERT_TRUE((*rt)->Release(3, Tier::kDevice, false).ok());
+  EXPECT_TRUE((*rt)->residency().Get(1)->current[0]);  // V1 kept, whole
+  EXPECT_FALSE((*rt)->residency().Get(2)->has_copy[0]);
+}
+
+TEST(RuntimeTest, EvictingAPinnedCopyIsRefusedBeforeAnyWriteBack) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SmallConfig(dir.File("swap")), Quiet());
+  ASSERT_TRUE(rt.ok());
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(100000, 1)).ok());
+  ASSERT_TRUE((*rt)->Acquire(1, Tier::kHost).ok());
+  const auto before = (*rt)->stats();
+  absl::Status s = (*rt)->Evict(1, Tier::kHost);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("pinned"));
+  EXPECT_EQ((*rt)->stats().write_backs, before.write_backs);
+  EXPECT_TRUE((*rt)->StoredPartitions().empty());  // nothing was written
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+  EXPECT_TRUE((*rt)->Evict(1, Tier::kHost).ok());
+  EXPECT_EQ((*rt)->StoredPartitions().size(), 1u);
+}
+
+TEST(RuntimeTest, RegisteringOnNvmeDoesNotHoldThePartitionInMemory) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.nvme_capacity_bytes = 300ull << 20;
+  config.offload_param.buffer_size = 1 << 20;
+  config.host_budget_bytes = 8 << 20;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  PartitionDesc big = Desc(1);
+  big.bytes = 128ull << 20;
+  struct rusage before, after;
+  getrusage(RUSAGE_SELF, &before);
+  ASSERT_TRUE((*rt)->Register(big, Tier::kNvme).ok());  // zeros
+  getrusage(RUSAGE_SELF, &after);
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 32 << 10) << "KiB of peak resident memory";
+  EXPECT_EQ((*rt)->StoredPartitions().at(0).length, 128ull << 20);
+}
+
+TEST(RuntimeTest, ConcurrentAcquiresAndReleasesKeepEveryPartitionsBytes) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.nvme_capacity_bytes = 32 << 20;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  constexpr int kThreads = 4, kRounds = 12;
+  for (PartitionId id = 0; id < 2 * kThreads; ++id) {
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, RandomBytes(100000, id)).ok());
+  }
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < kRounds; ++round) {
+        const PartitionId id = static_cast<PartitionId>(2 * t + round % 2);
+        const Tier tier = round % 3 == 0 ? Tier::kHost : Tier::kDevice;
+        // Budgets are small and every thread holds at most one pin: a ResourceExhausted here is
+        // a real shortage (all slots pinned by others), retried.
+        absl::StatusOr<std::byte*> p;
+        for (int attempt = 0; attempt < 1000; ++attempt) {
+          p = (*rt)->Acquire(id, tier);
+          if (p.ok() || p.status().code() != absl::StatusCode::kResourceExhausted) break;
+          std::this_thread::yield();
+        }
+        if (!p.ok()) {
+          ++failures;
+          ADD_FAILURE() << p.status();
+          continue;
+        }
+        const auto expect = RandomBytes(100000, round == 0 || round == 1 ? id : 1000 * id + round - 2);
+        if (std::memcmp(*p, expect.data(), 100000) != 0) ++failures;
+        const auto next = RandomBytes(100000, 1000 * id + round);
+        std::memcpy(*p, next.data(), 100000);
+        if (!(*rt)->Release(id, tier, true).ok()) ++failures;
+        (void)(*rt)->warnings();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+  ASSERT_TRUE((*rt)->Flush().ok());
 }
 
 }  // namespace
