@@ -137,6 +137,16 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 }
 
 Runtime::~Runtime() {
+  {
+    MutexLock lock(&prefetch_mu_);
+    prefetch_stop_ = true;
+    for (auto& r : prefetch_queue_) {
+      r.done.set_value(absl::CancelledError("prefetch: the Runtime was destroyed"));
+    }
+    prefetch_queue_.clear();
+    prefetch_cv_.SignalAll();
+  }
+  if (prefetch_thread_.joinable()) prefetch_thread_.join();
   if (store_ != nullptr) {
     {
       // Pins the trainer left are dropped: the process is letting go of the partitions.
@@ -515,16 +525,18 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   if (!IsMemory(tier)) {
     return absl::InvalidArgumentError("acquire: the device or host tier (nvme is not addressable)");
   }
+  const auto t0 = Clock::now();
   MutexLock lock(&mu_);
   ++stats_.acquires;
+  absl::Status brought;
   STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
   if (r.current[I(tier)]) {
     ++stats_.acquire_hits;
   } else {
-    const auto t0 = Clock::now();
-    STRATA_RETURN_IF_ERROR(BringLocked(id, tier));
-    stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    brought = BringLocked(id, tier);
   }
+  stats_.acquire_wait_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+  STRATA_RETURN_IF_ERROR(brought);
   STRATA_RETURN_IF_ERROR(table_->Pin(id, tier));
   Buffers& b = buffers_[id];
   b.last_use[I(tier)] = ++tick_;
@@ -532,15 +544,32 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
 }
 
 std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
+  std::promise<absl::Status> done;
+  std::future<absl::Status> f = done.get_future();
   if (!IsMemory(tier)) {
-    std::promise<absl::Status> p;
-    p.set_value(absl::InvalidArgumentError("prefetch: the device or host tier"));
-    return p.get_future();
+    done.set_value(absl::InvalidArgumentError("prefetch: the device or host tier"));
+    return f;
   }
-  return std::async(std::launch::async, [this, id, tier] {
+  MutexLock lock(&prefetch_mu_);
+  if (!prefetch_thread_.joinable()) prefetch_thread_ = std::thread([this] { PrefetchLoop(); });
+  prefetch_queue_.push_back({id, tier, std::move(done)});
+  prefetch_cv_.Signal();
+  return f;
+}
+
+void Runtime::PrefetchLoop() {
+  for (;;) {
+    PrefetchRequest r;
+    {
+      MutexLock lock(&prefetch_mu_);
+      while (!prefetch_stop_ && prefetch_queue_.empty()) prefetch_cv_.Wait(&prefetch_mu_);
+      if (prefetch_stop_) return;
+      r = std::move(prefetch_queue_.front());
+      prefetch_queue_.pop_front();
+    }
     MutexLock lock(&mu_);
-    return BringLocked(id, tier);  // not an acquire: no pin, no wait counted
-  });
+    r.done.set_value(BringLocked(r.id, r.tier));  // not an acquire: no pin, no wait counted
+  }
 }
 
 absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {

@@ -47,7 +47,9 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <deque>
 #include <future>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,7 +79,9 @@ struct RuntimeOptions {
 };
 
 struct RuntimeStats {
-  double acquire_wait_seconds = 0;          // time Acquire spent moving bytes
+  // Time Acquire spent waiting: for bytes to move, and for the runtime while another operation
+  // (a prefetch's move among them) held it.
+  double acquire_wait_seconds = 0;
   uint64_t acquires = 0, acquire_hits = 0;  // hits: already current in the tier
   uint64_t evictions = 0, write_backs = 0;
   std::array<std::array<uint64_t, kTierCount>, kTierCount> bytes_moved{};  // [from][to]
@@ -115,8 +119,10 @@ class Runtime {
   // (offload_param.device "nvme"); a host copy to NVMe. A clean copy is dropped without I/O.
   absl::Status Evict(PartitionId id, Tier tier);
 
-  // Starts bringing a current copy into `tier` in the background (no pin); the future completes
-  // when it is there. Wait for every prefetch before destroying the Runtime.
+  // Queues bringing a current copy into `tier` on the Runtime's prefetch thread (no pin) and
+  // returns at once; the future completes when it is there (it may be discarded). Prefetches run
+  // in the order queued. The destructor waits for the one running and completes the queued ones
+  // with Cancelled.
   std::future<absl::Status> Prefetch(PartitionId id, Tier tier);
 
   RuntimeStats stats() const;
@@ -162,6 +168,19 @@ class Runtime {
   std::array<std::byte*, 2> staging_ ABSL_GUARDED_BY(mu_){};  // NVMe <-> device chunks
   uint64_t staging_bytes_ = 0;
   std::vector<PartitionId> protected_ ABSL_GUARDED_BY(mu_);  // being moved (see MakeRoomLocked)
+
+  // The prefetch thread and its queue.
+  void PrefetchLoop();
+  struct PrefetchRequest {
+    PartitionId id;
+    Tier tier;
+    std::promise<absl::Status> done;
+  };
+  Mutex prefetch_mu_;
+  CondVar prefetch_cv_;
+  std::deque<PrefetchRequest> prefetch_queue_ ABSL_GUARDED_BY(prefetch_mu_);
+  bool prefetch_stop_ ABSL_GUARDED_BY(prefetch_mu_) = false;
+  std::thread prefetch_thread_;
   RuntimeStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

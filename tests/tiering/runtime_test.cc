@@ -106,6 +106,12 @@ RuntimeConfig SmallConfig(const std::string& nvme_path) {
   return c;
 }
 
+RuntimeOptions Quiet() {
+  RuntimeOptions o;
+  o.on_warning = [](absl::string_view) {};
+  return o;
+}
+
 PartitionDesc Desc(PartitionId id) {
   PartitionDesc d;
   d.id = id;
@@ -253,19 +259,36 @@ TEST(RuntimeTest, ParametersOffloadedToNvmeMoveBetweenDeviceAndNvmeInStagedChunk
   EXPECT_EQ((*h)[300000], std::byte{0x77});
 }
 
-TEST(RuntimeTest, APrefetchBringsThePartitionAheadAndTheAcquireIsAHit) {
+TEST(RuntimeTest, APrefetchRunsInTheBackgroundAndTheAcquireIsAHit) {
   ScratchDir dir;
-  auto rt = Runtime::Create(SmallConfig(dir.File("swap")));
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.copy_bandwidth_bytes_per_s = 200000;  // the 100000-byte copy takes half a second
+  auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok());
   ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, RandomBytes(100000, 41)).ok());
   std::future<absl::Status> f = (*rt)->Prefetch(1, Tier::kDevice);
+  // Prefetch returned before the move could have ended (a synchronous one would be ready).
+  EXPECT_EQ(f.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
   ASSERT_TRUE(f.get().ok());
   const uint64_t hits = (*rt)->stats().acquire_hits;
   auto p = (*rt)->Acquire(1, Tier::kDevice);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ((*rt)->stats().acquire_hits, hits + 1);
   EXPECT_EQ(0, std::memcmp(*p, RandomBytes(100000, 41).data(), 100000));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
   EXPECT_EQ((*rt)->Prefetch(1, Tier::kNvme).get().code(), absl::StatusCode::kInvalidArgument);
+  // A discarded future does not make Prefetch wait, and an Acquire that waits behind the
+  // prefetch's move counts that wait.
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, RandomBytes(100000, 42)).ok());
+  const double waited = (*rt)->stats().acquire_wait_seconds;
+  (void)(*rt)->Prefetch(2, Tier::kDevice);
+  EXPECT_FALSE((*rt)->residency().Get(2)->current[0]);  // still moving (half a second)
+  // Behind the prefetch (a hit when it ran first) or moving it itself: either way the time is
+  // counted.
+  auto q = (*rt)->Acquire(2, Tier::kDevice);
+  ASSERT_TRUE(q.ok());
+  EXPECT_GT((*rt)->stats().acquire_wait_seconds - waited, 0.25);
+  ASSERT_TRUE((*rt)->Release(2, Tier::kDevice, false).ok());
 }
 
 TEST(RuntimeTest, AStagedWriteBackThatFailsKeepsTheDeviceCopyDirty) {
@@ -307,12 +330,6 @@ TEST(RuntimeTest, BadSwapPathsAreRefusedAtCreation) {
   auto plain = Runtime::Create(no_nvme);
   ASSERT_TRUE(plain.ok());
   EXPECT_THAT((*plain)->Register(Desc(1), Tier::kNvme).message(), HasSubstr("no NVMe tier"));
-}
-
-RuntimeOptions Quiet() {
-  RuntimeOptions o;
-  o.on_warning = [](absl::string_view) {};
-  return o;
 }
 
 std::vector<std::byte> HostBytes(Runtime& rt, PartitionId id, uint64_t n = 100000) {
