@@ -4,6 +4,7 @@
 // flipped bytes found on Verify and Get, the directory lock, bad paths, and concurrent use.
 #include "tiering/nvme_store.h"
 
+#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -562,17 +563,19 @@ TEST(NvmeStoreTest, ASecondStoreOnOneDirectoryIsRefusedInThisProcessAndAnother) 
     EXPECT_THAT(second.status().message(),
                 HasSubstr(absl::StrCat("in use by another strata store (process ", getpid())));
     EXPECT_THAT(second.status().message(), HasSubstr("nvme_path of its own"));
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      auto child_engine = aio::Engine::Create(aio::AioConfig{});
-      if (!child_engine.ok()) _exit(4);
-      auto s = NvmeStore::Open(path, Small(), child_engine->get());
-      _exit(s.status().code() == absl::StatusCode::kFailedPrecondition ? 0 : 1);
-    }
+    // Another process (a fresh one: this one has threads, so it is exec'd, not only forked).
+    setenv("STRATA_STORE_UNDER_TEST", path.c_str(), 1);
+    std::string self = "/proc/self/exe", filter =
+        "--gtest_filter=NvmeStoreSecondProcess.DISABLED_IsRefusedTheStoreNamedByTheEnvironment";
+    std::string disabled = "--gtest_also_run_disabled_tests";
+    char* argv[] = {self.data(), filter.data(), disabled.data(), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv, environ), 0);
     int status = 0;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    unsetenv("STRATA_STORE_UNDER_TEST");
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    EXPECT_TRUE(std::filesystem::exists(path + ".refused"));  // the child test did run
     EXPECT_EQ(GetAll(**first, 1), RandomBytes(5000, 1));
   }
   // The lock goes with the store.
@@ -739,6 +742,16 @@ TEST(NvmeStoreTest, ATornOrGarbledLogTailIsDroppedAndTheRestKept) {
   EXPECT_EQ((*store)->used_bytes(), 3u * 4096 + 4096);  // v2's extent is free again
   ASSERT_TRUE((*store)->Put(1, v2).ok());
   EXPECT_EQ(GetAll(**store, 1), v2);
+}
+
+// Run by the test above in a process of its own.
+TEST(NvmeStoreSecondProcess, DISABLED_IsRefusedTheStoreNamedByTheEnvironment) {
+  const char* path = getenv("STRATA_STORE_UNDER_TEST");
+  ASSERT_NE(path, nullptr);
+  auto engine = MakeEngine();
+  auto s = NvmeStore::Open(path, Small(), engine.get());
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  std::ofstream(std::string(path) + ".refused") << "refused\n";
 }
 
 // A kill at each step of a commit (and of the compaction that follows it): a reopen finds the
