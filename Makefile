@@ -26,6 +26,7 @@ bench: build
 	./build/release/bench/sweep_vs_fio --dir $(SCRATCH) --json build/release/sweep_vs_fio.json $(BENCH_ARGS)
 	./build/release/bench/cpu_adam --json build/release/cpu_adam.json
 	./build/release/bench/optimizer_swap --dir $(SCRATCH) --json build/release/optimizer_swap.json $(BENCH_ARGS)
+	./build/release/bench/nvme_store --dir $(SCRATCH) --json build/release/nvme_store.json
 
 test: build
 	ctest --preset release
