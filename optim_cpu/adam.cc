@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "optim_cpu/internal/core.h"
 
 namespace strata::optim_cpu {
@@ -43,14 +44,15 @@ bool CpuAdam::HasNonFinite(const void* grad, DType dtype, size_t n) {
   return core_->HasNonFinite(grad, dtype, n);
 }
 
+absl::Status CpuAdam::Validate(int64_t t, const AdamChunk& c, const StepOptions& options) const {
+  return internal::CheckChunk("CpuAdam::Step", t, c.param, c.grad, c.exp_avg, c.exp_avg_sq,
+                              /*need_state2=*/true, c.moment_dtype, c.param_copy, c.copy_dtype,
+                              c.size, options);
+}
+
 absl::StatusOr<StepResult> CpuAdam::Step(int64_t t, const AdamChunk& c,
                                          const StepOptions& options) {
-  if (auto s = internal::CheckChunk("CpuAdam::Step", t, c.param, c.grad, c.exp_avg, c.exp_avg_sq,
-                                    /*need_state2=*/true, c.moment_dtype, c.param_copy,
-                                    c.copy_dtype, c.size, options);
-      !s.ok()) {
-    return s;
-  }
+  STRATA_RETURN_IF_ERROR(Validate(t, c, options));
   const float lr = options.lr >= 0 ? options.lr : config_.lr;
   if (options.check_overflow && core_->HasNonFinite(c.grad, c.grad_dtype, c.size)) {
     return StepResult{.overflow = true};

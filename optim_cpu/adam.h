@@ -93,6 +93,10 @@ class CpuAdam {
   absl::StatusOr<StepResult> Step(int64_t t, const AdamChunk& chunk,
                                   const StepOptions& options = {});
 
+  // Checks what Step would refuse (the same InvalidArgument), touching nothing: for callers that
+  // must know every chunk of a step is valid before they change anything.
+  absl::Status Validate(int64_t t, const AdamChunk& chunk, const StepOptions& options = {}) const;
+
   // Whether any of the n gradients is inf or nan (vectorized, on the pool).
   bool HasNonFinite(const void* grad, DType dtype, size_t n);
 

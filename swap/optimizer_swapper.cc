@@ -4,6 +4,7 @@
 #include <cstring>
 #include <future>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
@@ -134,14 +135,36 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
                                                            const optim_cpu::StepOptions& options) {
   StepReport report;
   const auto t0 = Clock::now();
+  // Every input is checked before anything is read, stepped or written.
   std::vector<std::pair<const StepInput*, const Part*>> nvme, host;
+  absl::flat_hash_set<tiering::PartitionId> seen;
   for (const StepInput& in : inputs) {
-    STRATA_ASSIGN_OR_RETURN(const Part* part, Find(in.id));
-    if (in.grad == nullptr) {
+    const std::string context = absl::StrCat("optimizer step ", t, ": partition ", in.id);
+    auto part = Find(in.id);
+    if (!part.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("optimizer swapper: partition ", in.id, ": grad is null"));
+          absl::StrCat(context, ": not one of the swapper's partitions; nothing was changed"));
     }
-    (part->host_state != nullptr ? host : nvme).emplace_back(&in, part);
+    if (!seen.insert(in.id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(context, ": listed twice (each partition at most once per step); nothing "
+                                "was changed"));
+    }
+    // What CpuAdam would refuse (null grad, a copy dtype it cannot write, t < 1, ...), checked on
+    // stand-in state pointers.
+    float stand_in = 0;
+    optim_cpu::AdamChunk c;
+    c.param = &stand_in;
+    c.exp_avg = c.exp_avg_sq = &stand_in;
+    c.grad = in.grad;
+    c.grad_dtype = in.grad_dtype;
+    c.param_copy = in.param_copy;
+    c.copy_dtype = in.copy_dtype;
+    c.size = (*part)->elements;
+    if (absl::Status s = adam_->Validate(t, c, options); !s.ok()) {
+      return Annotate(s, absl::StrCat(context, ": nothing was changed"));
+    }
+    ((*part)->host_state != nullptr ? host : nvme).emplace_back(&in, *part);
   }
   if (options.check_overflow) {
     for (const StepInput& in : inputs) {
@@ -268,9 +291,14 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       return Annotate(committed, absl::StrCat("optimizer step ", t, ": nothing was changed"));
     }
   }
-  // Host-resident partitions, once the NVMe part is committed.
+  // Host-resident partitions, once the NVMe part is committed. Their inputs were validated above,
+  // so CpuAdam has nothing left to refuse: an error here is a bug, reported as such.
   for (const auto& [in, part] : host) {
-    STRATA_RETURN_IF_ERROR(step_one(*in, part->elements, part->host_state));
+    if (absl::Status s = step_one(*in, part->elements, part->host_state); !s.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "optimizer step ", t, ": the NVMe state was committed but host-resident partition ",
+          in->id, " failed after validation: ", s.message()));
+    }
   }
   report.seconds = Since(t0);
   return report;

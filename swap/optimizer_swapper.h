@@ -6,15 +6,22 @@
 // Partitions are placed in order: while their state fits in max_in_cpu_bytes it stays in pinned
 // host memory and never touches the disk; the rest lives in the NVMe store.
 //
-// Step(t) runs CpuAdam over every partition. For the NVMe-resident ones, with pipeline_read the
-// state of k+1 is read while k steps, and with pipeline_write the state of k-1 is written while k
-// steps, through a ring of three pinned buffers (one without pipelining); the gradients come from
-// the caller's host memory. The new state is staged in fresh extents and committed in one
-// manifest at the end of the step, and only then are the host-resident partitions stepped, so a
-// step that fails anywhere (a read, a write, the commit) changes nothing: NVMe holds the previous
-// step's state, whole; the host-resident state and the gradients are untouched; retrying the step
-// gives the same result as a step that never failed. The price is NVMe space for a second copy of
-// the state during the step.
+// Step(t) runs CpuAdam over the partitions it is given (each at most once, any order). Every input
+// is validated first (a known partition, listed once, and everything CpuAdam would refuse: a null
+// gradient, a copy dtype it cannot write, t < 1), so a bad input returns InvalidArgument before
+// anything is read, stepped or written. For the NVMe-resident ones, with pipeline_read the state
+// of k+1 is read while k steps, and with pipeline_write the state of k-1 is written while k steps,
+// through a ring of three pinned buffers (one without pipelining); the gradients come from the
+// caller's host memory. The new state is staged in fresh extents and committed in one manifest
+// record at the end of the step, and only then are the host-resident partitions stepped (their
+// inputs being valid, that cannot fail). So a step that fails (a read, a write, the commit)
+// changes no optimizer state: NVMe holds the previous step's state, whole; the host-resident
+// state and the gradients are untouched; retrying the step gives, bit for bit, the result of a
+// step that never failed. What it does not cover: the `param_copy` outputs of NVMe-resident
+// partitions stepped before the failure already hold the new step's weights (they are written as
+// each partition steps, to keep no second copy of them); the retry rewrites them with the same
+// bits. The price of the promise is NVMe space for a second copy of the stepped state during the
+// step.
 //
 // Thread safety: one Step (or Initialize/ReadState) at a time. The store, the optimizer and the
 // host memory resource are borrowed and must outlive the swapper.

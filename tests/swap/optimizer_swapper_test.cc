@@ -5,9 +5,13 @@
 
 #include <cerrno>
 #include <cstring>
+#include <algorithm>
+#include <chrono>
 #include <random>
 
 #include "aio/fault_injection.h"
+#include "aio/backend.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -176,12 +180,10 @@ void FaultThenRetry(aio::FaultRule rule, int expected_errno) {
   EXPECT_THAT(failed.status().message(), HasSubstr("nothing was changed"));
   EXPECT_GT(f.injector->total_hits(), 0u);
   f.ExpectMatchesReference();  // still step 1's state, NVMe and host alike
-  // The state on NVMe loads whole from a fresh store handle too.
-  std::vector<tiering::PartitionId> corrupt;
-  auto clean = *aio::Engine::Create(aio::AioConfig());
-  auto reopened = tiering::NvmeStore::Open(f.dir.File("swap"), {}, clean.get(), &corrupt);
-  ASSERT_TRUE(reopened.ok()) << reopened.status();
-  EXPECT_TRUE(corrupt.empty());
+  // Every partition's bytes on NVMe match their checksums (reread from the disk).
+  auto corrupt = f.store->Verify();
+  ASSERT_TRUE(corrupt.ok()) << corrupt.status();
+  EXPECT_TRUE(corrupt->empty());
   // Retrying the step succeeds and matches the in-memory result.
   auto retried = f.swapper->Step(2, f.Inputs());
   ASSERT_TRUE(retried.ok()) << retried.status();
@@ -224,11 +226,182 @@ TEST(SwapperTest, BadInputIsRefused) {
   StepInput bad;
   bad.id = 10;
   EXPECT_THAT(f.swapper->Step(1, {&bad, 1}).status().message(), HasSubstr("grad is null"));
+  f.NewGrads(1);
+  auto in = f.Inputs();
+  in[0].id = 99;
+  EXPECT_THAT(f.swapper->Step(1, in).status().message(),
+              HasSubstr("partition 99: not one of the swapper's partitions"));
+  in = f.Inputs();
+  EXPECT_EQ(f.swapper->Step(0, in).status().code(), absl::StatusCode::kInvalidArgument);
   tiering::HostMemoryResource raw;
   EXPECT_THAT(PipelinedOptimizerSwapper::Create(nullptr, f.adam.get(), &raw, {}, {{1, 100}})
                   .status()
                   .message(),
               HasSubstr("there is no NVMe store"));
+}
+
+// Inputs that are refused must be refused before anything changes: a bad input at the end of the
+// list (after NVMe-resident partitions that would already have been stepped and committed, on a
+// host-resident partition that is stepped last) changes neither NVMe nor host state, and a
+// duplicate id is refused rather than stepped twice.
+TEST(SwapperTest, EveryInputIsValidatedBeforeAnythingChanges) {
+  Fixture f({true, true, 220000});  // 10 and 11 in host memory, the rest on NVMe
+  ASSERT_FALSE(f.swapper->on_nvme(10));
+  ASSERT_TRUE(f.swapper->on_nvme(12));
+  f.NewGrads(1);
+  const uint64_t generation = f.store->generation();
+  std::vector<uint16_t> copy(kParts[0].second, 0xabcd);
+  auto in = f.Inputs();
+  std::rotate(in.begin(), in.begin() + 2, in.end());  // NVMe partitions first, host ones last
+  in.back().param_copy = copy.data();
+  in.back().copy_dtype = optim_cpu::DType::kF32;  // a copy dtype CpuAdam cannot write
+  auto r = f.swapper->Step(1, in);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr("copy_dtype fp32"));
+  EXPECT_THAT(r.status().message(), HasSubstr("nothing was changed"));
+  EXPECT_EQ(f.store->generation(), generation);
+  f.ExpectMatchesReference();
+  EXPECT_EQ(copy[0], 0xabcd);
+  // A duplicate id.
+  in = f.Inputs();
+  in.push_back(in[3]);
+  r = f.swapper->Step(1, in);
+  EXPECT_THAT(r.status().message(), HasSubstr("partition 13: listed twice"));
+  EXPECT_EQ(f.store->generation(), generation);
+  f.ExpectMatchesReference();
+  // And then a good step is the step in memory.
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  f.ExpectMatchesReference();
+}
+
+// What a failed step does to param_copy, as the header states: the copies of NVMe partitions
+// stepped before the failure hold the new weights, and the retry rewrites every copy with exactly
+// the bits a clean step writes.
+TEST(SwapperTest, AFailedStepsParamCopiesAreRewrittenByTheRetry) {
+  aio::FaultRule eio = aio::FaultRule::Error(EIO);
+  eio.only = aio::OpKind::kRead;
+  eio.skip = 2;
+  eio.max_hits = 1;
+  Fixture clean({true, true, 0});
+  Fixture faulty({true, true, 0}, {eio});
+  std::vector<std::vector<uint16_t>> clean_copy, faulty_copy;
+  auto with_copies = [](Fixture& f, std::vector<std::vector<uint16_t>>& copies) {
+    auto in = f.Inputs();
+    copies.clear();
+    for (const auto& [id, n] : kParts) copies.emplace_back(n, 0);
+    for (size_t i = 0; i < in.size(); ++i) in[i].param_copy = copies[i].data();
+    return in;
+  };
+  clean.NewGrads(1);
+  faulty.NewGrads(1);
+  auto clean_in = with_copies(clean, clean_copy);
+  ASSERT_TRUE(clean.swapper->Step(1, clean_in).ok());
+  auto faulty_in = with_copies(faulty, faulty_copy);
+  faulty.injector->Arm(true);
+  ASSERT_FALSE(faulty.swapper->Step(1, faulty_in).ok());
+  faulty.injector->Arm(false);
+  ASSERT_TRUE(faulty.swapper->Step(1, faulty_in).ok());
+  EXPECT_EQ(faulty_copy, clean_copy);
+}
+
+// A backend wrapper that holds the write of partition k until the read of partition k+1 has been
+// submitted: a pipelined step has that read in flight already (pipeline_read) or issues it while
+// k is being written (pipeline_write), so the write goes on; a serial step waits for the write
+// before it reads on, so the write waits in vain until `patience` runs out, and that is counted.
+// One op per read and write (the blobs are smaller than the block size and aligned), and the
+// writes of a step reach the disk in partition order.
+struct Gate {
+  Mutex mu;
+  CondVar cv;
+  int reads = 0, writes = 0, reads_expected = 0, stalls = 0;
+  std::chrono::milliseconds patience{0};
+};
+
+class GatedBackend : public aio::Backend {
+ public:
+  GatedBackend(std::unique_ptr<aio::Backend> inner, std::shared_ptr<Gate> gate)
+      : inner_(std::move(inner)), gate_(std::move(gate)) {}
+  absl::string_view name() const override { return inner_->name(); }
+  absl::Status Submit(absl::Span<const aio::Op> ops) override {
+    for (const aio::Op& op : ops) {
+      MutexLock lock(&gate_->mu);
+      if (op.kind == aio::OpKind::kRead) {
+        ++gate_->reads;
+        gate_->cv.SignalAll();
+      } else if (gate_->reads_expected > 0) {
+        const int k = gate_->writes++;
+        const int wanted = std::min(k + 2, gate_->reads_expected);  // R0 .. R(k+1)
+        const auto deadline = std::chrono::steady_clock::now() + gate_->patience;
+        while (gate_->reads < wanted) {
+          if (!gate_->cv.WaitFor(&gate_->mu, deadline - std::chrono::steady_clock::now())) {
+            ++gate_->stalls;
+            break;
+          }
+        }
+      }
+    }
+    return inner_->Submit(ops);
+  }
+  absl::StatusOr<size_t> Reap(absl::Span<aio::OpResult> out, size_t min_results) override {
+    return inner_->Reap(out, min_results);
+  }
+
+ private:
+  std::unique_ptr<aio::Backend> inner_;
+  std::shared_ptr<Gate> gate_;
+};
+
+int StallsOfAStep(OptimizerSwapperConfig config, std::chrono::milliseconds patience) {
+  ScratchDir dir;
+  auto gate = std::make_shared<Gate>();
+  aio::AioConfig ac;
+  ac.block_size = 4 << 20;
+  ac.intra_op_parallelism = 2;
+  aio::EngineOptions eo;
+  eo.on_warning = [](absl::string_view) {};
+  eo.wrap_backend = [gate](std::unique_ptr<aio::Backend> inner, int) {
+    return std::make_unique<GatedBackend>(std::move(inner), gate);
+  };
+  auto engine = *aio::Engine::Create(ac, eo);
+  tiering::NvmeStoreOptions so;
+  so.capacity_bytes = 16 << 20;
+  so.on_warning = [](absl::string_view) {};
+  auto store = *tiering::NvmeStore::Open(dir.File("swap"), so, engine.get());
+  optim_cpu::AdamConfig adam_config;
+  adam_config.threads = 1;
+  auto adam = *optim_cpu::CpuAdam::Create(adam_config);
+  tiering::HostMemoryResource host;
+  std::vector<std::pair<tiering::PartitionId, uint64_t>> parts;
+  // 20480 elements: 240 KiB of state, a whole number of 4 KiB blocks (an unaligned tail would be
+  // written read-modify-write, and that read would count).
+  for (tiering::PartitionId id = 0; id < 6; ++id) parts.emplace_back(id, 20480);
+  auto swapper = *PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host, config, parts);
+  std::vector<float> master(20480, 0.5f), grad(20480, 0.01f);
+  for (const auto& [id, n] : parts) EXPECT_TRUE(swapper->Initialize(id, master).ok());
+  std::vector<StepInput> in;
+  for (const auto& [id, n] : parts) in.push_back({.id = id, .grad = grad.data()});
+  {
+    MutexLock lock(&gate->mu);
+    gate->reads = gate->writes = 0;
+    gate->reads_expected = static_cast<int>(parts.size());
+    gate->patience = patience;
+  }
+  EXPECT_TRUE(swapper->Step(1, in).ok());
+  MutexLock lock(&gate->mu);
+  return gate->stalls;
+}
+
+TEST(SwapperTest, APipelinedStepReadsAheadWhileItWritesBehind) {
+  for (OptimizerSwapperConfig config :
+       {OptimizerSwapperConfig{true, true, 0}, OptimizerSwapperConfig{true, false, 0},
+        OptimizerSwapperConfig{false, true, 0}}) {
+    EXPECT_EQ(StallsOfAStep(config, std::chrono::seconds(30)), 0)
+        << "pipeline_read " << config.pipeline_read << " pipeline_write "
+        << config.pipeline_write;
+  }
+  // The check can fail: a serial step stalls at every write that has a read after it.
+  EXPECT_EQ(StallsOfAStep({false, false, 0}, std::chrono::milliseconds(100)), 5);
 }
 
 }  // namespace
