@@ -90,8 +90,8 @@ void PinnedHostResource::Deallocate(void* p, size_t bytes) {
   munmap(p, mapped);
 }
 
-PoolingResource::PoolingResource(MemoryResource* upstream, uint64_t max_cached_bytes)
-    : upstream_(upstream), max_cached_(max_cached_bytes) {}
+PoolingResource::PoolingResource(MemoryResource* upstream, uint64_t budget_bytes)
+    : upstream_(upstream), budget_(budget_bytes) {}
 
 PoolingResource::~PoolingResource() {
   MutexLock lock(&mu_);
@@ -100,40 +100,72 @@ PoolingResource::~PoolingResource() {
   }
 }
 
-size_t PoolingResource::ClassOf(size_t bytes) {
-  size_t c = 64 << 10;
-  while (c < bytes) c <<= 1;
-  return c;
+absl::StatusOr<size_t> PoolingResource::ClassOf(size_t bytes) {
+  constexpr size_t kPage = 4096, kMax = size_t{1} << 62;
+  if (bytes == 0 || bytes > kMax) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pooled allocation of ", bytes, " bytes: accepted 1..", kMax));
+  }
+  return (bytes + kPage - 1) / kPage * kPage;
+}
+
+void PoolingResource::TrimLocked(uint64_t needed) {
+  for (auto it = free_.begin(); it != free_.end() && in_use_ + cached_ > budget_ - needed;) {
+    auto& blocks = it->second;
+    while (!blocks.empty() && in_use_ + cached_ > budget_ - needed) {
+      upstream_->Deallocate(blocks.back(), it->first);
+      blocks.pop_back();
+      cached_ -= it->first;
+    }
+    if (blocks.empty()) {
+      free_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 absl::StatusOr<void*> PoolingResource::Allocate(size_t bytes) {
-  if (bytes == 0) return absl::InvalidArgumentError("pooled allocation of 0 bytes");
-  const size_t c = ClassOf(bytes);
-  {
-    MutexLock lock(&mu_);
-    auto it = free_.find(c);
-    if (it != free_.end() && !it->second.empty()) {
-      void* p = it->second.back();
-      it->second.pop_back();
-      cached_ -= c;
-      ++reused_;
-      return p;
-    }
+  STRATA_ASSIGN_OR_RETURN(const size_t c, ClassOf(bytes));
+  MutexLock lock(&mu_);
+  auto it = free_.find(c);
+  if (it != free_.end() && !it->second.empty()) {
+    void* p = it->second.back();
+    it->second.pop_back();
+    cached_ -= c;
+    in_use_ += c;
+    ++reused_;
+    return p;
   }
-  return upstream_->Allocate(c);
+  if (c > budget_ || in_use_ > budget_ - c) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        upstream_->name(), " pool: a budget of ", budget_, " bytes, ", in_use_, " in use, ", c,
+        " asked (", bytes, " rounded to whole pages)"));
+  }
+  TrimLocked(c);
+  // Upstream is called under the lock so that what is held never passes the budget, even for a
+  // moment; pinning is slow, but it happens once per block (blocks are reused after that).
+  STRATA_ASSIGN_OR_RETURN(void* p, upstream_->Allocate(c));
+  in_use_ += c;
+  return p;
 }
 
 void PoolingResource::Deallocate(void* p, size_t bytes) {
-  const size_t c = ClassOf(bytes);
-  {
-    MutexLock lock(&mu_);
-    if (cached_ + c <= max_cached_) {
-      free_[c].push_back(p);
-      cached_ += c;
-      return;
-    }
-  }
-  upstream_->Deallocate(p, c);
+  const size_t c = *ClassOf(bytes);  // Allocate gave out this class
+  MutexLock lock(&mu_);
+  in_use_ -= c;
+  free_[c].push_back(p);
+  cached_ += c;
+}
+
+uint64_t PoolingResource::held_bytes() const {
+  MutexLock lock(&mu_);
+  return in_use_ + cached_;
+}
+
+uint64_t PoolingResource::in_use_bytes() const {
+  MutexLock lock(&mu_);
+  return in_use_;
 }
 
 uint64_t PoolingResource::cached_bytes() const {
@@ -177,7 +209,7 @@ LimitingResource::LimitingResource(MemoryResource* upstream, uint64_t budget_byt
 
 bool LimitingResource::TryReserve(size_t bytes) {
   uint64_t used = used_.load();
-  while (used + bytes <= budget_) {
+  while (used <= budget_ && bytes <= budget_ - used) {
     if (used_.compare_exchange_weak(used, used + bytes)) return true;
   }
   return false;
@@ -187,7 +219,8 @@ absl::StatusOr<void*> LimitingResource::Allocate(size_t bytes) {
   int attempt = 0;
   while (!TryReserve(bytes)) {
     const uint64_t used = used_.load();
-    const uint64_t short_by = used + bytes > budget_ ? used + bytes - budget_ : 0;
+    const uint64_t free = used < budget_ ? budget_ - used : 0;
+    const uint64_t short_by = bytes > free ? bytes - free : 0;
     if (attempt++ >= max_retries_ || !on_exhausted_ || !on_exhausted_(short_by)) {
       return absl::ResourceExhaustedError(absl::StrCat(tier_, " budget of ", budget_,
                                                        " bytes: ", used, " in use, ", bytes,

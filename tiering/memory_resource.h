@@ -12,8 +12,11 @@
 //    callback (which may evict and free, then return true to retry) up to a few times, then fails
 //    with ResourceExhausted naming the tier, the budget, what is in use and what was asked.
 //  - StatisticsResource: bytes in use, peak, and allocation counts.
-//  - PoolingResource: keeps freed blocks in power-of-two size classes and hands them out again,
-//    so pinned memory is pinned once and reused, never pinned per request.
+//  - PoolingResource: a budget over what it holds: hands out blocks of whole pages, keeps freed
+//    blocks for the next allocation of the same page count (so pinned memory is pinned once and
+//    reused, never pinned per request), and never holds more than its budget from upstream —
+//    blocks in use, cached blocks and rounding together (it returns cached blocks upstream to make
+//    room before it refuses).
 //
 // Thread safety: all resources and adaptors here are thread-safe. Deallocate must get the size
 // that Allocate was given.
@@ -83,24 +86,34 @@ class PinnedHostResource final : public MemoryResource {
 
 class PoolingResource final : public MemoryResource {
  public:
-  // Blocks are rounded up to a power of two of at least 64 KiB; at most max_cached_bytes of
-  // freed blocks are kept (the rest go back upstream).
-  PoolingResource(MemoryResource* upstream, uint64_t max_cached_bytes);
+  // Everything taken from upstream (in use + cached) stays within budget_bytes.
+  PoolingResource(MemoryResource* upstream, uint64_t budget_bytes);
   ~PoolingResource() override;  // returns the cached blocks upstream
+  // ResourceExhausted naming the budget, what is in use and what was asked when the block does
+  // not fit even after the cache is returned upstream; InvalidArgument for 0 or > 2^62 bytes.
   absl::StatusOr<void*> Allocate(size_t bytes) override;
   void Deallocate(void* p, size_t bytes) override;
   absl::string_view name() const override { return upstream_->name(); }
+  uint64_t budget_bytes() const { return budget_; }
+  uint64_t held_bytes() const;    // in use + cached: what upstream has handed out
+  uint64_t in_use_bytes() const;  // blocks handed out, counted as whole pages
   uint64_t cached_bytes() const;
   uint64_t reused() const;
 
-  static size_t ClassOf(size_t bytes);
+  // The block size that serves `bytes`: whole 4 KiB pages. InvalidArgument for 0 or > 2^62.
+  static absl::StatusOr<size_t> ClassOf(size_t bytes);
 
  private:
+  // Returns cached blocks upstream until `needed` more bytes fit in the budget (or the cache is
+  // empty).
+  void TrimLocked(uint64_t needed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   MemoryResource* const upstream_;
-  const uint64_t max_cached_;
+  const uint64_t budget_;
   mutable Mutex mu_;
   absl::flat_hash_map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
   uint64_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reused_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

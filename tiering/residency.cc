@@ -1,5 +1,7 @@
 #include "tiering/residency.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace strata::tiering {
@@ -49,8 +51,9 @@ absl::string_view RoleName(Role r) {
   return "?";
 }
 
-ResidencyTable::ResidencyTable(std::array<uint64_t, kTierCount> budgets_bytes)
-    : budgets_(budgets_bytes) {}
+ResidencyTable::ResidencyTable(std::array<uint64_t, kTierCount> budgets_bytes,
+                               uint64_t granule_bytes)
+    : budgets_(budgets_bytes), granule_(std::max<uint64_t>(granule_bytes, 1)) {}
 
 absl::StatusOr<Residency*> ResidencyTable::FindLocked(PartitionId id) {
   auto it = table_.find(id);
@@ -60,7 +63,7 @@ absl::StatusOr<Residency*> ResidencyTable::FindLocked(PartitionId id) {
 }
 
 absl::Status ResidencyTable::ReserveLocked(Tier t, uint64_t bytes, PartitionId id) {
-  if (used_[I(t)] + bytes > budgets_[I(t)]) {
+  if (used_[I(t)] > budgets_[I(t)] || bytes > budgets_[I(t)] - used_[I(t)]) {
     return absl::ResourceExhaustedError(
         absl::StrCat("partition ", id, ": the ", TierName(t), " tier's budget of ", budgets_[I(t)],
                      " bytes has ", budgets_[I(t)] - used_[I(t)], " free, ", bytes, " needed"));
@@ -70,8 +73,9 @@ absl::Status ResidencyTable::ReserveLocked(Tier t, uint64_t bytes, PartitionId i
 }
 
 absl::Status ResidencyTable::Register(const PartitionDesc& desc) {
-  if (desc.bytes == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("partition ", desc.id, ": bytes must be > 0"));
+  if (desc.bytes == 0 || desc.bytes > kMaxPartitionBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("partition ", desc.id, ": bytes must be in 1..",
+                                                   kMaxPartitionBytes, ", got ", desc.bytes));
   }
   MutexLock lock(&mu_);
   Residency r;
@@ -93,7 +97,7 @@ absl::Status ResidencyTable::Unregister(PartitionId id) {
       return Refuse(id, absl::StrCat("pinned in ", TierName(static_cast<Tier>(t))));
   }
   for (int t = 0; t < kTierCount; ++t) {
-    if (r.has_copy[t]) used_[t] -= r.desc.bytes;
+    if (r.has_copy[t]) used_[t] -= Footprint(r.desc);
   }
   table_.erase(id);
   return absl::OkStatus();
@@ -106,7 +110,7 @@ absl::Status ResidencyTable::Materialize(PartitionId id, Tier tier) {
   Residency& r = **found;
   if (r.written) return Refuse(id, "already has bytes; use a move");
   if (r.has_copy[I(tier)]) return Refuse(id, "already has a copy there");
-  if (absl::Status s = ReserveLocked(tier, r.desc.bytes, id); !s.ok()) return s;
+  if (absl::Status s = ReserveLocked(tier, Footprint(r.desc), id); !s.ok()) return s;
   r.has_copy[I(tier)] = r.current[I(tier)] = true;
   r.written = true;
   if (kCheckEveryChange) return CheckLocked();
@@ -129,7 +133,7 @@ absl::Status ResidencyTable::BeginMove(PartitionId id, Tier from, Tier to) {
   if (r.current[I(to)]) return Refuse(id, absl::StrCat("already current in ", TierName(to)));
   if (r.pins[I(to)] > 0) return Refuse(id, absl::StrCat("its ", TierName(to), " copy is pinned"));
   if (!r.has_copy[I(to)]) {
-    if (absl::Status s = ReserveLocked(to, r.desc.bytes, id); !s.ok()) return s;
+    if (absl::Status s = ReserveLocked(to, Footprint(r.desc), id); !s.ok()) return s;
     r.has_copy[I(to)] = true;
   }
   r.move = std::make_pair(from, to);
@@ -150,7 +154,7 @@ absl::Status ResidencyTable::EndMove(PartitionId id, bool ok) {
   } else if (!r.current[I(to)]) {
     // The destination holds nothing usable: release it; every other copy is as it was.
     r.has_copy[I(to)] = false;
-    used_[I(to)] -= r.desc.bytes;
+    used_[I(to)] -= Footprint(r.desc);
   }
   if (kCheckEveryChange) return CheckLocked();
   return absl::OkStatus();
@@ -203,7 +207,7 @@ absl::Status ResidencyTable::Drop(PartitionId id, Tier tier) {
     }
   }
   r.has_copy[I(tier)] = r.current[I(tier)] = false;
-  used_[I(tier)] -= r.desc.bytes;
+  used_[I(tier)] -= Footprint(r.desc);
   if (kCheckEveryChange) return CheckLocked();
   return absl::OkStatus();
 }
@@ -261,7 +265,7 @@ absl::Status ResidencyTable::CheckLocked() const {
                                                 TierName(static_cast<Tier>(t)), " is not current"));
       }
       current += r.current[t];
-      if (r.has_copy[t]) held[t] += r.desc.bytes;
+      if (r.has_copy[t]) held[t] += Footprint(r.desc);
     }
     if (r.written && current == 0) {
       return absl::InternalError(absl::StrCat("partition ", id, ": no current copy left"));

@@ -8,7 +8,8 @@
 //   1. a partition that has been written has at least one current copy: the only current copy is
 //      never dropped, and never the target of a move (it is never overwritten);
 //   2. a tier never holds more bytes than its budget (a move's destination is reserved when the
-//      move begins);
+//      move begins); a copy counts as whole granules (4 KiB pages by default: what the memory
+//      resources and the NVMe store actually hold for it);
 //   3. at most one move per partition is in flight;
 //   4. a pinned copy is never dropped, and stays current while pinned;
 //   5. a dirty copy (current where the nvme copy is not) is dropped only once another current
@@ -53,6 +54,10 @@ struct PartitionDesc {
   int group = 0;  // layer
 };
 
+// A partition's bytes, at most 2^62 (sizes are checked before any arithmetic on them).
+inline constexpr uint64_t kMaxPartitionBytes = uint64_t{1} << 62;
+inline constexpr uint64_t kPageBytes = 4096;
+
 // What the table knows about one partition.
 struct Residency {
   PartitionDesc desc;
@@ -68,7 +73,10 @@ struct Residency {
 
 class ResidencyTable {
  public:
-  explicit ResidencyTable(std::array<uint64_t, kTierCount> budgets_bytes);
+  // `granule_bytes`: a copy is counted against a budget rounded up to a multiple of it (1 counts
+  // bytes exactly).
+  explicit ResidencyTable(std::array<uint64_t, kTierCount> budgets_bytes,
+                          uint64_t granule_bytes = kPageBytes);
 
   // Registers a partition with no copies. bytes > 0; an id registered twice is AlreadyExists.
   absl::Status Register(const PartitionDesc& desc);
@@ -110,7 +118,13 @@ class ResidencyTable {
   absl::Status ReserveLocked(Tier t, uint64_t bytes, PartitionId id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // What a copy of the partition is counted as: its bytes in whole granules.
+  uint64_t Footprint(const PartitionDesc& desc) const {
+    return (desc.bytes + granule_ - 1) / granule_ * granule_;
+  }
+
   const std::array<uint64_t, kTierCount> budgets_;
+  const uint64_t granule_;
   mutable Mutex mu_;
   std::array<uint64_t, kTierCount> used_ ABSL_GUARDED_BY(mu_){};
   absl::flat_hash_map<PartitionId, Residency> table_ ABSL_GUARDED_BY(mu_);

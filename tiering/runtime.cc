@@ -234,13 +234,19 @@ absl::Status Runtime::Register(const PartitionDesc& desc, Tier tier,
   if (!p.ok()) return undo(p.status());
   auto* bytes = static_cast<std::byte*>(*p);
   if (tier == Tier::kDevice) {
-    std::vector<std::byte> zeros;
+    absl::Status c;
     if (initial.empty()) {
-      zeros.assign(desc.bytes, std::byte{0});
-      initial = zeros;
+      // Zeros from one small buffer, chunk by chunk: never the whole partition in host memory.
+      static const std::vector<std::byte> kZeros(1 << 20);
+      for (uint64_t off = 0; off < desc.bytes && c.ok(); off += kZeros.size()) {
+        c = copy_->CopyAsync(bytes + off, kZeros.data(),
+                             std::min<uint64_t>(kZeros.size(), desc.bytes - off),
+                             CopyDirection::kHostToDevice)
+                .get();
+      }
+    } else {
+      c = copy_->CopyAsync(bytes, initial.data(), desc.bytes, CopyDirection::kHostToDevice).get();
     }
-    absl::Status c =
-        copy_->CopyAsync(bytes, initial.data(), desc.bytes, CopyDirection::kHostToDevice).get();
     if (!c.ok()) {
       device_memory_->Deallocate(bytes, desc.bytes);
       return undo(c);
@@ -595,7 +601,9 @@ absl::Status Runtime::Evict(PartitionId id, Tier tier) {
 
 RuntimeStats Runtime::stats() const {
   MutexLock lock(&mu_);
-  return stats_;
+  RuntimeStats s = stats_;
+  s.host_held_bytes = host_memory_->held_bytes();
+  return s;
 }
 
 }  // namespace strata::tiering

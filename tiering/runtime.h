@@ -84,6 +84,9 @@ struct RuntimeStats {
   double acquire_wait_seconds = 0;
   uint64_t acquires = 0, acquire_hits = 0;  // hits: already current in the tier
   uint64_t evictions = 0, write_backs = 0;
+  // Pinned host memory held (partitions' copies, staging buffers, freed blocks kept for reuse,
+  // page rounding): never more than strata.host_budget_bytes.
+  uint64_t host_held_bytes = 0;
   std::array<std::array<uint64_t, kTierCount>, kTierCount> bytes_moved{};  // [from][to]
 };
 
@@ -154,7 +157,7 @@ class Runtime {
   std::unique_ptr<NvmeStore> store_;
   std::unique_ptr<MemoryResource> device_memory_;
   std::unique_ptr<MemoryResource> pinned_memory_;
-  std::unique_ptr<MemoryResource> host_memory_;  // pools pinned_memory_
+  std::unique_ptr<PoolingResource> host_memory_;  // pools pinned_memory_, within the host budget
   std::unique_ptr<CopyEngine> copy_;
   std::unique_ptr<ResidencyTable> table_;
 

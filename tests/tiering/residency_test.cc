@@ -20,7 +20,7 @@ PartitionDesc Desc(PartitionId id, uint64_t bytes = 100) {
 }
 
 TEST(ResidencyTest, TheOnlyCurrentCopyIsNeverDroppedOrOverwritten) {
-  ResidencyTable t({1000, 1000, 1000});
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
   absl::Status s = t.Drop(1, Tier::kDevice);
@@ -36,7 +36,7 @@ TEST(ResidencyTest, TheOnlyCurrentCopyIsNeverDroppedOrOverwritten) {
 }
 
 TEST(ResidencyTest, AFailedMoveLeavesThePreviousCopyAndReleasesTheDestination) {
-  ResidencyTable t({1000, 1000, 1000});
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
   ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kNvme).ok());
@@ -50,7 +50,7 @@ TEST(ResidencyTest, AFailedMoveLeavesThePreviousCopyAndReleasesTheDestination) {
 }
 
 TEST(ResidencyTest, TwoMovesOfOnePartitionNeverRace) {
-  ResidencyTable t({1000, 1000, 1000});
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   ASSERT_TRUE(t.Materialize(1, Tier::kNvme).ok());
   ASSERT_TRUE(t.BeginMove(1, Tier::kNvme, Tier::kHost).ok());
@@ -59,7 +59,7 @@ TEST(ResidencyTest, TwoMovesOfOnePartitionNeverRace) {
 }
 
 TEST(ResidencyTest, BudgetsAreHardAndNamed) {
-  ResidencyTable t({150, 1000, 1000});
+  ResidencyTable t({150, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   ASSERT_TRUE(t.Register(Desc(2)).ok());
   ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
@@ -69,7 +69,7 @@ TEST(ResidencyTest, BudgetsAreHardAndNamed) {
 }
 
 TEST(ResidencyTest, PinnedCopiesAreNeverDroppedOrLeftStale) {
-  ResidencyTable t({1000, 1000, 1000});
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
   ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kDevice).ok());
@@ -86,7 +86,7 @@ TEST(ResidencyTest, PinnedCopiesAreNeverDroppedOrLeftStale) {
 }
 
 TEST(ResidencyTest, BadRegistrationsAreRefused) {
-  ResidencyTable t({1000, 1000, 1000});
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   EXPECT_EQ(t.Register(Desc(1, 0)).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
   EXPECT_EQ(t.Register(Desc(1)).code(), absl::StatusCode::kAlreadyExists);
@@ -99,7 +99,7 @@ TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
   for (uint64_t seed : {1, 2, 3, 4, 5}) {
     SCOPED_TRACE(seed);
     std::mt19937_64 rng(seed);
-    ResidencyTable t({1000, 3000, 100000});
+    ResidencyTable t({1000, 3000, 100000}, /*granule_bytes=*/1);
     constexpr int kPartitions = 40;
     for (PartitionId id = 0; id < kPartitions; ++id) {
       ASSERT_TRUE(t.Register(Desc(id, 50 + 25 * (id % 7))).ok());
@@ -151,6 +151,25 @@ TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
     }
     EXPECT_GT(succeeded, 2000);  // the sequence did real work, not only refusals
   }
+}
+
+TEST(ResidencyTest, CopiesAreCountedInWholePagesAndHugeSizesAreRefused) {
+  ResidencyTable t({3 * 4096, 1 << 20, 1 << 20});  // pages by default
+  ASSERT_TRUE(t.Register(Desc(1, 5000)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kDevice), 8192u);  // 5000 bytes hold two pages
+  ASSERT_TRUE(t.Register(Desc(2, 5000)).ok());
+  EXPECT_EQ(t.Materialize(2, Tier::kDevice).code(), absl::StatusCode::kResourceExhausted);
+  // Sizes whose arithmetic would wrap are refused when registered.
+  for (uint64_t bytes : {(uint64_t{1} << 62) + 1, UINT64_MAX}) {
+    absl::Status s = t.Register(Desc(9, bytes));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bytes;
+    EXPECT_THAT(s.message(), HasSubstr("bytes must be in 1..4611686018427387904"));
+  }
+  // The largest accepted size meets the budget check, which must not wrap either.
+  ASSERT_TRUE(t.Register(Desc(10, uint64_t{1} << 62)).ok());
+  EXPECT_EQ(t.Materialize(10, Tier::kHost).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(t.CheckInvariants().ok());
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <set>
 #include <sys/resource.h>
 #include <thread>
@@ -98,9 +99,10 @@ INSTANTIATE_TEST_SUITE_P(
 RuntimeConfig SmallConfig(const std::string& nvme_path) {
   RuntimeConfig c;
   c.aio.block_size = 64 << 10;
-  c.device_budget_bytes = 2 * 100000;  // two partitions of 100000 bytes
+  // Partitions of 100000 bytes hold 25 pages (102400 bytes) each.
+  c.device_budget_bytes = 2 * 102400;  // two partitions
   c.offload_param.buffer_size = 64 << 10;
-  c.host_budget_bytes = 3 * 100000 + 2 * (64 << 10);  // three, and the two staging buffers
+  c.host_budget_bytes = 3 * 102400 + 2 * (64 << 10);  // three, and the two staging buffers
   c.nvme_capacity_bytes = 8 << 20;
   c.nvme_path = nvme_path;
   return c;
@@ -172,8 +174,8 @@ TEST(RuntimeTest, BudgetsHoldByEvictingTheLeastRecentlyUsedUnpinnedCopy) {
       if ((*rt)->residency().Get(q)->has_copy[0]) seen.insert(q);
     }
     EXPECT_EQ(seen, on_device) << "after acquiring " << id;
-    EXPECT_LE((*rt)->residency().used_bytes(Tier::kDevice), 200000u);
-    EXPECT_LE((*rt)->residency().used_bytes(Tier::kHost), 300000u);
+    EXPECT_LE((*rt)->residency().used_bytes(Tier::kDevice), 2u * 102400);
+    EXPECT_LE((*rt)->residency().used_bytes(Tier::kHost), 3u * 102400);
     ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
   }
   EXPECT_GT((*rt)->stats().evictions, 0u);
@@ -412,7 +414,7 @@ TEST(RuntimeTest, TwoRuntimesOnOnePathAreRefusedUnlessTheirRanksDiffer) {
 TEST(RuntimeTest, WithBothTiersFullACascadeOfEvictionsKeepsTheCopyTheMoveReads) {
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));
-  config.host_budget_bytes = 2 * 100000 + 2 * (64 << 10);  // two host slots
+  config.host_budget_bytes = 2 * 102400 + 2 * (64 << 10);  // two host slots
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   // Host: X (only copy, least recently used), then Y (clean, also on NVMe). Device: V1, V2, each
@@ -532,6 +534,50 @@ TEST(RuntimeTest, ConcurrentAcquiresAndReleasesKeepEveryPartitionsBytes) {
   EXPECT_EQ(failures.load(), 0);
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
   ASSERT_TRUE((*rt)->Flush().ok());
+}
+
+int64_t VmLckKiB() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+// Pinned memory actually held — partitions' host copies with their page rounding, the staging
+// buffers, freed blocks kept for reuse — stays within the host budget however the sizes churn.
+TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.host_budget_bytes = 64 << 20;
+  config.device_budget_bytes = 16 << 20;
+  config.offload_param.buffer_size = 4 << 20;
+  config.nvme_capacity_bytes = 256 << 20;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const int64_t locked_before = VmLckKiB();
+  std::mt19937 rng(5);
+  for (PartitionId id = 0; id < 24; ++id) {
+    PartitionDesc d = Desc(id);
+    d.bytes = 1000000 + rng() % 3000000;  // 1-4 MB, odd sizes
+    ASSERT_TRUE((*rt)->Register(d, Tier::kNvme).ok()) << id;
+  }
+  for (int round = 0; round < 80; ++round) {
+    const PartitionId id = rng() % 24;
+    const Tier tier = round % 4 == 0 ? Tier::kDevice : Tier::kHost;
+    auto p = (*rt)->Acquire(id, tier);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE((*rt)->Release(id, tier, round % 3 == 0).ok());
+    ASSERT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes) << "round " << round;
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    if (locked_before >= 0) {
+      ASSERT_LE(VmLckKiB() - locked_before, static_cast<int64_t>(config.host_budget_bytes >> 10))
+          << "round " << round;
+    }
+#endif
+  }
+  EXPECT_GT((*rt)->stats().host_held_bytes, 32u << 20);  // the budget was used
 }
 
 }  // namespace
