@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/config_reader.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
@@ -14,55 +15,7 @@ constexpr uint64_t kMinBlockSize = 4096;
 constexpr uint64_t kMaxBlockSize = 64ull << 20;
 
 absl::Status Invalid(absl::string_view key, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("aio config: ", key, ": ", what));
-}
-
-// Reads an integer in [lo, hi] from `block[key]` into *out when present.
-template <typename T>
-absl::Status ReadInt(const nlohmann::json& block, absl::string_view prefix, const char* key,
-                     int64_t lo, int64_t hi, T* out) {
-  auto it = block.find(key);
-  if (it == block.end()) return absl::OkStatus();
-  const std::string name = absl::StrCat(prefix, key);
-  if (!it->is_number_integer()) {
-    return Invalid(name,
-                   absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ", it->dump()));
-  }
-  const int64_t value = it->get<int64_t>();
-  if (it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(hi)) {
-    return Invalid(name, absl::StrCat("must be in [", lo, ", ", hi, "], got ", it->dump()));
-  }
-  if (value < lo || value > hi) {
-    return Invalid(name, absl::StrCat("must be in [", lo, ", ", hi, "], got ", value));
-  }
-  *out = static_cast<T>(value);
-  return absl::OkStatus();
-}
-
-absl::Status ReadBool(const nlohmann::json& block, absl::string_view prefix, const char* key,
-                      bool* out) {
-  auto it = block.find(key);
-  if (it == block.end()) return absl::OkStatus();
-  if (!it->is_boolean()) {
-    return Invalid(absl::StrCat(prefix, key),
-                   absl::StrCat("must be a JSON boolean (true or false), got ", it->dump()));
-  }
-  *out = it->get<bool>();
-  return absl::OkStatus();
-}
-
-absl::Status CheckKeys(const nlohmann::json& block, absl::string_view name,
-                       const std::vector<std::string>& accepted) {
-  if (!block.is_object()) {
-    return Invalid(name, absl::StrCat("must be a JSON object, got ", block.dump()));
-  }
-  for (const auto& [key, value] : block.items()) {
-    if (std::find(accepted.begin(), accepted.end(), key) == accepted.end()) {
-      return Invalid(absl::StrCat(name, ".", key),
-                     absl::StrCat("unknown key; accepted keys: ", absl::StrJoin(accepted, ", ")));
-    }
-  }
-  return absl::OkStatus();
+  return config::Bad(key, what);
 }
 
 }  // namespace
@@ -121,24 +74,24 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
   AioConfig c;
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("aio config: the config must be a JSON object, got ", root.dump()));
+        absl::StrCat("config: the config must be a JSON object, got ", root.dump()));
   }
   if (auto it = root.find("aio"); it != root.end()) {
     const nlohmann::json& aio = *it;
     STRATA_RETURN_IF_ERROR(
-        CheckKeys(aio, "aio",
+        config::CheckKeys(aio, "aio",
                   {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
                    "single_submit", "overlap_events", "use_gds"}));
     const std::string p = "aio.";
     STRATA_RETURN_IF_ERROR(
-        ReadInt(aio, p, "block_size", kMinBlockSize, kMaxBlockSize, &c.block_size));
-    STRATA_RETURN_IF_ERROR(ReadInt(aio, p, "queue_depth", 1, 1024, &c.queue_depth));
+        config::ReadInt(aio, p, "block_size", kMinBlockSize, kMaxBlockSize, &c.block_size));
+    STRATA_RETURN_IF_ERROR(config::ReadInt(aio, p, "queue_depth", 1, 1024, &c.queue_depth));
     if (aio.contains("thread_count")) {
       if (aio.contains("intra_op_parallelism")) {
         return Invalid("aio.thread_count",
                        "give either intra_op_parallelism or its old name thread_count, not both");
       }
-      STRATA_RETURN_IF_ERROR(ReadInt(aio, p, "thread_count", 1, 256, &c.intra_op_parallelism));
+      STRATA_RETURN_IF_ERROR(config::ReadInt(aio, p, "thread_count", 1, 256, &c.intra_op_parallelism));
       if (warnings) {
         warnings->push_back(
             "aio.thread_count is DeepSpeed's old name; read as aio.intra_op_parallelism (write "
@@ -146,11 +99,11 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
       }
     }
     STRATA_RETURN_IF_ERROR(
-        ReadInt(aio, p, "intra_op_parallelism", 1, 256, &c.intra_op_parallelism));
-    STRATA_RETURN_IF_ERROR(ReadBool(aio, p, "single_submit", &c.single_submit));
-    STRATA_RETURN_IF_ERROR(ReadBool(aio, p, "overlap_events", &c.overlap_events));
+        config::ReadInt(aio, p, "intra_op_parallelism", 1, 256, &c.intra_op_parallelism));
+    STRATA_RETURN_IF_ERROR(config::ReadBool(aio, p, "single_submit", &c.single_submit));
+    STRATA_RETURN_IF_ERROR(config::ReadBool(aio, p, "overlap_events", &c.overlap_events));
     bool use_gds = false;
-    STRATA_RETURN_IF_ERROR(ReadBool(aio, p, "use_gds", &use_gds));
+    STRATA_RETURN_IF_ERROR(config::ReadBool(aio, p, "use_gds", &use_gds));
     if (use_gds) {
       return Invalid("aio.use_gds", "GPUDirect Storage is not supported; accepted: false");
     }
@@ -158,7 +111,7 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
   if (auto s = root.find("strata"); s != root.end() && s->is_object()) {
     if (auto it = s->find("aio"); it != s->end()) {
       const nlohmann::json& block = *it;
-      STRATA_RETURN_IF_ERROR(CheckKeys(block, "strata.aio",
+      STRATA_RETURN_IF_ERROR(config::CheckKeys(block, "strata.aio",
                                        {"engine", "registered_buffers", "registered_files",
                                         "sqpoll", "sqpoll_idle_ms", "direct"}));
       const std::string p = "strata.aio.";
@@ -167,14 +120,14 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
           return Invalid("strata.aio.engine", "must be one of \"io_uring\", \"libaio\", \"posix\"");
         }
         auto kind = ParseEngineKind(e->get<std::string>());
-        if (!kind.ok()) return Annotate(kind.status(), "aio config: strata.aio.engine");
+        if (!kind.ok()) return Annotate(kind.status(), "config: strata.aio.engine");
         c.engine = *kind;
       }
-      STRATA_RETURN_IF_ERROR(ReadBool(block, p, "registered_buffers", &c.registered_buffers));
-      STRATA_RETURN_IF_ERROR(ReadBool(block, p, "registered_files", &c.registered_files));
-      STRATA_RETURN_IF_ERROR(ReadBool(block, p, "sqpoll", &c.sqpoll));
-      STRATA_RETURN_IF_ERROR(ReadInt(block, p, "sqpoll_idle_ms", 1, 60000, &c.sqpoll_idle_ms));
-      STRATA_RETURN_IF_ERROR(ReadBool(block, p, "direct", &c.direct));
+      STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "registered_buffers", &c.registered_buffers));
+      STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "registered_files", &c.registered_files));
+      STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "sqpoll", &c.sqpoll));
+      STRATA_RETURN_IF_ERROR(config::ReadInt(block, p, "sqpoll_idle_ms", 1, 60000, &c.sqpoll_idle_ms));
+      STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "direct", &c.direct));
     }
   } else if (s != root.end()) {
     return Invalid("strata", absl::StrCat("must be a JSON object, got ", s->dump()));
@@ -185,11 +138,7 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
 
 absl::StatusOr<AioConfig> AioConfigFromJsonText(absl::string_view text,
                                                 std::vector<std::string>* warnings) {
-  nlohmann::json root = nlohmann::json::parse(text.begin(), text.end(), nullptr,
-                                              /*allow_exceptions=*/false);
-  if (root.is_discarded()) {
-    return absl::InvalidArgumentError("aio config: not valid JSON");
-  }
+  STRATA_ASSIGN_OR_RETURN(const nlohmann::json root, config::Parse(text));
   return AioConfigFromJson(root, warnings);
 }
 

@@ -283,7 +283,7 @@ absl::StatusOr<File> Engine::Open(const std::string& path, OpenOptions options) 
     entry->alignment = ProbeDirectIoAlignment(fd);
     if (config_.block_size % entry->alignment.offset != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "aio config: aio.block_size: ", config_.block_size, " is not a multiple of ", path,
+          "config: aio.block_size: ", config_.block_size, " is not a multiple of ", path,
           "'s O_DIRECT offset alignment ", entry->alignment.offset, " (from ",
           entry->alignment.source, "); accepted: multiples of ", entry->alignment.offset));
     }

@@ -119,9 +119,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
   // allocated (from the same pool) on first use.
   uint64_t host_for_partitions = config.host_budget_bytes;
   if (rt->store_ != nullptr) {
-    rt->staging_bytes_ = std::clamp<uint64_t>(
-        (static_cast<uint64_t>(config.offload_param.buffer_size) + 4095) / 4096 * 4096, 4096,
-        256ull << 20);
+    // offload_param.buffer_size is checked by the config (4 KiB..256 MiB); whole pages here.
+    rt->staging_bytes_ =
+        (static_cast<uint64_t>(std::max<int64_t>(config.offload_param.buffer_size, kMinBufferSize)) +
+         4095) / 4096 * 4096;
     if (2 * rt->staging_bytes_ > config.host_budget_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config: the two staging buffers of offload_param.buffer_size (2 x ",
@@ -432,7 +433,7 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
 
 absl::Status Runtime::StagingLocked() {
   if (staging_[0] != nullptr) return absl::OkStatus();
-  // Two pinned buffers of offload_param.buffer_size (rounded to 4 KiB, at most 256 MiB), set aside
+  // Two pinned buffers of offload_param.buffer_size (in whole 4 KiB pages), set aside
   // from the host budget at Create: allocated once, reused by every NVMe <-> device move.
   for (auto& b : staging_) {
     STRATA_ASSIGN_OR_RETURN(void* p, host_memory_->Allocate(staging_bytes_));

@@ -1,9 +1,11 @@
 #include "tiering/runtime_config.h"
 
-#include <cmath>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/config_reader.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
@@ -11,78 +13,97 @@ namespace strata::tiering {
 namespace {
 
 using Json = nlohmann::json;
+using config::Bad;
+using config::ReadBool;
+using config::ReadInt;
+using config::ReadString;
 
-absl::Status Bad(absl::string_view key, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("config: ", key, ": ", what));
+// DeepSpeed's own top-level keys: strata reads aio, zero_optimization and its strata block, and
+// leaves the rest to the trainer (a warning says so). Anything else is unknown: an error naming
+// the closest key.
+const std::vector<std::string>& DeepSpeedTopLevelKeys() {
+  static const std::vector<std::string> keys = {
+      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+      "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping",
+      "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "zero_optimization",
+      "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio",
+      "activation_checkpointing", "flops_profiler", "wall_clock_breakdown", "memory_breakdown",
+      "steps_per_print", "dump_state", "tensorboard", "wandb", "csv_monitor", "comet",
+      "comms_logger", "monitor_config", "autotuning", "elasticity", "data_efficiency",
+      "curriculum_learning", "data_types", "communication_data_type",
+      "seq_parallel_communication_data_type", "compression_training", "checkpoint", "pipeline",
+      "sparse_attention", "nebula", "disable_allgather", "dataloader_drop_last", "hybrid_engine",
+      "timers", "eigenvalue", "quantize_training", "progressive_layer_drop", "compile",
+      "weight_quantization", "fp32_allreduce", "gradient_accumulation_dtype", "graph_harvesting",
+      "use_data_before_expert_parallelism", "tensor_parallel", "strata"};
+  return keys;
 }
 
-absl::Status OnlyKeys(const Json& block, absl::string_view name,
-                      const std::vector<std::string>& accepted) {
-  if (!block.is_object())
-    return Bad(name, absl::StrCat("must be a JSON object, got ", block.dump()));
-  for (const auto& [key, value] : block.items()) {
-    if (std::find(accepted.begin(), accepted.end(), key) == accepted.end()) {
-      return Bad(absl::StrCat(name, ".", key),
-                 absl::StrCat("unknown key; accepted keys: ", absl::StrJoin(accepted, ", ")));
-    }
-  }
-  return absl::OkStatus();
+// DeepSpeed's zero_optimization keys strata does not read (left to the trainer, with a warning).
+const std::vector<std::string>& DeepSpeedZeroKeys() {
+  static const std::vector<std::string> keys = {
+      "stage", "offload_param", "offload_optimizer", "stage3_prefetch_bucket_size",
+      "stage3_max_live_parameters", "stage3_max_reuse_distance", "allgather_partitions",
+      "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+      "contiguous_gradients", "stage3_param_persistence_threshold",
+      "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+      "sub_group_size", "elastic_checkpoint", "round_robin_gradients", "ignore_unused_parameters",
+      "legacy_stage1", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+      "load_from_fp32_weights", "memory_efficient_linear", "zero_hpz_partition_size",
+      "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+      "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
+      "override_module_apply", "log_trace_cache_warnings", "use_multi_rank_bucket_allreduce",
+      "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+      "stage3_module_granularity_threshold"};
+  return keys;
 }
 
-// An integer (or an integral float, as DeepSpeed writes 1e8) in [lo, hi].
-template <typename T>
-absl::Status Int(const Json& block, absl::string_view prefix, const char* key, int64_t lo,
-                 int64_t hi, T* out) {
-  auto it = block.find(key);
-  if (it == block.end()) return absl::OkStatus();
-  const std::string name = absl::StrCat(prefix, key);
-  double v = 0;
-  if (it->is_number_integer()) {
-    v = static_cast<double>(it->get<int64_t>());
-  } else if (it->is_number_float() && std::floor(it->get<double>()) == it->get<double>()) {
-    v = it->get<double>();
-  } else {
-    return Bad(name, absl::StrCat("must be an integer in [", lo, ", ", hi, "], got ", it->dump()));
-  }
-  if (v < static_cast<double>(lo) || v > static_cast<double>(hi)) {
-    return Bad(name, absl::StrCat("must be in [", lo, ", ", hi, "], got ", it->dump()));
-  }
-  *out = static_cast<T>(v);
-  return absl::OkStatus();
-}
-
-absl::Status Bool(const Json& block, absl::string_view prefix, const char* key, bool* out) {
-  auto it = block.find(key);
-  if (it == block.end()) return absl::OkStatus();
-  if (!it->is_boolean()) {
-    return Bad(absl::StrCat(prefix, key), absl::StrCat("must be a JSON boolean, got ", it->dump()));
-  }
-  *out = it->get<bool>();
-  return absl::OkStatus();
-}
-
-absl::Status String(const Json& block, absl::string_view prefix, const char* key,
-                    std::string* out) {
-  auto it = block.find(key);
-  if (it == block.end()) return absl::OkStatus();
-  if (!it->is_string()) {
-    return Bad(absl::StrCat(prefix, key), absl::StrCat("must be a string, got ", it->dump()));
-  }
-  *out = it->get<std::string>();
-  return absl::OkStatus();
+// Keys strata checks but does not act on yet: each warns when present. Later work removes an
+// entry when it wires the key (the scheduler: the stage-3 knobs; the optimizer step on the
+// Runtime: offload_optimizer's; ZeRO across ranks: the stage).
+struct NotYetUsed {
+  const char* key;
+  const char* why;
+};
+const std::vector<NotYetUsed>& NotYetUsedKeys() {
+  static const std::vector<NotYetUsed> keys = {
+      {"zero_optimization.stage", "strata does not partition across ranks yet"},
+      {"zero_optimization.offload_param.pin_memory", "strata's host tier is always pinned"},
+      {"zero_optimization.offload_param.buffer_count",
+       "moves stage through two buffers of buffer_size"},
+      {"zero_optimization.offload_param.max_in_cpu", "the host tier is sized by host_budget_bytes"},
+      {"zero_optimization.offload_optimizer.pin_memory", "strata's host tier is always pinned"},
+      {"zero_optimization.offload_optimizer.buffer_count",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.offload_optimizer.pipeline_read",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.offload_optimizer.pipeline_write",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.offload_optimizer.pipeline",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.offload_optimizer.fast_init",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.offload_optimizer.ratio", "partial optimizer offload is not supported yet"},
+      {"zero_optimization.offload_optimizer.max_in_cpu",
+       "the optimizer step is not run by the Runtime yet"},
+      {"zero_optimization.stage3_prefetch_bucket_size", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.stage3_max_live_parameters", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.stage3_max_reuse_distance", "the prefetching scheduler is not in yet"},
+  };
+  return keys;
 }
 
 absl::Status Offload(const Json& zero, const char* name, OffloadConfig* out) {
   auto it = zero.find(name);
   if (it == zero.end()) return absl::OkStatus();
   const std::string block = absl::StrCat("zero_optimization.", name);
-  STRATA_RETURN_IF_ERROR(
-      OnlyKeys(*it, block,
-               {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
-                "pipeline_read", "pipeline_write", "pipeline", "fast_init", "ratio"}));
+  STRATA_RETURN_IF_ERROR(config::CheckKeys(
+      *it, block,
+      {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
+       "pipeline_read", "pipeline_write", "pipeline", "fast_init", "ratio"}));
   const std::string p = block + ".";
   std::string device = "none";
-  STRATA_RETURN_IF_ERROR(String(*it, p, "device", &device));
+  STRATA_RETURN_IF_ERROR(ReadString(*it, p, "device", &device));
   if (device == "none") {
     out->device = OffloadDevice::kNone;
   } else if (device == "cpu") {
@@ -92,35 +113,43 @@ absl::Status Offload(const Json& zero, const char* name, OffloadConfig* out) {
   } else {
     return Bad(p + "device", absl::StrCat("\"", device, "\": accepted: none, cpu, nvme"));
   }
-  STRATA_RETURN_IF_ERROR(String(*it, p, "nvme_path", &out->nvme_path));
-  STRATA_RETURN_IF_ERROR(Bool(*it, p, "pin_memory", &out->pin_memory));
-  STRATA_RETURN_IF_ERROR(Int(*it, p, "buffer_count", 1, 1 << 20, &out->buffer_count));
-  STRATA_RETURN_IF_ERROR(Int(*it, p, "buffer_size", 1, int64_t{1} << 40, &out->buffer_size));
-  STRATA_RETURN_IF_ERROR(Int(*it, p, "max_in_cpu", 0, int64_t{1} << 50, &out->max_in_cpu));
-  STRATA_RETURN_IF_ERROR(Bool(*it, p, "pipeline_read", &out->pipeline_read));
-  STRATA_RETURN_IF_ERROR(Bool(*it, p, "pipeline_write", &out->pipeline_write));
+  STRATA_RETURN_IF_ERROR(ReadString(*it, p, "nvme_path", &out->nvme_path));
+  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pin_memory", &out->pin_memory));
+  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 1, 1 << 20, &out->buffer_count));
+  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_size", kMinBufferSize, kMaxBufferSize,
+                                 &out->buffer_size));
+  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "max_in_cpu", 0, int64_t{1} << 50, &out->max_in_cpu));
+  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_read", &out->pipeline_read));
+  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_write", &out->pipeline_write));
   bool pipeline = false;
-  STRATA_RETURN_IF_ERROR(Bool(*it, p, "pipeline", &pipeline));
+  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline", &pipeline));
   if (pipeline) out->pipeline_read = out->pipeline_write = true;
-  STRATA_RETURN_IF_ERROR(Bool(*it, p, "fast_init", &out->fast_init));
-  if (auto r = it->find("ratio"); r != it->end()) {
-    if (!r->is_number() || r->get<double>() <= 0 || r->get<double>() > 1) {
-      return Bad(p + "ratio", absl::StrCat("must be a number in (0, 1], got ", r->dump()));
-    }
-    out->ratio = r->get<double>();
-  }
+  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "fast_init", &out->fast_init));
+  STRATA_RETURN_IF_ERROR(config::ReadFraction(*it, p, "ratio", 0, 1, &out->ratio));
   if (out->device == OffloadDevice::kNvme && out->nvme_path.empty()) {
     return Bad(p + "nvme_path", "is required when device is \"nvme\"");
   }
   return absl::OkStatus();
 }
 
+// Whether the dotted key is present in `root`.
+bool Present(const Json& root, absl::string_view dotted) {
+  const Json* at = &root;
+  for (absl::string_view part : absl::StrSplit(dotted, '.')) {
+    if (!at->is_object()) return false;
+    auto it = at->find(std::string(part));
+    if (it == at->end()) return false;
+    at = &*it;
+  }
+  return true;
+}
+
 }  // namespace
 
 std::string RuntimeConfig::SwapPath() const {
   if (!nvme_path.empty()) return nvme_path;
-  if (offload_optimizer.device == OffloadDevice::kNvme) return offload_optimizer.nvme_path;
   if (offload_param.device == OffloadDevice::kNvme) return offload_param.nvme_path;
+  if (offload_optimizer.device == OffloadDevice::kNvme) return offload_optimizer.nvme_path;
   return "";
 }
 
@@ -130,25 +159,31 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     if (warnings != nullptr) warnings->push_back(std::move(w));
   };
   if (!root.is_object()) return Bad("(top level)", "the config must be a JSON object");
-  RuntimeConfig c;
-  STRATA_ASSIGN_OR_RETURN(c.aio, aio::AioConfigFromJson(root, warnings));
   for (const auto& [key, value] : root.items()) {
+    const auto& known = DeepSpeedTopLevelKeys();
+    if (std::find(known.begin(), known.end(), key) == known.end()) {
+      const std::string closest = config::Closest(key, known);
+      return Bad(key, absl::StrCat("unknown key (not DeepSpeed's, not strata's)",
+                                   closest.empty() ? "" : absl::StrCat("; did you mean ", closest, "?")));
+    }
     if (key != "aio" && key != "zero_optimization" && key != "strata") {
       warn(absl::StrCat(key, ": not used by strata (DeepSpeed's; left to the trainer)"));
     }
   }
+  RuntimeConfig c;
+  STRATA_ASSIGN_OR_RETURN(c.aio, aio::AioConfigFromJson(root, warnings));
   if (auto z = root.find("zero_optimization"); z != root.end()) {
-    if (!z->is_object()) return Bad("zero_optimization", "must be a JSON object");
     const std::string p = "zero_optimization.";
-    STRATA_RETURN_IF_ERROR(Int(*z, p, "stage", 0, 3, &c.zero_stage));
+    STRATA_RETURN_IF_ERROR(config::CheckKeys(*z, "zero_optimization", DeepSpeedZeroKeys()));
+    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage", 0, 3, &c.zero_stage));
     STRATA_RETURN_IF_ERROR(Offload(*z, "offload_param", &c.offload_param));
     STRATA_RETURN_IF_ERROR(Offload(*z, "offload_optimizer", &c.offload_optimizer));
-    STRATA_RETURN_IF_ERROR(Int(*z, p, "stage3_prefetch_bucket_size", 0, int64_t{1} << 50,
-                               &c.stage3_prefetch_bucket_size));
-    STRATA_RETURN_IF_ERROR(Int(*z, p, "stage3_max_live_parameters", 0, int64_t{1} << 50,
-                               &c.stage3_max_live_parameters));
-    STRATA_RETURN_IF_ERROR(
-        Int(*z, p, "stage3_max_reuse_distance", 0, int64_t{1} << 50, &c.stage3_max_reuse_distance));
+    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_prefetch_bucket_size", 0, int64_t{1} << 50,
+                                   &c.stage3_prefetch_bucket_size));
+    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_max_live_parameters", 0, int64_t{1} << 50,
+                                   &c.stage3_max_live_parameters));
+    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_max_reuse_distance", 0, int64_t{1} << 50,
+                                   &c.stage3_max_reuse_distance));
     const std::vector<std::string> read = {"stage",
                                            "offload_param",
                                            "offload_optimizer",
@@ -166,37 +201,54 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     }
   }
   if (auto s = root.find("strata"); s != root.end()) {
-    STRATA_RETURN_IF_ERROR(OnlyKeys(
+    STRATA_RETURN_IF_ERROR(config::CheckKeys(
         *s, "strata",
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy"}));
     const std::string p = "strata.";
     std::string device = "emulated";
-    STRATA_RETURN_IF_ERROR(String(*s, p, "device", &device));
+    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
     if (device != "emulated" && device != "cuda") {
       return Bad(p + "device", absl::StrCat("\"", device, "\": accepted: emulated, cuda"));
     }
     c.emulated_device = device == "emulated";
-    constexpr int64_t kMax = int64_t{1} << 56;
-    STRATA_RETURN_IF_ERROR(Int(*s, p, "device_budget_bytes", 1, kMax, &c.device_budget_bytes));
-    STRATA_RETURN_IF_ERROR(Int(*s, p, "host_budget_bytes", 1, kMax, &c.host_budget_bytes));
-    STRATA_RETURN_IF_ERROR(Int(*s, p, "nvme_capacity_bytes", 1, kMax, &c.nvme_capacity_bytes));
-    STRATA_RETURN_IF_ERROR(String(*s, p, "nvme_path", &c.nvme_path));
+    constexpr int64_t kMax = int64_t{1} << 62;
+    STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "device_budget_bytes", 1, kMax, &c.device_budget_bytes));
+    STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "host_budget_bytes", 1, kMax, &c.host_budget_bytes));
+    STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "nvme_capacity_bytes", 1, kMax, &c.nvme_capacity_bytes));
+    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "nvme_path", &c.nvme_path));
     STRATA_RETURN_IF_ERROR(
-        Int(*s, p, "copy_bandwidth_bytes_per_s", 0, kMax, &c.copy_bandwidth_bytes_per_s));
-    STRATA_RETURN_IF_ERROR(String(*s, p, "eviction_policy", &c.eviction_policy));
+        ReadInt(*s, p, "copy_bandwidth_bytes_per_s", 0, kMax, &c.copy_bandwidth_bytes_per_s));
+    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "eviction_policy", &c.eviction_policy));
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
-                 absl::StrCat("\"", c.eviction_policy, "\": accepted: trace, lru"));
+                 absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));
     }
+    if (c.eviction_policy == "trace") {
+      warn("strata.eviction_policy: \"trace\" is accepted but not implemented yet (the "
+           "prefetching scheduler brings it); the Runtime evicts least recently used first");
+    }
+  }
+  for (const NotYetUsed& k : NotYetUsedKeys()) {
+    if (Present(root, k.key)) {
+      warn(absl::StrCat(k.key, ": accepted but not yet used by strata (", k.why, ")"));
+    }
+  }
+  // One store per process: say which path it uses when the offload blocks name two.
+  if (c.offload_param.device == OffloadDevice::kNvme &&
+      c.offload_optimizer.device == OffloadDevice::kNvme &&
+      c.offload_param.nvme_path != c.offload_optimizer.nvme_path) {
+    warn(absl::StrCat("zero_optimization: offload_param.nvme_path (", c.offload_param.nvme_path,
+                      ") and offload_optimizer.nvme_path (", c.offload_optimizer.nvme_path,
+                      ") differ; strata keeps one NVMe store per process, at ", c.SwapPath(),
+                      c.nvme_path.empty() ? " (set strata.nvme_path to choose)" : " (strata.nvme_path)"));
   }
   return c;
 }
 
 absl::StatusOr<RuntimeConfig> RuntimeConfigFromJsonText(absl::string_view text,
                                                         std::vector<std::string>* warnings) {
-  Json root = Json::parse(text.begin(), text.end(), nullptr, false);
-  if (root.is_discarded()) return Bad("(top level)", "not valid JSON");
+  STRATA_ASSIGN_OR_RETURN(const Json root, config::Parse(text));
   return RuntimeConfigFromJson(root, warnings);
 }
 

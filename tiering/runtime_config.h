@@ -5,18 +5,24 @@
 //   "zero_optimization": {
 //     "stage": 0..3,
 //     "offload_param":     {"device": "none"|"cpu"|"nvme", "nvme_path", "pin_memory",
-//                           "buffer_count" (5), "buffer_size" (1e8), "max_in_cpu" (1e9)},
+//                           "buffer_count" (5), "buffer_size" (1e8: 4 KiB..256 MiB, used rounded up
+//                           to whole 4 KiB pages), "max_in_cpu" (1e9)},
 //     "offload_optimizer": {"device", "nvme_path", "pin_memory", "buffer_count" (4),
 //                           "pipeline_read", "pipeline_write", "fast_init", "ratio"},
 //     "stage3_prefetch_bucket_size" (5e7), "stage3_max_live_parameters" (1e9),
 //     "stage3_max_reuse_distance" (1e9)}
 // and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
 //   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_path",
-//   "copy_bandwidth_bytes_per_s", "eviction_policy": "trace"|"lru"}.
-// Inside the offload blocks and the strata block an unknown key is an error naming the accepted
-// keys; elsewhere (DeepSpeed's many other keys) a key strata does not read is reported as a
-// warning, never silently ignored. Every bad value names its key and the accepted range.
-// DeepSpeed writes sizes as floats (1e8); they are accepted when integral.
+//   "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
+// Values follow base/config_reader.h's rule (integers exact; DeepSpeed's 1e8 accepted; "auto"
+// explained; JSON errors with line and column). Keys: DeepSpeed's other top-level keys and
+// zero_optimization keys are reported as warnings ("left to the trainer"); a key that is neither
+// DeepSpeed's nor strata's is an error naming the closest known key, at the top level and in every
+// block strata reads. Keys strata checks but does not act on yet (the stage-3 knobs, most offload
+// keys, the zero stage; listed in one place in runtime_config.cc) warn "accepted but not yet used".
+// strata keeps one NVMe store per process: when offload_param and offload_optimizer name different
+// nvme_paths, a warning says which one is used (strata.nvme_path chooses). "trace" eviction is
+// accepted with a warning until the scheduler implements it; LRU runs.
 //
 // Thread safety: plain values and pure functions.
 #ifndef STRATA_TIERING_RUNTIME_CONFIG_H_
@@ -34,6 +40,10 @@
 namespace strata::tiering {
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
+
+// offload_param.buffer_size: the size of each of the Runtime's two staging buffers.
+inline constexpr int64_t kMinBufferSize = 4096;
+inline constexpr int64_t kMaxBufferSize = int64_t{256} << 20;
 
 struct OffloadConfig {
   OffloadDevice device = OffloadDevice::kNone;
@@ -61,9 +71,9 @@ struct RuntimeConfig {
   uint64_t device_budget_bytes = 1ull << 30;
   uint64_t host_budget_bytes = 4ull << 30;
   uint64_t nvme_capacity_bytes = 16ull << 30;
-  std::string nvme_path;                    // default: the offload blocks' nvme_path
+  std::string nvme_path;  // default: offload_param's nvme_path, else offload_optimizer's
   uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
-  std::string eviction_policy = "trace";
+  std::string eviction_policy = "lru";
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

@@ -68,10 +68,16 @@ TEST_P(AioConfigRejects, WithAMessageNamingKeyAndRange) {
 INSTANTIATE_TEST_SUITE_P(
     BadValues, AioConfigRejects,
     ::testing::Values(
-        BadCase{R"({"aio": {"queue_depth": 0}})", "aio.queue_depth: must be in [1, 1024], got 0"},
+        BadCase{R"({"aio": {"queue_depth": 0}})",
+                "aio.queue_depth: must be an integer in [1, 1024], got 0"},
         BadCase{R"({"aio": {"intra_op_parallelism": 0}})", "aio.intra_op_parallelism"},
         BadCase{R"({"aio": {"block_size": 6144}})", "block_size: must be a power of two"},
-        BadCase{R"({"aio": {"block_size": 512}})", "aio.block_size: must be in [4096"},
+        BadCase{R"({"aio": {"block_size": 512}})", "aio.block_size: must be an integer in [4096"},
+        BadCase{R"({"aio": {"block_size": 1048576.5}})", "a float is read only when it is a whole"},
+        BadCase{R"({"aio": {"queue_depth": "auto"}})",
+                "aio.queue_depth: \"auto\" is filled in by the Hugging Face / Lightning "
+                "integration"},
+        BadCase{R"({"aio": {"queue_dept": 8}})", "did you mean queue_depth?"},
         BadCase{R"({"aio": {"block_size": "1M"}})", "aio.block_size: must be an integer"},
         BadCase{R"({"aio": {"single_submit": "false"}})",
                 "aio.single_submit: must be a JSON boolean"},
@@ -84,7 +90,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"strata": {"aio": {"sqpol": true}}})", "strata.aio.sqpol: unknown key"},
         BadCase{R"({"aio": {"queue_depth": -3}})", "got -3"},
         BadCase{R"({"aio": {"queue_depth": 18446744073709551615}})", "aio.queue_depth"},
-        BadCase{R"([1, 2])", "must be a JSON object"}, BadCase{R"({"aio": )", "not valid JSON"}));
+        BadCase{R"([1, 2])", "must be a JSON object"},
+        BadCase{"{\n  \"aio\": {\n    \"queue_depth\": 8,\n  }\n}", "not valid JSON at line 4, column 3"}));
+
+TEST(AioConfigTest, NumbersFollowOneRuleWithTheRuntimeConfig) {
+  // DeepSpeed writes sizes as floats; a whole float is read exactly like the integer.
+  auto c = AioConfigFromJsonText(R"({"aio": {"block_size": 1048576.0, "queue_depth": 3.2e1}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->block_size, 1048576u);
+  EXPECT_EQ(c->queue_depth, 32);
+}
 
 TEST(AioConfigTest, ToJsonRoundTripsAndUsesDeepSpeedsKeys) {
   AioConfig c;

@@ -1,6 +1,6 @@
-// The Runtime facade on the host-emulated device tier (what every CI run has): configuration
-// from DeepSpeed-style JSON, acquire/release across the three tiers, budgets and LRU eviction,
-// and a write-back that fails.
+// The Runtime facade on the host-emulated device tier (what every CI run has): acquire/release
+// across the three tiers, budgets and eviction, write-backs that fail, restarts, ranks, and
+// concurrent use. (Its configuration's tests are in runtime_config_test.cc.)
 #include "tiering/runtime.h"
 
 #include <cerrno>
@@ -27,74 +27,6 @@ namespace {
 using ::strata::testing::RandomBytes;
 using ::strata::testing::ScratchDir;
 using ::testing::HasSubstr;
-
-TEST(RuntimeConfigTest, ReadsADeepSpeedZero3NvmeConfigAndReportsWhatItDoesNotUse) {
-  std::vector<std::string> warnings;
-  auto c = RuntimeConfigFromJsonText(R"({
-    "train_batch_size": 16,
-    "fp16": {"enabled": true},
-    "zero_optimization": {
-      "stage": 3,
-      "overlap_comm": true,
-      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
-                        "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
-      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
-                            "buffer_count": 4, "fast_init": false, "pipeline_read": true},
-      "stage3_prefetch_bucket_size": 5e8,
-      "stage3_max_live_parameters": 1e9,
-      "stage3_max_reuse_distance": 1e9},
-    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
-            "single_submit": false, "overlap_events": true},
-    "strata": {"host_budget_bytes": 8589934592, "eviction_policy": "lru"}})",
-                                     &warnings);
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->zero_stage, 3);
-  EXPECT_EQ(c->offload_param.device, OffloadDevice::kNvme);
-  EXPECT_EQ(c->offload_param.buffer_size, 100000000);
-  EXPECT_EQ(c->offload_param.max_in_cpu, 1000000000);
-  EXPECT_TRUE(c->offload_optimizer.pipeline_read);
-  EXPECT_EQ(c->stage3_prefetch_bucket_size, 500000000);
-  EXPECT_EQ(c->host_budget_bytes, 8589934592u);
-  EXPECT_EQ(c->SwapPath(), "/local_nvme");
-  std::string all;
-  for (const auto& w : warnings) all += w + "\n";
-  EXPECT_THAT(all, HasSubstr("aio.thread_count is DeepSpeed's old name"));
-  EXPECT_THAT(all, HasSubstr("train_batch_size: not used by strata"));
-  EXPECT_THAT(all, HasSubstr("zero_optimization.overlap_comm: not used by strata"));
-}
-
-struct Bad {
-  const char* json;
-  const char* message;
-};
-class RuntimeConfigRejects : public ::testing::TestWithParam<Bad> {};
-
-TEST_P(RuntimeConfigRejects, NamingTheKeyAndWhatIsAccepted) {
-  auto c = RuntimeConfigFromJsonText(GetParam().json);
-  ASSERT_FALSE(c.ok()) << GetParam().json;
-  EXPECT_THAT(c.status().message(), HasSubstr(GetParam().message)) << c.status();
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    BadValues, RuntimeConfigRejects,
-    ::testing::Values(
-        Bad{R"({"strata": {"host_budget_bytes": 0}})", "strata.host_budget_bytes: must be in [1,"},
-        Bad{R"({"strata": {"device_budget_bytes": -5}})", "strata.device_budget_bytes"},
-        Bad{R"({"strata": {"device": "tpu"}})", "accepted: emulated, cuda"},
-        Bad{R"({"strata": {"eviction": "lru"}})", "strata.eviction: unknown key; accepted keys"},
-        Bad{R"({"strata": {"eviction_policy": "fifo"}})", "accepted: trace, lru"},
-        Bad{R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
-            "offload_param.nvme_path: is required when device is \"nvme\""},
-        Bad{R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
-            "parameter offload needs stage 3"},
-        Bad{R"({"zero_optimization": {"stage": 5}})", "zero_optimization.stage: must be in [0, 3]"},
-        Bad{R"({"zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
-            "accepted: none, cpu, nvme"},
-        Bad{R"({"zero_optimization": {"offload_optimizer": {"buffer_size": 1.5}}})",
-            "offload_optimizer.buffer_size: must be an integer"},
-        Bad{R"({"zero_optimization": {"offload_optimizer": {"nvme": "/x"}}})",
-            "offload_optimizer.nvme: unknown key"},
-        Bad{R"({"aio": {"queue_depth": 0}})", "aio.queue_depth"}));
 
 RuntimeConfig SmallConfig(const std::string& nvme_path) {
   RuntimeConfig c;

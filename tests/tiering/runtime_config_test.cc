@@ -1,0 +1,159 @@
+// The Runtime's configuration from DeepSpeed-style JSON: what is read, what is reported as
+// DeepSpeed's and left to the trainer, what is accepted but not yet used, and bad input named.
+#include "tiering/runtime_config.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::tiering {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::string All(const std::vector<std::string>& warnings) {
+  std::string all;
+  for (const auto& w : warnings) all += w + "\n";
+  return all;
+}
+
+TEST(RuntimeConfigTest, ReadsADeepSpeedZero3NvmeConfigAndReportsWhatItDoesNotUse) {
+  std::vector<std::string> warnings;
+  auto c = RuntimeConfigFromJsonText(R"({
+    "train_batch_size": 16,
+    "fp16": {"enabled": true},
+    "zero_optimization": {
+      "stage": 3,
+      "overlap_comm": true,
+      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                        "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                            "buffer_count": 4, "fast_init": false, "pipeline_read": true},
+      "stage3_prefetch_bucket_size": 5e8,
+      "stage3_max_live_parameters": 1e9,
+      "stage3_max_reuse_distance": 1e9},
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+            "single_submit": false, "overlap_events": true},
+    "strata": {"host_budget_bytes": 8589934592, "eviction_policy": "lru"}})",
+                                     &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->zero_stage, 3);
+  EXPECT_EQ(c->offload_param.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c->offload_param.buffer_size, 100000000);
+  EXPECT_EQ(c->offload_param.max_in_cpu, 1000000000);
+  EXPECT_TRUE(c->offload_optimizer.pipeline_read);
+  EXPECT_EQ(c->stage3_prefetch_bucket_size, 500000000);
+  EXPECT_EQ(c->host_budget_bytes, 8589934592u);
+  EXPECT_EQ(c->SwapPath(), "/local_nvme");
+  const std::string all = All(warnings);
+  EXPECT_THAT(all, HasSubstr("aio.thread_count is DeepSpeed's old name"));
+  EXPECT_THAT(all, HasSubstr("train_batch_size: not used by strata"));
+  EXPECT_THAT(all, HasSubstr("zero_optimization.overlap_comm: not used by strata"));
+  // Keys strata reads but does not act on yet: each is named.
+  for (const char* key :
+       {"zero_optimization.stage:", "zero_optimization.offload_param.pin_memory:",
+        "zero_optimization.offload_param.buffer_count:", "zero_optimization.offload_param.max_in_cpu:",
+        "zero_optimization.offload_optimizer.pin_memory:",
+        "zero_optimization.offload_optimizer.buffer_count:",
+        "zero_optimization.offload_optimizer.fast_init:",
+        "zero_optimization.offload_optimizer.pipeline_read:",
+        "zero_optimization.stage3_prefetch_bucket_size:",
+        "zero_optimization.stage3_max_live_parameters:",
+        "zero_optimization.stage3_max_reuse_distance:"}) {
+    EXPECT_THAT(all, HasSubstr(absl::StrCat(key, " accepted but not yet used by strata"))) << key;
+  }
+  // What is used is not reported.
+  EXPECT_THAT(all, Not(HasSubstr("offload_param.buffer_size")));
+  EXPECT_THAT(all, Not(HasSubstr("offload_param.nvme_path")));
+  EXPECT_THAT(all, Not(HasSubstr("eviction_policy")));
+}
+
+TEST(RuntimeConfigTest, IntegersAreReadExactlyAndDeepSpeedsFloatsWhenWhole) {
+  auto c = RuntimeConfigFromJsonText(
+      R"({"strata": {"nvme_capacity_bytes": 72057594037927937, "host_budget_bytes": 4.0e9}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->nvme_capacity_bytes, (uint64_t{1} << 56) + 1);  // not rounded through a double
+  EXPECT_EQ(c->host_budget_bytes, 4000000000u);
+  auto fraction = RuntimeConfigFromJsonText(R"({"strata": {"host_budget_bytes": 1e9.5}})");
+  EXPECT_FALSE(fraction.ok());
+}
+
+TEST(RuntimeConfigTest, TwoNvmePathsAreReportedWithTheOneUsed) {
+  std::vector<std::string> warnings;
+  auto c = RuntimeConfigFromJsonText(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/nvme0"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme1"}}})",
+                                     &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->offload_param.nvme_path, "/nvme0");
+  EXPECT_EQ(c->offload_optimizer.nvme_path, "/nvme1");
+  EXPECT_EQ(c->SwapPath(), "/nvme0");
+  EXPECT_THAT(All(warnings), HasSubstr("offload_param.nvme_path (/nvme0) and "
+                                       "offload_optimizer.nvme_path (/nvme1) differ; strata keeps "
+                                       "one NVMe store per process, at /nvme0 (set "
+                                       "strata.nvme_path to choose)"));
+}
+
+TEST(RuntimeConfigTest, TraceEvictionIsAcceptedWithAWarningAndLruIsTheDefault) {
+  EXPECT_EQ(RuntimeConfig().eviction_policy, "lru");
+  std::vector<std::string> warnings;
+  auto c = RuntimeConfigFromJsonText(R"({"strata": {"eviction_policy": "trace"}})", &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(All(warnings), HasSubstr("\"trace\" is accepted but not implemented yet"));
+}
+
+struct Bad {
+  const char* json;
+  const char* message;
+};
+class RuntimeConfigRejects : public ::testing::TestWithParam<Bad> {};
+
+TEST_P(RuntimeConfigRejects, NamingTheKeyAndWhatIsAccepted) {
+  auto c = RuntimeConfigFromJsonText(GetParam().json);
+  ASSERT_FALSE(c.ok()) << GetParam().json;
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr(GetParam().message)) << c.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    BadValues, RuntimeConfigRejects,
+    ::testing::Values(
+        Bad{R"({"strata": {"host_budget_bytes": 0}})",
+            "strata.host_budget_bytes: must be an integer in [1,"},
+        Bad{R"({"strata": {"device_budget_bytes": -5}})", "strata.device_budget_bytes"},
+        Bad{R"({"strata": {"device": "tpu"}})", "accepted: emulated, cuda"},
+        Bad{R"({"strata": {"eviction": "lru"}})", "strata.eviction: unknown key"},
+        Bad{R"({"strata": {"eviction_policy": "fifo"}})", "accepted: lru, trace"},
+        Bad{R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+            "offload_param.nvme_path: is required when device is \"nvme\""},
+        Bad{R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
+            "parameter offload needs stage 3"},
+        Bad{R"({"zero_optimization": {"stage": 5}})",
+            "zero_optimization.stage: must be an integer in [0, 3]"},
+        Bad{R"({"zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
+            "accepted: none, cpu, nvme"},
+        Bad{R"({"zero_optimization": {"offload_optimizer": {"buffer_size": 1.5}}})",
+            "offload_optimizer.buffer_size: must be an integer"},
+        Bad{R"({"zero_optimization": {"offload_optimizer": {"nvme": "/x"}}})",
+            "offload_optimizer.nvme: unknown key"},
+        Bad{R"({"zero_optimization": {"offload_param": {"buffer_size": 1e12}}})",
+            "offload_param.buffer_size: must be an integer in [4096, 268435456]"},
+        Bad{R"({"zero_optimization": {"offload_param": {"buffer_size": "auto"}}})",
+            "write the value itself: an integer in [4096, 268435456]"},
+        Bad{R"({"zero_optimisation": {"stage": 3}})",
+            "zero_optimisation: unknown key (not DeepSpeed's, not strata's); did you mean "
+            "zero_optimization?"},
+        Bad{R"({"zero_optimization": {"stage3_prefetch_bucketsize": 5e8}})",
+            "did you mean stage3_prefetch_bucket_size?"},
+        Bad{R"({"strata": {"host_budget": 5}})", "did you mean host_budget_bytes?"},
+        Bad{R"({"train_batch_size": 8,
+                "aio": {"block_size": 1048576,}})",
+            "not valid JSON at line 2, column 47"},
+        Bad{R"({"aio": {"queue_depth": 0}})", "aio.queue_depth"}));
+
+}  // namespace
+}  // namespace strata::tiering
