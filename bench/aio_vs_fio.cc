@@ -31,8 +31,6 @@
 #include <random>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -40,6 +38,7 @@
 #include "aio/engine.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
+#include "tools/aio_bench/flags.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the scratch file (on the disk to measure)");
 ABSL_FLAG(int64_t, size_mb, 2048,
@@ -457,9 +456,9 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "aio_vs_fio --dir DIR [--size_mb N] [--rounds N] [--json PATH]: strata's aio engine "
-      "against fio on the same file");
-  absl::ParseCommandLine(argc, argv);
+  // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, "aio_vs_fio --dir DIR [--size_mb N] [--rounds N] [--json PATH]: strata's aio engine "
+      "against fio on the same file",
+                                      "bench/aio_vs_fio.cc");
   return strata::bench::Main();
 }

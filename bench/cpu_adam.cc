@@ -15,13 +15,12 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "aio/buffer.h"
 #include "bench/common/report.h"
+#include "tools/aio_bench/flags.h"
 #include "nlohmann/json.hpp"
 #include "optim_cpu/adam.h"
 
@@ -370,7 +369,8 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]");
-  absl::ParseCommandLine(argc, argv);
+  // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, "cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]",
+                                      "bench/cpu_adam.cc");
   return strata::bench::Main();
 }

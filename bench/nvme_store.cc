@@ -15,14 +15,13 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "aio/buffer.h"
 #include "aio/engine.h"
 #include "bench/common/report.h"
+#include "tools/aio_bench/flags.h"
 #include "tiering/nvme_store.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the store (on the drive to measure)");
@@ -162,7 +161,8 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("nvme_store: NVMe store write-back cost vs its ceiling");
-  absl::ParseCommandLine(argc, argv);
+  // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling",
+                                      "bench/nvme_store.cc");
   return strata::bench::Main();
 }

@@ -10,12 +10,11 @@
 #include <random>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "aio/engine.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
+#include "tools/aio_bench/flags.h"
 #include "optim_cpu/adam.h"
 #include "swap/optimizer_swapper.h"
 #include "tiering/memory_resource.h"
@@ -253,7 +252,8 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]");
-  absl::ParseCommandLine(argc, argv);
+  // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
+                                      "bench/optimizer_swap.cc");
   return strata::bench::Main();
 }

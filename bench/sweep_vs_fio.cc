@@ -11,8 +11,6 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "aio/buffer.h"
 #include "bench/common/fio.h"
@@ -225,8 +223,8 @@ int Main() {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "sweep_vs_fio --dir DIR [--rounds 3] [--reserve_hugetlb] [--json PATH]");
-  absl::ParseCommandLine(argc, argv);
+  // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, "sweep_vs_fio --dir DIR [--rounds 3] [--reserve_hugetlb] [--json PATH]",
+                                      "bench/sweep_vs_fio.cc");
   return strata::bench::Main();
 }

@@ -1,4 +1,5 @@
 // The two programs as a user runs them: bad flags, a tiny sweep end to end, the test file's fate.
+#include <sys/statfs.h>
 #include <sys/wait.h>
 
 #include <array>
@@ -16,6 +17,7 @@ namespace {
 
 using ::strata::testing::ScratchDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct Outcome {
   int exit_code = -1;
@@ -36,6 +38,72 @@ Outcome Execute(const std::string& command) {
 
 const std::string kSweep = STRATA_SWEEP_BINARY;
 const std::string kBench = STRATA_AIO_BENCH_BINARY;
+const std::string kTiny =
+    " --engines io_uring --block-sizes 1M --queue-depths 4 --threads 1 --size 64M --reps 1"
+    " --rep-seconds 0.02 --warmup-seconds 0";
+
+bool IsMemoryFs(const std::string& dir) {
+  struct statfs fs;
+  return statfs(dir.c_str(), &fs) == 0 && static_cast<uint64_t>(fs.f_type) == 0x01021994;
+}
+
+TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
+  ScratchDir dir;
+  struct Case {
+    std::string args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--nvme-dir " + dir.path() + "/missing", "--nvme-dir: " + dir.path() + "/missing: no such directory"},
+           {"--nvme-dir /proc", "/proc is on proc, a kernel pseudo filesystem"},
+           {"--nvme-dir /sys", "/sys is on sysfs, a kernel pseudo filesystem"},
+           {"--nvme-dir " + dir.path() + " --reps -3", "--reps: must be in [1, 1000], got -3"},
+           {"--nvme-dir " + dir.path() + " --reps 0", "--reps: must be in [1, 1000], got 0"},
+           {"--nvme-dir " + dir.path() + " --rep-seconds -1",
+            "--rep-seconds: must be in [0.01, 600], got -1"},
+           {"--nvme-dir " + dir.path() + " --warmup-seconds=-0.5",
+            "--warmup-seconds: must be in [0, 600], got -0.5"},
+           {"--nvme-dir " + dir.path() + " --out /proc/strata-out", "--out: /proc/strata-out"}}) {
+    Outcome r = Execute(kSweep + " --quick " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
+    EXPECT_THAT(r.output, Not(HasSubstr("laying down"))) << c.args;  // nothing was measured
+  }
+  Outcome r = Execute(kBench + " --dir /proc");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("pseudo filesystem"));
+  // aio_bench checks its buffer against the memory this machine has before allocating it.
+  r = Execute(kBench + " --dir " + dir.path() + " --block-size 64M --queue-depth 1024 --threads 8");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("MiB available"));
+}
+
+TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSaysSo) {
+  if (!IsMemoryFs("/dev/shm")) GTEST_SKIP() << "/dev/shm is not tmpfs here";
+  ScratchDir dir;  // the results go to the disk; the test file to memory
+  Outcome refused = Execute(kSweep + " --nvme-dir /dev/shm" + kTiny);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_THAT(refused.output, HasSubstr("--allow-memory-fs"));
+  const std::string out = dir.path() + "/out";
+  Outcome r = Execute(kSweep + " --nvme-dir /dev/shm --allow-memory-fs --out " + out + kTiny);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("WARNING (about the block above): MEMORY: /dev/shm is on tmpfs"));
+  for (const char* name : {"results.csv", "results.json", "best.json", "heatmap_io_uring_read.svg"}) {
+    std::ifstream in(out + "/" + name);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_THAT(text, HasSubstr("MEMORY")) << name;
+  }
+}
+
+TEST(SweepCliTest, EveryToolTakesDashesAndUnderscoresAlike) {
+  ScratchDir dir;
+  for (const std::string flags : {" --no-uring-options --rep-seconds 0.02",
+                                  " --no_uring_options --rep_seconds 0.02"}) {
+    Outcome r = Execute(kSweep + " --nvme_dir " + dir.path() +
+                        " --engines io_uring --block-sizes 1M --queue-depths 4 --threads 1"
+                        " --size 64M --reps 1 --warmup-seconds 0" + flags);
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+  }
+}
 
 TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
   struct Case {

@@ -140,6 +140,32 @@ TEST(MeasurePointTest, MeasuresARealPointOnTheBuildDisk) {
   ASSERT_TRUE(r.ok) << r.error;
 }
 
+TEST(MeasurePointTest, AWideSpreadIsMeasuredAgainAndMarkedWhenItStaysWide) {
+  ScratchDir dir;
+  auto f = ScratchFile::Create(dir.path(), "t.dat", 64 << 20, {});
+  ASSERT_TRUE(f.ok()) << f.status();
+  Point p;
+  p.config.queue_depth = 4;
+  auto buffer = aio::AlignedBuffer::Allocate(BufferBytesFor(p.config), {.huge_pages = true});
+  ASSERT_TRUE(buffer.ok());
+  MeasureOptions mo;
+  mo.reps = 2;
+  mo.rep_seconds = 0.02;
+  mo.warmup_seconds = 0;
+  mo.max_spread = -1;  // every spread counts as wide
+  mo.extra_rounds = 2;
+  PointResult r = MeasurePoint(p, (*f)->path(), 64 << 20, buffer->data(), mo);
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.rounds_repeated, 2);
+  EXPECT_TRUE(r.noisy);
+  EXPECT_EQ(r.ToJson()["noisy"], true);
+  mo.max_spread = 1e9;  // no spread is wide
+  r = MeasurePoint(p, (*f)->path(), 64 << 20, buffer->data(), mo);
+  ASSERT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.rounds_repeated, 0);
+  EXPECT_FALSE(r.noisy);
+}
+
 TEST(MeasurePointTest, AnImpossiblePointFailsWithItsReason) {
   Point p;
   p.config.engine = aio::EngineKind::kLibAio;

@@ -29,6 +29,8 @@ ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
 ABSL_FLAG(bool, allow_buffered, false,
           "run on a filesystem that refuses O_DIRECT (figures then "
           "include the page cache)");
+ABSL_FLAG(bool, allow_memory_fs, false,
+          "measure a memory-backed filesystem (tmpfs, ramfs): the figures are then RAM's");
 ABSL_FLAG(std::string, json, "", "also write the result as JSON here");
 
 namespace strata::aio_bench {
@@ -74,9 +76,21 @@ int Main() {
     BadFlag("--size", "must hold at least one request (4 MiB, or the block size if larger)");
   }
 
+  // The buffer a point keeps in flight must fit in the memory this machine has free.
+  const uint64_t buffer_bytes = BufferBytesFor(c), available = AvailableMemory();
+  if (available > 0 && buffer_bytes > available / 2) {
+    BadFlag("--block-size", absl::StrCat(
+                                "block size x queue depth x threads needs a ",
+                                SizeText(buffer_bytes), " buffer; this machine has ",
+                                available >> 20, " MiB available (at most half of it is used)"));
+  }
   ScratchOptions so;
   so.overwrite = absl::GetFlag(FLAGS_overwrite);
   so.allow_buffered = absl::GetFlag(FLAGS_allow_buffered) || !c.direct;
+  so.allow_memory_fs = absl::GetFlag(FLAGS_allow_memory_fs);
+  if (absl::Status s = CheckMeasuredDirectory(dir, so, nullptr); !s.ok()) {
+    BadFlag("--dir", s.message());
+  }
   std::printf("laying down the %s test file in %s ...\n", SizeText(size).c_str(), dir.c_str());
   std::fflush(stdout);
   auto scratch = ScratchFile::Create(dir, "strata-aio-bench.dat", size, so);
@@ -86,9 +100,9 @@ int Main() {
   }
   if (!(*scratch)->warning().empty()) {
     std::fprintf(stderr, "WARNING: %s\n", (*scratch)->warning().c_str());
-    c.direct = false;
   }
-  auto buffer = aio::AlignedBuffer::Allocate(BufferBytesFor(c), {.huge_pages = true});
+  if (!(*scratch)->direct()) c.direct = false;
+  auto buffer = aio::AlignedBuffer::Allocate(buffer_bytes, {.huge_pages = true});
   if (!buffer.ok()) {
     std::fprintf(stderr, "aio_bench: %s\n", std::string(buffer.status().message()).c_str());
     return 1;

@@ -33,9 +33,12 @@ ABSL_FLAG(std::string, ops, "read,write", "read, write or both");
 ABSL_FLAG(bool, uring_options, true,
           "also sweep io_uring's registered buffers/files and SQPOLL "
           "(full grid only)");
-ABSL_FLAG(int, reps, 0, "measured runs per point (default 3)");
-ABSL_FLAG(double, rep_seconds, 0, "seconds per run (default 0.5, 0.12 with --quick)");
-ABSL_FLAG(double, warmup_seconds, -1, "warm-up seconds per point (default 0.2, 0.05 with --quick)");
+ABSL_FLAG(int, reps, 3, "measured runs per point, 1..1000");
+ABSL_FLAG(double, rep_seconds, 0.5, "seconds per run, 0.01..600 (0.12 with --quick unless given)");
+ABSL_FLAG(double, warmup_seconds, 0.2,
+          "warm-up seconds per point, 0..600 (0.05 with --quick unless given)");
+ABSL_FLAG(bool, allow_memory_fs, false,
+          "measure a memory-backed filesystem (tmpfs, ramfs): the figures are then RAM's");
 ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
 ABSL_FLAG(bool, allow_buffered, false,
           "run on a filesystem that refuses O_DIRECT (every output "
@@ -102,14 +105,20 @@ int Main() {
       !absl::GetFlag(FLAGS_queue_depths).empty() || !absl::GetFlag(FLAGS_threads).empty() ||
       absl::GetFlag(FLAGS_ops) != "read,write";
   MeasureOptions mo;
-  mo.reps = absl::GetFlag(FLAGS_reps) > 0 ? absl::GetFlag(FLAGS_reps) : 3;
-  mo.rep_seconds = absl::GetFlag(FLAGS_rep_seconds) > 0 ? absl::GetFlag(FLAGS_rep_seconds)
-                                                        : (quick ? 0.12 : 0.5);
-  mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds) >= 0 ? absl::GetFlag(FLAGS_warmup_seconds)
-                                                               : (quick ? 0.05 : 0.2);
-  if (mo.reps > 1000) BadFlag("--reps", "must be in [1, 1000]");
-  if (mo.rep_seconds > 600) BadFlag("--rep-seconds", "must be in (0, 600]");
-  if (mo.warmup_seconds > 600) BadFlag("--warmup-seconds", "must be in [0, 600]");
+  mo.reps = absl::GetFlag(FLAGS_reps);
+  mo.rep_seconds = absl::GetFlag(FLAGS_rep_seconds);
+  mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds);
+  if (quick && !FlagGiven("rep_seconds")) mo.rep_seconds = 0.12;
+  if (quick && !FlagGiven("warmup_seconds")) mo.warmup_seconds = 0.05;
+  if (mo.reps < 1 || mo.reps > 1000) {
+    BadFlag("--reps", absl::StrCat("must be in [1, 1000], got ", mo.reps));
+  }
+  if (!(mo.rep_seconds >= 0.01 && mo.rep_seconds <= 600)) {
+    BadFlag("--rep-seconds", absl::StrCat("must be in [0.01, 600], got ", mo.rep_seconds));
+  }
+  if (!(mo.warmup_seconds >= 0 && mo.warmup_seconds <= 600)) {
+    BadFlag("--warmup-seconds", absl::StrCat("must be in [0, 600], got ", mo.warmup_seconds));
+  }
   const std::string size_text =
       absl::GetFlag(FLAGS_size).empty() ? (quick ? "512M" : "1G") : absl::GetFlag(FLAGS_size);
   uint64_t size = ParseSize("--size", size_text, 64 << 20, 1ull << 50);
@@ -120,6 +129,12 @@ int Main() {
   ScratchOptions so;
   so.overwrite = absl::GetFlag(FLAGS_overwrite);
   so.allow_buffered = absl::GetFlag(FLAGS_allow_buffered);
+  so.allow_memory_fs = absl::GetFlag(FLAGS_allow_memory_fs);
+  // Bad places are bad input (exit 2), found before anything is laid down or measured.
+  if (absl::Status s = CheckMeasuredDirectory(dir, so, nullptr); !s.ok()) {
+    BadFlag("--nvme-dir", s.message());
+  }
+  if (absl::Status s = PrepareOutputDirectory(out_dir); !s.ok()) BadFlag("--out", s.message());
   std::printf("aio_bench_perf_sweep: laying down a %s test file in %s ...\n",
               SizeText(size).c_str(), dir.c_str());
   std::fflush(stdout);
@@ -133,8 +148,8 @@ int Main() {
   if (!(*scratch)->warning().empty()) {
     warnings.push_back((*scratch)->warning());
     std::fprintf(stderr, "WARNING: %s\n", (*scratch)->warning().c_str());
-    grid.direct = fine.direct = false;
   }
+  if (!(*scratch)->direct()) grid.direct = fine.direct = false;
 
   // One buffer for every point: the most any point of the grid needs, within a quarter of memory.
   uint64_t need = 0;
@@ -253,9 +268,12 @@ int Main() {
                 "[min, max]", "p50 us", "p99 us", "CPU");
     for (size_t i = 0; i < ok.size() && i < 5; ++i) {
       const PointResult& r = *ok[i];
-      std::printf("      %-44s %8.3f [%6.3f, %6.3f] %9.0f %9.0f %6.2f\n",
+      std::printf("      %-44s %8.3f [%6.3f, %6.3f] %9.0f %9.0f %6.2f%s\n",
                   r.point.Describe().c_str(), r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max,
-                  r.latency_p50_us, r.latency_p99_us, r.cpu_cores);
+                  r.latency_p50_us, r.latency_p99_us, r.cpu_cores,
+                  r.noisy                 ? "  noisy: wide spread after repeats"
+                  : r.rounds_repeated > 0 ? "  (repeated: spread was wide)"
+                                          : "");
     }
     std::printf("\n");
   }
@@ -287,6 +305,8 @@ int Main() {
   }
   std::printf("\nconfig block (best for both; paste into your strata or DeepSpeed config):\n%s\n",
               aio::AioConfigToJson(pick->point.config).dump(2).c_str());
+  // The block is what a user copies: the warning goes with it.
+  for (const auto& w : warnings) std::printf("WARNING (about the block above): %s\n", w.c_str());
   return 0;
 }
 

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <set>
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -17,6 +19,7 @@ namespace strata::aio_bench {
 namespace {
 
 std::string g_program = "aio_bench";
+std::set<std::string> g_given;  // flags set on the command line (Abseil names)
 
 std::vector<absl::CommandLineFlag*> OwnFlags(absl::string_view file_substr) {
   std::vector<absl::CommandLineFlag*> flags;
@@ -80,8 +83,11 @@ void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
     }
     bool negated = false;
     if (flag == nullptr && absl::StartsWith(name, "no")) {
+      // --nox, --no-x, --no_x
+      absl::string_view rest = absl::string_view(name).substr(2);
+      absl::ConsumePrefix(&rest, "_");
       for (auto* f : own) {
-        if (f->Name() == name.substr(2) && f->IsOfType<bool>()) flag = f;
+        if (f->Name() == rest && f->IsOfType<bool>()) flag = f;
       }
       negated = flag != nullptr;
     }
@@ -99,8 +105,11 @@ void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
     if (!flag->ParseFrom(value, &error)) {
       BadFlag(shown, absl::StrCat("bad value \"", value, "\": ", error));
     }
+    g_given.insert(std::string(flag->Name()));
   }
 }
+
+bool FlagGiven(absl::string_view name) { return g_given.count(std::string(name)) > 0; }
 
 uint64_t ParseSize(absl::string_view flag, absl::string_view text, uint64_t lo, uint64_t hi) {
   std::string t = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));

@@ -1,7 +1,8 @@
 // tools/aio_bench/flags.h: command-line parsing for the aio tools on top of Abseil flags, with the
 // tools' contract: a bad flag or value prints a message naming the flag and what is accepted, and
 // the program exits with code 2 (absl::ParseCommandLine exits with 1). Flag names may be written
-// with '-' or '_' (--allow-buffered is --allow_buffered); booleans take --x, --nox, --x=true|false.
+// with '-' or '_' (--allow-buffered is --allow_buffered); booleans take --x, --no-x (--nox,
+// --no_x), --x=true|false. Help shows the dashed spelling. The benchmarks under bench/ use it too.
 //
 // Thread safety: call from main() before any other thread starts.
 #ifndef STRATA_TOOLS_AIO_BENCH_FLAGS_H_
@@ -21,6 +22,10 @@ namespace strata::aio_bench {
 // Positional arguments are an error.
 void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
                       absl::string_view flags_file_substr);
+
+// Whether flag `name` (Abseil's name, with underscores) was given on the command line: a value the
+// user typed is checked strictly, never silently replaced by a default.
+bool FlagGiven(absl::string_view name);
 
 // Prints "<program>: <flag>: <message>" to stderr and exits with code 2.
 [[noreturn]] void BadFlag(absl::string_view flag, absl::string_view message);

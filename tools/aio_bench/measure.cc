@@ -160,17 +160,30 @@ PointResult MeasurePoint(const Point& point, const std::string& path, uint64_t f
   for (int rep = 1; rep <= options.reps; ++rep) {
     boundaries.push_back(options.warmup_seconds + rep * options.rep_seconds);
   }
-  auto stream = Stream(**engine, *file, usable, point.op, buffer, boundaries);
-  if (!stream.ok()) return finish(std::string(stream.status().message()));
   std::vector<double> gbps, iops;
   double cpu = 0, wall = 0;
-  for (size_t w = 0; w < stream->window_bytes.size(); ++w) {
-    const double seconds = stream->window_seconds[w];
-    gbps.push_back(stream->window_bytes[w] / seconds / 1e9);
-    iops.push_back(stream->window_bytes[w] / static_cast<double>(point.config.block_size) /
-                   seconds);
-    cpu += stream->window_cpu_seconds[w];
-    wall += seconds;
+  auto spread = [&] {
+    const bench::Summary s = bench::Summary::Of(gbps);
+    return s.median > 0 ? (s.max - s.min) / s.median : 0.0;
+  };
+  for (int round = 0;; ++round) {
+    // The engine's statistics (latency) are reset at each round's warm-up end: the last round's.
+    auto stream = Stream(**engine, *file, usable, point.op, buffer, boundaries);
+    if (!stream.ok()) return finish(std::string(stream.status().message()));
+    for (size_t w = 0; w < stream->window_bytes.size(); ++w) {
+      const double seconds = stream->window_seconds[w];
+      gbps.push_back(stream->window_bytes[w] / seconds / 1e9);
+      iops.push_back(stream->window_bytes[w] / static_cast<double>(point.config.block_size) /
+                     seconds);
+      cpu += stream->window_cpu_seconds[w];
+      wall += seconds;
+    }
+    if (spread() <= options.max_spread) break;
+    if (round == options.extra_rounds) {
+      result.noisy = true;
+      break;
+    }
+    ++result.rounds_repeated;
   }
   const aio::EngineStats stats = (*engine)->Stats();
   result.gb_per_s = bench::Summary::Of(gbps);
@@ -198,6 +211,8 @@ nlohmann::json PointResult::ToJson() const {
                       {"sqpoll", c.sqpoll},
                       {"direct", c.direct},
                       {"status", ok ? "ok" : "failed"},
+                      {"rounds_repeated", rounds_repeated},
+                      {"noisy", noisy},
                       {"seconds", seconds}};
   if (!ok) {
     j["error"] = error;

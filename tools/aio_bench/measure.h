@@ -2,7 +2,8 @@
 //
 // A point is an aio config plus read or write. MeasurePoint creates an Engine for it, streams
 // sequential requests over the file (wrapping at its end) for a warm-up, then for `reps`
-// repetitions of `rep_seconds` each, and reports the median, min and max GB/s, IOPS (block-sized
+// repetitions of `rep_seconds` each (more when they spread widely: MeasureOptions), and reports
+// the median, min and max GB/s, IOPS (block-sized
 // operations per second), the engine's piece latency percentiles over the measured repetitions,
 // and CPU use (CPU seconds per wall second of this process, all threads).
 //
@@ -44,6 +45,12 @@ struct MeasureOptions {
   double warmup_seconds = 0.2;
   double rep_seconds = 0.5;
   int reps = 5;
+  // A point whose repetitions spread widely ((max - min) / median above max_spread: a stall of the
+  // drive, or another process) is measured again, `reps` more repetitions at a time, up to
+  // extra_rounds times, and summarized over all of them; still wide after that, it is marked
+  // noisy.
+  double max_spread = 0.5;
+  int extra_rounds = 2;
 };
 
 struct PointResult {
@@ -55,6 +62,8 @@ struct PointResult {
   double latency_p50_us = 0, latency_p99_us = 0, latency_max_us = 0;
   double cpu_cores = 0;                      // CPU seconds / wall seconds over the repetitions
   double seconds = 0;                        // wall time of the whole point, setup included
+  int rounds_repeated = 0;                   // extra rounds taken because the spread was wide
+  bool noisy = false;                        // still wide after them
   std::vector<std::string> engine_warnings;  // fallbacks the engine took
 
   nlohmann::json ToJson() const;

@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -33,15 +35,92 @@ void AtExit() {
 
 }  // namespace
 
+absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions& options,
+                                    std::string* warning) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(dir, ": no such directory (", std::strerror(errno), ")"));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, " is not a directory"));
+  }
+  struct statfs fs;
+  if (statfs(dir.c_str(), &fs) != 0) {
+    return absl::InternalError(absl::StrCat("statfs ", dir, ": ", std::strerror(errno)));
+  }
+  // Kernel pseudo filesystems: nothing there is stored on a drive.
+  struct Named {
+    uint64_t magic;
+    const char* name;
+  };
+  static constexpr Named kPseudo[] = {
+      {0x9fa0, "proc"},         {0x62656572, "sysfs"},    {0x27e0eb, "cgroup"},
+      {0x63677270, "cgroup2"},  {0x64626720, "debugfs"},  {0x74726163, "tracefs"},
+      {0x73636673, "securityfs"}, {0x1cd1, "devpts"},     {0x62656570, "configfs"},
+      {0xcafe4a11, "bpf"},      {0x6165676c, "pstore"},   {0x42494e4d, "binfmt_misc"}};
+  static constexpr Named kMemory[] = {
+      {0x01021994, "tmpfs"}, {0x858458f6, "ramfs"}, {0x958458f6, "hugetlbfs"}};
+  const uint64_t type = static_cast<uint64_t>(fs.f_type);
+  for (const Named& n : kPseudo) {
+    if (type == n.magic) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, " is on ", n.name, ", a kernel pseudo filesystem, not a disk: give a directory on "
+          "the drive to tune"));
+    }
+  }
+  for (const Named& n : kMemory) {
+    if (type != n.magic) continue;
+    if (!options.allow_memory_fs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir, " is on ", n.name, ", which keeps files in memory: the figures would be RAM's, "
+          "not a drive's, and a config tuned on them would mislead. Give a directory on the drive "
+          "to tune, or --allow-memory-fs to measure memory anyway"));
+    }
+    if (warning != nullptr) {
+      *warning = absl::StrCat("MEMORY: ", dir, " is on ", n.name,
+                              ", which keeps files in memory; these figures are RAM's, not a "
+                              "drive's: do not use them to configure NVMe offload");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PrepareOutputDirectory(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::FailedPreconditionError(absl::StrCat(dir, ": cannot be made: ", ec.message()));
+  const std::string probe = dir + "/.strata-write-probe";
+  FILE* f = std::fopen(probe.c_str(), "w");
+  if (f == nullptr || std::fputs("probe\n", f) < 0 || std::fclose(f) != 0) {
+    const int err = errno;
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, ": cannot write a file in it: ", std::strerror(err)));
+  }
+  std::remove(probe.c_str());
+  return absl::OkStatus();
+}
+
+uint64_t AvailableMemory() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kib = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %lu kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib << 10;
+}
+
 absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::string& dir,
                                                                  const std::string& name,
                                                                  uint64_t bytes,
                                                                  const ScratchOptions& options) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) {
-    return absl::NotFoundError(absl::StrCat(dir, ": no such directory"));
-  }
+  std::string memory_warning;
+  STRATA_RETURN_IF_ERROR(CheckMeasuredDirectory(dir, options, &memory_warning));
   auto file = std::unique_ptr<ScratchFile>(new ScratchFile());
+  file->warning_ = memory_warning;
   file->path_ = (std::filesystem::absolute(dir) / name).string();
   file->bytes_ = bytes;
   if (file->path_.size() >= sizeof(g_path)) {
@@ -76,7 +155,8 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
           "a directory on the drive to tune, or --allow-buffered to measure anyway"));
     }
     file->direct_ = false;
-    file->warning_ = absl::StrCat("BUFFERED: ", dir,
+    if (!file->warning_.empty()) file->warning_ += "; ";
+    file->warning_ += absl::StrCat("BUFFERED: ", dir,
                                   " refuses O_DIRECT; these figures include the page cache and "
                                   "do not describe the drive");
   } else if (fd < 0) {

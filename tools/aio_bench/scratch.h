@@ -1,6 +1,7 @@
 // tools/aio_bench/scratch.h: the test file the aio tools measure on, made safely.
 //
 // ScratchFile::Create(dir, name, bytes, options):
+//  - checks the directory (CheckMeasuredDirectory: memory and pseudo filesystems);
 //  - refuses to start without enough free space in `dir` (the message says how much it needs);
 //  - never writes over an existing file unless options.overwrite;
 //  - checks that the filesystem takes O_DIRECT; when it does not, it stops with a clear message,
@@ -28,11 +29,29 @@ namespace strata::aio_bench {
 struct ScratchOptions {
   bool overwrite = false;
   bool allow_buffered = false;
+  // Measure on a memory-backed filesystem (tmpfs, ramfs): the figures are RAM's, not a drive's.
+  bool allow_memory_fs = false;
   uint64_t headroom_bytes = 64ull << 20;  // free space to leave beyond the file
   // The open(2) used to ask whether the filesystem takes O_DIRECT. A seam for tests, which
   // stand in a filesystem that refuses it; production code leaves the default.
   std::function<int(const char* path, int flags, mode_t mode)> open_for_probe = ::open;
 };
+
+// Checks the directory a tool is told to measure, before anything else: it must exist and be a
+// directory (NotFound / FailedPrecondition), on a filesystem that stores data on a drive. A
+// kernel pseudo filesystem (proc, sysfs, cgroup, debugfs, ...) is InvalidArgument; a
+// memory-backed one (tmpfs, ramfs: recent kernels give tmpfs O_DIRECT, so it would pass for a
+// very fast drive) is InvalidArgument unless options.allow_memory_fs, and then `*warning` says so
+// (for every output to carry). The tools map these to exit code 2.
+absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions& options,
+                                    std::string* warning);
+
+// Makes `dir` (and its parents) and checks that a file can be written in it: the tools call it
+// before measuring, so an unusable --out is found at once, not after the sweep.
+absl::Status PrepareOutputDirectory(const std::string& dir);
+
+// MemAvailable from /proc/meminfo (bytes), or 0 when it cannot be read.
+uint64_t AvailableMemory();
 
 class ScratchFile {
  public:
