@@ -80,8 +80,8 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
     const nlohmann::json& aio = *it;
     STRATA_RETURN_IF_ERROR(
         config::CheckKeys(aio, "aio",
-                  {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
-                   "single_submit", "overlap_events", "use_gds"}));
+                          {"block_size", "queue_depth", "intra_op_parallelism", "thread_count",
+                           "single_submit", "overlap_events", "use_gds"}));
     const std::string p = "aio.";
     STRATA_RETURN_IF_ERROR(
         config::ReadInt(aio, p, "block_size", kMinBlockSize, kMaxBlockSize, &c.block_size));
@@ -91,7 +91,8 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
         return Invalid("aio.thread_count",
                        "give either intra_op_parallelism or its old name thread_count, not both");
       }
-      STRATA_RETURN_IF_ERROR(config::ReadInt(aio, p, "thread_count", 1, 256, &c.intra_op_parallelism));
+      STRATA_RETURN_IF_ERROR(
+          config::ReadInt(aio, p, "thread_count", 1, 256, &c.intra_op_parallelism));
       if (warnings) {
         warnings->push_back(
             "aio.thread_count is DeepSpeed's old name; read as aio.intra_op_parallelism (write "
@@ -112,8 +113,8 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
     if (auto it = s->find("aio"); it != s->end()) {
       const nlohmann::json& block = *it;
       STRATA_RETURN_IF_ERROR(config::CheckKeys(block, "strata.aio",
-                                       {"engine", "registered_buffers", "registered_files",
-                                        "sqpoll", "sqpoll_idle_ms", "direct"}));
+                                               {"engine", "registered_buffers", "registered_files",
+                                                "sqpoll", "sqpoll_idle_ms", "direct"}));
       const std::string p = "strata.aio.";
       if (auto e = block.find("engine"); e != block.end()) {
         if (!e->is_string()) {
@@ -123,10 +124,12 @@ absl::StatusOr<AioConfig> AioConfigFromJson(const nlohmann::json& root,
         if (!kind.ok()) return Annotate(kind.status(), "config: strata.aio.engine");
         c.engine = *kind;
       }
-      STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "registered_buffers", &c.registered_buffers));
+      STRATA_RETURN_IF_ERROR(
+          config::ReadBool(block, p, "registered_buffers", &c.registered_buffers));
       STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "registered_files", &c.registered_files));
       STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "sqpoll", &c.sqpoll));
-      STRATA_RETURN_IF_ERROR(config::ReadInt(block, p, "sqpoll_idle_ms", 1, 60000, &c.sqpoll_idle_ms));
+      STRATA_RETURN_IF_ERROR(
+          config::ReadInt(block, p, "sqpoll_idle_ms", 1, 60000, &c.sqpoll_idle_ms));
       STRATA_RETURN_IF_ERROR(config::ReadBool(block, p, "direct", &c.direct));
     }
   } else if (s != root.end()) {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
 namespace strata::config {
@@ -58,8 +58,8 @@ absl::StatusOr<Json> Parse(absl::string_view text) {
     }
     std::string why = e.what();
     if (auto colon = why.rfind(": "); colon != std::string::npos) why = why.substr(colon + 2);
-    return absl::InvalidArgumentError(absl::StrCat("config: not valid JSON at line ", line,
-                                                   ", column ", column, ": ", why));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: not valid JSON at line ", line, ", column ", column, ": ", why));
   }
 }
 
@@ -85,13 +85,14 @@ std::string Closest(absl::string_view key, const std::vector<std::string>& candi
 
 absl::Status CheckKeys(const Json& block, absl::string_view name,
                        const std::vector<std::string>& accepted) {
-  if (!block.is_object()) return Bad(name, absl::StrCat("must be a JSON object, got ", block.dump()));
+  if (!block.is_object())
+    return Bad(name, absl::StrCat("must be a JSON object, got ", block.dump()));
   for (const auto& [key, value] : block.items()) {
     if (std::find(accepted.begin(), accepted.end(), key) != accepted.end()) continue;
     const std::string closest = Closest(key, accepted);
     return Bad(absl::StrCat(name, ".", key),
-               absl::StrCat("unknown key", closest.empty() ? "" : absl::StrCat(" (did you mean ",
-                                                                                closest, "?)"),
+               absl::StrCat("unknown key",
+                            closest.empty() ? "" : absl::StrCat(" (did you mean ", closest, "?)"),
                             "; accepted keys: ", absl::StrJoin(accepted, ", ")));
   }
   return absl::OkStatus();
@@ -104,7 +105,9 @@ absl::StatusOr<std::optional<int64_t>> IntAt(const Json& block, absl::string_vie
   const std::string name = absl::StrCat(prefix, key);
   const std::string range = absl::StrCat("an integer in [", lo, ", ", hi, "]");
   if (IsAuto(*it)) return AutoRefused(name, range);
-  auto out_of_range = [&] { return Bad(name, absl::StrCat("must be ", range, ", got ", it->dump())); };
+  auto out_of_range = [&] {
+    return Bad(name, absl::StrCat("must be ", range, ", got ", it->dump()));
+  };
   if (it->is_number_unsigned()) {
     const uint64_t v = it->get<uint64_t>();
     if (hi < 0 || v > static_cast<uint64_t>(hi) || static_cast<int64_t>(v) < lo) {
@@ -122,8 +125,10 @@ absl::StatusOr<std::optional<int64_t>> IntAt(const Json& block, absl::string_vie
     const double v = it->get<double>();
     constexpr double kExact = 9007199254740992.0;  // 2^53
     if (!std::isfinite(v) || std::floor(v) != v || std::fabs(v) > kExact) {
-      return Bad(name, absl::StrCat("must be ", range, " (a float is read only when it is a whole "
-                                    "number of at most 2^53), got ", it->dump()));
+      return Bad(name, absl::StrCat("must be ", range,
+                                    " (a float is read only when it is a whole "
+                                    "number of at most 2^53), got ",
+                                    it->dump()));
     }
     if (v < static_cast<double>(lo) || v > static_cast<double>(hi)) return out_of_range();
     return std::optional<int64_t>(static_cast<int64_t>(v));

@@ -457,8 +457,10 @@ int Main() {
 
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
-  strata::aio_bench::ParseFlagsOrExit(argc, argv, "aio_vs_fio --dir DIR [--size_mb N] [--rounds N] [--json PATH]: strata's aio engine "
+  strata::aio_bench::ParseFlagsOrExit(
+      argc, argv,
+      "aio_vs_fio --dir DIR [--size_mb N] [--rounds N] [--json PATH]: strata's aio engine "
       "against fio on the same file",
-                                      "bench/aio_vs_fio.cc");
+      "bench/aio_vs_fio.cc");
   return strata::bench::Main();
 }

@@ -20,9 +20,9 @@
 #include "absl/strings/str_split.h"
 #include "aio/buffer.h"
 #include "bench/common/report.h"
-#include "tools/aio_bench/flags.h"
 #include "nlohmann/json.hpp"
 #include "optim_cpu/adam.h"
+#include "tools/aio_bench/flags.h"
 
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "parameters");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
@@ -370,7 +370,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
-  strata::aio_bench::ParseFlagsOrExit(argc, argv, "cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]",
-                                      "bench/cpu_adam.cc");
+  strata::aio_bench::ParseFlagsOrExit(
+      argc, argv, "cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]",
+      "bench/cpu_adam.cc");
   return strata::bench::Main();
 }

@@ -8,6 +8,8 @@
 // already holds (a store that rewrote its whole manifest per commit grew linearly). Also printed:
 // reopening the store (the manifest only; partitions are verified lazily) as it grows.
 // See shared BENCH.md.
+#include "tiering/nvme_store.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,7 +24,6 @@
 #include "aio/engine.h"
 #include "bench/common/report.h"
 #include "tools/aio_bench/flags.h"
-#include "tiering/nvme_store.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the store (on the drive to measure)");
 ABSL_FLAG(int64_t, partition_bytes, 256 << 10, "bytes per partition written back");
@@ -162,7 +163,7 @@ int Main() {
 
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
-  strata::aio_bench::ParseFlagsOrExit(argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling",
-                                      "bench/nvme_store.cc");
+  strata::aio_bench::ParseFlagsOrExit(
+      argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling", "bench/nvme_store.cc");
   return strata::bench::Main();
 }

@@ -14,11 +14,11 @@
 #include "aio/engine.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
-#include "tools/aio_bench/flags.h"
 #include "optim_cpu/adam.h"
 #include "swap/optimizer_swapper.h"
 #include "tiering/memory_resource.h"
 #include "tiering/nvme_store.h"
+#include "tools/aio_bench/flags.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the swap space (on the drive to measure)");
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "model parameters (12 bytes of state each)");
@@ -253,7 +253,8 @@ int Main() {
 
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
-  strata::aio_bench::ParseFlagsOrExit(argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
-                                      "bench/optimizer_swap.cc");
+  strata::aio_bench::ParseFlagsOrExit(
+      argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
+      "bench/optimizer_swap.cc");
   return strata::bench::Main();
 }

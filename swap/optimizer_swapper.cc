@@ -147,8 +147,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     }
     if (!seen.insert(in.id).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(context, ": listed twice (each partition at most once per step); nothing "
-                                "was changed"));
+          absl::StrCat(context,
+                       ": listed twice (each partition at most once per step); nothing "
+                       "was changed"));
     }
     // What CpuAdam would refuse (null grad, a copy dtype it cannot write, t < 1, ...), checked on
     // stand-in state pointers.

@@ -138,9 +138,9 @@ absl::StatusOr<void*> PoolingResource::Allocate(size_t bytes) {
     return p;
   }
   if (c > budget_ || in_use_ > budget_ - c) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        upstream_->name(), " pool: a budget of ", budget_, " bytes, ", in_use_, " in use, ", c,
-        " asked (", bytes, " rounded to whole pages)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(upstream_->name(), " pool: a budget of ", budget_, " bytes, ", in_use_,
+                     " in use, ", c, " asked (", bytes, " rounded to whole pages)"));
   }
   TrimLocked(c);
   // Upstream is called under the lock so that what is held never passes the budget, even for a

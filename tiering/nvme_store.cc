@@ -106,7 +106,8 @@ absl::StatusOr<PartitionRecord> ParseRecord(const nlohmann::json& j) {
   STRATA_ASSIGN_OR_RETURN(r.checksum, ParseHex(j.at("checksum").get<std::string>()));
   r.generation = j.at("generation").get<uint64_t>();
   for (const auto& e : j.at("extents")) {
-    r.extents.push_back({e.at(0).get<uint32_t>(), e.at(1).get<uint64_t>(), e.at(2).get<uint64_t>()});
+    r.extents.push_back(
+        {e.at(0).get<uint32_t>(), e.at(1).get<uint64_t>(), e.at(2).get<uint64_t>()});
   }
   return r;
 }
@@ -241,8 +242,8 @@ absl::Status NvmeStore::Lock() {
     std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "unknown";
     while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
     return absl::FailedPreconditionError(absl::StrCat(
-        "nvme store: ", dir_, " is in use by another strata store (process ", who, " holds ",
-        path, "); each process, Runtime and rank needs an nvme_path of its own"));
+        "nvme store: ", dir_, " is in use by another strata store (process ", who, " holds ", path,
+        "); each process, Runtime and rank needs an nvme_path of its own"));
   }
   const std::string pid = absl::StrCat(getpid(), "\n");
   if (ftruncate(lock_fd_, 0) != 0 || pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
@@ -409,8 +410,8 @@ absl::Status NvmeStore::Load() {
   const int format = j.value("strata_nvme_store", 0);
   if (format != kFormat) {
     return bad(format == 0 ? std::string("not a strata store manifest")
-                           : absl::StrCat("format ", format, " (this strata reads format ",
-                                          kFormat, "); move the store aside or remove it"));
+                           : absl::StrCat("format ", format, " (this strata reads format ", kFormat,
+                                          "); move the store aside or remove it"));
   }
   auto stored = ParseHex(j.value("checksum", std::string()));
   if (!stored.ok() || *stored != ManifestChecksum(j)) {
@@ -502,7 +503,8 @@ absl::Status NvmeStore::Replay(const std::string& log_path, bool* any) {
       }
       if (absl::Status s = ApplyRecord(j); !s.ok()) return Annotate(s, where);
     } catch (const nlohmann::json::exception& e) {
-      return absl::DataLossError(absl::StrCat(where, ": missing or mistyped field (", e.what(), ")"));
+      return absl::DataLossError(
+          absl::StrCat(where, ": missing or mistyped field (", e.what(), ")"));
     }
     pos += AlignUp(kRecordHeader + length, kRecordBlock);
   }
@@ -534,14 +536,15 @@ absl::Status NvmeStore::ApplyRecord(const nlohmann::json& j) {
 // Marks a record's extents used (checking that they lie in free space) and lists it.
 absl::Status NvmeStore::Carve(const PartitionRecord& r) {
   if (ExtentBytes(r.extents) < r.length) {
-    return absl::DataLossError(absl::StrCat("partition ", r.id, ": its extents hold fewer than its ",
-                                            r.length, " bytes"));
+    return absl::DataLossError(
+        absl::StrCat("partition ", r.id, ": its extents hold fewer than its ", r.length, " bytes"));
   }
   for (const StoreExtent& e : r.extents) {
     if (e.file >= free_.size() || e.length == 0 || e.offset % options_.alignment != 0 ||
         e.length % options_.alignment != 0 || e.offset > file_sizes_[e.file] ||
         e.length > file_sizes_[e.file] - e.offset) {
-      return absl::DataLossError(absl::StrCat("partition ", r.id, " has an extent outside the files"));
+      return absl::DataLossError(
+          absl::StrCat("partition ", r.id, " has an extent outside the files"));
     }
     auto& fl = free_[e.file];
     auto it = fl.upper_bound(e.offset);
@@ -563,9 +566,21 @@ absl::Status NvmeStore::Carve(const PartitionRecord& r) {
 }
 
 absl::Status NvmeStore::VerifyRecord(const PartitionRecord& r, std::vector<std::byte>* scratch) {
-  scratch->resize(r.length);
-  STRATA_RETURN_IF_ERROR(ReadPieces(r, 0, absl::MakeSpan(*scratch)).Wait());
-  const uint64_t sum = Checksum(*scratch);
+  // Chunk by chunk through one small buffer: a partition of any size is verified in bounded memory.
+  constexpr uint64_t kChunk = 8 << 20;
+  scratch->resize(std::min(kChunk, r.length));
+  XXH3_state_t* hash = XXH3_createState();
+  XXH3_64bits_reset(hash);
+  absl::Status s;
+  for (uint64_t off = 0; off < r.length && s.ok(); off += kChunk) {
+    const absl::Span<std::byte> chunk =
+        absl::MakeSpan(*scratch).subspan(0, std::min(kChunk, r.length - off));
+    s = ReadPieces(r, off, chunk).Wait();
+    if (s.ok()) XXH3_64bits_update(hash, chunk.data(), chunk.size());
+  }
+  const uint64_t sum = XXH3_64bits_digest(hash);
+  XXH3_freeState(hash);
+  STRATA_RETURN_IF_ERROR(s);
   if (sum != r.checksum) return Mismatch(r, sum);
   return absl::OkStatus();
 }
@@ -608,9 +623,9 @@ absl::StatusOr<std::vector<StoreExtent>> NvmeStore::AllocateLocked(uint64_t leng
   const uint64_t len = AlignUp(length, options_.alignment);
   const uint64_t capacity = capacity_bytes();
   if (len > capacity - used_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "nvme store ", dir_, ": no room for ", len, " bytes (", used_, " of ", capacity,
-        " bytes in use; nothing was written)"));
+    return absl::ResourceExhaustedError(absl::StrCat("nvme store ", dir_, ": no room for ", len,
+                                                     " bytes (", used_, " of ", capacity,
+                                                     " bytes in use; nothing was written)"));
   }
   // One piece when a free range is large enough (first fit); otherwise the largest free ranges,
   // as many as it takes.
@@ -681,8 +696,8 @@ NvmeStore::Pending NvmeStore::ReadPieces(const PartitionRecord& r, uint64_t offs
   return p;
 }
 
-NvmeStore::Pending NvmeStore::WritePieces(const std::vector<StoreExtent>& extents,
-                                          uint64_t offset, absl::Span<const std::byte> bytes) {
+NvmeStore::Pending NvmeStore::WritePieces(const std::vector<StoreExtent>& extents, uint64_t offset,
+                                          absl::Span<const std::byte> bytes) {
   Pending p;
   uint64_t pos = 0;
   ForEachPiece(extents, offset, bytes.size(), [&](uint32_t f, uint64_t at, uint64_t n) {
@@ -799,8 +814,7 @@ void NvmeStore::Batch::Abort() {
   staged_.clear();
 }
 
-absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id,
-                                                                    uint64_t length,
+absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id, uint64_t length,
                                                                     const std::string& context) {
   MutexLock lock(&store_->mu_);
   if (!store_->records_.contains(id) && !staged_.contains(id)) {
@@ -813,11 +827,10 @@ absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId 
       uint64_t stored = len;
       for (uint64_t l : store_->lengths_) stored += l;
       return absl::ResourceExhaustedError(absl::StrCat(
-          context, ": admitting ", len, " more bytes would leave ",
-          len > free ? 0 : free - len, " free, less than the ", largest,
-          " a copy-on-write of the largest partition needs (", store_->used_, " of ", capacity,
-          " bytes in use; a store for these partitions needs ", stored + largest,
-          " bytes: their sum plus the largest; nothing was written)"));
+          context, ": admitting ", len, " more bytes would leave ", len > free ? 0 : free - len,
+          " free, less than the ", largest, " a copy-on-write of the largest partition needs (",
+          store_->used_, " of ", capacity, " bytes in use; a store for these partitions needs ",
+          stored + largest, " bytes: their sum plus the largest; nothing was written)"));
     }
   }
   return store_->AllocateLocked(length);

@@ -27,10 +27,9 @@ absl::StatusOr<int> FromEnvironment(int value, const char* name, absl::string_vi
   if (env == nullptr || *env == '\0') return 0;
   int parsed = 0;
   if (!absl::SimpleAtoi(env, &parsed) || parsed < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment: ", name, "=\"", env,
-                     "\" is not a rank (a non-negative integer); unset it or set RuntimeOptions::",
-                     option));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment: ", name, "=\"", env,
+        "\" is not a rank (a non-negative integer); unset it or set RuntimeOptions::", option));
   }
   return parsed;
 }
@@ -98,9 +97,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     rt->device_memory_ = std::make_unique<HostMemoryResource>("device memory (host-emulated)");
     rt->copy_ = std::make_unique<HostCopyEngine>(config.copy_bandwidth_bytes_per_s);
   } else {
-    STRATA_ASSIGN_OR_RETURN(const int device,
-                            FromEnvironment(rt->options_.device_index, "LOCAL_RANK",
-                                            "device_index"));
+    STRATA_ASSIGN_OR_RETURN(
+        const int device, FromEnvironment(rt->options_.device_index, "LOCAL_RANK", "device_index"));
     auto memory = CreateCudaDeviceResource(device);
     if (!memory.ok()) return Annotate(memory.status(), "config: strata.device is \"cuda\"");
     rt->device_memory_ = *std::move(memory);
@@ -120,14 +118,15 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
   uint64_t host_for_partitions = config.host_budget_bytes;
   if (rt->store_ != nullptr) {
     // offload_param.buffer_size is checked by the config (4 KiB..256 MiB); whole pages here.
-    rt->staging_bytes_ =
-        (static_cast<uint64_t>(std::max<int64_t>(config.offload_param.buffer_size, kMinBufferSize)) +
-         4095) / 4096 * 4096;
+    rt->staging_bytes_ = (static_cast<uint64_t>(
+                              std::max<int64_t>(config.offload_param.buffer_size, kMinBufferSize)) +
+                          4095) /
+                         4096 * 4096;
     if (2 * rt->staging_bytes_ > config.host_budget_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: the two staging buffers of offload_param.buffer_size (2 x ",
-          rt->staging_bytes_, " bytes) do not fit in strata.host_budget_bytes (",
-          config.host_budget_bytes, "); lower buffer_size or raise the host budget"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: the two staging buffers of offload_param.buffer_size (2 x ",
+                       rt->staging_bytes_, " bytes) do not fit in strata.host_budget_bytes (",
+                       config.host_budget_bytes, "); lower buffer_size or raise the host budget"));
     }
     host_for_partitions -= 2 * rt->staging_bytes_;
   }
@@ -160,9 +159,10 @@ Runtime::~Runtime() {
       }
     }
     if (absl::Status s = Flush(); !s.ok()) {
-      Warn(absl::StrCat("partitions were not written back to NVMe when the Runtime was destroyed; "
-                        "their latest bytes are lost: ",
-                        s.message()));
+      Warn(
+          absl::StrCat("partitions were not written back to NVMe when the Runtime was destroyed; "
+                       "their latest bytes are lost: ",
+                       s.message()));
     }
   }
   MutexLock lock(&mu_);
@@ -240,9 +240,10 @@ absl::Status Runtime::Register(const PartitionDesc& desc, Tier tier,
       // Zeros from one small buffer, chunk by chunk: never the whole partition in host memory.
       static const std::vector<std::byte> kZeros(1 << 20);
       for (uint64_t off = 0; off < desc.bytes && c.ok(); off += kZeros.size()) {
-        c = copy_->CopyAsync(bytes + off, kZeros.data(),
-                             std::min<uint64_t>(kZeros.size(), desc.bytes - off),
-                             CopyDirection::kHostToDevice)
+        c = copy_
+                ->CopyAsync(bytes + off, kZeros.data(),
+                            std::min<uint64_t>(kZeros.size(), desc.bytes - off),
+                            CopyDirection::kHostToDevice)
                 .get();
       }
     } else {
@@ -270,9 +271,9 @@ absl::Status Runtime::Adopt(const PartitionDesc& desc) {
   }
   STRATA_ASSIGN_OR_RETURN(const PartitionRecord stored, store_->Find(desc.id));
   if (stored.length != desc.bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("adopt partition ", desc.id, ": the store holds ",
-                                                   stored.length, " bytes, the descriptor says ",
-                                                   desc.bytes));
+    return absl::InvalidArgumentError(absl::StrCat("adopt partition ", desc.id,
+                                                   ": the store holds ", stored.length,
+                                                   " bytes, the descriptor says ", desc.bytes));
   }
   MutexLock lock(&mu_);
   STRATA_RETURN_IF_ERROR(table_->Register(desc));
@@ -321,9 +322,9 @@ absl::Status Runtime::WriteBackLocked(PartitionId id) {
   if (!r.written || r.current[I(Tier::kNvme)]) return absl::OkStatus();
   for (Tier t : {Tier::kDevice, Tier::kHost}) {
     if (r.current[I(t)] && r.pins[I(t)] > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", id, " is pinned in the ", TierName(t),
-          " tier with bytes NVMe does not have; release it first"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", id, " is pinned in the ", TierName(t),
+                       " tier with bytes NVMe does not have; release it first"));
     }
   }
   const Tier from = r.current[I(Tier::kHost)] ? Tier::kHost : Tier::kDevice;
@@ -364,15 +365,15 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes) {
       oldest = b.last_use[I(t)];
     }
     if (oldest == UINT64_MAX) {
-      const uint64_t free = table_->budget_bytes(t) - std::min(table_->budget_bytes(t),
-                                                                table_->used_bytes(t));
+      const uint64_t free =
+          table_->budget_bytes(t) - std::min(table_->budget_bytes(t), table_->used_bytes(t));
       absl::Status full = absl::ResourceExhaustedError(
           absl::StrCat("the ", TierName(t), " tier's budget of ", table_->budget_bytes(t),
                        " bytes has ", free, " free, ", bytes, " needed, and every copy in it is ",
                        "pinned, in use by this move, or could not be evicted"));
-      return last_failure.ok() ? full
-                               : Annotate(full, absl::StrCat("last eviction failure: ",
-                                                             last_failure.message()));
+      return last_failure.ok()
+                 ? full
+                 : Annotate(full, absl::StrCat("last eviction failure: ", last_failure.message()));
     }
     if (absl::Status s = EvictLocked(victim, t); !s.ok()) {
       skipped.push_back(victim);
@@ -401,8 +402,9 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier) {
   STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
   if (!r.has_copy[I(tier)]) return absl::OkStatus();
   if (r.pins[I(tier)] > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("evict partition ", id, ": it is pinned in the ",
-                                                      TierName(tier), " tier (release it first)"));
+    return absl::FailedPreconditionError(absl::StrCat("evict partition ", id,
+                                                      ": it is pinned in the ", TierName(tier),
+                                                      " tier (release it first)"));
   }
   int others = 0;
   for (int t = 0; t < kTierCount; ++t) others += t != I(tier) && r.current[t];

@@ -46,12 +46,12 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <deque>
+#include <functional>
 #include <future>
-#include <thread>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"

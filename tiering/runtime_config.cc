@@ -22,39 +22,105 @@ using config::ReadString;
 // leaves the rest to the trainer (a warning says so). Anything else is unknown: an error naming
 // the closest key.
 const std::vector<std::string>& DeepSpeedTopLevelKeys() {
-  static const std::vector<std::string> keys = {
-      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-      "optimizer", "scheduler", "fp16", "bf16", "amp", "torch_autocast", "gradient_clipping",
-      "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "zero_optimization",
-      "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "aio",
-      "activation_checkpointing", "flops_profiler", "wall_clock_breakdown", "memory_breakdown",
-      "steps_per_print", "dump_state", "tensorboard", "wandb", "csv_monitor", "comet",
-      "comms_logger", "monitor_config", "autotuning", "elasticity", "data_efficiency",
-      "curriculum_learning", "data_types", "communication_data_type",
-      "seq_parallel_communication_data_type", "compression_training", "checkpoint", "pipeline",
-      "sparse_attention", "nebula", "disable_allgather", "dataloader_drop_last", "hybrid_engine",
-      "timers", "eigenvalue", "quantize_training", "progressive_layer_drop", "compile",
-      "weight_quantization", "fp32_allreduce", "gradient_accumulation_dtype", "graph_harvesting",
-      "use_data_before_expert_parallelism", "tensor_parallel", "strata"};
+  static const std::vector<std::string> keys = {"train_batch_size",
+                                                "train_micro_batch_size_per_gpu",
+                                                "gradient_accumulation_steps",
+                                                "optimizer",
+                                                "scheduler",
+                                                "fp16",
+                                                "bf16",
+                                                "amp",
+                                                "torch_autocast",
+                                                "gradient_clipping",
+                                                "prescale_gradients",
+                                                "gradient_predivide_factor",
+                                                "sparse_gradients",
+                                                "zero_optimization",
+                                                "zero_allow_untested_optimizer",
+                                                "zero_force_ds_cpu_optimizer",
+                                                "aio",
+                                                "activation_checkpointing",
+                                                "flops_profiler",
+                                                "wall_clock_breakdown",
+                                                "memory_breakdown",
+                                                "steps_per_print",
+                                                "dump_state",
+                                                "tensorboard",
+                                                "wandb",
+                                                "csv_monitor",
+                                                "comet",
+                                                "comms_logger",
+                                                "monitor_config",
+                                                "autotuning",
+                                                "elasticity",
+                                                "data_efficiency",
+                                                "curriculum_learning",
+                                                "data_types",
+                                                "communication_data_type",
+                                                "seq_parallel_communication_data_type",
+                                                "compression_training",
+                                                "checkpoint",
+                                                "pipeline",
+                                                "sparse_attention",
+                                                "nebula",
+                                                "disable_allgather",
+                                                "dataloader_drop_last",
+                                                "hybrid_engine",
+                                                "timers",
+                                                "eigenvalue",
+                                                "quantize_training",
+                                                "progressive_layer_drop",
+                                                "compile",
+                                                "weight_quantization",
+                                                "fp32_allreduce",
+                                                "gradient_accumulation_dtype",
+                                                "graph_harvesting",
+                                                "use_data_before_expert_parallelism",
+                                                "tensor_parallel",
+                                                "strata"};
   return keys;
 }
 
 // DeepSpeed's zero_optimization keys strata does not read (left to the trainer, with a warning).
 const std::vector<std::string>& DeepSpeedZeroKeys() {
-  static const std::vector<std::string> keys = {
-      "stage", "offload_param", "offload_optimizer", "stage3_prefetch_bucket_size",
-      "stage3_max_live_parameters", "stage3_max_reuse_distance", "allgather_partitions",
-      "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-      "contiguous_gradients", "stage3_param_persistence_threshold",
-      "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-      "sub_group_size", "elastic_checkpoint", "round_robin_gradients", "ignore_unused_parameters",
-      "legacy_stage1", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
-      "load_from_fp32_weights", "memory_efficient_linear", "zero_hpz_partition_size",
-      "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-      "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
-      "override_module_apply", "log_trace_cache_warnings", "use_multi_rank_bucket_allreduce",
-      "module_granularity_threshold", "use_all_reduce_for_fetch_params",
-      "stage3_module_granularity_threshold"};
+  static const std::vector<std::string> keys = {"stage",
+                                                "offload_param",
+                                                "offload_optimizer",
+                                                "stage3_prefetch_bucket_size",
+                                                "stage3_max_live_parameters",
+                                                "stage3_max_reuse_distance",
+                                                "allgather_partitions",
+                                                "allgather_bucket_size",
+                                                "overlap_comm",
+                                                "reduce_scatter",
+                                                "reduce_bucket_size",
+                                                "contiguous_gradients",
+                                                "stage3_param_persistence_threshold",
+                                                "stage3_gather_16bit_weights_on_model_save",
+                                                "stage3_gather_fp16_weights_on_model_save",
+                                                "sub_group_size",
+                                                "elastic_checkpoint",
+                                                "round_robin_gradients",
+                                                "ignore_unused_parameters",
+                                                "legacy_stage1",
+                                                "cpu_offload",
+                                                "cpu_offload_params",
+                                                "cpu_offload_use_pin_memory",
+                                                "load_from_fp32_weights",
+                                                "memory_efficient_linear",
+                                                "zero_hpz_partition_size",
+                                                "zero_quantized_weights",
+                                                "zero_quantized_nontrainable_weights",
+                                                "zero_quantized_gradients",
+                                                "mics_shard_size",
+                                                "mics_hierarchical_params_gather",
+                                                "pipeline_loading_checkpoint",
+                                                "override_module_apply",
+                                                "log_trace_cache_warnings",
+                                                "use_multi_rank_bucket_allreduce",
+                                                "module_granularity_threshold",
+                                                "use_all_reduce_for_fetch_params",
+                                                "stage3_module_granularity_threshold"};
   return keys;
 }
 
@@ -83,7 +149,8 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
        "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.fast_init",
        "the optimizer step is not run by the Runtime yet"},
-      {"zero_optimization.offload_optimizer.ratio", "partial optimizer offload is not supported yet"},
+      {"zero_optimization.offload_optimizer.ratio",
+       "partial optimizer offload is not supported yet"},
       {"zero_optimization.offload_optimizer.max_in_cpu",
        "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.stage3_prefetch_bucket_size", "the prefetching scheduler is not in yet"},
@@ -116,8 +183,8 @@ absl::Status Offload(const Json& zero, const char* name, OffloadConfig* out) {
   STRATA_RETURN_IF_ERROR(ReadString(*it, p, "nvme_path", &out->nvme_path));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pin_memory", &out->pin_memory));
   STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 1, 1 << 20, &out->buffer_count));
-  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_size", kMinBufferSize, kMaxBufferSize,
-                                 &out->buffer_size));
+  STRATA_RETURN_IF_ERROR(
+      ReadInt(*it, p, "buffer_size", kMinBufferSize, kMaxBufferSize, &out->buffer_size));
   STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "max_in_cpu", 0, int64_t{1} << 50, &out->max_in_cpu));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_read", &out->pipeline_read));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_write", &out->pipeline_write));
@@ -163,8 +230,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     const auto& known = DeepSpeedTopLevelKeys();
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       const std::string closest = config::Closest(key, known);
-      return Bad(key, absl::StrCat("unknown key (not DeepSpeed's, not strata's)",
-                                   closest.empty() ? "" : absl::StrCat("; did you mean ", closest, "?")));
+      return Bad(
+          key, absl::StrCat("unknown key (not DeepSpeed's, not strata's)",
+                            closest.empty() ? "" : absl::StrCat("; did you mean ", closest, "?")));
     }
     if (key != "aio" && key != "zero_optimization" && key != "strata") {
       warn(absl::StrCat(key, ": not used by strata (DeepSpeed's; left to the trainer)"));
@@ -225,8 +293,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));
     }
     if (c.eviction_policy == "trace") {
-      warn("strata.eviction_policy: \"trace\" is accepted but not implemented yet (the "
-           "prefetching scheduler brings it); the Runtime evicts least recently used first");
+      warn(
+          "strata.eviction_policy: \"trace\" is accepted but not implemented yet (the "
+          "prefetching scheduler brings it); the Runtime evicts least recently used first");
     }
   }
   for (const NotYetUsed& k : NotYetUsedKeys()) {
@@ -238,10 +307,11 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
   if (c.offload_param.device == OffloadDevice::kNvme &&
       c.offload_optimizer.device == OffloadDevice::kNvme &&
       c.offload_param.nvme_path != c.offload_optimizer.nvme_path) {
-    warn(absl::StrCat("zero_optimization: offload_param.nvme_path (", c.offload_param.nvme_path,
-                      ") and offload_optimizer.nvme_path (", c.offload_optimizer.nvme_path,
-                      ") differ; strata keeps one NVMe store per process, at ", c.SwapPath(),
-                      c.nvme_path.empty() ? " (set strata.nvme_path to choose)" : " (strata.nvme_path)"));
+    warn(absl::StrCat(
+        "zero_optimization: offload_param.nvme_path (", c.offload_param.nvme_path,
+        ") and offload_optimizer.nvme_path (", c.offload_optimizer.nvme_path,
+        ") differ; strata keeps one NVMe store per process, at ", c.SwapPath(),
+        c.nvme_path.empty() ? " (set strata.nvme_path to choose)" : " (strata.nvme_path)"));
   }
   return c;
 }

@@ -91,7 +91,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{R"({"aio": {"queue_depth": -3}})", "got -3"},
         BadCase{R"({"aio": {"queue_depth": 18446744073709551615}})", "aio.queue_depth"},
         BadCase{R"([1, 2])", "must be a JSON object"},
-        BadCase{"{\n  \"aio\": {\n    \"queue_depth\": 8,\n  }\n}", "not valid JSON at line 4, column 3"}));
+        BadCase{"{\n  \"aio\": {\n    \"queue_depth\": 8,\n  }\n}",
+                "not valid JSON at line 4, column 3"}));
 
 TEST(AioConfigTest, NumbersFollowOneRuleWithTheRuntimeConfig) {
   // DeepSpeed writes sizes as floats; a whole float is read exactly like the integer.

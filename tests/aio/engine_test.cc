@@ -487,10 +487,9 @@ int OpenInReadOnlyDirectory(const std::string& dir) {
 }
 
 TEST(EngineConfigTest, DirectoryWithoutWritePermissionIsPermissionDenied) {
-  ScratchDir scratch;
+  ScratchDir scratch = ScratchDir::Traversable();  // the other user must reach it
   const std::string dir = scratch.File("ro");
   ASSERT_EQ(mkdir(dir.c_str(), 0555), 0);
-  chmod(scratch.path().c_str(), 0755);
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) _exit(OpenInReadOnlyDirectory(dir));

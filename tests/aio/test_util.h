@@ -21,16 +21,30 @@ namespace strata::testing {
 // project's disk; /tmp may be tmpfs, which refuses O_DIRECT).
 class ScratchDir {
  public:
-  ScratchDir() {
-    const char* base = getenv("STRATA_TEST_DIR");
-    std::string pattern = (base ? std::string(base) : std::filesystem::current_path().string()) +
-                          "/strata-test-XXXXXX";
+  // Under STRATA_TEST_DIR, else the current directory (the build tree: a real disk, for O_DIRECT).
+  ScratchDir()
+      : ScratchDir(getenv("STRATA_TEST_DIR") ? std::string(getenv("STRATA_TEST_DIR"))
+                                             : std::filesystem::current_path().string()) {}
+  // Under the system's temporary root, mode 0755: for tests that drop to another user, who must
+  // reach it wherever the checkout lies (a checkout under a 0700 folder is not traversable).
+  static ScratchDir Traversable() {
+    ScratchDir d(std::filesystem::temp_directory_path().string());
+    std::filesystem::permissions(
+        d.path_, std::filesystem::perms::owner_all | std::filesystem::perms::group_read |
+                     std::filesystem::perms::group_exec | std::filesystem::perms::others_read |
+                     std::filesystem::perms::others_exec);
+    return d;
+  }
+  ScratchDir(ScratchDir&& o) noexcept : path_(std::move(o.path_)) { o.path_.clear(); }
+  explicit ScratchDir(const std::string& base) {
+    std::string pattern = base + "/strata-test-XXXXXX";
     std::vector<char> buf(pattern.begin(), pattern.end());
     buf.push_back('\0');
     if (mkdtemp(buf.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << pattern << " failed";
     path_ = buf.data();
   }
   ~ScratchDir() {
+    if (path_.empty()) return;
     std::error_code ec;
     std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
     std::filesystem::remove_all(path_, ec);

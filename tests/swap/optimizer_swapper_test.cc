@@ -3,14 +3,14 @@
 // write-backs change nothing and a retry matches; buffers stay within their count.
 #include "swap/optimizer_swapper.h"
 
-#include <cerrno>
-#include <cstring>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <random>
 
-#include "aio/fault_injection.h"
 #include "aio/backend.h"
+#include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
 #include "gmock/gmock.h"
@@ -397,8 +397,7 @@ TEST(SwapperTest, APipelinedStepReadsAheadWhileItWritesBehind) {
        {OptimizerSwapperConfig{true, true, 0}, OptimizerSwapperConfig{true, false, 0},
         OptimizerSwapperConfig{false, true, 0}}) {
     EXPECT_EQ(StallsOfAStep(config, std::chrono::seconds(30)), 0)
-        << "pipeline_read " << config.pipeline_read << " pipeline_write "
-        << config.pipeline_write;
+        << "pipeline_read " << config.pipeline_read << " pipeline_write " << config.pipeline_write;
   }
   // The check can fail: a serial step stalls at every write that has a read after it.
   EXPECT_EQ(StallsOfAStep({false, false, 0}, std::chrono::milliseconds(100)), 5);

@@ -259,9 +259,10 @@ TEST(NumaTest, NearestNodeIsWhatTheKernelSaysOrUnknown) {
     EXPECT_EQ(node, -1);
     struct stat st;
     ASSERT_EQ(stat(".", &st), 0);
-    const std::string dev =
-        "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
-    for (const std::string up : {"/device/numa_node", "/device/device/numa_node", "/../device/numa_node"}) {
+    const std::string dev = "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" +
+                            std::to_string(minor(st.st_dev));
+    for (const std::string up :
+         {"/device/numa_node", "/device/device/numa_node", "/../device/numa_node"}) {
       std::ifstream f(dev + up);
       int named = -1;
       if (f >> named) EXPECT_LT(named, 0) << dev + up << " names node " << named;

@@ -502,12 +502,9 @@ TEST(NvmeStoreTest, BadPathsAndOptionsAreRejectedClearly) {
 }
 
 TEST(NvmeStoreTest, ADirectoryWithoutWritePermissionIsRefused) {
-  // The scratch folder lies under the system's temporary root, which every user can traverse
-  // (the checkout may lie under a folder that the unprivileged user below cannot reach).
-  std::string pattern = (std::filesystem::temp_directory_path() / "strata-ro-XXXXXX").string();
-  ASSERT_NE(mkdtemp(pattern.data()), nullptr);
-  const std::string root = pattern, ro = root + "/ro";
-  ASSERT_EQ(chmod(root.c_str(), 0755), 0);
+  // The other user must reach the folder wherever the checkout lies.
+  ScratchDir root = ScratchDir::Traversable();
+  const std::string ro = root.File("ro");
   ASSERT_EQ(mkdir(ro.c_str(), 0555), 0);
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
@@ -523,7 +520,6 @@ TEST(NvmeStoreTest, ADirectoryWithoutWritePermissionIsRefused) {
   }
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
-  std::filesystem::remove_all(root);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << WEXITSTATUS(status);
 }
 
@@ -565,8 +561,10 @@ TEST(NvmeStoreTest, ASecondStoreOnOneDirectoryIsRefusedInThisProcessAndAnother) 
     EXPECT_THAT(second.status().message(), HasSubstr("nvme_path of its own"));
     // Another process (a fresh one: this one has threads, so it is exec'd, not only forked).
     setenv("STRATA_STORE_UNDER_TEST", path.c_str(), 1);
-    std::string self = "/proc/self/exe", filter =
-        "--gtest_filter=NvmeStoreSecondProcess.DISABLED_IsRefusedTheStoreNamedByTheEnvironment";
+    std::string
+        self = "/proc/self/exe",
+        filter =
+            "--gtest_filter=NvmeStoreSecondProcess.DISABLED_IsRefusedTheStoreNamedByTheEnvironment";
     std::string disabled = "--gtest_also_run_disabled_tests";
     char* argv[] = {self.data(), filter.data(), disabled.data(), nullptr};
     pid_t pid = 0;
@@ -803,31 +801,29 @@ TEST_P(NvmeStoreKillTest, AReopenFindsOneStateWholeAndGoesOn) {
   }
   EXPECT_EQ(GetAll(**store, 2), other);
   EXPECT_EQ((*store)->used_bytes(), 200704u + 8192u) << point;  // nothing leaked
-  EXPECT_THAT(Listing(path), ElementsAre(::testing::StartsWith("journal-"),
-                                         "lock", "manifest.json", "swap-000.bin", "swap-001.bin",
-                                         "swap-002.bin"))
+  EXPECT_THAT(Listing(path), ElementsAre(::testing::StartsWith("journal-"), "lock", "manifest.json",
+                                         "swap-000.bin", "swap-001.bin", "swap-002.bin"))
       << point;
   const auto v3 = RandomBytes(200000, 4);
   ASSERT_TRUE((*store)->Put(1, v3).ok()) << point;
   EXPECT_EQ(GetAll(**store, 1), v3);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    EachStep, NvmeStoreKillTest,
-    ::testing::Values(std::make_pair("commit:data-synced", 1),
-                      std::make_pair("commit:log-written", 0),
-                      std::make_pair("commit:log-synced", 2),
-                      std::make_pair("compact:log-created", 2),
-                      std::make_pair("compact:snapshot-written", 2),
-                      std::make_pair("compact:snapshot-renamed", 2),
-                      std::make_pair("compact:old-log-removed", 2)),
-    [](const auto& info) {
-      std::string name = info.param.first;
-      for (char& c : name) {
-        if (c == ':' || c == '-') c = '_';
-      }
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(EachStep, NvmeStoreKillTest,
+                         ::testing::Values(std::make_pair("commit:data-synced", 1),
+                                           std::make_pair("commit:log-written", 0),
+                                           std::make_pair("commit:log-synced", 2),
+                                           std::make_pair("compact:log-created", 2),
+                                           std::make_pair("compact:snapshot-written", 2),
+                                           std::make_pair("compact:snapshot-renamed", 2),
+                                           std::make_pair("compact:old-log-removed", 2)),
+                         [](const auto& info) {
+                           std::string name = info.param.first;
+                           for (char& c : name) {
+                             if (c == ':' || c == '-') c = '_';
+                           }
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace strata::tiering

@@ -54,16 +54,16 @@ TEST(RuntimeConfigTest, ReadsADeepSpeedZero3NvmeConfigAndReportsWhatItDoesNotUse
   EXPECT_THAT(all, HasSubstr("train_batch_size: not used by strata"));
   EXPECT_THAT(all, HasSubstr("zero_optimization.overlap_comm: not used by strata"));
   // Keys strata reads but does not act on yet: each is named.
-  for (const char* key :
-       {"zero_optimization.stage:", "zero_optimization.offload_param.pin_memory:",
-        "zero_optimization.offload_param.buffer_count:", "zero_optimization.offload_param.max_in_cpu:",
-        "zero_optimization.offload_optimizer.pin_memory:",
-        "zero_optimization.offload_optimizer.buffer_count:",
-        "zero_optimization.offload_optimizer.fast_init:",
-        "zero_optimization.offload_optimizer.pipeline_read:",
-        "zero_optimization.stage3_prefetch_bucket_size:",
-        "zero_optimization.stage3_max_live_parameters:",
-        "zero_optimization.stage3_max_reuse_distance:"}) {
+  for (const char* key : {"zero_optimization.stage:", "zero_optimization.offload_param.pin_memory:",
+                          "zero_optimization.offload_param.buffer_count:",
+                          "zero_optimization.offload_param.max_in_cpu:",
+                          "zero_optimization.offload_optimizer.pin_memory:",
+                          "zero_optimization.offload_optimizer.buffer_count:",
+                          "zero_optimization.offload_optimizer.fast_init:",
+                          "zero_optimization.offload_optimizer.pipeline_read:",
+                          "zero_optimization.stage3_prefetch_bucket_size:",
+                          "zero_optimization.stage3_max_live_parameters:",
+                          "zero_optimization.stage3_max_reuse_distance:"}) {
     EXPECT_THAT(all, HasSubstr(absl::StrCat(key, " accepted but not yet used by strata"))) << key;
   }
   // What is used is not reported.

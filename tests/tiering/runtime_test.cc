@@ -3,16 +3,17 @@
 // concurrent use. (Its configuration's tests are in runtime_config_test.cc.)
 #include "tiering/runtime.h"
 
-#include <cerrno>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <set>
-#include <sys/resource.h>
 #include <thread>
-#include <unistd.h>
-#include <sys/wait.h>
 
 #include "aio/fault_injection.h"
 #include "base/status.h"
@@ -453,7 +454,8 @@ TEST(RuntimeTest, ConcurrentAcquiresAndReleasesKeepEveryPartitionsBytes) {
           ADD_FAILURE() << p.status();
           continue;
         }
-        const auto expect = RandomBytes(100000, round == 0 || round == 1 ? id : 1000 * id + round - 2);
+        const auto expect =
+            RandomBytes(100000, round == 0 || round == 1 ? id : 1000 * id + round - 2);
         if (std::memcmp(*p, expect.data(), 100000) != 0) ++failures;
         const auto next = RandomBytes(100000, 1000 * id + round);
         std::memcpy(*p, next.data(), 100000);
@@ -510,6 +512,25 @@ TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
 #endif
   }
   EXPECT_GT((*rt)->stats().host_held_bytes, 32u << 20);  // the budget was used
+}
+
+TEST(RuntimeTest, AHugeOrOverflowingSizeIsAStatusInEveryTier) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SmallConfig(dir.File("swap")), Quiet());
+  ASSERT_TRUE(rt.ok());
+  for (Tier tier : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    for (uint64_t bytes : {uint64_t{1} << 62, (uint64_t{1} << 63) + 5, UINT64_MAX}) {
+      PartitionDesc d = Desc(50);
+      d.bytes = bytes;
+      absl::Status s = (*rt)->Register(d, tier);  // no exception, no allocation of that size
+      EXPECT_FALSE(s.ok()) << TierName(tier) << " " << bytes;
+      EXPECT_TRUE(s.code() == absl::StatusCode::kInvalidArgument ||
+                  s.code() == absl::StatusCode::kResourceExhausted)
+          << s;
+    }
+  }
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+  EXPECT_TRUE((*rt)->Register(Desc(50), Tier::kHost, RandomBytes(100000, 50)).ok());
 }
 
 }  // namespace

@@ -53,7 +53,8 @@ TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
     std::string args, message;
   };
   for (const Case& c : std::vector<Case>{
-           {"--nvme-dir " + dir.path() + "/missing", "--nvme-dir: " + dir.path() + "/missing: no such directory"},
+           {"--nvme-dir " + dir.path() + "/missing",
+            "--nvme-dir: " + dir.path() + "/missing: no such directory"},
            {"--nvme-dir /proc", "/proc is on proc, a kernel pseudo filesystem"},
            {"--nvme-dir /sys", "/sys is on sysfs, a kernel pseudo filesystem"},
            {"--nvme-dir " + dir.path() + " --reps -3", "--reps: must be in [1, 1000], got -3"},
@@ -87,7 +88,8 @@ TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSays
   Outcome r = Execute(kSweep + " --nvme-dir /dev/shm --allow-memory-fs --out " + out + kTiny);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("WARNING (about the block above): MEMORY: /dev/shm is on tmpfs"));
-  for (const char* name : {"results.csv", "results.json", "best.json", "heatmap_io_uring_read.svg"}) {
+  for (const char* name :
+       {"results.csv", "results.json", "best.json", "heatmap_io_uring_read.svg"}) {
     std::ifstream in(out + "/" + name);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     EXPECT_THAT(text, HasSubstr("MEMORY")) << name;
@@ -96,11 +98,12 @@ TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSays
 
 TEST(SweepCliTest, EveryToolTakesDashesAndUnderscoresAlike) {
   ScratchDir dir;
-  for (const std::string flags : {" --no-uring-options --rep-seconds 0.02",
-                                  " --no_uring_options --rep_seconds 0.02"}) {
+  for (const std::string flags :
+       {" --no-uring-options --rep-seconds 0.02", " --no_uring_options --rep_seconds 0.02"}) {
     Outcome r = Execute(kSweep + " --nvme_dir " + dir.path() +
                         " --engines io_uring --block-sizes 1M --queue-depths 4 --threads 1"
-                        " --size 64M --reps 1 --warmup-seconds 0" + flags);
+                        " --size 64M --reps 1 --warmup-seconds 0" +
+                        flags);
     EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
   }
 }

@@ -39,7 +39,8 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
                                     std::string* warning) {
   struct stat st;
   if (stat(dir.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat(dir, ": no such directory (", std::strerror(errno), ")"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no such directory (", std::strerror(errno), ")"));
   }
   if (!S_ISDIR(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(dir, " is not a directory"));
@@ -54,25 +55,27 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
     const char* name;
   };
   static constexpr Named kPseudo[] = {
-      {0x9fa0, "proc"},         {0x62656572, "sysfs"},    {0x27e0eb, "cgroup"},
-      {0x63677270, "cgroup2"},  {0x64626720, "debugfs"},  {0x74726163, "tracefs"},
-      {0x73636673, "securityfs"}, {0x1cd1, "devpts"},     {0x62656570, "configfs"},
-      {0xcafe4a11, "bpf"},      {0x6165676c, "pstore"},   {0x42494e4d, "binfmt_misc"}};
+      {0x9fa0, "proc"},           {0x62656572, "sysfs"},   {0x27e0eb, "cgroup"},
+      {0x63677270, "cgroup2"},    {0x64626720, "debugfs"}, {0x74726163, "tracefs"},
+      {0x73636673, "securityfs"}, {0x1cd1, "devpts"},      {0x62656570, "configfs"},
+      {0xcafe4a11, "bpf"},        {0x6165676c, "pstore"},  {0x42494e4d, "binfmt_misc"}};
   static constexpr Named kMemory[] = {
       {0x01021994, "tmpfs"}, {0x858458f6, "ramfs"}, {0x958458f6, "hugetlbfs"}};
   const uint64_t type = static_cast<uint64_t>(fs.f_type);
   for (const Named& n : kPseudo) {
     if (type == n.magic) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          dir, " is on ", n.name, ", a kernel pseudo filesystem, not a disk: give a directory on "
-          "the drive to tune"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(dir, " is on ", n.name,
+                       ", a kernel pseudo filesystem, not a disk: give a directory on "
+                       "the drive to tune"));
     }
   }
   for (const Named& n : kMemory) {
     if (type != n.magic) continue;
     if (!options.allow_memory_fs) {
       return absl::InvalidArgumentError(absl::StrCat(
-          dir, " is on ", n.name, ", which keeps files in memory: the figures would be RAM's, "
+          dir, " is on ", n.name,
+          ", which keeps files in memory: the figures would be RAM's, "
           "not a drive's, and a config tuned on them would mislead. Give a directory on the drive "
           "to tune, or --allow-memory-fs to measure memory anyway"));
     }
@@ -88,7 +91,8 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
 absl::Status PrepareOutputDirectory(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  if (ec) return absl::FailedPreconditionError(absl::StrCat(dir, ": cannot be made: ", ec.message()));
+  if (ec)
+    return absl::FailedPreconditionError(absl::StrCat(dir, ": cannot be made: ", ec.message()));
   const std::string probe = dir + "/.strata-write-probe";
   FILE* f = std::fopen(probe.c_str(), "w");
   if (f == nullptr || std::fputs("probe\n", f) < 0 || std::fclose(f) != 0) {
@@ -157,8 +161,8 @@ absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::stri
     file->direct_ = false;
     if (!file->warning_.empty()) file->warning_ += "; ";
     file->warning_ += absl::StrCat("BUFFERED: ", dir,
-                                  " refuses O_DIRECT; these figures include the page cache and "
-                                  "do not describe the drive");
+                                   " refuses O_DIRECT; these figures include the page cache and "
+                                   "do not describe the drive");
   } else if (fd < 0) {
     return ErrnoStatus(errno, "open", file->path_);
   } else {

@@ -36,7 +36,8 @@ int main() {
       rc = 4;
     }
     std::vector<std::byte> bytes(100000, std::byte{7}), back(100000);
-    if (rc == 0 && (!(*store)->Put(1, bytes).ok() || !(*store)->Get(1, absl::MakeSpan(back)).ok() || back != bytes)) {
+    if (rc == 0 && (!(*store)->Put(1, bytes).ok() || !(*store)->Get(1, absl::MakeSpan(back)).ok() ||
+                    back != bytes)) {
       rc = 5;
     }
     auto adam = strata::optim_cpu::CpuAdam::Create({.lr = 0.1f});
@@ -46,10 +47,11 @@ int main() {
           store->get(), adam->get(), &host, {}, {{10, 1000}, {11, 1000}});
       std::vector<float> master(1000, 1.0f), grad(1000, 1.0f), m(1000), v(1000);
       std::vector<strata::swap::StepInput> in = {{.id = 10, .grad = grad.data()},
-                                                  {.id = 11, .grad = grad.data()}};
+                                                 {.id = 11, .grad = grad.data()}};
       if (!swapper.ok() || !(*swapper)->Initialize(10, master).ok() ||
           !(*swapper)->Initialize(11, master).ok() || !(*swapper)->Step(1, in).ok() ||
-          !(*swapper)->ReadState(11, absl::MakeSpan(master), absl::MakeSpan(m), absl::MakeSpan(v))
+          !(*swapper)
+               ->ReadState(11, absl::MakeSpan(master), absl::MakeSpan(m), absl::MakeSpan(v))
                .ok() ||
           !(master[0] < 1.0f)) {
         rc = 6;
