@@ -533,5 +533,36 @@ TEST(RuntimeTest, AHugeOrOverflowingSizeIsAStatusInEveryTier) {
   EXPECT_TRUE((*rt)->Register(Desc(50), Tier::kHost, RandomBytes(100000, 50)).ok());
 }
 
+// On a machine with a CUDA device (skipped, with the reason, elsewhere): a partition goes NVMe ->
+// device memory (staged through pinned, CUDA-registered buffers) and back down, through host memory
+// or straight to NVMe, and comes back with its bytes.
+TEST(RuntimeTest, OnACudaDeviceAPartitionTravelsThroughDeviceMemoryWithItsBytes) {
+  for (const bool straight_to_nvme : {false, true}) {
+    ScratchDir dir;
+    RuntimeConfig config = SmallConfig(dir.File("swap"));
+    config.emulated_device = false;
+    if (straight_to_nvme) config.offload_param.device = OffloadDevice::kNvme;
+    RuntimeOptions o = Quiet();
+    o.device_index = 0;
+    auto rt = Runtime::Create(config, o);
+    if (!rt.ok() && (rt.status().code() == absl::StatusCode::kFailedPrecondition ||
+                     rt.status().code() == absl::StatusCode::kUnimplemented)) {
+      GTEST_SKIP() << "no CUDA device here: " << rt.status();
+    }
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    const auto bytes = RandomBytes(100000, 61);
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, bytes).ok());
+    ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kDevice, RandomBytes(100000, 62)).ok());
+    ASSERT_TRUE((*rt)->Acquire(1, Tier::kDevice).ok());
+    // Marked changed on the device: its device copy is now the only current one.
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, /*dirty=*/true).ok());
+    ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());  // written back down first
+    EXPECT_EQ(HostBytes(**rt, 1), bytes) << (straight_to_nvme ? "via NVMe" : "via host");
+    ASSERT_TRUE((*rt)->Evict(2, Tier::kDevice).ok());
+    EXPECT_EQ(HostBytes(**rt, 2), RandomBytes(100000, 62));
+    EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+  }
+}
+
 }  // namespace
 }  // namespace strata::tiering
