@@ -194,6 +194,9 @@ absl::Status Runtime::Register(const PartitionDesc& desc, Tier tier,
                      ": no NVMe tier (set an nvme_path in offload_param, "
                      "offload_optimizer or strata)"));
   }
+  if (table_->Get(desc.id).ok()) {
+    return absl::AlreadyExistsError(absl::StrCat("partition ", desc.id, ": already registered"));
+  }
   if (store_ != nullptr && store_->Find(desc.id).ok()) {
     return absl::AlreadyExistsError(absl::StrCat(
         "partition ", desc.id, ": the NVMe store ", store_->dir(),

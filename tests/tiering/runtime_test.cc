@@ -307,6 +307,11 @@ TEST(RuntimeTest, ARestartedRuntimeAdoptsWhatTheLastOneLeftWithItsLatestBytes) {
   EXPECT_EQ((*rt)->Adopt(wrong).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ((*rt)->Adopt(Desc(9)).code(), absl::StatusCode::kNotFound);
   for (PartitionId id : {1, 2, 3}) ASSERT_TRUE((*rt)->Adopt(Desc(id)).ok()) << id;
+  // Registered now (adopted): a second registration says so, not "from an earlier run".
+  absl::Status twice = (*rt)->Register(Desc(1), Tier::kHost);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(twice.message(), HasSubstr("partition 1: already registered"));
+  EXPECT_EQ((*rt)->Adopt(Desc(1)).code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(HostBytes(**rt, 1), changed);
   EXPECT_EQ(HostBytes(**rt, 2), RandomBytes(100000, 2));
   EXPECT_EQ(HostBytes(**rt, 3), RandomBytes(100000, 3));
