@@ -495,7 +495,7 @@ TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
   config.nvme_capacity_bytes = 256 << 20;
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
-  const int64_t locked_before = VmLckKiB();
+  [[maybe_unused]] const int64_t locked_before = VmLckKiB();
   std::mt19937 rng(5);
   for (PartitionId id = 0; id < 24; ++id) {
     PartitionDesc d = Desc(id);
