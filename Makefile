@@ -5,7 +5,7 @@
 # and: make bench (the benchmarks, with their ceilings), make asan, make tsan.
 SCRATCH ?= build/release/scratch
 DEMO_ARGS ?=
-BENCH_ARGS ?= --reserve_hugetlb
+BENCH_ARGS ?= --reserve-hugetlb
 
 .PHONY: deps demo bench test asan tsan build clean
 

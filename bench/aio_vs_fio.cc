@@ -459,7 +459,7 @@ int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv,
-      "aio_vs_fio --dir DIR [--size_mb N] [--rounds N] [--json PATH]: strata's aio engine "
+      "aio_vs_fio --dir DIR [--size-mb N] [--rounds N] [--json PATH]: strata's aio engine "
       "against fio on the same file",
       "bench/aio_vs_fio.cc");
   return strata::bench::Main();

@@ -225,7 +225,7 @@ int Main() {
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
-      argc, argv, "sweep_vs_fio --dir DIR [--rounds 3] [--reserve_hugetlb] [--json PATH]",
+      argc, argv, "sweep_vs_fio --dir DIR [--rounds 3] [--reserve-hugetlb] [--json PATH]",
       "bench/sweep_vs_fio.cc");
   return strata::bench::Main();
 }
