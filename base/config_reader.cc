@@ -159,14 +159,14 @@ absl::Status ReadString(const Json& block, absl::string_view prefix, const char*
   return absl::OkStatus();
 }
 
-absl::Status ReadFraction(const Json& block, absl::string_view prefix, const char* key, double lo,
-                          double hi, double* out) {
+absl::Status ReadNumber(const Json& block, absl::string_view prefix, const char* key, double lo,
+                        double hi, double* out) {
   auto it = block.find(key);
   if (it == block.end()) return absl::OkStatus();
   const std::string name = absl::StrCat(prefix, key);
-  const std::string range = absl::StrCat("a number in (", lo, ", ", hi, "]");
+  const std::string range = absl::StrCat("a number in [", lo, ", ", hi, "]");
   if (IsAuto(*it)) return AutoRefused(name, range);
-  if (!it->is_number() || !(it->get<double>() > lo) || !(it->get<double>() <= hi)) {
+  if (!it->is_number() || !(it->get<double>() >= lo) || !(it->get<double>() <= hi)) {
     return Bad(name, absl::StrCat("must be ", range, ", got ", it->dump()));
   }
   *out = it->get<double>();

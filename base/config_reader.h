@@ -58,9 +58,9 @@ absl::Status ReadInt(const Json& block, absl::string_view prefix, const char* ke
 absl::Status ReadBool(const Json& block, absl::string_view prefix, const char* key, bool* out);
 absl::Status ReadString(const Json& block, absl::string_view prefix, const char* key,
                         std::string* out);
-// A number in (lo, hi] (lo exclusive), e.g. a ratio.
-absl::Status ReadFraction(const Json& block, absl::string_view prefix, const char* key, double lo,
-                          double hi, double* out);
+// A number in [lo, hi], e.g. a ratio.
+absl::Status ReadNumber(const Json& block, absl::string_view prefix, const char* key, double lo,
+                        double hi, double* out);
 
 }  // namespace strata::config
 

@@ -236,14 +236,14 @@ absl::Status Offload(const Json& zero, const char* name, const std::vector<std::
   }
   STRATA_RETURN_IF_ERROR(ReadString(*it, p, "nvme_path", &out->nvme_path));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pin_memory", &out->pin_memory));
-  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 1, 1 << 20, &out->buffer_count));
+  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 0, 1 << 20, &out->buffer_count));
   STRATA_RETURN_IF_ERROR(
       ReadInt(*it, p, "buffer_size", kMinBufferSize, kMaxBufferSize, &out->buffer_size));
   STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "max_in_cpu", 0, int64_t{1} << 50, &out->max_in_cpu));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_read", &out->pipeline_read));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_write", &out->pipeline_write));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "fast_init", &out->fast_init));
-  STRATA_RETURN_IF_ERROR(config::ReadFraction(*it, p, "ratio", 0, 1, &out->ratio));
+  STRATA_RETURN_IF_ERROR(config::ReadNumber(*it, p, "ratio", 0, 1, &out->ratio));
   if (out->device == OffloadDevice::kNvme && out->nvme_path.empty()) {
     return Bad(p + "nvme_path", "is required when device is \"nvme\"");
   }

@@ -162,6 +162,21 @@ TEST(RuntimeConfigTest, OffloadParamKeysAreReadOnlyWhereDeepSpeedHasThem) {
   }
 }
 
+TEST(RuntimeConfigTest, EveryValueDeepSpeedAcceptsIsAccepted) {
+  // DeepSpeed's ranges: ratio in [0, 1], buffer_count from 0.
+  auto c = RuntimeConfigFromJsonText(R"({"zero_optimization": {"stage": 3,
+      "offload_param": {"device": "cpu", "buffer_count": 0},
+      "offload_optimizer": {"device": "cpu", "ratio": 0.0, "buffer_count": 0}}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->offload_optimizer.ratio, 0.0);
+  EXPECT_EQ(c->offload_param.buffer_count, 0);
+  EXPECT_THAT(
+      RuntimeConfigFromJsonText(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})")
+          .status()
+          .message(),
+      HasSubstr("offload_optimizer.ratio: must be a number in [0, 1], got 1.5"));
+}
+
 TEST(RuntimeConfigTest, TraceEvictionIsAcceptedWithAWarningAndLruIsTheDefault) {
   EXPECT_EQ(RuntimeConfig().eviction_policy, "lru");
   std::vector<std::string> warnings;
