@@ -355,8 +355,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
   const std::string used = c.SwapPath();
   const char* chosen_by = !c.nvme_path.empty() ? "strata.nvme_path"
                           : c.offload_param.device == OffloadDevice::kNvme
-                              ? "offload_param.nvme_path"
-                              : "offload_optimizer.nvme_path";
+                              ? "offload_param.nvme_path; set strata.nvme_path to choose"
+                              : "offload_optimizer.nvme_path; set strata.nvme_path to choose";
   for (const auto& [name, offload] :
        {std::pair<const char*, const OffloadConfig*>{"offload_param", &c.offload_param},
         {"offload_optimizer", &c.offload_optimizer}}) {
@@ -368,7 +368,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     } else if (offload->nvme_path != used) {
       warn(absl::StrCat(key, " (", offload->nvme_path,
                         ") is not used: strata keeps one NVMe store per process, at ", used, " (",
-                        chosen_by, "; strata.nvme_path chooses)"));
+                        chosen_by, ")"));
     }
   }
   return c;

@@ -95,7 +95,7 @@ TEST(RuntimeConfigTest, TwoNvmePathsAreReportedWithTheOneUsed) {
   const std::string all = All(warnings);
   EXPECT_THAT(all, HasSubstr("zero_optimization.offload_optimizer.nvme_path (/nvme1) is not used: "
                              "strata keeps one NVMe store per process, at /nvme0 "
-                             "(offload_param.nvme_path; strata.nvme_path chooses)"));
+                             "(offload_param.nvme_path; set strata.nvme_path to choose)"));
   EXPECT_THAT(all, Not(HasSubstr("offload_param.nvme_path (/nvme0)")));
 }
 
@@ -109,8 +109,7 @@ TEST(RuntimeConfigTest, AnNvmePathThatStrataNvmePathOverridesIsReported) {
   EXPECT_EQ(c->SwapPath(), "/fast");
   EXPECT_THAT(All(warnings),
               HasSubstr("zero_optimization.offload_param.nvme_path (/nvme0) is not used: strata "
-                        "keeps one NVMe store per process, at /fast (strata.nvme_path; "
-                        "strata.nvme_path chooses)"));
+                        "keeps one NVMe store per process, at /fast (strata.nvme_path)"));
 }
 
 TEST(RuntimeConfigTest, AnNvmePathOfABlockNotOnNvmeIsReported) {
