@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -42,8 +43,52 @@ absl::Status Bad(absl::string_view key, absl::string_view what) {
 }
 
 absl::StatusOr<Json> Parse(absl::string_view text) {
+  // The parser keeps the last of a key given twice in one object, silently: each open object's
+  // keys are tracked (with the object's dotted path) to refuse that.
+  struct Open {
+    std::string path;
+    bool is_object;
+    std::set<std::string> keys;
+  };
+  std::vector<Open> open;
+  std::string key;
+  std::string duplicate;
+  auto track = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start: {
+        std::string path;
+        if (!open.empty()) {
+          path = !open.back().is_object     ? open.back().path + "[]"
+                 : open.back().path.empty() ? key
+                                            : absl::StrCat(open.back().path, ".", key);
+        }
+        open.push_back({std::move(path), event == Json::parse_event_t::object_start, {}});
+        break;
+      }
+      case Json::parse_event_t::object_end:
+      case Json::parse_event_t::array_end:
+        open.pop_back();
+        break;
+      case Json::parse_event_t::key:
+        key = parsed.get<std::string>();
+        if (!open.back().keys.insert(key).second && duplicate.empty()) {
+          duplicate = open.back().path.empty() ? key : absl::StrCat(open.back().path, ".", key);
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
   try {
-    return Json::parse(text.begin(), text.end());
+    Json parsed = Json::parse(text.begin(), text.end(), track);
+    if (!duplicate.empty()) {
+      return Bad(duplicate,
+                 "given twice in one object (a JSON reader keeps one of the values without a "
+                 "word; DeepSpeed refuses duplicate keys): give it once");
+    }
+    return parsed;
   } catch (const Json::parse_error& e) {
     // e.byte is 1-based: the position of the character the parser stopped at.
     const size_t at = std::min<size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
@@ -159,14 +204,14 @@ absl::Status ReadString(const Json& block, absl::string_view prefix, const char*
   return absl::OkStatus();
 }
 
-absl::Status ReadFraction(const Json& block, absl::string_view prefix, const char* key, double lo,
-                          double hi, double* out) {
+absl::Status ReadNumber(const Json& block, absl::string_view prefix, const char* key, double lo,
+                        double hi, double* out) {
   auto it = block.find(key);
   if (it == block.end()) return absl::OkStatus();
   const std::string name = absl::StrCat(prefix, key);
-  const std::string range = absl::StrCat("a number in (", lo, ", ", hi, "]");
+  const std::string range = absl::StrCat("a number in [", lo, ", ", hi, "]");
   if (IsAuto(*it)) return AutoRefused(name, range);
-  if (!it->is_number() || !(it->get<double>() > lo) || !(it->get<double>() <= hi)) {
+  if (!it->is_number() || !(it->get<double>() >= lo) || !(it->get<double>() <= hi)) {
     return Bad(name, absl::StrCat("must be ", range, ", got ", it->dump()));
   }
   *out = it->get<double>();

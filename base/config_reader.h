@@ -7,7 +7,8 @@
 // value out of range or a string is refused naming the key and the accepted range. Hugging Face's
 // and Lightning's "auto" (filled in from the trainer's arguments before a config reaches DeepSpeed)
 // gets its own message saying what to write instead. A key a block does not know is an error that
-// names the closest known key. Text that is not JSON is refused naming the line and column.
+// names the closest known key. Text that is not JSON is refused naming the line and column, and a
+// key given twice in one object (which a JSON reader would resolve silently) naming the key.
 // Every error is InvalidArgument "config: <key>: <what was wrong and what is accepted>".
 //
 // Thread safety: pure functions.
@@ -31,7 +32,8 @@ using Json = nlohmann::json;
 // InvalidArgument "config: <key>: <what>".
 absl::Status Bad(absl::string_view key, absl::string_view what);
 
-// Parses config text; not JSON: "config: not valid JSON at line L, column C: <parser's reason>".
+// Parses config text; not JSON: "config: not valid JSON at line L, column C: <parser's reason>";
+// a key given twice in one object: "config: <dotted key>: given twice ...".
 absl::StatusOr<Json> Parse(absl::string_view text);
 
 // The candidate `key` most likely meant: the nearest by edit distance when near enough to be a
@@ -58,9 +60,9 @@ absl::Status ReadInt(const Json& block, absl::string_view prefix, const char* ke
 absl::Status ReadBool(const Json& block, absl::string_view prefix, const char* key, bool* out);
 absl::Status ReadString(const Json& block, absl::string_view prefix, const char* key,
                         std::string* out);
-// A number in (lo, hi] (lo exclusive), e.g. a ratio.
-absl::Status ReadFraction(const Json& block, absl::string_view prefix, const char* key, double lo,
-                          double hi, double* out);
+// A number in [lo, hi], e.g. a ratio.
+absl::Status ReadNumber(const Json& block, absl::string_view prefix, const char* key, double lo,
+                        double hi, double* out);
 
 }  // namespace strata::config
 

@@ -18,9 +18,10 @@ using config::ReadBool;
 using config::ReadInt;
 using config::ReadString;
 
-// DeepSpeed's own top-level keys: strata reads aio, zero_optimization and its strata block, and
-// leaves the rest to the trainer (a warning says so). Anything else is unknown: an error naming
-// the closest key.
+// DeepSpeed's own top-level keys (the names its runtime/config.py and the configs it builds read;
+// a few, such as fp32_allreduce, compile and quantize_training, from releases that still read
+// them): strata reads aio, zero_optimization and its strata block, and leaves the rest to the
+// trainer (a warning says so). Anything else is unknown: an error naming the closest key.
 const std::vector<std::string>& DeepSpeedTopLevelKeys() {
   static const std::vector<std::string> keys = {"train_batch_size",
                                                 "train_micro_batch_size_per_gpu",
@@ -29,6 +30,7 @@ const std::vector<std::string>& DeepSpeedTopLevelKeys() {
                                                 "scheduler",
                                                 "fp16",
                                                 "bf16",
+                                                "bfloat16",
                                                 "amp",
                                                 "torch_autocast",
                                                 "gradient_clipping",
@@ -50,14 +52,13 @@ const std::vector<std::string>& DeepSpeedTopLevelKeys() {
                                                 "csv_monitor",
                                                 "comet",
                                                 "comms_logger",
-                                                "monitor_config",
                                                 "autotuning",
                                                 "elasticity",
                                                 "data_efficiency",
                                                 "curriculum_learning",
                                                 "data_types",
                                                 "communication_data_type",
-                                                "seq_parallel_communication_data_type",
+                                                "seq_parallel_comm_data_type",
                                                 "compression_training",
                                                 "checkpoint",
                                                 "pipeline",
@@ -73,7 +74,6 @@ const std::vector<std::string>& DeepSpeedTopLevelKeys() {
                                                 "compile",
                                                 "weight_quantization",
                                                 "fp32_allreduce",
-                                                "gradient_accumulation_dtype",
                                                 "graph_harvesting",
                                                 "use_data_before_expert_parallelism",
                                                 "tensor_parallel",
@@ -81,52 +81,107 @@ const std::vector<std::string>& DeepSpeedTopLevelKeys() {
   return keys;
 }
 
-// DeepSpeed's zero_optimization keys strata does not read (left to the trainer, with a warning).
+// The stage-3 knobs strata reads, each under both of DeepSpeed's spellings (the field name and its
+// stage3_ alias; DeepSpeed takes either, as one setting).
+struct Stage3Knob {
+  const char* alias;
+  const char* field;
+  int64_t RuntimeConfig::*member;
+};
+const std::vector<Stage3Knob>& Stage3Knobs() {
+  static const std::vector<Stage3Knob> knobs = {
+      {"stage3_prefetch_bucket_size", "prefetch_bucket_size",
+       &RuntimeConfig::stage3_prefetch_bucket_size},
+      {"stage3_max_live_parameters", "max_live_parameters",
+       &RuntimeConfig::stage3_max_live_parameters},
+      {"stage3_max_reuse_distance", "max_reuse_distance",
+       &RuntimeConfig::stage3_max_reuse_distance},
+  };
+  return knobs;
+}
+
+// zero_optimization keys strata reads (the rest of DeepSpeedZeroKeys is left to the trainer).
+bool ReadByStrata(absl::string_view key) {
+  if (key == "stage" || key == "offload_param" || key == "offload_optimizer") return true;
+  for (const Stage3Knob& k : Stage3Knobs()) {
+    if (key == k.alias || key == k.field) return true;
+  }
+  return false;
+}
+
+// DeepSpeed's zero_optimization keys (its DeepSpeedZeroConfig: field names, their stage3_ aliases
+// and the deprecated names it still takes).
 const std::vector<std::string>& DeepSpeedZeroKeys() {
   static const std::vector<std::string> keys = {"stage",
                                                 "offload_param",
                                                 "offload_optimizer",
                                                 "stage3_prefetch_bucket_size",
+                                                "prefetch_bucket_size",
                                                 "stage3_max_live_parameters",
+                                                "max_live_parameters",
                                                 "stage3_max_reuse_distance",
+                                                "max_reuse_distance",
+                                                "stage3_param_persistence_threshold",
+                                                "param_persistence_threshold",
+                                                "stage3_model_persistence_threshold",
+                                                "model_persistence_threshold",
+                                                "stage3_gather_16bit_weights_on_model_save",
+                                                "gather_16bit_weights_on_model_save",
+                                                "stage3_gather_fp16_weights_on_model_save",
+                                                "stage3_module_granularity_threshold",
+                                                "module_granularity_threshold",
+                                                "stage3_use_all_reduce_for_fetch_params",
+                                                "use_all_reduce_for_fetch_params",
+                                                "contiguous_gradients",
+                                                "reduce_scatter",
+                                                "reduce_bucket_size",
+                                                "use_multi_rank_bucket_allreduce",
                                                 "allgather_partitions",
                                                 "allgather_bucket_size",
                                                 "overlap_comm",
-                                                "reduce_scatter",
-                                                "reduce_bucket_size",
-                                                "contiguous_gradients",
-                                                "stage3_param_persistence_threshold",
-                                                "stage3_gather_16bit_weights_on_model_save",
-                                                "stage3_gather_fp16_weights_on_model_save",
-                                                "sub_group_size",
+                                                "load_from_fp32_weights",
                                                 "elastic_checkpoint",
-                                                "round_robin_gradients",
+                                                "sub_group_size",
+                                                "cpu_offload",
+                                                "cpu_offload_param",
+                                                "cpu_offload_use_pin_memory",
                                                 "ignore_unused_parameters",
                                                 "legacy_stage1",
-                                                "cpu_offload",
-                                                "cpu_offload_params",
-                                                "cpu_offload_use_pin_memory",
-                                                "load_from_fp32_weights",
-                                                "memory_efficient_linear",
+                                                "round_robin_gradients",
                                                 "zero_hpz_partition_size",
                                                 "zero_quantized_weights",
                                                 "zero_quantized_nontrainable_weights",
                                                 "zero_quantized_gradients",
+                                                "zeropp_loco_param",
                                                 "mics_shard_size",
                                                 "mics_hierarchical_params_gather",
+                                                "memory_efficient_linear",
                                                 "pipeline_loading_checkpoint",
                                                 "override_module_apply",
-                                                "log_trace_cache_warnings",
-                                                "use_multi_rank_bucket_allreduce",
-                                                "module_granularity_threshold",
-                                                "use_all_reduce_for_fetch_params",
-                                                "stage3_module_granularity_threshold"};
+                                                "log_trace_cache_warnings"};
+  return keys;
+}
+
+// DeepSpeed's keys of each offload block (DeepSpeedZeroOffloadParamConfig and
+// DeepSpeedZeroOffloadOptimizerConfig; DeepSpeed refuses any other).
+const std::vector<std::string>& OffloadParamKeys() {
+  static const std::vector<std::string> keys = {"device",       "nvme_path",   "pin_memory",
+                                                "buffer_count", "buffer_size", "max_in_cpu"};
+  return keys;
+}
+const std::vector<std::string>& OffloadOptimizerKeys() {
+  static const std::vector<std::string> keys = {"device",       "nvme_path",     "pin_memory",
+                                                "buffer_count", "pipeline_read", "pipeline_write",
+                                                "fast_init",    "ratio"};
   return keys;
 }
 
 // Keys strata checks but does not act on yet: each warns when present. Later work removes an
 // entry when it wires the key (the scheduler: the stage-3 knobs; the optimizer step on the
-// Runtime: offload_optimizer's; ZeRO across ranks: the stage).
+// Runtime: offload_optimizer's; ZeRO across ranks: the stage). What the Runtime does read:
+// the aio blocks, offload_param.device (NVMe parameters skip the host on the way down),
+// offload_param.buffer_size (its staging buffers), the nvme_paths (the store's folder) and the
+// strata block.
 struct NotYetUsed {
   const char* key;
   const char* why;
@@ -145,29 +200,28 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
        "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.pipeline_write",
        "the optimizer step is not run by the Runtime yet"},
-      {"zero_optimization.offload_optimizer.pipeline",
-       "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.fast_init",
        "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.ratio",
        "partial optimizer offload is not supported yet"},
-      {"zero_optimization.offload_optimizer.max_in_cpu",
-       "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.stage3_prefetch_bucket_size", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.prefetch_bucket_size", "the prefetching scheduler is not in yet"},
       {"zero_optimization.stage3_max_live_parameters", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.max_live_parameters", "the prefetching scheduler is not in yet"},
       {"zero_optimization.stage3_max_reuse_distance", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.max_reuse_distance", "the prefetching scheduler is not in yet"},
   };
   return keys;
 }
 
-absl::Status Offload(const Json& zero, const char* name, OffloadConfig* out) {
+// Reads one offload block; `keys` are the ones DeepSpeed accepts in it (a key the block does not
+// have is absent, so its reader below leaves the default).
+absl::Status Offload(const Json& zero, const char* name, const std::vector<std::string>& keys,
+                     OffloadConfig* out) {
   auto it = zero.find(name);
   if (it == zero.end()) return absl::OkStatus();
   const std::string block = absl::StrCat("zero_optimization.", name);
-  STRATA_RETURN_IF_ERROR(config::CheckKeys(
-      *it, block,
-      {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu",
-       "pipeline_read", "pipeline_write", "pipeline", "fast_init", "ratio"}));
+  STRATA_RETURN_IF_ERROR(config::CheckKeys(*it, block, keys));
   const std::string p = block + ".";
   std::string device = "none";
   STRATA_RETURN_IF_ERROR(ReadString(*it, p, "device", &device));
@@ -182,17 +236,14 @@ absl::Status Offload(const Json& zero, const char* name, OffloadConfig* out) {
   }
   STRATA_RETURN_IF_ERROR(ReadString(*it, p, "nvme_path", &out->nvme_path));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pin_memory", &out->pin_memory));
-  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 1, 1 << 20, &out->buffer_count));
+  STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "buffer_count", 0, 1 << 20, &out->buffer_count));
   STRATA_RETURN_IF_ERROR(
       ReadInt(*it, p, "buffer_size", kMinBufferSize, kMaxBufferSize, &out->buffer_size));
   STRATA_RETURN_IF_ERROR(ReadInt(*it, p, "max_in_cpu", 0, int64_t{1} << 50, &out->max_in_cpu));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_read", &out->pipeline_read));
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline_write", &out->pipeline_write));
-  bool pipeline = false;
-  STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "pipeline", &pipeline));
-  if (pipeline) out->pipeline_read = out->pipeline_write = true;
   STRATA_RETURN_IF_ERROR(ReadBool(*it, p, "fast_init", &out->fast_init));
-  STRATA_RETURN_IF_ERROR(config::ReadFraction(*it, p, "ratio", 0, 1, &out->ratio));
+  STRATA_RETURN_IF_ERROR(config::ReadNumber(*it, p, "ratio", 0, 1, &out->ratio));
   if (out->device == OffloadDevice::kNvme && out->nvme_path.empty()) {
     return Bad(p + "nvme_path", "is required when device is \"nvme\"");
   }
@@ -244,22 +295,19 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     const std::string p = "zero_optimization.";
     STRATA_RETURN_IF_ERROR(config::CheckKeys(*z, "zero_optimization", DeepSpeedZeroKeys()));
     STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage", 0, 3, &c.zero_stage));
-    STRATA_RETURN_IF_ERROR(Offload(*z, "offload_param", &c.offload_param));
-    STRATA_RETURN_IF_ERROR(Offload(*z, "offload_optimizer", &c.offload_optimizer));
-    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_prefetch_bucket_size", 0, int64_t{1} << 50,
-                                   &c.stage3_prefetch_bucket_size));
-    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_max_live_parameters", 0, int64_t{1} << 50,
-                                   &c.stage3_max_live_parameters));
-    STRATA_RETURN_IF_ERROR(ReadInt(*z, p, "stage3_max_reuse_distance", 0, int64_t{1} << 50,
-                                   &c.stage3_max_reuse_distance));
-    const std::vector<std::string> read = {"stage",
-                                           "offload_param",
-                                           "offload_optimizer",
-                                           "stage3_prefetch_bucket_size",
-                                           "stage3_max_live_parameters",
-                                           "stage3_max_reuse_distance"};
+    STRATA_RETURN_IF_ERROR(Offload(*z, "offload_param", OffloadParamKeys(), &c.offload_param));
+    STRATA_RETURN_IF_ERROR(
+        Offload(*z, "offload_optimizer", OffloadOptimizerKeys(), &c.offload_optimizer));
+    for (const Stage3Knob& k : Stage3Knobs()) {
+      if (z->contains(k.alias) && z->contains(k.field)) {
+        return Bad(p + k.field, absl::StrCat("give either ", k.field, " or ", k.alias,
+                                             " (DeepSpeed reads both as one setting), not both"));
+      }
+      const char* key = z->contains(k.field) ? k.field : k.alias;
+      STRATA_RETURN_IF_ERROR(ReadInt(*z, p, key, 0, int64_t{1} << 50, &(c.*k.member)));
+    }
     for (const auto& [key, value] : z->items()) {
-      if (std::find(read.begin(), read.end(), key) == read.end()) {
+      if (!ReadByStrata(key)) {
         warn(absl::StrCat(p, key, ": not used by strata (DeepSpeed's; left to the trainer)"));
       }
     }
@@ -303,15 +351,25 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       warn(absl::StrCat(k.key, ": accepted but not yet used by strata (", k.why, ")"));
     }
   }
-  // One store per process: say which path it uses when the offload blocks name two.
-  if (c.offload_param.device == OffloadDevice::kNvme &&
-      c.offload_optimizer.device == OffloadDevice::kNvme &&
-      c.offload_param.nvme_path != c.offload_optimizer.nvme_path) {
-    warn(absl::StrCat(
-        "zero_optimization: offload_param.nvme_path (", c.offload_param.nvme_path,
-        ") and offload_optimizer.nvme_path (", c.offload_optimizer.nvme_path,
-        ") differ; strata keeps one NVMe store per process, at ", c.SwapPath(),
-        c.nvme_path.empty() ? " (set strata.nvme_path to choose)" : " (strata.nvme_path)"));
+  // One store per process, at SwapPath(): every nvme_path given but not used is named.
+  const std::string used = c.SwapPath();
+  const char* chosen_by = !c.nvme_path.empty() ? "strata.nvme_path"
+                          : c.offload_param.device == OffloadDevice::kNvme
+                              ? "offload_param.nvme_path; set strata.nvme_path to choose"
+                              : "offload_optimizer.nvme_path; set strata.nvme_path to choose";
+  for (const auto& [name, offload] :
+       {std::pair<const char*, const OffloadConfig*>{"offload_param", &c.offload_param},
+        {"offload_optimizer", &c.offload_optimizer}}) {
+    if (offload->nvme_path.empty()) continue;
+    const std::string key = absl::StrCat("zero_optimization.", name, ".nvme_path");
+    if (offload->device != OffloadDevice::kNvme) {
+      warn(absl::StrCat(key, " (", offload->nvme_path, ") is not used: ", name,
+                        ".device is not \"nvme\""));
+    } else if (offload->nvme_path != used) {
+      warn(absl::StrCat(key, " (", offload->nvme_path,
+                        ") is not used: strata keeps one NVMe store per process, at ", used, " (",
+                        chosen_by, ")"));
+    }
   }
   return c;
 }

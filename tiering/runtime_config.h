@@ -10,19 +10,22 @@
 //     "offload_optimizer": {"device", "nvme_path", "pin_memory", "buffer_count" (4),
 //                           "pipeline_read", "pipeline_write", "fast_init", "ratio"},
 //     "stage3_prefetch_bucket_size" (5e7), "stage3_max_live_parameters" (1e9),
-//     "stage3_max_reuse_distance" (1e9)}
+//     "stage3_max_reuse_distance" (1e9)  (each also under DeepSpeed's other spelling, without
+//                                          "stage3_"; one or the other, not both)}
 // and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
 //   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_path",
 //   "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
 // Values follow base/config_reader.h's rule (integers exact; DeepSpeed's 1e8 accepted; "auto"
-// explained; JSON errors with line and column). Keys: DeepSpeed's other top-level keys and
-// zero_optimization keys are reported as warnings ("left to the trainer"); a key that is neither
-// DeepSpeed's nor strata's is an error naming the closest known key, at the top level and in every
-// block strata reads. Keys strata checks but does not act on yet (the stage-3 knobs, most offload
+// explained; JSON errors with line and column). Unknown keys are reported, never silently
+// ignored: DeepSpeed's other top-level keys and zero_optimization keys are warnings ("left to the
+// trainer"); a key that is neither DeepSpeed's nor strata's is an error naming the closest known
+// key, at the top level and in every block strata reads (each offload block takes only the keys
+// DeepSpeed gives it). Keys strata checks but does not act on yet (the stage-3 knobs, most offload
 // keys, the zero stage; listed in one place in runtime_config.cc) warn "accepted but not yet used".
-// strata keeps one NVMe store per process: when offload_param and offload_optimizer name different
-// nvme_paths, a warning says which one is used (strata.nvme_path chooses). "trace" eviction is
-// accepted with a warning until the scheduler implements it; LRU runs.
+// strata keeps one NVMe store per process, at SwapPath(): strata.nvme_path when given, else
+// offload_param's nvme_path when its device is "nvme", else offload_optimizer's; every other
+// nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.
+// "trace" eviction is accepted with a warning until the scheduler implements it; LRU runs.
 //
 // Thread safety: plain values and pure functions.
 #ifndef STRATA_TIERING_RUNTIME_CONFIG_H_
@@ -45,6 +48,8 @@ enum class OffloadDevice { kNone, kCpu, kNvme };
 inline constexpr int64_t kMinBufferSize = 4096;
 inline constexpr int64_t kMaxBufferSize = int64_t{256} << 20;
 
+// One offload block; a key the block does not have in DeepSpeed (offload_optimizer has no
+// buffer_size or max_in_cpu; offload_param no pipeline_*, fast_init or ratio) keeps its default.
 struct OffloadConfig {
   OffloadDevice device = OffloadDevice::kNone;
   std::string nvme_path;

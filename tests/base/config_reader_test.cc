@@ -51,5 +51,18 @@ TEST(ConfigReaderTest, InvalidJsonNamesLineAndColumn) {
   EXPECT_THAT(Parse("").status().message(), HasSubstr("line 1, column 1"));
 }
 
+TEST(ConfigReaderTest, AKeyGivenTwiceIsRefusedNamingIt) {
+  auto twice = Parse(R"({"zero_optimization": {"offload_param": {"buffer_size": 1e8,
+                         "device": "nvme", "buffer_size": 4096}}})");
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(twice.status().message(),
+              HasSubstr("config: zero_optimization.offload_param.buffer_size: given twice"));
+  EXPECT_THAT(Parse(R"({"aio": {}, "aio": {}})").status().message(),
+              HasSubstr("config: aio: given"));
+  EXPECT_THAT(Parse(R"({"a": [{"k": 1, "k": 2}]})").status().message(), HasSubstr("a[].k: given"));
+  // The same key in different objects is not a duplicate.
+  EXPECT_TRUE(Parse(R"({"a": {"k": 1}, "b": {"k": 2}, "c": [{"k": 1}, {"k": 2}]})").ok());
+}
+
 }  // namespace
 }  // namespace strata::config
