@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,8 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 uint64_t StateBytes(uint64_t elements) { return elements * 3 * sizeof(float); }
+// The most elements whose state bytes a uint64_t holds.
+constexpr uint64_t kMaxElements = std::numeric_limits<uint64_t>::max() / (3 * sizeof(float));
 // The param copy's element: bf16 or fp16, the copy dtypes CpuAdam writes (it refuses others).
 constexpr uint64_t kCopyBytesPerElement = 2;
 
@@ -42,13 +45,14 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   s->config_ = config;
   uint64_t in_cpu = 0;
   for (const auto& [id, elements] : partitions) {
-    if (elements == 0) {
+    if (elements == 0 || elements > kMaxElements) {
       return absl::InvalidArgumentError(
-          absl::StrCat("optimizer swapper: partition ", id, " has 0 elements"));
+          absl::StrCat("optimizer swapper: partition ", id, " has ", elements,
+                       " elements (accepted: 1 to ", kMaxElements, ", 12 state bytes each)"));
     }
     Part part;
     part.elements = elements;
-    if (in_cpu + StateBytes(elements) <= config.max_in_cpu_bytes) {
+    if (StateBytes(elements) <= config.max_in_cpu_bytes - in_cpu) {  // in_cpu <= max_in_cpu
       STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(StateBytes(elements)));
       part.host_state = static_cast<float*>(p);
       std::memset(p, 0, StateBytes(elements));

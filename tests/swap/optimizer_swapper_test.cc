@@ -478,6 +478,11 @@ TEST(SwapperTest, BadInputIsRefused) {
                   .status()
                   .message(),
               HasSubstr("there is no NVMe store"));
+  // A size whose state bytes would wrap around (it once passed the max_in_cpu check).
+  auto huge = PipelinedOptimizerSwapper::Create(f.store.get(), f.adam.get(), &raw,
+                                                {.max_in_cpu_bytes = 1 << 20}, {{1, 1ull << 62}});
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument) << huge.status();
+  EXPECT_THAT(huge.status().message(), HasSubstr("elements (accepted: 1 to"));
 }
 
 // Inputs that are refused must be refused before anything changes: a bad input at the end of the
