@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,10 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 uint64_t StateBytes(uint64_t elements) { return elements * 3 * sizeof(float); }
+// The most elements whose state bytes a uint64_t holds.
+constexpr uint64_t kMaxElements = std::numeric_limits<uint64_t>::max() / (3 * sizeof(float));
+// The param copy's element: bf16 or fp16, the copy dtypes CpuAdam writes (it refuses others).
+constexpr uint64_t kCopyBytesPerElement = 2;
 
 absl::Span<const std::byte> Bytes(const float* p, uint64_t elements) {
   return {reinterpret_cast<const std::byte*>(p), StateBytes(elements)};
@@ -40,13 +45,14 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   s->config_ = config;
   uint64_t in_cpu = 0;
   for (const auto& [id, elements] : partitions) {
-    if (elements == 0) {
+    if (elements == 0 || elements > kMaxElements) {
       return absl::InvalidArgumentError(
-          absl::StrCat("optimizer swapper: partition ", id, " has 0 elements"));
+          absl::StrCat("optimizer swapper: partition ", id, " has ", elements,
+                       " elements (accepted: 1 to ", kMaxElements, ", 12 state bytes each)"));
     }
     Part part;
     part.elements = elements;
-    if (in_cpu + StateBytes(elements) <= config.max_in_cpu_bytes) {
+    if (StateBytes(elements) <= config.max_in_cpu_bytes - in_cpu) {  // in_cpu <= max_in_cpu
       STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(StateBytes(elements)));
       part.host_state = static_cast<float*>(p);
       std::memset(p, 0, StateBytes(elements));
@@ -75,6 +81,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
 }
 
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
+  if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
   for (auto& [id, part] : parts_) {
     if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
@@ -107,7 +114,9 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
   std::memcpy(state, master.data(), master.size() * sizeof(float));
   std::memset(state + part->elements, 0, 2 * part->elements * sizeof(float));
   if (part->host_state != nullptr) return absl::OkStatus();
-  return store_->Put(id, Bytes(state, part->elements));
+  std::unique_ptr<tiering::NvmeStore::Batch> batch = store_->NewBatch();
+  STRATA_RETURN_IF_ERROR(batch->Stage(id, Bytes(state, part->elements)));
+  return batch->Commit();
 }
 
 absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
@@ -130,14 +139,36 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
   return absl::OkStatus();
 }
 
+void PipelinedOptimizerSwapper::Emit(StepEvent event, tiering::PartitionId id) const {
+  if (config_.on_event) config_.on_event(event, id);
+}
+
+absl::Status PipelinedOptimizerSwapper::ReserveCopyStaging(uint64_t bytes) {
+  if (bytes <= copy_staging_bytes_) return absl::OkStatus();
+  if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
+  copy_staging_ = nullptr;
+  copy_staging_bytes_ = 0;
+  STRATA_ASSIGN_OR_RETURN(void* p, host_->Allocate(bytes));
+  copy_staging_ = static_cast<std::byte*>(p);
+  copy_staging_bytes_ = bytes;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
                                                            absl::Span<const StepInput> inputs,
                                                            const optim_cpu::StepOptions& options) {
   StepReport report;
   const auto t0 = Clock::now();
+  const std::string unchanged = absl::StrCat("optimizer step ", t, ": nothing was changed");
   // Every input is checked before anything is read, stepped or written.
-  std::vector<std::pair<const StepInput*, const Part*>> nvme, host;
+  struct Planned {
+    const StepInput* in;
+    const Part* part;
+    std::byte* staged_copy;  // NVMe-resident with a param_copy: where its copy is staged
+  };
+  std::vector<Planned> nvme, host;
   absl::flat_hash_set<tiering::PartitionId> seen;
+  uint64_t staging_bytes = 0;
   for (const StepInput& in : inputs) {
     const std::string context = absl::StrCat("optimizer step ", t, ": partition ", in.id);
     auto part = Find(in.id);
@@ -151,7 +182,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
                        ": listed twice (each partition at most once per step); nothing "
                        "was changed"));
     }
-    // What CpuAdam would refuse (null grad, a copy dtype it cannot write, t < 1, ...), checked on
+    // What CpuAdam would refuse (null grad, a dtype it does not take, t < 1, ...), checked on
     // stand-in state pointers.
     float stand_in = 0;
     optim_cpu::AdamChunk c;
@@ -165,7 +196,12 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     if (absl::Status s = adam_->Validate(t, c, options); !s.ok()) {
       return Annotate(s, absl::StrCat(context, ": nothing was changed"));
     }
-    ((*part)->host_state != nullptr ? host : nvme).emplace_back(&in, *part);
+    if ((*part)->host_state != nullptr) {
+      host.push_back({&in, *part, nullptr});
+    } else {
+      nvme.push_back({&in, *part, nullptr});
+      if (in.param_copy != nullptr) staging_bytes += (*part)->elements * kCopyBytesPerElement;
+    }
   }
   if (options.check_overflow) {
     for (const StepInput& in : inputs) {
@@ -176,16 +212,29 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       }
     }
   }
+  if (absl::Status s = ReserveCopyStaging(staging_bytes); !s.ok()) {
+    return Annotate(s, absl::StrCat(unchanged, " (staging the param copies of its NVMe-resident "
+                                               "partitions needs ",
+                                    staging_bytes, " bytes of host memory)"));
+  }
+  uint64_t staged_at = 0;
+  for (Planned& p : nvme) {
+    if (p.in->param_copy == nullptr) continue;
+    p.staged_copy = copy_staging_ + staged_at;
+    staged_at += p.part->elements * kCopyBytesPerElement;
+  }
+
   optim_cpu::StepOptions no_check = options;
   no_check.check_overflow = false;
-  auto step_one = [&](const StepInput& in, uint64_t n, float* state) -> absl::Status {
+  auto step_one = [&](const StepInput& in, uint64_t n, float* state,
+                      void* param_copy) -> absl::Status {
     optim_cpu::AdamChunk c;
     c.param = state;
     c.exp_avg = state + n;
     c.exp_avg_sq = state + 2 * n;
     c.grad = in.grad;
     c.grad_dtype = in.grad_dtype;
-    c.param_copy = in.param_copy;
+    c.param_copy = param_copy;
     c.copy_dtype = in.copy_dtype;
     c.size = n;
     const auto c0 = Clock::now();
@@ -199,37 +248,51 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   if (!nvme.empty()) batch = store_->NewBatch();
   const size_t n_parts = nvme.size();
   const size_t ring = buffers_.size();
-  std::vector<std::future<std::pair<absl::Status, double>>> reads(n_parts);
-  std::vector<std::shared_future<std::pair<absl::Status, double>>> writes(n_parts);
+  using Result = std::pair<absl::Status, double>;  // status, seconds
+  std::vector<std::future<Result>> reads(n_parts);
+  std::vector<std::shared_future<Result>> writes(n_parts);
+  auto id_of = [&](size_t k) { return nvme[k].in->id; };
   auto start_read = [&](size_t k) {
     float* buf = buffers_[k % ring];
-    const StepInput* in = nvme[k].first;
-    const uint64_t n = nvme[k].second->elements;
-    auto work = [this, buf, in, n] {
+    const tiering::PartitionId id = id_of(k);
+    const uint64_t n = nvme[k].part->elements;
+    auto work = [this, buf, id, n] {
+      Emit(StepEvent::kReadStarted, id);
       const auto r0 = Clock::now();
-      absl::Status s = store_->Get(in->id, MutableBytes(buf, n));
-      return std::make_pair(s, Since(r0));
+      absl::Status s = store_->Get(id, MutableBytes(buf, n));
+      return Result(s, Since(r0));
     };
-    reads[k] = config_.pipeline_read ? std::async(std::launch::async, work)
-                                     : std::async(std::launch::deferred, work);
+    if (config_.pipeline_read) {
+      reads[k] = std::async(std::launch::async, work);
+      Emit(StepEvent::kReadLaunched, id);
+    } else {
+      reads[k] = std::async(std::launch::deferred, work);
+    }
+  };
+  auto await_write = [&](size_t k) -> const Result& {
+    Emit(StepEvent::kWriteAwaited, id_of(k));
+    return writes[k].get();
   };
   auto start_write = [&](size_t k) {
     float* buf = buffers_[k % ring];
-    const StepInput* in = nvme[k].first;
-    const uint64_t n = nvme[k].second->elements;
-    std::shared_future<std::pair<absl::Status, double>> prev =
-        k > 0 ? writes[k - 1] : std::shared_future<std::pair<absl::Status, double>>();
+    const tiering::PartitionId id = id_of(k);
+    const uint64_t n = nvme[k].part->elements;
+    std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
     // Writes are staged one after another (a Batch is used by one thread at a time).
-    auto work = [this, buf, in, n, prev, b = batch.get()] {
+    auto work = [this, buf, id, n, prev, b = batch.get()] {
       if (prev.valid()) prev.wait();
+      Emit(StepEvent::kWriteStarted, id);
       const auto w0 = Clock::now();
-      absl::Status s = b->Stage(in->id, Bytes(buf, n));
-      return std::make_pair(s, Since(w0));
+      absl::Status s = b->Stage(id, Bytes(buf, n));
+      return Result(s, Since(w0));
     };
-    writes[k] = (config_.pipeline_write ? std::async(std::launch::async, work)
-                                        : std::async(std::launch::deferred, work))
-                    .share();
-    if (!config_.pipeline_write) writes[k].wait();
+    if (config_.pipeline_write) {
+      writes[k] = std::async(std::launch::async, work).share();
+      Emit(StepEvent::kWriteLaunched, id);
+    } else {
+      writes[k] = std::async(std::launch::deferred, work).share();
+      await_write(k);
+    }
   };
   absl::Status failure;
   if (n_parts > 0) start_read(0);
@@ -238,24 +301,30 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     // be done first.
     auto start_next = [&] {
       if (k + 1 >= n_parts) return;
-      if (k + 1 >= ring && !writes[k + 1 - ring].get().first.ok()) {
-        failure = writes[k + 1 - ring].get().first;
-        return;
+      if (k + 1 >= ring) {
+        if (const absl::Status& s = await_write(k + 1 - ring).first; !s.ok()) {
+          failure = s;
+          return;
+        }
       }
       start_read(k + 1);
     };
     if (config_.pipeline_read) start_next();
     if (!failure.ok()) break;
+    Emit(StepEvent::kReadAwaited, id_of(k));
     auto [read_status, read_s] = reads[k].get();
     report.read_seconds += read_s;
     if (!read_status.ok()) {
       failure = read_status;
       break;
     }
-    report.bytes_read += StateBytes(nvme[k].second->elements);
-    if (absl::Status s = step_one(*nvme[k].first, nvme[k].second->elements, buffers_[k % ring]);
-        !s.ok()) {
-      failure = s;
+    report.bytes_read += StateBytes(nvme[k].part->elements);
+    Emit(StepEvent::kStepStarted, id_of(k));
+    absl::Status stepped =
+        step_one(*nvme[k].in, nvme[k].part->elements, buffers_[k % ring], nvme[k].staged_copy);
+    Emit(StepEvent::kStepFinished, id_of(k));
+    if (!stepped.ok()) {
+      failure = stepped;
       break;
     }
     start_write(k);
@@ -266,13 +335,14 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     // A deferred read that was never needed is not run.
     if (reads[k].valid() &&
         reads[k].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
+      Emit(StepEvent::kReadAwaited, id_of(k));
       reads[k].wait();
     }
     if (writes[k].valid()) {
-      const auto& w = writes[k].get();
+      const Result& w = await_write(k);
       report.write_seconds += w.second;
       if (w.first.ok()) {
-        report.bytes_written += StateBytes(nvme[k].second->elements);
+        report.bytes_written += StateBytes(nvme[k].part->elements);
       } else if (failure.ok()) {
         failure = w.first;
       }
@@ -280,25 +350,28 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   }
   if (!failure.ok()) {
     if (batch) batch->Abort();
-    return Annotate(failure,
-                    absl::StrCat("optimizer step ", t,
-                                 ": nothing was changed (the NVMe state is step ", t - 1, "'s)"));
+    return Annotate(failure, absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)"));
   }
   if (batch) {
     const auto c0 = Clock::now();
     absl::Status committed = batch->Commit();
     report.write_seconds += Since(c0);
-    if (!committed.ok()) {
-      return Annotate(committed, absl::StrCat("optimizer step ", t, ": nothing was changed"));
+    if (!committed.ok()) return Annotate(committed, unchanged);
+  }
+  // Committed: what the caller sees changes now, by steps that cannot fail. The staged param
+  // copies go out, then the host-resident partitions step (their inputs were validated above, so
+  // CpuAdam has nothing left to refuse: an error here is a bug, reported as such).
+  for (const Planned& p : nvme) {
+    if (p.staged_copy != nullptr) {
+      std::memcpy(p.in->param_copy, p.staged_copy, p.part->elements * kCopyBytesPerElement);
     }
   }
-  // Host-resident partitions, once the NVMe part is committed. Their inputs were validated above,
-  // so CpuAdam has nothing left to refuse: an error here is a bug, reported as such.
-  for (const auto& [in, part] : host) {
-    if (absl::Status s = step_one(*in, part->elements, part->host_state); !s.ok()) {
+  for (const Planned& p : host) {
+    if (absl::Status s = step_one(*p.in, p.part->elements, p.part->host_state, p.in->param_copy);
+        !s.ok()) {
       return absl::InternalError(absl::StrCat(
           "optimizer step ", t, ": the NVMe state was committed but host-resident partition ",
-          in->id, " failed after validation: ", s.message()));
+          p.in->id, " failed after validation: ", s.message()));
     }
   }
   report.seconds = Since(t0);

@@ -6,29 +6,37 @@
 // Partitions are placed in order: while their state fits in max_in_cpu_bytes it stays in pinned
 // host memory and never touches the disk; the rest lives in the NVMe store.
 //
-// Step(t) runs CpuAdam over the partitions it is given (each at most once, any order). Every input
-// is validated first (a known partition, listed once, and everything CpuAdam would refuse: a null
-// gradient, a copy dtype it cannot write, t < 1), so a bad input returns InvalidArgument before
-// anything is read, stepped or written. For the NVMe-resident ones, with pipeline_read the state
-// of k+1 is read while k steps, and with pipeline_write the state of k-1 is written while k steps,
-// through a ring of three pinned buffers (one without pipelining); the gradients come from the
-// caller's host memory. The new state is staged in fresh extents and committed in one manifest
-// record at the end of the step, and only then are the host-resident partitions stepped (their
-// inputs being valid, that cannot fail). So a step that fails (a read, a write, the commit)
-// changes no optimizer state: NVMe holds the previous step's state, whole; the host-resident
-// state and the gradients are untouched; retrying the step gives, bit for bit, the result of a
-// step that never failed. What it does not cover: the `param_copy` outputs of NVMe-resident
-// partitions stepped before the failure already hold the new step's weights (they are written as
-// each partition steps, to keep no second copy of them); the retry rewrites them with the same
-// bits. The price of the promise is NVMe space for a second copy of the stepped state during the
-// step.
+// Step(t) runs CpuAdam over the partitions it is given: any subset of the swapper's partitions, in
+// any order, each at most once (a partition not listed is not stepped and keeps its state). Every
+// input is validated first: a known partition, listed once, and everything CpuAdam would refuse (a
+// null gradient, a grad or copy dtype it does not take, t < 1); `grad` must point to as many
+// values of grad_dtype as the partition has elements, and `param_copy`, when set, to as many of
+// copy_dtype (raw pointers: those sizes cannot be checked). A bad input returns InvalidArgument
+// before anything is read, stepped or written. For the NVMe-resident partitions, with
+// pipeline_read the state of k+1 is read while k steps, and with pipeline_write the state of k-1
+// is written while k steps, through a ring of three pinned buffers (one without pipelining); the
+// gradients come from the caller's host memory.
+//
+// A step changes nothing until it commits. The new NVMe state is staged in fresh extents and
+// committed in one manifest record at the end of the step; the param copies of the NVMe-resident
+// partitions are computed into a staging buffer meanwhile. Only after the commit are the staged
+// copies copied to the callers' `param_copy` and the host-resident partitions stepped (their
+// inputs being valid, neither can fail). So a step that fails (a read, a write, the commit, the
+// staging buffer's allocation) changes nothing the caller can see: NVMe holds the previous step's
+// state, whole; the host-resident state, the gradients and every `param_copy` are untouched; and
+// retrying the step gives, bit for bit, the result of a step that never failed. The price: NVMe
+// space for a second copy of the stepped state during the step, and host memory (from `host`,
+// kept for the next step) for the NVMe-resident partitions' param copies, 2 bytes per element of
+// those that ask for one.
 //
 // Thread safety: one Step (or Initialize/ReadState) at a time. The store, the optimizer and the
 // host memory resource are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -41,10 +49,28 @@
 
 namespace strata::swap {
 
+// The moments of a step for one NVMe-resident partition (see OptimizerSwapperConfig::on_event).
+enum class StepEvent : uint8_t {
+  kReadLaunched,   // its read was handed to an I/O thread (pipeline_read only)
+  kReadStarted,    // its read begins, on whichever thread runs it
+  kReadAwaited,    // the step's thread waits for its read (or, without pipeline_read, runs it)
+  kStepStarted,    // CpuAdam begins on it (the step's thread)
+  kStepFinished,   // CpuAdam is done with it
+  kWriteLaunched,  // its write was handed to an I/O thread (pipeline_write only)
+  kWriteStarted,   // its write (Batch::Stage) begins, on whichever thread runs it
+  kWriteAwaited,   // the step's thread waits for its write (or, without pipeline_write, runs it)
+};
+
 struct OptimizerSwapperConfig {
   bool pipeline_read = true;
   bool pipeline_write = true;
   uint64_t max_in_cpu_bytes = 0;  // state bytes (12 per parameter) kept in host memory
+  // Test seam: called at each StepEvent of an NVMe-resident partition, on the thread where it
+  // happens, so a test can see how reads, steps and writes interleave. It may block to hold a
+  // read or write back; a step never waits for an I/O thread without announcing it with an
+  // *Awaited event first, so a hook that holds an I/O thread until the step moves on, or until
+  // that event, cannot deadlock. Default: none.
+  std::function<void(StepEvent, tiering::PartitionId)> on_event;
 };
 
 // What one partition's step needs besides its state.
@@ -85,6 +111,8 @@ class PipelinedOptimizerSwapper {
 
   bool on_nvme(tiering::PartitionId id) const;
   size_t buffer_count() const { return buffers_.size(); }
+  // Bytes of host memory held for staging param copies (see above).
+  uint64_t copy_staging_bytes() const { return copy_staging_bytes_; }
 
  private:
   struct Part {
@@ -93,6 +121,9 @@ class PipelinedOptimizerSwapper {
   };
   PipelinedOptimizerSwapper() = default;
   absl::StatusOr<const Part*> Find(tiering::PartitionId id) const;
+  void Emit(StepEvent event, tiering::PartitionId id) const;
+  // Makes the param-copy staging buffer at least `bytes` long.
+  absl::Status ReserveCopyStaging(uint64_t bytes);
 
   tiering::NvmeStore* store_ = nullptr;
   optim_cpu::CpuAdam* adam_ = nullptr;
@@ -101,6 +132,8 @@ class PipelinedOptimizerSwapper {
   absl::flat_hash_map<tiering::PartitionId, Part> parts_;
   uint64_t buffer_bytes_ = 0;
   std::vector<float*> buffers_;
+  std::byte* copy_staging_ = nullptr;
+  uint64_t copy_staging_bytes_ = 0;
 };
 
 }  // namespace strata::swap
