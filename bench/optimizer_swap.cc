@@ -42,10 +42,7 @@ int Main() {
   const uint64_t params = absl::GetFlag(FLAGS_params);
   const uint64_t per = absl::GetFlag(FLAGS_partition_params);
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  if (params < per || per < 1024 || rounds < 1) {
-    std::fprintf(stderr, "optimizer_swap: need params >= partition_params >= 1024, rounds >= 1\n");
-    return 2;
-  }
+  if (params < per) aio_bench::BadFlag("--params", "must be at least --partition-params");
   const uint64_t n_parts = (params + per - 1) / per;
   const uint64_t state_bytes = params * 12;
   const std::string swap_dir = std::filesystem::absolute(dir).string() + "/strata-optimizer-swap";
@@ -255,6 +252,7 @@ int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
-      "bench/optimizer_swap.cc");
+      "bench/optimizer_swap.cc",
+      {{"params", 1024, 1ull << 40}, {"partition_params", 1024, 1ull << 36}, {"rounds", 1, 1000}});
   return strata::bench::Main();
 }
