@@ -75,13 +75,19 @@ TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
     EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
     EXPECT_THAT(r.output, Not(HasSubstr("laying down"))) << c.args;  // nothing was measured
   }
+  // A grid whose every point needs more buffer than this machine has is refused before anything.
+  Outcome grid = Execute(kSweep + " --nvme-dir " + dir.path() +
+                         " --block-sizes 64M --queue-depths 1024 --threads 256");
+  EXPECT_EQ(grid.exit_code, 2) << grid.output;
+  EXPECT_THAT(grid.output, HasSubstr("(64M x 1024 x 256) needs a"));
+  EXPECT_THAT(grid.output, Not(HasSubstr("laying down")));
   Outcome r = Execute(kBench + " --dir /proc");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("pseudo filesystem"));
   // aio_bench checks its buffer against the memory this machine has before allocating it.
   r = Execute(kBench + " --dir " + dir.path() + " --block-size 64M --queue-depth 1024 --threads 8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("MiB available"));
+  EXPECT_THAT(r.output, HasSubstr("MiB available (MemAvailable)"));
 }
 
 TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSaysSo) {

@@ -166,6 +166,30 @@ TEST(MeasurePointTest, AWideSpreadIsMeasuredAgainAndMarkedWhenItStaysWide) {
   EXPECT_FALSE(r.noisy);
 }
 
+TEST(CheckBufferFitsTest, ABufferOverHalfTheAvailableMemoryOrTheLockLimitIsRefused) {
+  aio::AioConfig c;
+  c.block_size = 1 << 20;
+  c.queue_depth = 8;
+  c.intra_op_parallelism = 2;  // 16 MiB in flight: 5 requests of 4 MiB = 20 MiB
+  ASSERT_EQ(BufferBytesFor(c), 20u << 20);
+  MemoryLimits limits;
+  limits.available_bytes = 40ull << 20;
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());
+  limits.available_bytes = 39ull << 20;
+  absl::Status s = CheckBufferFits(c, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("(1M x 8 x 2) needs a 20 MiB buffer"));
+  EXPECT_THAT(s.message(), HasSubstr("39 MiB available"));
+  limits.available_bytes = 0;  // unknown: not held against the point
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());
+  limits.lockable_bytes = 16ull << 20;
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());  // nothing is locked without registered buffers
+  c.registered_buffers = true;
+  s = CheckBufferFits(c, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("RLIMIT_MEMLOCK allows 16 MiB"));
+}
+
 TEST(MeasurePointTest, AnImpossiblePointFailsWithItsReason) {
   Point p;
   p.config.engine = aio::EngineKind::kLibAio;

@@ -70,13 +70,10 @@ int Main() {
   }
 
   // The buffer a point keeps in flight must fit in the memory this machine has free.
-  const uint64_t buffer_bytes = BufferBytesFor(c), available = AvailableMemory();
-  if (available > 0 && buffer_bytes > available / 2) {
-    BadFlag("--block-size",
-            absl::StrCat("block size x queue depth x threads needs a ", SizeText(buffer_bytes),
-                         " buffer; this machine has ", available >> 20,
-                         " MiB available (at most half of it is used)"));
+  if (absl::Status s = CheckBufferFits(c, MemoryLimits::Probe()); !s.ok()) {
+    BadFlag("--block-size, --queue-depth, --threads", s.message());
   }
+  const uint64_t buffer_bytes = BufferBytesFor(c);
   ScratchOptions so;
   so.overwrite = absl::GetFlag(FLAGS_overwrite);
   so.allow_buffered = absl::GetFlag(FLAGS_allow_buffered) || !c.direct;

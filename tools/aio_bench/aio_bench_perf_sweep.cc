@@ -54,11 +54,6 @@ std::string Clock2(double seconds) {
   return absl::StrFormat("%d:%02d", s / 60, s % 60);
 }
 
-uint64_t PhysicalMemory() {
-  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
-
 int Main() {
   const std::string dir = absl::GetFlag(FLAGS_nvme_dir);
   if (dir.empty()) BadFlag("--nvme-dir", "is required: a directory on the drive to tune");
@@ -125,6 +120,24 @@ int Main() {
     BadFlag("--nvme-dir", s.message());
   }
   if (absl::Status s = PrepareOutputDirectory(out_dir); !s.ok()) BadFlag("--out", s.message());
+  // A point whose buffer does not fit in memory fails with the reason; a grid where none fits is
+  // bad input. One buffer serves every point: the most any point that fits needs.
+  Grid coarse = Grid::Quick(cores);
+  apply_overrides(&coarse);
+  const MemoryLimits memory = MemoryLimits::Probe();
+  uint64_t buffer_bytes = 0;
+  for (const Grid* g : {&grid, &fine, &coarse}) {
+    if (g != &grid && budget == 0) continue;
+    for (const Point& p : g->Points()) {
+      if (CheckBufferFits(p.config, memory).ok()) {
+        buffer_bytes = std::max(buffer_bytes, BufferBytesFor(p.config));
+      }
+    }
+  }
+  if (buffer_bytes == 0) {
+    BadFlag("--block-sizes, --queue-depths, --threads",
+            CheckBufferFits(grid.Points().front().config, memory).message());
+  }
   std::printf("aio_bench_perf_sweep: laying down a %s test file in %s ...\n",
               SizeText(size).c_str(), dir.c_str());
   std::fflush(stdout);
@@ -141,11 +154,6 @@ int Main() {
   }
   if (!(*scratch)->direct()) grid.direct = fine.direct = false;
 
-  // One buffer for every point: the most any point of the grid needs, within a quarter of memory.
-  uint64_t need = 0;
-  for (const Point& p : (budget > 0 ? fine : grid).Points())
-    need = std::max(need, BufferBytesFor(p.config));
-  const uint64_t buffer_bytes = std::min(need, PhysicalMemory() / 4);
   auto buffer = aio::AlignedBuffer::Allocate(buffer_bytes, {.huge_pages = true});
   if (!buffer.ok()) {
     std::fprintf(stderr, "aio_bench_perf_sweep: %s\n",
@@ -155,8 +163,6 @@ int Main() {
 
   std::vector<Point> planned = grid.Points();
   std::optional<Planner> planner;
-  Grid coarse = Grid::Quick(cores);
-  apply_overrides(&coarse);
   coarse.direct = grid.direct;
   if (budget > 0) planner.emplace(fine, coarse, budget);
   const size_t shown_total = planner ? planner->coarse_size() : planned.size();
@@ -198,11 +204,9 @@ int Main() {
       std::fflush(stdout);
     }
     PointResult r;
-    if (BufferBytesFor(next->config) > buffer_bytes) {
+    if (absl::Status s = CheckBufferFits(next->config, memory); !s.ok()) {
       r.point = *next;
-      r.error = absl::StrCat("needs ", BufferBytesFor(next->config) >> 20,
-                             " MiB of buffer (block_size x queue_depth x threads), more than a "
-                             "quarter of this machine's memory");
+      r.error = std::string(s.message());
     } else {
       r = MeasurePoint(*next, (*scratch)->path(), size, buffer->data(), mo);
     }

@@ -104,18 +104,6 @@ absl::Status PrepareOutputDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
-uint64_t AvailableMemory() {
-  FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  uint64_t kib = 0;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "MemAvailable: %lu kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib << 10;
-}
-
 absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::string& dir,
                                                                  const std::string& name,
                                                                  uint64_t bytes,

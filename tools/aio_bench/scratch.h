@@ -50,9 +50,6 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
 // before measuring, so an unusable --out is found at once, not after the sweep.
 absl::Status PrepareOutputDirectory(const std::string& dir);
 
-// MemAvailable from /proc/meminfo (bytes), or 0 when it cannot be read.
-uint64_t AvailableMemory();
-
 class ScratchFile {
  public:
   // Errors: FailedPrecondition (file exists, not enough space, O_DIRECT refused), NotFound
