@@ -39,6 +39,7 @@
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the scratch file (on the disk to measure)");
 ABSL_FLAG(int64_t, size_mb, 2048,
@@ -443,5 +444,8 @@ int main(int argc, char** argv) {
       "against fio on the same file",
       "bench/aio_vs_fio.cc",
       {{"size_mb", 4, 1 << 30}, {"rounds", 1, 1000}, {"block_size", 4096, 64 << 20}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

@@ -23,6 +23,7 @@
 #include "nlohmann/json.hpp"
 #include "optim_cpu/adam.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "parameters");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
@@ -362,5 +363,8 @@ int main(int argc, char** argv) {
       argc, argv, "cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]",
       "bench/cpu_adam.cc",
       {{"params", 1024, 1ull << 40}, {"rounds", 1, 1000}, {"accuracy_steps", 0, 1000000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

@@ -24,6 +24,7 @@
 #include "aio/engine.h"
 #include "bench/common/report.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the store (on the drive to measure)");
 ABSL_FLAG(int64_t, partition_bytes, 256 << 10, "bytes per partition written back");
@@ -156,5 +157,8 @@ int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling", "bench/nvme_store.cc",
       {{"partition_bytes", 4096, 1ull << 34}, {"puts", 1, 1000000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

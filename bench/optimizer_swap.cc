@@ -19,6 +19,7 @@
 #include "tiering/memory_resource.h"
 #include "tiering/nvme_store.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the swap space (on the drive to measure)");
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "model parameters (12 bytes of state each)");
@@ -254,5 +255,8 @@ int main(int argc, char** argv) {
       argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
       "bench/optimizer_swap.cc",
       {{"params", 1024, 1ull << 40}, {"partition_params", 1024, 1ull << 36}, {"rounds", 1, 1000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

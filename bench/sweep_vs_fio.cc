@@ -226,5 +226,8 @@ int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "sweep_vs_fio --dir DIR [--rounds 3] [--reserve-hugetlb] [--json PATH]",
       "bench/sweep_vs_fio.cc", {{"rounds", 1, 1000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

@@ -81,6 +81,11 @@ TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
   EXPECT_EQ(grid.exit_code, 2) << grid.output;
   EXPECT_THAT(grid.output, HasSubstr("(64M x 1024 x 256) needs a"));
   EXPECT_THAT(grid.output, Not(HasSubstr("laying down")));
+  // aio_bench's --json, like the sweep's --out, is checked before anything is laid down.
+  Outcome json = Execute(kBench + " --dir " + dir.path() + " --json /proc/strata/r.json");
+  EXPECT_EQ(json.exit_code, 2) << json.output;
+  EXPECT_THAT(json.output, HasSubstr("--json: /proc/strata: cannot be made"));
+  EXPECT_THAT(json.output, Not(HasSubstr("laying down")));
   Outcome r = Execute(kBench + " --dir /proc");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("pseudo filesystem"));
@@ -167,7 +172,8 @@ TEST(BenchCliTest, EveryBenchmarkTakesEitherSpellingAndRefusesNumbersOutOfRange)
            {"nvme_store", "--puts=-5", "--puts: must be an integer in [1, 1000000], got -5"},
            {"optimizer_swap", "--partition-params 1", "--partition-params: must be an integer"},
            {"optimizer_swap", "--params 2048 --partition_params 4096",
-            "--params: must be at least --partition-params"}}) {
+            "--params: must be at least --partition-params"},
+           {"nvme_store", "--json /proc/strata/r.json", "--json: /proc/strata: cannot be made"}}) {
     Outcome r = Execute(bin + c.program + " " + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.program << " " << c.args << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(c.message)) << c.program << " " << c.args;

@@ -74,6 +74,9 @@ int Main() {
     BadFlag("--block-size, --queue-depth, --threads", s.message());
   }
   const uint64_t buffer_bytes = BufferBytesFor(c);
+  if (absl::Status s = PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    BadFlag("--json", s.message());
+  }
   ScratchOptions so;
   so.overwrite = absl::GetFlag(FLAGS_overwrite);
   so.allow_buffered = absl::GetFlag(FLAGS_allow_buffered) || !c.direct;
@@ -107,8 +110,16 @@ int Main() {
   std::printf(
       "GB/s     %.3f median [min %.3f, max %.3f] over %d runs of %.2f s after %.2f s "
       "warm-up\n",
-      r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps, mo.rep_seconds,
-      mo.warmup_seconds);
+      r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps * (1 + r.rounds_repeated),
+      mo.rep_seconds, mo.warmup_seconds);
+  if (r.noisy) {
+    std::printf("NOISY    the runs still spread widely after %d more rounds of %d: the median is "
+                "not a steady figure (a stalling drive, or another process)\n",
+                r.rounds_repeated, mo.reps);
+  } else if (r.rounds_repeated > 0) {
+    std::printf("repeated %d more rounds of %d runs: the first spread widely\n",
+                r.rounds_repeated, mo.reps);
+  }
   std::printf("IOPS     %.0f (%s operations)\n", r.iops, SizeText(c.block_size).c_str());
   std::printf("latency  p50 %.0f us, p99 %.0f us, max %.0f us (per block, submit to complete)\n",
               r.latency_p50_us, r.latency_p99_us, r.latency_max_us);

@@ -271,12 +271,13 @@ int Main() {
     }
     std::printf("\n");
   }
+  auto noisy = [](const std::optional<PointResult>& r) { return r->noisy ? " (noisy)" : ""; };
   if (best.read)
-    std::printf("best read:  %s, %.3f GB/s\n", best.read->point.Describe().c_str(),
-                best.read->gb_per_s.median);
+    std::printf("best read:  %s, %.3f GB/s%s\n", best.read->point.Describe().c_str(),
+                best.read->gb_per_s.median, noisy(best.read));
   if (best.write)
-    std::printf("best write: %s, %.3f GB/s\n", best.write->point.Describe().c_str(),
-                best.write->gb_per_s.median);
+    std::printf("best write: %s, %.3f GB/s%s\n", best.write->point.Describe().c_str(),
+                best.write->gb_per_s.median, noisy(best.write));
   if (best.both_read) {
     std::printf("best both:  %s, read %.3f GB/s, write %.3f GB/s\n",
                 best.both_read->point.ConfigKey().c_str(), best.both_read->gb_per_s.median,

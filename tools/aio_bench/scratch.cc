@@ -93,14 +93,34 @@ absl::Status PrepareOutputDirectory(const std::string& dir) {
   std::filesystem::create_directories(dir, ec);
   if (ec)
     return absl::FailedPreconditionError(absl::StrCat(dir, ": cannot be made: ", ec.message()));
-  const std::string probe = dir + "/.strata-write-probe";
-  FILE* f = std::fopen(probe.c_str(), "w");
-  if (f == nullptr || std::fputs("probe\n", f) < 0 || std::fclose(f) != 0) {
-    const int err = errno;
+  std::string probe = dir + "/.strata-write-probe-XXXXXX";
+  const int fd = mkstemp(probe.data());
+  const bool written = fd >= 0 && write(fd, "probe\n", 6) == 6;
+  const int err = errno;
+  if (fd >= 0) {
+    close(fd);
+    unlink(probe.c_str());
+  }
+  if (!written) {
     return absl::FailedPreconditionError(
         absl::StrCat(dir, ": cannot write a file in it: ", std::strerror(err)));
   }
-  std::remove(probe.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status PrepareOutputFile(const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  const std::filesystem::path p = std::filesystem::absolute(path);
+  STRATA_RETURN_IF_ERROR(PrepareOutputDirectory(p.parent_path().string()));
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return absl::OkStatus();  // made when written
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a file"));
+  }
+  if (access(path.c_str(), W_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": cannot be written: ", std::strerror(errno)));
+  }
   return absl::OkStatus();
 }
 

@@ -46,9 +46,14 @@ struct ScratchOptions {
 absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions& options,
                                     std::string* warning);
 
-// Makes `dir` (and its parents) and checks that a file can be written in it: the tools call it
-// before measuring, so an unusable --out is found at once, not after the sweep.
+// Makes `dir` (and its parents) and checks that a file can be written in it (a probe file of
+// its own, removed): the tools call it before measuring, so an unusable --out is found at once,
+// not after the sweep. FailedPrecondition naming the directory and the reason.
 absl::Status PrepareOutputDirectory(const std::string& dir);
+
+// The same for one output file (--json): its directory is made and checked, and an existing
+// `path` must be a writable file; nothing is written to it. An empty path is OK (no output).
+absl::Status PrepareOutputFile(const std::string& path);
 
 class ScratchFile {
  public:
