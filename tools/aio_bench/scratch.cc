@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -58,7 +59,9 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
       {0x9fa0, "proc"},           {0x62656572, "sysfs"},   {0x27e0eb, "cgroup"},
       {0x63677270, "cgroup2"},    {0x64626720, "debugfs"}, {0x74726163, "tracefs"},
       {0x73636673, "securityfs"}, {0x1cd1, "devpts"},      {0x62656570, "configfs"},
-      {0xcafe4a11, "bpf"},        {0x6165676c, "pstore"},  {0x42494e4d, "binfmt_misc"}};
+      {0xcafe4a11, "bpf"},        {0x6165676c, "pstore"},  {0x42494e4d, "binfmt_misc"},
+      {0x19800202, "mqueue"},     {0x65735543, "fusectl"}, {0xde5e81e4, "efivarfs"},
+      {0xf97cff8c, "selinuxfs"},  {0x6e736673, "nsfs"}};
   static constexpr Named kMemory[] = {
       {0x01021994, "tmpfs"}, {0x858458f6, "ramfs"}, {0x958458f6, "hugetlbfs"}};
   const uint64_t type = static_cast<uint64_t>(fs.f_type);
@@ -69,6 +72,14 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
                        ", a kernel pseudo filesystem, not a disk: give a directory on "
                        "the drive to tune"));
     }
+  }
+  if ((fs.f_flags & ST_RDONLY) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " is on a read-only filesystem: the test file cannot be written there"));
+  }
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        dir, ": this user cannot make the test file there (", std::strerror(errno), ")"));
   }
   for (const Named& n : kMemory) {
     if (type != n.magic) continue;

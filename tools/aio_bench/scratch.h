@@ -38,8 +38,10 @@ struct ScratchOptions {
 };
 
 // Checks the directory a tool is told to measure, before anything else: it must exist and be a
-// directory (NotFound / FailedPrecondition), on a filesystem that stores data on a drive. A
-// kernel pseudo filesystem (proc, sysfs, cgroup, debugfs, ...) is InvalidArgument; a
+// directory (NotFound / FailedPrecondition), on a filesystem that stores data on a drive, where
+// this user may make a file (read-only: FailedPrecondition; no write permission:
+// PermissionDenied). A kernel pseudo filesystem (proc, sysfs, cgroup, debugfs, ...) is
+// InvalidArgument; a
 // memory-backed one (tmpfs, ramfs: recent kernels give tmpfs O_DIRECT, so it would pass for a
 // very fast drive) is InvalidArgument unless options.allow_memory_fs, and then `*warning` says so
 // (for every output to carry). The tools map these to exit code 2.
