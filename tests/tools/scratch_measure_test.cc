@@ -70,8 +70,9 @@ TEST(CheckMeasuredDirectoryTest, ADirectoryThisUserCannotWriteIsRefusedBeforeAny
   // As root, the check runs in a child that drops to nobody; the folder stays root's 0755.
   ScratchDir dir = ScratchDir::Traversable();
   const bool root = geteuid() == 0;
-  if (!root) std::filesystem::permissions(dir.path(), std::filesystem::perms::owner_read |
-                                                          std::filesystem::perms::owner_exec);
+  if (!root)
+    std::filesystem::permissions(
+        dir.path(), std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
   int pipefd[2];
   ASSERT_EQ(pipe(pipefd), 0);
   const pid_t pid = fork();
@@ -92,7 +93,8 @@ TEST(CheckMeasuredDirectoryTest, ADirectoryThisUserCannotWriteIsRefusedBeforeAny
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_THAT(text, HasSubstr(absl::StrCat(static_cast<int>(absl::StatusCode::kPermissionDenied),
-                                           " ", dir.path(), ": this user cannot make the test "
+                                           " ", dir.path(),
+                                           ": this user cannot make the test "
                                            "file there (Permission denied)")));
 }
 

@@ -165,8 +165,10 @@ TEST(OutputsTest, EveryPointIsWrittenAndTheBlockIsOneStrataAndDeepSpeedRead) {
   EXPECT_THAT(csv, HasSubstr("libaio,read,1048576,64,1,false,true,false,false,false,true,failed"));
   EXPECT_THAT(csv, HasSubstr("io_setup: Resource temporarily unavailable"));
   EXPECT_THAT(csv, HasSubstr(",direct,status,rounds_repeated,noisy,gb_per_s_median,"));
-  EXPECT_THAT(csv, HasSubstr("io_uring,write,1048576,8,2,false,true,false,false,false,true,ok,2,true,"));
-  EXPECT_THAT(csv, HasSubstr("io_uring,read,1048576,8,2,false,true,false,false,false,true,ok,0,false,"));
+  EXPECT_THAT(csv,
+              HasSubstr("io_uring,write,1048576,8,2,false,true,false,false,false,true,ok,2,true,"));
+  EXPECT_THAT(csv,
+              HasSubstr("io_uring,read,1048576,8,2,false,true,false,false,false,true,ok,0,false,"));
   const auto json = nlohmann::json::parse(Slurp(out.dir + "/results.json"));
   ASSERT_EQ(json["points"].size(), 3u);
   EXPECT_EQ(json["points"][2]["status"], "failed");

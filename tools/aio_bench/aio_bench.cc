@@ -113,12 +113,13 @@ int Main() {
       r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps * (1 + r.rounds_repeated),
       mo.rep_seconds, mo.warmup_seconds);
   if (r.noisy) {
-    std::printf("NOISY    the runs still spread widely after %d more rounds of %d: the median is "
-                "not a steady figure (a stalling drive, or another process)\n",
-                r.rounds_repeated, mo.reps);
+    std::printf(
+        "NOISY    the runs still spread widely after %d more rounds of %d: the median is "
+        "not a steady figure (a stalling drive, or another process)\n",
+        r.rounds_repeated, mo.reps);
   } else if (r.rounds_repeated > 0) {
-    std::printf("repeated %d more rounds of %d runs: the first spread widely\n",
-                r.rounds_repeated, mo.reps);
+    std::printf("repeated %d more rounds of %d runs: the first spread widely\n", r.rounds_repeated,
+                mo.reps);
   }
   std::printf("IOPS     %.0f (%s operations)\n", r.iops, SizeText(c.block_size).c_str());
   std::printf("latency  p50 %.0f us, p99 %.0f us, max %.0f us (per block, submit to complete)\n",

@@ -55,7 +55,8 @@ std::string Accepted(const absl::CommandLineFlag& f, const FlagRange& r) {
 
 void PrintHelp(absl::string_view usage, const std::vector<absl::CommandLineFlag*>& flags,
                const std::map<std::string, FlagRange>& ranges) {
-  std::printf("%s\n\nflags (shown with dashes; underscores work too):\n", std::string(usage).c_str());
+  std::printf("%s\n\nflags (shown with dashes; underscores work too):\n",
+              std::string(usage).c_str());
   for (const auto* f : flags) {
     std::string shown = Dashed(f->Name());
     if (f->IsOfType<bool>()) {
@@ -164,8 +165,8 @@ void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
       if (auto r = range_of.find(std::string(flag->Name())); r != range_of.end()) {
-        BadFlag(shown, absl::StrCat("must be ", Accepted(*flag, r->second), ", got \"", value,
-                                    "\""));
+        BadFlag(shown,
+                absl::StrCat("must be ", Accepted(*flag, r->second), ", got \"", value, "\""));
       }
       BadFlag(shown, absl::StrCat("bad value \"", value, "\": ", error));
     }

@@ -73,8 +73,8 @@ absl::Status CheckBufferFits(const aio::AioConfig& config, const MemoryLimits& l
   const uint64_t need = BufferBytesFor(config);
   const std::string what =
       absl::StrCat("block size x queue depth x threads (", SizeText(config.block_size), " x ",
-                   config.queue_depth, " x ", config.intra_op_parallelism, ") needs a ",
-                   need >> 20, " MiB buffer");
+                   config.queue_depth, " x ", config.intra_op_parallelism, ") needs a ", need >> 20,
+                   " MiB buffer");
   if (limits.available_bytes > 0 && need > limits.available_bytes / 2) {
     return absl::ResourceExhaustedError(
         absl::StrCat(what, "; this machine has ", limits.available_bytes >> 20,
