@@ -39,6 +39,7 @@
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the scratch file (on the disk to measure)");
 ABSL_FLAG(int64_t, size_mb, 2048,
@@ -46,7 +47,7 @@ ABSL_FLAG(int64_t, size_mb, 2048,
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(std::string, engines, "io_uring,libaio", "strata engines to measure");
 ABSL_FLAG(std::string, queue_depths, "8,32", "queue depths to measure");
-ABSL_FLAG(int64_t, block_size, 1 << 20, "aio block_size in bytes");
+ABSL_FLAG(int64_t, block_size, 1 << 20, "aio block_size in bytes (a power of two)");
 ABSL_FLAG(std::string, json, "", "write the report here");
 ABSL_FLAG(bool, keep_file, false, "keep the scratch file");
 ABSL_FLAG(bool, reserve_hugetlb, false,
@@ -138,32 +139,12 @@ int Main() {
   const uint64_t size = static_cast<uint64_t>(absl::GetFlag(FLAGS_size_mb)) << 20;
   const uint64_t bs = static_cast<uint64_t>(absl::GetFlag(FLAGS_block_size));
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  if (size < kChunk || size % kChunk != 0) {
-    std::fprintf(stderr, "--size_mb must be a positive multiple of 4\n");
-    return 2;
-  }
-  if (rounds < 1) {
-    std::fprintf(stderr, "--rounds must be >= 1\n");
-    return 2;
-  }
-  std::vector<aio::EngineKind> engines;
-  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_engines), ',')) {
-    auto kind = aio::ParseEngineKind(name);
-    if (!kind.ok()) {
-      std::fprintf(stderr, "--engines: %s\n", std::string(kind.status().message()).c_str());
-      return 2;
-    }
-    engines.push_back(*kind);
-  }
-  std::vector<int> depths;
-  for (absl::string_view d : absl::StrSplit(absl::GetFlag(FLAGS_queue_depths), ',')) {
-    int v = 0;
-    if (!absl::SimpleAtoi(d, &v) || v < 1 || v > 1024) {
-      std::fprintf(stderr, "--queue_depths: \"%s\" is not in [1, 1024]\n", std::string(d).c_str());
-      return 2;
-    }
-    depths.push_back(v);
-  }
+  if (size % kChunk != 0) aio_bench::BadFlag("--size-mb", "must be a multiple of 4");
+  if ((bs & (bs - 1)) != 0) aio_bench::BadFlag("--block-size", "must be a power of two");
+  const std::vector<aio::EngineKind> engines =
+      aio_bench::ParseEngineList("--engines", absl::GetFlag(FLAGS_engines));
+  const std::vector<int> depths =
+      aio_bench::ParseIntList("--queue-depths", absl::GetFlag(FLAGS_queue_depths), 1, 1024);
   const int top_depth = *std::max_element(depths.begin(), depths.end());
   const bool have_fio = FioAvailable();
   if (!have_fio) std::fprintf(stderr, "fio not found: rows carry no fio ceiling\n");
@@ -251,7 +232,7 @@ int Main() {
     fio_hugetlb = absl::GetFlag(FLAGS_reserve_hugetlb) ? hugetlb.Reserve(need, &hugetlb_note)
                                                        : HugetlbReservation::FreeBytes() >= need;
     if (!fio_hugetlb && hugetlb_note.empty()) {
-      hugetlb_note = "no free hugetlb pages (pass --reserve_hugetlb as root)";
+      hugetlb_note = "no free hugetlb pages (pass --reserve-hugetlb as root)";
     }
     if (!fio_hugetlb) std::fprintf(stderr, "fio without huge pages: %s\n", hugetlb_note.c_str());
   }
@@ -461,6 +442,10 @@ int main(int argc, char** argv) {
       argc, argv,
       "aio_vs_fio --dir DIR [--size-mb N] [--rounds N] [--json PATH]: strata's aio engine "
       "against fio on the same file",
-      "bench/aio_vs_fio.cc");
+      "bench/aio_vs_fio.cc",
+      {{"size_mb", 4, 1 << 30}, {"rounds", 1, 1000}, {"block_size", 4096, 64 << 20}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

@@ -23,6 +23,7 @@
 #include "nlohmann/json.hpp"
 #include "optim_cpu/adam.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "parameters");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
@@ -79,7 +80,7 @@ struct TorchResult {
 TorchResult RunTorch(const std::string& python, int64_t params, int threads, bool foreach) {
   TorchResult r;
   if (python.empty()) {
-    r.why = "no peer (--torch_python empty)";
+    r.why = "no peer (--torch-python empty)";
     return r;
   }
   const std::string script = std::string(STRATA_SOURCE_DIR) + "/bench/cpu_adam_torch.py";
@@ -184,25 +185,13 @@ void Bf16MomentsAccuracy(int steps, Report* report) {
 int Main() {
   const size_t n = static_cast<size_t>(absl::GetFlag(FLAGS_params));
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  if (n < 1024 || rounds < 1) {
-    std::fprintf(stderr, "cpu_adam: --params must be >= 1024 and --rounds >= 1\n");
-    return 2;
-  }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::vector<int> thread_counts;
   if (absl::GetFlag(FLAGS_threads).empty()) {
     thread_counts = {1};
     if (cores > 1) thread_counts.push_back(cores);
   } else {
-    for (absl::string_view t : absl::StrSplit(absl::GetFlag(FLAGS_threads), ',')) {
-      int v = 0;
-      if (!absl::SimpleAtoi(t, &v) || v < 1 || v > 1024) {
-        std::fprintf(stderr, "cpu_adam: --threads: \"%s\" is not in [1, 1024]\n",
-                     std::string(t).c_str());
-        return 2;
-      }
-      thread_counts.push_back(v);
-    }
+    thread_counts = aio_bench::ParseIntList("--threads", absl::GetFlag(FLAGS_threads), 1, 1024);
   }
 
   // Data: huge-page backed, random; the same arrays serve the ceiling and Adam.
@@ -372,6 +361,10 @@ int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "cpu_adam [--params N] [--threads 1,2] [--rounds 5] [--json PATH]",
-      "bench/cpu_adam.cc");
+      "bench/cpu_adam.cc",
+      {{"params", 1024, 1ull << 40}, {"rounds", 1, 1000}, {"accuracy_steps", 0, 1000000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

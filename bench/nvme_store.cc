@@ -24,6 +24,7 @@
 #include "aio/engine.h"
 #include "bench/common/report.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the store (on the drive to measure)");
 ABSL_FLAG(int64_t, partition_bytes, 256 << 10, "bytes per partition written back");
@@ -44,18 +45,8 @@ int Main() {
   const uint64_t bytes = absl::GetFlag(FLAGS_partition_bytes);
   const int puts = absl::GetFlag(FLAGS_puts);
   std::vector<uint64_t> sizes;
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_sizes), ',')) {
-    uint64_t n = 0;
-    if (!absl::SimpleAtoi(s, &n) || n == 0) {
-      std::fprintf(stderr, "nvme_store: --sizes: comma-separated counts > 0, got %s\n",
-                   absl::GetFlag(FLAGS_sizes).c_str());
-      return 2;
-    }
-    sizes.push_back(n);
-  }
-  if (bytes < 4096 || puts < 1 || sizes.empty()) {
-    std::fprintf(stderr, "nvme_store: need --partition_bytes >= 4096 and --puts >= 1\n");
-    return 2;
+  for (int n : aio_bench::ParseIntList("--sizes", absl::GetFlag(FLAGS_sizes), 1, 1 << 20)) {
+    sizes.push_back(static_cast<uint64_t>(n));
   }
   std::sort(sizes.begin(), sizes.end());
   const std::string root = std::filesystem::absolute(dir).string() + "/strata-nvme-store-bench";
@@ -164,6 +155,10 @@ int Main() {
 int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
-      argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling", "bench/nvme_store.cc");
+      argc, argv, "nvme_store: NVMe store write-back cost vs its ceiling", "bench/nvme_store.cc",
+      {{"partition_bytes", 4096, 1ull << 34}, {"puts", 1, 1000000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

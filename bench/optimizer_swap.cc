@@ -19,6 +19,7 @@
 #include "tiering/memory_resource.h"
 #include "tiering/nvme_store.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
 
 ABSL_FLAG(std::string, dir, ".", "directory for the swap space (on the drive to measure)");
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "model parameters (12 bytes of state each)");
@@ -42,10 +43,7 @@ int Main() {
   const uint64_t params = absl::GetFlag(FLAGS_params);
   const uint64_t per = absl::GetFlag(FLAGS_partition_params);
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  if (params < per || per < 1024 || rounds < 1) {
-    std::fprintf(stderr, "optimizer_swap: need params >= partition_params >= 1024, rounds >= 1\n");
-    return 2;
-  }
+  if (params < per) aio_bench::BadFlag("--params", "must be at least --partition-params");
   const uint64_t n_parts = (params + per - 1) / per;
   const uint64_t state_bytes = params * 12;
   const std::string swap_dir = std::filesystem::absolute(dir).string() + "/strata-optimizer-swap";
@@ -255,6 +253,10 @@ int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
-      "bench/optimizer_swap.cc");
+      "bench/optimizer_swap.cc",
+      {{"params", 1024, 1ull << 40}, {"partition_params", 1024, 1ull << 36}, {"rounds", 1, 1000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

@@ -37,7 +37,6 @@ using aio_bench::PointResult;
 
 int Main() {
   const int rounds = absl::GetFlag(FLAGS_rounds);
-  if (rounds < 1) aio_bench::BadFlag("--rounds", "must be >= 1");
   const uint64_t size =
       aio_bench::ParseSize("--size", absl::GetFlag(FLAGS_size), 64 << 20, 1ull << 50) / (8 << 20) *
       (8 << 20);
@@ -70,7 +69,7 @@ int Main() {
   const bool fio_huge = absl::GetFlag(FLAGS_reserve_hugetlb)
                             ? hugetlb.Reserve(fio_need, &why)
                             : HugetlbReservation::FreeBytes() >= fio_need;
-  if (!fio_huge && why.empty()) why = "no free hugetlb pages (pass --reserve_hugetlb as root)";
+  if (!fio_huge && why.empty()) why = "no free hugetlb pages (pass --reserve-hugetlb as root)";
   if (!fio_huge) std::fprintf(stderr, "fio without huge pages: %s\n", why.c_str());
 
   aio_bench::MeasureOptions mo;  // the sweep's --quick settings
@@ -226,6 +225,9 @@ int main(int argc, char** argv) {
   // Flags as the aio tools take them: --a-flag or --a_flag, bad values exit 2.
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "sweep_vs_fio --dir DIR [--rounds 3] [--reserve-hugetlb] [--json PATH]",
-      "bench/sweep_vs_fio.cc");
+      "bench/sweep_vs_fio.cc", {{"rounds", 1, 1000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
+  }
   return strata::bench::Main();
 }

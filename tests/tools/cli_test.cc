@@ -57,25 +57,42 @@ TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
             "--nvme-dir: " + dir.path() + "/missing: no such directory"},
            {"--nvme-dir /proc", "/proc is on proc, a kernel pseudo filesystem"},
            {"--nvme-dir /sys", "/sys is on sysfs, a kernel pseudo filesystem"},
-           {"--nvme-dir " + dir.path() + " --reps -3", "--reps: must be in [1, 1000], got -3"},
-           {"--nvme-dir " + dir.path() + " --reps 0", "--reps: must be in [1, 1000], got 0"},
+           {"--nvme-dir " + dir.path() + " --reps -3",
+            "--reps: must be an integer in [1, 1000], got -3"},
+           {"--nvme-dir " + dir.path() + " --reps 0",
+            "--reps: must be an integer in [1, 1000], got 0"},
+           {"--nvme-dir " + dir.path() + " --reps three",
+            "--reps: must be an integer in [1, 1000], got \"three\""},
            {"--nvme-dir " + dir.path() + " --rep-seconds -1",
-            "--rep-seconds: must be in [0.01, 600], got -1"},
+            "--rep-seconds: must be a number in [0.01, 600], got -1"},
+           {"--nvme-dir " + dir.path() + " --rep_seconds nan",
+            "--rep-seconds: must be a number in [0.01, 600], got nan"},
            {"--nvme-dir " + dir.path() + " --warmup-seconds=-0.5",
-            "--warmup-seconds: must be in [0, 600], got -0.5"},
+            "--warmup-seconds: must be a number in [0, 600], got -0.5"},
            {"--nvme-dir " + dir.path() + " --out /proc/strata-out", "--out: /proc/strata-out"}}) {
     Outcome r = Execute(kSweep + " --quick " + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
     EXPECT_THAT(r.output, Not(HasSubstr("laying down"))) << c.args;  // nothing was measured
   }
+  // A grid whose every point needs more buffer than this machine has is refused before anything.
+  Outcome grid = Execute(kSweep + " --nvme-dir " + dir.path() +
+                         " --block-sizes 64M --queue-depths 1024 --threads 256");
+  EXPECT_EQ(grid.exit_code, 2) << grid.output;
+  EXPECT_THAT(grid.output, HasSubstr("(64M x 1024 x 256) needs a"));
+  EXPECT_THAT(grid.output, Not(HasSubstr("laying down")));
+  // aio_bench's --json, like the sweep's --out, is checked before anything is laid down.
+  Outcome json = Execute(kBench + " --dir " + dir.path() + " --json /proc/strata/r.json");
+  EXPECT_EQ(json.exit_code, 2) << json.output;
+  EXPECT_THAT(json.output, HasSubstr("--json: /proc/strata: cannot be made"));
+  EXPECT_THAT(json.output, Not(HasSubstr("laying down")));
   Outcome r = Execute(kBench + " --dir /proc");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("pseudo filesystem"));
   // aio_bench checks its buffer against the memory this machine has before allocating it.
   r = Execute(kBench + " --dir " + dir.path() + " --block-size 64M --queue-depth 1024 --threads 8");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("MiB available"));
+  EXPECT_THAT(r.output, HasSubstr("MiB available (MemAvailable)"));
 }
 
 TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSaysSo) {
@@ -118,7 +135,7 @@ TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
             "--queue-depths: \"0\" is not an integer in [1, 1024]"},
            {"--nvme_dir /tmp --block-sizes 24K", "--block-sizes: each must be a power of two"},
            {"--nvme_dir /tmp --nosuch", "--nosuch: unknown flag; accepted:"},
-           {"--nvme_dir /tmp --budget -5", "--budget: must be in [0, 604800]"},
+           {"--nvme_dir /tmp --budget -5", "--budget: must be a number in [0, 604800], got -5"},
            {"--nvme_dir /tmp --ops both_ways", "--ops: \"both_ways\": accepted: read, write"},
            {"--nvme_dir /tmp --quick=maybe", "--quick: bad value \"maybe\""},
            {"--nvme_dir /tmp stray", "stray: unexpected argument"}}) {
@@ -126,16 +143,59 @@ TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
     EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
   }
-  Outcome r = Execute(kBench + " --dir /tmp --queue_depth 0");
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("queue_depth: must be in [1, 1024], got 0"));
+  for (const Case& c : std::vector<Case>{
+           {"--queue_depth 0", "--queue-depth: must be an integer in [1, 1024], got 0"},
+           {"--threads=-2", "--threads: must be an integer in [1, 256], got -2"},
+           {"--reps 1e3x", "--reps: must be an integer in [1, 1000], got \"1e3x\""},
+           {"--warmup-seconds -1", "--warmup-seconds: must be a number in [0, 600], got -1"},
+           {"--direct false", "--direct: a boolean takes its value after '='"}}) {
+    Outcome r = Execute(kBench + " --dir /tmp " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
+  }
 }
+
+#ifdef STRATA_BENCH_BINARY_DIR
+TEST(BenchCliTest, EveryBenchmarkTakesEitherSpellingAndRefusesNumbersOutOfRange) {
+  const std::string bin = std::string(STRATA_BENCH_BINARY_DIR) + "/";
+  struct Case {
+    std::string program, args, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"aio_vs_fio", "--size_mb=-1", "--size-mb: must be an integer in [4, 1073741824]"},
+           {"aio_vs_fio", "--size-mb=-1", "--size-mb: must be an integer in [4, 1073741824]"},
+           {"aio_vs_fio", "--block-size 12288", "--block-size: must be a power of two"},
+           {"sweep_vs_fio", "--rounds=-1", "--rounds: must be an integer in [1, 1000], got -1"},
+           {"cpu_adam", "--rounds 0", "--rounds: must be an integer in [1, 1000], got 0"},
+           {"cpu_adam", "--accuracy_steps -1", "--accuracy-steps: must be an integer in [0, "},
+           {"nvme_store", "--partition_bytes 12", "--partition-bytes: must be an integer in [4096"},
+           {"nvme_store", "--puts=-5", "--puts: must be an integer in [1, 1000000], got -5"},
+           {"optimizer_swap", "--partition-params 1", "--partition-params: must be an integer"},
+           {"optimizer_swap", "--params 2048 --partition_params 4096",
+            "--params: must be at least --partition-params"},
+           {"nvme_store", "--json /proc/strata/r.json", "--json: /proc/strata: cannot be made"}}) {
+    Outcome r = Execute(bin + c.program + " " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.program << " " << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.program << " " << c.args;
+  }
+  for (const char* program :
+       {"aio_vs_fio", "sweep_vs_fio", "cpu_adam", "nvme_store", "optimizer_swap"}) {
+    Outcome r = Execute(bin + program + " --help");
+    EXPECT_EQ(r.exit_code, 0) << program << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr("--json=<text>")) << program;
+    EXPECT_THAT(r.output, Not(::testing::ContainsRegex("--[a-z]+_"))) << program;  // dashes only
+  }
+}
+#endif
 
 TEST(SweepCliTest, HelpListsTheFlagsAndExitsZero) {
   Outcome r = Execute(kSweep + " --help");
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_THAT(r.output, HasSubstr("--nvme-dir"));
-  EXPECT_THAT(r.output, HasSubstr("--budget"));
+  EXPECT_THAT(r.output, HasSubstr("--nvme-dir=<text>"));
+  EXPECT_THAT(r.output, HasSubstr("--budget=<a number in [0, 604800]>"));
+  EXPECT_THAT(r.output, HasSubstr("--reps=<an integer in [1, 1000]>"));
+  EXPECT_THAT(r.output, HasSubstr("--[no-]uring-options"));
+  EXPECT_THAT(r.output, Not(::testing::ContainsRegex("--[a-z]+_")));  // one spelling: dashes
 }
 
 TEST(SweepCliTest, ATinySweepWritesEveryOutputAndRemovesItsTestFile) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "aio/buffer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -63,6 +64,38 @@ TEST(ScratchFileTest, RefusesToStartWithoutEnoughSpaceAndSaysHowMuch) {
 TEST(ScratchFileTest, MissingDirectoryIsNotFound) {
   auto f = ScratchFile::Create("/nonexistent/strata", "t.dat", 16 << 20, {});
   EXPECT_EQ(f.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(CheckMeasuredDirectoryTest, ADirectoryThisUserCannotWriteIsRefusedBeforeAnythingIsMade) {
+  // As root, the check runs in a child that drops to nobody; the folder stays root's 0755.
+  ScratchDir dir = ScratchDir::Traversable();
+  const bool root = geteuid() == 0;
+  if (!root)
+    std::filesystem::permissions(
+        dir.path(), std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (root && setuid(65534) != 0) _exit(3);
+    const absl::Status s = CheckMeasuredDirectory(dir.path(), {}, nullptr);
+    const std::string text = absl::StrCat(static_cast<int>(s.code()), " ", s.message());
+    if (write(pipefd[1], text.data(), text.size()) < 0) _exit(4);
+    _exit(0);
+  }
+  close(pipefd[1]);
+  std::string text;
+  char buf[512];
+  for (ssize_t n; (n = read(pipefd[0], buf, sizeof(buf))) > 0;) text.append(buf, n);
+  close(pipefd[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_THAT(text, HasSubstr(absl::StrCat(static_cast<int>(absl::StatusCode::kPermissionDenied),
+                                           " ", dir.path(),
+                                           ": this user cannot make the test "
+                                           "file there (Permission denied)")));
 }
 
 // Stands in a filesystem that refuses O_DIRECT (this kernel's tmpfs takes it).
@@ -164,6 +197,30 @@ TEST(MeasurePointTest, AWideSpreadIsMeasuredAgainAndMarkedWhenItStaysWide) {
   ASSERT_TRUE(r.ok) << r.error;
   EXPECT_EQ(r.rounds_repeated, 0);
   EXPECT_FALSE(r.noisy);
+}
+
+TEST(CheckBufferFitsTest, ABufferOverHalfTheAvailableMemoryOrTheLockLimitIsRefused) {
+  aio::AioConfig c;
+  c.block_size = 1 << 20;
+  c.queue_depth = 8;
+  c.intra_op_parallelism = 2;  // 16 MiB in flight: 5 requests of 4 MiB = 20 MiB
+  ASSERT_EQ(BufferBytesFor(c), 20u << 20);
+  MemoryLimits limits;
+  limits.available_bytes = 40ull << 20;
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());
+  limits.available_bytes = 39ull << 20;
+  absl::Status s = CheckBufferFits(c, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("(1M x 8 x 2) needs a 20 MiB buffer"));
+  EXPECT_THAT(s.message(), HasSubstr("39 MiB available"));
+  limits.available_bytes = 0;  // unknown: not held against the point
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());
+  limits.lockable_bytes = 16ull << 20;
+  EXPECT_TRUE(CheckBufferFits(c, limits).ok());  // nothing is locked without registered buffers
+  c.registered_buffers = true;
+  s = CheckBufferFits(c, limits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("RLIMIT_MEMLOCK allows 16 MiB"));
 }
 
 TEST(MeasurePointTest, AnImpossiblePointFailsWithItsReason) {

@@ -13,8 +13,8 @@ ABSL_FLAG(std::string, dir, "", "directory for the test file, on the drive to me
 ABSL_FLAG(std::string, size, "1G", "test file size (K, M, G suffixes)");
 ABSL_FLAG(std::string, engine, "io_uring", "io_uring, libaio or posix");
 ABSL_FLAG(std::string, block_size, "1M", "aio block_size: power of two, 4K..64M");
-ABSL_FLAG(int, queue_depth, 8, "aio queue_depth, 1..1024");
-ABSL_FLAG(int, threads, 1, "aio intra_op_parallelism, 1..256");
+ABSL_FLAG(int, queue_depth, 8, "aio queue_depth");
+ABSL_FLAG(int, threads, 1, "aio intra_op_parallelism");
 ABSL_FLAG(bool, single_submit, false, "aio single_submit");
 ABSL_FLAG(bool, overlap_events, true, "aio overlap_events");
 ABSL_FLAG(bool, registered_buffers, false, "io_uring registered buffers");
@@ -22,9 +22,9 @@ ABSL_FLAG(bool, registered_files, false, "io_uring registered files");
 ABSL_FLAG(bool, sqpoll, false, "io_uring SQPOLL");
 ABSL_FLAG(std::string, op, "read", "read or write");
 ABSL_FLAG(bool, direct, true, "O_DIRECT");
-ABSL_FLAG(int, reps, 5, "measured runs, 1..1000");
-ABSL_FLAG(double, rep_seconds, 1.0, "seconds per run, 0.01..600");
-ABSL_FLAG(double, warmup_seconds, 0.5, "warm-up seconds, 0..600");
+ABSL_FLAG(int, reps, 5, "measured runs (more when they spread widely)");
+ABSL_FLAG(double, rep_seconds, 1.0, "seconds per run");
+ABSL_FLAG(double, warmup_seconds, 0.5, "warm-up seconds");
 ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
 ABSL_FLAG(bool, allow_buffered, false,
           "run on a filesystem that refuses O_DIRECT (figures then "
@@ -65,24 +65,17 @@ int Main() {
   mo.reps = absl::GetFlag(FLAGS_reps);
   mo.rep_seconds = absl::GetFlag(FLAGS_rep_seconds);
   mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds);
-  if (mo.reps < 1 || mo.reps > 1000) BadFlag("--reps", "must be in [1, 1000]");
-  if (!(mo.rep_seconds >= 0.01 && mo.rep_seconds <= 600)) {
-    BadFlag("--rep-seconds", "must be in [0.01, 600]");
-  }
-  if (!(mo.warmup_seconds >= 0 && mo.warmup_seconds <= 600)) {
-    BadFlag("--warmup-seconds", "must be in [0, 600]");
-  }
   if (size < RequestBytesFor(c)) {
     BadFlag("--size", "must hold at least one request (4 MiB, or the block size if larger)");
   }
 
   // The buffer a point keeps in flight must fit in the memory this machine has free.
-  const uint64_t buffer_bytes = BufferBytesFor(c), available = AvailableMemory();
-  if (available > 0 && buffer_bytes > available / 2) {
-    BadFlag("--block-size",
-            absl::StrCat("block size x queue depth x threads needs a ", SizeText(buffer_bytes),
-                         " buffer; this machine has ", available >> 20,
-                         " MiB available (at most half of it is used)"));
+  if (absl::Status s = CheckBufferFits(c, MemoryLimits::Probe()); !s.ok()) {
+    BadFlag("--block-size, --queue-depth, --threads", s.message());
+  }
+  const uint64_t buffer_bytes = BufferBytesFor(c);
+  if (absl::Status s = PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    BadFlag("--json", s.message());
   }
   ScratchOptions so;
   so.overwrite = absl::GetFlag(FLAGS_overwrite);
@@ -117,8 +110,17 @@ int Main() {
   std::printf(
       "GB/s     %.3f median [min %.3f, max %.3f] over %d runs of %.2f s after %.2f s "
       "warm-up\n",
-      r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps, mo.rep_seconds,
-      mo.warmup_seconds);
+      r.gb_per_s.median, r.gb_per_s.min, r.gb_per_s.max, mo.reps * (1 + r.rounds_repeated),
+      mo.rep_seconds, mo.warmup_seconds);
+  if (r.noisy) {
+    std::printf(
+        "NOISY    the runs still spread widely after %d more rounds of %d: the median is "
+        "not a steady figure (a stalling drive, or another process)\n",
+        r.rounds_repeated, mo.reps);
+  } else if (r.rounds_repeated > 0) {
+    std::printf("repeated %d more rounds of %d runs: the first spread widely\n", r.rounds_repeated,
+                mo.reps);
+  }
   std::printf("IOPS     %.0f (%s operations)\n", r.iops, SizeText(c.block_size).c_str());
   std::printf("latency  p50 %.0f us, p99 %.0f us, max %.0f us (per block, submit to complete)\n",
               r.latency_p50_us, r.latency_p99_us, r.latency_max_us);
@@ -148,6 +150,11 @@ int main(int argc, char** argv) {
       "aio_bench --dir DIR [--engine io_uring] [--block-size 1M] [--queue-depth 8] [--threads 1] "
       "[--op read|write] ...\nMeasures one aio configuration on a test file in DIR (removed at "
       "exit).",
-      "aio_bench/aio_bench.cc");
+      "aio_bench/aio_bench.cc",
+      {{"queue_depth", 1, 1024},
+       {"threads", 1, 256},
+       {"reps", 1, 1000},
+       {"rep_seconds", 0.01, 600},
+       {"warmup_seconds", 0, 600}});
   return strata::aio_bench::Main();
 }

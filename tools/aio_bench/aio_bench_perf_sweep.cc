@@ -33,10 +33,10 @@ ABSL_FLAG(std::string, ops, "read,write", "read, write or both");
 ABSL_FLAG(bool, uring_options, true,
           "also sweep io_uring's registered buffers/files and SQPOLL "
           "(full grid only)");
-ABSL_FLAG(int, reps, 3, "measured runs per point, 1..1000");
-ABSL_FLAG(double, rep_seconds, 0.5, "seconds per run, 0.01..600 (0.12 with --quick unless given)");
+ABSL_FLAG(int, reps, 3, "measured runs per point (more when they spread widely)");
+ABSL_FLAG(double, rep_seconds, 0.5, "seconds per run (0.12 with --quick unless given)");
 ABSL_FLAG(double, warmup_seconds, 0.2,
-          "warm-up seconds per point, 0..600 (0.05 with --quick unless given)");
+          "warm-up seconds per point (0.05 with --quick unless given)");
 ABSL_FLAG(bool, allow_memory_fs, false,
           "measure a memory-backed filesystem (tmpfs, ramfs): the figures are then RAM's");
 ABSL_FLAG(bool, overwrite, false, "write over an existing test file");
@@ -54,17 +54,11 @@ std::string Clock2(double seconds) {
   return absl::StrFormat("%d:%02d", s / 60, s % 60);
 }
 
-uint64_t PhysicalMemory() {
-  return static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-         static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-}
-
 int Main() {
   const std::string dir = absl::GetFlag(FLAGS_nvme_dir);
   if (dir.empty()) BadFlag("--nvme-dir", "is required: a directory on the drive to tune");
   const bool quick = absl::GetFlag(FLAGS_quick);
   const double budget = absl::GetFlag(FLAGS_budget);
-  if (!(budget >= 0 && budget <= 7 * 86400)) BadFlag("--budget", "must be in [0, 604800] seconds");
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 
   Grid fine = Grid::Full(cores);
@@ -110,15 +104,6 @@ int Main() {
   mo.warmup_seconds = absl::GetFlag(FLAGS_warmup_seconds);
   if (quick && !FlagGiven("rep_seconds")) mo.rep_seconds = 0.12;
   if (quick && !FlagGiven("warmup_seconds")) mo.warmup_seconds = 0.05;
-  if (mo.reps < 1 || mo.reps > 1000) {
-    BadFlag("--reps", absl::StrCat("must be in [1, 1000], got ", mo.reps));
-  }
-  if (!(mo.rep_seconds >= 0.01 && mo.rep_seconds <= 600)) {
-    BadFlag("--rep-seconds", absl::StrCat("must be in [0.01, 600], got ", mo.rep_seconds));
-  }
-  if (!(mo.warmup_seconds >= 0 && mo.warmup_seconds <= 600)) {
-    BadFlag("--warmup-seconds", absl::StrCat("must be in [0, 600], got ", mo.warmup_seconds));
-  }
   const std::string size_text =
       absl::GetFlag(FLAGS_size).empty() ? (quick ? "512M" : "1G") : absl::GetFlag(FLAGS_size);
   uint64_t size = ParseSize("--size", size_text, 64 << 20, 1ull << 50);
@@ -135,6 +120,24 @@ int Main() {
     BadFlag("--nvme-dir", s.message());
   }
   if (absl::Status s = PrepareOutputDirectory(out_dir); !s.ok()) BadFlag("--out", s.message());
+  // A point whose buffer does not fit in memory fails with the reason; a grid where none fits is
+  // bad input. One buffer serves every point: the most any point that fits needs.
+  Grid coarse = Grid::Quick(cores);
+  apply_overrides(&coarse);
+  const MemoryLimits memory = MemoryLimits::Probe();
+  uint64_t buffer_bytes = 0;
+  for (const Grid* g : {&grid, &fine, &coarse}) {
+    if (g != &grid && budget == 0) continue;
+    for (const Point& p : g->Points()) {
+      if (CheckBufferFits(p.config, memory).ok()) {
+        buffer_bytes = std::max(buffer_bytes, BufferBytesFor(p.config));
+      }
+    }
+  }
+  if (buffer_bytes == 0) {
+    BadFlag("--block-sizes, --queue-depths, --threads",
+            CheckBufferFits(grid.Points().front().config, memory).message());
+  }
   std::printf("aio_bench_perf_sweep: laying down a %s test file in %s ...\n",
               SizeText(size).c_str(), dir.c_str());
   std::fflush(stdout);
@@ -151,11 +154,6 @@ int Main() {
   }
   if (!(*scratch)->direct()) grid.direct = fine.direct = false;
 
-  // One buffer for every point: the most any point of the grid needs, within a quarter of memory.
-  uint64_t need = 0;
-  for (const Point& p : (budget > 0 ? fine : grid).Points())
-    need = std::max(need, BufferBytesFor(p.config));
-  const uint64_t buffer_bytes = std::min(need, PhysicalMemory() / 4);
   auto buffer = aio::AlignedBuffer::Allocate(buffer_bytes, {.huge_pages = true});
   if (!buffer.ok()) {
     std::fprintf(stderr, "aio_bench_perf_sweep: %s\n",
@@ -165,8 +163,6 @@ int Main() {
 
   std::vector<Point> planned = grid.Points();
   std::optional<Planner> planner;
-  Grid coarse = Grid::Quick(cores);
-  apply_overrides(&coarse);
   coarse.direct = grid.direct;
   if (budget > 0) planner.emplace(fine, coarse, budget);
   const size_t shown_total = planner ? planner->coarse_size() : planned.size();
@@ -208,11 +204,9 @@ int Main() {
       std::fflush(stdout);
     }
     PointResult r;
-    if (BufferBytesFor(next->config) > buffer_bytes) {
+    if (absl::Status s = CheckBufferFits(next->config, memory); !s.ok()) {
       r.point = *next;
-      r.error = absl::StrCat("needs ", BufferBytesFor(next->config) >> 20,
-                             " MiB of buffer (block_size x queue_depth x threads), more than a "
-                             "quarter of this machine's memory");
+      r.error = std::string(s.message());
     } else {
       r = MeasurePoint(*next, (*scratch)->path(), size, buffer->data(), mo);
     }
@@ -277,12 +271,13 @@ int Main() {
     }
     std::printf("\n");
   }
+  auto noisy = [](const std::optional<PointResult>& r) { return r->noisy ? " (noisy)" : ""; };
   if (best.read)
-    std::printf("best read:  %s, %.3f GB/s\n", best.read->point.Describe().c_str(),
-                best.read->gb_per_s.median);
+    std::printf("best read:  %s, %.3f GB/s%s\n", best.read->point.Describe().c_str(),
+                best.read->gb_per_s.median, noisy(best.read));
   if (best.write)
-    std::printf("best write: %s, %.3f GB/s\n", best.write->point.Describe().c_str(),
-                best.write->gb_per_s.median);
+    std::printf("best write: %s, %.3f GB/s%s\n", best.write->point.Describe().c_str(),
+                best.write->gb_per_s.median, noisy(best.write));
   if (best.both_read) {
     std::printf("best both:  %s, read %.3f GB/s, write %.3f GB/s\n",
                 best.both_read->point.ConfigKey().c_str(), best.both_read->gb_per_s.median,
@@ -316,9 +311,13 @@ int Main() {
 int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv,
-      "aio_bench_perf_sweep --nvme_dir DIR [--quick | --budget SECONDS] [--out DIR]\nSweeps aio "
+      "aio_bench_perf_sweep --nvme-dir DIR [--quick | --budget SECONDS] [--out DIR]\nSweeps aio "
       "configurations on a test file in DIR (removed at exit) and writes results.csv, "
       "results.json, heatmaps and the best config block.",
-      "aio_bench/aio_bench_perf_sweep.cc");
+      "aio_bench/aio_bench_perf_sweep.cc",
+      {{"budget", 0, 7 * 86400},
+       {"reps", 1, 1000},
+       {"rep_seconds", 0.01, 600},
+       {"warmup_seconds", 0, 600}});
   return strata::aio_bench::Main();
 }

@@ -2,7 +2,10 @@
 // tools' contract: a bad flag or value prints a message naming the flag and what is accepted, and
 // the program exits with code 2 (absl::ParseCommandLine exits with 1). Flag names may be written
 // with '-' or '_' (--allow-buffered is --allow_buffered); booleans take --x, --no-x (--nox,
-// --no_x), --x=true|false. Help shows the dashed spelling. The benchmarks under bench/ use it too.
+// --no_x), --x=true|false. Every numeric flag has an accepted range, checked for the value given
+// (and the default): garbage, NaN and values outside it are refused naming the flag and the range,
+// never replaced by a default. Help shows the dashed spelling and the ranges. The benchmarks under
+// bench/ use it too.
 //
 // Thread safety: call from main() before any other thread starts.
 #ifndef STRATA_TOOLS_AIO_BENCH_FLAGS_H_
@@ -17,11 +20,19 @@
 
 namespace strata::aio_bench {
 
+// The accepted values of a numeric (int, int64_t, uint64_t or double) flag: [lo, hi].
+struct FlagRange {
+  std::string name;  // Abseil's name (underscores)
+  double lo = 0, hi = 0;
+};
+
 // Parses argv into the Abseil flags defined in files whose path contains `flags_file_substr`
-// (so only this tool's flags are accepted). --help prints `usage` and those flags, then exits 0.
-// Positional arguments are an error.
+// (so only this tool's flags are accepted), then checks every numeric one against its range in
+// `ranges`. --help prints `usage` and those flags, then exits 0. Positional arguments are an
+// error. A numeric flag without a range, or a range naming no flag of the tool, is the
+// programmer's mistake: the program aborts saying which.
 void ParseFlagsOrExit(int argc, char** argv, absl::string_view usage,
-                      absl::string_view flags_file_substr);
+                      absl::string_view flags_file_substr, const std::vector<FlagRange>& ranges);
 
 // Whether flag `name` (Abseil's name, with underscores) was given on the command line: a value the
 // user typed is checked strictly, never silently replaced by a default.

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "aio/probe.h"
 #include "tools/aio_bench/flags.h"
 
 namespace strata::aio_bench {
@@ -50,6 +52,40 @@ uint64_t BufferBytesFor(const aio::AioConfig& c) {
   const uint64_t request = RequestBytesFor(c);
   const uint64_t slots = (InFlightBytes(c) + request - 1) / request + 1;
   return slots * request;
+}
+
+MemoryLimits MemoryLimits::Probe() {
+  MemoryLimits limits;
+  if (FILE* f = std::fopen("/proc/meminfo", "r"); f != nullptr) {
+    char line[256];
+    unsigned long long kib = 0;
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    }
+    std::fclose(f);
+    limits.available_bytes = static_cast<uint64_t>(kib) << 10;
+  }
+  limits.lockable_bytes = aio::ProbeSystem().LockableBytes();
+  return limits;
+}
+
+absl::Status CheckBufferFits(const aio::AioConfig& config, const MemoryLimits& limits) {
+  const uint64_t need = BufferBytesFor(config);
+  const std::string what =
+      absl::StrCat("block size x queue depth x threads (", SizeText(config.block_size), " x ",
+                   config.queue_depth, " x ", config.intra_op_parallelism, ") needs a ", need >> 20,
+                   " MiB buffer");
+  if (limits.available_bytes > 0 && need > limits.available_bytes / 2) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, "; this machine has ", limits.available_bytes >> 20,
+                     " MiB available (MemAvailable) and a point may use half of it"));
+  }
+  if (config.registered_buffers && need > limits.lockable_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(what, ", registered (locked), but RLIMIT_MEMLOCK allows ",
+                     limits.lockable_bytes >> 20, " MiB (raise it, or grant CAP_IPC_LOCK)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StreamResult> Stream(aio::Engine& engine, const aio::File& file, uint64_t file_bytes,

@@ -73,6 +73,21 @@ struct PointResult {
 uint64_t RequestBytesFor(const aio::AioConfig& config);
 uint64_t BufferBytesFor(const aio::AioConfig& config);
 
+// The memory a point's buffer may take, read once before anything is allocated.
+struct MemoryLimits {
+  uint64_t available_bytes = 0;  // MemAvailable from /proc/meminfo; 0 when it cannot be read
+  // Bytes that may be locked (registered with io_uring): RLIMIT_MEMLOCK, unlimited with
+  // CAP_IPC_LOCK (aio::SystemProbe::LockableBytes).
+  uint64_t lockable_bytes = UINT64_MAX;
+  static MemoryLimits Probe();
+};
+
+// OK when BufferBytesFor(config) fits in half of limits.available_bytes (not checked when that is
+// unknown) and, with registered buffers, in limits.lockable_bytes (the engine's own staging
+// buffers are checked by the engine). Otherwise ResourceExhausted saying what block size x queue
+// depth x threads needs and what this machine allows.
+absl::Status CheckBufferFits(const aio::AioConfig& config, const MemoryLimits& limits);
+
 // Byte counts of a stream in consecutive time windows.
 struct StreamResult {
   std::vector<double> window_seconds;      // length of each window

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -58,7 +59,9 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
       {0x9fa0, "proc"},           {0x62656572, "sysfs"},   {0x27e0eb, "cgroup"},
       {0x63677270, "cgroup2"},    {0x64626720, "debugfs"}, {0x74726163, "tracefs"},
       {0x73636673, "securityfs"}, {0x1cd1, "devpts"},      {0x62656570, "configfs"},
-      {0xcafe4a11, "bpf"},        {0x6165676c, "pstore"},  {0x42494e4d, "binfmt_misc"}};
+      {0xcafe4a11, "bpf"},        {0x6165676c, "pstore"},  {0x42494e4d, "binfmt_misc"},
+      {0x19800202, "mqueue"},     {0x65735543, "fusectl"}, {0xde5e81e4, "efivarfs"},
+      {0xf97cff8c, "selinuxfs"},  {0x6e736673, "nsfs"}};
   static constexpr Named kMemory[] = {
       {0x01021994, "tmpfs"}, {0x858458f6, "ramfs"}, {0x958458f6, "hugetlbfs"}};
   const uint64_t type = static_cast<uint64_t>(fs.f_type);
@@ -69,6 +72,14 @@ absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions
                        ", a kernel pseudo filesystem, not a disk: give a directory on "
                        "the drive to tune"));
     }
+  }
+  if ((fs.f_flags & ST_RDONLY) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " is on a read-only filesystem: the test file cannot be written there"));
+  }
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        dir, ": this user cannot make the test file there (", std::strerror(errno), ")"));
   }
   for (const Named& n : kMemory) {
     if (type != n.magic) continue;
@@ -93,27 +104,35 @@ absl::Status PrepareOutputDirectory(const std::string& dir) {
   std::filesystem::create_directories(dir, ec);
   if (ec)
     return absl::FailedPreconditionError(absl::StrCat(dir, ": cannot be made: ", ec.message()));
-  const std::string probe = dir + "/.strata-write-probe";
-  FILE* f = std::fopen(probe.c_str(), "w");
-  if (f == nullptr || std::fputs("probe\n", f) < 0 || std::fclose(f) != 0) {
-    const int err = errno;
+  std::string probe = dir + "/.strata-write-probe-XXXXXX";
+  const int fd = mkstemp(probe.data());
+  const bool written = fd >= 0 && write(fd, "probe\n", 6) == 6;
+  const int err = errno;
+  if (fd >= 0) {
+    close(fd);
+    unlink(probe.c_str());
+  }
+  if (!written) {
     return absl::FailedPreconditionError(
         absl::StrCat(dir, ": cannot write a file in it: ", std::strerror(err)));
   }
-  std::remove(probe.c_str());
   return absl::OkStatus();
 }
 
-uint64_t AvailableMemory() {
-  FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  uint64_t kib = 0;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "MemAvailable: %lu kB", &kib) == 1) break;
+absl::Status PrepareOutputFile(const std::string& path) {
+  if (path.empty()) return absl::OkStatus();
+  const std::filesystem::path p = std::filesystem::absolute(path);
+  STRATA_RETURN_IF_ERROR(PrepareOutputDirectory(p.parent_path().string()));
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return absl::OkStatus();  // made when written
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a file"));
   }
-  std::fclose(f);
-  return kib << 10;
+  if (access(path.c_str(), W_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": cannot be written: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<ScratchFile>> ScratchFile::Create(const std::string& dir,

@@ -38,20 +38,24 @@ struct ScratchOptions {
 };
 
 // Checks the directory a tool is told to measure, before anything else: it must exist and be a
-// directory (NotFound / FailedPrecondition), on a filesystem that stores data on a drive. A
-// kernel pseudo filesystem (proc, sysfs, cgroup, debugfs, ...) is InvalidArgument; a
+// directory (NotFound / FailedPrecondition), on a filesystem that stores data on a drive, where
+// this user may make a file (read-only: FailedPrecondition; no write permission:
+// PermissionDenied). A kernel pseudo filesystem (proc, sysfs, cgroup, debugfs, ...) is
+// InvalidArgument; a
 // memory-backed one (tmpfs, ramfs: recent kernels give tmpfs O_DIRECT, so it would pass for a
 // very fast drive) is InvalidArgument unless options.allow_memory_fs, and then `*warning` says so
 // (for every output to carry). The tools map these to exit code 2.
 absl::Status CheckMeasuredDirectory(const std::string& dir, const ScratchOptions& options,
                                     std::string* warning);
 
-// Makes `dir` (and its parents) and checks that a file can be written in it: the tools call it
-// before measuring, so an unusable --out is found at once, not after the sweep.
+// Makes `dir` (and its parents) and checks that a file can be written in it (a probe file of
+// its own, removed): the tools call it before measuring, so an unusable --out is found at once,
+// not after the sweep. FailedPrecondition naming the directory and the reason.
 absl::Status PrepareOutputDirectory(const std::string& dir);
 
-// MemAvailable from /proc/meminfo (bytes), or 0 when it cannot be read.
-uint64_t AvailableMemory();
+// The same for one output file (--json): its directory is made and checked, and an existing
+// `path` must be a writable file; nothing is written to it. An empty path is OK (no output).
+absl::Status PrepareOutputFile(const std::string& path);
 
 class ScratchFile {
  public:

@@ -341,7 +341,8 @@ absl::StatusOr<std::vector<std::string>> WriteOutputs(const SweepOutputs& out,
 
   std::string csv =
       "engine,op,block_size,queue_depth,intra_op_parallelism,single_submit,overlap_events,"
-      "registered_buffers,registered_files,sqpoll,direct,status,gb_per_s_median,gb_per_s_min,"
+      "registered_buffers,registered_files,sqpoll,direct,status,rounds_repeated,noisy,"
+      "gb_per_s_median,gb_per_s_min,"
       "gb_per_s_max,iops,latency_p50_us,latency_p99_us,latency_max_us,cpu_cores,error,warning\n";
   for (const PointResult& r : results) {
     const aio::AioConfig& c = r.point.config;
@@ -349,7 +350,8 @@ absl::StatusOr<std::vector<std::string>> WriteOutputs(const SweepOutputs& out,
     absl::StrAppend(&csv, aio::EngineKindName(c.engine), ",", OpName(r.point.op), ",", c.block_size,
                     ",", c.queue_depth, ",", c.intra_op_parallelism, ",", b(c.single_submit), ",",
                     b(c.overlap_events), ",", b(c.registered_buffers), ",", b(c.registered_files),
-                    ",", b(c.sqpoll), ",", b(c.direct), ",", r.ok ? "ok" : "failed", ",");
+                    ",", b(c.sqpoll), ",", b(c.direct), ",", r.ok ? "ok" : "failed", ",",
+                    r.rounds_repeated, ",", b(r.noisy), ",");
     if (r.ok) {
       absl::StrAppendFormat(&csv, "%.4f,%.4f,%.4f,%.1f,%.0f,%.0f,%.0f,%.3f,", r.gb_per_s.median,
                             r.gb_per_s.min, r.gb_per_s.max, r.iops, r.latency_p50_us,
