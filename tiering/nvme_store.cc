@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -17,7 +16,9 @@
 #include <fstream>
 #include <future>
 #include <iterator>
+#include <set>
 #include <sstream>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -136,6 +137,15 @@ void ForEachPiece(const std::vector<StoreExtent>& extents, uint64_t offset, uint
   }
 }
 
+// The directories this process's stores hold, by the lock file's device and inode. A POSIX
+// record lock does not exclude its own process, and closing any descriptor of the lock file drops
+// it, so a second store of this process is refused here, before it opens the file.
+Mutex g_locked_mu;
+std::set<std::pair<dev_t, ino_t>>& LockedFiles() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_locked_mu) {
+  static auto* files = new std::set<std::pair<dev_t, ino_t>>();
+  return *files;
+}
+
 }  // namespace
 
 // The I/O of one span, split over extents: several engine requests completing as one.
@@ -168,7 +178,11 @@ NvmeStore::~NvmeStore() {
     log_.Close();
   }
   files_.clear();
-  if (lock_fd_ >= 0) close(lock_fd_);
+  if (lock_fd_ >= 0) {
+    MutexLock registry(&g_locked_mu);
+    close(lock_fd_);
+    LockedFiles().erase(lock_key_);
+  }
 }
 
 void NvmeStore::Hook(absl::string_view point) const {
@@ -232,23 +246,55 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
 
 absl::Status NvmeStore::Lock() {
   const std::string path = dir_ + "/" + kLockFile;
-  lock_fd_ = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (lock_fd_ < 0) return Annotate(ErrnoStatus(errno, "open", path), "nvme store: lock file");
-  if (flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+  auto in_use = [&](const std::string& who) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("nvme store: ", dir_, " is in use by another strata store (", who, " holds ",
+                     path, "); each process, Runtime and rank needs an nvme_path of its own"));
+  };
+  MutexLock registry(&g_locked_mu);
+  if (struct stat st;
+      stat(path.c_str(), &st) == 0 && LockedFiles().count({st.st_dev, st.st_ino}) > 0) {
+    // Checked before opening: closing any descriptor of the lock file would drop the lock this
+    // process already holds.
+    return in_use(absl::StrCat("process ", getpid(), ", this one,"));
+  }
+  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return Annotate(ErrnoStatus(errno, "open", path), "nvme store: lock file");
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
     const int err = errno;
-    if (err != EWOULDBLOCK) return Annotate(ErrnoStatus(err, "flock", path), "nvme store");
-    char holder[32] = {};
-    const ssize_t n = pread(lock_fd_, holder, sizeof(holder) - 1, 0);
-    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "unknown";
-    while (!who.empty() && (who.back() == '\n' || who.back() == ' ')) who.pop_back();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "nvme store: ", dir_, " is in use by another strata store (process ", who, " holds ", path,
-        "); each process, Runtime and rank needs an nvme_path of its own"));
+    close(fd);
+    return Annotate(ErrnoStatus(err, "fstat", path), "nvme store: lock file");
   }
-  const std::string pid = absl::StrCat(getpid(), "\n");
-  if (ftruncate(lock_fd_, 0) != 0 || pwrite(lock_fd_, pid.data(), pid.size(), 0) < 0) {
-    return Annotate(ErrnoStatus(errno, "write", path), "nvme store: lock file");
+  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
+  // A POSIX record lock (not flock): it belongs to this process alone, so a child forked while
+  // the store is open (a data loader's worker) does not keep it after this process closes the
+  // store or dies; the kernel drops it when the process ends, however it ends.
+  struct flock want = {};
+  want.l_type = F_WRLCK;
+  want.l_whence = SEEK_SET;
+  if (fcntl(fd, F_SETLK, &want) != 0) {
+    const int err = errno;
+    if (err != EACCES && err != EAGAIN) {
+      close(fd);
+      return Annotate(ErrnoStatus(err, "fcntl(F_SETLK)", path), "nvme store");
+    }
+    struct flock held = {};
+    held.l_type = F_WRLCK;
+    held.l_whence = SEEK_SET;
+    const bool known = fcntl(fd, F_GETLK, &held) == 0 && held.l_type != F_UNLCK;
+    close(fd);
+    return in_use(known ? absl::StrCat("process ", held.l_pid) : std::string("another process"));
   }
+  const std::string pid = absl::StrCat(getpid(), "\n");  // for a person looking at the folder
+  if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    const int err = errno;
+    close(fd);
+    return Annotate(ErrnoStatus(err, "write", path), "nvme store: lock file");
+  }
+  lock_fd_ = fd;
+  lock_key_ = key;
+  LockedFiles().insert(key);
   return absl::OkStatus();
 }
 

@@ -11,10 +11,12 @@
 // directory metadata is written while training; and few files mean few descriptors and
 // registered-file slots for io_uring.
 //
-// One store per directory. Open takes an exclusive lock (flock on dir/lock, held for the store's
-// life; the lock file names the holder's pid): a second store on the same directory, in this
-// process or another, is refused with FailedPrecondition naming the holder. A lock dies with its
-// process, so a crashed process never blocks its successor. Ranks of one job must be given
+// One store per directory. Open takes an exclusive lock (a POSIX record lock on dir/lock, held for
+// the store's life; the lock file also names the holder's pid): a second store on the same
+// directory, in this process or another, is refused with FailedPrecondition naming the holder. The
+// lock belongs to the process that opened the store: a child it forks (a data loader's worker)
+// does not hold it, so closing the store frees the directory at once; and it dies with its process,
+// so a crashed process never blocks its successor. Ranks of one job must be given
 // directories of their own (the Runtime puts each rank in a subfolder of nvme_path).
 //
 // Nothing is lost. A Put writes the new bytes into fresh extents (copy on write), syncs the data,
@@ -54,12 +56,15 @@
 #ifndef STRATA_TIERING_NVME_STORE_H_
 #define STRATA_TIERING_NVME_STORE_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -233,6 +238,8 @@ class NvmeStore {
   NvmeStoreOptions options_;
   aio::Engine* engine_ = nullptr;
   int lock_fd_ = -1;
+  std::pair<dev_t, ino_t>
+      lock_key_{};  // the lock file's device and inode (this process's registry)
   std::vector<aio::File> files_;
   std::vector<uint64_t> file_sizes_;
 

@@ -582,6 +582,41 @@ TEST(NvmeStoreTest, ASecondStoreOnOneDirectoryIsRefusedInThisProcessAndAnother) 
   EXPECT_EQ(GetAll(**again, 1), RandomBytes(5000, 1));
 }
 
+TEST(NvmeStoreTest, AChildForkedWhileTheStoreIsOpenDoesNotKeepTheLock) {
+  // A trainer's data loader forks workers while the store is open; closing the store must free
+  // the folder at once, whatever the workers do (an inherited flock would stay held by them).
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  int gate[2];
+  ASSERT_EQ(pipe(gate), 0);
+  pid_t child = -1;
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, Small(), engine.get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(5000, 1)).ok());
+    child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {  // the worker: holds every descriptor it inherited until told to go
+      close(gate[1]);
+      char c;
+      while (read(gate[0], &c, 1) < 0 && errno == EINTR) {
+      }
+      _exit(0);
+    }
+    close(gate[0]);
+  }
+  auto engine = MakeEngine();
+  auto again = NvmeStore::Open(path, {}, engine.get());
+  EXPECT_TRUE(again.ok()) << again.status();
+  if (again.ok()) {
+    EXPECT_EQ(GetAll(**again, 1), RandomBytes(5000, 1));
+  }
+  close(gate[1]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+}
+
 TEST(NvmeStoreTest, APartitionLargerThanASwapFileSpansFiles) {
   ScratchDir dir;
   const std::string path = dir.File("s");
