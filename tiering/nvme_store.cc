@@ -863,20 +863,28 @@ void NvmeStore::Batch::Abort() {
 absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id, uint64_t length,
                                                                     const std::string& context) {
   MutexLock lock(&store_->mu_);
-  if (!store_->records_.contains(id) && !staged_.contains(id)) {
-    // A new partition: admitted only if a copy-on-write of the largest still fits after it.
+  if (!staged_.contains(id)) {
+    // A new partition, or one that grows: admitted only if, once it is committed, the free space
+    // still holds a copy-on-write of the largest partition. (A Put that does not grow a partition
+    // always fits: the reserve is there for it.)
     const uint64_t len = AlignUp(length, store_->options_.alignment);
-    const uint64_t largest =
-        std::max(len, store_->lengths_.empty() ? 0 : *store_->lengths_.rbegin());
-    const uint64_t capacity = store_->capacity_bytes(), free = capacity - store_->used_;
-    if (len > free || free - len < largest) {
-      uint64_t stored = len;
-      for (uint64_t l : store_->lengths_) stored += l;
-      return absl::ResourceExhaustedError(absl::StrCat(
-          context, ": admitting ", len, " more bytes would leave ", len > free ? 0 : free - len,
-          " free, less than the ", largest, " a copy-on-write of the largest partition needs (",
-          store_->used_, " of ", capacity, " bytes in use; a store for these partitions needs ",
-          stored + largest, " bytes: their sum plus the largest; nothing was written)"));
+    const auto it = store_->records_.find(id);
+    const uint64_t old = it == store_->records_.end() ? 0 : ExtentBytes(it->second.extents);
+    if (len > old) {
+      const uint64_t grow = len - old;
+      const uint64_t largest =
+          std::max(len, store_->lengths_.empty() ? 0 : *store_->lengths_.rbegin());
+      const uint64_t capacity = store_->capacity_bytes(), free = capacity - store_->used_;
+      if (grow > free || free - grow < largest) {
+        uint64_t stored = grow;
+        for (uint64_t l : store_->lengths_) stored += l;
+        return absl::ResourceExhaustedError(absl::StrCat(
+            context, ": ", old == 0 ? "admitting " : "growing the partition by ", grow,
+            " more bytes would leave ", grow > free ? 0 : free - grow, " free, less than the ",
+            largest, " a copy-on-write of the largest partition needs (", store_->used_, " of ",
+            capacity, " bytes in use; a store for these partitions needs ", stored + largest,
+            " bytes: their sum plus the largest; nothing was written)"));
+      }
     }
   }
   return store_->AllocateLocked(length);

@@ -41,8 +41,9 @@
 // NvmeStoreOptions::verify_on_open does it at Open.
 //
 // Space. Stored bytes are rounded up to the alignment. A copy-on-write needs room for the new copy
-// while the old one is still in force, so the store keeps a reserve: a new partition is admitted
-// only when, after it, the free space still holds a copy of the largest partition. Capacity for a
+// while the old one is still in force, so the store keeps a reserve: a new partition, or a Put
+// that makes a partition larger, is admitted only when, after it, the free space still holds a
+// copy of the largest partition. Capacity for a
 // set of partitions is therefore the sum of their aligned sizes plus the largest one; that
 // guarantees that one Put of an existing partition at a time always finds room. Each further Put
 // in flight at the same time, and each partition staged in an open Batch, needs its own size on

@@ -145,6 +145,29 @@ TEST(NvmeStoreTest, AFullStoreRefusesBeforeWritingAndKeepsEverythingElse) {
   EXPECT_EQ((*store)->used_bytes(), 5u << 20);
 }
 
+TEST(NvmeStoreTest, GrowingAPartitionKeepsTheReserve) {
+  // A Put that makes a partition larger is admitted like a new one: had it been let through, the
+  // store would be left without room for the largest partition's copy-on-write.
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(dir.File("s"), Small(), engine.get());  // 8 MiB
+  ASSERT_TRUE(store.ok());
+  const auto a = RandomBytes(3 << 20, 6);
+  ASSERT_TRUE((*store)->Put(1, a).ok());
+  ASSERT_TRUE((*store)->Put(2, RandomBytes(2 << 20, 7)).ok());  // 3 MiB left: the reserve
+  absl::Status s = (*store)->Put(2, RandomBytes(3 << 20, 8));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("growing the partition by 1048576"));
+  EXPECT_THAT(s.message(), HasSubstr("needs 9437184 bytes"));  // 3 + 3 MiB, + the largest
+  EXPECT_EQ(GetAll(**store, 2), RandomBytes(2 << 20, 7));
+  // The rewrites the reserve is for still find room.
+  ASSERT_TRUE((*store)->Put(1, a).ok());
+  ASSERT_TRUE((*store)->Put(2, RandomBytes(1 << 20, 9)).ok());   // shrinking
+  ASSERT_TRUE((*store)->Put(2, RandomBytes(2 << 20, 10)).ok());  // growing within the rule
+  ASSERT_TRUE((*store)->Put(1, a).ok());
+  EXPECT_EQ(GetAll(**store, 2), RandomBytes(2 << 20, 10));
+}
+
 TEST(NvmeStoreTest, AStoreSizedByTheRuleNeverJamsOnWriteBacks) {
   // Capacity = the partitions' sum + the largest: every rewrite finds room for its new copy,
   // even when the free space is split over files and between partitions.
