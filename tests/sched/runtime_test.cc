@@ -1,7 +1,7 @@
 // The Runtime facade on the host-emulated device tier (what every CI run has): acquire/release
 // across the three tiers, budgets and eviction, write-backs that fail, restarts, ranks, and
 // concurrent use. (Its configuration's tests are in runtime_config_test.cc.)
-#include "tiering/runtime.h"
+#include "sched/runtime.h"
 
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -22,8 +22,12 @@
 #include "nlohmann/json.hpp"
 #include "tests/aio/test_util.h"
 
-namespace strata::tiering {
+namespace strata::sched {
 namespace {
+
+using tiering::OffloadDevice;
+using tiering::PartitionDesc;
+using tiering::Residency;
 
 using ::strata::testing::RandomBytes;
 using ::strata::testing::ScratchDir;
@@ -35,6 +39,7 @@ RuntimeConfig SmallConfig(const std::string& nvme_path) {
   // Partitions of 100000 bytes hold 25 pages (102400 bytes) each.
   c.device_budget_bytes = 2 * 102400;  // two partitions
   c.offload_param.buffer_size = 64 << 10;
+  c.offload_param.buffer_count = 2;  // one pair of staging buffers
   c.host_budget_bytes = 3 * 102400 + 2 * (64 << 10);  // three, and the two staging buffers
   c.nvme_capacity_bytes = 8 << 20;
   c.nvme_path = nvme_path;
@@ -570,4 +575,4 @@ TEST(RuntimeTest, OnACudaDeviceAPartitionTravelsThroughDeviceMemoryWithItsBytes)
 }
 
 }  // namespace
-}  // namespace strata::tiering
+}  // namespace strata::sched

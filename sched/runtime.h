@@ -1,0 +1,279 @@
+// sched/runtime.h: the Runtime facade a trainer links, with the prefetching scheduler behind it.
+//
+// A Runtime is made from a RuntimeConfig (tiering/runtime_config.h). It owns the aio engine, the
+// NVMe store (when anything is offloaded to NVMe), the memory of the device tier (CUDA, or
+// host-emulated ordinary memory with its own budget when strata.device is "emulated" — the test
+// seam every CI run uses, announced by a warning at Create), the pinned host memory, the copy
+// engine, the staging pool, the residency table, the Mover (swap/mover.h: every byte move) and the
+// Scheduler (sched/scheduler.h: the plan).
+//
+// Where NVMe swap lives: the store is the folder rank<R> under the configured nvme_path (made when
+// missing), R being RuntimeOptions::rank, else the RANK variable that torchrun and DeepSpeed's
+// launcher set, else 0 — so the ranks of a job given one nvme_path (as DeepSpeed configs do) never
+// share a store. A store is locked for its Runtime's life: a second Runtime (in this process or
+// another) on the same folder is refused at Create. The CUDA device is RuntimeOptions::
+// device_index, else LOCAL_RANK, else 0.
+//
+// The trainer registers partitions (with their first bytes in a tier), then asks for a partition
+// in a memory tier with Acquire — which brings a current copy there (NVMe -> host through the aio
+// engine; host <-> device through the copy engine; NVMe <-> device in chunks through a pair of
+// pinned staging buffers of offload_param.buffer_size, the disk and the copy engine overlapping),
+// making room by evicting unpinned copies of that tier (writing a copy back first when it is the
+// only current one), and pins it until Release. A Release marked dirty makes that copy the only
+// current one (the stale memory copies are freed). EndStep marks the end of a training step.
+//
+// The scheduler: the first step is recorded; from the second the Runtime follows the recorded
+// trace, prefetching the next accesses on its worker threads (NVMe -> host -> device, or NVMe ->
+// device staged) so they arrive before they are needed, and evicting the copy needed furthest in
+// the future (clean before dirty among those not needed soon; never one needed before the copy a
+// prefetch brings). A step whose accesses differ from the trace falls back to on-demand fetching
+// with least-recently-used eviction for its rest, warns once, and is recorded anew. With
+// strata.eviction_policy "lru" there is no plan: on demand and LRU throughout. GradientReady tells
+// the Runtime a gradient partition is complete on the device: it is written down to the host tier
+// in the background when the plan does not need it on the device soon. Per step, EndStep reports
+// the trainer's waits by cause, the bytes moved per pair of tiers and the prefetch outcomes.
+//
+// Concurrency: the Runtime's metadata lock is never held across I/O or a copy. Moves of different
+// partitions run at once (a trainer thread's Acquire, the prefetch workers, write-backs); an
+// Acquire of a partition already current in its tier returns at once whatever else is in flight;
+// an Acquire of a partition being moved joins that move. A copy being acquired is never chosen as
+// an eviction victim; when no victim can be found but moves are in flight, a move that needs room
+// waits for them rather than failing.
+//
+// Budgets: the host budget covers the partitions' host copies and the staging pool
+// (offload_param.buffer_count buffers, in pairs, at least one pair; set aside at Create when there
+// is an NVMe tier), so pinned memory held stays within strata.host_budget_bytes.
+//
+// Restarts: a Runtime reopening a store finds the partitions an earlier run left there
+// (StoredPartitions). Adopt takes one over with its bytes; Register refuses an id the store already
+// holds (it would overwrite the stored bytes); Unregister drops a partition, stored or not. Flush
+// writes every partition whose NVMe copy is stale back to NVMe, and the destructor flushes (a
+// failure there is reported as a warning: release everything and Flush before destroying to see
+// the status).
+//
+// Nothing is lost: every move goes through the residency table's rules (tiering/residency.h); a
+// write-back that fails leaves the previous copy valid and the partition dirty, and the caller
+// whose Acquire needed it gets the status (a prefetch's failure is counted and left for the
+// trainer's own Acquire to meet).
+//
+// Thread safety: thread-safe. A partition pinned by Acquire must be released by the caller; one
+// thread's Acquire and Release of a partition may interleave with other threads' of the same one.
+#ifndef STRATA_SCHED_RUNTIME_H_
+#define STRATA_SCHED_RUNTIME_H_
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/node_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "aio/engine.h"
+#include "base/mutex.h"
+#include "sched/scheduler.h"
+#include "swap/mover.h"
+#include "swap/staging_pool.h"
+#include "tiering/copy_engine.h"
+#include "tiering/memory_resource.h"
+#include "tiering/nvme_store.h"
+#include "tiering/residency.h"
+#include "tiering/runtime_config.h"
+
+namespace strata::sched {
+
+using tiering::PartitionRecord;
+using tiering::RuntimeConfig;
+
+struct RuntimeOptions {
+  std::function<void(absl::string_view)> on_warning;  // default: stderr
+  // This process's rank (its store is <nvme_path>/rank<rank>); -1: the RANK environment
+  // variable, else 0.
+  int rank = -1;
+  // The CUDA device of the device tier; -1: the LOCAL_RANK environment variable, else 0.
+  int device_index = -1;
+  // Threads that run prefetches and background write-backs.
+  int workers = 4;
+  // Overrides the policy strata.eviction_policy picks (benchmarks compare kDeepSpeedLike).
+  std::optional<Policy> policy;
+  // Passed to the aio engine (tests wrap the backend with a FaultInjector).
+  aio::EngineOptions engine_options;
+};
+
+// Why the trainer waited.
+enum class WaitCause : uint8_t {
+  kNvmeRead,   // bytes coming from NVMe (its own move, or a prefetch it joined)
+  kCopy,       // a host <-> device copy
+  kWriteBack,  // an eviction's write-back that had to finish to make room
+  kBudgetFull, // no copy could be evicted until other moves finished
+};
+inline constexpr int kWaitCauseCount = 4;
+absl::string_view WaitCauseName(WaitCause c);
+
+struct StepReport {
+  uint64_t step = 0;     // 1-based
+  std::string mode;      // "recorded", "planned", "fallback" (diverged), "on-demand" (lru)
+  std::string divergence;  // what differed from the trace; empty when nothing did
+  double seconds = 0;      // wall time since the previous EndStep (or Create)
+  double wait_seconds = 0;  // the trainer's Acquires, waiting for bytes
+  std::array<double, kWaitCauseCount> wait_by_cause{};
+  swap::TierMatrix bytes_moved{};  // [from][to], this step, prefetches and write-backs included
+  uint64_t acquires = 0;
+  uint64_t hits = 0;             // current in the tier when asked for
+  uint64_t prefetch_hits = 0;    // of the hits, brought by a prefetch
+  uint64_t late_prefetches = 0;  // a prefetch was still moving it: the Acquire joined
+  uint64_t misses = 0;           // the Acquire moved it itself
+  uint64_t prefetches = 0, prefetch_failures = 0, prefetches_blocked = 0;  // blocked: no room
+  uint64_t evictions = 0, write_backs = 0;
+  int lookahead = 0;  // the adaptive window at the step's end, in accesses
+  // One JSON object on one line.
+  std::string ToJson() const;
+};
+
+struct RuntimeStats {
+  // Time Acquire spent waiting for bytes, since Create.
+  double acquire_wait_seconds = 0;
+  uint64_t acquires = 0, acquire_hits = 0;  // hits: already current in the tier
+  uint64_t evictions = 0, write_backs = 0;
+  uint64_t steps = 0;
+  // Pinned host memory held (partitions' copies, staging buffers, freed blocks kept for reuse,
+  // page rounding): never more than strata.host_budget_bytes.
+  uint64_t host_held_bytes = 0;
+  swap::TierMatrix bytes_moved{};  // [from][to]
+};
+
+class Runtime {
+ public:
+  static absl::StatusOr<std::unique_ptr<Runtime>> Create(const RuntimeConfig& config,
+                                                         RuntimeOptions options = {});
+  ~Runtime();
+
+  // Registers a partition whose first bytes are `initial` (zeros when empty, written to NVMe
+  // through the staging buffers when `tier` is NVMe), placed in `tier`. AlreadyExists when the id
+  // is registered, or held by the store from an earlier run (Adopt or Unregister it).
+  absl::Status Register(const tiering::PartitionDesc& desc, Tier tier,
+                        absl::Span<const std::byte> initial = {});
+  // Registers a partition the store already holds (from an earlier run), with its bytes: NotFound
+  // when the store has no such id, InvalidArgument when its length is not desc.bytes.
+  absl::Status Adopt(const tiering::PartitionDesc& desc);
+  // The partitions in the NVMe store (empty without an NVMe tier), registered or not.
+  std::vector<PartitionRecord> StoredPartitions() const;
+  // Forgets a partition: its memory copies are freed and its NVMe copy erased. Refused while it is
+  // pinned (waits for a move of it in flight). Also drops a stored partition never adopted.
+  absl::Status Unregister(PartitionId id);
+  // Writes back to NVMe every registered partition whose NVMe copy is not current, so the store
+  // holds every partition's latest bytes (what a restart adopts). FailedPrecondition naming the
+  // first partition pinned while dirty; a no-op without an NVMe tier.
+  absl::Status Flush();
+  // Brings a current copy into `tier` (device or host), pins it, returns its address.
+  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
+  // Unpins; `dirty`: the caller changed the bytes in `tier`.
+  absl::Status Release(PartitionId id, Tier tier, bool dirty);
+  // Drops the copy in `tier` (memory tiers), writing it back first when it is the only current
+  // copy: a device copy to host, or straight to NVMe when parameters are offloaded to NVMe
+  // (offload_param.device "nvme") or the host tier has no room; a host copy to NVMe. A clean
+  // copy is dropped without I/O.
+  absl::Status Evict(PartitionId id, Tier tier);
+  // Brings a current copy into `tier` on a worker thread (no pin) and returns at once; the future
+  // completes when it is there (it may be discarded). The destructor completes queued ones with
+  // Cancelled.
+  std::future<absl::Status> Prefetch(PartitionId id, Tier tier);
+  // The gradient partition `id` is complete in the device tier (released dirty): it leaves the
+  // device in the background unless the plan needs it there within the window.
+  void GradientReady(PartitionId id);
+  // The training step ends: returns its report (ToJson gives the log line). A recorded or
+  // diverged step becomes the next step's plan.
+  StepReport EndStep();
+
+  RuntimeStats stats() const;
+  const tiering::ResidencyTable& residency() const { return *table_; }
+  const RuntimeConfig& config() const { return config_; }
+  // Every warning so far (a copy: worker threads may add to them).
+  std::vector<std::string> warnings() const;
+
+ private:
+  struct Waits {
+    std::array<double, kWaitCauseCount> s{};
+  };
+  enum class Purpose : uint8_t { kAcquire, kPrefetch, kEvict };
+  struct PartState {
+    std::array<uint64_t, 2> last_use{};  // device, host: the tick of the last access
+    int busy = 0;                        // operations bringing it: never a victim meanwhile
+    bool prefetched = false;             // brought by a prefetch, not yet acquired
+  };
+  // Counters of the current step.
+  struct StepCounters {
+    StepReport r;
+    swap::TierMatrix moved_at_start{};
+  };
+
+  Runtime() = default;
+  // Brings a current copy of `id` into `tier` (joining a move in flight). `limit`: for a prefetch,
+  // the distance of its use (victims must be needed later).
+  absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
+                           Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
+  absl::Status MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose, uint64_t limit,
+                          Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id, Purpose purpose,
+                              uint64_t limit, Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EvictLocked(PartitionId id, Tier tier, Waits* waits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteBackLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WaitForMoveLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PlanPrefetchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunPrefetch(PartitionId id, Tier tier, bool planned, std::promise<absl::Status>* done);
+  void Post(std::function<void()> job, std::function<void()> cancel);
+  void WorkerLoop();
+  double Now() const;
+  void Warn(std::string w);
+
+  RuntimeConfig config_;
+  RuntimeOptions options_;
+  mutable Mutex warnings_mu_;
+  std::vector<std::string> warnings_ ABSL_GUARDED_BY(warnings_mu_);
+  std::unique_ptr<aio::Engine> engine_;
+  std::unique_ptr<tiering::NvmeStore> store_;
+  std::unique_ptr<tiering::MemoryResource> device_memory_;
+  std::unique_ptr<tiering::MemoryResource> pinned_memory_;
+  std::unique_ptr<tiering::PoolingResource> host_memory_;  // pools pinned_memory_
+  std::unique_ptr<tiering::CopyEngine> copy_;
+  std::unique_ptr<swap::StagingPool> staging_;
+  std::unique_ptr<tiering::ResidencyTable> table_;
+  std::unique_ptr<swap::Mover> mover_;
+
+  mutable Mutex mu_;
+  CondVar moved_;  // signalled when a move ends
+  absl::node_hash_map<PartitionId, PartState> parts_ ABSL_GUARDED_BY(mu_);
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  int moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<Scheduler> scheduler_ ABSL_GUARDED_BY(mu_);
+  // Planned prefetches queued or running: (id, tier) keys.
+  absl::flat_hash_set<uint64_t> prefetching_ ABSL_GUARDED_BY(mu_);
+  std::chrono::steady_clock::time_point step_start_ ABSL_GUARDED_BY(mu_);
+  StepCounters step_ ABSL_GUARDED_BY(mu_);
+  RuntimeStats stats_ ABSL_GUARDED_BY(mu_);
+
+  // The worker threads and their queue.
+  struct Job {
+    std::function<void()> run;
+    std::function<void()> cancel;
+  };
+  Mutex jobs_mu_;
+  CondVar jobs_cv_;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(jobs_mu_);
+  bool stop_ ABSL_GUARDED_BY(jobs_mu_) = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace strata::sched
+
+#endif  // STRATA_SCHED_RUNTIME_H_

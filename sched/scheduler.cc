@@ -1,0 +1,116 @@
+#include "sched/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace strata::sched {
+
+Scheduler::Scheduler(const SchedulerConfig& config)
+    : config_(config),
+      mode_(config.policy == Policy::kLru ? Mode::kOnDemand : Mode::kRecording),
+      lookahead_(std::clamp(config.initial_lookahead, 1, std::max(1, config.max_lookahead))) {}
+
+bool Scheduler::OnAcquire(const PartitionDesc& desc, Tier tier, double at_seconds) {
+  recording_.push_back({desc.id, tier, desc.role, desc.bytes, desc.elements, true, false,
+                        at_seconds});
+  if (mode_ != Mode::kPlanned) return false;
+  if (cursor_ >= plan_acquires_.size()) {
+    Diverge(absl::StrCat("access ", cursor_ + 1, " (partition ", desc.id, " in the ",
+                         TierName(tier), " tier) comes after the ", plan_acquires_.size(),
+                         " accesses of the recorded step"));
+    return false;
+  }
+  const TraceEvent& want = plan_[plan_acquires_[cursor_]];
+  if (want.id != desc.id || want.tier != tier) {
+    Diverge(absl::StrCat("access ", cursor_ + 1, " is partition ", desc.id, " in the ",
+                         TierName(tier), " tier; the recorded step had partition ", want.id,
+                         " in the ", TierName(want.tier), " tier"));
+    return false;
+  }
+  ++cursor_;
+  return true;
+}
+
+void Scheduler::OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds) {
+  recording_.push_back({desc.id, tier, desc.role, desc.bytes, desc.elements, false, dirty,
+                        at_seconds});
+}
+
+void Scheduler::Diverge(std::string why) {
+  divergence_ = std::move(why);
+  mode_ = Mode::kFallback;
+}
+
+std::optional<std::string> Scheduler::EndStep() {
+  if (mode_ == Mode::kPlanned && cursor_ != plan_acquires_.size()) {
+    Diverge(absl::StrCat("the step ended after ", cursor_, " of the ", plan_acquires_.size(),
+                         " accesses of the recorded step"));
+  }
+  std::optional<std::string> ended = std::move(divergence_);
+  divergence_.reset();
+  cursor_ = 0;
+  tight_ = false;  // each step tries widening again
+  if (mode_ == Mode::kOnDemand) {
+    recording_.clear();
+    return ended;
+  }
+  // The step just run is the plan of the next (a planned step that matched refreshes the times).
+  plan_ = std::move(recording_);
+  recording_.clear();
+  plan_acquires_.clear();
+  uses_.clear();
+  for (uint32_t i = 0; i < plan_.size(); ++i) {
+    if (!plan_[i].acquire) continue;
+    uses_[Key(plan_[i].id, plan_[i].tier)].push_back(static_cast<uint32_t>(plan_acquires_.size()));
+    plan_acquires_.push_back(i);
+  }
+  mode_ = plan_acquires_.empty() ? Mode::kRecording : Mode::kPlanned;
+  return ended;
+}
+
+std::vector<Scheduler::Upcoming> Scheduler::Window() const {
+  std::vector<Upcoming> out;
+  if (mode_ != Mode::kPlanned) return out;
+  const uint64_t n = plan_acquires_.size();
+  const bool ds = config_.policy == Policy::kDeepSpeedLike;
+  const uint64_t span = ds ? n : std::min<uint64_t>(static_cast<uint64_t>(lookahead_), n);
+  uint64_t param_elements = 0;
+  for (uint64_t d = 0; d < span; ++d) {
+    const TraceEvent& e = plan_[plan_acquires_[(cursor_ + d) % n]];
+    if (ds && e.tier != Tier::kDevice) continue;
+    if (e.role == tiering::Role::kParam) {
+      param_elements += e.elements;
+      // The bucket bounds the parameters ahead; the first one is always allowed.
+      if (param_elements > config_.prefetch_bucket_elements && !out.empty()) break;
+    }
+    const bool seen = std::any_of(out.begin(), out.end(), [&](const Upcoming& u) {
+      return u.id == e.id && u.tier == e.tier;
+    });
+    if (!seen) out.push_back({e.id, e.tier, d, e.role, e.elements});
+  }
+  return out;
+}
+
+uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
+  if (mode_ != Mode::kPlanned) return kNever;
+  auto it = uses_.find(Key(id, tier));
+  if (it == uses_.end()) return kNever;
+  const std::vector<uint32_t>& at = it->second;
+  auto next = std::lower_bound(at.begin(), at.end(), cursor_);
+  if (next != at.end()) return *next - cursor_;
+  return at.front() + plan_acquires_.size() - cursor_;  // in the next step
+}
+
+void Scheduler::OnLateOrMiss() {
+  if (config_.policy != Policy::kTrace || tight_) return;
+  lookahead_ = std::min(config_.max_lookahead, lookahead_ + std::max(1, lookahead_ / 2));
+}
+
+void Scheduler::OnBudgetTight(uint64_t distance) {
+  if (config_.policy != Policy::kTrace) return;
+  tight_ = true;
+  lookahead_ = std::max<int>(1, std::min<uint64_t>(lookahead_, distance + 1));
+}
+
+}  // namespace strata::sched

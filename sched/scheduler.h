@@ -1,0 +1,129 @@
+// sched/scheduler.h: the prefetching scheduler's plan — what the trainer will need next, and which
+// copy is needed furthest in the future.
+//
+// The trainer's accesses repeat from step to step. The Scheduler records every acquire and release
+// of a step (the partition, its tier, role and size, and when it came, relative to the step's
+// start): that is the trace. The first step only records. From the next step on the trace is the
+// plan: the Scheduler follows the trainer through it (the cursor: the position of the next access
+// it expects) and answers two questions for the Runtime —
+//   Window():  the next accesses, in the order they will come (the Runtime prefetches them);
+//   NextUse(): how many accesses ahead a partition is needed again in a tier (Belady's rule on the
+//              known trace: evict the copy needed furthest in the future). The plan wraps around
+//              the step's end into the next step, which repeats it, so the first layers are brought
+//              back while the last ones run.
+// Planning stops at the first mismatch (a different partition or tier than the plan expects, an
+// access past its end, or a step that ends early): the Scheduler says so once (divergence()), the
+// rest of the step runs on demand with least-recently-used eviction (mode kFallback), and the step
+// is recorded anew: the next step is planned from it.
+//
+// The window is adaptive: it widens while the trainer still waits for prefetched partitions
+// (OnLateOrMiss) and narrows when a prefetch finds no room in a tier's budget (OnBudgetTight),
+// between 1 and SchedulerConfig::max_lookahead accesses. DeepSpeed's stage-3 knobs bound it:
+// prefetch_bucket_elements caps the parameter elements ahead in the window.
+//
+// With policy kLru there is no plan: every step is on demand with LRU eviction (what the Runtime did
+// before the scheduler). kDeepSpeedLike models DeepSpeed's coordinator for comparison: a fixed
+// window of prefetch_bucket_elements parameter elements, device-tier accesses only, at most two
+// prefetches in flight, and no read ahead from NVMe.
+//
+// Thread safety: not thread-safe; the Runtime calls it under its own mutex.
+#ifndef STRATA_SCHED_SCHEDULER_H_
+#define STRATA_SCHED_SCHEDULER_H_
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "tiering/residency.h"
+
+namespace strata::sched {
+
+using tiering::PartitionDesc;
+using tiering::PartitionId;
+using tiering::Tier;
+
+enum class Policy : uint8_t { kTrace, kLru, kDeepSpeedLike };
+
+struct SchedulerConfig {
+  Policy policy = Policy::kTrace;
+  int initial_lookahead = 4;  // accesses
+  int max_lookahead = 256;
+  // stage3_prefetch_bucket_size: parameter elements (Role::kParam) ahead in the window.
+  uint64_t prefetch_bucket_elements = 50000000;
+};
+
+// One event of the trace.
+struct TraceEvent {
+  PartitionId id = 0;
+  Tier tier = Tier::kDevice;
+  tiering::Role role = tiering::Role::kParam;
+  uint64_t bytes = 0, elements = 0;
+  bool acquire = true;  // else a release
+  bool dirty = false;   // a release that changed the bytes
+  double at_seconds = 0;  // since the step began
+};
+
+class Scheduler {
+ public:
+  enum class Mode : uint8_t { kRecording, kPlanned, kFallback, kOnDemand };
+  static constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+  explicit Scheduler(const SchedulerConfig& config);
+
+  // The trainer's acquire of (desc, tier) at `at_seconds` into the step. Returns true when it is
+  // the access the plan expected (false in the other modes, and on the mismatch that ends the plan).
+  bool OnAcquire(const PartitionDesc& desc, Tier tier, double at_seconds);
+  void OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds);
+
+  // The step ends: a recorded or diverged step becomes the plan of the next one. Returns the
+  // divergence of the step that ended, if any (also when it ended short of the plan).
+  std::optional<std::string> EndStep();
+
+  struct Upcoming {
+    PartitionId id;
+    Tier tier;
+    uint64_t distance;  // accesses from the cursor (0: the next one)
+    tiering::Role role;
+    uint64_t elements;
+  };
+  // The accesses to prefetch now, in order (empty unless planned).
+  std::vector<Upcoming> Window() const;
+  // Accesses from the cursor until (id, tier) is needed again; kNever when it is not in the plan
+  // (or there is no plan).
+  uint64_t NextUse(PartitionId id, Tier tier) const;
+
+  void OnLateOrMiss();
+  // A prefetch `distance` accesses ahead found no room: the window narrows to it.
+  void OnBudgetTight(uint64_t distance);
+
+  Mode mode() const { return mode_; }
+  int lookahead() const { return lookahead_; }
+  // Prefetches a policy allows in flight at once (0: no limit).
+  int max_in_flight() const { return config_.policy == Policy::kDeepSpeedLike ? 2 : 0; }
+  bool reads_ahead_from_nvme() const { return config_.policy != Policy::kDeepSpeedLike; }
+  const std::vector<TraceEvent>& plan() const { return plan_; }
+  // The divergence of this step, once detected.
+  const std::optional<std::string>& divergence() const { return divergence_; }
+
+ private:
+  static uint64_t Key(PartitionId id, Tier tier) { return id * 4 + static_cast<uint64_t>(tier); }
+  void Diverge(std::string why);
+
+  SchedulerConfig config_;
+  Mode mode_;
+  int lookahead_;
+  std::vector<TraceEvent> plan_;               // the acquires and releases of the planned step
+  std::vector<uint32_t> plan_acquires_;        // indices of plan_'s acquires, in order
+  absl::flat_hash_map<uint64_t, std::vector<uint32_t>> uses_;  // key -> its positions in acquires
+  std::vector<TraceEvent> recording_;          // this step's events
+  uint64_t cursor_ = 0;                        // position of the next expected acquire
+  std::optional<std::string> divergence_;
+  bool tight_ = false;  // a prefetch found no room since the window last widened
+};
+
+}  // namespace strata::sched
+
+#endif  // STRATA_SCHED_SCHEDULER_H_

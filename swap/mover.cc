@@ -1,0 +1,205 @@
+#include "swap/mover.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/check.h"
+#include "base/status.h"
+
+namespace strata::swap {
+namespace {
+
+int I(Tier t) { return static_cast<int>(t); }
+bool IsMemory(Tier t) { return t != Tier::kNvme; }
+
+}  // namespace
+
+Mover::Mover(const MoverParts& parts) : parts_(parts) {
+  STRATA_CHECK(parts.table != nullptr && parts.device != nullptr && parts.host != nullptr &&
+                   parts.copy != nullptr && parts.staging != nullptr,
+               "Mover: a table, device and host resources, a copy engine and a staging pool");
+}
+
+Mover::~Mover() {
+  MutexLock lock(&mu_);
+  for (auto& [id, a] : addresses_) {
+    for (Tier t : {Tier::kDevice, Tier::kHost}) {
+      if (a[I(t)] != nullptr) ResourceFor(t).Deallocate(a[I(t)], sizes_[id]);
+    }
+  }
+}
+
+tiering::MemoryResource& Mover::ResourceFor(Tier t) const {
+  return t == Tier::kDevice ? *parts_.device : *parts_.host;
+}
+
+std::byte* Mover::Address(PartitionId id, Tier tier) const {
+  if (!IsMemory(tier)) return nullptr;
+  MutexLock lock(&mu_);
+  auto it = addresses_.find(id);
+  return it == addresses_.end() ? nullptr : it->second[I(tier)];
+}
+
+TierMatrix Mover::bytes_moved() const {
+  MutexLock lock(&mu_);
+  return bytes_moved_;
+}
+
+absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
+                         absl::Span<const std::byte> initial) {
+  STRATA_CHECK(initial.empty() || initial.size() == desc.bytes, "Mover::Fill: initial bytes");
+  if (tier == Tier::kNvme) {
+    if (parts_.store == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", desc.id, ": no NVMe tier to place it in"));
+    }
+    STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
+    auto batch = parts_.store->NewBatch();
+    STRATA_RETURN_IF_ERROR(batch->StageChunked(
+        desc.id, desc.bytes, lease.a(), lease.b(), [&](uint64_t off, absl::Span<std::byte> chunk) {
+          if (initial.empty()) {
+            std::memset(chunk.data(), 0, chunk.size());
+          } else {
+            std::memcpy(chunk.data(), initial.data() + off, chunk.size());
+          }
+          return absl::OkStatus();
+        }));
+    return batch->Commit();
+  }
+  STRATA_ASSIGN_OR_RETURN(void* p, ResourceFor(tier).Allocate(desc.bytes));
+  auto* bytes = static_cast<std::byte*>(p);
+  absl::Status filled;
+  if (tier == Tier::kDevice) {
+    if (initial.empty()) {
+      // Zeros from one small buffer, chunk by chunk: never the whole partition in host memory.
+      static const std::vector<std::byte> kZeros(1 << 20);
+      for (uint64_t off = 0; off < desc.bytes && filled.ok(); off += kZeros.size()) {
+        filled = parts_.copy
+                     ->CopyAsync(bytes + off, kZeros.data(),
+                                 std::min<uint64_t>(kZeros.size(), desc.bytes - off),
+                                 tiering::CopyDirection::kHostToDevice)
+                     .get();
+      }
+    } else {
+      filled = parts_.copy
+                   ->CopyAsync(bytes, initial.data(), desc.bytes,
+                               tiering::CopyDirection::kHostToDevice)
+                   .get();
+    }
+  } else if (initial.empty()) {
+    std::memset(bytes, 0, desc.bytes);
+  } else {
+    std::memcpy(bytes, initial.data(), desc.bytes);
+  }
+  if (!filled.ok()) {
+    ResourceFor(tier).Deallocate(bytes, desc.bytes);
+    return filled;
+  }
+  MutexLock lock(&mu_);
+  addresses_[desc.id][I(tier)] = bytes;
+  sizes_[desc.id] = desc.bytes;
+  return absl::OkStatus();
+}
+
+absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
+                          std::byte* dst) {
+  using tiering::CopyDirection;
+  if (from == Tier::kNvme && to == Tier::kDevice) {
+    STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
+    return parts_.store->GetChunked(
+        id, lease.a(), lease.b(), [&](uint64_t off, absl::Span<const std::byte> chunk) {
+          return parts_.copy
+              ->CopyAsync(dst + off, chunk.data(), chunk.size(), CopyDirection::kHostToDevice)
+              .get();
+        });
+  }
+  if (from == Tier::kDevice && to == Tier::kNvme) {
+    STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
+    auto batch = parts_.store->NewBatch();
+    STRATA_RETURN_IF_ERROR(batch->StageChunked(
+        id, bytes, lease.a(), lease.b(), [&](uint64_t off, absl::Span<std::byte> chunk) {
+          return parts_.copy
+              ->CopyAsync(chunk.data(), src + off, chunk.size(), CopyDirection::kDeviceToHost)
+              .get();
+        }));
+    return batch->Commit();
+  }
+  if (from == Tier::kNvme) return parts_.store->Get(id, {dst, bytes});  // to host
+  if (to == Tier::kNvme) return parts_.store->Put(id, {src, bytes});    // from host
+  return parts_.copy
+      ->CopyAsync(dst, src, bytes,
+                  to == Tier::kDevice ? CopyDirection::kHostToDevice
+                                      : CopyDirection::kDeviceToHost)
+      .get();
+}
+
+absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
+  STRATA_ASSIGN_OR_RETURN(const tiering::Residency r, parts_.table->Get(id));
+  if (!r.move || r.move->first != from || r.move->second != to) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", id, ": carry ", TierName(from), " -> ", TierName(to),
+        " without that move begun in the residency table"));
+  }
+  const uint64_t bytes = r.desc.bytes;
+  auto fail = [&](absl::Status s) {
+    parts_.table->EndMove(id, false).IgnoreError();
+    return Annotate(s, absl::StrCat("move of partition ", id, " ", TierName(from), " -> ",
+                                    TierName(to)));
+  };
+  if ((from == Tier::kNvme || to == Tier::kNvme) && parts_.store == nullptr) {
+    return fail(absl::FailedPreconditionError("no NVMe tier"));
+  }
+  std::byte* src = Address(id, from);
+  std::byte* dst = Address(id, to);
+  if (IsMemory(from) && src == nullptr) {
+    return fail(absl::InternalError("the source copy has no memory"));
+  }
+  bool allocated = false;
+  if (IsMemory(to) && dst == nullptr) {
+    absl::StatusOr<void*> p = ResourceFor(to).Allocate(bytes);
+    if (!p.ok()) return fail(p.status());
+    dst = static_cast<std::byte*>(*p);
+    allocated = true;
+  }
+  absl::Status moved = Bytes(id, bytes, from, to, src, dst);
+  if (!moved.ok()) {
+    if (allocated) ResourceFor(to).Deallocate(dst, bytes);
+    return fail(moved);
+  }
+  {
+    MutexLock lock(&mu_);
+    if (allocated) {
+      addresses_[id][I(to)] = dst;
+      sizes_[id] = bytes;
+    }
+    bytes_moved_[I(from)][I(to)] += bytes;
+  }
+  return parts_.table->EndMove(id, true);
+}
+
+absl::Status Mover::Drop(PartitionId id, Tier tier) {
+  STRATA_RETURN_IF_ERROR(parts_.table->Drop(id, tier));
+  if (!IsMemory(tier)) return absl::OkStatus();
+  MutexLock lock(&mu_);
+  auto it = addresses_.find(id);
+  if (it != addresses_.end() && it->second[I(tier)] != nullptr) {
+    ResourceFor(tier).Deallocate(it->second[I(tier)], sizes_[id]);
+    it->second[I(tier)] = nullptr;
+  }
+  return absl::OkStatus();
+}
+
+void Mover::Forget(PartitionId id) {
+  MutexLock lock(&mu_);
+  auto it = addresses_.find(id);
+  if (it == addresses_.end()) return;
+  for (Tier t : {Tier::kDevice, Tier::kHost}) {
+    if (it->second[I(t)] != nullptr) ResourceFor(t).Deallocate(it->second[I(t)], sizes_[id]);
+  }
+  addresses_.erase(it);
+  sizes_.erase(id);
+}
+
+}  // namespace strata::swap

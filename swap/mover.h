@@ -1,0 +1,104 @@
+// swap/mover.h: every byte move of a partition between tiers (the Mover).
+//
+// The Mover carries out moves the residency table has begun, and keeps the address of every
+// memory copy (device and host tiers). It is handed what it needs at construction — the residency
+// table, the device and host memory resources, the NVMe store (none without an NVMe tier), the
+// copy engine and the staging pool — and owns none of them. It decides nothing: which move, when,
+// and what to evict to make room are its caller's (sched/), which begins each move in the table
+// (reserving the destination against its tier's budget) before calling Carry.
+//
+// The routes: NVMe -> host and host -> NVMe through the store (the aio engine; a write-back is a
+// copy-on-write Put, checked and committed before the move ends); host <-> device through the copy
+// engine; NVMe <-> device chunk by chunk through a pair of pinned staging buffers (the disk and the
+// copy engine overlapping), never the whole partition in host memory.
+//
+// Moves run on the calling thread and hold no lock across their I/O: moves of different partitions
+// run at once from several threads (the disk, the copy engine and the CPU each busy). A failed move
+// leaves everything as it was — the table's move ended as failed (the destination released), the
+// destination's memory freed unless it held a copy before — and the status names the partition
+// and the tiers. A memory copy is freed only through Drop, which the table allows only for a copy
+// that is not the only current one, not pinned and not in a move.
+//
+// Thread safety: thread-safe. Carry of one partition must not run twice at once (the table allows
+// one move per partition).
+#ifndef STRATA_SWAP_MOVER_H_
+#define STRATA_SWAP_MOVER_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "base/mutex.h"
+#include "swap/staging_pool.h"
+#include "tiering/copy_engine.h"
+#include "tiering/memory_resource.h"
+#include "tiering/nvme_store.h"
+#include "tiering/residency.h"
+
+namespace strata::swap {
+
+using tiering::PartitionId;
+using tiering::Tier;
+
+struct MoverParts {
+  tiering::ResidencyTable* table = nullptr;
+  tiering::MemoryResource* device = nullptr;
+  tiering::MemoryResource* host = nullptr;
+  tiering::NvmeStore* store = nullptr;  // null: no NVMe tier
+  tiering::CopyEngine* copy = nullptr;
+  StagingPool* staging = nullptr;  // for NVMe writes of new partitions and NVMe <-> device
+};
+
+using TierMatrix = std::array<std::array<uint64_t, tiering::kTierCount>, tiering::kTierCount>;
+
+class Mover {
+ public:
+  explicit Mover(const MoverParts& parts);
+  // Frees every memory copy still held.
+  ~Mover();
+  Mover(const Mover&) = delete;
+  Mover& operator=(const Mover&) = delete;
+
+  // Writes the first bytes of a partition whose copy in `tier` the caller has just reserved
+  // (ResidencyTable::Materialize): `initial` (exactly desc.bytes) or zeros when empty. Device:
+  // through the copy engine (zeros from a small buffer); NVMe: staged chunk by chunk and
+  // committed, never the whole partition in host memory. On failure nothing is held (memory freed,
+  // nothing committed) and the caller unregisters the partition.
+  absl::Status Fill(const tiering::PartitionDesc& desc, Tier tier,
+                    absl::Span<const std::byte> initial);
+
+  // Carries out the move from -> to that the table has begun (ResidencyTable::BeginMove), and ends
+  // it (EndMove: the new copy current, or released on failure).
+  absl::Status Carry(PartitionId id, Tier from, Tier to);
+
+  // Drops the copy in `tier` through the table (its rules) and frees its memory (memory tiers; a
+  // stale NVMe copy keeps its extent until the next write-back replaces it).
+  absl::Status Drop(PartitionId id, Tier tier);
+
+  // Frees the memory copies of a partition the table no longer knows (after Unregister).
+  void Forget(PartitionId id);
+
+  // The memory copy's address (device or host tier); null when there is none.
+  std::byte* Address(PartitionId id, Tier tier) const;
+
+  // Bytes moved so far, [from][to].
+  TierMatrix bytes_moved() const;
+
+ private:
+  tiering::MemoryResource& ResourceFor(Tier t) const;
+  absl::Status Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
+                     std::byte* dst);
+
+  const MoverParts parts_;
+  mutable Mutex mu_;
+  absl::flat_hash_map<PartitionId, std::array<std::byte*, 2>> addresses_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PartitionId, uint64_t> sizes_ ABSL_GUARDED_BY(mu_);
+  TierMatrix bytes_moved_ ABSL_GUARDED_BY(mu_){};
+};
+
+}  // namespace strata::swap
+
+#endif  // STRATA_SWAP_MOVER_H_

@@ -1,0 +1,176 @@
+// The Scheduler's plan on its own (no I/O): recording, following the trace, next-use distances with
+// the wrap into the next step, the window and its bounds, divergence and re-recording.
+#include "sched/scheduler.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::sched {
+namespace {
+
+using ::testing::HasSubstr;
+using tiering::Role;
+
+PartitionDesc P(PartitionId id, uint64_t elements = 1000, Role role = Role::kParam) {
+  PartitionDesc d;
+  d.id = id;
+  d.role = role;
+  d.elements = elements;
+  d.bytes = 4 * elements;
+  return d;
+}
+
+// One step: acquire and release each id in order on the device.
+void Step(Scheduler& s, const std::vector<PartitionId>& ids, Tier tier = Tier::kDevice) {
+  double t = 0;
+  for (PartitionId id : ids) {
+    s.OnAcquire(P(id), tier, t += 0.001);
+    s.OnRelease(P(id), tier, false, t += 0.001);
+  }
+}
+
+std::vector<PartitionId> Ids(const std::vector<Scheduler::Upcoming>& w) {
+  std::vector<PartitionId> out;
+  for (const auto& u : w) out.push_back(u.id);
+  return out;
+}
+
+TEST(SchedulerTest, TheFirstStepRecordsAndTheSecondIsPlannedFromIt) {
+  SchedulerConfig c;
+  c.initial_lookahead = 3;
+  Scheduler s(c);
+  EXPECT_EQ(s.mode(), Scheduler::Mode::kRecording);
+  EXPECT_TRUE(s.Window().empty());
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), Scheduler::kNever);
+  Step(s, {1, 2, 3, 4, 5});
+  EXPECT_EQ(s.EndStep(), std::nullopt);
+  EXPECT_EQ(s.mode(), Scheduler::Mode::kPlanned);
+  EXPECT_EQ(s.plan().size(), 10u);  // acquires and releases
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_TRUE(s.OnAcquire(P(1), Tier::kDevice, 0));
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(2, 3, 4));
+  EXPECT_EQ(s.NextUse(2, Tier::kDevice), 0u);
+  EXPECT_EQ(s.NextUse(5, Tier::kDevice), 3u);
+  // Partition 1 was just used: its next use is the first access of the next step.
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), 4u);
+  EXPECT_EQ(s.NextUse(1, Tier::kHost), Scheduler::kNever);
+  EXPECT_EQ(s.NextUse(9, Tier::kDevice), Scheduler::kNever);
+}
+
+TEST(SchedulerTest, TheWindowWrapsIntoTheNextStep) {
+  SchedulerConfig c;
+  c.initial_lookahead = 3;
+  Scheduler s(c);
+  Step(s, {1, 2, 3, 4});
+  s.EndStep();
+  for (PartitionId id : {1, 2, 3}) ASSERT_TRUE(s.OnAcquire(P(id), Tier::kDevice, 0));
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(4, 1, 2));
+}
+
+TEST(SchedulerTest, AForwardAndBackwardTraceGivesNextUsesFromTheCursor) {
+  Scheduler s(SchedulerConfig{});
+  Step(s, {1, 2, 3, 3, 2, 1});  // forward, then backward
+  s.EndStep();
+  ASSERT_TRUE(s.OnAcquire(P(1), Tier::kDevice, 0));
+  ASSERT_TRUE(s.OnAcquire(P(2), Tier::kDevice, 0));
+  EXPECT_EQ(s.NextUse(2, Tier::kDevice), 2u);  // at position 4, cursor at 2
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), 3u);
+  EXPECT_EQ(s.NextUse(3, Tier::kDevice), 0u);
+}
+
+TEST(SchedulerTest, ADifferentAccessEndsThePlanForTheStepAndTheNextStepIsPlannedAgain) {
+  Scheduler s(SchedulerConfig{});
+  Step(s, {1, 2, 3});
+  s.EndStep();
+  EXPECT_TRUE(s.OnAcquire(P(1), Tier::kDevice, 0));
+  EXPECT_FALSE(s.OnAcquire(P(3), Tier::kDevice, 0));  // 2 expected
+  EXPECT_EQ(s.mode(), Scheduler::Mode::kFallback);
+  ASSERT_TRUE(s.divergence().has_value());
+  EXPECT_THAT(*s.divergence(), HasSubstr("access 2 is partition 3 in the device tier; the "
+                                         "recorded step had partition 2 in the device tier"));
+  EXPECT_TRUE(s.Window().empty());
+  EXPECT_EQ(s.NextUse(2, Tier::kDevice), Scheduler::kNever);
+  EXPECT_FALSE(s.OnAcquire(P(2), Tier::kDevice, 0));
+  const auto ended = s.EndStep();
+  ASSERT_TRUE(ended.has_value());
+  // The diverged step (1, 3, 2) is the new plan.
+  EXPECT_EQ(s.mode(), Scheduler::Mode::kPlanned);
+  EXPECT_TRUE(s.OnAcquire(P(1), Tier::kDevice, 0));
+  EXPECT_TRUE(s.OnAcquire(P(3), Tier::kDevice, 0));
+  EXPECT_TRUE(s.OnAcquire(P(2), Tier::kDevice, 0));
+  EXPECT_EQ(s.EndStep(), std::nullopt);
+}
+
+TEST(SchedulerTest, AStepThatEndsShortOrRunsLongIsADivergence) {
+  Scheduler s(SchedulerConfig{});
+  Step(s, {1, 2, 3});
+  s.EndStep();
+  Step(s, {1, 2});
+  auto ended = s.EndStep();
+  ASSERT_TRUE(ended.has_value());
+  EXPECT_THAT(*ended, HasSubstr("ended after 2 of the 3 accesses"));
+  Step(s, {1, 2, 7});
+  ended = s.EndStep();
+  ASSERT_TRUE(ended.has_value());
+  EXPECT_THAT(*ended, HasSubstr("after the 2 accesses of the recorded step"));
+}
+
+TEST(SchedulerTest, TheWindowWidensWhileTheTrainerWaitsAndNarrowsWhenABudgetIsTight) {
+  SchedulerConfig c;
+  c.initial_lookahead = 2;
+  c.max_lookahead = 5;
+  Scheduler s(c);
+  EXPECT_EQ(s.lookahead(), 2);
+  s.OnLateOrMiss();
+  EXPECT_EQ(s.lookahead(), 3);
+  s.OnLateOrMiss();
+  s.OnLateOrMiss();
+  EXPECT_EQ(s.lookahead(), 5);  // capped
+  s.OnBudgetTight(1);
+  EXPECT_EQ(s.lookahead(), 2);  // narrowed to the prefetch that found no room
+  s.OnLateOrMiss();
+  EXPECT_EQ(s.lookahead(), 2);  // not widened again this step
+  s.EndStep();
+  s.OnLateOrMiss();
+  EXPECT_EQ(s.lookahead(), 3);
+}
+
+TEST(SchedulerTest, ThePrefetchBucketBoundsTheParameterElementsAhead) {
+  SchedulerConfig c;
+  c.initial_lookahead = 10;
+  c.prefetch_bucket_elements = 2500;
+  Scheduler s(c);
+  Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
+  s.EndStep();
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2));
+}
+
+TEST(SchedulerTest, LruPolicyNeverPlans) {
+  SchedulerConfig c;
+  c.policy = Policy::kLru;
+  Scheduler s(c);
+  Step(s, {1, 2});
+  s.EndStep();
+  Step(s, {1, 2});
+  EXPECT_EQ(s.mode(), Scheduler::Mode::kOnDemand);
+  EXPECT_TRUE(s.Window().empty());
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), Scheduler::kNever);
+}
+
+TEST(SchedulerTest, DeepSpeedLikePolicyPrefetchesDeviceAccessesOnly) {
+  SchedulerConfig c;
+  c.policy = Policy::kDeepSpeedLike;
+  c.prefetch_bucket_elements = 100000;
+  Scheduler s(c);
+  double t = 0;
+  s.OnAcquire(P(1), Tier::kDevice, t);
+  s.OnAcquire(P(2, 1000, Role::kMaster), Tier::kHost, t);
+  s.OnAcquire(P(3), Tier::kDevice, t);
+  s.EndStep();
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 3));
+  EXPECT_EQ(s.max_in_flight(), 2);
+  EXPECT_FALSE(s.reads_ahead_from_nvme());
+}
+
+}  // namespace
+}  // namespace strata::sched
