@@ -388,13 +388,21 @@ absl::Status Runtime::Unregister(PartitionId id) {
 }
 
 absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose,
-                                 uint64_t limit, Waits* waits) {
+                                 uint64_t limit, Waits* waits, bool* raced) {
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   for (;;) {
     absl::Status begun = table_->BeginMove(id, from, to);
     if (begun.ok()) break;
     if (begun.code() != absl::StatusCode::kResourceExhausted || !IsMemory(to)) return begun;
     STRATA_RETURN_IF_ERROR(MakeRoomLocked(to, r.desc.bytes, id, purpose, limit, waits));
+    // Making room released the lock: another thread may have moved this partition meanwhile.
+    STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
+    if (now.move || now.current[I(to)] || !now.current[I(from)]) {
+      if (raced != nullptr) *raced = true;
+      return absl::AbortedError(absl::StrCat("partition ", id, ": moved by another thread while "
+                                             "room was made for its move ", TierName(from),
+                                             " -> ", TierName(to)));
+    }
   }
   ++moves_in_flight_;
   const auto t0 = Clock::now();
@@ -577,7 +585,9 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     } else {
       return absl::InternalError(absl::StrCat("partition ", id, ": no current copy to bring"));
     }
-    STRATA_RETURN_IF_ERROR(MoveLocked(id, from, tier, purpose, limit, waits));
+    bool raced = false;
+    absl::Status moved = MoveLocked(id, from, tier, purpose, limit, waits, &raced);
+    if (!moved.ok() && !raced) return moved;  // raced: look again
   }
 }
 

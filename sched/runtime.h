@@ -221,8 +221,10 @@ class Runtime {
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
                            Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
+  // `raced` is set (and Aborted returned) when another thread moved the partition while room was
+  // made: the caller looks again.
   absl::Status MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose, uint64_t limit,
-                          Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          Waits* waits, bool* raced = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id, Purpose purpose,
                               uint64_t limit, Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status EvictLocked(PartitionId id, Tier tier, Waits* waits)

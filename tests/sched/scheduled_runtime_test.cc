@@ -1,0 +1,422 @@
+// The Runtime with its scheduler, on the host-emulated device tier (what every CI run has): moves
+// that overlap, joined prefetches, planned steps that wait nothing when bandwidth is plentiful, a
+// diverging trace, injected faults, and seeded property runs with many threads.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "aio/fault_injection.h"
+#include "base/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "sched/runtime.h"
+#include "tests/aio/test_util.h"
+#include "xxhash.h"
+
+namespace strata::sched {
+namespace {
+
+using ::strata::testing::RandomBytes;
+using ::strata::testing::ScratchDir;
+using ::testing::HasSubstr;
+using tiering::PartitionDesc;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kBytes = 100000;  // 25 pages: 102400 bytes of budget
+
+RuntimeConfig Config(const std::string& nvme_path, int device_slots, int host_slots) {
+  RuntimeConfig c;
+  c.aio.block_size = 64 << 10;
+  c.device_budget_bytes = device_slots * 102400ull;
+  c.offload_param.buffer_size = 64 << 10;
+  c.offload_param.buffer_count = 4;  // two pairs: two staged moves at once
+  c.host_budget_bytes = host_slots * 102400ull + 4 * (64 << 10);
+  c.nvme_capacity_bytes = 64 << 20;
+  c.nvme_path = nvme_path;
+  c.eviction_policy = "trace";
+  return c;
+}
+
+RuntimeOptions Quiet(std::vector<std::string>* warnings = nullptr) {
+  RuntimeOptions o;
+  o.on_warning = [warnings](absl::string_view w) {
+    if (warnings != nullptr) warnings->emplace_back(w);
+  };
+  return o;
+}
+
+PartitionDesc Desc(PartitionId id, uint64_t bytes = kBytes) {
+  PartitionDesc d;
+  d.id = id;
+  d.bytes = bytes;
+  d.elements = bytes / 4;
+  return d;
+}
+
+// One trainer step over `order` on the device: acquire, check the bytes, "compute", release.
+void RunStep(Runtime& rt, const std::vector<PartitionId>& order, std::chrono::microseconds compute,
+             const std::map<PartitionId, std::vector<std::byte>>& bytes) {
+  for (PartitionId id : order) {
+    auto p = rt.Acquire(id, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
+    ASSERT_EQ(0, std::memcmp(*p, bytes.at(id).data(), kBytes)) << id;
+    std::this_thread::sleep_for(compute);
+    ASSERT_TRUE(rt.Release(id, Tier::kDevice, false).ok());
+  }
+}
+
+TEST(ScheduledRuntimeTest, AnAcquireOfACurrentCopyReturnsAtOnceWhileAnotherMoveIsInFlight) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 4, 4);
+  config.copy_bandwidth_bytes_per_s = 100000;  // one 100000-byte copy takes a second
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, RandomBytes(kBytes, 1)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kHost, RandomBytes(kBytes, 2)).ok());
+  std::future<absl::Status> moving = (*rt)->Prefetch(2, Tier::kDevice);  // a second's copy
+  while (!(*rt)->residency().Get(2)->move) std::this_thread::yield();
+  const auto t0 = Clock::now();
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_TRUE(p.ok());
+  EXPECT_LT(took, 0.5) << "the Acquire waited behind another partition's move";
+  EXPECT_TRUE((*rt)->residency().Get(2)->move.has_value()) << "the move ended first";
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+  // An Acquire of the partition being moved joins that move: its bytes cross once.
+  auto q = (*rt)->Acquire(2, Tier::kDevice);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(0, std::memcmp(*q, RandomBytes(kBytes, 2).data(), kBytes));
+  ASSERT_TRUE(moving.get().ok());
+  EXPECT_EQ((*rt)->stats().bytes_moved[1][0], kBytes);
+  ASSERT_TRUE((*rt)->Release(2, Tier::kDevice, false).ok());
+  const StepReport report = (*rt)->EndStep();
+  EXPECT_EQ(report.late_prefetches, 1u);
+  EXPECT_EQ(report.hits, 1u);
+  EXPECT_GT(report.wait_by_cause[static_cast<int>(WaitCause::kCopy)], 0.25);
+}
+
+TEST(ScheduledRuntimeTest, MovesOfDifferentPartitionsOverlap) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 4, 4);
+  config.copy_bandwidth_bytes_per_s = 200000;  // each host -> device copy: half a second
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, RandomBytes(kBytes, 2)).ok());
+  // A copy (half a second on the copy engine) and an NVMe read (milliseconds) at once: the read
+  // does not queue behind the copy.
+  std::future<absl::Status> copy = (*rt)->Prefetch(1, Tier::kDevice);
+  while (!(*rt)->residency().Get(1)->move) std::this_thread::yield();
+  const auto t0 = Clock::now();
+  auto p = (*rt)->Acquire(2, Tier::kHost);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_LT(took, 0.4);
+  EXPECT_TRUE((*rt)->residency().Get(1)->move.has_value());
+  EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, 2).data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(2, Tier::kHost, false).ok());
+  ASSERT_TRUE(copy.get().ok());
+}
+
+TEST(ScheduledRuntimeTest, WithPlentifulBandwidthPlannedStepsWaitForNothing) {
+  ScratchDir dir;
+  // Twelve partitions on NVMe, three device slots, six host slots: every step moves them all.
+  auto rt = Runtime::Create(Config(dir.File("swap"), 3, 6), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::map<PartitionId, std::vector<std::byte>> bytes;
+  std::vector<PartitionId> order;
+  for (PartitionId id = 1; id <= 12; ++id) {
+    bytes[id] = RandomBytes(kBytes, id);
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, bytes[id]).ok());
+    order.push_back(id);
+  }
+  for (PartitionId id = 12; id >= 1; --id) order.push_back(id);  // forward, then backward
+  const auto compute = std::chrono::milliseconds(4);
+  RunStep(**rt, order, compute, bytes);
+  StepReport first = (*rt)->EndStep();
+  EXPECT_EQ(first.mode, "recorded");
+  EXPECT_GT(first.misses, 0u);
+  for (int step = 2; step <= 5; ++step) {
+    RunStep(**rt, order, compute, bytes);
+    const StepReport r = (*rt)->EndStep();
+    SCOPED_TRACE(r.ToJson());
+    EXPECT_EQ(r.mode, "planned");
+    EXPECT_EQ(r.acquires, order.size());
+    EXPECT_GT(r.prefetches, 0u);
+    if (step >= 3) {  // step 2 may still widen the window
+      EXPECT_EQ(r.misses, 0u);
+      EXPECT_LT(r.wait_seconds, 0.1 * r.seconds);
+    }
+    ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+  }
+}
+
+TEST(ScheduledRuntimeTest, ADivergingTraceFallsBackFinishesTheStepAndTheNextIsPlannedAgain) {
+  ScratchDir dir;
+  std::vector<std::string> warnings;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 4), Quiet(&warnings));
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::map<PartitionId, std::vector<std::byte>> bytes;
+  for (PartitionId id = 1; id <= 6; ++id) {
+    bytes[id] = RandomBytes(kBytes, id);
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, bytes[id]).ok());
+  }
+  const std::vector<PartitionId> a = {1, 2, 3, 4, 5, 6}, b = {1, 2, 5, 3, 6};
+  RunStep(**rt, a, {}, bytes);
+  EXPECT_EQ((*rt)->EndStep().mode, "recorded");
+  RunStep(**rt, a, {}, bytes);
+  EXPECT_EQ((*rt)->EndStep().mode, "planned");
+  const size_t warned = warnings.size();
+  RunStep(**rt, b, {}, bytes);  // differs at the third access, and is one short
+  StepReport r = (*rt)->EndStep();
+  EXPECT_EQ(r.mode, "fallback");
+  EXPECT_THAT(r.divergence, HasSubstr("access 3 is partition 5"));
+  EXPECT_EQ(r.acquires, b.size());
+  ASSERT_EQ(warnings.size(), warned + 1) << "said once";
+  EXPECT_THAT(warnings.back(), HasSubstr("differs from the recorded trace"));
+  EXPECT_THAT(r.ToJson(), HasSubstr("\"mode\":\"fallback\""));
+  RunStep(**rt, b, {}, bytes);  // planned from the diverged step
+  r = (*rt)->EndStep();
+  EXPECT_EQ(r.mode, "planned");
+  EXPECT_EQ(r.divergence, "");
+  EXPECT_EQ(warnings.size(), warned + 1);
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+TEST(ScheduledRuntimeTest, EvictionTakesTheCopyNeededFurthestInTheFuture) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 3, 8), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::map<PartitionId, std::vector<std::byte>> bytes;
+  for (PartitionId id = 1; id <= 4; ++id) {
+    bytes[id] = RandomBytes(kBytes, id);
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kHost, bytes[id]).ok());
+  }
+  // The trace 1 2 3 | 3 2 1 | 4 3 with three device slots: when 4 comes, the least recently used
+  // copy is 3 — the one needed right after 4. The plan evicts 2 (needed only in the next step)
+  // and keeps 3. (With eviction_policy "lru" this test fails.)
+  const std::vector<PartitionId> order = {1, 2, 3, 3, 2, 1, 4, 3};
+  RunStep(**rt, order, {}, bytes);
+  (*rt)->EndStep();
+  RunStep(**rt, {1, 2, 3, 3, 2, 1}, {}, bytes);
+  auto p = (*rt)->Acquire(4, Tier::kDevice);
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE((*rt)->residency().Get(3)->has_copy[0]) << "the copy needed next was evicted";
+  ASSERT_TRUE((*rt)->Release(4, Tier::kDevice, false).ok());
+  auto q = (*rt)->Acquire(3, Tier::kDevice);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(0, std::memcmp(*q, bytes[3].data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(3, Tier::kDevice, false).ok());
+  EXPECT_EQ((*rt)->EndStep().misses, 0u);
+}
+
+TEST(ScheduledRuntimeTest, AnEioOnAPrefetchReadReachesOnlyTheAcquireOfThatPartition) {
+  ScratchDir dir;
+  aio::FaultRule eio = aio::FaultRule::Error(EIO);
+  eio.only = aio::OpKind::kRead;
+  auto injector = std::make_shared<aio::FaultInjector>(1, std::vector<aio::FaultRule>{eio});
+  injector->Arm(false);
+  RuntimeOptions ro = Quiet();
+  ro.engine_options.wrap_backend = aio::FaultInjector::ForEngine(injector);
+  ro.engine_options.on_warning = [](absl::string_view) {};
+  auto rt = Runtime::Create(Config(dir.File("swap"), 8, 8), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::map<PartitionId, std::vector<std::byte>> bytes;
+  for (PartitionId id = 1; id <= 4; ++id) {
+    bytes[id] = RandomBytes(kBytes, id);
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, bytes[id]).ok());
+  }
+  RunStep(**rt, {1, 2, 3, 4}, {}, bytes);
+  (*rt)->EndStep();
+  for (PartitionId id = 1; id <= 4; ++id) ASSERT_TRUE((*rt)->Evict(id, Tier::kDevice).ok());
+  // Every read fails now: the prefetches of the planned step fail and are counted; each Acquire
+  // meets the error itself, and nothing is lost.
+  injector->Arm(true);
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  EXPECT_EQ(StatusErrno(p.status()), EIO) << p.status();
+  EXPECT_THAT(p.status().message(), HasSubstr("move of partition 1 nvme -> device"));
+  // A transient fault: the next read goes through, and the Acquire gets the bytes.
+  injector->Arm(false);
+  for (PartitionId id = 1; id <= 4; ++id) {
+    auto q = (*rt)->Acquire(id, Tier::kDevice);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(0, std::memcmp(*q, bytes[id].data(), kBytes));
+    ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, false).ok());
+  }
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+TEST(ScheduledRuntimeTest, AnEnospcOnAWriteBackKeepsTheDirtyCopyAndTheAcquireGetsTheStatus) {
+  ScratchDir dir;
+  aio::FaultRule enospc = aio::FaultRule::Error(ENOSPC);
+  enospc.only = aio::OpKind::kWrite;
+  auto injector = std::make_shared<aio::FaultInjector>(1, std::vector<aio::FaultRule>{enospc});
+  injector->Arm(false);
+  RuntimeOptions ro = Quiet();
+  ro.engine_options.wrap_backend = aio::FaultInjector::ForEngine(injector);
+  ro.engine_options.on_warning = [](absl::string_view) {};
+  // One host slot: bringing the second partition to the host must write the first back.
+  auto rt = Runtime::Create(Config(dir.File("swap"), 1, 1), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, RandomBytes(kBytes, 2)).ok());
+  auto p = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(p.ok());
+  const auto changed = RandomBytes(kBytes, 11);
+  std::memcpy(*p, changed.data(), kBytes);
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, true).ok());
+  injector->Arm(true);
+  auto q = (*rt)->Acquire(2, Tier::kHost);
+  EXPECT_EQ(q.status().code(), absl::StatusCode::kResourceExhausted) << q.status();
+  EXPECT_THAT(q.status().message(), HasSubstr("last eviction failure"));
+  EXPECT_THAT(q.status().message(), HasSubstr("move of partition 1 host -> nvme"));
+  EXPECT_TRUE((*rt)->residency().Get(1)->dirty(Tier::kHost));
+  injector->Arm(false);
+  auto again = (*rt)->Acquire(2, Tier::kHost);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(0, std::memcmp(*again, RandomBytes(kBytes, 2).data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(2, Tier::kHost, false).ok());
+  auto back = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(0, std::memcmp(*back, changed.data(), kBytes)) << "the change was lost";
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+}
+
+uint64_t Sum(const std::byte* p, size_t n) { return XXH3_64bits(p, n); }
+
+// Seeded property runs: random sizes, budgets and traces; threads acquiring and releasing
+// (their own partitions written, shared ones read), prefetches, evictions and step boundaries
+// racing. Budgets are never exceeded, no current copy is lost, and every Acquire returns the bytes
+// last released dirty.
+class PropertyTest : public ::testing::TestWithParam<uint64_t> {};
+
+TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes) {
+  const uint64_t seed = GetParam();
+  std::mt19937_64 rng(seed);
+  ScratchDir dir;
+  constexpr int kThreads = 3, kOwned = 4, kShared = 3, kRounds = 60;
+  const int parts = kThreads * kOwned + kShared;
+  std::vector<uint64_t> sizes(parts);
+  uint64_t largest = 0;
+  for (auto& s : sizes) largest = std::max(largest, s = 4096 + rng() % 60000);
+  RuntimeConfig config;
+  config.aio.block_size = 64 << 10;
+  config.offload_param.buffer_size = 16 << 10;
+  config.offload_param.buffer_count = 2 + 2 * (rng() % 2);
+  // Room for every thread's pin plus a little: budgets tight enough to evict constantly.
+  const uint64_t slot = (largest + 4095) / 4096 * 4096;
+  config.device_budget_bytes = slot * (kThreads + 1 + rng() % 3);
+  config.host_budget_bytes = slot * (kThreads + 1 + rng() % 4) +
+                             config.offload_param.buffer_count * (16 << 10);
+  config.nvme_capacity_bytes = 64 << 20;
+  config.nvme_path = dir.File("swap");
+  config.eviction_policy = rng() % 2 ? "trace" : "lru";
+  if (rng() % 2) {
+    config.zero_stage = 3;
+    config.offload_param.device = tiering::OffloadDevice::kNvme;  // device copies go down to NVMe
+  }
+  RuntimeOptions ro = Quiet();
+  ro.workers = 1 + rng() % 4;
+  auto rt = Runtime::Create(config, ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Mutex mu;
+  std::vector<uint64_t> expect(parts);  // checksum of the latest bytes
+  for (int i = 0; i < parts; ++i) {
+    const auto b = RandomBytes(sizes[i], seed * 100 + i);
+    expect[i] = Sum(b.data(), b.size());
+    const Tier t = static_cast<Tier>(rng() % 3);
+    ASSERT_TRUE((*rt)->Register(Desc(i, sizes[i]), t, b).ok()) << i;
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::thread checker([&] {
+    while (!stop.load()) {
+      if (absl::Status s = (*rt)->residency().CheckInvariants(); !s.ok()) {
+        ADD_FAILURE() << s;
+        ++failures;
+      }
+      if ((*rt)->stats().host_held_bytes > config.host_budget_bytes) {
+        ADD_FAILURE() << "pinned memory over the host budget";
+        ++failures;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int th = 0; th < kThreads; ++th) {
+    threads.emplace_back([&, th] {
+      std::mt19937_64 r(seed * 7 + th);
+      // A fixed per-thread order repeated every step (the trace), with random detours.
+      std::vector<int> order;
+      for (int k = 0; k < 6; ++k) {
+        order.push_back(r() % 2 ? th * kOwned + static_cast<int>(r() % kOwned)
+                                : kThreads * kOwned + static_cast<int>(r() % kShared));
+      }
+      for (int round = 0; round < kRounds; ++round) {
+        int i = order[round % order.size()];
+        if (r() % 8 == 0) {  // a detour (the trace diverges): one of its own or a shared one
+          i = r() % 2 ? th * kOwned + static_cast<int>(r() % kOwned)
+                      : kThreads * kOwned + static_cast<int>(r() % kShared);
+        }
+        const bool owned = i / kOwned == th && i < kThreads * kOwned;
+        const Tier tier = r() % 3 == 0 ? Tier::kHost : Tier::kDevice;
+        if (r() % 10 == 0) (void)(*rt)->Prefetch(i, r() % 2 ? Tier::kHost : Tier::kDevice);
+        absl::StatusOr<std::byte*> p;
+        for (int attempt = 0; attempt < 2000; ++attempt) {
+          p = (*rt)->Acquire(i, tier);
+          if (p.ok() || p.status().code() != absl::StatusCode::kResourceExhausted) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        if (!p.ok()) {
+          ADD_FAILURE() << "partition " << i << ": " << p.status();
+          ++failures;
+          continue;
+        }
+        {
+          MutexLock lock(&mu);
+          if (Sum(*p, sizes[i]) != expect[i]) {
+            ADD_FAILURE() << "partition " << i << " in " << TierName(tier) << ": stale bytes";
+            ++failures;
+          }
+        }
+        bool dirty = false;
+        if (owned && r() % 2) {
+          // Only the owner writes, so its expectation is its own.
+          const auto next = RandomBytes(sizes[i], seed * 1000003 + th * 1000 + round);
+          std::memcpy(*p, next.data(), sizes[i]);
+          MutexLock lock(&mu);
+          expect[i] = Sum(next.data(), sizes[i]);
+          dirty = true;
+        }
+        if (absl::Status s = (*rt)->Release(i, tier, dirty); !s.ok()) {
+          ADD_FAILURE() << s;
+          ++failures;
+        }
+        if (owned && r() % 9 == 0) (void)(*rt)->Evict(i, r() % 2 ? Tier::kHost : Tier::kDevice);
+        if (th == 0 && round % 12 == 11) (void)(*rt)->EndStep();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  stop = true;
+  checker.join();
+  EXPECT_EQ(failures.load(), 0);
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+  ASSERT_TRUE((*rt)->Flush().ok());
+  // After a flush, NVMe holds every partition's latest bytes.
+  for (int i = 0; i < parts; ++i) {
+    auto p = (*rt)->Acquire(i, Tier::kHost);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(Sum(*p, sizes[i]), expect[i]) << i;
+    ASSERT_TRUE((*rt)->Release(i, Tier::kHost, false).ok());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, PropertyTest, ::testing::Range<uint64_t>(1, 9));
+
+}  // namespace
+}  // namespace strata::sched
