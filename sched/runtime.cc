@@ -565,7 +565,12 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
                                   Waits* waits) {
   for (;;) {
     STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
-    if (r.current[I(tier)]) return absl::OkStatus();
+    // An Acquire pins the copy and may write it: a move still reading it (a write-back begun
+    // before the Acquire) ends first.
+    const bool being_read = r.move && r.move->first == tier;
+    if (r.current[I(tier)] && !(purpose == Purpose::kAcquire && being_read)) {
+      return absl::OkStatus();
+    }
     if (r.move) {
       // Join the move in flight (a prefetch's, or a write-back reading this copy).
       const WaitCause cause = r.move->first == Tier::kNvme ? WaitCause::kNvmeRead
@@ -584,6 +589,12 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
       from = Tier::kNvme;  // NVMe -> host through aio, NVMe -> device staged in chunks
     } else {
       return absl::InternalError(absl::StrCat("partition ", id, ": no current copy to bring"));
+    }
+    if (purpose == Purpose::kPrefetch && IsMemory(from) && r.pins[I(from)] > 0) {
+      // Its holder may be writing it: a prefetch never reads a pinned copy.
+      return absl::FailedPreconditionError(
+          absl::StrCat("prefetch partition ", id, " to the ", TierName(tier), " tier: its ",
+                       TierName(from), " copy is pinned (in use)"));
     }
     bool raced = false;
     absl::Status moved = MoveLocked(id, from, tier, purpose, limit, waits, &raced);

@@ -33,6 +33,11 @@
 // in the background when the plan does not need it on the device soon. Per step, EndStep reports
 // the trainer's waits by cause, the bytes moved per pair of tiers and the prefetch outcomes.
 //
+// Pinned copies are the trainer's: no prefetch or write-back reads a pinned copy, and an Acquire
+// of a copy that a write-back is still reading waits for it to end (the trainer may write the
+// copy once it has it). One exception, the caller's to avoid: acquiring a partition in one tier
+// while its only current copy is pinned in the other and being written reads bytes being written.
+//
 // Concurrency: the Runtime's metadata lock is never held across I/O or a copy. Moves of different
 // partitions run at once (a trainer thread's Acquire, the prefetch workers, write-backs); an
 // Acquire of a partition already current in its tier returns at once whatever else is in flight;

@@ -103,7 +103,11 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
 }
 
 void Scheduler::OnLateOrMiss() {
-  if (config_.policy != Policy::kTrace || tight_) return;
+  if (config_.policy != Policy::kTrace) return;
+  if (tight_) {  // a prefetch found no room since the last widening: hold once, then try again
+    tight_ = false;
+    return;
+  }
   lookahead_ = std::min(config_.max_lookahead, lookahead_ + std::max(1, lookahead_ / 2));
 }
 

@@ -121,7 +121,7 @@ class Scheduler {
   std::vector<TraceEvent> recording_;          // this step's events
   uint64_t cursor_ = 0;                        // position of the next expected acquire
   std::optional<std::string> divergence_;
-  bool tight_ = false;  // a prefetch found no room since the window last widened
+  bool tight_ = false;  // a prefetch found no room since the window last widened or held
 };
 
 }  // namespace strata::sched

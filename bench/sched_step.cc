@@ -1,0 +1,393 @@
+// sched_step: one training step of a transformer-shaped model under the prefetching scheduler,
+// beside the trace's lower bound (see shared BENCH.md).
+//
+// The model: `layers` layers, each with a parameter partition, a gradient partition and an
+// optimizer-state partition (3x the parameter's bytes). One step, on the trainer thread:
+//   forward   for each layer: acquire the parameters on the device, compute, release;
+//   backward  for each layer, last first: parameters and gradient on the device, compute, release
+//             the gradient dirty (GradientReady: it leaves the device in the background);
+//   optimizer for each layer, last first: optimizer state, gradient and parameters on the host,
+//             compute, release the state and the parameters dirty (the new weights flow down).
+// Compute is modelled (a sleep on the trainer thread, per layer and phase). The device tier is
+// host-emulated, its copy engine capped at --copy_gbps (a PCIe-like link); the device budget is a
+// quarter of the parameters, the host budget half of everything (plus the staging buffers), the rest
+// lives in the NVMe store under --dir.
+//
+// The ceiling is the trace's lower bound per step: max(compute, bytes that must cross the copy link
+// / its bandwidth, bytes that must cross the disk / its bandwidth), the bandwidths measured in the
+// same run (the copy engine timed on a large copy; the disk by aio reads and writes of the same
+// block size), the bytes by Belady's offline-optimal eviction over the step's accesses, repeated
+// (the copy link: device-tier accesses with the device budget; the disk: all memory-tier accesses
+// with the device and host budgets together — no two-level policy moves less). Dirty evictions
+// count as write-backs. The figure is the median step time after the first two steps; strata's
+// scheduler is printed beside on-demand + LRU and a DeepSpeed-like policy (device-only prefetch of
+// a fixed bucket, at most two in flight, no read-ahead from NVMe), each as a ratio to the bound.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "aio/buffer.h"
+#include "aio/engine.h"
+#include "base/status.h"
+#include "bench/common/report.h"
+#include "sched/runtime.h"
+#include "tiering/copy_engine.h"
+#include "tools/aio_bench/flags.h"
+#include "tools/aio_bench/scratch.h"
+
+ABSL_FLAG(std::string, dir, ".", "directory for the NVMe store (on the drive to measure)");
+ABSL_FLAG(int, layers, 24, "transformer layers");
+ABSL_FLAG(int64_t, param_bytes, 1 << 20, "bytes of one layer's parameters (and its gradient)");
+ABSL_FLAG(int, steps, 6, "training steps per policy (the first two are not counted)");
+ABSL_FLAG(int, rounds, 3, "rounds: each measures the bound's bandwidths, then runs each policy");
+ABSL_FLAG(double, copy_gbps, 2.0, "the emulated device link's cap, GB/s");
+ABSL_FLAG(double, forward_ms, 1.0, "modelled compute per layer: forward");
+ABSL_FLAG(double, backward_ms, 2.0, "modelled compute per layer: backward");
+ABSL_FLAG(double, optimizer_ms, 2.0, "modelled compute per layer: optimizer");
+ABSL_FLAG(std::string, json, "", "write the report here");
+
+namespace strata::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using sched::Policy;
+using sched::Runtime;
+using tiering::PartitionDesc;
+using tiering::PartitionId;
+using tiering::Role;
+using tiering::Tier;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Access {
+  PartitionId id;
+  Tier tier;
+  bool dirty;
+};
+
+struct Model {
+  int layers;
+  uint64_t param_bytes;
+  std::vector<PartitionDesc> parts;
+  PartitionId Param(int l) const { return 3 * l; }
+  PartitionId Grad(int l) const { return 3 * l + 1; }
+  PartitionId State(int l) const { return 3 * l + 2; }
+  uint64_t Bytes(PartitionId id) const { return parts[id].bytes; }
+};
+
+Model MakeModel(int layers, uint64_t param_bytes) {
+  Model m{layers, param_bytes, {}};
+  for (int l = 0; l < layers; ++l) {
+    for (int k = 0; k < 3; ++k) {
+      PartitionDesc d;
+      d.id = 3 * l + k;
+      d.role = k == 0 ? Role::kParam : k == 1 ? Role::kGrad : Role::kMaster;
+      d.bytes = k == 2 ? 3 * param_bytes : param_bytes;
+      d.elements = param_bytes / 2;  // bf16 parameters
+      d.group = l;
+      m.parts.push_back(d);
+    }
+  }
+  return m;
+}
+
+// The step's accesses in order (what the trainer thread does, without the compute).
+std::vector<Access> StepAccesses(const Model& m) {
+  std::vector<Access> a;
+  for (int l = 0; l < m.layers; ++l) a.push_back({m.Param(l), Tier::kDevice, false});
+  for (int l = m.layers - 1; l >= 0; --l) {
+    a.push_back({m.Param(l), Tier::kDevice, false});
+    a.push_back({m.Grad(l), Tier::kDevice, true});
+  }
+  for (int l = m.layers - 1; l >= 0; --l) {
+    a.push_back({m.State(l), Tier::kHost, true});
+    a.push_back({m.Grad(l), Tier::kHost, false});
+    a.push_back({m.Param(l), Tier::kHost, true});
+  }
+  return a;
+}
+
+// Bytes loaded and dirty bytes written back per step by Belady's rule over `accesses` (those the
+// filter keeps), repeated twice (the second pass counted: the steady state), with `budget` bytes
+// (sizes in whole pages). The copy in use is never evicted.
+struct Traffic {
+  uint64_t loaded = 0, written = 0;
+};
+Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget) {
+  std::vector<Access> seq = step;
+  seq.insert(seq.end(), step.begin(), step.end());
+  seq.insert(seq.end(), step.begin(), step.end());  // next uses of the second pass
+  auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  struct Held {
+    bool dirty = false;
+  };
+  absl::flat_hash_map<PartitionId, Held> held;
+  uint64_t used = 0;
+  Traffic t;
+  const size_t n = step.size();
+  for (size_t i = 0; i < 2 * n; ++i) {
+    const Access& x = seq[i];
+    const bool count = i >= n;
+    if (!held.contains(x.id)) {
+      while (used + page(m.Bytes(x.id)) > budget && !held.empty()) {
+        PartitionId victim = 0;
+        size_t furthest = 0;
+        for (const auto& [id, h] : held) {
+          size_t next = i + 1;
+          while (next < seq.size() && seq[next].id != id) ++next;
+          if (next >= furthest) {
+            furthest = next;
+            victim = id;
+          }
+        }
+        if (held[victim].dirty && count) t.written += m.Bytes(victim);
+        used -= page(m.Bytes(victim));
+        held.erase(victim);
+      }
+      held[x.id];
+      used += page(m.Bytes(x.id));
+      if (count) t.loaded += m.Bytes(x.id);
+    }
+    if (x.dirty) held[x.id].dirty = true;
+  }
+  return t;
+}
+
+// The copy link's bandwidth: a large copy through a capped host copy engine.
+double MeasureCopyBps(uint64_t cap) {
+  tiering::HostCopyEngine engine(cap);
+  const size_t bytes = 64 << 20;
+  std::vector<std::byte> a(bytes), b(bytes);
+  const auto t0 = Clock::now();
+  if (!engine.CopyAsync(b.data(), a.data(), bytes, tiering::CopyDirection::kHostToDevice)
+           .get()
+           .ok()) {
+    return 0;
+  }
+  return bytes / Since(t0);
+}
+
+// The disk's read and write bandwidth through the aio engine at the store's block size.
+std::pair<double, double> MeasureDiskBps(aio::Engine& engine, const std::string& path,
+                                         uint64_t bytes) {
+  aio::OpenOptions oo;
+  oo.writable = oo.create = oo.truncate = true;
+  auto file = engine.Open(path, oo);
+  auto buffer = aio::AlignedBuffer::Allocate(bytes);
+  if (!file.ok() || !buffer.ok()) return {0, 0};
+  std::memset(buffer->data(), 0x3c, bytes);
+  auto t0 = Clock::now();
+  if (!engine.WriteSync(*file, 0, {buffer->data(), bytes}).ok() || !file->Sync().ok()) return {0, 0};
+  const double write = bytes / Since(t0);
+  t0 = Clock::now();
+  if (!engine.ReadSync(*file, 0, {buffer->data(), bytes}).ok()) return {0, 0};
+  const double read = bytes / Since(t0);
+  std::filesystem::remove(path);
+  return {read, write};
+}
+
+struct Run {
+  std::vector<double> step_seconds;  // steps after the first two
+  sched::StepReport last;
+  std::string error;
+};
+
+Run RunPolicy(const Model& m, Policy policy, const tiering::RuntimeConfig& config) {
+  Run run;
+  sched::RuntimeOptions ro;
+  ro.on_warning = [](absl::string_view) {};
+  ro.policy = policy;
+  auto rt = Runtime::Create(config, ro);
+  if (!rt.ok()) {
+    run.error = rt.status().ToString();
+    return run;
+  }
+  for (const PartitionDesc& d : m.parts) {
+    if (absl::Status s = (*rt)->Register(d, Tier::kNvme); !s.ok()) {
+      run.error = s.ToString();
+      return run;
+    }
+  }
+  const auto fwd = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_forward_ms));
+  const auto bwd = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_backward_ms));
+  const auto opt = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_optimizer_ms));
+  auto use = [&](const std::vector<Access>& group, std::chrono::duration<double, std::milli> c) {
+    for (const Access& a : group) {
+      auto p = (*rt)->Acquire(a.id, a.tier);
+      if (!p.ok()) return p.status();
+      if (a.dirty) (*p)[0] = std::byte{1};  // the bytes change (the rest is modelled)
+    }
+    std::this_thread::sleep_for(c);
+    for (const Access& a : group) STRATA_RETURN_IF_ERROR((*rt)->Release(a.id, a.tier, a.dirty));
+    return absl::OkStatus();
+  };
+  const int steps = absl::GetFlag(FLAGS_steps);
+  for (int step = 0; step < steps; ++step) {
+    const auto t0 = Clock::now();
+    absl::Status s;
+    for (int l = 0; l < m.layers && s.ok(); ++l) s = use({{m.Param(l), Tier::kDevice, false}}, fwd);
+    for (int l = m.layers - 1; l >= 0 && s.ok(); --l) {
+      s = use({{m.Param(l), Tier::kDevice, false}, {m.Grad(l), Tier::kDevice, true}}, bwd);
+      (*rt)->GradientReady(m.Grad(l));
+    }
+    for (int l = m.layers - 1; l >= 0 && s.ok(); --l) {
+      s = use({{m.State(l), Tier::kHost, true},
+               {m.Grad(l), Tier::kHost, false},
+               {m.Param(l), Tier::kHost, true}},
+              opt);
+    }
+    run.last = (*rt)->EndStep();
+    if (!s.ok()) {
+      run.error = s.ToString();
+      return run;
+    }
+    if (step >= 2) run.step_seconds.push_back(Since(t0));
+  }
+  return run;
+}
+
+int Main() {
+  const std::string dir = std::filesystem::absolute(absl::GetFlag(FLAGS_dir)).string();
+  const Model m = MakeModel(absl::GetFlag(FLAGS_layers),
+                            static_cast<uint64_t>(absl::GetFlag(FLAGS_param_bytes)));
+  uint64_t params = 0, all = 0;
+  for (const PartitionDesc& d : m.parts) {
+    all += (d.bytes + 4095) / 4096 * 4096;
+    if (d.role == Role::kParam) params += (d.bytes + 4095) / 4096 * 4096;
+  }
+  tiering::RuntimeConfig config;
+  config.aio.block_size = 1 << 20;
+  config.device_budget_bytes = params / 4;
+  config.offload_param.buffer_size = 1 << 20;
+  config.offload_param.buffer_count = 4;
+  config.host_budget_bytes = all / 2 + 4 * (1 << 20);
+  config.nvme_capacity_bytes = 3 * all + (64 << 20);
+  config.copy_bandwidth_bytes_per_s = static_cast<uint64_t>(absl::GetFlag(FLAGS_copy_gbps) * 1e9);
+  config.eviction_policy = "trace";
+  const std::string root = dir + "/strata-sched-step-bench";
+  std::error_code ec;
+  std::filesystem::remove_all(root, ec);
+  std::filesystem::create_directories(root, ec);
+  config.nvme_path = root + "/swap";
+
+  const std::vector<Access> step = StepAccesses(m);
+  std::vector<Access> device_accesses;
+  for (const Access& a : step) {
+    if (a.tier == Tier::kDevice) device_accesses.push_back(a);
+  }
+  const Traffic link = Belady(m, device_accesses, config.device_budget_bytes);
+  const Traffic disk = Belady(m, step, config.device_budget_bytes + all / 2);
+  const double compute =
+      m.layers * (absl::GetFlag(FLAGS_forward_ms) + absl::GetFlag(FLAGS_backward_ms) +
+                  absl::GetFlag(FLAGS_optimizer_ms)) / 1e3;
+  auto engine = aio::Engine::Create(config.aio);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
+    return 1;
+  }
+  const std::vector<std::pair<std::string, Policy>> policies = {
+      {"strata", Policy::kTrace}, {"lru", Policy::kLru}, {"deepspeed_like", Policy::kDeepSpeedLike}};
+  std::map<std::string, std::vector<double>> seconds, bounds, ratios;
+  std::map<std::string, sched::StepReport> last;
+  std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
+  for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
+    for (const auto& [name, policy] : policies) {
+      // The bound's bandwidths, measured right before the policy runs (the same disk weather).
+      const double copy_bps = MeasureCopyBps(config.copy_bandwidth_bytes_per_s);
+      const auto [read_bps, write_bps] = MeasureDiskBps(**engine, root + "/disk.bin", 64 << 20);
+      if (copy_bps <= 0 || read_bps <= 0 || write_bps <= 0) {
+        std::fprintf(stderr, "sched_step: measuring the bound's bandwidths failed\n");
+        return 1;
+      }
+      copy_bps_all.push_back(copy_bps);
+      read_bps_all.push_back(read_bps);
+      write_bps_all.push_back(write_bps);
+      const double bound =
+          std::max({compute, (link.loaded + link.written) / copy_bps,
+                    disk.loaded / read_bps + disk.written / write_bps});
+      std::filesystem::remove_all(config.nvme_path, ec);
+      Run run = RunPolicy(m, policy, config);
+      if (!run.error.empty()) {
+        std::fprintf(stderr, "sched_step: %s: %s\n", name.c_str(), run.error.c_str());
+        return 1;
+      }
+      for (double s : run.step_seconds) {
+        seconds[name].push_back(s);
+        bounds[name].push_back(bound);
+        ratios[name].push_back(s / bound);
+      }
+      last[name] = run.last;
+      std::printf("round %d %-15s median step %.1f ms, bound %.1f ms; last step: %s\n", round,
+                  name.c_str(), Summary::Of(run.step_seconds).median * 1e3, bound * 1e3,
+                  run.last.ToJson().c_str());
+    }
+  }
+  std::filesystem::remove_all(root, ec);
+  std::printf(
+      "bound per step: compute %.1f ms; copy link %.1f MB at %.2f GB/s = %.1f ms; disk %.1f MB "
+      "read at %.2f GB/s + %.1f MB written at %.2f GB/s = %.1f ms\n",
+      compute * 1e3, (link.loaded + link.written) / 1e6, Summary::Of(copy_bps_all).median / 1e9,
+      (link.loaded + link.written) / Summary::Of(copy_bps_all).median * 1e3, disk.loaded / 1e6,
+      Summary::Of(read_bps_all).median / 1e9, disk.written / 1e6,
+      Summary::Of(write_bps_all).median / 1e9,
+      (disk.loaded / Summary::Of(read_bps_all).median +
+       disk.written / Summary::Of(write_bps_all).median) *
+          1e3);
+  Report report("sched_step", MachineInfo::Probe(dir));
+  for (const auto& [name, policy] : policies) {
+    Figure f;
+    f.name = absl::StrCat("step_", name);
+    f.unit = "ms";
+    f.lower_is_better = true;
+    std::vector<double> ms;
+    for (double s : seconds[name]) ms.push_back(s * 1e3);
+    std::vector<double> bound_ms;
+    for (double s : bounds[name]) bound_ms.push_back(s * 1e3);
+    f.value = Summary::Of(ms);
+    f.ceiling = Summary::Of(bound_ms);
+    f.ratio = Summary::Of(ratios[name]);
+    f.ceiling_source = "the trace's lower bound: max(compute, link bytes / copy GB/s, disk bytes / disk GB/s)";
+    f.config = {{"layers", m.layers},
+                {"param_bytes", m.param_bytes},
+                {"device_budget_bytes", config.device_budget_bytes},
+                {"host_budget_bytes", config.host_budget_bytes},
+                {"copy_gbps", absl::GetFlag(FLAGS_copy_gbps)},
+                {"compute_ms", compute * 1e3},
+                {"last_step", nlohmann::json::parse(last[name].ToJson())}};
+    report.Add(f);
+  }
+  report.PrintClosingLines();
+  if (!absl::GetFlag(FLAGS_json).empty() && !report.WriteJson(absl::GetFlag(FLAGS_json))) return 1;
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) {
+  strata::aio_bench::ParseFlagsOrExit(
+      argc, argv, "sched_step: a transformer-shaped training step under the scheduler vs its bound",
+      "bench/sched_step.cc",
+      {{"layers", 1, 10000},
+       {"param_bytes", 4096, 1ull << 34},
+       {"steps", 3, 1000},
+       {"rounds", 1, 1000},
+       {"copy_gbps", 0.01, 1000},
+       {"forward_ms", 0, 10000},
+       {"backward_ms", 0, 10000},
+       {"optimizer_ms", 0, 10000}});
+  if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
+    strata::aio_bench::BadFlag("--json", s.message());
+  }
+  return strata::bench::Main();
+}
