@@ -177,11 +177,11 @@ const std::vector<std::string>& OffloadOptimizerKeys() {
 }
 
 // Keys strata checks but does not act on yet: each warns when present. Later work removes an
-// entry when it wires the key (the scheduler: the stage-3 knobs; the optimizer step on the
-// Runtime: offload_optimizer's; ZeRO across ranks: the stage). What the Runtime does read:
-// the aio blocks, offload_param.device (NVMe parameters skip the host on the way down),
-// offload_param.buffer_size (its staging buffers), the nvme_paths (the store's folder) and the
-// strata block.
+// entry when it wires the key (the optimizer step on the Runtime: offload_optimizer's; ZeRO
+// across ranks: the stage). What the Runtime does read: the aio blocks, offload_param.device
+// (NVMe parameters skip the host on the way down), offload_param.buffer_size and buffer_count
+// (its staging pool), stage3_prefetch_bucket_size (the scheduler's window), the nvme_paths (the
+// store's folder) and the strata block.
 struct NotYetUsed {
   const char* key;
   const char* why;
@@ -190,8 +190,6 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
   static const std::vector<NotYetUsed> keys = {
       {"zero_optimization.stage", "strata does not partition across ranks yet"},
       {"zero_optimization.offload_param.pin_memory", "strata's host tier is always pinned"},
-      {"zero_optimization.offload_param.buffer_count",
-       "moves stage through two buffers of buffer_size"},
       {"zero_optimization.offload_param.max_in_cpu", "the host tier is sized by host_budget_bytes"},
       {"zero_optimization.offload_optimizer.pin_memory", "strata's host tier is always pinned"},
       {"zero_optimization.offload_optimizer.buffer_count",
@@ -204,12 +202,14 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
        "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.ratio",
        "partial optimizer offload is not supported yet"},
-      {"zero_optimization.stage3_prefetch_bucket_size", "the prefetching scheduler is not in yet"},
-      {"zero_optimization.prefetch_bucket_size", "the prefetching scheduler is not in yet"},
-      {"zero_optimization.stage3_max_live_parameters", "the prefetching scheduler is not in yet"},
-      {"zero_optimization.max_live_parameters", "the prefetching scheduler is not in yet"},
-      {"zero_optimization.stage3_max_reuse_distance", "the prefetching scheduler is not in yet"},
-      {"zero_optimization.max_reuse_distance", "the prefetching scheduler is not in yet"},
+      {"zero_optimization.stage3_max_live_parameters",
+       "the device budget bounds live parameters, and the scheduler evicts by next use"},
+      {"zero_optimization.max_live_parameters",
+       "the device budget bounds live parameters, and the scheduler evicts by next use"},
+      {"zero_optimization.stage3_max_reuse_distance",
+       "the scheduler keeps what the trace needs soonest, whatever the distance"},
+      {"zero_optimization.max_reuse_distance",
+       "the scheduler keeps what the trace needs soonest, whatever the distance"},
   };
   return keys;
 }
@@ -339,11 +339,6 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));
-    }
-    if (c.eviction_policy == "trace") {
-      warn(
-          "strata.eviction_policy: \"trace\" is accepted but not implemented yet (the "
-          "prefetching scheduler brings it); the Runtime evicts least recently used first");
     }
   }
   for (const NotYetUsed& k : NotYetUsedKeys()) {

@@ -20,12 +20,14 @@
 // ignored: DeepSpeed's other top-level keys and zero_optimization keys are warnings ("left to the
 // trainer"); a key that is neither DeepSpeed's nor strata's is an error naming the closest known
 // key, at the top level and in every block strata reads (each offload block takes only the keys
-// DeepSpeed gives it). Keys strata checks but does not act on yet (the stage-3 knobs, most offload
-// keys, the zero stage; listed in one place in runtime_config.cc) warn "accepted but not yet used".
+// DeepSpeed gives it). Keys strata checks but does not act on yet (max_live_parameters and
+// max_reuse_distance, most offload keys, the zero stage; listed in one place in
+// runtime_config.cc) warn "accepted but not yet used".
 // strata keeps one NVMe store per process, at SwapPath(): strata.nvme_path when given, else
 // offload_param's nvme_path when its device is "nvme", else offload_optimizer's; every other
 // nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.
-// "trace" eviction is accepted with a warning until the scheduler implements it; LRU runs.
+// strata.eviction_policy "trace" (the default): the scheduler plans prefetches and evictions from
+// the recorded trace (sched/scheduler.h); "lru": on demand, least recently used evicted first.
 //
 // Thread safety: plain values and pure functions.
 #ifndef STRATA_TIERING_RUNTIME_CONFIG_H_
@@ -44,7 +46,8 @@ namespace strata::tiering {
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
-// offload_param.buffer_size: the size of each of the Runtime's two staging buffers.
+// offload_param.buffer_size: the size of each of the Runtime's staging buffers (buffer_count of
+// them, in pairs, at least one pair).
 inline constexpr int64_t kMinBufferSize = 4096;
 inline constexpr int64_t kMaxBufferSize = int64_t{256} << 20;
 
@@ -78,7 +81,7 @@ struct RuntimeConfig {
   uint64_t nvme_capacity_bytes = 16ull << 30;
   std::string nvme_path;  // default: offload_param's nvme_path, else offload_optimizer's
   uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
-  std::string eviction_policy = "lru";
+  std::string eviction_policy = "trace";  // "lru": on demand, least recently used first
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).
