@@ -391,6 +391,17 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
                                  uint64_t limit, Waits* waits, bool* raced) {
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   for (;;) {
+    if (purpose != Purpose::kAcquire && IsMemory(from)) {
+      // A prefetch or a write-back never reads a pinned copy (its holder may be writing it); the
+      // lock is held from here until the move is begun.
+      STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
+      if (now.pins[I(from)] > 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("partition ", id, ": its ", TierName(from),
+                         " copy was pinned (in use) before its move ", TierName(from), " -> ",
+                         TierName(to), " could begin"));
+      }
+    }
     absl::Status begun = table_->BeginMove(id, from, to);
     if (begun.ok()) break;
     if (begun.code() != absl::StatusCode::kResourceExhausted || !IsMemory(to)) return begun;
@@ -443,7 +454,9 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
       for (int u = 0; u < tiering::kTierCount; ++u) others += u != I(t) && r->current[u];
       const bool clean = !r->current[I(t)] || others > 0;
       if (planned) {
-        const uint64_t next = scheduler_->NextUse(id, t);
+        // A copy in either memory tier serves an access in the other (one copy away).
+        const uint64_t next = std::min(scheduler_->NextUse(id, Tier::kDevice),
+                                       scheduler_->NextUse(id, Tier::kHost));
         if (purpose == Purpose::kPrefetch && next <= limit) continue;
         const std::tuple<bool, bool, uint64_t> key{next > window, clean, next};
         if (!found || key > best) {
@@ -719,6 +732,15 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
   } else {
     ++it->second.busy;
     s = BringLocked(id, tier, planned ? Purpose::kPrefetch : Purpose::kAcquire, limit, nullptr);
+    if (planned && tier == Tier::kDevice && s.code() == absl::StatusCode::kResourceExhausted) {
+      // No room on the device yet: stage it in the host tier (NVMe -> host now, host -> device
+      // when room comes), unless a memory tier has it already.
+      auto r = table_->Get(id);
+      if (r.ok() && !r->current[I(Tier::kHost)] && !r->current[I(Tier::kDevice)]) {
+        absl::Status staged = BringLocked(id, Tier::kHost, Purpose::kPrefetch, limit, nullptr);
+        if (!staged.ok()) s = staged;
+      }
+    }
     --it->second.busy;
     if (s.ok()) it->second.prefetched = true;
   }
