@@ -173,13 +173,15 @@ TEST(BenchCliTest, EveryBenchmarkTakesEitherSpellingAndRefusesNumbersOutOfRange)
            {"optimizer_swap", "--partition-params 1", "--partition-params: must be an integer"},
            {"optimizer_swap", "--params 2048 --partition_params 4096",
             "--params: must be at least --partition-params"},
+           {"sched_step", "--layers 0", "--layers: must be an integer in [1, 10000], got 0"},
+           {"sched_step", "--copy-gbps=0", "--copy-gbps: must be a number in [0.01, 1000]"},
            {"nvme_store", "--json /proc/strata/r.json", "--json: /proc/strata: cannot be made"}}) {
     Outcome r = Execute(bin + c.program + " " + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.program << " " << c.args << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr(c.message)) << c.program << " " << c.args;
   }
   for (const char* program :
-       {"aio_vs_fio", "sweep_vs_fio", "cpu_adam", "nvme_store", "optimizer_swap"}) {
+       {"aio_vs_fio", "sweep_vs_fio", "cpu_adam", "nvme_store", "optimizer_swap", "sched_step"}) {
     Outcome r = Execute(bin + program + " --help");
     EXPECT_EQ(r.exit_code, 0) << program << "\n" << r.output;
     EXPECT_THAT(r.output, HasSubstr("--json=<text>")) << program;
