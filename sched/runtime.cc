@@ -652,8 +652,9 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
     } else {
       ++step_.r.misses;
     }
-    brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
   }
+  // A hit too: a write-back still reading the copy ends before the caller may write it.
+  brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
   st.prefetched = false;
@@ -731,7 +732,8 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
     // The plan changed (a divergence) since it was queued: not needed.
   } else {
     ++it->second.busy;
-    s = BringLocked(id, tier, planned ? Purpose::kPrefetch : Purpose::kAcquire, limit, nullptr);
+    // A prefetch (planned or asked for) never reads a pinned copy and never waits for room.
+    s = BringLocked(id, tier, Purpose::kPrefetch, limit, nullptr);
     if (planned && tier == Tier::kDevice && s.code() == absl::StatusCode::kResourceExhausted) {
       // No room on the device yet: stage it in the host tier (NVMe -> host now, host -> device
       // when room comes), unless a memory tier has it already.

@@ -188,7 +188,9 @@ class Runtime {
   // copy is dropped without I/O.
   absl::Status Evict(PartitionId id, Tier tier);
   // Brings a current copy into `tier` on a worker thread (no pin) and returns at once; the future
-  // completes when it is there (it may be discarded). The destructor completes queued ones with
+  // completes when it is there (it may be discarded), or with the reason it is not: no room that
+  // can be made without waiting (ResourceExhausted), or the only source copy pinned
+  // (FailedPrecondition: its holder may be writing it). The destructor completes queued ones with
   // Cancelled.
   std::future<absl::Status> Prefetch(PartitionId id, Tier tier);
   // The gradient partition `id` is complete in the device tier (released dirty): it leaves the
