@@ -13,8 +13,8 @@ set(prefix ${WORK_DIR}/prefix)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 file(GLOB archives ${prefix}/${LIBDIR}/libstrata_*.a)
 list(LENGTH archives count)
-if(NOT count EQUAL 5)
-  message(FATAL_ERROR "expected the five strata archives in ${prefix}/${LIBDIR}, found: ${archives}")
+if(NOT count EQUAL 6)
+  message(FATAL_ERROR "expected the six strata archives in ${prefix}/${LIBDIR}, found: ${archives}")
 endif()
 
 # CMake package (builds the consumer and the whole-archive shared object).
