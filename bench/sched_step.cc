@@ -10,8 +10,8 @@
 //             compute, release the state and the parameters dirty (the new weights flow down).
 // Compute is modelled (a sleep on the trainer thread, per layer and phase). The device tier is
 // host-emulated, its copy engine capped at --copy_gbps (a PCIe-like link); the device budget is a
-// quarter of the parameters, the host budget half of everything (plus the staging buffers), the rest
-// lives in the NVMe store under --dir.
+// quarter of the parameters, the host budget half of everything (plus the staging buffers), the
+// rest lives in the NVMe store under --dir.
 //
 // The ceiling is the trace's lower bound per step: max(compute, bytes that must cross the copy link
 // / its bandwidth, bytes that must cross the disk / its bandwidth), the bandwidths measured in the
@@ -187,7 +187,8 @@ std::pair<double, double> MeasureDiskBps(aio::Engine& engine, const std::string&
   if (!file.ok() || !buffer.ok()) return {0, 0};
   std::memset(buffer->data(), 0x3c, bytes);
   auto t0 = Clock::now();
-  if (!engine.WriteSync(*file, 0, {buffer->data(), bytes}).ok() || !file->Sync().ok()) return {0, 0};
+  if (!engine.WriteSync(*file, 0, {buffer->data(), bytes}).ok() || !file->Sync().ok())
+    return {0, 0};
   const double write = bytes / Since(t0);
   t0 = Clock::now();
   if (!engine.ReadSync(*file, 0, {buffer->data(), bytes}).ok()) return {0, 0};
@@ -287,16 +288,19 @@ int Main() {
   }
   const Traffic link = Belady(m, device_accesses, config.device_budget_bytes);
   const Traffic disk = Belady(m, step, config.device_budget_bytes + all / 2);
-  const double compute =
-      m.layers * (absl::GetFlag(FLAGS_forward_ms) + absl::GetFlag(FLAGS_backward_ms) +
-                  absl::GetFlag(FLAGS_optimizer_ms)) / 1e3;
+  const double compute = m.layers *
+                         (absl::GetFlag(FLAGS_forward_ms) + absl::GetFlag(FLAGS_backward_ms) +
+                          absl::GetFlag(FLAGS_optimizer_ms)) /
+                         1e3;
   auto engine = aio::Engine::Create(config.aio);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
     return 1;
   }
   const std::vector<std::pair<std::string, Policy>> policies = {
-      {"strata", Policy::kTrace}, {"lru", Policy::kLru}, {"deepspeed_like", Policy::kDeepSpeedLike}};
+      {"strata", Policy::kTrace},
+      {"lru", Policy::kLru},
+      {"deepspeed_like", Policy::kDeepSpeedLike}};
   std::map<std::string, std::vector<double>> seconds, bounds, ratios;
   std::map<std::string, sched::StepReport> last;
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
@@ -312,9 +316,8 @@ int Main() {
       copy_bps_all.push_back(copy_bps);
       read_bps_all.push_back(read_bps);
       write_bps_all.push_back(write_bps);
-      const double bound =
-          std::max({compute, (link.loaded + link.written) / copy_bps,
-                    disk.loaded / read_bps + disk.written / write_bps});
+      const double bound = std::max({compute, (link.loaded + link.written) / copy_bps,
+                                     disk.loaded / read_bps + disk.written / write_bps});
       std::filesystem::remove_all(config.nvme_path, ec);
       Run run = RunPolicy(m, policy, config);
       if (!run.error.empty()) {
@@ -356,7 +359,8 @@ int Main() {
     f.value = Summary::Of(ms);
     f.ceiling = Summary::Of(bound_ms);
     f.ratio = Summary::Of(ratios[name]);
-    f.ceiling_source = "the trace's lower bound: max(compute, link bytes / copy GB/s, disk bytes / disk GB/s)";
+    f.ceiling_source =
+        "the trace's lower bound: max(compute, link bytes / copy GB/s, disk bytes / disk GB/s)";
     f.config = {{"layers", m.layers},
                 {"param_bytes", m.param_bytes},
                 {"device_budget_bytes", config.device_budget_bytes},

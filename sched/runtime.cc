@@ -171,15 +171,14 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
   po.numa_node = swap.empty() ? -1 : tiering::NumaNodeNearest(swap);
   po.cuda_register = !config.emulated_device;
   rt->pinned_memory_ = std::make_unique<tiering::PinnedHostResource>(po);
-  rt->host_memory_ =
-      std::make_unique<tiering::PoolingResource>(rt->pinned_memory_.get(), config.host_budget_bytes);
+  rt->host_memory_ = std::make_unique<tiering::PoolingResource>(rt->pinned_memory_.get(),
+                                                                config.host_budget_bytes);
   // The staging pool (offload_param.buffer_count buffers of buffer_size, in pairs) comes out of
   // the host budget: set aside now, allocated (from the same pool) at its first use.
-  const uint64_t buffer_bytes =
-      (static_cast<uint64_t>(std::max<int64_t>(config.offload_param.buffer_size,
-                                               tiering::kMinBufferSize)) +
-       tiering::kPageBytes - 1) /
-      tiering::kPageBytes * tiering::kPageBytes;
+  const uint64_t buffer_bytes = (static_cast<uint64_t>(std::max<int64_t>(
+                                     config.offload_param.buffer_size, tiering::kMinBufferSize)) +
+                                 tiering::kPageBytes - 1) /
+                                tiering::kPageBytes * tiering::kPageBytes;
   const int pairs = static_cast<int>(std::max<int64_t>(1, config.offload_param.buffer_count / 2));
   rt->staging_ = std::make_unique<swap::StagingPool>(rt->host_memory_.get(), buffer_bytes, pairs);
   uint64_t host_for_partitions = config.host_budget_bytes;
@@ -195,12 +194,11 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     host_for_partitions -= rt->staging_->total_bytes();
   }
   rt->table_ = std::make_unique<tiering::ResidencyTable>(
-      std::array<uint64_t, tiering::kTierCount>{
-          config.device_budget_bytes, host_for_partitions,
-          rt->store_ ? rt->store_->capacity_bytes() : 0});
-  rt->mover_ = std::make_unique<swap::Mover>(swap::MoverParts{
-      rt->table_.get(), rt->device_memory_.get(), rt->host_memory_.get(), rt->store_.get(),
-      rt->copy_.get(), rt->staging_.get()});
+      std::array<uint64_t, tiering::kTierCount>{config.device_budget_bytes, host_for_partitions,
+                                                rt->store_ ? rt->store_->capacity_bytes() : 0});
+  rt->mover_ = std::make_unique<swap::Mover>(
+      swap::MoverParts{rt->table_.get(), rt->device_memory_.get(), rt->host_memory_.get(),
+                       rt->store_.get(), rt->copy_.get(), rt->staging_.get()});
   SchedulerConfig sc;
   sc.policy = config.eviction_policy == "lru" ? Policy::kLru : Policy::kTrace;
   if (rt->options_.policy) sc.policy = *rt->options_.policy;
@@ -305,8 +303,8 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
   };
   absl::Status s = table_->Materialize(desc.id, tier);
   if (s.code() == absl::StatusCode::kResourceExhausted && IsMemory(tier)) {
-    if (absl::Status room = MakeRoomLocked(tier, desc.bytes, desc.id, Purpose::kAcquire, 0,
-                                           nullptr);
+    if (absl::Status room =
+            MakeRoomLocked(tier, desc.bytes, desc.id, Purpose::kAcquire, 0, nullptr);
         !room.ok()) {
       return undo(room);
     }
@@ -410,9 +408,10 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
     STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
     if (now.move || now.current[I(to)] || !now.current[I(from)]) {
       if (raced != nullptr) *raced = true;
-      return absl::AbortedError(absl::StrCat("partition ", id, ": moved by another thread while "
-                                             "room was made for its move ", TierName(from),
-                                             " -> ", TierName(to)));
+      return absl::AbortedError(absl::StrCat("partition ", id,
+                                             ": moved by another thread while "
+                                             "room was made for its move ",
+                                             TierName(from), " -> ", TierName(to)));
     }
   }
   ++moves_in_flight_;
@@ -445,7 +444,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
     PartitionId victim = 0;
     bool found = false;
     std::tuple<bool, bool, uint64_t> best{};  // planned: (far, clean, next use)
-    uint64_t oldest = UINT64_MAX;              // on demand: last use
+    uint64_t oldest = UINT64_MAX;             // on demand: last use
     for (const auto& [id, st] : parts_) {
       if (id == for_id || st.busy > 0 || skipped.contains(id)) continue;
       auto r = table_->Get(id);
@@ -455,8 +454,8 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
       const bool clean = !r->current[I(t)] || others > 0;
       if (planned) {
         // A copy in either memory tier serves an access in the other (one copy away).
-        const uint64_t next = std::min(scheduler_->NextUse(id, Tier::kDevice),
-                                       scheduler_->NextUse(id, Tier::kHost));
+        const uint64_t next =
+            std::min(scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost));
         if (purpose == Purpose::kPrefetch && next <= limit) continue;
         const std::tuple<bool, bool, uint64_t> key{next > window, clean, next};
         if (!found || key > best) {
@@ -586,7 +585,7 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     }
     if (r.move) {
       // Join the move in flight (a prefetch's, or a write-back reading this copy).
-      const WaitCause cause = r.move->first == Tier::kNvme ? WaitCause::kNvmeRead
+      const WaitCause cause = r.move->first == Tier::kNvme    ? WaitCause::kNvmeRead
                               : r.move->second == Tier::kNvme ? WaitCause::kWriteBack
                                                               : WaitCause::kCopy;
       const auto t0 = Clock::now();
@@ -630,8 +629,10 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   const bool had_divergence = scheduler_->divergence().has_value();
   scheduler_->OnAcquire(r.desc, tier, Now());
   if (!had_divergence && scheduler_->divergence()) {
-    Warn(absl::StrCat("step ", stats_.steps + 1, ": the access order differs from the recorded "
-                      "trace (", *scheduler_->divergence(),
+    Warn(absl::StrCat("step ", stats_.steps + 1,
+                      ": the access order differs from the recorded "
+                      "trace (",
+                      *scheduler_->divergence(),
                       "); the rest of the step is fetched on demand with LRU eviction and "
                       "recorded anew"));
   }
@@ -773,8 +774,7 @@ std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
 void Runtime::GradientReady(PartitionId id) {
   MutexLock lock(&mu_);
   if (!parts_.contains(id)) return;
-  if (scheduler_->NextUse(id, Tier::kDevice) <=
-      static_cast<uint64_t>(scheduler_->lookahead())) {
+  if (scheduler_->NextUse(id, Tier::kDevice) <= static_cast<uint64_t>(scheduler_->lookahead())) {
     return;  // needed on the device again soon
   }
   Post(

@@ -115,19 +115,19 @@ struct RuntimeOptions {
 
 // Why the trainer waited.
 enum class WaitCause : uint8_t {
-  kNvmeRead,   // bytes coming from NVMe (its own move, or a prefetch it joined)
-  kCopy,       // a host <-> device copy
-  kWriteBack,  // an eviction's write-back that had to finish to make room
-  kBudgetFull, // no copy could be evicted until other moves finished
+  kNvmeRead,    // bytes coming from NVMe (its own move, or a prefetch it joined)
+  kCopy,        // a host <-> device copy
+  kWriteBack,   // an eviction's write-back that had to finish to make room
+  kBudgetFull,  // no copy could be evicted until other moves finished
 };
 inline constexpr int kWaitCauseCount = 4;
 absl::string_view WaitCauseName(WaitCause c);
 
 struct StepReport {
-  uint64_t step = 0;     // 1-based
-  std::string mode;      // "recorded", "planned", "fallback" (diverged), "on-demand" (lru)
-  std::string divergence;  // what differed from the trace; empty when nothing did
-  double seconds = 0;      // wall time since the previous EndStep (or Create)
+  uint64_t step = 0;        // 1-based
+  std::string mode;         // "recorded", "planned", "fallback" (diverged), "on-demand" (lru)
+  std::string divergence;   // what differed from the trace; empty when nothing did
+  double seconds = 0;       // wall time since the previous EndStep (or Create)
   double wait_seconds = 0;  // the trainer's Acquires, waiting for bytes
   std::array<double, kWaitCauseCount> wait_by_cause{};
   swap::TierMatrix bytes_moved{};  // [from][to], this step, prefetches and write-backs included
@@ -225,8 +225,8 @@ class Runtime {
   Runtime() = default;
   // Brings a current copy of `id` into `tier` (joining a move in flight). `limit`: for a prefetch,
   // the distance of its use (victims must be needed later).
-  absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
-                           Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
   // made: the caller looks again.

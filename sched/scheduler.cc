@@ -12,8 +12,8 @@ Scheduler::Scheduler(const SchedulerConfig& config)
       lookahead_(std::clamp(config.initial_lookahead, 1, std::max(1, config.max_lookahead))) {}
 
 bool Scheduler::OnAcquire(const PartitionDesc& desc, Tier tier, double at_seconds) {
-  recording_.push_back({desc.id, tier, desc.role, desc.bytes, desc.elements, true, false,
-                        at_seconds});
+  recording_.push_back(
+      {desc.id, tier, desc.role, desc.bytes, desc.elements, true, false, at_seconds});
   if (mode_ != Mode::kPlanned) return false;
   if (cursor_ >= plan_acquires_.size()) {
     Diverge(absl::StrCat("access ", cursor_ + 1, " (partition ", desc.id, " in the ",
@@ -33,8 +33,8 @@ bool Scheduler::OnAcquire(const PartitionDesc& desc, Tier tier, double at_second
 }
 
 void Scheduler::OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds) {
-  recording_.push_back({desc.id, tier, desc.role, desc.bytes, desc.elements, false, dirty,
-                        at_seconds});
+  recording_.push_back(
+      {desc.id, tier, desc.role, desc.bytes, desc.elements, false, dirty, at_seconds});
 }
 
 void Scheduler::Diverge(std::string why) {

@@ -21,8 +21,8 @@
 // between 1 and SchedulerConfig::max_lookahead accesses. DeepSpeed's stage-3 knobs bound it:
 // prefetch_bucket_elements caps the parameter elements ahead in the window.
 //
-// With policy kLru there is no plan: every step is on demand with LRU eviction (what the Runtime did
-// before the scheduler). kDeepSpeedLike models DeepSpeed's coordinator for comparison: a fixed
+// With policy kLru there is no plan: every step is on demand with LRU eviction (what the Runtime
+// did before the scheduler). kDeepSpeedLike models DeepSpeed's coordinator for comparison: a fixed
 // window of prefetch_bucket_elements parameter elements, device-tier accesses only, at most two
 // prefetches in flight, and no read ahead from NVMe.
 //
@@ -61,8 +61,8 @@ struct TraceEvent {
   Tier tier = Tier::kDevice;
   tiering::Role role = tiering::Role::kParam;
   uint64_t bytes = 0, elements = 0;
-  bool acquire = true;  // else a release
-  bool dirty = false;   // a release that changed the bytes
+  bool acquire = true;    // else a release
+  bool dirty = false;     // a release that changed the bytes
   double at_seconds = 0;  // since the step began
 };
 
@@ -74,7 +74,8 @@ class Scheduler {
   explicit Scheduler(const SchedulerConfig& config);
 
   // The trainer's acquire of (desc, tier) at `at_seconds` into the step. Returns true when it is
-  // the access the plan expected (false in the other modes, and on the mismatch that ends the plan).
+  // the access the plan expected (false in the other modes, and on the mismatch that ends the
+  // plan).
   bool OnAcquire(const PartitionDesc& desc, Tier tier, double at_seconds);
   void OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds);
 
@@ -115,11 +116,11 @@ class Scheduler {
   SchedulerConfig config_;
   Mode mode_;
   int lookahead_;
-  std::vector<TraceEvent> plan_;               // the acquires and releases of the planned step
-  std::vector<uint32_t> plan_acquires_;        // indices of plan_'s acquires, in order
+  std::vector<TraceEvent> plan_;         // the acquires and releases of the planned step
+  std::vector<uint32_t> plan_acquires_;  // indices of plan_'s acquires, in order
   absl::flat_hash_map<uint64_t, std::vector<uint32_t>> uses_;  // key -> its positions in acquires
-  std::vector<TraceEvent> recording_;          // this step's events
-  uint64_t cursor_ = 0;                        // position of the next expected acquire
+  std::vector<TraceEvent> recording_;                          // this step's events
+  uint64_t cursor_ = 0;  // position of the next expected acquire
   std::optional<std::string> divergence_;
   bool tight_ = false;  // a prefetch found no room since the window last widened or held
 };

@@ -83,10 +83,10 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
                      .get();
       }
     } else {
-      filled = parts_.copy
-                   ->CopyAsync(bytes, initial.data(), desc.bytes,
-                               tiering::CopyDirection::kHostToDevice)
-                   .get();
+      filled =
+          parts_.copy
+              ->CopyAsync(bytes, initial.data(), desc.bytes, tiering::CopyDirection::kHostToDevice)
+              .get();
     }
   } else if (initial.empty()) {
     std::memset(bytes, 0, desc.bytes);
@@ -130,23 +130,22 @@ absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, st
   if (to == Tier::kNvme) return parts_.store->Put(id, {src, bytes});    // from host
   return parts_.copy
       ->CopyAsync(dst, src, bytes,
-                  to == Tier::kDevice ? CopyDirection::kHostToDevice
-                                      : CopyDirection::kDeviceToHost)
+                  to == Tier::kDevice ? CopyDirection::kHostToDevice : CopyDirection::kDeviceToHost)
       .get();
 }
 
 absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
   STRATA_ASSIGN_OR_RETURN(const tiering::Residency r, parts_.table->Get(id));
   if (!r.move || r.move->first != from || r.move->second != to) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", id, ": carry ", TierName(from), " -> ", TierName(to),
-        " without that move begun in the residency table"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", id, ": carry ", TierName(from), " -> ", TierName(to),
+                     " without that move begun in the residency table"));
   }
   const uint64_t bytes = r.desc.bytes;
   auto fail = [&](absl::Status s) {
     parts_.table->EndMove(id, false).IgnoreError();
-    return Annotate(s, absl::StrCat("move of partition ", id, " ", TierName(from), " -> ",
-                                    TierName(to)));
+    return Annotate(
+        s, absl::StrCat("move of partition ", id, " ", TierName(from), " -> ", TierName(to)));
   };
   if ((from == Tier::kNvme || to == Tier::kNvme) && parts_.store == nullptr) {
     return fail(absl::FailedPreconditionError("no NVMe tier"));

@@ -46,9 +46,9 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   uint64_t in_cpu = 0;
   for (const auto& [id, elements] : partitions) {
     if (elements == 0 || elements > kMaxElements) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("optimizer swapper: partition ", id, " has ", elements,
-                       " elements (accepted: 1 to ", kMaxElements, ", 12 state bytes each)"));
+      return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: partition ", id, " has ",
+                                                     elements, " elements (accepted: 1 to ",
+                                                     kMaxElements, ", 12 state bytes each)"));
     }
     Part part;
     part.elements = elements;
@@ -213,8 +213,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     }
   }
   if (absl::Status s = ReserveCopyStaging(staging_bytes); !s.ok()) {
-    return Annotate(s, absl::StrCat(unchanged, " (staging the param copies of its NVMe-resident "
-                                               "partitions needs ",
+    return Annotate(s, absl::StrCat(unchanged,
+                                    " (staging the param copies of its NVMe-resident "
+                                    "partitions needs ",
                                     staging_bytes, " bytes of host memory)"));
   }
   uint64_t staged_at = 0;

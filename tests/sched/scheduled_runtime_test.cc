@@ -314,8 +314,8 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
   // Room for every thread's pin plus a little: budgets tight enough to evict constantly.
   const uint64_t slot = (largest + 4095) / 4096 * 4096;
   config.device_budget_bytes = slot * (kThreads + 1 + rng() % 3);
-  config.host_budget_bytes = slot * (kThreads + 1 + rng() % 4) +
-                             config.offload_param.buffer_count * (16 << 10);
+  config.host_budget_bytes =
+      slot * (kThreads + 1 + rng() % 4) + config.offload_param.buffer_count * (16 << 10);
   config.nvme_capacity_bytes = 64 << 20;
   config.nvme_path = dir.File("swap");
   config.eviction_policy = rng() % 2 ? "trace" : "lru";
