@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -15,6 +17,16 @@
 #include "gtest/gtest.h"
 
 namespace strata::testing {
+
+// Kilobytes of locked memory, as the kernel counts them for this process.
+inline int64_t VmLckKiB() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
 
 // A fresh directory, removed with its contents at destruction. Under $STRATA_TEST_DIR when set,
 // else under the build tree's working directory (ctest runs in the build folder, which is on the

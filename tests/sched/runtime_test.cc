@@ -31,6 +31,7 @@ using tiering::Residency;
 
 using ::strata::testing::RandomBytes;
 using ::strata::testing::ScratchDir;
+using ::strata::testing::VmLckKiB;
 using ::testing::HasSubstr;
 
 RuntimeConfig SmallConfig(const std::string& nvme_path) {
@@ -39,7 +40,7 @@ RuntimeConfig SmallConfig(const std::string& nvme_path) {
   // Partitions of 100000 bytes hold 25 pages (102400 bytes) each.
   c.device_budget_bytes = 2 * 102400;  // two partitions
   c.offload_param.buffer_size = 64 << 10;
-  c.offload_param.buffer_count = 2;  // one pair of staging buffers
+  c.offload_param.buffer_count = 2;                   // one pair of staging buffers
   c.host_budget_bytes = 3 * 102400 + 2 * (64 << 10);  // three, and the two staging buffers
   c.nvme_capacity_bytes = 8 << 20;
   c.nvme_path = nvme_path;
@@ -478,15 +479,6 @@ TEST(RuntimeTest, ConcurrentAcquiresAndReleasesKeepEveryPartitionsBytes) {
   EXPECT_EQ(failures.load(), 0);
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
   ASSERT_TRUE((*rt)->Flush().ok());
-}
-
-int64_t VmLckKiB() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) == 0) return std::stoll(line.substr(6));
-  }
-  return -1;
 }
 
 // Pinned memory actually held — partitions' host copies with their page rounding, the staging

@@ -16,10 +16,12 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/aio/test_util.h"
 
 namespace strata::tiering {
 namespace {
 
+using ::strata::testing::VmLckKiB;
 using ::testing::HasSubstr;
 
 TEST(LimitingResourceTest, BudgetHoldsUnderConcurrentAllocationFromSeveralThreads) {
@@ -107,16 +109,6 @@ TEST(StatisticsResourceTest, CountsBytesPeakAndFailures) {
   EXPECT_EQ(c.allocations, 2u);
   EXPECT_EQ(c.failures, 1u);
   stats.Deallocate(*b, 300 << 10);
-}
-
-// Kilobytes of locked memory, as the kernel counts them for this process.
-int64_t VmLckKiB() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) == 0) return std::stoll(line.substr(6));
-  }
-  return -1;
 }
 
 bool MayLock(size_t bytes) {
@@ -249,7 +241,9 @@ TEST(LimitingResourceTest, AHugeRequestDoesNotWrapTheBudgetCheck) {
 TEST(NumaTest, NearestNodeIsWhatTheKernelSaysOrUnknown) {
   EXPECT_EQ(NumaNodeNearest("/nonexistent/strata"), -1);
   // A memory filesystem has no block device behind it.
-  if (std::filesystem::exists("/dev/shm")) EXPECT_EQ(NumaNodeNearest("/dev/shm"), -1);
+  if (std::filesystem::exists("/dev/shm")) {
+    EXPECT_EQ(NumaNodeNearest("/dev/shm"), -1);
+  }
   // Whatever it answers for the build disk is a node this machine has; -1 only when the kernel
   // names no node for the disk's device.
   const int node = NumaNodeNearest(".");
@@ -265,7 +259,9 @@ TEST(NumaTest, NearestNodeIsWhatTheKernelSaysOrUnknown) {
          {"/device/numa_node", "/device/device/numa_node", "/../device/numa_node"}) {
       std::ifstream f(dev + up);
       int named = -1;
-      if (f >> named) EXPECT_LT(named, 0) << dev + up << " names node " << named;
+      if (f >> named) {
+        EXPECT_LT(named, 0) << dev + up << " names node " << named;
+      }
     }
   }
 }
