@@ -20,7 +20,11 @@ using Clock = std::chrono::steady_clock;
 using tiering::Residency;
 int I(Tier t) { return static_cast<int>(t); }
 bool IsMemory(Tier t) { return t != Tier::kNvme; }
-uint64_t Key(PartitionId id, Tier t) { return id * 4 + static_cast<uint64_t>(t); }
+// What a trainer waiting for a move from -> to waits for.
+WaitCause MoveCause(Tier from, Tier to, bool eviction) {
+  if (eviction || to == Tier::kNvme) return WaitCause::kWriteBack;
+  return from == Tier::kNvme ? WaitCause::kNvmeRead : WaitCause::kCopy;
+}
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -97,6 +101,7 @@ std::string StepReport::ToJson() const {
   j["prefetches_blocked"] = prefetches_blocked;
   j["evictions"] = evictions;
   j["write_backs"] = write_backs;
+  j["write_back_failures"] = write_back_failures;
   j["lookahead"] = lookahead;
   return j.dump();
 }
@@ -109,6 +114,17 @@ void Runtime::Warn(std::string w) {
   }
   MutexLock lock(&warnings_mu_);
   warnings_.push_back(std::move(w));
+}
+
+void Runtime::WarnLocked(std::string w) { pending_warnings_.push_back(std::move(w)); }
+
+void Runtime::TellWarnings() {
+  std::vector<std::string> pending;
+  {
+    MutexLock lock(&mu_);
+    pending.swap(pending_warnings_);
+  }
+  for (std::string& w : pending) Warn(std::move(w));
 }
 
 std::vector<std::string> Runtime::warnings() const {
@@ -244,16 +260,12 @@ Runtime::~Runtime() {
   }
 }
 
-void Runtime::Post(std::function<void()> job, std::function<void()> cancel) {
-  {
-    MutexLock lock(&jobs_mu_);
-    if (!stop_) {
-      jobs_.push_back({std::move(job), std::move(cancel)});
-      jobs_cv_.Signal();
-      return;
-    }
-  }
-  cancel();
+bool Runtime::Post(std::function<void()> job, std::function<void()> cancel) {
+  MutexLock lock(&jobs_mu_);
+  if (stop_) return false;
+  jobs_.push_back({std::move(job), std::move(cancel)});
+  jobs_cv_.Signal();
+  return true;
 }
 
 void Runtime::WorkerLoop() {
@@ -286,6 +298,11 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
                      ": no NVMe tier (set an nvme_path in offload_param, "
                      "offload_optimizer or strata)"));
   }
+  MutexLock lock(&mu_);
+  if (unregistering_.contains(desc.id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("partition ", desc.id, ": being unregistered by another thread"));
+  }
   if (table_->Get(desc.id).ok()) {
     return absl::AlreadyExistsError(absl::StrCat("partition ", desc.id, ": already registered"));
   }
@@ -295,7 +312,6 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
         " already holds it (from an earlier run); Adopt it to keep its bytes, or Unregister it "
         "first"));
   }
-  MutexLock lock(&mu_);
   STRATA_RETURN_IF_ERROR(table_->Register(desc));
   auto undo = [&](absl::Status s) {
     table_->Unregister(desc.id).IgnoreError();
@@ -303,16 +319,14 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
   };
   absl::Status s = table_->Materialize(desc.id, tier);
   if (s.code() == absl::StatusCode::kResourceExhausted && IsMemory(tier)) {
-    if (absl::Status room =
-            MakeRoomLocked(tier, desc.bytes, desc.id, Purpose::kAcquire, 0, nullptr);
-        !room.ok()) {
+    if (absl::Status room = MakeRoomLocked(tier, desc, Purpose::kAcquire, 0, nullptr); !room.ok()) {
       return undo(room);
     }
     s = table_->Materialize(desc.id, tier);
   }
   if (!s.ok()) return undo(s);
   // The bytes are written without the lock; the partition is unknown to everything but the table
-  // (not in parts_) until they are.
+  // (not in parts_: Unregister refuses it, nothing evicts or prefetches it) until they are.
   mu_.Unlock();
   absl::Status filled = mover_->Fill(desc, tier, initial);
   mu_.Lock();
@@ -327,13 +341,17 @@ absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
     return absl::FailedPreconditionError(
         absl::StrCat("adopt partition ", desc.id, ": no NVMe tier to adopt it from"));
   }
+  MutexLock lock(&mu_);
+  if (unregistering_.contains(desc.id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("adopt partition ", desc.id, ": being unregistered by another thread"));
+  }
   STRATA_ASSIGN_OR_RETURN(const PartitionRecord stored, store_->Find(desc.id));
   if (stored.length != desc.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("adopt partition ", desc.id,
                                                    ": the store holds ", stored.length,
                                                    " bytes, the descriptor says ", desc.bytes));
   }
-  MutexLock lock(&mu_);
   STRATA_RETURN_IF_ERROR(table_->Register(desc));
   if (absl::Status s = table_->Materialize(desc.id, Tier::kNvme); !s.ok()) {
     table_->Unregister(desc.id).IgnoreError();
@@ -357,8 +375,17 @@ void Runtime::WaitForMoveLocked(PartitionId id) {
 
 absl::Status Runtime::Unregister(PartitionId id) {
   MutexLock lock(&mu_);
+  if (unregistering_.contains(id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("unregister partition ", id, ": another thread is unregistering it"));
+  }
   const bool known = parts_.contains(id);
-  if (!known && (store_ == nullptr || !store_->Find(id).ok())) {
+  if (!known && table_->Get(id).ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unregister partition ", id, ": it is being registered (or adopted) by another thread"));
+  }
+  const bool stored = store_ != nullptr && store_->Find(id).ok();
+  if (!known && !stored) {
     return absl::NotFoundError(absl::StrCat("partition ", id, ": not registered"));
   }
   if (known) {
@@ -374,13 +401,22 @@ absl::Status Runtime::Unregister(PartitionId id) {
       return absl::FailedPreconditionError(
           absl::StrCat("unregister partition ", id, ": another thread is bringing it in"));
     }
-  }
-  // The NVMe copy goes first: once the store has forgotten it, nothing can bring it back.
-  if (store_ != nullptr && store_->Find(id).ok()) STRATA_RETURN_IF_ERROR(store_->Erase(id));
-  if (known) {
     STRATA_RETURN_IF_ERROR(table_->Unregister(id));
     mover_->Forget(id);
     parts_.erase(id);
+  }
+  if (!stored) return absl::OkStatus();
+  // The store's commit runs without the lock; meanwhile Register and Adopt refuse the id.
+  unregistering_.insert(id);
+  mu_.Unlock();
+  absl::Status erased = store_->Erase(id);
+  mu_.Lock();
+  unregistering_.erase(id);
+  if (!erased.ok()) {
+    return Annotate(erased, absl::StrCat("unregister partition ", id,
+                                         ": its memory copies are freed but its NVMe copy is "
+                                         "still in the store (StoredPartitions); Unregister it "
+                                         "again to erase it"));
   }
   return absl::OkStatus();
 }
@@ -403,7 +439,7 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
     absl::Status begun = table_->BeginMove(id, from, to);
     if (begun.ok()) break;
     if (begun.code() != absl::StatusCode::kResourceExhausted || !IsMemory(to)) return begun;
-    STRATA_RETURN_IF_ERROR(MakeRoomLocked(to, r.desc.bytes, id, purpose, limit, waits));
+    STRATA_RETURN_IF_ERROR(MakeRoomLocked(to, r.desc, purpose, limit, waits));
     // Making room released the lock: another thread may have moved this partition meanwhile.
     STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
     if (now.move || now.current[I(to)] || !now.current[I(from)]) {
@@ -414,30 +450,38 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
                                              TierName(from), " -> ", TierName(to)));
     }
   }
+  // A partition being registered is not in parts_ yet, and moves only through its Fill.
+  PartState* st = &parts_.at(id);
+  st->moving = purpose;
   ++moves_in_flight_;
   const auto t0 = Clock::now();
   mu_.Unlock();
   absl::Status moved = mover_->Carry(id, from, to);
   mu_.Lock();
   --moves_in_flight_;
+  st->moving.reset();
   moved_.SignalAll();
   if (waits != nullptr) {
-    const WaitCause cause = from == Tier::kNvme ? WaitCause::kNvmeRead
-                            : to == Tier::kNvme ? WaitCause::kWriteBack
-                                                : WaitCause::kCopy;
-    waits->s[static_cast<int>(cause)] += Since(t0);
+    waits->s[static_cast<int>(MoveCause(from, to, IsEviction(purpose)))] += Since(t0);
   }
   return moved;
 }
 
-absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id, Purpose purpose,
+absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc, Purpose purpose,
                                      uint64_t limit, Waits* waits) {
+  const uint64_t bytes = table_->Footprint(desc);
+  if (bytes > table_->budget_bytes(t)) {
+    // Nothing evicted would make it fit.
+    return absl::ResourceExhaustedError(
+        absl::StrCat("partition ", desc.id, " (", desc.bytes, " bytes, counted as ", bytes,
+                     " in whole pages) is larger than the ", TierName(t), " tier's budget of ",
+                     table_->budget_bytes(t), " bytes"));
+  }
   absl::flat_hash_set<PartitionId> skipped;  // victims whose eviction failed
   absl::Status last_failure;
-  const bool planned = scheduler_->mode() == Scheduler::Mode::kPlanned;
+  const bool planned = scheduler_->plans_evictions();
   const uint64_t window = static_cast<uint64_t>(scheduler_->lookahead());
-  while (bytes > table_->budget_bytes(t) ||
-         table_->used_bytes(t) > table_->budget_bytes(t) - bytes) {
+  while (table_->used_bytes(t) > table_->budget_bytes(t) - bytes) {
     // The victim: planned, the copy needed furthest in the future (among those not needed within
     // the window, clean before dirty); else the least recently used. Never a copy pinned, moving,
     // being brought in, or (for a prefetch) needed before the prefetched one.
@@ -446,7 +490,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
     std::tuple<bool, bool, uint64_t> best{};  // planned: (far, clean, next use)
     uint64_t oldest = UINT64_MAX;             // on demand: last use
     for (const auto& [id, st] : parts_) {
-      if (id == for_id || st.busy > 0 || skipped.contains(id)) continue;
+      if (id == desc.id || st.busy > 0 || skipped.contains(id)) continue;
       auto r = table_->Get(id);
       if (!r.ok() || !r->has_copy[I(t)] || r->pins[I(t)] > 0 || r->move) continue;
       int others = 0;
@@ -456,7 +500,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
         // A copy in either memory tier serves an access in the other (one copy away).
         const uint64_t next =
             std::min(scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost));
-        if (purpose == Purpose::kPrefetch && next <= limit) continue;
+        if (ForPrefetch(purpose) && next <= limit) continue;
         const std::tuple<bool, bool, uint64_t> key{next > window, clean, next};
         if (!found || key > best) {
           best = key;
@@ -470,7 +514,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
       }
     }
     if (!found) {
-      if (purpose != Purpose::kPrefetch && moves_in_flight_ > 0) {
+      if (!ForPrefetch(purpose) && moves_in_flight_ > 0) {
         // Moves in flight may free room (a write-back) or leave a copy that can be evicted.
         const auto t0 = Clock::now();
         moved_.Wait(&mu_);
@@ -483,16 +527,15 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
       absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
           "the ", TierName(t), " tier's budget of ", table_->budget_bytes(t), " bytes has ", free,
           " free, ", bytes, " needed, and every copy in it is pinned, in use by a move",
-          purpose == Purpose::kPrefetch ? ", needed sooner than the prefetched partition" : "",
+          ForPrefetch(purpose) ? ", needed sooner than the prefetched partition" : "",
           " or could not be evicted"));
       return last_failure.ok()
                  ? full
                  : Annotate(full, absl::StrCat("last eviction failure: ", last_failure.message()));
     }
-    const auto t0 = Clock::now();
-    absl::Status s = EvictLocked(victim, t, nullptr);
-    if (waits != nullptr) waits->s[static_cast<int>(WaitCause::kWriteBack)] += Since(t0);
-    if (!s.ok()) {
+    // A prefetch's eviction follows the prefetch's rules (no waiting, nothing needed sooner).
+    const Purpose evict_for = ForPrefetch(purpose) ? Purpose::kEvictForPrefetch : Purpose::kEvict;
+    if (absl::Status s = EvictLocked(victim, t, evict_for, limit, waits); !s.ok()) {
       skipped.insert(victim);
       last_failure = s;
     }
@@ -500,9 +543,11 @@ absl::Status Runtime::MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id,
   return absl::OkStatus();
 }
 
-absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Waits* waits) {
+absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
+                                  Waits* waits) {
   if (!IsMemory(tier)) {
-    return absl::InvalidArgumentError("evict: only the device and host tiers are evicted");
+    return absl::InvalidArgumentError(
+        absl::StrCat("evict partition ", id, ": only the device and host tiers are evicted"));
   }
   STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
   if (!r.has_copy[I(tier)]) return absl::OkStatus();
@@ -516,6 +561,7 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Waits* waits) {
   if (r.current[I(tier)] && others == 0) {
     // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
     const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
+                                r.desc.role == tiering::Role::kParam &&
                                 config_.offload_param.device == tiering::OffloadDevice::kNvme;
     const Tier lower = tier == Tier::kDevice && !device_to_nvme ? Tier::kHost : Tier::kNvme;
     if (lower == Tier::kNvme && store_ == nullptr) {
@@ -524,11 +570,11 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Waits* waits) {
                        ": its host copy is the only current one and there is no NVMe tier "
                        "to write it back to"));
     }
-    absl::Status down = MoveLocked(id, tier, lower, Purpose::kEvict, 0, waits);
+    absl::Status down = MoveLocked(id, tier, lower, purpose, limit, waits);
     if (down.code() == absl::StatusCode::kResourceExhausted && lower == Tier::kHost &&
         store_ != nullptr) {
       // The host tier has no room: the device copy goes straight to NVMe, staged.
-      down = MoveLocked(id, tier, Tier::kNvme, Purpose::kEvict, 0, waits);
+      down = MoveLocked(id, tier, Tier::kNvme, purpose, limit, waits);
     }
     STRATA_RETURN_IF_ERROR(down);
     ++stats_.write_backs;
@@ -585,28 +631,31 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     }
     if (r.move) {
       // Join the move in flight (a prefetch's, or a write-back reading this copy).
-      const WaitCause cause = r.move->first == Tier::kNvme    ? WaitCause::kNvmeRead
-                              : r.move->second == Tier::kNvme ? WaitCause::kWriteBack
-                                                              : WaitCause::kCopy;
+      const std::optional<Purpose> why = parts_.at(id).moving;
+      const WaitCause cause =
+          MoveCause(r.move->first, r.move->second, why.has_value() && IsEviction(*why));
       const auto t0 = Clock::now();
       WaitForMoveLocked(id);
       if (waits != nullptr) waits->s[static_cast<int>(cause)] += Since(t0);
       continue;
     }
+    // The source: the other memory tier's copy (host <-> device through the copy engine), else
+    // NVMe (to the host through aio, to the device staged in chunks). A prefetch never reads a
+    // pinned copy (its holder may be writing it): it reads NVMe's when that is current.
     const Tier other = tier == Tier::kDevice ? Tier::kHost : Tier::kDevice;
+    const bool other_usable =
+        r.current[I(other)] && (purpose == Purpose::kAcquire || r.pins[I(other)] == 0);
     Tier from;
-    if (r.current[I(other)]) {
-      from = other;  // host <-> device through the copy engine
+    if (other_usable) {
+      from = other;
     } else if (r.current[I(Tier::kNvme)]) {
-      from = Tier::kNvme;  // NVMe -> host through aio, NVMe -> device staged in chunks
-    } else {
-      return absl::InternalError(absl::StrCat("partition ", id, ": no current copy to bring"));
-    }
-    if (purpose == Purpose::kPrefetch && IsMemory(from) && r.pins[I(from)] > 0) {
-      // Its holder may be writing it: a prefetch never reads a pinned copy.
+      from = Tier::kNvme;
+    } else if (r.current[I(other)]) {
       return absl::FailedPreconditionError(
           absl::StrCat("prefetch partition ", id, " to the ", TierName(tier), " tier: its ",
-                       TierName(from), " copy is pinned (in use)"));
+                       TierName(other), " copy, the only current one, is pinned (in use)"));
+    } else {
+      return absl::InternalError(absl::StrCat("partition ", id, ": no current copy to bring"));
     }
     bool raced = false;
     absl::Status moved = MoveLocked(id, from, tier, purpose, limit, waits, &raced);
@@ -616,10 +665,20 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
 
 absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   if (!IsMemory(tier)) {
-    return absl::InvalidArgumentError("acquire: the device or host tier (nvme is not addressable)");
+    return absl::InvalidArgumentError(absl::StrCat("acquire partition ", id,
+                                                   ": the device or host tier (nvme is not "
+                                                   "addressable)"));
   }
-  const auto t0 = Clock::now();
-  MutexLock lock(&mu_);
+  absl::StatusOr<std::byte*> result;
+  {
+    MutexLock lock(&mu_);
+    result = AcquireLocked(id, tier);
+  }
+  TellWarnings();
+  return result;
+}
+
+absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   auto it = parts_.find(id);
   if (it == parts_.end()) {
     return absl::NotFoundError(absl::StrCat("acquire partition ", id, ": not registered"));
@@ -629,42 +688,39 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   const bool had_divergence = scheduler_->divergence().has_value();
   scheduler_->OnAcquire(r.desc, tier, Now());
   if (!had_divergence && scheduler_->divergence()) {
-    Warn(absl::StrCat("step ", stats_.steps + 1,
-                      ": the access order differs from the recorded "
-                      "trace (",
-                      *scheduler_->divergence(),
-                      "); the rest of the step is fetched on demand with LRU eviction and "
-                      "recorded anew"));
+    WarnLocked(absl::StrCat("step ", stats_.steps + 1,
+                            ": the access order differs from the recorded trace (",
+                            *scheduler_->divergence(),
+                            "); the rest of the step is fetched on demand with LRU eviction and "
+                            "recorded anew"));
   }
   ++stats_.acquires;
   ++step_.r.acquires;
-  ++st.busy;
-  Waits waits;
-  absl::Status brought;
-  bool waited = false;
-  if (r.current[I(tier)]) {
+  const bool hit = r.current[I(tier)];
+  if (hit) {
     ++stats_.acquire_hits;
     ++step_.r.hits;
-    if (st.prefetched) ++step_.r.prefetch_hits;
+    if (st.prefetched[I(tier)]) ++step_.r.prefetch_hits;
+  } else if (prefetching_.contains(std::make_pair(id, tier)) ||
+             (r.move && st.moving == Purpose::kPrefetch)) {
+    ++step_.r.late_prefetches;  // a prefetch is bringing it (or is queued to): joined
   } else {
-    waited = true;
-    if (r.move || prefetching_.contains(Key(id, tier))) {
-      ++step_.r.late_prefetches;
-    } else {
-      ++step_.r.misses;
-    }
+    ++step_.r.misses;
   }
   // A hit too: a write-back still reading the copy ends before the caller may write it.
-  brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
+  const auto t0 = Clock::now();
+  ++st.busy;
+  Waits waits;
+  absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
-  st.prefetched = false;
+  st.prefetched[I(tier)] = false;
   if (brought.ok()) st.last_use[I(tier)] = ++tick_;
   const double waited_s = Since(t0);
   stats_.acquire_wait_seconds += waited_s;
   step_.r.wait_seconds += waited_s;
   for (int c = 0; c < kWaitCauseCount; ++c) step_.r.wait_by_cause[c] += waits.s[c];
-  if (waited) scheduler_->OnLateOrMiss();
+  if (!hit) scheduler_->OnLateOrMiss();
   PlanPrefetchesLocked();
   STRATA_RETURN_IF_ERROR(brought);
   return mover_->Address(id, tier);
@@ -679,8 +735,18 @@ absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {
     // Still pinned: a move reading this copy (a prefetch into the other tier) ends first, and the
     // copy it made goes stale below.
     WaitForMoveLocked(id);
-    STRATA_ASSIGN_OR_RETURN(const std::vector<Tier> stale, table_->MarkWritten(id, tier));
-    for (Tier t : stale) {
+    absl::StatusOr<std::vector<Tier>> stale = table_->MarkWritten(id, tier);
+    if (!stale.ok()) {
+      // Another holder has the other tier's copy pinned: this write cannot make it stale under
+      // it. The pin stays (the changed bytes are not given up): release that copy, then this one
+      // again.
+      return Annotate(stale.status(),
+                      absl::StrCat("release partition ", id, " dirty in the ", TierName(tier),
+                                   " tier: refused, and it stays pinned so that the change is "
+                                   "not lost; release the other holder's pin, then release it "
+                                   "again"));
+    }
+    for (Tier t : *stale) {
       // A stale NVMe copy keeps its extent until the next write-back replaces it.
       if (IsMemory(t)) STRATA_RETURN_IF_ERROR(mover_->Drop(id, t));
     }
@@ -694,7 +760,7 @@ absl::Status Runtime::Evict(PartitionId id, Tier tier) {
     return absl::NotFoundError(absl::StrCat("evict partition ", id, ": not registered"));
   }
   WaitForMoveLocked(id);
-  return EvictLocked(id, tier, nullptr);
+  return EvictLocked(id, tier, Purpose::kEvict, 0, nullptr);
 }
 
 void Runtime::PlanPrefetchesLocked() {
@@ -702,7 +768,7 @@ void Runtime::PlanPrefetchesLocked() {
   const int max_in_flight = scheduler_->max_in_flight();
   for (const Scheduler::Upcoming& u : scheduler_->Window()) {
     if (max_in_flight > 0 && static_cast<int>(prefetching_.size()) >= max_in_flight) break;
-    const uint64_t key = Key(u.id, u.tier);
+    const auto key = std::make_pair(u.id, u.tier);
     if (prefetching_.contains(key)) continue;
     auto r = table_->Get(u.id);
     if (!r.ok() || r->current[I(u.tier)] || !parts_.contains(u.id)) continue;
@@ -710,13 +776,15 @@ void Runtime::PlanPrefetchesLocked() {
         !r->current[I(Tier::kDevice)]) {
       break;  // DeepSpeed-like: prefetching stops at the first partition still on NVMe
     }
+    const bool queued =
+        Post([this, id = u.id, tier = u.tier] { RunPrefetch(id, tier, true, nullptr); },
+             [this, key] {
+               MutexLock lock(&mu_);
+               prefetching_.erase(key);
+             });
+    if (!queued) return;  // the Runtime is being destroyed
     prefetching_.insert(key);
     ++step_.r.prefetches;
-    Post([this, id = u.id, tier = u.tier] { RunPrefetch(id, tier, true, nullptr); },
-         [this, key] {
-           MutexLock lock(&mu_);
-           prefetching_.erase(key);
-         });
   }
 }
 
@@ -732,23 +800,30 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
   } else if (planned && limit == Scheduler::kNever) {
     // The plan changed (a divergence) since it was queued: not needed.
   } else {
-    ++it->second.busy;
+    PartState& st = it->second;  // node_hash_map: stable while the lock is released
+    ++st.busy;
+    auto before = table_->Get(id);
+    const bool was_there = before.ok() && before->current[I(tier)];
     // A prefetch (planned or asked for) never reads a pinned copy and never waits for room.
     s = BringLocked(id, tier, Purpose::kPrefetch, limit, nullptr);
+    if (s.ok() && !was_there) st.prefetched[I(tier)] = true;
     if (planned && tier == Tier::kDevice && s.code() == absl::StatusCode::kResourceExhausted) {
       // No room on the device yet: stage it in the host tier (NVMe -> host now, host -> device
       // when room comes), unless a memory tier has it already.
       auto r = table_->Get(id);
       if (r.ok() && !r->current[I(Tier::kHost)] && !r->current[I(Tier::kDevice)]) {
         absl::Status staged = BringLocked(id, Tier::kHost, Purpose::kPrefetch, limit, nullptr);
-        if (!staged.ok()) s = staged;
+        if (staged.ok()) {
+          st.prefetched[I(Tier::kHost)] = true;
+        } else {
+          s = staged;
+        }
       }
     }
-    --it->second.busy;
-    if (s.ok()) it->second.prefetched = true;
+    --st.busy;
   }
   if (planned) {
-    prefetching_.erase(Key(id, tier));
+    prefetching_.erase(std::make_pair(id, tier));
     if (s.code() == absl::StatusCode::kResourceExhausted) {
       ++step_.r.prefetches_blocked;
       scheduler_->OnBudgetTight(limit);
@@ -763,11 +838,16 @@ std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
   auto done = std::make_shared<std::promise<absl::Status>>();
   std::future<absl::Status> f = done->get_future();
   if (!IsMemory(tier)) {
-    done->set_value(absl::InvalidArgumentError("prefetch: the device or host tier"));
+    done->set_value(
+        absl::InvalidArgumentError(absl::StrCat("prefetch partition ", id,
+                                                ": the device or host tier (nvme is not "
+                                                "addressable)")));
     return f;
   }
-  Post([this, done, id, tier] { RunPrefetch(id, tier, false, done.get()); },
-       [done] { done->set_value(absl::CancelledError("prefetch: the Runtime was destroyed")); });
+  const bool queued = Post(
+      [this, done, id, tier] { RunPrefetch(id, tier, false, done.get()); },
+      [done] { done->set_value(absl::CancelledError("prefetch: the Runtime was destroyed")); });
+  if (!queued) done->set_value(absl::CancelledError("prefetch: the Runtime is being destroyed"));
   return f;
 }
 
@@ -784,21 +864,31 @@ void Runtime::GradientReady(PartitionId id) {
         WaitForMoveLocked(id);
         auto r = table_->Get(id);
         if (!r.ok() || r->pins[I(Tier::kDevice)] > 0) return;  // in use again: it stays
-        if (absl::Status s = EvictLocked(id, Tier::kDevice, nullptr); !s.ok()) {
+        if (absl::Status s = EvictLocked(id, Tier::kDevice, Purpose::kEvict, 0, nullptr); !s.ok()) {
           // It stays on the device, current; a later eviction retries the write-back.
-          ++step_.r.prefetch_failures;
+          ++stats_.write_back_failures;
+          ++step_.r.write_back_failures;
         }
       },
       [] {});
 }
 
 StepReport Runtime::EndStep() {
-  MutexLock lock(&mu_);
+  StepReport report;
+  {
+    MutexLock lock(&mu_);
+    report = EndStepLocked();
+  }
+  TellWarnings();
+  return report;
+}
+
+StepReport Runtime::EndStepLocked() {
   const Scheduler::Mode mode = scheduler_->mode();
   std::optional<std::string> diverged = scheduler_->EndStep();
   if (diverged && mode == Scheduler::Mode::kPlanned) {
-    Warn(absl::StrCat("step ", stats_.steps + 1, ": ", *diverged,
-                      "; the next step is planned from this one"));
+    WarnLocked(absl::StrCat("step ", stats_.steps + 1, ": ", *diverged,
+                            "; the next step is planned from this one"));
   }
   StepReport report = step_.r;
   report.step = ++stats_.steps;

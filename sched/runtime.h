@@ -76,6 +76,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -138,7 +139,8 @@ struct StepReport {
   uint64_t misses = 0;           // the Acquire moved it itself
   uint64_t prefetches = 0, prefetch_failures = 0, prefetches_blocked = 0;  // blocked: no room
   uint64_t evictions = 0, write_backs = 0;
-  int lookahead = 0;  // the adaptive window at the step's end, in accesses
+  uint64_t write_back_failures = 0;  // background write-backs (GradientReady) that failed
+  int lookahead = 0;                 // the adaptive window at the step's end, in accesses
   // One JSON object on one line.
   std::string ToJson() const;
 };
@@ -147,7 +149,7 @@ struct RuntimeStats {
   // Time Acquire spent waiting for bytes, since Create.
   double acquire_wait_seconds = 0;
   uint64_t acquires = 0, acquire_hits = 0;  // hits: already current in the tier
-  uint64_t evictions = 0, write_backs = 0;
+  uint64_t evictions = 0, write_backs = 0, write_back_failures = 0;
   uint64_t steps = 0;
   // Pinned host memory held (partitions' copies, staging buffers, freed blocks kept for reuse,
   // page rounding): never more than strata.host_budget_bytes.
@@ -210,11 +212,21 @@ class Runtime {
   struct Waits {
     std::array<double, kWaitCauseCount> s{};
   };
-  enum class Purpose : uint8_t { kAcquire, kPrefetch, kEvict };
+  // On whose behalf a move runs. A prefetch (and an eviction that makes room for one) never waits
+  // for room and never evicts a copy needed before the prefetched one; nothing but an Acquire
+  // reads a pinned copy.
+  enum class Purpose : uint8_t { kAcquire, kPrefetch, kEvict, kEvictForPrefetch };
+  static bool ForPrefetch(Purpose p) {
+    return p == Purpose::kPrefetch || p == Purpose::kEvictForPrefetch;
+  }
+  static bool IsEviction(Purpose p) {
+    return p == Purpose::kEvict || p == Purpose::kEvictForPrefetch;
+  }
   struct PartState {
     std::array<uint64_t, 2> last_use{};  // device, host: the tick of the last access
     int busy = 0;                        // operations bringing it: never a victim meanwhile
-    bool prefetched = false;             // brought by a prefetch, not yet acquired
+    std::array<bool, 2> prefetched{};    // device, host: brought by a prefetch, not yet acquired
+    std::optional<Purpose> moving;       // why its move in flight runs
   };
   // Counters of the current step.
   struct StepCounters {
@@ -227,23 +239,36 @@ class Runtime {
   // the distance of its use (victims must be needed later).
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
   // made: the caller looks again.
   absl::Status MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose, uint64_t limit,
                           Waits* waits, bool* raced = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status MakeRoomLocked(Tier t, uint64_t bytes, PartitionId for_id, Purpose purpose,
+  // Evicts copies from `t` until a copy of `desc` fits. A prefetch (purpose kPrefetch) never waits
+  // and never evicts a copy needed within `limit` accesses; its evictions follow the same rules.
+  absl::Status MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc, Purpose purpose,
                               uint64_t limit, Waits* waits) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status EvictLocked(PartitionId id, Tier tier, Waits* waits)
+  // Drops the copy in `tier`, writing it down first when it is the only current one. `purpose`
+  // and `limit`: on whose behalf (a prefetch's eviction follows the prefetch's rules).
+  absl::Status EvictLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteBackLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WaitForMoveLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlanPrefetchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StepReport EndStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPrefetch(PartitionId id, Tier tier, bool planned, std::promise<absl::Status>* done);
-  void Post(std::function<void()> job, std::function<void()> cancel);
+  // Queues a job for the workers, whose `cancel` runs instead if the Runtime is destroyed first.
+  // False (nothing queued, `cancel` not run) once the destructor has begun.
+  bool Post(std::function<void()> job, std::function<void()> cancel);
   void WorkerLoop();
   double Now() const;
   void Warn(std::string w);
+  // A warning raised under mu_: told (to the callback, which may call the Runtime) by
+  // TellWarnings once the lock is released.
+  void WarnLocked(std::string w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TellWarnings() ABSL_LOCKS_EXCLUDED(mu_);
 
   RuntimeConfig config_;
   RuntimeOptions options_;
@@ -265,8 +290,11 @@ class Runtime {
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   int moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<Scheduler> scheduler_ ABSL_GUARDED_BY(mu_);
-  // Planned prefetches queued or running: (id, tier) keys.
-  absl::flat_hash_set<uint64_t> prefetching_ ABSL_GUARDED_BY(mu_);
+  // Planned prefetches queued or running.
+  absl::flat_hash_set<std::pair<PartitionId, Tier>> prefetching_ ABSL_GUARDED_BY(mu_);
+  // Partitions whose NVMe copy Unregister is erasing (without the lock).
+  absl::flat_hash_set<PartitionId> unregistering_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> pending_warnings_ ABSL_GUARDED_BY(mu_);
   std::chrono::steady_clock::time_point step_start_ ABSL_GUARDED_BY(mu_);
   StepCounters step_ ABSL_GUARDED_BY(mu_);
   RuntimeStats stats_ ABSL_GUARDED_BY(mu_);

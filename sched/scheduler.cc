@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace strata::sched {
@@ -62,7 +63,7 @@ std::optional<std::string> Scheduler::EndStep() {
   uses_.clear();
   for (uint32_t i = 0; i < plan_.size(); ++i) {
     if (!plan_[i].acquire) continue;
-    uses_[Key(plan_[i].id, plan_[i].tier)].push_back(static_cast<uint32_t>(plan_acquires_.size()));
+    uses_[{plan_[i].id, plan_[i].tier}].push_back(static_cast<uint32_t>(plan_acquires_.size()));
     plan_acquires_.push_back(i);
   }
   mode_ = plan_acquires_.empty() ? Mode::kRecording : Mode::kPlanned;
@@ -76,25 +77,25 @@ std::vector<Scheduler::Upcoming> Scheduler::Window() const {
   const bool ds = config_.policy == Policy::kDeepSpeedLike;
   const uint64_t span = ds ? n : std::min<uint64_t>(static_cast<uint64_t>(lookahead_), n);
   uint64_t param_elements = 0;
+  absl::flat_hash_set<std::pair<PartitionId, Tier>> seen;
   for (uint64_t d = 0; d < span; ++d) {
     const TraceEvent& e = plan_[plan_acquires_[(cursor_ + d) % n]];
     if (ds && e.tier != Tier::kDevice) continue;
+    if (seen.contains(std::make_pair(e.id, e.tier))) continue;  // counted once
     if (e.role == tiering::Role::kParam) {
       param_elements += e.elements;
       // The bucket bounds the parameters ahead; the first one is always allowed.
       if (param_elements > config_.prefetch_bucket_elements && !out.empty()) break;
     }
-    const bool seen = std::any_of(out.begin(), out.end(), [&](const Upcoming& u) {
-      return u.id == e.id && u.tier == e.tier;
-    });
-    if (!seen) out.push_back({e.id, e.tier, d, e.role, e.elements});
+    seen.insert({e.id, e.tier});
+    out.push_back({e.id, e.tier});
   }
   return out;
 }
 
 uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
   if (mode_ != Mode::kPlanned) return kNever;
-  auto it = uses_.find(Key(id, tier));
+  auto it = uses_.find(std::make_pair(id, tier));
   if (it == uses_.end()) return kNever;
   const std::vector<uint32_t>& at = it->second;
   auto next = std::lower_bound(at.begin(), at.end(), cursor_);
@@ -103,7 +104,7 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
 }
 
 void Scheduler::OnLateOrMiss() {
-  if (config_.policy != Policy::kTrace) return;
+  if (config_.policy != Policy::kTrace || mode_ != Mode::kPlanned) return;
   if (tight_) {  // a prefetch found no room since the last widening: hold once, then try again
     tight_ = false;
     return;

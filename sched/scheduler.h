@@ -34,6 +34,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -86,9 +87,6 @@ class Scheduler {
   struct Upcoming {
     PartitionId id;
     Tier tier;
-    uint64_t distance;  // accesses from the cursor (0: the next one)
-    tiering::Role role;
-    uint64_t elements;
   };
   // The accesses to prefetch now, in order (empty unless planned).
   std::vector<Upcoming> Window() const;
@@ -96,6 +94,8 @@ class Scheduler {
   // (or there is no plan).
   uint64_t NextUse(PartitionId id, Tier tier) const;
 
+  // The trainer waited for an access the plan knew (planned steps only: a recording step's misses
+  // say nothing about the window).
   void OnLateOrMiss();
   // A prefetch `distance` accesses ahead found no room: the window narrows to it.
   void OnBudgetTight(uint64_t distance);
@@ -104,13 +104,16 @@ class Scheduler {
   int lookahead() const { return lookahead_; }
   // Prefetches a policy allows in flight at once (0: no limit).
   int max_in_flight() const { return config_.policy == Policy::kDeepSpeedLike ? 2 : 0; }
+  // Whether eviction follows the plan (Belady's rule: kTrace, planned); else least recently used.
+  bool plans_evictions() const {
+    return config_.policy == Policy::kTrace && mode_ == Mode::kPlanned;
+  }
   bool reads_ahead_from_nvme() const { return config_.policy != Policy::kDeepSpeedLike; }
   const std::vector<TraceEvent>& plan() const { return plan_; }
   // The divergence of this step, once detected.
   const std::optional<std::string>& divergence() const { return divergence_; }
 
  private:
-  static uint64_t Key(PartitionId id, Tier tier) { return id * 4 + static_cast<uint64_t>(tier); }
   void Diverge(std::string why);
 
   SchedulerConfig config_;
@@ -118,9 +121,10 @@ class Scheduler {
   int lookahead_;
   std::vector<TraceEvent> plan_;         // the acquires and releases of the planned step
   std::vector<uint32_t> plan_acquires_;  // indices of plan_'s acquires, in order
-  absl::flat_hash_map<uint64_t, std::vector<uint32_t>> uses_;  // key -> its positions in acquires
-  std::vector<TraceEvent> recording_;                          // this step's events
-  uint64_t cursor_ = 0;  // position of the next expected acquire
+  // (id, tier) -> its positions among the acquires.
+  absl::flat_hash_map<std::pair<PartitionId, Tier>, std::vector<uint32_t>> uses_;
+  std::vector<TraceEvent> recording_;  // this step's events
+  uint64_t cursor_ = 0;                // position of the next expected acquire
   std::optional<std::string> divergence_;
   bool tight_ = false;  // a prefetch found no room since the window last widened or held
 };

@@ -108,6 +108,10 @@ class ResidencyTable {
   absl::StatusOr<Residency> Get(PartitionId id) const;
   uint64_t used_bytes(Tier t) const;
   uint64_t budget_bytes(Tier t) const { return budgets_[static_cast<int>(t)]; }
+  // What a copy of the partition is counted as against a budget: its bytes in whole granules.
+  uint64_t Footprint(const PartitionDesc& desc) const {
+    return (desc.bytes + granule_ - 1) / granule_ * granule_;
+  }
 
   // Checks every invariant over the whole table; the first violation, named.
   absl::Status CheckInvariants() const;
@@ -117,11 +121,6 @@ class ResidencyTable {
   absl::StatusOr<Residency*> FindLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ReserveLocked(Tier t, uint64_t bytes, PartitionId id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // What a copy of the partition is counted as: its bytes in whole granules.
-  uint64_t Footprint(const PartitionDesc& desc) const {
-    return (desc.bytes + granule_ - 1) / granule_ * granule_;
-  }
 
   const std::array<uint64_t, kTierCount> budgets_;
   const uint64_t granule_;

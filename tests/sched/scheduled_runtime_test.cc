@@ -15,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "sched/runtime.h"
 #include "tests/aio/test_util.h"
+#include "tests/sched/sched_test_util.h"
 #include "xxhash.h"
 
 namespace strata::sched {
@@ -25,49 +26,11 @@ using ::strata::testing::ScratchDir;
 using ::testing::HasSubstr;
 using tiering::PartitionDesc;
 using Clock = std::chrono::steady_clock;
-
-constexpr uint64_t kBytes = 100000;  // 25 pages: 102400 bytes of budget
-
-RuntimeConfig Config(const std::string& nvme_path, int device_slots, int host_slots) {
-  RuntimeConfig c;
-  c.aio.block_size = 64 << 10;
-  c.device_budget_bytes = device_slots * 102400ull;
-  c.offload_param.buffer_size = 64 << 10;
-  c.offload_param.buffer_count = 4;  // two pairs: two staged moves at once
-  c.host_budget_bytes = host_slots * 102400ull + 4 * (64 << 10);
-  c.nvme_capacity_bytes = 64 << 20;
-  c.nvme_path = nvme_path;
-  c.eviction_policy = "trace";
-  return c;
-}
-
-RuntimeOptions Quiet(std::vector<std::string>* warnings = nullptr) {
-  RuntimeOptions o;
-  o.on_warning = [warnings](absl::string_view w) {
-    if (warnings != nullptr) warnings->emplace_back(w);
-  };
-  return o;
-}
-
-PartitionDesc Desc(PartitionId id, uint64_t bytes = kBytes) {
-  PartitionDesc d;
-  d.id = id;
-  d.bytes = bytes;
-  d.elements = bytes / 4;
-  return d;
-}
-
-// One trainer step over `order` on the device: acquire, check the bytes, "compute", release.
-void RunStep(Runtime& rt, const std::vector<PartitionId>& order, std::chrono::microseconds compute,
-             const std::map<PartitionId, std::vector<std::byte>>& bytes) {
-  for (PartitionId id : order) {
-    auto p = rt.Acquire(id, Tier::kDevice);
-    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
-    ASSERT_EQ(0, std::memcmp(*p, bytes.at(id).data(), kBytes)) << id;
-    std::this_thread::sleep_for(compute);
-    ASSERT_TRUE(rt.Release(id, Tier::kDevice, false).ok());
-  }
-}
+using ::strata::sched::testing::Config;
+using ::strata::sched::testing::Desc;
+using ::strata::sched::testing::kBytes;
+using ::strata::sched::testing::Quiet;
+using ::strata::sched::testing::RunStep;
 
 TEST(ScheduledRuntimeTest, AnAcquireOfACurrentCopyReturnsAtOnceWhileAnotherMoveIsInFlight) {
   ScratchDir dir;

@@ -121,6 +121,10 @@ TEST(SchedulerTest, TheWindowWidensWhileTheTrainerWaitsAndNarrowsWhenABudgetIsTi
   c.max_lookahead = 5;
   Scheduler s(c);
   EXPECT_EQ(s.lookahead(), 2);
+  s.OnLateOrMiss();  // the recording step's misses are not late prefetches: no change
+  EXPECT_EQ(s.lookahead(), 2);
+  Step(s, {1, 2, 3});
+  s.EndStep();
   s.OnLateOrMiss();
   EXPECT_EQ(s.lookahead(), 3);
   s.OnLateOrMiss();
@@ -142,6 +146,26 @@ TEST(SchedulerTest, ThePrefetchBucketBoundsTheParameterElementsAhead) {
   Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
   s.EndStep();
   EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2));
+}
+
+TEST(SchedulerTest, APartitionTwiceInTheWindowIsCountedOnceAgainstTheBucket) {
+  SchedulerConfig c;
+  c.initial_lookahead = 10;
+  c.prefetch_bucket_elements = 3500;
+  Scheduler s(c);
+  Step(s, {1, 2, 1, 2, 3});
+  s.EndStep();
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
+}
+
+TEST(SchedulerTest, IdsThatDifferOnlyInTheirTopBitsAreDifferentPartitions) {
+  Scheduler s{SchedulerConfig{}};
+  const PartitionId far = (uint64_t{1} << 62) + 1;
+  Step(s, {1, 2, far});
+  s.EndStep();
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), 0u);
+  EXPECT_EQ(s.NextUse(far, Tier::kDevice), 2u);
+  EXPECT_EQ(s.NextUse(far + 1, Tier::kDevice), Scheduler::kNever);
 }
 
 TEST(SchedulerTest, LruPolicyNeverPlans) {
