@@ -493,9 +493,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc,
       if (id == desc.id || st.busy > 0 || skipped.contains(id)) continue;
       auto r = table_->Get(id);
       if (!r.ok() || !r->has_copy[I(t)] || r->pins[I(t)] > 0 || r->move) continue;
-      int others = 0;
-      for (int u = 0; u < tiering::kTierCount; ++u) others += u != I(t) && r->current[u];
-      const bool clean = !r->current[I(t)] || others > 0;
+      const bool clean = !r->only_current(t);
       if (planned) {
         // A copy in either memory tier serves an access in the other (one copy away).
         const uint64_t next =
@@ -556,9 +554,7 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, ui
                                                       ": it is pinned in the ", TierName(tier),
                                                       " tier (release it first)"));
   }
-  int others = 0;
-  for (int t = 0; t < tiering::kTierCount; ++t) others += t != I(tier) && r.current[t];
-  if (r.current[I(tier)] && others == 0) {
+  if (r.only_current(tier)) {
     // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
     const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
                                 r.desc.role == tiering::Role::kParam &&

@@ -29,9 +29,10 @@
 // prefetch brings). A step whose accesses differ from the trace falls back to on-demand fetching
 // with least-recently-used eviction for its rest, warns once, and is recorded anew. With
 // strata.eviction_policy "lru" there is no plan: on demand and LRU throughout. GradientReady tells
-// the Runtime a gradient partition is complete on the device: it is written down to the host tier
-// in the background when the plan does not need it on the device soon. Per step, EndStep reports
-// the trainer's waits by cause, the bytes moved per pair of tiers and the prefetch outcomes.
+// the Runtime a gradient partition is complete on the device: it leaves the device in the
+// background (to the host tier, or to NVMe when the host has no room) unless the plan needs it
+// there again within the window. Per step, EndStep reports the trainer's waits by cause, the
+// bytes moved per pair of tiers and the prefetch outcomes.
 //
 // Pinned copies are the trainer's: no prefetch or write-back reads a pinned copy, and an Acquire
 // of a copy that a write-back is still reading waits for it to end (the trainer may write the
@@ -46,8 +47,10 @@
 // waits for them rather than failing.
 //
 // Budgets: the host budget covers the partitions' host copies and the staging pool
-// (offload_param.buffer_count buffers, in pairs, at least one pair; set aside at Create when there
-// is an NVMe tier), so pinned memory held stays within strata.host_budget_bytes.
+// (offload_param.buffer_count buffers, used in pairs: an odd count's last buffer is not set
+// aside, and at least one pair is; set aside at Create when there is an NVMe tier), so pinned
+// memory held stays within strata.host_budget_bytes. A copy is counted in whole pages (4096
+// bytes); a partition larger than a tier's budget is refused there at once (ResourceExhausted).
 //
 // Restarts: a Runtime reopening a store finds the partitions an earlier run left there
 // (StoredPartitions). Adopt takes one over with its bytes; Register refuses an id the store already
@@ -174,7 +177,9 @@ class Runtime {
   // The partitions in the NVMe store (empty without an NVMe tier), registered or not.
   std::vector<PartitionRecord> StoredPartitions() const;
   // Forgets a partition: its memory copies are freed and its NVMe copy erased. Refused while it is
-  // pinned (waits for a move of it in flight). Also drops a stored partition never adopted.
+  // pinned, brought in or being registered by another thread (waits for a move of it in flight).
+  // Also drops a stored partition never adopted. If erasing the NVMe copy fails, the memory
+  // copies are gone and the stored one stays (StoredPartitions): Unregister again to erase it.
   absl::Status Unregister(PartitionId id);
   // Writes back to NVMe every registered partition whose NVMe copy is not current, so the store
   // holds every partition's latest bytes (what a restart adopts). FailedPrecondition naming the
@@ -182,7 +187,10 @@ class Runtime {
   absl::Status Flush();
   // Brings a current copy into `tier` (device or host), pins it, returns its address.
   absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
-  // Unpins; `dirty`: the caller changed the bytes in `tier`.
+  // Unpins; `dirty`: the caller changed the bytes in `tier` (its other copies go stale and their
+  // memory is freed). A dirty release while another holder pins the other memory tier's copy is
+  // refused (FailedPrecondition) and keeps the pin, so the change is not lost: release that
+  // holder's pin, then this one again.
   absl::Status Release(PartitionId id, Tier tier, bool dirty);
   // Drops the copy in `tier` (memory tiers), writing it back first when it is the only current
   // copy: a device copy to host, or straight to NVMe when parameters are offloaded to NVMe
@@ -191,9 +199,9 @@ class Runtime {
   absl::Status Evict(PartitionId id, Tier tier);
   // Brings a current copy into `tier` on a worker thread (no pin) and returns at once; the future
   // completes when it is there (it may be discarded), or with the reason it is not: no room that
-  // can be made without waiting (ResourceExhausted), or the only source copy pinned
-  // (FailedPrecondition: its holder may be writing it). The destructor completes queued ones with
-  // Cancelled.
+  // can be made without waiting (ResourceExhausted), or the only current copy pinned in the other
+  // memory tier (FailedPrecondition: its holder may be writing it; a current NVMe copy is read
+  // instead when there is one). The destructor completes queued ones with Cancelled.
   std::future<absl::Status> Prefetch(PartitionId id, Tier tier);
   // The gradient partition `id` is complete in the device tier (released dirty): it leaves the
   // device in the background unless the plan needs it there within the window.

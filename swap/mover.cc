@@ -24,9 +24,9 @@ Mover::Mover(const MoverParts& parts) : parts_(parts) {
 
 Mover::~Mover() {
   MutexLock lock(&mu_);
-  for (auto& [id, a] : addresses_) {
+  for (auto& [id, c] : copies_) {
     for (Tier t : {Tier::kDevice, Tier::kHost}) {
-      if (a[I(t)] != nullptr) ResourceFor(t).Deallocate(a[I(t)], sizes_[id]);
+      if (c.at[I(t)] != nullptr) ResourceFor(t).Deallocate(c.at[I(t)], c.bytes);
     }
   }
 }
@@ -38,8 +38,8 @@ tiering::MemoryResource& Mover::ResourceFor(Tier t) const {
 std::byte* Mover::Address(PartitionId id, Tier tier) const {
   if (!IsMemory(tier)) return nullptr;
   MutexLock lock(&mu_);
-  auto it = addresses_.find(id);
-  return it == addresses_.end() ? nullptr : it->second[I(tier)];
+  auto it = copies_.find(id);
+  return it == copies_.end() ? nullptr : it->second.at[I(tier)];
 }
 
 TierMatrix Mover::bytes_moved() const {
@@ -98,8 +98,9 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
     return filled;
   }
   MutexLock lock(&mu_);
-  addresses_[desc.id][I(tier)] = bytes;
-  sizes_[desc.id] = desc.bytes;
+  Copies& c = copies_[desc.id];
+  c.at[I(tier)] = bytes;
+  c.bytes = desc.bytes;
   return absl::OkStatus();
 }
 
@@ -170,8 +171,9 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
   {
     MutexLock lock(&mu_);
     if (allocated) {
-      addresses_[id][I(to)] = dst;
-      sizes_[id] = bytes;
+      Copies& c = copies_[id];
+      c.at[I(to)] = dst;
+      c.bytes = bytes;
     }
     bytes_moved_[I(from)][I(to)] += bytes;
   }
@@ -182,23 +184,23 @@ absl::Status Mover::Drop(PartitionId id, Tier tier) {
   STRATA_RETURN_IF_ERROR(parts_.table->Drop(id, tier));
   if (!IsMemory(tier)) return absl::OkStatus();
   MutexLock lock(&mu_);
-  auto it = addresses_.find(id);
-  if (it != addresses_.end() && it->second[I(tier)] != nullptr) {
-    ResourceFor(tier).Deallocate(it->second[I(tier)], sizes_[id]);
-    it->second[I(tier)] = nullptr;
+  auto it = copies_.find(id);
+  if (it != copies_.end() && it->second.at[I(tier)] != nullptr) {
+    ResourceFor(tier).Deallocate(it->second.at[I(tier)], it->second.bytes);
+    it->second.at[I(tier)] = nullptr;
   }
   return absl::OkStatus();
 }
 
 void Mover::Forget(PartitionId id) {
   MutexLock lock(&mu_);
-  auto it = addresses_.find(id);
-  if (it == addresses_.end()) return;
+  auto it = copies_.find(id);
+  if (it == copies_.end()) return;
   for (Tier t : {Tier::kDevice, Tier::kHost}) {
-    if (it->second[I(t)] != nullptr) ResourceFor(t).Deallocate(it->second[I(t)], sizes_[id]);
+    if (it->second.at[I(t)] != nullptr)
+      ResourceFor(t).Deallocate(it->second.at[I(t)], it->second.bytes);
   }
-  addresses_.erase(it);
-  sizes_.erase(id);
+  copies_.erase(it);
 }
 
 }  // namespace strata::swap

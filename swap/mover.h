@@ -16,8 +16,9 @@
 // run at once from several threads (the disk, the copy engine and the CPU each busy). A failed move
 // leaves everything as it was — the table's move ended as failed (the destination released), the
 // destination's memory freed unless it held a copy before — and the status names the partition
-// and the tiers. A memory copy is freed only through Drop, which the table allows only for a copy
-// that is not the only current one, not pinned and not in a move.
+// and the tiers. A copy the table knows is freed only through Drop, which the table allows only
+// for a copy that is not the only current one, not pinned and not in a move; Forget frees the
+// copies of a partition the table has forgotten, and the destructor whatever is left.
 //
 // Thread safety: thread-safe. Carry of one partition must not run twice at once (the table allows
 // one move per partition).
@@ -94,8 +95,11 @@ class Mover {
 
   const MoverParts parts_;
   mutable Mutex mu_;
-  absl::flat_hash_map<PartitionId, std::array<std::byte*, 2>> addresses_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<PartitionId, uint64_t> sizes_ ABSL_GUARDED_BY(mu_);
+  struct Copies {
+    std::array<std::byte*, 2> at{};  // device, host
+    uint64_t bytes = 0;              // each copy's size (the table may have forgotten it)
+  };
+  absl::flat_hash_map<PartitionId, Copies> copies_ ABSL_GUARDED_BY(mu_);
   TierMatrix bytes_moved_ ABSL_GUARDED_BY(mu_){};
 };
 

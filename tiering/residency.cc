@@ -198,13 +198,9 @@ absl::Status ResidencyTable::Drop(PartitionId id, Tier tier) {
   if (r.move && (r.move->first == tier || r.move->second == tier)) {
     return Refuse(id, absl::StrCat("a move uses its ", TierName(tier), " copy"));
   }
-  if (r.current[I(tier)]) {
-    int others = 0;
-    for (int t = 0; t < kTierCount; ++t) others += t != I(tier) && r.current[t];
-    if (others == 0) {
-      return Refuse(id, absl::StrCat("its ", TierName(tier),
-                                     " copy is the only current one; write it back first"));
-    }
+  if (r.only_current(tier)) {
+    return Refuse(id, absl::StrCat("its ", TierName(tier),
+                                   " copy is the only current one; write it back first"));
   }
   r.has_copy[I(tier)] = r.current[I(tier)] = false;
   used_[I(tier)] -= Footprint(r.desc);

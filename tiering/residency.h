@@ -69,6 +69,13 @@ struct Residency {
   bool dirty(Tier t) const {
     return current[static_cast<int>(t)] && !current[static_cast<int>(Tier::kNvme)];
   }
+  // The copy in `t` is the only current one (dropping it would lose the bytes).
+  bool only_current(Tier t) const {
+    for (int u = 0; u < kTierCount; ++u) {
+      if (current[u] != (u == static_cast<int>(t))) return false;
+    }
+    return true;
+  }
 };
 
 class ResidencyTable {
