@@ -29,6 +29,12 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The store keys the optimizer's state with the top bit set, apart from the partitions' ids.
+constexpr PartitionId kOptimizerKey = PartitionId{1} << 63;
+uint64_t Pages(uint64_t bytes) {
+  return (bytes + tiering::kPageBytes - 1) / tiering::kPageBytes * tiering::kPageBytes;
+}
+
 // `value` when >= 0; else the environment variable `name` (a launcher's), else 0.
 absl::StatusOr<int> FromEnvironment(int value, const char* name, absl::string_view option) {
   if (value >= 0) return value;
@@ -298,6 +304,12 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
                      ": no NVMe tier (set an nvme_path in offload_param, "
                      "offload_optimizer or strata)"));
   }
+  if (desc.id >= kOptimizerKey) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", desc.id,
+                     ": ids are below 2^63 (the store keys the optimizer's state with "
+                     "the top bit)"));
+  }
   MutexLock lock(&mu_);
   if (unregistering_.contains(desc.id)) {
     return absl::FailedPreconditionError(
@@ -362,7 +374,12 @@ absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
 }
 
 std::vector<PartitionRecord> Runtime::StoredPartitions() const {
-  return store_ == nullptr ? std::vector<PartitionRecord>{} : store_->List();
+  std::vector<PartitionRecord> out;
+  if (store_ == nullptr) return out;
+  for (const PartitionRecord& r : store_->List()) {
+    if (r.id < kOptimizerKey) out.push_back(r);  // the optimizer's state is not a partition
+  }
+  return out;
 }
 
 void Runtime::WaitForMoveLocked(PartitionId id) {
@@ -903,6 +920,127 @@ StepReport Runtime::EndStepLocked() {
   step_start_ = Clock::now();
   PlanPrefetchesLocked();  // the next step's first accesses
   return report;
+}
+
+absl::Status Runtime::CreateOptimizer(
+    const optim_cpu::AdamConfig& adam,
+    const std::vector<std::pair<PartitionId, uint64_t>>& partitions) {
+  const tiering::OffloadConfig& oc = config_.offload_optimizer;
+  if (oc.device == tiering::OffloadDevice::kNone) {
+    return absl::FailedPreconditionError(
+        "create optimizer: zero_optimization.offload_optimizer.device is \"none\" (the "
+        "optimizer state stays with the trainer); accepted for strata's optimizer: \"cpu\" or "
+        "\"nvme\"");
+  }
+  if (oc.device == tiering::OffloadDevice::kNvme && store_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "create optimizer: offload_optimizer.device is \"nvme\" but there is no NVMe tier");
+  }
+  const bool on_nvme = oc.device == tiering::OffloadDevice::kNvme;
+  const bool pipelined = oc.pipeline_read || oc.pipeline_write;
+  const int ring = pipelined ? static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 3, 64))
+                             : static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 1, 64));
+  std::array<uint64_t, tiering::kTierCount> need{};
+  uint64_t largest = 0, copy_elements = 0;
+  for (const auto& [id, elements] : partitions) {
+    if (id >= kOptimizerKey) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("create optimizer: partition ", id, ": ids are below 2^63"));
+    }
+    if (elements == 0 || elements > tiering::kMaxPartitionBytes / 12) {
+      return absl::InvalidArgumentError(absl::StrCat("create optimizer: partition ", id, " has ",
+                                                     elements, " elements (accepted: 1 to ",
+                                                     tiering::kMaxPartitionBytes / 12, ")"));
+    }
+    if (on_nvme) {
+      largest = std::max(largest, elements * 12);
+      copy_elements += elements;
+      need[I(Tier::kNvme)] += 2 * Pages(elements * 12);
+    } else {
+      need[I(Tier::kHost)] += Pages(elements * 12);
+    }
+  }
+  if (on_nvme) need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * 2);
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ != nullptr) {
+    return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
+  }
+  for (Tier t : {Tier::kHost, Tier::kNvme}) {
+    if (absl::Status s = table_->SetAside(t, need[I(t)]); !s.ok()) {
+      table_->GiveBack(Tier::kHost, t == Tier::kNvme ? need[I(Tier::kHost)] : 0);
+      return Annotate(
+          s, absl::StrCat("create optimizer: its state and buffers (offload_optimizer."
+                          "device \"",
+                          on_nvme ? "nvme" : "cpu", "\", buffer_count ", oc.buffer_count, ") need ",
+                          need[I(t)], " bytes of the ", TierName(t), " tier"));
+    }
+  }
+  auto give_back = [&] {
+    for (Tier t : {Tier::kHost, Tier::kNvme}) table_->GiveBack(t, need[I(t)]);
+  };
+  auto created = optim_cpu::CpuAdam::Create(adam);
+  if (!created.ok()) {
+    give_back();
+    return Annotate(created.status(), "create optimizer");
+  }
+  swap::OptimizerSwapperConfig sc;
+  sc.pipeline_read = oc.pipeline_read;
+  sc.pipeline_write = oc.pipeline_write;
+  sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
+  sc.ring_buffers = ring;
+  sc.store_key_bits = kOptimizerKey;
+  sc.on_event = options_.on_optimizer_event;
+  auto swapper = swap::PipelinedOptimizerSwapper::Create(store_.get(), created->get(),
+                                                         host_memory_.get(), sc, partitions);
+  if (!swapper.ok()) {
+    give_back();
+    return Annotate(swapper.status(), "create optimizer");
+  }
+  adam_ = *std::move(created);
+  optimizer_ = *std::move(swapper);
+  optimizer_set_aside_ = need;
+  return absl::OkStatus();
+}
+
+absl::Status Runtime::InitializeOptimizerState(PartitionId id, absl::Span<const float> master) {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
+  }
+  return optimizer_->Initialize(id, master);
+}
+
+absl::Status Runtime::ReadOptimizerState(PartitionId id, absl::Span<float> master,
+                                         absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq) {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
+  }
+  return optimizer_->ReadState(id, master, exp_avg, exp_avg_sq);
+}
+
+absl::StatusOr<swap::StepReport> Runtime::OptimizerStep(int64_t t,
+                                                        std::vector<swap::StepInput> inputs,
+                                                        const optim_cpu::StepOptions& options) {
+  std::vector<PartitionId> order;
+  {
+    MutexLock lock(&mu_);
+    order = scheduler_->GradientOrder();
+  }
+  absl::flat_hash_map<PartitionId, size_t> rank;
+  for (size_t i = 0; i < order.size(); ++i) rank.emplace(order[i], i);
+  std::stable_sort(inputs.begin(), inputs.end(),
+                   [&](const swap::StepInput& a, const swap::StepInput& b) {
+                     auto ra = rank.find(a.id), rb = rank.find(b.id);
+                     const size_t ka = ra == rank.end() ? order.size() : ra->second;
+                     const size_t kb = rb == rank.end() ? order.size() : rb->second;
+                     return ka < kb;
+                   });
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  return optimizer_->Step(t, inputs, options);
 }
 
 RuntimeStats Runtime::stats() const {

@@ -88,8 +88,10 @@
 #include "absl/types/span.h"
 #include "aio/engine.h"
 #include "base/mutex.h"
+#include "optim_cpu/adam.h"
 #include "sched/scheduler.h"
 #include "swap/mover.h"
+#include "swap/optimizer_swapper.h"
 #include "swap/staging_pool.h"
 #include "tiering/copy_engine.h"
 #include "tiering/memory_resource.h"
@@ -115,6 +117,8 @@ struct RuntimeOptions {
   std::optional<Policy> policy;
   // Passed to the aio engine (tests wrap the backend with a FaultInjector).
   aio::EngineOptions engine_options;
+  // Test seam: the optimizer step's events (swap/optimizer_swapper.h), with the caller's ids.
+  std::function<void(swap::StepEvent, PartitionId)> on_optimizer_event;
 };
 
 // Why the trainer waited.
@@ -210,6 +214,32 @@ class Runtime {
   // diverged step becomes the next step's plan.
   StepReport EndStep();
 
+  // The optimizer (offload_optimizer): CpuAdam over the fp32 master weights and moments of
+  // `partitions` ((id, elements)), on the Runtime's own store and budgets — kept per
+  // offload_optimizer.device: "cpu", in pinned host memory; "nvme", in the NVMe store, stepped
+  // through a ring of offload_optimizer.buffer_count pinned buffers (at least three with
+  // pipeline_read or pipeline_write, which overlap reading the next partition's state and writing
+  // the last one's with the step). The host and NVMe room it needs (state, ring, the staged bf16
+  // copies of NVMe-resident weights; twice the NVMe state, as a step writes the new state beside
+  // the old before its commit) is set aside from strata.host_budget_bytes and the store's capacity
+  // at once: ResourceExhausted, naming what is needed and free, when it does not fit (create the
+  // optimizer before filling the host tier). Its ids are its own: the store keeps them apart from
+  // the partitions'. By convention an optimizer partition has the id of the gradient partition it
+  // steps from, so that the trace orders the step (below). Once per Runtime.
+  absl::Status CreateOptimizer(const optim_cpu::AdamConfig& adam,
+                               const std::vector<std::pair<PartitionId, uint64_t>>& partitions);
+  // Sets a partition's master weights; its moments start at zero. (A state that an earlier run
+  // left in the store is stepped from as it is, without this.)
+  absl::Status InitializeOptimizerState(PartitionId id, absl::Span<const float> master);
+  // One optimizer step t over `inputs` (swap/optimizer_swapper.h: every input validated first;
+  // a step that fails changes nothing). The partitions are stepped, and their NVMe state read
+  // ahead, in the order their gradients were released dirty in the recorded trace (backward's
+  // order), the rest after them in the order given.
+  absl::StatusOr<swap::StepReport> OptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
+                                                 const optim_cpu::StepOptions& options = {});
+  absl::Status ReadOptimizerState(PartitionId id, absl::Span<float> master,
+                                  absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
+
   RuntimeStats stats() const;
   const tiering::ResidencyTable& residency() const { return *table_; }
   const RuntimeConfig& config() const { return config_; }
@@ -291,6 +321,11 @@ class Runtime {
   std::unique_ptr<swap::StagingPool> staging_;
   std::unique_ptr<tiering::ResidencyTable> table_;
   std::unique_ptr<swap::Mover> mover_;
+  // The optimizer (CreateOptimizer); destroyed before the store and host memory it uses.
+  Mutex optimizer_mu_;
+  std::unique_ptr<optim_cpu::CpuAdam> adam_ ABSL_GUARDED_BY(optimizer_mu_);
+  std::unique_ptr<swap::PipelinedOptimizerSwapper> optimizer_ ABSL_GUARDED_BY(optimizer_mu_);
+  std::array<uint64_t, tiering::kTierCount> optimizer_set_aside_ ABSL_GUARDED_BY(optimizer_mu_){};
 
   mutable Mutex mu_;
   CondVar moved_;  // signalled when a move ends

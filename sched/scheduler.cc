@@ -103,6 +103,18 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
   return at.front() + plan_acquires_.size() - cursor_;  // in the next step
 }
 
+std::vector<PartitionId> Scheduler::GradientOrder() const {
+  std::vector<PartitionId> order;
+  if (mode_ == Mode::kOnDemand) return order;
+  absl::flat_hash_set<PartitionId> seen;
+  for (const TraceEvent& e : plan_) {
+    if (!e.acquire && e.dirty && e.role == tiering::Role::kGrad && seen.insert(e.id).second) {
+      order.push_back(e.id);
+    }
+  }
+  return order;
+}
+
 void Scheduler::OnLateOrMiss() {
   if (config_.policy != Policy::kTrace || mode_ != Mode::kPlanned) return;
   if (tight_) {  // a prefetch found no room since the last widening: hold once, then try again

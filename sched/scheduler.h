@@ -97,6 +97,9 @@ class Scheduler {
   // The trainer waited for an access the plan knew (planned steps only: a recording step's misses
   // say nothing about the window).
   void OnLateOrMiss();
+  // The gradient partitions (Role::kGrad) of the plan in the order they were released dirty
+  // (backward's order), each once; empty without a plan.
+  std::vector<PartitionId> GradientOrder() const;
   // A prefetch `distance` accesses ahead found no room: the window narrows to it.
   void OnBudgetTight(uint64_t distance);
 

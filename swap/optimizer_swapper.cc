@@ -38,6 +38,14 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   if (adam == nullptr || host == nullptr) {
     return absl::InvalidArgumentError("optimizer swapper: adam and host memory are required");
   }
+  const bool pipelined = config.pipeline_read || config.pipeline_write;
+  if (config.ring_buffers < 0 || config.ring_buffers > 64 ||
+      (pipelined && config.ring_buffers > 0 && config.ring_buffers < 3)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer swapper: ring_buffers is ", config.ring_buffers,
+                     "; accepted: 0 (the default), or ", pipelined ? "3" : "1",
+                     "..64 (pipelined steps need 3)"));
+  }
   auto s = std::unique_ptr<PipelinedOptimizerSwapper>(new PipelinedOptimizerSwapper());
   s->store_ = store;
   s->adam_ = adam;
@@ -71,7 +79,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
     }
   }
   if (s->buffer_bytes_ > 0) {
-    const int count = config.pipeline_read || config.pipeline_write ? 3 : 1;
+    const int count = config.ring_buffers > 0 ? config.ring_buffers : pipelined ? 3 : 1;
     for (int i = 0; i < count; ++i) {
       STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(s->buffer_bytes_));
       s->buffers_.push_back(static_cast<float*>(p));
@@ -115,7 +123,7 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
   std::memset(state + part->elements, 0, 2 * part->elements * sizeof(float));
   if (part->host_state != nullptr) return absl::OkStatus();
   std::unique_ptr<tiering::NvmeStore::Batch> batch = store_->NewBatch();
-  STRATA_RETURN_IF_ERROR(batch->Stage(id, Bytes(state, part->elements)));
+  STRATA_RETURN_IF_ERROR(batch->Stage(StoreKey(id), Bytes(state, part->elements)));
   return batch->Commit();
 }
 
@@ -130,7 +138,7 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
   }
   const float* state = part->host_state;
   if (state == nullptr) {
-    STRATA_RETURN_IF_ERROR(store_->Get(id, MutableBytes(buffers_.front(), n)));
+    STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id), MutableBytes(buffers_.front(), n)));
     state = buffers_.front();
   }
   std::memcpy(master.data(), state, n * sizeof(float));
@@ -260,7 +268,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     auto work = [this, buf, id, n] {
       Emit(StepEvent::kReadStarted, id);
       const auto r0 = Clock::now();
-      absl::Status s = store_->Get(id, MutableBytes(buf, n));
+      absl::Status s = store_->Get(StoreKey(id), MutableBytes(buf, n));
       return Result(s, Since(r0));
     };
     if (config_.pipeline_read) {
@@ -284,7 +292,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       if (prev.valid()) prev.wait();
       Emit(StepEvent::kWriteStarted, id);
       const auto w0 = Clock::now();
-      absl::Status s = b->Stage(id, Bytes(buf, n));
+      absl::Status s = b->Stage(StoreKey(id), Bytes(buf, n));
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {

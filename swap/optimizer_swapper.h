@@ -14,8 +14,8 @@
 // copy_dtype (raw pointers: those sizes cannot be checked). A bad input returns InvalidArgument
 // before anything is read, stepped or written. For the NVMe-resident partitions, with
 // pipeline_read the state of k+1 is read while k steps, and with pipeline_write the state of k-1
-// is written while k steps, through a ring of three pinned buffers (one without pipelining); the
-// gradients come from the caller's host memory.
+// is written while k steps, through a ring of pinned buffers (three by default, one without
+// pipelining); the gradients come from the caller's host memory.
 //
 // A step changes nothing until it commits. The new NVMe state is staged in fresh extents and
 // committed in one manifest record at the end of the step; the param copies of the NVMe-resident
@@ -65,6 +65,14 @@ struct OptimizerSwapperConfig {
   bool pipeline_read = true;
   bool pipeline_write = true;
   uint64_t max_in_cpu_bytes = 0;  // state bytes (12 per parameter) kept in host memory
+  // Buffers in the ring of NVMe-resident state, each as large as the largest partition's state:
+  // 0 picks three with pipelining (read k+1, step k, write k-1) and one without; more than three
+  // lets writes fall further behind before a read must wait for one (offload_optimizer's
+  // buffer_count). At least three with pipelining, at least one without.
+  int ring_buffers = 0;
+  // OR-ed into each partition's id to make its key in the store, keeping the optimizer's state
+  // apart from other users of the same store (the Runtime's partitions). 0: the ids themselves.
+  tiering::PartitionId store_key_bits = 0;
   // Test seam: called at each StepEvent of an NVMe-resident partition, on the thread where it
   // happens, so a test can see how reads, steps and writes interleave. It may block to hold a
   // read or write back; a step never waits for an I/O thread without announcing it with an
@@ -121,6 +129,9 @@ class PipelinedOptimizerSwapper {
   };
   PipelinedOptimizerSwapper() = default;
   absl::StatusOr<const Part*> Find(tiering::PartitionId id) const;
+  tiering::PartitionId StoreKey(tiering::PartitionId id) const {
+    return id | config_.store_key_bits;
+  }
   void Emit(StepEvent event, tiering::PartitionId id) const;
   // Makes the param-copy staging buffer at least `bytes` long.
   absl::Status ReserveCopyStaging(uint64_t bytes);

@@ -242,6 +242,31 @@ uint64_t ResidencyTable::used_bytes(Tier t) const {
   return used_[I(t)];
 }
 
+absl::Status ResidencyTable::SetAside(Tier t, uint64_t bytes) {
+  MutexLock lock(&mu_);
+  if (used_[I(t)] > budgets_[I(t)] || bytes > budgets_[I(t)] - used_[I(t)]) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("setting ", bytes, " bytes of the ", TierName(t),
+                     " tier's budget aside: its budget of ", budgets_[I(t)], " bytes has ",
+                     budgets_[I(t)] - std::min(budgets_[I(t)], used_[I(t)]), " free"));
+  }
+  used_[I(t)] += bytes;
+  set_aside_[I(t)] += bytes;
+  return absl::OkStatus();
+}
+
+void ResidencyTable::GiveBack(Tier t, uint64_t bytes) {
+  MutexLock lock(&mu_);
+  bytes = std::min(bytes, set_aside_[I(t)]);
+  used_[I(t)] -= bytes;
+  set_aside_[I(t)] -= bytes;
+}
+
+uint64_t ResidencyTable::set_aside_bytes(Tier t) const {
+  MutexLock lock(&mu_);
+  return set_aside_[I(t)];
+}
+
 absl::Status ResidencyTable::CheckInvariants() const {
   MutexLock lock(&mu_);
   return CheckLocked();
@@ -272,9 +297,10 @@ absl::Status ResidencyTable::CheckLocked() const {
     }
   }
   for (int t = 0; t < kTierCount; ++t) {
-    if (held[t] != used_[t]) {
+    if (held[t] + set_aside_[t] != used_[t]) {
       return absl::InternalError(absl::StrCat(TierName(static_cast<Tier>(t)), " tier: ", held[t],
-                                              " bytes held, ", used_[t], " accounted"));
+                                              " bytes held and ", set_aside_[t], " set aside, ",
+                                              used_[t], " accounted"));
     }
     if (used_[t] > budgets_[t]) {
       return absl::InternalError(absl::StrCat(TierName(static_cast<Tier>(t)), " tier: ", used_[t],

@@ -112,6 +112,13 @@ class ResidencyTable {
   absl::Status Pin(PartitionId id, Tier tier);
   absl::Status Unpin(PartitionId id, Tier tier);
 
+  // Sets `bytes` of a tier's budget aside for memory the table does not track as partitions (the
+  // optimizer's state and buffers): ResourceExhausted, naming what is free, when they are not
+  // free. GiveBack returns them (at most what is set aside).
+  absl::Status SetAside(Tier t, uint64_t bytes);
+  void GiveBack(Tier t, uint64_t bytes);
+  uint64_t set_aside_bytes(Tier t) const;
+
   absl::StatusOr<Residency> Get(PartitionId id) const;
   uint64_t used_bytes(Tier t) const;
   uint64_t budget_bytes(Tier t) const { return budgets_[static_cast<int>(t)]; }
@@ -133,6 +140,7 @@ class ResidencyTable {
   const uint64_t granule_;
   mutable Mutex mu_;
   std::array<uint64_t, kTierCount> used_ ABSL_GUARDED_BY(mu_){};
+  std::array<uint64_t, kTierCount> set_aside_ ABSL_GUARDED_BY(mu_){};  // part of used_
   absl::flat_hash_map<PartitionId, Residency> table_ ABSL_GUARDED_BY(mu_);
 };
 

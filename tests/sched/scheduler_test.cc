@@ -168,6 +168,24 @@ TEST(SchedulerTest, IdsThatDifferOnlyInTheirTopBitsAreDifferentPartitions) {
   EXPECT_EQ(s.NextUse(far + 1, Tier::kDevice), Scheduler::kNever);
 }
 
+TEST(SchedulerTest, GradientsAreOrderedAsTheyWereReleasedDirtyInTheRecordedStep) {
+  Scheduler s{SchedulerConfig{}};
+  EXPECT_TRUE(s.GradientOrder().empty());
+  double t = 0;
+  for (PartitionId id : {1, 2, 3}) {  // forward: parameters
+    s.OnAcquire(P(id), Tier::kDevice, t);
+    s.OnRelease(P(id), Tier::kDevice, false, t);
+  }
+  for (PartitionId id : {13, 12, 11}) {  // backward: gradients, written
+    s.OnAcquire(P(id, 1000, Role::kGrad), Tier::kDevice, t);
+    s.OnRelease(P(id, 1000, Role::kGrad), Tier::kDevice, true, t);
+  }
+  s.OnAcquire(P(12, 1000, Role::kGrad), Tier::kHost, t);  // read again, clean: not counted
+  s.OnRelease(P(12, 1000, Role::kGrad), Tier::kHost, false, t);
+  s.EndStep();
+  EXPECT_THAT(s.GradientOrder(), ::testing::ElementsAre(13, 12, 11));
+}
+
 TEST(SchedulerTest, LruPolicyNeverPlans) {
   SchedulerConfig c;
   c.policy = Policy::kLru;

@@ -35,9 +35,9 @@ using ::testing::HasSubstr;
 // StepEvents.
 struct Entry {
   bool io = false;
-  aio::OpKind kind = aio::OpKind::kRead;  // io
-  bool data_file = false;                 // io: an op on one of the store's swap files
-  uint64_t offset = 0, length = 0;        // io
+  aio::OpKind kind = aio::OpKind::kRead;       // io
+  bool data_file = false;                      // io: an op on one of the store's swap files
+  uint64_t offset = 0, length = 0;             // io
   StepEvent event = StepEvent::kReadLaunched;  // !io
   tiering::PartitionId id = 0;                 // !io
   bool Is(StepEvent e, tiering::PartitionId p) const { return !io && event == e && id == p; }
@@ -99,8 +99,7 @@ class Trace {
 };
 
 bool Any(const std::vector<Entry>& entries, StepEvent e, tiering::PartitionId id) {
-  return std::any_of(entries.begin(), entries.end(),
-                     [&](const Entry& x) { return x.Is(e, id); });
+  return std::any_of(entries.begin(), entries.end(), [&](const Entry& x) { return x.Is(e, id); });
 }
 
 // Whether an op touches one of `extents` (the store in these tests has one swap file).
@@ -317,8 +316,8 @@ TEST_P(SwapperModes, AStepOverNvmeStateIsBitwiseTheStepInMemory) {
     f.ExpectMatchesReference();
     f.ExpectCopiesMatchReference();
   }
-  // Pinned buffers: never more than the ring (three with pipelining, one without), plus the
-  // host-resident state, plus the staged param copies of the NVMe-resident partitions (bf16).
+  // Pinned buffers: never more than the ring (three with pipelining unless set, one without), plus
+  // the host-resident state, plus the staged param copies of the NVMe-resident partitions (bf16).
   uint64_t in_cpu = 0, on_nvme = 0;
   for (const auto& [id, n] : kParts) {
     if (f.swapper->on_nvme(id)) {
@@ -330,7 +329,10 @@ TEST_P(SwapperModes, AStepOverNvmeStateIsBitwiseTheStepInMemory) {
   EXPECT_EQ(f.swapper->copy_staging_bytes(), on_nvme * 2);
   EXPECT_LE(f.host.counts().peak_bytes,
             f.swapper->buffer_count() * max_blob + in_cpu + f.swapper->copy_staging_bytes());
-  EXPECT_LE(f.swapper->buffer_count(), 3u);
+  const bool pipelined = GetParam().pipeline_read || GetParam().pipeline_write;
+  EXPECT_EQ(f.swapper->buffer_count(), GetParam().ring_buffers > 0 ? GetParam().ring_buffers
+                                       : pipelined                 ? 3u
+                                                                   : 1u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, SwapperModes,
@@ -338,12 +340,15 @@ INSTANTIATE_TEST_SUITE_P(Configs, SwapperModes,
                                            OptimizerSwapperConfig{false, false, 0},
                                            OptimizerSwapperConfig{true, false, 0},
                                            OptimizerSwapperConfig{false, true, 0},
-                                           OptimizerSwapperConfig{
-                                               true, true, 220000}),  // 10, 11, 14 stay in host
+                                           OptimizerSwapperConfig{true, true, 220000},  // 10,
+                                           // 11 and 14 stay in host memory
+                                           OptimizerSwapperConfig{true, true, 0, 5}),  // a ring
+                                                                                       // of 5
                          [](const auto& info) {
                            return absl::StrCat(info.param.pipeline_read ? "read" : "noread", "_",
                                                info.param.pipeline_write ? "write" : "nowrite",
-                                               "_cpu", info.param.max_in_cpu_bytes);
+                                               "_cpu", info.param.max_in_cpu_bytes, "_ring",
+                                               info.param.ring_buffers);
                          });
 
 TEST(SwapperTest, HostResidentStateNeverTouchesTheDisk) {
@@ -483,6 +488,13 @@ TEST(SwapperTest, BadInputIsRefused) {
                                                 {.max_in_cpu_bytes = 1 << 20}, {{1, 1ull << 62}});
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument) << huge.status();
   EXPECT_THAT(huge.status().message(), HasSubstr("elements (accepted: 1 to"));
+  for (int ring : {-1, 2, 65}) {
+    auto bad_ring = PipelinedOptimizerSwapper::Create(f.store.get(), f.adam.get(), &raw,
+                                                      {.pipeline_read = true, .ring_buffers = ring},
+                                                      {{1, 100}});
+    EXPECT_THAT(bad_ring.status().message(), HasSubstr("accepted: 0 (the default), or 3..64"))
+        << ring;
+  }
 }
 
 // Inputs that are refused must be refused before anything changes: a bad input at the end of the
@@ -611,13 +623,13 @@ Interleaving RecordAStep(OptimizerSwapperConfig config) {
   Interleaving out;
   out.stuck = trace->stuck();
   for (size_t i = 0; i < x.size(); ++i) {
-    absl::StrAppend(&out.trace, i, ": ",
-                    x[i].io ? absl::StrCat(x[i].kind == aio::OpKind::kRead ? "read " : "write ",
-                                           x[i].data_file ? "swap file @" : "other file @",
-                                           x[i].offset, " +", x[i].length)
-                            : absl::StrCat("event ", static_cast<int>(x[i].event), " partition ",
-                                           x[i].id),
-                    "\n");
+    absl::StrAppend(
+        &out.trace, i, ": ",
+        x[i].io ? absl::StrCat(x[i].kind == aio::OpKind::kRead ? "read " : "write ",
+                               x[i].data_file ? "swap file @" : "other file @", x[i].offset, " +",
+                               x[i].length)
+                : absl::StrCat("event ", static_cast<int>(x[i].event), " partition ", x[i].id),
+        "\n");
   }
   auto first_op = [&x](aio::OpKind kind, const std::vector<tiering::StoreExtent>& extents) {
     for (size_t i = 0; i < x.size(); ++i) {

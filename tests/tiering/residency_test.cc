@@ -68,6 +68,27 @@ TEST(ResidencyTest, BudgetsAreHardAndNamed) {
   EXPECT_THAT(s.message(), HasSubstr("device tier's budget of 150 bytes has 50 free, 100 needed"));
 }
 
+TEST(ResidencyTest, BytesSetAsideCountAgainstTheBudgetUntilGivenBack) {
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.SetAside(Tier::kHost, 850).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kHost), 950u);
+  EXPECT_EQ(t.set_aside_bytes(Tier::kHost), 850u);
+  absl::Status s = t.SetAside(Tier::kHost, 51);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(),
+              HasSubstr("host tier's budget aside: its budget of 1000 bytes has 50 free"));
+  ASSERT_TRUE(t.Register(Desc(2)).ok());
+  EXPECT_EQ(t.Materialize(2, Tier::kHost).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(t.CheckInvariants().ok()) << t.CheckInvariants();
+  t.GiveBack(Tier::kHost, 5000);  // at most what is set aside
+  EXPECT_EQ(t.used_bytes(Tier::kHost), 100u);
+  EXPECT_EQ(t.set_aside_bytes(Tier::kHost), 0u);
+  ASSERT_TRUE(t.Materialize(2, Tier::kHost).ok());
+  ASSERT_TRUE(t.CheckInvariants().ok());
+}
+
 TEST(ResidencyTest, PinnedCopiesAreNeverDroppedOrLeftStale) {
   ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());

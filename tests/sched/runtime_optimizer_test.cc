@@ -1,0 +1,255 @@
+// The optimizer step on the Runtime's own store and budgets (offload_optimizer): bit-exact with
+// CpuAdam in memory, its room set aside from the host and NVMe budgets, its state kept apart from
+// the partitions in the one store and found again by a restarted Runtime, stepped in the order
+// the trace released the gradients, and its bad inputs named.
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "sched/runtime.h"
+#include "tests/aio/test_util.h"
+#include "tests/sched/sched_test_util.h"
+
+namespace strata::sched {
+namespace {
+
+using ::strata::sched::testing::Config;
+using ::strata::sched::testing::Desc;
+using ::strata::sched::testing::kBytes;
+using ::strata::sched::testing::Quiet;
+using ::strata::testing::RandomBytes;
+using ::strata::testing::ScratchDir;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using tiering::OffloadDevice;
+
+const std::vector<std::pair<PartitionId, uint64_t>> kParts = {{11, 5000}, {12, 7001}, {13, 3000}};
+
+RuntimeConfig OptimizerConfig(const std::string& path, OffloadDevice device) {
+  RuntimeConfig c = Config(path, 2, 4);
+  c.host_budget_bytes += 1 << 20;  // room for the optimizer's buffers and state
+  c.offload_optimizer.device = device;
+  c.offload_optimizer.pipeline_read = true;
+  c.offload_optimizer.pipeline_write = true;
+  c.offload_optimizer.buffer_count = 4;
+  return c;
+}
+
+optim_cpu::AdamConfig Adam() {
+  optim_cpu::AdamConfig a;
+  a.threads = 2;
+  a.weight_decay = 0.01f;
+  return a;
+}
+
+std::vector<float> Normal(uint64_t n, int seed, float sigma) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0, sigma);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// The same steps in plain memory.
+struct Reference {
+  std::vector<std::vector<float>> p, m, v;
+  std::unique_ptr<optim_cpu::CpuAdam> adam = *optim_cpu::CpuAdam::Create(Adam());
+  Reference() {
+    for (size_t i = 0; i < kParts.size(); ++i) {
+      p.push_back(Normal(kParts[i].second, static_cast<int>(i), 1));
+      m.emplace_back(kParts[i].second, 0.0f);
+      v.emplace_back(kParts[i].second, 0.0f);
+    }
+  }
+  void Step(int64_t t, const std::vector<std::vector<float>>& grads) {
+    for (size_t i = 0; i < kParts.size(); ++i) {
+      optim_cpu::AdamChunk c;
+      c.param = p[i].data();
+      c.exp_avg = m[i].data();
+      c.exp_avg_sq = v[i].data();
+      c.grad = grads[i].data();
+      c.size = kParts[i].second;
+      ASSERT_TRUE(adam->Step(t, c).ok());
+    }
+  }
+};
+
+std::vector<std::vector<float>> Grads(int64_t t) {
+  std::vector<std::vector<float>> g;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    g.push_back(Normal(kParts[i].second, static_cast<int>(100 * t + i), 0.1f));
+  }
+  return g;
+}
+
+std::vector<swap::StepInput> Inputs(const std::vector<std::vector<float>>& grads) {
+  std::vector<swap::StepInput> in;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    swap::StepInput s;
+    s.id = kParts[i].first;
+    s.grad = grads[i].data();
+    in.push_back(s);
+  }
+  return in;
+}
+
+void ExpectState(Runtime& rt, const Reference& ref) {
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    const uint64_t n = kParts[i].second;
+    std::vector<float> p(n), m(n), v(n);
+    ASSERT_TRUE(rt.ReadOptimizerState(kParts[i].first, absl::MakeSpan(p), absl::MakeSpan(m),
+                                      absl::MakeSpan(v))
+                    .ok());
+    EXPECT_EQ(0, std::memcmp(p.data(), ref.p[i].data(), n * 4)) << kParts[i].first;
+    EXPECT_EQ(0, std::memcmp(m.data(), ref.m[i].data(), n * 4)) << kParts[i].first;
+    EXPECT_EQ(0, std::memcmp(v.data(), ref.v[i].data(), n * 4)) << kParts[i].first;
+  }
+}
+
+class RuntimeOptimizerTest : public ::testing::TestWithParam<OffloadDevice> {};
+
+TEST_P(RuntimeOptimizerTest, StepsMatchCpuAdamInMemoryWithinTheRuntimesBudgets) {
+  ScratchDir dir;
+  const RuntimeConfig config = OptimizerConfig(dir.File("swap"), GetParam());
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // A partition with the same id as an optimizer partition: the one store keeps them apart.
+  ASSERT_TRUE((*rt)->Register(Desc(11), Tier::kNvme, RandomBytes(kBytes, 11)).ok());
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  const bool nvme = GetParam() == OffloadDevice::kNvme;
+  uint64_t state = 0, largest = 0, elements = 0, state_bytes = 0;
+  for (const auto& [id, n] : kParts) {
+    state_bytes += n * 12;
+    state += (n * 12 + 4095) / 4096 * 4096;
+    largest = std::max(largest, (n * 12 + 4095) / 4096 * 4096);
+    elements += n;
+  }
+  const auto& table = (*rt)->residency();
+  EXPECT_EQ(table.set_aside_bytes(Tier::kHost),
+            nvme ? 4 * largest + (elements * 2 + 4095) / 4096 * 4096 : state);
+  EXPECT_EQ(table.set_aside_bytes(Tier::kNvme), nvme ? 2 * state : 0);
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+  }
+  for (int64_t t = 1; t <= 3; ++t) {
+    const auto grads = Grads(t);
+    auto r = (*rt)->OptimizerStep(t, Inputs(grads));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_read, nvme ? state_bytes : 0u) << "state read from NVMe";
+    ref.Step(t, grads);
+  }
+  ExpectState(**rt, ref);
+  EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
+  ASSERT_TRUE(table.CheckInvariants().ok()) << table.CheckInvariants();
+  auto p = (*rt)->Acquire(11, Tier::kHost);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, 11).data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(11, Tier::kHost, false).ok());
+  ASSERT_EQ((*rt)->StoredPartitions().size(), 1u);  // the optimizer's state is not a partition
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, RuntimeOptimizerTest,
+                         ::testing::Values(OffloadDevice::kCpu, OffloadDevice::kNvme),
+                         [](const auto& info) {
+                           return info.param == OffloadDevice::kCpu ? "cpu" : "nvme";
+                         });
+
+TEST(RuntimeOptimizerTest, ARestartedRuntimeStepsFromTheStateTheLastOneLeft) {
+  ScratchDir dir;
+  const RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  Reference ref;
+  {
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+    for (size_t i = 0; i < kParts.size(); ++i) {
+      ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+    }
+    const auto grads = Grads(1);
+    ASSERT_TRUE((*rt)->OptimizerStep(1, Inputs(grads)).ok());
+    ref.Step(1, grads);
+  }
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  EXPECT_TRUE((*rt)->StoredPartitions().empty());
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  const auto grads = Grads(2);
+  ASSERT_TRUE((*rt)->OptimizerStep(2, Inputs(grads)).ok());
+  ref.Step(2, grads);
+  ExpectState(**rt, ref);
+}
+
+TEST(RuntimeOptimizerTest, TheStepFollowsTheOrderTheTraceReleasedTheGradients) {
+  ScratchDir dir;
+  RuntimeOptions ro = Quiet();
+  std::vector<PartitionId> stepped;
+  ro.on_optimizer_event = [&](swap::StepEvent e, PartitionId id) {
+    if (e == swap::StepEvent::kStepStarted) stepped.push_back(id);
+  };
+  auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // Backward writes the gradients 13, 12, 11 (partitions of their own ids).
+  for (PartitionId id : {13, 12, 11}) {
+    ASSERT_TRUE(
+        (*rt)
+            ->Register(Desc(id, kBytes, tiering::Role::kGrad), Tier::kHost, RandomBytes(kBytes, id))
+            .ok());
+  }
+  for (PartitionId id : {13, 12, 11}) {
+    ASSERT_TRUE((*rt)->Acquire(id, Tier::kDevice).ok());
+    ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, true).ok());
+  }
+  (*rt)->EndStep();
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+  }
+  const auto grads = Grads(1);
+  ASSERT_TRUE((*rt)->OptimizerStep(1, Inputs(grads)).ok());  // given as 11, 12, 13
+  EXPECT_THAT(stepped, ElementsAre(13, 12, 11));
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);
+}
+
+TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
+  ScratchDir dir;
+  RuntimeConfig none = OptimizerConfig(dir.File("swap"), OffloadDevice::kNone);
+  auto rt = Runtime::Create(none, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  absl::Status s = (*rt)->CreateOptimizer(Adam(), kParts);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("offload_optimizer.device is \"none\""));
+  EXPECT_EQ((*rt)->OptimizerStep(1, {}).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<float> master(5000);
+  EXPECT_THAT((*rt)->InitializeOptimizerState(11, master).message(),
+              HasSubstr("CreateOptimizer first"));
+  EXPECT_THAT((*rt)->Register(Desc(PartitionId{1} << 63), Tier::kHost).message(),
+              HasSubstr("ids are below 2^63"));
+  rt->reset();
+
+  ScratchDir dir2;
+  RuntimeConfig small = OptimizerConfig(dir2.File("swap"), OffloadDevice::kCpu);
+  small.host_budget_bytes = 4 * (64 << 10) + 100 * 4096;  // 100 pages besides the staging
+  auto tight = Runtime::Create(small, Quiet());
+  ASSERT_TRUE(tight.ok()) << tight.status();
+  s = (*tight)->CreateOptimizer(Adam(), {{1, 1 << 20}});  // 12 MiB of state
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("need 12582912 bytes of the host tier"));
+  EXPECT_EQ((*tight)->residency().set_aside_bytes(Tier::kHost), 0u);
+  ASSERT_TRUE((*tight)->CreateOptimizer(Adam(), {{1, 1000}, {2, 1000}}).ok());
+  EXPECT_THAT((*tight)->CreateOptimizer(Adam(), {{3, 1000}}).message(),
+              HasSubstr("has one already"));
+  EXPECT_THAT((*tight)->CreateOptimizer(Adam(), {}).message(), HasSubstr("has one already"));
+  auto unknown = (*tight)->OptimizerStep(1, {swap::StepInput{.id = 7}});
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("partition 7"));
+  EXPECT_EQ((*tight)->residency().set_aside_bytes(Tier::kNvme), 0u);
+  EXPECT_EQ((*tight)->residency().set_aside_bytes(Tier::kHost), 2 * 12288u);
+}
+
+}  // namespace
+}  // namespace strata::sched
