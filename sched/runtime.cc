@@ -764,7 +764,11 @@ absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {
       if (IsMemory(t)) STRATA_RETURN_IF_ERROR(mover_->Drop(id, t));
     }
   }
-  return table_->Unpin(id, tier);
+  STRATA_RETURN_IF_ERROR(table_->Unpin(id, tier));
+  // A host copy written that the host tier cannot keep until its next use goes down to NVMe in
+  // the background now (staying, clean): the eviction that makes room later is then a drop.
+  if (dirty && tier == Tier::kHost) WriteBackEarlyLocked(id);
+  return absl::OkStatus();
 }
 
 absl::Status Runtime::Evict(PartitionId id, Tier tier) {
@@ -877,11 +881,39 @@ void Runtime::GradientReady(PartitionId id) {
         WaitForMoveLocked(id);
         auto r = table_->Get(id);
         if (!r.ok() || r->pins[I(Tier::kDevice)] > 0) return;  // in use again: it stays
-        if (absl::Status s = EvictLocked(id, Tier::kDevice, Purpose::kEvict, 0, nullptr); !s.ok()) {
-          // It stays on the device, current; a later eviction retries the write-back.
-          ++stats_.write_back_failures;
-          ++step_.r.write_back_failures;
+        // It stays on the device, current, when this fails; a later eviction retries.
+        CountWriteBackFailure(EvictLocked(id, Tier::kDevice, Purpose::kEvict, 0, nullptr));
+      },
+      [] {});
+}
+
+void Runtime::CountWriteBackFailure(const absl::Status& s) {
+  // Pinned again or moved by another thread meanwhile: not a failure, the copy is in use.
+  if (s.ok() || s.code() == absl::StatusCode::kFailedPrecondition ||
+      s.code() == absl::StatusCode::kAborted) {
+    return;
+  }
+  ++stats_.write_back_failures;
+  ++step_.r.write_back_failures;
+}
+
+void Runtime::WriteBackEarlyLocked(PartitionId id) {
+  if (store_ == nullptr || !scheduler_->plans_evictions()) return;
+  // Only a copy that the host tier cannot keep until its next use (the plan says so).
+  if (!scheduler_->CrowdedOutBeforeNextUse(id, table_->budget_bytes(Tier::kHost))) return;
+  Post(
+      [this, id] {
+        MutexLock lock(&mu_);
+        if (!parts_.contains(id)) return;
+        WaitForMoveLocked(id);
+        auto r = table_->Get(id);
+        if (!r.ok() || !r->only_current(Tier::kHost) || r->pins[I(Tier::kHost)] > 0) return;
+        absl::Status s = MoveLocked(id, Tier::kHost, Tier::kNvme, Purpose::kEvict, 0, nullptr);
+        if (s.ok()) {
+          ++stats_.write_backs;
+          ++step_.r.write_backs;
         }
+        CountWriteBackFailure(s);
       },
       [] {});
 }

@@ -295,6 +295,10 @@ class Runtime {
   absl::Status WriteBackLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WaitForMoveLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlanPrefetchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Planned: a dirty host copy that will be crowded out before its next use is written to NVMe in
+  // the background.
+  void WriteBackEarlyLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CountWriteBackFailure(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StepReport EndStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPrefetch(PartitionId id, Tier tier, bool planned, std::promise<absl::Status>* done);
   // Queues a job for the workers, whose `cancel` runs instead if the Runtime is destroyed first.

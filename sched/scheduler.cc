@@ -103,6 +103,26 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
   return at.front() + plan_acquires_.size() - cursor_;  // in the next step
 }
 
+bool Scheduler::CrowdedOutBeforeNextUse(PartitionId id, uint64_t bytes) const {
+  if (mode_ != Mode::kPlanned) return false;
+  if (!uses_.contains(std::make_pair(id, Tier::kDevice)) &&
+      !uses_.contains(std::make_pair(id, Tier::kHost))) {
+    return false;  // not in the plan: nothing to say
+  }
+  const uint64_t n = plan_acquires_.size();
+  absl::flat_hash_set<PartitionId> seen;
+  uint64_t between = 0;
+  for (uint64_t d = 0; d < n; ++d) {
+    const TraceEvent& e = plan_[plan_acquires_[(cursor_ + d) % n]];
+    if (e.id == id) return false;  // used again first
+    if (seen.insert(e.id).second) {
+      between += e.bytes;
+      if (between > bytes) return true;
+    }
+  }
+  return false;
+}
+
 std::vector<PartitionId> Scheduler::GradientOrder() const {
   std::vector<PartitionId> order;
   if (mode_ == Mode::kOnDemand) return order;

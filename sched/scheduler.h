@@ -97,6 +97,10 @@ class Scheduler {
   // The trainer waited for an access the plan knew (planned steps only: a recording step's misses
   // say nothing about the window).
   void OnLateOrMiss();
+  // Whether more than `bytes` of other partitions (distinct, either memory tier) are accessed
+  // before `id`'s next use (in either memory tier): a copy held meanwhile in a tier of that size is
+  // evicted before it is used again, by any policy. False when there is no plan.
+  bool CrowdedOutBeforeNextUse(PartitionId id, uint64_t bytes) const;
   // The gradient partitions (Role::kGrad) of the plan in the order they were released dirty
   // (backward's order), each once; empty without a plan.
   std::vector<PartitionId> GradientOrder() const;

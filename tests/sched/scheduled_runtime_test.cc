@@ -253,6 +253,46 @@ TEST(ScheduledRuntimeTest, AnEnospcOnAWriteBackKeepsTheDirtyCopyAndTheAcquireGet
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
+TEST(ScheduledRuntimeTest, AWrittenHostCopyThatWillBeCrowdedOutGoesToNvmeInTheBackground) {
+  for (const char* policy : {"trace", "lru"}) {
+    ScratchDir dir;
+    RuntimeConfig config = Config(dir.File("swap"), 2, 2);
+    config.eviction_policy = policy;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    for (PartitionId id = 1; id <= 4; ++id) {
+      ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, RandomBytes(kBytes, id)).ok());
+    }
+    auto touch = [&](PartitionId id) {
+      auto p = (*rt)->Acquire(id, Tier::kHost);
+      ASSERT_TRUE(p.ok());
+      std::memcpy(*p, RandomBytes(kBytes, 100 + id).data(), kBytes);
+      ASSERT_TRUE((*rt)->Release(id, Tier::kHost, true).ok());
+    };
+    for (PartitionId id = 1; id <= 4; ++id) touch(id);
+    (*rt)->EndStep();
+    // Planned: after 1 is written, 2, 3 and 4 (300000 bytes) come before its next use, more than
+    // the host tier's two slots: it goes down to NVMe now (and its host copy, clean, may go).
+    touch(1);
+    const auto t0 = Clock::now();
+    const double patience = std::string(policy) == "trace" ? 10 : 0.3;
+    while (!(*rt)->residency().Get(1)->current[2] &&
+           std::chrono::duration<double>(Clock::now() - t0).count() < patience) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    const tiering::Residency r = *(*rt)->residency().Get(1);
+    if (std::string(policy) == "trace") {
+      EXPECT_TRUE(r.current[2]) << "no early write-back";
+    } else {
+      EXPECT_FALSE(r.current[2]) << "LRU has no plan to write back early by";
+    }
+    auto p = (*rt)->Acquire(1, Tier::kHost);
+    ASSERT_TRUE(p.ok());
+    EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, 101).data(), kBytes));
+    ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+  }
+}
+
 uint64_t Sum(const std::byte* p, size_t n) { return XXH3_64bits(p, n); }
 
 // Seeded property runs: random sizes, budgets and traces; threads acquiring and releasing

@@ -186,6 +186,19 @@ TEST(SchedulerTest, GradientsAreOrderedAsTheyWereReleasedDirtyInTheRecordedStep)
   EXPECT_THAT(s.GradientOrder(), ::testing::ElementsAre(13, 12, 11));
 }
 
+TEST(SchedulerTest, ACopyIsCrowdedOutWhenMoreThanABudgetComesBeforeItsNextUse) {
+  Scheduler s{SchedulerConfig{}};
+  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 0));  // no plan
+  Step(s, {1, 2, 3, 4, 5});                       // 4000 bytes each
+  s.EndStep();
+  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 0));  // it comes first
+  s.OnAcquire(P(1), Tier::kDevice, 0);
+  EXPECT_TRUE(s.CrowdedOutBeforeNextUse(1, 15999));  // 2, 3, 4 and 5 come first: 16000 bytes
+  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 16000));
+  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(2, 0));
+  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(9, 0));  // not in the plan
+}
+
 TEST(SchedulerTest, LruPolicyNeverPlans) {
   SchedulerConfig c;
   c.policy = Policy::kLru;
