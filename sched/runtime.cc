@@ -515,7 +515,9 @@ absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc,
         // A copy in either memory tier serves an access in the other (one copy away).
         const uint64_t next =
             std::min(scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost));
-        if (ForPrefetch(purpose) && next <= limit) continue;
+        // A prefetch evicts nothing the window needs (nor anything before its own partition).
+        // A prefetch evicts nothing the window needs (nor anything before its own partition).
+        if (ForPrefetch(purpose) && next <= std::max(limit, window)) continue;
         const std::tuple<bool, bool, uint64_t> key{next > window, clean, next};
         if (!found || key > best) {
           best = key;
@@ -643,12 +645,19 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
       return absl::OkStatus();
     }
     if (r.move) {
-      // Join the move in flight (a prefetch's, or a write-back reading this copy).
-      const std::optional<Purpose> why = parts_.at(id).moving;
+      // Join the move in flight (a prefetch's, or a write-back reading this copy). The move
+      // protects the copy meanwhile; the caller's busy mark does not stand in the way of room
+      // being made while it waits (once the move has ended, a waiter not yet woken would
+      // otherwise hold a current copy that nothing could evict). Evicted before it wakes, it is
+      // brought again below.
+      PartState& st = parts_.at(id);
+      const std::optional<Purpose> why = st.moving;
       const WaitCause cause =
           MoveCause(r.move->first, r.move->second, why.has_value() && IsEviction(*why));
       const auto t0 = Clock::now();
+      --st.busy;
       WaitForMoveLocked(id);
+      ++st.busy;
       if (waits != nullptr) waits->s[static_cast<int>(cause)] += Since(t0);
       continue;
     }

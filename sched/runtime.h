@@ -274,7 +274,7 @@ class Runtime {
 
   Runtime() = default;
   // Brings a current copy of `id` into `tier` (joining a move in flight). `limit`: for a prefetch,
-  // the distance of its use (victims must be needed later).
+  // the distance of its use (victims must be needed later). The caller holds a busy mark on `id`.
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier)

@@ -174,11 +174,13 @@ TEST(ScheduledRuntimeTest, EvictionTakesTheCopyNeededFurthestInTheFuture) {
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE((*rt)->residency().Get(3)->has_copy[0]) << "the copy needed next was evicted";
   ASSERT_TRUE((*rt)->Release(4, Tier::kDevice, false).ok());
+  // (Whether 4 came by prefetch or on demand depends on timing; 3 is a hit either way.)
+  const uint64_t hits = (*rt)->stats().acquire_hits;
   auto q = (*rt)->Acquire(3, Tier::kDevice);
   ASSERT_TRUE(q.ok());
+  EXPECT_EQ((*rt)->stats().acquire_hits, hits + 1);
   EXPECT_EQ(0, std::memcmp(*q, bytes[3].data(), kBytes));
   ASSERT_TRUE((*rt)->Release(3, Tier::kDevice, false).ok());
-  EXPECT_EQ((*rt)->EndStep().misses, 0u);
 }
 
 TEST(ScheduledRuntimeTest, AnEioOnAPrefetchReadReachesOnlyTheAcquireOfThatPartition) {
