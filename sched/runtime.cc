@@ -748,10 +748,20 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   return mover_->Address(id, tier);
 }
 
-absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty) {
+absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream) {
   MutexLock lock(&mu_);
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   if (r.pins[I(tier)] == 0) return table_->Unpin(id, tier);  // names what is wrong
+  if (tier == Tier::kDevice && stream != nullptr) {
+    // Still pinned: nothing can move or free the copy before its fence is known.
+    absl::StatusOr<std::shared_ptr<tiering::Fence>> fence = copy_->RecordFence(stream);
+    if (!fence.ok()) {
+      return Annotate(fence.status(), absl::StrCat("release partition ", id,
+                                                   ": it stays pinned (release it again with a "
+                                                   "valid stream, or none once its work is done)"));
+    }
+    mover_->AddFence(id, *std::move(fence));
+  }
   scheduler_->OnRelease(r.desc, tier, dirty, Now());
   if (dirty) {
     // Still pinned: a move reading this copy (a prefetch into the other tier) ends first, and the

@@ -189,13 +189,20 @@ class Runtime {
   // holds every partition's latest bytes (what a restart adopts). FailedPrecondition naming the
   // first partition pinned while dirty; a no-op without an NVMe tier.
   absl::Status Flush();
-  // Brings a current copy into `tier` (device or host), pins it, returns its address.
+  // Brings a current copy into `tier` (device or host), pins it, returns its address. It returns
+  // once the bytes are in place (the copy engine's completion observed on the host), so kernels
+  // the trainer queues afterwards, on any stream, read them without synchronizing the device.
   absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
   // Unpins; `dirty`: the caller changed the bytes in `tier` (its other copies go stale and their
-  // memory is freed). A dirty release while another holder pins the other memory tier's copy is
-  // refused (FailedPrecondition) and keeps the pin, so the change is not lost: release that
-  // holder's pin, then this one again.
-  absl::Status Release(PartitionId id, Tier tier, bool dirty);
+  // memory is freed). `stream` (device tier, CUDA: the cudaStream_t where the trainer queued the
+  // kernels that use the copy; null when they are done): the copy is not read, overwritten or
+  // freed until the work queued there so far has run (an event recorded on it, waited for by the
+  // thread that moves or frees the copy, never by a device-wide synchronize). The host-emulated
+  // device has no streams: `stream` is accepted and there is nothing to wait for. A dirty release
+  // while another holder pins the other memory tier's copy is refused (FailedPrecondition) and
+  // keeps the pin, so the change is not lost: release that holder's pin, then this one again.
+  absl::Status Release(PartitionId id, Tier tier, bool dirty,
+                       tiering::StreamHandle stream = nullptr);
   // Drops the copy in `tier` (memory tiers), writing it back first when it is the only current
   // copy: a device copy to host, or straight to NVMe when parameters are offloaded to NVMe
   // (offload_param.device "nvme") or the host tier has no room; a host copy to NVMe. A clean

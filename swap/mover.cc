@@ -26,9 +26,70 @@ Mover::~Mover() {
   MutexLock lock(&mu_);
   for (auto& [id, c] : copies_) {
     for (Tier t : {Tier::kDevice, Tier::kHost}) {
-      if (c.at[I(t)] != nullptr) ResourceFor(t).Deallocate(c.at[I(t)], c.bytes);
+      if (c.at[I(t)] == nullptr) continue;
+      if (t == Tier::kDevice) {
+        for (auto& f : c.fences) f->Wait().IgnoreError();  // the kernels end first
+      }
+      ResourceFor(t).Deallocate(c.at[I(t)], c.bytes);
     }
   }
+  for (HeldAside& h : held_aside_) {
+    for (auto& f : h.fences) f->Wait().IgnoreError();
+    parts_.device->Deallocate(h.at, h.bytes);
+  }
+}
+
+void Mover::AddFence(PartitionId id, std::shared_ptr<tiering::Fence> fence) {
+  if (fence == nullptr) return;
+  MutexLock lock(&mu_);
+  ReapLocked();
+  auto it = copies_.find(id);
+  if (it == copies_.end() || it->second.at[I(Tier::kDevice)] == nullptr) return;
+  it->second.fences.push_back(std::move(fence));
+}
+
+uint64_t Mover::held_aside_bytes() const {
+  MutexLock lock(&mu_);
+  uint64_t bytes = 0;
+  for (const HeldAside& h : held_aside_) bytes += h.bytes;
+  return bytes;
+}
+
+absl::Status Mover::WaitForFences(PartitionId id) {
+  std::vector<std::shared_ptr<tiering::Fence>> fences;
+  {
+    MutexLock lock(&mu_);
+    auto it = copies_.find(id);
+    if (it == copies_.end()) return absl::OkStatus();
+    fences = it->second.fences;
+  }
+  for (auto& f : fences) STRATA_RETURN_IF_ERROR(f->Wait());
+  MutexLock lock(&mu_);
+  auto it = copies_.find(id);
+  if (it == copies_.end()) return absl::OkStatus();
+  std::erase_if(it->second.fences, [&](const std::shared_ptr<tiering::Fence>& f) {
+    return std::find(fences.begin(), fences.end(), f) != fences.end();
+  });
+  return absl::OkStatus();
+}
+
+void Mover::FreeDeviceLocked(std::byte* at, uint64_t bytes,
+                             std::vector<std::shared_ptr<tiering::Fence>> fences) {
+  std::erase_if(fences, [](const std::shared_ptr<tiering::Fence>& f) { return f->Passed(); });
+  if (fences.empty()) {
+    parts_.device->Deallocate(at, bytes);
+  } else {
+    held_aside_.push_back({at, bytes, std::move(fences)});
+  }
+}
+
+void Mover::ReapLocked() {
+  std::erase_if(held_aside_, [&](HeldAside& h) {
+    std::erase_if(h.fences, [](const std::shared_ptr<tiering::Fence>& f) { return f->Passed(); });
+    if (!h.fences.empty()) return false;
+    parts_.device->Deallocate(h.at, h.bytes);
+    return true;
+  });
 }
 
 tiering::MemoryResource& Mover::ResourceFor(Tier t) const {
@@ -98,6 +159,7 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
     return filled;
   }
   MutexLock lock(&mu_);
+  ReapLocked();
   Copies& c = copies_[desc.id];
   c.at[I(tier)] = bytes;
   c.bytes = desc.bytes;
@@ -151,6 +213,10 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
   if ((from == Tier::kNvme || to == Tier::kNvme) && parts_.store == nullptr) {
     return fail(absl::FailedPreconditionError("no NVMe tier"));
   }
+  if (from == Tier::kDevice || to == Tier::kDevice) {
+    // The trainer's kernels that may use the device copy end before it is read or overwritten.
+    if (absl::Status s = WaitForFences(id); !s.ok()) return fail(s);
+  }
   std::byte* src = Address(id, from);
   std::byte* dst = Address(id, to);
   if (IsMemory(from) && src == nullptr) {
@@ -170,6 +236,7 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
   }
   {
     MutexLock lock(&mu_);
+    ReapLocked();
     if (allocated) {
       Copies& c = copies_[id];
       c.at[I(to)] = dst;
@@ -184,9 +251,15 @@ absl::Status Mover::Drop(PartitionId id, Tier tier) {
   STRATA_RETURN_IF_ERROR(parts_.table->Drop(id, tier));
   if (!IsMemory(tier)) return absl::OkStatus();
   MutexLock lock(&mu_);
+  ReapLocked();
   auto it = copies_.find(id);
   if (it != copies_.end() && it->second.at[I(tier)] != nullptr) {
-    ResourceFor(tier).Deallocate(it->second.at[I(tier)], it->second.bytes);
+    if (tier == Tier::kDevice) {
+      FreeDeviceLocked(it->second.at[I(tier)], it->second.bytes, std::move(it->second.fences));
+      it->second.fences.clear();
+    } else {
+      ResourceFor(tier).Deallocate(it->second.at[I(tier)], it->second.bytes);
+    }
     it->second.at[I(tier)] = nullptr;
   }
   return absl::OkStatus();
@@ -194,12 +267,14 @@ absl::Status Mover::Drop(PartitionId id, Tier tier) {
 
 void Mover::Forget(PartitionId id) {
   MutexLock lock(&mu_);
+  ReapLocked();
   auto it = copies_.find(id);
   if (it == copies_.end()) return;
-  for (Tier t : {Tier::kDevice, Tier::kHost}) {
-    if (it->second.at[I(t)] != nullptr)
-      ResourceFor(t).Deallocate(it->second.at[I(t)], it->second.bytes);
+  Copies& c = it->second;
+  if (c.at[I(Tier::kDevice)] != nullptr) {
+    FreeDeviceLocked(c.at[I(Tier::kDevice)], c.bytes, std::move(c.fences));
   }
+  if (c.at[I(Tier::kHost)] != nullptr) parts_.host->Deallocate(c.at[I(Tier::kHost)], c.bytes);
   copies_.erase(it);
 }
 

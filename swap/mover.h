@@ -28,6 +28,8 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -82,6 +84,16 @@ class Mover {
   // Frees the memory copies of a partition the table no longer knows (after Unregister).
   void Forget(PartitionId id);
 
+  // The trainer's kernels queued up to `fence` may use the device copy of `id` (a Release with a
+  // stream; null: nothing). The copy is not read (moved down) or overwritten before its fences
+  // have passed (the moving thread waits for them; the caller holds no lock over a Carry), and a
+  // dropped copy's memory is freed only once they have: until then it is held aside (device memory
+  // can be above its budget by such copies for as long as those kernels run, as with torch's
+  // record_stream), freed by a later call that finds them passed, or by the destructor.
+  void AddFence(PartitionId id, std::shared_ptr<tiering::Fence> fence);
+  // Device memory held aside for dropped copies whose fences have not passed.
+  uint64_t held_aside_bytes() const;
+
   // The memory copy's address (device or host tier); null when there is none.
   std::byte* Address(PartitionId id, Tier tier) const;
 
@@ -98,8 +110,24 @@ class Mover {
   struct Copies {
     std::array<std::byte*, 2> at{};  // device, host
     uint64_t bytes = 0;              // each copy's size (the table may have forgotten it)
+    std::vector<std::shared_ptr<tiering::Fence>> fences;  // of the device copy
   };
+  struct HeldAside {
+    std::byte* at;
+    uint64_t bytes;
+    std::vector<std::shared_ptr<tiering::Fence>> fences;
+  };
+  // Waits for the fences of `id`'s device copy (without the lock); those passed are forgotten.
+  absl::Status WaitForFences(PartitionId id);
+  // Frees the device copy `at` now, or holds it aside until `fences` have passed.
+  void FreeDeviceLocked(std::byte* at, uint64_t bytes,
+                        std::vector<std::shared_ptr<tiering::Fence>> fences)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees what was held aside and has passed its fences.
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   absl::flat_hash_map<PartitionId, Copies> copies_ ABSL_GUARDED_BY(mu_);
+  std::vector<HeldAside> held_aside_ ABSL_GUARDED_BY(mu_);
   TierMatrix bytes_moved_ ABSL_GUARDED_BY(mu_){};
 };
 

@@ -12,6 +12,15 @@
 // Copies complete in submission order. `done` runs exactly once, on the engine's thread (CUDA: a
 // CUDA callback thread); it must not block on the engine.
 //
+// Fences: a trainer's kernels run on its own stream, after the host code that queued them has
+// moved on. RecordFence(stream) marks the point on that stream where the work queued so far ends
+// (CUDA: an event recorded there); Wait() on the fence returns once the device has passed it (a
+// host wait on the event, never a device-wide synchronize), Passed() says whether it has. The
+// runtime waits on a device copy's fences before it reads or overwrites that copy, and frees its
+// memory only once they have passed. The host-emulated engine has no streams:
+// its "kernels" are the trainer's own host code, done before Release returns, so its fence is
+// null (nothing to wait for) whatever stream is passed.
+//
 // Thread safety: Copy may be called from any thread. Destroying an engine waits for the copies
 // already submitted.
 #ifndef STRATA_TIERING_COPY_ENGINE_H_
@@ -34,10 +43,28 @@ namespace strata::tiering {
 
 enum class CopyDirection { kHostToDevice, kDeviceToHost };
 
+// A point on a stream (see above). Thread-safe: Wait may be called from several threads.
+class Fence {
+ public:
+  virtual ~Fence() = default;
+  // Blocks until the stream has passed the fence.
+  virtual absl::Status Wait() = 0;
+  // Whether it has, without blocking.
+  virtual bool Passed() = 0;
+};
+
+// A trainer's stream, as its API hands it over (CUDA: a cudaStream_t); null: none given.
+using StreamHandle = void*;
+
 class CopyEngine {
  public:
   using Done = absl::AnyInvocable<void(absl::Status) &&>;
   virtual ~CopyEngine() = default;
+  // The work queued on `stream` so far (null: nothing to wait for).
+  virtual absl::StatusOr<std::shared_ptr<Fence>> RecordFence(StreamHandle stream) {
+    (void)stream;
+    return std::shared_ptr<Fence>();
+  }
   virtual void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction,
                     Done done) = 0;
   virtual absl::string_view name() const = 0;

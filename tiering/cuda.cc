@@ -52,7 +52,53 @@ class CudaCopyEngine final : public CopyEngine {
   }
   absl::string_view name() const override { return "CUDA copy engine"; }
 
+  absl::StatusOr<std::shared_ptr<Fence>> RecordFence(StreamHandle stream) override {
+    if (stream == nullptr) return std::shared_ptr<Fence>();
+    cudaSetDevice(device_);
+    cudaEvent_t event;
+    cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      return absl::InternalError(absl::StrCat("cudaEventCreate: ", cudaGetErrorName(err)));
+    }
+    err = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) {
+      cudaEventDestroy(event);
+      return absl::InvalidArgumentError(
+          absl::StrCat("cudaEventRecord on the trainer's stream: ", cudaGetErrorName(err),
+                       " (pass a cudaStream_t of this device, or null)"));
+    }
+    return std::shared_ptr<Fence>(new EventFence(device_, event));
+  }
+
  private:
+  // An event recorded on a trainer's stream.
+  class EventFence final : public Fence {
+   public:
+    EventFence(int device, cudaEvent_t event) : device_(device), event_(event) {}
+    ~EventFence() override {
+      cudaSetDevice(device_);
+      cudaEventDestroy(event_);
+    }
+    absl::Status Wait() override {
+      cudaSetDevice(device_);
+      const cudaError_t err = cudaEventSynchronize(event_);
+      if (err != cudaSuccess) {
+        return absl::InternalError(absl::StrCat(
+            "waiting for the trainer's stream (cudaEventSynchronize): ", cudaGetErrorName(err)));
+      }
+      return absl::OkStatus();
+    }
+    bool Passed() override {
+      cudaSetDevice(device_);
+      // cudaErrorNotReady: not yet; any other error is met again (and reported) by Wait.
+      return cudaEventQuery(event_) == cudaSuccess;
+    }
+
+   private:
+    int device_;
+    cudaEvent_t event_;
+  };
+
   int device_;
   cudaStream_t stream_;
 };

@@ -321,5 +321,21 @@ TEST(RuntimeEdgesTest, PrefetchesRaceRegistrationsThatGrowThePartitionMap) {
   EXPECT_EQ((*rt)->EndStep().prefetch_hits, 2u);
 }
 
+TEST(RuntimeEdgesTest, OnTheEmulatedDeviceAReleaseWithAStreamHasNothingToWaitFor) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok());
+  int stream = 0;  // any handle: the emulated device has no streams
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true, &stream).ok());
+  ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());
+  auto back = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(0, std::memcmp(*back, RandomBytes(kBytes, 1).data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+}
+
 }  // namespace
 }  // namespace strata::sched
