@@ -504,21 +504,31 @@ absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc,
     // being brought in, or (for a prefetch) needed before the prefetched one.
     PartitionId victim = 0;
     bool found = false;
-    std::tuple<bool, bool, uint64_t> best{};  // planned: (far, clean, next use)
-    uint64_t oldest = UINT64_MAX;             // on demand: last use
+    std::tuple<bool, bool, bool, uint64_t> best{};  // planned: (not reused soon, far, clean, next)
+    uint64_t oldest = UINT64_MAX;                   // on demand: last use
     for (const auto& [id, st] : parts_) {
       if (id == desc.id || st.busy > 0 || skipped.contains(id)) continue;
       auto r = table_->Get(id);
       if (!r.ok() || !r->has_copy[I(t)] || r->pins[I(t)] > 0 || r->move) continue;
+      const bool param_on_device = t == Tier::kDevice && r->desc.role == tiering::Role::kParam;
+      // stage3_param_persistence_threshold: small parameters stay on the device.
+      if (param_on_device &&
+          r->desc.elements < static_cast<uint64_t>(config_.stage3_param_persistence_threshold)) {
+        continue;
+      }
       const bool clean = !r->only_current(t);
       if (planned) {
         // A copy in either memory tier serves an access in the other (one copy away).
         const uint64_t next =
             std::min(scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost));
         // A prefetch evicts nothing the window needs (nor anything before its own partition).
-        // A prefetch evicts nothing the window needs (nor anything before its own partition).
         if (ForPrefetch(purpose) && next <= std::max(limit, window)) continue;
-        const std::tuple<bool, bool, uint64_t> key{next > window, clean, next};
+        // stage3_max_reuse_distance: a parameter needed again within that many parameter
+        // elements is evicted from the device only when nothing else can be.
+        const bool reused_soon =
+            param_on_device && scheduler_->ParamElementsBeforeNextUse(id, Tier::kDevice) <
+                                   static_cast<uint64_t>(config_.stage3_max_reuse_distance);
+        const std::tuple<bool, bool, bool, uint64_t> key{!reused_soon, next > window, clean, next};
         if (!found || key > best) {
           best = key;
           victim = id;
@@ -544,6 +554,7 @@ absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc,
       absl::Status full = absl::ResourceExhaustedError(absl::StrCat(
           "the ", TierName(t), " tier's budget of ", table_->budget_bytes(t), " bytes has ", free,
           " free, ", bytes, " needed, and every copy in it is pinned, in use by a move",
+          t == Tier::kDevice ? ", a parameter below stage3_param_persistence_threshold" : "",
           ForPrefetch(purpose) ? ", needed sooner than the prefetched partition" : "",
           " or could not be evicted"));
       return last_failure.ok()
@@ -802,12 +813,28 @@ absl::Status Runtime::Evict(PartitionId id, Tier tier) {
 void Runtime::PlanPrefetchesLocked() {
   if (scheduler_->mode() != Scheduler::Mode::kPlanned) return;
   const int max_in_flight = scheduler_->max_in_flight();
+  // stage3_max_live_parameters: the parameter elements on the device (held, arriving, and queued
+  // to arrive) that prefetches may bring it to.
+  uint64_t live = table_->param_elements(Tier::kDevice);
+  for (const auto& [id, tier] : prefetching_) {
+    auto r = table_->Get(id);
+    if (tier == Tier::kDevice && r.ok() && r->desc.role == tiering::Role::kParam &&
+        !r->has_copy[I(Tier::kDevice)]) {
+      live += r->desc.elements;
+    }
+  }
+  const uint64_t max_live = static_cast<uint64_t>(config_.stage3_max_live_parameters);
   for (const Scheduler::Upcoming& u : scheduler_->Window()) {
     if (max_in_flight > 0 && static_cast<int>(prefetching_.size()) >= max_in_flight) break;
     const auto key = std::make_pair(u.id, u.tier);
     if (prefetching_.contains(key)) continue;
     auto r = table_->Get(u.id);
     if (!r.ok() || r->current[I(u.tier)] || !parts_.contains(u.id)) continue;
+    const bool param_to_device = u.tier == Tier::kDevice && r->desc.role == tiering::Role::kParam;
+    if (param_to_device && !r->has_copy[I(Tier::kDevice)]) {
+      if (live + r->desc.elements > max_live) break;  // the trainer's own Acquires go on
+      live += r->desc.elements;
+    }
     if (!scheduler_->reads_ahead_from_nvme() && !r->current[I(Tier::kHost)] &&
         !r->current[I(Tier::kDevice)]) {
       break;  // DeepSpeed-like: prefetching stops at the first partition still on NVMe

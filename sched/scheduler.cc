@@ -61,10 +61,13 @@ std::optional<std::string> Scheduler::EndStep() {
   recording_.clear();
   plan_acquires_.clear();
   uses_.clear();
+  param_prefix_.assign(1, 0);
   for (uint32_t i = 0; i < plan_.size(); ++i) {
     if (!plan_[i].acquire) continue;
     uses_[{plan_[i].id, plan_[i].tier}].push_back(static_cast<uint32_t>(plan_acquires_.size()));
     plan_acquires_.push_back(i);
+    param_prefix_.push_back(param_prefix_.back() +
+                            (plan_[i].role == tiering::Role::kParam ? plan_[i].elements : 0));
   }
   mode_ = plan_acquires_.empty() ? Mode::kRecording : Mode::kPlanned;
   return ended;
@@ -101,6 +104,16 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
   auto next = std::lower_bound(at.begin(), at.end(), cursor_);
   if (next != at.end()) return *next - cursor_;
   return at.front() + plan_acquires_.size() - cursor_;  // in the next step
+}
+
+uint64_t Scheduler::ParamElementsBeforeNextUse(PartitionId id, Tier tier) const {
+  const uint64_t next = NextUse(id, tier);
+  if (next == kNever) return kNever;
+  // The acquires at positions cursor_ .. cursor_ + next - 1, wrapping into the next step.
+  const uint64_t n = plan_acquires_.size();
+  const uint64_t from = cursor_ % n, to = from + next;
+  if (to <= n) return param_prefix_[to] - param_prefix_[from];
+  return (param_prefix_[n] - param_prefix_[from]) + param_prefix_[to - n];
 }
 
 bool Scheduler::CrowdedOutBeforeNextUse(PartitionId id, uint64_t bytes) const {

@@ -97,6 +97,9 @@ class Scheduler {
   // The trainer waited for an access the plan knew (planned steps only: a recording step's misses
   // say nothing about the window).
   void OnLateOrMiss();
+  // The parameter elements (Role::kParam accesses, as DeepSpeed counts reuse distance) the plan
+  // acquires before (id, tier) is needed again; kNever when it is not in the plan.
+  uint64_t ParamElementsBeforeNextUse(PartitionId id, Tier tier) const;
   // Whether more than `bytes` of other partitions (distinct, either memory tier) are accessed
   // before `id`'s next use (in either memory tier): a copy held meanwhile in a tier of that size is
   // evicted before it is used again, by any policy. False when there is no plan.
@@ -128,6 +131,7 @@ class Scheduler {
   int lookahead_;
   std::vector<TraceEvent> plan_;         // the acquires and releases of the planned step
   std::vector<uint32_t> plan_acquires_;  // indices of plan_'s acquires, in order
+  std::vector<uint64_t> param_prefix_;   // parameter elements of the first k acquires
   // (id, tier) -> its positions among the acquires.
   absl::flat_hash_map<std::pair<PartitionId, Tier>, std::vector<uint32_t>> uses_;
   std::vector<TraceEvent> recording_;  // this step's events

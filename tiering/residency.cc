@@ -62,14 +62,21 @@ absl::StatusOr<Residency*> ResidencyTable::FindLocked(PartitionId id) {
   return &it->second;
 }
 
-absl::Status ResidencyTable::ReserveLocked(Tier t, uint64_t bytes, PartitionId id) {
+absl::Status ResidencyTable::ReserveLocked(Tier t, const PartitionDesc& desc) {
+  const uint64_t bytes = Footprint(desc);
   if (used_[I(t)] > budgets_[I(t)] || bytes > budgets_[I(t)] - used_[I(t)]) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("partition ", id, ": the ", TierName(t), " tier's budget of ", budgets_[I(t)],
-                     " bytes has ", budgets_[I(t)] - used_[I(t)], " free, ", bytes, " needed"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "partition ", desc.id, ": the ", TierName(t), " tier's budget of ", budgets_[I(t)],
+        " bytes has ", budgets_[I(t)] - used_[I(t)], " free, ", bytes, " needed"));
   }
   used_[I(t)] += bytes;
+  if (desc.role == Role::kParam) param_elements_[I(t)] += desc.elements;
   return absl::OkStatus();
+}
+
+void ResidencyTable::UnreserveLocked(Tier t, const PartitionDesc& desc) {
+  used_[I(t)] -= Footprint(desc);
+  if (desc.role == Role::kParam) param_elements_[I(t)] -= desc.elements;
 }
 
 absl::Status ResidencyTable::Register(const PartitionDesc& desc) {
@@ -97,7 +104,7 @@ absl::Status ResidencyTable::Unregister(PartitionId id) {
       return Refuse(id, absl::StrCat("pinned in ", TierName(static_cast<Tier>(t))));
   }
   for (int t = 0; t < kTierCount; ++t) {
-    if (r.has_copy[t]) used_[t] -= Footprint(r.desc);
+    if (r.has_copy[t]) UnreserveLocked(static_cast<Tier>(t), r.desc);
   }
   table_.erase(id);
   return absl::OkStatus();
@@ -110,7 +117,7 @@ absl::Status ResidencyTable::Materialize(PartitionId id, Tier tier) {
   Residency& r = **found;
   if (r.written) return Refuse(id, "already has bytes; use a move");
   if (r.has_copy[I(tier)]) return Refuse(id, "already has a copy there");
-  if (absl::Status s = ReserveLocked(tier, Footprint(r.desc), id); !s.ok()) return s;
+  if (absl::Status s = ReserveLocked(tier, r.desc); !s.ok()) return s;
   r.has_copy[I(tier)] = r.current[I(tier)] = true;
   r.written = true;
   if (kCheckEveryChange) return CheckLocked();
@@ -133,7 +140,7 @@ absl::Status ResidencyTable::BeginMove(PartitionId id, Tier from, Tier to) {
   if (r.current[I(to)]) return Refuse(id, absl::StrCat("already current in ", TierName(to)));
   if (r.pins[I(to)] > 0) return Refuse(id, absl::StrCat("its ", TierName(to), " copy is pinned"));
   if (!r.has_copy[I(to)]) {
-    if (absl::Status s = ReserveLocked(to, Footprint(r.desc), id); !s.ok()) return s;
+    if (absl::Status s = ReserveLocked(to, r.desc); !s.ok()) return s;
     r.has_copy[I(to)] = true;
   }
   r.move = std::make_pair(from, to);
@@ -154,7 +161,7 @@ absl::Status ResidencyTable::EndMove(PartitionId id, bool ok) {
   } else if (!r.current[I(to)]) {
     // The destination holds nothing usable: release it; every other copy is as it was.
     r.has_copy[I(to)] = false;
-    used_[I(to)] -= Footprint(r.desc);
+    UnreserveLocked(to, r.desc);
   }
   if (kCheckEveryChange) return CheckLocked();
   return absl::OkStatus();
@@ -203,7 +210,7 @@ absl::Status ResidencyTable::Drop(PartitionId id, Tier tier) {
                                    " copy is the only current one; write it back first"));
   }
   r.has_copy[I(tier)] = r.current[I(tier)] = false;
-  used_[I(tier)] -= Footprint(r.desc);
+  UnreserveLocked(tier, r.desc);
   if (kCheckEveryChange) return CheckLocked();
   return absl::OkStatus();
 }
@@ -262,6 +269,11 @@ void ResidencyTable::GiveBack(Tier t, uint64_t bytes) {
   set_aside_[I(t)] -= bytes;
 }
 
+uint64_t ResidencyTable::param_elements(Tier t) const {
+  MutexLock lock(&mu_);
+  return param_elements_[I(t)];
+}
+
 uint64_t ResidencyTable::set_aside_bytes(Tier t) const {
   MutexLock lock(&mu_);
   return set_aside_[I(t)];
@@ -273,7 +285,7 @@ absl::Status ResidencyTable::CheckInvariants() const {
 }
 
 absl::Status ResidencyTable::CheckLocked() const {
-  std::array<uint64_t, kTierCount> held{};
+  std::array<uint64_t, kTierCount> held{}, held_params{};
   for (const auto& [id, r] : table_) {
     int current = 0;
     for (int t = 0; t < kTierCount; ++t) {
@@ -287,6 +299,7 @@ absl::Status ResidencyTable::CheckLocked() const {
       }
       current += r.current[t];
       if (r.has_copy[t]) held[t] += Footprint(r.desc);
+      if (r.has_copy[t] && r.desc.role == Role::kParam) held_params[t] += r.desc.elements;
     }
     if (r.written && current == 0) {
       return absl::InternalError(absl::StrCat("partition ", id, ": no current copy left"));
@@ -297,6 +310,11 @@ absl::Status ResidencyTable::CheckLocked() const {
     }
   }
   for (int t = 0; t < kTierCount; ++t) {
+    if (held_params[t] != param_elements_[t]) {
+      return absl::InternalError(
+          absl::StrCat(TierName(static_cast<Tier>(t)), " tier: ", held_params[t],
+                       " parameter elements held, ", param_elements_[t], " accounted"));
+    }
     if (held[t] + set_aside_[t] != used_[t]) {
       return absl::InternalError(absl::StrCat(TierName(static_cast<Tier>(t)), " tier: ", held[t],
                                               " bytes held and ", set_aside_[t], " set aside, ",

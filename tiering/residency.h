@@ -118,6 +118,8 @@ class ResidencyTable {
   absl::Status SetAside(Tier t, uint64_t bytes);
   void GiveBack(Tier t, uint64_t bytes);
   uint64_t set_aside_bytes(Tier t) const;
+  // The elements of the parameter partitions (Role::kParam) with a copy (or one being made) in t.
+  uint64_t param_elements(Tier t) const;
 
   absl::StatusOr<Residency> Get(PartitionId id) const;
   uint64_t used_bytes(Tier t) const;
@@ -133,14 +135,16 @@ class ResidencyTable {
  private:
   absl::Status CheckLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Residency*> FindLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ReserveLocked(Tier t, uint64_t bytes, PartitionId id)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts a copy of `desc` in tier t (ResourceExhausted when it does not fit), or no more.
+  absl::Status ReserveLocked(Tier t, const PartitionDesc& desc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnreserveLocked(Tier t, const PartitionDesc& desc) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::array<uint64_t, kTierCount> budgets_;
   const uint64_t granule_;
   mutable Mutex mu_;
   std::array<uint64_t, kTierCount> used_ ABSL_GUARDED_BY(mu_){};
   std::array<uint64_t, kTierCount> set_aside_ ABSL_GUARDED_BY(mu_){};  // part of used_
+  std::array<uint64_t, kTierCount> param_elements_ ABSL_GUARDED_BY(mu_){};
   absl::flat_hash_map<PartitionId, Residency> table_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -96,6 +96,8 @@ const std::vector<Stage3Knob>& Stage3Knobs() {
        &RuntimeConfig::stage3_max_live_parameters},
       {"stage3_max_reuse_distance", "max_reuse_distance",
        &RuntimeConfig::stage3_max_reuse_distance},
+      {"stage3_param_persistence_threshold", "param_persistence_threshold",
+       &RuntimeConfig::stage3_param_persistence_threshold},
   };
   return knobs;
 }
@@ -192,24 +194,10 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
       {"zero_optimization.offload_param.pin_memory", "strata's host tier is always pinned"},
       {"zero_optimization.offload_param.max_in_cpu", "the host tier is sized by host_budget_bytes"},
       {"zero_optimization.offload_optimizer.pin_memory", "strata's host tier is always pinned"},
-      {"zero_optimization.offload_optimizer.buffer_count",
-       "the optimizer step is not run by the Runtime yet"},
-      {"zero_optimization.offload_optimizer.pipeline_read",
-       "the optimizer step is not run by the Runtime yet"},
-      {"zero_optimization.offload_optimizer.pipeline_write",
-       "the optimizer step is not run by the Runtime yet"},
       {"zero_optimization.offload_optimizer.fast_init",
-       "the optimizer step is not run by the Runtime yet"},
+       "the optimizer's state is written once, by InitializeOptimizerState"},
       {"zero_optimization.offload_optimizer.ratio",
        "partial optimizer offload is not supported yet"},
-      {"zero_optimization.stage3_max_live_parameters",
-       "the device budget bounds live parameters, and the scheduler evicts by next use"},
-      {"zero_optimization.max_live_parameters",
-       "the device budget bounds live parameters, and the scheduler evicts by next use"},
-      {"zero_optimization.stage3_max_reuse_distance",
-       "the scheduler keeps what the trace needs soonest, whatever the distance"},
-      {"zero_optimization.max_reuse_distance",
-       "the scheduler keeps what the trace needs soonest, whatever the distance"},
   };
   return keys;
 }

@@ -10,8 +10,9 @@
 //     "offload_optimizer": {"device", "nvme_path", "pin_memory", "buffer_count" (4),
 //                           "pipeline_read", "pipeline_write", "fast_init", "ratio"},
 //     "stage3_prefetch_bucket_size" (5e7), "stage3_max_live_parameters" (1e9),
-//     "stage3_max_reuse_distance" (1e9)  (each also under DeepSpeed's other spelling, without
-//                                          "stage3_"; one or the other, not both)}
+//     "stage3_max_reuse_distance" (1e9), "stage3_param_persistence_threshold" (1e5)
+//         (each also under DeepSpeed's other spelling, without "stage3_"; one or the other, not
+//          both; their meanings in sched/runtime.h)}
 // and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
 //   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_path",
 //   "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
@@ -20,9 +21,9 @@
 // ignored: DeepSpeed's other top-level keys and zero_optimization keys are warnings ("left to the
 // trainer"); a key that is neither DeepSpeed's nor strata's is an error naming the closest known
 // key, at the top level and in every block strata reads (each offload block takes only the keys
-// DeepSpeed gives it). Keys strata checks but does not act on yet (max_live_parameters and
-// max_reuse_distance, most offload keys, the zero stage; listed in one place in
-// runtime_config.cc) warn "accepted but not yet used".
+// DeepSpeed gives it). Keys strata checks but does not act on yet (pin_memory, max_in_cpu,
+// fast_init, ratio, the zero stage; listed in one place in runtime_config.cc) warn "accepted but
+// not yet used".
 // strata keeps one NVMe store per process, at SwapPath(): strata.nvme_path when given, else
 // offload_param's nvme_path when its device is "nvme", else offload_optimizer's; every other
 // nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.
@@ -74,6 +75,7 @@ struct RuntimeConfig {
   int64_t stage3_prefetch_bucket_size = 50000000;
   int64_t stage3_max_live_parameters = 1000000000;
   int64_t stage3_max_reuse_distance = 1000000000;
+  int64_t stage3_param_persistence_threshold = 100000;
   // strata's own
   bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
   uint64_t device_budget_bytes = 1ull << 30;

@@ -44,6 +44,7 @@ RuntimeConfig SmallConfig(const std::string& nvme_path) {
   c.host_budget_bytes = 3 * 102400 + 2 * (64 << 10);  // three, and the two staging buffers
   c.nvme_capacity_bytes = 8 << 20;
   c.nvme_path = nvme_path;
+  c.stage3_param_persistence_threshold = 0;  // these partitions are small: none stays for that
   return c;
 }
 

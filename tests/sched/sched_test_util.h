@@ -33,6 +33,7 @@ inline RuntimeConfig Config(const std::string& nvme_path, int device_slots, int 
   c.nvme_capacity_bytes = 64 << 20;
   c.nvme_path = nvme_path;
   c.eviction_policy = "trace";
+  c.stage3_param_persistence_threshold = 0;  // these partitions are small: none stays for that
   return c;
 }
 

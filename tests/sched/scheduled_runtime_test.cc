@@ -295,6 +295,100 @@ TEST(ScheduledRuntimeTest, AWrittenHostCopyThatWillBeCrowdedOutGoesToNvmeInTheBa
   }
 }
 
+TEST(ScheduledRuntimeTest, ParametersBelowThePersistenceThresholdStayOnTheDevice) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 2, 4);
+  config.stage3_param_persistence_threshold = 25001;  // these parameters have 25000 elements
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, RandomBytes(kBytes, 1)).ok());
+  ASSERT_TRUE(
+      (*rt)
+          ->Register(Desc(2, kBytes, tiering::Role::kGrad), Tier::kDevice, RandomBytes(kBytes, 2))
+          .ok());
+  ASSERT_TRUE((*rt)->Register(Desc(3), Tier::kHost, RandomBytes(kBytes, 3)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(4), Tier::kHost, RandomBytes(kBytes, 4)).ok());
+  ASSERT_TRUE((*rt)->Acquire(3, Tier::kDevice).ok());  // the gradient makes room, not 1
+  EXPECT_TRUE((*rt)->residency().Get(1)->has_copy[0]);
+  EXPECT_FALSE((*rt)->residency().Get(2)->has_copy[0]);
+  ASSERT_TRUE((*rt)->Release(3, Tier::kDevice, false).ok());
+  // Both device copies are parameters that stay now: a third cannot come.
+  auto p = (*rt)->Acquire(4, Tier::kDevice);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+  EXPECT_THAT(p.status().message(), HasSubstr("stage3_param_persistence_threshold"));
+  EXPECT_TRUE((*rt)->residency().Get(1)->has_copy[0]);
+  EXPECT_TRUE((*rt)->residency().Get(3)->has_copy[0]);
+}
+
+TEST(ScheduledRuntimeTest, MaxLiveParametersBoundsWhatPrefetchesBringToTheDevice) {
+  for (const int64_t max_live : {int64_t{50000}, int64_t{1000000000}}) {
+    ScratchDir dir;
+    RuntimeConfig config = Config(dir.File("swap"), 6, 8);
+    config.stage3_max_live_parameters = max_live;  // two of these parameters, or all
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    std::map<PartitionId, std::vector<std::byte>> bytes;
+    for (PartitionId id = 1; id <= 6; ++id) {
+      bytes[id] = RandomBytes(kBytes, id);
+      ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kHost, bytes[id]).ok());
+    }
+    RunStep(**rt, {1, 2, 3, 4, 5, 6}, {}, bytes);
+    (*rt)->EndStep();
+    for (PartitionId id = 1; id <= 6; ++id) ASSERT_TRUE((*rt)->Evict(id, Tier::kDevice).ok());
+    RunStep(**rt, {1}, {}, bytes);  // the window (four ahead) would bring 2, 3, 4 and 5
+    const auto t0 = Clock::now();
+    while (!(*rt)->residency().Get(2)->current[0] &&
+           std::chrono::duration<double>(Clock::now() - t0).count() < 10) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // time for more to come
+    const uint64_t live = (*rt)->residency().param_elements(Tier::kDevice);
+    if (max_live == 50000) {
+      EXPECT_EQ(live, 50000u) << "1 and 2 only";
+      EXPECT_FALSE((*rt)->residency().Get(3)->has_copy[0]);
+    } else {
+      EXPECT_GT(live, 50000u) << "the window's prefetches did not come";
+    }
+  }
+}
+
+TEST(ScheduledRuntimeTest, MaxReuseDistanceKeepsParametersNeededSoonOverOtherCopies) {
+  // The trace 1(p) 2(g) 3(p) 2(g) 1(p) with two device slots: when 3 comes, Belady's rule alone
+  // evicts 1 (needed after 2); a parameter needed again within max_reuse_distance parameter
+  // elements (none in between here) is kept over the gradient instead, as DeepSpeed keeps it.
+  for (const int64_t distance : {int64_t{0}, int64_t{1000000000}}) {
+    ScratchDir dir;
+    RuntimeConfig config = Config(dir.File("swap"), 2, 8);
+    config.stage3_max_reuse_distance = distance;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
+    ASSERT_TRUE(
+        (*rt)
+            ->Register(Desc(2, kBytes, tiering::Role::kGrad), Tier::kHost, RandomBytes(kBytes, 2))
+            .ok());
+    ASSERT_TRUE((*rt)->Register(Desc(3), Tier::kHost, RandomBytes(kBytes, 3)).ok());
+    auto touch = [&](PartitionId id) {
+      ASSERT_TRUE((*rt)->Acquire(id, Tier::kDevice).ok());
+      ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, false).ok());
+    };
+    for (PartitionId id : {1, 2, 3, 2, 1}) touch(id);
+    (*rt)->EndStep();
+    touch(1);
+    touch(2);
+    touch(3);
+    const bool kept_param = (*rt)->residency().Get(1)->has_copy[0];
+    const bool kept_grad = (*rt)->residency().Get(2)->has_copy[0];
+    if (distance == 0) {
+      EXPECT_FALSE(kept_param) << "Belady's rule evicts the copy needed furthest away";
+      EXPECT_TRUE(kept_grad);
+    } else {
+      EXPECT_TRUE(kept_param) << "the parameter needed again soon was evicted";
+      EXPECT_FALSE(kept_grad);
+    }
+  }
+}
+
 uint64_t Sum(const std::byte* p, size_t n) { return XXH3_64bits(p, n); }
 
 // Seeded property runs: random sizes, budgets and traces; threads acquiring and releasing
@@ -324,6 +418,11 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
   config.nvme_capacity_bytes = 64 << 20;
   config.nvme_path = dir.File("swap");
   config.eviction_policy = rng() % 2 ? "trace" : "lru";
+  // Knobs that change what is prefetched and evicted, never what is correct (no partition here is
+  // small enough to stay on the device: those can fill it, and Acquires then fail, as they must).
+  config.stage3_param_persistence_threshold = 0;
+  config.stage3_max_live_parameters = rng() % 2 ? 20000 : 1000000000;
+  config.stage3_max_reuse_distance = rng() % 2 ? 10000 : 1000000000;
   if (rng() % 2) {
     config.zero_stage = 3;
     config.offload_param.device = tiering::OffloadDevice::kNvme;  // device copies go down to NVMe

@@ -199,6 +199,25 @@ TEST(SchedulerTest, ACopyIsCrowdedOutWhenMoreThanABudgetComesBeforeItsNextUse) {
   EXPECT_FALSE(s.CrowdedOutBeforeNextUse(9, 0));  // not in the plan
 }
 
+TEST(SchedulerTest, ReuseDistanceCountsTheParameterElementsAcquiredInBetween) {
+  Scheduler s{SchedulerConfig{}};
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(1, Tier::kDevice), Scheduler::kNever);
+  double t = 0;
+  s.OnAcquire(P(1, 100), Tier::kDevice, t);
+  s.OnAcquire(P(2, 200), Tier::kDevice, t);
+  s.OnAcquire(P(3, 300, Role::kGrad), Tier::kDevice, t);  // not a parameter: not counted
+  s.OnAcquire(P(4, 400), Tier::kDevice, t);
+  s.EndStep();
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(1, Tier::kDevice), 0u);
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(4, Tier::kDevice), 300u);  // 1 and 2
+  s.OnAcquire(P(1, 100), Tier::kDevice, t);
+  s.OnAcquire(P(2, 200), Tier::kDevice, t);
+  // 1's next use is in the next step: 3 (a gradient) and 4 come first.
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(1, Tier::kDevice), 400u);
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(2, Tier::kDevice), 500u);  // 4, then 1
+  EXPECT_EQ(s.ParamElementsBeforeNextUse(2, Tier::kHost), Scheduler::kNever);
+}
+
 TEST(SchedulerTest, LruPolicyNeverPlans) {
   SchedulerConfig c;
   c.policy = Policy::kLru;

@@ -89,6 +89,29 @@ TEST(ResidencyTest, BytesSetAsideCountAgainstTheBudgetUntilGivenBack) {
   ASSERT_TRUE(t.CheckInvariants().ok());
 }
 
+TEST(ResidencyTest, ParameterElementsAreCountedPerTier) {
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
+  PartitionDesc grad = Desc(2);
+  grad.role = Role::kGrad;
+  ASSERT_TRUE(t.Register(Desc(1)).ok());  // a parameter of 25 elements
+  ASSERT_TRUE(t.Register(grad).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.Materialize(2, Tier::kDevice).ok());
+  EXPECT_EQ(t.param_elements(Tier::kDevice), 0u);
+  ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kDevice).ok());
+  EXPECT_EQ(t.param_elements(Tier::kDevice), 25u);  // counted from the move's start
+  ASSERT_TRUE(t.EndMove(1, false).ok());
+  EXPECT_EQ(t.param_elements(Tier::kDevice), 0u);
+  ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kDevice).ok());
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  ASSERT_TRUE(t.Drop(1, Tier::kHost).ok());
+  EXPECT_EQ(t.param_elements(Tier::kDevice), 25u);
+  EXPECT_EQ(t.param_elements(Tier::kHost), 0u);
+  ASSERT_TRUE(t.CheckInvariants().ok());
+  ASSERT_TRUE(t.Unregister(1).ok());
+  EXPECT_EQ(t.param_elements(Tier::kDevice), 0u);
+}
+
 TEST(ResidencyTest, PinnedCopiesAreNeverDroppedOrLeftStale) {
   ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
