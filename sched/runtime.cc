@@ -358,7 +358,12 @@ absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
     return absl::FailedPreconditionError(
         absl::StrCat("adopt partition ", desc.id, ": being unregistered by another thread"));
   }
-  STRATA_ASSIGN_OR_RETURN(const PartitionRecord stored, store_->Find(desc.id));
+  absl::StatusOr<PartitionRecord> found = store_->Find(desc.id);
+  if (!found.ok()) {
+    return Annotate(found.status(), absl::StrCat("adopt partition ", desc.id,
+                                                 " (StoredPartitions lists what can be adopted)"));
+  }
+  const PartitionRecord stored = *found;
   if (stored.length != desc.bytes) {
     return absl::InvalidArgumentError(absl::StrCat("adopt partition ", desc.id,
                                                    ": the store holds ", stored.length,

@@ -337,5 +337,59 @@ TEST(RuntimeEdgesTest, OnTheEmulatedDeviceAReleaseWithAStreamHasNothingToWaitFor
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
+TEST(RuntimeEdgesTest, EveryBadCallIsNamedAndChangesNothing) {
+  ScratchDir dir;
+  for (int workers : {0, 65}) {
+    RuntimeOptions ro = Quiet();
+    ro.workers = workers;
+    auto bad = Runtime::Create(Config(dir.File("w"), 2, 2), ro);
+    EXPECT_THAT(bad.status().message(), HasSubstr("accepted: 1..64")) << workers;
+  }
+  RuntimeConfig staging = Config(dir.File("s"), 2, 2);
+  staging.host_budget_bytes = 3 * (64 << 10);  // less than the two pairs of staging buffers
+  EXPECT_THAT(Runtime::Create(staging, Quiet()).status().message(),
+              HasSubstr("do not fit in strata.host_budget_bytes"));
+
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Runtime& r = **rt;
+  ASSERT_TRUE(r.Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
+  EXPECT_EQ(r.Register(Desc(1), Tier::kHost).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(r.Register(Desc(2), Tier::kHost, RandomBytes(10, 2)).message(),
+              HasSubstr("initial bytes are 10, the partition 100000"));
+  EXPECT_THAT(r.Register(Desc(3, 0), Tier::kHost).message(), HasSubstr("bytes must be in 1.."));
+  EXPECT_THAT(r.Acquire(1, Tier::kNvme).status().message(), HasSubstr("nvme is not addressable"));
+  EXPECT_EQ(r.Acquire(9, Tier::kHost).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.Release(1, Tier::kHost, false).message(), HasSubstr("not pinned in host"));
+  EXPECT_EQ(r.Release(9, Tier::kHost, false).code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.Evict(1, Tier::kNvme).message(), HasSubstr("only the device and host tiers"));
+  EXPECT_EQ(r.Evict(9, Tier::kHost).code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(r.Prefetch(1, Tier::kNvme).get().message(), HasSubstr("nvme is not addressable"));
+  EXPECT_EQ(r.Prefetch(9, Tier::kHost).get().code(), absl::StatusCode::kNotFound);
+  r.GradientReady(9);  // unknown: nothing to send down
+  EXPECT_EQ(r.Unregister(9).code(), absl::StatusCode::kNotFound);
+  absl::Status adopt = r.Adopt(Desc(9));
+  EXPECT_EQ(adopt.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(adopt.message(), HasSubstr("no partition 9"));
+  EXPECT_THAT(adopt.message(), HasSubstr("adopt partition 9"));
+  // Pinned and dirty: Unregister and Flush refuse, naming why; the bytes stay.
+  auto p = r.Acquire(1, Tier::kHost);
+  ASSERT_TRUE(p.ok());
+  std::memcpy(*p, RandomBytes(kBytes, 5).data(), kBytes);
+  EXPECT_THAT(r.Unregister(1).message(), HasSubstr("pinned in the host tier"));
+  ASSERT_TRUE(r.Release(1, Tier::kHost, true).ok());
+  ASSERT_TRUE(r.Acquire(1, Tier::kHost).ok());
+  EXPECT_THAT(r.Flush().message(),
+              HasSubstr("pinned in the host tier with bytes NVMe does not have"));
+  ASSERT_TRUE(r.Release(1, Tier::kHost, false).ok());
+  ASSERT_TRUE(r.Flush().ok());
+  auto back = r.Acquire(1, Tier::kHost);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(0, std::memcmp(*back, RandomBytes(kBytes, 5).data(), kBytes));
+  ASSERT_TRUE(r.Release(1, Tier::kHost, false).ok());
+  EXPECT_TRUE(r.residency().CheckInvariants().ok());
+  EXPECT_EQ(r.residency().Get(1)->pins[kHost], 0);
+}
+
 }  // namespace
 }  // namespace strata::sched
