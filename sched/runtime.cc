@@ -582,14 +582,24 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, ui
     return absl::InvalidArgumentError(
         absl::StrCat("evict partition ", id, ": only the device and host tiers are evicted"));
   }
-  STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
-  if (!r.has_copy[I(tier)]) return absl::OkStatus();
-  if (r.pins[I(tier)] > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("evict partition ", id,
-                                                      ": it is pinned in the ", TierName(tier),
-                                                      " tier (release it first)"));
-  }
-  if (r.only_current(tier)) {
+  for (;;) {
+    STRATA_ASSIGN_OR_RETURN(Residency r, table_->Get(id));
+    if (!r.has_copy[I(tier)]) return absl::OkStatus();
+    if (r.pins[I(tier)] > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("evict partition ", id,
+                                                        ": it is pinned in the ", TierName(tier),
+                                                        " tier (release it first)"));
+    }
+    if (r.move && (r.move->first == tier || r.move->second == tier)) {
+      // A move reads or fills this copy (it began while the lock was released): it ends first.
+      if (ForPrefetch(purpose)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("evict partition ", id, ": a move uses its ", TierName(tier), " copy"));
+      }
+      WaitForMoveLocked(id);
+      continue;
+    }
+    if (!r.only_current(tier)) break;  // another copy is current: a drop
     // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
     const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
                                 r.desc.role == tiering::Role::kParam &&
@@ -601,18 +611,19 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, ui
                        ": its host copy is the only current one and there is no NVMe tier "
                        "to write it back to"));
     }
-    absl::Status down = MoveLocked(id, tier, lower, purpose, limit, waits);
+    bool raced = false;
+    absl::Status down = MoveLocked(id, tier, lower, purpose, limit, waits, &raced);
     if (down.code() == absl::StatusCode::kResourceExhausted && lower == Tier::kHost &&
         store_ != nullptr) {
       // The host tier has no room: the device copy goes straight to NVMe, staged.
-      down = MoveLocked(id, tier, Tier::kNvme, purpose, limit, waits);
+      down = MoveLocked(id, tier, Tier::kNvme, purpose, limit, waits, &raced);
     }
+    if (raced) continue;  // another thread moved it while room was made: look again
     STRATA_RETURN_IF_ERROR(down);
     ++stats_.write_backs;
     ++step_.r.write_backs;
+    // Look again: the lock was released while the bytes moved.
   }
-  // The lock was released while the bytes moved: the copy may have been pinned meanwhile (the
-  // table then refuses, and it stays).
   STRATA_RETURN_IF_ERROR(mover_->Drop(id, tier));
   ++stats_.evictions;
   ++step_.r.evictions;
