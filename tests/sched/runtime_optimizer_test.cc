@@ -4,8 +4,10 @@
 // the trace released the gradients, and its bad inputs named.
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
+#include "base/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "sched/runtime.h"
@@ -213,6 +215,56 @@ TEST(RuntimeOptimizerTest, TheStepFollowsTheOrderTheTraceReleasedTheGradients) {
   EXPECT_THAT(stepped, ElementsAre(13, 12, 11));
   ref.Step(1, grads);
   ExpectState(**rt, ref);
+}
+
+TEST(RuntimeOptimizerTest, EachPartitionStepsAsItsGradientArrivesWhileBackwardGoesOn) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+    // The gradient partitions, written by backward on the device.
+    ASSERT_TRUE((*rt)
+                    ->Register(Desc(kParts[i].first, kBytes, tiering::Role::kGrad), Tier::kHost,
+                               RandomBytes(kBytes, i))
+                    .ok());
+  }
+  const auto grads = Grads(1);
+  Mutex mu;
+  CondVar ready_cv;
+  std::vector<size_t> ready;  // indices whose gradient is complete
+  std::thread optimizer([&] {
+    for (size_t done = 0; done < kParts.size(); ++done) {
+      size_t i;
+      {
+        MutexLock lock(&mu);
+        while (ready.size() <= done) ready_cv.Wait(&mu);
+        i = ready[done];
+      }
+      swap::StepInput in;
+      in.id = kParts[i].first;
+      in.grad = grads[i].data();
+      auto r = (*rt)->OptimizerStep(1, {in});  // one partition, its own commit
+      EXPECT_TRUE(r.ok()) << r.status();
+    }
+  });
+  // Backward, last layer first: each gradient written on the device, then handed on.
+  for (size_t k = kParts.size(); k-- > 0;) {
+    auto p = (*rt)->Acquire(kParts[k].first, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::memcpy(*p, RandomBytes(kBytes, 50 + k).data(), kBytes);
+    ASSERT_TRUE((*rt)->Release(kParts[k].first, Tier::kDevice, true).ok());
+    (*rt)->GradientReady(kParts[k].first);
+    MutexLock lock(&mu);
+    ready.push_back(k);
+    ready_cv.Signal();
+  }
+  optimizer.join();
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
 TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
