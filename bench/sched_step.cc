@@ -9,7 +9,9 @@
 //   optimizer for each layer, last first: optimizer state, gradient and parameters on the host,
 //             compute, release the state and the parameters dirty (the new weights flow down).
 // Compute is modelled (a sleep on the trainer thread, per layer and phase). The device tier is
-// host-emulated, its copy engine capped at --copy_gbps (a PCIe-like link); the device budget is a
+// host-emulated, its copy engine capped at --copy_gbps (a PCIe-like link), or with --device=cuda
+// GPU 0's memory and a CUDA copy engine (pinned host <-> HBM; each direction of the link timed on
+// its own, as PCIe carries both at once); the device budget is a
 // quarter of the parameters, the host budget half of everything (plus the staging buffers), the
 // rest lives in the NVMe store under --dir.
 //
@@ -54,6 +56,8 @@ ABSL_FLAG(int64_t, param_bytes, 1 << 20, "bytes of one layer's parameters (and i
 ABSL_FLAG(int, steps, 6, "training steps per policy (the first two are not counted)");
 ABSL_FLAG(int, rounds, 3, "rounds: each measures the bound's bandwidths, then runs each policy");
 ABSL_FLAG(double, copy_gbps, 2.0, "the emulated device link's cap, GB/s");
+ABSL_FLAG(std::string, device, "emulated",
+          "the device tier: emulated (host memory, a capped copy thread) or cuda (GPU 0)");
 ABSL_FLAG(double, forward_ms, 1.0, "modelled compute per layer: forward");
 ABSL_FLAG(double, backward_ms, 2.0, "modelled compute per layer: backward");
 ABSL_FLAG(double, optimizer_ms, 2.0, "modelled compute per layer: optimizer");
@@ -168,18 +172,56 @@ Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget)
   return t;
 }
 
-// The copy link's bandwidth: a large copy through a capped host copy engine.
-double MeasureCopyBps(uint64_t cap) {
-  tiering::HostCopyEngine engine(cap);
-  const size_t bytes = 64 << 20;
-  std::vector<std::byte> a(bytes), b(bytes);
-  const auto t0 = Clock::now();
-  if (!engine.CopyAsync(b.data(), a.data(), bytes, tiering::CopyDirection::kHostToDevice)
-           .get()
-           .ok()) {
-    return 0;
+// The copy link's bandwidth, each way. Emulated: a large copy through a capped host copy engine
+// (one thread: both directions share it). CUDA: pinned host <-> device memory on a CUDA copy
+// engine's stream, each direction timed on its own (PCIe carries both at once).
+struct LinkBps {
+  double to_device = 0, to_host = 0;
+  bool duplex = false;
+  // The time the link needs for `loaded` bytes down to the device and `written` back up.
+  double Seconds(double loaded, double written) const {
+    return duplex ? std::max(loaded / to_device, written / to_host)
+                  : (loaded + written) / to_device;
   }
-  return bytes / Since(t0);
+};
+LinkBps MeasureLinkBps(uint64_t cap, bool cuda) {
+  const size_t bytes = 64 << 20;
+  if (!cuda) {
+    tiering::HostCopyEngine engine(cap);
+    std::vector<std::byte> a(bytes), b(bytes);
+    const auto t0 = Clock::now();
+    if (!engine.CopyAsync(b.data(), a.data(), bytes, tiering::CopyDirection::kHostToDevice)
+             .get()
+             .ok()) {
+      return {};
+    }
+    const double bps = bytes / Since(t0);
+    return {bps, bps, false};
+  }
+  auto engine = tiering::CreateCudaCopyEngine(0);
+  auto device = tiering::CreateCudaDeviceResource(0);
+  tiering::PinnedOptions po;
+  po.cuda_register = true;
+  tiering::PinnedHostResource host(po);
+  if (!engine.ok() || !device.ok()) return {};
+  auto d = (*device)->Allocate(bytes);
+  auto h = host.Allocate(bytes);
+  if (!d.ok() || !h.ok()) return {};
+  LinkBps link;
+  link.duplex = true;
+  for (auto dir : {tiering::CopyDirection::kHostToDevice, tiering::CopyDirection::kDeviceToHost}) {
+    const bool down = dir == tiering::CopyDirection::kHostToDevice;
+    double best = 0;
+    for (int i = 0; i < 3; ++i) {  // the first copy warms the link up
+      const auto t0 = Clock::now();
+      if (!(*engine)->CopyAsync(down ? *d : *h, down ? *h : *d, bytes, dir).get().ok()) return {};
+      best = std::max(best, bytes / Since(t0));
+    }
+    (down ? link.to_device : link.to_host) = best;
+  }
+  (*device)->Deallocate(*d, bytes);
+  host.Deallocate(*h, bytes);
+  return link;
 }
 
 // The disk's read and write bandwidth at the store's block size and queue depth: by fio, the
@@ -300,6 +342,14 @@ int Main() {
   config.host_budget_bytes = all / 2 + 4 * (1 << 20);
   config.nvme_capacity_bytes = 3 * all + (64 << 20);
   config.copy_bandwidth_bytes_per_s = static_cast<uint64_t>(absl::GetFlag(FLAGS_copy_gbps) * 1e9);
+  const bool cuda = absl::GetFlag(FLAGS_device) == "cuda";
+  config.emulated_device = !cuda;
+  if (cuda) {
+    if (auto probe = tiering::CreateCudaCopyEngine(0); !probe.ok()) {
+      std::fprintf(stderr, "sched_step: --device=cuda: %s\n", probe.status().ToString().c_str());
+      return 1;
+    }
+  }
   config.eviction_policy = "trace";
   const std::string root = dir + "/strata-sched-step-bench";
   std::error_code ec;
@@ -331,10 +381,12 @@ int Main() {
   std::map<std::string, sched::StepReport> last;
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
   bool disk_by_fio = true;
+  std::vector<double> link_s_all;
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (const auto& [name, policy] : policies) {
       // The bound's bandwidths, measured right before the policy runs (the same disk weather).
-      const double copy_bps = MeasureCopyBps(config.copy_bandwidth_bytes_per_s);
+      const LinkBps link_bps = MeasureLinkBps(config.copy_bandwidth_bytes_per_s, cuda);
+      const double copy_bps = link_bps.to_device;
       const DiskBps disk_bps = MeasureDiskBps(**engine, config.aio, root + "/disk.bin", 64 << 20);
       const double read_bps = disk_bps.read, write_bps = disk_bps.write;
       disk_by_fio = disk_by_fio && disk_bps.by_fio;
@@ -345,7 +397,8 @@ int Main() {
       copy_bps_all.push_back(copy_bps);
       read_bps_all.push_back(read_bps);
       write_bps_all.push_back(write_bps);
-      const double bound = std::max({compute, (link.loaded + link.written) / copy_bps,
+      link_s_all.push_back(link_bps.Seconds(link.loaded, link.written));
+      const double bound = std::max({compute, link_bps.Seconds(link.loaded, link.written),
                                      disk.loaded / read_bps + disk.written / write_bps});
       std::filesystem::remove_all(config.nvme_path, ec);
       Run run = RunPolicy(m, policy, config);
@@ -369,7 +422,7 @@ int Main() {
       "bound per step: compute %.1f ms; copy link %.1f MB at %.2f GB/s = %.1f ms; disk %.1f MB "
       "read at %.2f GB/s + %.1f MB written at %.2f GB/s = %.1f ms (disk measured by %s)\n",
       compute * 1e3, (link.loaded + link.written) / 1e6, Summary::Of(copy_bps_all).median / 1e9,
-      (link.loaded + link.written) / Summary::Of(copy_bps_all).median * 1e3, disk.loaded / 1e6,
+      Summary::Of(link_s_all).median * 1e3, disk.loaded / 1e6,
       Summary::Of(read_bps_all).median / 1e9, disk.written / 1e6,
       Summary::Of(write_bps_all).median / 1e9,
       (disk.loaded / Summary::Of(read_bps_all).median +
@@ -395,7 +448,9 @@ int Main() {
                 {"param_bytes", m.param_bytes},
                 {"device_budget_bytes", config.device_budget_bytes},
                 {"host_budget_bytes", config.host_budget_bytes},
-                {"copy_gbps", absl::GetFlag(FLAGS_copy_gbps)},
+                {"device", cuda ? "cuda" : "emulated"},
+                {"copy_gbps",
+                 cuda ? Summary::Of(copy_bps_all).median / 1e9 : absl::GetFlag(FLAGS_copy_gbps)},
                 {"compute_ms", compute * 1e3},
                 {"disk_measured_by", disk_by_fio ? "fio" : "strata's aio engine"},
                 {"last_step", nlohmann::json::parse(last[name].ToJson())}};
@@ -421,6 +476,9 @@ int main(int argc, char** argv) {
        {"forward_ms", 0, 10000},
        {"backward_ms", 0, 10000},
        {"optimizer_ms", 0, 10000}});
+  if (const std::string d = absl::GetFlag(FLAGS_device); d != "emulated" && d != "cuda") {
+    strata::aio_bench::BadFlag("--device", "is \"" + d + "\"; accepted: emulated, cuda");
+  }
   if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
     strata::aio_bench::BadFlag("--json", s.message());
   }
