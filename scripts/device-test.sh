@@ -4,6 +4,8 @@
 # and carried over) into a prefix of their own, builds strata with CUDA, and runs the test suite
 # there (the CUDA tests run instead of skipping). Output and a JUnit report go to $OUT when set.
 #   DEPS_DIR=.device-deps bash scripts/device-test.sh [ctest -R regex]
+# STRATA_BUILD_BENCH=ON also builds the benchmarks (then run build/device/bench/sched_step
+# --device=cuda, for one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deps=${DEPS_DIR:-.device-deps}
@@ -14,7 +16,7 @@ lib=$prefix/usr/lib/x86_64-linux-gnu
 export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PKG_CONFIG_PATH=$lib/pkgconfig:$prefix/usr/share/pkgconfig
 build=build/device
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_BENCH=OFF \
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_BENCH="${STRATA_BUILD_BENCH:-OFF}" \
   -DCMAKE_PREFIX_PATH="$prefix/usr" >"${OUT:-/tmp}/configure.log" 2>&1 || {
   tail -40 "${OUT:-/tmp}/configure.log"; exit 1; }
 grep -E "strata:|CUDA" "${OUT:-/tmp}/configure.log" || true
