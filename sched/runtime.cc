@@ -353,6 +353,11 @@ absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
     return absl::FailedPreconditionError(
         absl::StrCat("adopt partition ", desc.id, ": no NVMe tier to adopt it from"));
   }
+  if (desc.id >= kOptimizerKey) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "adopt partition ", desc.id,
+        ": ids are below 2^63 (the top bit keys the optimizer's state, which is not a partition)"));
+  }
   MutexLock lock(&mu_);
   if (unregistering_.contains(desc.id)) {
     return absl::FailedPreconditionError(
@@ -396,6 +401,11 @@ void Runtime::WaitForMoveLocked(PartitionId id) {
 }
 
 absl::Status Runtime::Unregister(PartitionId id) {
+  if (id >= kOptimizerKey) {
+    return absl::InvalidArgumentError(absl::StrCat("unregister partition ", id,
+                                                   ": ids are below 2^63 (the top bit keys the "
+                                                   "optimizer's state, which is not a partition)"));
+  }
   MutexLock lock(&mu_);
   if (unregistering_.contains(id)) {
     return absl::FailedPreconditionError(
@@ -411,7 +421,13 @@ absl::Status Runtime::Unregister(PartitionId id) {
     return absl::NotFoundError(absl::StrCat("partition ", id, ": not registered"));
   }
   if (known) {
-    WaitForMoveLocked(id);
+    // A move of it in flight ends first, and so does every thread between a move's unlocked
+    // bytes and its re-lock (it still uses the partition's state).
+    for (;;) {
+      WaitForMoveLocked(id);
+      if (parts_.at(id).carrying == 0) break;
+      moved_.Wait(&mu_);
+    }
     STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
     for (Tier t : {Tier::kDevice, Tier::kHost}) {
       if (r.pins[I(t)] > 0) {
@@ -419,7 +435,7 @@ absl::Status Runtime::Unregister(PartitionId id) {
             "unregister partition ", id, ": it is pinned in the ", TierName(t), " tier"));
       }
     }
-    if (parts_[id].busy > 0) {
+    if (parts_.at(id).busy > 0 || parts_.at(id).joining > 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("unregister partition ", id, ": another thread is bringing it in"));
     }
@@ -461,8 +477,9 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
     absl::Status begun = table_->BeginMove(id, from, to);
     if (begun.ok()) break;
     if (begun.code() != absl::StatusCode::kResourceExhausted || !IsMemory(to)) return begun;
-    STRATA_RETURN_IF_ERROR(MakeRoomLocked(to, r.desc, purpose, limit, waits));
-    // Making room released the lock: another thread may have moved this partition meanwhile.
+    absl::Status room = MakeRoomLocked(to, r.desc, purpose, limit, waits);
+    // Making room released the lock: another thread may have moved this partition meanwhile (a
+    // prefetch may even have brought it where it is wanted, which is why no room was found).
     STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
     if (now.move || now.current[I(to)] || !now.current[I(from)]) {
       if (raced != nullptr) *raced = true;
@@ -471,16 +488,19 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
                                              "room was made for its move ",
                                              TierName(from), " -> ", TierName(to)));
     }
+    STRATA_RETURN_IF_ERROR(room);
   }
   // A partition being registered is not in parts_ yet, and moves only through its Fill.
   PartState* st = &parts_.at(id);
   st->moving = purpose;
+  ++st->carrying;  // Unregister waits for it: `st` is used again after the unlocked move
   ++moves_in_flight_;
   const auto t0 = Clock::now();
   mu_.Unlock();
   absl::Status moved = mover_->Carry(id, from, to);
   mu_.Lock();
   --moves_in_flight_;
+  --st->carrying;
   st->moving.reset();
   moved_.SignalAll();
   if (waits != nullptr) {
@@ -492,12 +512,14 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
 absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc, Purpose purpose,
                                      uint64_t limit, Waits* waits) {
   const uint64_t bytes = table_->Footprint(desc);
-  if (bytes > table_->budget_bytes(t)) {
+  const uint64_t aside = table_->set_aside_bytes(t);
+  if (bytes > table_->budget_bytes(t) - aside) {
     // Nothing evicted would make it fit.
-    return absl::ResourceExhaustedError(
-        absl::StrCat("partition ", desc.id, " (", desc.bytes, " bytes, counted as ", bytes,
-                     " in whole pages) is larger than the ", TierName(t), " tier's budget of ",
-                     table_->budget_bytes(t), " bytes"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "partition ", desc.id, " (", desc.bytes, " bytes, counted as ", bytes,
+        " in whole pages) is larger than the ", TierName(t), " tier's budget of ",
+        table_->budget_bytes(t), " bytes",
+        aside > 0 ? absl::StrCat(" less the ", aside, " set aside for the optimizer") : ""));
   }
   absl::flat_hash_set<PartitionId> skipped;  // victims whose eviction failed
   absl::Status last_failure;
@@ -683,7 +705,9 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
           MoveCause(r.move->first, r.move->second, why.has_value() && IsEviction(*why));
       const auto t0 = Clock::now();
       --st.busy;
+      ++st.joining;  // Unregister refuses it meanwhile: this thread still holds `st`
       WaitForMoveLocked(id);
+      --st.joining;
       ++st.busy;
       if (waits != nullptr) waits->s[static_cast<int>(cause)] += Since(t0);
       continue;

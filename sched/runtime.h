@@ -181,7 +181,8 @@ class Runtime {
   // The partitions in the NVMe store (empty without an NVMe tier), registered or not.
   std::vector<PartitionRecord> StoredPartitions() const;
   // Forgets a partition: its memory copies are freed and its NVMe copy erased. Refused while it is
-  // pinned, brought in or being registered by another thread (waits for a move of it in flight).
+  // pinned, brought in (or waited for) or being registered by another thread; waits for a move of
+  // it in flight to end. Ids of 2^63 and more are refused (they key the optimizer's state).
   // Also drops a stored partition never adopted. If erasing the NVMe copy fails, the memory
   // copies are gone and the stored one stays (StoredPartitions): Unregister again to erase it.
   absl::Status Unregister(PartitionId id);
@@ -270,6 +271,8 @@ class Runtime {
   struct PartState {
     std::array<uint64_t, 2> last_use{};  // device, host: the tick of the last access
     int busy = 0;                        // operations bringing it: never a victim meanwhile
+    int joining = 0;                     // threads parked on its move (not busy: evictable)
+    int carrying = 0;                    // MoveLocked calls between their unlock and re-lock
     std::array<bool, 2> prefetched{};    // device, host: brought by a prefetch, not yet acquired
     std::optional<Purpose> moving;       // why its move in flight runs
   };

@@ -58,6 +58,10 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
                                                      elements, " elements (accepted: 1 to ",
                                                      kMaxElements, ", 12 state bytes each)"));
     }
+    if (s->parts_.contains(id)) {  // before anything is allocated for it
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer swapper: partition ", id, " listed twice"));
+    }
     Part part;
     part.elements = elements;
     if (StateBytes(elements) <= config.max_in_cpu_bytes - in_cpu) {  // in_cpu <= max_in_cpu
@@ -73,10 +77,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
       }
       s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(elements));
     }
-    if (!s->parts_.emplace(id, part).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("optimizer swapper: partition ", id, " listed twice"));
-    }
+    s->parts_.emplace(id, part);
   }
   if (s->buffer_bytes_ > 0) {
     const int count = config.ring_buffers > 0 ? config.ring_buffers : pipelined ? 3 : 1;

@@ -337,6 +337,72 @@ TEST(RuntimeEdgesTest, OnTheEmulatedDeviceAReleaseWithAStreamHasNothingToWaitFor
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
+TEST(RuntimeEdgesTest, UnregisterIsRefusedWhileAnAcquireWaitsOnAMoveOfThePartition) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 2, 2);
+  config.copy_bandwidth_bytes_per_s = 2000000;  // 50 ms per copy
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // Who wakes first when the move ends is up to the scheduler: several rounds.
+  for (PartitionId id = 1; id <= 12; ++id) {
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kDevice, RandomBytes(kBytes, id)).ok());
+    std::future<absl::Status> evicted =
+        std::async(std::launch::async, [&] { return (*rt)->Evict(id, Tier::kDevice); });
+    while (!(*rt)->residency().Get(id)->move) std::this_thread::yield();
+    std::future<absl::StatusOr<std::byte*>> acquired =
+        std::async(std::launch::async, [&] { return (*rt)->Acquire(id, Tier::kHost); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // parked on the move
+    absl::Status u = (*rt)->Unregister(id);
+    EXPECT_EQ(u.code(), absl::StatusCode::kFailedPrecondition) << id << ": " << u;
+    auto p = acquired.get();
+    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
+    EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, id).data(), kBytes));
+    ASSERT_TRUE((*rt)->Release(id, Tier::kHost, false).ok());
+    ASSERT_TRUE(evicted.get().ok());
+    ASSERT_TRUE((*rt)->Unregister(id).ok());
+  }
+}
+
+TEST(RuntimeEdgesTest, UnregisterRacingTheEndOfAnEvictionWaitsForIt) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  for (PartitionId id = 1; id <= 40; ++id) {
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kDevice, RandomBytes(kBytes, id)).ok());
+    std::future<absl::Status> evicted =
+        std::async(std::launch::async, [&] { return (*rt)->Evict(id, Tier::kDevice); });
+    absl::Status u;
+    do {
+      u = (*rt)->Unregister(id);
+    } while (!u.ok() && u.code() == absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(u.ok()) << u;
+    const absl::Status e = evicted.get();
+    // The eviction ran first, or found the partition gone: never anything else.
+    EXPECT_TRUE(e.ok() || e.code() == absl::StatusCode::kNotFound) << e;
+  }
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+TEST(RuntimeEdgesTest, AnAcquireWaitingForRoomWhileAPrefetchBringsItsPartitionGetsIt) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 2, 4);
+  config.copy_bandwidth_bytes_per_s = 400000;  // a quarter of a second per copy
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, RandomBytes(kBytes, 1)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kDevice, RandomBytes(kBytes, 2)).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(3), Tier::kHost, RandomBytes(kBytes, 3)).ok());
+  ASSERT_TRUE((*rt)->Acquire(2, Tier::kDevice).ok());  // pinned: 1 is the only victim
+  std::future<absl::Status> prefetched = (*rt)->Prefetch(3, Tier::kDevice);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // evicting 1 for it
+  auto p = (*rt)->Acquire(3, Tier::kDevice);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, 3).data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(3, Tier::kDevice, false).ok());
+  ASSERT_TRUE((*rt)->Release(2, Tier::kDevice, false).ok());
+  EXPECT_TRUE(prefetched.get().ok());
+}
+
 TEST(RuntimeEdgesTest, EveryBadCallIsNamedAndChangesNothing) {
   ScratchDir dir;
   for (int workers : {0, 65}) {
@@ -368,6 +434,11 @@ TEST(RuntimeEdgesTest, EveryBadCallIsNamedAndChangesNothing) {
   EXPECT_EQ(r.Prefetch(9, Tier::kHost).get().code(), absl::StatusCode::kNotFound);
   r.GradientReady(9);  // unknown: nothing to send down
   EXPECT_EQ(r.Unregister(9).code(), absl::StatusCode::kNotFound);
+  // The top bit keys the optimizer's state in the store: no partition call reaches it.
+  const PartitionId top = (PartitionId{1} << 63) | 7;
+  EXPECT_THAT(r.Unregister(top).message(), HasSubstr("ids are below 2^63"));
+  EXPECT_THAT(r.Adopt(Desc(top)).message(), HasSubstr("ids are below 2^63"));
+  EXPECT_EQ(r.Acquire(top, Tier::kHost).status().code(), absl::StatusCode::kNotFound);
   absl::Status adopt = r.Adopt(Desc(9));
   EXPECT_EQ(adopt.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(adopt.message(), HasSubstr("no partition 9"));

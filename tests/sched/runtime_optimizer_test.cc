@@ -20,6 +20,7 @@ namespace {
 using ::strata::sched::testing::Config;
 using ::strata::sched::testing::Desc;
 using ::strata::sched::testing::kBytes;
+using ::strata::sched::testing::kSlot;
 using ::strata::sched::testing::Quiet;
 using ::strata::testing::RandomBytes;
 using ::strata::testing::ScratchDir;
@@ -285,6 +286,24 @@ TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
 
   ScratchDir dir2;
   RuntimeConfig small = OptimizerConfig(dir2.File("swap"), OffloadDevice::kCpu);
+  {
+    // Duplicate ids are refused before anything is allocated: no pinned memory is left behind.
+    auto dup = Runtime::Create(small, Quiet());
+    ASSERT_TRUE(dup.ok()) << dup.status();
+    for (int i = 0; i < 3; ++i) {
+      absl::Status twice = (*dup)->CreateOptimizer(Adam(), {{1, 8000}, {1, 8000}});
+      EXPECT_THAT(twice.message(), HasSubstr("listed twice"));
+    }
+    EXPECT_EQ((*dup)->residency().set_aside_bytes(Tier::kHost), 0u);
+    // The whole host budget is still there: fill the host tier to its last page, then move
+    // through the staging buffers (which come out of the same pinned pool).
+    const uint64_t room = (*dup)->residency().budget_bytes(Tier::kHost);
+    for (PartitionId id = 100; (id - 99) * kSlot <= room; ++id) {
+      ASSERT_TRUE((*dup)->Register(Desc(id), Tier::kHost).ok()) << id;
+    }
+    absl::Status staged = (*dup)->Register(Desc(99), Tier::kNvme, RandomBytes(kBytes, 99));
+    EXPECT_TRUE(staged.ok()) << staged;
+  }
   small.host_budget_bytes = 4 * (64 << 10) + 100 * 4096;  // 100 pages besides the staging
   auto tight = Runtime::Create(small, Quiet());
   ASSERT_TRUE(tight.ok()) << tight.status();
@@ -297,6 +316,16 @@ TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
               HasSubstr("has one already"));
   EXPECT_THAT((*tight)->CreateOptimizer(Adam(), {}).message(), HasSubstr("has one already"));
   auto unknown = (*tight)->OptimizerStep(1, {swap::StepInput{.id = 7}});
+  // With the optimizer's room set aside, a partition larger than what is left is refused at
+  // once: nothing is evicted for it.
+  ASSERT_TRUE((*tight)->Register(Desc(20, 40000), Tier::kHost, RandomBytes(40000, 20)).ok());
+  const uint64_t left = (*tight)->residency().budget_bytes(Tier::kHost) -
+                        (*tight)->residency().set_aside_bytes(Tier::kHost);
+  absl::Status big = (*tight)->Register(Desc(21, left + 1), Tier::kHost);
+  EXPECT_EQ(big.code(), absl::StatusCode::kResourceExhausted) << big;
+  EXPECT_THAT(big.message(), HasSubstr("set aside for the optimizer"));
+  EXPECT_TRUE((*tight)->residency().Get(20)->has_copy[1]) << "evicted for nothing";
+  EXPECT_EQ((*tight)->stats().evictions, 0u);
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(unknown.status().message(), HasSubstr("partition 7"));
   EXPECT_EQ((*tight)->residency().set_aside_bytes(Tier::kNvme), 0u);

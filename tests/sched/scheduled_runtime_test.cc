@@ -101,7 +101,7 @@ TEST(ScheduledRuntimeTest, WithPlentifulBandwidthPlannedStepsWaitForNothing) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   const auto compute = std::chrono::milliseconds(30);  // a sanitized move is ten times slower
 #else
-  const auto compute = std::chrono::milliseconds(4);
+  const auto compute = std::chrono::milliseconds(10);  // ample slack even on a loaded machine
 #endif
   RunStep(**rt, order, compute, bytes);
   StepReport first = (*rt)->EndStep();
@@ -356,7 +356,9 @@ TEST(ScheduledRuntimeTest, MaxReuseDistanceKeepsParametersNeededSoonOverOtherCop
   // The trace 1(p) 2(g) 3(p) 2(g) 1(p) with two device slots: when 3 comes, Belady's rule alone
   // evicts 1 (needed after 2); a parameter needed again within max_reuse_distance parameter
   // elements (none in between here) is kept over the gradient instead, as DeepSpeed keeps it.
-  for (const int64_t distance : {int64_t{0}, int64_t{1000000000}}) {
+  // At 3, the parameter elements before 1's next use are 0 (only the gradient comes between):
+  // a distance of 0 does not protect it, 1 does (the boundary), and DeepSpeed's default too.
+  for (const int64_t distance : {int64_t{0}, int64_t{1}, int64_t{1000000000}}) {
     ScratchDir dir;
     RuntimeConfig config = Config(dir.File("swap"), 2, 8);
     config.stage3_max_reuse_distance = distance;
@@ -569,9 +571,9 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
   checker.join();
   churn.join();
   EXPECT_EQ(failures.load(), 0);
-  // Waiting, not retrying, is how a full tier is met while moves are in flight: a retry is the
-  // rare moment when every other copy is pinned or being brought in and nothing moves.
-  EXPECT_LE(retries.load(), acquires.load() / 20) << retries.load() << " retries";
+  // Each thread pins one partition at a time and the budgets hold one more than all of them: an
+  // Acquire waits for room while moves are in flight, and never finds the tier full.
+  EXPECT_EQ(retries.load(), 0) << "of " << acquires.load() << " acquires";
   for (std::future<absl::Status>& f : prefetches) {
     const absl::Status s = f.get();
     // Refused for want of room, a pinned source, or a Runtime going away; never anything else.
