@@ -985,8 +985,14 @@ void Runtime::CountWriteBackFailure(const absl::Status& s) {
 
 void Runtime::WriteBackEarlyLocked(PartitionId id) {
   if (store_ == nullptr || !scheduler_->plans_evictions()) return;
-  // Only a copy that the host tier cannot keep until its next use (the plan says so).
-  if (!scheduler_->CrowdedOutBeforeNextUse(id, table_->budget_bytes(Tier::kHost))) return;
+  // Only a copy that the host tier will not keep until its next use (the plan says so).
+  const uint64_t capacity =
+      table_->budget_bytes(Tier::kHost) - table_->set_aside_bytes(Tier::kHost);
+  auto resident = [this](PartitionId other) {
+    auto r = table_->Get(other);
+    return r.ok() && r->has_copy[I(Tier::kHost)];
+  };
+  if (!scheduler_->EvictedBeforeNextUse(id, capacity, resident)) return;
   Post(
       [this, id] {
         MutexLock lock(&mu_);

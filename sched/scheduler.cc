@@ -116,22 +116,39 @@ uint64_t Scheduler::ParamElementsBeforeNextUse(PartitionId id, Tier tier) const 
   return (param_prefix_[n] - param_prefix_[from]) + param_prefix_[to - n];
 }
 
-bool Scheduler::CrowdedOutBeforeNextUse(PartitionId id, uint64_t bytes) const {
+bool Scheduler::EvictedBeforeNextUse(PartitionId id, uint64_t capacity,
+                                     const std::function<bool(PartitionId)>& resident) const {
   if (mode_ != Mode::kPlanned) return false;
-  if (!uses_.contains(std::make_pair(id, Tier::kDevice)) &&
-      !uses_.contains(std::make_pair(id, Tier::kHost))) {
-    return false;  // not in the plan: nothing to say
-  }
+  const uint64_t d =
+      std::min(NextUse(id, Tier::kDevice), NextUse(id, Tier::kHost));  // accesses until its use
+  if (d == kNever) return false;  // not in the plan: nothing to say
   const uint64_t n = plan_acquires_.size();
-  absl::flat_hash_set<PartitionId> seen;
-  uint64_t between = 0;
-  for (uint64_t d = 0; d < n; ++d) {
-    const TraceEvent& e = plan_[plan_acquires_[(cursor_ + d) % n]];
-    if (e.id == id) return false;  // used again first
-    if (seen.insert(e.id).second) {
-      between += e.bytes;
-      if (between > bytes) return true;
-    }
+  uint64_t own = 0;
+  // Each other partition accessed before that use is held from its first access there (from now,
+  // when it is resident already) to its last: Belady's rule keeps it over `id` meanwhile.
+  struct Span {
+    uint64_t first, last, bytes;
+  };
+  absl::flat_hash_map<PartitionId, Span> spans;
+  for (uint64_t k = 0; k < d; ++k) {
+    const TraceEvent& e = plan_[plan_acquires_[(cursor_ + k) % n]];
+    auto [it, added] = spans.try_emplace(e.id, Span{k, k, e.bytes});
+    if (!added) it->second.last = k;
+  }
+  for (uint64_t k = 0; k < n && own == 0; ++k) {
+    const TraceEvent& e = plan_[plan_acquires_[k]];
+    if (e.id == id) own = e.bytes;
+  }
+  std::vector<int64_t> delta(d + 1, 0);
+  for (const auto& [other, span] : spans) {
+    const uint64_t from = resident(other) ? 0 : span.first;
+    delta[from] += static_cast<int64_t>(span.bytes);
+    delta[span.last + 1] -= static_cast<int64_t>(span.bytes);
+  }
+  int64_t held = 0;
+  for (uint64_t k = 0; k < d; ++k) {
+    held += delta[k];
+    if (static_cast<uint64_t>(held) + own > capacity) return true;
   }
   return false;
 }

@@ -31,6 +31,7 @@
 #define STRATA_SCHED_SCHEDULER_H_
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <string>
@@ -100,10 +101,14 @@ class Scheduler {
   // The parameter elements (Role::kParam accesses, as DeepSpeed counts reuse distance) the plan
   // acquires before (id, tier) is needed again; kNever when it is not in the plan.
   uint64_t ParamElementsBeforeNextUse(PartitionId id, Tier tier) const;
-  // Whether more than `bytes` of other partitions (distinct, either memory tier) are accessed
-  // before `id`'s next use (in either memory tier): a copy held meanwhile in a tier of that size is
-  // evicted before it is used again, by any policy. False when there is no plan.
-  bool CrowdedOutBeforeNextUse(PartitionId id, uint64_t bytes) const;
+  // Whether a copy of `id` held in a tier of `capacity` bytes is evicted before its next use (in
+  // either memory tier) by Belady's rule on the plan: at some access before that use, the copies
+  // needed sooner than it — those `resident` now and accessed again before it, and those brought
+  // in and accessed again before it — with the one in use and its own bytes exceed `capacity`.
+  // (Every access counts against the one tier: an estimate that errs towards eviction.) False
+  // when there is no plan or it is not in the plan.
+  bool EvictedBeforeNextUse(PartitionId id, uint64_t capacity,
+                            const std::function<bool(PartitionId)>& resident) const;
   // The gradient partitions (Role::kGrad) of the plan in the order they were released dirty
   // (backward's order), each once; empty without a plan.
   std::vector<PartitionId> GradientOrder() const;

@@ -186,17 +186,34 @@ TEST(SchedulerTest, GradientsAreOrderedAsTheyWereReleasedDirtyInTheRecordedStep)
   EXPECT_THAT(s.GradientOrder(), ::testing::ElementsAre(13, 12, 11));
 }
 
-TEST(SchedulerTest, ACopyIsCrowdedOutWhenMoreThanABudgetComesBeforeItsNextUse) {
+TEST(SchedulerTest, ACopyIsEvictedBeforeItsNextUseWhenWhatIsNeededSoonerDoesNotFitBesideIt) {
   Scheduler s{SchedulerConfig{}};
-  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 0));  // no plan
-  Step(s, {1, 2, 3, 4, 5});                       // 4000 bytes each
+  auto none = [](PartitionId) { return false; };
+  auto all = [](PartitionId) { return true; };
+  EXPECT_FALSE(s.EvictedBeforeNextUse(1, 0, none));  // no plan
+  Step(s, {1, 2, 3, 4, 5});                          // 4000 bytes each
   s.EndStep();
-  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 0));  // it comes first
+  EXPECT_FALSE(s.EvictedBeforeNextUse(1, 0, none));  // it comes first
   s.OnAcquire(P(1), Tier::kDevice, 0);
-  EXPECT_TRUE(s.CrowdedOutBeforeNextUse(1, 15999));  // 2, 3, 4 and 5 come first: 16000 bytes
-  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(1, 16000));
-  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(2, 0));
-  EXPECT_FALSE(s.CrowdedOutBeforeNextUse(9, 0));  // not in the plan
+  // 2, 3, 4 and 5 come before 1 again, each once: brought in one at a time, none held beside 1
+  // for long: 1 and the one in use, 8000 bytes.
+  EXPECT_TRUE(s.EvictedBeforeNextUse(1, 7999, none));
+  EXPECT_FALSE(s.EvictedBeforeNextUse(1, 8000, none));
+  // Resident already and needed before 1: held from now to their use, 16000 bytes beside it.
+  EXPECT_TRUE(s.EvictedBeforeNextUse(1, 19999, all));
+  EXPECT_FALSE(s.EvictedBeforeNextUse(1, 20000, all));
+  EXPECT_FALSE(s.EvictedBeforeNextUse(9, 0, all));  // not in the plan
+}
+
+TEST(SchedulerTest, ACopyNeededAgainBeforeTheOneInQuestionIsHeldBetweenItsUses) {
+  Scheduler s{SchedulerConfig{}};
+  auto none = [](PartitionId) { return false; };
+  Step(s, {1, 2, 3, 2, 4});  // 4000 bytes each
+  s.EndStep();
+  s.OnAcquire(P(1), Tier::kDevice, 0);
+  // Before 1 again: 2 (held from its first use to its second), 3 beside it, then 4.
+  EXPECT_TRUE(s.EvictedBeforeNextUse(1, 11999, none));
+  EXPECT_FALSE(s.EvictedBeforeNextUse(1, 12000, none));
 }
 
 TEST(SchedulerTest, ReuseDistanceCountsTheParameterElementsAcquiredInBetween) {
