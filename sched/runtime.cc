@@ -960,15 +960,20 @@ void Runtime::GradientReady(PartitionId id) {
   if (scheduler_->NextUse(id, Tier::kDevice) <= static_cast<uint64_t>(scheduler_->lookahead())) {
     return;  // needed on the device again soon
   }
+  PostForPartition(id, [this, id](const Residency& r) {
+    if (r.pins[I(Tier::kDevice)] > 0) return;  // in use again: it stays
+    // It stays on the device, current, when this fails; a later eviction retries.
+    CountWriteBackFailure(EvictLocked(id, Tier::kDevice, Purpose::kEvict, 0, nullptr));
+  });
+}
+
+void Runtime::PostForPartition(PartitionId id, std::function<void(const Residency&)> work) {
   Post(
-      [this, id] {
+      [this, id, work = std::move(work)] {
         MutexLock lock(&mu_);
-        if (!parts_.contains(id)) return;
+        if (!parts_.contains(id)) return;  // unregistered meanwhile
         WaitForMoveLocked(id);
-        auto r = table_->Get(id);
-        if (!r.ok() || r->pins[I(Tier::kDevice)] > 0) return;  // in use again: it stays
-        // It stays on the device, current, when this fails; a later eviction retries.
-        CountWriteBackFailure(EvictLocked(id, Tier::kDevice, Purpose::kEvict, 0, nullptr));
+        if (auto r = table_->Get(id); r.ok()) work(*r);
       },
       [] {});
 }
@@ -993,21 +998,15 @@ void Runtime::WriteBackEarlyLocked(PartitionId id) {
     return r.ok() && r->has_copy[I(Tier::kHost)];
   };
   if (!scheduler_->EvictedBeforeNextUse(id, capacity, resident)) return;
-  Post(
-      [this, id] {
-        MutexLock lock(&mu_);
-        if (!parts_.contains(id)) return;
-        WaitForMoveLocked(id);
-        auto r = table_->Get(id);
-        if (!r.ok() || !r->only_current(Tier::kHost) || r->pins[I(Tier::kHost)] > 0) return;
-        absl::Status s = MoveLocked(id, Tier::kHost, Tier::kNvme, Purpose::kEvict, 0, nullptr);
-        if (s.ok()) {
-          ++stats_.write_backs;
-          ++step_.r.write_backs;
-        }
-        CountWriteBackFailure(s);
-      },
-      [] {});
+  PostForPartition(id, [this, id](const Residency& r) {
+    if (!r.only_current(Tier::kHost) || r.pins[I(Tier::kHost)] > 0) return;
+    absl::Status s = MoveLocked(id, Tier::kHost, Tier::kNvme, Purpose::kEvict, 0, nullptr);
+    if (s.ok()) {
+      ++stats_.write_backs;
+      ++step_.r.write_backs;
+    }
+    CountWriteBackFailure(s);
+  });
 }
 
 StepReport Runtime::EndStep() {

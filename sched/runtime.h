@@ -309,6 +309,9 @@ class Runtime {
   // the background.
   void WriteBackEarlyLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountWriteBackFailure(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs `work` on a worker, under the lock, once no move of `id` is in flight (not at all when it
+  // has been unregistered meanwhile).
+  void PostForPartition(PartitionId id, std::function<void(const tiering::Residency&)> work);
   StepReport EndStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPrefetch(PartitionId id, Tier tier, bool planned, std::promise<absl::Status>* done);
   // Queues a job for the workers, whose `cancel` runs instead if the Runtime is destroyed first.
