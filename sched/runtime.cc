@@ -186,6 +186,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     rt->device_memory_ = *std::move(memory);
     STRATA_ASSIGN_OR_RETURN(rt->copy_, tiering::CreateCudaCopyEngine(device));
   }
+  if (rt->options_.wrap_copy_engine) {
+    rt->copy_ = rt->options_.wrap_copy_engine(std::move(rt->copy_));
+  }
   // Pinned host memory: near the NVMe drive's NUMA node, registered with CUDA on a real device,
   // pinned once and pooled (freed blocks are reused, up to the host budget).
   tiering::PinnedOptions po;

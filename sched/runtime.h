@@ -117,6 +117,10 @@ struct RuntimeOptions {
   std::optional<Policy> policy;
   // Passed to the aio engine (tests wrap the backend with a FaultInjector).
   aio::EngineOptions engine_options;
+  // Test seam: wraps the copy engine the Runtime made (a test's engine may record fences of its
+  // own on the emulated device, which has none).
+  std::function<std::unique_ptr<tiering::CopyEngine>(std::unique_ptr<tiering::CopyEngine>)>
+      wrap_copy_engine;
   // Test seam: the optimizer step's events (swap/optimizer_swapper.h), with the caller's ids.
   std::function<void(swap::StepEvent, PartitionId)> on_optimizer_event;
 };

@@ -321,19 +321,61 @@ TEST(RuntimeEdgesTest, PrefetchesRaceRegistrationsThatGrowThePartitionMap) {
   EXPECT_EQ((*rt)->EndStep().prefetch_hits, 2u);
 }
 
-TEST(RuntimeEdgesTest, OnTheEmulatedDeviceAReleaseWithAStreamHasNothingToWaitFor) {
+// A copy engine whose fences a test opens by hand (the emulated engine has none).
+class GatedCopyEngine final : public tiering::CopyEngine {
+ public:
+  class Gate final : public tiering::Fence {
+   public:
+    absl::Status Wait() override {
+      while (!open.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return absl::OkStatus();
+    }
+    bool Passed() override { return open.load(); }
+    std::atomic<bool> open{false};
+  };
+  explicit GatedCopyEngine(std::unique_ptr<tiering::CopyEngine> inner) : inner_(std::move(inner)) {}
+  void Copy(void* dst, const void* src, size_t bytes, tiering::CopyDirection direction,
+            Done done) override {
+    inner_->Copy(dst, src, bytes, direction, std::move(done));
+  }
+  absl::string_view name() const override { return "gated test engine"; }
+  absl::StatusOr<std::shared_ptr<tiering::Fence>> RecordFence(tiering::StreamHandle) override {
+    return std::shared_ptr<tiering::Fence>(gate);
+  }
+  std::shared_ptr<Gate> gate = std::make_shared<Gate>();
+
+ private:
+  std::unique_ptr<tiering::CopyEngine> inner_;
+};
+
+TEST(RuntimeEdgesTest, AReleaseWithAStreamHoldsTheCopyUntilTheStreamsWorkHasRun) {
   ScratchDir dir;
-  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  RuntimeOptions ro = Quiet();
+  std::shared_ptr<GatedCopyEngine::Gate> gate;
+  ro.wrap_copy_engine = [&](std::unique_ptr<tiering::CopyEngine> inner) {
+    auto engine = std::make_unique<GatedCopyEngine>(std::move(inner));
+    gate = engine->gate;
+    return engine;
+  };
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), ro);
   ASSERT_TRUE(rt.ok()) << rt.status();
   ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
   auto p = (*rt)->Acquire(1, Tier::kDevice);
   ASSERT_TRUE(p.ok());
-  int stream = 0;  // any handle: the emulated device has no streams
+  int stream = 0;  // any handle: the test's engine records its own fence
   ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true, &stream).ok());
-  ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());
+  // The "kernels" still run: the write-back waits for them, and does not hold up the Runtime.
+  std::future<absl::Status> evicted =
+      std::async(std::launch::async, [&] { return (*rt)->Evict(1, Tier::kDevice); });
+  EXPECT_EQ(evicted.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "the copy was written back before the stream's work had run";
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kHost, RandomBytes(kBytes, 2)).ok());  // not blocked
+  std::memcpy(*p, RandomBytes(kBytes, 9).data(), kBytes);  // the last "kernel" writes
+  gate->open = true;
+  ASSERT_TRUE(evicted.get().ok());
   auto back = (*rt)->Acquire(1, Tier::kHost);
   ASSERT_TRUE(back.ok());
-  EXPECT_EQ(0, std::memcmp(*back, RandomBytes(kBytes, 1).data(), kBytes));
+  EXPECT_EQ(0, std::memcmp(*back, RandomBytes(kBytes, 9).data(), kBytes));
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
