@@ -25,9 +25,15 @@
 // The scheduler: the first step is recorded; from the second the Runtime follows the recorded
 // trace, prefetching the next accesses on its worker threads (NVMe -> host -> device, or NVMe ->
 // device staged) so they arrive before they are needed, and evicting the copy needed furthest in
-// the future (clean before dirty among those not needed soon; never one needed before the copy a
-// prefetch brings). A step whose accesses differ from the trace falls back to on-demand fetching
-// with least-recently-used eviction for its rest, warns once, and is recorded anew. With
+// the future (clean before dirty among those not needed soon; a prefetch never evicts one the
+// window needs), with DeepSpeed's stage-3 knobs: stage3_prefetch_bucket_size bounds the parameter
+// elements in the window, stage3_max_live_parameters the parameter elements the scheduler's
+// prefetches may bring to the device, stage3_max_reuse_distance keeps a device parameter needed
+// again within that many parameter elements over other copies, and parameters with fewer than
+// stage3_param_persistence_threshold elements are never evicted from the device to make room. A
+// dirty host copy that the plan says would be evicted before its next use is written to NVMe in
+// the background at once. A step whose accesses differ from the trace falls back to on-demand
+// fetching with least-recently-used eviction for its rest, warns once, and is recorded anew. With
 // strata.eviction_policy "lru" there is no plan: on demand and LRU throughout. GradientReady tells
 // the Runtime a gradient partition is complete on the device: it leaves the device in the
 // background (to the host tier, or to NVMe when the host has no room) unless the plan needs it
@@ -50,7 +56,8 @@
 // (offload_param.buffer_count buffers, used in pairs: an odd count's last buffer is not set
 // aside, and at least one pair is; set aside at Create when there is an NVMe tier), so pinned
 // memory held stays within strata.host_budget_bytes. A copy is counted in whole pages (4096
-// bytes); a partition larger than a tier's budget is refused there at once (ResourceExhausted).
+// bytes); a partition larger than a tier's budget (less what is set aside for the optimizer) is
+// refused there at once (ResourceExhausted).
 //
 // Restarts: a Runtime reopening a store finds the partitions an earlier run left there
 // (StoredPartitions). Adopt takes one over with its bytes; Register refuses an id the store already
@@ -309,8 +316,8 @@ class Runtime {
   absl::Status WriteBackLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WaitForMoveLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PlanPrefetchesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Planned: a dirty host copy that will be crowded out before its next use is written to NVMe in
-  // the background.
+  // Planned: a dirty host copy that Belady's rule on the plan would evict before its next use is
+  // written to NVMe in the background.
   void WriteBackEarlyLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountWriteBackFailure(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs `work` on a worker, under the lock, once no move of `id` is in flight (not at all when it

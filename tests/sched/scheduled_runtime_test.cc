@@ -255,7 +255,8 @@ TEST(ScheduledRuntimeTest, AnEnospcOnAWriteBackKeepsTheDirtyCopyAndTheAcquireGet
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
-TEST(ScheduledRuntimeTest, AWrittenHostCopyThatWillBeCrowdedOutGoesToNvmeInTheBackground) {
+TEST(ScheduledRuntimeTest,
+     AWrittenHostCopyThatWouldBeEvictedBeforeItsNextUseGoesToNvmeInTheBackground) {
   for (const char* policy : {"trace", "lru"}) {
     ScratchDir dir;
     RuntimeConfig config = Config(dir.File("swap"), 2, 2);
