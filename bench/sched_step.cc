@@ -7,7 +7,10 @@
 //   backward  for each layer, last first: parameters and gradient on the device, compute, release
 //             the gradient dirty (GradientReady: it leaves the device in the background);
 //   optimizer for each layer, last first: optimizer state, gradient and parameters on the host,
-//             compute, release the state and the parameters dirty (the new weights flow down).
+//             compute, release the state and the parameters dirty (the new weights flow down) —
+//             after backward (--optimizer=after_backward, DeepSpeed's order, the default) or
+//             during it, each layer right after backward has computed the next layer down
+//             (--optimizer=interleaved, as strata's trainer front steps partitions).
 // Compute is modelled (a sleep on the trainer thread, per layer and phase). The device tier is
 // host-emulated, its copy engine capped at --copy_gbps (a PCIe-like link), or with --device=cuda
 // GPU 0's memory and a CUDA copy engine (pinned host <-> HBM; each direction of the link timed on
@@ -15,13 +18,16 @@
 // quarter of the parameters, the host budget half of everything (plus the staging buffers), the
 // rest lives in the NVMe store under --dir.
 //
-// The ceiling is the trace's lower bound per step: max(compute, bytes that must cross the copy link
-// / its bandwidth, bytes that must cross the disk / its bandwidth), the bandwidths measured in the
-// same run (the copy engine timed on a large copy; the disk by fio reads and writes at the store's
-// block size and depth, or strata's aio engine where fio is not installed, as the output says),
-// the bytes by Belady's offline-optimal eviction over the step's accesses, repeated (the copy link:
-// device-tier accesses with the device budget; the disk: all memory-tier accesses with the device
-// and host budgets together). Dirty evictions count as write-backs. It is a counting bound, not a
+// The ceiling is the trace's lower bound per step, the longer of two counts, the bandwidths
+// measured in the same run (the copy engine timed on a large copy; the disk by fio reads and
+// writes at the store's block size and depth, or strata's aio engine where fio is not installed,
+// as the output says). Over the whole step: max(compute, bytes that must cross the copy link / its
+// bandwidth, bytes that must cross the disk / its bandwidth), the bytes by Belady's offline-optimal
+// eviction over the step's accesses, repeated (the copy link: device-tier accesses with the device
+// budget; the disk: all memory-tier accesses with the device and host budgets together; dirty
+// evictions count as write-backs). Phase by phase: the sum over the trainer's phases of
+// max(compute, link time, disk time) of the bytes each phase must move within itself whatever the
+// policy (PhaseLowerBounds), as the phases run one after another. It is a counting bound, not a
 // proof that no policy moves fewer bytes: it charges each link its loads and dirty evictions under
 // one combined budget, and leaves out what a real schedule also moves (the optimizer's new
 // parameters flowing back to the device, gradients crossing down). The figure is the median step
@@ -34,10 +40,12 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "aio/buffer.h"
@@ -61,6 +69,10 @@ ABSL_FLAG(std::string, device, "emulated",
 ABSL_FLAG(double, forward_ms, 1.0, "modelled compute per layer: forward");
 ABSL_FLAG(double, backward_ms, 2.0, "modelled compute per layer: backward");
 ABSL_FLAG(double, optimizer_ms, 2.0, "modelled compute per layer: optimizer");
+ABSL_FLAG(std::string, optimizer, "after_backward",
+          "when the optimizer steps: after_backward (every layer once backward has ended, as "
+          "DeepSpeed does) or interleaved (each layer during backward, one layer behind its "
+          "gradient, as strata's trainer front does)");
 ABSL_FLAG(std::string, json, "", "write the report here");
 
 namespace strata::bench {
@@ -78,10 +90,24 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// One step as the trainer thread runs it: groups of accesses, each acquired together, computed on
+// for a modelled time, and released; a group's gradient, if any, is then handed to GradientReady.
+// The step's phases (forward, backward, optimizer) run one after another on the trainer thread,
+// which the bound uses (below). With --optimizer=interleaved the optimizer steps each layer right
+// after backward has produced the layer before's gradient (the gradient one layer behind, so that
+// it has come down meanwhile), as strata's trainer front does; with after_backward (DeepSpeed's
+// order) it steps every layer once backward has ended.
 struct Access {
   PartitionId id;
   Tier tier;
   bool dirty;
+};
+enum Phase : int { kForward, kBackward, kOptimizer, kPhaseCount };
+struct Group {
+  std::vector<Access> accesses;
+  double compute_s = 0;
+  Phase phase = kForward;
+  std::optional<PartitionId> gradient_ready;  // handed to GradientReady after the release
 };
 
 struct Model {
@@ -110,19 +136,37 @@ Model MakeModel(int layers, uint64_t param_bytes) {
   return m;
 }
 
-// The step's accesses in order (what the trainer thread does, without the compute).
-std::vector<Access> StepAccesses(const Model& m) {
+std::vector<Group> MakeStep(const Model& m, bool interleaved) {
+  const double fwd = absl::GetFlag(FLAGS_forward_ms) / 1e3;
+  const double bwd = absl::GetFlag(FLAGS_backward_ms) / 1e3;
+  const double opt = absl::GetFlag(FLAGS_optimizer_ms) / 1e3;
+  std::vector<Group> step;
+  for (int l = 0; l < m.layers; ++l) step.push_back({{{m.Param(l), Tier::kDevice, false}}, fwd});
+  auto optimizer = [&](int l) {
+    step.push_back({{{m.State(l), Tier::kHost, true},
+                     {m.Grad(l), Tier::kHost, false},
+                     {m.Param(l), Tier::kHost, true}},
+                    opt,
+                    interleaved ? kBackward : kOptimizer});
+  };
+  for (int l = m.layers - 1; l >= 0; --l) {
+    step.push_back({{{m.Param(l), Tier::kDevice, false}, {m.Grad(l), Tier::kDevice, true}},
+                    bwd,
+                    kBackward,
+                    m.Grad(l)});
+    if (interleaved && l + 1 < m.layers) optimizer(l + 1);
+  }
+  if (interleaved) {
+    optimizer(0);
+  } else {
+    for (int l = m.layers - 1; l >= 0; --l) optimizer(l);
+  }
+  return step;
+}
+
+std::vector<Access> Accesses(const std::vector<Group>& step) {
   std::vector<Access> a;
-  for (int l = 0; l < m.layers; ++l) a.push_back({m.Param(l), Tier::kDevice, false});
-  for (int l = m.layers - 1; l >= 0; --l) {
-    a.push_back({m.Param(l), Tier::kDevice, false});
-    a.push_back({m.Grad(l), Tier::kDevice, true});
-  }
-  for (int l = m.layers - 1; l >= 0; --l) {
-    a.push_back({m.State(l), Tier::kHost, true});
-    a.push_back({m.Grad(l), Tier::kHost, false});
-    a.push_back({m.Param(l), Tier::kHost, true});
-  }
+  for (const Group& g : step) a.insert(a.end(), g.accesses.begin(), g.accesses.end());
   return a;
 }
 
@@ -170,6 +214,46 @@ Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget)
     if (x.dirty) held[x.id].dirty = true;
   }
   return t;
+}
+
+// What must cross the disk and the link within each phase, whatever the policy: at a phase's start
+// the memory tiers hold at most their budgets' bytes, so of the partitions a phase accesses in
+// memory, all but that many bytes are read from NVMe within the phase; of those it dirties, all but
+// that many are written back within it (a dirty copy leaves memory only once written back, and at
+// the phase's end memory again holds at most its budgets). The same for the device tier and the
+// link. The trainer runs the phases one after another, so a step takes at least the sum over
+// phases of max(the phase's compute, its disk time, its link time).
+struct PhaseNeeds {
+  double compute_s = 0;
+  Traffic disk, link;
+};
+std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(const Model& m, const std::vector<Group>& step,
+                                                     uint64_t device_budget,
+                                                     uint64_t memory_budget) {
+  std::array<PhaseNeeds, kPhaseCount> needs;
+  for (int p = 0; p < kPhaseCount; ++p) {
+    absl::flat_hash_set<PartitionId> used, dirtied, on_device, dirtied_on_device;
+    for (const Group& g : step) {
+      if (g.phase != p) continue;
+      needs[p].compute_s += g.compute_s;
+      for (const Access& a : g.accesses) {
+        used.insert(a.id);
+        if (a.dirty) dirtied.insert(a.id);
+        if (a.tier == Tier::kDevice) {
+          on_device.insert(a.id);
+          if (a.dirty) dirtied_on_device.insert(a.id);
+        }
+      }
+    }
+    auto beyond = [&](const absl::flat_hash_set<PartitionId>& ids, uint64_t budget) {
+      uint64_t bytes = 0;
+      for (PartitionId id : ids) bytes += m.Bytes(id);
+      return bytes > budget ? bytes - budget : 0;
+    };
+    needs[p].disk = {beyond(used, memory_budget), beyond(dirtied, memory_budget)};
+    needs[p].link = {beyond(on_device, device_budget), beyond(dirtied_on_device, device_budget)};
+  }
+  return needs;
 }
 
 // The copy link's bandwidth, each way. Emulated: a large copy through a capped host copy engine
@@ -271,7 +355,8 @@ struct Run {
   std::string error;
 };
 
-Run RunPolicy(const Model& m, Policy policy, const tiering::RuntimeConfig& config) {
+Run RunPolicy(const Model& m, const std::vector<Group>& step_groups, Policy policy,
+              const tiering::RuntimeConfig& config) {
   Run run;
   sched::RuntimeOptions ro;
   ro.on_warning = [](absl::string_view) {};
@@ -287,33 +372,25 @@ Run RunPolicy(const Model& m, Policy policy, const tiering::RuntimeConfig& confi
       return run;
     }
   }
-  const auto fwd = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_forward_ms));
-  const auto bwd = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_backward_ms));
-  const auto opt = std::chrono::duration<double, std::milli>(absl::GetFlag(FLAGS_optimizer_ms));
-  auto use = [&](const std::vector<Access>& group, std::chrono::duration<double, std::milli> c) {
-    for (const Access& a : group) {
+  auto use = [&](const Group& g) {
+    for (const Access& a : g.accesses) {
       auto p = (*rt)->Acquire(a.id, a.tier);
       if (!p.ok()) return p.status();
       if (a.dirty) (*p)[0] = std::byte{1};  // the bytes change (the rest is modelled)
     }
-    std::this_thread::sleep_for(c);
-    for (const Access& a : group) STRATA_RETURN_IF_ERROR((*rt)->Release(a.id, a.tier, a.dirty));
+    std::this_thread::sleep_for(std::chrono::duration<double>(g.compute_s));
+    for (const Access& a : g.accesses) {
+      STRATA_RETURN_IF_ERROR((*rt)->Release(a.id, a.tier, a.dirty));
+    }
+    if (g.gradient_ready) (*rt)->GradientReady(*g.gradient_ready);
     return absl::OkStatus();
   };
   const int steps = absl::GetFlag(FLAGS_steps);
   for (int step = 0; step < steps; ++step) {
     const auto t0 = Clock::now();
     absl::Status s;
-    for (int l = 0; l < m.layers && s.ok(); ++l) s = use({{m.Param(l), Tier::kDevice, false}}, fwd);
-    for (int l = m.layers - 1; l >= 0 && s.ok(); --l) {
-      s = use({{m.Param(l), Tier::kDevice, false}, {m.Grad(l), Tier::kDevice, true}}, bwd);
-      (*rt)->GradientReady(m.Grad(l));
-    }
-    for (int l = m.layers - 1; l >= 0 && s.ok(); --l) {
-      s = use({{m.State(l), Tier::kHost, true},
-               {m.Grad(l), Tier::kHost, false},
-               {m.Param(l), Tier::kHost, true}},
-              opt);
+    for (const Group& g : step_groups) {
+      if (s = use(g); !s.ok()) break;
     }
     run.last = (*rt)->EndStep();
     if (!s.ok()) {
@@ -357,17 +434,22 @@ int Main() {
   std::filesystem::create_directories(root, ec);
   config.nvme_path = root + "/swap";
 
-  const std::vector<Access> step = StepAccesses(m);
+  const bool interleaved = absl::GetFlag(FLAGS_optimizer) == "interleaved";
+  const std::vector<Group> step_groups = MakeStep(m, interleaved);
+  const std::vector<Access> step = Accesses(step_groups);
   std::vector<Access> device_accesses;
   for (const Access& a : step) {
     if (a.tier == Tier::kDevice) device_accesses.push_back(a);
   }
+  const uint64_t memory_budget = config.device_budget_bytes + all / 2;
   const Traffic link = Belady(m, device_accesses, config.device_budget_bytes);
-  const Traffic disk = Belady(m, step, config.device_budget_bytes + all / 2);
-  const double compute = m.layers *
-                         (absl::GetFlag(FLAGS_forward_ms) + absl::GetFlag(FLAGS_backward_ms) +
-                          absl::GetFlag(FLAGS_optimizer_ms)) /
-                         1e3;
+  const Traffic disk = Belady(m, step, memory_budget);
+  // (Phase by phase with the whole host budget, staging buffers included: it errs low.)
+  const std::array<PhaseNeeds, kPhaseCount> phases =
+      PhaseLowerBounds(m, step_groups, config.device_budget_bytes,
+                       config.device_budget_bytes + config.host_budget_bytes);
+  double compute = 0;
+  for (const Group& g : step_groups) compute += g.compute_s;
   auto engine = aio::Engine::Create(config.aio);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -381,7 +463,7 @@ int Main() {
   std::map<std::string, sched::StepReport> last;
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
   bool disk_by_fio = true;
-  std::vector<double> link_s_all;
+  std::vector<double> link_s_all, by_phase_all;
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (const auto& [name, policy] : policies) {
       // The bound's bandwidths, measured right before the policy runs (the same disk weather).
@@ -398,10 +480,19 @@ int Main() {
       read_bps_all.push_back(read_bps);
       write_bps_all.push_back(write_bps);
       link_s_all.push_back(link_bps.Seconds(link.loaded, link.written));
-      const double bound = std::max({compute, link_bps.Seconds(link.loaded, link.written),
+      // The step's bound: the whole step's traffic (Belady's), or phase by phase what each
+      // phase must move within itself, whichever is longer.
+      double by_phase = 0;
+      for (const PhaseNeeds& p : phases) {
+        by_phase += std::max({p.compute_s, link_bps.Seconds(p.link.loaded, p.link.written),
+                              p.disk.loaded / read_bps + p.disk.written / write_bps});
+      }
+      const double whole = std::max({compute, link_bps.Seconds(link.loaded, link.written),
                                      disk.loaded / read_bps + disk.written / write_bps});
+      const double bound = std::max(whole, by_phase);
+      by_phase_all.push_back(by_phase);
       std::filesystem::remove_all(config.nvme_path, ec);
-      Run run = RunPolicy(m, policy, config);
+      Run run = RunPolicy(m, step_groups, policy, config);
       if (!run.error.empty()) {
         std::fprintf(stderr, "sched_step: %s: %s\n", name.c_str(), run.error.c_str());
         return 1;
@@ -429,6 +520,17 @@ int Main() {
        disk.written / Summary::Of(write_bps_all).median) *
           1e3,
       disk_by_fio ? "fio" : "strata's aio engine: fio is not installed");
+  std::printf("bound by phase (what each phase must move within itself): %.1f ms;",
+              Summary::Of(by_phase_all).median * 1e3);
+  for (int p = 0; p < kPhaseCount; ++p) {
+    static constexpr const char* kNames[] = {"forward", "backward", "optimizer"};
+    if (phases[p].compute_s == 0) continue;
+    std::printf(" %s: compute %.1f ms, disk %.1f MB read + %.1f MB written, link %.1f MB;",
+                kNames[p], phases[p].compute_s * 1e3, phases[p].disk.loaded / 1e6,
+                phases[p].disk.written / 1e6,
+                (phases[p].link.loaded + phases[p].link.written) / 1e6);
+  }
+  std::printf(" the optimizer %s\n", interleaved ? "interleaved with backward" : "after backward");
   Report report("sched_step", MachineInfo::Probe(dir));
   for (const auto& [name, policy] : policies) {
     Figure f;
@@ -443,7 +545,8 @@ int Main() {
     f.ceiling = Summary::Of(bound_ms);
     f.ratio = Summary::Of(ratios[name]);
     f.ceiling_source =
-        "the trace's lower bound: max(compute, link bytes / copy GB/s, disk bytes / disk GB/s)";
+        "the trace's lower bound: max(compute, link bytes / copy GB/s, disk bytes / disk GB/s) "
+        "over the step, or summed over its phases, whichever is longer";
     f.config = {{"layers", m.layers},
                 {"param_bytes", m.param_bytes},
                 {"device_budget_bytes", config.device_budget_bytes},
@@ -452,6 +555,8 @@ int Main() {
                 {"copy_gbps",
                  cuda ? Summary::Of(copy_bps_all).median / 1e9 : absl::GetFlag(FLAGS_copy_gbps)},
                 {"compute_ms", compute * 1e3},
+                {"optimizer", interleaved ? "interleaved" : "after_backward"},
+                {"bound_by_phase_ms", Summary::Of(by_phase_all).median * 1e3},
                 {"disk_measured_by", disk_by_fio ? "fio" : "strata's aio engine"},
                 {"last_step", nlohmann::json::parse(last[name].ToJson())}};
     report.Add(f);
@@ -476,6 +581,11 @@ int main(int argc, char** argv) {
        {"forward_ms", 0, 10000},
        {"backward_ms", 0, 10000},
        {"optimizer_ms", 0, 10000}});
+  if (const std::string o = absl::GetFlag(FLAGS_optimizer);
+      o != "after_backward" && o != "interleaved") {
+    strata::aio_bench::BadFlag("--optimizer",
+                               "is \"" + o + "\"; accepted: after_backward, interleaved");
+  }
   if (const std::string d = absl::GetFlag(FLAGS_device); d != "emulated" && d != "cuda") {
     strata::aio_bench::BadFlag("--device", "is \"" + d + "\"; accepted: emulated, cuda");
   }
