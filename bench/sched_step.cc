@@ -27,13 +27,13 @@
 // budget; the disk: all memory-tier accesses with the device and host budgets together; dirty
 // evictions count as write-backs). Phase by phase: the sum over the trainer's phases of
 // max(compute, link time, disk time) of the bytes each phase must move within itself whatever the
-// policy (PhaseLowerBounds), as the phases run one after another. It is a counting bound, not a
-// proof that no policy moves fewer bytes: it charges each link its loads and dirty evictions under
-// one combined budget, and leaves out what a real schedule also moves (the optimizer's new
-// parameters flowing back to the device, gradients crossing down). The figure is the median step
-// time after the first two steps; strata's scheduler is printed beside on-demand + LRU and a
-// DeepSpeed-like policy (device-only prefetch of a fixed bucket, at most two in flight, no
-// read-ahead from NVMe), each as a ratio to the bound.
+// policy (PhaseLowerBounds), as the phases run one after another. The whole-step count is a
+// counting bound, not a proof that no policy moves fewer bytes: it charges each link its loads and
+// dirty evictions under one combined budget, and leaves out what a real schedule also moves (the
+// optimizer's new parameters flowing back to the device, gradients crossing down). The figure is
+// the median step time after the first two steps; strata's scheduler is printed beside on-demand +
+// LRU and a DeepSpeed-like policy (device-only prefetch of a fixed bucket, at most two in flight,
+// no read-ahead from NVMe), each as a ratio to the bound.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
