@@ -102,6 +102,7 @@ std::string StepReport::ToJson() const {
   j["prefetch_hits"] = prefetch_hits;
   j["late_prefetches"] = late_prefetches;
   j["misses"] = misses;
+  j["zero_fills"] = zero_fills;
   j["prefetches"] = prefetches;
   j["prefetch_failures"] = prefetch_failures;
   j["prefetches_blocked"] = prefetches_blocked;
@@ -465,8 +466,9 @@ absl::Status Runtime::Unregister(PartitionId id) {
 absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose,
                                  uint64_t limit, Waits* waits, bool* raced) {
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
+  const bool fill = from == to;  // zeros for a partition without bytes (Discarded)
   for (;;) {
-    if (purpose != Purpose::kAcquire && IsMemory(from)) {
+    if (purpose != Purpose::kAcquire && IsMemory(from) && !fill) {
       // A prefetch or a write-back never reads a pinned copy (its holder may be writing it); the
       // lock is held from here until the move is begun.
       STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
@@ -477,14 +479,15 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
                          TierName(to), " could begin"));
       }
     }
-    absl::Status begun = table_->BeginMove(id, from, to);
+    absl::Status begun = fill ? table_->BeginFill(id, to) : table_->BeginMove(id, from, to);
     if (begun.ok()) break;
     if (begun.code() != absl::StatusCode::kResourceExhausted || !IsMemory(to)) return begun;
     absl::Status room = MakeRoomLocked(to, r.desc, purpose, limit, waits);
     // Making room released the lock: another thread may have moved this partition meanwhile (a
     // prefetch may even have brought it where it is wanted, which is why no room was found).
     STRATA_ASSIGN_OR_RETURN(const Residency now, table_->Get(id));
-    if (now.move || now.current[I(to)] || !now.current[I(from)]) {
+    const bool still_wanted = fill ? !now.written : !now.current[I(to)] && now.current[I(from)];
+    if (now.move || !still_wanted) {
       if (raced != nullptr) *raced = true;
       return absl::AbortedError(absl::StrCat("partition ", id,
                                              ": moved by another thread while "
@@ -719,6 +722,14 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     // NVMe (to the host through aio, to the device staged in chunks). A prefetch never reads a
     // pinned copy (its holder may be writing it): it reads NVMe's when that is current.
     const Tier other = tier == Tier::kDevice ? Tier::kHost : Tier::kDevice;
+    if (!r.written) {
+      // Discarded: zeros are made where they are wanted; nothing is read.
+      bool raced = false;
+      absl::Status filled = MoveLocked(id, tier, tier, purpose, limit, waits, &raced);
+      if (filled.ok()) ++step_.r.zero_fills;
+      if (!filled.ok() && !raced) return filled;
+      continue;
+    }
     const bool other_usable =
         r.current[I(other)] && (purpose == Purpose::kAcquire || r.pins[I(other)] == 0);
     Tier from;
@@ -777,6 +788,8 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
     ++stats_.acquire_hits;
     ++step_.r.hits;
     if (st.prefetched[I(tier)]) ++step_.r.prefetch_hits;
+  } else if (!r.written) {
+    // Discarded: zeros are made in place (counted as a zero fill), nothing is waited for.
   } else if (prefetching_.contains(std::make_pair(id, tier)) ||
              (r.move && st.moving == Purpose::kPrefetch)) {
     ++step_.r.late_prefetches;  // a prefetch is bringing it (or is queued to): joined
@@ -790,13 +803,14 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
+  moved_.SignalAll();  // a Discard may wait for it
   st.prefetched[I(tier)] = false;
   if (brought.ok()) st.last_use[I(tier)] = ++tick_;
   const double waited_s = Since(t0);
   stats_.acquire_wait_seconds += waited_s;
   step_.r.wait_seconds += waited_s;
   for (int c = 0; c < kWaitCauseCount; ++c) step_.r.wait_by_cause[c] += waits.s[c];
-  if (!hit) scheduler_->OnLateOrMiss();
+  if (!hit && r.written) scheduler_->OnLateOrMiss();
   PlanPrefetchesLocked();
   STRATA_RETURN_IF_ERROR(brought);
   return mover_->Address(id, tier);
@@ -853,6 +867,30 @@ absl::Status Runtime::Evict(PartitionId id, Tier tier) {
   return EvictLocked(id, tier, Purpose::kEvict, 0, nullptr);
 }
 
+absl::Status Runtime::Discard(PartitionId id) {
+  MutexLock lock(&mu_);
+  auto it = parts_.find(id);
+  if (it == parts_.end()) {
+    return absl::NotFoundError(absl::StrCat("discard partition ", id, ": not registered"));
+  }
+  // A move of it (a write-back, a prefetch) and every thread bringing it in end first: the bytes
+  // they carry are dropped below, or the Acquire among them pins them and the discard is refused.
+  for (;;) {
+    WaitForMoveLocked(id);
+    if (it->second.busy == 0 && it->second.joining == 0) break;
+    moved_.Wait(&mu_);
+  }
+  STRATA_RETURN_IF_ERROR(Annotate(table_->Discard(id), "discard"));
+  // Every copy is stale now: the memory ones are freed (a stale NVMe copy keeps its extent until
+  // the next write-back replaces it).
+  for (Tier t : {Tier::kDevice, Tier::kHost}) {
+    auto r = table_->Get(id);
+    if (r.ok() && r->has_copy[I(t)]) STRATA_RETURN_IF_ERROR(mover_->Drop(id, t));
+  }
+  it->second.prefetched = {};
+  return absl::OkStatus();
+}
+
 void Runtime::PlanPrefetchesLocked() {
   if (scheduler_->mode() != Scheduler::Mode::kPlanned) return;
   const int max_in_flight = scheduler_->max_in_flight();
@@ -872,7 +910,8 @@ void Runtime::PlanPrefetchesLocked() {
     const auto key = std::make_pair(u.id, u.tier);
     if (prefetching_.contains(key)) continue;
     auto r = table_->Get(u.id);
-    if (!r.ok() || r->current[I(u.tier)] || !parts_.contains(u.id)) continue;
+    // A discarded partition is not prefetched: its zeros would only take room early.
+    if (!r.ok() || r->current[I(u.tier)] || !r->written || !parts_.contains(u.id)) continue;
     const bool param_to_device = u.tier == Tier::kDevice && r->desc.role == tiering::Role::kParam;
     if (param_to_device && !r->has_copy[I(Tier::kDevice)]) {
       if (live + r->desc.elements > max_live) break;  // the trainer's own Acquires go on
@@ -905,6 +944,8 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
     s = absl::NotFoundError(absl::StrCat("prefetch partition ", id, ": not registered"));
   } else if (planned && limit == Scheduler::kNever) {
     // The plan changed (a divergence) since it was queued: not needed.
+  } else if (auto r = table_->Get(id); planned && r.ok() && !r->written) {
+    // Discarded since it was queued: its zeros are made when it is acquired.
   } else {
     PartState& st = it->second;  // node_hash_map: stable while the lock is released
     ++st.busy;
@@ -927,6 +968,7 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
       }
     }
     --st.busy;
+    moved_.SignalAll();  // a Discard may wait for it
   }
   if (planned) {
     prefetching_.erase(std::make_pair(id, tier));

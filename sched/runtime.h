@@ -20,7 +20,9 @@
 // pinned staging buffers of offload_param.buffer_size, the disk and the copy engine overlapping),
 // making room by evicting unpinned copies of that tier (writing a copy back first when it is the
 // only current one), and pins it until Release. A Release marked dirty makes that copy the only
-// current one (the stale memory copies are freed). EndStep marks the end of a training step.
+// current one (the stale memory copies are freed). Discard drops a partition's bytes (a gradient
+// once the optimizer has stepped from it): its next Acquire gets zeros, made where they are wanted
+// without reading anything. EndStep marks the end of a training step.
 //
 // The scheduler: the first step is recorded; from the second the Runtime follows the recorded
 // trace, prefetching the next accesses on its worker threads (NVMe -> host -> device, or NVMe ->
@@ -135,7 +137,7 @@ struct RuntimeOptions {
 // Why the trainer waited.
 enum class WaitCause : uint8_t {
   kNvmeRead,    // bytes coming from NVMe (its own move, or a prefetch it joined)
-  kCopy,        // a host <-> device copy
+  kCopy,        // a host <-> device copy (or zeros made for a discarded partition)
   kWriteBack,   // an eviction's write-back that had to finish to make room
   kBudgetFull,  // no copy could be evicted until other moves finished
 };
@@ -155,6 +157,7 @@ struct StepReport {
   uint64_t prefetch_hits = 0;    // of the hits, brought by a prefetch
   uint64_t late_prefetches = 0;  // a prefetch was still moving it: the Acquire joined
   uint64_t misses = 0;           // the Acquire moved it itself
+  uint64_t zero_fills = 0;       // acquires of a discarded partition: zeros made, nothing read
   uint64_t prefetches = 0, prefetch_failures = 0, prefetches_blocked = 0;  // blocked: no room
   uint64_t evictions = 0, write_backs = 0;
   uint64_t write_back_failures = 0;  // background write-backs (GradientReady) that failed
@@ -220,6 +223,14 @@ class Runtime {
   // (offload_param.device "nvme") or the host tier has no room; a host copy to NVMe. A clean
   // copy is dropped without I/O.
   absl::Status Evict(PartitionId id, Tier tier);
+  // The partition's bytes are no longer needed (a gradient the optimizer has consumed, as
+  // zero_grad says of it): every copy goes stale at once, the memory copies are freed, and the next
+  // Acquire gets zeros made in its tier without reading anything (nothing crosses the link or the
+  // disk; a device's zeros are made on the device). The NVMe copy keeps its extent, holding the
+  // old bytes, until a write-back replaces it: a restart that adopts the partition before then
+  // gets them. Flush skips it; the scheduler does not prefetch it. Waits for a move of it in
+  // flight and for threads bringing it in; refused (FailedPrecondition) while it is pinned.
+  absl::Status Discard(PartitionId id);
   // Brings a current copy into `tier` on a worker thread (no pin) and returns at once; the future
   // completes when it is there (it may be discarded), or with the reason it is not: no room that
   // can be made without waiting (ResourceExhausted), or the only current copy pinned in the other

@@ -133,22 +133,11 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
   auto* bytes = static_cast<std::byte*>(p);
   absl::Status filled;
   if (tier == Tier::kDevice) {
-    if (initial.empty()) {
-      // Zeros from one small buffer, chunk by chunk: never the whole partition in host memory.
-      static const std::vector<std::byte> kZeros(1 << 20);
-      for (uint64_t off = 0; off < desc.bytes && filled.ok(); off += kZeros.size()) {
-        filled = parts_.copy
-                     ->CopyAsync(bytes + off, kZeros.data(),
-                                 std::min<uint64_t>(kZeros.size(), desc.bytes - off),
-                                 tiering::CopyDirection::kHostToDevice)
-                     .get();
-      }
-    } else {
-      filled =
-          parts_.copy
-              ->CopyAsync(bytes, initial.data(), desc.bytes, tiering::CopyDirection::kHostToDevice)
-              .get();
-    }
+    filled = initial.empty() ? parts_.copy->ZeroAsync(bytes, desc.bytes).get()
+                             : parts_.copy
+                                   ->CopyAsync(bytes, initial.data(), desc.bytes,
+                                               tiering::CopyDirection::kHostToDevice)
+                                   .get();
   } else if (initial.empty()) {
     std::memset(bytes, 0, desc.bytes);
   } else {
@@ -169,6 +158,11 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
 absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
                           std::byte* dst) {
   using tiering::CopyDirection;
+  if (from == to) {  // a fill: zeros, made where the copy is
+    if (to == Tier::kDevice) return parts_.copy->ZeroAsync(dst, bytes).get();
+    std::memset(dst, 0, bytes);
+    return absl::OkStatus();
+  }
   if (from == Tier::kNvme && to == Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
     return parts_.store->GetChunked(
@@ -204,7 +198,13 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
         absl::StrCat("partition ", id, ": carry ", TierName(from), " -> ", TierName(to),
                      " without that move begun in the residency table"));
   }
+  if (from == to && !IsMemory(to)) {
+    parts_.table->EndMove(id, false).IgnoreError();
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", id, ": fills are made in the device and host tiers"));
+  }
   const uint64_t bytes = r.desc.bytes;
+  const bool fill = from == to;
   auto fail = [&](absl::Status s) {
     parts_.table->EndMove(id, false).IgnoreError();
     return Annotate(
@@ -217,9 +217,9 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
     // The trainer's kernels that may use the device copy end before it is read or overwritten.
     if (absl::Status s = WaitForFences(id); !s.ok()) return fail(s);
   }
-  std::byte* src = Address(id, from);
+  std::byte* src = fill ? nullptr : Address(id, from);
   std::byte* dst = Address(id, to);
-  if (IsMemory(from) && src == nullptr) {
+  if (IsMemory(from) && src == nullptr && !fill) {
     return fail(absl::InternalError("the source copy has no memory"));
   }
   bool allocated = false;
@@ -242,7 +242,7 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
       c.at[I(to)] = dst;
       c.bytes = bytes;
     }
-    bytes_moved_[I(from)][I(to)] += bytes;
+    if (!fill) bytes_moved_[I(from)][I(to)] += bytes;
   }
   return parts_.table->EndMove(id, true);
 }

@@ -67,14 +67,16 @@ class Mover {
 
   // Writes the first bytes of a partition whose copy in `tier` the caller has just reserved
   // (ResidencyTable::Materialize): `initial` (exactly desc.bytes) or zeros when empty. Device:
-  // through the copy engine (zeros from a small buffer); NVMe: staged chunk by chunk and
-  // committed, never the whole partition in host memory. On failure nothing is held (memory freed,
-  // nothing committed) and the caller unregisters the partition.
+  // through the copy engine (zeros made on the device, without crossing the link); NVMe: staged
+  // chunk by chunk and committed, never the whole partition in host memory. On failure nothing is
+  // held (memory freed, nothing committed) and the caller unregisters the partition.
   absl::Status Fill(const tiering::PartitionDesc& desc, Tier tier,
                     absl::Span<const std::byte> initial);
 
   // Carries out the move from -> to that the table has begun (ResidencyTable::BeginMove), and ends
-  // it (EndMove: the new copy current, or released on failure).
+  // it (EndMove: the new copy current, or released on failure). from == to (a memory tier): the
+  // fill the table has begun (ResidencyTable::BeginFill): zeros made in that tier (on the device
+  // by the copy engine, without crossing the link), not counted as bytes moved.
   absl::Status Carry(PartitionId id, Tier from, Tier to);
 
   // Drops the copy in `tier` through the table (its rules) and frees its memory (memory tiers; a

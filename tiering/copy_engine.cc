@@ -16,6 +16,13 @@ std::future<absl::Status> CopyEngine::CopyAsync(void* dst, const void* src, size
   return future;
 }
 
+std::future<absl::Status> CopyEngine::ZeroAsync(void* dst, size_t bytes) {
+  std::promise<absl::Status> promise;
+  std::future<absl::Status> future = promise.get_future();
+  Zero(dst, bytes, [p = std::move(promise)](absl::Status s) mutable { p.set_value(std::move(s)); });
+  return future;
+}
+
 HostCopyEngine::HostCopyEngine(uint64_t bytes_per_second)
     : bytes_per_second_(bytes_per_second), thread_([this] { Run(); }) {}
 
@@ -36,6 +43,14 @@ void HostCopyEngine::Copy(void* dst, const void* src, size_t bytes, CopyDirectio
   cv_.Signal();
 }
 
+void HostCopyEngine::Zero(void* dst, size_t bytes, Done done) {
+  {
+    MutexLock lock(&mu_);
+    jobs_.push_back(Job{dst, nullptr, bytes, std::move(done)});
+  }
+  cv_.Signal();
+}
+
 void HostCopyEngine::Run() {
   using Clock = std::chrono::steady_clock;
   // With a cap, copies are paced as a link of that bandwidth would: each ends no earlier than
@@ -49,6 +64,11 @@ void HostCopyEngine::Run() {
       if (jobs_.empty()) return;
       job = std::move(jobs_.front());
       jobs_.pop_front();
+    }
+    if (job.src == nullptr) {
+      std::memset(job.dst, 0, job.bytes);  // on the device's side of the link
+      std::move(job.done)(absl::OkStatus());
+      continue;
     }
     const Clock::time_point start = std::max(link_free, Clock::now());
     std::memcpy(job.dst, job.src, job.bytes);

@@ -67,11 +67,16 @@ class CopyEngine {
   }
   virtual void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction,
                     Done done) = 0;
+  // Sets `bytes` of device memory at `dst` to zero, in order with the copies, without crossing the
+  // link (CUDA: cudaMemsetAsync on the engine's stream; host-emulated: a memset on the engine's
+  // thread, outside the link's cap).
+  virtual void Zero(void* dst, size_t bytes, Done done) = 0;
   virtual absl::string_view name() const = 0;
 
   // The same, completed through a future.
   std::future<absl::Status> CopyAsync(void* dst, const void* src, size_t bytes,
                                       CopyDirection direction);
+  std::future<absl::Status> ZeroAsync(void* dst, size_t bytes);
 };
 
 class HostCopyEngine final : public CopyEngine {
@@ -80,12 +85,13 @@ class HostCopyEngine final : public CopyEngine {
   explicit HostCopyEngine(uint64_t bytes_per_second = 0);
   ~HostCopyEngine() override;
   void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction, Done done) override;
+  void Zero(void* dst, size_t bytes, Done done) override;
   absl::string_view name() const override { return "host-emulated copy engine"; }
 
  private:
   struct Job {
     void* dst;
-    const void* src;
+    const void* src;  // null: zeros (not paced: nothing crosses the link)
     size_t bytes;
     Done done;
   };

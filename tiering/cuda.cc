@@ -29,26 +29,12 @@ class CudaCopyEngine final : public CopyEngine {
         dst, src, bytes,
         direction == CopyDirection::kHostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
         stream_);
-    if (err != cudaSuccess) {
-      std::move(done)(absl::InternalError(
-          absl::StrCat("cudaMemcpyAsync of ", bytes, " bytes: ", cudaGetErrorName(err))));
-      return;
-    }
-    auto* heap = new Done(std::move(done));
-    const cudaError_t cb = cudaLaunchHostFunc(
-        stream_,
-        [](void* arg) {
-          auto* d = static_cast<Done*>(arg);
-          std::move (*d)(absl::OkStatus());
-          delete d;
-        },
-        heap);
-    if (cb != cudaSuccess) {
-      cudaStreamSynchronize(stream_);
-      std::move (*heap)(
-          absl::InternalError(absl::StrCat("cudaLaunchHostFunc: ", cudaGetErrorName(cb))));
-      delete heap;
-    }
+    Complete(err, absl::StrCat("cudaMemcpyAsync of ", bytes, " bytes"), std::move(done));
+  }
+  void Zero(void* dst, size_t bytes, Done done) override {
+    cudaSetDevice(device_);
+    const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, stream_);
+    Complete(err, absl::StrCat("cudaMemsetAsync of ", bytes, " bytes"), std::move(done));
   }
   absl::string_view name() const override { return "CUDA copy engine"; }
 
@@ -71,6 +57,30 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
  private:
+  // `done` runs once the work just queued on the stream (`queued`: its status, named by `what`)
+  // has run: from a host function queued behind it.
+  void Complete(cudaError_t queued, absl::string_view what, Done done) {
+    if (queued != cudaSuccess) {
+      std::move(done)(absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(queued))));
+      return;
+    }
+    auto* heap = new Done(std::move(done));
+    const cudaError_t cb = cudaLaunchHostFunc(
+        stream_,
+        [](void* arg) {
+          auto* d = static_cast<Done*>(arg);
+          std::move (*d)(absl::OkStatus());
+          delete d;
+        },
+        heap);
+    if (cb != cudaSuccess) {
+      cudaStreamSynchronize(stream_);
+      std::move (*heap)(
+          absl::InternalError(absl::StrCat("cudaLaunchHostFunc: ", cudaGetErrorName(cb))));
+      delete heap;
+    }
+  }
+
   // An event recorded on a trainer's stream.
   class EventFence final : public Fence {
    public:

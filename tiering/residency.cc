@@ -148,6 +148,38 @@ absl::Status ResidencyTable::BeginMove(PartitionId id, Tier from, Tier to) {
   return absl::OkStatus();
 }
 
+absl::Status ResidencyTable::BeginFill(PartitionId id, Tier tier) {
+  MutexLock lock(&mu_);
+  absl::StatusOr<Residency*> found = FindLocked(id);
+  if (!found.ok()) return found.status();
+  Residency& r = **found;
+  if (r.written) return Refuse(id, "has bytes; a fill is for a partition without (discarded)");
+  if (r.move) return Refuse(id, "a move is in flight");
+  if (!r.has_copy[I(tier)]) {
+    if (absl::Status s = ReserveLocked(tier, r.desc); !s.ok()) return s;
+    r.has_copy[I(tier)] = true;
+  }
+  r.move = std::make_pair(tier, tier);
+  if (kCheckEveryChange) return CheckLocked();
+  return absl::OkStatus();
+}
+
+absl::Status ResidencyTable::Discard(PartitionId id) {
+  MutexLock lock(&mu_);
+  absl::StatusOr<Residency*> found = FindLocked(id);
+  if (!found.ok()) return found.status();
+  Residency& r = **found;
+  if (r.move) return Refuse(id, "a move is in flight");
+  for (int t = 0; t < kTierCount; ++t) {
+    if (r.pins[t] > 0)
+      return Refuse(id, absl::StrCat("pinned in ", TierName(static_cast<Tier>(t))));
+  }
+  r.current = {};
+  r.written = false;
+  if (kCheckEveryChange) return CheckLocked();
+  return absl::OkStatus();
+}
+
 absl::Status ResidencyTable::EndMove(PartitionId id, bool ok) {
   MutexLock lock(&mu_);
   absl::StatusOr<Residency*> found = FindLocked(id);
@@ -158,6 +190,7 @@ absl::Status ResidencyTable::EndMove(PartitionId id, bool ok) {
   r.move.reset();
   if (ok) {
     r.current[I(to)] = true;
+    r.written = true;  // a fill's first bytes (a move's partition was written already)
   } else if (!r.current[I(to)]) {
     // The destination holds nothing usable: release it; every other copy is as it was.
     r.has_copy[I(to)] = false;

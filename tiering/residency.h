@@ -100,6 +100,16 @@ class ResidencyTable {
   // and leaves everything as it was (failed).
   absl::Status BeginMove(PartitionId id, Tier from, Tier to);
   absl::Status EndMove(PartitionId id, bool ok);
+  // A partition with no bytes (Discarded) gets a new first copy in `tier`, which its caller fills
+  // (with zeros): recorded as a move `tier` -> `tier` until EndMove, which makes it current and
+  // the partition written (ok), or releases it (failed). Reserved against the budget now (a stale
+  // copy already in `tier` is reused). Refused for a partition that has bytes or a move in flight.
+  absl::Status BeginFill(PartitionId id, Tier tier);
+
+  // The partition's bytes are no longer needed: every copy goes stale (the copies stay held, and
+  // counted, until dropped) and it counts as never written, so no copy needs to be current until
+  // a fill (BeginFill) gives it bytes again. Refused while pinned or moving.
+  absl::Status Discard(PartitionId id);
 
   // The copy in `tier` was changed (released dirty): it is the only current copy now. Returns the
   // tiers whose copies went stale (their memory may be freed with Drop).

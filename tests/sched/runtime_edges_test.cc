@@ -338,6 +338,9 @@ class GatedCopyEngine final : public tiering::CopyEngine {
             Done done) override {
     inner_->Copy(dst, src, bytes, direction, std::move(done));
   }
+  void Zero(void* dst, size_t bytes, Done done) override {
+    inner_->Zero(dst, bytes, std::move(done));
+  }
   absl::string_view name() const override { return "gated test engine"; }
   absl::StatusOr<std::shared_ptr<tiering::Fence>> RecordFence(tiering::StreamHandle) override {
     return std::shared_ptr<tiering::Fence>(gate);

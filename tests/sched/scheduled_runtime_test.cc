@@ -395,9 +395,9 @@ TEST(ScheduledRuntimeTest, MaxReuseDistanceKeepsParametersNeededSoonOverOtherCop
 uint64_t Sum(const std::byte* p, size_t n) { return XXH3_64bits(p, n); }
 
 // Seeded property runs: random sizes, budgets and traces; threads acquiring and releasing
-// (their own partitions written, shared ones read), prefetches, evictions and step boundaries
-// racing. Budgets are never exceeded, no current copy is lost, and every Acquire returns the bytes
-// last released dirty.
+// (their own partitions written or discarded, shared ones read), prefetches, evictions and step
+// boundaries racing. Budgets are never exceeded, no current copy is lost, and every Acquire returns
+// the bytes last released dirty.
 class PropertyTest : public ::testing::TestWithParam<uint64_t> {};
 
 TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes) {
@@ -443,7 +443,7 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
     ASSERT_TRUE((*rt)->Register(Desc(i, sizes[i]), t, b).ok()) << i;
   }
   std::atomic<bool> stop{false};
-  std::atomic<int> failures{0}, retries{0}, acquires{0};
+  std::atomic<int> failures{0}, retries{0}, acquires{0}, discards{0};
   std::vector<std::future<absl::Status>> prefetches;
   // A thread that registers, checks and unregisters partitions of its own all along, on every
   // tier, racing the others' moves and evictions.
@@ -555,6 +555,20 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
           ADD_FAILURE() << s;
           ++failures;
         }
+        if (owned && r() % 11 == 0) {
+          // Its bytes dropped (as a stepped gradient's): the next Acquire must see zeros. Its
+          // owner has released it, so prefetches bringing it in are waited for, never refused.
+          absl::Status d = (*rt)->Discard(i);
+          if (d.ok()) {
+            ++discards;
+            const std::vector<std::byte> zeros(sizes[i]);
+            MutexLock lock(&mu);
+            expect[i] = Sum(zeros.data(), sizes[i]);
+          } else {
+            ADD_FAILURE() << "discard " << i << ": " << d;
+            ++failures;
+          }
+        }
         if (owned && r() % 9 == 0) {
           // Refused only for want of room below (the host full of pinned copies, no NVMe room).
           absl::Status e = (*rt)->Evict(i, r() % 2 ? Tier::kHost : Tier::kDevice);
@@ -572,6 +586,7 @@ TEST_P(PropertyTest, BudgetsHoldNothingIsLostAndEveryAcquireReturnsCurrentBytes)
   checker.join();
   churn.join();
   EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(discards.load(), 0);
   // Each thread pins one partition at a time and the budgets hold one more than all of them: an
   // Acquire waits for room while moves are in flight, and never finds the tier full.
   EXPECT_EQ(retries.load(), 0) << "of " << acquires.load() << " acquires";

@@ -1,5 +1,6 @@
 #include "tiering/copy_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -49,6 +50,23 @@ TEST(HostCopyEngineTest, ABandwidthCapPacesTheCopies) {
   EXPECT_GE(seconds, 0.039);  // 4 MiB at 100 MiB/s is 40 ms
 }
 
+TEST(HostCopyEngineTest, ZerosComeInOrderWithTheCopiesAndDoNotCrossTheCappedLink) {
+  // 1 MiB/s: a copy of 1 MiB takes a second; 64 MiB of zeros would take a minute if paced.
+  HostCopyEngine engine(/*bytes_per_second=*/1 << 20);
+  const auto src = strata::testing::RandomBytes(1 << 20, 3);
+  std::vector<std::byte> dst(64 << 20, std::byte{7});
+  auto copied = engine.CopyAsync(dst.data(), src.data(), src.size(), CopyDirection::kHostToDevice);
+  auto zeroed = engine.ZeroAsync(dst.data(), 4096);  // queued behind the copy: overwrites its start
+  ASSERT_TRUE(copied.get().ok());
+  ASSERT_TRUE(zeroed.get().ok());
+  EXPECT_EQ(std::count(dst.begin(), dst.begin() + 4096, std::byte{0}), 4096);
+  EXPECT_TRUE(std::equal(dst.begin() + 4096, dst.begin() + src.size(), src.begin() + 4096));
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(engine.ZeroAsync(dst.data(), dst.size()).get().ok());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+  EXPECT_EQ(std::count(dst.begin(), dst.end(), std::byte{0}), static_cast<ptrdiff_t>(dst.size()));
+}
+
 TEST(CudaCopyEngineTest, RoundTripThroughDeviceMemoryWhenThereIsADevice) {
   auto engine = CreateCudaCopyEngine(0);
   if (!engine.ok()) GTEST_SKIP() << "no CUDA device: " << engine.status().message();
@@ -63,6 +81,13 @@ TEST(CudaCopyEngineTest, RoundTripThroughDeviceMemoryWhenThereIsADevice) {
   ASSERT_TRUE(
       (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
   EXPECT_EQ(back, src);
+  // Zeros made on the device, in order behind the copies.
+  ASSERT_TRUE((*engine)->ZeroAsync(*d, src.size() / 2).get().ok());
+  ASSERT_TRUE(
+      (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
+  EXPECT_EQ(std::count(back.begin(), back.begin() + src.size() / 2, std::byte{0}),
+            static_cast<ptrdiff_t>(src.size() / 2));
+  EXPECT_TRUE(std::equal(back.begin() + src.size() / 2, back.end(), src.begin() + src.size() / 2));
   (*device)->Deallocate(*d, src.size());
 }
 

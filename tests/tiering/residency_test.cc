@@ -156,7 +156,7 @@ TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
       const std::array<uint64_t, 3> used_before = {
           t.used_bytes(Tier::kDevice), t.used_bytes(Tier::kHost), t.used_bytes(Tier::kNvme)};
       absl::Status s;
-      switch (rng() % 8) {
+      switch (rng() % 10) {
         case 0:
           s = t.Materialize(id, a);
           break;
@@ -179,6 +179,12 @@ TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
         case 7:
           s = t.Unpin(id, a);
           break;
+        case 8:
+          s = t.Discard(id);
+          break;
+        case 9:
+          s = t.BeginFill(id, a);
+          break;
       }
       ASSERT_TRUE(t.CheckInvariants().ok()) << "step " << step << ": " << t.CheckInvariants();
       if (s.ok()) {
@@ -190,11 +196,65 @@ TEST(ResidencyTest, InvariantsHoldUnderARandomSequenceOfOperations) {
       ASSERT_EQ(before->current, after->current);
       ASSERT_EQ(before->pins, after->pins);
       ASSERT_EQ(before->move, after->move);
+      ASSERT_EQ(before->written, after->written);
       ASSERT_EQ(used_before[0], t.used_bytes(Tier::kDevice));
       ASSERT_EQ(used_before[2], t.used_bytes(Tier::kNvme));
     }
     EXPECT_GT(succeeded, 2000);  // the sequence did real work, not only refusals
   }
+}
+
+TEST(ResidencyTest, ADiscardedPartitionHasNoCurrentCopyUntilAFillGivesItBytes) {
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
+  ASSERT_TRUE(t.Register(Desc(1)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.BeginMove(1, Tier::kHost, Tier::kNvme).ok());
+  EXPECT_THAT(t.Discard(1).message(), HasSubstr("a move is in flight"));
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  ASSERT_TRUE(t.Pin(1, Tier::kHost).ok());
+  EXPECT_THAT(t.Discard(1).message(), HasSubstr("pinned in host"));
+  ASSERT_TRUE(t.Unpin(1, Tier::kHost).ok());
+  EXPECT_THAT(t.BeginFill(1, Tier::kDevice).message(), HasSubstr("has bytes"));
+
+  ASSERT_TRUE(t.Discard(1).ok());
+  auto r = t.Get(1);
+  EXPECT_FALSE(r->written);
+  EXPECT_THAT(r->current, ElementsAre(false, false, false));
+  EXPECT_THAT(r->has_copy, ElementsAre(false, true, true));  // held until dropped
+  // Stale copies drop freely: none is the only current one any more.
+  ASSERT_TRUE(t.Drop(1, Tier::kHost).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kHost), 0u);
+  EXPECT_FALSE(t.Pin(1, Tier::kNvme).ok());  // nothing current to pin
+
+  // A fill reserves the tier, counts as a move until it ends, then the copy is current.
+  ASSERT_TRUE(t.BeginFill(1, Tier::kDevice).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kDevice), 100u);
+  EXPECT_FALSE(t.Pin(1, Tier::kDevice).ok());
+  EXPECT_FALSE(t.BeginFill(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  r = t.Get(1);
+  EXPECT_TRUE(r->written);
+  EXPECT_THAT(r->current, ElementsAre(true, false, false));
+  // The stale NVMe extent is reused by the next write-back.
+  ASSERT_TRUE(t.BeginMove(1, Tier::kDevice, Tier::kNvme).ok());
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kNvme), 100u);
+
+  // A failed fill releases its reservation and leaves the partition without bytes.
+  ASSERT_TRUE(t.Discard(1).ok());
+  ASSERT_TRUE(t.Drop(1, Tier::kDevice).ok());
+  ASSERT_TRUE(t.BeginFill(1, Tier::kHost).ok());
+  ASSERT_TRUE(t.EndMove(1, false).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kHost), 0u);
+  EXPECT_FALSE(t.Get(1)->written);
+  // A fill that does not fit is refused, naming the budget.
+  ResidencyTable small({50, 1000, 1000}, 1);
+  ASSERT_TRUE(small.Register(Desc(2)).ok());
+  ASSERT_TRUE(small.Materialize(2, Tier::kHost).ok());
+  ASSERT_TRUE(small.Discard(2).ok());
+  EXPECT_EQ(small.BeginFill(2, Tier::kDevice).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(t.CheckInvariants().ok());
+  EXPECT_TRUE(small.CheckInvariants().ok());
 }
 
 TEST(ResidencyTest, CopiesAreCountedInWholePagesAndHugeSizesAreRefused) {

@@ -1,0 +1,206 @@
+// Runtime::Discard: a partition whose bytes are no longer needed (a gradient once stepped) comes
+// back as zeros made in place, without a byte crossing the link or the disk; what it refuses, what
+// a restart finds, and how the scheduler treats it.
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "sched/runtime.h"
+#include "tests/aio/test_util.h"
+#include "tests/sched/sched_test_util.h"
+
+namespace strata::sched {
+namespace {
+
+using ::strata::sched::testing::Config;
+using ::strata::sched::testing::Desc;
+using ::strata::sched::testing::kBytes;
+using ::strata::sched::testing::Quiet;
+using ::strata::testing::RandomBytes;
+using ::strata::testing::ScratchDir;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+uint64_t Moved(const Runtime& rt) {
+  uint64_t total = 0;
+  for (const auto& row : rt.stats().bytes_moved) {
+    for (uint64_t b : row) total += b;
+  }
+  return total;
+}
+
+bool AllZero(const std::byte* p, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (p[i] != std::byte{0}) return false;
+  }
+  return true;
+}
+
+TEST(RuntimeDiscardTest, ADiscardedPartitionComesBackAsZerosWithoutMovingAByte) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const auto grad = Desc(1, kBytes, tiering::Role::kGrad);
+  ASSERT_TRUE((*rt)->Register(grad, Tier::kNvme, RandomBytes(kBytes, 1)).ok());
+  for (Tier tier : {Tier::kDevice, Tier::kHost}) {
+    SCOPED_TRACE(TierName(tier));
+    // Give it bytes in both memory tiers, then discard them.
+    auto p = (*rt)->Acquire(1, Tier::kHost);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+    p = (*rt)->Acquire(1, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::memset(*p, 0x5a, kBytes);
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true).ok());
+    ASSERT_TRUE((*rt)->Discard(1).ok());
+    auto r = (*rt)->residency().Get(1);
+    ASSERT_TRUE(r.ok());
+    EXPECT_FALSE(r->written);
+    EXPECT_THAT(r->current, ElementsAre(false, false, false));
+    EXPECT_THAT(r->has_copy, ElementsAre(false, false, true));  // the extent stays for reuse
+    EXPECT_EQ((*rt)->residency().used_bytes(Tier::kDevice), 0u);
+    EXPECT_EQ((*rt)->residency().used_bytes(Tier::kHost), 0u);
+
+    (void)(*rt)->EndStep();
+    const uint64_t moved = Moved(**rt);
+    p = (*rt)->Acquire(1, tier);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(AllZero(*p, kBytes));
+    EXPECT_EQ(Moved(**rt), moved) << "zeros are made in place: nothing crosses a link";
+    std::memset(*p, 0x33, kBytes);
+    ASSERT_TRUE((*rt)->Release(1, tier, true).ok());
+    const StepReport report = (*rt)->EndStep();
+    EXPECT_EQ(report.zero_fills, 1u);
+    EXPECT_EQ(report.misses, 0u);
+    EXPECT_EQ(report.hits, 0u);
+    // Written again, it is an ordinary partition: its bytes survive eviction to NVMe.
+    ASSERT_TRUE((*rt)->Evict(1, tier).ok());
+    if (tier == Tier::kDevice) ASSERT_TRUE((*rt)->Evict(1, Tier::kHost).ok());
+    p = (*rt)->Acquire(1, Tier::kHost);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ((*p)[kBytes - 1], std::byte{0x33});
+    ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+  }
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+TEST(RuntimeDiscardTest, ADiscardIsRefusedWhilePinnedAndNamesAnUnknownPartition) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const auto bytes = RandomBytes(kBytes, 2);
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, bytes).ok());
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::Status s = (*rt)->Discard(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("pinned in device"));
+  // Nothing changed: the pinned copy is still current and holds its bytes.
+  EXPECT_EQ(0, std::memcmp(*p, bytes.data(), kBytes));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+  EXPECT_TRUE((*rt)->residency().Get(1)->written);
+  s = (*rt)->Discard(7);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(s.message(), HasSubstr("discard partition 7: not registered"));
+}
+
+TEST(RuntimeDiscardTest, FlushSkipsADiscardedPartitionAndARestartFindsItsLastStoredBytes) {
+  ScratchDir dir;
+  const RuntimeConfig config = Config(dir.File("swap"), 2, 2);
+  const auto stored = RandomBytes(kBytes, 3);
+  {
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, stored).ok());
+    auto p = (*rt)->Acquire(1, Tier::kHost);
+    ASSERT_TRUE(p.ok()) << p.status();
+    std::memset(*p, 0x11, kBytes);  // changed, never written back: discarded below
+    ASSERT_TRUE((*rt)->Release(1, Tier::kHost, true).ok());
+    ASSERT_TRUE((*rt)->Discard(1).ok());
+    ASSERT_TRUE((*rt)->Flush().ok());
+    EXPECT_EQ((*rt)->stats().write_backs, 0u);
+  }
+  std::vector<std::string> warnings;
+  auto rt = Runtime::Create(config, Quiet(&warnings));
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Adopt(Desc(1)).ok());
+  auto p = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(0, std::memcmp(*p, stored.data(), kBytes)) << "the store's copy, as the header says";
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+}
+
+TEST(RuntimeDiscardTest, ADiscardWaitsForAWriteBackInFlightAndLosesNothingElse) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const auto other = RandomBytes(kBytes, 4);
+  ASSERT_TRUE((*rt)->Register(Desc(1, kBytes, tiering::Role::kGrad), Tier::kHost).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kHost, other).ok());
+  for (int round = 0; round < 20; ++round) {
+    auto p = (*rt)->Acquire(1, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(AllZero(*p, kBytes)) << "round " << round;
+    std::memset(*p, 0x77, kBytes);
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true).ok());
+    (*rt)->GradientReady(1);  // it leaves the device in the background: racing the discard
+    if (round % 2) std::this_thread::sleep_for(std::chrono::microseconds(100 * round));
+    ASSERT_TRUE((*rt)->Discard(1).ok());
+    ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+    auto q = (*rt)->Acquire(2, Tier::kDevice);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(0, std::memcmp(*q, other.data(), kBytes));
+    ASSERT_TRUE((*rt)->Release(2, Tier::kDevice, false).ok());
+    (void)(*rt)->EndStep();
+  }
+}
+
+// Planned steps: the scheduler never prefetches a discarded partition (its zeros would only take
+// room early), and the trainer's acquire of it waits for nothing.
+TEST(RuntimeDiscardTest, PlannedStepsMakeDiscardedGradientsInPlaceAndPrefetchTheRest) {
+  ScratchDir dir;
+  RuntimeConfig config = Config(dir.File("swap"), 3, 8);
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  constexpr int kLayers = 4;
+  for (int l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE((*rt)->Register(Desc(2 * l), Tier::kNvme, RandomBytes(kBytes, l)).ok());
+    ASSERT_TRUE((*rt)->Register(Desc(2 * l + 1, kBytes, tiering::Role::kGrad), Tier::kNvme).ok());
+  }
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE(step);
+    for (int l = kLayers - 1; l >= 0; --l) {  // backward: parameters read, gradients written
+      auto param = (*rt)->Acquire(2 * l, Tier::kDevice);
+      ASSERT_TRUE(param.ok()) << param.status();
+      auto grad = (*rt)->Acquire(2 * l + 1, Tier::kDevice);
+      ASSERT_TRUE(grad.ok()) << grad.status();
+      if (step > 0) EXPECT_TRUE(AllZero(*grad, kBytes)) << "layer " << l;
+      std::memset(*grad, l + 1, kBytes);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      ASSERT_TRUE((*rt)->Release(2 * l, Tier::kDevice, false).ok());
+      ASSERT_TRUE((*rt)->Release(2 * l + 1, Tier::kDevice, true).ok());
+      (*rt)->GradientReady(2 * l + 1);
+    }
+    for (int l = kLayers - 1; l >= 0; --l) {  // the optimizer reads each gradient, then drops it
+      auto grad = (*rt)->Acquire(2 * l + 1, Tier::kHost);
+      ASSERT_TRUE(grad.ok()) << grad.status();
+      EXPECT_EQ((*grad)[0], std::byte(l + 1));
+      ASSERT_TRUE((*rt)->Release(2 * l + 1, Tier::kHost, false).ok());
+      ASSERT_TRUE((*rt)->Discard(2 * l + 1).ok());
+    }
+    const StepReport r = (*rt)->EndStep();
+    if (step == 0) {
+      EXPECT_EQ(r.zero_fills, 0u);  // registered with zeros on NVMe: read like any partition
+    } else {
+      EXPECT_EQ(r.zero_fills, static_cast<uint64_t>(kLayers));
+      // The host holds everything: what goes up to the device is parameters, never a gradient.
+      EXPECT_LE(r.bytes_moved[1][0], kLayers * kBytes);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::sched
