@@ -176,8 +176,12 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
         "budget (device_budget_bytes), copied by a worker thread, and Acquire(kDevice) hands back "
         "host pointers. Nothing runs on a GPU; on a machine with one, set strata.device to "
         "\"cuda\".");
-    rt->device_memory_ =
+    // Pooled, as a device's allocator is (cudaMallocAsync's pool): the emulation pays no page
+    // faults for a copy that a GPU would not.
+    rt->device_backing_ =
         std::make_unique<tiering::HostMemoryResource>("device memory (host-emulated)");
+    rt->device_memory_ = std::make_unique<tiering::PoolingResource>(rt->device_backing_.get(),
+                                                                    config.device_budget_bytes);
     rt->copy_ = std::make_unique<tiering::HostCopyEngine>(config.copy_bandwidth_bytes_per_s);
   } else {
     STRATA_ASSIGN_OR_RETURN(

@@ -353,6 +353,7 @@ class Runtime {
   std::vector<std::string> warnings_ ABSL_GUARDED_BY(warnings_mu_);
   std::unique_ptr<aio::Engine> engine_;
   std::unique_ptr<tiering::NvmeStore> store_;
+  std::unique_ptr<tiering::MemoryResource> device_backing_;  // emulated: what device_memory_ pools
   std::unique_ptr<tiering::MemoryResource> device_memory_;
   std::unique_ptr<tiering::MemoryResource> pinned_memory_;
   std::unique_ptr<tiering::PoolingResource> host_memory_;  // pools pinned_memory_
