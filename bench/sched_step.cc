@@ -5,9 +5,12 @@
 // optimizer-state partition (3x the parameter's bytes). One step, on the trainer thread:
 //   forward   for each layer: acquire the parameters on the device, compute, release;
 //   backward  for each layer, last first: parameters and gradient on the device, compute, release
-//             the gradient dirty (GradientReady: it leaves the device in the background);
+//             the gradient dirty (GradientReady: it leaves the device in the background); the
+//             gradient was discarded after the last step's optimizer used it, so it comes back as
+//             zeros made on the device, nothing read (as zero_grad leaves a gradient);
 //   optimizer for each layer, last first: optimizer state, gradient and parameters on the host,
-//             compute, release the state and the parameters dirty (the new weights flow down) —
+//             compute, release the state and the parameters dirty (the new weights flow down),
+//             discard the gradient —
 //             after backward (--optimizer=after_backward, DeepSpeed's order, the default) or
 //             during it, each layer right after backward has computed the next layer down
 //             (--optimizer=interleaved, as strata's trainer front steps partitions).
@@ -101,6 +104,7 @@ struct Access {
   PartitionId id;
   Tier tier;
   bool dirty;
+  bool discard = false;  // not an acquire: Discard(id), the bytes no longer needed
 };
 enum Phase : int { kForward, kBackward, kOptimizer, kPhaseCount };
 struct Group {
@@ -108,6 +112,7 @@ struct Group {
   double compute_s = 0;
   Phase phase = kForward;
   std::optional<PartitionId> gradient_ready;  // handed to GradientReady after the release
+  std::optional<PartitionId> discard;         // then Discard (a gradient once stepped from)
 };
 
 struct Model {
@@ -147,7 +152,9 @@ std::vector<Group> MakeStep(const Model& m, bool interleaved) {
                      {m.Grad(l), Tier::kHost, false},
                      {m.Param(l), Tier::kHost, true}},
                     opt,
-                    interleaved ? kBackward : kOptimizer});
+                    interleaved ? kBackward : kOptimizer,
+                    std::nullopt,
+                    m.Grad(l)});
   };
   for (int l = m.layers - 1; l >= 0; --l) {
     step.push_back({{{m.Param(l), Tier::kDevice, false}, {m.Grad(l), Tier::kDevice, true}},
@@ -164,15 +171,21 @@ std::vector<Group> MakeStep(const Model& m, bool interleaved) {
   return step;
 }
 
+// The step's accesses in order, a discard after its group's.
 std::vector<Access> Accesses(const std::vector<Group>& step) {
   std::vector<Access> a;
-  for (const Group& g : step) a.insert(a.end(), g.accesses.begin(), g.accesses.end());
+  for (const Group& g : step) {
+    a.insert(a.end(), g.accesses.begin(), g.accesses.end());
+    if (g.discard) a.push_back({*g.discard, Tier::kNvme, false, true});
+  }
   return a;
 }
 
 // Bytes loaded and dirty bytes written back per step by Belady's rule over `accesses` (those the
 // filter keeps), repeated twice (the second pass counted: the steady state), with `budget` bytes
-// (sizes in whole pages). The copy in use is never evicted.
+// (sizes in whole pages). The copy in use is never evicted. A discard drops its partition's copy
+// without a write-back, and the next access after it loads nothing (it writes fresh bytes); a copy
+// whose next event is its discard is needed never again.
 struct Traffic {
   uint64_t loaded = 0, written = 0;
 };
@@ -185,12 +198,21 @@ Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget)
     bool dirty = false;
   };
   absl::flat_hash_map<PartitionId, Held> held;
+  absl::flat_hash_set<PartitionId> discarded;
   uint64_t used = 0;
   Traffic t;
   const size_t n = step.size();
   for (size_t i = 0; i < 2 * n; ++i) {
     const Access& x = seq[i];
     const bool count = i >= n;
+    if (x.discard) {
+      if (auto it = held.find(x.id); it != held.end()) {
+        used -= page(m.Bytes(x.id));
+        held.erase(it);
+      }
+      discarded.insert(x.id);
+      continue;
+    }
     if (!held.contains(x.id)) {
       while (used + page(m.Bytes(x.id)) > budget && !held.empty()) {
         PartitionId victim = 0;
@@ -198,19 +220,24 @@ Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget)
         for (const auto& [id, h] : held) {
           size_t next = i + 1;
           while (next < seq.size() && seq[next].id != id) ++next;
+          if (next < seq.size() && seq[next].discard) next = seq.size();  // needed never again
           if (next >= furthest) {
             furthest = next;
             victim = id;
           }
         }
-        if (held[victim].dirty && count) t.written += m.Bytes(victim);
+        size_t next = i + 1;
+        while (next < seq.size() && seq[next].id != victim) ++next;
+        const bool dead = next < seq.size() && seq[next].discard;
+        if (held[victim].dirty && !dead && count) t.written += m.Bytes(victim);
         used -= page(m.Bytes(victim));
         held.erase(victim);
       }
       held[x.id];
       used += page(m.Bytes(x.id));
-      if (count) t.loaded += m.Bytes(x.id);
+      if (count && !discarded.contains(x.id)) t.loaded += m.Bytes(x.id);
     }
+    discarded.erase(x.id);
     if (x.dirty) held[x.id].dirty = true;
   }
   return t;
@@ -221,8 +248,10 @@ Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget)
 // memory, all but that many bytes are read from NVMe within the phase; of those it dirties, all but
 // that many are written back within it (a dirty copy leaves memory only once written back, and at
 // the phase's end memory again holds at most its budgets). The same for the device tier and the
-// link. The trainer runs the phases one after another, so a step takes at least the sum over
-// phases of max(the phase's compute, its disk time, its link time).
+// link. A partition without bytes when the phase first accesses it (discarded earlier) is read from
+// nowhere, and one the phase discards need not be written back. The trainer runs the phases one
+// after another, so a step takes at least the sum over phases of max(the phase's compute, its disk
+// time, its link time).
 struct PhaseNeeds {
   double compute_s = 0;
   Traffic disk, link;
@@ -230,28 +259,48 @@ struct PhaseNeeds {
 std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(const Model& m, const std::vector<Group>& step,
                                                      uint64_t device_budget,
                                                      uint64_t memory_budget) {
+  // Without bytes at the step's start: discarded, and not accessed again by the step's end.
+  absl::flat_hash_set<PartitionId> fresh;
+  for (const Access& a : Accesses(step)) {
+    if (a.discard) {
+      fresh.insert(a.id);
+    } else {
+      fresh.erase(a.id);
+    }
+  }
   std::array<PhaseNeeds, kPhaseCount> needs;
-  for (int p = 0; p < kPhaseCount; ++p) {
-    absl::flat_hash_set<PartitionId> used, dirtied, on_device, dirtied_on_device;
-    for (const Group& g : step) {
-      if (g.phase != p) continue;
-      needs[p].compute_s += g.compute_s;
-      for (const Access& a : g.accesses) {
-        used.insert(a.id);
-        if (a.dirty) dirtied.insert(a.id);
-        if (a.tier == Tier::kDevice) {
-          on_device.insert(a.id);
-          if (a.dirty) dirtied_on_device.insert(a.id);
-        }
+  struct Sets {
+    absl::flat_hash_set<PartitionId> read, dirtied, read_on_device, dirtied_on_device;
+  };
+  std::array<Sets, kPhaseCount> sets;
+  for (const Group& g : step) {
+    needs[g.phase].compute_s += g.compute_s;
+    Sets& p = sets[g.phase];
+    for (const Access& a : g.accesses) {
+      const bool has_bytes = !fresh.contains(a.id);
+      fresh.erase(a.id);
+      if (has_bytes && !p.dirtied.contains(a.id)) p.read.insert(a.id);
+      if (a.dirty) p.dirtied.insert(a.id);
+      if (a.tier == Tier::kDevice) {
+        if (has_bytes && !p.dirtied.contains(a.id)) p.read_on_device.insert(a.id);
+        if (a.dirty) p.dirtied_on_device.insert(a.id);
       }
     }
-    auto beyond = [&](const absl::flat_hash_set<PartitionId>& ids, uint64_t budget) {
-      uint64_t bytes = 0;
-      for (PartitionId id : ids) bytes += m.Bytes(id);
-      return bytes > budget ? bytes - budget : 0;
-    };
-    needs[p].disk = {beyond(used, memory_budget), beyond(dirtied, memory_budget)};
-    needs[p].link = {beyond(on_device, device_budget), beyond(dirtied_on_device, device_budget)};
+    if (g.discard) {
+      fresh.insert(*g.discard);
+      p.dirtied.erase(*g.discard);
+      p.dirtied_on_device.erase(*g.discard);
+    }
+  }
+  auto beyond = [&](const absl::flat_hash_set<PartitionId>& ids, uint64_t budget) {
+    uint64_t bytes = 0;
+    for (PartitionId id : ids) bytes += m.Bytes(id);
+    return bytes > budget ? bytes - budget : 0;
+  };
+  for (int p = 0; p < kPhaseCount; ++p) {
+    needs[p].disk = {beyond(sets[p].read, memory_budget), beyond(sets[p].dirtied, memory_budget)};
+    needs[p].link = {beyond(sets[p].read_on_device, device_budget),
+                     beyond(sets[p].dirtied_on_device, device_budget)};
   }
   return needs;
 }
@@ -383,6 +432,7 @@ Run RunPolicy(const Model& m, const std::vector<Group>& step_groups, Policy poli
       STRATA_RETURN_IF_ERROR((*rt)->Release(a.id, a.tier, a.dirty));
     }
     if (g.gradient_ready) (*rt)->GradientReady(*g.gradient_ready);
+    if (g.discard) STRATA_RETURN_IF_ERROR((*rt)->Discard(*g.discard));
     return absl::OkStatus();
   };
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -439,7 +489,7 @@ int Main() {
   const std::vector<Access> step = Accesses(step_groups);
   std::vector<Access> device_accesses;
   for (const Access& a : step) {
-    if (a.tier == Tier::kDevice) device_accesses.push_back(a);
+    if (a.tier == Tier::kDevice || a.discard) device_accesses.push_back(a);
   }
   const uint64_t memory_budget = config.device_budget_bytes + all / 2;
   const Traffic link = Belady(m, device_accesses, config.device_budget_bytes);
