@@ -1,11 +1,11 @@
 // sched/runtime.h: the Runtime facade a trainer links, with the prefetching scheduler behind it.
 //
 // A Runtime is made from a RuntimeConfig (tiering/runtime_config.h). It owns the aio engine, the
-// NVMe store (when anything is offloaded to NVMe), the memory of the device tier (CUDA, or
-// host-emulated ordinary memory with its own budget when strata.device is "emulated" — the test
-// seam every CI run uses, announced by a warning at Create), the pinned host memory, the copy
-// engine, the staging pool, the residency table, the Mover (swap/mover.h: every byte move) and the
-// Scheduler (sched/scheduler.h: the plan).
+// NVMe store (when anything is offloaded to NVMe), the memory of the device tier (CUDA's
+// stream-ordered pool, or host-emulated ordinary memory, pooled, with its own budget when
+// strata.device is "emulated" — the test seam every CI run uses, announced by a warning at
+// Create), the pinned host memory, the copy engine, the staging pool, the residency table, the
+// Mover (swap/mover.h: every byte move) and the Scheduler (sched/scheduler.h: the plan).
 //
 // Where NVMe swap lives: the store is the folder rank<R> under the configured nvme_path (made when
 // missing), R being RuntimeOptions::rank, else the RANK variable that torchrun and DeepSpeed's
