@@ -48,8 +48,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
 #include "aio/buffer.h"
@@ -57,6 +55,7 @@
 #include "base/status.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
+#include "bench/common/step_bound.h"
 #include "sched/runtime.h"
 #include "tiering/copy_engine.h"
 #include "tools/aio_bench/flags.h"
@@ -94,28 +93,14 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// One step as the trainer thread runs it: groups of accesses, each acquired together, computed on
-// for a modelled time, and released; a group's gradient, if any, is then handed to GradientReady.
+// One step as the trainer thread runs it (Group, Access: bench/common/step_bound.h): groups of
+// accesses, each acquired together, computed on for a modelled time, and released; a group's
+// gradient, if any, is then handed to GradientReady, and a stepped gradient discarded.
 // The step's phases (forward, backward, optimizer) run one after another on the trainer thread,
 // which the bound uses (below). With --optimizer=interleaved the optimizer steps each layer right
 // after backward has produced the layer before's gradient (the gradient one layer behind, so that
 // it has come down meanwhile), as strata's trainer front does; with after_backward (DeepSpeed's
 // order) it steps every layer once backward has ended.
-struct Access {
-  PartitionId id;
-  Tier tier;
-  bool dirty;
-  bool discard = false;  // not an acquire: Discard(id), the bytes no longer needed
-};
-enum Phase : int { kForward, kBackward, kOptimizer, kPhaseCount };
-struct Group {
-  std::vector<Access> accesses;
-  double compute_s = 0;
-  Phase phase = kForward;
-  std::optional<PartitionId> gradient_ready;  // handed to GradientReady after the release
-  std::optional<PartitionId> discard;         // then Discard (a gradient once stepped from)
-};
-
 struct Model {
   int layers;
   uint64_t param_bytes;
@@ -170,140 +155,6 @@ std::vector<Group> MakeStep(const Model& m, bool interleaved) {
     for (int l = m.layers - 1; l >= 0; --l) optimizer(l);
   }
   return step;
-}
-
-// The step's accesses in order, a discard after its group's.
-std::vector<Access> Accesses(const std::vector<Group>& step) {
-  std::vector<Access> a;
-  for (const Group& g : step) {
-    a.insert(a.end(), g.accesses.begin(), g.accesses.end());
-    if (g.discard) a.push_back({*g.discard, Tier::kNvme, false, true});
-  }
-  return a;
-}
-
-// Bytes loaded and dirty bytes written back per step by Belady's rule over `accesses` (those the
-// filter keeps), repeated twice (the second pass counted: the steady state), with `budget` bytes
-// (sizes in whole pages). The copy in use is never evicted. A discard drops its partition's copy
-// without a write-back, and the next access after it loads nothing (it writes fresh bytes); a copy
-// whose next event is its discard is needed never again.
-struct Traffic {
-  uint64_t loaded = 0, written = 0;
-};
-Traffic Belady(const Model& m, const std::vector<Access>& step, uint64_t budget) {
-  std::vector<Access> seq = step;
-  seq.insert(seq.end(), step.begin(), step.end());
-  seq.insert(seq.end(), step.begin(), step.end());  // next uses of the second pass
-  auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
-  struct Held {
-    bool dirty = false;
-  };
-  absl::flat_hash_map<PartitionId, Held> held;
-  absl::flat_hash_set<PartitionId> discarded;
-  uint64_t used = 0;
-  Traffic t;
-  const size_t n = step.size();
-  for (size_t i = 0; i < 2 * n; ++i) {
-    const Access& x = seq[i];
-    const bool count = i >= n;
-    if (x.discard) {
-      if (auto it = held.find(x.id); it != held.end()) {
-        used -= page(m.Bytes(x.id));
-        held.erase(it);
-      }
-      discarded.insert(x.id);
-      continue;
-    }
-    if (!held.contains(x.id)) {
-      while (used + page(m.Bytes(x.id)) > budget && !held.empty()) {
-        PartitionId victim = 0;
-        size_t furthest = 0;
-        for (const auto& [id, h] : held) {
-          size_t next = i + 1;
-          while (next < seq.size() && seq[next].id != id) ++next;
-          if (next < seq.size() && seq[next].discard) next = seq.size();  // needed never again
-          if (next >= furthest) {
-            furthest = next;
-            victim = id;
-          }
-        }
-        size_t next = i + 1;
-        while (next < seq.size() && seq[next].id != victim) ++next;
-        const bool dead = next < seq.size() && seq[next].discard;
-        if (held[victim].dirty && !dead && count) t.written += m.Bytes(victim);
-        used -= page(m.Bytes(victim));
-        held.erase(victim);
-      }
-      held[x.id];
-      used += page(m.Bytes(x.id));
-      if (count && !discarded.contains(x.id)) t.loaded += m.Bytes(x.id);
-    }
-    discarded.erase(x.id);
-    if (x.dirty) held[x.id].dirty = true;
-  }
-  return t;
-}
-
-// What must cross the disk and the link within each phase, whatever the policy: at a phase's start
-// the memory tiers hold at most their budgets' bytes, so of the partitions a phase accesses in
-// memory, all but that many bytes are read from NVMe within the phase; of those it dirties, all but
-// that many are written back within it (a dirty copy leaves memory only once written back, and at
-// the phase's end memory again holds at most its budgets). The same for the device tier and the
-// link. A partition without bytes when the phase first accesses it (discarded earlier) is read from
-// nowhere, and one the phase discards need not be written back. The trainer runs the phases one
-// after another, so a step takes at least the sum over phases of max(the phase's compute, its disk
-// time, its link time).
-struct PhaseNeeds {
-  double compute_s = 0;
-  Traffic disk, link;
-};
-std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(const Model& m, const std::vector<Group>& step,
-                                                     uint64_t device_budget,
-                                                     uint64_t memory_budget) {
-  // Without bytes at the step's start: discarded, and not accessed again by the step's end.
-  absl::flat_hash_set<PartitionId> fresh;
-  for (const Access& a : Accesses(step)) {
-    if (a.discard) {
-      fresh.insert(a.id);
-    } else {
-      fresh.erase(a.id);
-    }
-  }
-  std::array<PhaseNeeds, kPhaseCount> needs;
-  struct Sets {
-    absl::flat_hash_set<PartitionId> read, dirtied, read_on_device, dirtied_on_device;
-  };
-  std::array<Sets, kPhaseCount> sets;
-  for (const Group& g : step) {
-    needs[g.phase].compute_s += g.compute_s;
-    Sets& p = sets[g.phase];
-    for (const Access& a : g.accesses) {
-      const bool has_bytes = !fresh.contains(a.id);
-      fresh.erase(a.id);
-      if (has_bytes && !p.dirtied.contains(a.id)) p.read.insert(a.id);
-      if (a.dirty) p.dirtied.insert(a.id);
-      if (a.tier == Tier::kDevice) {
-        if (has_bytes && !p.dirtied.contains(a.id)) p.read_on_device.insert(a.id);
-        if (a.dirty) p.dirtied_on_device.insert(a.id);
-      }
-    }
-    if (g.discard) {
-      fresh.insert(*g.discard);
-      p.dirtied.erase(*g.discard);
-      p.dirtied_on_device.erase(*g.discard);
-    }
-  }
-  auto beyond = [&](const absl::flat_hash_set<PartitionId>& ids, uint64_t budget) {
-    uint64_t bytes = 0;
-    for (PartitionId id : ids) bytes += m.Bytes(id);
-    return bytes > budget ? bytes - budget : 0;
-  };
-  for (int p = 0; p < kPhaseCount; ++p) {
-    needs[p].disk = {beyond(sets[p].read, memory_budget), beyond(sets[p].dirtied, memory_budget)};
-    needs[p].link = {beyond(sets[p].read_on_device, device_budget),
-                     beyond(sets[p].dirtied_on_device, device_budget)};
-  }
-  return needs;
 }
 
 // The copy link's bandwidth, each way. Emulated: a large copy through a capped host copy engine
@@ -512,16 +363,17 @@ int Main() {
   const bool interleaved = absl::GetFlag(FLAGS_optimizer) == "interleaved";
   const std::vector<Group> step_groups = MakeStep(m, interleaved);
   const std::vector<Access> step = Accesses(step_groups);
+  auto bytes = [&m](PartitionId id) { return m.Bytes(id); };
   std::vector<Access> device_accesses;
   for (const Access& a : step) {
     if (a.tier == Tier::kDevice || a.discard) device_accesses.push_back(a);
   }
   const uint64_t memory_budget = config.device_budget_bytes + all / 2;
-  const Traffic link = Belady(m, device_accesses, config.device_budget_bytes);
-  const Traffic disk = Belady(m, step, memory_budget);
+  const Traffic link = Belady(bytes, device_accesses, config.device_budget_bytes);
+  const Traffic disk = Belady(bytes, step, memory_budget);
   // (Phase by phase with the whole host budget, staging buffers included: it errs low.)
   const std::array<PhaseNeeds, kPhaseCount> phases =
-      PhaseLowerBounds(m, step_groups, config.device_budget_bytes,
+      PhaseLowerBounds(bytes, step_groups, config.device_budget_bytes,
                        config.device_budget_bytes + config.host_budget_bytes);
   double compute = 0;
   for (const Group& g : step_groups) compute += g.compute_s;

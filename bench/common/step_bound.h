@@ -1,0 +1,78 @@
+// bench/common/step_bound.h: the lower bound of a training step's traffic, for bench/sched_step.
+//
+// A step is the trainer's groups of partition accesses in order, each group acquired together,
+// computed on for a modelled time and released, in phases (forward, backward, optimizer) that run
+// one after another. Two counts bound what any tiering policy must move:
+//  - Belady: the bytes loaded into, and dirty bytes written back out of, a memory of `budget` bytes
+//    by the offline-optimal eviction (the copy needed furthest in the future goes first) over the
+//    step repeated (the second pass counted: the steady state; sizes in whole 4 KiB pages; the copy
+//    in use is never evicted). A discard drops its partition's copy without a write-back, and the
+//    next access after it loads nothing (it writes fresh bytes); a copy whose next event is its
+//    discard is needed never again. A counting bound: it charges a link its loads and dirty
+//    evictions, not every byte a real schedule moves.
+//  - PhaseLowerBounds: at a phase's start the memory tiers hold at most their budgets' bytes, so of
+//    the partitions a phase accesses, all but that many bytes are read from NVMe within the phase,
+//    and of those it dirties, all but that many are written back within it (a dirty copy leaves
+//    memory only once written back, and at the phase's end memory again holds at most its
+//    budgets). The same for the device tier and the link. A partition without bytes when the phase
+//    first accesses it (discarded earlier) is read from nowhere, and one the phase discards need
+//    not be written back. The step takes at least the sum over phases of max(the phase's compute,
+//    its disk time, its link time).
+//
+// Thread safety: plain functions of their arguments.
+#ifndef STRATA_BENCH_COMMON_STEP_BOUND_H_
+#define STRATA_BENCH_COMMON_STEP_BOUND_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "tiering/residency.h"
+
+namespace strata::bench {
+
+using tiering::PartitionId;
+using tiering::Tier;
+
+struct Access {
+  PartitionId id;
+  Tier tier;
+  bool dirty;
+  bool discard = false;  // not an acquire: Discard(id), the bytes no longer needed
+};
+enum Phase : int { kForward, kBackward, kOptimizer, kPhaseCount };
+struct Group {
+  std::vector<Access> accesses;
+  double compute_s = 0;
+  Phase phase = kForward;
+  std::optional<PartitionId> gradient_ready;  // handed to GradientReady after the release
+  std::optional<PartitionId> discard;         // then Discard (a gradient once stepped from)
+};
+
+// A partition's bytes.
+using Sizes = absl::FunctionRef<uint64_t(PartitionId)>;
+
+// The step's accesses in order, a discard after its group's.
+std::vector<Access> Accesses(const std::vector<Group>& step);
+
+struct Traffic {
+  uint64_t loaded = 0, written = 0;
+};
+// Belady's count over `step` (accesses, discards among them) with `budget` bytes.
+Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget);
+
+struct PhaseNeeds {
+  double compute_s = 0;
+  Traffic disk, link;
+};
+// What each phase must move within itself: `memory_budget` is the device and host tiers together
+// (for the disk), `device_budget` the device's (for the link).
+std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vector<Group>& step,
+                                                     uint64_t device_budget,
+                                                     uint64_t memory_budget);
+
+}  // namespace strata::bench
+
+#endif  // STRATA_BENCH_COMMON_STEP_BOUND_H_
