@@ -177,11 +177,14 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
         "host pointers. Nothing runs on a GPU; on a machine with one, set strata.device to "
         "\"cuda\".");
     // Pooled, as a device's allocator is (cudaMallocAsync's pool): the emulation pays no page
-    // faults for a copy that a GPU would not.
+    // faults for a copy that a GPU would not. The residency table keeps what is in use within the
+    // device budget; the pool may hold twice it, as dropped copies whose fences have not passed
+    // are held aside beyond the budget (swap/mover.h), and freed blocks of other sizes are cached.
     rt->device_backing_ =
         std::make_unique<tiering::HostMemoryResource>("device memory (host-emulated)");
-    rt->device_memory_ = std::make_unique<tiering::PoolingResource>(rt->device_backing_.get(),
-                                                                    config.device_budget_bytes);
+    rt->device_memory_ = std::make_unique<tiering::PoolingResource>(
+        rt->device_backing_.get(),
+        2 * std::min<uint64_t>(config.device_budget_bytes, tiering::kMaxPartitionBytes));
     rt->copy_ = std::make_unique<tiering::HostCopyEngine>(config.copy_bandwidth_bytes_per_s);
   } else {
     STRATA_ASSIGN_OR_RETURN(
@@ -694,7 +697,7 @@ absl::Status Runtime::Flush() {
 }
 
 absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
-                                  Waits* waits) {
+                                  Waits* waits, bool* filled) {
   for (;;) {
     STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
     // An Acquire pins the copy and may write it: a move still reading it (a write-back begun
@@ -729,9 +732,9 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     if (!r.written) {
       // Discarded: zeros are made where they are wanted; nothing is read.
       bool raced = false;
-      absl::Status filled = MoveLocked(id, tier, tier, purpose, limit, waits, &raced);
-      if (filled.ok()) ++step_.r.zero_fills;
-      if (!filled.ok() && !raced) return filled;
+      absl::Status made = MoveLocked(id, tier, tier, purpose, limit, waits, &raced);
+      if (made.ok() && filled != nullptr) *filled = true;
+      if (!made.ok() && !raced) return made;
       continue;
     }
     const bool other_usable =
@@ -788,23 +791,26 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   ++stats_.acquires;
   ++step_.r.acquires;
   const bool hit = r.current[I(tier)];
-  if (hit) {
-    ++stats_.acquire_hits;
-    ++step_.r.hits;
-    if (st.prefetched[I(tier)]) ++step_.r.prefetch_hits;
-  } else if (!r.written) {
-    // Discarded: zeros are made in place (counted as a zero fill), nothing is waited for.
-  } else if (prefetching_.contains(std::make_pair(id, tier)) ||
-             (r.move && st.moving == Purpose::kPrefetch)) {
-    ++step_.r.late_prefetches;  // a prefetch is bringing it (or is queued to): joined
-  } else {
-    ++step_.r.misses;
-  }
+  const bool late = !hit && (prefetching_.contains(std::make_pair(id, tier)) ||
+                             (r.move && st.moving == Purpose::kPrefetch));
   // A hit too: a write-back still reading the copy ends before the caller may write it.
   const auto t0 = Clock::now();
   ++st.busy;
   Waits waits;
-  absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits);
+  bool filled = false;  // zeros made for a discarded partition by this Acquire
+  absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits, &filled);
+  // Counted once each: acquires = hits + zero fills + late prefetches + misses.
+  if (hit) {
+    ++stats_.acquire_hits;
+    ++step_.r.hits;
+    if (st.prefetched[I(tier)]) ++step_.r.prefetch_hits;
+  } else if (filled) {
+    ++step_.r.zero_fills;
+  } else if (late) {
+    ++step_.r.late_prefetches;  // a prefetch was bringing it (or was queued to): joined
+  } else {
+    ++step_.r.misses;
+  }
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
   moved_.SignalAll();  // a Discard may wait for it
@@ -814,7 +820,7 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   stats_.acquire_wait_seconds += waited_s;
   step_.r.wait_seconds += waited_s;
   for (int c = 0; c < kWaitCauseCount; ++c) step_.r.wait_by_cause[c] += waits.s[c];
-  if (!hit && r.written) scheduler_->OnLateOrMiss();
+  if (!hit && !filled) scheduler_->OnLateOrMiss();
   PlanPrefetchesLocked();
   STRATA_RETURN_IF_ERROR(brought);
   return mover_->Address(id, tier);
@@ -873,26 +879,34 @@ absl::Status Runtime::Evict(PartitionId id, Tier tier) {
 
 absl::Status Runtime::Discard(PartitionId id) {
   MutexLock lock(&mu_);
-  auto it = parts_.find(id);
-  if (it == parts_.end()) {
-    return absl::NotFoundError(absl::StrCat("discard partition ", id, ": not registered"));
-  }
   // A move of it (a write-back, a prefetch) and every thread bringing it in end first: the bytes
   // they carry are dropped below, or the Acquire among them pins them and the discard is refused.
+  // The partition is looked up again after every wait (another thread may unregister it).
+  PartState* st = nullptr;
   for (;;) {
-    WaitForMoveLocked(id);
-    if (it->second.busy == 0 && it->second.joining == 0) break;
+    auto it = parts_.find(id);
+    if (it == parts_.end()) {
+      return absl::NotFoundError(absl::StrCat("discard partition ", id, ": not registered"));
+    }
+    st = &it->second;
+    if (auto r = table_->Get(id); r.ok() && r->move) {
+      WaitForMoveLocked(id);
+      continue;
+    }
+    if (st->busy == 0 && st->joining == 0 && st->carrying == 0) break;
     moved_.Wait(&mu_);
   }
   STRATA_RETURN_IF_ERROR(Annotate(table_->Discard(id), "discard"));
+  st->prefetched = {};
   // Every copy is stale now: the memory ones are freed (a stale NVMe copy keeps its extent until
-  // the next write-back replaces it).
+  // the next write-back replaces it), and whoever waits for room is told.
+  absl::Status dropped;
   for (Tier t : {Tier::kDevice, Tier::kHost}) {
     auto r = table_->Get(id);
-    if (r.ok() && r->has_copy[I(t)]) STRATA_RETURN_IF_ERROR(mover_->Drop(id, t));
+    if (r.ok() && r->has_copy[I(t)]) dropped.Update(mover_->Drop(id, t));
   }
-  it->second.prefetched = {};
-  return absl::OkStatus();
+  moved_.SignalAll();
+  return dropped;
 }
 
 void Runtime::PlanPrefetchesLocked() {

@@ -157,7 +157,8 @@ struct StepReport {
   uint64_t prefetch_hits = 0;    // of the hits, brought by a prefetch
   uint64_t late_prefetches = 0;  // a prefetch was still moving it: the Acquire joined
   uint64_t misses = 0;           // the Acquire moved it itself
-  uint64_t zero_fills = 0;       // acquires of a discarded partition: zeros made, nothing read
+  uint64_t zero_fills = 0;       // acquires that made zeros for a discarded partition, nothing read
+  // (acquires = hits + zero_fills + late_prefetches + misses)
   uint64_t prefetches = 0, prefetch_failures = 0, prefetches_blocked = 0;  // blocked: no room
   uint64_t evictions = 0, write_backs = 0;
   uint64_t write_back_failures = 0;  // background write-backs (GradientReady) that failed
@@ -201,7 +202,8 @@ class Runtime {
   // copies are gone and the stored one stays (StoredPartitions): Unregister again to erase it.
   absl::Status Unregister(PartitionId id);
   // Writes back to NVMe every registered partition whose NVMe copy is not current, so the store
-  // holds every partition's latest bytes (what a restart adopts). FailedPrecondition naming the
+  // holds every partition's latest bytes (what a restart adopts; a discarded partition has none to
+  // write, and its stored copy keeps the bytes it had). FailedPrecondition naming the
   // first partition pinned while dirty; a no-op without an NVMe tier.
   absl::Status Flush();
   // Brings a current copy into `tier` (device or host), pins it, returns its address. It returns
@@ -228,8 +230,9 @@ class Runtime {
   // Acquire gets zeros made in its tier without reading anything (nothing crosses the link or the
   // disk; a device's zeros are made on the device). The NVMe copy keeps its extent, holding the
   // old bytes, until a write-back replaces it: a restart that adopts the partition before then
-  // gets them. Flush skips it; the scheduler does not prefetch it. Waits for a move of it in
-  // flight and for threads bringing it in; refused (FailedPrecondition) while it is pinned.
+  // gets them. Flush skips it; the scheduler does not prefetch it (an explicit Prefetch makes its
+  // zeros ahead). Waits for a move of it in flight and for threads bringing it in; refused
+  // (FailedPrecondition) while it is pinned.
   absl::Status Discard(PartitionId id);
   // Brings a current copy into `tier` on a worker thread (no pin) and returns at once; the future
   // completes when it is there (it may be discarded), or with the reason it is not: no room that
@@ -307,8 +310,9 @@ class Runtime {
   Runtime() = default;
   // Brings a current copy of `id` into `tier` (joining a move in flight). `limit`: for a prefetch,
   // the distance of its use (victims must be needed later). The caller holds a busy mark on `id`.
-  absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `filled` (when given) is set when this call made zeros for a discarded partition.
+  absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits,
+                           bool* filled = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.

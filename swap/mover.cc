@@ -207,8 +207,9 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
   const bool fill = from == to;
   auto fail = [&](absl::Status s) {
     parts_.table->EndMove(id, false).IgnoreError();
-    return Annotate(
-        s, absl::StrCat("move of partition ", id, " ", TierName(from), " -> ", TierName(to)));
+    return Annotate(s, fill ? absl::StrCat("zeros for partition ", id, " in ", TierName(to))
+                            : absl::StrCat("move of partition ", id, " ", TierName(from), " -> ",
+                                           TierName(to)));
   };
   if ((from == Tier::kNvme || to == Tier::kNvme) && parts_.store == nullptr) {
     return fail(absl::FailedPreconditionError("no NVMe tier"));

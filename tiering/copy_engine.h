@@ -67,9 +67,9 @@ class CopyEngine {
   }
   virtual void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction,
                     Done done) = 0;
-  // Sets `bytes` of device memory at `dst` to zero, in order with the copies, without crossing the
-  // link (CUDA: cudaMemsetAsync on the engine's stream; host-emulated: a memset on the engine's
-  // thread, outside the link's cap).
+  // Sets `bytes` of device memory at `dst` to zero, without crossing the link, in order behind the
+  // copies queued before it as on one stream (CUDA: cudaMemsetAsync on the engine's stream;
+  // host-emulated: a memset on the engine's thread, not paced by the link's cap).
   virtual void Zero(void* dst, size_t bytes, Done done) = 0;
   virtual absl::string_view name() const = 0;
 

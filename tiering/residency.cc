@@ -153,6 +153,10 @@ absl::Status ResidencyTable::BeginFill(PartitionId id, Tier tier) {
   absl::StatusOr<Residency*> found = FindLocked(id);
   if (!found.ok()) return found.status();
   Residency& r = **found;
+  if (tier == Tier::kNvme) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("partition ", id, ": a fill is made in the device or host tier, not nvme"));
+  }
   if (r.written) return Refuse(id, "has bytes; a fill is for a partition without (discarded)");
   if (r.move) return Refuse(id, "a move is in flight");
   if (!r.has_copy[I(tier)]) {

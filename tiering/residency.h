@@ -103,7 +103,8 @@ class ResidencyTable {
   // A partition with no bytes (Discarded) gets a new first copy in `tier`, which its caller fills
   // (with zeros): recorded as a move `tier` -> `tier` until EndMove, which makes it current and
   // the partition written (ok), or releases it (failed). Reserved against the budget now (a stale
-  // copy already in `tier` is reused). Refused for a partition that has bytes or a move in flight.
+  // copy already in `tier` is reused). Refused for a partition that has bytes or a move in flight,
+  // and for the NVMe tier (InvalidArgument: a fill is made in memory).
   absl::Status BeginFill(PartitionId id, Tier tier);
 
   // The partition's bytes are no longer needed: every copy goes stale (the copies stay held, and

@@ -133,6 +133,102 @@ TEST(RuntimeDiscardTest, FlushSkipsADiscardedPartitionAndARestartFindsItsLastSto
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
+// A copy link slow enough (4 MB/s: 25 ms for a partition) that a move is surely in flight when
+// another thread calls in.
+RuntimeConfig SlowLink(const std::string& path) {
+  RuntimeConfig c = Config(path, 2, 2);
+  c.copy_bandwidth_bytes_per_s = 4'000'000;
+  return c;
+}
+
+TEST(RuntimeDiscardTest, ADiscardWaitsForTheWriteBackInFlightToEnd) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SlowLink(dir.File("swap")), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE(
+      (*rt)
+          ->Register(Desc(1, kBytes, tiering::Role::kGrad), Tier::kDevice, RandomBytes(kBytes, 5))
+          .ok());
+  // The device copy is the only one: evicting it writes it down to the host over the slow link.
+  std::thread evict([&] { EXPECT_TRUE((*rt)->Evict(1, Tier::kDevice).ok()); });
+  while (!(*rt)->residency().Get(1)->move) std::this_thread::yield();
+  ASSERT_TRUE((*rt)->Discard(1).ok());
+  // The discard came after the write-back had ended (it was not cut short) and took effect.
+  EXPECT_EQ((*rt)->stats().write_backs, 1u);
+  auto r = (*rt)->residency().Get(1);
+  EXPECT_FALSE(r->move);
+  EXPECT_FALSE(r->written);
+  evict.join();
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+  auto p = (*rt)->Acquire(1, Tier::kHost);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(AllZero(*p, kBytes));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+}
+
+TEST(RuntimeDiscardTest, ADiscardRacingAnUnregisterOfThePartitionEndsCleanly) {
+  for (int round = 0; round < 4; ++round) {
+    SCOPED_TRACE(round);
+    ScratchDir dir;
+    auto rt = Runtime::Create(SlowLink(dir.File("swap")), Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kDevice, RandomBytes(kBytes, 6)).ok());
+    std::thread evict([&] { (void)(*rt)->Evict(1, Tier::kDevice); });
+    while (!(*rt)->residency().Get(1)->move) std::this_thread::yield();
+    // Both wait for the move; whichever goes first, the other finds the partition gone (or
+    // discarded), and nothing reads freed state.
+    absl::Status discarded, unregistered;
+    std::thread discard([&] { discarded = (*rt)->Discard(1); });
+    std::thread unregister([&] { unregistered = (*rt)->Unregister(1); });
+    discard.join();
+    unregister.join();
+    evict.join();
+    EXPECT_TRUE(discarded.ok() || discarded.code() == absl::StatusCode::kNotFound) << discarded;
+    EXPECT_TRUE(unregistered.ok()) << unregistered;
+    EXPECT_FALSE((*rt)->residency().Get(1).ok());
+    EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+  }
+}
+
+TEST(RuntimeDiscardTest, EveryAcquireIsCountedOnceWhenTwoThreadsWantTheZeros) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SlowLink(dir.File("swap")), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->Register(Desc(1, kBytes, tiering::Role::kGrad), Tier::kHost).ok());
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE(round);
+    ASSERT_TRUE((*rt)->Discard(1).ok());
+    (void)(*rt)->EndStep();
+    // One thread makes the zeros; the other finds them made, or being made, and joins or copies.
+    std::thread other([&] {
+      auto p = (*rt)->Acquire(1, Tier::kHost);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_TRUE(AllZero(*p, kBytes));
+      EXPECT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+    });
+    auto p = (*rt)->Acquire(1, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(AllZero(*p, kBytes));
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+    other.join();
+    const StepReport r = (*rt)->EndStep();
+    EXPECT_EQ(r.acquires, 2u);
+    EXPECT_EQ(r.hits + r.zero_fills + r.late_prefetches + r.misses, 2u);
+    EXPECT_GE(r.zero_fills, 1u);
+  }
+  // An explicit Prefetch of a discarded partition makes its zeros ahead: the Acquire is a hit.
+  ASSERT_TRUE((*rt)->Discard(1).ok());
+  (void)(*rt)->EndStep();
+  ASSERT_TRUE((*rt)->Prefetch(1, Tier::kDevice).get().ok());
+  auto p = (*rt)->Acquire(1, Tier::kDevice);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(AllZero(*p, kBytes));
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
+  const StepReport r = (*rt)->EndStep();
+  EXPECT_EQ(r.zero_fills, 0u);
+  EXPECT_EQ(r.prefetch_hits, 1u);
+}
+
 TEST(RuntimeDiscardTest, ADiscardWaitsForAWriteBackInFlightAndLosesNothingElse) {
   ScratchDir dir;
   auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());

@@ -382,6 +382,34 @@ TEST(RuntimeEdgesTest, AReleaseWithAStreamHoldsTheCopyUntilTheStreamsWorkHasRun)
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
 }
 
+// A dropped device copy whose "kernels" still run is held aside beyond the device budget; the
+// emulated device's pool must still serve what the residency table allows.
+TEST(RuntimeEdgesTest, CopiesHeldAsideForTheirStreamsDoNotStarveTheEmulatedDevice) {
+  ScratchDir dir;
+  RuntimeOptions ro = Quiet();
+  std::shared_ptr<GatedCopyEngine::Gate> gate;
+  ro.wrap_copy_engine = [&](std::unique_ptr<tiering::CopyEngine> inner) {
+    auto engine = std::make_unique<GatedCopyEngine>(std::move(inner));
+    gate = engine->gate;
+    return engine;
+  };
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  int stream = 0;
+  for (PartitionId id : {1, 2}) {
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kDevice).ok());
+    ASSERT_TRUE((*rt)->Acquire(id, Tier::kDevice).ok());
+    ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, true, &stream).ok());
+    ASSERT_TRUE((*rt)->Discard(id).ok());  // dropped: held aside until the gate opens
+  }
+  for (PartitionId id : {1, 2}) {
+    auto p = (*rt)->Acquire(id, Tier::kDevice);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, false).ok());
+  }
+  gate->open = true;
+}
+
 TEST(RuntimeEdgesTest, UnregisterIsRefusedWhileAnAcquireWaitsOnAMoveOfThePartition) {
   ScratchDir dir;
   RuntimeConfig config = Config(dir.File("swap"), 2, 2);

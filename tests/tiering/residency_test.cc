@@ -215,6 +215,7 @@ TEST(ResidencyTest, ADiscardedPartitionHasNoCurrentCopyUntilAFillGivesItBytes) {
   EXPECT_THAT(t.Discard(1).message(), HasSubstr("pinned in host"));
   ASSERT_TRUE(t.Unpin(1, Tier::kHost).ok());
   EXPECT_THAT(t.BeginFill(1, Tier::kDevice).message(), HasSubstr("has bytes"));
+  EXPECT_EQ(t.BeginFill(1, Tier::kNvme).code(), absl::StatusCode::kInvalidArgument);
 
   ASSERT_TRUE(t.Discard(1).ok());
   auto r = t.Get(1);
