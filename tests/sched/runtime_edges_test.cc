@@ -351,16 +351,21 @@ class GatedCopyEngine final : public tiering::CopyEngine {
   std::unique_ptr<tiering::CopyEngine> inner_;
 };
 
-TEST(RuntimeEdgesTest, AReleaseWithAStreamHoldsTheCopyUntilTheStreamsWorkHasRun) {
-  ScratchDir dir;
+// Quiet options whose copy engine is a GatedCopyEngine (its gate handed back in `gate`).
+RuntimeOptions Gated(std::shared_ptr<GatedCopyEngine::Gate>* gate) {
   RuntimeOptions ro = Quiet();
-  std::shared_ptr<GatedCopyEngine::Gate> gate;
-  ro.wrap_copy_engine = [&](std::unique_ptr<tiering::CopyEngine> inner) {
+  ro.wrap_copy_engine = [gate](std::unique_ptr<tiering::CopyEngine> inner) {
     auto engine = std::make_unique<GatedCopyEngine>(std::move(inner));
-    gate = engine->gate;
+    *gate = engine->gate;
     return engine;
   };
-  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), ro);
+  return ro;
+}
+
+TEST(RuntimeEdgesTest, AReleaseWithAStreamHoldsTheCopyUntilTheStreamsWorkHasRun) {
+  ScratchDir dir;
+  std::shared_ptr<GatedCopyEngine::Gate> gate;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Gated(&gate));
   ASSERT_TRUE(rt.ok()) << rt.status();
   ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kHost, RandomBytes(kBytes, 1)).ok());
   auto p = (*rt)->Acquire(1, Tier::kDevice);
@@ -386,14 +391,8 @@ TEST(RuntimeEdgesTest, AReleaseWithAStreamHoldsTheCopyUntilTheStreamsWorkHasRun)
 // emulated device's pool must still serve what the residency table allows.
 TEST(RuntimeEdgesTest, CopiesHeldAsideForTheirStreamsDoNotStarveTheEmulatedDevice) {
   ScratchDir dir;
-  RuntimeOptions ro = Quiet();
   std::shared_ptr<GatedCopyEngine::Gate> gate;
-  ro.wrap_copy_engine = [&](std::unique_ptr<tiering::CopyEngine> inner) {
-    auto engine = std::make_unique<GatedCopyEngine>(std::move(inner));
-    gate = engine->gate;
-    return engine;
-  };
-  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), ro);
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Gated(&gate));
   ASSERT_TRUE(rt.ok()) << rt.status();
   int stream = 0;
   for (PartitionId id : {1, 2}) {
