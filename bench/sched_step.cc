@@ -76,6 +76,9 @@ ABSL_FLAG(std::string, optimizer, "after_backward",
           "when the optimizer steps: after_backward (every layer once backward has ended, as "
           "DeepSpeed does) or interleaved (each layer during backward, one layer behind its "
           "gradient, as strata's trainer front does)");
+ABSL_FLAG(std::vector<std::string>, policies,
+          std::vector<std::string>({"strata", "lru", "deepspeed_like"}),
+          "the policies to run, in each round (comma-separated): strata, lru, deepspeed_like");
 ABSL_FLAG(std::string, json, "", "write the report here");
 
 namespace strata::bench {
@@ -88,6 +91,13 @@ using tiering::PartitionDesc;
 using tiering::PartitionId;
 using tiering::Role;
 using tiering::Tier;
+
+std::optional<Policy> PolicyNamed(absl::string_view name) {
+  if (name == "strata") return Policy::kTrace;
+  if (name == "lru") return Policy::kLru;
+  if (name == "deepspeed_like") return Policy::kDeepSpeedLike;
+  return std::nullopt;
+}
 
 double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -382,10 +392,10 @@ int Main() {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
     return 1;
   }
-  const std::vector<std::pair<std::string, Policy>> policies = {
-      {"strata", Policy::kTrace},
-      {"lru", Policy::kLru},
-      {"deepspeed_like", Policy::kDeepSpeedLike}};
+  std::vector<std::pair<std::string, Policy>> policies;
+  for (const std::string& name : absl::GetFlag(FLAGS_policies)) {
+    policies.emplace_back(name, *PolicyNamed(name));
+  }
   std::map<std::string, std::vector<double>> seconds, bounds, ratios;
   std::map<std::string, sched::StepReport> last;
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
@@ -512,6 +522,16 @@ int main(int argc, char** argv) {
       o != "after_backward" && o != "interleaved") {
     strata::aio_bench::BadFlag("--optimizer",
                                "is \"" + o + "\"; accepted: after_backward, interleaved");
+  }
+  const std::vector<std::string> policies = absl::GetFlag(FLAGS_policies);
+  if (policies.empty()) {
+    strata::aio_bench::BadFlag("--policies", "is empty; accepted: strata, lru, deepspeed_like");
+  }
+  for (const std::string& p : policies) {
+    if (!strata::bench::PolicyNamed(p)) {
+      strata::aio_bench::BadFlag("--policies",
+                                 "names \"" + p + "\"; accepted: strata, lru, deepspeed_like");
+    }
   }
   if (const std::string d = absl::GetFlag(FLAGS_device); d != "emulated" && d != "cuda") {
     strata::aio_bench::BadFlag("--device", "is \"" + d + "\"; accepted: emulated, cuda");
