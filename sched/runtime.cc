@@ -813,7 +813,7 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   }
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
-  moved_.SignalAll();  // a Discard may wait for it
+  if (discards_waiting_ > 0) moved_.SignalAll();  // for a thread that no longer brings it in
   st.prefetched[I(tier)] = false;
   if (brought.ok()) st.last_use[I(tier)] = ++tick_;
   const double waited_s = Since(t0);
@@ -894,7 +894,9 @@ absl::Status Runtime::Discard(PartitionId id) {
       continue;
     }
     if (st->busy == 0 && st->joining == 0 && st->carrying == 0) break;
+    ++discards_waiting_;
     moved_.Wait(&mu_);
+    --discards_waiting_;
   }
   STRATA_RETURN_IF_ERROR(Annotate(table_->Discard(id), "discard"));
   st->prefetched = {};
@@ -986,7 +988,7 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
       }
     }
     --st.busy;
-    moved_.SignalAll();  // a Discard may wait for it
+    if (discards_waiting_ > 0) moved_.SignalAll();  // for a thread that no longer brings it in
   }
   if (planned) {
     prefetching_.erase(std::make_pair(id, tier));

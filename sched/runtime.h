@@ -376,6 +376,9 @@ class Runtime {
   absl::node_hash_map<PartitionId, PartState> parts_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   int moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Discards waiting (on moved_) for the threads bringing their partition in: an Acquire or a
+  // prefetch that ends signals moved_ only when one waits, not on every call.
+  int discards_waiting_ ABSL_GUARDED_BY(mu_) = 0;
   std::unique_ptr<Scheduler> scheduler_ ABSL_GUARDED_BY(mu_);
   // Planned prefetches queued or running.
   absl::flat_hash_set<std::pair<PartitionId, Tier>> prefetching_ ABSL_GUARDED_BY(mu_);

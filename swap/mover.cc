@@ -132,14 +132,13 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
   STRATA_ASSIGN_OR_RETURN(void* p, ResourceFor(tier).Allocate(desc.bytes));
   auto* bytes = static_cast<std::byte*>(p);
   absl::Status filled;
-  if (tier == Tier::kDevice) {
-    filled = initial.empty() ? parts_.copy->ZeroAsync(bytes, desc.bytes).get()
-                             : parts_.copy
-                                   ->CopyAsync(bytes, initial.data(), desc.bytes,
-                                               tiering::CopyDirection::kHostToDevice)
-                                   .get();
-  } else if (initial.empty()) {
-    std::memset(bytes, 0, desc.bytes);
+  if (initial.empty()) {
+    filled = Zeros(tier, bytes, desc.bytes);
+  } else if (tier == Tier::kDevice) {
+    filled =
+        parts_.copy
+            ->CopyAsync(bytes, initial.data(), desc.bytes, tiering::CopyDirection::kHostToDevice)
+            .get();
   } else {
     std::memcpy(bytes, initial.data(), desc.bytes);
   }
@@ -155,14 +154,16 @@ absl::Status Mover::Fill(const tiering::PartitionDesc& desc, Tier tier,
   return absl::OkStatus();
 }
 
+absl::Status Mover::Zeros(Tier tier, std::byte* dst, uint64_t bytes) {
+  if (tier == Tier::kDevice) return parts_.copy->ZeroAsync(dst, bytes).get();  // on the device
+  std::memset(dst, 0, bytes);
+  return absl::OkStatus();
+}
+
 absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
                           std::byte* dst) {
   using tiering::CopyDirection;
-  if (from == to) {  // a fill: zeros, made where the copy is
-    if (to == Tier::kDevice) return parts_.copy->ZeroAsync(dst, bytes).get();
-    std::memset(dst, 0, bytes);
-    return absl::OkStatus();
-  }
+  if (from == to) return Zeros(to, dst, bytes);  // a fill
   if (from == Tier::kNvme && to == Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
     return parts_.store->GetChunked(
@@ -197,11 +198,6 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
     return absl::FailedPreconditionError(
         absl::StrCat("partition ", id, ": carry ", TierName(from), " -> ", TierName(to),
                      " without that move begun in the residency table"));
-  }
-  if (from == to && !IsMemory(to)) {
-    parts_.table->EndMove(id, false).IgnoreError();
-    return absl::InvalidArgumentError(
-        absl::StrCat("partition ", id, ": fills are made in the device and host tiers"));
   }
   const uint64_t bytes = r.desc.bytes;
   const bool fill = from == to;

@@ -74,9 +74,9 @@ class Mover {
                     absl::Span<const std::byte> initial);
 
   // Carries out the move from -> to that the table has begun (ResidencyTable::BeginMove), and ends
-  // it (EndMove: the new copy current, or released on failure). from == to (a memory tier): the
-  // fill the table has begun (ResidencyTable::BeginFill): zeros made in that tier (on the device
-  // by the copy engine, without crossing the link), not counted as bytes moved.
+  // it (EndMove: the new copy current, or released on failure). from == to: the fill the table
+  // has begun (ResidencyTable::BeginFill, memory tiers only): zeros made in that tier (on the
+  // device by the copy engine, without crossing the link), not counted as bytes moved.
   absl::Status Carry(PartitionId id, Tier from, Tier to);
 
   // Drops the copy in `tier` through the table (its rules) and frees its memory (memory tiers; a
@@ -106,6 +106,8 @@ class Mover {
   tiering::MemoryResource& ResourceFor(Tier t) const;
   absl::Status Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
                      std::byte* dst);
+  // Zeros in a memory tier's copy (the device's made there by the copy engine).
+  absl::Status Zeros(Tier tier, std::byte* dst, uint64_t bytes);
 
   const MoverParts parts_;
   mutable Mutex mu_;
