@@ -229,7 +229,10 @@ TEST(RuntimeDiscardTest, EveryAcquireIsCountedOnceWhenTwoThreadsWantTheZeros) {
   EXPECT_EQ(r.prefetch_hits, 1u);
 }
 
-TEST(RuntimeDiscardTest, ADiscardWaitsForAWriteBackInFlightAndLosesNothingElse) {
+// Round after round, a gradient released dirty and handed to GradientReady is discarded (whether
+// its background eviction has run yet or not): the next Acquire sees zeros, and another
+// partition's bytes are untouched. (A discard overlapping a write-back for sure: above.)
+TEST(RuntimeDiscardTest, RepeatedDiscardsAfterGradientReadyGiveZerosAndLeaveOthersAlone) {
   ScratchDir dir;
   auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();

@@ -175,6 +175,7 @@ TEST(BenchCliTest, EveryBenchmarkTakesEitherSpellingAndRefusesNumbersOutOfRange)
             "--params: must be at least --partition-params"},
            {"sched_step", "--layers 0", "--layers: must be an integer in [1, 10000], got 0"},
            {"sched_step", "--copy-gbps=0", "--copy-gbps: must be a number in [0.01, 1000]"},
+           {"sched_step", "--policies=", "--policies: is empty; accepted: strata, lru"},
            {"sched_step", "--policies=strata,fifo",
             "--policies: names \"fifo\"; accepted: strata, lru, deepspeed_like"},
            {"sched_step", "--optimizer=during",
