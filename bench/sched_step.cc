@@ -22,19 +22,14 @@
 // quarter of the parameters, the host budget half of everything (plus the staging buffers), the
 // rest lives in the NVMe store under --dir.
 //
-// The ceiling is the trace's lower bound per step, the longer of two counts, the bandwidths
-// measured in the same run (the copy engine timed on a large copy; the disk by fio reads and
-// writes at the store's block size and depth, or strata's aio engine where fio is not installed,
-// as the output says). Over the whole step: max(compute, bytes that must cross the copy link / its
-// bandwidth, bytes that must cross the disk / its bandwidth), the bytes by Belady's offline-optimal
-// eviction over the step's accesses, repeated (the copy link: device-tier accesses with the device
-// budget; the disk: all memory-tier accesses with the device and host budgets together; dirty
-// evictions count as write-backs). Phase by phase: the sum over the trainer's phases of
-// max(compute, link time, disk time) of the bytes each phase must move within itself whatever the
-// policy (PhaseLowerBounds), as the phases run one after another. The whole-step count is a
-// counting bound, not a proof that no policy moves fewer bytes: it charges each link its loads and
-// dirty evictions under one combined budget, and leaves out what a real schedule also moves (the
-// optimizer's new parameters flowing back to the device, gradients crossing down). The figure is
+// The ceiling is the trace's lower bound per step, the longer of two counts (bench/common/
+// step_bound.h says what each counts and where it errs low): over the whole step, max(compute,
+// Belady's bytes across the copy link / its bandwidth, across the disk / its bandwidth), the link
+// counted on the device-tier accesses with the device budget, the disk on all memory-tier accesses
+// with the device and host budgets together; and phase by phase (PhaseLowerBounds), the sum of
+// each phase's max(compute, link time, disk time). The bandwidths are measured in the same run (the
+// copy engine timed on a large copy; the disk by fio reads and writes at the store's block size and
+// depth, or strata's aio engine where fio is not installed, as the output says). The figure is
 // the median step time after the first two steps; strata's scheduler is printed beside on-demand +
 // LRU and a DeepSpeed-like policy (device-only prefetch of a fixed bucket, at most two in flight,
 // no read-ahead from NVMe), each as a ratio to the bound.
