@@ -25,8 +25,9 @@
 // The ceiling is the trace's lower bound per step, the longer of two counts (bench/common/
 // step_bound.h says what each counts and where it errs low): over the whole step, max(compute,
 // Belady's bytes across the copy link / its bandwidth, across the disk / its bandwidth), the link
-// counted on the device-tier accesses with the device budget, the disk on all memory-tier accesses
-// with the device and host budgets together; and phase by phase (PhaseLowerBounds), the sum of
+// counted on the device tier with its budget (the host's reads of dirty device copies and its
+// writes that leave device copies stale included), the disk on all memory-tier accesses with the
+// device and host budgets together; and phase by phase (PhaseLowerBounds), the sum of
 // each phase's max(compute, link time, disk time). The bandwidths are measured in the same run (the
 // copy engine timed on a large copy; the disk by fio reads and writes at the store's block size and
 // depth, or strata's aio engine where fio is not installed, as the output says). The figure is
@@ -369,12 +370,9 @@ int Main() {
   const std::vector<Group> step_groups = MakeStep(m, interleaved);
   const std::vector<Access> step = Accesses(step_groups);
   auto bytes = [&m](PartitionId id) { return m.Bytes(id); };
-  std::vector<Access> device_accesses;
-  for (const Access& a : step) {
-    if (a.tier == Tier::kDevice || a.discard) device_accesses.push_back(a);
-  }
+
   const uint64_t memory_budget = config.device_budget_bytes + all / 2;
-  const Traffic link = Belady(bytes, device_accesses, config.device_budget_bytes);
+  const Traffic link = Belady(bytes, step, config.device_budget_bytes, Tier::kDevice);
   const Traffic disk = Belady(bytes, step, memory_budget);
   // (Phase by phase with the whole host budget, staging buffers included: it errs low.)
   const std::array<PhaseNeeds, kPhaseCount> phases =

@@ -14,11 +14,31 @@ std::vector<Access> Accesses(const std::vector<Group>& step) {
   return a;
 }
 
-Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget) {
+Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget,
+               std::optional<Tier> tier) {
   std::vector<Access> seq = step;
   seq.insert(seq.end(), step.begin(), step.end());
   seq.insert(seq.end(), step.begin(), step.end());  // next uses of the second pass
   auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  auto here = [&](const Access& a) { return !tier || a.tier == *tier; };
+  // The next access in this memory that needs the copy, or seq.size(): never (a discard, or a
+  // write elsewhere that leaves it stale, comes first).
+  auto next_use = [&](PartitionId id, size_t i) {
+    for (size_t k = i + 1; k < seq.size(); ++k) {
+      const Access& a = seq[k];
+      if (a.id != id) continue;
+      if (a.discard || (!here(a) && a.dirty)) return seq.size();
+      if (here(a)) return k;
+    }
+    return seq.size();
+  };
+  // Whether the copy's bytes are dropped before anything reads them again (a discard comes first).
+  auto dead = [&](PartitionId id, size_t i) {
+    for (size_t k = i + 1; k < seq.size(); ++k) {
+      if (seq[k].id == id) return seq[k].discard;
+    }
+    return true;
+  };
   struct Held {
     bool dirty = false;
   };
@@ -38,23 +58,32 @@ Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget) {
       discarded.insert(x.id);
       continue;
     }
+    if (!here(x)) {
+      // An access in another memory: a dirty copy here crosses to it first, and a write there
+      // leaves this copy stale.
+      if (auto it = held.find(x.id); it != held.end()) {
+        if (it->second.dirty && count) t.written += bytes(x.id);
+        it->second.dirty = false;
+        if (x.dirty) {
+          used -= page(bytes(x.id));
+          held.erase(it);
+        }
+      }
+      discarded.erase(x.id);
+      continue;
+    }
     if (!held.contains(x.id)) {
       while (used + page(bytes(x.id)) > budget && !held.empty()) {
         PartitionId victim = 0;
         size_t furthest = 0;
         for (const auto& [id, h] : held) {
-          size_t next = i + 1;
-          while (next < seq.size() && seq[next].id != id) ++next;
-          if (next < seq.size() && seq[next].discard) next = seq.size();  // needed never again
+          const size_t next = next_use(id, i);
           if (next >= furthest) {
             furthest = next;
             victim = id;
           }
         }
-        size_t next = i + 1;
-        while (next < seq.size() && seq[next].id != victim) ++next;
-        const bool dead = next < seq.size() && seq[next].discard;
-        if (held[victim].dirty && !dead && count) t.written += bytes(victim);
+        if (held[victim].dirty && !dead(victim, i) && count) t.written += bytes(victim);
         used -= page(bytes(victim));
         held.erase(victim);
       }

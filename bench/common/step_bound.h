@@ -8,8 +8,8 @@
 //    step repeated (the second pass counted: the steady state; sizes in whole 4 KiB pages; the copy
 //    in use is never evicted). A discard drops its partition's copy without a write-back, and the
 //    next access after it loads nothing (it writes fresh bytes); a copy whose next event is its
-//    discard is needed never again. A counting bound: it charges a link its loads and dirty
-//    evictions, not every byte a real schedule moves.
+//    discard is needed never again. A counting bound: it charges a link its loads, its dirty
+//    evictions and the dirty bytes another memory reads, not every byte a real schedule moves.
 //  - PhaseLowerBounds: at a phase's start the memory tiers hold at most their budgets' bytes, so of
 //    the partitions a phase accesses, all but that many bytes are read from NVMe within the phase,
 //    and of those it dirties, all but that many are written back within it (a dirty copy leaves
@@ -60,8 +60,12 @@ std::vector<Access> Accesses(const std::vector<Group>& step);
 struct Traffic {
   uint64_t loaded = 0, written = 0;
 };
-// Belady's count over `step` (accesses, discards among them) with `budget` bytes.
-Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget);
+// Belady's count over `step` (accesses, discards among them) with `budget` bytes. With `tier`,
+// the memory counted is that tier alone (its link): accesses in other tiers take none of its room,
+// but a dirty copy held in it crosses to them before they read it (counted as written), and a
+// write there leaves its copy stale (dropped, so its next access here loads).
+Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget,
+               std::optional<Tier> tier = std::nullopt);
 
 struct PhaseNeeds {
   double compute_s = 0;

@@ -49,6 +49,25 @@ TEST(StepBoundTest, ADiscardedCopyIsNeitherWrittenBackNorLoadedAgain) {
   EXPECT_EQ(t.written, 0u);
 }
 
+TEST(StepBoundTest, OneTiersLinkCountsWhatTheOtherTierReadsAndWhatItsWritesLeaveStale) {
+  auto page = [](PartitionId) { return kPage; };
+  // A gradient written on the device, read on the host, discarded: it crosses down once a step,
+  // though its next event on the device itself would be its discard.
+  const Traffic grad = Belady(page, {Write(1, Tier::kDevice), Read(1, Tier::kHost), Discard(1)},
+                              4 * kPage, Tier::kDevice);
+  EXPECT_EQ(grad.loaded, 0u);
+  EXPECT_EQ(grad.written, kPage);
+  // Parameters read on the device and written on the host (the optimizer's new weights): the
+  // device copy goes stale, and is loaded again however much room there is.
+  const Traffic param =
+      Belady(page, {Read(0, Tier::kDevice), Write(0, Tier::kHost)}, 4 * kPage, Tier::kDevice);
+  EXPECT_EQ(param.loaded, kPage);
+  EXPECT_EQ(param.written, 0u);
+  // The host tier's accesses take none of the device's room.
+  EXPECT_EQ(Belady(page, {Read(0, Tier::kDevice), Read(1), Read(2)}, kPage, Tier::kDevice).loaded,
+            0u);
+}
+
 TEST(StepBoundTest, PhasesMoveWhatTheirBudgetsCannotHoldAndNoBytesForADiscardedPartition) {
   // Parameters P0 P1 (4 KiB), gradients G0 G1 (4 KiB, discarded once stepped), states S0 S1 (12
   // KiB). Device budget 4 KiB, device and host together 16 KiB.
