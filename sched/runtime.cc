@@ -178,8 +178,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
         "\"cuda\".");
     // Pooled, as a device's allocator is (cudaMallocAsync's pool): the emulation pays no page
     // faults for a copy that a GPU would not. The residency table keeps what is in use within the
-    // device budget; the pool may hold twice it, as dropped copies whose fences have not passed
-    // are held aside beyond the budget (swap/mover.h), and freed blocks of other sizes are cached.
+    // device budget; the pool may hold twice it, for dropped copies held aside beyond the budget
+    // while their fences have not passed (swap/mover.h: on this device only a test's copy engine,
+    // RuntimeOptions::wrap_copy_engine, records fences).
     rt->device_backing_ =
         std::make_unique<tiering::HostMemoryResource>("device memory (host-emulated)");
     rt->device_memory_ = std::make_unique<tiering::PoolingResource>(

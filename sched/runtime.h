@@ -372,7 +372,9 @@ class Runtime {
   std::array<uint64_t, tiering::kTierCount> optimizer_set_aside_ ABSL_GUARDED_BY(optimizer_mu_){};
 
   mutable Mutex mu_;
-  CondVar moved_;  // signalled when a move ends
+  // Signalled when a move ends, when a Discard frees copies, and when a thread stops bringing a
+  // partition in while a Discard waits for that.
+  CondVar moved_;
   absl::node_hash_map<PartitionId, PartState> parts_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   int moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;

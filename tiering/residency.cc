@@ -159,10 +159,9 @@ absl::Status ResidencyTable::BeginFill(PartitionId id, Tier tier) {
   }
   if (r.written) return Refuse(id, "has bytes; a fill is for a partition without (discarded)");
   if (r.move) return Refuse(id, "a move is in flight");
-  if (!r.has_copy[I(tier)]) {
-    if (absl::Status s = ReserveLocked(tier, r.desc); !s.ok()) return s;
-    r.has_copy[I(tier)] = true;
-  }
+  if (r.has_copy[I(tier)]) return Refuse(id, "a stale copy is held there; drop it first");
+  if (absl::Status s = ReserveLocked(tier, r.desc); !s.ok()) return s;
+  r.has_copy[I(tier)] = true;
   r.move = std::make_pair(tier, tier);
   if (kCheckEveryChange) return CheckLocked();
   return absl::OkStatus();

@@ -102,9 +102,9 @@ class ResidencyTable {
   absl::Status EndMove(PartitionId id, bool ok);
   // A partition with no bytes (Discarded) gets a new first copy in `tier`, which its caller fills
   // (with zeros): recorded as a move `tier` -> `tier` until EndMove, which makes it current and
-  // the partition written (ok), or releases it (failed). Reserved against the budget now (a stale
-  // copy already in `tier` is reused). Refused for a partition that has bytes or a move in flight,
-  // and for the NVMe tier (InvalidArgument: a fill is made in memory).
+  // the partition written (ok), or releases it (failed). Reserved against the budget now. Refused
+  // for a partition that has bytes, a move in flight or a stale copy still held in `tier` (drop it
+  // first), and for the NVMe tier (InvalidArgument: a fill is made in memory).
   absl::Status BeginFill(PartitionId id, Tier tier);
 
   // The partition's bytes are no longer needed: every copy goes stale (the copies stay held, and

@@ -218,6 +218,7 @@ TEST(ResidencyTest, ADiscardedPartitionHasNoCurrentCopyUntilAFillGivesItBytes) {
   EXPECT_EQ(t.BeginFill(1, Tier::kNvme).code(), absl::StatusCode::kInvalidArgument);
 
   ASSERT_TRUE(t.Discard(1).ok());
+  EXPECT_THAT(t.BeginFill(1, Tier::kHost).message(), HasSubstr("stale copy is held there"));
   auto r = t.Get(1);
   EXPECT_FALSE(r->written);
   EXPECT_THAT(r->current, ElementsAre(false, false, false));
