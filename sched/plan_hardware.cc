@@ -1,0 +1,135 @@
+#include "sched/plan_hardware.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/config_reader.h"
+#include "base/status.h"
+#include "nlohmann/json.hpp"
+
+namespace strata::sched::plan {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status Bad(absl::string_view key, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("hardware: ", key, ": ", what));
+}
+
+// The config reader's errors say "config: "; a hardware file's say "hardware: ".
+absl::Status AsHardware(absl::Status s) {
+  if (s.ok()) return s;
+  std::string m(s.message());
+  if (m.rfind("config: ", 0) == 0) m = m.substr(8);
+  return absl::InvalidArgumentError(absl::StrCat("hardware: ", m));
+}
+
+absl::StatusOr<const Json*> Block(const Json& j, const char* name, bool required,
+                                  const std::vector<std::string>& keys) {
+  auto it = j.find(name);
+  if (it == j.end()) {
+    if (!required) return nullptr;
+    return Bad(name, absl::StrCat("missing; an object with the keys ", absl::StrJoin(keys, ", ")));
+  }
+  if (!it->is_object()) return Bad(name, absl::StrCat(it->dump(), " is not an object"));
+  if (absl::Status s = config::CheckKeys(*it, name, keys); !s.ok()) return AsHardware(s);
+  return &*it;
+}
+
+// block[key] as a number in [lo, hi]; required unless `fallback` is given.
+absl::StatusOr<double> Number(const Json& block, const char* block_name, const char* key, double lo,
+                              double hi, std::optional<double> fallback) {
+  const std::string prefix = absl::StrCat(block_name, ".");
+  if (!block.contains(key)) {
+    if (fallback) return *fallback;
+    return Bad(absl::StrCat(prefix, key),
+               absl::StrCat("missing; a number in [", lo, ", ", hi, "]"));
+  }
+  double v = 0;
+  if (absl::Status s = config::ReadNumber(block, prefix, key, lo, hi, &v); !s.ok()) {
+    return AsHardware(s);
+  }
+  return v;
+}
+
+absl::StatusOr<int> Count(const Json& block, const char* block_name, const char* key, int lo,
+                          int hi, std::optional<int> fallback) {
+  const std::string prefix = absl::StrCat(block_name, ".");
+  if (!block.contains(key)) {
+    if (fallback) return *fallback;
+    return Bad(absl::StrCat(prefix, key),
+               absl::StrCat("missing; an integer in [", lo, ", ", hi, "]"));
+  }
+  int v = 0;
+  if (absl::Status s = config::ReadInt(block, prefix, key, lo, hi, &v); !s.ok()) {
+    return AsHardware(s);
+  }
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(
+        "hardware: the description must be a JSON object with the blocks gpu, host, pcie and "
+        "(optionally) nvme");
+  }
+  if (absl::Status s =
+          config::CheckKeys(j, "hardware", {"name", "source", "gpu", "host", "pcie", "nvme"});
+      !s.ok()) {
+    return AsHardware(s);
+  }
+  Hardware h;
+  for (const char* text : {"name", "source"}) {
+    if (auto it = j.find(text); it != j.end()) {
+      if (!it->is_string()) return Bad(text, absl::StrCat(it->dump(), " is not a string"));
+      (std::string(text) == "name" ? h.name : h.source) = it->get<std::string>();
+    }
+  }
+  const Json* gpu = nullptr;
+  STRATA_ASSIGN_OR_RETURN(gpu, Block(j, "gpu", true, {"count", "hbm_gib", "tflops", "efficiency"}));
+  STRATA_ASSIGN_OR_RETURN(h.gpus, Count(*gpu, "gpu", "count", 1, 1024, 1));
+  double hbm_gib = 0, tflops = 0;
+  STRATA_ASSIGN_OR_RETURN(hbm_gib, Number(*gpu, "gpu", "hbm_gib", 0.25, 1 << 20, std::nullopt));
+  STRATA_ASSIGN_OR_RETURN(tflops, Number(*gpu, "gpu", "tflops", 0.001, 1e6, std::nullopt));
+  STRATA_ASSIGN_OR_RETURN(h.efficiency, Number(*gpu, "gpu", "efficiency", 0.01, 1, 0.5));
+  h.hbm_bytes = hbm_gib * (1 << 30);
+  h.gpu_flops = tflops * 1e12;
+
+  const Json* host = nullptr;
+  STRATA_ASSIGN_OR_RETURN(host, Block(j, "host", true, {"ram_gib", "cores", "optimizer_gbps"}));
+  double ram_gib = 0, opt_gbps = 0;
+  STRATA_ASSIGN_OR_RETURN(ram_gib, Number(*host, "host", "ram_gib", 0.25, 1 << 24, std::nullopt));
+  STRATA_ASSIGN_OR_RETURN(h.cores, Count(*host, "host", "cores", 1, 1 << 16, 1));
+  STRATA_ASSIGN_OR_RETURN(opt_gbps,
+                          Number(*host, "host", "optimizer_gbps", 0.001, 1e5, std::nullopt));
+  h.host_bytes = ram_gib * (1 << 30);
+  h.optimizer_bytes_per_s = opt_gbps * 1e9;
+
+  const Json* pcie = nullptr;
+  STRATA_ASSIGN_OR_RETURN(pcie, Block(j, "pcie", true, {"to_device_gbps", "to_host_gbps"}));
+  double down = 0, up = 0;
+  STRATA_ASSIGN_OR_RETURN(down, Number(*pcie, "pcie", "to_device_gbps", 0.001, 1e5, std::nullopt));
+  STRATA_ASSIGN_OR_RETURN(up, Number(*pcie, "pcie", "to_host_gbps", 0.001, 1e5, std::nullopt));
+  h.pcie_to_device = down * 1e9;
+  h.pcie_to_host = up * 1e9;
+
+  const Json* nvme = nullptr;
+  STRATA_ASSIGN_OR_RETURN(
+      nvme, Block(j, "nvme", false, {"drives", "read_gbps", "write_gbps", "capacity_tb"}));
+  if (nvme != nullptr) {
+    double read = 0, write = 0, tb = 0;
+    STRATA_ASSIGN_OR_RETURN(h.nvme_drives, Count(*nvme, "nvme", "drives", 1, 1024, 1));
+    STRATA_ASSIGN_OR_RETURN(read, Number(*nvme, "nvme", "read_gbps", 0.001, 1e4, std::nullopt));
+    STRATA_ASSIGN_OR_RETURN(write, Number(*nvme, "nvme", "write_gbps", 0.001, 1e4, std::nullopt));
+    STRATA_ASSIGN_OR_RETURN(tb, Number(*nvme, "nvme", "capacity_tb", 0.001, 1e6, std::nullopt));
+    h.nvme_read = read * 1e9 * h.nvme_drives;
+    h.nvme_write = write * 1e9 * h.nvme_drives;
+    h.nvme_bytes = tb * 1e12 * h.nvme_drives;
+  }
+  return h;
+}
+
+}  // namespace strata::sched::plan

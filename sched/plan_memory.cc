@@ -1,0 +1,154 @@
+#include "sched/plan_memory.h"
+
+#include <algorithm>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/config_reader.h"
+#include "base/status.h"
+#include "nlohmann/json.hpp"
+
+namespace strata::sched::plan {
+namespace {
+
+using Json = nlohmann::json;
+using tiering::OffloadDevice;
+
+// DeepSpeed's training keys the planner reads (the Runtime leaves them to the trainer).
+constexpr const char* kPlannerKeys[] = {"bf16", "fp16", "train_micro_batch_size_per_gpu",
+                                        "gradient_accumulation_steps"};
+
+absl::StatusOr<bool> Enabled(const Json& root, const char* block) {
+  auto it = root.find(block);
+  if (it == root.end()) return false;
+  if (!it->is_object()) {
+    return config::Bad(block, absl::StrCat(it->dump(), " is not an object ({\"enabled\": true})"));
+  }
+  bool on = false;
+  if (auto e = it->find("enabled"); e != it->end() && e->is_string() && *e == "auto") {
+    return config::Bad(absl::StrCat(block, ".enabled"),
+                       "\"auto\" is filled in by the trainer's integration before DeepSpeed sees "
+                       "the config; write true or false");
+  }
+  STRATA_RETURN_IF_ERROR(config::ReadBool(*it, absl::StrCat(block, "."), "enabled", &on));
+  return on;
+}
+
+}  // namespace
+
+absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::string>* warnings) {
+  std::vector<std::string> all;
+  STRATA_ASSIGN_OR_RETURN(tiering::RuntimeConfig runtime,
+                          tiering::RuntimeConfigFromJson(root, &all));
+  Training t;
+  t.runtime = std::move(runtime);
+  STRATA_ASSIGN_OR_RETURN(const bool bf16, Enabled(root, "bf16"));
+  STRATA_ASSIGN_OR_RETURN(const bool fp16, Enabled(root, "fp16"));
+  if (bf16 && fp16) {
+    return config::Bad("bf16", "bf16 and fp16 are both enabled; enable one of them");
+  }
+  t.dtype_bytes = bf16 || fp16 ? 2 : 4;
+  STRATA_RETURN_IF_ERROR(
+      config::ReadInt(root, "", "train_micro_batch_size_per_gpu", 1, 1 << 20, &t.micro_batch));
+  STRATA_RETURN_IF_ERROR(config::ReadInt(root, "", "gradient_accumulation_steps", 1, 1 << 20,
+                                         &t.gradient_accumulation));
+  if (t.runtime.offload_optimizer.device != OffloadDevice::kNone && t.runtime.zero_stage == 0) {
+    return config::Bad("zero_optimization.offload_optimizer",
+                       "optimizer offload needs a ZeRO stage of 1 or more, the stage is 0");
+  }
+  if (warnings != nullptr) {
+    for (std::string& w : all) {
+      const bool read_here =
+          std::any_of(std::begin(kPlannerKeys), std::end(kPlannerKeys),
+                      [&](const char* k) { return absl::StartsWith(w, absl::StrCat(k, ": ")); });
+      if (!read_here) warnings->push_back(std::move(w));
+    }
+  }
+  return t;
+}
+
+absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, const Training& t) {
+  const tiering::RuntimeConfig& rc = t.runtime;
+  const OffloadDevice param_to = rc.offload_param.device;
+  const OffloadDevice opt_to = rc.offload_optimizer.device;
+  for (const auto& [block, to] :
+       {std::pair{"offload_param", param_to}, std::pair{"offload_optimizer", opt_to}}) {
+    if (to == OffloadDevice::kNvme && !hw.has_nvme()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: zero_optimization.", block, ".device: nvme, but the hardware ",
+                       hw.name.empty() ? "" : absl::StrCat("(", hw.name, ") "),
+                       "has no nvme block; offload to cpu or none, or describe the drives"));
+    }
+  }
+  const double n = hw.gpus;
+  const double d = t.dtype_bytes;
+  const double psi = static_cast<double>(m.TotalParams());
+  const double layer = static_cast<double>(
+      std::max(m.LayerParams(), m.vocab * m.hidden));  // the largest partition, in parameters
+  const double small = static_cast<double>(m.layers) * (m.LayerParams() - m.LayerMatrixParams());
+  const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
+  MemoryPlan p;
+
+  // Optimizer state.
+  if (opt_to == OffloadDevice::kNone) {
+    p.device.optimizer = opt_per_param * psi / (rc.zero_stage >= 1 ? n : 1);
+  } else if (opt_to == OffloadDevice::kCpu) {
+    p.host.optimizer = opt_per_param * psi;
+  } else {
+    p.nvme.optimizer = opt_per_param * psi;
+    p.host.staging +=
+        n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * layer;
+  }
+
+  // Parameters.
+  if (rc.zero_stage < 3) {
+    p.device.params = d * psi;
+  } else {
+    const double live =
+        std::min(psi, std::max(2 * layer, static_cast<double>(rc.stage3_max_live_parameters)));
+    if (param_to == OffloadDevice::kNone) {
+      p.device.params = std::min(d * psi, d * psi / n + d * live);
+    } else {
+      p.device.params = d * std::min(psi, live + small);
+      if (param_to == OffloadDevice::kCpu) {
+        p.host.params = d * psi;
+      } else {
+        p.nvme.params = d * psi;
+        p.host.staging += n * static_cast<double>(rc.offload_param.buffer_count) *
+                          static_cast<double>(rc.offload_param.buffer_size);
+      }
+    }
+  }
+
+  // Gradients.
+  if (opt_to == OffloadDevice::kNone) {
+    p.device.grads = rc.zero_stage >= 2 ? d * psi / n + d * layer : d * psi;
+  } else {
+    p.device.grads = 2 * d * layer;
+    p.host.grads = t.gradient_accumulation == 1 ? n * 4 * d * layer : d * psi;
+  }
+
+  // Activations.
+  const double full = static_cast<double>(m.layers) * m.LayerActivationBytes() + m.LogitBytes();
+  const double ckpt = static_cast<double>(m.layers) * m.CheckpointBytesPerLayer() +
+                      m.LayerActivationBytes() + m.LogitBytes();
+  p.activations_full = full;
+  p.activations_checkpointed = ckpt;
+  p.device.activations = t.activation_checkpointing ? ckpt : full;
+
+  const struct {
+    const char* tier;
+    double need, have;
+  } tiers[] = {{"device", p.device.total(), hw.hbm_bytes},
+               {"host", p.host.total(), hw.host_bytes},
+               {"nvme", p.nvme.total(), hw.nvme_bytes}};
+  for (const auto& tier : tiers) {
+    if (tier.need > tier.have) {
+      p.overflow = MemoryPlan::Overflow{tier.tier, tier.need, tier.have};
+      break;
+    }
+  }
+  return p;
+}
+
+}  // namespace strata::sched::plan

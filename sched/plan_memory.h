@@ -1,0 +1,78 @@
+// sched/plan_memory.h: will it fit — the bytes a training run keeps in each tier, from the model,
+// the hardware and a strata or DeepSpeed config, and the first tier that overflows.
+//
+// What strata keeps where (Ψ parameters, d bytes per element of the training dtype: 2 for bf16 or
+// fp16, 4 for fp32; N GPUs on the node, each a data-parallel rank; "a layer" is the largest
+// partition, one layer's parameters or the embedding):
+//   optimizer state: fp32 master weights, Adam's m and v: 12 bytes per parameter (8 in fp32
+//     training, where the parameters are the master weights). Not offloaded: on the GPUs, divided
+//     by N from stage 1. offload_optimizer cpu: host; nvme: NVMe, with buffer_count of the host's
+//     staging buffers (one layer's state each).
+//   parameters: stages 0-2: d·Ψ on each GPU. Stage 3: d·Ψ/N on each GPU when not offloaded, plus
+//     the layers gathered for use (stage3_max_live_parameters, at least two layers); offloaded
+//     (offload_param cpu: host; nvme: NVMe with buffer_count x buffer_size of pinned staging), a
+//     GPU holds only what is in use and the small parameters kept there
+//     (stage3_param_persistence_threshold: the norms and biases).
+//   gradients: not offloaded, d·Ψ per GPU (stage 0-1) or d·Ψ/N (stages 2-3) plus a layer being
+//     reduced. With offload_optimizer, each gradient leaves the GPU as backward produces it (two
+//     layers held there); with gradient_accumulation_steps 1 the CPU optimizer steps it as it comes
+//     and it is discarded (a few layers held in the host), else every gradient accumulates in the
+//     host (d·Ψ).
+//   activations: per GPU, Transformer::LayerActivationBytes per layer, or with activation
+//     checkpointing Transformer::CheckpointBytesPerLayer per layer plus one layer's full set;
+//     the logits besides. Both figures are reported; the fit uses the one asked for.
+// Device bytes are per GPU; host and NVMe bytes are the node's (all N ranks). Not counted: the
+// CUDA context and the framework's own workspace on the GPU, and the trainer process's own host
+// memory (the data loader, the Python runtime): leave room for them.
+//
+// Thread safety: plain values and pure functions.
+#ifndef STRATA_SCHED_PLAN_MEMORY_H_
+#define STRATA_SCHED_PLAN_MEMORY_H_
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
+#include "sched/plan_hardware.h"
+#include "sched/plan_model.h"
+#include "tiering/runtime_config.h"
+
+namespace strata::sched::plan {
+
+// What the planner reads of a strata or DeepSpeed config: the Runtime's blocks
+// (tiering/runtime_config.h) and DeepSpeed's training keys bf16.enabled, fp16.enabled,
+// train_micro_batch_size_per_gpu and gradient_accumulation_steps.
+struct Training {
+  tiering::RuntimeConfig runtime;
+  int dtype_bytes = 4;  // fp32 unless bf16 or fp16 is enabled
+  int64_t micro_batch = 1;
+  int64_t gradient_accumulation = 1;
+  bool activation_checkpointing = true;
+};
+absl::StatusOr<Training> TrainingFromConfig(const nlohmann::json& config,
+                                            std::vector<std::string>* warnings);
+
+struct Bytes {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, staging = 0;
+  double total() const { return params + grads + optimizer + activations + staging; }
+};
+
+struct MemoryPlan {
+  Bytes device, host, nvme;  // device: per GPU; host and NVMe: the node's
+  double activations_checkpointed = 0, activations_full = 0;  // per GPU, both ways
+  struct Overflow {
+    std::string tier;  // "device", "host" or "nvme"
+    double need = 0, have = 0;
+  };
+  std::optional<Overflow> overflow;  // the first tier (device, host, NVMe) over its capacity
+};
+
+// InvalidArgument when the config offloads to a tier the hardware lacks (NVMe).
+absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& model, const Hardware& hardware,
+                                      const Training& training);
+
+}  // namespace strata::sched::plan
+
+#endif  // STRATA_SCHED_PLAN_MEMORY_H_

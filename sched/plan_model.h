@@ -1,0 +1,76 @@
+// sched/plan_model.h: the planner's model — a decoder-only transformer described by the keys of a
+// Hugging Face config.json, and what it costs: parameters, FLOPs per token, activation bytes.
+//
+// Keys read (each under the names the common architectures use; the first present wins):
+//   layers:  num_hidden_layers | n_layer | num_layers
+//   hidden:  hidden_size | n_embd | d_model
+//   heads:   num_attention_heads | n_head
+//   kv heads: num_key_value_heads | num_kv_heads (default: heads; grouped-query attention)
+//   ffn:     intermediate_size | n_inner | ffn_dim | d_ff (default 4 x hidden; null means default)
+//   vocab:   vocab_size
+//   positions: max_position_embeddings | n_positions (learned position embeddings are counted for
+//            the architectures that have them: gpt2, opt, gpt_bigcode, bert, roberta)
+//   tie_word_embeddings (Hugging Face's default: true), model_type, hidden_act.
+// The MLP is gated (three hidden x ffn matrices, SwiGLU as in llama, mistral, qwen2, gemma) when
+// hidden_act is "silu" or "swiglu" or model_type names such a family; else two matrices with
+// biases and LayerNorm (gpt2, opt, bloom, gpt_neox, falcon). A missing required key, or one of the
+// wrong type or out of range, is InvalidArgument naming the key and the names accepted.
+//
+// The cost model (docs/research/published-figures.md gives the sources):
+//   parameters: per layer q and o (hidden^2 each), k and v (hidden x kv_heads x head_dim each),
+//     the MLP, norms (and biases where the family has them); embeddings vocab x hidden (twice when
+//     untied), learned positions, the final norm.
+//   FLOPs per token, forward: 2 x (the layers' matrix parameters + the output projection
+//     vocab x hidden) + 4 x layers x sequence x hidden (attention scores and their weighted sum);
+//     a training step is 3 forwards (forward and backward), 4 with activation checkpointing
+//     (the forward again during backward). Model FLOPs (what TFLOPs figures quote) count 3.
+//   Activations per layer in the training dtype (Korthikanti et al. 2022, Eq. 1, 16-bit):
+//     sequence x batch x hidden x (34 + 5 x heads x sequence / hidden) bytes; with activation
+//     checkpointing 2 x sequence x batch x hidden per layer kept, plus one layer's full set while
+//     it is recomputed. Logits: sequence x batch x vocab x 4 bytes (fp32 for the loss).
+//
+// Thread safety: plain values and pure functions.
+#ifndef STRATA_SCHED_PLAN_MODEL_H_
+#define STRATA_SCHED_PLAN_MODEL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace strata::sched::plan {
+
+struct Transformer {
+  std::string name;  // model_type, or what the caller names it
+  int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  int64_t learned_positions = 0;  // rows of a learned position embedding (0: rotary or none)
+  bool gated_mlp = false;         // SwiGLU: three hidden x ffn matrices, RMSNorm, no biases
+  bool tied_embeddings = true;
+  int64_t sequence = 0, micro_batch = 1;
+
+  int64_t head_dim() const { return hidden / heads; }
+  // The matrix parameters of one layer (what its matmuls multiply by).
+  int64_t LayerMatrixParams() const;
+  // Every parameter of one layer: matrices, biases, norms.
+  int64_t LayerParams() const;
+  // Embeddings (input, output when untied, learned positions) and the final norm.
+  int64_t OuterParams() const;
+  int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
+  // Forward FLOPs for one token at this sequence length.
+  double ForwardFlopsPerToken() const;
+  int64_t TokensPerMicroBatch() const { return sequence * micro_batch; }
+  // Activation bytes of one layer kept for backward (16-bit): all of them, or the checkpoint.
+  double LayerActivationBytes() const;
+  double CheckpointBytesPerLayer() const;
+  double LogitBytes() const;
+};
+
+// From a Hugging Face config.json's contents; `sequence` and `micro_batch` as the trainer runs it
+// (sequence 0: the model's max_position_embeddings, capped at 2048).
+absl::StatusOr<Transformer> TransformerFromHfConfig(const nlohmann::json& config, int64_t sequence,
+                                                    int64_t micro_batch);
+
+}  // namespace strata::sched::plan
+
+#endif  // STRATA_SCHED_PLAN_MODEL_H_

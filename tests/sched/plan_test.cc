@@ -1,0 +1,345 @@
+// The planner's model, hardware and memory arithmetic (sched/plan_*.h), on hand-checked cases.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "sched/plan_hardware.h"
+#include "sched/plan_memory.h"
+#include "sched/plan_model.h"
+
+namespace strata::sched::plan {
+namespace {
+
+using ::testing::HasSubstr;
+using Json = nlohmann::json;
+
+Transformer Model(const Json& j, int64_t sequence = 1024, int64_t batch = 1) {
+  auto t = TransformerFromHfConfig(j, sequence, batch);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : Transformer{};
+}
+
+TEST(PlanModelTest, Gpt2SmallHasItsPublishedParameterCount) {
+  // gpt2's config.json: 124,439,808 parameters (tied embeddings, learned positions, biases).
+  const Json gpt2 = {{"model_type", "gpt2"}, {"n_layer", 12},
+                     {"n_embd", 768},        {"n_head", 12},
+                     {"n_inner", nullptr},   {"vocab_size", 50257},
+                     {"n_positions", 1024},  {"activation_function", "gelu_new"}};
+  const Transformer t = Model(gpt2);
+  EXPECT_FALSE(t.gated_mlp);
+  EXPECT_EQ(t.ffn, 4 * 768);
+  EXPECT_EQ(t.TotalParams(), 124439808);
+}
+
+TEST(PlanModelTest, Llama2SevenBHasItsPublishedParameterCount) {
+  // Llama-2-7b-hf's config.json: 6,738,415,616 parameters (untied, SwiGLU, RMSNorm, no biases).
+  const Json llama = {{"model_type", "llama"},        {"num_hidden_layers", 32},
+                      {"hidden_size", 4096},          {"num_attention_heads", 32},
+                      {"num_key_value_heads", 32},    {"intermediate_size", 11008},
+                      {"vocab_size", 32000},          {"max_position_embeddings", 4096},
+                      {"tie_word_embeddings", false}, {"hidden_act", "silu"}};
+  const Transformer t = Model(llama, 0);
+  EXPECT_TRUE(t.gated_mlp);
+  EXPECT_EQ(t.sequence, 2048);  // the model's own, capped
+  EXPECT_EQ(t.TotalParams(), 6738415616);
+}
+
+TEST(PlanModelTest, GroupedQueryAttentionShrinksKeyAndValue) {
+  Json j = {{"model_type", "llama"},    {"num_hidden_layers", 1},   {"hidden_size", 64},
+            {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"intermediate_size", 128},
+            {"vocab_size", 10}};
+  const Transformer t = Model(j);
+  // q and o 64x64; k and v 64 x (2 heads x 8); three 64x128 MLP matrices.
+  EXPECT_EQ(t.LayerMatrixParams(), 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128);
+}
+
+TEST(PlanModelTest, FlopsAndActivationsFollowTheStatedFormulas) {
+  const Json j = {{"model_type", "gpt_neox"}, {"num_hidden_layers", 2},    {"hidden_size", 256},
+                  {"num_attention_heads", 4}, {"intermediate_size", 1024}, {"vocab_size", 1000}};
+  const Transformer t = Model(j, 128, 2);
+  const double matrices = 2.0 * (4 * 256 * 256 + 2 * 256 * 1024);  // two layers
+  EXPECT_DOUBLE_EQ(t.ForwardFlopsPerToken(), 2 * (matrices + 1000.0 * 256) + 4.0 * 2 * 128 * 256);
+  EXPECT_DOUBLE_EQ(t.LayerActivationBytes(), 128.0 * 2 * 256 * (34 + 5.0 * 4 * 128 / 256));
+  EXPECT_DOUBLE_EQ(t.CheckpointBytesPerLayer(), 2.0 * 128 * 2 * 256);
+  EXPECT_DOUBLE_EQ(t.LogitBytes(), 4.0 * 128 * 2 * 1000);
+}
+
+TEST(PlanModelTest, BadModelsNameTheKeyAndWhatIsAccepted) {
+  const Json good = {{"num_hidden_layers", 2},
+                     {"hidden_size", 64},
+                     {"num_attention_heads", 4},
+                     {"vocab_size", 100}};
+  struct Case {
+    const char* key;
+    Json value;  // null: removed
+    const char* says;
+  } cases[] = {
+      {"num_hidden_layers", nullptr, "num_hidden_layers (or n_layer, num_layers): missing"},
+      {"hidden_size", "64", "hidden_size: \"64\" is not a number"},
+      {"num_attention_heads", 3, "3 does not divide the hidden size 64"},
+      {"vocab_size", 1.5, "vocab_size: 1.5 is not a whole number"},
+      {"num_hidden_layers", 0, "out of range; the number of transformer layers, an integer in [1"},
+      {"tie_word_embeddings", "yes", "tie_word_embeddings: \"yes\" is not true or false"},
+  };
+  for (const Case& c : cases) {
+    Json j = good;
+    if (c.value.is_null()) {
+      j.erase(c.key);
+    } else {
+      j[c.key] = c.value;
+    }
+    auto t = TransformerFromHfConfig(j, 16, 1);
+    ASSERT_FALSE(t.ok()) << c.key;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(t.status().message(), HasSubstr(c.says)) << t.status();
+  }
+  EXPECT_FALSE(TransformerFromHfConfig(Json::array(), 16, 1).ok());
+  Json gpt2 = good;
+  gpt2["model_type"] = "gpt2";
+  EXPECT_THAT(TransformerFromHfConfig(gpt2, 16, 1).status().message(),
+              HasSubstr("learned position embeddings"));
+}
+
+Json A100() {
+  return {{"name", "test node"},
+          {"gpu", {{"count", 1}, {"hbm_gib", 80}, {"tflops", 312}}},
+          {"host", {{"ram_gib", 512}, {"cores", 32}, {"optimizer_gbps", 50}}},
+          {"pcie", {{"to_device_gbps", 24}, {"to_host_gbps", 20}}},
+          {"nvme", {{"drives", 4}, {"read_gbps", 6.5}, {"write_gbps", 5}, {"capacity_tb", 3.84}}}};
+}
+
+TEST(PlanHardwareTest, ReadsEveryKeyInItsUnits) {
+  auto h = HardwareFromJson(A100());
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->gpus, 1);
+  EXPECT_DOUBLE_EQ(h->hbm_bytes, 80.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(h->gpu_flops, 312e12);
+  EXPECT_DOUBLE_EQ(h->efficiency, 0.5);  // the default
+  EXPECT_DOUBLE_EQ(h->host_bytes, 512.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(h->optimizer_bytes_per_s, 50e9);
+  EXPECT_DOUBLE_EQ(h->pcie_to_device, 24e9);
+  EXPECT_DOUBLE_EQ(h->pcie_to_host, 20e9);
+  EXPECT_EQ(h->nvme_drives, 4);
+  EXPECT_DOUBLE_EQ(h->nvme_read, 4 * 6.5e9);  // striped over the drives
+  EXPECT_DOUBLE_EQ(h->nvme_write, 4 * 5e9);
+  EXPECT_DOUBLE_EQ(h->nvme_bytes, 4 * 3.84e12);
+  Json no_nvme = A100();
+  no_nvme.erase("nvme");
+  auto without = HardwareFromJson(no_nvme);
+  ASSERT_TRUE(without.ok());
+  EXPECT_FALSE(without->has_nvme());
+}
+
+TEST(PlanHardwareTest, BadDescriptionsNameTheKey) {
+  struct Case {
+    Json patch;  // merged into the description
+    const char* says;
+  } cases[] = {
+      {{{"gpu", {{"hbm_gib", nullptr}}}}, "hardware: gpu.hbm_gib: missing"},
+      {{{"host", {{"ram_gib", nullptr}, {"ram_gb", 512}}}}, "did you mean ram_gib?"},
+      {{{"pcie", {{"to_device_gbps", -1}, {"to_host_gbps", 20}}}}, "hardware: pcie.to_device_gbps"},
+      {{{"gpus", 2}}, "did you mean gpu?"},
+      {{{"nvme", "fast"}}, "hardware: nvme: \"fast\" is not an object"},
+  };
+  for (const Case& c : cases) {
+    Json j = A100();
+    j.merge_patch(c.patch);
+    auto h = HardwareFromJson(j);
+    ASSERT_FALSE(h.ok()) << c.patch;
+    EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(h.status().message(), HasSubstr(c.says)) << h.status();
+  }
+  Json no_host = A100();
+  no_host.erase("host");
+  EXPECT_THAT(HardwareFromJson(no_host).status().message(), HasSubstr("hardware: host: missing"));
+}
+
+// A 1.2B-parameter model (gpt_neox-like: two MLP matrices with biases, LayerNorm, untied).
+Json OneB() {
+  return {{"model_type", "gpt_neox"},    {"num_hidden_layers", 24},   {"hidden_size", 2048},
+          {"num_attention_heads", 16},   {"intermediate_size", 8192}, {"vocab_size", 50304},
+          {"tie_word_embeddings", false}};
+}
+
+Training Config(const Json& j) {
+  std::vector<std::string> warnings;
+  auto t = TrainingFromConfig(j, &warnings);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *t : Training{};
+}
+
+TEST(PlanMemoryTest, BytesPerTierAtEachStageAndOffloadChoiceMatchTheFormulas) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const double h = 2048, f = 8192, V = 50304, L = 24;
+  const double layer = 4 * h * h + 2 * h * f + (5 * h + f) + 4 * h;
+  const double psi = L * layer + 2 * V * h + 2 * h;
+  ASSERT_EQ(m.TotalParams(), static_cast<int64_t>(psi));
+  const double largest = V * h;  // the embedding is larger than a layer
+  const double small = L * ((5 * h + f) + 4 * h);
+  const Hardware hw = *HardwareFromJson(A100());
+  const double acts = L * 2 * 1024 * h + 1024 * h * (34 + 5.0 * 16 * 1024 / h) + 4 * 1024 * V;
+
+  struct Case {
+    const char* name;
+    Json zero;
+    double device_params, device_grads, device_opt, host_params, host_grads, host_opt, host_staging,
+        nvme_params, nvme_opt;
+  } cases[] = {
+      {"stage 0", {{"stage", 0}}, 2 * psi, 2 * psi, 12 * psi, 0, 0, 0, 0, 0, 0},
+      {"stage 2, optimizer on cpu",
+       {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}},
+       2 * psi,
+       2 * 2 * largest,
+       0,
+       0,
+       4 * 2 * largest,
+       12 * psi,
+       0,
+       0,
+       0},
+      {"stage 3, params and optimizer on cpu",
+       {{"stage", 3},
+        {"offload_param", {{"device", "cpu"}}},
+        {"offload_optimizer", {{"device", "cpu"}}},
+        {"stage3_max_live_parameters", 3e8}},
+       2 * (3e8 + small),
+       2 * 2 * largest,
+       0,
+       2 * psi,
+       4 * 2 * largest,
+       12 * psi,
+       0,
+       0,
+       0},
+      {"stage 3, both on nvme",
+       {{"stage", 3},
+        {"offload_param",
+         {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 5}, {"buffer_size", 1e8}}},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}, {"buffer_count", 4}}},
+        {"stage3_max_live_parameters", 3e8}},
+       2 * (3e8 + small),
+       2 * 2 * largest,
+       0,
+       0,
+       4 * 2 * largest,
+       0,
+       5 * 1e8 + 4 * 12 * largest,
+       2 * psi,
+       12 * psi},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const Training t = Config({{"bf16", {{"enabled", true}}}, {"zero_optimization", c.zero}});
+    auto p = PlanMemory(m, hw, t);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_DOUBLE_EQ(p->device.params, c.device_params);
+    EXPECT_DOUBLE_EQ(p->device.grads, c.device_grads);
+    EXPECT_DOUBLE_EQ(p->device.optimizer, c.device_opt);
+    EXPECT_DOUBLE_EQ(p->device.activations, acts);
+    EXPECT_DOUBLE_EQ(p->host.params, c.host_params);
+    EXPECT_DOUBLE_EQ(p->host.grads, c.host_grads);
+    EXPECT_DOUBLE_EQ(p->host.optimizer, c.host_opt);
+    EXPECT_DOUBLE_EQ(p->host.staging, c.host_staging);
+    EXPECT_DOUBLE_EQ(p->nvme.params, c.nvme_params);
+    EXPECT_DOUBLE_EQ(p->nvme.optimizer, c.nvme_opt);
+    EXPECT_FALSE(p->overflow.has_value());
+  }
+}
+
+TEST(PlanMemoryTest, Fp32TrainingKeepsEightBytesOfStateAndAccumulatedGradientsStayInTheHost) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const double psi = static_cast<double>(m.TotalParams());
+  const Training t =
+      Config({{"gradient_accumulation_steps", 4},
+              {"zero_optimization", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}}});
+  EXPECT_EQ(t.dtype_bytes, 4);
+  auto p = PlanMemory(m, *HardwareFromJson(A100()), t);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->host.optimizer, 8 * psi);
+  EXPECT_DOUBLE_EQ(p->host.grads, 4 * psi);
+}
+
+TEST(PlanMemoryTest, SeveralGpusDivideTheStatesByStage) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const double psi = static_cast<double>(m.TotalParams());
+  Json node = A100();
+  node["gpu"]["count"] = 8;
+  const Hardware hw = *HardwareFromJson(node);
+  const Training s1 =
+      Config({{"bf16", {{"enabled", true}}}, {"zero_optimization", {{"stage", 1}}}});
+  auto p = PlanMemory(m, hw, s1);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->device.optimizer, 12 * psi / 8);
+  EXPECT_DOUBLE_EQ(p->device.grads, 2 * psi);
+  const Training s2 =
+      Config({{"bf16", {{"enabled", true}}}, {"zero_optimization", {{"stage", 2}}}});
+  p = PlanMemory(m, hw, s2);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->device.grads, 2 * psi / 8 + 2 * 50304.0 * 2048);
+}
+
+TEST(PlanMemoryTest, TheFirstTierOverItsCapacityIsNamedWithHowMuch) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  Json small = A100();
+  small["gpu"]["hbm_gib"] = 8;
+  const Training t = Config({{"bf16", {{"enabled", true}}}, {"zero_optimization", {{"stage", 0}}}});
+  auto p = PlanMemory(m, *HardwareFromJson(small), t);
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE(p->overflow.has_value());
+  EXPECT_EQ(p->overflow->tier, "device");
+  EXPECT_DOUBLE_EQ(p->overflow->need, p->device.total());
+  EXPECT_DOUBLE_EQ(p->overflow->have, 8.0 * (1 << 30));
+  // Without checkpointing the activations are larger.
+  EXPECT_GT(p->activations_full, p->activations_checkpointed);
+}
+
+TEST(PlanMemoryTest, OffloadingToATierTheHardwareLacksIsRefused) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  Json node = A100();
+  node.erase("nvme");
+  const Training t =
+      Config({{"zero_optimization",
+               {{"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}}});
+  auto p = PlanMemory(m, *HardwareFromJson(node), t);
+  ASSERT_FALSE(p.ok());
+  EXPECT_THAT(p.status().message(),
+              HasSubstr("zero_optimization.offload_optimizer.device: nvme, but the hardware"));
+}
+
+TEST(PlanMemoryTest, TheConfigsTrainingKeysAreReadAndBadOnesNamed) {
+  std::vector<std::string> warnings;
+  auto t = TrainingFromConfig({{"bf16", {{"enabled", true}}},
+                               {"train_micro_batch_size_per_gpu", 4},
+                               {"gradient_accumulation_steps", 2},
+                               {"gradient_clipping", 1.0}},
+                              &warnings);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->dtype_bytes, 2);
+  EXPECT_EQ(t->micro_batch, 4);
+  EXPECT_EQ(t->gradient_accumulation, 2);
+  // The keys read here are not reported as unused; the others are.
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_THAT(warnings[0], HasSubstr("gradient_clipping"));
+  EXPECT_THAT(
+      TrainingFromConfig({{"bf16", {{"enabled", true}}}, {"fp16", {{"enabled", true}}}}, nullptr)
+          .status()
+          .message(),
+      HasSubstr("enable one of them"));
+  EXPECT_THAT(
+      TrainingFromConfig({{"train_micro_batch_size_per_gpu", "auto"}}, nullptr).status().message(),
+      HasSubstr("train_micro_batch_size_per_gpu"));
+  EXPECT_THAT(TrainingFromConfig({{"bf16", {{"enabled", "auto"}}}}, nullptr).status().message(),
+              HasSubstr("bf16.enabled: \"auto\""));
+  EXPECT_THAT(TrainingFromConfig({{"zero_optimization",
+                                   {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}}},
+                                 nullptr)
+                  .status()
+                  .message(),
+              HasSubstr("needs a ZeRO stage of 1 or more"));
+}
+
+}  // namespace
+}  // namespace strata::sched::plan
