@@ -14,9 +14,10 @@ namespace {
 using Json = nlohmann::json;
 using tiering::OffloadDevice;
 
-// DeepSpeed's training keys the planner reads (the Runtime leaves them to the trainer).
+// DeepSpeed's keys the planner reads (the Runtime leaves them to the trainer, or accepts the stage
+// without acting on it yet): their notes are not passed on.
 constexpr const char* kPlannerKeys[] = {"bf16", "fp16", "train_micro_batch_size_per_gpu",
-                                        "gradient_accumulation_steps"};
+                                        "gradient_accumulation_steps", "zero_optimization.stage"};
 
 absl::StatusOr<bool> Enabled(const Json& root, const char* block) {
   auto it = root.find(block);

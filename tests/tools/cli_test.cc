@@ -253,4 +253,84 @@ TEST(AioBenchCliTest, MeasuresOneConfiguration) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/strata-aio-bench.dat"));
 }
 
+// strata_plan, as a user runs it: a plan that fits, one that does not, and bad input.
+const std::string kPlan = STRATA_PLAN_BINARY;
+
+class PlanCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Write("model.json",
+          R"({"model_type": "llama", "num_hidden_layers": 40, "hidden_size": 5120,
+              "num_attention_heads": 40, "intermediate_size": 13824, "vocab_size": 32000,
+              "max_position_embeddings": 4096, "tie_word_embeddings": false})");
+    Write("nvme.json", R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+              "offload_param": {"device": "nvme", "nvme_path": "/n"},
+              "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}})");
+    Write("plain.json", R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 0}})");
+  }
+  std::string Path(const std::string& name) const { return dir_.path() + "/" + name; }
+  void Write(const std::string& name, const std::string& text) {
+    std::ofstream(Path(name)) << text;
+  }
+  ScratchDir dir_;
+};
+
+TEST_F(PlanCliTest, AThirteenBModelFitsOneWorkstationGpuOnlyWithNvmeOffload) {
+  Outcome fits = Execute(kPlan + " --model " + Path("model.json") +
+                         " --hardware rtx4090-256g-2nvme --config " + Path("nvme.json") +
+                         " --json " + Path("plan.json"));
+  EXPECT_EQ(fits.exit_code, 0) << fits.output;
+  EXPECT_THAT(fits.output, HasSubstr("13.02B parameters"));
+  EXPECT_THAT(fits.output, HasSubstr("FITS"));
+  EXPECT_THAT(fits.output, Not(HasSubstr("zero_optimization.stage")));  // the planner uses it
+  std::ifstream in(Path("plan.json"));
+  const nlohmann::json plan = nlohmann::json::parse(in);
+  EXPECT_TRUE(plan["fits"].get<bool>());
+  EXPECT_EQ(plan["model"]["parameters"].get<int64_t>(), 13015864320);
+  EXPECT_GT(plan["nvme"]["optimizer"].get<double>(), 12 * 13.0e9);
+
+  Outcome over = Execute(kPlan + " --model " + Path("model.json") +
+                         " --hardware rtx4090-256g-2nvme --config " + Path("plain.json"));
+  EXPECT_EQ(over.exit_code, 1) << over.output;
+  EXPECT_THAT(over.output, HasSubstr("DOES NOT FIT: the device tier needs"));
+}
+
+TEST_F(PlanCliTest, BadInputIsNamedAndExitsTwo) {
+  Write("bad_model.json", R"({"num_hidden_layers": 2, "hidden_size": 64})");
+  Write("bad_hw.json", R"({"gpu": {"count": 1, "hbm_gib": 8, "tflops": 10},
+                           "host": {"ram_gib": 8, "optimizer_gbps": 1},
+                           "pcie": {"to_device_gbps": 1, "to_hostgbps": 1}})");
+  Write("no_nvme.json", R"({"gpu": {"count": 1, "hbm_gib": 8, "tflops": 10},
+                            "host": {"ram_gib": 8, "optimizer_gbps": 1},
+                            "pcie": {"to_device_gbps": 1, "to_host_gbps": 1}})");
+  Write("not_json.json", "{\"stage\": ");
+  const std::string model = " --model " + Path("model.json");
+  struct Case {
+    std::string args, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {" --hardware a100-80g-4nvme", "--model: required"},
+           {model, "--hardware: required"},
+           {model + " --hardware a100-80g-4nvmee", "did you mean a100-80g-4nvme?"},
+           {" --model " + Path("bad_model.json") + " --hardware a100-80g-4nvme",
+            "num_attention_heads (or n_head): missing"},
+           {model + " --hardware " + Path("bad_hw.json"), "did you mean to_host_gbps?"},
+           {model + " --hardware " + Path("no_nvme.json") + " --config " + Path("nvme.json"),
+            "offload_param.device: nvme, but the hardware"},
+           {model + " --hardware a100-80g-4nvme --config " + Path("not_json.json"),
+            "not valid JSON at line 1"},
+           {model + " --hardware a100-80g-4nvme --config " + Path("missing.json"),
+            "--config: cannot read"},
+           {model + " --hardware a100-80g-4nvme --micro-batch -1",
+            "--micro-batch: must be an integer"},
+       }) {
+    Outcome r = Execute(kPlan + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.says)) << c.args;
+  }
+  Outcome list = Execute(kPlan + " --hardware=list");
+  EXPECT_EQ(list.exit_code, 0);
+  EXPECT_THAT(list.output, HasSubstr("dgx2-v100"));
+}
+
 }  // namespace
