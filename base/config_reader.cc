@@ -105,6 +105,11 @@ absl::StatusOr<Json> Parse(absl::string_view text) {
     if (auto colon = why.rfind(": "); colon != std::string::npos) why = why.substr(colon + 2);
     return absl::InvalidArgumentError(
         absl::StrCat("config: not valid JSON at line ", line, ", column ", column, ": ", why));
+  } catch (const Json::exception& e) {
+    // A number beyond a double (1e400) is out_of_range, with the number in its message.
+    std::string why = e.what();
+    if (auto colon = why.rfind("] "); colon != std::string::npos) why = why.substr(colon + 2);
+    return absl::InvalidArgumentError(absl::StrCat("config: not valid JSON: ", why));
   }
 }
 

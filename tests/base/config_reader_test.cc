@@ -51,6 +51,15 @@ TEST(ConfigReaderTest, InvalidJsonNamesLineAndColumn) {
   EXPECT_THAT(Parse("").status().message(), HasSubstr("line 1, column 1"));
 }
 
+TEST(ConfigReaderTest, ANumberBeyondADoubleIsRefusedNotThrown) {
+  // nlohmann reports it as out_of_range, not as a parse error.
+  auto bad = Parse("{\"aio\": {\"queue_depth\": 1e400}}");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("config: not valid JSON"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("1e400"));
+}
+
 TEST(ConfigReaderTest, AKeyGivenTwiceIsRefusedNamingIt) {
   auto twice = Parse(R"({"zero_optimization": {"offload_param": {"buffer_size": 1e8,
                          "device": "nvme", "buffer_size": 4096}}})");
