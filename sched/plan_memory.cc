@@ -16,8 +16,12 @@ using tiering::OffloadDevice;
 
 // DeepSpeed's keys the planner reads (the Runtime leaves them to the trainer, or accepts the stage
 // without acting on it yet): their notes are not passed on.
-constexpr const char* kPlannerKeys[] = {"bf16", "fp16", "train_micro_batch_size_per_gpu",
-                                        "gradient_accumulation_steps", "zero_optimization.stage"};
+constexpr const char* kPlannerKeys[] = {"bf16",
+                                        "bfloat16",
+                                        "fp16",
+                                        "train_micro_batch_size_per_gpu",
+                                        "gradient_accumulation_steps",
+                                        "zero_optimization.stage"};
 
 absl::StatusOr<bool> Enabled(const Json& root, const char* block) {
   auto it = root.find(block);
@@ -43,7 +47,9 @@ absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::s
                           tiering::RuntimeConfigFromJson(root, &all));
   Training t;
   t.runtime = std::move(runtime);
-  STRATA_ASSIGN_OR_RETURN(const bool bf16, Enabled(root, "bf16"));
+  STRATA_ASSIGN_OR_RETURN(const bool bf16_new, Enabled(root, "bf16"));
+  STRATA_ASSIGN_OR_RETURN(const bool bf16_old, Enabled(root, "bfloat16"));  // DeepSpeed's old name
+  const bool bf16 = bf16_new || bf16_old;
   STRATA_ASSIGN_OR_RETURN(const bool fp16, Enabled(root, "fp16"));
   if (bf16 && fp16) {
     return config::Bad("bf16", "bf16 and fp16 are both enabled; enable one of them");
@@ -96,7 +102,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   } else if (opt_to == OffloadDevice::kCpu) {
     p.host.optimizer = opt_per_param * psi;
   } else {
-    p.nvme.optimizer = opt_per_param * psi;
+    // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
+    // before the old is given up) and a 2-byte param copy per element in the host.
+    p.nvme.optimizer = 2 * opt_per_param * psi;
+    p.host.params += 2 * psi;
     p.host.staging +=
         n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * layer;
   }
@@ -133,9 +142,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   const double full = static_cast<double>(m.layers) * m.LayerActivationBytes() + m.LogitBytes();
   const double ckpt = static_cast<double>(m.layers) * m.CheckpointBytesPerLayer() +
                       m.LayerActivationBytes() + m.LogitBytes();
-  p.activations_full = full;
-  p.activations_checkpointed = ckpt;
-  p.device.activations = t.activation_checkpointing ? ckpt : full;
+  const double dtype_scale = d / 2;  // the formulas count 16-bit activations
+  p.activations_full = full * dtype_scale;
+  p.activations_checkpointed = ckpt * dtype_scale;
+  p.device.activations =
+      t.activation_checkpointing ? p.activations_checkpointed : p.activations_full;
 
   const struct {
     const char* tier;

@@ -6,8 +6,9 @@
 // partition, one layer's parameters or the embedding):
 //   optimizer state: fp32 master weights, Adam's m and v: 12 bytes per parameter (8 in fp32
 //     training, where the parameters are the master weights). Not offloaded: on the GPUs, divided
-//     by N from stage 1. offload_optimizer cpu: host; nvme: NVMe, with buffer_count of the host's
-//     staging buffers (one layer's state each).
+//     by N from stage 1. offload_optimizer cpu: host; nvme: twice that on NVMe (the step writes
+//     the new state before the old is given up: crash-consistent), buffer_count of the host's
+//     staging buffers (one layer's state each) and a 2-byte param copy per parameter in the host.
 //   parameters: stages 0-2: d·Ψ on each GPU. Stage 3: d·Ψ/N on each GPU when not offloaded, plus
 //     the layers gathered for use (stage3_max_live_parameters, at least two layers); offloaded
 //     (offload_param cpu: host; nvme: NVMe with buffer_count x buffer_size of pinned staging), a
@@ -17,8 +18,10 @@
 //     reduced. With offload_optimizer, each gradient leaves the GPU as backward produces it (two
 //     layers held there); with gradient_accumulation_steps 1 the CPU optimizer steps it as it comes
 //     and it is discarded (a few layers held in the host), else every gradient accumulates in the
-//     host (d·Ψ).
-//   activations: per GPU, Transformer::LayerActivationBytes per layer, or with activation
+//     host (d·Ψ). Unlike DeepSpeed, which keeps fp32 gradients (4·Ψ) for its CPU optimizer,
+//     strata's CPU Adam reads gradients in the training dtype.
+//   activations (in the training dtype: the 16-bit formulas x d/2): per GPU,
+//     Transformer::LayerActivationBytes per layer, or with activation
 //     checkpointing Transformer::CheckpointBytesPerLayer per layer plus one layer's full set;
 //     the logits besides. Both figures are reported; the fit uses the one asked for.
 // Device bytes are per GPU; host and NVMe bytes are the node's (all N ranks). Not counted: the
@@ -42,7 +45,8 @@
 namespace strata::sched::plan {
 
 // What the planner reads of a strata or DeepSpeed config: the Runtime's blocks
-// (tiering/runtime_config.h) and DeepSpeed's training keys bf16.enabled, fp16.enabled,
+// (tiering/runtime_config.h) and DeepSpeed's training keys bf16.enabled (or its older name
+// bfloat16.enabled), fp16.enabled,
 // train_micro_batch_size_per_gpu and gradient_accumulation_steps.
 struct Training {
   tiering::RuntimeConfig runtime;

@@ -75,19 +75,31 @@ bool IsOneOf(const std::string& s, std::initializer_list<const char*> names) {
 
 }  // namespace
 
+namespace {
+// One layer's attention matrices, and one expert's MLP matrices.
+int64_t Attention(const Transformer& t) {
+  const int64_t q = t.heads * t.head_dim(), kv = t.kv_heads * t.head_dim();
+  return 2 * t.hidden * q + 2 * t.hidden * kv;
+}
+int64_t Mlp(const Transformer& t) { return (t.gated_mlp ? 3 : 2) * t.hidden * t.ffn; }
+}  // namespace
+
 int64_t Transformer::LayerMatrixParams() const {
-  const int64_t kv = kv_heads * head_dim();
-  const int64_t attention = 2 * hidden * hidden + 2 * hidden * kv;
-  const int64_t mlp = (gated_mlp ? 3 : 2) * hidden * ffn;
-  return attention + mlp;
+  const int64_t router = experts > 1 ? hidden * experts : 0;
+  return Attention(*this) + experts * Mlp(*this) + router;
+}
+
+int64_t Transformer::LayerActiveMatrixParams() const {
+  const int64_t router = experts > 1 ? hidden * experts : 0;
+  return Attention(*this) + std::min(experts, experts_per_token) * Mlp(*this) + router;
 }
 
 int64_t Transformer::LayerParams() const {
-  const int64_t kv = kv_heads * head_dim();
   if (gated_mlp) return LayerMatrixParams() + 2 * hidden;  // two RMSNorm weights
-  // Biases of q, k, v, o and of both MLP matrices; two LayerNorms with weight and bias.
-  const int64_t biases = hidden + 2 * kv + hidden + ffn + hidden;
-  return LayerMatrixParams() + biases + 4 * hidden;
+  const int64_t q = heads * head_dim(), kv = kv_heads * head_dim();
+  // Biases of q, k, v, o and of both MLP matrices (each expert's); two LayerNorms, weight and bias.
+  const int64_t bias_params = biases ? q + 2 * kv + hidden + experts * (ffn + hidden) : 0;
+  return LayerMatrixParams() + bias_params + 4 * hidden;
 }
 
 int64_t Transformer::OuterParams() const {
@@ -125,8 +137,8 @@ absl::StatusOr<Transformer> TransformerFromHfConfig(const Json& j, int64_t seque
   t.name = StringOr(j, "model_type", "transformer");
   STRATA_ASSIGN_OR_RETURN(t.layers, Required(j, {"num_hidden_layers", "n_layer", "num_layers"}, 1,
                                              100000, "the number of transformer layers"));
-  STRATA_ASSIGN_OR_RETURN(
-      t.hidden, Required(j, {"hidden_size", "n_embd", "d_model"}, 1, 1 << 24, "the hidden size"));
+  STRATA_ASSIGN_OR_RETURN(t.hidden, Required(j, {"hidden_size", "n_embd", "n_embed", "d_model"}, 1,
+                                             1 << 20, "the hidden size"));
   STRATA_ASSIGN_OR_RETURN(t.heads, Required(j, {"num_attention_heads", "n_head"}, 1, t.hidden,
                                             "the attention heads per layer"));
   if (t.hidden % t.heads != 0) {
@@ -139,11 +151,30 @@ absl::StatusOr<Transformer> TransformerFromHfConfig(const Json& j, int64_t seque
       IntOf(j, {"num_key_value_heads", "num_kv_heads"}, 1, t.heads,
             "the key/value heads (grouped-query attention; at most the attention heads)"));
   t.kv_heads = kv.value_or(t.heads);
+  if (auto mq = j.find("multi_query"); mq != j.end() && mq->is_boolean() && mq->get<bool>()) {
+    t.kv_heads = 1;
+  }
+  STRATA_ASSIGN_OR_RETURN(const std::optional<int64_t> head_dim,
+                          IntOf(j, {"head_dim"}, 1, 1 << 16, "the size of one attention head"));
+  t.head_size = head_dim.value_or(0);
+  STRATA_ASSIGN_OR_RETURN(const std::optional<int64_t> experts,
+                          IntOf(j, {"num_local_experts", "num_experts"}, 1, 1 << 16,
+                                "the experts of a mixture-of-experts MLP"));
+  t.experts = experts.value_or(1);
+  STRATA_ASSIGN_OR_RETURN(const std::optional<int64_t> per_token,
+                          IntOf(j, {"num_experts_per_tok"}, 1, t.experts,
+                                "the experts each token uses (at most the experts)"));
+  t.experts_per_token = per_token.value_or(1);
+  if (auto b = j.find("bias"); b != j.end()) {
+    if (!b->is_boolean()) return BadKey({"bias"}, absl::StrCat(b->dump(), " is not true or false"));
+    t.biases = b->get<bool>();
+  }
   STRATA_ASSIGN_OR_RETURN(const std::optional<int64_t> ffn,
-                          IntOf(j, {"intermediate_size", "n_inner", "ffn_dim", "d_ff"}, 1, kMax,
-                                "the MLP's inner size"));
+                          IntOf(j, {"intermediate_size", "n_inner", "ffn_dim", "d_ff"}, 1,
+                                int64_t{1} << 32, "the MLP's inner size"));
   t.ffn = ffn.value_or(4 * t.hidden);
-  STRATA_ASSIGN_OR_RETURN(t.vocab, Required(j, {"vocab_size"}, 1, kMax, "the vocabulary size"));
+  STRATA_ASSIGN_OR_RETURN(t.vocab,
+                          Required(j, {"vocab_size"}, 1, int64_t{1} << 32, "the vocabulary size"));
   STRATA_ASSIGN_OR_RETURN(const std::optional<int64_t> positions,
                           IntOf(j, {"max_position_embeddings", "n_positions"}, 1, kMax,
                                 "the longest sequence the model takes"));
@@ -174,6 +205,18 @@ absl::StatusOr<Transformer> TransformerFromHfConfig(const Json& j, int64_t seque
   if (sequence == 0) sequence = std::min<int64_t>(positions.value_or(2048), 2048);
   t.sequence = sequence;
   t.micro_batch = micro_batch;
+  // Counted in double first: the int64 arithmetic below 10^15 cannot wrap.
+  const double hd = static_cast<double>(t.head_dim()), h = static_cast<double>(t.hidden);
+  const double layer = 2 * h * hd * static_cast<double>(t.heads + t.kv_heads) +
+                       static_cast<double>(t.experts) * 3 * h * static_cast<double>(t.ffn);
+  const double total = static_cast<double>(t.layers) * layer +
+                       2 * h * static_cast<double>(t.vocab + t.learned_positions);
+  if (total > 1e15) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: about ", total,
+                     " parameters, more than strata plans for (10^15); check "
+                     "num_hidden_layers, hidden_size, intermediate_size and vocab_size"));
+  }
   return t;
 }
 

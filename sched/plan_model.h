@@ -5,7 +5,11 @@
 //   layers:  num_hidden_layers | n_layer | num_layers
 //   hidden:  hidden_size | n_embd | d_model
 //   heads:   num_attention_heads | n_head
-//   kv heads: num_key_value_heads | num_kv_heads (default: heads; grouped-query attention)
+//   kv heads: num_key_value_heads | num_kv_heads (default: heads; grouped-query attention; 1 when
+//            multi_query is true)
+//   head_dim (default hidden / heads; Gemma's differs)
+//   experts: num_local_experts | num_experts (default 1: a dense MLP; else that many MLPs and a
+//            router, num_experts_per_tok of them used per token)
 //   ffn:     intermediate_size | n_inner | ffn_dim | d_ff (default 4 x hidden; null means default)
 //   vocab:   vocab_size
 //   positions: max_position_embeddings | n_positions (learned position embeddings are counted for
@@ -13,14 +17,15 @@
 //   tie_word_embeddings (Hugging Face's default: true), model_type, hidden_act.
 // The MLP is gated (three hidden x ffn matrices, SwiGLU as in llama, mistral, qwen2, gemma) when
 // hidden_act is "silu" or "swiglu" or model_type names such a family; else two matrices with
-// biases and LayerNorm (gpt2, opt, bloom, gpt_neox, falcon). A missing required key, or one of the
-// wrong type or out of range, is InvalidArgument naming the key and the names accepted.
+// biases (unless "bias" is false) and LayerNorm (gpt2, opt, bloom, gpt_neox). A missing required
+// key, or one of the wrong type or out of range, is InvalidArgument naming the key and the names
+// accepted; so is a model of more than 10^15 parameters.
 //
 // The cost model (docs/research/published-figures.md gives the sources):
 //   parameters: per layer q and o (hidden^2 each), k and v (hidden x kv_heads x head_dim each),
 //     the MLP, norms (and biases where the family has them); embeddings vocab x hidden (twice when
 //     untied), learned positions, the final norm.
-//   FLOPs per token, forward: 2 x (the layers' matrix parameters + the output projection
+//   FLOPs per token, forward: 2 x (the layers' active matrix parameters + the output projection
 //     vocab x hidden) + 4 x layers x sequence x hidden (attention scores and their weighted sum);
 //     a training step is 3 forwards (forward and backward), 4 with activation checkpointing
 //     (the forward again during backward). Model FLOPs (what TFLOPs figures quote) count 3.
@@ -45,13 +50,18 @@ struct Transformer {
   std::string name;  // model_type, or what the caller names it
   int64_t layers = 0, hidden = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
   int64_t learned_positions = 0;  // rows of a learned position embedding (0: rotary or none)
-  bool gated_mlp = false;         // SwiGLU: three hidden x ffn matrices, RMSNorm, no biases
+  int64_t head_size = 0;          // hidden / heads unless the config says otherwise
+  int64_t experts = 1, experts_per_token = 1;
+  bool gated_mlp = false;  // SwiGLU: three hidden x ffn matrices, RMSNorm, no biases
+  bool biases = true;      // the non-gated families' linear biases
   bool tied_embeddings = true;
   int64_t sequence = 0, micro_batch = 1;
 
-  int64_t head_dim() const { return hidden / heads; }
-  // The matrix parameters of one layer (what its matmuls multiply by).
+  int64_t head_dim() const { return head_size > 0 ? head_size : hidden / heads; }
+  // The matrix parameters of one layer (every expert's, and the router's).
   int64_t LayerMatrixParams() const;
+  // Those a token multiplies by (num_experts_per_tok of the experts).
+  int64_t LayerActiveMatrixParams() const;
   // Every parameter of one layer: matrices, biases, norms.
   int64_t LayerParams() const;
   // Embeddings (input, output when untied, learned positions) and the final norm.

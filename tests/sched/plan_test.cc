@@ -67,6 +67,42 @@ TEST(PlanModelTest, FlopsAndActivationsFollowTheStatedFormulas) {
   EXPECT_DOUBLE_EQ(t.LogitBytes(), 4.0 * 128 * 2 * 1000);
 }
 
+TEST(PlanModelTest, FamiliesWithTheirOwnShapesHaveTheirPublishedCounts) {
+  // Mixtral-8x7B: 8 experts of Mistral's MLP and a router: 46,702,792,704 parameters.
+  const Json mixtral = {{"model_type", "mixtral"},  {"num_hidden_layers", 32},
+                        {"hidden_size", 4096},      {"num_attention_heads", 32},
+                        {"num_key_value_heads", 8}, {"intermediate_size", 14336},
+                        {"vocab_size", 32000},      {"num_local_experts", 8},
+                        {"num_experts_per_tok", 2}, {"tie_word_embeddings", false}};
+  EXPECT_EQ(Model(mixtral).TotalParams(), 46702792704);
+  // Gemma-7B: head_dim 256 where hidden / heads is 192; tied: 8,537,680,896.
+  const Json gemma = {{"model_type", "gemma"},      {"num_hidden_layers", 28},
+                      {"hidden_size", 3072},        {"num_attention_heads", 16},
+                      {"num_key_value_heads", 16},  {"head_dim", 256},
+                      {"intermediate_size", 24576}, {"vocab_size", 256000}};
+  EXPECT_EQ(Model(gemma).TotalParams(), 8537680896);
+  // StarCoder (gpt_bigcode, multi-query: one key/value head): 15,517,456,384.
+  const Json starcoder = {{"model_type", "gpt_bigcode"},
+                          {"n_layer", 40},
+                          {"n_embd", 6144},
+                          {"n_head", 48},
+                          {"n_inner", 24576},
+                          {"vocab_size", 49152},
+                          {"n_positions", 8192},
+                          {"multi_query", true}};
+  EXPECT_EQ(Model(starcoder).TotalParams(), 15517456384);
+}
+
+TEST(PlanModelTest, AModelTooLargeToCountIsRefusedNotWrapped) {
+  // hidden x ffn x layers beyond int64: refused, never a small wrapped count.
+  const Json huge = {{"model_type", "llama"},  {"num_hidden_layers", 100000},
+                     {"hidden_size", 1 << 20}, {"num_attention_heads", 1},
+                     {"vocab_size", 1},        {"intermediate_size", int64_t{1} << 32}};
+  auto t = TransformerFromHfConfig(huge, 1, 1);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("more than strata plans for"));
+}
+
 TEST(PlanModelTest, BadModelsNameTheKeyAndWhatIsAccepted) {
   const Json good = {{"num_hidden_layers", 2},
                      {"hidden_size", 64},
@@ -223,12 +259,12 @@ TEST(PlanMemoryTest, BytesPerTierAtEachStageAndOffloadChoiceMatchTheFormulas) {
        2 * (3e8 + small),
        2 * 2 * largest,
        0,
-       0,
+       2 * psi,  // the optimizer's param copies
        4 * 2 * largest,
        0,
        5 * 1e8 + 4 * 12 * largest,
        2 * psi,
-       12 * psi},
+       2 * 12 * psi},  // the crash-consistent second copy
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -260,6 +296,31 @@ TEST(PlanMemoryTest, Fp32TrainingKeepsEightBytesOfStateAndAccumulatedGradientsSt
   ASSERT_TRUE(p.ok());
   EXPECT_DOUBLE_EQ(p->host.optimizer, 8 * psi);
   EXPECT_DOUBLE_EQ(p->host.grads, 4 * psi);
+}
+
+TEST(PlanMemoryTest, NvmeOptimizerStateKeepsTheCrashConsistentSecondCopyAndParamCopies) {
+  // As Runtime::CreateOptimizer sets aside: twice the state on NVMe (the step writes a new copy
+  // before the old one is given up) and 2 bytes per element in the host for the param copies.
+  const Transformer m = Model(OneB(), 1024, 1);
+  const double psi = static_cast<double>(m.TotalParams());
+  const Training t =
+      Config({{"bf16", {{"enabled", true}}},
+              {"zero_optimization",
+               {{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}}});
+  auto p = PlanMemory(m, *HardwareFromJson(A100()), t);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->nvme.optimizer, 2 * 12 * psi);
+  EXPECT_DOUBLE_EQ(p->host.params, 2 * psi);
+}
+
+TEST(PlanMemoryTest, ActivationsAreInTheTrainingDtype) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  auto fp32 = PlanMemory(m, hw, Config({{"zero_optimization", {{"stage", 0}}}}));
+  auto bf16 = PlanMemory(m, hw, Config({{"bfloat16", {{"enabled", true}}}}));
+  ASSERT_TRUE(fp32.ok() && bf16.ok());
+  EXPECT_DOUBLE_EQ(fp32->activations_full, 2 * bf16->activations_full);
+  EXPECT_DOUBLE_EQ(fp32->device.activations, 2 * bf16->device.activations);
 }
 
 TEST(PlanMemoryTest, SeveralGpusDivideTheStatesByStage) {
