@@ -110,7 +110,7 @@ int64_t Transformer::OuterParams() const {
 
 double Transformer::ForwardFlopsPerToken() const {
   const double matmul =
-      static_cast<double>(layers) * LayerMatrixParams() + static_cast<double>(vocab) * hidden;
+      static_cast<double>(layers) * LayerActiveMatrixParams() + static_cast<double>(vocab) * hidden;
   return 2 * matmul + 4.0 * layers * sequence * hidden;
 }
 

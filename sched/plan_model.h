@@ -69,7 +69,6 @@ struct Transformer {
   int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
   // Forward FLOPs for one token at this sequence length.
   double ForwardFlopsPerToken() const;
-  int64_t TokensPerMicroBatch() const { return sequence * micro_batch; }
   // Activation bytes of one layer kept for backward (16-bit): all of them, or the checkpoint.
   double LayerActivationBytes() const;
   double CheckpointBytesPerLayer() const;

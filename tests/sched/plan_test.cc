@@ -75,6 +75,10 @@ TEST(PlanModelTest, FamiliesWithTheirOwnShapesHaveTheirPublishedCounts) {
                         {"vocab_size", 32000},      {"num_local_experts", 8},
                         {"num_experts_per_tok", 2}, {"tie_word_embeddings", false}};
   EXPECT_EQ(Model(mixtral).TotalParams(), 46702792704);
+  // A token goes through 2 of the 8 experts: its FLOPs count those (and the router), not all 8.
+  const double active = 2.0 * 4096 * 4096 + 2.0 * 4096 * 1024 + 2 * 3.0 * 4096 * 14336 + 4096 * 8;
+  EXPECT_DOUBLE_EQ(Model(mixtral, 1024).ForwardFlopsPerToken(),
+                   2 * (32 * active + 32000.0 * 4096) + 4.0 * 32 * 1024 * 4096);
   // Gemma-7B: head_dim 256 where hidden / heads is 192; tied: 8,537,680,896.
   const Json gemma = {{"model_type", "gemma"},      {"num_hidden_layers", 28},
                       {"hidden_size", 3072},        {"num_attention_heads", 16},
