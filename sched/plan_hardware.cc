@@ -1,6 +1,7 @@
 #include "sched/plan_hardware.h"
 
 #include <optional>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -37,35 +38,35 @@ absl::StatusOr<const Json*> Block(const Json& j, const char* name, bool required
   return &*it;
 }
 
-// block[key] as a number in [lo, hi]; required unless `fallback` is given.
-absl::StatusOr<double> Number(const Json& block, const char* block_name, const char* key, double lo,
-                              double hi, std::optional<double> fallback) {
+// block[key] in [lo, hi] (an integer for an integral T, the config reader's rule); required
+// unless `fallback` is given.
+template <typename T>
+absl::StatusOr<T> Field(const Json& block, const char* block_name, const char* key, T lo, T hi,
+                        std::optional<T> fallback) {
   const std::string prefix = absl::StrCat(block_name, ".");
   if (!block.contains(key)) {
     if (fallback) return *fallback;
     return Bad(absl::StrCat(prefix, key),
-               absl::StrCat("missing; a number in [", lo, ", ", hi, "]"));
+               absl::StrCat("missing; ", std::is_integral_v<T> ? "an integer" : "a number", " in [",
+                            lo, ", ", hi, "]"));
   }
-  double v = 0;
-  if (absl::Status s = config::ReadNumber(block, prefix, key, lo, hi, &v); !s.ok()) {
-    return AsHardware(s);
+  T v{};
+  absl::Status s;
+  if constexpr (std::is_integral_v<T>) {
+    s = config::ReadInt(block, prefix, key, lo, hi, &v);
+  } else {
+    s = config::ReadNumber(block, prefix, key, lo, hi, &v);
   }
+  if (!s.ok()) return AsHardware(s);
   return v;
 }
-
+absl::StatusOr<double> Number(const Json& block, const char* block_name, const char* key, double lo,
+                              double hi, std::optional<double> fallback) {
+  return Field<double>(block, block_name, key, lo, hi, fallback);
+}
 absl::StatusOr<int> Count(const Json& block, const char* block_name, const char* key, int lo,
                           int hi, std::optional<int> fallback) {
-  const std::string prefix = absl::StrCat(block_name, ".");
-  if (!block.contains(key)) {
-    if (fallback) return *fallback;
-    return Bad(absl::StrCat(prefix, key),
-               absl::StrCat("missing; an integer in [", lo, ", ", hi, "]"));
-  }
-  int v = 0;
-  if (absl::Status s = config::ReadInt(block, prefix, key, lo, hi, &v); !s.ok()) {
-    return AsHardware(s);
-  }
-  return v;
+  return Field<int>(block, block_name, key, lo, hi, fallback);
 }
 
 }  // namespace

@@ -12,8 +12,8 @@
 //   parameters: stages 0-2: d·Ψ on each GPU. Stage 3: d·Ψ/N on each GPU when not offloaded, plus
 //     the layers gathered for use (stage3_max_live_parameters, at least two layers); offloaded
 //     (offload_param cpu: host; nvme: NVMe with buffer_count x buffer_size of pinned staging), a
-//     GPU holds only what is in use and the small parameters kept there
-//     (stage3_param_persistence_threshold: the norms and biases).
+//     GPU holds only what is in use and the small parameters kept there (all the norms and
+//     biases, taken to be under stage3_param_persistence_threshold: the threshold is not read).
 //   gradients: not offloaded, d·Ψ per GPU (stage 0-1) or d·Ψ/N (stages 2-3) plus a layer being
 //     reduced. With offload_optimizer, each gradient leaves the GPU as backward produces it (two
 //     layers held there); with gradient_accumulation_steps 1 the CPU optimizer steps it as it comes
