@@ -85,10 +85,12 @@ std::vector<Scheduler::Upcoming> Scheduler::Window() const {
     const TraceEvent& e = plan_[plan_acquires_[(cursor_ + d) % n]];
     if (ds && e.tier != Tier::kDevice) continue;
     if (seen.contains(std::make_pair(e.id, e.tier))) continue;  // counted once
-    if (e.role == tiering::Role::kParam) {
+    if (e.role == tiering::Role::kParam && d > 0) {
+      // The bucket bounds the parameter elements ahead of the access due now; the first partition
+      // ahead is always allowed (a layer may hold more than the bucket).
+      const bool first_ahead = param_elements == 0;
       param_elements += e.elements;
-      // The bucket bounds the parameters ahead; the first one is always allowed.
-      if (param_elements > config_.prefetch_bucket_elements && !out.empty()) break;
+      if (param_elements > config_.prefetch_bucket_elements && !first_ahead) break;
     }
     seen.insert({e.id, e.tier});
     out.push_back({e.id, e.tier});

@@ -19,7 +19,8 @@
 // The window is adaptive: it widens while the trainer still waits for prefetched partitions
 // (OnLateOrMiss) and narrows when a prefetch finds no room in a tier's budget (OnBudgetTight),
 // between 1 and SchedulerConfig::max_lookahead accesses. DeepSpeed's stage-3 knobs bound it:
-// prefetch_bucket_elements caps the parameter elements ahead in the window.
+// prefetch_bucket_elements caps the parameter elements ahead of the access due now (the first
+// partition ahead is always allowed: a layer may hold more than the bucket).
 //
 // With policy kLru there is no plan: every step is on demand with LRU eviction (what the Runtime
 // did before the scheduler). kDeepSpeedLike models DeepSpeed's coordinator for comparison: a fixed

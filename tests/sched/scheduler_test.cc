@@ -145,15 +145,28 @@ TEST(SchedulerTest, ThePrefetchBucketBoundsTheParameterElementsAhead) {
   Scheduler s(c);
   Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
   s.EndStep();
+  // The access due now (1) is not ahead of its use; 2 and 3 are 2000 elements ahead.
+  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
+}
+
+TEST(SchedulerTest, OnePartitionAheadIsPrefetchedEvenWhenItIsLargerThanTheBucket) {
+  // Layers of a large model hold more parameters than DeepSpeed's default bucket (5e7): the next
+  // one is still prefetched (found by the planner: without it nothing was ever prefetched).
+  SchedulerConfig c;
+  c.initial_lookahead = 10;
+  c.prefetch_bucket_elements = 500;
+  Scheduler s(c);
+  Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
+  s.EndStep();
   EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2));
 }
 
 TEST(SchedulerTest, APartitionTwiceInTheWindowIsCountedOnceAgainstTheBucket) {
   SchedulerConfig c;
   c.initial_lookahead = 10;
-  c.prefetch_bucket_elements = 3500;
+  c.prefetch_bucket_elements = 2500;
   Scheduler s(c);
-  Step(s, {1, 2, 1, 2, 3});
+  Step(s, {1, 2, 1, 2, 3, 4});
   s.EndStep();
   EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
 }
