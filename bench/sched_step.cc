@@ -51,8 +51,9 @@
 #include "base/status.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
-#include "bench/common/step_bound.h"
+#include "sched/plan_step.h"
 #include "sched/runtime.h"
+#include "sched/step_bound.h"
 #include "tiering/copy_engine.h"
 #include "tools/aio_bench/flags.h"
 #include "tools/aio_bench/scratch.h"
@@ -83,6 +84,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using sched::Policy;
 using sched::Runtime;
+using sched::plan::Access;
+using sched::plan::Group;
+using sched::plan::kBackward;
+using sched::plan::kOptimizer;
+using sched::plan::kPhaseCount;
+using sched::plan::Lanes;
 using tiering::PartitionDesc;
 using tiering::PartitionId;
 using tiering::Role;
@@ -99,7 +106,7 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// One step as the trainer thread runs it (Group, Access: bench/common/step_bound.h): groups of
+// One step as the trainer thread runs it (Group, Access: sched/step_bound.h): groups of
 // accesses, each acquired together, computed on for a modelled time, and released; a group's
 // gradient, if any, is then handed to GradientReady, and a stepped gradient discarded.
 // The step's phases (forward, backward, optimizer) run one after another on the trainer thread,
@@ -163,19 +170,11 @@ std::vector<Group> MakeStep(const Model& m, bool interleaved) {
   return step;
 }
 
-// The copy link's bandwidth, each way. Emulated: a large copy through a capped host copy engine
-// (one thread: both directions share it). CUDA: pinned host <-> device memory on a CUDA copy
-// engine's stream, each direction timed on its own (PCIe carries both at once).
-struct LinkBps {
-  double to_device = 0, to_host = 0;
-  bool duplex = false;
-  // The time the link needs for `loaded` bytes down to the device and `written` back up.
-  double Seconds(double loaded, double written) const {
-    return duplex ? std::max(loaded / to_device, written / to_host)
-                  : (loaded + written) / to_device;
-  }
-};
-LinkBps MeasureLinkBps(uint64_t cap, bool cuda) {
+// The copy link's bandwidth, each way (the to_device, to_host and link_duplex of Lanes). Emulated:
+// a large copy through a capped host copy engine (one thread: both directions share it). CUDA:
+// pinned host <-> device memory on a CUDA copy engine's stream, each direction timed on its own
+// (PCIe carries both at once).
+Lanes MeasureLinkBps(uint64_t cap, bool cuda) {
   const size_t bytes = 64 << 20;
   if (!cuda) {
     tiering::HostCopyEngine engine(cap);
@@ -187,7 +186,10 @@ LinkBps MeasureLinkBps(uint64_t cap, bool cuda) {
       return {};
     }
     const double bps = bytes / Since(t0);
-    return {bps, bps, false};
+    Lanes link;
+    link.to_device = link.to_host = bps;
+    link.link_duplex = false;
+    return link;
   }
   auto engine = tiering::CreateCudaCopyEngine(0);
   auto device = tiering::CreateCudaDeviceResource(0);
@@ -198,8 +200,8 @@ LinkBps MeasureLinkBps(uint64_t cap, bool cuda) {
   auto d = (*device)->Allocate(bytes);
   auto h = host.Allocate(bytes);
   if (!d.ok() || !h.ok()) return {};
-  LinkBps link;
-  link.duplex = true;
+  Lanes link;
+  link.link_duplex = true;
   for (auto dir : {tiering::CopyDirection::kHostToDevice, tiering::CopyDirection::kDeviceToHost}) {
     const bool down = dir == tiering::CopyDirection::kHostToDevice;
     double best = 0;
@@ -367,19 +369,15 @@ int Main() {
   config.nvme_path = root + "/swap";
 
   const bool interleaved = absl::GetFlag(FLAGS_optimizer) == "interleaved";
-  const std::vector<Group> step_groups = MakeStep(m, interleaved);
-  const std::vector<Access> step = Accesses(step_groups);
-  auto bytes = [&m](PartitionId id) { return m.Bytes(id); };
-
-  const uint64_t memory_budget = config.device_budget_bytes + all / 2;
-  const Traffic link = Belady(bytes, step, config.device_budget_bytes, Tier::kDevice);
-  const Traffic disk = Belady(bytes, step, memory_budget);
-  // (Phase by phase with the whole host budget, staging buffers included: it errs low.)
-  const std::array<PhaseNeeds, kPhaseCount> phases =
-      PhaseLowerBounds(bytes, step_groups, config.device_budget_bytes,
-                       config.device_budget_bytes + config.host_budget_bytes);
-  double compute = 0;
-  for (const Group& g : step_groups) compute += g.compute_s;
+  // The step as a trace (sched/plan_step.h): every partition's home is the NVMe store; the memory
+  // tiers' room is the device budget and half of everything in the host (the rest of the host
+  // budget is the staging buffers).
+  sched::plan::StepTrace trace;
+  trace.partitions = m.parts;
+  trace.home.assign(m.parts.size(), Tier::kNvme);
+  trace.groups = MakeStep(m, interleaved);
+  const std::vector<Group>& step_groups = trace.groups;
+  const sched::plan::Budgets budgets{config.device_budget_bytes, all / 2};
   auto engine = aio::Engine::Create(config.aio);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -393,11 +391,12 @@ int Main() {
   std::map<std::string, sched::StepReport> last;
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
   bool disk_by_fio = true;
-  std::vector<double> link_s_all, by_phase_all;
+  std::vector<double> link_s_all, by_phase_all, predicted_all, honesty;
+  sched::plan::Bound bound_detail;
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (const auto& [name, policy] : policies) {
       // The bound's bandwidths, measured right before the policy runs (the same disk weather).
-      const LinkBps link_bps = MeasureLinkBps(config.copy_bandwidth_bytes_per_s, cuda);
+      const Lanes link_bps = MeasureLinkBps(config.copy_bandwidth_bytes_per_s, cuda);
       const double copy_bps = link_bps.to_device;
       const DiskBps disk_bps = MeasureDiskBps(**engine, config.aio, root + "/disk.bin", 64 << 20);
       const double read_bps = disk_bps.read, write_bps = disk_bps.write;
@@ -409,18 +408,31 @@ int Main() {
       copy_bps_all.push_back(copy_bps);
       read_bps_all.push_back(read_bps);
       write_bps_all.push_back(write_bps);
-      link_s_all.push_back(link_bps.Seconds(link.loaded, link.written));
+      Lanes lanes = link_bps;
+      lanes.nvme_read = read_bps;
+      lanes.nvme_write = write_bps;
+      lanes.staging_bytes = static_cast<uint64_t>(config.offload_param.buffer_size);
+      lanes.staging_count = static_cast<int>(config.offload_param.buffer_count);
       // The step's bound: the whole step's traffic (Belady's), or phase by phase what each
       // phase must move within itself, whichever is longer.
-      double by_phase = 0;
-      for (const PhaseNeeds& p : phases) {
-        by_phase += std::max({p.compute_s, link_bps.Seconds(p.link.loaded, p.link.written),
-                              p.disk.loaded / read_bps + p.disk.written / write_bps});
+      const sched::plan::Bound b = sched::plan::StepLowerBound(trace, lanes, budgets);
+      const double bound = b.seconds();
+      bound_detail = b;
+      link_s_all.push_back(lanes.LinkSeconds(b.link.loaded, b.link.written));
+      by_phase_all.push_back(b.by_phase_s);
+      // The planner's prediction of the same step on the same bandwidths (strata's policy only:
+      // the replay does not model the others' limits).
+      if (policy == Policy::kTrace) {
+        sched::SchedulerConfig sc;
+        sc.prefetch_bucket_elements = static_cast<uint64_t>(config.stage3_prefetch_bucket_size);
+        auto predicted = sched::plan::PredictStep(trace, lanes, budgets, sc);
+        if (!predicted.ok()) {
+          std::fprintf(stderr, "sched_step: the planner: %s\n",
+                       predicted.status().ToString().c_str());
+          return 1;
+        }
+        predicted_all.push_back(predicted->step_s);
       }
-      const double whole = std::max({compute, link_bps.Seconds(link.loaded, link.written),
-                                     disk.loaded / read_bps + disk.written / write_bps});
-      const double bound = std::max(whole, by_phase);
-      by_phase_all.push_back(by_phase);
       std::filesystem::remove_all(config.nvme_path, ec);
       Run run = RunPolicy(m, step_groups, policy, config);
       if (!run.error.empty()) {
@@ -433,18 +445,24 @@ int Main() {
         ratios[name].push_back(s / bound);
       }
       last[name] = run.last;
+      if (policy == Policy::kTrace) {
+        honesty.push_back(Summary::Of(run.step_seconds).median / predicted_all.back());
+      }
       std::printf("round %d %-15s median step %.1f ms, bound %.1f ms; last step: %s\n", round,
                   name.c_str(), Summary::Of(run.step_seconds).median * 1e3, bound * 1e3,
                   run.last.ToJson().c_str());
     }
   }
   std::filesystem::remove_all(root, ec);
+  const sched::plan::Traffic& link = bound_detail.link;
+  const sched::plan::Traffic& disk = bound_detail.disk;
+  const auto& phases = bound_detail.phases;
   std::printf(
       "bound per step: compute %.1f ms; copy link %.1f MB at %.2f GB/s = %.1f ms; disk %.1f MB "
       "read at %.2f GB/s + %.1f MB written at %.2f GB/s = %.1f ms (disk measured by %s)\n",
-      compute * 1e3, (link.loaded + link.written) / 1e6, Summary::Of(copy_bps_all).median / 1e9,
-      Summary::Of(link_s_all).median * 1e3, disk.loaded / 1e6,
-      Summary::Of(read_bps_all).median / 1e9, disk.written / 1e6,
+      bound_detail.compute_s * 1e3, (link.loaded + link.written) / 1e6,
+      Summary::Of(copy_bps_all).median / 1e9, Summary::Of(link_s_all).median * 1e3,
+      disk.loaded / 1e6, Summary::Of(read_bps_all).median / 1e9, disk.written / 1e6,
       Summary::Of(write_bps_all).median / 1e9,
       (disk.loaded / Summary::Of(read_bps_all).median +
        disk.written / Summary::Of(write_bps_all).median) *
@@ -461,6 +479,16 @@ int Main() {
                 (phases[p].link.loaded + phases[p].link.written) / 1e6);
   }
   std::printf(" the optimizer %s\n", interleaved ? "interleaved with backward" : "after backward");
+  if (!honesty.empty()) {
+    // The planner's honesty check (sched/plan_step.h): its replay of this step on the bandwidths
+    // measured in each round, beside what the runtime measured in that round.
+    const Summary h = Summary::Of(honesty);
+    std::printf(
+        "planner: predicted %.1f ms per step (median of %zu rounds); strata measured %.2fx the "
+        "prediction (median; %.2f-%.2f), %s the 15%% the planner promises\n",
+        Summary::Of(predicted_all).median * 1e3, predicted_all.size(), h.median, h.min, h.max,
+        h.median >= 0.85 && h.median <= 1.15 ? "within" : "NOT within");
+  }
   Report report("sched_step", MachineInfo::Probe(dir));
   for (const auto& [name, policy] : policies) {
     Figure f;
@@ -484,11 +512,15 @@ int Main() {
                 {"device", cuda ? "cuda" : "emulated"},
                 {"copy_gbps",
                  cuda ? Summary::Of(copy_bps_all).median / 1e9 : absl::GetFlag(FLAGS_copy_gbps)},
-                {"compute_ms", compute * 1e3},
+                {"compute_ms", bound_detail.compute_s * 1e3},
                 {"optimizer", interleaved ? "interleaved" : "after_backward"},
                 {"bound_by_phase_ms", Summary::Of(by_phase_all).median * 1e3},
                 {"disk_measured_by", disk_by_fio ? "fio" : "strata's aio engine"},
                 {"last_step", nlohmann::json::parse(last[name].ToJson())}};
+    if (policy == Policy::kTrace && !honesty.empty()) {
+      f.config["predicted_ms"] = Summary::Of(predicted_all).median * 1e3;
+      f.config["measured_over_predicted"] = Summary::Of(honesty).median;
+    }
     report.Add(f);
   }
   report.PrintClosingLines();

@@ -90,12 +90,16 @@ absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
     }
   }
   const Json* gpu = nullptr;
-  STRATA_ASSIGN_OR_RETURN(gpu, Block(j, "gpu", true, {"count", "hbm_gib", "tflops", "efficiency"}));
+  STRATA_ASSIGN_OR_RETURN(
+      gpu, Block(j, "gpu", true, {"count", "hbm_gib", "tflops", "efficiency", "hbm_gbps"}));
   STRATA_ASSIGN_OR_RETURN(h.gpus, Count(*gpu, "gpu", "count", 1, 1024, 1));
   double hbm_gib = 0, tflops = 0;
   STRATA_ASSIGN_OR_RETURN(hbm_gib, Number(*gpu, "gpu", "hbm_gib", 0.25, 1 << 20, std::nullopt));
   STRATA_ASSIGN_OR_RETURN(tflops, Number(*gpu, "gpu", "tflops", 0.001, 1e6, std::nullopt));
   STRATA_ASSIGN_OR_RETURN(h.efficiency, Number(*gpu, "gpu", "efficiency", 0.01, 1, 0.5));
+  double hbm_gbps = 0;
+  STRATA_ASSIGN_OR_RETURN(hbm_gbps, Number(*gpu, "gpu", "hbm_gbps", 1, 1e6, 1500.0));
+  h.hbm_bytes_per_s = hbm_gbps * 1e9;
   h.hbm_bytes = hbm_gib * (1 << 30);
   h.gpu_flops = tflops * 1e12;
 

@@ -1,13 +1,14 @@
 // sched/plan_hardware.h: the planner's hardware — one node, described in JSON.
 //
 //   {"name": "...", "source": "where the figures come from",
-//    "gpu":  {"count": 1, "hbm_gib": 80, "tflops": 312, "efficiency": 0.5},
+//    "gpu":  {"count": 1, "hbm_gib": 80, "tflops": 312, "efficiency": 0.5, "hbm_gbps": 2039},
 //    "host": {"ram_gib": 512, "cores": 64, "optimizer_gbps": 60},
 //    "pcie": {"to_device_gbps": 24, "to_host_gbps": 24},
 //    "nvme": {"drives": 4, "read_gbps": 6.5, "write_gbps": 5, "capacity_tb": 3.84}}
 //
 // gpu.tflops: one GPU's dense 16-bit peak; gpu.efficiency: the fraction of it a transformer's
-// kernels reach (default 0.5). host.optimizer_gbps: the CPU Adam step's memory traffic, 28 bytes
+// kernels reach (default 0.5); gpu.hbm_gbps: HBM bandwidth, what an optimizer step on the GPU runs
+// at (default 1500). host.optimizer_gbps: the CPU Adam step's memory traffic, 28 bytes
 // per parameter (bench/cpu_adam's figure). pcie: one GPU's link, each direction. nvme: per drive
 // (striped: the node's NVMe bandwidth is drives x each); "nvme" may be left out (no NVMe tier).
 // GB are 10^9 bytes, GiB 2^30, TB 10^12. A missing key, an unknown one (named with the closest
@@ -31,6 +32,7 @@ struct Hardware {
   double hbm_bytes = 0;
   double gpu_flops = 0;  // dense 16-bit peak, per second
   double efficiency = 0.5;
+  double hbm_bytes_per_s = 1.5e12;
   double host_bytes = 0;
   int cores = 1;
   double optimizer_bytes_per_s = 0;

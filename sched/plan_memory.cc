@@ -59,6 +59,10 @@ absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::s
       config::ReadInt(root, "", "train_micro_batch_size_per_gpu", 1, 1 << 20, &t.micro_batch));
   STRATA_RETURN_IF_ERROR(config::ReadInt(root, "", "gradient_accumulation_steps", 1, 1 << 20,
                                          &t.gradient_accumulation));
+  if (auto it = root.find("strata"); it != root.end() && it->is_object()) {
+    if (it->contains("device_budget_bytes")) t.device_budget = t.runtime.device_budget_bytes;
+    if (it->contains("host_budget_bytes")) t.host_budget = t.runtime.host_budget_bytes;
+  }
   if (t.runtime.offload_optimizer.device != OffloadDevice::kNone && t.runtime.zero_stage == 0) {
     return config::Bad("zero_optimization.offload_optimizer",
                        "optimizer offload needs a ZeRO stage of 1 or more, the stage is 0");

@@ -54,6 +54,10 @@ struct Training {
   int64_t micro_batch = 1;
   int64_t gradient_accumulation = 1;
   bool activation_checkpointing = true;
+  // strata.device_budget_bytes and strata.host_budget_bytes when the config gives them (the
+  // planner's step replay caps its budgets there; else it gives the tiers what the hardware has
+  // left).
+  std::optional<uint64_t> device_budget, host_budget;
 };
 absl::StatusOr<Training> TrainingFromConfig(const nlohmann::json& config,
                                             std::vector<std::string>* warnings);

@@ -12,12 +12,16 @@
 // it fits, naming the first tier that does not and by how much. Exit codes: 0 it fits, 1 it does
 // not, 2 bad input (a flag, a file, a key: the message names it and what is accepted).
 //
-// This version answers "will it fit"; predicting the step's time is not in it yet.
+// When it fits, the step is predicted (sched/plan_time.h: the step replayed through the
+// scheduler's plan on modelled lanes, sched/plan_step.h): its time beside its lower bound, each
+// lane's busy time and bytes, what the trainer waited on, tokens per second and model TFLOPs per
+// GPU; --svg draws the predicted step's lanes.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +35,7 @@
 #include "sched/plan_hardware.h"
 #include "sched/plan_memory.h"
 #include "sched/plan_model.h"
+#include "sched/plan_time.h"
 #include "tools/aio_bench/flags.h"
 
 ABSL_FLAG(std::string, model, "", "the model: a Hugging Face config.json (required)");
@@ -46,6 +51,9 @@ ABSL_FLAG(int64_t, micro_batch, 0,
 ABSL_FLAG(bool, checkpointing, true,
           "activation checkpointing (each layer's input kept, the rest recomputed)");
 ABSL_FLAG(std::string, json, "", "also write the plan as JSON here");
+ABSL_FLAG(std::string, svg, "",
+          "write a timeline of one predicted step here (SVG: a lane each for the GPU, the CPU "
+          "optimizer, PCIe each way, NVMe reads and writes)");
 
 namespace strata::sched::plan {
 namespace {
@@ -109,6 +117,58 @@ std::string HardwarePath(const std::string& given) {
 }
 
 std::string Gb(double bytes) { return absl::StrFormat("%.2f GB", bytes / 1e9); }
+
+std::string Seconds(double s) {
+  return s >= 1 ? absl::StrFormat("%.2f s", s) : absl::StrFormat("%.1f ms", s * 1e3);
+}
+
+// One predicted step as an SVG picture: a row per lane, a box per move or computation.
+std::string TimelineSvg(const Prediction& p, const std::string& title) {
+  constexpr double kLeft = 130, kWidth = 1000, kRow = 28, kTop = 48;
+  double end = p.step_s;
+  for (const Prediction::Span& s : p.timeline) end = std::max(end, s.end);
+  const double scale = kWidth / std::max(end, 1e-12);
+  static constexpr const char* kColors[] = {"#4c78a8", "#f58518", "#54a24b",
+                                            "#b279a2", "#e45756", "#9d755d"};
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"10\" y=\"20\" "
+      "font-size=\"14\">%s</text>\n",
+      kLeft + kWidth + 20, kTop + static_cast<int>(kLaneCount) * kRow + 40, title);
+  for (int l = 0; l < kLaneCount; ++l) {
+    const double y = kTop + l * kRow;
+    absl::StrAppendFormat(&svg,
+                          "<text x=\"10\" y=\"%.0f\">%s</text>\n<rect x=\"%.0f\" y=\"%.0f\" "
+                          "width=\"%.0f\" height=\"%.0f\" fill=\"#f4f4f4\"/>\n",
+                          y + kRow * 0.6, LaneName(static_cast<Lane>(l)), kLeft, y + 2, kWidth,
+                          kRow - 4);
+  }
+  for (const Prediction::Span& s : p.timeline) {
+    const double x = kLeft + std::max(0.0, s.start) * scale;
+    const double w = std::max(0.5, (s.end - std::max(0.0, s.start)) * scale);
+    absl::StrAppendFormat(&svg,
+                          "<rect x=\"%.2f\" y=\"%.0f\" width=\"%.2f\" height=\"%.0f\" "
+                          "fill=\"%s\"><title>partition %d: %s to %s</title></rect>\n",
+                          x, kTop + static_cast<int>(s.lane) * kRow + 4, w, kRow - 8,
+                          kColors[s.lane], static_cast<int>(s.id), Seconds(s.start),
+                          Seconds(s.end));
+  }
+  const double step_x = kLeft + p.step_s * scale;
+  absl::StrAppendFormat(&svg,
+                        "<line x1=\"%.1f\" y1=\"%.0f\" x2=\"%.1f\" y2=\"%.0f\" "
+                        "stroke=\"black\" stroke-dasharray=\"4\"/>\n<text x=\"%.1f\" "
+                        "y=\"%.0f\">step ends: %s (lower bound %s)</text>\n</svg>\n",
+                        step_x, kTop - 6, step_x, kTop + static_cast<int>(kLaneCount) * kRow, kLeft,
+                        kTop + static_cast<int>(kLaneCount) * kRow + 24, Seconds(p.step_s),
+                        Seconds(p.bound.seconds()));
+  return svg;
+}
+
+void WriteFile(const std::string& flag, const std::string& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  if (!f) Fail(absl::StrCat("--", flag, ": cannot write ", path));
+}
 
 Json BytesJson(const Bytes& b) {
   return {{"params", b.params},           {"grads", b.grads},     {"optimizer", b.optimizer},
@@ -197,6 +257,39 @@ int Main() {
   } else {
     std::printf("FITS\n");
   }
+  std::optional<TimePlan> time;
+  if (!plan->overflow) {
+    auto t = PlanTime(*model, *hw, *training, *plan);
+    if (!t.ok()) {
+      std::printf("\nthe step is not predicted: %s\n", std::string(t.status().message()).c_str());
+    } else {
+      time = *std::move(t);
+      const Prediction& p = time->step;
+      std::printf(
+          "\npredicted step (steady state, the scheduler planning): %s; lower bound %s "
+          "(%.2fx)\n",
+          Seconds(p.step_s).c_str(), Seconds(p.bound.seconds()).c_str(),
+          p.step_s / p.bound.seconds());
+      std::printf("%-16s %12s %8s %12s %14s\n", "lane", "busy", "of step", "moved",
+                  "trainer waited");
+      for (int l = 0; l < kLaneCount; ++l) {
+        std::printf("%-16s %12s %7.0f%% %12s %14s\n", LaneName(static_cast<Lane>(l)),
+                    Seconds(p.busy_s[l]).c_str(), 100 * p.busy_s[l] / p.step_s,
+                    l <= kCpu ? "" : Gb(p.bytes[l]).c_str(),
+                    p.waits_s[l] > 0 ? Seconds(p.waits_s[l]).c_str() : "");
+      }
+      std::printf(
+          "throughput: %.0f tokens/s for the node (%lld per GPU per step), %.1f model TFLOPs per "
+          "GPU (%.0f%% of its peak)\n",
+          time->tokens_per_s, static_cast<long long>(time->model.tokens_per_gpu),
+          time->model_tflops_per_gpu, 100 * time->model_tflops_per_gpu * 1e12 / hw->gpu_flops);
+      if (const std::string svg = absl::GetFlag(FLAGS_svg); !svg.empty()) {
+        WriteFile("svg", svg,
+                  TimelineSvg(p, absl::StrFormat("%s on %s: one predicted step", model->name,
+                                                 hw->name.empty() ? hw_path : hw->name)));
+      }
+    }
+  }
   if (const std::string out = absl::GetFlag(FLAGS_json); !out.empty()) {
     Json j = {{"model", {{"name", model->name}, {"parameters", model->TotalParams()}}},
               {"hardware", hw->name.empty() ? hw_path : hw->name},
@@ -211,9 +304,20 @@ int Main() {
                        {"need", plan->overflow->need},
                        {"have", plan->overflow->have}};
     }
-    std::ofstream f(out);
-    f << j.dump(2) << "\n";
-    if (!f) Fail(absl::StrCat("--json: cannot write ", out));
+    if (time) {
+      const Prediction& p = time->step;
+      Json lanes = Json::object();
+      for (int l = 0; l < kLaneCount; ++l) {
+        lanes[LaneName(static_cast<Lane>(l))] = {
+            {"busy_s", p.busy_s[l]}, {"bytes", p.bytes[l]}, {"trainer_waited_s", p.waits_s[l]}};
+      }
+      j["step"] = {{"seconds", p.step_s},
+                   {"lower_bound_seconds", p.bound.seconds()},
+                   {"lanes", lanes},
+                   {"tokens_per_s", time->tokens_per_s},
+                   {"model_tflops_per_gpu", time->model_tflops_per_gpu}};
+    }
+    WriteFile("json", out, j.dump(2) + "\n");
   }
   return plan->overflow ? 1 : 0;
 }

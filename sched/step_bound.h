@@ -1,4 +1,5 @@
-// bench/common/step_bound.h: the lower bound of a training step's traffic, for bench/sched_step.
+// sched/step_bound.h: the lower bound of a training step's traffic (bench/sched_step and the
+// planner).
 //
 // A step is the trainer's groups of partition accesses in order, each group acquired together,
 // computed on for a modelled time and released, in phases (forward, backward, optimizer) that run
@@ -16,12 +17,12 @@
 //    memory only once written back, and at the phase's end memory again holds at most its
 //    budgets). The same for the device tier and the link. A partition without bytes when the phase
 //    first accesses it (discarded earlier) is read from nowhere, and one the phase discards need
-//    not be written back. The step takes at least the sum over phases of max(the phase's compute,
-//    its disk time, its link time).
+//    not be written back. The step takes at least the sum over phases of max(the phase's compute
+//    on the trainer, its compute on the CPU optimizer's threads, its disk time, its link time).
 //
 // Thread safety: plain functions of their arguments.
-#ifndef STRATA_BENCH_COMMON_STEP_BOUND_H_
-#define STRATA_BENCH_COMMON_STEP_BOUND_H_
+#ifndef STRATA_SCHED_STEP_BOUND_H_
+#define STRATA_SCHED_STEP_BOUND_H_
 
 #include <array>
 #include <cstdint>
@@ -31,7 +32,7 @@
 #include "absl/functional/function_ref.h"
 #include "tiering/residency.h"
 
-namespace strata::bench {
+namespace strata::sched::plan {
 
 using tiering::PartitionId;
 using tiering::Tier;
@@ -49,6 +50,9 @@ struct Group {
   Phase phase = kForward;
   std::optional<PartitionId> gradient_ready;  // handed to GradientReady after the release
   std::optional<PartitionId> discard;         // then Discard (a gradient once stepped from)
+  // Computed by the CPU optimizer's threads beside the trainer, which goes on without waiting for
+  // it (else the trainer computes it, or waits while the GPU does).
+  bool on_cpu = false;
 };
 
 // A partition's bytes.
@@ -68,7 +72,8 @@ Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget,
                std::optional<Tier> tier = std::nullopt);
 
 struct PhaseNeeds {
-  double compute_s = 0;
+  double compute_s = 0;  // the trainer's groups
+  double cpu_s = 0;      // the groups on the CPU optimizer's threads
   Traffic disk, link;
 };
 // What each phase must move within itself: `memory_budget` is the device and host tiers together
@@ -77,6 +82,6 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
                                                      uint64_t device_budget,
                                                      uint64_t memory_budget);
 
-}  // namespace strata::bench
+}  // namespace strata::sched::plan
 
-#endif  // STRATA_BENCH_COMMON_STEP_BOUND_H_
+#endif  // STRATA_SCHED_STEP_BOUND_H_

@@ -1,9 +1,9 @@
-#include "bench/common/step_bound.h"
+#include "sched/step_bound.h"
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 
-namespace strata::bench {
+namespace strata::sched::plan {
 
 std::vector<Access> Accesses(const std::vector<Group>& step) {
   std::vector<Access> a;
@@ -115,7 +115,7 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
   };
   std::array<Sets, kPhaseCount> sets;
   for (const Group& g : step) {
-    needs[g.phase].compute_s += g.compute_s;
+    (g.on_cpu ? needs[g.phase].cpu_s : needs[g.phase].compute_s) += g.compute_s;
     Sets& p = sets[g.phase];
     for (const Access& a : g.accesses) {
       const bool has_bytes = !fresh.contains(a.id);
@@ -146,4 +146,4 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
   return needs;
 }
 
-}  // namespace strata::bench
+}  // namespace strata::sched::plan

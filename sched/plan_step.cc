@@ -1,0 +1,601 @@
+#include "sched/plan_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <optional>
+#include <queue>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace strata::sched::plan {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int kSteps = 3;
+
+int I(Tier t) { return static_cast<int>(t); }
+
+// One lane's busy intervals, start -> end, none overlapping. A move is placed in the first gap at
+// or after its ready time that holds it: moves issued later may run before earlier ones still
+// waiting for their inputs, as queued I/O does.
+class Track {
+ public:
+  double Place(double ready, double seconds) {
+    double start = ready;
+    auto it = busy_.upper_bound(start);
+    if (it != busy_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->second > start) start = prev->second;
+    }
+    while (it != busy_.end() && it->first < start + seconds) {
+      start = std::max(start, it->second);
+      ++it;
+    }
+    if (seconds > 0) busy_.emplace(start, start + seconds);
+    return start;
+  }
+  // Intervals ending before `t` can no longer hold a move (none is issued ready before the
+  // trainer's time): forget them.
+  void Forget(double t) {
+    while (!busy_.empty() && busy_.begin()->second < t) busy_.erase(busy_.begin());
+  }
+
+ private:
+  std::map<double, double> busy_;
+};
+
+struct Copy {
+  bool valid = false;
+  bool dirty = false;     // newer than the home's copy (the home's is stale)
+  double ready = 0;       // its bytes are all there
+  Lane cause = kGpu;      // the lane of the move that delivered it, or of the room it waited for
+  double busy_until = 0;  // in use by a group (kInf while its group acquires)
+  double last_use = 0;
+};
+
+struct Part {
+  std::array<Copy, tiering::kTierCount> at;
+  bool fresh = false;  // discarded: its next access makes zeros in its tier
+};
+
+struct Pending {
+  double at;
+  uint64_t bytes;
+  Lane cause;
+  bool operator>(const Pending& o) const { return at > o.at; }
+};
+
+struct Room {
+  uint64_t budget = 0, held = 0;  // held: copies there or arriving, and room still being vacated
+  std::priority_queue<Pending, std::vector<Pending>, std::greater<>> vacating;
+  uint64_t vacating_bytes = 0;
+
+  void Vacate(const Pending& p) {
+    vacating.push(p);
+    vacating_bytes += p.bytes;
+  }
+  Pending Reclaim() {
+    const Pending p = vacating.top();
+    vacating.pop();
+    vacating_bytes -= p.bytes;
+    held -= p.bytes;
+    return p;
+  }
+};
+
+class Replay {
+ public:
+  Replay(const StepTrace& trace, const Lanes& lanes, const Budgets& budgets,
+         const SchedulerConfig& config)
+      : trace_(trace), lanes_(lanes), scheduler_(config), parts_(trace.partitions.size()) {
+    room_[I(Tier::kDevice)].budget = budgets.device;
+    room_[I(Tier::kHost)].budget = budgets.host;
+    for (size_t id = 0; id < parts_.size(); ++id) {
+      Copy& home = parts_[id].at[I(trace.home[id])];
+      home.valid = true;
+    }
+    for (int i = 0; i < lanes_.staging_count; ++i) staging_.push(0.0);
+  }
+
+  absl::Status Run(Prediction* out) {
+    for (int step = 0; step < kSteps; ++step) {
+      const bool report = step == kSteps - 1;
+      const double start = now_;
+      if (report) {
+        reporting_ = true;
+        step_start_ = start;
+      }
+      STRATA_RETURN_IF_ERROR(Step());
+      scheduler_.EndStep();
+      if (report) Finish(start, out);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  Track& TrackOf(Lane lane) {
+    switch (lane) {
+      case kGpu:
+        return gpu_;
+      case kCpu:
+        return cpu_;
+      case kToDevice:
+        return down_;
+      case kToHost:
+        return lanes_.link_duplex ? up_ : down_;
+      case kNvmeRead:
+      case kNvmeWrite:
+      case kLaneCount:
+        break;
+    }
+    return disk_;
+  }
+
+  // A move or a computation of `seconds` on `lane`, ready at `ready`: returns its end.
+  double Occupy(Lane lane, double ready, double seconds, PartitionId id, double bytes = 0) {
+    const double start = TrackOf(lane).Place(ready, seconds);
+    const double end = start + seconds;
+    if (reporting_) {
+      spans_.push_back({lane, start, end, id});
+      moved_[lane] += bytes;
+    }
+    return end;
+  }
+
+  double Rate(Lane lane) const {
+    switch (lane) {
+      case kToDevice:
+        return lanes_.to_device;
+      case kToHost:
+        return lanes_.to_host;
+      case kNvmeRead:
+        return lanes_.nvme_read;
+      case kNvmeWrite:
+        return lanes_.nvme_write;
+      default:
+        return 1;
+    }
+  }
+
+  double Transfer(Lane lane, double ready, double bytes, PartitionId id) {
+    return Occupy(lane, ready, bytes / Rate(lane), id, bytes);
+  }
+
+  // Through the staging buffers, chunk by chunk: `first` then `second` for each.
+  double Staged(Lane first, Lane second, double ready, double bytes, PartitionId id) {
+    const double chunk = static_cast<double>(lanes_.staging_bytes);
+    double end = ready;
+    for (double done = 0; done < bytes; done += chunk) {
+      const double c = std::min(chunk, bytes - done);
+      const double slot = staging_.top();
+      staging_.pop();
+      const double a = Transfer(first, std::max(ready, slot), c, id);
+      end = Transfer(second, a, c, id);
+      staging_.push(end);
+    }
+    return end;
+  }
+
+  // Moves `id`'s bytes from tier `from` to `to`, starting no earlier than `ready`: returns the end
+  // and the lane that finished last.
+  std::pair<double, Lane> Move(PartitionId id, Tier from, Tier to, double ready) {
+    const double bytes = static_cast<double>(trace_.partitions[id].bytes);
+    if (from == Tier::kHost && to == Tier::kDevice) {
+      return {Transfer(kToDevice, ready, bytes, id), kToDevice};
+    }
+    if (from == Tier::kDevice && to == Tier::kHost) {
+      return {Transfer(kToHost, ready, bytes, id), kToHost};
+    }
+    if (from == Tier::kNvme && to == Tier::kHost) {
+      return {Transfer(kNvmeRead, ready, bytes, id), kNvmeRead};
+    }
+    if (from == Tier::kHost && to == Tier::kNvme) {
+      return {Transfer(kNvmeWrite, ready, bytes, id), kNvmeWrite};
+    }
+    if (from == Tier::kNvme && to == Tier::kDevice) {
+      return {Staged(kNvmeRead, kToDevice, ready, bytes, id), kToDevice};
+    }
+    return {Staged(kToHost, kNvmeWrite, ready, bytes, id), kNvmeWrite};  // device -> NVMe
+  }
+
+  // A copy leaves tier `t` (its room is free again at `at`, or once its write-back ends).
+  void Drop(PartitionId id, Tier t, double at) {
+    Part& p = parts_[id];
+    Copy& c = p.at[I(t)];
+    if (!c.valid) return;
+    const Tier home = trace_.home[id];
+    double free_at = std::max({at, c.ready, c.busy_until});
+    Lane cause = c.cause;
+    if (c.dirty && t != home) {
+      // The only newer bytes? Another newer copy in the other memory tier keeps them.
+      bool kept = false;
+      for (Tier u : {Tier::kDevice, Tier::kHost}) {
+        if (u != t && u != home && p.at[I(u)].valid && p.at[I(u)].dirty) kept = true;
+      }
+      if (!kept) {
+        auto [end, lane] = Move(id, t, home, free_at);
+        Copy& h = p.at[I(home)];
+        h.valid = true;
+        h.dirty = false;
+        h.ready = end;
+        h.cause = lane;
+        free_at = end;
+        cause = lane;
+      }
+    }
+    c = Copy{};
+    if (t != home) room_[I(t)].Vacate({free_at, trace_.partitions[id].bytes, cause});
+  }
+
+  // Whether a copy of `id` in tier `t` may be evicted now to make room.
+  bool Evictable(PartitionId id, Tier t) const {
+    const Copy& c = parts_[id].at[I(t)];
+    return c.valid && trace_.home[id] != t && c.ready <= now_ && c.busy_until <= now_;
+  }
+
+  // Room for `bytes` in tier `t` from `now_`: the time it is free and the lane waited on, or
+  // nullopt. A prefetch for an access `distance` ahead evicts only copies needed later than that.
+  std::optional<std::pair<double, Lane>> Reserve(Tier t, uint64_t bytes,
+                                                 std::optional<uint64_t> distance) {
+    Room& r = room_[I(t)];
+    while (!r.vacating.empty() && r.vacating.top().at <= now_) r.Reclaim();
+    if (bytes > r.budget) return std::nullopt;
+    // The candidates, the first to go first.
+    struct Victim {
+      PartitionId id;
+      uint64_t next;
+      double last_use;
+      bool dirty;
+    };
+    std::vector<Victim> victims;
+    if (r.held + bytes > r.budget + r.vacating_bytes) {
+      for (PartitionId id = 0; id < parts_.size(); ++id) {
+        if (!Evictable(id, t)) continue;
+        const uint64_t next = scheduler_.plans_evictions() ? scheduler_.NextUse(id, t) : 0;
+        if (distance && next <= *distance) continue;
+        victims.push_back({id, next, parts_[id].at[I(t)].last_use, parts_[id].at[I(t)].dirty});
+      }
+      std::sort(victims.begin(), victims.end(), [&](const Victim& a, const Victim& b) {
+        if (scheduler_.plans_evictions()) {
+          if (a.next != b.next) return a.next > b.next;  // needed furthest ahead first
+          if (a.dirty != b.dirty) return !a.dirty;       // clean before dirty
+        }
+        return a.last_use < b.last_use;  // least recently used first
+      });
+      uint64_t could = r.vacating_bytes;
+      for (const Victim& v : victims) could += trace_.partitions[v.id].bytes;
+      if (r.held + bytes > r.budget + could) return std::nullopt;
+    }
+    double at = now_;
+    Lane cause = kGpu;
+    size_t next_victim = 0;
+    while (r.held + bytes > r.budget) {
+      if (r.vacating.empty()) Drop(victims[next_victim++].id, t, now_);
+      const Pending p = r.Reclaim();
+      if (p.at > at) {
+        at = p.at;
+        cause = p.cause;
+      }
+    }
+    r.held += bytes;
+    return std::make_pair(at, cause);
+  }
+
+  // Brings `id` into tier `t`. A prefetch (`distance` given) returns false when there is no room
+  // for it without evicting what is needed sooner; a demand fetch fails only when the partition is
+  // larger than the tier's budget with everything else evicted.
+  absl::StatusOr<bool> Fetch(PartitionId id, Tier t, std::optional<uint64_t> distance) {
+    Part& p = parts_[id];
+    Copy& dst = p.at[I(t)];
+    if (dst.valid) return true;
+    const Tier home = trace_.home[id];
+    double room_at = now_;
+    Lane room_cause = kGpu;
+    if (t != home) {
+      auto room = Reserve(t, trace_.partitions[id].bytes, distance);
+      if (!room) {
+        if (distance) return false;
+        return absl::InvalidArgumentError(
+            absl::StrCat("partition ", id, " (", trace_.partitions[id].bytes,
+                         " bytes) does not fit the ", TierName(t), " tier's budget of ",
+                         room_[I(t)].budget, " bytes with everything else evicted"));
+      }
+      std::tie(room_at, room_cause) = *room;
+    }
+    if (p.fresh) {  // zeros made in the tier: nothing read
+      dst = Copy{true, false, room_at, room_cause, 0, now_};
+      return true;
+    }
+    const Copy& dev = p.at[I(Tier::kDevice)];
+    const Copy& host = p.at[I(Tier::kHost)];
+    const Copy& nvme = p.at[I(Tier::kNvme)];
+    Tier from;
+    if (t == Tier::kDevice) {
+      from = host.valid ? Tier::kHost : Tier::kNvme;
+    } else {
+      from = dev.valid && (dev.dirty || !nvme.valid) ? Tier::kDevice : Tier::kNvme;
+    }
+    const Copy& src = p.at[I(from)];
+    if (!src.valid) {
+      return absl::InternalError(absl::StrCat("partition ", id, " has no copy to read"));
+    }
+    const double ready = std::max(room_at, src.ready);
+    auto [end, lane] = Move(id, from, t, ready);
+    // What it waited on longest: room, the source's own arrival, or the move.
+    Lane cause = lane;
+    double longest = end - ready;
+    if (room_at - now_ > longest) {
+      cause = room_cause;
+      longest = room_at - now_;
+    }
+    if (src.ready - now_ > longest) cause = src.cause;
+    dst = Copy{true, src.dirty && t != home, end, cause, 0, now_};
+    if (t == home) {
+      for (Copy& c : p.at) c.dirty = false;
+    }
+    return true;
+  }
+
+  // The group's dirty accesses leave the other tiers' copies stale.
+  void Write(PartitionId id, Tier t, double at) {
+    Part& p = parts_[id];
+    p.fresh = false;
+    const Tier home = trace_.home[id];
+    for (Tier u : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+      if (u == t || !p.at[I(u)].valid) continue;
+      if (u == home) {
+        p.at[I(u)].valid = false;
+      } else {
+        p.at[I(u)].dirty = false;  // stale: dropped without a write-back
+        Drop(id, u, at);
+      }
+    }
+    Copy& c = p.at[I(t)];
+    c.dirty = t != home;
+    c.ready = std::max(c.ready, at);
+  }
+
+  void Discard(PartitionId id, double at) {
+    Part& p = parts_[id];
+    const Tier home = trace_.home[id];
+    for (Tier u : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+      p.at[I(u)].dirty = false;
+      if (u == home) {
+        p.at[I(u)].valid = false;
+      } else {
+        Drop(id, u, at);
+      }
+    }
+    p.fresh = true;
+  }
+
+  // GradientReady: a dirty device copy goes to the host (to NVMe when the host has no room), and
+  // leaves the device once there.
+  void SendDown(PartitionId id, double at) {
+    Part& p = parts_[id];
+    Copy& dev = p.at[I(Tier::kDevice)];
+    const Tier home = trace_.home[id];
+    if (!dev.valid || !dev.dirty || home == Tier::kDevice) return;
+    if (home != Tier::kHost) {
+      auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, uint64_t{0});
+      if (room) {
+        auto [end, lane] = Move(id, Tier::kDevice, Tier::kHost, std::max(at, room->first));
+        p.at[I(Tier::kHost)] = Copy{true, true, end, lane, 0, at};
+        dev.dirty = false;
+      }
+    }
+    Drop(id, Tier::kDevice, at);  // writes it back to its home unless the host now has it
+  }
+
+  absl::Status Step() {
+    double cpu_done = now_;
+    for (const Group& g : trace_.groups) {
+      for (Track* t : {&gpu_, &cpu_, &down_, &up_, &disk_}) t->Forget(now_);
+      // Prefetch along the plan.
+      const std::vector<Scheduler::Upcoming> window = scheduler_.Window();
+      for (size_t i = 0; i < window.size(); ++i) {
+        const Scheduler::Upcoming& u = window[i];
+        if (parts_[u.id].fresh || parts_[u.id].at[I(u.tier)].valid) continue;
+        STRATA_ASSIGN_OR_RETURN(const bool room, Fetch(u.id, u.tier, i));
+        if (!room) {
+          scheduler_.OnBudgetTight(i);
+          break;
+        }
+      }
+      // Acquire.
+      double ready = now_;
+      Lane cause = kGpu;
+      for (const Access& a : g.accesses) {
+        const bool planned = scheduler_.mode() == Scheduler::Mode::kPlanned;
+        scheduler_.OnAcquire(trace_.partitions[a.id], a.tier, now_);
+        Copy& c = parts_[a.id].at[I(a.tier)];
+        const bool there = c.valid && c.ready <= now_;
+        STRATA_ASSIGN_OR_RETURN(const bool fetched, Fetch(a.id, a.tier, std::nullopt));
+        (void)fetched;
+        c.busy_until = kInf;
+        if (c.ready > ready) {
+          ready = c.ready;
+          cause = c.cause;
+        }
+        if (planned && !there && !g.on_cpu) scheduler_.OnLateOrMiss();
+      }
+      const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
+      const double end = Occupy(g.on_cpu ? kCpu : kGpu, ready, g.compute_s, first);
+      if (g.on_cpu) {
+        cpu_done = std::max(cpu_done, end);
+      } else {
+        if (reporting_) waits_[cause] += ready - now_;
+        now_ = end;
+      }
+      for (const Access& a : g.accesses) {
+        Copy& c = parts_[a.id].at[I(a.tier)];
+        c.busy_until = end;
+        c.last_use = end;
+        if (a.dirty) Write(a.id, a.tier, end);
+        scheduler_.OnRelease(trace_.partitions[a.id], a.tier, a.dirty, end);
+      }
+      if (g.gradient_ready) SendDown(*g.gradient_ready, end);
+      if (g.discard) Discard(*g.discard, end);
+    }
+    if (cpu_done > now_) {
+      if (reporting_) waits_[kCpu] += cpu_done - now_;
+      now_ = cpu_done;
+    }
+    return absl::OkStatus();
+  }
+
+  void Finish(double start, Prediction* out) {
+    out->step_s = now_ - start;
+    for (int l = 0; l < kLaneCount; ++l) {
+      out->bytes[l] = moved_[l];
+      out->waits_s[l] = waits_[l];
+    }
+    std::sort(spans_.begin(), spans_.end(), [](const auto& a, const auto& b) {
+      return a.lane != b.lane ? a.lane < b.lane : a.start < b.start;
+    });
+    for (const Prediction::Span& s : spans_) {
+      out->busy_s[s.lane] += std::max(0.0, std::min(s.end, now_) - std::max(s.start, start));
+      Prediction::Span rel{s.lane, s.start - start, s.end - start, s.id};
+      if (!out->timeline.empty() && out->timeline.back().lane == rel.lane &&
+          out->timeline.back().id == rel.id &&
+          std::abs(out->timeline.back().end - rel.start) < 1e-12) {
+        out->timeline.back().end = rel.end;  // chunks of one move, back to back
+      } else {
+        out->timeline.push_back(rel);
+      }
+    }
+  }
+
+  const StepTrace& trace_;
+  const Lanes lanes_;
+  Scheduler scheduler_;
+  std::vector<Part> parts_;
+  std::array<Room, 2> room_;  // device, host
+  Track gpu_, cpu_, down_, up_, disk_;
+  std::priority_queue<double, std::vector<double>, std::greater<>> staging_;
+  double now_ = 0, step_start_ = 0;
+  bool reporting_ = false;
+  std::vector<Prediction::Span> spans_;
+  std::array<double, kLaneCount> moved_{}, waits_{};
+};
+
+absl::Status Check(const StepTrace& t, const Lanes& lanes) {
+  if (t.home.size() != t.partitions.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the trace has ", t.partitions.size(),
+                                                   " partitions but ", t.home.size(), " homes"));
+  }
+  for (size_t i = 0; i < t.partitions.size(); ++i) {
+    if (t.partitions[i].id != i) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("partition ", i, " has id ", t.partitions[i].id, "; ids are their indices"));
+    }
+  }
+  bool device = false, nvme = false;
+  for (const Group& g : t.groups) {
+    for (const Access& a : g.accesses) {
+      if (a.id >= t.partitions.size() || a.discard) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("an access names partition ", a.id, " of ", t.partitions.size()));
+      }
+      if (a.tier == Tier::kNvme) {
+        return absl::InvalidArgumentError(
+            "an access in the NVMe tier: the trainer acquires "
+            "partitions in the device or host tier");
+      }
+      device = device || t.home[a.id] != a.tier;
+      nvme = nvme || t.home[a.id] == Tier::kNvme;
+    }
+    for (const auto& id : {g.gradient_ready, g.discard}) {
+      if (id && *id >= t.partitions.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a group names partition ", *id, " of ", t.partitions.size()));
+      }
+    }
+  }
+  if (device && (lanes.to_device <= 0 || lanes.to_host <= 0)) {
+    return absl::InvalidArgumentError(
+        "the trace moves partitions between tiers but the link's "
+        "bandwidth is not positive");
+  }
+  if (nvme && (lanes.nvme_read <= 0 || lanes.nvme_write <= 0)) {
+    return absl::InvalidArgumentError(
+        "the trace has partitions on NVMe but the disk's bandwidth is not positive");
+  }
+  if (lanes.staging_count < 1 || lanes.staging_bytes == 0) {
+    return absl::InvalidArgumentError("the staging buffers: at least one, of at least one byte");
+  }
+  return absl::OkStatus();
+}
+
+// The groups with only the accesses `keep` allows (their compute, phases and discards kept).
+std::vector<Group> Filtered(const std::vector<Group>& groups,
+                            const std::function<bool(PartitionId)>& keep) {
+  std::vector<Group> out = groups;
+  for (Group& g : out) {
+    std::erase_if(g.accesses, [&](const Access& a) { return !keep(a.id); });
+    if (g.discard && !keep(*g.discard)) g.discard.reset();
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* LaneName(Lane lane) {
+  static constexpr const char* kNames[] = {"gpu",          "cpu optimizer", "pcie to device",
+                                           "pcie to host", "nvme read",     "nvme write"};
+  return lane >= 0 && lane < kLaneCount ? kNames[lane] : "?";
+}
+
+double Lanes::LinkSeconds(double down, double up) const {
+  return link_duplex ? std::max(down / to_device, up / to_host) : down / to_device + up / to_host;
+}
+
+double Lanes::DiskSeconds(double read, double written) const {
+  return (read > 0 ? read / nvme_read : 0) + (written > 0 ? written / nvme_write : 0);
+}
+
+Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budgets) {
+  auto bytes = [&t](PartitionId id) { return t.partitions[id].bytes; };
+  const std::vector<Group> linked =
+      Filtered(t.groups, [&](PartitionId id) { return t.home[id] != Tier::kDevice; });
+  const std::vector<Group> on_disk =
+      Filtered(t.groups, [&](PartitionId id) { return t.home[id] == Tier::kNvme; });
+  const uint64_t memory = budgets.device + budgets.host;
+  Bound b;
+  b.link = Belady(bytes, Accesses(linked), budgets.device, Tier::kDevice);
+  b.disk = Belady(bytes, Accesses(on_disk), memory);
+  for (const Group& g : t.groups) (g.on_cpu ? b.cpu_s : b.compute_s) += g.compute_s;
+  auto link_s = [&](const Traffic& x) {
+    return x.loaded + x.written > 0 ? lanes.LinkSeconds(x.loaded, x.written) : 0.0;
+  };
+  b.whole_s = std::max(
+      {b.compute_s, b.cpu_s, link_s(b.link), lanes.DiskSeconds(b.disk.loaded, b.disk.written)});
+  const auto link_phases = PhaseLowerBounds(bytes, linked, budgets.device, memory);
+  const auto disk_phases = PhaseLowerBounds(bytes, on_disk, budgets.device, memory);
+  for (int p = 0; p < kPhaseCount; ++p) {
+    b.phases[p] = link_phases[p];
+    b.phases[p].disk = disk_phases[p].disk;
+    b.by_phase_s +=
+        std::max({b.phases[p].compute_s, b.phases[p].cpu_s, link_s(b.phases[p].link),
+                  lanes.DiskSeconds(b.phases[p].disk.loaded, b.phases[p].disk.written)});
+  }
+  return b;
+}
+
+absl::StatusOr<Prediction> PredictStep(const StepTrace& trace, const Lanes& lanes,
+                                       const Budgets& budgets, const SchedulerConfig& scheduler) {
+  STRATA_RETURN_IF_ERROR(Check(trace, lanes));
+  Prediction out;
+  Replay replay(trace, lanes, budgets, scheduler);
+  STRATA_RETURN_IF_ERROR(replay.Run(&out));
+  out.bound = StepLowerBound(trace, lanes, budgets);
+  return out;
+}
+
+}  // namespace strata::sched::plan

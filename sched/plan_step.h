@@ -1,0 +1,110 @@
+// sched/plan_step.h: how long a training step takes — a step's accesses replayed through the
+// scheduler's plan on modelled lanes, beside the step's lower bound.
+//
+// The step is a trace (StepTrace): partitions, each with a home (where its own copy lives: kept on
+// the device, in pinned host memory, or in the NVMe store) and the trainer's groups of accesses
+// (sched/step_bound.h). PredictStep replays it as the Runtime runs it, on modelled time:
+//  - the Scheduler itself (sched/scheduler.h) records the first step and plans the next ones: the
+//    replay asks it for the window to prefetch and for each copy's next use (Belady's rule: a
+//    prefetch evicts only copies needed later than what it brings; a demand fetch evicts the copy
+//    needed furthest ahead, least recently used before a plan exists), and tells it of late or
+//    missed accesses and of prefetches that found no room, so its window adapts as it does live;
+//  - every move takes time on its lane: the GPU (the trainer's compute), the CPU optimizer, PCIe to
+//    the device and to the host (one link each way, or one shared when `link_duplex` is false, as
+//    the host-emulated device's copy thread), NVMe reads and writes (one disk: a read and a write
+//    do not overlap, their rates are each direction's). A lane runs its moves one after another
+//    in the order they were issued. NVMe <-> device moves go through the staging buffers in chunks
+//    (`staging_count` buffers of `staging_bytes`), the disk and the link overlapping chunk by
+//    chunk;
+//  - a tier's budget is never exceeded: room is made by evicting, and a dirty copy that is not its
+//    partition's home is written back first (device -> host home, or to NVMe through the staging
+//    buffers; host -> NVMe), its room reusable only once that ends; a discarded partition comes
+//    back as zeros made in its tier, nothing read; GradientReady sends a gradient to the host as
+//    soon as its group ends (to NVMe when the host has no room);
+//  - the trainer waits for its group's bytes and for the GPU; a group on the CPU (Group::on_cpu)
+//    waits for its bytes and the CPU lane without holding the trainer; the step ends when the
+//    trainer and the CPU are done.
+// Three steps are replayed (the first records, the next two are planned; the wrap-around prefetch
+// of a planned step reaches into the next); the last is reported. What the Runtime does that the
+// replay does not: its early write-back of dirty host copies the plan will evict, its four-worker
+// limit on moves at once (lanes serialize moves instead), and the copy engine's own overheads.
+//
+// Thread safety: pure functions of their arguments.
+#ifndef STRATA_SCHED_PLAN_STEP_H_
+#define STRATA_SCHED_PLAN_STEP_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "sched/scheduler.h"
+#include "sched/step_bound.h"
+#include "tiering/residency.h"
+
+namespace strata::sched::plan {
+
+// The lanes a step's time is spent on.
+enum Lane : int { kGpu, kCpu, kToDevice, kToHost, kNvmeRead, kNvmeWrite, kLaneCount };
+const char* LaneName(Lane lane);  // "gpu", "cpu optimizer", "pcie to device", ...
+
+struct StepTrace {
+  std::vector<tiering::PartitionDesc> partitions;  // partitions[i].id == i
+  std::vector<Tier> home;                          // each partition's own copy
+  std::vector<Group> groups;                       // one step, in order
+};
+
+// Bytes per second; staging: the NVMe <-> device chunks.
+struct Lanes {
+  double to_device = 0, to_host = 0;
+  bool link_duplex = true;  // PCIe carries both directions at once; else one shared link
+  double nvme_read = 0, nvme_write = 0;
+  uint64_t staging_bytes = 64 << 20;
+  int staging_count = 4;
+  // The link's time for `down` bytes to the device and `up` to the host (duplex: the longer).
+  double LinkSeconds(double down, double up) const;
+  double DiskSeconds(double read, double written) const;
+};
+
+// The room of the device and host tiers for copies that are not their partitions' homes.
+struct Budgets {
+  uint64_t device = 0, host = 0;
+};
+
+struct Bound {
+  double whole_s = 0;     // max(compute, link, disk) over the whole step (Belady's bytes)
+  double by_phase_s = 0;  // the sum over phases of each phase's max
+  double compute_s = 0, cpu_s = 0;
+  Traffic link, disk;                            // Belady's, over the whole step
+  std::array<PhaseNeeds, kPhaseCount> phases{};  // what each phase must move within itself
+  double seconds() const { return whole_s > by_phase_s ? whole_s : by_phase_s; }
+};
+// The step's lower bound (sched/step_bound.h): partitions homed on the device cross no link and
+// those homed in the host touch no disk.
+Bound StepLowerBound(const StepTrace& trace, const Lanes& lanes, const Budgets& budgets);
+
+struct Prediction {
+  double step_s = 0;
+  Bound bound;
+  std::array<double, kLaneCount> busy_s{};   // each lane's busy time within the step
+  std::array<double, kLaneCount> bytes{};    // bytes each lane moved (0 for gpu and cpu)
+  std::array<double, kLaneCount> waits_s{};  // the trainer's waits, by the lane it waited on
+  struct Span {
+    Lane lane;
+    double start, end;  // seconds from the step's start
+    PartitionId id;     // the partition moved or computed on (its group's first access)
+  };
+  std::vector<Span> timeline;  // the reported step's, lane by lane
+};
+
+// InvalidArgument when the trace is malformed (a partition id out of range, homes not one per
+// partition, a lane's bandwidth not positive where the trace needs it) or a partition cannot fit
+// its tier's budget even with everything else evicted (named, with the budget).
+absl::StatusOr<Prediction> PredictStep(const StepTrace& trace, const Lanes& lanes,
+                                       const Budgets& budgets,
+                                       const SchedulerConfig& scheduler = {});
+
+}  // namespace strata::sched::plan
+
+#endif  // STRATA_SCHED_PLAN_STEP_H_

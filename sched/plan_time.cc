@@ -1,0 +1,182 @@
+#include "sched/plan_time.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace strata::sched::plan {
+namespace {
+
+using tiering::OffloadDevice;
+using tiering::PartitionDesc;
+using tiering::Role;
+
+Tier HomeOf(OffloadDevice d) {
+  return d == OffloadDevice::kNone  ? Tier::kDevice
+         : d == OffloadDevice::kCpu ? Tier::kHost
+                                    : Tier::kNvme;
+}
+
+}  // namespace
+
+absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, const Training& t,
+                                    const MemoryPlan& mem) {
+  const tiering::RuntimeConfig& rc = t.runtime;
+  const double n = hw.gpus;
+  const double d = t.dtype_bytes;
+  const Tier p_home = rc.zero_stage >= 3 ? HomeOf(rc.offload_param.device) : Tier::kDevice;
+  const Tier s_home = HomeOf(rc.offload_optimizer.device);
+  const bool offloaded_opt = s_home != Tier::kDevice;
+  const Tier g_home = offloaded_opt ? Tier::kHost : Tier::kDevice;
+  const double p_share = p_home != Tier::kDevice ? 1 / n : 1;
+  const double s_share = rc.zero_stage >= 1 ? 1 / n : 1;
+  const double g_share = rc.zero_stage >= 2 || offloaded_opt ? 1 / n : 1;
+  const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
+  const int64_t ga = t.gradient_accumulation;
+
+  StepModel out;
+  // Budgets.
+  double device_homed = 0;
+  if (p_home == Tier::kDevice) device_homed += mem.device.params;
+  if (g_home == Tier::kDevice) device_homed += mem.device.grads;
+  if (s_home == Tier::kDevice) device_homed += mem.device.optimizer;
+  double device = hw.hbm_bytes - mem.device.activations - device_homed;
+  double host = hw.host_bytes - mem.host.total();
+  if (p_home == Tier::kNvme || s_home == Tier::kNvme) host += mem.host.params;  // staged copies
+  host /= n;
+  if (t.device_budget) device = std::min(device, static_cast<double>(*t.device_budget));
+  if (t.host_budget) host = std::min(host, static_cast<double>(*t.host_budget));
+  if (device <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the device has no room left for parameters in use (HBM ", hw.hbm_bytes / 1e9,
+                     " GB, activations and what lives there ",
+                     (mem.device.activations + device_homed) / 1e9, " GB)"));
+  }
+  out.budgets = {static_cast<uint64_t>(device), static_cast<uint64_t>(std::max(0.0, host))};
+
+  // Lanes.
+  out.lanes.to_device = hw.pcie_to_device;
+  out.lanes.to_host = hw.pcie_to_host;
+  out.lanes.link_duplex = true;
+  out.lanes.nvme_read = hw.nvme_read / n;
+  out.lanes.nvme_write = hw.nvme_write / n;
+  out.lanes.staging_bytes = static_cast<uint64_t>(rc.offload_param.buffer_size);
+  out.lanes.staging_count = static_cast<int>(rc.offload_param.buffer_count);
+  out.scheduler.prefetch_bucket_elements = static_cast<uint64_t>(rc.stage3_prefetch_bucket_size);
+
+  // Partitions: per unit (the layers, then the embeddings and head) P, G, S; with gradient
+  // accumulation and an offloaded optimizer, a host accumulation buffer A per unit.
+  const int64_t units = m.layers + 1;
+  const bool accumulate = offloaded_opt && ga > 1;
+  StepTrace& tr = out.trace;
+  auto add = [&](Role role, double params, double bytes_per, Tier home, int64_t unit) {
+    PartitionDesc p;
+    p.id = tr.partitions.size();
+    p.role = role;
+    p.elements = static_cast<uint64_t>(params);
+    p.bytes = std::max<uint64_t>(1, static_cast<uint64_t>(params * bytes_per));
+    p.group = static_cast<int>(unit);
+    tr.partitions.push_back(p);
+    tr.home.push_back(home);
+  };
+  for (int64_t u = 0; u < units; ++u) {
+    const double x = static_cast<double>(u < m.layers ? m.LayerParams() : m.OuterParams());
+    add(Role::kParam, x * p_share, d, p_home, u);
+    add(Role::kGrad, x * g_share, d, g_home, u);
+    add(Role::kMaster, x * s_share, opt_per_param, s_home, u);
+  }
+  if (accumulate) {
+    for (int64_t u = 0; u < units; ++u) {
+      const double x = static_cast<double>(u < m.layers ? m.LayerParams() : m.OuterParams());
+      add(Role::kGrad, x * g_share, d, Tier::kHost, u);
+    }
+  }
+  auto P = [](int64_t u) { return static_cast<PartitionId>(3 * u); };
+  auto G = [](int64_t u) { return static_cast<PartitionId>(3 * u + 1); };
+  auto S = [](int64_t u) { return static_cast<PartitionId>(3 * u + 2); };
+  auto A = [&](int64_t u) { return static_cast<PartitionId>(3 * units + u); };
+
+  // Compute.
+  const double tokens = static_cast<double>(m.sequence) * static_cast<double>(m.micro_batch);
+  const double rate = hw.gpu_flops * hw.efficiency;
+  const double layer_fwd = (2.0 * static_cast<double>(m.LayerActiveMatrixParams()) * tokens +
+                            4.0 * m.sequence * static_cast<double>(m.hidden) * tokens) /
+                           rate;
+  const double head_fwd = 2.0 * static_cast<double>(m.vocab) * m.hidden * tokens / rate;
+  const double bwd_factor = t.activation_checkpointing ? 3 : 2;
+  auto params_of = [&](int64_t u) { return tr.partitions[S(u)].elements; };
+  auto cpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / (hw.optimizer_bytes_per_s / n); };
+  auto gpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / hw.hbm_bytes_per_s; };
+  const int64_t head = m.layers;
+
+  for (int64_t micro = 0; micro < ga; ++micro) {
+    const bool last = micro + 1 == ga;
+    tr.groups.push_back({{{P(head), Tier::kDevice, false}}, 0, kForward});  // the embeddings
+    for (int64_t l = 0; l < m.layers; ++l) {
+      tr.groups.push_back({{{P(l), Tier::kDevice, false}}, layer_fwd, kForward});
+    }
+    tr.groups.push_back({{{P(head), Tier::kDevice, false}}, head_fwd, kForward});
+    auto backward = [&](int64_t u, double seconds) {
+      Group g{{{P(u), Tier::kDevice, false}, {G(u), Tier::kDevice, true}}, seconds, kBackward};
+      if (offloaded_opt) g.gradient_ready = G(u);
+      tr.groups.push_back(g);
+      if (!offloaded_opt) return;
+      Group cpu;
+      cpu.phase = kBackward;
+      cpu.on_cpu = true;
+      cpu.discard = G(u);
+      if (!last) {  // add it into the accumulation buffer
+        cpu.accesses = {{G(u), Tier::kHost, false}, {A(u), Tier::kHost, true}};
+        cpu.compute_s = 3 * d * params_of(u) / (hw.optimizer_bytes_per_s / n);
+        tr.groups.push_back(cpu);
+        return;
+      }
+      cpu.accesses = {{S(u), Tier::kHost, true}, {G(u), Tier::kHost, false}};
+      if (accumulate) cpu.accesses.push_back({A(u), Tier::kHost, false});
+      cpu.accesses.push_back({P(u), Tier::kHost, true});
+      cpu.compute_s = cpu_opt(u);
+      tr.groups.push_back(cpu);
+      if (accumulate) {
+        Group drop;
+        drop.phase = kBackward;
+        drop.on_cpu = true;
+        drop.discard = A(u);
+        tr.groups.push_back(drop);
+      }
+    };
+    backward(head, 2 * head_fwd);
+    for (int64_t l = m.layers - 1; l >= 0; --l) backward(l, bwd_factor * layer_fwd);
+  }
+  if (!offloaded_opt) {
+    for (int64_t u = units - 1; u >= 0; --u) {
+      Group g{
+          {{S(u), Tier::kDevice, true}, {G(u), Tier::kDevice, false}, {P(u), Tier::kDevice, true}},
+          gpu_opt(u),
+          kOptimizer};
+      g.discard = G(u);
+      tr.groups.push_back(g);
+    }
+  }
+  out.tokens_per_gpu = tokens * static_cast<double>(ga);
+  return out;
+}
+
+absl::StatusOr<TimePlan> PlanTime(const Transformer& m, const Hardware& hw, const Training& t,
+                                  const MemoryPlan& mem) {
+  TimePlan plan;
+  STRATA_ASSIGN_OR_RETURN(plan.model, ModelStep(m, hw, t, mem));
+  auto step =
+      PredictStep(plan.model.trace, plan.model.lanes, plan.model.budgets, plan.model.scheduler);
+  if (!step.ok()) {
+    return absl::Status(step.status().code(),
+                        absl::StrCat("the step replay: ", step.status().message()));
+  }
+  plan.step = *std::move(step);
+  plan.tokens_per_s = hw.gpus * plan.model.tokens_per_gpu / plan.step.step_s;
+  plan.model_tflops_per_gpu =
+      3 * m.ForwardFlopsPerToken() * plan.model.tokens_per_gpu / plan.step.step_s / 1e12;
+  return plan;
+}
+
+}  // namespace strata::sched::plan

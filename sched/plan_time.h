@@ -1,0 +1,71 @@
+// sched/plan_time.h: how fast a training run goes — one step of a model on a node under a config,
+// as a trace the step replay runs (sched/plan_step.h), and what it yields: the step's time beside
+// its lower bound, where the time goes, tokens per second and model TFLOPs per GPU.
+//
+// The step modelled is what strata's trainer front runs, per GPU (each of the N ranks runs the
+// same step on its share):
+//   partitions: per layer, and one for the embeddings and output head, the parameters P in the
+//     training dtype, the gradient G and the optimizer state S (fp32 master weights and Adam's
+//     moments: 12 bytes per parameter, 8 in fp32 training). Homes: P on the device, or with
+//     stage 3 and offload_param in the host (cpu) or the NVMe store (nvme); S on the device, or
+//     where offload_optimizer puts it; G on the device, or with offload_optimizer in its host
+//     buffer. With N GPUs a rank moves its 1/N of what ZeRO partitions (S from stage 1, G from
+//     stage 2 or when offloaded, P when offloaded); the collectives between GPUs (NVLink) are not
+//     modelled.
+//   groups: forward, layer by layer (P on the device); the output head; backward from the head,
+//     last layer first (P and G on the device, G written and, with offload_optimizer, sent down
+//     at once: GradientReady); with offload_optimizer the optimizer steps each unit on the CPU as
+//     soon as its gradient is down, beside backward (S, G and P in the host, P's new weights
+//     written there), else on the GPU after backward. gradient_accumulation_steps k: forward and
+//     backward run k times, the optimizer once; an offloaded gradient is added into a host buffer
+//     on the CPU (the last micro-step's optimizer reads both).
+//   compute: FLOPs / (gpu.tflops x gpu.efficiency): a layer's forward 2 x its active matrix
+//     parameters x tokens + 4 x sequence x hidden x tokens, the head's 2 x vocab x hidden x tokens;
+//     backward twice the forward, three times with activation checkpointing (the forward again).
+//     The optimizer: 28 bytes of memory traffic per parameter (bench/cpu_adam's count) at
+//     host.optimizer_gbps / N on the CPU, at gpu.hbm_gbps on the GPU; adding a gradient into the
+//     accumulation buffer, 3 x dtype bytes per parameter at host.optimizer_gbps / N.
+// Budgets, for copies away from their homes: the device's HBM less the activations and what lives
+// there; the host's RAM less what the memory plan keeps there (sched/plan_memory.h), its room for
+// the optimizer's staged param copies included, / N. A config's strata.device_budget_bytes and
+// strata.host_budget_bytes cap them. Lanes: one GPU's PCIe each way; the NVMe drives and the CPU
+// optimizer shared by the N ranks (/N each); staging: offload_param's buffer_count buffers of
+// buffer_size.
+//
+// Thread safety: pure functions of their arguments.
+#ifndef STRATA_SCHED_PLAN_TIME_H_
+#define STRATA_SCHED_PLAN_TIME_H_
+
+#include "absl/status/statusor.h"
+#include "sched/plan_hardware.h"
+#include "sched/plan_memory.h"
+#include "sched/plan_model.h"
+#include "sched/plan_step.h"
+#include "sched/scheduler.h"
+
+namespace strata::sched::plan {
+
+struct StepModel {
+  StepTrace trace;
+  Lanes lanes;
+  Budgets budgets;
+  SchedulerConfig scheduler;
+  double tokens_per_gpu = 0;  // per step
+};
+// InvalidArgument when a tier's budget is not positive (the memory plan's overflow, said with
+// the tier).
+absl::StatusOr<StepModel> ModelStep(const Transformer& model, const Hardware& hardware,
+                                    const Training& training, const MemoryPlan& memory);
+
+struct TimePlan {
+  StepModel model;
+  Prediction step;
+  double tokens_per_s = 0;          // the node's
+  double model_tflops_per_gpu = 0;  // 3 forwards' FLOPs per token (no recompute counted)
+};
+absl::StatusOr<TimePlan> PlanTime(const Transformer& model, const Hardware& hardware,
+                                  const Training& training, const MemoryPlan& memory);
+
+}  // namespace strata::sched::plan
+
+#endif  // STRATA_SCHED_PLAN_TIME_H_

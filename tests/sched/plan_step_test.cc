@@ -1,0 +1,159 @@
+// The step replay (sched/plan_step.h) on traces small enough to check by hand.
+#include "sched/plan_step.h"
+
+#include "gtest/gtest.h"
+
+namespace strata::sched::plan {
+namespace {
+
+constexpr uint64_t kMB = 1000000;
+
+StepTrace Homed(int n, uint64_t bytes, Tier home) {
+  StepTrace t;
+  for (int i = 0; i < n; ++i) {
+    tiering::PartitionDesc d;
+    d.id = i;
+    d.bytes = bytes;
+    d.elements = bytes / 2;
+    t.partitions.push_back(d);
+    t.home.push_back(home);
+  }
+  return t;
+}
+
+Lanes Link(double bps) {
+  Lanes l;
+  l.to_device = l.to_host = bps;
+  l.nvme_read = l.nvme_write = bps;
+  return l;
+}
+
+// A sched_step-shaped trace: per layer a parameter, a gradient and an optimizer state (3x), all
+// homed on NVMe; forward, then backward with the optimizer interleaved on the trainer.
+StepTrace LayerTrace(int layers, uint64_t bytes) {
+  StepTrace t;
+  for (int l = 0; l < layers; ++l) {
+    for (int k = 0; k < 3; ++k) {
+      tiering::PartitionDesc d;
+      d.id = 3 * l + k;
+      d.role = k == 0   ? tiering::Role::kParam
+               : k == 1 ? tiering::Role::kGrad
+                        : tiering::Role::kMaster;
+      d.bytes = k == 2 ? 3 * bytes : bytes;
+      d.elements = bytes / 2;
+      t.partitions.push_back(d);
+      t.home.push_back(Tier::kNvme);
+    }
+  }
+  auto P = [](int l) { return PartitionId(3 * l); };
+  auto G = [](int l) { return PartitionId(3 * l + 1); };
+  auto S = [](int l) { return PartitionId(3 * l + 2); };
+  for (int l = 0; l < layers; ++l) t.groups.push_back({{{P(l), Tier::kDevice, false}}, 0.001});
+  for (int l = layers - 1; l >= 0; --l) {
+    t.groups.push_back(
+        {{{P(l), Tier::kDevice, false}, {G(l), Tier::kDevice, true}}, 0.002, kBackward, G(l)});
+    t.groups.push_back(
+        {{{S(l), Tier::kHost, true}, {G(l), Tier::kHost, false}, {P(l), Tier::kHost, true}},
+         0.002,
+         kBackward,
+         std::nullopt,
+         G(l)});
+  }
+  return t;
+}
+
+TEST(PlanStepTest, WithPlentifulBandwidthTheReplayIsExactlyTheLowerBound) {
+  const StepTrace t = LayerTrace(24, kMB);
+  const Budgets tight{6 * kMB, 60 * kMB};  // a quarter of the parameters; half of everything
+  auto p = PredictStep(t, Link(1e18), tight);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->bound.seconds(), 24 * (0.001 + 0.002 + 0.002), 1e-9);  // the compute
+  EXPECT_NEAR(p->step_s, p->bound.seconds(), 1e-9);
+  EXPECT_NEAR(p->busy_s[kGpu], p->step_s, 1e-9);
+  // The bytes still moved (the budgets are tight), each at no cost.
+  EXPECT_GT(p->bytes[kNvmeRead], 0);
+  EXPECT_GT(p->bytes[kToDevice], 0);
+}
+
+TEST(PlanStepTest, ALinkBoundStepTakesItsBytesOverTheLink) {
+  // Two 1 MB partitions in the host, room for one on the device, no compute: each step loads both,
+  // 2 MB at 1 MB/s, and the trainer waits for all of it on the link.
+  StepTrace t = Homed(2, kMB, Tier::kHost);
+  t.groups = {{{{0, Tier::kDevice, false}}, 0}, {{{1, Tier::kDevice, false}}, 0}};
+  auto p = PredictStep(t, Link(1e6), {kMB, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 2.0, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 2.0, 1e-9);
+  EXPECT_NEAR(p->waits_s[kToDevice], 2.0, 1e-9);
+  EXPECT_NEAR(p->bytes[kToDevice], 2e6, 1);
+}
+
+TEST(PlanStepTest, TheDiskDoesNotReadAndWriteAtOnce) {
+  // Two partitions written in the host each step, room for one: each access writes the other back
+  // (1 s) and then reads its own (1 s): 4 s a step, as the bound counts 2 MB read and 2 written.
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  t.groups = {{{{0, Tier::kHost, true}}, 0}, {{{1, Tier::kHost, true}}, 0}};
+  auto p = PredictStep(t, Link(1e6), {0, kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 4.0, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 4.0, 1e-9);
+  EXPECT_NEAR(p->waits_s[kNvmeRead] + p->waits_s[kNvmeWrite], 4.0, 1e-9);
+  EXPECT_NEAR(p->bytes[kNvmeWrite], 2e6, 1);
+}
+
+TEST(PlanStepTest, ThePlannedPrefetchHidesTheLinkBehindCompute) {
+  // Eight 1 MB layers read on the device, room for three, 1 s of compute each, 0.5 s to bring one
+  // down: from the second step the next layer comes while one computes, so the step is its
+  // compute and the trainer waits no more than the one layer the plan cannot start early.
+  StepTrace t = Homed(8, kMB, Tier::kHost);
+  for (int l = 0; l < 8; ++l) t.groups.push_back({{{PartitionId(l), Tier::kDevice, false}}, 1.0});
+  auto p = PredictStep(t, Link(2e6), {3 * kMB, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->bound.seconds(), 8.0, 1e-9);
+  EXPECT_LE(p->step_s, 8.0 + 0.5 + 1e-9);
+  EXPECT_LE(p->waits_s[kToDevice], 0.5 + 1e-9);
+  // Without a plan (least recently used, on demand) every layer is waited for.
+  SchedulerConfig lru;
+  lru.policy = Policy::kLru;
+  auto slow = PredictStep(t, Link(2e6), {3 * kMB, 0}, lru);
+  ASSERT_TRUE(slow.ok());
+  EXPECT_NEAR(slow->step_s, 12.0, 1e-9);
+}
+
+TEST(PlanStepTest, ACpuGroupDoesNotHoldTheTrainerButTheStepWaitsForIt) {
+  StepTrace t = Homed(2, kMB, Tier::kHost);
+  Group cpu{{{1, Tier::kHost, true}}, 3.0};
+  cpu.on_cpu = true;
+  t.groups = {cpu, {{{0, Tier::kHost, false}}, 1.0}};
+  auto p = PredictStep(t, Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 3.0, 1e-9);  // the trainer's 1 s ran beside the CPU's 3 s
+  EXPECT_NEAR(p->waits_s[kCpu], 2.0, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 3.0, 1e-9);
+}
+
+TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
+  StepTrace t = Homed(2, kMB, Tier::kHost);
+  t.groups = {{{{0, Tier::kDevice, false}}, 0}};
+  auto small = PredictStep(t, Link(1e6), {kMB / 2, 0});
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("partition 0 (1000000 bytes) does not fit the device "
+                                          "tier's budget of 500000 bytes"),
+            std::string::npos)
+      << small.status();
+  auto no_link = PredictStep(t, Link(0), {kMB, 0});
+  EXPECT_NE(no_link.status().message().find("link's bandwidth is not positive"), std::string::npos);
+  StepTrace bad = t;
+  bad.groups[0].accesses[0].id = 7;
+  EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("names partition 7 of 2"),
+            std::string::npos);
+  bad = t;
+  bad.home.pop_back();
+  EXPECT_FALSE(PredictStep(bad, Link(1e6), {kMB, 0}).ok());
+  bad = t;
+  bad.groups[0].accesses[0].tier = Tier::kNvme;
+  EXPECT_FALSE(PredictStep(bad, Link(1e6), {kMB, 0}).ok());
+}
+
+}  // namespace
+}  // namespace strata::sched::plan
