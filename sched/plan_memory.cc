@@ -55,6 +55,7 @@ absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::s
     return config::Bad("bf16", "bf16 and fp16 are both enabled; enable one of them");
   }
   t.dtype_bytes = bf16 || fp16 ? 2 : 4;
+  t.fp16 = fp16;
   STRATA_RETURN_IF_ERROR(
       config::ReadInt(root, "", "train_micro_batch_size_per_gpu", 1, 1 << 20, &t.micro_batch));
   STRATA_RETURN_IF_ERROR(config::ReadInt(root, "", "gradient_accumulation_steps", 1, 1 << 20,

@@ -51,6 +51,7 @@ namespace strata::sched::plan {
 struct Training {
   tiering::RuntimeConfig runtime;
   int dtype_bytes = 4;  // fp32 unless bf16 or fp16 is enabled
+  bool fp16 = false;
   int64_t micro_batch = 1;
   int64_t gradient_accumulation = 1;
   bool activation_checkpointing = true;

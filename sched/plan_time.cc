@@ -1,9 +1,12 @@
 #include "sched/plan_time.h"
 
 #include <algorithm>
+#include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "nlohmann/json.hpp"
 
 namespace strata::sched::plan {
 namespace {
@@ -177,6 +180,96 @@ absl::StatusOr<TimePlan> PlanTime(const Transformer& m, const Hardware& hw, cons
   plan.model_tflops_per_gpu =
       3 * m.ForwardFlopsPerToken() * plan.model.tokens_per_gpu / plan.step.step_s / 1e12;
   return plan;
+}
+
+absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
+                                   const Training& base) {
+  std::optional<Suggestion> best;
+  int tried = 0, fitting = 0;
+  const std::vector<OffloadDevice> places =
+      hw.has_nvme() ? std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu,
+                                                 OffloadDevice::kNvme}
+                    : std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu};
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (OffloadDevice opt : places) {
+      if (stage == 0 && opt != OffloadDevice::kNone) continue;
+      for (OffloadDevice param : places) {
+        if (stage < 3 && param != OffloadDevice::kNone) continue;
+        for (int64_t micro = 1; micro <= 64; micro *= 2) {
+          for (bool ckpt : {true, false}) {
+            for (int64_t bucket : {int64_t{50000000}, int64_t{200000000}, int64_t{1000000000}}) {
+              if (stage < 3 && bucket != 50000000) continue;  // stage 3's knob
+              Training t = base;
+              t.runtime.zero_stage = stage;
+              t.runtime.offload_optimizer.device = opt;
+              t.runtime.offload_param.device = param;
+              t.runtime.stage3_prefetch_bucket_size = bucket;
+              t.micro_batch = micro;
+              t.activation_checkpointing = ckpt;
+              Transformer m = model;
+              m.micro_batch = micro;
+              ++tried;
+              auto mem = PlanMemory(m, hw, t);
+              if (!mem.ok() || mem->overflow) continue;
+              auto time = PlanTime(m, hw, t, *mem);
+              if (!time.ok()) continue;
+              ++fitting;
+              // Candidates come lightest first (lower stages, less offloaded): a heavier one must
+              // be 2% faster to replace it.
+              if (!best || time->tokens_per_s > 1.02 * best->time.tokens_per_s) {
+                best = Suggestion{t, m, *mem, *std::move(time)};
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  if (!best) {
+    return absl::NotFoundError(absl::StrCat("no configuration fits: tried ", tried,
+                                            " (every ZeRO stage, offload choice, micro-batch "
+                                            "1-64, with and without activation checkpointing)"));
+  }
+  best->tried = tried;
+  best->fitting = fitting;
+  return *std::move(best);
+}
+
+nlohmann::json SuggestionConfig(const Suggestion& s) {
+  using Json = nlohmann::json;
+  const tiering::RuntimeConfig& rc = s.training.runtime;
+  auto name = [](OffloadDevice d) {
+    return d == OffloadDevice::kNone ? "none" : d == OffloadDevice::kCpu ? "cpu" : "nvme";
+  };
+  Json zero = {{"stage", rc.zero_stage}};
+  if (rc.offload_optimizer.device != OffloadDevice::kNone) {
+    Json o = {{"device", name(rc.offload_optimizer.device)}, {"pin_memory", true}};
+    if (rc.offload_optimizer.device == OffloadDevice::kNvme) {
+      o["nvme_path"] = "/local_nvme";
+      o["buffer_count"] = rc.offload_optimizer.buffer_count;
+    }
+    zero["offload_optimizer"] = o;
+  }
+  if (rc.zero_stage == 3) {
+    if (rc.offload_param.device != OffloadDevice::kNone) {
+      Json p = {{"device", name(rc.offload_param.device)}, {"pin_memory", true}};
+      if (rc.offload_param.device == OffloadDevice::kNvme) {
+        p["nvme_path"] = "/local_nvme";
+        p["buffer_count"] = rc.offload_param.buffer_count;
+        p["buffer_size"] = rc.offload_param.buffer_size;
+      }
+      zero["offload_param"] = p;
+    }
+    zero["stage3_prefetch_bucket_size"] = rc.stage3_prefetch_bucket_size;
+  }
+  Json out = {{"train_micro_batch_size_per_gpu", s.training.micro_batch},
+              {"gradient_accumulation_steps", s.training.gradient_accumulation},
+              {"zero_optimization", zero},
+              {"strata",
+               {{"device_budget_bytes", s.time.model.budgets.device},
+                {"host_budget_bytes", s.time.model.budgets.host}}}};
+  if (s.training.dtype_bytes == 2) out[s.training.fp16 ? "fp16" : "bf16"] = {{"enabled", true}};
+  return out;
 }
 
 }  // namespace strata::sched::plan

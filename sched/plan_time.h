@@ -37,6 +37,7 @@
 #define STRATA_SCHED_PLAN_TIME_H_
 
 #include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
 #include "sched/plan_hardware.h"
 #include "sched/plan_memory.h"
 #include "sched/plan_model.h"
@@ -65,6 +66,27 @@ struct TimePlan {
 };
 absl::StatusOr<TimePlan> PlanTime(const Transformer& model, const Hardware& hardware,
                                   const Training& training, const MemoryPlan& memory);
+
+// --suggest: the configuration with the most tokens per second that fits, searched over the ZeRO
+// stage (0-3), where the optimizer state (none, cpu, nvme when the hardware has it) and, at stage
+// 3, the parameters (none, cpu, nvme) live, the micro-batch (1 to 64, powers of two), activation
+// checkpointing on or off and stage3_prefetch_bucket_size (5e7, 2e8, 1e9). The training dtype,
+// gradient accumulation, the buffer keys and the budgets the config gives are kept; the budgets
+// the replay used are returned in the suggestion.
+struct Suggestion {
+  Training training;
+  Transformer model;  // at the suggested micro-batch
+  MemoryPlan memory;
+  TimePlan time;
+  int tried = 0, fitting = 0;
+};
+// NotFound when nothing fits.
+absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hardware,
+                                   const Training& base);
+// The suggestion as a config block to paste: zero_optimization (stage, the offload blocks with
+// their buffer keys, stage3_prefetch_bucket_size), train_micro_batch_size_per_gpu, bf16 or fp16,
+// gradient_accumulation_steps, and strata's device and host budgets.
+nlohmann::json SuggestionConfig(const Suggestion& s);
 
 }  // namespace strata::sched::plan
 

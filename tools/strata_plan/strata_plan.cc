@@ -51,6 +51,9 @@ ABSL_FLAG(int64_t, micro_batch, 0,
 ABSL_FLAG(bool, checkpointing, true,
           "activation checkpointing (each layer's input kept, the rest recomputed)");
 ABSL_FLAG(std::string, json, "", "also write the plan as JSON here");
+ABSL_FLAG(bool, suggest, false,
+          "search for the fastest configuration that fits (stage, offload, micro-batch, "
+          "checkpointing, prefetch bucket) and print it as a config block to paste");
 ABSL_FLAG(std::string, svg, "",
           "write a timeline of one predicted step here (SVG: a lane each for the GPU, the CPU "
           "optimizer, PCIe each way, NVMe reads and writes)");
@@ -63,7 +66,8 @@ using Json = nlohmann::json;
 
 constexpr const char* kUsage =
     "strata_plan: will this model fit on this machine with this config (bytes per tier)\n\n"
-    "  strata_plan --model config.json --hardware NAME|FILE [--config ds_config.json]\n\n"
+    "  strata_plan --model config.json --hardware NAME|FILE [--config ds_config.json] "
+    "[--suggest] [--svg F]\n\n"
     "Exit codes: 0 it fits, 1 it does not, 2 bad input.";
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -205,6 +209,20 @@ int Main() {
   auto plan = PlanMemory(*model, *hw, *training);
   if (!plan.ok()) Fail(std::string(plan.status().message()));
   for (const std::string& w : warnings) std::fprintf(stderr, "strata_plan: note: %s\n", w.c_str());
+  std::optional<Json> suggested;
+  if (absl::GetFlag(FLAGS_suggest)) {
+    auto s = Suggest(*model, *hw, *training);
+    if (!s.ok()) {
+      std::printf("--suggest: %s\n", std::string(s.status().message()).c_str());
+      return 1;
+    }
+    std::printf("--suggest: the fastest of %d configurations that fit (%d tried):\n\n", s->fitting,
+                s->tried);
+    *model = s->model;
+    *training = s->training;
+    *plan = s->memory;
+    suggested = SuggestionConfig(*s);
+  }
 
   const tiering::RuntimeConfig& rc = training->runtime;
   auto where = [](tiering::OffloadDevice d) {
@@ -318,6 +336,12 @@ int Main() {
                    {"model_tflops_per_gpu", time->model_tflops_per_gpu}};
     }
     WriteFile("json", out, j.dump(2) + "\n");
+  }
+  if (suggested) {
+    std::printf(
+        "\nthe suggested config (activation checkpointing %s: it is the model code's "
+        "choice, not a config key):\n%s\n",
+        training->activation_checkpointing ? "on" : "off", suggested->dump(2).c_str());
   }
   return plan->overflow ? 1 : 0;
 }
