@@ -233,10 +233,14 @@ class Replay {
     if (t != home) room_[I(t)].Vacate({free_at, trace_.partitions[id].bytes, cause});
   }
 
-  // Whether a copy of `id` in tier `t` may be evicted now to make room.
-  bool Evictable(PartitionId id, Tier t) const {
+  // Whether a copy of `id` in tier `t` may be evicted to make room: for a prefetch, one there and
+  // not in use now; for a demand fetch also one arriving or in use by a group still to run (its
+  // room comes once that ends: the fetch waits for it, as the CPU optimizer's queue waits for
+  // room), but never one the acquiring group holds.
+  bool Evictable(PartitionId id, Tier t, bool demand) const {
     const Copy& c = parts_[id].at[I(t)];
-    return c.valid && trace_.home[id] != t && c.ready <= now_ && c.busy_until <= now_;
+    if (!c.valid || trace_.home[id] == t) return false;
+    return demand ? c.busy_until != kInf : c.ready <= now_ && c.busy_until <= now_;
   }
 
   // Room for `bytes` in tier `t` from `now_`: the time it is free and the lane waited on, or
@@ -252,16 +256,19 @@ class Replay {
       uint64_t next;
       double last_use;
       bool dirty;
+      bool later;  // its room comes only after now
     };
     std::vector<Victim> victims;
     if (r.held + bytes > r.budget + r.vacating_bytes) {
       for (PartitionId id = 0; id < parts_.size(); ++id) {
-        if (!Evictable(id, t)) continue;
+        if (!Evictable(id, t, !distance)) continue;
         const uint64_t next = scheduler_.plans_evictions() ? scheduler_.NextUse(id, t) : 0;
         if (distance && next <= *distance) continue;
-        victims.push_back({id, next, parts_[id].at[I(t)].last_use, parts_[id].at[I(t)].dirty});
+        const Copy& c = parts_[id].at[I(t)];
+        victims.push_back({id, next, c.last_use, c.dirty, std::max(c.ready, c.busy_until) > now_});
       }
       std::sort(victims.begin(), victims.end(), [&](const Victim& a, const Victim& b) {
+        if (a.later != b.later) return !a.later;  // room now before room later
         if (scheduler_.plans_evictions()) {
           if (a.next != b.next) return a.next > b.next;  // needed furthest ahead first
           if (a.dirty != b.dirty) return !a.dirty;       // clean before dirty
@@ -302,8 +309,8 @@ class Replay {
       if (!room) {
         if (distance) return false;
         return absl::InvalidArgumentError(
-            absl::StrCat("partition ", id, " (", trace_.partitions[id].bytes,
-                         " bytes) does not fit the ", TierName(t), " tier's budget of ",
+            absl::StrCat(trace_.Name(id), ", ", trace_.partitions[id].bytes,
+                         " bytes, does not fit the ", TierName(t), " tier's budget of ",
                          room_[I(t)].budget, " bytes with everything else evicted"));
       }
       std::tie(room_at, room_cause) = *room;
@@ -545,6 +552,12 @@ std::vector<Group> Filtered(const std::vector<Group>& groups,
 }
 
 }  // namespace
+
+std::string StepTrace::Name(PartitionId id) const {
+  if (id < names.size() && !names[id].empty())
+    return absl::StrCat("partition ", id, " (", names[id], ")");
+  return absl::StrCat("partition ", id);
+}
 
 const char* LaneName(Lane lane) {
   static constexpr const char* kNames[] = {"gpu",          "cpu optimizer", "pcie to device",

@@ -53,6 +53,8 @@ struct StepTrace {
   std::vector<tiering::PartitionDesc> partitions;  // partitions[i].id == i
   std::vector<Tier> home;                          // each partition's own copy
   std::vector<Group> groups;                       // one step, in order
+  std::vector<std::string> names;                  // optional: what each partition is, for messages
+  std::string Name(PartitionId id) const;          // "partition 7", or "partition 7 (its name)"
 };
 
 // Bytes per second; staging: the NVMe <-> device chunks.

@@ -74,6 +74,14 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   const bool accumulate = offloaded_opt && ga > 1;
   StepTrace& tr = out.trace;
   auto add = [&](Role role, double params, double bytes_per, Tier home, int64_t unit) {
+    static constexpr const char* kWhat[] = {"parameters", "gradient", "optimizer state",
+                                            "accumulated gradient"};
+    const int what = role == Role::kParam ? 0 : role == Role::kGrad ? 1 : 2;
+    tr.names.push_back(absl::StrCat(
+        "the ",
+        kWhat[what == 1 && tr.partitions.size() >= 3 * static_cast<size_t>(units) ? 3 : what],
+        " of ",
+        unit < m.layers ? absl::StrCat("layer ", unit) : std::string("the embeddings and head")));
     PartitionDesc p;
     p.id = tr.partitions.size();
     p.role = role;
@@ -173,7 +181,9 @@ absl::StatusOr<TimePlan> PlanTime(const Transformer& m, const Hardware& hw, cons
       PredictStep(plan.model.trace, plan.model.lanes, plan.model.budgets, plan.model.scheduler);
   if (!step.ok()) {
     return absl::Status(step.status().code(),
-                        absl::StrCat("the step replay: ", step.status().message()));
+                        absl::StrCat("the step replay: ", step.status().message(),
+                                     "; give that tier more room (strata.device_budget_bytes, "
+                                     "strata.host_budget_bytes, a smaller micro-batch)"));
   }
   plan.step = *std::move(step);
   plan.tokens_per_s = hw.gpus * plan.model.tokens_per_gpu / plan.step.step_s;

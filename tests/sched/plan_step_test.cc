@@ -137,7 +137,7 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   t.groups = {{{{0, Tier::kDevice, false}}, 0}};
   auto small = PredictStep(t, Link(1e6), {kMB / 2, 0});
   ASSERT_FALSE(small.ok());
-  EXPECT_NE(small.status().message().find("partition 0 (1000000 bytes) does not fit the device "
+  EXPECT_NE(small.status().message().find("partition 0, 1000000 bytes, does not fit the device "
                                           "tier's budget of 500000 bytes"),
             std::string::npos)
       << small.status();

@@ -9,6 +9,7 @@
 #include "sched/plan_hardware.h"
 #include "sched/plan_memory.h"
 #include "sched/plan_model.h"
+#include "sched/plan_time.h"
 
 namespace strata::sched::plan {
 namespace {
@@ -404,6 +405,95 @@ TEST(PlanMemoryTest, TheConfigsTrainingKeysAreReadAndBadOnesNamed) {
                   .status()
                   .message(),
               HasSubstr("needs a ZeRO stage of 1 or more"));
+}
+
+TEST(PlanTimeTest, AStepThatFitsOnTheGpuTakesItsFlopsAtTheGivenEfficiency) {
+  // Stage 0, nothing offloaded, bf16, activation checkpointing: nothing crosses a link, so the step
+  // is its compute (the header's cost model, written out here) and equals its lower bound.
+  const Transformer m = Model(OneB(), 1024, 2);
+  const Hardware hw = *HardwareFromJson(A100());
+  const Training t = Config({{"bf16", {{"enabled", true}}}, {"train_micro_batch_size_per_gpu", 2}});
+  auto mem = PlanMemory(m, hw, t);
+  ASSERT_TRUE(mem.ok() && !mem->overflow);
+  auto time = PlanTime(m, hw, t, *mem);
+  ASSERT_TRUE(time.ok()) << time.status();
+  const double h = 2048, f = 8192, V = 50304, L = 24, tok = 1024 * 2, rate = 312e12 * 0.5;
+  const double layer_fwd = (2 * (4 * h * h + 2 * h * f) * tok + 4 * 1024 * h * tok) / rate;
+  const double head_fwd = 2 * V * h * tok / rate;
+  const double psi = static_cast<double>(m.TotalParams());
+  const double optimizer = 28 * psi / 1.5e12;  // on the GPU at the default 1500 GB/s
+  const double want = L * layer_fwd * (1 + 3) + head_fwd * (1 + 2) + optimizer;
+  EXPECT_NEAR(time->step.step_s, want, 1e-9 * want);
+  EXPECT_NEAR(time->step.bound.seconds(), want, 1e-9 * want);
+  EXPECT_EQ(time->step.bytes[kToDevice] + time->step.bytes[kNvmeRead], 0);
+  EXPECT_NEAR(time->tokens_per_s, tok / want, 1e-6 * tok / want);
+  EXPECT_NEAR(time->model_tflops_per_gpu, 3 * m.ForwardFlopsPerToken() * tok / want / 1e12, 1e-9);
+}
+
+TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  Json c = {{"bf16", {{"enabled", true}}},
+            {"zero_optimization",
+             {{"stage", 3},
+              {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}}},
+              {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}},
+            {"strata", {{"host_budget_bytes", 4000000000}}}};
+  const Training t = Config(c);
+  auto mem = PlanMemory(m, hw, t);
+  ASSERT_TRUE(mem.ok() && !mem->overflow);
+  auto time = PlanTime(m, hw, t, *mem);
+  ASSERT_TRUE(time.ok()) << time.status();
+  EXPECT_EQ(time->model.budgets.host, 4000000000u);
+  const double state = 12.0 * m.TotalParams();
+  // At least the state that does not fit the host's 4 GB is read and written back each step.
+  EXPECT_GE(time->step.bytes[kNvmeRead], state - 4e9);
+  EXPECT_GE(time->step.bytes[kNvmeWrite], state - 4e9);
+  EXPECT_GE(time->step.step_s, time->step.bound.seconds() - 1e-12);
+  EXPECT_GE(time->step.bound.seconds(), (state - 4e9) / (4 * 6.5e9));  // the disk's reads alone
+  // Too little room for the embeddings' optimizer state names it.
+  c["strata"]["host_budget_bytes"] = 2000000000;
+  const Training tight = Config(c);
+  auto refused = PlanTime(m, hw, tight, *PlanMemory(m, hw, tight));
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("(the optimizer state of the embeddings and head), 2472591360 bytes, does "
+                        "not fit the host tier's budget of 2000000000 bytes"));
+  double waited = 0;
+  for (double w : time->step.waits_s) waited += w;
+  EXPECT_GT(waited, 0);
+}
+
+TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {
+  const Hardware hw = *HardwareFromJson(A100());
+  const Training base = Config({{"bf16", {{"enabled", true}}}});
+  auto small = Suggest(Model(OneB(), 1024, 1), hw, base);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->training.runtime.offload_optimizer.device, tiering::OffloadDevice::kNone);
+  EXPECT_GT(small->fitting, 0);
+  // Llama-2-13B in bf16 does not fit 80 GB with Adam's state on the GPU: the state moves out.
+  Json l13 = {{"model_type", "llama"},       {"num_hidden_layers", 40},    {"hidden_size", 5120},
+              {"num_attention_heads", 40},   {"intermediate_size", 13824}, {"vocab_size", 32000},
+              {"tie_word_embeddings", false}};
+  auto big = Suggest(Model(l13, 2048, 1), hw, base);
+  ASSERT_TRUE(big.ok()) << big.status();
+  EXPECT_NE(big->training.runtime.offload_optimizer.device, tiering::OffloadDevice::kNone);
+  EXPECT_FALSE(big->memory.overflow);
+  // The block reads back as a config that plans the same.
+  const Json block = SuggestionConfig(*big);
+  Training again = Config(block);
+  again.activation_checkpointing = big->training.activation_checkpointing;
+  EXPECT_EQ(again.runtime.zero_stage, big->training.runtime.zero_stage);
+  EXPECT_EQ(again.micro_batch, big->training.micro_batch);
+  auto mem = PlanMemory(big->model, hw, again);
+  ASSERT_TRUE(mem.ok());
+  EXPECT_FALSE(mem->overflow);
+  // Nothing fits a 1 GiB GPU with 1 GiB of host memory and no NVMe.
+  Json tiny = A100();
+  tiny["gpu"]["hbm_gib"] = 1;
+  tiny["host"]["ram_gib"] = 1;
+  tiny.erase("nvme");
+  auto none = Suggest(Model(l13, 2048, 1), *HardwareFromJson(tiny), base);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
