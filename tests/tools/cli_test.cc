@@ -295,6 +295,42 @@ TEST_F(PlanCliTest, AThirteenBModelFitsOneWorkstationGpuOnlyWithNvmeOffload) {
   EXPECT_THAT(over.output, HasSubstr("DOES NOT FIT: the device tier needs"));
 }
 
+TEST_F(PlanCliTest, ItPredictsTheStepDrawsItAndSuggestsAConfigThatReadsBack) {
+  // NVMe offload with a host budget too small to keep the optimizer state: it crosses the disk.
+  Write("nvme_low.json", R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "/n"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}},
+            "strata": {"host_budget_bytes": 40000000000}})");
+  Outcome fits = Execute(kPlan + " --model " + Path("model.json") +
+                         " --hardware rtx4090-256g-2nvme --config " + Path("nvme_low.json") +
+                         " --svg " + Path("step.svg") + " --json " + Path("plan.json"));
+  EXPECT_EQ(fits.exit_code, 0) << fits.output;
+  EXPECT_THAT(fits.output, HasSubstr("predicted step (steady state"));
+  EXPECT_THAT(fits.output, HasSubstr("model TFLOPs per GPU"));
+  std::ifstream plan_in(Path("plan.json"));
+  const nlohmann::json plan = nlohmann::json::parse(plan_in);
+  EXPECT_GE(plan["step"]["seconds"].get<double>(),
+            plan["step"]["lower_bound_seconds"].get<double>());
+  EXPECT_GT(plan["step"]["lanes"]["nvme read"]["bytes"].get<double>(), 0);
+  std::ifstream svg_in(Path("step.svg"));
+  const std::string svg((std::istreambuf_iterator<char>(svg_in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(svg, HasSubstr("<svg xmlns"));
+  EXPECT_THAT(svg, HasSubstr("RTX 4090 24 GB workstation, 256 GiB RAM"));
+  EXPECT_THAT(svg, HasSubstr(">nvme read</text>"));
+
+  Outcome suggest =
+      Execute(kPlan + " --model " + Path("model.json") +
+              " --hardware rtx4090-256g-2nvme --config " + Path("plain.json") + " --suggest");
+  EXPECT_EQ(suggest.exit_code, 0) << suggest.output;
+  const size_t brace = suggest.output.find("\n{");
+  ASSERT_NE(brace, std::string::npos) << suggest.output;
+  Write("suggested.json", suggest.output.substr(brace + 1));
+  Outcome again = Execute(kPlan + " --model " + Path("model.json") +
+                          " --hardware rtx4090-256g-2nvme --config " + Path("suggested.json"));
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_THAT(again.output, HasSubstr("FITS"));
+}
+
 TEST_F(PlanCliTest, BadInputIsNamedAndExitsTwo) {
   Write("bad_model.json", R"({"num_hidden_layers": 2, "hidden_size": 64})");
   Write("bad_hw.json", R"({"gpu": {"count": 1, "hbm_gib": 8, "tflops": 10},

@@ -126,6 +126,29 @@ std::string Seconds(double s) {
   return s >= 1 ? absl::StrFormat("%.2f s", s) : absl::StrFormat("%.1f ms", s * 1e3);
 }
 
+std::string XmlEscaped(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
 // One predicted step as an SVG picture: a row per lane, a box per move or computation.
 std::string TimelineSvg(const Prediction& p, const std::string& title) {
   constexpr double kLeft = 130, kWidth = 1000, kRow = 28, kTop = 48;
@@ -138,7 +161,7 @@ std::string TimelineSvg(const Prediction& p, const std::string& title) {
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
       "font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"10\" y=\"20\" "
       "font-size=\"14\">%s</text>\n",
-      kLeft + kWidth + 20, kTop + static_cast<int>(kLaneCount) * kRow + 40, title);
+      kLeft + kWidth + 20, kTop + static_cast<int>(kLaneCount) * kRow + 40, XmlEscaped(title));
   for (int l = 0; l < kLaneCount; ++l) {
     const double y = kTop + l * kRow;
     absl::StrAppendFormat(&svg,
