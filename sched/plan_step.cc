@@ -505,6 +505,15 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
   }
   bool device = false, nvme = false;
   for (const Group& g : t.groups) {
+    for (size_t i = 0; i < g.accesses.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (g.accesses[i].id == g.accesses[j].id) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("a group accesses partition ", g.accesses[i].id,
+                           " twice; a group holds each partition once, in one tier"));
+        }
+      }
+    }
     for (const Access& a : g.accesses) {
       if (a.id >= t.partitions.size() || a.discard) {
         return absl::InvalidArgumentError(

@@ -148,6 +148,10 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("names partition 7 of 2"),
             std::string::npos);
   bad = t;
+  bad.groups[0].accesses.push_back({0, Tier::kHost, true});  // found by an audit: lost its bytes
+  EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, kMB}).status().message().find("twice"),
+            std::string::npos);
+  bad = t;
   bad.home.pop_back();
   EXPECT_FALSE(PredictStep(bad, Link(1e6), {kMB, 0}).ok());
   bad = t;
