@@ -22,7 +22,7 @@
 // quarter of the parameters, the host budget half of everything (plus the staging buffers), the
 // rest lives in the NVMe store under --dir.
 //
-// The ceiling is the trace's lower bound per step, the longer of two counts (bench/common/
+// The ceiling is the trace's lower bound per step, the longer of two counts (sched/
 // step_bound.h says what each counts and where it errs low): over the whole step, max(compute,
 // Belady's bytes across the copy link / its bandwidth, across the disk / its bandwidth), the link
 // counted on the device tier with its budget (the host's reads of dirty device copies and its

@@ -515,7 +515,11 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
       }
     }
     for (const Access& a : g.accesses) {
-      if (a.id >= t.partitions.size() || a.discard) {
+      if (a.discard) {
+        return absl::InvalidArgumentError(
+            "an access marked as a discard: a group discards through Group::discard");
+      }
+      if (a.id >= t.partitions.size()) {
         return absl::InvalidArgumentError(
             absl::StrCat("an access names partition ", a.id, " of ", t.partitions.size()));
       }

@@ -7,8 +7,10 @@
 //  - the Scheduler itself (sched/scheduler.h) records the first step and plans the next ones: the
 //    replay asks it for the window to prefetch and for each copy's next use (Belady's rule: a
 //    prefetch evicts only copies needed later than what it brings; a demand fetch evicts the copy
-//    needed furthest ahead, least recently used before a plan exists), and tells it of late or
-//    missed accesses and of prefetches that found no room, so its window adapts as it does live;
+//    needed furthest ahead, least recently used before a plan exists; without a plan nothing is
+//    prefetched, and a gradient sent down finds host room only where it is free), and tells it of
+//    late or missed accesses and of prefetches that found no room, so its window adapts as it does
+//    live;
 //  - every move takes time on its lane: the GPU (the trainer's compute), the CPU optimizer, PCIe to
 //    the device and to the host (one link each way, or one shared when `link_duplex` is false, as
 //    the host-emulated device's copy thread), NVMe reads and writes (one disk: a read and a write

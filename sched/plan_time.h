@@ -53,8 +53,9 @@ struct StepModel {
   SchedulerConfig scheduler;
   double tokens_per_gpu = 0;  // per step
 };
-// InvalidArgument when a tier's budget is not positive (the memory plan's overflow, said with
-// the tier).
+// InvalidArgument when the device has no room left for copies away from their homes (HBM less
+// the activations and what lives there); a host with none left gets a budget of 0, and the replay
+// then names the first partition that needs host room.
 absl::StatusOr<StepModel> ModelStep(const Transformer& model, const Hardware& hardware,
                                     const Training& training, const MemoryPlan& memory);
 

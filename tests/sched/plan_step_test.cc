@@ -152,6 +152,10 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, kMB}).status().message().find("twice"),
             std::string::npos);
   bad = t;
+  bad.groups[0].accesses[0].discard = true;
+  EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("Group::discard"),
+            std::string::npos);
+  bad = t;
   bad.home.pop_back();
   EXPECT_FALSE(PredictStep(bad, Link(1e6), {kMB, 0}).ok());
   bad = t;

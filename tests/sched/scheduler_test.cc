@@ -138,37 +138,30 @@ TEST(SchedulerTest, TheWindowWidensWhileTheTrainerWaitsAndNarrowsWhenABudgetIsTi
   EXPECT_EQ(s.lookahead(), 3);  // then widened again
 }
 
-TEST(SchedulerTest, ThePrefetchBucketBoundsTheParameterElementsAhead) {
+// The window after one recorded step of `ids` (1000 elements each) with `bucket` elements.
+std::vector<PartitionId> WindowWithBucket(uint64_t bucket, const std::vector<PartitionId>& ids) {
   SchedulerConfig c;
   c.initial_lookahead = 10;
-  c.prefetch_bucket_elements = 2500;
+  c.prefetch_bucket_elements = bucket;
   Scheduler s(c);
-  Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
+  Step(s, ids);
   s.EndStep();
+  return Ids(s.Window());
+}
+
+TEST(SchedulerTest, ThePrefetchBucketBoundsTheParameterElementsAhead) {
   // The access due now (1) is not ahead of its use; 2 and 3 are 2000 elements ahead.
-  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_THAT(WindowWithBucket(2500, {1, 2, 3, 4, 5}), ::testing::ElementsAre(1, 2, 3));
 }
 
 TEST(SchedulerTest, OnePartitionAheadIsPrefetchedEvenWhenItIsLargerThanTheBucket) {
   // Layers of a large model hold more parameters than DeepSpeed's default bucket (5e7): the next
   // one is still prefetched (found by the planner: without it nothing was ever prefetched).
-  SchedulerConfig c;
-  c.initial_lookahead = 10;
-  c.prefetch_bucket_elements = 500;
-  Scheduler s(c);
-  Step(s, {1, 2, 3, 4, 5});  // 1000 elements each
-  s.EndStep();
-  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2));
+  EXPECT_THAT(WindowWithBucket(500, {1, 2, 3, 4, 5}), ::testing::ElementsAre(1, 2));
 }
 
 TEST(SchedulerTest, APartitionTwiceInTheWindowIsCountedOnceAgainstTheBucket) {
-  SchedulerConfig c;
-  c.initial_lookahead = 10;
-  c.prefetch_bucket_elements = 2500;
-  Scheduler s(c);
-  Step(s, {1, 2, 1, 2, 3, 4});
-  s.EndStep();
-  EXPECT_THAT(Ids(s.Window()), ::testing::ElementsAre(1, 2, 3));
+  EXPECT_THAT(WindowWithBucket(2500, {1, 2, 1, 2, 3, 4}), ::testing::ElementsAre(1, 2, 3));
 }
 
 TEST(SchedulerTest, IdsThatDifferOnlyInTheirTopBitsAreDifferentPartitions) {
