@@ -57,6 +57,7 @@ struct Copy {
   Lane cause = kGpu;      // the lane of the move that delivered it, or of the room it waited for
   double busy_until = 0;  // in use by a group (kInf while its group acquires)
   double last_use = 0;
+  double read_until = 0;  // the end of the last move reading it: its room is not free before
 };
 
 struct Part {
@@ -184,7 +185,14 @@ class Replay {
 
   // Moves `id`'s bytes from tier `from` to `to`, starting no earlier than `ready`: returns the end
   // and the lane that finished last.
+  // The source copy is read until that end.
   std::pair<double, Lane> Move(PartitionId id, Tier from, Tier to, double ready) {
+    const std::pair<double, Lane> done = Carry(id, from, to, ready);
+    Copy& src = parts_[id].at[I(from)];
+    src.read_until = std::max(src.read_until, done.first);
+    return done;
+  }
+  std::pair<double, Lane> Carry(PartitionId id, Tier from, Tier to, double ready) {
     const double bytes = static_cast<double>(trace_.partitions[id].bytes);
     if (from == Tier::kHost && to == Tier::kDevice) {
       return {Transfer(kToDevice, ready, bytes, id), kToDevice};
@@ -204,13 +212,14 @@ class Replay {
     return {Staged(kToHost, kNvmeWrite, ready, bytes, id), kNvmeWrite};  // device -> NVMe
   }
 
-  // A copy leaves tier `t` (its room is free again at `at`, or once its write-back ends).
+  // A copy leaves tier `t` (its room is free again at `at`, once the moves reading it end, or once
+  // its write-back ends).
   void Drop(PartitionId id, Tier t, double at) {
     Part& p = parts_[id];
     Copy& c = p.at[I(t)];
     if (!c.valid) return;
     const Tier home = trace_.home[id];
-    double free_at = std::max({at, c.ready, c.busy_until});
+    double free_at = std::max({at, c.ready, c.busy_until, c.read_until});
     Lane cause = c.cause;
     if (c.dirty && t != home) {
       // The only newer bytes? Another newer copy in the other memory tier keeps them.
@@ -240,7 +249,8 @@ class Replay {
   bool Evictable(PartitionId id, Tier t, bool demand) const {
     const Copy& c = parts_[id].at[I(t)];
     if (!c.valid || trace_.home[id] == t) return false;
-    return demand ? c.busy_until != kInf : c.ready <= now_ && c.busy_until <= now_;
+    return demand ? c.busy_until != kInf
+                  : c.ready <= now_ && c.busy_until <= now_ && c.read_until <= now_;
   }
 
   // Room for `bytes` in tier `t` from `now_`: the time it is free and the lane waited on, or
@@ -265,7 +275,8 @@ class Replay {
         const uint64_t next = scheduler_.plans_evictions() ? scheduler_.NextUse(id, t) : 0;
         if (distance && next <= *distance) continue;
         const Copy& c = parts_[id].at[I(t)];
-        victims.push_back({id, next, c.last_use, c.dirty, std::max(c.ready, c.busy_until) > now_});
+        victims.push_back({id, next, c.last_use, c.dirty,
+                           std::max({c.ready, c.busy_until, c.read_until}) > now_});
       }
       std::sort(victims.begin(), victims.end(), [&](const Victim& a, const Victim& b) {
         if (a.later != b.later) return !a.later;  // room now before room later
@@ -382,22 +393,29 @@ class Replay {
     p.fresh = true;
   }
 
-  // GradientReady: a dirty device copy goes to the host (to NVMe when the host has no room), and
-  // leaves the device once there.
+  // GradientReady, as the Runtime does it: unless the plan needs the device copy again within the
+  // lookahead, it leaves the device; when it is the only current copy it goes to the host first
+  // (to NVMe, its home, when the host has no room), and a copy the host already holds just goes.
   void SendDown(PartitionId id, double at) {
     Part& p = parts_[id];
     Copy& dev = p.at[I(Tier::kDevice)];
     const Tier home = trace_.home[id];
-    if (!dev.valid || !dev.dirty || home == Tier::kDevice) return;
-    if (home != Tier::kHost) {
+    if (!dev.valid || home == Tier::kDevice) return;
+    if (scheduler_.NextUse(id, Tier::kDevice) <= static_cast<uint64_t>(scheduler_.lookahead())) {
+      return;  // needed on the device again soon
+    }
+    Copy& host = p.at[I(Tier::kHost)];
+    if (dev.dirty && home != Tier::kHost && !host.valid) {
       auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, uint64_t{0});
       if (room) {
         auto [end, lane] = Move(id, Tier::kDevice, Tier::kHost, std::max(at, room->first));
-        p.at[I(Tier::kHost)] = Copy{true, true, end, lane, 0, at};
+        host = Copy{true, true, end, lane, 0, at};
         dev.dirty = false;
       }
+    } else if (host.valid) {
+      dev.dirty = false;  // the host's copy has the same bytes
     }
-    Drop(id, Tier::kDevice, at);  // writes it back to its home unless the host now has it
+    Drop(id, Tier::kDevice, at);  // writes it back to its home unless another copy has it
   }
 
   absl::Status Step() {
@@ -415,7 +433,12 @@ class Replay {
           break;
         }
       }
-      // Acquire.
+      // Acquire: the group's copies already there are held first, so that bringing one of its
+      // partitions never evicts another.
+      for (const Access& a : g.accesses) {
+        Copy& c = parts_[a.id].at[I(a.tier)];
+        if (c.valid) c.busy_until = kInf;
+      }
       double ready = now_;
       Lane cause = kGpu;
       for (const Access& a : g.accesses) {
@@ -528,7 +551,8 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
             "an access in the NVMe tier: the trainer acquires "
             "partitions in the device or host tier");
       }
-      device = device || t.home[a.id] != a.tier;
+      // The link: a partition acquired on the device but homed elsewhere, or the reverse.
+      device = device || (t.home[a.id] == Tier::kDevice) != (a.tier == Tier::kDevice);
       nvme = nvme || t.home[a.id] == Tier::kNvme;
     }
     for (const auto& id : {g.gradient_ready, g.discard}) {

@@ -21,8 +21,10 @@
 //  - a tier's budget is never exceeded: room is made by evicting, and a dirty copy that is not its
 //    partition's home is written back first (device -> host home, or to NVMe through the staging
 //    buffers; host -> NVMe), its room reusable only once that ends; a discarded partition comes
-//    back as zeros made in its tier, nothing read; GradientReady sends a gradient to the host as
-//    soon as its group ends (to NVMe when the host has no room);
+//    back as zeros made in its tier, nothing read; a copy's room is free only once the moves
+//    reading it end; GradientReady sends a gradient down as soon as its group ends unless the plan
+//    needs it on the device within the lookahead (to the host, to NVMe when the host has no room;
+//    a copy the host already holds is just dropped);
 //  - the trainer waits for its group's bytes and for the GPU; a group on the CPU (Group::on_cpu)
 //    waits for its bytes and the CPU lane without holding the trainer; the step ends when the
 //    trainer and the CPU are done.

@@ -132,6 +132,80 @@ TEST(PlanStepTest, ACpuGroupDoesNotHoldTheTrainerButTheStepWaitsForIt) {
   EXPECT_NEAR(p->bound.seconds(), 3.0, 1e-9);
 }
 
+SchedulerConfig Lru() {
+  SchedulerConfig c;
+  c.policy = Policy::kLru;
+  return c;
+}
+
+TEST(PlanStepTest, ACopyBeingSentDownKeepsItsRoomUntilTheMoveReadingItEnds) {
+  // Found by an audit: a gradient sent to the host left the device's room free while its copy was
+  // still being read. Room for one partition on the device; a gradient written there and sent
+  // down (1 s to the host), then a parameter read from NVMe (1 s) and brought up (1 s), which may
+  // start only once the gradient's copy is read: 1 + 1 + 2 s a step, not 3.
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  Group grad{{{0, Tier::kDevice, true}}, 0};
+  grad.gradient_ready = 0;
+  t.groups = {grad, {{{1, Tier::kDevice, false}}, 0}};
+  auto p = PredictStep(t, Link(1e6), {kMB, kMB}, Lru());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 4.0, 1e-9);
+  EXPECT_NEAR(p->bytes[kToHost], 1e6, 1);
+}
+
+TEST(PlanStepTest, AGradientTheHostAlreadyHoldsIsNotCopiedBack) {
+  // Found by an audit: a device copy brought from a newer host copy and handed to GradientReady was
+  // copied to the host again, into room reserved twice. The Runtime drops it: the host has it.
+  StepTrace t = Homed(1, kMB, Tier::kNvme);
+  Group read{{{0, Tier::kDevice, false}}, 0};
+  read.gradient_ready = 0;
+  t.groups = {{{{0, Tier::kHost, true}}, 0}, read};
+  auto p = PredictStep(t, Link(1e6), {kMB, 10 * kMB}, Lru());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->bytes[kToHost], 0);
+  EXPECT_NEAR(p->bytes[kToDevice], 1e6, 1);
+  EXPECT_NEAR(p->step_s, 1.0, 1e-9);
+}
+
+TEST(PlanStepTest, AGradientNeededOnTheDeviceWithinTheLookaheadStays) {
+  // As the Runtime's GradientReady: planned, a copy needed again within the window is not sent.
+  StepTrace t = Homed(1, kMB, Tier::kHost);
+  Group grad{{{0, Tier::kDevice, true}}, 1.0};
+  grad.gradient_ready = 0;
+  t.groups = {grad};
+  auto p = PredictStep(t, Link(1e6), {kMB, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->bytes[kToHost], 0);  // on demand (the first step) it went; planned, it stays
+  EXPECT_NEAR(p->step_s, 1.0, 1e-9);
+  auto lru = PredictStep(t, Link(1e6), {kMB, 0}, Lru());
+  ASSERT_TRUE(lru.ok()) << lru.status();
+  EXPECT_NEAR(lru->bytes[kToHost], 1e6, 1);  // written back to its home, then read again
+  EXPECT_NEAR(lru->step_s, 3.0, 1e-9);
+}
+
+TEST(PlanStepTest, BringingAGroupsPartitionNeverEvictsAnotherOfTheSameGroup) {
+  // Found by an audit: room for two; the third group needs 0 and 1 with 1 already there. Least
+  // recently used, 1 was the victim of 0's fetch and came back evicting 2: three moves a step
+  // instead of two.
+  StepTrace t = Homed(3, kMB, Tier::kHost);
+  t.groups = {{{{1, Tier::kDevice, false}}, 1.0},
+              {{{2, Tier::kDevice, false}}, 1.0},
+              {{{0, Tier::kDevice, false}, {1, Tier::kDevice, false}}, 1.0}};
+  auto p = PredictStep(t, Link(1e9), {2 * kMB, 0}, Lru());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->bytes[kToDevice], 2e6, 1);
+}
+
+TEST(PlanStepTest, PartitionsOnNvmeUsedOnlyInTheHostNeedNoLink) {
+  StepTrace t = Homed(1, kMB, Tier::kNvme);
+  t.groups = {{{{0, Tier::kHost, true}}, 0}};
+  Lanes disk_only = Link(1e6);
+  disk_only.to_device = disk_only.to_host = 0;
+  auto p = PredictStep(t, disk_only, {0, kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 0.0, 1e-9);  // it stays in the host's room
+}
+
 TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   StepTrace t = Homed(2, kMB, Tier::kHost);
   t.groups = {{{{0, Tier::kDevice, false}}, 0}};
