@@ -393,6 +393,7 @@ int Main() {
   bool disk_by_fio = true;
   std::vector<double> link_s_all, by_phase_all, predicted_all, honesty;
   sched::plan::Bound bound_detail;
+  sched::plan::Prediction prediction;  // the last round's
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (const auto& [name, policy] : policies) {
       // The bound's bandwidths, measured right before the policy runs (the same disk weather).
@@ -432,6 +433,7 @@ int Main() {
           return 1;
         }
         predicted_all.push_back(predicted->step_s);
+        prediction = *predicted;
       }
       std::filesystem::remove_all(config.nvme_path, ec);
       Run run = RunPolicy(m, step_groups, policy, config);
@@ -488,6 +490,21 @@ int Main() {
         "prediction (median; %.2f-%.2f), %s the 15%% the planner promises\n",
         Summary::Of(predicted_all).median * 1e3, predicted_all.size(), h.median, h.min, h.max,
         h.median >= 0.85 && h.median <= 1.15 ? "within" : "NOT within");
+    // Where the prediction spends the step, to set beside the runtime's report above.
+    std::printf("planner, last round: %.1f ms; the trainer waited", prediction.step_s * 1e3);
+    for (int l = 0; l < sched::plan::kLaneCount; ++l) {
+      const auto lane = static_cast<sched::plan::Lane>(l);
+      if (prediction.waits_s[l] > 0) {
+        std::printf(" %.1f ms on %s,", prediction.waits_s[l] * 1e3, sched::plan::LaneName(lane));
+      }
+    }
+    std::printf(" moved");
+    for (int l = sched::plan::kToDevice; l < sched::plan::kLaneCount; ++l) {
+      const auto lane = static_cast<sched::plan::Lane>(l);
+      std::printf(" %.1f MB %s (busy %.1f ms)%s", prediction.bytes[l] / 1e6,
+                  sched::plan::LaneName(lane), prediction.busy_s[l] * 1e3,
+                  l + 1 < sched::plan::kLaneCount ? "," : "\n");
+    }
   }
   Report report("sched_step", MachineInfo::Probe(dir));
   for (const auto& [name, policy] : policies) {

@@ -102,6 +102,7 @@ class Replay {
       home.valid = true;
     }
     for (int i = 0; i < lanes_.staging_count; ++i) staging_.push(0.0);
+    for (int i = 0; i < lanes_.workers; ++i) workers_.push(0.0);
   }
 
   absl::Status Run(Prediction* out) {
@@ -114,7 +115,12 @@ class Replay {
       }
       STRATA_RETURN_IF_ERROR(Step());
       scheduler_.EndStep();
-      if (report) Finish(start, out);
+      if (report) {
+        Finish(start, out);
+        break;
+      }
+      reporting_ = step + 1 == kSteps - 1;  // the reported step's first prefetches count in it
+      STRATA_RETURN_IF_ERROR(Prefetch());   // the next step's first accesses
     }
     return absl::OkStatus();
   }
@@ -250,15 +256,15 @@ class Replay {
     const Copy& c = parts_[id].at[I(t)];
     if (!c.valid || trace_.home[id] == t) return false;
     return demand ? c.busy_until != kInf
-                  : c.ready <= now_ && c.busy_until <= now_ && c.read_until <= now_;
+                  : c.ready <= op_ && c.busy_until <= op_ && c.read_until <= op_;
   }
 
-  // Room for `bytes` in tier `t` from `now_`: the time it is free and the lane waited on, or
+  // Room for `bytes` in tier `t` from `op_`: the time it is free and the lane waited on, or
   // nullopt. A prefetch for an access `distance` ahead evicts only copies needed later than that.
   std::optional<std::pair<double, Lane>> Reserve(Tier t, uint64_t bytes,
                                                  std::optional<uint64_t> distance) {
     Room& r = room_[I(t)];
-    while (!r.vacating.empty() && r.vacating.top().at <= now_) r.Reclaim();
+    while (!r.vacating.empty() && r.vacating.top().at <= op_) r.Reclaim();
     if (bytes > r.budget) return std::nullopt;
     // The candidates, the first to go first.
     struct Victim {
@@ -273,10 +279,11 @@ class Replay {
       for (PartitionId id = 0; id < parts_.size(); ++id) {
         if (!Evictable(id, t, !distance)) continue;
         const uint64_t next = scheduler_.plans_evictions() ? scheduler_.NextUse(id, t) : 0;
-        if (distance && next <= *distance) continue;
+        // A prefetch evicts nothing the window needs, nor anything needed before its own.
+        if (distance && next <= std::max<uint64_t>(*distance, scheduler_.lookahead())) continue;
         const Copy& c = parts_[id].at[I(t)];
-        victims.push_back({id, next, c.last_use, c.dirty,
-                           std::max({c.ready, c.busy_until, c.read_until}) > now_});
+        victims.push_back(
+            {id, next, c.last_use, c.dirty, std::max({c.ready, c.busy_until, c.read_until}) > op_});
       }
       std::sort(victims.begin(), victims.end(), [&](const Victim& a, const Victim& b) {
         if (a.later != b.later) return !a.later;  // room now before room later
@@ -290,11 +297,11 @@ class Replay {
       for (const Victim& v : victims) could += trace_.partitions[v.id].bytes;
       if (r.held + bytes > r.budget + could) return std::nullopt;
     }
-    double at = now_;
+    double at = op_;
     Lane cause = kGpu;
     size_t next_victim = 0;
     while (r.held + bytes > r.budget) {
-      if (r.vacating.empty()) Drop(victims[next_victim++].id, t, now_);
+      if (r.vacating.empty()) Drop(victims[next_victim++].id, t, op_);
       const Pending p = r.Reclaim();
       if (p.at > at) {
         at = p.at;
@@ -313,7 +320,7 @@ class Replay {
     Copy& dst = p.at[I(t)];
     if (dst.valid) return true;
     const Tier home = trace_.home[id];
-    double room_at = now_;
+    double room_at = op_;
     Lane room_cause = kGpu;
     if (t != home) {
       auto room = Reserve(t, trace_.partitions[id].bytes, distance);
@@ -327,7 +334,7 @@ class Replay {
       std::tie(room_at, room_cause) = *room;
     }
     if (p.fresh) {  // zeros made in the tier: nothing read
-      dst = Copy{true, false, room_at, room_cause, 0, now_};
+      dst = Copy{true, false, room_at, room_cause, 0, op_};
       return true;
     }
     const Copy& dev = p.at[I(Tier::kDevice)];
@@ -348,12 +355,12 @@ class Replay {
     // What it waited on longest: room, the source's own arrival, or the move.
     Lane cause = lane;
     double longest = end - ready;
-    if (room_at - now_ > longest) {
+    if (room_at - op_ > longest) {
       cause = room_cause;
-      longest = room_at - now_;
+      longest = room_at - op_;
     }
-    if (src.ready - now_ > longest) cause = src.cause;
-    dst = Copy{true, src.dirty && t != home, end, cause, 0, now_};
+    if (src.ready - op_ > longest) cause = src.cause;
+    dst = Copy{true, src.dirty && t != home, end, cause, 0, op_};
     if (t == home) {
       for (Copy& c : p.at) c.dirty = false;
     }
@@ -396,43 +403,77 @@ class Replay {
   // GradientReady, as the Runtime does it: unless the plan needs the device copy again within the
   // lookahead, it leaves the device; when it is the only current copy it goes to the host first
   // (to NVMe, its home, when the host has no room), and a copy the host already holds just goes.
-  void SendDown(PartitionId id, double at) {
+  absl::Status SendDown(PartitionId id, double at) {
     Part& p = parts_[id];
     Copy& dev = p.at[I(Tier::kDevice)];
     const Tier home = trace_.home[id];
-    if (!dev.valid || home == Tier::kDevice) return;
+    if (!dev.valid || home == Tier::kDevice) return absl::OkStatus();
     if (scheduler_.NextUse(id, Tier::kDevice) <= static_cast<uint64_t>(scheduler_.lookahead())) {
-      return;  // needed on the device again soon
+      return absl::OkStatus();  // needed on the device again soon
     }
-    Copy& host = p.at[I(Tier::kHost)];
-    if (dev.dirty && home != Tier::kHost && !host.valid) {
-      auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, uint64_t{0});
-      if (room) {
-        auto [end, lane] = Move(id, Tier::kDevice, Tier::kHost, std::max(at, room->first));
-        host = Copy{true, true, end, lane, 0, at};
-        dev.dirty = false;
+    return OnWorker(at, [&]() -> absl::StatusOr<std::optional<double>> {
+      Copy& host = p.at[I(Tier::kHost)];
+      double end = op_;
+      if (dev.dirty && home != Tier::kHost && !host.valid) {
+        auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, uint64_t{0});
+        if (room) {
+          end = Move(id, Tier::kDevice, Tier::kHost, std::max(op_, room->first)).first;
+          host = Copy{true, true, end, kToHost, 0, op_};
+          dev.dirty = false;
+        }
+      } else if (host.valid) {
+        dev.dirty = false;  // the host's copy has the same bytes
       }
-    } else if (host.valid) {
-      dev.dirty = false;  // the host's copy has the same bytes
+      const bool writes_back = dev.dirty;
+      Drop(id, Tier::kDevice, op_);  // writes it back to its home unless another copy has it
+      if (writes_back) end = p.at[I(home)].ready;
+      return end;
+    });
+  }
+
+  // Work on one of the Runtime's worker threads, issued at `issued`: runs once one is free (op_ is
+  // then), holding it until `work` returns the end of what it did (or nullopt: nothing done).
+  absl::Status OnWorker(double issued,
+                        const std::function<absl::StatusOr<std::optional<double>>()>& work) {
+    op_ = std::max(issued, workers_.top());
+    STRATA_ASSIGN_OR_RETURN(const std::optional<double> end, work());
+    if (end) {
+      workers_.pop();
+      workers_.push(std::max(*end, op_));
     }
-    Drop(id, Tier::kDevice, at);  // writes it back to its home unless another copy has it
+    op_ = now_;
+    return absl::OkStatus();
+  }
+
+  // Prefetches along the plan, as the Runtime issues them after each acquire and at the end of a
+  // step: each of the window's partitions on its own, as its workers run them. One with no room on
+  // the device yet is staged in the host (read from NVMe now, brought up when room comes), unless
+  // a memory tier has it.
+  absl::Status Prefetch() {
+    const std::vector<Scheduler::Upcoming> window = scheduler_.Window();
+    for (size_t i = 0; i < window.size(); ++i) {
+      const Scheduler::Upcoming& u = window[i];
+      Part& p = parts_[u.id];
+      if (p.fresh || p.at[I(u.tier)].valid) continue;
+      bool tight = false;
+      STRATA_RETURN_IF_ERROR(OnWorker(now_, [&]() -> absl::StatusOr<std::optional<double>> {
+        STRATA_ASSIGN_OR_RETURN(const bool room, Fetch(u.id, u.tier, i));
+        if (room) return p.at[I(u.tier)].ready;
+        tight = true;
+        if (u.tier != Tier::kDevice || p.at[I(Tier::kHost)].valid) return std::nullopt;
+        STRATA_ASSIGN_OR_RETURN(const bool staged, Fetch(u.id, Tier::kHost, i));
+        if (!staged) return std::nullopt;
+        return p.at[I(Tier::kHost)].ready;
+      }));
+      if (tight) scheduler_.OnBudgetTight(i);
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Step() {
     double cpu_done = now_;
     for (const Group& g : trace_.groups) {
       for (Track* t : {&gpu_, &cpu_, &down_, &up_, &disk_}) t->Forget(now_);
-      // Prefetch along the plan.
-      const std::vector<Scheduler::Upcoming> window = scheduler_.Window();
-      for (size_t i = 0; i < window.size(); ++i) {
-        const Scheduler::Upcoming& u = window[i];
-        if (parts_[u.id].fresh || parts_[u.id].at[I(u.tier)].valid) continue;
-        STRATA_ASSIGN_OR_RETURN(const bool room, Fetch(u.id, u.tier, i));
-        if (!room) {
-          scheduler_.OnBudgetTight(i);
-          break;
-        }
-      }
       // Acquire: the group's copies already there are held first, so that bringing one of its
       // partitions never evicts another.
       for (const Access& a : g.accesses) {
@@ -442,10 +483,12 @@ class Replay {
       double ready = now_;
       Lane cause = kGpu;
       for (const Access& a : g.accesses) {
+        op_ = now_;  // on the trainer's thread
         const bool planned = scheduler_.mode() == Scheduler::Mode::kPlanned;
         scheduler_.OnAcquire(trace_.partitions[a.id], a.tier, now_);
         Copy& c = parts_[a.id].at[I(a.tier)];
         const bool there = c.valid && c.ready <= now_;
+        const bool zeros = !c.valid && parts_[a.id].fresh;
         STRATA_ASSIGN_OR_RETURN(const bool fetched, Fetch(a.id, a.tier, std::nullopt));
         (void)fetched;
         c.busy_until = kInf;
@@ -453,7 +496,8 @@ class Replay {
           ready = c.ready;
           cause = c.cause;
         }
-        if (planned && !there && !g.on_cpu) scheduler_.OnLateOrMiss();
+        if (planned && !there && !zeros && !g.on_cpu) scheduler_.OnLateOrMiss();
+        STRATA_RETURN_IF_ERROR(Prefetch());
       }
       const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
       const double end = Occupy(g.on_cpu ? kCpu : kGpu, ready, g.compute_s, first);
@@ -470,7 +514,7 @@ class Replay {
         if (a.dirty) Write(a.id, a.tier, end);
         scheduler_.OnRelease(trace_.partitions[a.id], a.tier, a.dirty, end);
       }
-      if (g.gradient_ready) SendDown(*g.gradient_ready, end);
+      if (g.gradient_ready) STRATA_RETURN_IF_ERROR(SendDown(*g.gradient_ready, end));
       if (g.discard) Discard(*g.discard, end);
     }
     if (cpu_done > now_) {
@@ -510,6 +554,9 @@ class Replay {
   Track gpu_, cpu_, down_, up_, disk_;
   std::priority_queue<double, std::vector<double>, std::greater<>> staging_;
   double now_ = 0, step_start_ = 0;
+  double op_ = 0;  // when the fetch or eviction being modelled runs: now_ on the trainer, else
+                   // when a worker takes it
+  std::priority_queue<double, std::vector<double>, std::greater<>> workers_;  // each free at
   bool reporting_ = false;
   std::vector<Prediction::Span> spans_;
   std::array<double, kLaneCount> moved_{}, waits_{};
@@ -573,6 +620,10 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
   }
   if (lanes.staging_count < 1 || lanes.staging_bytes == 0) {
     return absl::InvalidArgumentError("the staging buffers: at least one, of at least one byte");
+  }
+  if (lanes.workers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the runtime's workers: ", lanes.workers, "; at least one"));
   }
   return absl::OkStatus();
 }

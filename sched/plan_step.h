@@ -28,10 +28,15 @@
 //  - the trainer waits for its group's bytes and for the GPU; a group on the CPU (Group::on_cpu)
 //    waits for its bytes and the CPU lane without holding the trainer; the step ends when the
 //    trainer and the CPU are done.
+//  - prefetches are issued as the Runtime issues them, after each acquire and at a step's end, each
+//    of the window's partitions on its own; each runs on one of `workers` worker threads (as do
+//    GradientReady's moves), waiting for one to be free; a prefetch evicts nothing the window
+//    needs; one that finds no room on the device reads its partition from NVMe into the host;
+//    the trainer's own fetches run on its thread.
 // Three steps are replayed (the first records, the next two are planned; the wrap-around prefetch
 // of a planned step reaches into the next); the last is reported. What the Runtime does that the
-// replay does not: its early write-back of dirty host copies the plan will evict, its four-worker
-// limit on moves at once (lanes serialize moves instead), and the copy engine's own overheads.
+// replay does not: its early write-back of dirty host copies the plan will evict, its
+// stage3_max_live_parameters limit, and the copy engine's and the workers' own overheads.
 //
 // Thread safety: pure functions of their arguments.
 #ifndef STRATA_SCHED_PLAN_STEP_H_
@@ -68,6 +73,7 @@ struct Lanes {
   double nvme_read = 0, nvme_write = 0;
   uint64_t staging_bytes = 64 << 20;
   int staging_count = 4;
+  int workers = 4;  // the Runtime's worker threads: prefetches and write-backs run on them
   // The link's time for `down` bytes to the device and `up` to the host (duplex: the longer).
   double LinkSeconds(double down, double up) const;
   double DiskSeconds(double read, double written) const;

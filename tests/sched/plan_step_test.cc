@@ -206,6 +206,21 @@ TEST(PlanStepTest, PartitionsOnNvmeUsedOnlyInTheHostNeedNoLink) {
   EXPECT_NEAR(p->step_s, 0.0, 1e-9);  // it stays in the host's room
 }
 
+TEST(PlanStepTest, APrefetchWithNoRoomOnTheDeviceIsStagedInTheHost) {
+  // As the Runtime does: room for one partition on the device, three read there in turn, homed on
+  // NVMe (1 s to read each), the host with room for all. A prefetch that finds the device full
+  // reads its partition into the host meanwhile, so from the second step the host keeps all
+  // three and each step is its compute and three quick copies up, not three NVMe reads.
+  StepTrace t = Homed(3, kMB, Tier::kNvme);
+  for (int l = 0; l < 3; ++l) t.groups.push_back({{{PartitionId(l), Tier::kDevice, false}}, 1.0});
+  Lanes lanes = Link(1e6);
+  lanes.to_device = lanes.to_host = 1e9;
+  auto p = PredictStep(t, lanes, {kMB, 3 * kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->bytes[kNvmeRead], 0);
+  EXPECT_NEAR(p->step_s, 3.0 + 3 * 1e-3, 1e-9);
+}
+
 TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   StepTrace t = Homed(2, kMB, Tier::kHost);
   t.groups = {{{{0, Tier::kDevice, false}}, 0}};
@@ -228,6 +243,10 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   bad = t;
   bad.groups[0].accesses[0].discard = true;
   EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("Group::discard"),
+            std::string::npos);
+  Lanes no_workers = Link(1e6);
+  no_workers.workers = 0;
+  EXPECT_NE(PredictStep(t, no_workers, {kMB, 0}).status().message().find("workers: 0"),
             std::string::npos);
   bad = t;
   bad.home.pop_back();
