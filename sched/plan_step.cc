@@ -119,8 +119,8 @@ class Replay {
         Finish(start, out);
         break;
       }
-      reporting_ = step + 1 == kSteps - 1;  // the reported step's first prefetches count in it
-      STRATA_RETURN_IF_ERROR(Prefetch());   // the next step's first accesses
+      reporting_ = step + 1 == kSteps - 1;     // the reported step's first prefetches count in it
+      STRATA_RETURN_IF_ERROR(Prefetch(now_));  // the next step's first accesses
     }
     return absl::OkStatus();
   }
@@ -449,14 +449,14 @@ class Replay {
   // step: each of the window's partitions on its own, as its workers run them. One with no room on
   // the device yet is staged in the host (read from NVMe now, brought up when room comes), unless
   // a memory tier has it.
-  absl::Status Prefetch() {
+  absl::Status Prefetch(double issued) {
     const std::vector<Scheduler::Upcoming> window = scheduler_.Window();
     for (size_t i = 0; i < window.size(); ++i) {
       const Scheduler::Upcoming& u = window[i];
       Part& p = parts_[u.id];
       if (p.fresh || p.at[I(u.tier)].valid) continue;
       bool tight = false;
-      STRATA_RETURN_IF_ERROR(OnWorker(now_, [&]() -> absl::StatusOr<std::optional<double>> {
+      STRATA_RETURN_IF_ERROR(OnWorker(issued, [&]() -> absl::StatusOr<std::optional<double>> {
         STRATA_ASSIGN_OR_RETURN(const bool room, Fetch(u.id, u.tier, i));
         if (room) return p.at[I(u.tier)].ready;
         tight = true;
@@ -483,11 +483,12 @@ class Replay {
       double ready = now_;
       Lane cause = kGpu;
       for (const Access& a : g.accesses) {
-        op_ = now_;  // on the trainer's thread
+        // On the trainer's thread, one acquire after another: each once the last has its bytes.
+        op_ = ready;
         const bool planned = scheduler_.mode() == Scheduler::Mode::kPlanned;
         scheduler_.OnAcquire(trace_.partitions[a.id], a.tier, now_);
         Copy& c = parts_[a.id].at[I(a.tier)];
-        const bool there = c.valid && c.ready <= now_;
+        const bool there = c.valid && c.ready <= op_;
         const bool zeros = !c.valid && parts_[a.id].fresh;
         STRATA_ASSIGN_OR_RETURN(const bool fetched, Fetch(a.id, a.tier, std::nullopt));
         (void)fetched;
@@ -497,7 +498,7 @@ class Replay {
           cause = c.cause;
         }
         if (planned && !there && !zeros && !g.on_cpu) scheduler_.OnLateOrMiss();
-        STRATA_RETURN_IF_ERROR(Prefetch());
+        STRATA_RETURN_IF_ERROR(Prefetch(ready));  // the Runtime issues them as the acquire returns
       }
       const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
       const double end = Occupy(g.on_cpu ? kCpu : kGpu, ready, g.compute_s, first);

@@ -221,6 +221,20 @@ TEST(PlanStepTest, APrefetchWithNoRoomOnTheDeviceIsStagedInTheHost) {
   EXPECT_NEAR(p->step_s, 3.0 + 3 * 1e-3, 1e-9);
 }
 
+TEST(PlanStepTest, AGroupsAcquiresRunOneAfterAnother) {
+  // As the trainer's thread acquires: the second partition's fetch starts once the first has its
+  // bytes. Room for two on the device, least recently used, each group evicting the other's: 0
+  // comes up (1 s), then 1 is read from NVMe (1 s) and comes up (1 s), then 2 and 3 (1 s each):
+  // 5 s a step, not the 4 s of fetching a group's partitions all at once.
+  StepTrace t = Homed(4, kMB, Tier::kHost);
+  t.home[1] = Tier::kNvme;
+  t.groups = {{{{0, Tier::kDevice, false}, {1, Tier::kDevice, false}}, 0},
+              {{{2, Tier::kDevice, false}, {3, Tier::kDevice, false}}, 0}};
+  auto p = PredictStep(t, Link(1e6), {2 * kMB, 0}, Lru());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 5.0, 1e-9);
+}
+
 TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   StepTrace t = Homed(2, kMB, Tier::kHost);
   t.groups = {{{{0, Tier::kDevice, false}}, 0}};
