@@ -32,7 +32,7 @@
 //    of the window's partitions on its own; each runs on one of `workers` worker threads (as do
 //    GradientReady's moves), waiting for one to be free; a prefetch evicts nothing the window
 //    needs; one that finds no room on the device reads its partition from NVMe into the host;
-//    the trainer's own fetches run on its thread.
+//    the trainer's own fetches run on its thread, one acquire after another.
 // Three steps are replayed (the first records, the next two are planned; the wrap-around prefetch
 // of a planned step reaches into the next); the last is reported. What the Runtime does that the
 // replay does not: its early write-back of dirty host copies the plan will evict, its
