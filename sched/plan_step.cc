@@ -58,6 +58,7 @@ struct Copy {
   double busy_until = 0;  // in use by a group (kInf while its group acquires)
   double last_use = 0;
   double read_until = 0;  // the end of the last move reading it: its room is not free before
+  double room_from = 0;   // when its room (outside its home) was granted
 };
 
 struct Part {
@@ -117,6 +118,7 @@ class Replay {
       scheduler_.EndStep();
       if (report) {
         Finish(start, out);
+        out->peak_room = {PeakRoom(Tier::kDevice), PeakRoom(Tier::kHost)};
         break;
       }
       reporting_ = step + 1 == kSteps - 1;     // the reported step's first prefetches count in it
@@ -244,8 +246,36 @@ class Replay {
         cause = lane;
       }
     }
+    if (t != home) {
+      room_[I(t)].Vacate({free_at, trace_.partitions[id].bytes, cause});
+      Occupied(t, c.room_from, free_at, trace_.partitions[id].bytes);
+    }
     c = Copy{};
-    if (t != home) room_[I(t)].Vacate({free_at, trace_.partitions[id].bytes, cause});
+  }
+
+  // A copy's room in tier `t` from `from` to `to`.
+  void Occupied(Tier t, double from, double to, uint64_t bytes) {
+    auto& events = occupied_[I(t)];
+    events.push_back({from, static_cast<double>(bytes)});
+    events.push_back({to, -static_cast<double>(bytes)});
+  }
+
+  // The most room in use at any instant (a room freed at T is reusable at T).
+  uint64_t PeakRoom(Tier t) {
+    for (PartitionId id = 0; id < parts_.size(); ++id) {
+      const Copy& c = parts_[id].at[I(t)];
+      if (c.valid && trace_.home[id] != t) {
+        Occupied(t, c.room_from, kInf, trace_.partitions[id].bytes);
+      }
+    }
+    auto events = occupied_[I(t)];
+    std::sort(events.begin(), events.end());  // at one instant, frees before grants
+    double in_use = 0, peak = 0;
+    for (const auto& [at, delta] : events) {
+      in_use += delta;
+      peak = std::max(peak, in_use);
+    }
+    return static_cast<uint64_t>(peak + 0.5);
   }
 
   // Whether a copy of `id` in tier `t` may be evicted to make room: for a prefetch, one there and
@@ -264,7 +294,9 @@ class Replay {
   std::optional<std::pair<double, Lane>> Reserve(Tier t, uint64_t bytes,
                                                  std::optional<uint64_t> distance) {
     Room& r = room_[I(t)];
-    while (!r.vacating.empty() && r.vacating.top().at <= op_) r.Reclaim();
+    // Room already free for everything modelled from now on (op_ may be later than operations
+    // still to be replayed, which must not see room that frees only after their time).
+    while (!r.vacating.empty() && r.vacating.top().at <= now_) r.Reclaim();
     if (bytes > r.budget) return std::nullopt;
     // The candidates, the first to go first.
     struct Victim {
@@ -278,7 +310,11 @@ class Replay {
     if (r.held + bytes > r.budget + r.vacating_bytes) {
       for (PartitionId id = 0; id < parts_.size(); ++id) {
         if (!Evictable(id, t, !distance)) continue;
-        const uint64_t next = scheduler_.plans_evictions() ? scheduler_.NextUse(id, t) : 0;
+        // As the Runtime counts it: a copy in either memory tier serves an access in the other.
+        const uint64_t next = scheduler_.plans_evictions()
+                                  ? std::min(scheduler_.NextUse(id, Tier::kDevice),
+                                             scheduler_.NextUse(id, Tier::kHost))
+                                  : 0;
         // A prefetch evicts nothing the window needs, nor anything needed before its own.
         if (distance && next <= std::max<uint64_t>(*distance, scheduler_.lookahead())) continue;
         const Copy& c = parts_[id].at[I(t)];
@@ -306,6 +342,12 @@ class Replay {
       if (p.at > at) {
         at = p.at;
         cause = p.cause;
+      }
+      if (p.at > now_ && r.held + bytes < r.budget) {
+        // What this reservation does not need of that room is free only at its time too.
+        const uint64_t spare = std::min(p.bytes, r.budget - r.held - bytes);
+        r.held += spare;
+        r.Vacate({p.at, spare, p.cause});
       }
     }
     r.held += bytes;
@@ -335,17 +377,19 @@ class Replay {
     }
     if (p.fresh) {  // zeros made in the tier: nothing read
       dst = Copy{true, false, room_at, room_cause, 0, op_};
+      dst.room_from = room_at;
       return true;
     }
     const Copy& dev = p.at[I(Tier::kDevice)];
     const Copy& host = p.at[I(Tier::kHost)];
     const Copy& nvme = p.at[I(Tier::kNvme)];
-    Tier from;
-    if (t == Tier::kDevice) {
-      from = host.valid ? Tier::kHost : Tier::kNvme;
-    } else {
-      from = dev.valid && (dev.dirty || !nvme.valid) ? Tier::kDevice : Tier::kNvme;
-    }
+    // As the Runtime's BringLocked: the other memory tier's copy, unless a prefetch would read a
+    // copy in use there and NVMe has a current one.
+    const Copy& other = t == Tier::kDevice ? host : dev;
+    const bool other_in_use = other.busy_until > op_;
+    const Tier from = other.valid && (!distance || !other_in_use || !nvme.valid)
+                          ? (t == Tier::kDevice ? Tier::kHost : Tier::kDevice)
+                          : Tier::kNvme;
     const Copy& src = p.at[I(from)];
     if (!src.valid) {
       return absl::InternalError(absl::StrCat("partition ", id, " has no copy to read"));
@@ -361,6 +405,7 @@ class Replay {
     }
     if (src.ready - op_ > longest) cause = src.cause;
     dst = Copy{true, src.dirty && t != home, end, cause, 0, op_};
+    dst.room_from = room_at;
     if (t == home) {
       for (Copy& c : p.at) c.dirty = false;
     }
@@ -419,6 +464,7 @@ class Replay {
         if (room) {
           end = Move(id, Tier::kDevice, Tier::kHost, std::max(op_, room->first)).first;
           host = Copy{true, true, end, kToHost, 0, op_};
+          host.room_from = room->first;
           dev.dirty = false;
         }
       } else if (host.valid) {
@@ -560,6 +606,7 @@ class Replay {
   std::priority_queue<double, std::vector<double>, std::greater<>> workers_;  // each free at
   bool reporting_ = false;
   std::vector<Prediction::Span> spans_;
+  std::array<std::vector<std::pair<double, double>>, 2> occupied_;  // (time, +-bytes)
   std::array<double, kLaneCount> moved_{}, waits_{};
 };
 

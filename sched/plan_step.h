@@ -108,6 +108,9 @@ struct Prediction {
     PartitionId id;     // the partition moved or computed on (its group's first access)
   };
   std::vector<Span> timeline;  // the reported step's, lane by lane
+  // The most room the device's and the host's copies took at any instant of the replayed steps
+  // (a copy's room counts from when it was granted until it is free again): never over the budget.
+  std::array<uint64_t, 2> peak_room{};
 };
 
 // InvalidArgument when the trace is malformed (a partition id out of range, homes not one per
