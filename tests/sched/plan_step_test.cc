@@ -24,6 +24,14 @@ StepTrace Homed(int n, uint64_t bytes, Tier home) {
   return t;
 }
 
+// One group per partition, in order, each reading it in its tier and computing `compute_s`.
+std::vector<Group> Reads(std::initializer_list<std::pair<PartitionId, Tier>> order,
+                         double compute_s) {
+  std::vector<Group> groups;
+  for (const auto& [id, tier] : order) groups.push_back({{{id, tier, false}}, compute_s});
+  return groups;
+}
+
 Lanes Link(double bps) {
   Lanes l;
   l.to_device = l.to_host = bps;
@@ -244,10 +252,7 @@ TEST(PlanStepTest, AHostAcquireCopiesACleanDeviceCopyRatherThanReadNvme) {
   // The host's 0 comes down from the device (1 s), not from NVMe (2 s at half the rate): 3 s for
   // 0 brought up from NVMe (2 s read, 1 s up), 1 s down, 2 s to read 1, 1 s up: 7 s, 2 MB read.
   StepTrace t = Homed(2, kMB, Tier::kNvme);
-  t.groups = {{{{0, Tier::kDevice, false}}, 0},
-              {{{0, Tier::kHost, false}}, 0},
-              {{{1, Tier::kHost, false}}, 0},
-              {{{1, Tier::kDevice, false}}, 0}};
+  t.groups = Reads({{0, Tier::kDevice}, {0, Tier::kHost}, {1, Tier::kHost}, {1, Tier::kDevice}}, 0);
   Lanes lanes = Link(1e6);
   lanes.nvme_read = lanes.nvme_write = 0.5e6;
   auto p = PredictStep(t, lanes, {kMB, kMB}, Lru());
@@ -263,10 +268,7 @@ TEST(PlanStepTest, ACopyStagedInTheHostForTheDeviceIsKeptForItsNextUse) {
   // partitions read on the device in turn, two in the host: the staged copies stay, and each step
   // reads one partition from NVMe, not two.
   StepTrace t = Homed(4, kMB, Tier::kNvme);
-  t.groups = {{{{0, Tier::kDevice, false}}, 1},
-              {{{1, Tier::kDevice, false}}, 1},
-              {{{2, Tier::kHost, false}}, 1},
-              {{{3, Tier::kHost, false}}, 1}};
+  t.groups = Reads({{0, Tier::kDevice}, {1, Tier::kDevice}, {2, Tier::kHost}, {3, Tier::kHost}}, 1);
   auto p = PredictStep(t, Link(1e6), {kMB, 3 * kMB});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_NEAR(p->bytes[kNvmeRead], 1e6, 1);
