@@ -307,7 +307,16 @@ class Replay {
       bool later;  // its room comes only after now
     };
     std::vector<Victim> victims;
-    if (r.held + bytes > r.budget + r.vacating_bytes) {
+    // The room being vacated it may wait for: a prefetch never waits for another move's (the
+    // Runtime's fails and narrows the window instead), only for its own victims' write-backs.
+    uint64_t waitable = r.vacating_bytes;
+    if (distance) {
+      waitable = 0;
+      for (auto pending = r.vacating; !pending.empty() && pending.top().at <= op_; pending.pop()) {
+        waitable += pending.top().bytes;
+      }
+    }
+    if (r.held + bytes > r.budget + waitable) {
       for (PartitionId id = 0; id < parts_.size(); ++id) {
         if (!Evictable(id, t, !distance)) continue;
         // As the Runtime counts it: a copy in either memory tier serves an access in the other.
@@ -329,7 +338,7 @@ class Replay {
         }
         return a.last_use < b.last_use;  // least recently used first
       });
-      uint64_t could = r.vacating_bytes;
+      uint64_t could = waitable;
       for (const Victim& v : victims) could += trace_.partitions[v.id].bytes;
       if (r.held + bytes > r.budget + could) return std::nullopt;
     }
@@ -337,7 +346,9 @@ class Replay {
     Lane cause = kGpu;
     size_t next_victim = 0;
     while (r.held + bytes > r.budget) {
-      if (r.vacating.empty()) Drop(victims[next_victim++].id, t, op_);
+      const bool wait = !r.vacating.empty() && (!distance || r.vacating.top().at <= op_);
+      if (!wait && next_victim < victims.size()) Drop(victims[next_victim++].id, t, op_);
+      if (r.vacating.empty()) return std::nullopt;  // not reached: `could` counted enough
       const Pending p = r.Reclaim();
       if (p.at > at) {
         at = p.at;
@@ -460,7 +471,9 @@ class Replay {
       Copy& host = p.at[I(Tier::kHost)];
       double end = op_;
       if (dev.dirty && home != Tier::kHost && !host.valid) {
-        auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, uint64_t{0});
+        // The Runtime's eviction for it (Purpose::kEvict) evicts by the plan, the window
+        // included, and waits for moves in flight: a demand's rules.
+        auto room = Reserve(Tier::kHost, trace_.partitions[id].bytes, std::nullopt);
         if (room) {
           end = Move(id, Tier::kDevice, Tier::kHost, std::max(op_, room->first)).first;
           host = Copy{true, true, end, kToHost, 0, op_};

@@ -5,10 +5,10 @@
 // the device, in pinned host memory, or in the NVMe store) and the trainer's groups of accesses
 // (sched/step_bound.h). PredictStep replays it as the Runtime runs it, on modelled time:
 //  - the Scheduler itself (sched/scheduler.h) records the first step and plans the next ones: the
-//    replay asks it for the window to prefetch and for each copy's next use (Belady's rule: a
-//    prefetch evicts only copies needed later than what it brings; a demand fetch evicts the copy
-//    needed furthest ahead, least recently used before a plan exists; without a plan nothing is
-//    prefetched, and a gradient sent down finds host room only where it is free), and tells it of
+//    replay asks it for the window to prefetch and for each copy's next use in either memory tier
+//    (Belady's rule: a prefetch evicts only copies needed later than the window; a demand fetch
+//    and a gradient sent down evict the copy needed furthest ahead, least recently used before a
+//    plan exists; without a plan nothing is prefetched), and tells it of
 //    late or missed accesses and of prefetches that found no room, so its window adapts as it does
 //    live;
 //  - every move takes time on its lane: the GPU (the trainer's compute), the CPU optimizer, PCIe to
@@ -31,7 +31,8 @@
 //  - prefetches are issued as the Runtime issues them, after each acquire and at a step's end, each
 //    of the window's partitions on its own; each runs on one of `workers` worker threads (as do
 //    GradientReady's moves), waiting for one to be free; a prefetch evicts nothing the window
-//    needs; one that finds no room on the device reads its partition from NVMe into the host;
+//    needs and never waits for room another move is vacating (it fails, narrowing the window);
+//    one that finds no room on the device reads its partition from NVMe into the host;
 //    the trainer's own fetches run on its thread, one acquire after another.
 // Three steps are replayed (the first records, the next two are planned; the wrap-around prefetch
 // of a planned step reaches into the next); the last is reported. What the Runtime does that the

@@ -274,6 +274,48 @@ TEST(PlanStepTest, ACopyStagedInTheHostForTheDeviceIsKeptForItsNextUse) {
   EXPECT_NEAR(p->bytes[kNvmeRead], 1e6, 1);
 }
 
+TEST(PlanStepTest, AGradientSentDownEvictsForItsHostRoomAsTheRuntimeDoes) {
+  // Found by an audit: the replay made the gradient's host room by a prefetch's rules (and with no
+  // plan evicted nothing), sending it to NVMe. The Runtime's GradientReady evicts the least
+  // recently used host copy and keeps the gradient in the host. Room for one in each tier, homes
+  // on NVMe, 1 s per MB on every lane: 0 read in the host, then 1 written on the device and sent
+  // down. Each step: 1's host copy written back (1 s) and 0 read (1 s); 1 read (1 s) and brought
+  // up (1 s); 1 sent down (1 s), evicting 0: 5 s, 2 MB read, 1 MB written.
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  Group grad{{{1, Tier::kDevice, true}}, 0};
+  grad.gradient_ready = 1;
+  t.groups = {{{{0, Tier::kHost, false}}, 0}, grad};
+  auto p = PredictStep(t, Link(1e6), {kMB, kMB}, Lru());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->bytes[kToHost], 1e6, 1);
+  EXPECT_NEAR(p->bytes[kNvmeRead], 2e6, 1);
+  EXPECT_NEAR(p->bytes[kNvmeWrite], 1e6, 1);
+  EXPECT_NEAR(p->step_s, 5.0, 1e-9);
+}
+
+TEST(PlanStepTest, APrefetchDoesNotWaitForRoomAnotherMoveIsVacating) {
+  // Found by an audit: a prefetch took room a write-back would free only later and held its worker
+  // until then; the Runtime's prefetch fails at once (and narrows the window). Ten 1 MB layers of
+  // 3 s on the device, then a 10 MB gradient homed on NVMe written there, sent down and
+  // discarded; room for 12 MB, none in the host: its write-back (10 s to NVMe) must not hold the
+  // next step's first prefetch, and the step is its compute.
+  StepTrace t = Homed(11, kMB, Tier::kHost);
+  t.partitions[0].bytes = 10 * kMB;
+  t.home[0] = Tier::kNvme;
+  for (int c = 1; c <= 10; ++c) t.groups.push_back({{{PartitionId(c), Tier::kDevice, false}}, 3.0});
+  Group grad{{{0, Tier::kDevice, true}}, 0};
+  grad.gradient_ready = 0;
+  grad.discard = 0;
+  t.groups.push_back(grad);
+  SchedulerConfig config;
+  config.initial_lookahead = config.max_lookahead = 2;
+  Lanes lanes = Link(1e6);
+  lanes.workers = 2;
+  auto p = PredictStep(t, lanes, {12 * kMB, 0}, config);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 30.0, 1e-9);
+}
+
 TEST(PlanStepTest, NoBudgetIsExceededAtAnyInstantOnRandomTraces) {
   // Found by an audit: room taken back whole from a copy still leaving, and room taken back at a
   // worker's later time, let copies overlap in modelled time beyond the budget (about 1 trace in
