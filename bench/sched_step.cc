@@ -55,6 +55,7 @@
 #include "sched/runtime.h"
 #include "sched/step_bound.h"
 #include "tiering/copy_engine.h"
+#include "tiering/link_bandwidth.h"
 #include "tools/aio_bench/flags.h"
 #include "tools/aio_bench/scratch.h"
 
@@ -170,50 +171,15 @@ std::vector<Group> MakeStep(const Model& m, bool interleaved) {
   return step;
 }
 
-// The copy link's bandwidth, each way (the to_device, to_host and link_duplex of Lanes). Emulated:
-// a large copy through a capped host copy engine (one thread: both directions share it). CUDA:
-// pinned host <-> device memory on a CUDA copy engine's stream, each direction timed on its own
-// (PCIe carries both at once).
+// The copy link's bandwidth, each way (tiering/link_bandwidth.h: the emulated engine capped as the
+// run's, or the CUDA engine's stream), as the Lanes' to_device, to_host and link_duplex.
 Lanes MeasureLinkBps(uint64_t cap, bool cuda) {
-  const size_t bytes = 64 << 20;
-  if (!cuda) {
-    tiering::HostCopyEngine engine(cap);
-    std::vector<std::byte> a(bytes), b(bytes);
-    const auto t0 = Clock::now();
-    if (!engine.CopyAsync(b.data(), a.data(), bytes, tiering::CopyDirection::kHostToDevice)
-             .get()
-             .ok()) {
-      return {};
-    }
-    const double bps = bytes / Since(t0);
-    Lanes link;
-    link.to_device = link.to_host = bps;
-    link.link_duplex = false;
-    return link;
-  }
-  auto engine = tiering::CreateCudaCopyEngine(0);
-  auto device = tiering::CreateCudaDeviceResource(0);
-  tiering::PinnedOptions po;
-  po.cuda_register = true;
-  tiering::PinnedHostResource host(po);
-  if (!engine.ok() || !device.ok()) return {};
-  auto d = (*device)->Allocate(bytes);
-  auto h = host.Allocate(bytes);
-  if (!d.ok() || !h.ok()) return {};
+  auto measured = tiering::MeasureLinkBandwidth(cuda, cap);
+  if (!measured.ok()) return {};
   Lanes link;
-  link.link_duplex = true;
-  for (auto dir : {tiering::CopyDirection::kHostToDevice, tiering::CopyDirection::kDeviceToHost}) {
-    const bool down = dir == tiering::CopyDirection::kHostToDevice;
-    double best = 0;
-    for (int i = 0; i < 3; ++i) {  // the first copy warms the link up
-      const auto t0 = Clock::now();
-      if (!(*engine)->CopyAsync(down ? *d : *h, down ? *h : *d, bytes, dir).get().ok()) return {};
-      best = std::max(best, bytes / Since(t0));
-    }
-    (down ? link.to_device : link.to_host) = best;
-  }
-  (*device)->Deallocate(*d, bytes);
-  host.Deallocate(*h, bytes);
+  link.to_device = measured->to_device;
+  link.to_host = measured->to_host;
+  link.link_duplex = measured->duplex;
   return link;
 }
 

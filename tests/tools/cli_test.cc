@@ -369,4 +369,55 @@ TEST_F(PlanCliTest, BadInputIsNamedAndExitsTwo) {
   EXPECT_THAT(list.output, HasSubstr("dgx2-v100"));
 }
 
+TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
+  // A sweep's results.json as aio_bench_perf_sweep writes its "best" picks (the rest left out).
+  Write("results.json", R"({"tool": "aio_bench_perf_sweep",
+      "best": {"read": {"result": {"op": "read", "gb_per_s": {"median": 3.25}}},
+               "write": {"result": {"op": "write", "gb_per_s": {"median": 1.5}}}}})");
+  const std::string calibrate = kPlan + " --calibrate --gpu-tflops 100 --gpu-hbm-gib 24";
+  Outcome described = Execute(calibrate + " --sweep " + Path("results.json") + " --calibrate-dir " +
+                              dir_.path() + " --save-hardware " + Path("me.json"));
+  ASSERT_EQ(described.exit_code, 0) << described.output;
+  std::ifstream in(Path("me.json"));
+  const nlohmann::json me = nlohmann::json::parse(in);
+  EXPECT_DOUBLE_EQ(me["nvme"]["read_gbps"].get<double>(), 3.25);
+  EXPECT_DOUBLE_EQ(me["nvme"]["write_gbps"].get<double>(), 1.5);
+  EXPECT_GT(me["nvme"]["capacity_tb"].get<double>(), 0);
+  EXPECT_GT(me["host"]["optimizer_gbps"].get<double>(), 0.1);   // measured: a CPU Adam step
+  EXPECT_GT(me["pcie"]["to_device_gbps"].get<double>(), 0.01);  // measured: the emulated engine
+  EXPECT_GE(me["host"]["cores"].get<int>(), 1);
+  EXPECT_DOUBLE_EQ(me["gpu"]["tflops"].get<double>(), 100);
+  EXPECT_THAT(me["source"].get<std::string>(), HasSubstr("host-emulated copy engine"));
+  // The saved description reads back as --hardware, and --calibrate plans a model on itself.
+  Outcome planned = Execute(kPlan + " --model " + Path("model.json") + " --hardware " +
+                            Path("me.json") + " --config " + Path("nvme.json"));
+  EXPECT_NE(planned.exit_code, 2) << planned.output;  // fits or not: this machine's RAM decides
+  EXPECT_THAT(planned.output, HasSubstr("this machine (calibrated"));
+  EXPECT_THAT(planned.output, HasSubstr("FIT"));
+  Outcome both =
+      Execute(calibrate + " --model " + Path("model.json") + " --config " + Path("plain.json"));
+  EXPECT_NE(both.exit_code, 2) << both.output;
+  EXPECT_THAT(both.output, HasSubstr("this machine (calibrated"));
+
+  Write("no_write.json", R"({"best": {"read": {"result": {"gb_per_s": {"median": 3.0}}}}})");
+  struct Case {
+    std::string args, says;
+  };
+  for (const Case& c : std::vector<Case>{
+           {" --calibrate", "--gpu-tflops and --gpu-hbm-gib: both required"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --hardware a100-80g-4nvme",
+            "not with --calibrate"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("no_write.json"),
+            "best.write.result.gb_per_s.median: missing"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("none.json"),
+            "cannot read"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-device gpu",
+            "emulated or cuda"},
+       }) {
+    Outcome r = Execute(kPlan + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.says)) << c.args;
+  }
+}
+
 }  // namespace

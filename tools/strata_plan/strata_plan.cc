@@ -16,6 +16,11 @@
 // scheduler's plan on modelled lanes, sched/plan_step.h): its time beside its lower bound, each
 // lane's busy time and bytes, what the trainer waited on, tokens per second and model TFLOPs per
 // GPU; --svg draws the predicted step's lanes.
+//
+// --calibrate describes this machine by measurement instead of --hardware (calibrate.h says what
+// is measured and how; --gpu-tflops and --gpu-hbm-gib are required, --sweep gives NVMe from
+// aio_bench_perf_sweep's results.json): it prints the description, writes it to --save-hardware
+// when given, and plans --model on it when one is given.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +42,7 @@
 #include "sched/plan_model.h"
 #include "sched/plan_time.h"
 #include "tools/aio_bench/flags.h"
+#include "tools/strata_plan/calibrate.h"
 
 ABSL_FLAG(std::string, model, "", "the model: a Hugging Face config.json (required)");
 ABSL_FLAG(std::string, hardware, "",
@@ -54,6 +60,21 @@ ABSL_FLAG(std::string, json, "", "also write the plan as JSON here");
 ABSL_FLAG(bool, suggest, false,
           "search for the fastest configuration that fits (stage, offload, micro-batch, "
           "checkpointing, prefetch bucket) and print it as a config block to paste");
+ABSL_FLAG(bool, calibrate, false,
+          "describe this machine by measurement instead of --hardware (CPU Adam, the copy link, "
+          "NVMe from --sweep); needs --gpu-tflops and --gpu-hbm-gib");
+ABSL_FLAG(std::string, sweep, "",
+          "with --calibrate: aio_bench_perf_sweep's results.json for the NVMe tier (none: no "
+          "NVMe tier)");
+ABSL_FLAG(std::string, calibrate_dir, ".",
+          "with --calibrate and --sweep: a folder on the NVMe tier's file system (its capacity)");
+ABSL_FLAG(std::string, calibrate_device, "emulated",
+          "with --calibrate: the copy link to time: emulated (the host-emulated engine, no GPU) or "
+          "cuda (GPU 0)");
+ABSL_FLAG(double, gpu_tflops, 0, "with --calibrate: one GPU's dense 16-bit TFLOPS");
+ABSL_FLAG(double, gpu_hbm_gib, 0, "with --calibrate: one GPU's HBM in GiB");
+ABSL_FLAG(int32_t, gpus, 1, "with --calibrate: GPUs in the node");
+ABSL_FLAG(std::string, save_hardware, "", "with --calibrate: also write the description here");
 ABSL_FLAG(std::string, svg, "",
           "write a timeline of one predicted step here (SVG: a lane each for the GPU, the CPU "
           "optimizer, PCIe each way, NVMe reads and writes)");
@@ -207,14 +228,44 @@ int Main() {
     for (const std::string& n : ShippedNames()) std::printf("%s\n", n.c_str());
     return 0;
   }
-  if (absl::GetFlag(FLAGS_model).empty())
-    aio_bench::BadFlag("--model", "required: a Hugging Face config.json");
-  if (absl::GetFlag(FLAGS_hardware).empty()) {
-    aio_bench::BadFlag("--hardware", "required: a description's path or a shipped name");
+  std::string hw_path;
+  Json hw_json;
+  if (absl::GetFlag(FLAGS_calibrate)) {
+    if (!absl::GetFlag(FLAGS_hardware).empty()) {
+      aio_bench::BadFlag("--hardware", "not with --calibrate, which measures this machine");
+    }
+    const std::string device = absl::GetFlag(FLAGS_calibrate_device);
+    if (device != "emulated" && device != "cuda") {
+      aio_bench::BadFlag("--calibrate-device", "emulated or cuda");
+    }
+    plan_tool::CalibrateOptions o;
+    o.sweep_results = absl::GetFlag(FLAGS_sweep);
+    o.dir = absl::GetFlag(FLAGS_calibrate_dir);
+    o.cuda = device == "cuda";
+    o.gpus = absl::GetFlag(FLAGS_gpus);
+    o.gpu_tflops = absl::GetFlag(FLAGS_gpu_tflops);
+    o.gpu_hbm_gib = absl::GetFlag(FLAGS_gpu_hbm_gib);
+    auto measured = plan_tool::CalibrateHardware(o);
+    if (!measured.ok()) Fail(absl::StrCat("--calibrate: ", measured.status().message()));
+    hw_json = *measured;
+    hw_path = "--calibrate";
+    std::printf("%s\n", hw_json.dump(2).c_str());
+    if (!absl::GetFlag(FLAGS_save_hardware).empty()) {
+      WriteFile("save-hardware", absl::GetFlag(FLAGS_save_hardware), hw_json.dump(2) + "\n");
+    }
+    if (absl::GetFlag(FLAGS_model).empty()) return 0;
+  } else {
+    if (absl::GetFlag(FLAGS_model).empty())
+      aio_bench::BadFlag("--model", "required: a Hugging Face config.json");
+    if (absl::GetFlag(FLAGS_hardware).empty()) {
+      aio_bench::BadFlag("--hardware",
+                         "required: a description's path or a shipped name (or --calibrate)");
+    }
+    hw_path = HardwarePath(absl::GetFlag(FLAGS_hardware));
+    hw_json = ReadJsonFile("hardware", hw_path);
   }
   const Json model_json = ReadJsonFile("model", absl::GetFlag(FLAGS_model));
-  const std::string hw_path = HardwarePath(absl::GetFlag(FLAGS_hardware));
-  auto hw = HardwareFromJson(ReadJsonFile("hardware", hw_path));
+  auto hw = HardwareFromJson(hw_json);
   if (!hw.ok()) Fail(absl::StrCat(hw_path, ": ", hw.status().message()));
   std::vector<std::string> warnings;
   Json config_json = Json::object();
@@ -374,6 +425,10 @@ int Main() {
 
 int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(argc, argv, strata::sched::plan::kUsage, "strata_plan",
-                                      {{"sequence", 0, 1 << 24}, {"micro_batch", 0, 1 << 20}});
+                                      {{"sequence", 0, 1 << 24},
+                                       {"micro_batch", 0, 1 << 20},
+                                       {"gpu_tflops", 0, 1e6},
+                                       {"gpu_hbm_gib", 0, 1e6},
+                                       {"gpus", 1, 1024}});
   return strata::sched::plan::Main();
 }
