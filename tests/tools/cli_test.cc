@@ -374,7 +374,8 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
   Write("results.json", R"({"tool": "aio_bench_perf_sweep",
       "best": {"read": {"result": {"op": "read", "gb_per_s": {"median": 3.25}}},
                "write": {"result": {"op": "write", "gb_per_s": {"median": 1.5}}}}})");
-  const std::string calibrate = kPlan + " --calibrate --gpu-tflops 100 --gpu-hbm-gib 24";
+  const std::string calibrate =
+      kPlan + " --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-adam-params 1048576";
   Outcome described = Execute(calibrate + " --sweep " + Path("results.json") + " --calibrate-dir " +
                               dir_.path() + " --save-hardware " + Path("me.json"));
   ASSERT_EQ(described.exit_code, 0) << described.output;
@@ -392,12 +393,13 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
   Outcome planned = Execute(kPlan + " --model " + Path("model.json") + " --hardware " +
                             Path("me.json") + " --config " + Path("nvme.json"));
   EXPECT_NE(planned.exit_code, 2) << planned.output;  // fits or not: this machine's RAM decides
-  EXPECT_THAT(planned.output, HasSubstr("this machine (calibrated"));
-  EXPECT_THAT(planned.output, HasSubstr("FIT"));
+  EXPECT_THAT(planned.output, HasSubstr("hardware: this machine (calibrated"));
+  EXPECT_THAT(planned.output, HasSubstr(planned.exit_code == 0 ? "FITS" : "DOES NOT FIT"));
   Outcome both =
       Execute(calibrate + " --model " + Path("model.json") + " --config " + Path("plain.json"));
   EXPECT_NE(both.exit_code, 2) << both.output;
-  EXPECT_THAT(both.output, HasSubstr("this machine (calibrated"));
+  EXPECT_THAT(both.output, HasSubstr("hardware: this machine (calibrated"));  // the plan's header
+  EXPECT_THAT(both.output, HasSubstr("13.02B parameters"));
 
   Write("no_write.json", R"({"best": {"read": {"result": {"gb_per_s": {"median": 3.0}}}}})");
   struct Case {
@@ -413,6 +415,13 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
             "cannot read"},
            {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-device gpu",
             "emulated or cuda"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + dir_.path(),
+            "the results.json file"},  // found by an audit: a folder aborted the tool
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 0.01",
+            "not one the planner accepts"},  // found by an audit: saved, then refused
+           {" --model " + Path("model.json") + " --hardware a100-80g-4nvme --sweep " +
+                Path("results.json"),
+            "--sweep: only with --calibrate"},  // found by an audit: silently ignored
        }) {
     Outcome r = Execute(kPlan + c.args);
     EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;

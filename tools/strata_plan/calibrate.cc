@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
+#include "sched/plan_hardware.h"
 #include "tiering/link_bandwidth.h"
 
 namespace strata::plan_tool {
@@ -37,14 +38,15 @@ absl::StatusOr<double> AdamBytesPerSecond(uint64_t n) {
   chunk.param_copy = copy.data();
   chunk.copy_dtype = optim_cpu::DType::kBF16;
   chunk.size = n;
-  double best = 0;
+  std::vector<double> rates;
   for (int64_t t = 1; t <= 4; ++t) {  // the first touches the pages
     const auto t0 = std::chrono::steady_clock::now();
     STRATA_RETURN_IF_ERROR(adam->Step(t, chunk).status());
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (t > 1) best = std::max(best, 28.0 * static_cast<double>(n) / s);
+    if (t > 1) rates.push_back(28.0 * static_cast<double>(n) / s);
   }
-  return best;
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];  // the median of three
 }
 
 std::string Today() {
@@ -83,9 +85,17 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat("--gpus is ", o.gpus, "; at least 1"));
   }
   std::optional<std::pair<double, double>> nvme;
+  std::vector<std::string> sweep_warnings;
   if (!o.sweep_results.empty()) {
-    std::ifstream in(o.sweep_results);
-    if (!in) return absl::InvalidArgumentError(absl::StrCat(o.sweep_results, ": cannot read"));
+    std::error_code ec;
+    std::ifstream in;
+    if (std::filesystem::is_regular_file(o.sweep_results, ec)) in.open(o.sweep_results);
+    if (!in.is_open() || !in) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--sweep ", o.sweep_results,
+          ": cannot read (accepted: the results.json file in aio_bench_perf_sweep's --out "
+          "folder)"));
+    }
     const Json results = Json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (results.is_discarded()) {
       return absl::InvalidArgumentError(absl::StrCat(o.sweep_results, ": not JSON"));
@@ -96,6 +106,11 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
           absl::StrCat(o.sweep_results, ": ", picked.status().message()));
     }
     nvme = *picked;
+    if (results.contains("warnings") && results["warnings"].is_array()) {
+      for (const Json& w : results["warnings"]) {
+        if (w.is_string()) sweep_warnings.push_back(w.get<std::string>());
+      }
+    }
   }
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
   const int cores = std::max(1u, std::thread::hardware_concurrency());
@@ -103,7 +118,7 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
   STRATA_ASSIGN_OR_RETURN(const tiering::LinkBandwidth link, tiering::MeasureLinkBandwidth(o.cuda));
   std::string source = absl::StrFormat(
       "measured by strata_plan --calibrate on %s: host RAM and cores from the OS; CPU Adam %.1f "
-      "GB/s (28 B/param, %llu parameters, best of 3); the copy link %s, %.1f GB/s to the device "
+      "GB/s (28 B/param, %llu parameters, median of 3); the copy link %s, %.1f GB/s to the device "
       "and %.1f to the host",
       Today(), adam / 1e9, static_cast<unsigned long long>(o.adam_params),
       o.cuda ? "timed on the CUDA copy engine (pinned host <-> GPU 0)"
@@ -111,8 +126,13 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
                "both directions: no GPU was used)",
       link.to_device / 1e9, link.to_host / 1e9);
   if (nvme) {
-    absl::StrAppendFormat(&source, "; NVMe %.2f GB/s read, %.2f write from %s (one drive)",
-                          nvme->first / 1e9, nvme->second / 1e9, o.sweep_results);
+    absl::StrAppendFormat(&source,
+                          "; NVMe %.2f GB/s read, %.2f write from %s (one drive; capacity: the "
+                          "space available under %s)",
+                          nvme->first / 1e9, nvme->second / 1e9, o.sweep_results, o.dir);
+    for (const std::string& w : sweep_warnings) {
+      absl::StrAppend(&source, "; the sweep warned: ", w);
+    }
   } else {
     source += "; no NVMe tier (no sweep results given)";
   }
@@ -134,7 +154,12 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
     j["nvme"] = {{"drives", 1},
                  {"read_gbps", nvme->first / 1e9},
                  {"write_gbps", nvme->second / 1e9},
-                 {"capacity_tb", static_cast<double>(space.capacity) / 1e12}};
+                 {"capacity_tb", static_cast<double>(space.available) / 1e12}};
+  }
+  // What --hardware would refuse is refused here, before it is saved.
+  if (auto hw = sched::plan::HardwareFromJson(j); !hw.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the measured description is not one the planner accepts: ", hw.status().message()));
   }
   return j;
 }

@@ -75,6 +75,8 @@ ABSL_FLAG(double, gpu_tflops, 0, "with --calibrate: one GPU's dense 16-bit TFLOP
 ABSL_FLAG(double, gpu_hbm_gib, 0, "with --calibrate: one GPU's HBM in GiB");
 ABSL_FLAG(int32_t, gpus, 1, "with --calibrate: GPUs in the node");
 ABSL_FLAG(std::string, save_hardware, "", "with --calibrate: also write the description here");
+ABSL_FLAG(int64_t, calibrate_adam_params, int64_t{64} << 20,
+          "with --calibrate: parameters in the CPU Adam step timed");
 ABSL_FLAG(std::string, svg, "",
           "write a timeline of one predicted step here (SVG: a lane each for the GPU, the CPU "
           "optimizer, PCIe each way, NVMe reads and writes)");
@@ -88,7 +90,9 @@ using Json = nlohmann::json;
 constexpr const char* kUsage =
     "strata_plan: will this model fit on this machine with this config (bytes per tier)\n\n"
     "  strata_plan --model config.json --hardware NAME|FILE [--config ds_config.json] "
-    "[--suggest] [--svg F]\n\n"
+    "[--suggest] [--svg F]\n"
+    "  strata_plan --calibrate --gpu-tflops T --gpu-hbm-gib G [--sweep results.json] "
+    "[--save-hardware F] [--model config.json ...]\n\n"
     "Exit codes: 0 it fits, 1 it does not, 2 bad input.";
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -230,6 +234,25 @@ int Main() {
   }
   std::string hw_path;
   Json hw_json;
+  Json model_json;
+  if (!absl::GetFlag(FLAGS_model).empty()) {
+    model_json = ReadJsonFile("model", absl::GetFlag(FLAGS_model));  // before any measuring
+  }
+  if (!absl::GetFlag(FLAGS_calibrate)) {
+    // A flag of --calibrate's given without it would be ignored: refuse it instead.
+    for (const auto& [name, given] : std::vector<std::pair<const char*, bool>>{
+             {"--sweep", !absl::GetFlag(FLAGS_sweep).empty()},
+             {"--save-hardware", !absl::GetFlag(FLAGS_save_hardware).empty()},
+             {"--gpu-tflops", absl::GetFlag(FLAGS_gpu_tflops) != 0},
+             {"--gpu-hbm-gib", absl::GetFlag(FLAGS_gpu_hbm_gib) != 0},
+             {"--gpus", absl::GetFlag(FLAGS_gpus) != 1},
+             {"--calibrate-dir", absl::GetFlag(FLAGS_calibrate_dir) != "."},
+             {"--calibrate-device", absl::GetFlag(FLAGS_calibrate_device) != "emulated"},
+             {"--calibrate-adam-params",
+              absl::GetFlag(FLAGS_calibrate_adam_params) != int64_t{64} << 20}}) {
+      if (given) aio_bench::BadFlag(name, "only with --calibrate");
+    }
+  }
   if (absl::GetFlag(FLAGS_calibrate)) {
     if (!absl::GetFlag(FLAGS_hardware).empty()) {
       aio_bench::BadFlag("--hardware", "not with --calibrate, which measures this machine");
@@ -245,6 +268,7 @@ int Main() {
     o.gpus = absl::GetFlag(FLAGS_gpus);
     o.gpu_tflops = absl::GetFlag(FLAGS_gpu_tflops);
     o.gpu_hbm_gib = absl::GetFlag(FLAGS_gpu_hbm_gib);
+    o.adam_params = static_cast<uint64_t>(absl::GetFlag(FLAGS_calibrate_adam_params));
     auto measured = plan_tool::CalibrateHardware(o);
     if (!measured.ok()) Fail(absl::StrCat("--calibrate: ", measured.status().message()));
     hw_json = *measured;
@@ -264,7 +288,6 @@ int Main() {
     hw_path = HardwarePath(absl::GetFlag(FLAGS_hardware));
     hw_json = ReadJsonFile("hardware", hw_path);
   }
-  const Json model_json = ReadJsonFile("model", absl::GetFlag(FLAGS_model));
   auto hw = HardwareFromJson(hw_json);
   if (!hw.ok()) Fail(absl::StrCat(hw_path, ": ", hw.status().message()));
   std::vector<std::string> warnings;
@@ -429,6 +452,7 @@ int main(int argc, char** argv) {
                                        {"micro_batch", 0, 1 << 20},
                                        {"gpu_tflops", 0, 1e6},
                                        {"gpu_hbm_gib", 0, 1e6},
-                                       {"gpus", 1, 1024}});
+                                       {"gpus", 1, 1024},
+                                       {"calibrate_adam_params", 1 << 16, int64_t{1} << 32}});
   return strata::sched::plan::Main();
 }
