@@ -1,4 +1,5 @@
 // The two programs as a user runs them: bad flags, a tiny sweep end to end, the test file's fate.
+#include <sched.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
 
@@ -387,6 +388,14 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
   EXPECT_GT(me["host"]["optimizer_gbps"].get<double>(), 0.1);   // measured: a CPU Adam step
   EXPECT_GT(me["pcie"]["to_device_gbps"].get<double>(), 0.01);  // measured: the emulated engine
   EXPECT_GE(me["host"]["cores"].get<int>(), 1);
+  // The cores this process may use: one under taskset (found by an audit: the machine's count).
+  cpu_set_t allowed;
+  ASSERT_EQ(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &allowed)) ++first;
+  Outcome pinned = Execute("taskset -c " + std::to_string(first) + " " + calibrate);
+  ASSERT_EQ(pinned.exit_code, 0) << pinned.output;
+  EXPECT_THAT(pinned.output, HasSubstr("\"cores\": 1,"));
   EXPECT_DOUBLE_EQ(me["gpu"]["tflops"].get<double>(), 100);
   EXPECT_THAT(me["source"].get<std::string>(), HasSubstr("host-emulated copy engine"));
   // The saved description reads back as --hardware, and --calibrate plans a model on itself.
@@ -401,6 +410,7 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
   EXPECT_THAT(both.output, HasSubstr("hardware: this machine (calibrated"));  // the plan's header
   EXPECT_THAT(both.output, HasSubstr("13.02B parameters"));
 
+  Write("torn.json", "{\"best\": ");
   Write("no_write.json", R"({"best": {"read": {"result": {"gb_per_s": {"median": 3.0}}}}})");
   struct Case {
     std::string args, says;
@@ -415,6 +425,8 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
             "cannot read"},
            {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-device gpu",
             "emulated or cuda"},
+           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("torn.json"),
+            "--sweep " + Path("torn.json") + ": not JSON"},
            {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + dir_.path(),
             "the results.json file"},  // found by an audit: a folder aborted the tool
            {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 0.01",

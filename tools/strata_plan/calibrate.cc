@@ -1,5 +1,6 @@
 #include "tools/strata_plan/calibrate.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -98,7 +99,9 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
     }
     const Json results = Json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (results.is_discarded()) {
-      return absl::InvalidArgumentError(absl::StrCat(o.sweep_results, ": not JSON"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sweep ", o.sweep_results,
+                       ": not JSON (accepted: aio_bench_perf_sweep's results.json)"));
     }
     auto picked = NvmeFromSweep(results);
     if (!picked.ok()) {
@@ -113,11 +116,16 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
     }
   }
   const double ram = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  const int cores = std::max(1u, std::thread::hardware_concurrency());
+  // The cores this process may run on (taskset, a container's cpuset), as the optimizer's pool.
+  cpu_set_t allowed;
+  const int cores = sched_getaffinity(0, sizeof allowed, &allowed) == 0
+                        ? std::max(1, CPU_COUNT(&allowed))
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   STRATA_ASSIGN_OR_RETURN(const double adam, AdamBytesPerSecond(o.adam_params));
   STRATA_ASSIGN_OR_RETURN(const tiering::LinkBandwidth link, tiering::MeasureLinkBandwidth(o.cuda));
   std::string source = absl::StrFormat(
-      "measured by strata_plan --calibrate on %s: host RAM and cores from the OS; CPU Adam %.1f "
+      "measured by strata_plan --calibrate on %s: host RAM from the OS, cores this process may "
+      "use; CPU Adam %.1f "
       "GB/s (28 B/param, %llu parameters, median of 3); the copy link %s, %.1f GB/s to the device "
       "and %.1f to the host",
       Today(), adam / 1e9, static_cast<unsigned long long>(o.adam_params),
