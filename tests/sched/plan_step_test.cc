@@ -32,6 +32,14 @@ std::vector<Group> Reads(std::initializer_list<std::pair<PartitionId, Tier>> ord
   return groups;
 }
 
+// One group that holds `id` on the device (written when `dirty`) for `compute_s`, then hands it to
+// GradientReady.
+Group SentDown(PartitionId id, bool dirty, double compute_s) {
+  Group g{{{id, Tier::kDevice, dirty}}, compute_s};
+  g.gradient_ready = id;
+  return g;
+}
+
 Lanes Link(double bps) {
   Lanes l;
   l.to_device = l.to_host = bps;
@@ -155,8 +163,7 @@ TEST(PlanStepTest, ACopyBeingSentDownKeepsItsRoomUntilTheMoveReadingItEnds) {
   // down (1 s to the host), then a parameter read from NVMe (1 s) and brought up (1 s), which may
   // start only once the gradient's copy is read: 1 + 1 + 2 s a step, not 3.
   StepTrace t = Homed(2, kMB, Tier::kNvme);
-  Group grad{{{0, Tier::kDevice, true}}, 0};
-  grad.gradient_ready = 0;
+  const Group grad = SentDown(0, true, 0);
   t.groups = {grad, {{{1, Tier::kDevice, false}}, 0}};
   auto p = PredictStep(t, Link(1e6), {kMB, kMB}, Lru());
   ASSERT_TRUE(p.ok()) << p.status();
@@ -168,8 +175,7 @@ TEST(PlanStepTest, AGradientTheHostAlreadyHoldsIsNotCopiedBack) {
   // Found by an audit: a device copy brought from a newer host copy and handed to GradientReady was
   // copied to the host again, into room reserved twice. The Runtime drops it: the host has it.
   StepTrace t = Homed(1, kMB, Tier::kNvme);
-  Group read{{{0, Tier::kDevice, false}}, 0};
-  read.gradient_ready = 0;
+  const Group read = SentDown(0, false, 0);
   t.groups = {{{{0, Tier::kHost, true}}, 0}, read};
   auto p = PredictStep(t, Link(1e6), {kMB, 10 * kMB}, Lru());
   ASSERT_TRUE(p.ok()) << p.status();
@@ -181,8 +187,7 @@ TEST(PlanStepTest, AGradientTheHostAlreadyHoldsIsNotCopiedBack) {
 TEST(PlanStepTest, AGradientNeededOnTheDeviceWithinTheLookaheadStays) {
   // As the Runtime's GradientReady: planned, a copy needed again within the window is not sent.
   StepTrace t = Homed(1, kMB, Tier::kHost);
-  Group grad{{{0, Tier::kDevice, true}}, 1.0};
-  grad.gradient_ready = 0;
+  const Group grad = SentDown(0, true, 1.0);
   t.groups = {grad};
   auto p = PredictStep(t, Link(1e6), {kMB, 0});
   ASSERT_TRUE(p.ok()) << p.status();
@@ -282,8 +287,7 @@ TEST(PlanStepTest, AGradientSentDownEvictsForItsHostRoomAsTheRuntimeDoes) {
   // down. Each step: 1's host copy written back (1 s) and 0 read (1 s); 1 read (1 s) and brought
   // up (1 s); 1 sent down (1 s), evicting 0: 5 s, 2 MB read, 1 MB written.
   StepTrace t = Homed(2, kMB, Tier::kNvme);
-  Group grad{{{1, Tier::kDevice, true}}, 0};
-  grad.gradient_ready = 1;
+  const Group grad = SentDown(1, true, 0);
   t.groups = {{{{0, Tier::kHost, false}}, 0}, grad};
   auto p = PredictStep(t, Link(1e6), {kMB, kMB}, Lru());
   ASSERT_TRUE(p.ok()) << p.status();
@@ -303,8 +307,7 @@ TEST(PlanStepTest, APrefetchDoesNotWaitForRoomAnotherMoveIsVacating) {
   t.partitions[0].bytes = 10 * kMB;
   t.home[0] = Tier::kNvme;
   for (int c = 1; c <= 10; ++c) t.groups.push_back({{{PartitionId(c), Tier::kDevice, false}}, 3.0});
-  Group grad{{{0, Tier::kDevice, true}}, 0};
-  grad.gradient_ready = 0;
+  Group grad = SentDown(0, true, 0);
   grad.discard = 0;
   t.groups.push_back(grad);
   SchedulerConfig config;

@@ -43,6 +43,19 @@ const std::string kTiny =
     " --engines io_uring --block-sizes 1M --queue-depths 4 --threads 1 --size 64M --reps 1"
     " --rep-seconds 0.02 --warmup-seconds 0";
 
+struct BadInput {
+  std::string args, says;
+};
+// Runs `command` with each case's arguments: bad input, so exit code 2 and a message saying what
+// was wrong.
+void ExpectRefused(const std::string& command, const std::vector<BadInput>& cases) {
+  for (const BadInput& c : cases) {
+    Outcome r = Execute(command + " " + c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    EXPECT_THAT(r.output, HasSubstr(c.says)) << c.args;
+  }
+}
+
 bool IsMemoryFs(const std::string& dir) {
   struct statfs fs;
   return statfs(dir.c_str(), &fs) == 0 && static_cast<uint64_t>(fs.f_type) == 0x01021994;
@@ -127,33 +140,22 @@ TEST(SweepCliTest, EveryToolTakesDashesAndUnderscoresAlike) {
 }
 
 TEST(SweepCliTest, BadFlagsExitWith2NamingTheFlagAndWhatIsAccepted) {
-  struct Case {
-    std::string args, message;
-  };
-  for (const Case& c : std::vector<Case>{
-           {"", "--nvme-dir: is required"},
-           {"--nvme_dir /tmp --queue-depths 0",
-            "--queue-depths: \"0\" is not an integer in [1, 1024]"},
-           {"--nvme_dir /tmp --block-sizes 24K", "--block-sizes: each must be a power of two"},
-           {"--nvme_dir /tmp --nosuch", "--nosuch: unknown flag; accepted:"},
-           {"--nvme_dir /tmp --budget -5", "--budget: must be a number in [0, 604800], got -5"},
-           {"--nvme_dir /tmp --ops both_ways", "--ops: \"both_ways\": accepted: read, write"},
-           {"--nvme_dir /tmp --quick=maybe", "--quick: bad value \"maybe\""},
-           {"--nvme_dir /tmp stray", "stray: unexpected argument"}}) {
-    Outcome r = Execute(kSweep + " " + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
-  }
-  for (const Case& c : std::vector<Case>{
-           {"--queue_depth 0", "--queue-depth: must be an integer in [1, 1024], got 0"},
-           {"--threads=-2", "--threads: must be an integer in [1, 256], got -2"},
-           {"--reps 1e3x", "--reps: must be an integer in [1, 1000], got \"1e3x\""},
-           {"--warmup-seconds -1", "--warmup-seconds: must be a number in [0, 600], got -1"},
-           {"--direct false", "--direct: a boolean takes its value after '='"}}) {
-    Outcome r = Execute(kBench + " --dir /tmp " + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(c.message)) << c.args;
-  }
+  ExpectRefused(
+      kSweep,
+      {{"", "--nvme-dir: is required"},
+       {"--nvme_dir /tmp --queue-depths 0", "--queue-depths: \"0\" is not an integer in [1, 1024]"},
+       {"--nvme_dir /tmp --block-sizes 24K", "--block-sizes: each must be a power of two"},
+       {"--nvme_dir /tmp --nosuch", "--nosuch: unknown flag; accepted:"},
+       {"--nvme_dir /tmp --budget -5", "--budget: must be a number in [0, 604800], got -5"},
+       {"--nvme_dir /tmp --ops both_ways", "--ops: \"both_ways\": accepted: read, write"},
+       {"--nvme_dir /tmp --quick=maybe", "--quick: bad value \"maybe\""},
+       {"--nvme_dir /tmp stray", "stray: unexpected argument"}});
+  ExpectRefused(kBench + " --dir /tmp ",
+                {{"--queue_depth 0", "--queue-depth: must be an integer in [1, 1024], got 0"},
+                 {"--threads=-2", "--threads: must be an integer in [1, 256], got -2"},
+                 {"--reps 1e3x", "--reps: must be an integer in [1, 1000], got \"1e3x\""},
+                 {"--warmup-seconds -1", "--warmup-seconds: must be a number in [0, 600], got -1"},
+                 {"--direct false", "--direct: a boolean takes its value after '='"}});
 }
 
 #ifdef STRATA_BENCH_BINARY_DIR
@@ -342,29 +344,23 @@ TEST_F(PlanCliTest, BadInputIsNamedAndExitsTwo) {
                             "pcie": {"to_device_gbps": 1, "to_host_gbps": 1}})");
   Write("not_json.json", "{\"stage\": ");
   const std::string model = " --model " + Path("model.json");
-  struct Case {
-    std::string args, says;
-  };
-  for (const Case& c : std::vector<Case>{
-           {" --hardware a100-80g-4nvme", "--model: required"},
-           {model, "--hardware: required"},
-           {model + " --hardware a100-80g-4nvmee", "did you mean a100-80g-4nvme?"},
-           {" --model " + Path("bad_model.json") + " --hardware a100-80g-4nvme",
-            "num_attention_heads (or n_head): missing"},
-           {model + " --hardware " + Path("bad_hw.json"), "did you mean to_host_gbps?"},
-           {model + " --hardware " + Path("no_nvme.json") + " --config " + Path("nvme.json"),
-            "offload_param.device: nvme, but the hardware"},
-           {model + " --hardware a100-80g-4nvme --config " + Path("not_json.json"),
-            "not valid JSON at line 1"},
-           {model + " --hardware a100-80g-4nvme --config " + Path("missing.json"),
-            "--config: cannot read"},
-           {model + " --hardware a100-80g-4nvme --micro-batch -1",
-            "--micro-batch: must be an integer"},
-       }) {
-    Outcome r = Execute(kPlan + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(c.says)) << c.args;
-  }
+  ExpectRefused(
+      kPlan, {
+                 {" --hardware a100-80g-4nvme", "--model: required"},
+                 {model, "--hardware: required"},
+                 {model + " --hardware a100-80g-4nvmee", "did you mean a100-80g-4nvme?"},
+                 {" --model " + Path("bad_model.json") + " --hardware a100-80g-4nvme",
+                  "num_attention_heads (or n_head): missing"},
+                 {model + " --hardware " + Path("bad_hw.json"), "did you mean to_host_gbps?"},
+                 {model + " --hardware " + Path("no_nvme.json") + " --config " + Path("nvme.json"),
+                  "offload_param.device: nvme, but the hardware"},
+                 {model + " --hardware a100-80g-4nvme --config " + Path("not_json.json"),
+                  "not valid JSON at line 1"},
+                 {model + " --hardware a100-80g-4nvme --config " + Path("missing.json"),
+                  "--config: cannot read"},
+                 {model + " --hardware a100-80g-4nvme --micro-batch -1",
+                  "--micro-batch: must be an integer"},
+             });
   Outcome list = Execute(kPlan + " --hardware=list");
   EXPECT_EQ(list.exit_code, 0);
   EXPECT_THAT(list.output, HasSubstr("dgx2-v100"));
@@ -412,33 +408,27 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
 
   Write("torn.json", "{\"best\": ");
   Write("no_write.json", R"({"best": {"read": {"result": {"gb_per_s": {"median": 3.0}}}}})");
-  struct Case {
-    std::string args, says;
-  };
-  for (const Case& c : std::vector<Case>{
-           {" --calibrate", "--gpu-tflops and --gpu-hbm-gib: both required"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --hardware a100-80g-4nvme",
-            "not with --calibrate"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("no_write.json"),
-            "best.write.result.gb_per_s.median: missing"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("none.json"),
-            "cannot read"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-device gpu",
-            "emulated or cuda"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("torn.json"),
-            "--sweep " + Path("torn.json") + ": not JSON"},
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + dir_.path(),
-            "the results.json file"},  // found by an audit: a folder aborted the tool
-           {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 0.01",
-            "not one the planner accepts"},  // found by an audit: saved, then refused
-           {" --model " + Path("model.json") + " --hardware a100-80g-4nvme --sweep " +
-                Path("results.json"),
-            "--sweep: only with --calibrate"},  // found by an audit: silently ignored
-       }) {
-    Outcome r = Execute(kPlan + c.args);
-    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
-    EXPECT_THAT(r.output, HasSubstr(c.says)) << c.args;
-  }
+  ExpectRefused(
+      kPlan, {
+                 {" --calibrate", "--gpu-tflops and --gpu-hbm-gib: both required"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --hardware a100-80g-4nvme",
+                  "not with --calibrate"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("no_write.json"),
+                  "best.write.result.gb_per_s.median: missing"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("none.json"),
+                  "cannot read"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --calibrate-device gpu",
+                  "emulated or cuda"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + Path("torn.json"),
+                  "--sweep " + Path("torn.json") + ": not JSON"},
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 24 --sweep " + dir_.path(),
+                  "the results.json file"},  // found by an audit: a folder aborted the tool
+                 {" --calibrate --gpu-tflops 100 --gpu-hbm-gib 0.01",
+                  "not one the planner accepts"},  // found by an audit: saved, then refused
+                 {" --model " + Path("model.json") + " --hardware a100-80g-4nvme --sweep " +
+                      Path("results.json"),
+                  "--sweep: only with --calibrate"},  // found by an audit: silently ignored
+             });
 }
 
 }  // namespace
