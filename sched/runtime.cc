@@ -242,22 +242,12 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     rt->scheduler_ = std::make_unique<Scheduler>(sc);
     rt->step_start_ = Clock::now();
   }
-  for (int i = 0; i < rt->options_.workers; ++i) {
-    rt->workers_.emplace_back([r = rt.get()] { r->WorkerLoop(); });
-  }
+  rt->pool_ = std::make_unique<WorkerPool>(rt->options_.workers);
   return rt;
 }
 
 Runtime::~Runtime() {
-  std::deque<Job> cancelled;
-  {
-    MutexLock lock(&jobs_mu_);
-    stop_ = true;
-    cancelled.swap(jobs_);
-    jobs_cv_.SignalAll();
-  }
-  for (std::thread& t : workers_) t.join();
-  for (Job& j : cancelled) j.cancel();
+  if (pool_ != nullptr) pool_->Stop();  // the jobs still queued are cancelled (none: Create failed)
   if (store_ != nullptr) {
     {
       // Pins the trainer left are dropped: the process is letting go of the partitions.
@@ -275,28 +265,6 @@ Runtime::~Runtime() {
                        "their latest bytes are lost: ",
                        s.message()));
     }
-  }
-}
-
-bool Runtime::Post(std::function<void()> job, std::function<void()> cancel) {
-  MutexLock lock(&jobs_mu_);
-  if (stop_) return false;
-  jobs_.push_back({std::move(job), std::move(cancel)});
-  jobs_cv_.Signal();
-  return true;
-}
-
-void Runtime::WorkerLoop() {
-  for (;;) {
-    Job j;
-    {
-      MutexLock lock(&jobs_mu_);
-      while (!stop_ && jobs_.empty()) jobs_cv_.Wait(&jobs_mu_);
-      if (stop_) return;
-      j = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    j.run();
   }
 }
 
@@ -943,11 +911,11 @@ void Runtime::PlanPrefetchesLocked() {
       break;  // DeepSpeed-like: prefetching stops at the first partition still on NVMe
     }
     const bool queued =
-        Post([this, id = u.id, tier = u.tier] { RunPrefetch(id, tier, true, nullptr); },
-             [this, key] {
-               MutexLock lock(&mu_);
-               prefetching_.erase(key);
-             });
+        pool_->Post([this, id = u.id, tier = u.tier] { RunPrefetch(id, tier, true, nullptr); },
+                    [this, key] {
+                      MutexLock lock(&mu_);
+                      prefetching_.erase(key);
+                    });
     if (!queued) return;  // the Runtime is being destroyed
     prefetching_.insert(key);
     ++step_.r.prefetches;
@@ -1013,7 +981,7 @@ std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
                                                 "addressable)")));
     return f;
   }
-  const bool queued = Post(
+  const bool queued = pool_->Post(
       [this, done, id, tier] { RunPrefetch(id, tier, false, done.get()); },
       [done] { done->set_value(absl::CancelledError("prefetch: the Runtime was destroyed")); });
   if (!queued) done->set_value(absl::CancelledError("prefetch: the Runtime is being destroyed"));
@@ -1033,15 +1001,16 @@ void Runtime::GradientReady(PartitionId id) {
   });
 }
 
-void Runtime::PostForPartition(PartitionId id, std::function<void(const Residency&)> work) {
-  Post(
+void Runtime::PostForPartition(PartitionId id, std::function<void(const Residency&)> work,
+                               bool background) {
+  pool_->Post(
       [this, id, work = std::move(work)] {
         MutexLock lock(&mu_);
         if (!parts_.contains(id)) return;  // unregistered meanwhile
         WaitForMoveLocked(id);
         if (auto r = table_->Get(id); r.ok()) work(*r);
       },
-      [] {});
+      [] {}, background);
 }
 
 void Runtime::CountWriteBackFailure(const absl::Status& s) {
@@ -1064,15 +1033,18 @@ void Runtime::WriteBackEarlyLocked(PartitionId id) {
     return r.ok() && r->has_copy[I(Tier::kHost)];
   };
   if (!scheduler_->EvictedBeforeNextUse(id, capacity, resident)) return;
-  PostForPartition(id, [this, id](const Residency& r) {
-    if (!r.only_current(Tier::kHost) || r.pins[I(Tier::kHost)] > 0) return;
-    absl::Status s = MoveLocked(id, Tier::kHost, Tier::kNvme, Purpose::kEvict, 0, nullptr);
-    if (s.ok()) {
-      ++stats_.write_backs;
-      ++step_.r.write_backs;
-    }
-    CountWriteBackFailure(s);
-  });
+  PostForPartition(
+      id,
+      [this, id](const Residency& r) {
+        if (!r.only_current(Tier::kHost) || r.pins[I(Tier::kHost)] > 0) return;
+        absl::Status s = MoveLocked(id, Tier::kHost, Tier::kNvme, Purpose::kEvict, 0, nullptr);
+        if (s.ok()) {
+          ++stats_.write_backs;
+          ++step_.r.write_backs;
+        }
+        CountWriteBackFailure(s);
+      },
+      /*background=*/true);
 }
 
 StepReport Runtime::EndStep() {

@@ -99,6 +99,7 @@
 #include "base/mutex.h"
 #include "optim_cpu/adam.h"
 #include "sched/scheduler.h"
+#include "sched/worker_pool.h"
 #include "swap/mover.h"
 #include "swap/optimizer_swapper.h"
 #include "swap/staging_pool.h"
@@ -336,14 +337,12 @@ class Runtime {
   void WriteBackEarlyLocked(PartitionId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CountWriteBackFailure(const absl::Status& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs `work` on a worker, under the lock, once no move of `id` is in flight (not at all when it
-  // has been unregistered meanwhile).
-  void PostForPartition(PartitionId id, std::function<void(const tiering::Residency&)> work);
+  // has been unregistered meanwhile). A `background` job (an early write-back) runs after the
+  // queued others, and never on the last worker free: a prefetch always finds one.
+  void PostForPartition(PartitionId id, std::function<void(const tiering::Residency&)> work,
+                        bool background = false);
   StepReport EndStepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPrefetch(PartitionId id, Tier tier, bool planned, std::promise<absl::Status>* done);
-  // Queues a job for the workers, whose `cancel` runs instead if the Runtime is destroyed first.
-  // False (nothing queued, `cancel` not run) once the destructor has begun.
-  bool Post(std::function<void()> job, std::function<void()> cancel);
-  void WorkerLoop();
   double Now() const;
   void Warn(std::string w);
   // A warning raised under mu_: told (to the callback, which may call the Runtime) by
@@ -391,16 +390,8 @@ class Runtime {
   StepCounters step_ ABSL_GUARDED_BY(mu_);
   RuntimeStats stats_ ABSL_GUARDED_BY(mu_);
 
-  // The worker threads and their queue.
-  struct Job {
-    std::function<void()> run;
-    std::function<void()> cancel;
-  };
-  Mutex jobs_mu_;
-  CondVar jobs_cv_;
-  std::deque<Job> jobs_ ABSL_GUARDED_BY(jobs_mu_);
-  bool stop_ ABSL_GUARDED_BY(jobs_mu_) = false;
-  std::vector<std::thread> workers_;
+  // The worker threads: prefetches, GradientReady's moves, early write-backs (in the background).
+  std::unique_ptr<WorkerPool> pool_;
 };
 
 }  // namespace strata::sched
