@@ -30,7 +30,8 @@
 // device and host budgets together; and phase by phase (PhaseLowerBounds), the sum of
 // each phase's max(compute, link time, disk time). The bandwidths are measured in the same run (the
 // copy engine timed on a large copy; the disk by fio reads and writes at the store's block size and
-// depth, or strata's aio engine where fio is not installed, as the output says). The figure is
+// depth, or strata's aio engine where fio is not installed, as the output says; a write-back's
+// commit, the store's syncs, by timing Puts of 4 KiB, for the planner only). The figure is
 // the median step time after the first two steps; strata's scheduler is printed beside on-demand +
 // LRU and a DeepSpeed-like policy (device-only prefetch of a fixed bucket, at most two in flight,
 // no read-ahead from NVMe), each as a ratio to the bound.
@@ -56,6 +57,7 @@
 #include "sched/step_bound.h"
 #include "tiering/copy_engine.h"
 #include "tiering/link_bandwidth.h"
+#include "tiering/nvme_store.h"
 #include "tools/aio_bench/flags.h"
 #include "tools/aio_bench/scratch.h"
 
@@ -355,7 +357,7 @@ int Main() {
   }
   std::map<std::string, std::vector<double>> seconds, bounds, ratios;
   std::map<std::string, sched::StepReport> last;
-  std::vector<double> copy_bps_all, read_bps_all, write_bps_all;
+  std::vector<double> copy_bps_all, read_bps_all, write_bps_all, commit_s_all;
   bool disk_by_fio = true;
   std::vector<double> link_s_all, by_phase_all, predicted_all, honesty;
   sched::plan::Bound bound_detail;
@@ -367,6 +369,14 @@ int Main() {
       const double copy_bps = link_bps.to_device;
       const DiskBps disk_bps = MeasureDiskBps(**engine, config.aio, root + "/disk.bin", 64 << 20);
       const double read_bps = disk_bps.read, write_bps = disk_bps.write;
+      // A write-back's commit in the store (the planner's Lanes::nvme_commit_s).
+      auto commit = tiering::MeasureCommitSeconds(root + "/commit", engine->get());
+      if (!commit.ok()) {
+        std::fprintf(stderr, "sched_step: %s\n", commit.status().ToString().c_str());
+        return 1;
+      }
+      const double commit_s = *commit;
+      commit_s_all.push_back(commit_s);
       disk_by_fio = disk_by_fio && disk_bps.by_fio;
       if (copy_bps <= 0 || read_bps <= 0 || write_bps <= 0) {
         std::fprintf(stderr, "sched_step: measuring the bound's bandwidths failed\n");
@@ -378,6 +388,7 @@ int Main() {
       Lanes lanes = link_bps;
       lanes.nvme_read = read_bps;
       lanes.nvme_write = write_bps;
+      lanes.nvme_commit_s = commit_s;
       lanes.staging_bytes = static_cast<uint64_t>(config.offload_param.buffer_size);
       lanes.staging_count = static_cast<int>(config.offload_param.buffer_count);
       // The step's bound: the whole step's traffic (Belady's), or phase by phase what each
@@ -453,9 +464,11 @@ int Main() {
     const Summary h = Summary::Of(honesty);
     std::printf(
         "planner: predicted %.1f ms per step (median of %zu rounds); strata measured %.2fx the "
-        "prediction (median; %.2f-%.2f), %s the 15%% the planner promises\n",
+        "prediction (median; %.2f-%.2f), %s the 15%% the planner promises; the store's commit "
+        "per write-back, measured: %.2f ms (median)\n",
         Summary::Of(predicted_all).median * 1e3, predicted_all.size(), h.median, h.min, h.max,
-        h.median >= 0.85 && h.median <= 1.15 ? "within" : "NOT within");
+        h.median >= 0.85 && h.median <= 1.15 ? "within" : "NOT within",
+        Summary::Of(commit_s_all).median * 1e3);
     // Where the prediction spends the step, to set beside the runtime's report above.
     std::printf("planner, last round: %.1f ms; the trainer waited", prediction.step_s * 1e3);
     for (int l = 0; l < sched::plan::kLaneCount; ++l) {

@@ -123,7 +123,8 @@ absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
 
   const Json* nvme = nullptr;
   STRATA_ASSIGN_OR_RETURN(
-      nvme, Block(j, "nvme", false, {"drives", "read_gbps", "write_gbps", "capacity_tb"}));
+      nvme,
+      Block(j, "nvme", false, {"drives", "read_gbps", "write_gbps", "capacity_tb", "commit_ms"}));
   if (nvme != nullptr) {
     double read = 0, write = 0, tb = 0;
     STRATA_ASSIGN_OR_RETURN(h.nvme_drives, Count(*nvme, "nvme", "drives", 1, 1024, 1));
@@ -133,6 +134,9 @@ absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
     h.nvme_read = read * 1e9 * h.nvme_drives;
     h.nvme_write = write * 1e9 * h.nvme_drives;
     h.nvme_bytes = tb * 1e12 * h.nvme_drives;
+    double commit_ms = 0;
+    STRATA_ASSIGN_OR_RETURN(commit_ms, Number(*nvme, "nvme", "commit_ms", 0, 1000, 0.0));
+    h.nvme_commit_s = commit_ms / 1e3;
   }
   return h;
 }

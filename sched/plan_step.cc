@@ -58,6 +58,7 @@ struct Copy {
   double busy_until = 0;  // in use by a group (kInf while its group acquires)
   double last_use = 0;
   double read_until = 0;  // the end of the last move reading it: its room is not free before
+  Lane read_by = kGpu;    // that move's lane
   double room_from = 0;   // when its room (outside its home) was granted
 };
 
@@ -104,6 +105,7 @@ class Replay {
     }
     for (int i = 0; i < lanes_.staging_count; ++i) staging_.push(0.0);
     for (int i = 0; i < lanes_.workers; ++i) workers_.push(0.0);
+    for (int i = 1; i < lanes_.workers; ++i) background_.push(0.0);
   }
 
   absl::Status Run(Prediction* out) {
@@ -197,7 +199,10 @@ class Replay {
   std::pair<double, Lane> Move(PartitionId id, Tier from, Tier to, double ready) {
     const std::pair<double, Lane> done = Carry(id, from, to, ready);
     Copy& src = parts_[id].at[I(from)];
-    src.read_until = std::max(src.read_until, done.first);
+    if (done.first > src.read_until) {
+      src.read_until = done.first;
+      src.read_by = done.second;
+    }
     return done;
   }
   std::pair<double, Lane> Carry(PartitionId id, Tier from, Tier to, double ready) {
@@ -212,13 +217,16 @@ class Replay {
       return {Transfer(kNvmeRead, ready, bytes, id), kNvmeRead};
     }
     if (from == Tier::kHost && to == Tier::kNvme) {
-      return {Transfer(kNvmeWrite, ready, bytes, id), kNvmeWrite};
+      return {Commit(Transfer(kNvmeWrite, ready, bytes, id)), kNvmeWrite};
     }
     if (from == Tier::kNvme && to == Tier::kDevice) {
       return {Staged(kNvmeRead, kToDevice, ready, bytes, id), kToDevice};
     }
-    return {Staged(kToHost, kNvmeWrite, ready, bytes, id), kNvmeWrite};  // device -> NVMe
+    return {Commit(Staged(kToHost, kNvmeWrite, ready, bytes, id)), kNvmeWrite};  // device -> NVMe
   }
+  // A write-back ends once its commit (the store's syncs) follows its bytes: a wait, not the disk's
+  // time (concurrent write-backs' syncs overlap; the file system commits them together).
+  double Commit(double written) const { return written + lanes_.nvme_commit_s; }
 
   // A copy leaves tier `t` (its room is free again at `at`, once the moves reading it end, or once
   // its write-back ends).
@@ -490,15 +498,50 @@ class Replay {
     });
   }
 
+  // The Runtime's early write-back: a host copy released dirty that the host tier will not keep
+  // until its next use (the plan says so) goes down to NVMe, its home, on a worker at once and
+  // stays, clean; its eviction later is a drop.
+  absl::Status WriteBackEarly(PartitionId id, double at) {
+    if (!scheduler_.plans_evictions() || trace_.home[id] != Tier::kNvme) return absl::OkStatus();
+    auto resident = [this](PartitionId other) { return parts_[other].at[I(Tier::kHost)].valid; };
+    if (!scheduler_.EvictedBeforeNextUse(id, room_[I(Tier::kHost)].budget, resident)) {
+      return absl::OkStatus();
+    }
+    return OnWorker(
+        at,
+        [&]() -> absl::StatusOr<std::optional<double>> {
+          Part& p = parts_[id];
+          Copy& host = p.at[I(Tier::kHost)];
+          // As the Runtime's: only while the host's is the only current copy and no group holds it.
+          if (!host.valid || !host.dirty || p.at[I(Tier::kDevice)].valid || host.busy_until > op_) {
+            return std::nullopt;
+          }
+          const double end = Move(id, Tier::kHost, Tier::kNvme, std::max(op_, host.ready)).first;
+          Copy& nvme = p.at[I(Tier::kNvme)];
+          nvme.valid = true;
+          nvme.ready = end;
+          nvme.cause = kNvmeWrite;
+          host.dirty = false;
+          return end;
+        },
+        /*background=*/true);
+  }
+
   // Work on one of the Runtime's worker threads, issued at `issued`: runs once one is free (op_ is
-  // then), holding it until `work` returns the end of what it did (or nullopt: nothing done).
+  // then), holding it until `work` returns the end of what it did (or nullopt: nothing done). A
+  // background job (an early write-back) runs on one of workers - 1 threads of its own (on the
+  // one worker when there is only one): the Runtime runs the other jobs first and leaves them a
+  // worker, which this models as if they had all of them (optimistic only while both kinds crowd
+  // the workers).
   absl::Status OnWorker(double issued,
-                        const std::function<absl::StatusOr<std::optional<double>>()>& work) {
-    op_ = std::max(issued, workers_.top());
+                        const std::function<absl::StatusOr<std::optional<double>>()>& work,
+                        bool background = false) {
+    auto& pool = background && lanes_.workers > 1 ? background_ : workers_;
+    op_ = std::max(issued, pool.top());
     STRATA_ASSIGN_OR_RETURN(const std::optional<double> end, work());
     if (end) {
-      workers_.pop();
-      workers_.push(std::max(*end, op_));
+      pool.pop();
+      pool.push(std::max(*end, op_));
     }
     op_ = now_;
     return absl::OkStatus();
@@ -556,6 +599,10 @@ class Replay {
           ready = c.ready;
           cause = c.cause;
         }
+        if (c.read_until > ready) {  // as the Runtime's: a move still reading the copy ends first
+          ready = c.read_until;
+          cause = c.read_by;
+        }
         if (planned && !there && !zeros && !g.on_cpu) scheduler_.OnLateOrMiss();
         STRATA_RETURN_IF_ERROR(Prefetch(ready));  // the Runtime issues them as the acquire returns
       }
@@ -573,6 +620,7 @@ class Replay {
         c.last_use = end;
         if (a.dirty) Write(a.id, a.tier, end);
         scheduler_.OnRelease(trace_.partitions[a.id], a.tier, a.dirty, end);
+        if (a.dirty && a.tier == Tier::kHost) STRATA_RETURN_IF_ERROR(WriteBackEarly(a.id, end));
       }
       if (g.gradient_ready) STRATA_RETURN_IF_ERROR(SendDown(*g.gradient_ready, end));
       if (g.discard) Discard(*g.discard, end);
@@ -616,7 +664,8 @@ class Replay {
   double now_ = 0, step_start_ = 0;
   double op_ = 0;  // when the fetch or eviction being modelled runs: now_ on the trainer, else
                    // when a worker takes it
-  std::priority_queue<double, std::vector<double>, std::greater<>> workers_;  // each free at
+  std::priority_queue<double, std::vector<double>, std::greater<>> workers_;     // each free at
+  std::priority_queue<double, std::vector<double>, std::greater<>> background_;  // their own
   bool reporting_ = false;
   std::vector<Prediction::Span> spans_;
   std::array<std::vector<std::pair<double, double>>, 2> occupied_;  // (time, +-bytes)
@@ -678,6 +727,10 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
   if (nvme && (lanes.nvme_read <= 0 || lanes.nvme_write <= 0)) {
     return absl::InvalidArgumentError(
         "the trace has partitions on NVMe but the disk's bandwidth is not positive");
+  }
+  if (!(lanes.nvme_commit_s >= 0) || std::isinf(lanes.nvme_commit_s)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the disk's commit time per write-back: ", lanes.nvme_commit_s, " s; accepted: 0 or more"));
   }
   if (lanes.staging_count < 1 || lanes.staging_bytes == 0) {
     return absl::InvalidArgumentError("the staging buffers: at least one, of at least one byte");

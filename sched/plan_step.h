@@ -14,7 +14,8 @@
 //  - every move takes time on its lane: the GPU (the trainer's compute), the CPU optimizer, PCIe to
 //    the device and to the host (one link each way, or one shared when `link_duplex` is false, as
 //    the host-emulated device's copy thread), NVMe reads and writes (one disk: a read and a write
-//    do not overlap, their rates are each direction's). A lane runs its moves one after another
+//    do not overlap, their rates are each direction's; a write-back ends `nvme_commit_s` after its
+//    bytes, the store's syncs, which overlap other moves). A lane runs its moves one after another
 //    in the order they were issued. NVMe <-> device moves go through the staging buffers in chunks
 //    (`staging_count` buffers of `staging_bytes`), the disk and the link overlapping chunk by
 //    chunk;
@@ -33,11 +34,16 @@
 //    GradientReady's moves), waiting for one to be free; a prefetch evicts nothing the window
 //    needs and never waits for room another move is vacating (it fails, narrowing the window);
 //    one that finds no room on the device reads its partition from NVMe into the host;
-//    the trainer's own fetches run on its thread, one acquire after another.
+//    the trainer's own fetches run on its thread, one acquire after another, each also waiting
+//    for a move still reading the copy it acquires;
+//  - a host copy released dirty that Belady's rule would evict before its next use is written
+//    back to NVMe at once and stays, clean (the Runtime's early write-back), on at most
+//    workers - 1 threads at once (1 with a single worker); the other jobs, which the Runtime runs
+//    first and always leaves a worker, are modelled as if they had all `workers`.
 // Three steps are replayed (the first records, the next two are planned; the wrap-around prefetch
 // of a planned step reaches into the next); the last is reported. What the Runtime does that the
-// replay does not: its early write-back of dirty host copies the plan will evict, its
-// stage3_max_live_parameters limit, and the copy engine's and the workers' own overheads.
+// replay does not: its stage3_max_live_parameters limit, and the copy engine's and the workers'
+// own overheads beyond the store's commit.
 //
 // Thread safety: pure functions of their arguments.
 #ifndef STRATA_SCHED_PLAN_STEP_H_
@@ -72,6 +78,9 @@ struct Lanes {
   double to_device = 0, to_host = 0;
   bool link_duplex = true;  // PCIe carries both directions at once; else one shared link
   double nvme_read = 0, nvme_write = 0;
+  // A write-back's commit after its bytes, seconds: the NVMe store syncs its data and its manifest
+  // record (tiering/nvme_store.h). The write-back ends that much later; other moves go on.
+  double nvme_commit_s = 0;
   uint64_t staging_bytes = 64 << 20;
   int staging_count = 4;
   int workers = 4;  // the Runtime's worker threads: prefetches and write-backs run on them

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "aio/buffer.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
@@ -1078,6 +1080,39 @@ uint64_t NvmeStore::capacity_bytes() const {
 uint64_t NvmeStore::log_bytes() const {
   MutexLock commit(&commit_mu_);
   return log_end_;
+}
+
+absl::StatusOr<double> MeasureCommitSeconds(const std::string& scratch, aio::Engine* engine,
+                                            int puts) {
+  std::error_code ec;
+  if (puts < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("puts is ", puts, "; at least 1"));
+  }
+  if (std::filesystem::exists(scratch, ec)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("measuring the store's commit: ", scratch, " already exists"));
+  }
+  absl::StatusOr<std::vector<double>> seconds = [&]() -> absl::StatusOr<std::vector<double>> {
+    NvmeStoreOptions so;
+    so.capacity_bytes = 16 << 20;
+    so.on_warning = [](absl::string_view) {};
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<NvmeStore> store, NvmeStore::Open(scratch, so, engine));
+    STRATA_ASSIGN_OR_RETURN(aio::AlignedBuffer block, aio::AlignedBuffer::Allocate(4096));
+    std::memset(block.data(), 0x5a, 4096);
+    std::vector<double> s;
+    for (int i = 0; i < puts; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      STRATA_RETURN_IF_ERROR(store->Put(0, {block.data(), 4096}));
+      s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return s;
+  }();
+  std::filesystem::remove_all(scratch, ec);
+  if (!seconds.ok()) {
+    return Annotate(seconds.status(), absl::StrCat("measuring the store's commit under ", scratch));
+  }
+  std::sort(seconds->begin(), seconds->end());
+  return (*seconds)[seconds->size() / 2];
 }
 
 }  // namespace strata::tiering

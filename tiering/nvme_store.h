@@ -267,6 +267,12 @@ class NvmeStore {
   absl::flat_hash_map<PartitionId, std::unique_ptr<Mutex>> partition_mu_ ABSL_GUARDED_BY(mu_);
 };
 
+// A write-back's cost in the store beyond its bytes (the planner's per-write-back commit): the
+// median time of `puts` Puts of one 4 KiB partition into a scratch store created at `scratch` (a
+// path that must not exist yet; removed after, whatever the outcome).
+absl::StatusOr<double> MeasureCommitSeconds(const std::string& scratch, aio::Engine* engine,
+                                            int puts = 9);
+
 }  // namespace strata::tiering
 
 #endif  // STRATA_TIERING_NVME_STORE_H_

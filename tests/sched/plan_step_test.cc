@@ -120,6 +120,83 @@ TEST(PlanStepTest, TheDiskDoesNotReadAndWriteAtOnce) {
   EXPECT_NEAR(p->bytes[kNvmeWrite], 2e6, 1);
 }
 
+TEST(PlanStepTest, AWriteBackEndsOnceItsCommitFollowsItsBytes) {
+  // As above, each write-back then commits (the store's syncs) for 0.5 s before its room is free
+  // for the read behind it: 2 x (1 + 0.5) + 2 x 1 = 5 s a step, all of it waited for. The bound
+  // counts bytes only.
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  t.groups = {{{{0, Tier::kHost, true}}, 0}, {{{1, Tier::kHost, true}}, 0}};
+  Lanes lanes = Link(1e6);
+  lanes.nvme_commit_s = 0.5;
+  auto p = PredictStep(t, lanes, {0, kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 5.0, 1e-9);
+  EXPECT_NEAR(p->waits_s[kNvmeWrite] + p->waits_s[kNvmeRead], 5.0, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 4.0, 1e-9);
+  EXPECT_NEAR(p->bytes[kNvmeWrite], 2e6, 1);
+}
+
+TEST(PlanStepTest, AHostCopyTheHostCannotKeepIsWrittenBackAsSoonAsItIsReleased) {
+  // Partition 0 is written in the host, then a 5 s group on the device (partition 1, homed there),
+  // then partition 2 wants the host's only room. As the Runtime does, 0 goes down to NVMe as soon
+  // as it is released (the plan evicts it before its next use), under the 5 s, so that 2 waits
+  // only for its own read (1 s), not for 0's write-back too.
+  StepTrace t = Homed(3, kMB, Tier::kNvme);
+  t.home[1] = Tier::kDevice;
+  t.groups = {{{{0, Tier::kHost, true}}, 1},
+              {{{1, Tier::kDevice, false}}, 5},
+              {{{2, Tier::kHost, false}}, 1}};
+  auto p = PredictStep(t, Link(1e6), {0, kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->waits_s[kNvmeRead] + p->waits_s[kNvmeWrite], 2.0, 1e-9);  // 0's read and 2's
+  EXPECT_NEAR(p->step_s, 9.0, 1e-9);
+  bool written_under_the_device_group = false;
+  for (const Prediction::Span& s : p->timeline) {
+    if (s.lane == kNvmeWrite && s.id == 0) {
+      written_under_the_device_group = s.start >= 1 - 1e-9 && s.end <= 6 + 1e-9;
+    }
+  }
+  EXPECT_TRUE(written_under_the_device_group);
+}
+
+TEST(PlanStepTest, AnAcquireWaitsForAMoveStillReadingItsCopy) {
+  // Partition 0 is written in the host, then again after a 0.1 s group on the device. The plan's
+  // estimate counts the device's access against the host's room, so 0 is written back early as it
+  // is released (1 s); the second acquire, to write it, waits for that write-back to end, as the
+  // Runtime's Acquire does (0.9 s).
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  t.home[1] = Tier::kDevice;
+  t.groups = {{{{0, Tier::kHost, true}}, 1},
+              {{{1, Tier::kDevice, false}}, 0.1},
+              {{{0, Tier::kHost, true}}, 1}};
+  auto p = PredictStep(t, Link(1e6), {0, kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->waits_s[kNvmeWrite], 0.9, 1e-9);
+  EXPECT_NEAR(p->step_s, 3.0, 1e-9);
+}
+
+TEST(PlanStepTest, APrefetchDoesNotQueueBehindEarlyWriteBacks) {
+  // Partitions 0 and 1 are written in the host together, and each is written back early as the
+  // group ends (1 s each on the disk, one after the other). Partition 2 (homed in the host, written
+  // by the same group) is prefetched to the device as the next group starts: as in the Runtime, which runs early
+  // write-backs on at most workers - 1 threads and the other jobs first, it finds a worker at once
+  // (1 s over the link), rather than one freed by a write-back.
+  StepTrace t = Homed(4, kMB, Tier::kNvme);
+  t.home[2] = Tier::kHost;
+  t.home[3] = Tier::kDevice;
+  t.groups = {{{{0, Tier::kHost, true}, {1, Tier::kHost, true}, {2, Tier::kHost, true}}, 1},
+              {{{3, Tier::kDevice, false}}, 0.1},
+              {{{2, Tier::kDevice, false}}, 1}};
+  Lanes lanes = Link(1e6);
+  lanes.workers = 2;
+  auto p = PredictStep(t, lanes, {kMB, 2 * kMB});
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (const Prediction::Span& s : p->timeline) {
+    if (s.lane == kToDevice && s.id == 2) EXPECT_NEAR(s.start, 1.0, 1e-9) << "prefetch of 2";
+  }
+  EXPECT_NEAR(p->waits_s[kToDevice], 0.9, 1e-9);
+}
+
 TEST(PlanStepTest, ThePlannedPrefetchHidesTheLinkBehindCompute) {
   // Eight 1 MB layers read on the device, room for three, 1 s of compute each, 0.5 s to bring one
   // down: from the second step the next layer comes while one computes, so the step is its
@@ -409,6 +486,10 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   Lanes no_workers = Link(1e6);
   no_workers.workers = 0;
   EXPECT_NE(PredictStep(t, no_workers, {kMB, 0}).status().message().find("workers: 0"),
+            std::string::npos);
+  Lanes negative_commit = Link(1e6);
+  negative_commit.nvme_commit_s = -1;
+  EXPECT_NE(PredictStep(t, negative_commit, {kMB, 0}).status().message().find("commit time"),
             std::string::npos);
   bad = t;
   bad.home.pop_back();

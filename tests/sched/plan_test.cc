@@ -167,6 +167,10 @@ TEST(PlanHardwareTest, ReadsEveryKeyInItsUnits) {
   EXPECT_DOUBLE_EQ(h->nvme_read, 4 * 6.5e9);  // striped over the drives
   EXPECT_DOUBLE_EQ(h->nvme_write, 4 * 5e9);
   EXPECT_DOUBLE_EQ(h->nvme_bytes, 4 * 3.84e12);
+  EXPECT_DOUBLE_EQ(h->nvme_commit_s, 0);  // the default
+  Json committing = A100();
+  committing["nvme"]["commit_ms"] = 1.5;
+  EXPECT_DOUBLE_EQ(HardwareFromJson(committing)->nvme_commit_s, 1.5e-3);
   Json no_nvme = A100();
   no_nvme.erase("nvme");
   auto without = HardwareFromJson(no_nvme);
@@ -184,6 +188,7 @@ TEST(PlanHardwareTest, BadDescriptionsNameTheKey) {
       {{{"pcie", {{"to_device_gbps", -1}, {"to_host_gbps", 20}}}}, "hardware: pcie.to_device_gbps"},
       {{{"gpus", 2}}, "did you mean gpu?"},
       {{{"nvme", "fast"}}, "hardware: nvme: \"fast\" is not an object"},
+      {{{"nvme", {{"commit_ms", -1}}}}, "hardware: nvme.commit_ms"},
   };
   for (const Case& c : cases) {
     Json j = A100();
@@ -461,6 +466,14 @@ TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
   double waited = 0;
   for (double w : time->step.waits_s) waited += w;
   EXPECT_GT(waited, 0);
+  // A write-back's commit (the store's syncs) is in the lanes and lengthens the step.
+  Json slow = A100();
+  slow["nvme"]["commit_ms"] = 100;
+  const Hardware committing = *HardwareFromJson(slow);
+  auto longer = PlanTime(m, committing, t, *PlanMemory(m, committing, t));
+  ASSERT_TRUE(longer.ok()) << longer.status();
+  EXPECT_DOUBLE_EQ(longer->model.lanes.nvme_commit_s, 0.1);
+  EXPECT_GT(longer->step.step_s, time->step.step_s);
 }
 
 TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {

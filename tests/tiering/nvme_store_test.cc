@@ -107,6 +107,28 @@ TEST(NvmeStoreTest, PartitionsRoundTripAndSurviveReopening) {
   EXPECT_EQ((*store)->generation(), 4u);  // creation + three puts
 }
 
+TEST(NvmeStoreTest, MeasuringTheCommitTimesPutsAndLeavesNothingBehind) {
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  const std::string scratch = dir.File("probe");
+  auto commit = MeasureCommitSeconds(scratch, engine.get(), 3);
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_GT(*commit, 0);
+  EXPECT_LT(*commit, 10);
+  EXPECT_FALSE(std::filesystem::exists(scratch));
+  // A path that exists is not the probe's to remove; a count below one is refused; a write that
+  // fails is named and the scratch store removed all the same.
+  EXPECT_EQ(MeasureCommitSeconds(dir.path(), engine.get()).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(MeasureCommitSeconds(scratch, engine.get(), 0).status().message(),
+              HasSubstr("puts is 0"));
+  auto failing = MakeEngine({aio::FaultRule::Error(EIO)});
+  auto failed = MeasureCommitSeconds(scratch, failing.get());
+  EXPECT_FALSE(failed.ok());
+  EXPECT_THAT(failed.status().message(), HasSubstr("measuring the store's commit"));
+  EXPECT_FALSE(std::filesystem::exists(scratch));
+}
+
 TEST(NvmeStoreTest, PutIsCopyOnWriteAndFreedSpaceIsReused) {
   ScratchDir dir;
   auto engine = MakeEngine();

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -112,13 +113,26 @@ TEST(SweepCliTest, BadPlacesAndValuesAreBadInputFoundBeforeMeasuring) {
 TEST(SweepCliTest, AMemoryFilesystemIsRefusedUnlessAllowedAndThenEveryOutputSaysSo) {
   if (!IsMemoryFs("/dev/shm")) GTEST_SKIP() << "/dev/shm is not tmpfs here";
   ScratchDir dir;  // the results go to the disk; the test file to memory
-  Outcome refused = Execute(kSweep + " --nvme-dir /dev/shm" + kTiny);
+  // A folder of this test's own in /dev/shm: another run of the suite (ctest -j, a second
+  // checkout) lays down its test file beside, not over (found when two runs met there).
+  char shm_template[] = "/dev/shm/strata-cli-test-XXXXXX";
+  ASSERT_NE(mkdtemp(shm_template), nullptr);
+  const std::string shm = shm_template;
+  struct Remove {
+    std::string path;
+    ~Remove() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } remove{shm};
+  Outcome refused = Execute(kSweep + " --nvme-dir " + shm + kTiny);
   EXPECT_EQ(refused.exit_code, 2) << refused.output;
   EXPECT_THAT(refused.output, HasSubstr("--allow-memory-fs"));
   const std::string out = dir.path() + "/out";
-  Outcome r = Execute(kSweep + " --nvme-dir /dev/shm --allow-memory-fs --out " + out + kTiny);
+  Outcome r = Execute(kSweep + " --nvme-dir " + shm + " --allow-memory-fs --out " + out + kTiny);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, HasSubstr("WARNING (about the block above): MEMORY: /dev/shm is on tmpfs"));
+  EXPECT_THAT(r.output,
+              HasSubstr("WARNING (about the block above): MEMORY: " + shm + " is on tmpfs"));
   for (const char* name :
        {"results.csv", "results.json", "best.json", "heatmap_io_uring_read.svg"}) {
     std::ifstream in(out + "/" + name);
@@ -381,6 +395,8 @@ TEST_F(PlanCliTest, CalibrateDescribesThisMachineAndPlansOnIt) {
   EXPECT_DOUBLE_EQ(me["nvme"]["read_gbps"].get<double>(), 3.25);
   EXPECT_DOUBLE_EQ(me["nvme"]["write_gbps"].get<double>(), 1.5);
   EXPECT_GT(me["nvme"]["capacity_tb"].get<double>(), 0);
+  EXPECT_GT(me["nvme"]["commit_ms"].get<double>(), 0);  // measured: Puts into a scratch store
+  EXPECT_THAT(me["source"].get<std::string>(), HasSubstr("a write-back's commit"));
   EXPECT_GT(me["host"]["optimizer_gbps"].get<double>(), 0.1);   // measured: a CPU Adam step
   EXPECT_GT(me["pcie"]["to_device_gbps"].get<double>(), 0.01);  // measured: the emulated engine
   EXPECT_GE(me["host"]["cores"].get<int>(), 1);

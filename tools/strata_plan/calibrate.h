@@ -8,7 +8,8 @@
 // link, each way (tiering/link_bandwidth.h: the CUDA copy engine when `cuda`, else the
 // host-emulated engine uncapped, which is memcpy's speed and not a PCIe link — said in "source");
 // NVMe, the best read and write GB/s of aio_bench_perf_sweep's results.json (its "best" picks),
-// counted as one drive, its capacity the space available under `dir`, the sweep's own warnings
+// counted as one drive, its capacity the space available under `dir`, a write-back's commit
+// timed there (tiering::MeasureCommitSeconds), the sweep's own warnings
 // (a buffered or memory-backed run) carried into "source". Not measured (strata
 // times no GEMM): the GPU's count, HBM and dense 16-bit TFLOPS, taken from the options.
 //
@@ -26,7 +27,7 @@ namespace strata::plan_tool {
 
 struct CalibrateOptions {
   std::string sweep_results;  // aio_bench_perf_sweep's results.json; empty: no NVMe tier
-  std::string dir = ".";      // the NVMe tier's file system, for its capacity
+  std::string dir = ".";      // the NVMe tier's file system, for its capacity and commit
   bool cuda = false;          // time the CUDA copy engine (GPU 0), else the host-emulated one
   int gpus = 1;
   double gpu_hbm_gib = 0, gpu_tflops = 0;  // required (> 0)
