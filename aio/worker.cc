@@ -78,6 +78,19 @@ int EngineShared::FindRegion(const std::byte* p, uint64_t length) {
   return -1;
 }
 
+void Request::Fail(absl::Status error) {
+  {
+    MutexLock lock(&mu);
+    if (status_.ok()) status_ = std::move(error);
+  }
+  failed_.store(true, std::memory_order_release);  // only once the error is there to be found
+}
+
+absl::Status Request::status() const {
+  MutexLock lock(&mu);
+  return status_;
+}
+
 Worker::Worker(WorkerConfig config, std::unique_ptr<Backend> backend, AlignedBuffer staging,
                size_t staging_count, uint64_t slot_bytes, EngineShared* shared)
     : config_(config),
@@ -227,12 +240,8 @@ void Worker::Run() {
 
 Worker::Prepared Worker::Prepare(Piece* piece, Op* op) {
   Request& request = *piece->request;
-  if (request.failed.load(std::memory_order_acquire) || !broken_.ok()) {
-    if (!broken_.ok()) {
-      request.failed.store(true, std::memory_order_release);
-      MutexLock lock(&request.mu);
-      if (request.status.ok()) request.status = broken_;
-    }
+  if (request.failed() || !broken_.ok()) {
+    if (!broken_.ok()) request.Fail(broken_);
     return Prepared::kCancelled;
   }
   if (!piece->started) {
@@ -362,11 +371,7 @@ void Worker::Finish(Piece* piece, absl::Status status) {
     piece->staging_slot = -1;
   }
   const bool ok = status.ok();
-  if (!ok) {
-    request->failed.store(true, std::memory_order_release);
-    MutexLock lock(&request->mu);
-    if (request->status.ok()) request->status = std::move(status);
-  }
+  if (!ok) request->Fail(std::move(status));
   {
     MutexLock lock(&mu_);
     if (piece->started) {
@@ -381,11 +386,7 @@ void Worker::Finish(Piece* piece, absl::Status status) {
   if (request->pieces_left.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
 
   // The last piece: finish the request.
-  absl::Status final_status;
-  {
-    MutexLock lock(&request->mu);
-    final_status = request->status;
-  }
+  absl::Status final_status = request->status();
   if (request->size_before >= 0) {
     final_status.Update(
         request->file->EndWrite(request->offset + request->length, final_status.ok()));

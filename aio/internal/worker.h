@@ -113,11 +113,20 @@ struct Request {
   IoCallback done;
   std::vector<Piece> pieces;
   std::atomic<size_t> pieces_left{0};
-  std::atomic<bool> failed{false};
   // File size at submission, for writes on an O_DIRECT file; else -1.
   int64_t size_before = -1;
-  Mutex mu;
-  absl::Status status ABSL_GUARDED_BY(mu);
+
+  // Keeps the request's first error (later ones are dropped) and marks it failed. A worker that
+  // sees failed() finds that error already in status(), so a piece cancelled because of it never
+  // stands in for it.
+  void Fail(absl::Status error) ABSL_LOCKS_EXCLUDED(mu);
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  absl::Status status() const ABSL_LOCKS_EXCLUDED(mu);
+
+ private:
+  std::atomic<bool> failed_{false};
+  mutable Mutex mu;
+  absl::Status status_ ABSL_GUARDED_BY(mu);
 };
 
 struct WorkerConfig {
