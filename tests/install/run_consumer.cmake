@@ -23,6 +23,8 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/consumer -B ${WORK_DIR}/build -DCMAKE_PREF
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
 message(STATUS "find_package consumer: ${LAST_OUTPUT}")
+run(${WORK_DIR}/build/c_consumer)
+message(STATUS "find_package C consumer: ${LAST_OUTPUT}")
 
 # pkg-config, as the README says (the dependencies of the static libraries are public), and with
 # --static too.
