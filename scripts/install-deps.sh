@@ -10,6 +10,7 @@ packages=(
   liburing-dev libaio-dev libhwloc-dev libabsl-dev libboost-dev nlohmann-json3-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fio clang-format
+  python3-dev pybind11-dev libdlpack-dev python3-torch python3-pytest python3-tqdm python3-matplotlib
 )
 
 missing=()
