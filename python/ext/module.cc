@@ -3,21 +3,32 @@
 // It exposes strata's C++ API to the package's Python code; tensors cross as DLPack
 // (dlpack_tensor.h), never copied, and the extension does not link libtorch. What is here:
 //   Adam        optim_cpu::CpuAdam stepping tensors in place (strata.optim's optimizers)
+//   Runtime     sched::Runtime (sched/runtime.h: partitions, tiers, the scheduler, the optimizer
+//               over host or NVMe state): what strata.initialize's engine drives. Tiers are
+//               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
+//               "grad", "other". Acquire lends the partition's memory as a DLPack capsule
+//               (a 1-D tensor of its elements), valid until the matching release.
 // A failing call raises strata._strata.Error (a RuntimeError) with the Status's message and the
 // attributes `code` (the canonical code's name, e.g. "RESOURCE_EXHAUSTED") and `errno` (0 when the
 // status carries none); an InvalidArgument raises InvalidArgumentError, which is also a ValueError.
-// The long calls (an optimizer step) release the GIL.
+// The long calls (an optimizer step, a move between tiers) release the GIL.
 //
 // Thread safety: an Adam is used by one thread at a time (its calls hold the GIL except while the
-// step runs, and the step serializes on the optimizer's pool).
+// step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
+// sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
+#include "sched/runtime.h"
+#include "tiering/runtime_config.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
 #include "python/ext/dlpack_tensor.h"
@@ -43,6 +54,10 @@ template <typename T>
 T Take(absl::StatusOr<T> v) {
   if (!v.ok()) Raise(v.status());
   return *std::move(v);
+}
+
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
 }
 
 TensorView HostTensor(py::handle object, const std::string& what) {
@@ -142,6 +157,309 @@ class Adam {
   std::unique_ptr<optim_cpu::CpuAdam> adam_;
 };
 
+
+using tiering::ElementType;
+using tiering::Role;
+using tiering::Tier;
+
+Tier TierNamed(const std::string& name, bool memory_only) {
+  if (name == "device") return Tier::kDevice;
+  if (name == "host") return Tier::kHost;
+  if (name == "nvme" && !memory_only) return Tier::kNvme;
+  Raise(absl::InvalidArgumentError(absl::StrCat("tier \"", name, "\" is not accepted; accepted: ",
+                                                memory_only ? "device, host" : "device, host, nvme")));
+}
+
+optim_cpu::DType DTypeNamed(const std::string& name) {
+  if (name == "float32") return optim_cpu::DType::kF32;
+  if (name == "bfloat16") return optim_cpu::DType::kBF16;
+  if (name == "float16") return optim_cpu::DType::kF16;
+  Raise(absl::InvalidArgumentError(absl::StrCat("dtype \"", name,
+                                                "\" is not accepted; accepted: float32, bfloat16, float16")));
+}
+
+size_t DTypeBytes(optim_cpu::DType t) { return t == optim_cpu::DType::kF32 ? 4 : 2; }
+
+Role RoleNamed(const std::string& name) {
+  if (name == "param") return Role::kParam;
+  if (name == "grad") return Role::kGrad;
+  if (name == "other") return Role::kOther;
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat("role \"", name, "\" is not accepted; accepted: param, grad, other")));
+}
+
+py::object JsonToPython(const std::string& json) {
+  return py::module_::import("json").attr("loads")(json);
+}
+
+// sched::Runtime over tensors.
+class PyRuntime {
+ public:
+  PyRuntime(const std::string& config_json, int rank, int device_index, int workers,
+            py::object on_warning) {
+    std::vector<std::string> warnings;
+    tiering::RuntimeConfig config =
+        Take(tiering::RuntimeConfigFromJsonText(config_json, &warnings));
+    sched::RuntimeOptions options;
+    options.rank = rank;
+    options.device_index = device_index;
+    options.workers = workers;
+    if (!on_warning.is_none()) {
+      auto callback = std::make_shared<py::object>(std::move(on_warning));
+      // Called on the Runtime's threads too: the GIL is taken for the call; an exception the
+      // callback raises is reported by Python as unraisable, never carried into the Runtime.
+      options.on_warning = [callback](absl::string_view w) {
+        py::gil_scoped_acquire gil;
+        try {
+          (*callback)(std::string(w));
+        } catch (py::error_already_set& e) {
+          e.discard_as_unraisable("strata: the on_warning callback");
+        }
+      };
+      callback_ = std::move(callback);
+      for (const std::string& w : warnings) options.on_warning(w);
+    } else {
+      for (const std::string& w : warnings) py::print("strata: warning:", w);
+    }
+    py::gil_scoped_release unlocked;
+    auto made = sched::Runtime::Create(config, std::move(options));
+    py::gil_scoped_acquire gil;
+    runtime_ = Take(std::move(made));
+    device_id_ = rank < 0 ? 0 : device_index;
+  }
+
+  ~PyRuntime() {
+    // The destructor flushes and joins the workers, whose warnings may take the GIL.
+    py::gil_scoped_release unlocked;
+    runtime_.reset();
+  }
+
+  void Register(uint64_t id, const std::string& role, const std::string& dtype, uint64_t elements,
+                int group, const std::string& tier, py::object initial) {
+    tiering::PartitionDesc d;
+    d.id = id;
+    d.role = RoleNamed(role);
+    const optim_cpu::DType t = DTypeNamed(dtype);
+    d.dtype = static_cast<ElementType>(t);
+    d.elements = elements;
+    d.bytes = elements * DTypeBytes(t);
+    d.group = group;
+    const Tier where = TierNamed(tier, /*memory_only=*/false);
+    TensorView v;
+    if (!initial.is_none()) {
+      v = HostTensor(initial, "initial");
+      if (v.elements != elements || v.dtype != t) {
+        Raise(absl::InvalidArgumentError(absl::StrCat(
+            "register ", id, ": initial holds ", v.elements, " elements of ",
+            optim_cpu::DTypeName(v.dtype), "; accepted: ", elements, " of ", dtype)));
+      }
+    }
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->Register(
+          d, where, {static_cast<const std::byte*>(v.data), v.data == nullptr ? 0 : d.bytes});
+    }
+    Check(s);
+    shapes_[id] = {t, elements};
+  }
+
+  // The partition's copy in `tier`, pinned, as a DLPack capsule of its elements.
+  py::capsule Acquire(uint64_t id, const std::string& tier) {
+    const Tier t = TierNamed(tier, /*memory_only=*/true);
+    absl::StatusOr<std::byte*> p;
+    {
+      py::gil_scoped_release unlocked;
+      p = runtime_->Acquire(id, t);
+    }
+    std::byte* address = Take(std::move(p));
+    const Shape shape = shapes_.at(id);  // registered: the Acquire succeeded
+    const bool cuda = t == Tier::kDevice && !runtime_->config().emulated_device;
+    return LendTensor(address, shape.dtype, shape.elements, cuda ? DeviceKind::kCuda : DeviceKind::kCpu,
+                      cuda ? device_id_ : 0);
+  }
+
+  void Release(uint64_t id, const std::string& tier, bool dirty, uintptr_t stream) {
+    const Tier t = TierNamed(tier, /*memory_only=*/true);
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->Release(id, t, dirty, reinterpret_cast<tiering::StreamHandle>(stream));
+    }
+    Check(s);
+  }
+
+  void Discard(uint64_t id) {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->Discard(id);
+    }
+    Check(s);
+  }
+
+  void GradientReady(uint64_t id) {
+    py::gil_scoped_release unlocked;
+    runtime_->GradientReady(id);
+  }
+
+  void Flush() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->Flush();
+    }
+    Check(s);
+  }
+
+  py::object EndStep() {
+    sched::StepReport r;
+    {
+      py::gil_scoped_release unlocked;
+      r = runtime_->EndStep();
+    }
+    return JsonToPython(r.ToJson());
+  }
+
+  py::dict Stats() const {
+    const sched::RuntimeStats s = runtime_->stats();
+    py::dict d;
+    d["acquire_wait_seconds"] = s.acquire_wait_seconds;
+    d["acquires"] = s.acquires;
+    d["acquire_hits"] = s.acquire_hits;
+    d["evictions"] = s.evictions;
+    d["write_backs"] = s.write_backs;
+    d["write_back_failures"] = s.write_back_failures;
+    d["steps"] = s.steps;
+    d["host_held_bytes"] = s.host_held_bytes;
+    static constexpr const char* kTiers[] = {"device", "host", "nvme"};
+    py::dict moved;
+    for (int f = 0; f < tiering::kTierCount; ++f) {
+      for (int t = 0; t < tiering::kTierCount; ++t) {
+        if (s.bytes_moved[f][t] != 0) {
+          moved[py::str(absl::StrCat(kTiers[f], "_to_", kTiers[t]))] = s.bytes_moved[f][t];
+        }
+      }
+    }
+    d["bytes_moved"] = moved;
+    return d;
+  }
+
+  std::vector<std::string> Warnings() const { return runtime_->warnings(); }
+
+  bool EmulatedDevice() const { return runtime_->config().emulated_device; }
+
+  void CreateOptimizer(float lr, float beta1, float beta2, float eps, float weight_decay,
+                       bool adamw, bool bias_correction,
+                       const std::vector<std::pair<uint64_t, uint64_t>>& partitions) {
+    optim_cpu::AdamConfig c;
+    c.lr = lr;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.eps = eps;
+    c.weight_decay = weight_decay;
+    c.adamw = adamw;
+    c.bias_correction = bias_correction;
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->CreateOptimizer(c, partitions);
+    }
+    Check(s);
+  }
+
+  void InitializeOptimizerState(uint64_t id, py::handle master) {
+    const TensorView v = HostTensor(master, "master");
+    if (v.dtype != optim_cpu::DType::kF32) {
+      Raise(absl::InvalidArgumentError("master: accepted: float32 (the master weights)"));
+    }
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->InitializeOptimizerState(
+          id, {static_cast<const float*>(v.data), v.elements});
+    }
+    Check(s);
+  }
+
+  // One optimizer step t over (id, grad, param_copy or None) triples; returns the step's report.
+  py::dict OptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
+                         bool check_overflow) {
+    std::vector<swap::StepInput> in;
+    std::vector<TensorView> keep;
+    in.reserve(inputs.size());
+    keep.reserve(2 * inputs.size());
+    for (const py::handle item : inputs) {
+      const auto triple = item.cast<py::tuple>();
+      if (triple.size() != 3) {
+        Raise(absl::InvalidArgumentError(
+            "optimizer_step: each input is (id, grad, param_copy or None)"));
+      }
+      swap::StepInput s;
+      s.id = triple[0].cast<uint64_t>();
+      keep.push_back(HostTensor(triple[1], absl::StrCat("grad of ", s.id)));
+      s.grad = keep.back().data;
+      s.grad_dtype = keep.back().dtype;
+      if (!triple[2].is_none()) {
+        keep.push_back(HostTensor(triple[2], absl::StrCat("param_copy of ", s.id)));
+        s.param_copy = keep.back().data;
+        s.copy_dtype = keep.back().dtype;
+      }
+      in.push_back(s);
+    }
+    optim_cpu::StepOptions options;
+    options.lr = lr;
+    options.grad_scale = grad_scale;
+    options.check_overflow = check_overflow;
+    absl::StatusOr<swap::StepReport> r;
+    {
+      py::gil_scoped_release unlocked;
+      r = runtime_->OptimizerStep(t, std::move(in), options);
+    }
+    const swap::StepReport report = Take(std::move(r));
+    py::dict d;
+    d["overflow"] = report.overflow;
+    d["seconds"] = report.seconds;
+    d["read_seconds"] = report.read_seconds;
+    d["write_seconds"] = report.write_seconds;
+    d["compute_seconds"] = report.compute_seconds;
+    d["bytes_read"] = report.bytes_read;
+    d["bytes_written"] = report.bytes_written;
+    return d;
+  }
+
+  void ReadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg,
+                          py::handle exp_avg_sq) {
+    const TensorView p = HostTensor(master, "master");
+    const TensorView m = HostTensor(exp_avg, "exp_avg");
+    const TensorView v = HostTensor(exp_avg_sq, "exp_avg_sq");
+    for (const TensorView* t : {&p, &m, &v}) {
+      if (t->dtype != optim_cpu::DType::kF32) {
+        Raise(absl::InvalidArgumentError("read_optimizer_state: accepted: float32 tensors"));
+      }
+    }
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->ReadOptimizerState(id, {static_cast<float*>(p.data), p.elements},
+                                       {static_cast<float*>(m.data), m.elements},
+                                       {static_cast<float*>(v.data), v.elements});
+    }
+    Check(s);
+  }
+
+ private:
+  std::unique_ptr<sched::Runtime> runtime_;
+  std::shared_ptr<py::object> callback_;
+  struct Shape {
+    optim_cpu::DType dtype;
+    uint64_t elements;
+  };
+  // What Register was told of each partition (sched::Runtime keeps bytes, not element types).
+  absl::flat_hash_map<uint64_t, Shape> shapes_;
+  int device_id_ = 0;
+};
+
 }  // namespace
 }  // namespace strata::python
 
@@ -167,4 +485,32 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("param_copy") = py::none())
       .def("has_non_finite", &Adam::HasNonFinite, py::arg("grad"))
       .def_property_readonly("isa", &Adam::Isa);
+
+  py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
+      .def(py::init<const std::string&, int, int, int, py::object>(), py::arg("config_json"),
+           py::arg("rank") = -1, py::arg("device_index") = -1, py::arg("workers") = 4,
+           py::arg("on_warning") = py::none())
+      .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
+           py::arg("elements"), py::arg("group"), py::arg("tier"),
+           py::arg("initial") = py::none())
+      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"))
+      .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
+           py::arg("stream") = 0)
+      .def("discard", &PyRuntime::Discard, py::arg("id"))
+      .def("gradient_ready", &PyRuntime::GradientReady, py::arg("id"))
+      .def("flush", &PyRuntime::Flush)
+      .def("end_step", &PyRuntime::EndStep)
+      .def("stats", &PyRuntime::Stats)
+      .def("warnings", &PyRuntime::Warnings)
+      .def_property_readonly("emulated_device", &PyRuntime::EmulatedDevice)
+      .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("lr"), py::arg("beta1"),
+           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
+           py::arg("bias_correction"), py::arg("partitions"))
+      .def("initialize_optimizer_state", &PyRuntime::InitializeOptimizerState, py::arg("id"),
+           py::arg("master"))
+      .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
+           py::arg("check_overflow") = false)
+      .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"),
+           py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"));
 }
