@@ -38,9 +38,14 @@ DLDataType DLTypeOf(optim_cpu::DType t) {
 struct Lent {
   DLManagedTensor managed{};
   int64_t shape[1] = {0};
+  std::function<void()> on_free;
 };
 
-void DeleteLent(DLManagedTensor* m) { delete static_cast<Lent*>(m->manager_ctx); }
+void DeleteLent(DLManagedTensor* m) {
+  auto* lent = static_cast<Lent*>(m->manager_ctx);
+  if (lent->on_free) lent->on_free();
+  delete lent;
+}
 
 }  // namespace
 
@@ -93,8 +98,9 @@ absl::StatusOr<TensorView> BorrowTensor(py::handle object, const std::string& wh
 }
 
 py::capsule LendTensor(void* data, optim_cpu::DType dtype, size_t elements, DeviceKind device,
-                       int device_id) {
+                       int device_id, std::function<void()> on_free) {
   auto lent = std::make_unique<Lent>();
+  lent->on_free = std::move(on_free);
   lent->shape[0] = static_cast<int64_t>(elements);
   DLTensor& t = lent->managed.dl_tensor;
   t.data = data;

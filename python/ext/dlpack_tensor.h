@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -39,9 +40,12 @@ struct TensorView {
 // other than float32, bfloat16 or float16, a device other than CPU or CUDA).
 absl::StatusOr<TensorView> BorrowTensor(pybind11::handle object, const std::string& what);
 
-// A 1-D tensor of `elements` of `dtype` at `data` on the given device.
+// A 1-D tensor of `elements` of `dtype` at `data` on the given device. `on_free` (when set) runs
+// once the consumer frees the tensor (or the capsule is collected unconsumed), on whichever thread
+// frees it, without the GIL necessarily held: it must not touch Python.
 pybind11::capsule LendTensor(void* data, optim_cpu::DType dtype, size_t elements,
-                             DeviceKind device, int device_id);
+                             DeviceKind device, int device_id,
+                             std::function<void()> on_free = nullptr);
 
 }  // namespace strata::python
 

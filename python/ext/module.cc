@@ -25,6 +25,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/mutex.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
 #include "sched/runtime.h"
@@ -221,15 +222,18 @@ class PyRuntime {
     } else {
       for (const std::string& w : warnings) py::print("strata: warning:", w);
     }
-    py::gil_scoped_release unlocked;
-    auto made = sched::Runtime::Create(config, std::move(options));
-    py::gil_scoped_acquire gil;
+    absl::StatusOr<std::unique_ptr<sched::Runtime>> made;
+    {
+      py::gil_scoped_release unlocked;
+      made = sched::Runtime::Create(config, std::move(options));
+    }
     runtime_ = Take(std::move(made));
     device_id_ = rank < 0 ? 0 : device_index;
   }
 
   ~PyRuntime() {
-    // The destructor flushes and joins the workers, whose warnings may take the GIL.
+    // The Runtime's destructor flushes and joins the workers, whose warnings may take the GIL. A
+    // tensor lent by Lend and still alive keeps the Runtime until it is freed.
     py::gil_scoped_release unlocked;
     runtime_.reset();
   }
@@ -277,6 +281,39 @@ class PyRuntime {
     const bool cuda = t == Tier::kDevice && !runtime_->config().emulated_device;
     return LendTensor(address, shape.dtype, shape.elements, cuda ? DeviceKind::kCuda : DeviceKind::kCpu,
                       cuda ? device_id_ : 0);
+  }
+
+  // As Acquire, but the partition is released (clean) when the tensor made from the capsule is
+  // freed, whenever that is: a view autograd saved for backward keeps it pinned, never pointing
+  // at memory the Runtime has reused. A release that fails then is kept for TakeDeferredErrors.
+  py::capsule Lend(uint64_t id, const std::string& tier) {
+    const Tier t = TierNamed(tier, /*memory_only=*/true);
+    absl::StatusOr<std::byte*> p;
+    {
+      py::gil_scoped_release unlocked;
+      p = runtime_->Acquire(id, t);
+    }
+    std::byte* address = Take(std::move(p));
+    const Shape shape = shapes_.at(id);
+    const bool cuda = t == Tier::kDevice && !runtime_->config().emulated_device;
+    std::shared_ptr<sched::Runtime> runtime = runtime_;
+    std::shared_ptr<Deferred> deferred = deferred_;
+    return LendTensor(address, shape.dtype, shape.elements,
+                      cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0,
+                      [runtime, deferred, id, t] {
+                        const absl::Status s = runtime->Release(id, t, /*dirty=*/false);
+                        if (!s.ok()) {
+                          MutexLock lock(&deferred->mu);
+                          deferred->errors.push_back(std::string(s.message()));
+                        }
+                      });
+  }
+
+  std::vector<std::string> TakeDeferredErrors() {
+    MutexLock lock(&deferred_->mu);
+    std::vector<std::string> errors;
+    errors.swap(deferred_->errors);
+    return errors;
   }
 
   void Release(uint64_t id, const std::string& tier, bool dirty, uintptr_t stream) {
@@ -449,7 +486,13 @@ class PyRuntime {
   }
 
  private:
-  std::unique_ptr<sched::Runtime> runtime_;
+  // Failures of releases made when a lent tensor was freed (on whichever thread freed it).
+  struct Deferred {
+    Mutex mu;
+    std::vector<std::string> errors ABSL_GUARDED_BY(mu);
+  };
+  std::shared_ptr<sched::Runtime> runtime_;
+  std::shared_ptr<Deferred> deferred_ = std::make_shared<Deferred>();
   std::shared_ptr<py::object> callback_;
   struct Shape {
     optim_cpu::DType dtype;
@@ -494,6 +537,8 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("elements"), py::arg("group"), py::arg("tier"),
            py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"))
+      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"))
+      .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
            py::arg("stream") = 0)
       .def("discard", &PyRuntime::Discard, py::arg("id"))

@@ -2,6 +2,10 @@
 
 The package is strata's front for PyTorch. What is here today:
 
+* ``strata.initialize(model=..., config=...)``: DeepSpeed's shape, returning (engine, optimizer,
+  dataloader, lr_scheduler); the engine runs ZeRO stages 0-3 on one process over strata's Runtime
+  (strata.engine says how), with DeepSpeed's config keys (strata.config says which).
+
 * ``strata.optim``: ``CpuAdam`` and ``CpuAdamW``, ``torch.optim.Optimizer`` s over CPU tensors
   backed by strata's vectorized CPU Adam (a drop-in for ``torch.optim.AdamW``, as DeepSpeed's
   ``DeepSpeedCPUAdam`` is).
@@ -13,5 +17,9 @@ status's name, e.g. ``"RESOURCE_EXHAUSTED"``) and ``errno``; bad arguments are
 
 from strata._strata import Error, InvalidArgumentError
 from strata import optim
+from strata import lr_schedules
+from strata.config import ConfigError
+from strata.engine import Engine, initialize
 
-__all__ = ["Error", "InvalidArgumentError", "optim"]
+__all__ = ["ConfigError", "Engine", "Error", "InvalidArgumentError", "initialize", "lr_schedules",
+           "optim"]

@@ -1,0 +1,566 @@
+"""strata.initialize and the training engine: DeepSpeed's loop on strata's Runtime.
+
+    engine, optimizer, _, scheduler = strata.initialize(model=model, config=ds_config)
+    for batch in data:
+        loss = engine(batch)          # forward
+        engine.backward(loss)
+        engine.step()                 # the optimizer steps at each accumulation boundary
+
+One process, one device. Every trainable parameter has fp32 master weights and Adam moments in
+the Runtime's optimizer (sched/runtime.h CreateOptimizer): in pinned host memory
+(offload_optimizer.device "cpu") or on NVMe ("nvme", stepped through the pipelined swapper). strata
+always steps on the CPU, so offload_optimizer.device "none" is taken as "cpu", with a warning.
+
+ZeRO stage 3: each parameter with at least stage3_param_persistence_threshold elements is a
+strata partition in the training dtype, kept where offload_param.device says (none: the device
+tier; cpu: pinned host; nvme: NVMe) and lent to the module as its ``.data`` just before the
+module's forward and again before its backward (a hook on the forward's outputs: torch 1.13 has no
+module pre-backward hook), dropped after. A lent tensor is released when torch frees it, so a view
+autograd saved for backward keeps its partition pinned rather than pointing at reused memory. Its
+gradient is accumulated into a gradient partition on the device as autograd makes it (the
+parameter's ``.grad`` is never kept), which leaves the device in the background at the
+accumulation boundary (GradientReady). Smaller parameters stay on the device as plain tensors.
+The Runtime records the first step's accesses and prefetches ahead of need from the second.
+
+Stages 0-2: parameters stay on the device; gradients are torch's ``.grad`` (stage 2 moves each to
+the host as it is made, summing micro-batches there in fp32).
+
+The step, at each accumulation boundary, after backward has ended (so gradient clipping and the
+fp16 overflow check see every gradient; the result equals the unoverlapped step because it is
+one): the global gradient norm (clipping) and overflow are taken from the host gradients, then the
+optimizer steps each partition with grad_scale = clip / loss_scale, writing the new weights in the
+training dtype into the parameter's host copy (stage 3) or the device tensor, and the gradients
+are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overflow after
+`hysteresis` overflows, double after loss_scale_window good steps, never under min_loss_scale)
+skips a step whose gradients overflowed, changing nothing else.
+
+Without a GPU the device tier is the host-emulated one (strata.device "emulated", the default)
+and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.
+
+Thread safety: an engine is driven by one thread, as DeepSpeed's.
+"""
+
+import json
+import math
+import time
+
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from strata import _strata
+from strata import lr_schedules
+from strata.config import TrainConfig
+
+__all__ = ["initialize", "Engine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None):
+    """DeepSpeed's ``deepspeed.initialize`` shape: returns (engine, optimizer, dataloader,
+    lr_scheduler). ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or
+    the path of a JSON file. ``optimizer`` may be a torch Adam/AdamW (or strata.optim's), whose
+    hyper-parameters the engine takes; a config's ``optimizer`` block is used otherwise.
+    ``training_data`` gives a DataLoader of train_micro_batch_size_per_gpu."""
+    if model is None:
+        raise ValueError("strata.initialize: model is required")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("strata.initialize: config is required (a dict or a JSON path)")
+    if mpu is not None:
+        raise ValueError("strata.initialize: mpu (model parallelism) is not supported")
+    engine = Engine(model, TrainConfig.parse(config), optimizer=optimizer,
+                    model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = torch.utils.data.DataLoader(training_data, batch_size=engine.micro_batch_size,
+                                             collate_fn=collate_fn, shuffle=True)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+class _Param:
+    """What the engine keeps of one trainable parameter."""
+
+    __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
+                 "has_grad", "host_grad", "group_index")
+
+    def __init__(self, name, param, index):
+        self.name = name
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.pid = 2 * index  # the parameter's partition (stage 3, large parameters)
+        self.gid = 2 * index + 1  # its gradient's partition and its optimizer state
+        self.partitioned = False
+        self.group = 0
+        self.has_grad = False
+        self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
+        self.group_index = 0  # which optimizer param group
+
+
+class _Optimizer(torch.optim.Optimizer):
+    """The optimizer the engine returns: torch's surface (param_groups with their lr, for
+    schedulers; zero_grad; state_dict of the hyper-parameters) over the Runtime's optimizer.
+    ``step()`` is the engine's."""
+
+    def __init__(self, engine, groups, defaults):
+        self._engine = engine
+        super().__init__(groups, defaults)
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self._engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self._engine.zero_grad()
+
+
+class Engine:
+    """The training engine ``strata.initialize`` returns (see the module's docstring)."""
+
+    def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None):
+        self.module = model
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.micro_batch_size = config.micro_batch
+        self.gradient_accumulation_steps = config.accumulation
+        self.warnings = []
+        self.global_steps = 0  # optimizer steps taken (skipped ones not counted)
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._t = 0
+        self.last_step_stats = {}
+
+        runtime_config = json.loads(json.dumps(config.runtime))
+        zero = runtime_config.setdefault("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError("config: zero_optimization: accepted: a JSON object")
+        self.stage = zero.get("stage", 0)
+        offload = zero.setdefault("offload_optimizer", {})
+        if not isinstance(offload, dict):
+            raise ValueError("config: zero_optimization.offload_optimizer: accepted: a JSON object")
+        if offload.get("device", "none") == "none":
+            offload["device"] = "cpu"
+            self._warn("zero_optimization.offload_optimizer.device is \"none\": strata steps the "
+                       "optimizer on the CPU, so its state is kept in pinned host memory (as "
+                       "\"cpu\")")
+        param_offload = zero.get("offload_param", {}) or {}
+        self._param_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}.get(
+            param_offload.get("device", "none"), "device")
+        threshold = zero.get("stage3_param_persistence_threshold",
+                             zero.get("param_persistence_threshold", 100000))
+        self._persistence_threshold = threshold if isinstance(threshold, (int, float)) else 100000
+        self.runtime = _strata.Runtime(json.dumps(runtime_config), on_warning=self._runtime_warning)
+        self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
+
+        hyper = self._hyper_parameters(config, optimizer)
+        self._params = []
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if model_parameters is not None:
+            wanted = {id(p) for p in _flatten_params(model_parameters)}
+            named = [(n, p) for n, p in named if id(p) in wanted]
+        if not named:
+            raise ValueError("strata.initialize: the model has no trainable parameters")
+        for index, (name, p) in enumerate(named):
+            self._params.append(_Param(name, p, index))
+        by_param = {id(e.param): e for e in self._params}
+        groups = self._param_groups(optimizer, hyper, by_param)
+
+        self.runtime.create_optimizer(
+            lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1], eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"], adamw=hyper["adamw"],
+            bias_correction=hyper["bias_correction"],
+            partitions=[(e.gid, e.numel) for e in self._params])
+        with torch.no_grad():
+            for e in self._params:
+                self.runtime.initialize_optimizer_state(
+                    e.gid, e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+                    .contiguous())
+        self._empty = torch.empty(0, dtype=self.dtype)
+        self._place_parameters(model)
+        self._install_module_hooks(model)
+
+        self.optimizer = _Optimizer(self, groups, dict(lr=hyper["lr"], betas=hyper["betas"],
+                                                       eps=hyper["eps"],
+                                                       weight_decay=hyper["weight_decay"]))
+        self.lr_scheduler = lr_scheduler
+        if self.lr_scheduler is None and config.scheduler is not None:
+            self.lr_scheduler = lr_schedules.make(config.scheduler, self.optimizer)
+        elif callable(self.lr_scheduler) and not hasattr(self.lr_scheduler, "step"):
+            self.lr_scheduler = self.lr_scheduler(self.optimizer)
+
+        self.loss_scale = 1.0
+        self._dynamic_scale = False
+        if self.dtype == torch.float16:
+            self._dynamic_scale = config.loss_scale == 0
+            self.loss_scale = 2.0 ** config.initial_scale_power if self._dynamic_scale \
+                else config.loss_scale
+        self._good_steps = 0
+        self._hysteresis_left = config.hysteresis
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _warn(self, message):
+        if message not in self.warnings:
+            self.warnings.append(message)
+            print(f"strata: warning: {message}")
+
+    def _runtime_warning(self, message):
+        if message.endswith(_TRAINER_WARNING):
+            message = message[:-len(_TRAINER_WARNING)] + "(DeepSpeed's; not supported by strata: " \
+                                                         "ignored)"
+        if message.startswith("zero_optimization.stage:"):
+            return  # the engine acts on the stage
+        self._warn(message)
+
+    @staticmethod
+    def _hyper_parameters(config, optimizer):
+        if optimizer is not None:
+            if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError("strata.initialize: an optimizer factory is not supported; "
+                                 "accepted: a torch Adam/AdamW, or the config's optimizer block")
+            kind = type(optimizer).__name__
+            if kind not in ("Adam", "AdamW", "CpuAdam", "CpuAdamW", "DeepSpeedCPUAdam"):
+                raise ValueError(f"strata.initialize: optimizer {kind} is not supported; "
+                                 "accepted: Adam, AdamW (torch's or strata.optim's)")
+            group = optimizer.param_groups[0]
+            if group.get("amsgrad", False):
+                raise ValueError("strata.initialize: optimizer with amsgrad=True is not supported")
+            adamw = kind in ("AdamW", "CpuAdamW") or getattr(optimizer, "adamw_mode", False)
+            return dict(lr=float(group["lr"]), betas=tuple(group["betas"]),
+                        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                        bias_correction=bool(group.get("bias_correction", True)), adamw=adamw)
+        if config.optimizer is not None:
+            return dict(config.optimizer)
+        raise ValueError("strata.initialize: no optimizer: give one, or an optimizer block in "
+                         "the config (type Adam or AdamW)")
+
+    def _param_groups(self, optimizer, hyper, by_param):
+        """One group per client group (lr may differ; the other hyper-parameters may not: the
+        Runtime's optimizer has one set)."""
+        if optimizer is None:
+            return [{"params": [e.param for e in self._params], "lr": hyper["lr"]}]
+        groups = []
+        for index, group in enumerate(optimizer.param_groups):
+            for key in ("betas", "eps", "weight_decay"):
+                if key in group and tuple(_as_tuple(group[key])) != tuple(_as_tuple(hyper[key])):
+                    raise ValueError(
+                        f"strata.initialize: param group {index} has {key} {group[key]} where "
+                        f"group 0 has {hyper[key]}; accepted: groups that differ only in lr")
+            params = [p for p in group["params"] if id(p) in by_param]
+            for p in params:
+                by_param[id(p)].group_index = len(groups)
+            groups.append({"params": params, "lr": float(group["lr"])})
+        missing = [e.name for e in self._params if not any(
+            e.param is p for g in groups for p in g["params"])]
+        if missing:
+            raise ValueError(f"strata.initialize: trainable parameters not in the optimizer: "
+                             f"{', '.join(missing[:5])}")
+        return groups
+
+    def _place_parameters(self, model):
+        """Casts the parameters to the training dtype; at stage 3 makes the large ones strata
+        partitions (their module's index is their group); hooks the gradients of those (and, at
+        stage 2, of all) as they are made."""
+        owner = {}
+        for module_index, module in enumerate(model.modules()):
+            for p in module._parameters.values():
+                if p is not None:
+                    owner.setdefault(id(p), module_index)
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                      torch.float16: "float16"}[self.dtype]
+        trainable = {id(e.param) for e in self._params}
+        with torch.no_grad():
+            for p in model.parameters():
+                if id(p) not in trainable:
+                    p.data = p.data.to(self.dtype)
+            for e in self._params:
+                e.group = owner.get(id(e.param), 0)
+                e.param.data = e.param.data.to(self.dtype)
+                e.partitioned = self.stage == 3 and e.numel >= self._persistence_threshold
+                if e.partitioned or self.stage == 2:
+                    # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
+                    # is made now, while the parameter has its shape and dtype (autograd checks
+                    # gradients against them), and kept alive here.
+                    with torch.enable_grad():
+                        node = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
+                    node.register_hook(self._gradient_hook(e))
+                    e.param._strata_node = node
+                if not e.partitioned:
+                    continue
+                initial = e.param.detach().to("cpu").reshape(-1).contiguous()
+                self.runtime.register(e.pid, "param", dtype_name, e.numel, e.group,
+                                      self._param_tier, initial)
+                # The gradient's partition starts with no bytes: its first acquire makes zeros.
+                self.runtime.register(e.gid, "grad", dtype_name, e.numel, e.group, "host")
+                self.runtime.discard(e.gid)
+                e.param.data = self._empty
+
+    def _install_module_hooks(self, model):
+        self._by_module = {}
+        partitioned = {id(e.param): e for e in self._params if e.partitioned}
+        for module in model.modules():
+            own = [partitioned[id(p)] for p in module._parameters.values()
+                   if p is not None and id(p) in partitioned]
+            if own:
+                self._by_module[module] = own
+                module.register_forward_pre_hook(self._before_forward)
+                module.register_forward_hook(self._after_forward)
+
+    # --- stage 3: parameters lent around each module's forward and backward -------------------
+
+    def _fetch(self, module):
+        for e in self._by_module[module]:
+            if e.param.data.numel() == 0:
+                e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
+
+    def _drop(self, module):
+        for e in self._by_module.get(module, ()):
+            e.param.data = self._empty
+
+    def _before_forward(self, module, inputs):
+        self._fetch(module)
+
+    def _after_forward(self, module, inputs, output):
+        self._drop(module)
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, module=module: self._before_backward(module))
+
+    def _before_backward(self, module):
+        self._fetch(module)
+
+    def _gradient_hook(self, e):
+        def hook(*unused):
+            grad = e.param.grad
+            if grad is None:
+                return
+            e.param.grad = None
+            if e.partitioned:
+                with torch.no_grad():
+                    part = from_dlpack(self.runtime.acquire(e.gid, "device"))
+                    part.add_(grad.reshape(-1))
+                    del part
+                self.runtime.release(e.gid, "device", True)
+            else:  # stage 2: to the host as it is made
+                if e.host_grad is None:
+                    e.host_grad = torch.zeros(e.numel, dtype=torch.float32)
+                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=torch.float32))
+            e.has_grad = True
+        return hook
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
+        DeepSpeed's) and by the fp16 loss scale."""
+        scaled = loss.float() / self.gradient_accumulation_steps
+        if self.loss_scale != 1.0:
+            scaled = scaled * self.loss_scale
+        scaled.backward()
+        for module in self._by_module:
+            self._drop(module)
+        self._raise_deferred()
+        return loss
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def zero_grad(self):
+        """Gradients are dropped at each optimizer step; between steps they accumulate."""
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def step(self):
+        """Ends a micro-batch; at an accumulation boundary, the optimizer step (see the module's
+        docstring) and the learning-rate schedule's step."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        start = time.perf_counter()
+        if self.stage == 3:
+            for e in self._params:
+                if e.partitioned and e.has_grad:
+                    self.runtime.gradient_ready(e.gid)
+        grads = self._host_gradients()
+        try:
+            stepped, report = self._optimizer_step(grads)
+        finally:
+            self._release_gradients(grads)
+        if stepped:
+            self.global_steps += 1
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        runtime_report = self.runtime.end_step()
+        self._raise_deferred()
+        self.last_step_stats = {
+            "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
+            "optimizer": report, "runtime": runtime_report,
+            "step_seconds": time.perf_counter() - start}
+
+    # --- the optimizer step --------------------------------------------------------------------
+
+    def _host_gradients(self):
+        """(entry, host gradient tensor, acquired?) for each parameter with a gradient."""
+        grads = []
+        for e in self._params:
+            if e.partitioned:
+                if e.has_grad:
+                    grads.append((e, from_dlpack(self.runtime.acquire(e.gid, "host")), True))
+            elif e.host_grad is not None:
+                grads.append((e, e.host_grad, False))
+            elif e.param.grad is not None:
+                g = e.param.grad.detach().reshape(-1).to("cpu")
+                grads.append((e, g if g.is_contiguous() else g.contiguous(), False))
+        return grads
+
+    def _release_gradients(self, grads):
+        for e, g, acquired in grads:
+            if acquired:
+                del g
+                self.runtime.release(e.gid, "host", False)
+                self.runtime.discard(e.gid)
+            e.has_grad = False
+            e.host_grad = None
+            e.param.grad = None
+        grads.clear()
+
+    def _optimizer_step(self, grads):
+        scale = self.loss_scale
+        norm = None
+        if self.config.clipping > 0 or self.dtype == torch.float16:
+            total = torch.zeros((), dtype=torch.float64)
+            for _, g, _ in grads:
+                total += g.double().pow(2).sum()
+            norm = math.sqrt(total.item()) / scale if math.isfinite(total.item()) else math.inf
+        if norm is not None and not math.isfinite(norm):
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": norm}
+        clip = 1.0
+        if self.config.clipping > 0 and norm is not None:
+            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        self._t += 1
+        report = {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
+                  "bytes_written": 0}
+        per_group = {}
+        held = []
+        for e, g, _ in grads:
+            per_group.setdefault(e.group_index, []).append((e, g))
+        try:
+            for index, members in per_group.items():
+                inputs, after = [], []
+                for e, g in members:
+                    copy_out = None
+                    if e.partitioned:
+                        target = from_dlpack(self.runtime.acquire(e.pid, "host"))
+                        held.append(e)
+                    else:
+                        target = e.param.data.reshape(-1) if e.param.device.type == "cpu" and \
+                            e.param.is_contiguous() else None
+                    if self.dtype != torch.float32:
+                        if target is None:
+                            target = torch.empty(e.numel, dtype=self.dtype)
+                        copy_out = target
+                    after.append((e, target))
+                    inputs.append((e.gid, g, copy_out))
+                r = self.runtime.optimizer_step(
+                    self._t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
+                    grad_scale=clip / scale)
+                for key in ("seconds", "bytes_read", "bytes_written"):
+                    report[key] += r[key]
+                for e, target in after:
+                    self._write_back_weights(e, target)
+        finally:
+            for e in held:
+                self.runtime.release(e.pid, "host", True)
+        if self._dynamic_scale:
+            self._update_scale(overflow=False)
+        return True, report
+
+    def _write_back_weights(self, e, target):
+        """After the step: fp32 training reads the new master weights into the parameter; a
+        half-precision copy written elsewhere than the parameter is copied into it."""
+        if self.dtype == torch.float32:
+            master = target if target is not None else torch.empty(e.numel, dtype=torch.float32)
+            scratch = torch.empty(e.numel, dtype=torch.float32)
+            self.runtime.read_optimizer_state(e.gid, master, scratch, torch.empty_like(scratch))
+            if target is None:
+                e.param.data.copy_(master.view(e.shape))
+        elif not e.partitioned and target.data_ptr() != e.param.data_ptr():
+            e.param.data.copy_(target.view(e.shape))
+
+    def _update_scale(self, overflow):
+        if not self._dynamic_scale:
+            return
+        if overflow:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.loss_scale = max(self.loss_scale / 2, self.config.min_loss_scale)
+                self._hysteresis_left = self.config.hysteresis
+        else:
+            self._good_steps += 1
+            if self._good_steps % self.config.loss_scale_window == 0:
+                self.loss_scale *= 2
+                self._hysteresis_left = self.config.hysteresis
+
+    def _raise_deferred(self):
+        errors = self.runtime.take_deferred_errors()
+        if errors:
+            raise _strata.Error("strata: releasing a lent parameter failed: " + "; ".join(errors))
+
+    # --- reports ------------------------------------------------------------------------------
+
+    def stats(self):
+        """The Runtime's statistics since the engine was made (waits, bytes per tier pair)."""
+        s = self.runtime.stats()
+        s["device"] = self.device_kind
+        return s
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _flatten_params(params):
+    for item in params:
+        if isinstance(item, dict):
+            yield from item["params"]
+        else:
+            yield item
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
