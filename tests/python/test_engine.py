@@ -1,0 +1,261 @@
+"""strata.initialize's engine against plain PyTorch, step for step.
+
+The device tier is the host-emulated one (no GPU here): its budget is set below the model's
+parameters and gradients, so stage 3 must move partitions through it. The reference is plain
+torch: torch.optim.AdamW with clip_grad_norm_, on an fp32 model; for bf16, the same mixed-precision
+recipe written out by hand (a bf16 model computes, fp32 master weights step, the bf16 copy is the
+rounded master)."""
+import copy
+import json
+
+import pytest
+import torch
+
+import strata
+
+VOCAB, WIDTH = 50, 32
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.l1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
+        self.ln = torch.nn.LayerNorm(2 * WIDTH)
+        self.l2 = torch.nn.Linear(2 * WIDTH, VOCAB)
+
+    def forward(self, x):
+        return self.l2(self.ln(torch.relu(self.l1(self.emb(x)))))
+
+
+def batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, VOCAB, (4, 8), generator=gen)
+        yield x, torch.roll(x, 1, 1)
+
+
+def loss_of(logits, y):
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def make_config(tmp_path, stage, offload, dtype, accumulation=2, clipping=1.0):
+    nvme = str(tmp_path / "nvme")
+    zero = {"stage": stage, "offload_optimizer": {"device": offload, "nvme_path": nvme},
+            "stage3_param_persistence_threshold": 100}
+    if stage == 3:
+        zero["offload_param"] = {"device": offload, "nvme_path": nvme, "buffer_count": 2,
+                                 "buffer_size": 65536}
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": clipping,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": zero,
+              # The partitioned parameters take 32 KiB of device pages in fp32, and their
+              # gradients as many: the device budget holds three quarters of them.
+              "strata": {"device": "emulated", "device_budget_bytes": 49152,
+                         "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20}}
+    if offload == "nvme" and stage != 3:
+        zero["offload_param"] = {"buffer_count": 2, "buffer_size": 65536}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+class Reference:
+    """Plain torch: AdamW over fp32 master weights, with the model computing in `dtype`."""
+
+    def __init__(self, model, dtype, clipping):
+        self.master = model
+        self.model = copy.deepcopy(model).to(dtype)
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=1e-2, weight_decay=0.01)
+        self.clipping = clipping
+
+    def micro_step(self, x, y, accumulation):
+        loss = loss_of(self.model(x), y)
+        (loss / accumulation).backward()
+        return loss
+
+    def step(self):
+        for m, p in zip(self.master.parameters(), self.model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        if self.clipping:
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping)
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(self.master.parameters(), self.model.parameters()):
+                p.copy_(m)
+
+
+def train_both(tmp_path, stage, offload, dtype, steps=12, accumulation=2, clipping=1.0):
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.bfloat16 if dtype == "bf16" else
+                          torch.float32, clipping)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, offload, dtype, accumulation, clipping))
+    losses = []
+    for i, (x, y) in enumerate(batches(steps)):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference.micro_step(x, y, accumulation)
+        if (i + 1) % accumulation == 0:
+            reference.step()
+        losses.append((loss.item(), ref_loss.item()))
+    return engine, reference, losses
+
+
+def engine_weights(engine):
+    """The engine's current weights in the training dtype (stage 3: read from the partitions)."""
+    out = []
+    for e in engine._params:
+        if e.partitioned:
+            t = torch.utils.dlpack.from_dlpack(engine.runtime.acquire(e.pid, "host")).clone()
+            engine.runtime.release(e.pid, "host", False)
+            out.append(t.view(e.shape))
+        else:
+            out.append(e.param.detach().clone())
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_training_matches_plain_torch(tmp_path, stage, offload, dtype):
+    engine, reference, losses = train_both(tmp_path, stage, offload, dtype)
+    # fp32: the same arithmetic but for fused multiply-adds in the optimizer; bf16: the same
+    # recipe, where one bf16 rounding of a weight that lands differently moves later losses by
+    # about 2^-8 relative.
+    tolerance = 1e-5 if dtype == "fp32" else 2e-2
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=tolerance, abs=tolerance)
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(),
+                                   rtol=tolerance, atol=tolerance if dtype == "fp32" else 2e-2)
+    # The model learned something, and the weights moved from where they started.
+    assert losses[-1][0] < losses[0][0] + 0.5
+    assert engine.global_steps == 6
+    assert engine.last_step_stats["device"] == "emulated"
+
+
+def test_stage3_moves_partitions_through_a_device_budget_smaller_than_the_model(tmp_path):
+    engine, _, _ = train_both(tmp_path, 3, "cpu", "fp32")
+    stats = engine.stats()
+    # Parameters came to the device more than once per step: the budget cannot hold them all.
+    assert stats["bytes_moved"]["host_to_device"] > 6 * 28000
+    assert stats["host_held_bytes"] <= 64 << 20
+    assert engine.last_step_stats["runtime"]["mode"] == "planned"
+
+
+def test_config_from_a_json_file_and_train_batch_size(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    del config["train_micro_batch_size_per_gpu"]
+    config["train_batch_size"] = 8
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    engine, optimizer, loader, scheduler = strata.initialize(model=Net(), config=str(path))
+    assert engine.micro_batch_size == 4 and engine.gradient_accumulation_steps == 2
+    assert loader is None and scheduler is None
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+
+
+def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path):
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+        "warmup_type": "linear"}}
+    engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
+    seen = []
+    for x, y in batches(6):
+        seen.append(engine.get_lr()[0])
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert seen == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])
+    assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
+
+
+class Scale(torch.nn.Module):
+    """y = x * w: computes in fp16 on a CPU (torch 1.13's CPU has no fp16 matmul)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(256))
+
+    def forward(self, x):
+        return (x * self.weight).float().sum()
+
+
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp16", accumulation=1, clipping=0.0)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=Scale(), config=config)
+    assert engine.loss_scale == 256
+    x = torch.full((256,), 0.5, dtype=torch.float16)
+    engine.backward(engine(x))
+    engine.step()
+    assert engine.global_steps == 1
+    before = engine_weights(engine)[0].clone()
+    # A loss whose gradient overflows fp16 once scaled: 1e3 * 256 per element is past 65504.
+    engine.backward(engine(x) * 1e3)
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.global_steps == 1
+    assert engine.loss_scale == 128
+    assert torch.equal(engine_weights(engine)[0], before)
+    # The next good step goes on from the same state.
+    engine.backward(engine(x))
+    engine.step()
+    assert engine.global_steps == 2
+    assert not torch.equal(engine_weights(engine)[0], before)
+
+
+def test_a_misspelt_top_level_key_is_called_unknown_with_the_close_match(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config["zero_optimisation"] = config.pop("zero_optimization")
+    with pytest.raises(strata.InvalidArgumentError,
+                       match="zero_optimisation: unknown key.*did you mean zero_optimization"):
+        strata.initialize(model=Net(), config=config)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("gradient_clipping", -1, "gradient_clipping: -1 is out of range"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps: 0 is out of range"),
+    ("train_micro_batch_size_per_gpu", "4", "train_micro_batch_size_per_gpu: '4' is not a number"),
+    ("optimizer", {"type": "SGD"}, "optimizer.type: 'SGD' is not supported"),
+    ("optimizer", {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}},
+     "optimizer.params.amsgrad: true is not supported"),
+    ("optimizer", {"type": "Adam", "params": {"betas": [0.9]}}, "optimizer.params.betas"),
+    ("scheduler", {"type": "OneCycle"}, "scheduler.type: 'OneCycle' is not supported"),
+    ("bf16", {"enabled": "yes"}, "bf16.enabled: 'yes' is not accepted"),
+    ("fp16", {"enabled": True, "loss_scale_windw": 10}, "fp16.loss_scale_windw: unknown key"),
+])
+def test_bad_trainer_keys_are_refused_naming_them(tmp_path, key, value, message):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config[key] = value
+    with pytest.raises(strata.ConfigError, match=message):
+        strata.initialize(model=Net(), config=config)
+
+
+def test_deepspeed_keys_strata_does_not_act_on_are_named_once(tmp_path, capsys):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config["wall_clock_breakdown"] = True
+    config["zero_optimization"]["overlap_comm"] = True
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    said = [w for w in engine.warnings if "not supported by strata: ignored" in w]
+    assert any(w.startswith("wall_clock_breakdown") for w in said)
+    assert any(w.startswith("zero_optimization.overlap_comm") for w in said)
+    assert len(said) == 2
+
+
+def test_a_client_torch_optimizer_gives_the_hyper_parameters(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    del config["optimizer"]
+    model = Net()
+    client = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.8, 0.9), weight_decay=0.0)
+    engine, optimizer, _, _ = strata.initialize(model=model, optimizer=client, config=config)
+    assert optimizer.param_groups[0]["lr"] == 3e-3
+    with pytest.raises(ValueError, match="optimizer SGD is not supported"):
+        strata.initialize(model=Net(), optimizer=torch.optim.SGD(Net().parameters(), lr=1.0),
+                          config=make_config(tmp_path / "b", 3, "cpu", "fp32"))
