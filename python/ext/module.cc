@@ -233,7 +233,8 @@ class PyRuntime {
 
   ~PyRuntime() {
     // The Runtime's destructor flushes and joins the workers, whose warnings may take the GIL. A
-    // tensor lent by Lend and still alive keeps the Runtime until it is freed.
+    // tensor lent by Lend and still alive keeps this object (and the Runtime) until it is freed;
+    // one made from Acquire's capsule does not: it must not be used after its release.
     py::gil_scoped_release unlocked;
     runtime_.reset();
   }
@@ -296,15 +297,23 @@ class PyRuntime {
     std::byte* address = Take(std::move(p));
     const Shape shape = shapes_.at(id);
     const bool cuda = t == Tier::kDevice && !runtime_->config().emulated_device;
-    std::shared_ptr<sched::Runtime> runtime = runtime_;
-    std::shared_ptr<Deferred> deferred = deferred_;
+    // The tensor keeps this Runtime's Python object (and so the Runtime) alive: its last
+    // reference is dropped under the GIL, so the Runtime and the Python objects it holds (the
+    // warnings callback) are destroyed as Python objects are, whichever thread frees the tensor.
+    PyObject* keep = py::cast(this, py::return_value_policy::reference).release().ptr();
+    sched::Runtime* runtime = runtime_.get();
+    Deferred* deferred = deferred_.get();
     return LendTensor(address, shape.dtype, shape.elements,
                       cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0,
-                      [runtime, deferred, id, t] {
+                      [runtime, deferred, id, t, keep] {
                         const absl::Status s = runtime->Release(id, t, /*dirty=*/false);
                         if (!s.ok()) {
                           MutexLock lock(&deferred->mu);
                           deferred->errors.push_back(std::string(s.message()));
+                        }
+                        if (Py_IsInitialized()) {  // at exit the interpreter may be gone
+                          py::gil_scoped_acquire gil;
+                          Py_DECREF(keep);
                         }
                       });
   }
@@ -324,6 +333,22 @@ class PyRuntime {
       s = runtime_->Release(id, t, dirty, reinterpret_cast<tiering::StreamHandle>(stream));
     }
     Check(s);
+  }
+
+  std::vector<uint64_t> StoredPartitions() const {
+    std::vector<uint64_t> ids;
+    for (const auto& r : runtime_->StoredPartitions()) ids.push_back(r.id);
+    return ids;
+  }
+
+  void Unregister(uint64_t id) {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->Unregister(id);
+    }
+    Check(s);
+    shapes_.erase(id);
   }
 
   void Discard(uint64_t id) {
@@ -491,8 +516,8 @@ class PyRuntime {
     Mutex mu;
     std::vector<std::string> errors ABSL_GUARDED_BY(mu);
   };
-  std::shared_ptr<sched::Runtime> runtime_;
-  std::shared_ptr<Deferred> deferred_ = std::make_shared<Deferred>();
+  std::unique_ptr<sched::Runtime> runtime_;
+  std::unique_ptr<Deferred> deferred_ = std::make_unique<Deferred>();
   std::shared_ptr<py::object> callback_;
   struct Shape {
     optim_cpu::DType dtype;
@@ -542,6 +567,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
            py::arg("stream") = 0)
       .def("discard", &PyRuntime::Discard, py::arg("id"))
+      .def("stored_partitions", &PyRuntime::StoredPartitions)
+      .def("unregister", &PyRuntime::Unregister, py::arg("id"))
       .def("gradient_ready", &PyRuntime::GradientReady, py::arg("id"))
       .def("flush", &PyRuntime::Flush)
       .def("end_step", &PyRuntime::EndStep)

@@ -51,7 +51,8 @@ def _number(block, key, path, default, low=None, high=None, integer=False):
             _bad(full, f"{value!r} is not a whole number")
         value = int(value)
     if value != value or (low is not None and value < low) or (high is not None and value > high):
-        _bad(full, f"{value!r} is out of range; accepted: from {low} to {high}")
+        accepted = f"from {low} to {high}" if high is not None else f"{low} or more"
+        _bad(full, f"{value!r} is out of range; accepted: {accepted}")
     return value
 
 
@@ -93,6 +94,7 @@ class TrainConfig:
         self.loss_scale_window = 1000
         self.hysteresis = 2
         self.min_loss_scale = 1.0
+        self.consecutive_hysteresis = False
         self.optimizer = None  # {"type": "Adam"|"AdamW", "params": {...}} or None
         self.scheduler = None  # {"type": ..., "params": {...}} or None
         self.steps_per_print = 10
@@ -146,7 +148,9 @@ class TrainConfig:
         c.steps_per_print = _number(config, "steps_per_print", "", 10, 1, None, True)
         _bool(config, "zero_allow_untested_optimizer", "", False)
 
-        bf16 = _object(config, "bf16") or _object(config, "bfloat16")
+        if "bf16" in config and "bfloat16" in config:
+            _bad("bfloat16", "give bf16 or bfloat16 (DeepSpeed's older name), not both")
+        bf16 = _object(config, "bf16") if "bf16" in config else _object(config, "bfloat16")
         if bf16:
             _check_keys(bf16, "bf16.", ("enabled", "immediate_grad_update", "check_grad_overflow"))
         fp16 = _object(config, "fp16")
@@ -169,6 +173,9 @@ class TrainConfig:
             c.loss_scale_window = _number(fp16, "loss_scale_window", "fp16.", 1000, 1, None, True)
             c.hysteresis = _number(fp16, "hysteresis", "fp16.", 2, 1, None, True)
             c.min_loss_scale = float(_number(fp16, "min_loss_scale", "fp16.", 1.0, 0.0))
+            if c.min_loss_scale <= 0:
+                _bad("fp16.min_loss_scale", f"{c.min_loss_scale} is not accepted; accepted: > 0")
+            c.consecutive_hysteresis = _bool(fp16, "consecutive_hysteresis", "fp16.", False)
 
         if "optimizer" in config:
             opt = _object(config, "optimizer")
@@ -194,8 +201,8 @@ class TrainConfig:
                 "lr": float(_number(params, "lr", "optimizer.params.", 1e-3, 0.0)),
                 "betas": (float(betas[0]), float(betas[1])),
                 "eps": float(_number(params, "eps", "optimizer.params.", 1e-8, 0.0)),
-                "weight_decay": float(_number(params, "weight_decay", "optimizer.params.",
-                                              0.01 if OPTIMIZERS[kind.lower()] == "AdamW" else 0.0,
+                # 0 for every type, as DeepSpeed's optimizers default to (not torch's 0.01)
+                "weight_decay": float(_number(params, "weight_decay", "optimizer.params.", 0.0,
                                               0.0)),
                 "bias_correction": _bool(params, "bias_correction", "optimizer.params.", True),
                 "adamw": adamw,

@@ -43,6 +43,8 @@ Thread safety: an engine is driven by one thread, as DeepSpeed's.
 import json
 import math
 import time
+import types
+import weakref
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -88,7 +90,7 @@ class _Param:
     """What the engine keeps of one trainable parameter."""
 
     __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
-                 "has_grad", "host_grad", "group_index")
+                 "has_grad", "host_grad", "group_index", "steps")
 
     def __init__(self, name, param, index):
         self.name = name
@@ -102,6 +104,7 @@ class _Param:
         self.has_grad = False
         self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
         self.group_index = 0  # which optimizer param group
+        self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -132,10 +135,9 @@ class Engine:
         self.micro_batch_size = config.micro_batch
         self.gradient_accumulation_steps = config.accumulation
         self.warnings = []
-        self.global_steps = 0  # optimizer steps taken (skipped ones not counted)
+        self.global_steps = 0  # accumulation boundaries passed (skipped steps included)
         self.skipped_steps = 0
         self.micro_steps = 0
-        self._t = 0
         self.last_step_stats = {}
 
         runtime_config = json.loads(json.dumps(config.runtime))
@@ -157,8 +159,21 @@ class Engine:
         threshold = zero.get("stage3_param_persistence_threshold",
                              zero.get("param_persistence_threshold", 100000))
         self._persistence_threshold = threshold if isinstance(threshold, (int, float)) else 100000
-        self.runtime = _strata.Runtime(json.dumps(runtime_config), on_warning=self._runtime_warning)
+        # The callback holds the engine weakly: the Runtime (a C++ object the garbage collector
+        # cannot see into) must not keep its engine alive.
+        engine = weakref.ref(self)
+        self.runtime = _strata.Runtime(
+            json.dumps(runtime_config),
+            on_warning=lambda w: engine() is not None and engine()._runtime_warning(w))
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
+        stale = self.runtime.stored_partitions()
+        if stale:
+            # The NVMe folder is swap space, not a checkpoint: what an earlier run left there is
+            # dropped (checkpoints are saved and loaded on their own).
+            for pid in stale:
+                self.runtime.unregister(pid)
+            self._warn(f"the NVMe swap folder held {len(stale)} partitions of an earlier run: "
+                       "swap is not a checkpoint, they were dropped")
 
         hyper = self._hyper_parameters(config, optimizer)
         self._params = []
@@ -202,8 +217,9 @@ class Engine:
             self._dynamic_scale = config.loss_scale == 0
             self.loss_scale = 2.0 ** config.initial_scale_power if self._dynamic_scale \
                 else config.loss_scale
-        self._good_steps = 0
         self._hysteresis_left = config.hysteresis
+        self._scale_iteration = 0
+        self._last_overflow = -1
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -222,6 +238,9 @@ class Engine:
 
     @staticmethod
     def _hyper_parameters(config, optimizer):
+        if optimizer is not None and config.optimizer is not None:
+            raise ValueError("strata.initialize: an optimizer was given both as an argument and "
+                             "in the config's optimizer block; accepted: one of them")
         if optimizer is not None:
             if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError("strata.initialize: an optimizer factory is not supported; "
@@ -313,6 +332,8 @@ class Engine:
                 self._by_module[module] = own
                 module.register_forward_pre_hook(self._before_forward)
                 module.register_forward_hook(self._after_forward)
+                if type(module) is torch.nn.Linear:
+                    module.forward = types.MethodType(_zero3_linear_forward, module)
 
     # --- stage 3: parameters lent around each module's forward and backward -------------------
 
@@ -339,12 +360,22 @@ class Engine:
         self._fetch(module)
 
     def _gradient_hook(self, e):
+        # The hook lives on a C++ autograd node the garbage collector cannot see into: it holds
+        # the engine weakly, or the engine would never be collected.
+        engine = weakref.ref(self)
+
         def hook(*unused):
+            self = engine()
+            if self is None:
+                return
             grad = e.param.grad
             if grad is None:
                 return
             e.param.grad = None
             if e.partitioned:
+                # Its gradient is the last thing backward needed of it (autograd sums the uses of
+                # a shared parameter before this hook): the lent copy goes back now.
+                e.param.data = self._empty
                 with torch.no_grad():
                     part = from_dlpack(self.runtime.acquire(e.gid, "device"))
                     part.add_(grad.reshape(-1))
@@ -410,8 +441,8 @@ class Engine:
             stepped, report = self._optimizer_step(grads)
         finally:
             self._release_gradients(grads)
+        self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         if stepped:
-            self.global_steps += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -464,15 +495,16 @@ class Engine:
         clip = 1.0
         if self.config.clipping > 0 and norm is not None:
             clip = min(1.0, self.config.clipping / (norm + 1e-6))
-        self._t += 1
         report = {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                   "bytes_written": 0}
         per_group = {}
         held = []
         for e, g, _ in grads:
-            per_group.setdefault(e.group_index, []).append((e, g))
+            # Adam's t is each parameter's own count of steps, as torch's: one that had no
+            # gradient in some step is a step behind the others.
+            per_group.setdefault((e.group_index, e.steps + 1), []).append((e, g))
         try:
-            for index, members in per_group.items():
+            for (index, t), members in per_group.items():
                 inputs, after = [], []
                 for e, g in members:
                     copy_out = None
@@ -489,11 +521,12 @@ class Engine:
                     after.append((e, target))
                     inputs.append((e.gid, g, copy_out))
                 r = self.runtime.optimizer_step(
-                    self._t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
+                    t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
                     grad_scale=clip / scale)
                 for key in ("seconds", "bytes_read", "bytes_written"):
                     report[key] += r[key]
                 for e, target in after:
+                    e.steps += 1
                     self._write_back_weights(e, target)
         finally:
             for e in held:
@@ -515,19 +548,27 @@ class Engine:
             e.param.data.copy_(target.view(e.shape))
 
     def _update_scale(self, overflow):
+        """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under
+        min_loss_scale) once `hysteresis` overflows have been absorbed; loss_scale_window steps
+        after the last overflow, the scale doubles (consecutive_hysteresis: every good step
+        restores the hysteresis; else only a doubling does)."""
         if not self._dynamic_scale:
             return
+        c = self.config
         if overflow:
-            self._good_steps = 0
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                self.loss_scale = max(self.loss_scale / 2, self.config.min_loss_scale)
-                self._hysteresis_left = self.config.hysteresis
+            if c.hysteresis == 1 or self._hysteresis_left == 1:
+                self.loss_scale = max(self.loss_scale / 2, c.min_loss_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._last_overflow = self._scale_iteration
         else:
-            self._good_steps += 1
-            if self._good_steps % self.config.loss_scale_window == 0:
+            if c.consecutive_hysteresis:
+                self._hysteresis_left = c.hysteresis
+            if (self._scale_iteration - self._last_overflow) % c.loss_scale_window == 0:
+                if not c.consecutive_hysteresis:
+                    self._hysteresis_left = c.hysteresis
                 self.loss_scale *= 2
-                self._hysteresis_left = self.config.hysteresis
+        self._scale_iteration += 1
 
     def _raise_deferred(self):
         errors = self.runtime.take_deferred_errors()
@@ -541,6 +582,34 @@ class Engine:
         s = self.runtime.stats()
         s["device"] = self.device_kind
         return s
+
+
+class _Zero3Linear(torch.autograd.Function):
+    """F.linear that saves the weight parameter itself for backward, not the transposed view
+    F.linear's autograd saves: a view would keep the lent partition pinned from forward to
+    backward (every layer's at once), where the parameter is lent again before its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight, bias)
+        out = x.matmul(weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _zero3_linear_forward(module, x):
+    return _Zero3Linear.apply(x, module.weight, module.bias)
 
 
 def _tensors(value):

@@ -1,8 +1,9 @@
 """DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR), with its
 parameter names, defaults and formulas, over any optimizer with ``param_groups``.
 
-As DeepSpeed's, a schedule sets the rate for iteration 0 when made, and each ``step()`` moves to
-the next iteration; the engine steps it after each optimizer step. ``get_last_lr()``,
+As DeepSpeed's, a schedule made at iteration -1 sets the rate of iteration -1 (0: the first
+optimizer step runs at rate 0), and each ``step()`` moves to the next iteration; the engine steps
+it after each optimizer step. ``get_last_lr()``,
 ``state_dict()`` and ``load_state_dict()`` work as torch's schedulers'.
 """
 
@@ -41,7 +42,12 @@ class WarmupLR:
         self.warmup_type = warmup_type
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
-        self.step()
+        self._apply()
+
+    def _apply(self):
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     @staticmethod
     def _per_group(value, groups, name):
@@ -68,9 +74,7 @@ class WarmupLR:
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = last_batch_iteration
-        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
-        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self._apply()
 
     def state_dict(self):
         return {"last_batch_iteration": self.last_batch_iteration}
@@ -117,7 +121,7 @@ class WarmupCosineLR:
         self.org_lrs = [group["lr"] for group in optimizer.param_groups]
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
-        self.step()
+        self._apply()
 
     def get_lr_ratio(self):
         i = self.last_batch_iteration
@@ -126,7 +130,7 @@ class WarmupCosineLR:
         if i < self.warmup_num_steps:
             gamma = _warmup_gamma(i, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * gamma
-        done = i - self.warmup_num_steps
+        done = i - self.warmup_num_steps + 1
         total = max(1, self.total_num_steps - self.warmup_num_steps)
         ratio = self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (
             1.0 + math.cos(math.pi * min(done, total) / total))
@@ -137,6 +141,7 @@ class WarmupCosineLR:
         return [lr * ratio for lr in self.org_lrs]
 
     get_last_lr = WarmupLR.get_last_lr
+    _apply = WarmupLR._apply
     step = WarmupLR.step
     state_dict = WarmupLR.state_dict
     load_state_dict = WarmupLR.load_state_dict
@@ -148,5 +153,7 @@ def make(spec, optimizer):
              "WarmupCosineLR": WarmupCosineLR}
     try:
         return kinds[spec["type"]](optimizer, **spec["params"])
-    except TypeError as e:
-        raise ValueError(f"scheduler.params of {spec['type']}: {e}") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config: scheduler.params ({spec['type']}): {e}; accepted: "
+                         "numbers for the rates and step counts, warmup_type log or "
+                         "linear") from e

@@ -172,7 +172,8 @@ def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path):
         seen.append(engine.get_lr()[0])
         engine.backward(loss_of(engine(x), y))
         engine.step()
-    assert seen == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])
+    # DeepSpeed's: made at iteration -1 (rate 0), stepped after each optimizer step.
+    assert seen == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
     assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
 
 
@@ -201,14 +202,114 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
     # A loss whose gradient overflows fp16 once scaled: 1e3 * 256 per element is past 65504.
     engine.backward(engine(x) * 1e3)
     engine.step()
-    assert engine.skipped_steps == 1 and engine.global_steps == 1
+    assert engine.skipped_steps == 1 and engine.global_steps == 2  # DeepSpeed counts skips
     assert engine.loss_scale == 128
     assert torch.equal(engine_weights(engine)[0], before)
     # The next good step goes on from the same state.
     engine.backward(engine(x))
     engine.step()
-    assert engine.global_steps == 2
+    assert engine.global_steps == 3 and engine.skipped_steps == 1
     assert not torch.equal(engine_weights(engine)[0], before)
+
+
+def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
+    config = make_config(tmp_path, 0, "cpu", "fp32")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 10, "loss_scale_window": 3,
+                      "hysteresis": 2}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    scales = []
+    for overflow in [1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1]:
+        engine._update_scale(bool(overflow))
+        scales.append(engine.loss_scale)
+    # DeepSpeed's DynamicLossScaler.update_scale on the same pattern (hysteresis absorbs the
+    # first overflow only; a halving leaves it spent until the window doubles the scale).
+    assert scales == [1024, 512, 256, 128, 128, 128, 256, 256, 256, 256, 128, 64]
+
+
+def test_stage3_trains_a_deep_model_through_a_budget_of_three_layers(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["strata"]["device_budget_bytes"] = 3 * 16384  # three of the eight 16 KiB weights
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    for _ in range(4):
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(x).pow(2).mean()
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert engine.stats()["bytes_moved"]["host_to_device"] > 4 * 8 * 16384
+
+
+def test_a_parameter_without_a_gradient_keeps_its_own_adam_step_count(tmp_path):
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+            self.b = torch.nn.Linear(16, 16)
+
+        def forward(self, x, both):
+            return (self.b(self.a(x)) if both else self.a(x)).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Two()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    for both in (False, True, True):
+        engine.backward(engine(x, both))
+        engine.step()
+        reference(x, both).backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad(set_to_none=True)
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_engine_dropped_by_the_trainer_is_collected_and_frees_its_store(tmp_path):
+    import gc
+    import weakref
+    config = make_config(tmp_path, 3, "nvme", "fp32")
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    alive = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert alive() is None
+    # The store's lock went with it: a new engine on the same folder opens it.
+    strata.initialize(model=Net(), config=config)
+
+
+def test_a_lent_tensor_freed_after_its_runtime_is_dropped_is_safe(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import gc, json, torch
+        from torch.utils.dlpack import from_dlpack
+        from strata import _strata
+        cfg = {{"strata": {{"device": "emulated", "nvme_capacity_bytes": 1 << 26}}}}
+        rt = _strata.Runtime(json.dumps(cfg), on_warning=lambda w: None)
+        rt.register(0, "param", "float32", 1024, 0, "host", torch.arange(1024.0))
+        t = from_dlpack(rt.lend(0, "device"))
+        del rt
+        gc.collect()
+        assert t[:3].tolist() == [0.0, 1.0, 2.0]
+        del t  # the last reference: the Runtime goes now, under the GIL
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 def test_a_misspelt_top_level_key_is_called_unknown_with_the_close_match(tmp_path):
@@ -256,6 +357,9 @@ def test_a_client_torch_optimizer_gives_the_hyper_parameters(tmp_path):
     client = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.8, 0.9), weight_decay=0.0)
     engine, optimizer, _, _ = strata.initialize(model=model, optimizer=client, config=config)
     assert optimizer.param_groups[0]["lr"] == 3e-3
+    sgd = torch.optim.SGD(Net().parameters(), lr=1.0)
     with pytest.raises(ValueError, match="optimizer SGD is not supported"):
-        strata.initialize(model=Net(), optimizer=torch.optim.SGD(Net().parameters(), lr=1.0),
+        strata.initialize(model=Net(), optimizer=sgd, config=config)
+    with pytest.raises(ValueError, match="both as an argument and in the config"):
+        strata.initialize(model=Net(), optimizer=client,
                           config=make_config(tmp_path / "b", 3, "cpu", "fp32"))
