@@ -968,7 +968,9 @@ void Runtime::RunPrefetch(PartitionId id, Tier tier, bool planned,
       ++step_.r.prefetch_failures;
     }
   }
-  if (done != nullptr) done->set_value(s);
+  // Moved, not copied: the status's message (refcounted inside Debian's Abseil, which TSan cannot
+  // see) then belongs to the future alone, never freed on this thread after the caller read it.
+  if (done != nullptr) done->set_value(std::move(s));
 }
 
 std::future<absl::Status> Runtime::Prefetch(PartitionId id, Tier tier) {
