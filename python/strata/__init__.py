@@ -19,7 +19,7 @@ from strata._strata import Error, InvalidArgumentError
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
-from strata.engine import Engine, initialize
+from strata.engine import Engine, initialize, register_external_parameter
 
 __all__ = ["ConfigError", "Engine", "Error", "InvalidArgumentError", "initialize", "lr_schedules",
-           "optim"]
+           "optim", "register_external_parameter"]

@@ -53,7 +53,19 @@ from strata import _strata
 from strata import lr_schedules
 from strata.config import TrainConfig
 
-__all__ = ["initialize", "Engine"]
+__all__ = ["initialize", "Engine", "register_external_parameter"]
+
+
+def register_external_parameter(module, parameter):
+    """Says that `module`'s forward uses `parameter`, which another module owns (a tied weight
+    used functionally, as ``h @ self.wte.weight.t()``), as DeepSpeed's
+    ``deepspeed.zero.register_external_parameter``: at stage 3 the parameter is then lent for the
+    whole of `module`'s forward. Call it before ``strata.initialize``."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise ValueError("register_external_parameter: accepted: a torch.nn.Parameter")
+    external = module.__dict__.setdefault("_strata_external_parameters", [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
@@ -325,9 +337,11 @@ class Engine:
     def _install_module_hooks(self, model):
         self._by_module = {}
         partitioned = {id(e.param): e for e in self._params if e.partitioned}
+        self._holders = {}
         for module in model.modules():
-            own = [partitioned[id(p)] for p in module._parameters.values()
-                   if p is not None and id(p) in partitioned]
+            used = list(module._parameters.values()) + \
+                list(getattr(module, "_strata_external_parameters", ()))
+            own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._by_module[module] = own
                 module.register_forward_pre_hook(self._before_forward)
@@ -337,14 +351,28 @@ class Engine:
 
     # --- stage 3: parameters lent around each module's forward and backward -------------------
 
+    # A parameter is lent while some module's forward that uses it runs (an outer module's
+    # external parameter stays lent through the inner module's forward): `_holders` counts them.
+
     def _fetch(self, module):
         for e in self._by_module[module]:
-            if e.param.data.numel() == 0:
+            held = self._holders.get(e.pid, 0)
+            if held == 0 and e.param.data.numel() == 0:
                 e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
+            self._holders[e.pid] = held + 1
 
     def _drop(self, module):
         for e in self._by_module.get(module, ()):
-            e.param.data = self._empty
+            held = self._holders.get(e.pid, 0) - 1
+            self._holders[e.pid] = max(held, 0)
+            if held <= 0:
+                e.param.data = self._empty
+
+    def _drop_all(self):
+        self._holders.clear()
+        for e in self._params:
+            if e.partitioned:
+                e.param.data = self._empty
 
     def _before_forward(self, module, inputs):
         self._fetch(module)
@@ -375,6 +403,7 @@ class Engine:
             if e.partitioned:
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
+                self._holders.pop(e.pid, None)
                 e.param.data = self._empty
                 with torch.no_grad():
                     part = from_dlpack(self.runtime.acquire(e.gid, "device"))
@@ -403,8 +432,7 @@ class Engine:
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         scaled.backward()
-        for module in self._by_module:
-            self._drop(module)
+        self._drop_all()
         self._raise_deferred()
         return loss
 
@@ -576,6 +604,24 @@ class Engine:
             raise _strata.Error("strata: releasing a lent parameter failed: " + "; ".join(errors))
 
     # --- reports ------------------------------------------------------------------------------
+
+    def module_state_dict(self):
+        """The model's state dict with every parameter whole (in the training dtype, on the CPU),
+        as DeepSpeed's engine.module_state_dict with stage3_gather_16bit_weights_on_model_save: at
+        stage 3 the module's own state_dict() holds empty placeholders for the partitioned
+        parameters."""
+        by_param = {id(e.param): e for e in self._params if e.partitioned}
+        out = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            e = by_param.get(id(value))
+            if e is None:
+                out[name] = value.detach().to("cpu").clone()
+                continue
+            whole = from_dlpack(self.runtime.acquire(e.pid, "host"))
+            out[name] = whole.clone().view(e.shape)
+            del whole
+            self.runtime.release(e.pid, "host", False)
+        return out
 
     def stats(self):
         """The Runtime's statistics since the engine was made (waits, bytes per tier pair)."""

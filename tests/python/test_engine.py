@@ -363,3 +363,43 @@ def test_a_client_torch_optimizer_gives_the_hyper_parameters(tmp_path):
     with pytest.raises(ValueError, match="both as an argument and in the config"):
         strata.initialize(model=Net(), optimizer=client,
                           config=make_config(tmp_path / "b", 3, "cpu", "fp32"))
+
+
+def test_a_tied_weight_used_outside_its_module_trains_once_registered(tmp_path):
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+            self.lin = torch.nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(self.emb(x))) @ self.emb.weight.t()
+
+    torch.manual_seed(0)
+    model = Tied()
+    reference = copy.deepcopy(model)
+    strata.register_external_parameter(model, model.emb.weight)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(3):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(x), y)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
+    engine, reference, _ = train_both(tmp_path, 3, "cpu", "fp32", steps=4)
+    assert all(v.numel() == 0 for k, v in engine.module.state_dict().items() if "weight" in k
+               and k != "ln.weight")  # the module's own: placeholders
+    whole = engine.module_state_dict()
+    for (name, ours), theirs in zip(whole.items(), reference.model.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+    # It loads into a fresh model of the same shape.
+    fresh = Net()
+    fresh.load_state_dict(whole)
