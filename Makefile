@@ -1,10 +1,14 @@
 # The two commands that do all set-up on a fresh Debian 12 machine:
 #   make demo   installs what is missing, builds (release) and runs the main job: the quick NVMe
-#               sweep on a scratch folder under the build directory
+#               sweep on a scratch folder under the build directory, then single-device
+#               fine-tuning of a GPT-style model with strata (its aio block from the sweep),
+#               beside plain PyTorch
 #   make test   installs what is missing, builds (release) and runs the test suite
 # and: make bench (the benchmarks, with their ceilings), make asan, make tsan.
 SCRATCH ?= build/release/scratch
 DEMO_ARGS ?=
+FINETUNE_ARGS ?=
+PYTHON ?= /usr/bin/python3
 BENCH_ARGS ?= --reserve-hugetlb
 
 .PHONY: deps demo bench test asan tsan build clean
@@ -19,6 +23,8 @@ build: deps
 demo: build
 	mkdir -p $(SCRATCH)
 	./build/release/tools/aio_bench/aio_bench_perf_sweep --nvme_dir $(SCRATCH) --quick $(DEMO_ARGS)
+	PYTHONPATH=build/release/python $(PYTHON) examples/finetune.py --work $(SCRATCH)/finetune \
+	    --aio-block $(SCRATCH)/strata-sweep/best.json $(FINETUNE_ARGS)
 
 bench: build
 	mkdir -p $(SCRATCH)
