@@ -34,6 +34,7 @@ bench: build
 	./build/release/bench/optimizer_swap --dir $(SCRATCH) --json build/release/optimizer_swap.json $(BENCH_ARGS)
 	./build/release/bench/nvme_store --dir $(SCRATCH) --json build/release/nvme_store.json
 	./build/release/bench/sched_step --dir $(SCRATCH) --json build/release/sched_step.json
+	PYTHONPATH=build/release/python $(PYTHON) bench/train_step.py --dir $(SCRATCH) --json build/release/train_step.json
 
 test: build
 	ctest --preset release

@@ -17,7 +17,8 @@
 // Master parameters are fp32. Gradients are fp32, bf16 or fp16. The moments are fp32, or bf16
 // to halve their memory and I/O (computed in fp32, stored rounded to nearest even; the accuracy
 // cost is measured in docs/performance.md). The updated parameters can also be written, in the
-// same pass, as a bf16 or fp16 copy (the copy that goes back to the GPU).
+// same pass, as a bf16 or fp16 copy (the copy that goes back to the GPU), or an fp32 one (for a
+// trainer computing in fp32, whose weights live apart from the master weights).
 //
 // Spans may have any length and alignment. Step() works on a chunk: a caller may step partition
 // k while k-1 is being written and k+1 read; every chunk of one optimizer step passes the same t.
@@ -78,7 +79,7 @@ struct AdamChunk {
   void* exp_avg_sq = nullptr;
   DType moment_dtype = DType::kF32;  // kF32 or kBF16
   void* param_copy = nullptr;
-  DType copy_dtype = DType::kBF16;  // kBF16 or kF16
+  DType copy_dtype = DType::kBF16;  // kBF16, kF16 or kF32
   size_t size = 0;                  // elements
 };
 

@@ -132,9 +132,6 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
   if (state1 == nullptr) return bad(need_state2 ? "exp_avg is null" : "state is null");
   if (need_state2 && state2 == nullptr) return bad("exp_avg_sq is null");
   if (state_dtype == DType::kF16) return bad("moment_dtype fp16: accepted fp32, bf16");
-  if (param_copy != nullptr && copy_dtype == DType::kF32) {
-    return bad("copy_dtype fp32: accepted bf16, fp16 (the fp32 parameters are `param`)");
-  }
   if (!std::isfinite(options.grad_scale)) return bad("grad_scale must be finite");
   if (!std::isfinite(options.lr)) return bad("lr must be finite");
   return absl::OkStatus();

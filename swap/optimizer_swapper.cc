@@ -20,7 +20,8 @@ uint64_t StateBytes(uint64_t elements) { return elements * 3 * sizeof(float); }
 // The most elements whose state bytes a uint64_t holds.
 constexpr uint64_t kMaxElements = std::numeric_limits<uint64_t>::max() / (3 * sizeof(float));
 // The param copy's element: bf16 or fp16, the copy dtypes CpuAdam writes (it refuses others).
-constexpr uint64_t kCopyBytesPerElement = 2;
+// Bytes per element of a param copy: fp32 (a trainer computing in fp32), bf16 or fp16.
+uint64_t CopyBytes(optim_cpu::DType t) { return t == optim_cpu::DType::kF32 ? 4 : 2; }
 
 absl::Span<const std::byte> Bytes(const float* p, uint64_t elements) {
   return {reinterpret_cast<const std::byte*>(p), StateBytes(elements)};
@@ -209,7 +210,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       host.push_back({&in, *part, nullptr});
     } else {
       nvme.push_back({&in, *part, nullptr});
-      if (in.param_copy != nullptr) staging_bytes += (*part)->elements * kCopyBytesPerElement;
+      if (in.param_copy != nullptr) staging_bytes += (*part)->elements * CopyBytes(in.copy_dtype);
     }
   }
   if (options.check_overflow) {
@@ -231,7 +232,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   for (Planned& p : nvme) {
     if (p.in->param_copy == nullptr) continue;
     p.staged_copy = copy_staging_ + staged_at;
-    staged_at += p.part->elements * kCopyBytesPerElement;
+    staged_at += p.part->elements * CopyBytes(p.in->copy_dtype);
   }
 
   optim_cpu::StepOptions no_check = options;
@@ -373,7 +374,8 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   // CpuAdam has nothing left to refuse: an error here is a bug, reported as such).
   for (const Planned& p : nvme) {
     if (p.staged_copy != nullptr) {
-      std::memcpy(p.in->param_copy, p.staged_copy, p.part->elements * kCopyBytesPerElement);
+      std::memcpy(p.in->param_copy, p.staged_copy,
+                  p.part->elements * CopyBytes(p.in->copy_dtype));
     }
   }
   for (const Planned& p : host) {

@@ -26,8 +26,8 @@
 // state, whole; the host-resident state, the gradients and every `param_copy` are untouched; and
 // retrying the step gives, bit for bit, the result of a step that never failed. The price: NVMe
 // space for a second copy of the stepped state during the step, and host memory (from `host`,
-// kept for the next step) for the NVMe-resident partitions' param copies, 2 bytes per element of
-// those that ask for one.
+// kept for the next step) for the NVMe-resident partitions' param copies, 2 bytes (4 for fp32)
+// per element of those that ask for one.
 //
 // Thread safety: one Step (or Initialize/ReadState) at a time. The store, the optimizer and the
 // host memory resource are borrowed and must outlive the swapper.
@@ -86,7 +86,7 @@ struct StepInput {
   tiering::PartitionId id = 0;
   const void* grad = nullptr;
   optim_cpu::DType grad_dtype = optim_cpu::DType::kF32;
-  void* param_copy = nullptr;  // optional bf16/fp16 copy of the new weights
+  void* param_copy = nullptr;  // optional bf16, fp16 or fp32 copy of the new weights
   optim_cpu::DType copy_dtype = optim_cpu::DType::kBF16;
 };
 

@@ -117,6 +117,9 @@ void UpdateRangeCopy(const UpdateArgs& a, size_t begin, size_t end) {
   if (a.copy_dtype == DType::kBF16) {
     return UpdateRange<O, R, G, S, static_cast<int>(DType::kBF16)>(a, begin, end);
   }
+  if (a.copy_dtype == DType::kF32) {
+    return UpdateRange<O, R, G, S, static_cast<int>(DType::kF32)>(a, begin, end);
+  }
   return UpdateRange<O, R, G, S, static_cast<int>(DType::kF16)>(a, begin, end);
 }
 

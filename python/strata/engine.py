@@ -542,10 +542,9 @@ class Engine:
                     else:
                         target = e.param.data.reshape(-1) if e.param.device.type == "cpu" and \
                             e.param.is_contiguous() else None
-                    if self.dtype != torch.float32:
-                        if target is None:
-                            target = torch.empty(e.numel, dtype=self.dtype)
-                        copy_out = target
+                    if target is None:
+                        target = torch.empty(e.numel, dtype=self.dtype)
+                    copy_out = target  # the new weights in the training dtype, fp32 included
                     after.append((e, target))
                     inputs.append((e.gid, g, copy_out))
                 r = self.runtime.optimizer_step(
@@ -564,15 +563,9 @@ class Engine:
         return True, report
 
     def _write_back_weights(self, e, target):
-        """After the step: fp32 training reads the new master weights into the parameter; a
-        half-precision copy written elsewhere than the parameter is copied into it."""
-        if self.dtype == torch.float32:
-            master = target if target is not None else torch.empty(e.numel, dtype=torch.float32)
-            scratch = torch.empty(e.numel, dtype=torch.float32)
-            self.runtime.read_optimizer_state(e.gid, master, scratch, torch.empty_like(scratch))
-            if target is None:
-                e.param.data.copy_(master.view(e.shape))
-        elif not e.partitioned and target.data_ptr() != e.param.data_ptr():
+        """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a
+        non-contiguous one) is copied into it."""
+        if not e.partitioned and target.data_ptr() != e.param.data_ptr():
             e.param.data.copy_(target.view(e.shape))
 
     def _update_scale(self, overflow):

@@ -1,0 +1,234 @@
+"""bench/train_step: the demo model's training step under strata against its lower bound, beside
+plain PyTorch; and strata.optim.CpuAdam against torch.optim.AdamW from Python (BENCH.md).
+
+    PYTHONPATH=build/release/python /usr/bin/python3 bench/train_step.py --dir SCRATCH \
+        [--json out.json] [--rounds 3] [--steps 6] [--adam-params 67108864]
+
+Each round measures, side by side:
+  * plain PyTorch: forward + backward of the batch with everything in memory (compute_s), and its
+    whole step with torch.optim.AdamW (the reference, not a target);
+  * the optimizer's own floor: strata.optim.CpuAdam stepping as many parameters in memory
+    (adam_s), and the disk moving the optimizer state once each way (the state on NVMe is read and
+    written every step) at fio's read and write bandwidth (io_s; fio at 1 MiB, depth 8, O_DIRECT);
+  * strata: the engine's step (ZeRO stage 3, parameters offloaded to the host, the optimizer on
+    NVMe, the device budget under the model's state), the median of --steps after two warm-ups.
+The step's lower bound is max(compute_s, adam_s, io_s): every part overlapped with the others
+(the link is not in it: the emulated device's copies are memcpy, capped by nothing). strata's
+figure is the bound over its step (1.0 = at the bound); the ratio reported is the median of the
+rounds' ratios.
+
+Then CpuAdam against torch.optim.AdamW (foreach=False, the CPU default in torch 1.13) on one tensor
+of --adam-params parameters, fp32, the same thread count: the speedup, step time over step time.
+"""
+import argparse
+import copy
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+from gpt import GPT, loss_of  # noqa: E402
+
+import strata  # noqa: E402
+
+
+def fio_bandwidth(directory, write):
+    """fio's GB/s at 1 MiB, depth 8, O_DIRECT on a 256 MiB file in `directory` (None: no fio)."""
+    if shutil.which("fio") is None:
+        return None
+    path = os.path.join(directory, "fio.bin")
+    cmd = ["fio", "--name=bw", f"--filename={path}", "--size=256M", "--bs=1M", "--iodepth=8",
+           "--direct=1", "--ioengine=io_uring", f"--rw={'write' if write else 'read'}",
+           "--output-format=json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    job = json.loads(out.stdout)["jobs"][0]["write" if write else "read"]
+    return job["bw_bytes"] / 1e9
+
+
+def batch(gen, args):
+    x = torch.randint(0, 256, (args.batch, args.context), generator=gen)
+    return x, torch.roll(x, -1, 1)
+
+
+def median_time(fn, steps):
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, help="scratch folder on the drive to measure")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--device-budget-mb", type=float, default=16)
+    parser.add_argument("--adam-params", type=int, default=1 << 26)
+    args = parser.parse_args()
+    for name in ("rounds", "steps", "batch", "adam_params"):
+        if getattr(args, name) < 1:
+            sys.exit(f"train_step: --{name.replace('_', '-')} must be at least 1")
+    os.makedirs(args.dir, exist_ok=True)
+    nvme = os.path.join(args.dir, "train_step_nvme")
+
+    torch.manual_seed(0)
+    base = GPT(args.layers, args.width, args.heads, args.context)
+    params = sum(p.numel() for p in base.parameters())
+    state_bytes = params * 12  # master weights and two moments, fp32
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for round_index in range(args.rounds):
+        # plain PyTorch, everything in memory
+        plain = copy.deepcopy(base)
+        opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+        x, y = batch(gen, args)
+
+        def forward_backward():
+            loss_of(plain(x), y).backward()
+
+        def plain_step():
+            forward_backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        plain_step()
+        compute_s = median_time(lambda: (forward_backward(), plain.zero_grad(set_to_none=True)),
+                                args.steps)
+        plain_s = median_time(plain_step, args.steps)
+        del plain, opt
+
+        # the optimizer's floor: CpuAdam in memory, and the disk moving the state
+        flat = torch.zeros(params)
+        adam = strata.optim.CpuAdam([torch.nn.Parameter(flat)], lr=1e-3)
+        adam.param_groups[0]["params"][0].grad = torch.ones(params)
+        adam.step()
+        adam_s = median_time(adam.step, args.steps)
+        del adam, flat
+        read_gbs = fio_bandwidth(args.dir, write=False)
+        write_gbs = fio_bandwidth(args.dir, write=True)
+        if os.path.exists(os.path.join(args.dir, "fio.bin")):
+            os.remove(os.path.join(args.dir, "fio.bin"))
+        io_s = (state_bytes / (read_gbs * 1e9) + state_bytes / (write_gbs * 1e9)) \
+            if read_gbs and write_gbs else 0.0
+
+        # strata
+        shutil.rmtree(nvme, ignore_errors=True)
+        os.makedirs(nvme)
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu", "buffer_count": 4, "buffer_size": 1 << 22},
+                "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                                      "pipeline_read": True, "pipeline_write": True},
+                "stage3_param_persistence_threshold": 10000},
+            "strata": {"device": "emulated",
+                       "device_budget_bytes": int(args.device_budget_mb * (1 << 20)),
+                       "host_budget_bytes": 1 << 30, "nvme_capacity_bytes": 1 << 30}}
+        engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
+
+        def strata_step():
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+
+        strata_step()
+        strata_step()
+        strata_s = median_time(strata_step, args.steps)
+        waits = engine.last_step_stats["runtime"]["wait_by_cause"]
+        del engine
+        shutil.rmtree(nvme, ignore_errors=True)
+
+        bound_s = max(compute_s, adam_s, io_s)
+        rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s,
+                     "read_gbs": read_gbs, "write_gbs": write_gbs, "plain_s": plain_s,
+                     "strata_s": strata_s, "bound_s": bound_s, "ratio": bound_s / strata_s,
+                     "waits": waits})
+        print(f"round {round_index}: strata {strata_s * 1e3:.0f} ms, bound {bound_s * 1e3:.0f} ms "
+              f"(compute {compute_s * 1e3:.0f}, CpuAdam {adam_s * 1e3:.0f}, disk "
+              f"{io_s * 1e3:.0f}), plain PyTorch {plain_s * 1e3:.0f} ms")
+
+    # CpuAdam against torch.optim.AdamW at --adam-params
+    n = args.adam_params
+    ours_p = torch.nn.Parameter(torch.randn(n))
+    ours_p.grad = torch.randn(n) * 0.1
+    theirs_p = torch.nn.Parameter(ours_p.detach().clone())
+    theirs_p.grad = ours_p.grad.clone()
+    ours = strata.optim.CpuAdamW([ours_p], lr=1e-3)
+    theirs = torch.optim.AdamW([theirs_p], lr=1e-3, foreach=False)
+    ours.step()
+    theirs.step()
+    adam_rows = []
+    for _ in range(max(3, args.rounds)):
+        a = median_time(ours.step, 1)
+        b = median_time(theirs.step, 1)
+        adam_rows.append((a, b, b / a))
+
+    med = statistics.median
+    ratio = med(r["ratio"] for r in rows)
+    strata_steps = 1 / med(r["strata_s"] for r in rows)
+    bound_steps = 1 / med(r["bound_s"] for r in rows)
+    plain_steps = 1 / med(r["plain_s"] for r in rows)
+    speedup = med(r[2] for r in adam_rows)
+    print()
+    print(f"model: GPT {params / 1e6:.2f}M parameters, batch {args.batch} x {args.context}; "
+          f"device budget {args.device_budget_mb} MiB (host-emulated device, model on the CPU)")
+    print(f"{'round':>5} {'strata ms':>10} {'bound ms':>9} {'compute':>8} {'CpuAdam':>8} "
+          f"{'disk':>6} {'plain ms':>9} {'ratio':>6}")
+    for i, r in enumerate(rows):
+        print(f"{i:>5} {r['strata_s'] * 1e3:>10.0f} {r['bound_s'] * 1e3:>9.0f} "
+              f"{r['compute_s'] * 1e3:>8.0f} {r['adam_s'] * 1e3:>8.0f} {r['io_s'] * 1e3:>6.0f} "
+              f"{r['plain_s'] * 1e3:>9.0f} {r['ratio']:>6.2f}")
+    print(f"CpuAdam vs torch.optim.AdamW at {n} parameters: "
+          + ", ".join(f"{a * 1e3:.0f} vs {b * 1e3:.0f} ms" for a, b, _ in adam_rows))
+    print(f"train_step/steps_per_s: {strata_steps:.3f} steps/s = {ratio:.3f} of the step's lower "
+          f"bound max(compute, CpuAdam, disk) ({bound_steps:.3f} steps/s)")
+    print(f"train_step/plain_pytorch: {plain_steps:.3f} steps/s (everything in memory; strata "
+          f"runs {strata_steps / plain_steps:.2f}x of it)")
+    print(f"train_step/cpu_adam_speedup: {speedup:.2f}x torch.optim.AdamW (foreach=False) at "
+          f"{n} parameters")
+
+    if args.json:
+        report = {
+            "bench": "train_step",
+            "figures": [
+                {"name": "steps_per_s", "value": strata_steps, "unit": "steps/s",
+                 "ceiling": bound_steps,
+                 "ceiling_source": "1 / max(plain PyTorch forward+backward, CpuAdam in memory, "
+                                   "optimizer state / fio GB/s each way)",
+                 "ratio": ratio, "config": vars(args)},
+                {"name": "plain_pytorch_steps_per_s", "value": plain_steps, "unit": "steps/s",
+                 "note": "reference, not a ceiling: everything in memory"},
+                {"name": "cpu_adam_speedup", "value": speedup, "unit": "x",
+                 "ceiling": None, "ceiling_source": "torch.optim.AdamW foreach=False, same run",
+                 "config": {"params": n, "threads": torch.get_num_threads()}}],
+            "rounds": rows,
+            "adam_rounds": [{"cpu_adam_s": a, "torch_adamw_s": b} for a, b, _ in adam_rows],
+            "machine": {"cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "device": "host-emulated",
+                        "torch": torch.__version__}}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
