@@ -25,6 +25,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
@@ -196,8 +197,10 @@ py::object JsonToPython(const std::string& json) {
 // sched::Runtime over tensors.
 class PyRuntime {
  public:
+  // `inject_write_error` (a test seam, 0 by default): every write the aio engine makes fails with
+  // that errno while the faults are armed (ArmFaults; disarmed until then).
   PyRuntime(const std::string& config_json, int rank, int device_index, int workers,
-            py::object on_warning) {
+            py::object on_warning, int inject_write_error) {
     std::vector<std::string> warnings;
     tiering::RuntimeConfig config =
         Take(tiering::RuntimeConfigFromJsonText(config_json, &warnings));
@@ -205,6 +208,13 @@ class PyRuntime {
     options.rank = rank;
     options.device_index = device_index;
     options.workers = workers;
+    if (inject_write_error != 0) {
+      aio::FaultRule rule = aio::FaultRule::Error(inject_write_error);
+      rule.only = aio::OpKind::kWrite;
+      faults_ = std::make_shared<aio::FaultInjector>(/*seed=*/1, std::vector{rule});
+      faults_->Arm(false);
+      options.engine_options.wrap_backend = aio::FaultInjector::ForEngine(faults_);
+    }
     if (!on_warning.is_none()) {
       auto callback = std::make_shared<py::object>(std::move(on_warning));
       // Called on the Runtime's threads too: the GIL is taken for the call; an exception the
@@ -316,6 +326,14 @@ class PyRuntime {
                           Py_DECREF(keep);
                         }
                       });
+  }
+
+  void ArmFaults(bool armed) {
+    if (faults_ == nullptr) {
+      Raise(absl::FailedPreconditionError(
+          "arm_faults: this Runtime was made without inject_write_error"));
+    }
+    faults_->Arm(armed);
   }
 
   std::vector<std::string> TakeDeferredErrors() {
@@ -519,6 +537,7 @@ class PyRuntime {
   std::unique_ptr<sched::Runtime> runtime_;
   std::unique_ptr<Deferred> deferred_ = std::make_unique<Deferred>();
   std::shared_ptr<py::object> callback_;
+  std::shared_ptr<aio::FaultInjector> faults_;
   struct Shape {
     optim_cpu::DType dtype;
     uint64_t elements;
@@ -555,9 +574,11 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("isa", &Adam::Isa);
 
   py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
-      .def(py::init<const std::string&, int, int, int, py::object>(), py::arg("config_json"),
-           py::arg("rank") = -1, py::arg("device_index") = -1, py::arg("workers") = 4,
-           py::arg("on_warning") = py::none())
+      .def(py::init<const std::string&, int, int, int, py::object, int>(),
+           py::arg("config_json"), py::arg("rank") = -1, py::arg("device_index") = -1,
+           py::arg("workers") = 4, py::arg("on_warning") = py::none(),
+           py::arg("inject_write_error") = 0)
+      .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"),
            py::arg("initial") = py::none())

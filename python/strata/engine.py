@@ -32,7 +32,10 @@ optimizer steps each partition with grad_scale = clip / loss_scale, writing the 
 training dtype into the parameter's host copy (stage 3) or the device tensor, and the gradients
 are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overflow after
 `hysteresis` overflows, double after loss_scale_window good steps, never under min_loss_scale)
-skips a step whose gradients overflowed, changing nothing else.
+skips a step whose gradients overflowed, changing nothing else. A step that fails (a disk that
+fills while the optimizer state is written) raises strata.Error and changes nothing: the weights
+and the optimizer state stay the previous step's (the NVMe state commits whole or not at all), and
+that step's gradients are dropped.
 
 Without a GPU the device tier is the host-emulated one (strata.device "emulated", the default)
 and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.

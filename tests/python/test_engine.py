@@ -403,3 +403,50 @@ def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
     # It loads into a fresh model of the same shape.
     fresh = Net()
     fresh.load_state_dict(whole)
+
+
+def test_a_disk_that_fills_mid_step_ends_the_step_and_keeps_the_previous_state(tmp_path,
+                                                                               monkeypatch):
+    import errno
+    from strata import _strata
+    made = []
+    real_runtime = _strata.Runtime
+
+    def faulty_runtime(*args, **kwargs):
+        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, **kwargs)
+        made.append(rt)
+        return rt
+
+    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    data = list(batches(4))
+    for x, y in data[:2]:
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+
+    def optimizer_state():
+        out = []
+        for e in engine._params:
+            m, a, v = torch.empty(e.numel), torch.empty(e.numel), torch.empty(e.numel)
+            engine.runtime.read_optimizer_state(e.gid, m, a, v)
+            out += [m, a, v]
+        return out
+
+    weights, state = engine.module_state_dict(), optimizer_state()
+    made[0].arm_faults(True)  # the disk is full from here
+    x, y = data[2]
+    engine.backward(loss_of(engine(x), y))
+    with pytest.raises(strata.Error, match="No space left on device") as failed:
+        engine.step()
+    assert failed.value.code == "RESOURCE_EXHAUSTED"
+    made[0].arm_faults(False)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    for before, after in zip(state, optimizer_state()):
+        assert torch.equal(before, after)
+    # Room again: training goes on from the previous step's state.
+    x, y = data[3]
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    assert not torch.equal(engine.module_state_dict()["l1.weight"], weights["l1.weight"])
