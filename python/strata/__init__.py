@@ -16,10 +16,11 @@ status's name, e.g. ``"RESOURCE_EXHAUSTED"``) and ``errno``; bad arguments are
 """
 
 from strata._strata import Error, InvalidArgumentError
+from strata import checkpointing
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
 from strata.engine import Engine, initialize, register_external_parameter
 
-__all__ = ["ConfigError", "Engine", "Error", "InvalidArgumentError", "initialize", "lr_schedules",
+__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "InvalidArgumentError", "initialize", "lr_schedules",
            "optim", "register_external_parameter"]

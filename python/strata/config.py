@@ -16,6 +16,7 @@ act on. Read here:
       (lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false)
   scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR and scheduler.params (strata.lr_schedules)
   steps_per_print, zero_allow_untested_optimizer
+  activation_checkpointing (strata.checkpointing.configure reads it)
 """
 
 import json
@@ -26,7 +27,8 @@ __all__ = ["TrainConfig", "ConfigError"]
 # Keys this module reads; everything else goes to the C++ reader.
 TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
-                "optimizer", "scheduler", "steps_per_print", "zero_allow_untested_optimizer")
+                "optimizer", "scheduler", "steps_per_print", "zero_allow_untested_optimizer",
+                "activation_checkpointing")
 
 
 class ConfigError(ValueError):
@@ -98,7 +100,7 @@ class TrainConfig:
         self.optimizer = None  # {"type": "Adam"|"AdamW", "params": {...}} or None
         self.scheduler = None  # {"type": ..., "params": {...}} or None
         self.steps_per_print = 10
-        self.runtime = {}  # what goes to the C++ reader
+        self.activation_checkpointing = None  # the block, for strata.checkpointing        self.runtime = {}  # what goes to the C++ reader
 
     @staticmethod
     def load(config):
@@ -221,5 +223,8 @@ class TrainConfig:
                 _bad("scheduler.params", "accepted: a JSON object")
             c.scheduler = {"type": sch["type"], "params": params}
 
+        if "activation_checkpointing" in config:
+            c.activation_checkpointing = {"activation_checkpointing":
+                                          _object(config, "activation_checkpointing")}
         c.runtime = {k: v for k, v in config.items() if k not in TRAINER_KEYS}
         return c

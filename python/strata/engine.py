@@ -53,6 +53,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
+from strata import checkpointing
 from strata import lr_schedules
 from strata.config import TrainConfig
 
@@ -177,6 +178,8 @@ class Engine:
         # The callback holds the engine weakly: the Runtime (a C++ object the garbage collector
         # cannot see into) must not keep its engine alive.
         engine = weakref.ref(self)
+        if config.activation_checkpointing is not None:
+            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         self.runtime = _strata.Runtime(
             json.dumps(runtime_config),
             on_warning=lambda w: engine() is not None and engine()._runtime_warning(w))

@@ -450,3 +450,51 @@ def test_a_disk_that_fills_mid_step_ends_the_step_and_keeps_the_previous_state(t
     engine.backward(loss_of(engine(x), y))
     engine.step()
     assert not torch.equal(engine.module_state_dict()["l1.weight"], weights["l1.weight"])
+
+
+class Checkpointed(torch.nn.Module):
+    """Net's layers with the middle run through strata.checkpointing, and a dropout in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def middle(self, h):
+        return self.drop(self.net.ln(torch.relu(self.net.l1(h))))
+
+    def forward(self, x, checkpoint=True):
+        h = self.net.emb(x)
+        h = strata.checkpointing.checkpoint(self.middle, h) if checkpoint else self.middle(h)
+        return self.net.l2(h)
+
+
+@pytest.mark.parametrize("cpu_checkpointing", [False, True])
+def test_activation_checkpointing_trains_as_without_it(tmp_path, cpu_checkpointing):
+    torch.manual_seed(0)
+    model = Checkpointed()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["activation_checkpointing"] = {"cpu_checkpointing": cpu_checkpointing,
+                                          "number_checkpoints": 1}
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert strata.checkpointing.is_configured()
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for i, (x, y) in enumerate(batches(4)):
+        torch.manual_seed(100 + i)  # the same dropout masks for both
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        torch.manual_seed(100 + i)
+        ref_loss = loss_of(reference(x, checkpoint=False), y)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    strata.checkpointing.reset()
+
+
+def test_activation_checkpointing_refuses_an_unknown_key():
+    with pytest.raises(ValueError, match="activation_checkpointing.cpu_checkpoint: unknown key"):
+        strata.checkpointing.configure(
+            deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})

@@ -1,0 +1,139 @@
+"""Activation checkpointing, as DeepSpeed's ``deepspeed.checkpointing``.
+
+    from strata import checkpointing
+    checkpointing.configure(cpu_checkpointing=True)       # or from a config's block, below
+    y = checkpointing.checkpoint(block, x)                # instead of y = block(x)
+
+``checkpoint(function, *args)`` runs `function` without keeping its activations; backward runs it
+again (with the random-number state of the first run, so dropout draws the same mask) and
+differentiates that. Only the inputs are kept: with ``cpu_checkpointing`` they are kept in host
+memory and brought back for backward (DeepSpeed's checkpoint_in_cpu). Under ZeRO stage 3 the
+function's modules have their parameters lent again for the recomputation, as for any forward.
+
+The config's ``activation_checkpointing`` block (DeepSpeed's keys) is read by ``configure``:
+cpu_checkpointing is acted on; partition_activations, contiguous_memory_optimization,
+number_checkpoints, synchronize_checkpoint_boundary and profile are DeepSpeed's multi-GPU or
+profiling knobs, accepted and warned of once. The host copies are torch tensors: they are not
+counted in strata's host budget.
+
+Thread safety: the settings are per process, as DeepSpeed's.
+"""
+
+import warnings
+
+import torch
+
+__all__ = ["checkpoint", "configure", "is_configured", "reset"]
+
+_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+         "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
+_settings = {"cpu_checkpointing": False, "configured": False}
+
+
+def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
+              contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
+              synchronize=None, profile=None, cpu_checkpointing=None):
+    """DeepSpeed's signature. ``deepspeed_config`` may be a config dict (its
+    activation_checkpointing block is read) or None."""
+    if mpu_ is not None:
+        raise ValueError("checkpointing.configure: mpu (model parallelism) is not supported")
+    block = {}
+    if deepspeed_config is not None:
+        if not isinstance(deepspeed_config, dict):
+            raise ValueError("checkpointing.configure: deepspeed_config: accepted: a dict")
+        block = deepspeed_config.get("activation_checkpointing", {})
+        if not isinstance(block, dict):
+            raise ValueError("config: activation_checkpointing: accepted: a JSON object")
+        for key in block:
+            if key not in _KEYS:
+                raise ValueError(f"config: activation_checkpointing.{key}: unknown key; accepted "
+                                 f"here: {', '.join(_KEYS)}")
+    cpu = block.get("cpu_checkpointing", False)
+    for value in (checkpoint_in_cpu, cpu_checkpointing):
+        if value is not None:
+            cpu = value
+    if not isinstance(cpu, bool):
+        raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
+                         "true or false")
+    for key in ("partition_activations", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary", "profile"):
+        if block.get(key):
+            warnings.warn(f"activation_checkpointing.{key}: not supported by strata (one "
+                          "process): ignored", stacklevel=2)
+    for name, value in (("partition_activations", partition_activations),
+                        ("contiguous_checkpointing", contiguous_checkpointing),
+                        ("synchronize", synchronize), ("profile", profile)):
+        if value:
+            warnings.warn(f"checkpointing.configure: {name} is not supported by strata (one "
+                          "process): ignored", stacklevel=2)
+    _settings["cpu_checkpointing"] = cpu
+    _settings["configured"] = True
+
+
+def is_configured():
+    return _settings["configured"]
+
+
+def reset():
+    """Back to the defaults (no CPU checkpointing)."""
+    _settings["cpu_checkpointing"] = False
+    _settings["configured"] = False
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, function, cpu, *args):
+        ctx.function = function
+        ctx.cpu = cpu
+        ctx.rng_cpu = torch.get_rng_state()
+        ctx.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
+            torch.cuda.is_initialized() else None
+        ctx.kinds = []
+        kept = []
+        for a in args:
+            if torch.is_tensor(a):
+                ctx.kinds.append((True, a.device, a.requires_grad))
+                kept.append(a.detach().to("cpu") if cpu else a.detach())
+            else:
+                ctx.kinds.append((False, None, False))
+                kept.append(a)
+        ctx.tensor_args = [k for k in kept if torch.is_tensor(k)]
+        ctx.other_args = [k for k in kept if not torch.is_tensor(k)]
+        ctx.save_for_backward(*ctx.tensor_args)
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        others = iter(ctx.other_args)
+        inputs = []
+        for is_tensor, device, requires_grad in ctx.kinds:
+            if is_tensor:
+                t = next(saved).to(device).detach()
+                t.requires_grad_(requires_grad)
+                inputs.append(t)
+            else:
+                inputs.append(next(others))
+        devices = []
+        if ctx.rng_cuda is not None:
+            devices = list(range(len(ctx.rng_cuda)))
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.rng_cpu)
+            if ctx.rng_cuda is not None:
+                torch.cuda.set_rng_state_all(ctx.rng_cuda)
+            with torch.enable_grad():
+                outputs = ctx.function(*inputs)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(t.grad if torch.is_tensor(t) and kind[2] else None
+                                    for t, kind in zip(inputs, ctx.kinds))
+
+
+def checkpoint(function, *args):
+    """Runs function(*args), keeping only its inputs for backward (see the module's docstring).
+    Tensor arguments are passed positionally; the result is a tensor or a tuple of tensors."""
+    return _Checkpoint.apply(function, _settings["cpu_checkpointing"], *args)
