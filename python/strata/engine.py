@@ -184,6 +184,10 @@ class Engine:
             json.dumps(runtime_config),
             on_warning=lambda w: engine() is not None and engine()._runtime_warning(w))
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
+        # Where the model computes: the CPU beside the emulated device tier, else the GPU of the
+        # device tier (as DeepSpeed's engine, strata moves the module there).
+        self.device = torch.device("cpu") if self.device_kind == "emulated" else \
+            torch.device("cuda", torch.cuda.current_device())
         stale = self.runtime.stored_partitions()
         if stale:
             # The NVMe folder is swap space, not a checkpoint: what an earlier run left there is
@@ -216,7 +220,11 @@ class Engine:
                 self.runtime.initialize_optimizer_state(
                     e.gid, e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
                     .contiguous())
-        self._empty = torch.empty(0, dtype=self.dtype)
+        # The placeholder of a partitioned parameter: on the compute device, so that swapping
+        # .data never changes a parameter's device (torch would drop its gradient node).
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for b in model.buffers():
+            b.data = b.data.to(self.device)
         self._place_parameters(model)
         self._install_module_hooks(model)
 
@@ -317,11 +325,19 @@ class Engine:
         with torch.no_grad():
             for p in model.parameters():
                 if id(p) not in trainable:
-                    p.data = p.data.to(self.dtype)
+                    p.data = p.data.to(device=self.device, dtype=self.dtype)
             for e in self._params:
                 e.group = owner.get(id(e.param), 0)
-                e.param.data = e.param.data.to(self.dtype)
                 e.partitioned = self.stage == 3 and e.numel >= self._persistence_threshold
+                if e.partitioned:
+                    initial = e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1) \
+                        .contiguous()
+                    # Its shape, dtype and device without its bytes (one element, expanded), so
+                    # that a model larger than the device is never whole there.
+                    e.param.data = torch.zeros((), device=self.device, dtype=self.dtype) \
+                        .expand(e.shape)
+                else:
+                    e.param.data = e.param.data.to(device=self.device, dtype=self.dtype)
                 if e.partitioned or self.stage == 2:
                     # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
                     # is made now, while the parameter has its shape and dtype (autograd checks
@@ -332,7 +348,6 @@ class Engine:
                     e.param._strata_node = node
                 if not e.partitioned:
                     continue
-                initial = e.param.detach().to("cpu").reshape(-1).contiguous()
                 self.runtime.register(e.pid, "param", dtype_name, e.numel, e.group,
                                       self._param_tier, initial)
                 # The gradient's partition starts with no bytes: its first acquire makes zeros.
