@@ -502,6 +502,14 @@ class Engine:
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
             "step_seconds": time.perf_counter() - start}
+        if self.global_steps % self.config.steps_per_print == 0:
+            waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
+                              for k, v in runtime_report["wait_by_cause"].items() if v > 0)
+            print(f"strata: step {self.global_steps} (skipped {self.skipped_steps}), lr "
+                  f"{self.get_lr()[0]:.3g}, loss scale {self.loss_scale:g}, optimizer "
+                  f"{self.last_step_stats['step_seconds'] * 1e3:.0f} ms, waited "
+                  f"{runtime_report['wait_seconds'] * 1e3:.0f} ms{' (' + waits + ')' if waits else ''}"
+                  f" on the {self.device_kind} device")
 
     # --- the optimizer step --------------------------------------------------------------------
 

@@ -498,3 +498,15 @@ def test_activation_checkpointing_refuses_an_unknown_key():
     with pytest.raises(ValueError, match="activation_checkpointing.cpu_checkpoint: unknown key"):
         strata.checkpointing.configure(
             deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+
+
+def test_steps_per_print_reports_every_n_steps(tmp_path, capsys):
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1)
+    config["steps_per_print"] = 2
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    for x, y in batches(5):
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("strata: step ")]
+    assert [l.split()[2] for l in lines] == ["2", "4"]
+    assert "on the emulated device" in lines[0]
