@@ -8,8 +8,8 @@ examples/gpt.py's, the text the licences Debian ships (/usr/share/common-license
 or any file given with --text. strata runs ZeRO stage 3: parameters offloaded to pinned host
 memory and lent to the device tier around each module, the optimizer's fp32 master weights and
 moments on NVMe under --work, the device budget a fraction of the model's state
-(parameters + gradients + optimizer state over --device-budget-mb is printed, and must be at least
-4). Then the same model, the same seed and the same batches train in plain PyTorch with
+(parameters + gradients + optimizer state over --device-budget-mb is printed, with a warning when
+it is under 4). Then the same model, the same seed and the same batches train in plain PyTorch with
 torch.optim.AdamW. Printed: a progress bar with loss, step time and the time waited by cause; the
 two loss curves side by side and their largest difference; the bytes each pair of tiers moved;
 and a PNG of both curves (loss_curves.png in --work) and a JSON summary (summary.json).
@@ -83,8 +83,12 @@ def main():
     args = parser.parse_args()
     if args.steps < 1 or args.batch < 1:
         sys.exit("finetune: --steps and --batch must be at least 1")
+    if min(args.layers, args.width, args.heads, args.context) < 1:
+        sys.exit("finetune: --layers, --width, --heads and --context must be at least 1")
     if args.width % args.heads:
         sys.exit("finetune: --width must be a multiple of --heads")
+    if not args.device_budget_mb > 0:
+        sys.exit("finetune: --device-budget-mb must be more than 0")
 
     nvme = os.path.join(args.work, "nvme")
     shutil.rmtree(nvme, ignore_errors=True)
@@ -103,6 +107,7 @@ def main():
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
+        "steps_per_print": args.steps,  # the progress bar reports each step
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "zero_optimization": {
@@ -118,8 +123,14 @@ def main():
     if cuda:
         config["bf16"] = {"enabled": True}
     if args.aio_block:
-        with open(args.aio_block, encoding="utf-8") as f:
-            block = json.load(f)
+        try:
+            with open(args.aio_block, encoding="utf-8") as f:
+                block = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            sys.exit(f"finetune: --aio-block {args.aio_block}: {e}")
+        if not isinstance(block, dict):
+            sys.exit(f"finetune: --aio-block {args.aio_block}: accepted: a JSON object with an "
+                     "\"aio\" block (aio_bench_perf_sweep's best.json)")
         for w in block.pop("strata_sweep_warnings", []):
             print(f"finetune: the sweep warned: {w}")
         config["aio"] = block.get("aio", {})
@@ -132,8 +143,12 @@ def main():
     if state_bytes < 4 * budget:
         print("finetune: warning: the state is under 4x the device budget: strata moves little")
 
-    engine, _, _, _ = strata.initialize(model=model, config=config)
-    device_name = "the host-emulated device tier (no GPU: the model computes on the CPU)" \
+    try:
+        engine, _, _, _ = strata.initialize(model=model, config=config)
+    except (strata.Error, ValueError) as e:
+        sys.exit(f"finetune: {e}")
+    device_name = "the host-emulated device tier (no GPU: the model computes on the CPU in " \
+        "fp32)" \
         if engine.device_kind == "emulated" else f"CUDA device {torch.cuda.current_device()}"
     print(f"strata: ZeRO stage 3 on {device_name}; optimizer state on NVMe under {nvme}")
     if engine.device_kind == "emulated":
@@ -203,7 +218,10 @@ def main():
                          len(losses) - 1])):
         theirs = f"{ref_losses[i]:.4f}" if ref_losses else "-"
         print(f"{i:4d}   {losses[i]:11.4f}   {theirs:>12}")
+    finite = all(math.isfinite(v) for v in losses + ref_losses)
     largest = max(abs(a - b) for a, b in zip(losses, ref_losses)) if ref_losses else None
+    if not finite:
+        largest = math.inf
     if largest is not None:
         print(f"largest difference of the two curves: {largest:.2e} (loss {losses[0]:.3f} -> "
               f"{losses[-1]:.3f})")
@@ -243,7 +261,7 @@ def main():
     except ImportError:
         print("finetune: matplotlib is missing: no PNG (apt-get install python3-matplotlib)")
     print(f"summary: {os.path.join(args.work, 'summary.json')}")
-    if largest is not None and not math.isfinite(largest):
+    if not finite:
         sys.exit("finetune: a loss was not finite")
 
 

@@ -208,6 +208,11 @@ class PyRuntime {
     options.rank = rank;
     options.device_index = device_index;
     options.workers = workers;
+    if (inject_write_error < 0 || inject_write_error >= 4096) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(
+          "inject_write_error ", inject_write_error, " is not accepted; accepted: 0 (none) or an "
+          "errno from 1 to 4095")));
+    }
     if (inject_write_error != 0) {
       aio::FaultRule rule = aio::FaultRule::Error(inject_write_error);
       rule.only = aio::OpKind::kWrite;

@@ -19,6 +19,7 @@ counted in strata's host budget.
 Thread safety: the settings are per process, as DeepSpeed's.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -56,12 +57,13 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
         raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
                          "true or false")
     for key in ("partition_activations", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile"):
+                "synchronize_checkpoint_boundary", "profile", "number_checkpoints"):
         if block.get(key):
             warnings.warn(f"activation_checkpointing.{key}: not supported by strata (one "
                           "process): ignored", stacklevel=2)
     for name, value in (("partition_activations", partition_activations),
                         ("contiguous_checkpointing", contiguous_checkpointing),
+                        ("num_checkpoints", num_checkpoints),
                         ("synchronize", synchronize), ("profile", profile)):
         if value:
             warnings.warn(f"checkpointing.configure: {name} is not supported by strata (one "
@@ -80,11 +82,20 @@ def reset():
     _settings["configured"] = False
 
 
+def _autocast_state():
+    """(cpu enabled, cpu dtype, cuda enabled, cuda dtype) of the calling thread."""
+    return (torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype(),
+            torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype())
+
+
 class _Checkpoint(torch.autograd.Function):
+    # `anchor`: a tensor that requires grad, so that backward runs (and the function's parameters
+    # get their gradients) even when no input requires grad (token ids, a frozen front end).
     @staticmethod
-    def forward(ctx, function, cpu, *args):
+    def forward(ctx, function, cpu, anchor, *args):
         ctx.function = function
         ctx.cpu = cpu
+        ctx.autocast = _autocast_state()
         ctx.rng_cpu = torch.get_rng_state()
         ctx.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
             torch.cuda.is_initialized() else None
@@ -118,22 +129,30 @@ class _Checkpoint(torch.autograd.Function):
         devices = []
         if ctx.rng_cuda is not None:
             devices = list(range(len(ctx.rng_cuda)))
+        cpu_on, cpu_dtype, cuda_on, cuda_dtype = ctx.autocast
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(ctx.rng_cpu)
             if ctx.rng_cuda is not None:
                 torch.cuda.set_rng_state_all(ctx.rng_cuda)
-            with torch.enable_grad():
+            # The recomputation runs as the forward did: under its autocast, if any.
+            with torch.enable_grad(), \
+                    torch.autocast("cpu", dtype=cpu_dtype, enabled=cpu_on), \
+                    (torch.autocast("cuda", dtype=cuda_dtype) if cuda_on
+                     else contextlib.nullcontext()):
                 outputs = ctx.function(*inputs)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None) + tuple(t.grad if torch.is_tensor(t) and kind[2] else None
-                                    for t, kind in zip(inputs, ctx.kinds))
+        return (None, None, None) + tuple(t.grad if torch.is_tensor(t) and kind[2] else None
+                                          for t, kind in zip(inputs, ctx.kinds))
 
 
 def checkpoint(function, *args):
     """Runs function(*args), keeping only its inputs for backward (see the module's docstring).
     Tensor arguments are passed positionally; the result is a tensor or a tuple of tensors."""
-    return _Checkpoint.apply(function, _settings["cpu_checkpointing"], *args)
+    return _Checkpoint.apply(function, _settings["cpu_checkpointing"], _ANCHOR, *args)
+
+
+_ANCHOR = torch.empty(0, requires_grad=True)

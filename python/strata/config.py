@@ -100,7 +100,8 @@ class TrainConfig:
         self.optimizer = None  # {"type": "Adam"|"AdamW", "params": {...}} or None
         self.scheduler = None  # {"type": ..., "params": {...}} or None
         self.steps_per_print = 10
-        self.activation_checkpointing = None  # the block, for strata.checkpointing        self.runtime = {}  # what goes to the C++ reader
+        self.activation_checkpointing = None  # the block, for strata.checkpointing
+        self.runtime = {}  # what goes to the C++ reader
 
     @staticmethod
     def load(config):

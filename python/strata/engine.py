@@ -154,6 +154,7 @@ class Engine:
         self.global_steps = 0  # accumulation boundaries passed (skipped steps included)
         self.skipped_steps = 0
         self.micro_steps = 0
+        self._optimizer_read = self._optimizer_written = 0  # the optimizer's NVMe bytes
         self.last_step_stats = {}
 
         runtime_config = json.loads(json.dumps(config.runtime))
@@ -178,12 +179,12 @@ class Engine:
         # The callback holds the engine weakly: the Runtime (a C++ object the garbage collector
         # cannot see into) must not keep its engine alive.
         engine = weakref.ref(self)
-        if config.activation_checkpointing is not None:
-            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         self.runtime = _strata.Runtime(
             json.dumps(runtime_config),
             on_warning=lambda w: engine() is not None and engine()._runtime_warning(w))
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
+        if config.activation_checkpointing is not None:
+            checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # Where the model computes: the CPU beside the emulated device tier, else the GPU of the
         # device tier (as DeepSpeed's engine, strata moves the module there).
         self.device = torch.device("cpu") if self.device_kind == "emulated" else \
@@ -579,6 +580,8 @@ class Engine:
                 r = self.runtime.optimizer_step(
                     t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
                     grad_scale=clip / scale)
+                self._optimizer_read += r["bytes_read"]
+                self._optimizer_written += r["bytes_written"]
                 for key in ("seconds", "bytes_read", "bytes_written"):
                     report[key] += r[key]
                 for e, target in after:
@@ -631,24 +634,34 @@ class Engine:
         """The model's state dict with every parameter whole (in the training dtype, on the CPU),
         as DeepSpeed's engine.module_state_dict with stage3_gather_16bit_weights_on_model_save: at
         stage 3 the module's own state_dict() holds empty placeholders for the partitioned
-        parameters."""
+        parameters. They are read from the optimizer's fp32 master weights (which the parameters
+        are the rounding of), so reading them is not an access of the step's trace."""
         by_param = {id(e.param): e for e in self._params if e.partitioned}
-        out = {}
+        out, done = {}, {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             e = by_param.get(id(value))
             if e is None:
                 out[name] = value.detach().to("cpu").clone()
-                continue
-            whole = from_dlpack(self.runtime.acquire(e.pid, "host"))
-            out[name] = whole.clone().view(e.shape)
-            del whole
-            self.runtime.release(e.pid, "host", False)
+            elif e.pid in done:  # a tied parameter: the same tensor under both names
+                out[name] = done[e.pid]
+            else:
+                master = torch.empty(e.numel)
+                self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.numel),
+                                                  torch.empty(e.numel))
+                out[name] = done[e.pid] = master.to(self.dtype).view(e.shape)
         return out
 
     def stats(self):
-        """The Runtime's statistics since the engine was made (waits, bytes per tier pair)."""
+        """The Runtime's statistics since the engine was made (waits, bytes per tier pair), the
+        optimizer's NVMe traffic included in bytes_moved (its state read into the host and
+        written back: nvme_to_host, host_to_nvme)."""
         s = self.runtime.stats()
         s["device"] = self.device_kind
+        moved = s["bytes_moved"]
+        for key, count in (("nvme_to_host", self._optimizer_read),
+                           ("host_to_nvme", self._optimizer_written)):
+            if count:
+                moved[key] = moved.get(key, 0) + count
         return s
 
 

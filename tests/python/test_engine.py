@@ -510,3 +510,45 @@ def test_steps_per_print_reports_every_n_steps(tmp_path, capsys):
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("strata: step ")]
     assert [l.split()[2] for l in lines] == ["2", "4"]
     assert "on the emulated device" in lines[0]
+
+
+def test_checkpointing_gives_parameter_gradients_when_no_input_requires_grad():
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)  # as token ids or a frozen front end: no grad
+    second(strata.checkpointing.checkpoint(first, x)).sum().backward()
+    expected = torch.autograd.grad(second(first(x)).sum(), first.weight)[0]
+    torch.testing.assert_close(first.weight.grad, expected)
+
+
+def test_checkpointing_recomputes_under_the_forwards_autocast():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = strata.checkpointing.checkpoint(layer, x)
+    out.float().sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    out.float().sum().backward()
+    torch.testing.assert_close(ours, x.grad, rtol=0, atol=0)
+
+
+def test_the_optimizers_nvme_traffic_is_in_the_bytes_moved(tmp_path):
+    engine, _, _ = train_both(tmp_path, 3, "nvme", "fp32", steps=4, accumulation=1)
+    moved = engine.stats()["bytes_moved"]
+    state = sum(e.numel for e in engine._params) * 12  # master, exp_avg, exp_avg_sq
+    assert moved["nvme_to_host"] >= 3 * state  # read every step after the first
+    assert moved["host_to_nvme"] >= 4 * state
+
+
+def test_reading_the_weights_between_steps_keeps_the_plan(tmp_path):
+    engine, _, _ = train_both(tmp_path, 3, "cpu", "fp32", steps=4, accumulation=1)
+    engine.module_state_dict()
+    for x, y in batches(1, seed=9):
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert engine.last_step_stats["runtime"]["mode"] == "planned"
+    assert not any("differs from the recorded trace" in w for w in engine.warnings)

@@ -28,6 +28,7 @@ def test_the_demo_trains_beside_plain_pytorch_and_writes_its_outputs(tmp_path):
     assert len(summary["strata_losses"]) == 4 and len(summary["pytorch_losses"]) == 4
     assert summary["largest_difference"] < 1e-3
     assert summary["bytes_moved"]["host_to_device"] > 0
+    assert summary["bytes_moved"]["host_to_nvme"] > 0  # the optimizer's state on NVMe
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000
     assert "host-emulated device tier" in done.stdout
 
@@ -36,6 +37,9 @@ def test_the_demo_trains_beside_plain_pytorch_and_writes_its_outputs(tmp_path):
     (["--steps", "0"], "--steps and --batch must be at least 1"),
     (["--heads", "3"], "--width must be a multiple of --heads"),
     (["--text", "/nonexistent-strata-text"], "No such file"),
+    (["--device-budget-mb", "0"], "--device-budget-mb must be more than 0"),
+    (["--heads", "0"], "must be at least 1"),
+    (["--aio-block", "/nonexistent-strata-block.json"], "--aio-block /nonexistent"),
 ])
 def test_bad_flags_are_refused_naming_them(tmp_path, flags, message):
     done = run(tmp_path, *flags)
