@@ -552,3 +552,41 @@ def test_reading_the_weights_between_steps_keeps_the_plan(tmp_path):
         engine.step()
     assert engine.last_step_stats["runtime"]["mode"] == "planned"
     assert not any("differs from the recorded trace" in w for w in engine.warnings)
+
+
+def test_param_groups_with_their_own_rates_and_a_client_scheduler(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        return [{"params": list(m.emb.parameters()) + list(m.l1.parameters()), "lr": 1e-2},
+                {"params": list(m.ln.parameters()) + list(m.l2.parameters()), "lr": 3e-3}]
+
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    client = torch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.01)
+    engine, optimizer, _, scheduler = strata.initialize(
+        model=model, optimizer=client, config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, weight_decay=0.01)
+    torch_schedule = torch.optim.lr_scheduler.StepLR(torch_adamw, step_size=2, gamma=0.5)
+    for x, y in batches(5):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(x), y)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        torch_schedule.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert engine.get_lr() == pytest.approx([1e-2 * 0.25, 3e-3 * 0.25])
+
+
+def test_training_data_gives_a_loader_of_the_micro_batch(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (20, 8)))
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    _, _, loader, _ = strata.initialize(model=Net(), config=config, training_data=data)
+    first = next(iter(loader))
+    assert first[0].shape == (4, 8)
