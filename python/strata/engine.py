@@ -106,7 +106,7 @@ class _Param:
     """What the engine keeps of one trainable parameter."""
 
     __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
-                 "has_grad", "host_grad", "group_index", "steps")
+                 "has_grad", "host_grad", "group_index", "steps", "sent_down")
 
     def __init__(self, name, param, index):
         self.name = name
@@ -121,6 +121,7 @@ class _Param:
         self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
         self.group_index = 0  # which optimizer param group
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
+        self.sent_down = False  # GradientReady told for this step's gradient
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -432,6 +433,11 @@ class Engine:
                     part.add_(grad.reshape(-1))
                     del part
                 self.runtime.release(e.gid, "device", True)
+                if self.is_gradient_accumulation_boundary():
+                    # Its last micro-batch: the gradient leaves the device now, in the background,
+                    # while backward goes on.
+                    self.runtime.gradient_ready(e.gid)
+                    e.sent_down = True
             else:  # stage 2: to the host as it is made
                 if e.host_grad is None:
                     e.host_grad = torch.zeros(e.numel, dtype=torch.float32)
@@ -484,7 +490,7 @@ class Engine:
         start = time.perf_counter()
         if self.stage == 3:
             for e in self._params:
-                if e.partitioned and e.has_grad:
+                if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         grads = self._host_gradients()
         try:
@@ -535,6 +541,7 @@ class Engine:
                 self.runtime.release(e.gid, "host", False)
                 self.runtime.discard(e.gid)
             e.has_grad = False
+            e.sent_down = False
             e.host_grad = None
             e.param.grad = None
         grads.clear()
