@@ -548,12 +548,21 @@ class Engine:
 
     def _optimizer_step(self, grads):
         scale = self.loss_scale
+        per_group = {}
+        for e, g, _ in grads:
+            # Adam's t is each parameter's own count of steps, as torch's: one that had no
+            # gradient in some step is a step behind the others.
+            per_group.setdefault((e.group_index, e.steps + 1), []).append((e, g))
+        # fp16's overflow check: fused into the optimizer's pass when the step is one call and
+        # needs no norm; otherwise read off the norm, which is inf or nan when a gradient is.
+        fused_check = self.dtype == torch.float16 and self.config.clipping == 0 and \
+            len(per_group) == 1
         norm = None
-        if self.config.clipping > 0 or self.dtype == torch.float16:
-            total = torch.zeros((), dtype=torch.float64)
-            for _, g, _ in grads:
-                total += g.double().pow(2).sum()
-            norm = math.sqrt(total.item()) / scale if math.isfinite(total.item()) else math.inf
+        if self.config.clipping > 0 or (self.dtype == torch.float16 and not fused_check):
+            # As torch.nn.utils.clip_grad_norm_: the norm of the tensors' norms, in fp32.
+            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for _, g, _ in grads]
+            total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+            norm = total / scale if math.isfinite(total) else math.inf
         if norm is not None and not math.isfinite(norm):
             self._update_scale(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
@@ -562,17 +571,12 @@ class Engine:
             clip = min(1.0, self.config.clipping / (norm + 1e-6))
         report = {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                   "bytes_written": 0}
-        per_group = {}
         held = []
-        for e, g, _ in grads:
-            # Adam's t is each parameter's own count of steps, as torch's: one that had no
-            # gradient in some step is a step behind the others.
-            per_group.setdefault((e.group_index, e.steps + 1), []).append((e, g))
+        changed = False
         try:
             for (index, t), members in per_group.items():
                 inputs, after = [], []
                 for e, g in members:
-                    copy_out = None
                     if e.partitioned:
                         target = from_dlpack(self.runtime.acquire(e.pid, "host"))
                         held.append(e)
@@ -581,12 +585,16 @@ class Engine:
                             e.param.is_contiguous() else None
                     if target is None:
                         target = torch.empty(e.numel, dtype=self.dtype)
-                    copy_out = target  # the new weights in the training dtype, fp32 included
+                    # the new weights in the training dtype (fp32 included), in the same pass
                     after.append((e, target))
-                    inputs.append((e.gid, g, copy_out))
+                    inputs.append((e.gid, g, target))
                 r = self.runtime.optimizer_step(
                     t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
-                    grad_scale=clip / scale)
+                    grad_scale=clip / scale, check_overflow=fused_check)
+                if r["overflow"]:  # nothing was changed
+                    self._update_scale(overflow=True)
+                    return False, {"overflow": True, "grad_norm": None}
+                changed = True
                 self._optimizer_read += r["bytes_read"]
                 self._optimizer_written += r["bytes_written"]
                 for key in ("seconds", "bytes_read", "bytes_written"):
@@ -596,7 +604,7 @@ class Engine:
                     self._write_back_weights(e, target)
         finally:
             for e in held:
-                self.runtime.release(e.pid, "host", True)
+                self.runtime.release(e.pid, "host", changed)
         if self._dynamic_scale:
             self._update_scale(overflow=False)
         return True, report

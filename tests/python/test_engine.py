@@ -188,8 +188,9 @@ class Scale(torch.nn.Module):
         return (x * self.weight).float().sum()
 
 
-def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path):
-    config = make_config(tmp_path, 3, "cpu", "fp16", accumulation=1, clipping=0.0)
+@pytest.mark.parametrize("clipping", [0.0, 1e6])  # the check fused in the step, or the norm's
+def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, clipping):
+    config = make_config(tmp_path, 3, "cpu", "fp16", accumulation=1, clipping=clipping)
     config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
     engine, _, _, _ = strata.initialize(model=Scale(), config=config)
