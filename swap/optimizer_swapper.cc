@@ -374,8 +374,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   // CpuAdam has nothing left to refuse: an error here is a bug, reported as such).
   for (const Planned& p : nvme) {
     if (p.staged_copy != nullptr) {
-      std::memcpy(p.in->param_copy, p.staged_copy,
-                  p.part->elements * CopyBytes(p.in->copy_dtype));
+      std::memcpy(p.in->param_copy, p.staged_copy, p.part->elements * CopyBytes(p.in->copy_dtype));
     }
   }
   for (const Planned& p : host) {

@@ -17,9 +17,10 @@ absl::StatusOr<optim_cpu::DType> DTypeOf(const DLDataType& t, const std::string&
   if (t.lanes == 1 && t.code == kDLFloat && t.bits == 32) return optim_cpu::DType::kF32;
   if (t.lanes == 1 && t.code == kDLFloat && t.bits == 16) return optim_cpu::DType::kF16;
   if (t.lanes == 1 && t.code == kDLBfloat && t.bits == 16) return optim_cpu::DType::kBF16;
-  return absl::InvalidArgumentError(absl::StrCat(
-      what, ": element type (DLPack code ", static_cast<int>(t.code), ", ", static_cast<int>(t.bits),
-      " bits, ", t.lanes, " lanes) is not accepted; accepted: float32, bfloat16, float16"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": element type (DLPack code ", static_cast<int>(t.code), ", ",
+                   static_cast<int>(t.bits), " bits, ", t.lanes,
+                   " lanes) is not accepted; accepted: float32, bfloat16, float16"));
 }
 
 DLDataType DLTypeOf(optim_cpu::DType t) {
@@ -83,10 +84,9 @@ absl::StatusOr<TensorView> BorrowTensor(py::handle object, const std::string& wh
   for (int d = t.ndim - 1; d >= 0; --d) {
     // A dimension of extent 1 may carry any stride; otherwise the layout must be row-major compact.
     if (t.strides != nullptr && t.shape[d] != 1 && t.strides[d] != expected_stride) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, ": the tensor is not contiguous (dimension ", d, " has stride ",
-                       t.strides[d], ", expected ", expected_stride,
-                       "); accepted: contiguous tensors (call .contiguous())"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the tensor is not contiguous (dimension ", d, " has stride ", t.strides[d],
+          ", expected ", expected_stride, "); accepted: contiguous tensors (call .contiguous())"));
     }
     expected_stride *= t.shape[d];
     elements *= static_cast<size_t>(t.shape[d]);

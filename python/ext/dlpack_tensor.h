@@ -43,9 +43,8 @@ absl::StatusOr<TensorView> BorrowTensor(pybind11::handle object, const std::stri
 // A 1-D tensor of `elements` of `dtype` at `data` on the given device. `on_free` (when set) runs
 // once the consumer frees the tensor (or the capsule is collected unconsumed), on whichever thread
 // frees it, without the GIL necessarily held: it must not touch Python.
-pybind11::capsule LendTensor(void* data, optim_cpu::DType dtype, size_t elements,
-                             DeviceKind device, int device_id,
-                             std::function<void()> on_free = nullptr);
+pybind11::capsule LendTensor(void* data, optim_cpu::DType dtype, size_t elements, DeviceKind device,
+                             int device_id, std::function<void()> on_free = nullptr);
 
 }  // namespace strata::python
 

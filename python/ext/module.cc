@@ -29,11 +29,11 @@
 #include "base/mutex.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
-#include "sched/runtime.h"
-#include "tiering/runtime_config.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
 #include "python/ext/dlpack_tensor.h"
+#include "sched/runtime.h"
+#include "tiering/runtime_config.h"
 
 namespace strata::python {
 namespace py = pybind11;
@@ -66,10 +66,25 @@ TensorView HostTensor(py::handle object, const std::string& what) {
   TensorView v = Take(BorrowTensor(object, what));
   if (v.device != DeviceKind::kCpu) {
     Raise(absl::InvalidArgumentError(
-        absl::StrCat(what, ": a CUDA tensor is not accepted; accepted: CPU tensors (the CPU "
-                           "optimizer steps host memory)")));
+        absl::StrCat(what,
+                     ": a CUDA tensor is not accepted; accepted: CPU tensors (the CPU "
+                     "optimizer steps host memory)")));
   }
   return v;
+}
+
+// The hyper-parameters both Adam and Runtime::CreateOptimizer take from Python.
+optim_cpu::AdamConfig AdamConfigOf(float lr, float beta1, float beta2, float eps,
+                                   float weight_decay, bool adamw, bool bias_correction) {
+  optim_cpu::AdamConfig c;
+  c.lr = lr;
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  c.adamw = adamw;
+  c.bias_correction = bias_correction;
+  return c;
 }
 
 // optim_cpu::CpuAdam over tensors.
@@ -77,14 +92,8 @@ class Adam {
  public:
   Adam(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
        bool bias_correction, int threads, const std::string& isa) {
-    optim_cpu::AdamConfig c;
-    c.lr = lr;
-    c.beta1 = beta1;
-    c.beta2 = beta2;
-    c.eps = eps;
-    c.weight_decay = weight_decay;
-    c.adamw = adamw;
-    c.bias_correction = bias_correction;
+    optim_cpu::AdamConfig c =
+        AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
     c.threads = threads;
     c.isa = isa;
     adam_ = Take(optim_cpu::CpuAdam::Create(c));
@@ -92,9 +101,8 @@ class Adam {
 
   // One step t of one tensor, in place; returns true when the gradient held an inf or nan and
   // check_overflow asked for the scan (then nothing was changed).
-  bool Step(int64_t t, py::handle param, py::handle grad, py::handle exp_avg,
-            py::handle exp_avg_sq, float lr, float grad_scale, bool check_overflow,
-            py::handle param_copy) {
+  bool Step(int64_t t, py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
+            float lr, float grad_scale, bool check_overflow, py::handle param_copy) {
     const TensorView p = HostTensor(param, "param");
     const TensorView g = HostTensor(grad, "grad");
     const TensorView m = HostTensor(exp_avg, "exp_avg");
@@ -108,8 +116,8 @@ class Adam {
           "exp_avg and exp_avg_sq: their element types differ; accepted: both float32 or both "
           "bfloat16"));
     }
-    for (const auto& [view, what] : {std::pair{&g, "grad"}, std::pair{&m, "exp_avg"},
-                                     std::pair{&v, "exp_avg_sq"}}) {
+    for (const auto& [view, what] :
+         {std::pair{&g, "grad"}, std::pair{&m, "exp_avg"}, std::pair{&v, "exp_avg_sq"}}) {
       if (view->elements != p.elements) {
         Raise(absl::InvalidArgumentError(absl::StrCat(what, ": ", view->elements,
                                                       " elements for a param of ", p.elements,
@@ -128,9 +136,9 @@ class Adam {
     if (!param_copy.is_none()) {
       copy = HostTensor(param_copy, "param_copy");
       if (copy.elements != p.elements) {
-        Raise(absl::InvalidArgumentError(
-            absl::StrCat("param_copy: ", copy.elements, " elements for a param of ", p.elements,
-                         "; accepted: as many as the param")));
+        Raise(absl::InvalidArgumentError(absl::StrCat("param_copy: ", copy.elements,
+                                                      " elements for a param of ", p.elements,
+                                                      "; accepted: as many as the param")));
       }
       chunk.param_copy = copy.data;
       chunk.copy_dtype = copy.dtype;
@@ -159,7 +167,6 @@ class Adam {
   std::unique_ptr<optim_cpu::CpuAdam> adam_;
 };
 
-
 using tiering::ElementType;
 using tiering::Role;
 using tiering::Tier;
@@ -168,16 +175,17 @@ Tier TierNamed(const std::string& name, bool memory_only) {
   if (name == "device") return Tier::kDevice;
   if (name == "host") return Tier::kHost;
   if (name == "nvme" && !memory_only) return Tier::kNvme;
-  Raise(absl::InvalidArgumentError(absl::StrCat("tier \"", name, "\" is not accepted; accepted: ",
-                                                memory_only ? "device, host" : "device, host, nvme")));
+  Raise(absl::InvalidArgumentError(absl::StrCat(
+      "tier \"", name,
+      "\" is not accepted; accepted: ", memory_only ? "device, host" : "device, host, nvme")));
 }
 
 optim_cpu::DType DTypeNamed(const std::string& name) {
   if (name == "float32") return optim_cpu::DType::kF32;
   if (name == "bfloat16") return optim_cpu::DType::kBF16;
   if (name == "float16") return optim_cpu::DType::kF16;
-  Raise(absl::InvalidArgumentError(absl::StrCat("dtype \"", name,
-                                                "\" is not accepted; accepted: float32, bfloat16, float16")));
+  Raise(absl::InvalidArgumentError(
+      absl::StrCat("dtype \"", name, "\" is not accepted; accepted: float32, bfloat16, float16")));
 }
 
 size_t DTypeBytes(optim_cpu::DType t) { return t == optim_cpu::DType::kF32 ? 4 : 2; }
@@ -209,9 +217,9 @@ class PyRuntime {
     options.device_index = device_index;
     options.workers = workers;
     if (inject_write_error < 0 || inject_write_error >= 4096) {
-      Raise(absl::InvalidArgumentError(absl::StrCat(
-          "inject_write_error ", inject_write_error, " is not accepted; accepted: 0 (none) or an "
-          "errno from 1 to 4095")));
+      Raise(absl::InvalidArgumentError(absl::StrCat("inject_write_error ", inject_write_error,
+                                                    " is not accepted; accepted: 0 (none) or an "
+                                                    "errno from 1 to 4095")));
     }
     if (inject_write_error != 0) {
       aio::FaultRule rule = aio::FaultRule::Error(inject_write_error);
@@ -269,9 +277,9 @@ class PyRuntime {
     if (!initial.is_none()) {
       v = HostTensor(initial, "initial");
       if (v.elements != elements || v.dtype != t) {
-        Raise(absl::InvalidArgumentError(absl::StrCat(
-            "register ", id, ": initial holds ", v.elements, " elements of ",
-            optim_cpu::DTypeName(v.dtype), "; accepted: ", elements, " of ", dtype)));
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("register ", id, ": initial holds ", v.elements, " elements of ",
+                         optim_cpu::DTypeName(v.dtype), "; accepted: ", elements, " of ", dtype)));
       }
     }
     absl::Status s;
@@ -295,8 +303,8 @@ class PyRuntime {
     std::byte* address = Take(std::move(p));
     const Shape shape = shapes_.at(id);  // registered: the Acquire succeeded
     const bool cuda = t == Tier::kDevice && !runtime_->config().emulated_device;
-    return LendTensor(address, shape.dtype, shape.elements, cuda ? DeviceKind::kCuda : DeviceKind::kCpu,
-                      cuda ? device_id_ : 0);
+    return LendTensor(address, shape.dtype, shape.elements,
+                      cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0);
   }
 
   // As Acquire, but the partition is released (clean) when the tensor made from the capsule is
@@ -437,14 +445,8 @@ class PyRuntime {
   void CreateOptimizer(float lr, float beta1, float beta2, float eps, float weight_decay,
                        bool adamw, bool bias_correction,
                        const std::vector<std::pair<uint64_t, uint64_t>>& partitions) {
-    optim_cpu::AdamConfig c;
-    c.lr = lr;
-    c.beta1 = beta1;
-    c.beta2 = beta2;
-    c.eps = eps;
-    c.weight_decay = weight_decay;
-    c.adamw = adamw;
-    c.bias_correction = bias_correction;
+    const optim_cpu::AdamConfig c =
+        AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
@@ -461,8 +463,7 @@ class PyRuntime {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->InitializeOptimizerState(
-          id, {static_cast<const float*>(v.data), v.elements});
+      s = runtime_->InitializeOptimizerState(id, {static_cast<const float*>(v.data), v.elements});
     }
     Check(s);
   }
@@ -571,22 +572,19 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
            py::arg("threads") = 0, py::arg("isa") = "")
-      .def("step", &Adam::Step, py::arg("t"), py::arg("param"), py::arg("grad"),
-           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr") = -1.0f,
-           py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
-           py::arg("param_copy") = py::none())
+      .def("step", &Adam::Step, py::arg("t"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+           py::arg("exp_avg_sq"), py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
+           py::arg("check_overflow") = false, py::arg("param_copy") = py::none())
       .def("has_non_finite", &Adam::HasNonFinite, py::arg("grad"))
       .def_property_readonly("isa", &Adam::Isa);
 
   py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
-      .def(py::init<const std::string&, int, int, int, py::object, int>(),
-           py::arg("config_json"), py::arg("rank") = -1, py::arg("device_index") = -1,
-           py::arg("workers") = 4, py::arg("on_warning") = py::none(),
-           py::arg("inject_write_error") = 0)
+      .def(py::init<const std::string&, int, int, int, py::object, int>(), py::arg("config_json"),
+           py::arg("rank") = -1, py::arg("device_index") = -1, py::arg("workers") = 4,
+           py::arg("on_warning") = py::none(), py::arg("inject_write_error") = 0)
       .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
-           py::arg("elements"), py::arg("group"), py::arg("tier"),
-           py::arg("initial") = py::none())
+           py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"))
       .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"))
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
@@ -607,8 +605,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("initialize_optimizer_state", &PyRuntime::InitializeOptimizerState, py::arg("id"),
            py::arg("master"))
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
-           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
-           py::arg("check_overflow") = false)
-      .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"),
-           py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"));
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+      .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"), py::arg("master"),
+           py::arg("exp_avg"), py::arg("exp_avg_sq"));
 }

@@ -107,6 +107,20 @@ def train_both(tmp_path, stage, offload, dtype, steps=12, accumulation=2, clippi
     return engine, reference, losses
 
 
+def step_both(engine, reference, torch_optimizer, x, y, schedule=None):
+    """One step of the engine and of plain torch on the same batch; their losses must agree."""
+    loss = loss_of(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    ref_loss = loss_of(reference(x), y)
+    ref_loss.backward()
+    torch_optimizer.step()
+    torch_optimizer.zero_grad()
+    if schedule is not None:
+        schedule.step()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
 def engine_weights(engine):
     """The engine's current weights in the training dtype (stage 3: read from the partitions)."""
     out = []
@@ -384,14 +398,7 @@ def test_a_tied_weight_used_outside_its_module_trains_once_registered(tmp_path):
     engine, _, _, _ = strata.initialize(model=model, config=config)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     for x, y in batches(3):
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = loss_of(reference(x), y)
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        step_both(engine, reference, torch_adamw, x, y)
 
 
 def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
@@ -573,15 +580,7 @@ def test_param_groups_with_their_own_rates_and_a_client_scheduler(tmp_path):
     torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, weight_decay=0.01)
     torch_schedule = torch.optim.lr_scheduler.StepLR(torch_adamw, step_size=2, gamma=0.5)
     for x, y in batches(5):
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = loss_of(reference(x), y)
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        torch_schedule.step()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
     assert engine.get_lr() == pytest.approx([1e-2 * 0.25, 3e-3 * 0.25])
 
 
