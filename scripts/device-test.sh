@@ -5,7 +5,9 @@
 # there (the CUDA tests run instead of skipping). Output and a JUnit report go to $OUT when set.
 #   DEPS_DIR=.device-deps bash scripts/device-test.sh [ctest -R regex]
 # STRATA_BUILD_BENCH=ON also builds the benchmarks (then run build/device/bench/sched_step
-# --device=cuda, for one).
+# --device=cuda, for one). The Python package is built for STRATA_PYTHON (default: the python3 on
+# PATH, the one with the machine's CUDA PyTorch); DEPS_DIR should then hold pybind11-dev and
+# libdlpack-dev too (python/CMakeLists.txt says what is missing), and its tests run with the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deps=${DEPS_DIR:-.device-deps}
@@ -17,7 +19,8 @@ export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PKG_CONFIG_PATH=$lib/pkgconfig:$prefix/usr/share/pkgconfig
 build=build/device
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_BUILD_BENCH="${STRATA_BUILD_BENCH:-OFF}" \
-  -DCMAKE_PREFIX_PATH="$prefix/usr" >"${OUT:-/tmp}/configure.log" 2>&1 || {
+  -DCMAKE_PREFIX_PATH="$prefix/usr" -DSTRATA_PYTHON="${STRATA_PYTHON:-$(command -v python3)}" \
+  >"${OUT:-/tmp}/configure.log" 2>&1 || {
   tail -40 "${OUT:-/tmp}/configure.log"; exit 1; }
 grep -E "strata:|CUDA" "${OUT:-/tmp}/configure.log" || true
 cmake --build "$build" -j"$(nproc)" >"${OUT:-/tmp}/build.log" 2>&1 || {
