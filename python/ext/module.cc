@@ -3,6 +3,7 @@
 // It exposes strata's C++ API to the package's Python code; tensors cross as DLPack
 // (dlpack_tensor.h), never copied, and the extension does not link libtorch. What is here:
 //   Adam        optim_cpu::CpuAdam stepping tensors in place (strata.optim's optimizers)
+//   Adagrad, Lion  optim_cpu::CpuAdagrad and CpuLion, likewise (one state tensor each)
 //   Runtime     sched::Runtime (sched/runtime.h: partitions, tiers, the scheduler, the optimizer
 //               over host or NVMe state): what strata.initialize's engine drives. Tiers are
 //               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
@@ -28,7 +29,9 @@
 #include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
+#include "optim_cpu/adagrad.h"
 #include "optim_cpu/adam.h"
+#include "optim_cpu/lion.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
 #include "python/ext/dlpack_tensor.h"
@@ -71,6 +74,76 @@ TensorView HostTensor(py::handle object, const std::string& what) {
                      "optimizer steps host memory)")));
   }
   return v;
+}
+
+// optim_cpu::CpuAdagrad or CpuLion over tensors: one state tensor each (Adagrad's sum, Lion's
+// exp_avg), stepped in place.
+template <typename Optimizer>
+class OneState {
+ public:
+  explicit OneState(std::unique_ptr<Optimizer> optimizer) : optimizer_(std::move(optimizer)) {}
+
+  bool Step(int64_t t, py::handle param, py::handle grad, py::handle state, float lr,
+            float grad_scale, bool check_overflow) {
+    const TensorView p = HostTensor(param, "param");
+    const TensorView g = HostTensor(grad, "grad");
+    const TensorView v = HostTensor(state, "state");
+    if (p.dtype != optim_cpu::DType::kF32) {
+      Raise(absl::InvalidArgumentError(
+          "param: its element type is not accepted; accepted: float32 (the master weights)"));
+    }
+    for (const auto& [view, what] : {std::pair{&g, "grad"}, std::pair{&v, "state"}}) {
+      if (view->elements != p.elements) {
+        Raise(absl::InvalidArgumentError(absl::StrCat(what, ": ", view->elements,
+                                                      " elements for a param of ", p.elements,
+                                                      "; accepted: as many as the param")));
+      }
+    }
+    optim_cpu::StateChunk chunk;
+    chunk.param = static_cast<float*>(p.data);
+    chunk.grad = g.data;
+    chunk.grad_dtype = g.dtype;
+    chunk.state = v.data;
+    chunk.state_dtype = v.dtype;
+    chunk.size = p.elements;
+    optim_cpu::StepOptions options;
+    options.lr = lr;
+    options.grad_scale = grad_scale;
+    options.check_overflow = check_overflow;
+    absl::StatusOr<optim_cpu::StepResult> r;
+    {
+      py::gil_scoped_release unlocked;
+      r = optimizer_->Step(t, chunk, options);
+    }
+    return Take(std::move(r)).overflow;
+  }
+
+  std::string Isa() const { return std::string(optim_cpu::IsaName(optimizer_->isa())); }
+
+ private:
+  std::unique_ptr<Optimizer> optimizer_;
+};
+
+OneState<optim_cpu::CpuAdagrad> MakeAdagrad(float lr, float lr_decay, float weight_decay, float eps,
+                                            int threads) {
+  optim_cpu::AdagradConfig c;
+  c.lr = lr;
+  c.lr_decay = lr_decay;
+  c.weight_decay = weight_decay;
+  c.eps = eps;
+  c.threads = threads;
+  return OneState<optim_cpu::CpuAdagrad>(Take(optim_cpu::CpuAdagrad::Create(c)));
+}
+
+OneState<optim_cpu::CpuLion> MakeLion(float lr, float beta1, float beta2, float weight_decay,
+                                      int threads) {
+  optim_cpu::LionConfig c;
+  c.lr = lr;
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.weight_decay = weight_decay;
+  c.threads = threads;
+  return OneState<optim_cpu::CpuLion>(Take(optim_cpu::CpuLion::Create(c)));
 }
 
 // The hyper-parameters both Adam and Runtime::CreateOptimizer take from Python.
@@ -577,6 +650,22 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("check_overflow") = false, py::arg("param_copy") = py::none())
       .def("has_non_finite", &Adam::HasNonFinite, py::arg("grad"))
       .def_property_readonly("isa", &Adam::Isa);
+
+  using Adagrad = OneState<strata::optim_cpu::CpuAdagrad>;
+  py::class_<Adagrad>(m, "Adagrad", "optim_cpu::CpuAdagrad: Adagrad in place on CPU tensors")
+      .def(py::init(&MakeAdagrad), py::arg("lr"), py::arg("lr_decay"), py::arg("weight_decay"),
+           py::arg("eps"), py::arg("threads") = 0)
+      .def("step", &Adagrad::Step, py::arg("t"), py::arg("param"), py::arg("grad"),
+           py::arg("state"), py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
+           py::arg("check_overflow") = false)
+      .def_property_readonly("isa", &Adagrad::Isa);
+  using Lion = OneState<strata::optim_cpu::CpuLion>;
+  py::class_<Lion>(m, "Lion", "optim_cpu::CpuLion: Lion in place on CPU tensors")
+      .def(py::init(&MakeLion), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+           py::arg("weight_decay"), py::arg("threads") = 0)
+      .def("step", &Lion::Step, py::arg("t"), py::arg("param"), py::arg("grad"), py::arg("state"),
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+      .def_property_readonly("isa", &Lion::Isa);
 
   py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
       .def(py::init<const std::string&, int, int, int, py::object, int>(), py::arg("config_json"),

@@ -6,9 +6,10 @@ The package is strata's front for PyTorch. What is here today:
   dataloader, lr_scheduler); the engine runs ZeRO stages 0-3 on one process over strata's Runtime
   (strata.engine says how), with DeepSpeed's config keys (strata.config says which).
 
-* ``strata.optim``: ``CpuAdam`` and ``CpuAdamW``, ``torch.optim.Optimizer`` s over CPU tensors
-  backed by strata's vectorized CPU Adam (a drop-in for ``torch.optim.AdamW``, as DeepSpeed's
-  ``DeepSpeedCPUAdam`` is).
+* ``strata.optim``: ``CpuAdam``, ``CpuAdamW``, ``CpuAdagrad`` and ``CpuLion``,
+  ``torch.optim.Optimizer`` s over CPU tensors backed by strata's vectorized CPU kernels (drop-ins
+  for torch's AdamW and Adagrad, as DeepSpeed's DeepSpeedCPUAdam, DeepSpeedCPUAdagrad and
+  DeepSpeedCPULion are).
 
 Errors from strata's C++ core are ``strata.Error`` (a ``RuntimeError``) with ``code`` (the
 status's name, e.g. ``"RESOURCE_EXHAUSTED"``) and ``errno``; bad arguments are

@@ -222,3 +222,68 @@ def test_the_step_writes_a_half_precision_copy_in_the_same_pass():
     kernel.step(1, p, torch.randn(1000), torch.zeros(1000), torch.zeros(1000),
                 param_copy=copy_out)
     assert torch.equal(copy_out, p.to(torch.bfloat16))
+
+
+def test_cpu_adagrad_matches_torch_adagrad():
+    ours, theirs = make_model(), make_model()
+    kwargs = dict(lr=5e-2, lr_decay=0.01, weight_decay=0.02, initial_accumulator_value=0.1)
+    train(ours, strata.optim.CpuAdagrad(ours.parameters(), **kwargs))
+    train(theirs, torch.optim.Adagrad(theirs.parameters(), **kwargs))
+    assert_same_weights(ours, theirs)
+
+
+def test_a_torch_adagrad_state_dict_loads_into_cpu_adagrad():
+    ours, theirs = make_model(), make_model()
+    t = torch.optim.Adagrad(theirs.parameters(), lr=5e-2)
+    train(theirs, t, steps=5)
+    ours.load_state_dict(theirs.state_dict())
+    o = strata.optim.CpuAdagrad(ours.parameters(), lr=5e-2)
+    o.load_state_dict(t.state_dict())
+    train(ours, o, steps=5, seed=7)
+    train(theirs, t, steps=5, seed=7)
+    assert_same_weights(ours, theirs)
+
+
+class LionReference(torch.optim.Optimizer):
+    """Lion as published (lion-pytorch's update), written out: the formula optim_cpu/lion.h
+    states, in plain torch."""
+
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = (beta1 * m + (1 - beta1) * p.grad).sign()
+                p.add_(update, alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def test_cpu_lion_matches_the_published_update():
+    ours, theirs = make_model(), make_model()
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    train(ours, strata.optim.CpuLion(ours.parameters(), **kwargs))
+    train(theirs, LionReference(theirs.parameters(), **kwargs))
+    assert_same_weights(ours, theirs)
+    assert strata.optim.CpuLion(make_model().parameters()).param_groups[0]["betas"] == \
+        (0.9, 0.999)  # DeepSpeedCPULion's default
+
+
+def test_adagrad_and_lion_refuse_bad_arguments_by_name():
+    params = list(make_model().parameters())
+    with pytest.raises(ValueError, match="lr_decay -1 is not accepted"):
+        strata.optim.CpuAdagrad(params, lr_decay=-1)
+    with pytest.raises(ValueError, match="eps 0 is not accepted"):
+        strata.optim.CpuAdagrad(params, eps=0)
+    with pytest.raises(ValueError, match="maximize"):
+        strata.optim.CpuAdagrad(params, maximize=True)
+    with pytest.raises(ValueError, match=r"betas\[0\] 1.5 is not accepted"):
+        strata.optim.CpuLion(params, betas=(1.5, 0.99))
+    with pytest.raises(ValueError, match="torch.float16; accepted: torch.float32"):
+        strata.optim.CpuLion([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))])
