@@ -18,6 +18,7 @@
 // step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
 // sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -76,6 +77,30 @@ TensorView HostTensor(py::handle object, const std::string& what) {
   return v;
 }
 
+// Checks a step's tensors: `param` float32 (the master weights), every other as many elements.
+void CheckStepTensors(const TensorView& p,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others) {
+  if (p.dtype != optim_cpu::DType::kF32) {
+    Raise(absl::InvalidArgumentError(
+        "param: its element type is not accepted; accepted: float32 (the master weights)"));
+  }
+  for (const auto& [view, what] : others) {
+    if (view->elements != p.elements) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(what, ": ", view->elements,
+                                                    " elements for a param of ", p.elements,
+                                                    "; accepted: as many as the param")));
+    }
+  }
+}
+
+optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_overflow) {
+  optim_cpu::StepOptions options;
+  options.lr = lr;
+  options.grad_scale = grad_scale;
+  options.check_overflow = check_overflow;
+  return options;
+}
+
 // optim_cpu::CpuAdagrad or CpuLion over tensors: one state tensor each (Adagrad's sum, Lion's
 // exp_avg), stepped in place.
 template <typename Optimizer>
@@ -88,17 +113,7 @@ class OneState {
     const TensorView p = HostTensor(param, "param");
     const TensorView g = HostTensor(grad, "grad");
     const TensorView v = HostTensor(state, "state");
-    if (p.dtype != optim_cpu::DType::kF32) {
-      Raise(absl::InvalidArgumentError(
-          "param: its element type is not accepted; accepted: float32 (the master weights)"));
-    }
-    for (const auto& [view, what] : {std::pair{&g, "grad"}, std::pair{&v, "state"}}) {
-      if (view->elements != p.elements) {
-        Raise(absl::InvalidArgumentError(absl::StrCat(what, ": ", view->elements,
-                                                      " elements for a param of ", p.elements,
-                                                      "; accepted: as many as the param")));
-      }
-    }
+    CheckStepTensors(p, {{&g, "grad"}, {&v, "state"}});
     optim_cpu::StateChunk chunk;
     chunk.param = static_cast<float*>(p.data);
     chunk.grad = g.data;
@@ -106,10 +121,7 @@ class OneState {
     chunk.state = v.data;
     chunk.state_dtype = v.dtype;
     chunk.size = p.elements;
-    optim_cpu::StepOptions options;
-    options.lr = lr;
-    options.grad_scale = grad_scale;
-    options.check_overflow = check_overflow;
+    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
     absl::StatusOr<optim_cpu::StepResult> r;
     {
       py::gil_scoped_release unlocked;
@@ -180,23 +192,12 @@ class Adam {
     const TensorView g = HostTensor(grad, "grad");
     const TensorView m = HostTensor(exp_avg, "exp_avg");
     const TensorView v = HostTensor(exp_avg_sq, "exp_avg_sq");
-    if (p.dtype != optim_cpu::DType::kF32) {
-      Raise(absl::InvalidArgumentError(
-          "param: its element type is not accepted; accepted: float32 (the master weights)"));
-    }
     if (m.dtype != v.dtype) {
       Raise(absl::InvalidArgumentError(
           "exp_avg and exp_avg_sq: their element types differ; accepted: both float32 or both "
           "bfloat16"));
     }
-    for (const auto& [view, what] :
-         {std::pair{&g, "grad"}, std::pair{&m, "exp_avg"}, std::pair{&v, "exp_avg_sq"}}) {
-      if (view->elements != p.elements) {
-        Raise(absl::InvalidArgumentError(absl::StrCat(what, ": ", view->elements,
-                                                      " elements for a param of ", p.elements,
-                                                      "; accepted: as many as the param")));
-      }
-    }
+    CheckStepTensors(p, {{&g, "grad"}, {&m, "exp_avg"}, {&v, "exp_avg_sq"}});
     optim_cpu::AdamChunk chunk;
     chunk.param = static_cast<float*>(p.data);
     chunk.grad = g.data;
@@ -216,10 +217,7 @@ class Adam {
       chunk.param_copy = copy.data;
       chunk.copy_dtype = copy.dtype;
     }
-    optim_cpu::StepOptions options;
-    options.lr = lr;
-    options.grad_scale = grad_scale;
-    options.check_overflow = check_overflow;
+    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
     absl::StatusOr<optim_cpu::StepResult> r;
     {
       py::gil_scoped_release unlocked;
@@ -566,10 +564,7 @@ class PyRuntime {
       }
       in.push_back(s);
     }
-    optim_cpu::StepOptions options;
-    options.lr = lr;
-    options.grad_scale = grad_scale;
-    options.check_overflow = check_overflow;
+    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
     absl::StatusOr<swap::StepReport> r;
     {
       py::gil_scoped_release unlocked;
