@@ -27,15 +27,17 @@ internal::UpdateArgs ArgsFor(internal::Rule rule, const StateChunk& c, const Ste
   return a;
 }
 
+absl::Status CheckStateChunk(absl::string_view who, int64_t t, const StateChunk& c,
+                             const StepOptions& o) {
+  return internal::CheckChunk(who, t, c.param, c.grad, c.state, nullptr, false, c.state_dtype,
+                              c.param_copy, c.copy_dtype, c.size, o);
+}
+
 template <typename Optimizer>
 absl::StatusOr<StepResult> RunStep(absl::string_view who, internal::Core& core, int64_t t,
                                    const StateChunk& c, const StepOptions& o,
                                    const internal::UpdateArgs& a) {
-  if (auto s = internal::CheckChunk(who, t, c.param, c.grad, c.state, nullptr, false, c.state_dtype,
-                                    c.param_copy, c.copy_dtype, c.size, o);
-      !s.ok()) {
-    return s;
-  }
+  if (auto s = CheckStateChunk(who, t, c, o); !s.ok()) return s;
   if (o.check_overflow && core.HasNonFinite(c.grad, c.grad_dtype, c.size)) {
     return StepResult{.overflow = true};
   }
@@ -50,6 +52,12 @@ absl::StatusOr<StepResult> RunStep(absl::string_view who, internal::Core& core, 
 CpuAdagrad::CpuAdagrad() = default;
 CpuAdagrad::~CpuAdagrad() = default;
 Isa CpuAdagrad::isa() const { return core_->isa(); }
+absl::Status CpuAdagrad::Validate(int64_t t, const StateChunk& c, const StepOptions& o) const {
+  return CheckStateChunk("CpuAdagrad::Step", t, c, o);
+}
+bool CpuAdagrad::HasNonFinite(const void* grad, DType dtype, size_t n) {
+  return core_->HasNonFinite(grad, dtype, n);
+}
 
 absl::StatusOr<std::unique_ptr<CpuAdagrad>> CpuAdagrad::Create(const AdagradConfig& config) {
   constexpr char kWho[] = "adagrad config";
@@ -85,6 +93,12 @@ absl::StatusOr<StepResult> CpuAdagrad::Step(int64_t t, const StateChunk& c, cons
 CpuLion::CpuLion() = default;
 CpuLion::~CpuLion() = default;
 Isa CpuLion::isa() const { return core_->isa(); }
+absl::Status CpuLion::Validate(int64_t t, const StateChunk& c, const StepOptions& o) const {
+  return CheckStateChunk("CpuLion::Step", t, c, o);
+}
+bool CpuLion::HasNonFinite(const void* grad, DType dtype, size_t n) {
+  return core_->HasNonFinite(grad, dtype, n);
+}
 
 absl::StatusOr<std::unique_ptr<CpuLion>> CpuLion::Create(const LionConfig& config) {
   constexpr char kWho[] = "lion config";

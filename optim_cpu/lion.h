@@ -39,6 +39,10 @@ class CpuLion {
   ~CpuLion();
   absl::StatusOr<StepResult> Step(int64_t t, const StateChunk& chunk,
                                   const StepOptions& options = {});
+  // What Step would refuse (the same InvalidArgument), touching nothing.
+  absl::Status Validate(int64_t t, const StateChunk& chunk, const StepOptions& options = {}) const;
+  // Whether any of the n gradients is inf or nan (vectorized, on the pool).
+  bool HasNonFinite(const void* grad, DType dtype, size_t n);
   Isa isa() const;
 
  private:

@@ -1088,6 +1088,14 @@ StepReport Runtime::EndStepLocked() {
 absl::Status Runtime::CreateOptimizer(
     const optim_cpu::AdamConfig& adam,
     const std::vector<std::pair<PartitionId, uint64_t>>& partitions) {
+  optim_cpu::OptimizerConfig config;
+  config.adam = adam;
+  return CreateOptimizer(config, partitions);
+}
+
+absl::Status Runtime::CreateOptimizer(
+    const optim_cpu::OptimizerConfig& optimizer,
+    const std::vector<std::pair<PartitionId, uint64_t>>& partitions, optim_cpu::DType copy_dtype) {
   const tiering::OffloadConfig& oc = config_.offload_optimizer;
   if (oc.device == tiering::OffloadDevice::kNone) {
     return absl::FailedPreconditionError(
@@ -1123,7 +1131,9 @@ absl::Status Runtime::CreateOptimizer(
       need[I(Tier::kHost)] += Pages(elements * 12);
     }
   }
-  if (on_nvme) need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * 2);
+  // The staged param copies of the NVMe-resident partitions, in the trainer's dtype.
+  const uint64_t copy_bytes = copy_dtype == optim_cpu::DType::kF32 ? 4 : 2;
+  if (on_nvme) need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * copy_bytes);
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ != nullptr) {
     return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
@@ -1141,7 +1151,7 @@ absl::Status Runtime::CreateOptimizer(
   auto give_back = [&] {
     for (Tier t : {Tier::kHost, Tier::kNvme}) table_->GiveBack(t, need[I(t)]);
   };
-  auto created = optim_cpu::CpuAdam::Create(adam);
+  auto created = optim_cpu::MakeChunkOptimizer(optimizer);
   if (!created.ok()) {
     give_back();
     return Annotate(created.status(), "create optimizer");
@@ -1159,18 +1169,19 @@ absl::Status Runtime::CreateOptimizer(
     give_back();
     return Annotate(swapper.status(), "create optimizer");
   }
-  adam_ = *std::move(created);
+  chunk_optimizer_ = *std::move(created);
   optimizer_ = *std::move(swapper);
   optimizer_set_aside_ = need;
   return absl::OkStatus();
 }
 
-absl::Status Runtime::InitializeOptimizerState(PartitionId id, absl::Span<const float> master) {
+absl::Status Runtime::InitializeOptimizerState(PartitionId id, absl::Span<const float> master,
+                                               float initial_state) {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
   }
-  return optimizer_->Initialize(id, master);
+  return optimizer_->Initialize(id, master, initial_state);
 }
 
 absl::Status Runtime::ReadOptimizerState(PartitionId id, absl::Span<float> master,

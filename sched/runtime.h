@@ -98,6 +98,7 @@
 #include "aio/engine.h"
 #include "base/mutex.h"
 #include "optim_cpu/adam.h"
+#include "optim_cpu/chunk_optimizer.h"
 #include "sched/scheduler.h"
 #include "sched/worker_pool.h"
 #include "swap/mover.h"
@@ -248,7 +249,8 @@ class Runtime {
   // diverged step becomes the next step's plan.
   StepReport EndStep();
 
-  // The optimizer (offload_optimizer): CpuAdam over the fp32 master weights and moments of
+  // The optimizer (offload_optimizer): CpuAdam (Adagrad or Lion by the overload below) over the
+  // fp32 master weights and moments of
   // `partitions` ((id, elements)), on the Runtime's own store and budgets — kept per
   // offload_optimizer.device: "cpu", in pinned host memory; "nvme", in the NVMe store, stepped
   // through a ring of offload_optimizer.buffer_count pinned buffers (at least three with
@@ -262,9 +264,18 @@ class Runtime {
   // steps from, so that the trace orders the step (below). Once per Runtime.
   absl::Status CreateOptimizer(const optim_cpu::AdamConfig& adam,
                                const std::vector<std::pair<PartitionId, uint64_t>>& partitions);
-  // Sets a partition's master weights; its moments start at zero. (A state that an earlier run
-  // left in the store is stepped from as it is, without this.)
-  absl::Status InitializeOptimizerState(PartitionId id, absl::Span<const float> master);
+  // The same with Adam, Adagrad or Lion (optim_cpu/chunk_optimizer.h: a one-state optimizer keeps
+  // its state where Adam keeps exp_avg; ReadOptimizerState gives it there). `copy_dtype`: the
+  // dtype of the param copies OptimizerStep will be asked for (the host room set aside for staging
+  // them: 2 bytes an element, 4 for fp32).
+  absl::Status CreateOptimizer(const optim_cpu::OptimizerConfig& optimizer,
+                               const std::vector<std::pair<PartitionId, uint64_t>>& partitions,
+                               optim_cpu::DType copy_dtype = optim_cpu::DType::kBF16);
+  // Sets a partition's master weights; its first state starts at `initial_state` (Adagrad's
+  // initial_accumulator_value; 0 otherwise), Adam's second moment at zero. (A state that an
+  // earlier run left in the store is stepped from as it is, without this.)
+  absl::Status InitializeOptimizerState(PartitionId id, absl::Span<const float> master,
+                                        float initial_state = 0.0f);
   // One optimizer step t over `inputs` (swap/optimizer_swapper.h: every input validated first;
   // a step that fails changes nothing). The partitions are stepped, and their NVMe state read
   // ahead, in the order their gradients were released dirty in the recorded trace (backward's
@@ -366,7 +377,7 @@ class Runtime {
   std::unique_ptr<swap::Mover> mover_;
   // The optimizer (CreateOptimizer); destroyed before the store and host memory it uses.
   Mutex optimizer_mu_;
-  std::unique_ptr<optim_cpu::CpuAdam> adam_ ABSL_GUARDED_BY(optimizer_mu_);
+  std::unique_ptr<optim_cpu::ChunkOptimizer> chunk_optimizer_ ABSL_GUARDED_BY(optimizer_mu_);
   std::unique_ptr<swap::PipelinedOptimizerSwapper> optimizer_ ABSL_GUARDED_BY(optimizer_mu_);
   std::array<uint64_t, tiering::kTierCount> optimizer_set_aside_ ABSL_GUARDED_BY(optimizer_mu_){};
 

@@ -1,5 +1,6 @@
 #include "swap/optimizer_swapper.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -36,8 +37,22 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
     tiering::NvmeStore* store, optim_cpu::CpuAdam* adam, tiering::MemoryResource* host,
     const OptimizerSwapperConfig& config,
     const std::vector<std::pair<tiering::PartitionId, uint64_t>>& partitions) {
-  if (adam == nullptr || host == nullptr) {
-    return absl::InvalidArgumentError("optimizer swapper: adam and host memory are required");
+  if (adam == nullptr) {
+    return absl::InvalidArgumentError("optimizer swapper: the optimizer is required");
+  }
+  std::unique_ptr<optim_cpu::ChunkOptimizer> adapter = optim_cpu::BorrowAdam(adam);
+  auto s = Create(store, adapter.get(), host, config, partitions);
+  if (s.ok()) (*s)->owned_optimizer_ = std::move(adapter);
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwapper::Create(
+    tiering::NvmeStore* store, optim_cpu::ChunkOptimizer* optimizer, tiering::MemoryResource* host,
+    const OptimizerSwapperConfig& config,
+    const std::vector<std::pair<tiering::PartitionId, uint64_t>>& partitions) {
+  if (optimizer == nullptr || host == nullptr) {
+    return absl::InvalidArgumentError(
+        "optimizer swapper: the optimizer and host memory are required");
   }
   const bool pipelined = config.pipeline_read || config.pipeline_write;
   if (config.ring_buffers < 0 || config.ring_buffers > 64 ||
@@ -49,7 +64,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   }
   auto s = std::unique_ptr<PipelinedOptimizerSwapper>(new PipelinedOptimizerSwapper());
   s->store_ = store;
-  s->adam_ = adam;
+  s->optimizer_ = optimizer;
   s->host_ = host;
   s->config_ = config;
   uint64_t in_cpu = 0;
@@ -113,7 +128,8 @@ bool PipelinedOptimizerSwapper::on_nvme(tiering::PartitionId id) const {
 }
 
 absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
-                                                   absl::Span<const float> master) {
+                                                   absl::Span<const float> master,
+                                                   float initial_state) {
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   if (master.size() != part->elements) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: partition ", id, " has ",
@@ -122,7 +138,8 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
   }
   float* state = part->host_state != nullptr ? part->host_state : buffers_.front();
   std::memcpy(state, master.data(), master.size() * sizeof(float));
-  std::memset(state + part->elements, 0, 2 * part->elements * sizeof(float));
+  std::fill(state + part->elements, state + 2 * part->elements, initial_state);
+  std::memset(state + 2 * part->elements, 0, part->elements * sizeof(float));
   if (part->host_state != nullptr) return absl::OkStatus();
   std::unique_ptr<tiering::NvmeStore::Batch> batch = store_->NewBatch();
   STRATA_RETURN_IF_ERROR(batch->Stage(StoreKey(id), Bytes(state, part->elements)));
@@ -203,7 +220,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     c.param_copy = in.param_copy;
     c.copy_dtype = in.copy_dtype;
     c.size = (*part)->elements;
-    if (absl::Status s = adam_->Validate(t, c, options); !s.ok()) {
+    if (absl::Status s = optimizer_->Validate(t, c, options); !s.ok()) {
       return Annotate(s, absl::StrCat(context, ": nothing was changed"));
     }
     if ((*part)->host_state != nullptr) {
@@ -215,7 +232,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   }
   if (options.check_overflow) {
     for (const StepInput& in : inputs) {
-      if (adam_->HasNonFinite(in.grad, in.grad_dtype, parts_.at(in.id).elements)) {
+      if (optimizer_->HasNonFinite(in.grad, in.grad_dtype, parts_.at(in.id).elements)) {
         report.overflow = true;
         report.seconds = Since(t0);
         return report;
@@ -249,7 +266,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     c.copy_dtype = in.copy_dtype;
     c.size = n;
     const auto c0 = Clock::now();
-    absl::Status s = adam_->Step(t, c, no_check).status();
+    absl::Status s = optimizer_->Step(t, c, no_check).status();
     report.compute_seconds += Since(c0);
     return s;
   };

@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "optim_cpu/adam.h"
+#include "optim_cpu/chunk_optimizer.h"
 #include "tiering/memory_resource.h"
 #include "tiering/nvme_store.h"
 
@@ -101,15 +102,24 @@ struct StepReport {
 
 class PipelinedOptimizerSwapper {
  public:
-  // `partitions`: (id, elements) in step order.
+  // `partitions`: (id, elements) in step order. `optimizer`: Adam, Adagrad or Lion
+  // (optim_cpu/chunk_optimizer.h; one-state optimizers keep their state in the exp_avg slot of the
+  // blob, the exp_avg_sq slot unused), borrowed.
+  static absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> Create(
+      tiering::NvmeStore* store, optim_cpu::ChunkOptimizer* optimizer,
+      tiering::MemoryResource* host, const OptimizerSwapperConfig& config,
+      const std::vector<std::pair<tiering::PartitionId, uint64_t>>& partitions);
+  // The same over a CpuAdam (borrowed).
   static absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> Create(
       tiering::NvmeStore* store, optim_cpu::CpuAdam* adam, tiering::MemoryResource* host,
       const OptimizerSwapperConfig& config,
       const std::vector<std::pair<tiering::PartitionId, uint64_t>>& partitions);
   ~PipelinedOptimizerSwapper();
 
-  // Sets a partition's master weights; its moments start at zero.
-  absl::Status Initialize(tiering::PartitionId id, absl::Span<const float> master);
+  // Sets a partition's master weights; its first state starts at `initial_state` (Adagrad's
+  // initial_accumulator_value; 0 for Adam's and Lion's moments), the second at zero.
+  absl::Status Initialize(tiering::PartitionId id, absl::Span<const float> master,
+                          float initial_state = 0.0f);
   // One optimizer step t over `inputs` (each partition once, any order); see above.
   absl::StatusOr<StepReport> Step(int64_t t, absl::Span<const StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
@@ -137,7 +147,8 @@ class PipelinedOptimizerSwapper {
   absl::Status ReserveCopyStaging(uint64_t bytes);
 
   tiering::NvmeStore* store_ = nullptr;
-  optim_cpu::CpuAdam* adam_ = nullptr;
+  optim_cpu::ChunkOptimizer* optimizer_ = nullptr;
+  std::unique_ptr<optim_cpu::ChunkOptimizer> owned_optimizer_;  // the CpuAdam overload's adapter
   tiering::MemoryResource* host_ = nullptr;
   OptimizerSwapperConfig config_;
   absl::flat_hash_map<tiering::PartitionId, Part> parts_;

@@ -32,6 +32,7 @@
 #include "base/status.h"
 #include "optim_cpu/adagrad.h"
 #include "optim_cpu/adam.h"
+#include "optim_cpu/chunk_optimizer.h"
 #include "optim_cpu/lion.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
@@ -513,20 +514,42 @@ class PyRuntime {
 
   bool EmulatedDevice() const { return runtime_->config().emulated_device; }
 
-  void CreateOptimizer(float lr, float beta1, float beta2, float eps, float weight_decay,
-                       bool adamw, bool bias_correction,
-                       const std::vector<std::pair<uint64_t, uint64_t>>& partitions) {
-    const optim_cpu::AdamConfig c =
-        AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
+  // `kind`: "adam" (AdamW with adamw), "adagrad" (lr_decay, weight_decay as L2, eps) or "lion"
+  // (beta1, beta2, weight_decay decoupled); `copy_dtype`: the dtype of the param copies the steps
+  // will write.
+  void CreateOptimizer(const std::string& kind, float lr, float beta1, float beta2, float eps,
+                       float weight_decay, bool adamw, bool bias_correction, float lr_decay,
+                       const std::vector<std::pair<uint64_t, uint64_t>>& partitions,
+                       const std::string& copy_dtype) {
+    optim_cpu::OptimizerConfig c;
+    if (kind == "adam") {
+      c.adam = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
+    } else if (kind == "adagrad") {
+      c.kind = optim_cpu::OptimizerKind::kAdagrad;
+      c.adagrad.lr = lr;
+      c.adagrad.lr_decay = lr_decay;
+      c.adagrad.weight_decay = weight_decay;
+      c.adagrad.eps = eps;
+    } else if (kind == "lion") {
+      c.kind = optim_cpu::OptimizerKind::kLion;
+      c.lion.lr = lr;
+      c.lion.beta1 = beta1;
+      c.lion.beta2 = beta2;
+      c.lion.weight_decay = weight_decay;
+    } else {
+      Raise(absl::InvalidArgumentError(absl::StrCat(
+          "optimizer kind \"", kind, "\" is not accepted; accepted: adam, adagrad, lion")));
+    }
+    const optim_cpu::DType copy = DTypeNamed(copy_dtype);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->CreateOptimizer(c, partitions);
+      s = runtime_->CreateOptimizer(c, partitions, copy);
     }
     Check(s);
   }
 
-  void InitializeOptimizerState(uint64_t id, py::handle master) {
+  void InitializeOptimizerState(uint64_t id, py::handle master, float initial_state) {
     const TensorView v = HostTensor(master, "master");
     if (v.dtype != optim_cpu::DType::kF32) {
       Raise(absl::InvalidArgumentError("master: accepted: float32 (the master weights)"));
@@ -534,7 +557,8 @@ class PyRuntime {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->InitializeOptimizerState(id, {static_cast<const float*>(v.data), v.elements});
+      s = runtime_->InitializeOptimizerState(id, {static_cast<const float*>(v.data), v.elements},
+                                             initial_state);
     }
     Check(s);
   }
@@ -683,11 +707,14 @@ PYBIND11_MODULE(_strata, m) {
       .def("stats", &PyRuntime::Stats)
       .def("warnings", &PyRuntime::Warnings)
       .def_property_readonly("emulated_device", &PyRuntime::EmulatedDevice)
-      .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("lr"), py::arg("beta1"),
-           py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"),
-           py::arg("bias_correction"), py::arg("partitions"))
+      .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("kind") = "adam",
+           py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
+           py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f, py::arg("adamw") = true,
+           py::arg("bias_correction") = true, py::arg("lr_decay") = 0.0f,
+           py::arg("partitions") = std::vector<std::pair<uint64_t, uint64_t>>{},
+           py::arg("copy_dtype") = "bfloat16")
       .def("initialize_optimizer_state", &PyRuntime::InitializeOptimizerState, py::arg("id"),
-           py::arg("master"))
+           py::arg("master"), py::arg("initial_state") = 0.0f)
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
       .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"), py::arg("master"),

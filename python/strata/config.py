@@ -12,8 +12,9 @@ act on. Read here:
   gradient_clipping                  (0: off)
   bf16.enabled | fp16.enabled with loss_scale (0: dynamic), initial_scale_power (16),
       loss_scale_window (1000), hysteresis (2), min_loss_scale (1)
-  optimizer.type Adam | AdamW | CPUAdam (DeepSpeed's spellings, any case) and optimizer.params
-      (lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false)
+  optimizer.type Adam | AdamW | CPUAdam (DeepSpeed's spellings, any case) with optimizer.params
+      lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false; Adagrad with lr,
+      lr_decay, eps, weight_decay, initial_accumulator_value; Lion with lr, betas, weight_decay
   scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR and scheduler.params (strata.lr_schedules)
   steps_per_print, zero_allow_untested_optimizer
   activation_checkpointing (strata.checkpointing.configure reads it)
@@ -79,7 +80,13 @@ def _check_keys(block, path, known):
             _bad(f"{path}{key}", f"unknown key; accepted here: {', '.join(sorted(known))}")
 
 
-OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "cpuadam": "Adam"}
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "cpuadam": "Adam", "adagrad": "Adagrad",
+              "cpuadagrad": "Adagrad", "lion": "Lion", "cpulion": "Lion"}
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "amsgrad",
+              "torch_adam", "fused")
+OPTIMIZER_KEYS = {"Adam": _ADAM_KEYS, "AdamW": _ADAM_KEYS,
+                  "Adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"),
+                  "Lion": ("lr", "betas", "weight_decay")}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
@@ -185,30 +192,34 @@ class TrainConfig:
             _check_keys(opt, "optimizer.", ("type", "params"))
             kind = opt.get("type")
             if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
-                _bad("optimizer.type", f"{kind!r} is not supported; accepted: Adam, AdamW, CPUAdam")
+                _bad("optimizer.type", f"{kind!r} is not supported; accepted: Adam, AdamW, "
+                                       "CPUAdam, Adagrad, Lion")
+            kind = OPTIMIZERS[kind.lower()]
             params = opt.get("params", {})
             if not isinstance(params, dict):
                 _bad("optimizer.params", "accepted: a JSON object")
-            _check_keys(params, "optimizer.params.", ("lr", "betas", "eps", "weight_decay",
-                                                      "bias_correction", "adam_w_mode", "amsgrad",
-                                                      "torch_adam", "fused"))
+            p = "optimizer.params."
+            _check_keys(params, p, OPTIMIZER_KEYS[kind])
             if params.get("amsgrad", False):
                 _bad("optimizer.params.amsgrad", "true is not supported; accepted: false")
             betas = params.get("betas", [0.9, 0.999])
             if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and
                     all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
                 _bad("optimizer.params.betas", f"{betas!r}; accepted: two numbers in [0, 1)")
-            adamw = OPTIMIZERS[kind.lower()] == "AdamW" or \
-                _bool(params, "adam_w_mode", "optimizer.params.", True)
             c.optimizer = {
-                "lr": float(_number(params, "lr", "optimizer.params.", 1e-3, 0.0)),
+                "kind": {"Adam": "adam", "AdamW": "adam", "Adagrad": "adagrad",
+                         "Lion": "lion"}[kind],
+                "lr": float(_number(params, "lr", p, 1e-2 if kind == "Adagrad" else 1e-3, 0.0)),
                 "betas": (float(betas[0]), float(betas[1])),
-                "eps": float(_number(params, "eps", "optimizer.params.", 1e-8, 0.0)),
+                "eps": float(_number(params, "eps", p, 1e-10 if kind == "Adagrad" else 1e-8,
+                                     0.0)),
                 # 0 for every type, as DeepSpeed's optimizers default to (not torch's 0.01)
-                "weight_decay": float(_number(params, "weight_decay", "optimizer.params.", 0.0,
-                                              0.0)),
-                "bias_correction": _bool(params, "bias_correction", "optimizer.params.", True),
-                "adamw": adamw,
+                "weight_decay": float(_number(params, "weight_decay", p, 0.0, 0.0)),
+                "bias_correction": _bool(params, "bias_correction", p, True),
+                "adamw": kind == "AdamW" or _bool(params, "adam_w_mode", p, True),
+                "lr_decay": float(_number(params, "lr_decay", p, 0.0, 0.0)),
+                "initial_accumulator_value": float(
+                    _number(params, "initial_accumulator_value", p, 0.0, 0.0)),
             }
             if c.optimizer["eps"] <= 0:
                 _bad("optimizer.params.eps", "accepted: a number > 0")

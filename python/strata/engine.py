@@ -212,16 +212,18 @@ class Engine:
         by_param = {id(e.param): e for e in self._params}
         groups = self._param_groups(optimizer, hyper, by_param)
 
+        self.optimizer_kind = hyper["kind"]
         self.runtime.create_optimizer(
-            lr=hyper["lr"], beta1=hyper["betas"][0], beta2=hyper["betas"][1], eps=hyper["eps"],
-            weight_decay=hyper["weight_decay"], adamw=hyper["adamw"],
-            bias_correction=hyper["bias_correction"],
-            partitions=[(e.gid, e.numel) for e in self._params])
+            kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
+            beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+            adamw=hyper["adamw"], bias_correction=hyper["bias_correction"],
+            lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.numel) for e in self._params],
+            copy_dtype=config.dtype)
         with torch.no_grad():
             for e in self._params:
                 self.runtime.initialize_optimizer_state(
                     e.gid, e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-                    .contiguous())
+                    .contiguous(), initial_state=hyper["initial_accumulator_value"])
         # The placeholder of a partitioned parameter: on the compute device, so that swapping
         # .data never changes a parameter's device (torch would drop its gradient node).
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -266,28 +268,43 @@ class Engine:
 
     @staticmethod
     def _hyper_parameters(config, optimizer):
+        """The optimizer's kind and hyper-parameters, from a client optimizer or the config."""
+        hyper = dict(kind="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                     bias_correction=True, adamw=True, lr_decay=0.0,
+                     initial_accumulator_value=0.0)
         if optimizer is not None and config.optimizer is not None:
             raise ValueError("strata.initialize: an optimizer was given both as an argument and "
                              "in the config's optimizer block; accepted: one of them")
         if optimizer is not None:
             if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError("strata.initialize: an optimizer factory is not supported; "
-                                 "accepted: a torch Adam/AdamW, or the config's optimizer block")
-            kind = type(optimizer).__name__
-            if kind not in ("Adam", "AdamW", "CpuAdam", "CpuAdamW", "DeepSpeedCPUAdam"):
-                raise ValueError(f"strata.initialize: optimizer {kind} is not supported; "
-                                 "accepted: Adam, AdamW (torch's or strata.optim's)")
+                                 "accepted: a torch Adam/AdamW/Adagrad (or strata.optim's), or "
+                                 "the config's optimizer block")
+            kinds = {"Adam": "adam", "AdamW": "adam", "CpuAdam": "adam", "CpuAdamW": "adam",
+                     "DeepSpeedCPUAdam": "adam", "Adagrad": "adagrad", "CpuAdagrad": "adagrad",
+                     "CpuLion": "lion"}
+            name = type(optimizer).__name__
+            if name not in kinds:
+                raise ValueError(f"strata.initialize: optimizer {name} is not supported; "
+                                 "accepted: Adam, AdamW, Adagrad (torch's or strata.optim's), "
+                                 "strata.optim.CpuLion")
             group = optimizer.param_groups[0]
             if group.get("amsgrad", False):
                 raise ValueError("strata.initialize: optimizer with amsgrad=True is not supported")
-            adamw = kind in ("AdamW", "CpuAdamW") or getattr(optimizer, "adamw_mode", False)
-            return dict(lr=float(group["lr"]), betas=tuple(group["betas"]),
-                        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-                        bias_correction=bool(group.get("bias_correction", True)), adamw=adamw)
+            hyper.update(kind=kinds[name], lr=float(group["lr"]),
+                         weight_decay=float(group["weight_decay"]),
+                         adamw=name in ("AdamW", "CpuAdamW") or getattr(optimizer, "adamw_mode",
+                                                                       False),
+                         bias_correction=bool(group.get("bias_correction", True)))
+            for key in ("betas", "eps", "lr_decay", "initial_accumulator_value"):
+                if key in group:
+                    hyper[key] = tuple(group[key]) if key == "betas" else float(group[key])
+            return hyper
         if config.optimizer is not None:
-            return dict(config.optimizer)
+            hyper.update(config.optimizer)
+            return hyper
         raise ValueError("strata.initialize: no optimizer: give one, or an optimizer block in "
-                         "the config (type Adam or AdamW)")
+                         "the config (type Adam, AdamW, Adagrad or Lion)")
 
     def _param_groups(self, optimizer, hyper, by_param):
         """One group per client group (lr may differ; the other hyper-parameters may not: the
@@ -296,7 +313,7 @@ class Engine:
             return [{"params": [e.param for e in self._params], "lr": hyper["lr"]}]
         groups = []
         for index, group in enumerate(optimizer.param_groups):
-            for key in ("betas", "eps", "weight_decay"):
+            for key in ("betas", "eps", "weight_decay", "lr_decay"):
                 if key in group and tuple(_as_tuple(group[key])) != tuple(_as_tuple(hyper[key])):
                     raise ValueError(
                         f"strata.initialize: param group {index} has {key} {group[key]} where "

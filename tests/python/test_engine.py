@@ -590,3 +590,40 @@ def test_training_data_gives_a_loader_of_the_micro_batch(tmp_path):
     _, _, loader, _ = strata.initialize(model=Net(), config=config, training_data=data)
     first = next(iter(loader))
     assert first[0].shape == (4, 8)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_adagrad_and_lion_from_the_config_match_their_references(tmp_path, offload):
+    from references import LionReference
+    for block, make_reference in (
+            ({"type": "Adagrad", "params": {"lr": 5e-2, "lr_decay": 0.01, "weight_decay": 0.02,
+                                             "initial_accumulator_value": 0.1}},
+             lambda ps: torch.optim.Adagrad(ps, lr=5e-2, lr_decay=0.01, weight_decay=0.02,
+                                            initial_accumulator_value=0.1)),
+            ({"type": "Lion", "params": {"lr": 1e-3, "betas": [0.9, 0.99], "weight_decay": 0.1}},
+             lambda ps: LionReference(ps, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1))):
+        torch.manual_seed(0)
+        model = Net()
+        reference = copy.deepcopy(model)
+        (tmp_path / block["type"]).mkdir()
+        config = make_config(tmp_path / block["type"], 3, offload, "fp32", accumulation=1,
+                             clipping=0.0)
+        config["optimizer"] = block
+        engine, _, _, _ = strata.initialize(model=model, config=config)
+        assert engine.optimizer_kind == block["type"].lower()
+        torch_optimizer = make_reference(reference.parameters())
+        for x, y in batches(4):
+            step_both(engine, reference, torch_optimizer, x, y)
+        for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+            torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_client_torch_adagrad_gives_the_kind_and_its_hyper_parameters(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    del config["optimizer"]
+    model = Net()
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=config,
+        optimizer=torch.optim.Adagrad(model.parameters(), lr=0.02, lr_decay=0.1))
+    assert engine.optimizer_kind == "adagrad"
+    assert optimizer.param_groups[0]["lr"] == 0.02

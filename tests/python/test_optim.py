@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import strata
+from references import LionReference
 from strata.optim import CpuAdam, CpuAdamW
 
 # strata's kernels use fused multiply-adds where torch's CPU path rounds twice: the same update to
@@ -242,27 +243,6 @@ def test_a_torch_adagrad_state_dict_loads_into_cpu_adagrad():
     train(ours, o, steps=5, seed=7)
     train(theirs, t, steps=5, seed=7)
     assert_same_weights(ours, theirs)
-
-
-class LionReference(torch.optim.Optimizer):
-    """Lion as published (lion-pytorch's update), written out: the formula optim_cpu/lion.h
-    states, in plain torch."""
-
-    def __init__(self, params, lr, betas, weight_decay):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = (beta1 * m + (1 - beta1) * p.grad).sign()
-                p.add_(update, alpha=-group["lr"])
-                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
 def test_cpu_lion_matches_the_published_update():

@@ -690,5 +690,77 @@ TEST(SwapperTest, APipelinedStepReadsKPlus1AndWritesKMinus1WhileKSteps) {
   }
 }
 
+// Adagrad and Lion through the swapper (their one state where Adam keeps exp_avg): the state on
+// NVMe and in host memory steps as the optimizer does directly on arrays in memory.
+TEST(SwapperTest, AdagradAndLionStepTheirStateAsTheyDoInMemory) {
+  for (optim_cpu::OptimizerKind kind :
+       {optim_cpu::OptimizerKind::kAdagrad, optim_cpu::OptimizerKind::kLion}) {
+    SCOPED_TRACE(optim_cpu::OptimizerKindName(kind));
+    ScratchDir dir;
+    aio::EngineOptions eo;
+    eo.on_warning = [](absl::string_view) {};
+    auto engine = aio::Engine::Create(aio::AioConfig{}, eo);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    tiering::NvmeStoreOptions so;
+    so.capacity_bytes = 8 << 20;
+    so.on_warning = [](absl::string_view) {};
+    auto store = tiering::NvmeStore::Open(dir.File("swap"), so, engine->get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    optim_cpu::OptimizerConfig oc;
+    oc.kind = kind;
+    oc.adagrad.lr = 5e-2f;
+    oc.adagrad.lr_decay = 0.01f;
+    oc.adagrad.weight_decay = 0.02f;
+    oc.lion.weight_decay = 0.1f;
+    auto optimizer = optim_cpu::MakeChunkOptimizer(oc);
+    ASSERT_TRUE(optimizer.ok()) << optimizer.status();
+    auto direct = optim_cpu::MakeChunkOptimizer(oc);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    constexpr uint64_t kN = 1000;
+    const Parts parts = {{1, kN}, {2, kN}};
+    tiering::HostMemoryResource host;
+    OptimizerSwapperConfig config;
+    config.max_in_cpu_bytes = 12 * kN;  // partition 1 in host memory, 2 on NVMe
+    auto swapper =
+        PipelinedOptimizerSwapper::Create(store->get(), optimizer->get(), &host, config, parts);
+    ASSERT_TRUE(swapper.ok()) << swapper.status();
+    ASSERT_FALSE((*swapper)->on_nvme(1));
+    ASSERT_TRUE((*swapper)->on_nvme(2));
+    std::mt19937_64 rng(5);
+    std::normal_distribution<float> d(0, 1);
+    std::vector<std::vector<float>> master(2, std::vector<float>(kN)), state(2);
+    for (int k = 0; k < 2; ++k) {
+      for (float& x : master[k]) x = d(rng);
+      state[k].assign(kN, 0.25f);  // Adagrad's initial accumulator; Lion's first moment
+      ASSERT_TRUE((*swapper)->Initialize(k + 1, master[k], 0.25f).ok());
+    }
+    std::vector<float> unused(kN);
+    for (int64_t t = 1; t <= 3; ++t) {
+      std::vector<std::vector<float>> grads(2, std::vector<float>(kN));
+      std::vector<StepInput> inputs;
+      for (int k = 0; k < 2; ++k) {
+        for (float& g : grads[k]) g = 0.1f * d(rng);
+        inputs.push_back({static_cast<tiering::PartitionId>(k + 1), grads[k].data()});
+        optim_cpu::AdamChunk c;
+        c.param = master[k].data();
+        c.grad = grads[k].data();
+        c.exp_avg = state[k].data();
+        c.size = kN;
+        ASSERT_TRUE((*direct)->Step(t, c, {}).ok());
+      }
+      auto r = (*swapper)->Step(t, inputs);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> m(kN), s1(kN), s2(kN);
+      ASSERT_TRUE((*swapper)
+                      ->ReadState(k + 1, absl::MakeSpan(m), absl::MakeSpan(s1), absl::MakeSpan(s2))
+                      .ok());
+      EXPECT_EQ(m, master[k]) << "partition " << k + 1;
+      EXPECT_EQ(s1, state[k]) << "partition " << k + 1;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::swap
