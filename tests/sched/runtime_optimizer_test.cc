@@ -154,6 +154,28 @@ TEST_P(RuntimeOptimizerTest, StepsMatchCpuAdamInMemoryWithinTheRuntimesBudgets) 
   ASSERT_EQ((*rt)->StoredPartitions().size(), 1u);  // the optimizer's state is not a partition
 }
 
+// The host room set aside for the staged param copies of NVMe-resident partitions is counted in
+// the copies' dtype: 4 bytes an element for an fp32 trainer's (it was 2 whatever the dtype).
+TEST(RuntimeOptimizerTest, TheCopiesRoomSetAsideFollowsTheirDtype) {
+  for (optim_cpu::DType copy : {optim_cpu::DType::kBF16, optim_cpu::DType::kF32}) {
+    ScratchDir dir;
+    auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    optim_cpu::OptimizerConfig oc;
+    oc.adam = Adam();
+    ASSERT_TRUE((*rt)->CreateOptimizer(oc, kParts, copy).ok());
+    uint64_t largest = 0, elements = 0;
+    for (const auto& [id, n] : kParts) {
+      largest = std::max(largest, (n * 12 + 4095) / 4096 * 4096);
+      elements += n;
+    }
+    const uint64_t bytes = copy == optim_cpu::DType::kF32 ? 4 : 2;
+    EXPECT_EQ((*rt)->residency().set_aside_bytes(Tier::kHost),
+              4 * largest + (elements * bytes + 4095) / 4096 * 4096)
+        << optim_cpu::DTypeName(copy);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, RuntimeOptimizerTest,
                          ::testing::Values(OffloadDevice::kCpu, OffloadDevice::kNvme),
                          [](const auto& info) {
