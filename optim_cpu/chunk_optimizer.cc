@@ -20,6 +20,7 @@ class AdamAdapter : public ChunkOptimizer {
     return adam_->HasNonFinite(grad, dtype, n);
   }
   OptimizerKind kind() const override { return OptimizerKind::kAdam; }
+  Isa isa() const override { return adam_->isa(); }
 
  private:
   CpuAdam* adam_;
@@ -42,6 +43,7 @@ class OneStateAdapter : public ChunkOptimizer {
     return optimizer_->HasNonFinite(grad, dtype, n);
   }
   OptimizerKind kind() const override { return kKind; }
+  Isa isa() const override { return optimizer_->isa(); }
 
  private:
   static StateChunk StateOf(const AdamChunk& c) {

@@ -44,6 +44,7 @@ class ChunkOptimizer {
                                           const StepOptions& options) = 0;
   virtual bool HasNonFinite(const void* grad, DType dtype, size_t n) = 0;
   virtual OptimizerKind kind() const = 0;
+  virtual Isa isa() const = 0;
 };
 
 // Makes the optimizer `config` names (its Create's validation, InvalidArgument naming the key).

@@ -2,8 +2,8 @@
 //
 // It exposes strata's C++ API to the package's Python code; tensors cross as DLPack
 // (dlpack_tensor.h), never copied, and the extension does not link libtorch. What is here:
-//   Adam        optim_cpu::CpuAdam stepping tensors in place (strata.optim's optimizers)
-//   Adagrad, Lion  optim_cpu::CpuAdagrad and CpuLion, likewise (one state tensor each)
+//   Optimizer   Adam, Adagrad or Lion (optim_cpu/chunk_optimizer.h, made by Adam(), Adagrad(),
+//               Lion()) stepping tensors in place: strata.optim's optimizers
 //   Runtime     sched::Runtime (sched/runtime.h: partitions, tiers, the scheduler, the optimizer
 //               over host or NVMe state): what strata.initialize's engine drives. Tiers are
 //               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
@@ -14,8 +14,8 @@
 // status carries none); an InvalidArgument raises InvalidArgumentError, which is also a ValueError.
 // The long calls (an optimizer step, a move between tiers) release the GIL.
 //
-// Thread safety: an Adam is used by one thread at a time (its calls hold the GIL except while the
-// step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
+// Thread safety: an Optimizer is used by one thread at a time (its calls hold the GIL except while
+// the step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
 // sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
 #include <cstdint>
 #include <initializer_list>
@@ -30,10 +30,8 @@
 #include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
-#include "optim_cpu/adagrad.h"
 #include "optim_cpu/adam.h"
 #include "optim_cpu/chunk_optimizer.h"
-#include "optim_cpu/lion.h"
 #include "pybind11/pybind11.h"
 #include "pybind11/stl.h"
 #include "python/ext/dlpack_tensor.h"
@@ -102,64 +100,7 @@ optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_over
   return options;
 }
 
-// optim_cpu::CpuAdagrad or CpuLion over tensors: one state tensor each (Adagrad's sum, Lion's
-// exp_avg), stepped in place.
-template <typename Optimizer>
-class OneState {
- public:
-  explicit OneState(std::unique_ptr<Optimizer> optimizer) : optimizer_(std::move(optimizer)) {}
-
-  bool Step(int64_t t, py::handle param, py::handle grad, py::handle state, float lr,
-            float grad_scale, bool check_overflow) {
-    const TensorView p = HostTensor(param, "param");
-    const TensorView g = HostTensor(grad, "grad");
-    const TensorView v = HostTensor(state, "state");
-    CheckStepTensors(p, {{&g, "grad"}, {&v, "state"}});
-    optim_cpu::StateChunk chunk;
-    chunk.param = static_cast<float*>(p.data);
-    chunk.grad = g.data;
-    chunk.grad_dtype = g.dtype;
-    chunk.state = v.data;
-    chunk.state_dtype = v.dtype;
-    chunk.size = p.elements;
-    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
-    absl::StatusOr<optim_cpu::StepResult> r;
-    {
-      py::gil_scoped_release unlocked;
-      r = optimizer_->Step(t, chunk, options);
-    }
-    return Take(std::move(r)).overflow;
-  }
-
-  std::string Isa() const { return std::string(optim_cpu::IsaName(optimizer_->isa())); }
-
- private:
-  std::unique_ptr<Optimizer> optimizer_;
-};
-
-OneState<optim_cpu::CpuAdagrad> MakeAdagrad(float lr, float lr_decay, float weight_decay, float eps,
-                                            int threads) {
-  optim_cpu::AdagradConfig c;
-  c.lr = lr;
-  c.lr_decay = lr_decay;
-  c.weight_decay = weight_decay;
-  c.eps = eps;
-  c.threads = threads;
-  return OneState<optim_cpu::CpuAdagrad>(Take(optim_cpu::CpuAdagrad::Create(c)));
-}
-
-OneState<optim_cpu::CpuLion> MakeLion(float lr, float beta1, float beta2, float weight_decay,
-                                      int threads) {
-  optim_cpu::LionConfig c;
-  c.lr = lr;
-  c.beta1 = beta1;
-  c.beta2 = beta2;
-  c.weight_decay = weight_decay;
-  c.threads = threads;
-  return OneState<optim_cpu::CpuLion>(Take(optim_cpu::CpuLion::Create(c)));
-}
-
-// The hyper-parameters both Adam and Runtime::CreateOptimizer take from Python.
+// The hyper-parameters both Optimizer and Runtime::CreateOptimizer take from Python.
 optim_cpu::AdamConfig AdamConfigOf(float lr, float beta1, float beta2, float eps,
                                    float weight_decay, bool adamw, bool bias_correction) {
   optim_cpu::AdamConfig c;
@@ -173,32 +114,40 @@ optim_cpu::AdamConfig AdamConfigOf(float lr, float beta1, float beta2, float eps
   return c;
 }
 
-// optim_cpu::CpuAdam over tensors.
-class Adam {
+// A CPU optimizer (optim_cpu/chunk_optimizer.h: Adam, Adagrad or Lion) stepping tensors in place.
+// Adam's state is exp_avg and exp_avg_sq; Adagrad's sum and Lion's exp_avg are the one `state`.
+class Optimizer {
  public:
-  Adam(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
-       bool bias_correction, int threads, const std::string& isa) {
-    optim_cpu::AdamConfig c =
-        AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
-    c.threads = threads;
-    c.isa = isa;
-    adam_ = Take(optim_cpu::CpuAdam::Create(c));
-  }
+  explicit Optimizer(const optim_cpu::OptimizerConfig& config)
+      : optimizer_(Take(optim_cpu::MakeChunkOptimizer(config))) {}
 
   // One step t of one tensor, in place; returns true when the gradient held an inf or nan and
-  // check_overflow asked for the scan (then nothing was changed).
-  bool Step(int64_t t, py::handle param, py::handle grad, py::handle exp_avg, py::handle exp_avg_sq,
+  // check_overflow asked for the scan (then nothing was changed). `param_copy` (optional)
+  // receives the new weights in its own dtype.
+  bool Step(int64_t t, py::handle param, py::handle grad, py::handle state1, py::handle state2,
             float lr, float grad_scale, bool check_overflow, py::handle param_copy) {
+    const bool adam = optimizer_->kind() == optim_cpu::OptimizerKind::kAdam;
     const TensorView p = HostTensor(param, "param");
     const TensorView g = HostTensor(grad, "grad");
-    const TensorView m = HostTensor(exp_avg, "exp_avg");
-    const TensorView v = HostTensor(exp_avg_sq, "exp_avg_sq");
-    if (m.dtype != v.dtype) {
+    const TensorView m = HostTensor(state1, adam ? "exp_avg" : "state");
+    if (adam == state2.is_none()) {
       Raise(absl::InvalidArgumentError(
-          "exp_avg and exp_avg_sq: their element types differ; accepted: both float32 or both "
-          "bfloat16"));
+          adam ? "exp_avg_sq is missing; accepted: Adam's two moments, exp_avg and exp_avg_sq"
+               : "a second state was given; accepted: one state tensor (Adagrad's sum, Lion's "
+                 "exp_avg)"));
     }
-    CheckStepTensors(p, {{&g, "grad"}, {&m, "exp_avg"}, {&v, "exp_avg_sq"}});
+    TensorView v;
+    if (adam) {
+      v = HostTensor(state2, "exp_avg_sq");
+      if (m.dtype != v.dtype) {
+        Raise(absl::InvalidArgumentError(
+            "exp_avg and exp_avg_sq: their element types differ; accepted: both float32 or both "
+            "bfloat16"));
+      }
+      CheckStepTensors(p, {{&g, "grad"}, {&m, "exp_avg"}, {&v, "exp_avg_sq"}});
+    } else {
+      CheckStepTensors(p, {{&g, "grad"}, {&m, "state"}});
+    }
     optim_cpu::AdamChunk chunk;
     chunk.param = static_cast<float*>(p.data);
     chunk.grad = g.data;
@@ -210,11 +159,7 @@ class Adam {
     TensorView copy;
     if (!param_copy.is_none()) {
       copy = HostTensor(param_copy, "param_copy");
-      if (copy.elements != p.elements) {
-        Raise(absl::InvalidArgumentError(absl::StrCat("param_copy: ", copy.elements,
-                                                      " elements for a param of ", p.elements,
-                                                      "; accepted: as many as the param")));
-      }
+      CheckStepTensors(p, {{&copy, "param_copy"}});
       chunk.param_copy = copy.data;
       chunk.copy_dtype = copy.dtype;
     }
@@ -222,7 +167,7 @@ class Adam {
     absl::StatusOr<optim_cpu::StepResult> r;
     {
       py::gil_scoped_release unlocked;
-      r = adam_->Step(t, chunk, options);
+      r = optimizer_->Step(t, chunk, options);
     }
     return Take(std::move(r)).overflow;
   }
@@ -230,14 +175,45 @@ class Adam {
   bool HasNonFinite(py::handle grad) {
     const TensorView g = HostTensor(grad, "grad");
     py::gil_scoped_release unlocked;
-    return adam_->HasNonFinite(g.data, g.dtype, g.elements);
+    return optimizer_->HasNonFinite(g.data, g.dtype, g.elements);
   }
 
-  std::string Isa() const { return std::string(optim_cpu::IsaName(adam_->isa())); }
+  std::string Isa() const { return std::string(optim_cpu::IsaName(optimizer_->isa())); }
 
  private:
-  std::unique_ptr<optim_cpu::CpuAdam> adam_;
+  std::unique_ptr<optim_cpu::ChunkOptimizer> optimizer_;
 };
+
+Optimizer MakeAdam(float lr, float beta1, float beta2, float eps, float weight_decay, bool adamw,
+                   bool bias_correction, int threads, const std::string& isa) {
+  optim_cpu::OptimizerConfig c;
+  c.adam = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
+  c.adam.threads = threads;
+  c.adam.isa = isa;
+  return Optimizer(c);
+}
+
+Optimizer MakeAdagrad(float lr, float lr_decay, float weight_decay, float eps, int threads) {
+  optim_cpu::OptimizerConfig c;
+  c.kind = optim_cpu::OptimizerKind::kAdagrad;
+  c.adagrad.lr = lr;
+  c.adagrad.lr_decay = lr_decay;
+  c.adagrad.weight_decay = weight_decay;
+  c.adagrad.eps = eps;
+  c.adagrad.threads = threads;
+  return Optimizer(c);
+}
+
+Optimizer MakeLion(float lr, float beta1, float beta2, float weight_decay, int threads) {
+  optim_cpu::OptimizerConfig c;
+  c.kind = optim_cpu::OptimizerKind::kLion;
+  c.lion.lr = lr;
+  c.lion.beta1 = beta1;
+  c.lion.beta2 = beta2;
+  c.lion.weight_decay = weight_decay;
+  c.lion.threads = threads;
+  return Optimizer(c);
+}
 
 using tiering::ElementType;
 using tiering::Role;
@@ -659,32 +635,22 @@ PYBIND11_MODULE(_strata, m) {
   m.attr("Error") = py::handle(g_error);
   m.attr("InvalidArgumentError") = py::handle(g_invalid_argument);
 
-  py::class_<Adam>(m, "Adam", "optim_cpu::CpuAdam: Adam/AdamW in place on CPU tensors")
-      .def(py::init<float, float, float, float, float, bool, bool, int, const std::string&>(),
-           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-           py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"),
-           py::arg("threads") = 0, py::arg("isa") = "")
-      .def("step", &Adam::Step, py::arg("t"), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-           py::arg("exp_avg_sq"), py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
-           py::arg("check_overflow") = false, py::arg("param_copy") = py::none())
-      .def("has_non_finite", &Adam::HasNonFinite, py::arg("grad"))
-      .def_property_readonly("isa", &Adam::Isa);
-
-  using Adagrad = OneState<strata::optim_cpu::CpuAdagrad>;
-  py::class_<Adagrad>(m, "Adagrad", "optim_cpu::CpuAdagrad: Adagrad in place on CPU tensors")
-      .def(py::init(&MakeAdagrad), py::arg("lr"), py::arg("lr_decay"), py::arg("weight_decay"),
-           py::arg("eps"), py::arg("threads") = 0)
-      .def("step", &Adagrad::Step, py::arg("t"), py::arg("param"), py::arg("grad"),
-           py::arg("state"), py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f,
-           py::arg("check_overflow") = false)
-      .def_property_readonly("isa", &Adagrad::Isa);
-  using Lion = OneState<strata::optim_cpu::CpuLion>;
-  py::class_<Lion>(m, "Lion", "optim_cpu::CpuLion: Lion in place on CPU tensors")
-      .def(py::init(&MakeLion), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-           py::arg("weight_decay"), py::arg("threads") = 0)
-      .def("step", &Lion::Step, py::arg("t"), py::arg("param"), py::arg("grad"), py::arg("state"),
-           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
-      .def_property_readonly("isa", &Lion::Isa);
+  py::class_<Optimizer>(m, "Optimizer",
+                        "a CPU optimizer (Adam, Adagrad or Lion) stepping CPU tensors in place; "
+                        "made by Adam(), Adagrad() or Lion()")
+      .def("step", &Optimizer::Step, py::arg("t"), py::arg("param"), py::arg("grad"),
+           py::arg("state"), py::arg("state2") = py::none(), py::arg("lr") = -1.0f,
+           py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
+           py::arg("param_copy") = py::none())
+      .def("has_non_finite", &Optimizer::HasNonFinite, py::arg("grad"))
+      .def_property_readonly("isa", &Optimizer::Isa);
+  m.def("Adam", &MakeAdam, "optim_cpu::CpuAdam: Adam/AdamW (state: exp_avg, exp_avg_sq)",
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+        py::arg("adamw"), py::arg("bias_correction"), py::arg("threads") = 0, py::arg("isa") = "");
+  m.def("Adagrad", &MakeAdagrad, "optim_cpu::CpuAdagrad: Adagrad (state: sum)", py::arg("lr"),
+        py::arg("lr_decay"), py::arg("weight_decay"), py::arg("eps"), py::arg("threads") = 0);
+  m.def("Lion", &MakeLion, "optim_cpu::CpuLion: Lion (state: exp_avg)", py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("threads") = 0);
 
   py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
       .def(py::init<const std::string&, int, int, int, py::object, int>(), py::arg("config_json"),

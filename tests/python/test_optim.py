@@ -267,3 +267,16 @@ def test_adagrad_and_lion_refuse_bad_arguments_by_name():
         strata.optim.CpuLion(params, betas=(1.5, 0.99))
     with pytest.raises(ValueError, match="torch.float16; accepted: torch.float32"):
         strata.optim.CpuLion([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))])
+
+
+def test_a_kernel_is_given_exactly_its_optimizers_states():
+    adam = strata._strata.Adam(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                               adamw=True, bias_correction=True)
+    lion = strata._strata.Lion(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    p, g = torch.zeros(8), torch.ones(8)
+    with pytest.raises(strata.InvalidArgumentError, match="exp_avg_sq is missing"):
+        adam.step(1, p, g, torch.zeros(8))
+    with pytest.raises(strata.InvalidArgumentError, match="a second state was given"):
+        lion.step(1, p, g, torch.zeros(8), torch.zeros(8))
+    with pytest.raises(strata.InvalidArgumentError, match="state: 4 elements for a param of 8"):
+        lion.step(1, p, g, torch.zeros(4))
