@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <future>
+#include <thread>
 #include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "base/mutex.h"
 #include "base/status.h"
 
 namespace strata::swap {
@@ -106,6 +109,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
 }
 
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
+  Abort();
   if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
   for (auto& [id, part] : parts_) {
@@ -130,6 +134,10 @@ bool PipelinedOptimizerSwapper::on_nvme(tiering::PartitionId id) const {
 absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
                                                    absl::Span<const float> master,
                                                    float initial_state) {
+  if (txn_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: a step is being staged (Commit or Abort it first)");
+  }
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   if (master.size() != part->elements) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: partition ", id, " has ",
@@ -149,6 +157,10 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
 absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
                                                   absl::Span<float> exp_avg,
                                                   absl::Span<float> exp_avg_sq) {
+  if (txn_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: a step is being staged (Commit or Abort it first)");
+  }
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   const uint64_t n = part->elements;
   if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
@@ -181,21 +193,42 @@ absl::Status PipelinedOptimizerSwapper::ReserveCopyStaging(uint64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
-                                                           absl::Span<const StepInput> inputs,
-                                                           const optim_cpu::StepOptions& options) {
-  StepReport report;
-  const auto t0 = Clock::now();
-  const std::string unchanged = absl::StrCat("optimizer step ", t, ": nothing was changed");
-  // Every input is checked before anything is read, stepped or written.
-  struct Planned {
-    const StepInput* in;
-    const Part* part;
-    std::byte* staged_copy;  // NVMe-resident with a param_copy: where its copy is staged
+struct PipelinedOptimizerSwapper::Txn {
+  struct Item {
+    StepInput in;
+    int64_t t = 0;
+    optim_cpu::StepOptions options;
+    const Part* part = nullptr;
+    std::byte* staged_copy = nullptr;  // NVMe-resident with a param_copy: where it is staged
+    std::shared_ptr<const GradSource> source;  // for a null in.grad
   };
-  std::vector<Planned> nvme, host;
+  Mutex mu;
+  CondVar staged;  // an item was staged, or the transaction closed
+  // The NVMe-resident items (a deque: the worker holds references while more are staged).
+  std::deque<Item> nvme ABSL_GUARDED_BY(mu);
+  bool closed ABSL_GUARDED_BY(mu) = false;     // Commit or Abort: nothing more is staged
+  bool cancelled ABSL_GUARDED_BY(mu) = false;  // Abort: stop at the next item
+  // The caller's:
+  std::vector<Item> host;
   absl::flat_hash_set<tiering::PartitionId> seen;
-  uint64_t staging_bytes = 0;
+  uint64_t copy_used = 0;
+  Clock::time_point t0;
+  int64_t first_t = 0;
+  // The worker's until it is joined:
+  std::unique_ptr<tiering::NvmeStore::Batch> batch;
+  absl::Status failure;
+  bool overflow = false;
+  StepReport report;
+  std::thread worker;
+};
+
+absl::StatusOr<std::vector<const PipelinedOptimizerSwapper::Part*>>
+PipelinedOptimizerSwapper::ValidateInputs(int64_t t, absl::Span<const StepInput> inputs,
+                                          const optim_cpu::StepOptions& options, bool have_source,
+                                          absl::flat_hash_set<tiering::PartitionId>* seen) const {
+  std::vector<const Part*> out;
+  out.reserve(inputs.size());
+  absl::flat_hash_set<tiering::PartitionId> added;
   for (const StepInput& in : inputs) {
     const std::string context = absl::StrCat("optimizer step ", t, ": partition ", in.id);
     auto part = Find(in.id);
@@ -203,19 +236,19 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       return absl::InvalidArgumentError(
           absl::StrCat(context, ": not one of the swapper's partitions; nothing was changed"));
     }
-    if (!seen.insert(in.id).second) {
+    if (seen->contains(in.id) || !added.insert(in.id).second) {
       return absl::InvalidArgumentError(
           absl::StrCat(context,
                        ": listed twice (each partition at most once per step); nothing "
                        "was changed"));
     }
-    // What CpuAdam would refuse (null grad, a dtype it does not take, t < 1, ...), checked on
-    // stand-in state pointers.
+    // What the optimizer would refuse (null grad, a dtype it does not take, t < 1, ...), checked
+    // on stand-in state pointers (and a stand-in gradient for one that comes from the source).
     float stand_in = 0;
     optim_cpu::AdamChunk c;
     c.param = &stand_in;
     c.exp_avg = c.exp_avg_sq = &stand_in;
-    c.grad = in.grad;
+    c.grad = in.grad == nullptr && have_source ? &stand_in : in.grad;
     c.grad_dtype = in.grad_dtype;
     c.param_copy = in.param_copy;
     c.copy_dtype = in.copy_dtype;
@@ -223,67 +256,144 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     if (absl::Status s = optimizer_->Validate(t, c, options); !s.ok()) {
       return Annotate(s, absl::StrCat(context, ": nothing was changed"));
     }
-    if ((*part)->host_state != nullptr) {
-      host.push_back({&in, *part, nullptr});
-    } else {
-      nvme.push_back({&in, *part, nullptr});
-      if (in.param_copy != nullptr) staging_bytes += (*part)->elements * CopyBytes(in.copy_dtype);
-    }
+    out.push_back(*part);
   }
+  seen->insert(added.begin(), added.end());
+  return out;
+}
+
+absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
+                                                           absl::Span<const StepInput> inputs,
+                                                           const optim_cpu::StepOptions& options) {
+  const auto t0 = Clock::now();
+  // Every input is checked before anything is read, stepped or written.
+  absl::flat_hash_set<tiering::PartitionId> seen;
+  STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
+                          ValidateInputs(t, inputs, options, false, &seen));
   if (options.check_overflow) {
-    for (const StepInput& in : inputs) {
-      if (optimizer_->HasNonFinite(in.grad, in.grad_dtype, parts_.at(in.id).elements)) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (optimizer_->HasNonFinite(inputs[i].grad, inputs[i].grad_dtype, parts[i]->elements)) {
+        StepReport report;
         report.overflow = true;
         report.seconds = Since(t0);
         return report;
       }
     }
   }
-  if (absl::Status s = ReserveCopyStaging(staging_bytes); !s.ok()) {
-    return Annotate(s, absl::StrCat(unchanged,
-                                    " (staging the param copies of its NVMe-resident "
-                                    "partitions needs ",
-                                    staging_bytes, " bytes of host memory)"));
+  uint64_t staging_bytes = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr) {
+      staging_bytes += parts[i]->elements * CopyBytes(inputs[i].copy_dtype);
+    }
   }
-  uint64_t staged_at = 0;
-  for (Planned& p : nvme) {
-    if (p.in->param_copy == nullptr) continue;
-    p.staged_copy = copy_staging_ + staged_at;
-    staged_at += p.part->elements * CopyBytes(p.in->copy_dtype);
+  if (absl::Status s = Begin(staging_bytes); !s.ok()) {
+    return Annotate(s, absl::StrCat("optimizer step ", t, ": nothing was changed"));
   }
-
-  optim_cpu::StepOptions no_check = options;
-  no_check.check_overflow = false;
-  auto step_one = [&](const StepInput& in, uint64_t n, float* state,
-                      void* param_copy) -> absl::Status {
-    optim_cpu::AdamChunk c;
-    c.param = state;
-    c.exp_avg = state + n;
-    c.exp_avg_sq = state + 2 * n;
-    c.grad = in.grad;
-    c.grad_dtype = in.grad_dtype;
-    c.param_copy = param_copy;
-    c.copy_dtype = in.copy_dtype;
-    c.size = n;
-    const auto c0 = Clock::now();
-    absl::Status s = optimizer_->Step(t, c, no_check).status();
-    report.compute_seconds += Since(c0);
+  optim_cpu::StepOptions checked = options;
+  checked.check_overflow = false;
+  if (absl::Status s = Stage(t, inputs, checked); !s.ok()) {
+    Abort();
     return s;
-  };
+  }
+  absl::StatusOr<StepReport> r = Commit();
+  if (r.ok()) r->seconds = Since(t0);
+  return r;
+}
 
-  // NVMe-resident partitions: read k+1 | step k | write k-1, staged in one batch.
-  std::unique_ptr<tiering::NvmeStore::Batch> batch;
-  if (!nvme.empty()) batch = store_->NewBatch();
-  const size_t n_parts = nvme.size();
-  const size_t ring = buffers_.size();
+absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes) {
+  if (txn_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: a step is already being staged (Commit or Abort it first)");
+  }
+  if (absl::Status s = ReserveCopyStaging(copy_staging_bytes); !s.ok()) {
+    return Annotate(s, absl::StrCat("staging the param copies of the NVMe-resident partitions "
+                                    "needs ",
+                                    copy_staging_bytes, " bytes of host memory"));
+  }
+  txn_ = std::make_unique<Txn>();
+  txn_->t0 = Clock::now();
+  if (!buffers_.empty()) {
+    txn_->batch = store_->NewBatch();
+    txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepInput> inputs,
+                                              const optim_cpu::StepOptions& options,
+                                              GradSource source) {
+  if (txn_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: Stage before Begin");
+  }
+  Txn& x = *txn_;
+  absl::flat_hash_set<tiering::PartitionId> seen = x.seen;
+  STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
+                          ValidateInputs(t, inputs, options, source != nullptr, &seen));
+  uint64_t copies = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr) {
+      copies += parts[i]->elements * CopyBytes(inputs[i].copy_dtype);
+    }
+  }
+  if (copies > copy_staging_bytes_ - x.copy_used) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "optimizer step ", t, ": the staged param copies need ", x.copy_used + copies,
+        " bytes; Begin set aside ", copy_staging_bytes_, " (nothing of this call was staged)"));
+  }
+  if (x.seen.empty() && x.host.empty()) x.first_t = t;
+  x.seen = std::move(seen);
+  auto shared_source =
+      source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
+  std::vector<Txn::Item> nvme;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    Txn::Item item;
+    item.in = inputs[i];
+    item.t = t;
+    item.options = options;
+    item.part = parts[i];
+    if (item.in.grad == nullptr) item.source = shared_source;
+    if (parts[i]->host_state != nullptr) {
+      x.host.push_back(std::move(item));
+      continue;
+    }
+    if (item.in.param_copy != nullptr) {
+      item.staged_copy = copy_staging_ + x.copy_used;
+      x.copy_used += parts[i]->elements * CopyBytes(item.in.copy_dtype);
+    }
+    nvme.push_back(std::move(item));
+  }
+  if (!nvme.empty()) {
+    MutexLock lock(&x.mu);
+    for (Txn::Item& item : nvme) x.nvme.push_back(std::move(item));
+    x.staged.SignalAll();
+  }
+  return absl::OkStatus();
+}
+
+void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   using Result = std::pair<absl::Status, double>;  // status, seconds
-  std::vector<std::future<Result>> reads(n_parts);
-  std::vector<std::shared_future<Result>> writes(n_parts);
-  auto id_of = [&](size_t k) { return nvme[k].in->id; };
-  auto start_read = [&](size_t k) {
+  StepReport& report = x->report;
+  const size_t ring = buffers_.size();
+  std::vector<std::future<Result>> reads;
+  std::vector<std::shared_future<Result>> writes;
+  // The items seen so far (a deque's elements stay put; indexing it would race with Stage).
+  std::vector<const Txn::Item*> items;
+  // Item k (at most one past those seen): waits for it to be staged when `wait`; null when it is
+  // not there (or will not come).
+  auto item = [x, &items](size_t k, bool wait) -> const Txn::Item* {
+    if (k < items.size()) return items[k];
+    MutexLock lock(&x->mu);
+    while (wait && !x->closed && !x->cancelled && x->nvme.size() <= k) x->staged.Wait(&x->mu);
+    if (x->cancelled || x->nvme.size() <= k) return nullptr;
+    items.push_back(&x->nvme[k]);
+    return items.back();
+  };
+  auto started = [&](size_t k) { return k < reads.size() && reads[k].valid(); };
+  auto start_read = [&](size_t k, const Txn::Item& it) {
+    if (reads.size() <= k) reads.resize(k + 1);
     float* buf = buffers_[k % ring];
-    const tiering::PartitionId id = id_of(k);
-    const uint64_t n = nvme[k].part->elements;
+    const tiering::PartitionId id = it.in.id;
+    const uint64_t n = it.part->elements;
     auto work = [this, buf, id, n] {
       Emit(StepEvent::kReadStarted, id);
       const auto r0 = Clock::now();
@@ -298,16 +408,17 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
     }
   };
   auto await_write = [&](size_t k) -> const Result& {
-    Emit(StepEvent::kWriteAwaited, id_of(k));
+    Emit(StepEvent::kWriteAwaited, items[k]->in.id);
     return writes[k].get();
   };
-  auto start_write = [&](size_t k) {
+  auto start_write = [&](size_t k, const Txn::Item& it) {
+    if (writes.size() <= k) writes.resize(k + 1);
     float* buf = buffers_[k % ring];
-    const tiering::PartitionId id = id_of(k);
-    const uint64_t n = nvme[k].part->elements;
+    const tiering::PartitionId id = it.in.id;
+    const uint64_t n = it.part->elements;
     std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
     // Writes are staged one after another (a Batch is used by one thread at a time).
-    auto work = [this, buf, id, n, prev, b = batch.get()] {
+    auto work = [this, buf, id, n, prev, b = x->batch.get()] {
       if (prev.valid()) prev.wait();
       Emit(StepEvent::kWriteStarted, id);
       const auto w0 = Clock::now();
@@ -322,88 +433,202 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
       await_write(k);
     }
   };
-  absl::Status failure;
-  if (n_parts > 0) start_read(0);
-  for (size_t k = 0; k < n_parts && failure.ok(); ++k) {
-    // Read k+1 ahead (pipeline_read) into its buffer, which k+1-ring used last: that write must
-    // be done first.
-    auto start_next = [&] {
-      if (k + 1 >= n_parts) return;
-      if (k + 1 >= ring) {
-        if (const absl::Status& s = await_write(k + 1 - ring).first; !s.ok()) {
-          failure = s;
-          return;
-        }
+  // Starts the read of k into its buffer, which k-ring used last: that write must be done first.
+  auto read = [&](size_t k, const Txn::Item& it) -> bool {
+    if (k >= ring) {
+      if (const absl::Status& s = await_write(k - ring).first; !s.ok()) {
+        x->failure = s;
+        return false;
       }
-      start_read(k + 1);
-    };
-    if (config_.pipeline_read) start_next();
-    if (!failure.ok()) break;
-    Emit(StepEvent::kReadAwaited, id_of(k));
+    }
+    start_read(k, it);
+    return true;
+  };
+  size_t k = 0;
+  for (;; ++k) {
+    const Txn::Item* it = item(k, true);
+    if (it == nullptr) break;
+    if (!started(k) && !read(k, *it)) break;
+    // pipeline_read: k+1's read while k steps, when it is staged already.
+    if (config_.pipeline_read) {
+      if (const Txn::Item* next = item(k + 1, false); next != nullptr && !started(k + 1)) {
+        if (!read(k + 1, *next)) break;
+      }
+    }
+    Emit(StepEvent::kReadAwaited, it->in.id);
     auto [read_status, read_s] = reads[k].get();
     report.read_seconds += read_s;
     if (!read_status.ok()) {
-      failure = read_status;
+      x->failure = read_status;
       break;
     }
-    report.bytes_read += StateBytes(nvme[k].part->elements);
-    Emit(StepEvent::kStepStarted, id_of(k));
-    absl::Status stepped =
-        step_one(*nvme[k].in, nvme[k].part->elements, buffers_[k % ring], nvme[k].staged_copy);
-    Emit(StepEvent::kStepFinished, id_of(k));
+    report.bytes_read += StateBytes(it->part->elements);
+    const void* grad = it->in.grad;
+    if (grad == nullptr) {
+      absl::StatusOr<const void*> got = (*it->source)(it->in.id);
+      if (!got.ok() || *got == nullptr) {
+        x->failure = got.ok() ? absl::InternalError("the gradient source gave no address")
+                              : got.status();
+        x->failure = Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
+        break;
+      }
+      grad = *got;
+    }
+    if (it->options.check_overflow &&
+        optimizer_->HasNonFinite(grad, it->in.grad_dtype, it->part->elements)) {
+      x->overflow = true;
+      break;
+    }
+    Emit(StepEvent::kStepStarted, it->in.id);
+    optim_cpu::AdamChunk c;
+    float* state = buffers_[k % ring];
+    const uint64_t n = it->part->elements;
+    c.param = state;
+    c.exp_avg = state + n;
+    c.exp_avg_sq = state + 2 * n;
+    c.grad = grad;
+    c.grad_dtype = it->in.grad_dtype;
+    c.param_copy = it->staged_copy;
+    c.copy_dtype = it->in.copy_dtype;
+    c.size = n;
+    optim_cpu::StepOptions options = it->options;
+    options.check_overflow = false;
+    const auto c0 = Clock::now();
+    absl::Status stepped = optimizer_->Step(it->t, c, options).status();
+    report.compute_seconds += Since(c0);
+    Emit(StepEvent::kStepFinished, it->in.id);
     if (!stepped.ok()) {
-      failure = stepped;
+      x->failure = stepped;
       break;
     }
-    start_write(k);
-    if (!config_.pipeline_read) start_next();
+    start_write(k, *it);
   }
-  // Wait for everything in flight before deciding (no I/O may outlive this call).
-  for (size_t k = 0; k < n_parts; ++k) {
+  // Wait for everything in flight before deciding (no I/O may outlive the transaction).
+  for (size_t j = 0; j < std::max(reads.size(), writes.size()); ++j) {
     // A deferred read that was never needed is not run.
-    if (reads[k].valid() &&
-        reads[k].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
-      Emit(StepEvent::kReadAwaited, id_of(k));
-      reads[k].wait();
+    if (j < reads.size() && reads[j].valid() &&
+        reads[j].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
+      Emit(StepEvent::kReadAwaited, items[j]->in.id);
+      reads[j].wait();
     }
-    if (writes[k].valid()) {
-      const Result& w = await_write(k);
+    if (j < writes.size() && writes[j].valid()) {
+      const Result& w = await_write(j);
       report.write_seconds += w.second;
       if (w.first.ok()) {
-        report.bytes_written += StateBytes(nvme[k].part->elements);
-      } else if (failure.ok()) {
-        failure = w.first;
+        report.bytes_written += StateBytes(items[j]->part->elements);
+      } else if (x->failure.ok()) {
+        x->failure = w.first;
       }
     }
   }
-  if (!failure.ok()) {
-    if (batch) batch->Abort();
-    return Annotate(failure, absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)"));
+}
+
+void PipelinedOptimizerSwapper::Abort() {
+  if (txn_ == nullptr) return;
+  {
+    MutexLock lock(&txn_->mu);
+    txn_->closed = txn_->cancelled = true;
+    txn_->staged.SignalAll();
   }
-  if (batch) {
-    const auto c0 = Clock::now();
-    absl::Status committed = batch->Commit();
-    report.write_seconds += Since(c0);
+  if (txn_->worker.joinable()) txn_->worker.join();
+  if (txn_->batch) txn_->batch->Abort();
+  txn_.reset();
+}
+
+absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
+  if (txn_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: Commit before Begin");
+  }
+  const auto c0 = Clock::now();
+  {
+    MutexLock lock(&txn_->mu);
+    txn_->closed = true;
+    txn_->staged.SignalAll();
+  }
+  if (txn_->worker.joinable()) txn_->worker.join();
+  std::unique_ptr<Txn> x = std::move(txn_);
+  const int64_t t = x->first_t;
+  const std::string unchanged = absl::StrCat("optimizer step ", t, ": nothing was changed");
+  auto abort = [&] {
+    if (x->batch) x->batch->Abort();
+  };
+  StepReport& report = x->report;
+  auto finish = [&] {
+    report.commit_seconds = Since(c0);
+    report.seconds = Since(x->t0);
+    return report;
+  };
+  if (!x->failure.ok()) {
+    abort();
+    return Annotate(x->failure, absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)"));
+  }
+  // The host-resident partitions' gradients, before anything is committed.
+  std::vector<const void*> host_grads;
+  for (const Txn::Item& it : x->host) {
+    const void* grad = it.in.grad;
+    if (grad == nullptr) {
+      absl::StatusOr<const void*> got = (*it.source)(it.in.id);
+      if (!got.ok() || *got == nullptr) {
+        abort();
+        return Annotate(got.ok() ? absl::InternalError("the gradient source gave no address")
+                                 : got.status(),
+                        absl::StrCat(unchanged, " (the gradient of partition ", it.in.id, ")"));
+      }
+      grad = *got;
+    }
+    if (it.options.check_overflow &&
+        optimizer_->HasNonFinite(grad, it.in.grad_dtype, it.part->elements)) {
+      x->overflow = true;
+    }
+    host_grads.push_back(grad);
+  }
+  if (x->overflow) {
+    abort();
+    report = StepReport{};
+    report.overflow = true;
+    return finish();
+  }
+  if (x->batch) {
+    const auto w0 = Clock::now();
+    absl::Status committed = x->batch->Commit();
+    report.write_seconds += Since(w0);
     if (!committed.ok()) return Annotate(committed, unchanged);
   }
   // Committed: what the caller sees changes now, by steps that cannot fail. The staged param
-  // copies go out, then the host-resident partitions step (their inputs were validated above, so
-  // CpuAdam has nothing left to refuse: an error here is a bug, reported as such).
-  for (const Planned& p : nvme) {
-    if (p.staged_copy != nullptr) {
-      std::memcpy(p.in->param_copy, p.staged_copy, p.part->elements * CopyBytes(p.in->copy_dtype));
+  // copies go out, then the host-resident partitions step (their inputs were validated when they
+  // were staged, so the optimizer has nothing left to refuse: an error here is a bug, reported as
+  // such).
+  for (const Txn::Item& it : x->nvme) {
+    if (it.staged_copy != nullptr) {
+      std::memcpy(it.in.param_copy, it.staged_copy,
+                  it.part->elements * CopyBytes(it.in.copy_dtype));
     }
   }
-  for (const Planned& p : host) {
-    if (absl::Status s = step_one(*p.in, p.part->elements, p.part->host_state, p.in->param_copy);
-        !s.ok()) {
+  for (size_t i = 0; i < x->host.size(); ++i) {
+    const Txn::Item& it = x->host[i];
+    float* state = it.part->host_state;
+    const uint64_t n = it.part->elements;
+    optim_cpu::AdamChunk c;
+    c.param = state;
+    c.exp_avg = state + n;
+    c.exp_avg_sq = state + 2 * n;
+    c.grad = host_grads[i];
+    c.grad_dtype = it.in.grad_dtype;
+    c.param_copy = it.in.param_copy;
+    c.copy_dtype = it.in.copy_dtype;
+    c.size = n;
+    optim_cpu::StepOptions options = it.options;
+    options.check_overflow = false;
+    const auto s0 = Clock::now();
+    absl::Status s = optimizer_->Step(it.t, c, options).status();
+    report.compute_seconds += Since(s0);
+    if (!s.ok()) {
       return absl::InternalError(absl::StrCat(
-          "optimizer step ", t, ": the NVMe state was committed but host-resident partition ",
-          p.in->id, " failed after validation: ", s.message()));
+          "optimizer step ", it.t, ": the NVMe state was committed but host-resident partition ",
+          it.in.id, " failed after validation: ", s.message()));
     }
   }
-  report.seconds = Since(t0);
-  return report;
+  return finish();
 }
 
 }  // namespace strata::swap

@@ -29,8 +29,20 @@
 // kept for the next step) for the NVMe-resident partitions' param copies, 2 bytes (4 for fp32)
 // per element of those that ask for one.
 //
-// Thread safety: one Step (or Initialize/ReadState) at a time. The store, the optimizer and the
-// host memory resource are borrowed and must outlive the swapper.
+// The step in parts, for a trainer that steps partitions while backward still runs (the
+// speculative step of DeepSpeed's SuperOffload, kept exact by the caller: it aborts and steps
+// again when clipping or an overflow, known only after backward, changes the step): Begin opens
+// it; Stage hands partitions over as their gradients become final, each call with its own t and
+// options; a worker thread reads each one's NVMe state, steps it into the ring and writes it to
+// fresh extents, its param copy into staging, in the order staged and pipelined as above. Commit
+// waits for that work and then commits exactly as Step does; it reports an overflow (a staged
+// input with options.check_overflow whose gradient is not finite) or the first failure with
+// nothing changed. Abort drops it all, nothing changed. Host-resident partitions step at Commit,
+// in place, after the NVMe commit. Step is Begin, Stage of every input and Commit.
+//
+// Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
+// time), Initialize or ReadState at a time. The store, the optimizer and the host memory resource
+// are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 
@@ -41,6 +53,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "optim_cpu/adam.h"
@@ -93,7 +106,8 @@ struct StepInput {
 
 struct StepReport {
   bool overflow = false;       // a gradient was inf/nan; nothing changed
-  double seconds = 0;          // the whole step
+  double seconds = 0;          // the whole step (a transaction: Begin to the end of Commit)
+  double commit_seconds = 0;   // in Commit: what the caller waited for once it asked to commit
   double read_seconds = 0;     // summed time of the reads
   double write_seconds = 0;    // summed time of the writes, commit included
   double compute_seconds = 0;  // summed optimizer time
@@ -123,6 +137,23 @@ class PipelinedOptimizerSwapper {
   // One optimizer step t over `inputs` (each partition once, any order); see above.
   absl::StatusOr<StepReport> Step(int64_t t, absl::Span<const StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
+  // The step in parts (above). `copy_staging_bytes`: room for the staged param copies of the
+  // NVMe-resident partitions (2 bytes an element, 4 for fp32), allocated from `host` (kept for
+  // the next step). FailedPrecondition while one is open.
+  absl::Status Begin(uint64_t copy_staging_bytes);
+  // Where a staged input with a null `grad` gets its gradient: called on the worker thread just
+  // before the partition steps (its state's read already under way), or at Commit for a
+  // host-resident one, so the gradient may still be on its way to host memory when it is staged.
+  // It returns the gradient's address (valid until Commit or Abort returns) or why there is none.
+  using GradSource = std::function<absl::StatusOr<const void*>(tiering::PartitionId)>;
+  // Stages `inputs` for step t: all of them validated first (as Step's, and against the
+  // partitions staged already), none staged when one is refused (InvalidArgument; the
+  // transaction stays open). An input with a null `grad` needs `source`.
+  absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
+                     const optim_cpu::StepOptions& options = {}, GradSource source = nullptr);
+  absl::StatusOr<StepReport> Commit();
+  void Abort();
+  bool staging() const { return txn_ != nullptr; }
   // Copies a partition's state out (tests, checkpoints).
   absl::Status ReadState(tiering::PartitionId id, absl::Span<float> master,
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
@@ -137,8 +168,16 @@ class PipelinedOptimizerSwapper {
     uint64_t elements = 0;
     float* host_state = nullptr;  // host-resident: [master | m | v]; else null
   };
+  struct Txn;  // an open transaction (optimizer_swapper.cc)
   PipelinedOptimizerSwapper() = default;
   absl::StatusOr<const Part*> Find(tiering::PartitionId id) const;
+  // Each input as Step and Stage check it (`seen`: partitions staged already, added to); the
+  // inputs' partitions in order.
+  absl::StatusOr<std::vector<const Part*>> ValidateInputs(
+      int64_t t, absl::Span<const StepInput> inputs, const optim_cpu::StepOptions& options,
+      bool have_source, absl::flat_hash_set<tiering::PartitionId>* seen) const;
+  // The worker of a transaction: steps its NVMe-resident partitions as they are staged.
+  void RunStaged(Txn* x);
   tiering::PartitionId StoreKey(tiering::PartitionId id) const {
     return id | config_.store_key_bits;
   }
@@ -156,6 +195,7 @@ class PipelinedOptimizerSwapper {
   std::vector<float*> buffers_;
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
+  std::unique_ptr<Txn> txn_;
 };
 
 }  // namespace strata::swap

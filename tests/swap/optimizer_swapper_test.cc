@@ -764,3 +764,170 @@ TEST(SwapperTest, AdagradAndLionStepTheirStateAsTheyDoInMemory) {
 
 }  // namespace
 }  // namespace strata::swap
+
+namespace strata::swap {
+namespace {
+
+// The step in parts: partitions staged a few at a time (their gradients from the caller or from a
+// source, as a trainer stages them during backward), each call with its own t and learning rate,
+// give the bits of the same partitions stepped in memory; and nothing the caller can see changes
+// before Commit (the param copies included). Over host- (10, 11, 14) and NVMe-resident partitions.
+TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNothingBeforeCommit) {
+  for (OptimizerSwapperConfig config :
+       {OptimizerSwapperConfig{true, true, 220000}, OptimizerSwapperConfig{false, false, 220000},
+        OptimizerSwapperConfig{true, true, 0}}) {
+    SCOPED_TRACE(absl::StrCat(config.pipeline_read, " ", config.max_in_cpu_bytes));
+    Fixture f(config);
+    std::vector<tiering::PartitionId> sourced;  // the source's calls, on whichever thread
+    Mutex mu;
+    for (int64_t t = 1; t <= 3; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      const std::vector<StepInput> in = f.Inputs();
+      const auto copies_before = f.copies;
+      ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20)).ok());
+      EXPECT_TRUE(f.swapper->staging());
+      // First half with their gradients, the rest through a source (null grads), at another lr.
+      const size_t half = in.size() / 2;
+      ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half)).ok());
+      std::vector<StepInput> rest(in.begin() + half, in.end());
+      for (StepInput& s : rest) s.grad = nullptr;
+      auto source = [&f, &mu, &sourced](tiering::PartitionId id) -> absl::StatusOr<const void*> {
+        MutexLock lock(&mu);
+        sourced.push_back(id);
+        for (size_t i = 0; i < f.parts.size(); ++i) {
+          if (f.parts[i].first == id) return static_cast<const void*>(f.grads[i].data());
+        }
+        return absl::NotFoundError("no such partition");
+      };
+      ASSERT_TRUE(f.swapper->Stage(t, rest, {.lr = 5e-4f}, source).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the worker gets ahead
+      EXPECT_EQ(f.copies, copies_before) << "a param copy changed before the commit";
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_FALSE(f.swapper->staging());
+      EXPECT_FALSE(r->overflow);
+      // The reference: the first half at the config's lr, the rest at 5e-4.
+      for (size_t i = 0; i < f.parts.size(); ++i) {
+        optim_cpu::AdamChunk c;
+        c.param = f.ref.p[i].data();
+        c.grad = f.grads[i].data();
+        c.exp_avg = f.ref.m[i].data();
+        c.exp_avg_sq = f.ref.v[i].data();
+        c.param_copy = f.ref.copy[i].data();
+        c.size = f.parts[i].second;
+        optim_cpu::StepOptions o;
+        if (i >= half) o.lr = 5e-4f;
+        ASSERT_TRUE(f.adam->Step(t, c, o).ok());
+      }
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+    MutexLock lock(&mu);
+    EXPECT_EQ(sourced.size(), 3 * (f.parts.size() - f.parts.size() / 2));
+  }
+}
+
+// Abort, and a Commit that finds an overflow or a source's failure, change nothing; the swapper
+// then steps as if they had never been.
+TEST(SwapperTransactionTest, AbortOverflowAndAFailingSourceChangeNothing) {
+  for (int how = 0; how < 3; ++how) {
+    SCOPED_TRACE(how);
+    Fixture f({true, true, 220000});
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    const auto copies_before = f.copies;
+    const uint64_t generation = f.store->generation();
+    f.NewGrads(2);
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());
+    std::vector<StepInput> in = f.Inputs();
+    if (how == 0) {
+      ASSERT_TRUE(f.swapper->Stage(2, in).ok());
+      f.swapper->Abort();
+    } else if (how == 1) {
+      f.grads[4][2] = std::numeric_limits<float>::quiet_NaN();  // partition 14: host-resident
+      ASSERT_TRUE(f.swapper->Stage(2, in, {.check_overflow = true}).ok());
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->overflow);
+      f.NewGrads(2);
+    } else {
+      in[3].grad = nullptr;  // partition 13, NVMe-resident
+      ASSERT_TRUE(f.swapper
+                      ->Stage(2, in, {},
+                              [](tiering::PartitionId) -> absl::StatusOr<const void*> {
+                                return absl::DataLossError("the gradient's copy failed");
+                              })
+                      .ok());
+      auto r = f.swapper->Commit();
+      ASSERT_FALSE(r.ok());
+      EXPECT_THAT(r.status().message(), HasSubstr("the gradient's copy failed"));
+      EXPECT_THAT(r.status().message(), HasSubstr("nothing was changed"));
+    }
+    EXPECT_FALSE(f.swapper->staging());
+    EXPECT_EQ(f.store->generation(), generation);
+    f.ExpectMatchesReference();
+    EXPECT_EQ(f.copies, copies_before);
+    auto retried = f.swapper->Step(2, f.Inputs());
+    ASSERT_TRUE(retried.ok()) << retried.status();
+    f.StepReference(2);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// An overflow in an NVMe-resident partition staged last, after the others have been stepped and
+// written to fresh extents: Commit drops them.
+TEST(SwapperTransactionTest, AnOverflowFoundLateDropsWhatWasStaged) {
+  Fixture f({true, true, 0});
+  f.NewGrads(1);
+  const uint64_t generation = f.store->generation();
+  const auto copies_before = f.copies;
+  ASSERT_TRUE(f.swapper->Begin(8 << 20).ok());
+  std::vector<StepInput> in = f.Inputs();
+  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 4), {.check_overflow = true})
+                  .ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  f.grads[4][0] = -std::numeric_limits<float>::infinity();
+  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(4), {.check_overflow = true})
+                  .ok());
+  auto r = f.swapper->Commit();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->overflow);
+  EXPECT_EQ(f.store->generation(), generation);
+  f.ExpectMatchesReference();
+  EXPECT_EQ(f.copies, copies_before);
+}
+
+TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
+  Fixture f({true, true, 220000});
+  f.NewGrads(1);
+  std::vector<StepInput> in = f.Inputs();
+  EXPECT_EQ(f.swapper->Stage(1, in).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(f.swapper->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  f.swapper->Abort();  // nothing open: a no-op
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  EXPECT_EQ(f.swapper->Begin(0).code(), absl::StatusCode::kFailedPrecondition);
+  // No room was set aside for the NVMe-resident partitions' param copies.
+  absl::Status s = f.swapper->Stage(1, in);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("param copies"));
+  // Staged twice, across calls; a null gradient without a source.
+  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 1)).ok());
+  s = f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("listed twice"));
+  StepInput no_grad = in[1];
+  no_grad.grad = nullptr;
+  EXPECT_EQ(f.swapper->Stage(1, {no_grad}).code(), absl::StatusCode::kInvalidArgument);
+  // The state cannot be read or set while a step is staged.
+  std::vector<float> x(f.parts[0].second);
+  EXPECT_EQ(f.swapper->Initialize(f.parts[0].first, x).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(f.swapper->Step(1, in).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto r = f.swapper->Commit();  // what was staged (partition 10) commits
+  ASSERT_TRUE(r.ok()) << r.status();
+}
+
+}  // namespace
+}  // namespace strata::swap
