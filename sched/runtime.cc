@@ -247,6 +247,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 }
 
 Runtime::~Runtime() {
+  AbortOptimizerStep();  // its thread may be acquiring gradients
   if (pool_ != nullptr) pool_->Stop();  // the jobs still queued are cancelled (none: Create failed)
   if (store_ != nullptr) {
     {
@@ -741,24 +742,28 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   return result;
 }
 
-absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
+absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, bool traced) {
   auto it = parts_.find(id);
   if (it == parts_.end()) {
     return absl::NotFoundError(absl::StrCat("acquire partition ", id, ": not registered"));
   }
   PartState& st = it->second;  // node_hash_map: stable while the lock is released
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
-  const bool had_divergence = scheduler_->divergence().has_value();
-  scheduler_->OnAcquire(r.desc, tier, Now());
-  if (!had_divergence && scheduler_->divergence()) {
-    WarnLocked(absl::StrCat("step ", stats_.steps + 1,
-                            ": the access order differs from the recorded trace (",
-                            *scheduler_->divergence(),
-                            "); the rest of the step is fetched on demand with LRU eviction and "
-                            "recorded anew"));
+  if (traced) {
+    const bool had_divergence = scheduler_->divergence().has_value();
+    scheduler_->OnAcquire(r.desc, tier, Now());
+    if (!had_divergence && scheduler_->divergence()) {
+      WarnLocked(absl::StrCat("step ", stats_.steps + 1,
+                              ": the access order differs from the recorded trace (",
+                              *scheduler_->divergence(),
+                              "); the rest of the step is fetched on demand with LRU eviction "
+                              "and recorded anew"));
+    }
   }
-  ++stats_.acquires;
-  ++step_.r.acquires;
+  StepReport untraced;  // the counters an untraced access updates (dropped)
+  StepReport& report = traced ? step_.r : untraced;
+  if (traced) ++stats_.acquires;
+  ++report.acquires;
   const bool hit = r.current[I(tier)];
   const bool late = !hit && (prefetching_.contains(std::make_pair(id, tier)) ||
                              (r.move && st.moving == Purpose::kPrefetch));
@@ -770,32 +775,37 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier) {
   absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits, &filled);
   // Counted once each: acquires = hits + zero fills + late prefetches + misses.
   if (hit) {
-    ++stats_.acquire_hits;
-    ++step_.r.hits;
-    if (st.prefetched[I(tier)]) ++step_.r.prefetch_hits;
+    if (traced) ++stats_.acquire_hits;
+    ++report.hits;
+    if (st.prefetched[I(tier)]) ++report.prefetch_hits;
   } else if (filled) {
-    ++step_.r.zero_fills;
+    ++report.zero_fills;
   } else if (late) {
-    ++step_.r.late_prefetches;  // a prefetch was bringing it (or was queued to): joined
+    ++report.late_prefetches;  // a prefetch was bringing it (or was queued to): joined
   } else {
-    ++step_.r.misses;
+    ++report.misses;
   }
   if (brought.ok()) brought = table_->Pin(id, tier);
   --st.busy;
   if (discards_waiting_ > 0) moved_.SignalAll();  // for a thread that no longer brings it in
-  st.prefetched[I(tier)] = false;
+  if (traced) st.prefetched[I(tier)] = false;
   if (brought.ok()) st.last_use[I(tier)] = ++tick_;
   const double waited_s = Since(t0);
-  stats_.acquire_wait_seconds += waited_s;
-  step_.r.wait_seconds += waited_s;
-  for (int c = 0; c < kWaitCauseCount; ++c) step_.r.wait_by_cause[c] += waits.s[c];
-  if (!hit && !filled) scheduler_->OnLateOrMiss();
+  if (traced) stats_.acquire_wait_seconds += waited_s;
+  report.wait_seconds += waited_s;
+  for (int c = 0; c < kWaitCauseCount; ++c) report.wait_by_cause[c] += waits.s[c];
+  if (traced && !hit && !filled) scheduler_->OnLateOrMiss();
   PlanPrefetchesLocked();
   STRATA_RETURN_IF_ERROR(brought);
   return mover_->Address(id, tier);
 }
 
 absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream) {
+  return ReleaseImpl(id, tier, dirty, stream, /*traced=*/true);
+}
+
+absl::Status Runtime::ReleaseImpl(PartitionId id, Tier tier, bool dirty,
+                                  tiering::StreamHandle stream, bool traced) {
   MutexLock lock(&mu_);
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   if (r.pins[I(tier)] == 0) return table_->Unpin(id, tier);  // names what is wrong
@@ -809,7 +819,7 @@ absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty, tiering::St
     }
     mover_->AddFence(id, *std::move(fence));
   }
-  scheduler_->OnRelease(r.desc, tier, dirty, Now());
+  if (traced) scheduler_->OnRelease(r.desc, tier, dirty, Now());
   if (dirty) {
     // Still pinned: a move reading this copy (a prefetch into the other tier) ends first, and the
     // copy it made goes stale below.
@@ -1215,6 +1225,66 @@ absl::StatusOr<swap::StepReport> Runtime::OptimizerStep(int64_t t,
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
   return optimizer_->Step(t, inputs, options);
+}
+
+absl::Status Runtime::BeginOptimizerStep() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  return optimizer_->Begin(copy_staging_room_);
+}
+
+absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
+                                         const optim_cpu::StepOptions& options) {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  auto source = [this](PartitionId id) -> absl::StatusOr<const void*> {
+    absl::StatusOr<std::byte*> p;
+    {
+      MutexLock lock(&mu_);
+      p = AcquireLocked(id, Tier::kHost, /*traced=*/false);
+    }
+    TellWarnings();
+    if (!p.ok()) return p.status();
+    MutexLock lock(&staged_mu_);
+    staged_gradients_.push_back(id);
+    return static_cast<const void*>(*p);
+  };
+  return optimizer_->Stage(t, inputs, options, source);
+}
+
+void Runtime::ReleaseStagedGradients() {
+  std::vector<PartitionId> ids;
+  {
+    MutexLock lock(&staged_mu_);
+    ids.swap(staged_gradients_);
+  }
+  for (PartitionId id : ids) {
+    // Pinned by the optimizer's thread and never written: this cannot fail but by a bug.
+    if (absl::Status s = ReleaseImpl(id, Tier::kHost, false, nullptr, /*traced=*/false); !s.ok()) {
+      Warn(absl::StrCat("optimizer step: releasing gradient ", id, ": ", s.message()));
+    }
+  }
+}
+
+absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  absl::StatusOr<swap::StepReport> r = optimizer_->Commit();
+  ReleaseStagedGradients();
+  return r;
+}
+
+void Runtime::AbortOptimizerStep() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) return;
+  optimizer_->Abort();
+  ReleaseStagedGradients();
 }
 
 RuntimeStats Runtime::stats() const {

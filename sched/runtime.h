@@ -282,6 +282,20 @@ class Runtime {
   // order), the rest after them in the order given.
   absl::StatusOr<swap::StepReport> OptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                                  const optim_cpu::StepOptions& options = {});
+  // The step in parts (swap/optimizer_swapper.h's transaction), for a trainer that steps each
+  // partition as backward makes its gradient final and commits after backward (or aborts and
+  // steps again when clipping or an overflow changes the step): Begin, then Stage as gradients
+  // become final (each call with its own t and options), then Commit or Abort. A staged input with
+  // a null `grad` is the gradient partition `id` (the optimizer partition's id, by the convention
+  // above): the optimizer's thread acquires it in the host tier, out of the trace (waiting there,
+  // not in the trainer, for GradientReady's move down), and holds it until Commit or Abort
+  // returns. Commit changes everything or nothing, as OptimizerStep; the destructor aborts a
+  // step left open.
+  absl::Status BeginOptimizerStep();
+  absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
+                                  const optim_cpu::StepOptions& options = {});
+  absl::StatusOr<swap::StepReport> CommitOptimizerStep();
+  void AbortOptimizerStep();
   absl::Status ReadOptimizerState(PartitionId id, absl::Span<float> master,
                                   absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
 
@@ -325,8 +339,14 @@ class Runtime {
   // `filled` (when given) is set when this call made zeros for a discarded partition.
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits,
                            bool* filled = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier)
+  // `traced`: an access of the trainer's, seen by the scheduler and counted in the step's report;
+  // else the optimizer thread's (StageOptimizerStep), which neither sees.
+  absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReleaseImpl(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream,
+                           bool traced);
+  // Releases the gradients the optimizer's thread acquired for a staged step.
+  void ReleaseStagedGradients() ABSL_EXCLUSIVE_LOCKS_REQUIRED(optimizer_mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
   // made: the caller looks again.
@@ -380,6 +400,11 @@ class Runtime {
   std::unique_ptr<optim_cpu::ChunkOptimizer> chunk_optimizer_ ABSL_GUARDED_BY(optimizer_mu_);
   std::unique_ptr<swap::PipelinedOptimizerSwapper> optimizer_ ABSL_GUARDED_BY(optimizer_mu_);
   std::array<uint64_t, tiering::kTierCount> optimizer_set_aside_ ABSL_GUARDED_BY(optimizer_mu_){};
+  // The host room set aside for the staged param copies (what a staged step's Begin asks for).
+  uint64_t copy_staging_room_ ABSL_GUARDED_BY(optimizer_mu_) = 0;
+  // Gradient partitions the optimizer's thread pinned in the host tier for the staged step.
+  Mutex staged_mu_;
+  std::vector<PartitionId> staged_gradients_ ABSL_GUARDED_BY(staged_mu_);
 
   mutable Mutex mu_;
   // Signalled when a move ends, when a Discard frees copies, and when a thread stops bringing a

@@ -290,6 +290,97 @@ TEST(RuntimeOptimizerTest, EachPartitionStepsAsItsGradientArrivesWhileBackwardGo
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
+// The step in parts as a trainer drives it during backward: each gradient written on the device,
+// released, sent down (GradientReady) and staged with no address, so the optimizer's thread takes
+// it from its partition in the host tier. Three steps equal CpuAdam in memory bit for bit; the
+// optimizer's acquires stay out of the trace (the scheduler plans from step 2 without diverging,
+// and the trainer's report counts only its own accesses); nothing stays pinned after Commit; an
+// Abort changes nothing.
+TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfTheTrace) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.device_budget_bytes = 8 * kSlot;
+  config.host_budget_bytes += 4 * kSlot;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+    ASSERT_TRUE((*rt)
+                    ->Register(Desc(kParts[i].first, kParts[i].second * 4, tiering::Role::kGrad),
+                               Tier::kHost)
+                    .ok());
+  }
+  for (int64_t t = 1; t <= 4; ++t) {
+    const auto grads = Grads(t);
+    ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+    for (size_t k = kParts.size(); k-- > 0;) {  // backward: last layer first
+      const PartitionId id = kParts[k].first;
+      auto p = (*rt)->Acquire(id, Tier::kDevice);
+      ASSERT_TRUE(p.ok()) << p.status();
+      std::memcpy(*p, grads[k].data(), kParts[k].second * 4);
+      ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, true).ok());
+      (*rt)->GradientReady(id);
+      ASSERT_TRUE((*rt)->StageOptimizerStep(t, {swap::StepInput{.id = id}}).ok());
+    }
+    if (t == 3) {  // dropped: step 3 is done again below
+      (*rt)->AbortOptimizerStep();
+      ExpectState(**rt, ref);
+      ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+      ASSERT_TRUE((*rt)->StageOptimizerStep(t, Inputs(grads)).ok());
+    }
+    auto r = (*rt)->CommitOptimizerStep();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ref.Step(t, grads);
+    ExpectState(**rt, ref);
+    for (const auto& [id, n] : kParts) {
+      auto res = (*rt)->residency().Get(id);
+      ASSERT_TRUE(res.ok());
+      EXPECT_EQ(res->pins[1], 0) << "gradient " << id << " left pinned in the host tier";
+      ASSERT_TRUE((*rt)->Discard(id).ok());
+    }
+    const StepReport report = (*rt)->EndStep();
+    EXPECT_EQ(report.acquires, kParts.size()) << "the optimizer's acquires were counted";
+    if (t >= 2) EXPECT_EQ(report.mode, "planned") << t;
+  }
+  for (const std::string& w : (*rt)->warnings()) {
+    EXPECT_THAT(w, ::testing::Not(HasSubstr("differs from the recorded trace")));
+  }
+  ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+// Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient
+// partition that is not registered (the step fails at Commit naming it, nothing changed).
+TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  EXPECT_EQ((*rt)->BeginOptimizerStep().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+  }
+  EXPECT_EQ((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = 11}}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*rt)->CommitOptimizerStep().status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  EXPECT_EQ((*rt)->BeginOptimizerStep().code(), absl::StatusCode::kFailedPrecondition);
+  const auto grads = Grads(1);
+  EXPECT_EQ((*rt)->OptimizerStep(1, Inputs(grads)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = 12}}).ok());  // no partition 12
+  auto r = (*rt)->CommitOptimizerStep();
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("partition 12"));
+  EXPECT_THAT(r.status().message(), HasSubstr("nothing was changed"));
+  ExpectState(**rt, ref);
+  // Left open: the destructor aborts it.
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  ASSERT_TRUE((*rt)->StageOptimizerStep(1, Inputs(grads)).ok());
+}
+
 TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
   ScratchDir dir;
   RuntimeConfig none = OptimizerConfig(dir.File("swap"), OffloadDevice::kNone);
