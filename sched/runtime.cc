@@ -727,7 +727,7 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
   }
 }
 
-absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
+absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier, Access access) {
   if (!IsMemory(tier)) {
     return absl::InvalidArgumentError(absl::StrCat("acquire partition ", id,
                                                    ": the device or host tier (nvme is not "
@@ -736,7 +736,7 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier) {
   absl::StatusOr<std::byte*> result;
   {
     MutexLock lock(&mu_);
-    result = AcquireLocked(id, tier);
+    result = AcquireLocked(id, tier, access == Access::kTraced);
   }
   TellWarnings();
   return result;
@@ -800,12 +800,9 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, boo
   return mover_->Address(id, tier);
 }
 
-absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream) {
-  return ReleaseImpl(id, tier, dirty, stream, /*traced=*/true);
-}
-
-absl::Status Runtime::ReleaseImpl(PartitionId id, Tier tier, bool dirty,
-                                  tiering::StreamHandle stream, bool traced) {
+absl::Status Runtime::Release(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream,
+                              Access access) {
+  const bool traced = access == Access::kTraced;
   MutexLock lock(&mu_);
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   if (r.pins[I(tier)] == 0) return table_->Unpin(id, tier);  // names what is wrong
@@ -1182,6 +1179,7 @@ absl::Status Runtime::CreateOptimizer(
   chunk_optimizer_ = *std::move(created);
   optimizer_ = *std::move(swapper);
   optimizer_set_aside_ = need;
+  copy_staging_room_ = on_nvme ? copy_elements * copy_bytes : 0;
   return absl::OkStatus();
 }
 
@@ -1241,13 +1239,40 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
-  auto source = [this](PartitionId id) -> absl::StatusOr<const void*> {
-    absl::StatusOr<std::byte*> p;
+  if (!optimizer_->staging()) {
+    return absl::FailedPreconditionError("optimizer step: Stage before Begin");
+  }
+  // A gradient to be taken from its partition: its dtype is the partition's, its size the
+  // optimizer partition's (checked here, before anything is staged).
+  for (swap::StepInput& in : inputs) {
+    if (in.grad != nullptr) continue;
+    absl::StatusOr<Residency> r;
     {
       MutexLock lock(&mu_);
-      p = AcquireLocked(id, Tier::kHost, /*traced=*/false);
+      r = table_->Get(in.id);
     }
-    TellWarnings();
+    const std::string what = absl::StrCat("optimizer step ", t, ": the gradient partition ", in.id);
+    if (!r.ok()) {
+      return absl::NotFoundError(absl::StrCat(what, " is not registered (an input with no "
+                                                    "gradient address steps from it)"));
+    }
+    const tiering::PartitionDesc& d = r->desc;
+    absl::StatusOr<uint64_t> elements = optimizer_->elements(in.id);
+    if (d.dtype == tiering::ElementType::kOther || !elements.ok() || d.elements != *elements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " holds ", d.elements, " elements of dtype ", static_cast<int>(d.dtype),
+          "; accepted: float32, bfloat16 or float16, as many elements as the optimizer's "
+          "partition (",
+          elements.ok() ? absl::StrCat(*elements) : "none", ")"));
+    }
+    static_assert(static_cast<int>(tiering::ElementType::kBF16) ==
+                      static_cast<int>(optim_cpu::DType::kBF16) &&
+                  static_cast<int>(tiering::ElementType::kF16) ==
+                      static_cast<int>(optim_cpu::DType::kF16));
+    in.grad_dtype = static_cast<optim_cpu::DType>(d.dtype);
+  }
+  auto source = [this](PartitionId id) -> absl::StatusOr<const void*> {
+    absl::StatusOr<std::byte*> p = Acquire(id, Tier::kHost, Access::kOutOfTrace);
     if (!p.ok()) return p.status();
     MutexLock lock(&staged_mu_);
     staged_gradients_.push_back(id);
@@ -1264,7 +1289,7 @@ void Runtime::ReleaseStagedGradients() {
   }
   for (PartitionId id : ids) {
     // Pinned by the optimizer's thread and never written: this cannot fail but by a bug.
-    if (absl::Status s = ReleaseImpl(id, Tier::kHost, false, nullptr, /*traced=*/false); !s.ok()) {
+    if (absl::Status s = Release(id, Tier::kHost, false, nullptr, Access::kOutOfTrace); !s.ok()) {
       Warn(absl::StrCat("optimizer step: releasing gradient ", id, ": ", s.message()));
     }
   }

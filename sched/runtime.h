@@ -181,6 +181,9 @@ struct RuntimeStats {
   swap::TierMatrix bytes_moved{};  // [from][to]
 };
 
+// Whether an access is part of the step's trace (Runtime::Acquire).
+enum class Access : uint8_t { kTraced, kOutOfTrace };
+
 class Runtime {
  public:
   static absl::StatusOr<std::unique_ptr<Runtime>> Create(const RuntimeConfig& config,
@@ -211,7 +214,11 @@ class Runtime {
   // Brings a current copy into `tier` (device or host), pins it, returns its address. It returns
   // once the bytes are in place (the copy engine's completion observed on the host), so kernels
   // the trainer queues afterwards, on any stream, read them without synchronizing the device.
-  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier);
+  // Access::kOutOfTrace: an access the scheduler does not see (not recorded, not compared with
+  // the plan, not counted in the step's report), for accesses whose order may vary from step to
+  // step (the optimizer step's, which depend on clipping or a retried step); release it the same
+  // way.
+  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier, Access access = Access::kTraced);
   // Unpins; `dirty`: the caller changed the bytes in `tier` (its other copies go stale and their
   // memory is freed). `stream` (device tier, CUDA: the cudaStream_t where the trainer queued the
   // kernels that use the copy; null when they are done): the copy is not read, overwritten or
@@ -221,7 +228,7 @@ class Runtime {
   // while another holder pins the other memory tier's copy is refused (FailedPrecondition) and
   // keeps the pin, so the change is not lost: release that holder's pin, then this one again.
   absl::Status Release(PartitionId id, Tier tier, bool dirty,
-                       tiering::StreamHandle stream = nullptr);
+                       tiering::StreamHandle stream = nullptr, Access access = Access::kTraced);
   // Drops the copy in `tier` (memory tiers), writing it back first when it is the only current
   // copy: a device copy to host, or straight to NVMe when parameters are offloaded to NVMe
   // (offload_param.device "nvme") or the host tier has no room; a host copy to NVMe. A clean
@@ -343,8 +350,6 @@ class Runtime {
   // else the optimizer thread's (StageOptimizerStep), which neither sees.
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ReleaseImpl(PartitionId id, Tier tier, bool dirty, tiering::StreamHandle stream,
-                           bool traced);
   // Releases the gradients the optimizer's thread acquired for a staged step.
   void ReleaseStagedGradients() ABSL_EXCLUSIVE_LOCKS_REQUIRED(optimizer_mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.

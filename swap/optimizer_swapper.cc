@@ -126,6 +126,11 @@ absl::StatusOr<const PipelinedOptimizerSwapper::Part*> PipelinedOptimizerSwapper
   return &it->second;
 }
 
+absl::StatusOr<uint64_t> PipelinedOptimizerSwapper::elements(tiering::PartitionId id) const {
+  STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
+  return part->elements;
+}
+
 bool PipelinedOptimizerSwapper::on_nvme(tiering::PartitionId id) const {
   auto it = parts_.find(id);
   return it != parts_.end() && it->second.host_state == nullptr;

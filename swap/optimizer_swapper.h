@@ -159,6 +159,8 @@ class PipelinedOptimizerSwapper {
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
 
   bool on_nvme(tiering::PartitionId id) const;
+  // A partition's elements (NotFound: not one of the swapper's).
+  absl::StatusOr<uint64_t> elements(tiering::PartitionId id) const;
   size_t buffer_count() const { return buffers_.size(); }
   // Bytes of host memory held for staging param copies (see above).
   uint64_t copy_staging_bytes() const { return copy_staging_bytes_; }

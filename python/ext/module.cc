@@ -251,6 +251,50 @@ py::object JsonToPython(const std::string& json) {
 }
 
 // sched::Runtime over tensors.
+// (id, grad, param_copy or None) triples as StepInputs; the tensors' views go into `keep`, which
+// must outlive the inputs' use. `grad_optional`: a None grad is left null (a staged step's
+// gradient partition).
+std::vector<swap::StepInput> StepInputs(const py::list& inputs, bool grad_optional,
+                                        std::vector<TensorView>* keep) {
+  std::vector<swap::StepInput> in;
+  in.reserve(inputs.size());
+  keep->reserve(2 * inputs.size());
+  for (const py::handle item : inputs) {
+    const auto triple = item.cast<py::tuple>();
+    if (triple.size() != 3) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(
+          "each input is (id, grad", grad_optional ? " or None" : "", ", param_copy or None)")));
+    }
+    swap::StepInput s;
+    s.id = triple[0].cast<uint64_t>();
+    if (!(grad_optional && triple[1].is_none())) {
+      keep->push_back(HostTensor(triple[1], absl::StrCat("grad of ", s.id)));
+      s.grad = keep->back().data;
+      s.grad_dtype = keep->back().dtype;
+    }
+    if (!triple[2].is_none()) {
+      keep->push_back(HostTensor(triple[2], absl::StrCat("param_copy of ", s.id)));
+      s.param_copy = keep->back().data;
+      s.copy_dtype = keep->back().dtype;
+    }
+    in.push_back(s);
+  }
+  return in;
+}
+
+py::dict ReportDict(const swap::StepReport& report) {
+  py::dict d;
+  d["overflow"] = report.overflow;
+  d["seconds"] = report.seconds;
+  d["commit_seconds"] = report.commit_seconds;
+  d["read_seconds"] = report.read_seconds;
+  d["write_seconds"] = report.write_seconds;
+  d["compute_seconds"] = report.compute_seconds;
+  d["bytes_read"] = report.bytes_read;
+  d["bytes_written"] = report.bytes_written;
+  return d;
+}
+
 class PyRuntime {
  public:
   // `inject_write_error` (a test seam, 0 by default): every write the aio engine makes fails with
@@ -341,12 +385,12 @@ class PyRuntime {
   }
 
   // The partition's copy in `tier`, pinned, as a DLPack capsule of its elements.
-  py::capsule Acquire(uint64_t id, const std::string& tier) {
+  py::capsule Acquire(uint64_t id, const std::string& tier, bool traced) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
     absl::StatusOr<std::byte*> p;
     {
       py::gil_scoped_release unlocked;
-      p = runtime_->Acquire(id, t);
+      p = runtime_->Acquire(id, t, traced ? sched::Access::kTraced : sched::Access::kOutOfTrace);
     }
     std::byte* address = Take(std::move(p));
     const Shape shape = shapes_.at(id);  // registered: the Acquire succeeded
@@ -404,12 +448,13 @@ class PyRuntime {
     return errors;
   }
 
-  void Release(uint64_t id, const std::string& tier, bool dirty, uintptr_t stream) {
+  void Release(uint64_t id, const std::string& tier, bool dirty, uintptr_t stream, bool traced) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->Release(id, t, dirty, reinterpret_cast<tiering::StreamHandle>(stream));
+      s = runtime_->Release(id, t, dirty, reinterpret_cast<tiering::StreamHandle>(stream),
+                            traced ? sched::Access::kTraced : sched::Access::kOutOfTrace);
     }
     Check(s);
   }
@@ -542,44 +587,60 @@ class PyRuntime {
   // One optimizer step t over (id, grad, param_copy or None) triples; returns the step's report.
   py::dict OptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
                          bool check_overflow) {
-    std::vector<swap::StepInput> in;
     std::vector<TensorView> keep;
-    in.reserve(inputs.size());
-    keep.reserve(2 * inputs.size());
-    for (const py::handle item : inputs) {
-      const auto triple = item.cast<py::tuple>();
-      if (triple.size() != 3) {
-        Raise(absl::InvalidArgumentError(
-            "optimizer_step: each input is (id, grad, param_copy or None)"));
-      }
-      swap::StepInput s;
-      s.id = triple[0].cast<uint64_t>();
-      keep.push_back(HostTensor(triple[1], absl::StrCat("grad of ", s.id)));
-      s.grad = keep.back().data;
-      s.grad_dtype = keep.back().dtype;
-      if (!triple[2].is_none()) {
-        keep.push_back(HostTensor(triple[2], absl::StrCat("param_copy of ", s.id)));
-        s.param_copy = keep.back().data;
-        s.copy_dtype = keep.back().dtype;
-      }
-      in.push_back(s);
-    }
+    std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/false, &keep);
     const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
     absl::StatusOr<swap::StepReport> r;
     {
       py::gil_scoped_release unlocked;
       r = runtime_->OptimizerStep(t, std::move(in), options);
     }
-    const swap::StepReport report = Take(std::move(r));
-    py::dict d;
-    d["overflow"] = report.overflow;
-    d["seconds"] = report.seconds;
-    d["read_seconds"] = report.read_seconds;
-    d["write_seconds"] = report.write_seconds;
-    d["compute_seconds"] = report.compute_seconds;
-    d["bytes_read"] = report.bytes_read;
-    d["bytes_written"] = report.bytes_written;
-    return d;
+    return ReportDict(Take(std::move(r)));
+  }
+
+  // The step in parts (sched::Runtime::BeginOptimizerStep and the rest): the tensors staged are
+  // held until the step is committed or aborted.
+  void BeginOptimizerStep() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->BeginOptimizerStep();
+    }
+    Check(s);
+  }
+
+  // (id, grad or None, param_copy or None) triples; a None grad is the gradient partition `id`,
+  // taken from the host tier by the optimizer's thread.
+  void StageOptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
+                          bool check_overflow) {
+    std::vector<TensorView> keep;
+    std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/true, &keep);
+    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->StageOptimizerStep(t, std::move(in), options);
+    }
+    Check(s);
+    for (TensorView& v : keep) staged_.push_back(std::move(v));
+  }
+
+  py::dict CommitOptimizerStep() {
+    absl::StatusOr<swap::StepReport> r;
+    {
+      py::gil_scoped_release unlocked;
+      r = runtime_->CommitOptimizerStep();
+    }
+    staged_.clear();
+    return ReportDict(Take(std::move(r)));
+  }
+
+  void AbortOptimizerStep() {
+    {
+      py::gil_scoped_release unlocked;
+      runtime_->AbortOptimizerStep();
+    }
+    staged_.clear();
   }
 
   void ReadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg,
@@ -609,6 +670,7 @@ class PyRuntime {
     std::vector<std::string> errors ABSL_GUARDED_BY(mu);
   };
   std::unique_ptr<sched::Runtime> runtime_;
+  std::vector<TensorView> staged_;  // the tensors of the step being staged
   std::unique_ptr<Deferred> deferred_ = std::make_unique<Deferred>();
   std::shared_ptr<py::object> callback_;
   std::shared_ptr<aio::FaultInjector> faults_;
@@ -659,11 +721,12 @@ PYBIND11_MODULE(_strata, m) {
       .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
-      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"))
+      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"),
+           py::arg("traced") = true)
       .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"))
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
-           py::arg("stream") = 0)
+           py::arg("stream") = 0, py::arg("traced") = true)
       .def("discard", &PyRuntime::Discard, py::arg("id"))
       .def("stored_partitions", &PyRuntime::StoredPartitions)
       .def("unregister", &PyRuntime::Unregister, py::arg("id"))
@@ -683,6 +746,11 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("master"), py::arg("initial_state") = 0.0f)
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+      .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep)
+      .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+      .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
+      .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
       .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"), py::arg("master"),
            py::arg("exp_avg"), py::arg("exp_avg_sq"));
 }

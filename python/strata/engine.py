@@ -106,7 +106,7 @@ class _Param:
     """What the engine keeps of one trainable parameter."""
 
     __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
-                 "has_grad", "host_grad", "group_index", "steps", "sent_down")
+                 "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged")
 
     def __init__(self, name, param, index):
         self.name = name
@@ -122,6 +122,18 @@ class _Param:
         self.group_index = 0  # which optimizer param group
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
         self.sent_down = False  # GradientReady told for this step's gradient
+        self.staged = None  # (lr, param copy target) once its step is staged (_Staged)
+
+
+class _Staged:
+    """The optimizer step being staged during backward (Runtime.begin_optimizer_step): each
+    partitioned parameter's step is staged as autograd makes its gradient final, speculatively
+    with no clipping and no overflow; engine.step() commits it when that was right, else aborts
+    it and steps again."""
+
+    def __init__(self, scale):
+        self.scale = scale  # the loss scale the gradients were made with
+        self.entries = []  # staged _Param entries, their targets pinned in the host tier
 
 
 class _Optimizer(torch.optim.Optimizer):
@@ -250,6 +262,13 @@ class Engine:
         self._hysteresis_left = config.hysteresis
         self._scale_iteration = 0
         self._last_overflow = -1
+        # The step staged during backward (stage 3): on until a step needs clipping, then off
+        # until one does not.
+        self._staged = None
+        self._speculate = True
+        self._redo_reason = None  # the staged step was dropped during this backward
+        self.redone_steps = 0  # staged steps dropped and taken anew
+        self.last_redo_reason = None
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -357,7 +376,7 @@ class Engine:
                         .expand(e.shape)
                 else:
                     e.param.data = e.param.data.to(device=self.device, dtype=self.dtype)
-                if e.partitioned or self.stage == 2:
+                if e.partitioned or self.stage in (2, 3):
                     # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
                     # is made now, while the parameter has its shape and dtype (autograd checks
                     # gradients against them), and kept alive here.
@@ -445,6 +464,12 @@ class Engine:
                 # a shared parameter before this hook): the lent copy goes back now.
                 self._holders.pop(e.pid, None)
                 e.param.data = self._empty
+                if e.staged is not None:
+                    # A second gradient after its step was staged (a second backward through it
+                    # in this micro-batch): the staged step cannot stand, and its hold on the
+                    # gradient goes before the gradient is added to.
+                    self._drop_staged(f"the gradient of {e.name} changed after its step was "
+                                      "staged")
                 with torch.no_grad():
                     part = from_dlpack(self.runtime.acquire(e.gid, "device"))
                     part.add_(grad.reshape(-1))
@@ -452,15 +477,77 @@ class Engine:
                 self.runtime.release(e.gid, "device", True)
                 if self.is_gradient_accumulation_boundary():
                     # Its last micro-batch: the gradient leaves the device now, in the background,
-                    # while backward goes on.
+                    # while backward goes on, and its optimizer step is staged.
                     self.runtime.gradient_ready(e.gid)
                     e.sent_down = True
-            else:  # stage 2: to the host as it is made
+                    self._stage(e)
+            else:  # stage 2, and stage 3's small parameters: to the host as it is made
+                if e.staged is not None:
+                    self._drop_staged(f"the gradient of {e.name} changed after its step was "
+                                      "staged")
                 if e.host_grad is None:
                     e.host_grad = torch.zeros(e.numel, dtype=torch.float32)
                 e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=torch.float32))
+                if self.stage == 3 and self.is_gradient_accumulation_boundary():
+                    self._stage(e, e.host_grad)
             e.has_grad = True
         return hook
+
+    # --- the step staged during backward ------------------------------------------------------
+
+    def _stage(self, e, grad=None):
+        """Stages e's optimizer step (its gradient is final): the Runtime's optimizer thread
+        reads its NVMe state, steps it and writes it to fresh extents while backward goes on;
+        the new weights reach the parameter when the step commits. A partitioned parameter's
+        gradient is its gradient partition (taken from the host tier by that thread) and its new
+        weights go into its host copy, pinned until then; another's are given (`grad`)."""
+        staged = self._staged
+        if staged is None:
+            if not self._speculate or self._redo_reason is not None:
+                return
+            self.runtime.begin_optimizer_step()
+            staged = self._staged = _Staged(self.loss_scale)
+        lr = float(self.optimizer.param_groups[e.group_index]["lr"])
+        if e.partitioned:
+            target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+        else:
+            target = self._weights_target(e)
+        e.staged = (lr, target)
+        staged.entries.append(e)
+        self.runtime.stage_optimizer_step(
+            e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=1.0 / staged.scale,
+            check_overflow=self.dtype == torch.float16)
+
+    def _weights_target(self, e):
+        """Where the optimizer writes an unpartitioned parameter's new weights (in the training
+        dtype): the parameter itself when it is a contiguous CPU tensor, else a copy made for
+        it (_write_back_weights puts it in place)."""
+        if e.param.device.type == "cpu" and e.param.is_contiguous():
+            return e.param.data.reshape(-1)
+        return torch.empty(e.numel, dtype=self.dtype)
+
+    def _drop_staged(self, reason):
+        """The staged step cannot stand: aborted; this step is taken anew after backward."""
+        self.redone_steps += 1
+        self.last_redo_reason = self._redo_reason = reason
+        self._end_staged(committed=False)
+
+    def _end_staged(self, committed):
+        """Ends the staged step: aborted unless `committed`; the partitioned parameters' host
+        copies released (written when committed), the others' new weights put in place."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        if not committed:
+            self.runtime.abort_optimizer_step()
+        for e in staged.entries:
+            target = e.staged[1]
+            e.staged = None
+            if e.partitioned:
+                del target
+                self.runtime.release(e.pid, "host", committed, traced=False)
+            elif committed:
+                self._write_back_weights(e, target)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -476,8 +563,13 @@ class Engine:
         scaled = loss.float() / self.gradient_accumulation_steps
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
-        scaled.backward()
-        self._drop_all()
+        try:
+            scaled.backward()
+        except BaseException:
+            self._end_staged(committed=False)
+            raise
+        finally:
+            self._drop_all()
         self._raise_deferred()
         return loss
 
@@ -509,10 +601,16 @@ class Engine:
             for e in self._params:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
-        grads = self._host_gradients()
+        grads = []
         try:
-            stepped, report = self._optimizer_step(grads)
+            stepped, report = self._finish_staged(grads)
+            if stepped is None:  # nothing staged, or the staged step could not stand
+                if not grads:
+                    grads = self._host_gradients()
+                stepped, report = self._optimizer_step(grads)
         finally:
+            self._end_staged(committed=False)
+            self._redo_reason = None
             self._release_gradients(grads)
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         if stepped:
@@ -537,13 +635,31 @@ class Engine:
 
     # --- the optimizer step --------------------------------------------------------------------
 
+    def _unstaged_gradients(self):
+        """(entry, host gradient or None: its partition's) for each parameter with a gradient
+        whose step is not staged."""
+        out = []
+        for e in self._params:
+            if e.staged is not None:
+                continue
+            if e.partitioned:
+                if e.has_grad:
+                    out.append((e, None, False))
+            elif e.host_grad is not None:
+                out.append((e, e.host_grad, False))
+            elif e.param.grad is not None:
+                g = e.param.grad.detach().reshape(-1).to("cpu")
+                out.append((e, g if g.is_contiguous() else g.contiguous(), False))
+        return out
+
     def _host_gradients(self):
         """(entry, host gradient tensor, acquired?) for each parameter with a gradient."""
         grads = []
         for e in self._params:
             if e.partitioned:
                 if e.has_grad:
-                    grads.append((e, from_dlpack(self.runtime.acquire(e.gid, "host")), True))
+                    g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+                    grads.append((e, g, True))
             elif e.host_grad is not None:
                 grads.append((e, e.host_grad, False))
             elif e.param.grad is not None:
@@ -551,17 +667,77 @@ class Engine:
                 grads.append((e, g if g.is_contiguous() else g.contiguous(), False))
         return grads
 
+    def _finish_staged(self, grads):
+        """Commits the step staged during backward when it is the step to take: no clipping
+        (the global norm under gradient_clipping), the loss scale and learning rates it was
+        staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
+        when the step must be taken anew (the staged one aborted; counted in redone_steps).
+        `grads` receives the host gradients read for the norm, for the caller to release."""
+        staged = self._staged
+        if staged is None:
+            return None, None
+        # What backward did not stage: the unpartitioned parameters, and partitioned ones with
+        # no gradient in this micro-batch (their partition holds the earlier ones').
+        for e, g, _ in self._unstaged_gradients():
+            self._stage(e, g)
+        reason = None
+        if staged.scale != self.loss_scale:
+            reason = "the loss scale changed"
+        for e in staged.entries:
+            if reason is None and \
+                    e.staged[0] != float(self.optimizer.param_groups[e.group_index]["lr"]):
+                reason = f"the learning rate of {e.name}'s group changed"
+        norm = None
+        if reason is None and self.config.clipping > 0:
+            grads.extend(self._host_gradients())
+            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for _, g, _ in grads]
+            total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+            norm = total / staged.scale if math.isfinite(total) else math.inf
+            if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
+                reason = "gradient clipping scales this step"
+                self._speculate = False  # likely again next step: not staged then
+        if reason is not None:
+            self._drop_staged(reason)
+            return None, None
+        self._speculate = True
+        if norm is not None and not math.isfinite(norm):
+            self._end_staged(committed=False)
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": norm}
+        try:
+            r = self.runtime.commit_optimizer_step()
+        except BaseException:
+            self._end_staged(committed=False)
+            raise
+        if r["overflow"]:  # nothing was changed
+            self._end_staged(committed=False)
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": None}
+        for e in staged.entries:
+            e.steps += 1
+        self._end_staged(committed=True)
+        self._optimizer_read += r["bytes_read"]
+        self._optimizer_written += r["bytes_written"]
+        if self._dynamic_scale:
+            self._update_scale(overflow=False)
+        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
+                      "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
+                      "bytes_written": r["bytes_written"], "staged": True}
+
     def _release_gradients(self, grads):
-        for e, g, acquired in grads:
-            if acquired:
+        acquired = {e.gid for e, _, held in grads if held}
+        for e, g, held in grads:
+            if held:
                 del g
-                self.runtime.release(e.gid, "host", False)
+                self.runtime.release(e.gid, "host", False, traced=False)
+        grads.clear()
+        for e in self._params:
+            if e.partitioned and (e.has_grad or e.gid in acquired):
                 self.runtime.discard(e.gid)
             e.has_grad = False
             e.sent_down = False
             e.host_grad = None
             e.param.grad = None
-        grads.clear()
 
     def _optimizer_step(self, grads):
         scale = self.loss_scale
@@ -586,6 +762,7 @@ class Engine:
         clip = 1.0
         if self.config.clipping > 0 and norm is not None:
             clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        self._speculate = clip == 1.0  # stage the next step during backward unless it clipped
         report = {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                   "bytes_written": 0}
         held = []
@@ -595,13 +772,10 @@ class Engine:
                 inputs, after = [], []
                 for e, g in members:
                     if e.partitioned:
-                        target = from_dlpack(self.runtime.acquire(e.pid, "host"))
+                        target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
                         held.append(e)
                     else:
-                        target = e.param.data.reshape(-1) if e.param.device.type == "cpu" and \
-                            e.param.is_contiguous() else None
-                    if target is None:
-                        target = torch.empty(e.numel, dtype=self.dtype)
+                        target = self._weights_target(e)
                     # the new weights in the training dtype (fp32 included), in the same pass
                     after.append((e, target))
                     inputs.append((e.gid, g, target))
@@ -621,7 +795,7 @@ class Engine:
                     self._write_back_weights(e, target)
         finally:
             for e in held:
-                self.runtime.release(e.pid, "host", changed)
+                self.runtime.release(e.pid, "host", changed, traced=False)
         if self._dynamic_scale:
             self._update_scale(overflow=False)
         return True, report
