@@ -627,3 +627,86 @@ def test_a_client_torch_adagrad_gives_the_kind_and_its_hyper_parameters(tmp_path
         optimizer=torch.optim.Adagrad(model.parameters(), lr=0.02, lr_decay=0.1))
     assert engine.optimizer_kind == "adagrad"
     assert optimizer.param_groups[0]["lr"] == 0.02
+
+
+# --- the step staged during backward (stage 3) ------------------------------------------------
+
+def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None):
+    """train_both at stage 3 with `hook(engine, step)` called between backward and step; the
+    per-step 'staged' flags of the optimizer's reports."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, clipping)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, offload, "fp32", 1, clipping))
+    staged = []
+    for i, (x, y) in enumerate(batches(steps)):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        if hook is not None:
+            hook(engine, reference, i)
+        engine.step()
+        staged.append(engine.last_step_stats["optimizer"].get("staged", False))
+        ref_loss = reference.micro_step(x, y, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5), i
+    # The optimizer's accesses are out of the trace: whatever the steps did, the plan held.
+    assert not any("differs from the recorded trace" in w for w in engine.warnings)
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+    return engine, staged
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_the_step_staged_during_backward_commits_when_nothing_changes_it(tmp_path, offload):
+    # No clipping, and clipping that never scales (a bound far above the norm): every step is
+    # the one staged during backward, and equals torch's.
+    for clipping in (0.0, 1e6):
+        (tmp_path / str(clipping)).mkdir()
+        engine, staged = staged_run(tmp_path / str(clipping), clipping, offload=offload)
+        assert all(staged)
+        assert engine.redone_steps == 0
+
+
+def test_a_step_that_clipping_scales_is_taken_anew_and_staging_pauses(tmp_path):
+    # A bound under every norm: the first step's staged step is dropped and taken anew with the
+    # clip coefficient; staging then pauses (every later step clips too), and the plan holds.
+    engine, staged = staged_run(tmp_path, clipping=1e-3)
+    assert not any(staged)
+    assert engine.redone_steps == 1
+    assert engine.last_redo_reason == "gradient clipping scales this step"
+
+
+def test_a_learning_rate_changed_after_backward_is_the_one_stepped(tmp_path):
+    def change_lr(engine, reference, i):
+        if i == 3:
+            for group in engine.optimizer.param_groups:
+                group["lr"] = 5e-3
+            for group in reference.opt.param_groups:
+                group["lr"] = 5e-3
+    engine, staged = staged_run(tmp_path, clipping=0.0, hook=change_lr)
+    assert staged == [True, True, True, False, True, True, True, True]
+    assert engine.redone_steps == 1
+    assert "learning rate" in engine.last_redo_reason
+
+
+def test_a_second_backward_before_the_step_sums_the_gradients(tmp_path):
+    # Two backward passes in the boundary micro-batch: the second changes gradients whose step
+    # was staged; that step is dropped and the step takes the sum, as torch's would.
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    for x, y in batches(3):
+        engine.backward(loss_of(engine(x), y))
+        engine.backward(loss_of(engine(x), y) * 0.5)
+        engine.step()
+        (loss_of(reference(x), y) * 1.5).backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    assert engine.redone_steps == 3
+    assert "changed after its step was staged" in engine.last_redo_reason
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
