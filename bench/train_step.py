@@ -13,7 +13,11 @@ Each round measures, side by side:
   * strata: the engine's step (ZeRO stage 3, parameters offloaded to the host, the optimizer on
     NVMe, the device budget under the model's state), the median of --steps after two warm-ups.
 The step's lower bound is max(compute_s, adam_s, io_s): every part overlapped with the others
-(the link is not in it: the emulated device's copies are memcpy, capped by nothing). strata's
+(the link is not in it: the emulated device's copies are memcpy, capped by nothing). The model
+computes with --compute-threads BLAS threads (default 1, plain PyTorch and strata alike): on a
+GPU the model leaves the host's cores to strata's optimizer and I/O, and one compute thread keeps
+that shape on a CPU-only machine; 0 lets the BLAS take every core, where strata's work competes
+with the model's for them (both figures are in docs/performance.md). strata's
 figure is the bound over its step (1.0 = at the bound); the ratio reported is the median of the
 rounds' ratios.
 
@@ -31,7 +35,24 @@ import subprocess
 import sys
 import time
 
-import torch
+
+def _compute_threads_argument():
+    """--compute-threads as given (default "1"), read before torch loads its BLAS."""
+    for i, arg in enumerate(sys.argv):
+        if arg == "--compute-threads" and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if arg.startswith("--compute-threads="):
+            return arg.split("=", 1)[1]
+    return "1"
+
+
+# The BLAS reads its thread count once, when it loads: the script runs itself again with it set.
+_THREADS = _compute_threads_argument()
+if _THREADS.isdigit() and _THREADS != "0" and os.environ.get("OPENBLAS_NUM_THREADS") != _THREADS:
+    os.execve(sys.executable, [sys.executable] + sys.argv,
+              dict(os.environ, OPENBLAS_NUM_THREADS=_THREADS, OMP_NUM_THREADS=_THREADS))
+
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -83,10 +104,17 @@ def main():
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--device-budget-mb", type=float, default=16)
     parser.add_argument("--adam-params", type=int, default=1 << 26)
+    parser.add_argument("--compute-threads", type=int, default=1,
+                        help="threads of the model's compute (the BLAS's and torch's), plain "
+                             "PyTorch's and strata's alike: 1 (the default) leaves the other "
+                             "cores to strata, as a model computing on a GPU does; 0: the "
+                             "BLAS's default (every core)")
     args = parser.parse_args()
     for name in ("rounds", "steps", "batch", "adam_params"):
         if getattr(args, name) < 1:
             sys.exit(f"train_step: --{name.replace('_', '-')} must be at least 1")
+    if args.compute_threads < 0:
+        sys.exit("train_step: --compute-threads must be 0 (the BLAS's default) or more")
     os.makedirs(args.dir, exist_ok=True)
     nvme = os.path.join(args.dir, "train_step_nvme")
 
@@ -199,7 +227,10 @@ def main():
         print("train_step: warning: the model's state fits the device budget: strata moves "
               "little; raise the model or lower --device-budget-mb")
     print(f"model: GPT {params / 1e6:.2f}M parameters, batch {args.batch} x {args.context}; "
-          f"device budget {args.device_budget_mb} MiB (host-emulated device, model on the CPU)")
+          f"device budget {args.device_budget_mb} MiB (host-emulated device, model on the CPU "
+          f"with {args.compute_threads or 'the BLAS default of'} compute thread"
+          f"{'' if args.compute_threads == 1 else 's'}, OPENBLAS_NUM_THREADS="
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})")
     print(f"{'round':>5} {'strata ms':>10} {'bound ms':>9} {'compute':>8} {'CpuAdam':>8} "
           f"{'disk':>6} {'plain ms':>9} {'ratio':>6}")
     for i, r in enumerate(rows):

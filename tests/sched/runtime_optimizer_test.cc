@@ -373,6 +373,7 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
 // partition that is not registered or not of the optimizer partition's size: each named.
 TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {
   ScratchDir dir;
+  const auto grads = Grads(1);  // outlives the Runtime, whose destructor aborts the step using it
   auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   EXPECT_EQ((*rt)->BeginOptimizerStep().code(), absl::StatusCode::kFailedPrecondition);
@@ -386,7 +387,6 @@ TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {
   EXPECT_EQ((*rt)->CommitOptimizerStep().status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
   EXPECT_EQ((*rt)->BeginOptimizerStep().code(), absl::StatusCode::kFailedPrecondition);
-  const auto grads = Grads(1);
   EXPECT_EQ((*rt)->OptimizerStep(1, Inputs(grads)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // No gradient partition 12; gradient partition 13 of the wrong size: named at once.
