@@ -201,7 +201,8 @@ def main():
     ours_p.grad = torch.randn(n) * 0.1
     theirs_p = torch.nn.Parameter(ours_p.detach().clone())
     theirs_p.grad = ours_p.grad.clone()
-    ours = strata.optim.CpuAdamW([ours_p], lr=1e-3)
+    # The same threads as torch's (CpuAdam's default is one per core).
+    ours = strata.optim.CpuAdamW([ours_p], lr=1e-3, threads=torch.get_num_threads())
     theirs = torch.optim.AdamW([theirs_p], lr=1e-3, foreach=False)
     ours.step()
     theirs.step()
@@ -237,7 +238,8 @@ def main():
         print(f"{i:>5} {r['strata_s'] * 1e3:>10.0f} {r['bound_s'] * 1e3:>9.0f} "
               f"{r['compute_s'] * 1e3:>8.0f} {r['adam_s'] * 1e3:>8.0f} {r['io_s'] * 1e3:>6.0f} "
               f"{r['plain_s'] * 1e3:>9.0f} {r['ratio']:>6.2f}")
-    print(f"CpuAdam vs torch.optim.AdamW at {n} parameters: "
+    print(f"CpuAdam vs torch.optim.AdamW at {n} parameters, {torch.get_num_threads()} "
+          f"thread{'' if torch.get_num_threads() == 1 else 's'} each: "
           + ", ".join(f"{a * 1e3:.0f} vs {b * 1e3:.0f} ms" for a, b, _ in adam_rows))
     ratios = [r["ratio"] for r in rows]
     speedups = [r[2] for r in adam_rows]

@@ -25,9 +25,15 @@ The Runtime records the first step's accesses and prefetches ahead of need from 
 Stages 0-2: parameters stay on the device; gradients are torch's ``.grad`` (stage 2 moves each to
 the host as it is made, summing micro-batches there in fp32).
 
-The step, at each accumulation boundary, after backward has ended (so gradient clipping and the
-fp16 overflow check see every gradient; the result equals the unoverlapped step because it is
-one): the global gradient norm (clipping) and overflow are taken from the host gradients, then the
+The step, at each accumulation boundary. At stage 3 each parameter's step is staged during
+backward, as autograd makes its gradient final (Runtime.stage_optimizer_step: the Runtime's
+optimizer thread reads its NVMe state, steps it and writes it to fresh extents, the new weights to
+a staging buffer; nothing visible changes), and committed after backward, when it is the step to
+take: no clipping scales it (the global norm of the host gradients under gradient_clipping), the
+learning rate and loss scale are the ones it was staged with, and no gradient changed after it was
+staged. Otherwise it is dropped and the step taken anew after backward (redone_steps counts them;
+staging pauses after a step that clipping scaled), so the result always equals the unoverlapped
+step. Stages 0-2 step after backward. Either way the commit changes everything or nothing: the
 optimizer steps each partition with grad_scale = clip / loss_scale, writing the new weights in the
 training dtype into the parameter's host copy (stage 3) or the device tensor, and the gradients
 are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overflow after
@@ -35,7 +41,8 @@ are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overfl
 skips a step whose gradients overflowed, changing nothing else. A step that fails (a disk that
 fills while the optimizer state is written) raises strata.Error and changes nothing: the weights
 and the optimizer state stay the previous step's (the NVMe state commits whole or not at all), and
-that step's gradients are dropped.
+that step's gradients are dropped. The optimizer's accesses are out of the Runtime's trace, so the
+plan for forward and backward holds whatever the step did.
 
 Without a GPU the device tier is the host-emulated one (strata.device "emulated", the default)
 and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.
