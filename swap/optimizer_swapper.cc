@@ -162,20 +162,24 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
 absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
                                                   absl::Span<float> exp_avg,
                                                   absl::Span<float> exp_avg_sq) {
-  if (txn_ != nullptr) {
-    return absl::FailedPreconditionError(
-        "optimizer swapper: a step is being staged (Commit or Abort it first)");
-  }
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   const uint64_t n = part->elements;
   if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
+  // The committed state (a staged step changes nothing before its Commit). While one is staged
+  // the ring is the worker's: the blob is read into memory of its own.
   const float* state = part->host_state;
+  std::unique_ptr<float[]> own;
   if (state == nullptr) {
-    STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id), MutableBytes(buffers_.front(), n)));
-    state = buffers_.front();
+    float* into = buffers_.front();
+    if (txn_ != nullptr) {
+      own = std::make_unique<float[]>(3 * n);
+      into = own.get();
+    }
+    STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id), MutableBytes(into, n)));
+    state = into;
   }
   std::memcpy(master.data(), state, n * sizeof(float));
   std::memcpy(exp_avg.data(), state + n, n * sizeof(float));

@@ -41,7 +41,8 @@
 // in place, after the NVMe commit. Step is Begin, Stage of every input and Commit.
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
-// time), Initialize or ReadState at a time. The store, the optimizer and the host memory resource
+// time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
+// the thread that stages it) and reads the committed state. The store, the optimizer and the host memory resource
 // are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
@@ -154,7 +155,7 @@ class PipelinedOptimizerSwapper {
   absl::StatusOr<StepReport> Commit();
   void Abort();
   bool staging() const { return txn_ != nullptr; }
-  // Copies a partition's state out (tests, checkpoints).
+  // Copies a partition's committed state out (tests, checkpoints).
   absl::Status ReadState(tiering::PartitionId id, absl::Span<float> master,
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
 

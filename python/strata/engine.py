@@ -274,6 +274,8 @@ class Engine:
         self._staged = None
         self._speculate = True
         self._redo_reason = None  # the staged step was dropped during this backward
+        self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
+        self._second_gradient = False  # one of them ran twice: staging pauses for a step
         self.redone_steps = 0  # staged steps dropped and taken anew
         self.last_redo_reason = None
 
@@ -465,39 +467,47 @@ class Engine:
             grad = e.param.grad
             if grad is None:
                 return
-            e.param.grad = None
+            boundary = self.is_gradient_accumulation_boundary()
+            if boundary:
+                if e.staged is not None or e in self._fired:
+                    # A second gradient in the boundary micro-batch (a second backward through
+                    # it): a step staged from the first cannot stand, and its hold on the gradient
+                    # goes before the gradient is added to.
+                    self._second_gradient = True
+                    if e.staged is not None:
+                        self._drop_staged(f"the gradient of {e.name} changed after its step was "
+                                          "staged")
+                self._fired.add(e)
             if e.partitioned:
+                e.param.grad = None
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
                 self._holders.pop(e.pid, None)
                 e.param.data = self._empty
-                if e.staged is not None:
-                    # A second gradient after its step was staged (a second backward through it
-                    # in this micro-batch): the staged step cannot stand, and its hold on the
-                    # gradient goes before the gradient is added to.
-                    self._drop_staged(f"the gradient of {e.name} changed after its step was "
-                                      "staged")
                 with torch.no_grad():
                     part = from_dlpack(self.runtime.acquire(e.gid, "device"))
                     part.add_(grad.reshape(-1))
                     del part
                 self.runtime.release(e.gid, "device", True)
-                if self.is_gradient_accumulation_boundary():
+                e.has_grad = True
+                if boundary:
                     # Its last micro-batch: the gradient leaves the device now, in the background,
                     # while backward goes on, and its optimizer step is staged.
                     self.runtime.gradient_ready(e.gid)
                     e.sent_down = True
                     self._stage(e)
-            else:  # stage 2, and stage 3's small parameters: to the host as it is made
-                if e.staged is not None:
-                    self._drop_staged(f"the gradient of {e.name} changed after its step was "
-                                      "staged")
+            elif self.stage == 2:  # to the host as it is made, summed there in fp32
+                e.param.grad = None
                 if e.host_grad is None:
                     e.host_grad = torch.zeros(e.numel, dtype=torch.float32)
                 e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=torch.float32))
-                if self.stage == 3 and self.is_gradient_accumulation_boundary():
-                    self._stage(e, e.host_grad)
-            e.has_grad = True
+                e.has_grad = True
+            elif boundary and grad.device.type == "cpu":
+                # Stage 3's small parameters keep torch's .grad; its final value is staged (a
+                # copy: a second backward would add to .grad while the optimizer reads it). On a
+                # GPU the copy to the host would make the host wait for the device in the middle
+                # of backward: those are staged after backward instead.
+                self._stage(e, grad.detach().reshape(-1).clone())
         return hook
 
     # --- the step staged during backward ------------------------------------------------------
@@ -515,15 +525,20 @@ class Engine:
             self.runtime.begin_optimizer_step()
             staged = self._staged = _Staged(self.loss_scale)
         lr = float(self.optimizer.param_groups[e.group_index]["lr"])
-        if e.partitioned:
-            target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-        else:
-            target = self._weights_target(e)
-        e.staged = (lr, target)
-        staged.entries.append(e)
-        self.runtime.stage_optimizer_step(
-            e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=1.0 / staged.scale,
-            check_overflow=self.dtype == torch.float16)
+        try:
+            if e.partitioned:
+                target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+            else:
+                target = self._weights_target(e)
+            e.staged = (lr, target)
+            staged.entries.append(e)
+            self.runtime.stage_optimizer_step(
+                e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=1.0 / staged.scale,
+                check_overflow=self.dtype == torch.float16)
+        except _strata.Error as error:
+            # Staging is the step done early; when it cannot be (the host tier has no room for
+            # the parameter's copy, say), the step is taken after backward, as unstaged.
+            self._drop_staged(f"staging the step of {e.name} failed: {error}")
 
     def _weights_target(self, e):
         """Where the optimizer writes an unpartitioned parameter's new weights (in the training
@@ -613,12 +628,12 @@ class Engine:
             stepped, report = self._finish_staged(grads)
             if stepped is None:  # nothing staged, or the staged step could not stand
                 if not grads:
-                    grads = self._host_gradients()
+                    self._host_gradients(grads)
                 stepped, report = self._optimizer_step(grads)
-        finally:
-            self._end_staged(committed=False)
-            self._redo_reason = None
-            self._release_gradients(grads)
+        except BaseException:
+            self._end_gradients(grads, failed=True)
+            raise
+        self._end_gradients(grads, failed=False)
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         if stepped:
             if self.lr_scheduler is not None:
@@ -659,9 +674,10 @@ class Engine:
                 out.append((e, g if g.is_contiguous() else g.contiguous(), False))
         return out
 
-    def _host_gradients(self):
-        """(entry, host gradient tensor, acquired?) for each parameter with a gradient."""
-        grads = []
+    def _host_gradients(self, grads):
+        """Appends (entry, host gradient tensor, acquired?) for each parameter with a gradient, as
+        each is had (so that a failure part way leaves what was acquired in `grads` to be
+        released)."""
         for e in self._params:
             if e.partitioned:
                 if e.has_grad:
@@ -672,7 +688,6 @@ class Engine:
             elif e.param.grad is not None:
                 g = e.param.grad.detach().reshape(-1).to("cpu")
                 grads.append((e, g if g.is_contiguous() else g.contiguous(), False))
-        return grads
 
     def _finish_staged(self, grads):
         """Commits the step staged during backward when it is the step to take: no clipping
@@ -696,7 +711,7 @@ class Engine:
                 reason = f"the learning rate of {e.name}'s group changed"
         norm = None
         if reason is None and self.config.clipping > 0:
-            grads.extend(self._host_gradients())
+            self._host_gradients(grads)
             norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for _, g, _ in grads]
             total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
             norm = total / staged.scale if math.isfinite(total) else math.inf
@@ -706,7 +721,6 @@ class Engine:
         if reason is not None:
             self._drop_staged(reason)
             return None, None
-        self._speculate = True
         if norm is not None and not math.isfinite(norm):
             self._end_staged(committed=False)
             self._update_scale(overflow=True)
@@ -731,20 +745,43 @@ class Engine:
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "staged": True}
 
-    def _release_gradients(self, grads):
-        acquired = {e.gid for e, _, held in grads if held}
+    def _end_gradients(self, grads, failed):
+        """The step is over (taken, skipped or `failed`): a staged step left is aborted, the host
+        gradients released and every gradient dropped. Each part is tried; a failure among them
+        raises the first one, unless the step `failed` (its error is the one to see: these are
+        kept in engine.warnings)."""
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except _strata.Error as error:
+                errors.append(error)
+
+        attempt(self._end_staged, False)
+        self._redo_reason = None
+        # Staged again from the next step unless this one was clipped or saw a second gradient.
+        self._speculate = self._speculate and not self._second_gradient
+        self._second_gradient = False
+        self._fired.clear()
+        acquired = set()
         for e, g, held in grads:
             if held:
-                del g
-                self.runtime.release(e.gid, "host", False, traced=False)
+                acquired.add(e.gid)
+                attempt(self.runtime.release, e.gid, "host", False, 0, False)
         grads.clear()
         for e in self._params:
             if e.partitioned and (e.has_grad or e.gid in acquired):
-                self.runtime.discard(e.gid)
+                attempt(self.runtime.discard, e.gid)
             e.has_grad = False
             e.sent_down = False
             e.host_grad = None
             e.param.grad = None
+        if errors:
+            if not failed:
+                raise errors[0]
+            for error in errors:
+                self._warn(f"after the failed step: {error}")
 
     def _optimizer_step(self, grads):
         scale = self.loss_scale

@@ -692,7 +692,8 @@ def test_a_learning_rate_changed_after_backward_is_the_one_stepped(tmp_path):
 
 def test_a_second_backward_before_the_step_sums_the_gradients(tmp_path):
     # Two backward passes in the boundary micro-batch: the second changes gradients whose step
-    # was staged; that step is dropped and the step takes the sum, as torch's would.
+    # was staged; that step is dropped and the step takes the sum, as torch's would. Staging then
+    # pauses while steps keep seeing second gradients (no step's work is thrown away again).
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
@@ -706,7 +707,124 @@ def test_a_second_backward_before_the_step_sums_the_gradients(tmp_path):
         (loss_of(reference(x), y) * 1.5).backward()
         torch_adamw.step()
         torch_adamw.zero_grad()
-    assert engine.redone_steps == 3
+    assert engine.redone_steps == 1
     assert "changed after its step was staged" in engine.last_redo_reason
+    assert not engine.last_step_stats["optimizer"].get("staged", False)
     for ours, theirs in zip(engine_weights(engine), reference.parameters()):
         torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_staged_steps_with_accumulation_match_plain_torch(tmp_path, dtype):
+    engine, reference, losses = train_both(tmp_path, 3, "nvme", dtype, accumulation=2,
+                                           clipping=0.0)
+    tolerance = 1e-5 if dtype == "fp32" else 2e-2
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=tolerance, abs=tolerance)
+    assert engine.redone_steps == 0 and engine.last_step_stats["optimizer"]["staged"]
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(),
+                                   rtol=tolerance, atol=tolerance)
+
+
+class FailingRuntime:
+    """engine.runtime with one failure injected: the `nth` acquire matching `which(id, tier,
+    traced)` raises `error`."""
+
+    def __init__(self, runtime, which, nth, error):
+        self._runtime, self._which, self._left, self._error = runtime, which, nth, error
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def acquire(self, id, tier, traced=True):
+        if self._left > 0 and self._which(id, tier, traced):
+            self._left -= 1
+            if self._left == 0:
+                raise self._error
+        return self._runtime.acquire(id, tier, traced=traced)
+
+
+def assert_nothing_held(engine):
+    """No gradient is left pinned or kept: each gradient partition can be dropped."""
+    for e in engine._params:
+        assert not e.has_grad and e.param.grad is None, e.name
+        if e.partitioned:
+            engine.runtime.discard(e.gid)  # refused while pinned
+
+
+def test_a_step_that_fails_part_way_raises_its_own_error_and_holds_nothing(tmp_path):
+    # The third host gradient read for the clipping norm cannot be had: the step raises that
+    # error (not one of the clean-up's), holds no pin, keeps no gradient, and training goes on.
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path, 3, "nvme", "fp32", 1, clipping=1e-3))
+    real = engine.runtime
+    data = list(batches(3))
+    for i, (x, y) in enumerate(data):
+        engine.backward(loss_of(engine(x), y))
+        if i == 1:
+            grads = {e.gid for e in engine._params if e.partitioned}
+            engine.runtime = FailingRuntime(real, lambda id, tier, traced: id in grads and
+                                            tier == "host" and not traced, 3,
+                                            RuntimeError("injected: no room for a gradient"))
+            with pytest.raises(RuntimeError, match="injected: no room for a gradient"):
+                engine.step()
+            engine.runtime = real
+            assert_nothing_held(engine)
+        else:
+            engine.step()
+    assert engine.global_steps == 2
+
+
+def test_a_step_that_cannot_be_staged_is_taken_after_backward(tmp_path):
+    # The host copy of one parameter cannot be had while backward stages its step: backward goes
+    # on, the staged step is dropped and the step taken after backward, equal to torch's.
+    from strata import _strata
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    real = engine.runtime
+    target = next(e for e in engine._params if e.partitioned)
+    for i, (x, y) in enumerate(batches(3)):
+        if i == 1:
+            engine.runtime = FailingRuntime(
+                real, lambda id, tier, traced: id == target.pid and not traced, 1,
+                _strata.Error("injected: the host tier is full"))
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        engine.runtime = real
+        ref_loss = reference.micro_step(x, y, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5)
+        if i == 1:
+            assert engine.redone_steps == 1
+            assert f"staging the step of {target.name} failed" in engine.last_redo_reason
+            assert "injected: the host tier is full" in engine.last_redo_reason
+    assert engine.last_step_stats["optimizer"]["staged"]  # staging went on the step after
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_weights_can_be_read_between_backward_and_step(tmp_path):
+    # A staged step is open: module_state_dict reads the committed (previous step's) weights.
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    data = list(batches(2))
+    x, y = data[0]
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    before = engine.module_state_dict()
+    x, y = data[1]
+    engine.backward(loss_of(engine(x), y))
+    assert engine._staged is not None
+    during = engine.module_state_dict()
+    for name, value in before.items():
+        assert torch.equal(during[name], value), name
+    engine.step()
+    assert engine.last_step_stats["optimizer"]["staged"]
+    assert not torch.equal(engine.module_state_dict()["l1.weight"], before["l1.weight"])

@@ -800,8 +800,19 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
         return absl::NotFoundError("no such partition");
       };
       ASSERT_TRUE(f.swapper->Stage(t, rest, {.lr = 5e-4f}, source).ok());
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the worker gets ahead
+      // The worker steps and writes every NVMe-resident partition before Commit is asked for...
+      for (const auto& [id, n] : f.parts) {
+        if (!f.swapper->on_nvme(id)) continue;
+        f.trace->WaitUntil(
+            [id = id](const std::vector<Entry>& x) {
+              return Any(x, StepEvent::kWriteStarted, id);
+            },
+            absl::StrCat("partition ", id, " written before Commit"));
+      }
+      EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+      // ...and nothing the caller can see has changed: the param copies, the committed state.
       EXPECT_EQ(f.copies, copies_before) << "a param copy changed before the commit";
+      f.ExpectMatchesReference();
       auto r = f.swapper->Commit();
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_FALSE(f.swapper->staging());
@@ -887,7 +898,15 @@ TEST(SwapperTransactionTest, AnOverflowFoundLateDropsWhatWasStaged) {
   std::vector<StepInput> in = f.Inputs();
   ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 4), {.check_overflow = true})
                   .ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // The four are stepped and written to fresh extents before the fifth is staged.
+  f.trace->WaitUntil(
+      [&](const std::vector<Entry>& x) {
+        return std::all_of(in.begin(), in.begin() + 4, [&x](const StepInput& s) {
+          return Any(x, StepEvent::kWriteStarted, s.id);
+        });
+      },
+      "the first four written");
+  EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
   f.grads[4][0] = -std::numeric_limits<float>::infinity();
   ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(4), {.check_overflow = true})
                   .ok());
@@ -920,10 +939,11 @@ TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
   StepInput no_grad = in[1];
   no_grad.grad = nullptr;
   EXPECT_EQ(f.swapper->Stage(1, {no_grad}).code(), absl::StatusCode::kInvalidArgument);
-  // The state cannot be read or set while a step is staged.
+  // The state cannot be set while a step is staged; it can be read (the committed state).
   std::vector<float> x(f.parts[0].second);
   EXPECT_EQ(f.swapper->Initialize(f.parts[0].first, x).code(),
             absl::StatusCode::kFailedPrecondition);
+  f.ExpectMatchesReference();
   EXPECT_EQ(f.swapper->Step(1, in).status().code(), absl::StatusCode::kFailedPrecondition);
   auto r = f.swapper->Commit();  // what was staged (partition 10) commits
   ASSERT_TRUE(r.ok()) << r.status();
