@@ -11,7 +11,7 @@
 // default) yourself. Gradients fp32/bf16/fp16, the optional bf16/fp16 copy out, chunks, overflow
 // skip, kernels and threads work as for CpuAdam (optim_cpu/adam.h).
 //
-// Thread safety: one thread at a time per CpuAdagrad.
+// Thread safety: one thread at a time per CpuAdagrad; Validate (const) may run beside the others.
 #ifndef STRATA_OPTIM_CPU_ADAGRAD_H_
 #define STRATA_OPTIM_CPU_ADAGRAD_H_
 

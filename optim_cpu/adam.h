@@ -32,7 +32,8 @@
 // $STRATA_CPU_ADAM_ISA forces one (an ISA the CPU lacks is an error at Create). The paths differ
 // only in the last bits (fused multiply-adds) and in bf16 rounding of denormals.
 //
-// Thread safety: a CpuAdam may be used by one thread at a time (its pool serializes anyway).
+// Thread safety: a CpuAdam may be used by one thread at a time (its pool serializes anyway);
+// Validate (const) may run beside the others.
 // It does not own the buffers; they must not be touched by others during Step.
 #ifndef STRATA_OPTIM_CPU_ADAM_H_
 #define STRATA_OPTIM_CPU_ADAM_H_

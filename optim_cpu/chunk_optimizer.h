@@ -6,7 +6,8 @@
 // optimizers' own (adam.h, adagrad.h, lion.h); so are the validation (Validate: what Step would
 // refuse, touching nothing) and the overflow scan.
 //
-// Thread safety: as the optimizer wrapped: one thread at a time.
+// Thread safety: as the optimizer wrapped: one thread at a time; Validate (const, reading only its
+// arguments and the configuration) may run beside the others.
 #ifndef STRATA_OPTIM_CPU_CHUNK_OPTIMIZER_H_
 #define STRATA_OPTIM_CPU_CHUNK_OPTIMIZER_H_
 

@@ -9,7 +9,7 @@
 // One state tensor, m (fp32 or bf16), in StateChunk::state. Gradients, copy out, chunks, overflow
 // skip, kernels and threads work as for CpuAdam (optim_cpu/adam.h).
 //
-// Thread safety: one thread at a time per CpuLion.
+// Thread safety: one thread at a time per CpuLion; Validate (const) may run beside the others.
 #ifndef STRATA_OPTIM_CPU_LION_H_
 #define STRATA_OPTIM_CPU_LION_H_
 
