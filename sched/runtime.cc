@@ -247,7 +247,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 }
 
 Runtime::~Runtime() {
-  AbortOptimizerStep();  // its thread may be acquiring gradients
+  AbortOptimizerStep();                 // its thread may be acquiring gradients
   if (pool_ != nullptr) pool_->Stop();  // the jobs still queued are cancelled (none: Create failed)
   if (store_ != nullptr) {
     {
@@ -1253,8 +1253,9 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
     }
     const std::string what = absl::StrCat("optimizer step ", t, ": the gradient partition ", in.id);
     if (!r.ok()) {
-      return absl::NotFoundError(absl::StrCat(what, " is not registered (an input with no "
-                                                    "gradient address steps from it)"));
+      return absl::NotFoundError(absl::StrCat(what,
+                                              " is not registered (an input with no "
+                                              "gradient address steps from it)"));
     }
     const tiering::PartitionDesc& d = r->desc;
     absl::StatusOr<uint64_t> elements = optimizer_->elements(in.id);

@@ -5,8 +5,8 @@
 #include <cstring>
 #include <deque>
 #include <future>
-#include <thread>
 #include <limits>
+#include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -351,8 +351,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
   }
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
   x.seen = std::move(seen);
-  auto shared_source =
-      source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
+  auto shared_source = source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
   std::vector<Txn::Item> nvme;
   for (size_t i = 0; i < inputs.size(); ++i) {
     Txn::Item item;
@@ -476,8 +475,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     if (grad == nullptr) {
       absl::StatusOr<const void*> got = (*it->source)(it->in.id);
       if (!got.ok() || *got == nullptr) {
-        x->failure = got.ok() ? absl::InternalError("the gradient source gave no address")
-                              : got.status();
+        x->failure =
+            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status();
         x->failure = Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
         break;
       }
@@ -579,9 +578,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
       absl::StatusOr<const void*> got = (*it.source)(it.in.id);
       if (!got.ok() || *got == nullptr) {
         abort();
-        return Annotate(got.ok() ? absl::InternalError("the gradient source gave no address")
-                                 : got.status(),
-                        absl::StrCat(unchanged, " (the gradient of partition ", it.in.id, ")"));
+        return Annotate(
+            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status(),
+            absl::StrCat(unchanged, " (the gradient of partition ", it.in.id, ")"));
       }
       grad = *got;
     }

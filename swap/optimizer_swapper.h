@@ -42,8 +42,8 @@
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
-// the thread that stages it) and reads the committed state. The store, the optimizer and the host memory resource
-// are borrowed and must outlive the swapper.
+// the thread that stages it) and reads the committed state. The store, the optimizer and the host
+// memory resource are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 

@@ -721,8 +721,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
-      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"),
-           py::arg("traced") = true)
+      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true)
       .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"))
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),

@@ -657,32 +657,21 @@ class Engine:
 
     # --- the optimizer step --------------------------------------------------------------------
 
-    def _unstaged_gradients(self):
-        """(entry, host gradient or None: its partition's) for each parameter with a gradient
-        whose step is not staged."""
-        out = []
+    def _host_gradients(self, grads, acquire=True, unstaged_only=False):
+        """Appends (entry, host gradient, acquired?) for each parameter with a gradient (with
+        `unstaged_only`, whose step is not staged), as each is had, so that a failure part way
+        leaves what was acquired in `grads` to be released. A partitioned parameter's gradient is
+        its partition, acquired in the host tier out of the trace, or None without `acquire` (the
+        Runtime's optimizer thread takes it); the others' are on the host already (stage 2's sum)
+        or copied there from torch's .grad."""
         for e in self._params:
-            if e.staged is not None:
+            if unstaged_only and e.staged is not None:
                 continue
             if e.partitioned:
                 if e.has_grad:
-                    out.append((e, None, False))
-            elif e.host_grad is not None:
-                out.append((e, e.host_grad, False))
-            elif e.param.grad is not None:
-                g = e.param.grad.detach().reshape(-1).to("cpu")
-                out.append((e, g if g.is_contiguous() else g.contiguous(), False))
-        return out
-
-    def _host_gradients(self, grads):
-        """Appends (entry, host gradient tensor, acquired?) for each parameter with a gradient, as
-        each is had (so that a failure part way leaves what was acquired in `grads` to be
-        released)."""
-        for e in self._params:
-            if e.partitioned:
-                if e.has_grad:
-                    g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
-                    grads.append((e, g, True))
+                    g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False)) \
+                        if acquire else None
+                    grads.append((e, g, acquire))
             elif e.host_grad is not None:
                 grads.append((e, e.host_grad, False))
             elif e.param.grad is not None:
@@ -700,7 +689,9 @@ class Engine:
             return None, None
         # What backward did not stage: the unpartitioned parameters, and partitioned ones with
         # no gradient in this micro-batch (their partition holds the earlier ones').
-        for e, g, _ in self._unstaged_gradients():
+        unstaged = []
+        self._host_gradients(unstaged, acquire=False, unstaged_only=True)
+        for e, g, _ in unstaged:
             self._stage(e, g)
         reason = None
         if staged.scale != self.loss_scale:

@@ -329,8 +329,8 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
       std::memcpy(*p, grads[k].data(), kParts[k].second * 4);
       ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, true).ok());
       (*rt)->GradientReady(id);
-      auto staged = (*rt)->StageOptimizerStep(
-          t, {swap::StepInput{.id = id, .param_copy = copies[k].data()}});
+      auto staged =
+          (*rt)->StageOptimizerStep(t, {swap::StepInput{.id = id, .param_copy = copies[k].data()}});
       ASSERT_TRUE(staged.ok()) << staged;
     }
     if (t == 3) {  // dropped: step 3 is done again below

@@ -804,9 +804,7 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
       for (const auto& [id, n] : f.parts) {
         if (!f.swapper->on_nvme(id)) continue;
         f.trace->WaitUntil(
-            [id = id](const std::vector<Entry>& x) {
-              return Any(x, StepEvent::kWriteStarted, id);
-            },
+            [id = id](const std::vector<Entry>& x) { return Any(x, StepEvent::kWriteStarted, id); },
             absl::StrCat("partition ", id, " written before Commit"));
       }
       EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
@@ -896,8 +894,8 @@ TEST(SwapperTransactionTest, AnOverflowFoundLateDropsWhatWasStaged) {
   const auto copies_before = f.copies;
   ASSERT_TRUE(f.swapper->Begin(8 << 20).ok());
   std::vector<StepInput> in = f.Inputs();
-  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 4), {.check_overflow = true})
-                  .ok());
+  ASSERT_TRUE(
+      f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 4), {.check_overflow = true}).ok());
   // The four are stepped and written to fresh extents before the fifth is staged.
   f.trace->WaitUntil(
       [&](const std::vector<Entry>& x) {
@@ -908,8 +906,8 @@ TEST(SwapperTransactionTest, AnOverflowFoundLateDropsWhatWasStaged) {
       "the first four written");
   EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
   f.grads[4][0] = -std::numeric_limits<float>::infinity();
-  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(4), {.check_overflow = true})
-                  .ok());
+  ASSERT_TRUE(
+      f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(4), {.check_overflow = true}).ok());
   auto r = f.swapper->Commit();
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->overflow);
