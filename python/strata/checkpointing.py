@@ -10,11 +10,17 @@ differentiates that. Only the inputs are kept: with ``cpu_checkpointing`` they a
 memory and brought back for backward (DeepSpeed's checkpoint_in_cpu). Under ZeRO stage 3 the
 function's modules have their parameters lent again for the recomputation, as for any forward.
 
+Where the host copies live: with an engine (``strata.initialize``), each floating-point input is a
+partition of the engine's host tier, within ``strata.host_budget_bytes`` (pinned memory the
+Runtime accounts for; a checkpoint whose inputs do not fit raises strata.Error naming the budget),
+dropped once backward has brought it back, or when the graph is freed without a backward. Other
+inputs (token ids, masks) and checkpoints run without an engine keep torch's host copies, outside
+strata's budget. Under ``torch.no_grad`` nothing is kept.
+
 The config's ``activation_checkpointing`` block (DeepSpeed's keys) is read by ``configure``:
 cpu_checkpointing is acted on; partition_activations, contiguous_memory_optimization,
 number_checkpoints, synchronize_checkpoint_boundary and profile are DeepSpeed's multi-GPU or
-profiling knobs, accepted and warned of once. The host copies are torch tensors: they are not
-counted in strata's host budget.
+profiling knobs, accepted and warned of once.
 
 Thread safety: the settings are per process, as DeepSpeed's.
 """
@@ -24,11 +30,19 @@ import warnings
 
 import torch
 
-__all__ = ["checkpoint", "configure", "is_configured", "reset"]
+__all__ = ["checkpoint", "configure", "is_configured", "reset", "use_host_store"]
 
 _KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
          "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
 _settings = {"cpu_checkpointing": False, "configured": False}
+# Where cpu_checkpointing keeps floating-point inputs: an engine's host tier (set by the engine;
+# an object with keep(tensor) -> held or None, and bring(held, device) -> tensor), else None.
+_store = {"host": None}
+
+
+def use_host_store(store):
+    """Makes `store` (an engine's host tier, or None) where cpu_checkpointing keeps inputs."""
+    _store["host"] = store
 
 
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
@@ -92,25 +106,31 @@ class _Checkpoint(torch.autograd.Function):
     # `anchor`: a tensor that requires grad, so that backward runs (and the function's parameters
     # get their gradients) even when no input requires grad (token ids, a frozen front end).
     @staticmethod
-    def forward(ctx, function, cpu, anchor, *args):
+    def forward(ctx, function, cpu, store, anchor, *args):
         ctx.function = function
         ctx.cpu = cpu
         ctx.autocast = _autocast_state()
         ctx.rng_cpu = torch.get_rng_state()
         ctx.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and \
             torch.cuda.is_initialized() else None
-        ctx.kinds = []
-        kept = []
+        ctx.kinds = []  # per argument: (how it is kept, its device, whether it requires grad)
+        ctx.held = []  # inputs kept in the engine's host tier
+        tensors, others = [], []
         for a in args:
-            if torch.is_tensor(a):
-                ctx.kinds.append((True, a.device, a.requires_grad))
-                kept.append(a.detach().to("cpu") if cpu else a.detach())
+            if not torch.is_tensor(a):
+                ctx.kinds.append(("other", None, False))
+                others.append(a)
+                continue
+            held = store.keep(a) if store is not None else None
+            if held is not None:
+                ctx.kinds.append(("held", a.device, a.requires_grad))
+                ctx.held.append(held)
             else:
-                ctx.kinds.append((False, None, False))
-                kept.append(a)
-        ctx.tensor_args = [k for k in kept if torch.is_tensor(k)]
-        ctx.other_args = [k for k in kept if not torch.is_tensor(k)]
-        ctx.save_for_backward(*ctx.tensor_args)
+                ctx.kinds.append(("tensor", a.device, a.requires_grad))
+                tensors.append(a.detach().to("cpu") if cpu else a.detach())
+        ctx.store = store
+        ctx.other_args = others
+        ctx.save_for_backward(*tensors)
         with torch.no_grad():
             return function(*args)
 
@@ -118,14 +138,16 @@ class _Checkpoint(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = iter(ctx.saved_tensors)
         others = iter(ctx.other_args)
+        held = iter(ctx.held)
         inputs = []
-        for is_tensor, device, requires_grad in ctx.kinds:
-            if is_tensor:
-                t = next(saved).to(device).detach()
-                t.requires_grad_(requires_grad)
-                inputs.append(t)
-            else:
+        for how, device, requires_grad in ctx.kinds:
+            if how == "other":
                 inputs.append(next(others))
+                continue
+            t = ctx.store.bring(next(held), device) if how == "held" else \
+                next(saved).to(device).detach()
+            t.requires_grad_(requires_grad)
+            inputs.append(t)
         devices = []
         if ctx.rng_cuda is not None:
             devices = list(range(len(ctx.rng_cuda)))
@@ -145,14 +167,17 @@ class _Checkpoint(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None) + tuple(t.grad if torch.is_tensor(t) and kind[2] else None
+        return (None, None, None, None) + tuple(t.grad if torch.is_tensor(t) and kind[2] else None
                                           for t, kind in zip(inputs, ctx.kinds))
 
 
 def checkpoint(function, *args):
     """Runs function(*args), keeping only its inputs for backward (see the module's docstring).
     Tensor arguments are passed positionally; the result is a tensor or a tuple of tensors."""
-    return _Checkpoint.apply(function, _settings["cpu_checkpointing"], _ANCHOR, *args)
+    cpu = _settings["cpu_checkpointing"]
+    # Read here: inside the Function's forward, grad mode is always off.
+    store = _store["host"] if cpu and torch.is_grad_enabled() else None
+    return _Checkpoint.apply(function, cpu, store, _ANCHOR, *args)
 
 
 _ANCHOR = torch.empty(0, requires_grad=True)

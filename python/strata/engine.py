@@ -143,6 +143,70 @@ class _Staged:
         self.entries = []  # staged _Param entries, their targets pinned in the host tier
 
 
+class _HostActivations:
+    """Where strata.checkpointing's cpu_checkpointing keeps a checkpoint's floating-point inputs:
+    partitions of the engine's host tier (role "other", ids after the parameters'), so that they
+    count in strata.host_budget_bytes. Holds the engine weakly: once it is gone, checkpoints keep
+    torch's host copies again."""
+
+    _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+        self._free = []  # ids given back
+        self._next = None  # the next id never used
+
+    def keep(self, tensor):
+        engine = self._engine()
+        if engine is None or tensor.dtype not in self._DTYPES or tensor.numel() == 0:
+            return None
+        if self._next is None:
+            self._next = 2 * len(engine._params)
+        pid = self._free.pop() if self._free else self._next
+        if pid == self._next:
+            self._next += 1
+        flat = tensor.detach().reshape(-1).to("cpu")
+        try:
+            engine.runtime.register(pid, "other", self._DTYPES[tensor.dtype], flat.numel(), 0,
+                                    "host", flat.contiguous())
+        except _strata.Error as error:
+            self._free.append(pid)
+            raise _strata.Error(
+                f"cpu_checkpointing: a checkpointed input of {flat.numel() * flat.element_size()} "
+                f"bytes does not fit the host tier (strata.host_budget_bytes): {error}") from None
+        return _HeldActivation(self, engine.runtime, pid, tensor.shape)
+
+    def bring(self, held, device):
+        """The input back on `device`; its partition is dropped."""
+        part = from_dlpack(held.runtime.acquire(held.pid, "host", traced=False))
+        try:
+            return part.view(held.shape).to(device, copy=True)
+        finally:
+            del part
+            held.runtime.release(held.pid, "host", False, traced=False)
+            held.drop()
+
+
+class _HeldActivation:
+    """One kept input: its partition is unregistered when backward has brought it back, or when
+    the graph holding it is freed without a backward."""
+
+    def __init__(self, store, runtime, pid, shape):
+        self.store, self.runtime, self.pid, self.shape = store, runtime, pid, shape
+
+    def drop(self):
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            self.runtime.unregister(pid)
+            self.store._free.append(pid)
+
+    def __del__(self):
+        try:
+            self.drop()
+        except Exception:  # the Runtime is being torn down: its partitions go with it
+            pass
+
+
 class _Optimizer(torch.optim.Optimizer):
     """The optimizer the engine returns: torch's surface (param_groups with their lr, for
     schedulers; zero_grad; state_dict of the hyper-parameters) over the Runtime's optimizer.
@@ -205,6 +269,8 @@ class Engine:
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
+        # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
+        checkpointing.use_host_store(_HostActivations(self))
         # Where the model computes: the CPU beside the emulated device tier, else the GPU of the
         # device tier (as DeepSpeed's engine, strata moves the module there).
         self.device = torch.device("cpu") if self.device_kind == "emulated" else \

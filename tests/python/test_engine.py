@@ -502,6 +502,59 @@ def test_activation_checkpointing_trains_as_without_it(tmp_path, cpu_checkpointi
     strata.checkpointing.reset()
 
 
+def test_cpu_checkpointing_keeps_inputs_in_the_host_tier_within_its_budget(tmp_path):
+    # The checkpoint's input (the embedding's output, 4 x 8 x 32 fp32 = 4 KiB) is a partition of
+    # the host tier between forward and backward, counted in the pinned memory the Runtime holds,
+    # and gone after backward; under no_grad nothing is kept; a budget without room for it is
+    # named.
+    torch.manual_seed(0)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["activation_checkpointing"] = {"cpu_checkpointing": True}
+    engine, _, _, _ = strata.initialize(model=Checkpointed(), config=config)
+    x, y = next(iter(batches(1)))
+    held = engine.runtime.stats()["host_held_bytes"]
+    ids = {2 * len(engine._params)}
+    loss = loss_of(engine(x), y)
+    assert engine.runtime.stats()["host_held_bytes"] >= held + 4096
+    with pytest.raises(strata.Error):  # registered: a second registration of its id is refused
+        engine.runtime.register(min(ids), "other", "float32", 1, 0, "host")
+    engine.backward(loss)
+    engine.step()
+    engine.runtime.register(min(ids), "other", "float32", 1, 0, "host")  # free again
+    engine.runtime.unregister(min(ids))
+    with torch.no_grad():
+        before = engine.runtime.stats()["host_held_bytes"]
+        engine(x)
+        assert engine.runtime.stats()["host_held_bytes"] == before
+    # A graph freed without its backward gives its inputs back.
+    loss = loss_of(engine(x), y)
+    del loss
+    engine.runtime.register(min(ids), "other", "float32", 1, 0, "host")
+    engine.runtime.unregister(min(ids))
+    strata.checkpointing.reset()
+
+
+def test_cpu_checkpointing_stays_within_the_host_budget_and_names_one_without_room(tmp_path):
+    torch.manual_seed(0)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
+    config["activation_checkpointing"] = {"cpu_checkpointing": True}
+    config["strata"]["host_budget_bytes"] = 8 << 20
+    engine, _, _, _ = strata.initialize(model=Checkpointed(), config=config)
+    # An input as large as the whole host budget cannot be kept there: named, with its size.
+    big = torch.randn(2 << 20, requires_grad=True)  # 8 MiB
+    with pytest.raises(strata.Error, match="cpu_checkpointing: a checkpointed input of 8388608 "
+                                           "bytes does not fit the host tier"):
+        strata.checkpointing.checkpoint(lambda t: t * 2, big)
+    # Inputs that fill the tier push its other copies to NVMe: the budget is never passed.
+    inputs = [torch.randn(256 << 10, requires_grad=True) for _ in range(12)]  # 12 MiB
+    outs = [strata.checkpointing.checkpoint(lambda t: t * t, a) for a in inputs]
+    assert engine.runtime.stats()["host_held_bytes"] <= 8 << 20
+    torch.stack([o.sum() for o in outs]).sum().backward()  # brought back from NVMe as needed
+    for a in inputs:
+        assert torch.equal(a.grad, 2 * a.detach())
+    strata.checkpointing.reset()
+
+
 def test_activation_checkpointing_refuses_an_unknown_key():
     with pytest.raises(ValueError, match="activation_checkpointing.cpu_checkpoint: unknown key"):
         strata.checkpointing.configure(
