@@ -1192,6 +1192,37 @@ absl::Status Runtime::InitializeOptimizerState(PartitionId id, absl::Span<const 
   return optimizer_->Initialize(id, master, initial_state);
 }
 
+absl::Status Runtime::BeginLoadOptimizerState() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
+  }
+  return optimizer_->BeginLoad();
+}
+
+absl::Status Runtime::LoadOptimizerState(PartitionId id, absl::Span<const float> master,
+                                         absl::Span<const float> exp_avg,
+                                         absl::Span<const float> exp_avg_sq) {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
+  }
+  return optimizer_->Load(id, master, exp_avg, exp_avg_sq);
+}
+
+absl::Status Runtime::CommitLoadOptimizerState() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
+  }
+  return optimizer_->CommitLoad();
+}
+
+void Runtime::AbortLoadOptimizerState() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ != nullptr) optimizer_->AbortLoad();
+}
+
 absl::Status Runtime::ReadOptimizerState(PartitionId id, absl::Span<float> master,
                                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq) {
   MutexLock lock(&optimizer_mu_);

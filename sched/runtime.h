@@ -303,6 +303,14 @@ class Runtime {
                                   const optim_cpu::StepOptions& options = {});
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
   void AbortOptimizerStep();
+  // Loads optimizer state (a checkpoint's), all or none: swap/optimizer_swapper.h's BeginLoad,
+  // Load and CommitLoad or AbortLoad.
+  absl::Status BeginLoadOptimizerState();
+  absl::Status LoadOptimizerState(PartitionId id, absl::Span<const float> master,
+                                  absl::Span<const float> exp_avg,
+                                  absl::Span<const float> exp_avg_sq);
+  absl::Status CommitLoadOptimizerState();
+  void AbortLoadOptimizerState();
   absl::Status ReadOptimizerState(PartitionId id, absl::Span<float> master,
                                   absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
 

@@ -110,6 +110,7 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
 
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
   Abort();
+  AbortLoad();
   if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
   for (auto& [id, part] : parts_) {
@@ -313,6 +314,10 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes) {
   if (txn_ != nullptr) {
     return absl::FailedPreconditionError(
         "optimizer swapper: a step is already being staged (Commit or Abort it first)");
+  }
+  if (loading_ != nullptr) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: a state is being loaded (CommitLoad or AbortLoad it first)");
   }
   if (absl::Status s = ReserveCopyStaging(copy_staging_bytes); !s.ok()) {
     return Annotate(s, absl::StrCat("staging the param copies of the NVMe-resident partitions "
@@ -637,6 +642,69 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     }
   }
   return finish();
+}
+
+absl::Status PipelinedOptimizerSwapper::BeginLoad() {
+  if (txn_ != nullptr || loading_ != nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("optimizer swapper: load: a ",
+                     txn_ != nullptr ? "step is being staged" : "load is open", " (end it first)"));
+  }
+  loading_ = std::make_unique<Loading>();
+  if (store_ != nullptr) loading_->batch = store_->NewBatch();
+  return absl::OkStatus();
+}
+
+absl::Status PipelinedOptimizerSwapper::Load(tiering::PartitionId id,
+                                             absl::Span<const float> master,
+                                             absl::Span<const float> exp_avg,
+                                             absl::Span<const float> exp_avg_sq) {
+  if (loading_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: Load before BeginLoad");
+  }
+  STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
+  const uint64_t n = part->elements;
+  if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer swapper: load partition ", id, ": it has ", n, " elements, given ",
+                     master.size(), ", ", exp_avg.size(), " and ", exp_avg_sq.size()));
+  }
+  float* into = buffers_.empty() ? nullptr : buffers_.front();
+  if (part->host_state != nullptr) {
+    auto held = std::find_if(loading_->host.begin(), loading_->host.end(),
+                             [part](const auto& h) { return h.first == part; });
+    if (held == loading_->host.end()) {
+      STRATA_ASSIGN_OR_RETURN(void* p, host_->Allocate(StateBytes(n)));
+      loading_->host.emplace_back(part, static_cast<float*>(p));
+      held = loading_->host.end() - 1;
+    }
+    into = held->second;
+  }
+  std::memcpy(into, master.data(), n * sizeof(float));
+  std::memcpy(into + n, exp_avg.data(), n * sizeof(float));
+  std::memcpy(into + 2 * n, exp_avg_sq.data(), n * sizeof(float));
+  if (part->host_state != nullptr) return absl::OkStatus();
+  return loading_->batch->Stage(StoreKey(id), Bytes(into, n));
+}
+
+absl::Status PipelinedOptimizerSwapper::CommitLoad() {
+  if (loading_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: CommitLoad before BeginLoad");
+  }
+  std::unique_ptr<Loading> l = std::move(loading_);
+  absl::Status committed = l->batch != nullptr ? l->batch->Commit() : absl::OkStatus();
+  for (const auto& [part, state] : l->host) {
+    if (committed.ok()) std::memcpy(part->host_state, state, StateBytes(part->elements));
+    host_->Deallocate(state, StateBytes(part->elements));
+  }
+  return Annotate(committed, "optimizer swapper: load: nothing was changed");
+}
+
+void PipelinedOptimizerSwapper::AbortLoad() {
+  if (loading_ == nullptr) return;
+  std::unique_ptr<Loading> l = std::move(loading_);
+  if (l->batch != nullptr) l->batch->Abort();
+  for (const auto& [part, state] : l->host) host_->Deallocate(state, StateBytes(part->elements));
 }
 
 }  // namespace strata::swap

@@ -155,6 +155,17 @@ class PipelinedOptimizerSwapper {
   absl::StatusOr<StepReport> Commit();
   void Abort();
   bool staging() const { return txn_ != nullptr; }
+  // Replaces the state of any of the partitions, all or none (loading a checkpoint): BeginLoad,
+  // then Load each partition's master weights and moments (an NVMe-resident one is written to
+  // fresh extents at once, through the ring; a host-resident one is kept aside in memory from
+  // `host`), then CommitLoad (one manifest record, then the host-resident ones copied in) or
+  // AbortLoad; nothing changes before CommitLoad, and a failed CommitLoad changes nothing.
+  // FailedPrecondition while a step is staged (and Step or Begin while a load is).
+  absl::Status BeginLoad();
+  absl::Status Load(tiering::PartitionId id, absl::Span<const float> master,
+                    absl::Span<const float> exp_avg, absl::Span<const float> exp_avg_sq);
+  absl::Status CommitLoad();
+  void AbortLoad();
   // Copies a partition's committed state out (tests, checkpoints).
   absl::Status ReadState(tiering::PartitionId id, absl::Span<float> master,
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
@@ -171,7 +182,12 @@ class PipelinedOptimizerSwapper {
     uint64_t elements = 0;
     float* host_state = nullptr;  // host-resident: [master | m | v]; else null
   };
-  struct Txn;  // an open transaction (optimizer_swapper.cc)
+  struct Txn;       // an open transaction (optimizer_swapper.cc)
+  struct Loading {  // an open load
+    std::unique_ptr<tiering::NvmeStore::Batch> batch;
+    // Host-resident partitions' new state, copied in at CommitLoad.
+    std::vector<std::pair<const Part*, float*>> host;
+  };
   PipelinedOptimizerSwapper() = default;
   absl::StatusOr<const Part*> Find(tiering::PartitionId id) const;
   // Each input as Step and Stage check it (`seen`: partitions staged already, added to); the
@@ -199,6 +215,7 @@ class PipelinedOptimizerSwapper {
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;
+  std::unique_ptr<Loading> loading_;
 };
 
 }  // namespace strata::swap

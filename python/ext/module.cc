@@ -17,6 +17,7 @@
 // Thread safety: an Optimizer is used by one thread at a time (its calls hold the GIL except while
 // the step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
 // sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -280,6 +281,19 @@ std::vector<swap::StepInput> StepInputs(const py::list& inputs, bool grad_option
     in.push_back(s);
   }
   return in;
+}
+
+// A partition's optimizer state as three float32 host tensors.
+std::array<TensorView, 3> StateTensors(const std::string& what, py::handle master,
+                                       py::handle exp_avg, py::handle exp_avg_sq) {
+  std::array<TensorView, 3> out = {HostTensor(master, "master"), HostTensor(exp_avg, "exp_avg"),
+                                   HostTensor(exp_avg_sq, "exp_avg_sq")};
+  for (const TensorView& t : out) {
+    if (t.dtype != optim_cpu::DType::kF32) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(what, ": accepted: float32 tensors")));
+    }
+  }
+  return out;
 }
 
 py::dict ReportDict(const swap::StepReport& report) {
@@ -643,16 +657,46 @@ class PyRuntime {
     staged_.clear();
   }
 
+  // A checkpoint's optimizer state, all or none (sched::Runtime::BeginLoadOptimizerState).
+  void BeginLoadOptimizerState() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->BeginLoadOptimizerState();
+    }
+    Check(s);
+  }
+
+  void LoadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg,
+                          py::handle exp_avg_sq) {
+    const auto [p, m, v] = StateTensors("load_optimizer_state", master, exp_avg, exp_avg_sq);
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->LoadOptimizerState(id, {static_cast<const float*>(p.data), p.elements},
+                                       {static_cast<const float*>(m.data), m.elements},
+                                       {static_cast<const float*>(v.data), v.elements});
+    }
+    Check(s);
+  }
+
+  void CommitLoadOptimizerState() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->CommitLoadOptimizerState();
+    }
+    Check(s);
+  }
+
+  void AbortLoadOptimizerState() {
+    py::gil_scoped_release unlocked;
+    runtime_->AbortLoadOptimizerState();
+  }
+
   void ReadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg,
                           py::handle exp_avg_sq) {
-    const TensorView p = HostTensor(master, "master");
-    const TensorView m = HostTensor(exp_avg, "exp_avg");
-    const TensorView v = HostTensor(exp_avg_sq, "exp_avg_sq");
-    for (const TensorView* t : {&p, &m, &v}) {
-      if (t->dtype != optim_cpu::DType::kF32) {
-        Raise(absl::InvalidArgumentError("read_optimizer_state: accepted: float32 tensors"));
-      }
-    }
+    const auto [p, m, v] = StateTensors("read_optimizer_state", master, exp_avg, exp_avg_sq);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
@@ -750,6 +794,11 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
+      .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)
+      .def("load_optimizer_state", &PyRuntime::LoadOptimizerState, py::arg("id"), py::arg("master"),
+           py::arg("exp_avg"), py::arg("exp_avg_sq"))
+      .def("commit_load_optimizer_state", &PyRuntime::CommitLoadOptimizerState)
+      .def("abort_load_optimizer_state", &PyRuntime::AbortLoadOptimizerState)
       .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"), py::arg("master"),
            py::arg("exp_avg"), py::arg("exp_avg_sq"));
 }

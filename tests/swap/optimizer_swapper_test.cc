@@ -949,3 +949,70 @@ TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
 
 }  // namespace
 }  // namespace strata::swap
+
+namespace strata::swap {
+namespace {
+
+// Loading a checkpoint's state: all or none. Nothing changes before CommitLoad (host- and
+// NVMe-resident alike); AbortLoad and a CommitLoad whose manifest record fails change nothing;
+// a committed load reads back as loaded and steps from there as the same state in memory does.
+TEST(SwapperLoadTest, ALoadIsAllOrNone) {
+  for (int how = 0; how < 3; ++how) {
+    SCOPED_TRACE(how);
+    Fixture f({true, true, 220000});
+    std::vector<std::vector<float>> p, m, v;
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      const uint64_t n = f.parts[i].second;
+      p.emplace_back(n, 0.5f + i);
+      m.emplace_back(n, 0.25f);
+      v.emplace_back(n, 0.125f);
+    }
+    const uint64_t generation = f.store->generation();
+    ASSERT_TRUE(f.swapper->BeginLoad().ok());
+    EXPECT_EQ(f.swapper->Begin(0).code(), absl::StatusCode::kFailedPrecondition);
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      ASSERT_TRUE(f.swapper->Load(f.parts[i].first, p[i], m[i], v[i]).ok());
+    }
+    f.ExpectMatchesReference();  // nothing visible yet
+    if (how == 0) {
+      f.swapper->AbortLoad();
+    } else if (how == 1) {
+      f.trace->SetFault([](const Entry& op, const std::vector<Entry>&) {
+        return op.kind == aio::OpKind::kWrite && !op.data_file ? EIO : 0;
+      });
+      absl::Status s = f.swapper->CommitLoad();
+      f.trace->SetFault(nullptr);
+      EXPECT_FALSE(s.ok());
+      EXPECT_THAT(s.message(), HasSubstr("nothing was changed"));
+    } else {
+      ASSERT_TRUE(f.swapper->CommitLoad().ok());
+      f.ref.p = p;
+      f.ref.m = m;
+      f.ref.v = v;
+    }
+    EXPECT_EQ(f.store->generation(), how == 2 ? generation + 1 : generation);
+    f.ExpectMatchesReference();
+    f.NewGrads(3);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    f.ExpectMatchesReference();
+  }
+}
+
+TEST(SwapperLoadTest, BadLoadsAreNamed) {
+  Fixture f({true, true, 0});
+  std::vector<float> x(f.parts[0].second), short_one(3);
+  EXPECT_EQ(f.swapper->Load(f.parts[0].first, x, x, x).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(f.swapper->CommitLoad().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(f.swapper->BeginLoad().ok());
+  EXPECT_EQ(f.swapper->BeginLoad().code(), absl::StatusCode::kFailedPrecondition);
+  absl::Status s = f.swapper->Load(f.parts[0].first, x, short_one, x);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("given 1007, 3 and 1007"));
+  EXPECT_EQ(f.swapper->Load(99, x, x, x).code(), absl::StatusCode::kNotFound);
+  f.swapper->AbortLoad();
+}
+
+}  // namespace
+}  // namespace strata::swap
