@@ -109,6 +109,7 @@ class TrainConfig:
         self.steps_per_print = 10
         self.activation_checkpointing = None  # the block, for strata.checkpointing
         self.runtime = {}  # what goes to the C++ reader
+        self.source = {}  # the config as given
 
     @staticmethod
     def load(config):
@@ -132,6 +133,7 @@ class TrainConfig:
     def parse(cls, config):
         config = cls.load(config)
         c = cls()
+        c.source = config  # as given (a checkpoint keeps it)
         c.micro_batch = _number(config, "train_micro_batch_size_per_gpu", "", None, 1, None, True)
         c.accumulation = _number(config, "gradient_accumulation_steps", "", None, 1, None, True)
         batch = _number(config, "train_batch_size", "", None, 1, None, True)

@@ -61,6 +61,7 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
 from strata import checkpointing
+from strata import engine_state
 from strata import lr_schedules
 from strata.config import TrainConfig
 
@@ -934,6 +935,24 @@ class Engine:
         errors = self.runtime.take_deferred_errors()
         if errors:
             raise _strata.Error("strata: releasing a lent parameter failed: " + "; ".join(errors))
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
+        "global_stepN"), crash-consistent, `latest` moved last (strata/engine_state.py says
+        what is kept and how). Returns the tag's folder."""
+        return engine_state.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False):
+        """DeepSpeed's load_checkpoint: returns (the tag's folder, client_state), or (None, None)
+        when there is no `latest` and no tag. Everything is checked before anything changes;
+        load_module_strict is always on (a parameter missing or extra is named)."""
+        del load_module_strict
+        return engine_state.load(self, load_dir, tag, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)
 
     # --- reports ------------------------------------------------------------------------------
 

@@ -1,0 +1,334 @@
+"""Checkpoints of a strata engine: ``engine.save_checkpoint`` and ``engine.load_checkpoint``.
+
+A checkpoint is a folder per tag under the save folder, with DeepSpeed's habits: a ``latest`` file
+beside the tags names the newest. A tag's folder holds
+
+* ``optimizer_states.bin``: each trainable parameter's fp32 master weights, exp_avg and
+  exp_avg_sq (Adagrad's sum and Lion's exp_avg in exp_avg's place), raw little-endian float32,
+  one parameter after the other in the engine's order, streamed partition by partition from the
+  Runtime's optimizer (host or NVMe): never more than one parameter's state in memory;
+* ``engine_states.pt``: the learning-rate scheduler's state and the trainer's ``client_state``
+  (the data position, say), with ``torch.save``;
+* ``meta.json``, written last: the format, the step counters, the fp16 loss scaler, the optimizer's
+  param groups, each parameter's name, shape, Adam step count, offset and the BLAKE2b digests of
+  its three tensors, the digest of ``engine_states.pt``, and the config as given.
+
+Crash-consistent: a save writes the folder under a temporary name (``.TAG.partial-...``), syncs
+every file and the folder, renames it to TAG (an existing TAG is first renamed aside to
+``.TAG.replaced-...`` and removed once the new one is in place), syncs the save folder, and only
+then replaces ``latest`` (written aside, synced, renamed, the folder synced). A process killed at any
+moment leaves ``latest`` naming a whole checkpoint; a TAG found only renamed aside is loaded from
+there.
+
+Loading checks before it changes anything: every parameter of the engine is in the checkpoint
+with its shape and none is extra (all mismatches named at once), the files are whole, and every
+tensor's digest matches (a flipped byte is named by file and tensor). Then the optimizer state is
+loaded all or none (the Runtime's load: one manifest record for the NVMe state), the parameters
+are set from the master weights in the training dtype, and the counters, loss scaler and scheduler
+are restored, so the steps after a load are bit for bit the steps of the run that saved it.
+
+Thread safety: the engine's (one thread).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+
+import numpy
+import torch
+from torch.utils.dlpack import from_dlpack
+
+__all__ = ["save", "load", "CheckpointError"]
+
+FORMAT = "strata-checkpoint"
+VERSION = 1
+STATES = "optimizer_states.bin"
+ENGINE = "engine_states.pt"
+META = "meta.json"
+LATEST = "latest"
+_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+# Test seam: called with the name of each moment of a save (a test kills the process there).
+_crash_point = None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the file and what is wrong are named."""
+
+
+def _point(name):
+    if _crash_point is not None:
+        _crash_point(name)
+
+
+def _digest(tensor):
+    return hashlib.blake2b(tensor.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_tag(tag):
+    if not isinstance(tag, str) or not tag or tag.startswith(".") or "/" in tag or \
+            tag == LATEST or "\0" in tag:
+        raise ValueError(f"save_checkpoint: tag {tag!r}; accepted: a non-empty name without '/', "
+                         f"not starting with '.', other than {LATEST!r}")
+
+
+def _remove_dead_partials(save_dir):
+    """Folders of saves killed before their rename (their process is gone)."""
+    for name in os.listdir(save_dir):
+        if ".partial-" not in name or not name.startswith("."):
+            continue
+        pid = name.rsplit(".partial-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
+    """Saves the engine's training state under save_dir/tag (see the module's docstring);
+    returns the tag's folder."""
+    if engine._staged is not None:
+        raise RuntimeError("save_checkpoint: between backward and step; save after step()")
+    tag = f"global_step{engine.global_steps}" if tag is None else tag
+    _check_tag(tag)
+    save_dir = os.fspath(save_dir)
+    os.makedirs(save_dir, exist_ok=True)
+    _remove_dead_partials(save_dir)
+    partial = os.path.join(save_dir, f".{tag}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(partial)
+    try:
+        _write_state(engine, partial, client_state)
+        _point("files_written")
+        _fsync_dir(partial)
+        final = os.path.join(save_dir, tag)
+        if os.path.lexists(final):
+            aside = os.path.join(save_dir, f".{tag}.replaced-{uuid.uuid4().hex[:8]}")
+            os.rename(final, aside)
+            _point("old_renamed_aside")
+        os.rename(partial, final)
+        _fsync_dir(save_dir)
+        _point("renamed")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if save_latest:
+        latest = os.path.join(save_dir, LATEST)
+        _write_file(latest + ".partial", tag.encode())
+        os.replace(latest + ".partial", latest)
+        _fsync_dir(save_dir)
+        _point("latest_written")
+    # The old folder, and any a killed save left aside for this tag.
+    for name in os.listdir(save_dir):
+        if name.startswith(f".{tag}.replaced-"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return final
+
+
+def _write_state(engine, folder, client_state):
+    params = []
+    offset = 0
+    with open(os.path.join(folder, STATES), "wb") as f:
+        for e in engine._params:
+            tensors = [torch.empty(e.numel) for _ in _KINDS]
+            engine.runtime.read_optimizer_state(e.gid, *tensors)
+            digests = {}
+            for kind, t in zip(_KINDS, tensors):
+                f.write(t.numpy().tobytes())
+                digests[kind] = _digest(t)
+            params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel,
+                           "steps": e.steps, "group_index": e.group_index, "offset": offset,
+                           "digests": digests})
+            offset += 3 * 4 * e.numel
+            _point("parameter_written")
+        f.flush()
+        os.fsync(f.fileno())
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \
+        hasattr(engine.lr_scheduler, "state_dict") else None
+    torch.save({"lr_scheduler": scheduler, "client_state": client_state},
+               os.path.join(folder, ENGINE))
+    with open(os.path.join(folder, ENGINE), "rb+") as f:
+        os.fsync(f.fileno())
+        engine_digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    meta = {
+        "format": FORMAT, "version": VERSION,
+        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "loss_scaler": {"loss_scale": engine.loss_scale,
+                        "hysteresis_left": engine._hysteresis_left,
+                        "scale_iteration": engine._scale_iteration,
+                        "last_overflow": engine._last_overflow},
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "optimizer": engine.optimizer_kind,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                         for g in engine.optimizer.param_groups],
+        "params": params,
+        "files": {STATES: {"bytes": offset}, ENGINE: {"digest": engine_digest}},
+        "config": engine.config.source,
+    }
+    _write_file(os.path.join(folder, META), json.dumps(meta, indent=1).encode())
+
+
+def _resolve(load_dir, tag):
+    """The folder of `tag` (a save killed between renames left it aside), or None."""
+    path = os.path.join(load_dir, tag)
+    if os.path.isdir(path):
+        return path
+    prefix = f".{tag}.replaced-"
+    aside = [n for n in os.listdir(load_dir) if n.startswith(prefix)]
+    return os.path.join(load_dir, sorted(aside)[0]) if aside else None
+
+
+def _read_meta(path):
+    file = os.path.join(path, META)
+    try:
+        with open(file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"load_checkpoint: {file} is missing: not a whole checkpoint") \
+            from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"load_checkpoint: {file} cannot be read: {error}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or \
+            meta.get("version") != VERSION:
+        raise CheckpointError(f"load_checkpoint: {file} is not a {FORMAT} of version {VERSION}")
+    return meta
+
+
+def _check_shapes(engine, meta, file):
+    ours = {e.name: list(e.shape) for e in engine._params}
+    theirs = {p["name"]: p["shape"] for p in meta["params"]}
+    problems = [f"missing: {n}" for n in ours if n not in theirs]
+    problems += [f"unexpected: {n}" for n in theirs if n not in ours]
+    problems += [f"{n}: shape {theirs[n]} in the checkpoint, {ours[n]} in the model"
+                 for n in ours if n in theirs and theirs[n] != ours[n]]
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {file} was written by a different model: "
+                              + "; ".join(problems) + "; nothing was changed")
+
+
+def _read_tensors(f, entry):
+    f.seek(entry["offset"])
+    n = entry["numel"]
+    data = f.read(3 * 4 * n)
+    if len(data) != 3 * 4 * n:
+        return None
+    flat = torch.from_numpy(numpy.frombuffer(bytearray(data), dtype="<f4"))
+    return [flat[i * n:(i + 1) * n] for i in range(3)]
+
+
+def _verify(path, meta):
+    states = os.path.join(path, STATES)
+    if not os.path.isfile(states):
+        raise CheckpointError(f"load_checkpoint: {states} is missing; nothing was changed")
+    size = os.path.getsize(states)
+    if size != meta["files"][STATES]["bytes"]:
+        raise CheckpointError(f"load_checkpoint: {states} holds {size} bytes, "
+                              f"{meta['files'][STATES]['bytes']} were written; nothing was "
+                              "changed")
+    with open(states, "rb") as f:
+        for entry in meta["params"]:
+            tensors = _read_tensors(f, entry)
+            if tensors is None:
+                raise CheckpointError(f"load_checkpoint: {states} ends inside {entry['name']}; "
+                                      "nothing was changed")
+            for kind, t in zip(_KINDS, tensors):
+                if _digest(t) != entry["digests"][kind]:
+                    raise CheckpointError(
+                        f"load_checkpoint: {states}: {entry['name']} ({kind}) does not match its "
+                        "digest: the file is damaged; nothing was changed")
+    engine_file = os.path.join(path, ENGINE)
+    try:
+        with open(engine_file, "rb") as f:
+            digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    except FileNotFoundError:
+        raise CheckpointError(f"load_checkpoint: {engine_file} is missing; nothing was changed") \
+            from None
+    if digest != meta["files"][ENGINE]["digest"]:
+        raise CheckpointError(f"load_checkpoint: {engine_file} does not match its digest: the "
+                              "file is damaged; nothing was changed")
+
+
+def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+         load_module_only=False):
+    """Loads a checkpoint into the engine (see the module's docstring); returns (its folder,
+    client_state), or (None, None) when `load_dir` has no ``latest`` and no tag is given (as
+    DeepSpeed's, with a warning)."""
+    if engine._staged is not None:
+        raise RuntimeError("load_checkpoint: between backward and step; load after step()")
+    load_dir = os.fspath(load_dir)
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.isfile(latest):
+            engine._warn(f"load_checkpoint: {latest} is missing and no tag was given: nothing "
+                         "was loaded")
+            return None, None
+        with open(latest, encoding="utf-8") as f:
+            tag = f.read().strip()
+    path = _resolve(load_dir, tag)
+    if path is None:
+        raise CheckpointError(f"load_checkpoint: no checkpoint {tag!r} in {load_dir}")
+    meta = _read_meta(path)
+    _check_shapes(engine, meta, os.path.join(path, META))
+    _verify(path, meta)
+    engine_states = torch.load(os.path.join(path, ENGINE))
+    by_name = {p["name"]: p for p in meta["params"]}
+    with open(os.path.join(path, STATES), "rb") as f:
+        if load_optimizer_states and not load_module_only:
+            engine.runtime.begin_load_optimizer_state()
+            try:
+                for e in engine._params:
+                    engine.runtime.load_optimizer_state(e.gid, *_read_tensors(f, by_name[e.name]))
+                engine.runtime.commit_load_optimizer_state()
+            except BaseException:
+                engine.runtime.abort_load_optimizer_state()
+                raise
+        for e in engine._params:
+            master = _read_tensors(f, by_name[e.name])[0]
+            _set_weights(engine, e, master)
+    if not load_module_only:
+        for e in engine._params:
+            e.steps = by_name[e.name]["steps"]
+        engine.global_steps = meta["global_steps"]
+        engine.skipped_steps = meta["skipped_steps"]
+        engine.micro_steps = meta["micro_steps"]
+        scaler = meta["loss_scaler"]
+        engine.loss_scale = scaler["loss_scale"]
+        engine._hysteresis_left = scaler["hysteresis_left"]
+        engine._scale_iteration = scaler["scale_iteration"]
+        engine._last_overflow = scaler["last_overflow"]
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            group.update(saved)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and \
+                engine_states["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(engine_states["lr_scheduler"])
+    return path, engine_states["client_state"]
+
+
+def _set_weights(engine, e, master):
+    """The parameter's weights: its master weights in the training dtype."""
+    with torch.no_grad():
+        if e.partitioned:
+            copy = from_dlpack(engine.runtime.acquire(e.pid, "host", traced=False))
+            try:
+                copy.copy_(master.to(copy.dtype))
+            finally:
+                del copy
+                engine.runtime.release(e.pid, "host", True, traced=False)
+        else:
+            e.param.data.copy_(master.view(e.shape).to(device=e.param.device,
+                                                       dtype=e.param.dtype))

@@ -1,0 +1,196 @@
+"""engine.save_checkpoint / load_checkpoint: resume bit for bit, crash-consistent saves, and
+checkpoints that cannot be loaded named before anything changes (strata/engine_state.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import strata
+from strata import engine_state
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_engine import Net, batches, loss_of, make_config  # noqa: E402
+
+
+def engine_for(tmp_path, offload, dtype, seed, name="run"):
+    torch.manual_seed(seed)
+    (tmp_path / name).mkdir(exist_ok=True)
+    config = make_config(tmp_path / name, 3, offload, dtype, accumulation=2, clipping=1.0)
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 6}}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    return engine
+
+
+def state_of(engine):
+    """Every parameter's master weights and moments, and its weights in the training dtype."""
+    out = []
+    for e in engine._params:
+        t = [torch.empty(e.numel) for _ in range(3)]
+        engine.runtime.read_optimizer_state(e.gid, *t)
+        out += t
+    return out + list(engine.module_state_dict().values())
+
+
+def train(engine, data):
+    losses = []
+    for x, y in data:
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_resumed_run_is_bit_for_bit_the_run_that_never_stopped(tmp_path, offload, dtype):
+    data = list(batches(28))  # 14 optimizer steps of 2 micro-batches
+    whole = engine_for(tmp_path, offload, dtype, seed=0, name="whole")
+    first = train(whole, data[:8])
+    whole.save_checkpoint(tmp_path / "ckpt", client_state={"position": 8})
+    lr_at_save = whole.get_lr()
+    rest = train(whole, data[8:])
+    # Another engine, made from other initial weights, loads the checkpoint and goes on.
+    resumed = engine_for(tmp_path, offload, dtype, seed=1, name="resumed")
+    path, client = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert path == str(tmp_path / "ckpt" / "global_step4") and client == {"position": 8}
+    assert resumed.global_steps == 4 and resumed.get_lr() == lr_at_save
+    again = train(resumed, data[client["position"]:])
+    assert again == rest  # losses, exactly
+    for a, b in zip(state_of(whole), state_of(resumed)):
+        assert torch.equal(a, b)
+    assert first  # the first part trained
+
+
+def test_the_latest_file_names_the_newest_and_a_tag_can_be_chosen(tmp_path):
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    data = list(batches(8))
+    train(engine, data[:4])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    train(engine, data[4:])
+    engine.save_checkpoint(tmp_path / "ckpt", tag="mine")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step2", "latest", "mine"]
+    engine.save_checkpoint(tmp_path / "ckpt", tag="mine")  # replaced whole
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["global_step2", "latest", "mine"]
+    other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
+    path, _ = other.load_checkpoint(tmp_path / "ckpt", tag="global_step2")
+    assert other.global_steps == 2 and path.endswith("global_step2")
+    assert other.load_checkpoint(tmp_path / "empty") == (None, None)
+    with pytest.raises(ValueError, match="tag"):
+        engine.save_checkpoint(tmp_path / "ckpt", tag="../up")
+
+
+def damaged(tmp_path, how):
+    """A checkpoint of 2 steps, damaged as `how` says; the engine to load it into (at step 1)."""
+    engine = engine_for(tmp_path, "nvme", "fp32", seed=0)
+    data = list(batches(4))
+    train(engine, data)
+    ckpt = tmp_path / "ckpt"
+    engine.save_checkpoint(ckpt)
+    folder = ckpt / "global_step2"
+    if how == "flipped byte":
+        with open(folder / "optimizer_states.bin", "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0x10]))
+    elif how == "missing file":
+        os.remove(folder / "engine_states.pt")
+    elif how == "truncated":
+        os.truncate(folder / "optimizer_states.bin", 1000)
+    elif how == "no meta":
+        os.remove(folder / "meta.json")
+    target = engine_for(tmp_path, "nvme", "fp32", seed=1, name="target")
+    train(target, data[:2])
+    return target, ckpt
+
+
+@pytest.mark.parametrize("how, message", [
+    ("flipped byte", r"optimizer_states.bin: emb.weight \(master\) does not match its digest"),
+    ("missing file", r"engine_states.pt is missing"),
+    ("truncated", r"optimizer_states.bin holds 1000 bytes"),
+    ("no meta", r"meta.json is missing"),
+])
+def test_a_damaged_checkpoint_is_named_and_changes_nothing(tmp_path, how, message):
+    target, ckpt = damaged(tmp_path, how)
+    before = state_of(target)
+    with pytest.raises(engine_state.CheckpointError, match=message):
+        target.load_checkpoint(ckpt)
+    for a, b in zip(before, state_of(target)):
+        assert torch.equal(a, b)
+    assert target.global_steps == 1
+
+
+def test_a_checkpoint_of_another_model_names_every_difference(tmp_path):
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / "global_step0" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["params"][0]["shape"] = [7, 7]
+    meta["params"][1]["name"] = "extra.weight"
+    meta_file.write_text(json.dumps(meta))
+    other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
+    before = state_of(other)
+    with pytest.raises(engine_state.CheckpointError) as failed:
+        other.load_checkpoint(tmp_path / "ckpt")
+    text = str(failed.value)
+    assert "emb.weight: shape [7, 7] in the checkpoint" in text
+    assert f"missing: {engine._params[1].name}" in text and "unexpected: extra.weight" in text
+    for a, b in zip(before, state_of(other)):
+        assert torch.equal(a, b)
+
+
+CHILD = r"""
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import strata
+from strata import engine_state
+from test_checkpoint import engine_for, train
+from test_engine import batches
+import pathlib
+tmp = pathlib.Path({tmp!r})
+engine = engine_for(tmp, "nvme", "fp32", seed=0)
+data = list(batches(8))
+train(engine, data[:4])
+engine.save_checkpoint(tmp / "ckpt")  # step 2: whole
+train(engine, data[4:])
+calls = [0]
+def crash(name):
+    calls[0] += 1
+    if calls[0] == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+engine_state._crash_point = crash
+engine.save_checkpoint(tmp / "ckpt", tag={tag!r})  # step 4, killed part way
+print("finished")
+"""
+
+
+# The moments of a save of Net (7 parameters): 1-7 each parameter's state written, 8 the files
+# written, then (when the tag exists) 9 the old folder moved aside, then the rename, then `latest`.
+KILLS = [("global_step4", k) for k in (1, 7, 8, 9, 10)] + \
+    [("global_step2", k) for k in (1, 7, 8, 9, 10, 11)]
+
+
+@pytest.mark.parametrize("tag, kill_at", KILLS)
+def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(tmp_path, tag, kill_at):
+    # A new tag, or the tag of the checkpoint `latest` names (replaced): SIGKILL at each moment.
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD.format(tests=here, tmp=str(tmp_path), kill_at=kill_at,
+                                            tag=tag)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert child.returncode == -signal.SIGKILL, (child.stdout, child.stderr)
+    loader = engine_for(tmp_path, "nvme", "fp32", seed=1, name="loader")
+    path, _ = loader.load_checkpoint(tmp_path / "ckpt")  # whole: verified before loading
+    # The new state is what `latest` names once `latest` moved to a new tag, or once the folder of
+    # the tag it names was replaced; before, the previous checkpoint, whole.
+    assert loader.global_steps == (4 if kill_at >= 10 else 2)
+    # The next save cleans up what the killed one left.
+    loader.save_checkpoint(tmp_path / "ckpt", tag=tag)
+    assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".")) == []
