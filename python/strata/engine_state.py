@@ -7,11 +7,15 @@ beside the tags names the newest. A tag's folder holds
   exp_avg_sq (Adagrad's sum and Lion's exp_avg in exp_avg's place), raw little-endian float32,
   one parameter after the other in the engine's order, streamed partition by partition from the
   Runtime's optimizer (host or NVMe): never more than one parameter's state in memory;
-* ``engine_states.pt``: the learning-rate scheduler's state and the trainer's ``client_state``
-  (the data position, say), with ``torch.save``;
+* ``engine_states.pt``: the learning-rate scheduler's state, the trainer's ``client_state`` (the
+  data position, say) and the module's buffers and frozen parameters, with ``torch.save``;
 * ``meta.json``, written last: the format, the step counters, the fp16 loss scaler, the optimizer's
   param groups, each parameter's name, shape, Adam step count, offset and the BLAKE2b digests of
-  its three tensors, the digest of ``engine_states.pt``, and the config as given.
+  its three tensors, the other names of tied parameters, the digest of ``engine_states.pt``, and
+  the config as given.
+
+``strata.zero_to_fp32`` (and the ``strata_zero_to_fp32`` command) turns one into a plain fp32
+state dict.
 
 Crash-consistent: a save writes the folder under a temporary name (``.TAG.partial-...``), syncs
 every file and the folder, renames it to TAG (an existing TAG is first renamed aside to
@@ -159,7 +163,9 @@ def _write_state(engine, folder, client_state):
         os.fsync(f.fileno())
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \
         hasattr(engine.lr_scheduler, "state_dict") else None
-    torch.save({"lr_scheduler": scheduler, "client_state": client_state},
+    aliases, extra = _module_rest(engine)
+    torch.save({"lr_scheduler": scheduler, "client_state": client_state,
+                "module_extra": {n: t.detach().to("cpu").clone() for n, t in extra.items()}},
                os.path.join(folder, ENGINE))
     with open(os.path.join(folder, ENGINE), "rb+") as f:
         os.fsync(f.fileno())
@@ -177,10 +183,26 @@ def _write_state(engine, folder, client_state):
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
                          for g in engine.optimizer.param_groups],
         "params": params,
+        "aliases": aliases,
         "files": {STATES: {"bytes": offset}, ENGINE: {"digest": engine_digest}},
         "config": engine.config.source,
     }
     _write_file(os.path.join(folder, META), json.dumps(meta, indent=1).encode())
+
+
+def _module_rest(engine):
+    """What the module's state dict holds besides the trainable parameters under their own names:
+    (aliases: another name of a trainable parameter, a tied weight -> its name; the rest: frozen
+    parameters and buffers by name)."""
+    names = {id(e.param): e.name for e in engine._params}
+    aliases, rest = {}, {}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        own = names.get(id(value))
+        if own is None:
+            rest[name] = value
+        elif own != name:
+            aliases[name] = own
+    return aliases, rest
 
 
 def _resolve(load_dir, tag):
@@ -286,6 +308,17 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
     _check_shapes(engine, meta, os.path.join(path, META))
     _verify(path, meta)
     engine_states = torch.load(os.path.join(path, ENGINE))
+    _, rest = _module_rest(engine)
+    saved_rest = engine_states["module_extra"]
+    problems = [f"missing: {n}" for n in rest if n not in saved_rest]
+    problems += [f"unexpected: {n}" for n in saved_rest if n not in rest]
+    problems += [f"{n}: shape {list(saved_rest[n].shape)} in the checkpoint, "
+                 f"{list(rest[n].shape)} in the model"
+                 for n in rest if n in saved_rest and saved_rest[n].shape != rest[n].shape]
+    if problems:
+        raise CheckpointError(f"load_checkpoint: {os.path.join(path, ENGINE)} was written by a "
+                              "different model (buffers and frozen parameters): "
+                              + "; ".join(problems) + "; nothing was changed")
     by_name = {p["name"]: p for p in meta["params"]}
     with open(os.path.join(path, STATES), "rb") as f:
         if load_optimizer_states and not load_module_only:
@@ -300,6 +333,9 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
         for e in engine._params:
             master = _read_tensors(f, by_name[e.name])[0]
             _set_weights(engine, e, master)
+    with torch.no_grad():
+        for name, value in rest.items():
+            value.copy_(saved_rest[name].to(device=value.device, dtype=value.dtype))
     if not load_module_only:
         for e in engine._params:
             e.steps = by_name[e.name]["steps"]

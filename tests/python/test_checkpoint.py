@@ -194,3 +194,90 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(tmp_path, tag, ki
     # The next save cleans up what the killed one left.
     loader.save_checkpoint(tmp_path / "ckpt", tag=tag)
     assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".")) == []
+
+
+class Whole(torch.nn.Module):
+    """A tied weight (the head reuses the embedding), a buffer and a frozen parameter: what a
+    state dict holds besides the trainable parameters under their own names."""
+
+    def __init__(self):
+        super().__init__()
+        from test_engine import VOCAB, WIDTH
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("seen", torch.zeros(3))
+        self.scale = torch.nn.Parameter(torch.full((WIDTH,), 0.5), requires_grad=False)
+
+    def forward(self, x):
+        self.seen += 1
+        return self.head(torch.tanh(self.lin(self.emb(x)) * self.scale))
+
+
+def whole_engine(tmp_path, name, seed):
+    torch.manual_seed(seed)
+    model = Whole()
+    strata.register_external_parameter(model.head, model.emb.weight)
+    (tmp_path / name).mkdir(exist_ok=True)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path / name, 3, "nvme", "fp32", 1, 0.0))
+    return engine
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 3000])
+def test_zero_to_fp32_gives_a_state_dict_a_plain_module_loads(tmp_path, shard_bytes):
+    engine = whole_engine(tmp_path, "run", 0)
+    train(engine, batches(3))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / ("shards" if shard_bytes else "model.bin")
+    tool = os.path.join(os.environ["PYTHONPATH"].split(":")[0], "..", "tools",
+                        "strata_zero_to_fp32")
+    args = [tool, str(tmp_path / "ckpt"), str(out)]
+    if shard_bytes:
+        args += ["--shard-size", str(shard_bytes)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if shard_bytes:
+        index = json.loads((out / "pytorch_model.bin.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 1
+        state = {}
+        for f in files:
+            state.update(torch.load(out / f))
+        assert index["metadata"]["total_size"] == sum(
+            t.numel() * 4 for t in {t.data_ptr(): t for t in state.values()}.values())
+    else:
+        state = torch.load(out)
+    plain = Whole()
+    plain.load_state_dict(state)  # strict: every name, nothing extra
+    expected = engine.module_state_dict()  # the master weights (fp32 here)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, expected[name].float()), name
+    assert plain.head.weight is plain.emb.weight
+    assert torch.equal(plain.seen, torch.full((3,), 3.0))
+
+
+def test_zero_to_fp32_refuses_a_damaged_checkpoint_and_writes_nothing(tmp_path):
+    engine = whole_engine(tmp_path, "run", 0)
+    train(engine, batches(1))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    with open(tmp_path / "ckpt" / "global_step1" / "optimizer_states.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")
+    from strata import zero_to_fp32
+    assert zero_to_fp32.main([str(tmp_path / "ckpt"), str(tmp_path / "out.bin")]) == 2
+    assert not (tmp_path / "out.bin").exists()
+    assert zero_to_fp32.main([str(tmp_path / "nothing"), str(tmp_path / "out.bin")]) == 2
+
+
+def test_buffers_and_frozen_parameters_come_back_with_a_checkpoint(tmp_path):
+    engine = whole_engine(tmp_path, "run", 0)
+    train(engine, batches(2))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    other = whole_engine(tmp_path, "other", 1)
+    with torch.no_grad():
+        other.module.scale.fill_(3.0)
+    other.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(other.module.seen, torch.full((3,), 2.0))
+    assert torch.equal(other.module.scale, torch.full_like(other.module.scale, 0.5))

@@ -1,0 +1,127 @@
+"""A strata checkpoint as one fp32 state dict, as DeepSpeed's zero_to_fp32.
+
+    strata_zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG] [--shard-size BYTES]
+    python3 -m strata.zero_to_fp32 CHECKPOINT_DIR OUT ...
+    strata.zero_to_fp32.consolidate(checkpoint_dir, out, tag=None, shard_bytes=None)
+
+OUT is a ``torch.save`` file that ``torch.load`` reads and a plain ``nn.Module`` of the same
+architecture loads with ``load_state_dict`` (strict): every trainable parameter's fp32 master
+weights, a tied weight under each of its names, the buffers and frozen parameters as saved. With
+``--shard-size``, OUT is a folder of files of at most that many bytes each (a tensor larger than it
+has a file of its own) and ``pytorch_model.bin.index.json``, the index large models ship with
+(``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+
+The checkpoint is verified first (every digest: a damaged file is named and nothing is written).
+The master weights are not read into memory: each is a copy-on-write map of its bytes in the
+checkpoint's ``optimizer_states.bin``, which ``torch.save`` writes out page by page (pages of the
+file, which the kernel can drop again), so the resident memory stays near one shard's size, or the
+model's when everything goes to one file.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy
+import torch
+
+from strata import engine_state
+
+__all__ = ["consolidate", "main"]
+
+INDEX = "pytorch_model.bin.index.json"
+
+
+def _state_dict(checkpoint_dir, tag):
+    """(the verified checkpoint's folder, an ordered {name: tensor} of the fp32 state dict)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, engine_state.LATEST)
+        try:
+            with open(latest, encoding="utf-8") as f:
+                tag = f.read().strip()
+        except OSError as error:
+            raise engine_state.CheckpointError(
+                f"zero_to_fp32: {latest} cannot be read ({error.strerror}); give the tag") from None
+    path = engine_state._resolve(checkpoint_dir, tag) if os.path.isdir(checkpoint_dir) else None
+    if path is None:
+        raise engine_state.CheckpointError(
+            f"zero_to_fp32: no checkpoint {tag!r} in {checkpoint_dir}")
+    meta = engine_state._read_meta(path)
+    engine_state._verify(path, meta)
+    states = os.path.join(path, engine_state.STATES)
+    out = {}
+    for p in meta["params"]:
+        mapped = numpy.memmap(states, dtype="<f4", mode="c", offset=p["offset"],
+                              shape=(p["numel"],))
+        out[p["name"]] = torch.from_numpy(mapped).view(p["shape"])
+    for alias, name in meta.get("aliases", {}).items():
+        out[alias] = out[name]
+    extra = torch.load(os.path.join(path, engine_state.ENGINE))["module_extra"]
+    for name, value in extra.items():
+        out[name] = value
+    return path, out
+
+
+def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
+    """Writes the checkpoint's fp32 state dict to `out` (a file; with `shard_bytes`, a folder of
+    shards and their index). Returns the names written."""
+    if shard_bytes is not None and shard_bytes < 1:
+        raise ValueError(f"zero_to_fp32: shard size {shard_bytes}; accepted: at least 1 byte")
+    _, state = _state_dict(checkpoint_dir, tag)
+    out = os.fspath(out)
+    if shard_bytes is None:
+        torch.save(state, out)
+        return list(state)
+    os.makedirs(out, exist_ok=True)
+    # A tensor with all its names (a tied weight's) goes into one shard, which torch.save keeps
+    # shared.
+    groups = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), (tensor, []))[1].append(name)
+    shards, current, size = [], {}, 0
+    for tensor, names in groups.values():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        for name in names:
+            current[name] = tensor
+        size += nbytes
+    if current:
+        shards.append(current)
+    weight_map = {}
+    total = sum(t.numel() * t.element_size() for t, _ in groups.values())
+    for i, shard in enumerate(shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
+        torch.save(shard, os.path.join(out, file))
+        for name in shard:
+            weight_map[name] = file
+    with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return list(state)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="strata_zero_to_fp32",
+        description="A strata checkpoint as one fp32 state dict (torch.save), or shards and "
+                    "their index.")
+    parser.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote (with `latest`)")
+    parser.add_argument("out", help="the state dict's file (a folder with --shard-size)")
+    parser.add_argument("--tag", help="the checkpoint's tag (default: the one `latest` names)")
+    parser.add_argument("--shard-size", type=int, metavar="BYTES",
+                        help="write shards of at most BYTES each and their index")
+    args = parser.parse_args(argv)
+    try:
+        names = consolidate(args.checkpoint_dir, args.out, args.tag, args.shard_size)
+    except (engine_state.CheckpointError, ValueError, OSError) as error:
+        print(f"strata_zero_to_fp32: {error}", file=sys.stderr)
+        return 2
+    print(f"strata_zero_to_fp32: {len(names)} tensors to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
