@@ -35,6 +35,7 @@ bench: build
 	./build/release/bench/nvme_store --dir $(SCRATCH) --json build/release/nvme_store.json
 	./build/release/bench/sched_step --dir $(SCRATCH) --json build/release/sched_step.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/train_step.py --dir $(SCRATCH) --json build/release/train_step.json
+	PYTHONPATH=build/release/python $(PYTHON) bench/checkpoint.py --dir $(SCRATCH) --json build/release/checkpoint.json
 
 test: build
 	ctest --preset release

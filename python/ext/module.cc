@@ -25,9 +25,12 @@
 #include <utility>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
@@ -294,6 +297,21 @@ std::array<TensorView, 3> StateTensors(const std::string& what, py::handle maste
     }
   }
   return out;
+}
+
+// XXH3-128 of a contiguous host tensor's bytes, as 32 hex digits (checkpoints' digests).
+std::string Digest(py::handle tensor) {
+  const TensorView v = Take(BorrowTensor(tensor, "tensor"));
+  if (v.device != DeviceKind::kCpu) {
+    Raise(absl::InvalidArgumentError("digest: accepted: a CPU tensor"));
+  }
+  const size_t bytes = v.elements * (v.dtype == optim_cpu::DType::kF32 ? 4 : 2);
+  XXH128_hash_t h;
+  {
+    py::gil_scoped_release unlocked;
+    h = XXH3_128bits(v.data, bytes);
+  }
+  return absl::StrFormat("%016x%016x", h.high64, h.low64);
 }
 
 py::dict ReportDict(const swap::StepReport& report) {
@@ -750,6 +768,9 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("param_copy") = py::none())
       .def("has_non_finite", &Optimizer::HasNonFinite, py::arg("grad"))
       .def_property_readonly("isa", &Optimizer::Isa);
+  m.def("digest", &Digest,
+        "XXH3-128 of a contiguous CPU tensor's bytes (float32, bfloat16 or float16), in hex",
+        py::arg("tensor"));
   m.def("Adam", &MakeAdam, "optim_cpu::CpuAdam: Adam/AdamW (state: exp_avg, exp_avg_sq)",
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("adamw"), py::arg("bias_correction"), py::arg("threads") = 0, py::arg("isa") = "");

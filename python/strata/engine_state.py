@@ -10,7 +10,7 @@ beside the tags names the newest. A tag's folder holds
 * ``engine_states.pt``: the learning-rate scheduler's state, the trainer's ``client_state`` (the
   data position, say) and the module's buffers and frozen parameters, with ``torch.save``;
 * ``meta.json``, written last: the format, the step counters, the fp16 loss scaler, the optimizer's
-  param groups, each parameter's name, shape, Adam step count, offset and the BLAKE2b digests of
+  param groups, each parameter's name, shape, Adam step count, offset and the XXH3-128 digests of
   its three tensors, the other names of tied parameters, the digest of ``engine_states.pt``, and
   the config as given.
 
@@ -44,6 +44,8 @@ import numpy
 import torch
 from torch.utils.dlpack import from_dlpack
 
+from strata import _strata
+
 __all__ = ["save", "load", "CheckpointError"]
 
 FORMAT = "strata-checkpoint"
@@ -68,7 +70,7 @@ def _point(name):
 
 
 def _digest(tensor):
-    return hashlib.blake2b(tensor.numpy().tobytes(), digest_size=16).hexdigest()
+    return _strata.digest(tensor)
 
 
 def _fsync_dir(path):
@@ -171,7 +173,8 @@ def _write_state(engine, folder, client_state):
         os.fsync(f.fileno())
         engine_digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
     meta = {
-        "format": FORMAT, "version": VERSION,
+        "format": FORMAT, "version": VERSION, "digest": "xxh3-128 per tensor; blake2b-128 of "
+                                                          f"{ENGINE}",
         "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
         "micro_steps": engine.micro_steps,
         "loss_scaler": {"loss_scale": engine.loss_scale,
