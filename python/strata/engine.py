@@ -62,6 +62,7 @@ from torch.utils.dlpack import from_dlpack
 from strata import _strata
 from strata import checkpointing
 from strata import engine_state
+from strata import pretrained
 from strata import lr_schedules
 from strata.config import TrainConfig
 
@@ -299,6 +300,7 @@ class Engine:
         groups = self._param_groups(optimizer, hyper, by_param)
 
         self.optimizer_kind = hyper["kind"]
+        self._initial_state = hyper["initial_accumulator_value"]  # a fresh optimizer's first state
         self.runtime.create_optimizer(
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
@@ -953,6 +955,13 @@ class Engine:
         del load_module_strict
         return engine_state.load(self, load_dir, tag, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
+
+    def load_pretrained(self, source, strict=True):
+        """Streams pretrained weights into the model: a torch.save state dict, or a folder of
+        shards with pytorch_model.bin.index.json, one tensor at a time (strata/pretrained.py).
+        Every missing, unexpected or wrongly shaped tensor is named before anything changes; the
+        optimizer starts afresh over the loaded weights. Returns (missing, unexpected) names."""
+        return pretrained.load(self, source, strict)
 
     # --- reports ------------------------------------------------------------------------------
 

@@ -1,0 +1,189 @@
+"""Pretrained weights streamed into an engine: ``engine.load_pretrained(source)``.
+
+`source` is a ``torch.save`` file of a state dict (the zip format torch has written since 1.6),
+or a folder (or the index file itself) of shards with ``pytorch_model.bin.index.json``
+(``{"weight_map": {name: file}}``), as large models ship and ``strata_zero_to_fp32 --shard-size``
+writes. The files are not loaded whole: their pickle is read with each tensor left where it is
+in the archive, and the tensors are then read one at a time, each straight into its place (a
+partition's host or NVMe copy and the optimizer's fp32 master weights), so the host memory a load
+needs is about one tensor's, whatever the model's size.
+
+Before anything changes, every name is checked against the model: missing, unexpected and wrongly
+shaped tensors are named, all of them (``strict=False`` lets missing and unexpected names pass;
+a wrong shape never does). Then the optimizer state is replaced all or none: the master weights
+are the loaded tensors in fp32 and the optimizer starts afresh over them (moments and step counts
+zero, as for a model just built); the parameters are set in the training dtype; the buffers and
+frozen parameters are copied in.
+
+Thread safety: the engine's (one thread).
+"""
+
+import json
+import os
+import pickle
+import zipfile
+
+import torch
+
+from strata import engine_state
+
+__all__ = ["load", "read_state_dict_lazily"]
+
+INDEX = "pytorch_model.bin.index.json"
+
+
+class _LazyStorage:
+    def __init__(self, archive, record, dtype):
+        self.archive, self.record, self.dtype = archive, record, dtype
+
+
+class _LazyTensor:
+    """A tensor of a torch.save archive, read when asked for."""
+
+    def __init__(self, storage, offset, size, stride):
+        self.storage, self.offset = storage, offset
+        self.shape, self.stride = torch.Size(size), tuple(stride)
+
+    @property
+    def dtype(self):
+        return self.storage.dtype
+
+    def read(self):
+        with zipfile.ZipFile(self.storage.archive) as z, z.open(self.storage.record) as f:
+            data = bytearray(f.read())
+        flat = torch.frombuffer(data, dtype=self.dtype) if data else \
+            torch.empty(0, dtype=self.dtype)
+        return flat.as_strided(self.shape, self.stride, self.offset)
+
+
+def _storage_dtype(name):
+    dtype = getattr(torch, name, None)
+    if isinstance(dtype, type) and hasattr(dtype, "dtype"):
+        return dtype.dtype
+    raise pickle.UnpicklingError(f"a storage of type {name} is not known to this torch")
+
+
+class _Unpickler(pickle.Unpickler):
+    """torch.save's pickle with the storages left in the archive."""
+
+    def __init__(self, file, archive, prefix):
+        super().__init__(file)
+        self.archive, self.prefix = archive, prefix
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return lambda storage, offset, size, stride, *rest: _LazyTensor(storage, offset, size,
+                                                                            stride)
+        if module == "torch" and name.endswith("Storage"):
+            return _StorageKind(name)
+        return super().find_class(module, name)
+
+    def persistent_load(self, saved_id):
+        _, kind, key, _, _ = saved_id
+        dtype = kind.dtype if isinstance(kind, _StorageKind) else kind
+        return _LazyStorage(self.archive, f"{self.prefix}/data/{key}", dtype)
+
+
+class _StorageKind:
+    def __init__(self, name):
+        self.dtype = _storage_dtype(name)
+
+
+def read_state_dict_lazily(path):
+    """{name: a tensor left in the archive (.shape, .dtype, .read())} of a torch.save file."""
+    path = os.fspath(path)
+    if not zipfile.is_zipfile(path):
+        raise engine_state.CheckpointError(
+            f"load_pretrained: {path} is not a torch.save zip archive (accepted: the format "
+            "torch.save writes since 1.6, or a folder of shards with an index)")
+    with zipfile.ZipFile(path) as z:
+        pickles = [n for n in z.namelist() if n.endswith("/data.pkl")]
+        if len(pickles) != 1:
+            raise engine_state.CheckpointError(f"load_pretrained: {path} holds no data.pkl")
+        prefix = pickles[0][:-len("/data.pkl")]
+        with z.open(pickles[0]) as f:
+            try:
+                state = _Unpickler(f, path, prefix).load()
+            except (pickle.UnpicklingError, AttributeError, ValueError, TypeError) as error:
+                raise engine_state.CheckpointError(
+                    f"load_pretrained: {path} cannot be read: {error}") from None
+    if not isinstance(state, dict):
+        raise engine_state.CheckpointError(f"load_pretrained: {path} holds a "
+                                           f"{type(state).__name__}; accepted: a state dict")
+    return {k: v for k, v in state.items() if isinstance(v, _LazyTensor)}
+
+
+def _entries(source):
+    """{name: lazy tensor} of a file, or of the shards an index names."""
+    source = os.fspath(source)
+    index = os.path.join(source, INDEX) if os.path.isdir(source) else \
+        source if source.endswith(".index.json") else None
+    if index is None:
+        return read_state_dict_lazily(source)
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise engine_state.CheckpointError(
+            f"load_pretrained: {index} cannot be read as a shard index: {error}") from None
+    folder = os.path.dirname(index)
+    out = {}
+    for file in sorted(set(weight_map.values())):
+        shard = read_state_dict_lazily(os.path.join(folder, file))
+        for name, where in weight_map.items():
+            if where == file:
+                if name not in shard:
+                    raise engine_state.CheckpointError(
+                        f"load_pretrained: {index} puts {name} in {file}, which lacks it")
+                out[name] = shard[name]
+    return out
+
+
+def load(engine, source, strict=True):
+    """Streams the state dict at `source` into the engine (see the module's docstring). Returns
+    (missing names, unexpected names), both empty when strict."""
+    if engine._staged is not None:
+        raise RuntimeError("load_pretrained: between backward and step; load after step()")
+    entries = _entries(source)
+    aliases, rest = engine_state._module_rest(engine)
+    wanted = {e.name: e.shape for e in engine._params}
+    wanted.update({n: tuple(t.shape) for n, t in rest.items()})
+    alias_of = dict(aliases)  # another name of a trainable parameter -> its name
+    missing = [n for n in wanted if n not in entries and
+               not any(a in entries for a, own in alias_of.items() if own == n)]
+    unexpected = [n for n in entries if n not in wanted and n not in alias_of]
+    shapes = [f"{n}: shape {list(entries[n].shape)} in {os.fspath(source)}, "
+              f"{list(wanted[n])} in the model"
+              for n in wanted if n in entries and tuple(entries[n].shape) != tuple(wanted[n])]
+    shapes += [f"{a}: shape {list(entries[a].shape)}, {list(wanted[own])} in the model"
+               for a, own in alias_of.items()
+               if a in entries and tuple(entries[a].shape) != tuple(wanted[own])]
+    problems = shapes + ([f"missing: {n}" for n in missing] +
+                         [f"unexpected: {n}" for n in unexpected] if strict else [])
+    if problems:
+        raise engine_state.CheckpointError("load_pretrained: " + "; ".join(problems) +
+                                           "; nothing was changed")
+    source_of = {n: n for n in wanted if n in entries}
+    for alias, own in alias_of.items():
+        if own not in source_of and alias in entries:
+            source_of[own] = alias
+    loaded = [e for e in engine._params if e.name in source_of]
+    engine.runtime.begin_load_optimizer_state()
+    try:
+        for e in loaded:
+            master = entries[source_of[e.name]].read().to(torch.float32).reshape(-1).contiguous()
+            first = torch.full_like(master, engine._initial_state)
+            engine.runtime.load_optimizer_state(e.gid, master, first, torch.zeros_like(master))
+        engine.runtime.commit_load_optimizer_state()
+    except BaseException:
+        engine.runtime.abort_load_optimizer_state()
+        raise
+    for e in loaded:
+        engine_state._set_weights(engine, e, entries[source_of[e.name]].read()
+                                  .to(torch.float32).reshape(-1))
+        e.steps = 0
+    with torch.no_grad():
+        for name, value in rest.items():
+            if name in entries:
+                value.copy_(entries[name].read().to(device=value.device, dtype=value.dtype))
+    return missing, unexpected

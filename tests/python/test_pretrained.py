@@ -1,0 +1,101 @@
+"""engine.load_pretrained: a state dict streamed in tensor by tensor, from one torch.save file or
+from shards with an index; every mismatch named before anything changes (strata/pretrained.py)."""
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+import strata
+from strata import engine_state
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_checkpoint import Whole, state_of, train, whole_engine  # noqa: E402
+from test_engine import Net, batches, loss_of, make_config  # noqa: E402
+
+
+def engine_of(tmp_path, model, offload="nvme", dtype="fp32"):
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, offload, dtype, 1, 0.0))
+    return engine
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_pretrained_weights_load_and_train_as_in_plain_torch(tmp_path, offload):
+    torch.manual_seed(0)
+    pretrained = Net()
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.mul_(3.0)  # weights no initializer gives
+    torch.save(pretrained.state_dict(), tmp_path / "pretrained.bin")
+    torch.manual_seed(1)
+    engine = engine_of(tmp_path, Net(), offload)
+    assert engine.load_pretrained(tmp_path / "pretrained.bin") == ([], [])
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, pretrained.state_dict()[name]), name
+    reference = copy.deepcopy(pretrained)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(3):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(x), y)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+def test_shards_with_an_index_load_a_tied_model(tmp_path):
+    # A checkpoint consolidated into shards (strata_zero_to_fp32 --shard-size): the tied weight,
+    # the buffer and the frozen parameter come back through the index.
+    source = whole_engine(tmp_path, "source", 0)
+    train(source, batches(2))
+    source.save_checkpoint(tmp_path / "ckpt")
+    from strata import zero_to_fp32
+    zero_to_fp32.consolidate(tmp_path / "ckpt", tmp_path / "shards", shard_bytes=3000)
+    target = whole_engine(tmp_path, "target", 1)
+    assert target.load_pretrained(tmp_path / "shards") == ([], [])
+    expected = source.module_state_dict()
+    for name, value in target.module_state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_every_mismatch_is_named_and_nothing_changes(tmp_path):
+    torch.manual_seed(0)
+    state = Net().state_dict()
+    state["l1.weight"] = torch.zeros(3, 3)
+    del state["ln.bias"]
+    state["extra.weight"] = torch.zeros(2)
+    torch.save(state, tmp_path / "bad.bin")
+    engine = engine_of(tmp_path, Net())
+    before = state_of(engine)
+    with pytest.raises(engine_state.CheckpointError) as failed:
+        engine.load_pretrained(tmp_path / "bad.bin")
+    text = str(failed.value)
+    for part in ("l1.weight: shape [3, 3]", "missing: ln.bias", "unexpected: extra.weight",
+                 "nothing was changed"):
+        assert part in text
+    for a, b in zip(before, state_of(engine)):
+        assert torch.equal(a, b)
+    # Not strict: the missing and unexpected pass, the wrong shape does not.
+    with pytest.raises(engine_state.CheckpointError, match="l1.weight: shape"):
+        engine.load_pretrained(tmp_path / "bad.bin", strict=False)
+    state["l1.weight"] = Net().state_dict()["l1.weight"]
+    torch.save(state, tmp_path / "loose.bin")
+    assert engine.load_pretrained(tmp_path / "loose.bin", strict=False) == \
+        (["ln.bias"], ["extra.weight"])
+
+
+def test_files_that_are_not_state_dicts_are_named(tmp_path):
+    engine = engine_of(tmp_path, Net())
+    torch.save(Net().state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    with pytest.raises(engine_state.CheckpointError, match="not a torch.save zip archive"):
+        engine.load_pretrained(tmp_path / "legacy.bin")
+    torch.save([torch.zeros(1)], tmp_path / "list.bin")
+    with pytest.raises(engine_state.CheckpointError, match="holds a list"):
+        engine.load_pretrained(tmp_path / "list.bin")
+    (tmp_path / "shards").mkdir()
+    with pytest.raises(engine_state.CheckpointError, match="cannot be read as a shard index"):
+        engine.load_pretrained(tmp_path / "shards")
