@@ -6,6 +6,12 @@ The package is strata's front for PyTorch. What is here today:
   dataloader, lr_scheduler); the engine runs ZeRO stages 0-3 on one process over strata's Runtime
   (strata.engine says how), with DeepSpeed's config keys (strata.config says which).
 
+* ``strata.init(config)``: a context that builds a model without materializing it (each large
+  parameter a partition as it is made), as DeepSpeed's zero.Init (strata.zero_init says how);
+  ``engine.save_checkpoint``/``load_checkpoint`` and ``engine.load_pretrained`` stream state in and
+  out one tensor at a time (strata.engine_state, strata.pretrained), and ``strata.zero_to_fp32``
+  consolidates a checkpoint.
+
 * ``strata.optim``: ``CpuAdam``, ``CpuAdamW``, ``CpuAdagrad`` and ``CpuLion``,
   ``torch.optim.Optimizer`` s over CPU tensors backed by strata's vectorized CPU kernels (drop-ins
   for torch's AdamW and Adagrad, as DeepSpeed's DeepSpeedCPUAdam, DeepSpeedCPUAdagrad and
@@ -22,6 +28,7 @@ from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
 from strata.engine import Engine, initialize, register_external_parameter
+from strata.zero_init import init
 
-__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "InvalidArgumentError", "initialize", "lr_schedules",
-           "optim", "register_external_parameter"]
+__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "InvalidArgumentError", "init",
+           "initialize", "lr_schedules", "optim", "register_external_parameter"]

@@ -62,9 +62,11 @@ from torch.utils.dlpack import from_dlpack
 from strata import _strata
 from strata import checkpointing
 from strata import engine_state
+from strata import zero_init as init_module
 from strata import pretrained
 from strata import lr_schedules
 from strata.config import TrainConfig
+from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 
 __all__ = ["initialize", "Engine", "register_external_parameter"]
 
@@ -117,13 +119,13 @@ class _Param:
     __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged")
 
-    def __init__(self, name, param, index):
+    def __init__(self, name, param, pid):
         self.name = name
         self.param = param
         self.shape = tuple(param.shape)
         self.numel = param.numel()
-        self.pid = 2 * index  # the parameter's partition (stage 3, large parameters)
-        self.gid = 2 * index + 1  # its gradient's partition and its optimizer state
+        self.pid = pid  # the parameter's partition (stage 3, large parameters): even
+        self.gid = pid + 1  # its gradient's partition and its optimizer state
         self.partitioned = False
         self.group = 0
         self.has_grad = False
@@ -163,7 +165,7 @@ class _HostActivations:
         if engine is None or tensor.dtype not in self._DTYPES or tensor.numel() == 0:
             return None
         if self._next is None:
-            self._next = 2 * len(engine._params)
+            self._next = max(e.gid for e in engine._params) + 1
         pid = self._free.pop() if self._free else self._next
         if pid == self._next:
             self._next += 1
@@ -243,31 +245,30 @@ class Engine:
         self._optimizer_read = self._optimizer_written = 0  # the optimizer's NVMe bytes
         self.last_step_stats = {}
 
-        runtime_config = json.loads(json.dumps(config.runtime))
-        zero = runtime_config.setdefault("zero_optimization", {})
-        if not isinstance(zero, dict):
-            raise ValueError("config: zero_optimization: accepted: a JSON object")
-        self.stage = zero.get("stage", 0)
-        offload = zero.setdefault("offload_optimizer", {})
-        if not isinstance(offload, dict):
-            raise ValueError("config: zero_optimization.offload_optimizer: accepted: a JSON object")
-        if offload.get("device", "none") == "none":
-            offload["device"] = "cpu"
-            self._warn("zero_optimization.offload_optimizer.device is \"none\": strata steps the "
-                       "optimizer on the CPU, so its state is kept in pinned host memory (as "
-                       "\"cpu\")")
-        param_offload = zero.get("offload_param", {}) or {}
-        self._param_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}.get(
-            param_offload.get("device", "none"), "device")
-        threshold = zero.get("stage3_param_persistence_threshold",
-                             zero.get("param_persistence_threshold", 100000))
-        self._persistence_threshold = threshold if isinstance(threshold, (int, float)) else 100000
+        settings = _RuntimeSettings(config)
+        for message in settings.warnings:
+            self._warn(message)
+        self.stage = settings.stage
+        self._param_tier = settings.param_tier
+        self._persistence_threshold = settings.threshold
+        built = init_module.built_under(model)
+        if built is not None and built.settings.runtime_json != settings.runtime_json:
+            raise ValueError("strata.initialize: the model was built under strata.init with "
+                             "another config; accepted: the same zero_optimization and strata "
+                             "blocks")
         # The callback holds the engine weakly: the Runtime (a C++ object the garbage collector
         # cannot see into) must not keep its engine alive.
         engine = weakref.ref(self)
-        self.runtime = _strata.Runtime(
-            json.dumps(runtime_config),
-            on_warning=lambda w: engine() is not None and engine()._runtime_warning(w))
+
+        def on_warning(w):
+            return engine() is not None and engine()._runtime_warning(w)
+
+        if built is not None:
+            self.runtime = built.adopt(on_warning)  # its partitions are the model's parameters
+        else:
+            self.runtime, stale = make_runtime(settings, on_warning)
+            if stale:
+                self._warn(stale)
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
@@ -277,14 +278,6 @@ class Engine:
         # device tier (as DeepSpeed's engine, strata moves the module there).
         self.device = torch.device("cpu") if self.device_kind == "emulated" else \
             torch.device("cuda", torch.cuda.current_device())
-        stale = self.runtime.stored_partitions()
-        if stale:
-            # The NVMe folder is swap space, not a checkpoint: what an earlier run left there is
-            # dropped (checkpoints are saved and loaded on their own).
-            for pid in stale:
-                self.runtime.unregister(pid)
-            self._warn(f"the NVMe swap folder held {len(stale)} partitions of an earlier run: "
-                       "swap is not a checkpoint, they were dropped")
 
         hyper = self._hyper_parameters(config, optimizer)
         self._params = []
@@ -294,8 +287,14 @@ class Engine:
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
-        for index, (name, p) in enumerate(named):
-            self._params.append(_Param(name, p, index))
+        # Ids: a parameter built under strata.init keeps its partition's; the others take pairs
+        # after every id in use.
+        next_id = built.next_id if built is not None else 0
+        for name, p in named:
+            pid = init_module.partition_of(p)
+            if pid is None:
+                pid, next_id = next_id, next_id + 2
+            self._params.append(_Param(name, p, pid))
         by_param = {id(e.param): e for e in self._params}
         groups = self._param_groups(optimizer, hyper, by_param)
 
@@ -309,9 +308,9 @@ class Engine:
             copy_dtype=config.dtype)
         with torch.no_grad():
             for e in self._params:
+                # One parameter at a time (a partition's from its tier: never the whole model).
                 self.runtime.initialize_optimizer_state(
-                    e.gid, e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-                    .contiguous(), initial_state=hyper["initial_accumulator_value"])
+                    e.gid, self._initial_weights(e), initial_state=hyper["initial_accumulator_value"])
         # The placeholder of a partitioned parameter: on the compute device, so that swapping
         # .data never changes a parameter's device (torch would drop its gradient node).
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -426,6 +425,18 @@ class Engine:
                              f"{', '.join(missing[:5])}")
         return groups
 
+    def _initial_weights(self, e):
+        """e's weights in fp32 on the host: the tensor's, or its partition's (built under
+        strata.init)."""
+        if init_module.partition_of(e.param) is None:
+            return e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+        held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+        try:
+            return held.to(torch.float32)
+        finally:
+            del held
+            self.runtime.release(e.pid, "host", False, traced=False)
+
     def _place_parameters(self, model):
         """Casts the parameters to the training dtype; at stage 3 makes the large ones strata
         partitions (their module's index is their group); hooks the gradients of those (and, at
@@ -444,8 +455,10 @@ class Engine:
                     p.data = p.data.to(device=self.device, dtype=self.dtype)
             for e in self._params:
                 e.group = owner.get(id(e.param), 0)
-                e.partitioned = self.stage == 3 and e.numel >= self._persistence_threshold
-                if e.partitioned:
+                built = init_module.partition_of(e.param) is not None
+                e.partitioned = built or \
+                    (self.stage == 3 and e.numel >= self._persistence_threshold)
+                if e.partitioned and not built:
                     initial = e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1) \
                         .contiguous()
                     # Its shape, dtype and device without its bytes (one element, expanded), so
@@ -464,8 +477,9 @@ class Engine:
                     e.param._strata_node = node
                 if not e.partitioned:
                     continue
-                self.runtime.register(e.pid, "param", dtype_name, e.numel, e.group,
-                                      self._param_tier, initial)
+                if not built:
+                    self.runtime.register(e.pid, "param", dtype_name, e.numel, e.group,
+                                          self._param_tier, initial)
                 # The gradient's partition starts with no bytes: its first acquire makes zeros.
                 self.runtime.register(e.gid, "grad", dtype_name, e.numel, e.group, "host")
                 self.runtime.discard(e.gid)

@@ -1,0 +1,54 @@
+"""The Runtime an engine (or strata.init) makes from a parsed config: the runtime's JSON (with
+offload_optimizer "none" taken as "cpu", as strata steps on the CPU), the stage, where partitioned
+parameters live and the persistence threshold; and making the Runtime itself.
+
+Thread safety: none needed (values made once).
+"""
+
+import json
+
+from strata import _strata
+
+__all__ = ["RuntimeSettings", "make_runtime"]
+
+
+class RuntimeSettings:
+    """What a config says of the Runtime (`config`: a strata.config.TrainConfig)."""
+
+    def __init__(self, config):
+        self.warnings = []
+        runtime = json.loads(json.dumps(config.runtime))
+        zero = runtime.setdefault("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise ValueError("config: zero_optimization: accepted: a JSON object")
+        self.stage = zero.get("stage", 0)
+        offload = zero.setdefault("offload_optimizer", {})
+        if not isinstance(offload, dict):
+            raise ValueError("config: zero_optimization.offload_optimizer: accepted: a JSON object")
+        if offload.get("device", "none") == "none":
+            offload["device"] = "cpu"
+            self.warnings.append(
+                "zero_optimization.offload_optimizer.device is \"none\": strata steps the "
+                "optimizer on the CPU, so its state is kept in pinned host memory (as \"cpu\")")
+        param_offload = zero.get("offload_param", {}) or {}
+        self.param_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}.get(
+            param_offload.get("device", "none"), "device")
+        threshold = zero.get("stage3_param_persistence_threshold",
+                             zero.get("param_persistence_threshold", 100000))
+        self.threshold = threshold if isinstance(threshold, (int, float)) else 100000
+        self.dtype = config.dtype
+        self.runtime_json = json.dumps(runtime, sort_keys=True)
+
+
+def make_runtime(settings, on_warning):
+    """(a Runtime for `settings`, a warning or None). The NVMe folder is swap space, not a
+    checkpoint: what an earlier run left there is dropped, and said."""
+    runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
+    stale = runtime.stored_partitions()
+    for pid in stale:
+        runtime.unregister(pid)
+    message = None
+    if stale:
+        message = (f"the NVMe swap folder held {len(stale)} partitions of an earlier run: swap is "
+                   "not a checkpoint, they were dropped")
+    return runtime, message

@@ -1,0 +1,170 @@
+"""Building a model without materializing it, as DeepSpeed's zero.Init:
+
+    with strata.init(config=ds_config):
+        model = MyModel()                  # each large parameter a partition as it is made
+    engine, optimizer, _, _ = strata.initialize(model=model, config=ds_config)
+    engine.load_pretrained("pytorch_model.bin.index.json")
+
+Inside the context every nn.Module's ``__init__`` is followed by a step that turns the module's
+own parameters of at least stage3_param_persistence_threshold elements into strata partitions
+(in the training dtype, in the tier offload_param names: device, host or NVMe) and leaves each
+parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
+the submodule is built, so the host memory building needs is about the largest module's own
+parameters, not the model's. The context makes the Runtime (from the config's zero_optimization
+and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
+initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
+
+Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). A parameter's
+partition holds its initializer's values in the training dtype (the optimizer's fp32 master
+weights start from them, or from load_pretrained).
+
+Thread safety: one context at a time per process (it patches nn.Module classes while open).
+"""
+
+import functools
+import weakref
+
+import torch
+
+from strata.config import TrainConfig
+from strata.runtime_settings import RuntimeSettings, make_runtime
+
+__all__ = ["init", "built_under", "partition_of"]
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_open = []  # the context open now (at most one)
+
+
+def partition_of(param):
+    """The partition id a parameter was given by strata.init, or None."""
+    made = getattr(param, "_strata_init", None)
+    return made[1] if made is not None else None
+
+
+def built_under(model):
+    """The strata.init a model's parameters were partitioned by (None: none). Parameters of two
+    contexts in one model are refused."""
+    found = {id(p._strata_init[0]): p._strata_init[0] for p in model.parameters()
+             if getattr(p, "_strata_init", None) is not None}
+    if len(found) > 1:
+        raise ValueError("strata.initialize: the model's parameters were built under different "
+                         "strata.init contexts; accepted: one")
+    return next(iter(found.values()), None)
+
+
+class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
+    """The context (see the module's docstring). `config`: the DeepSpeed config (a dict or a JSON
+    path) the engine will be made with."""
+
+    def __init__(self, config, enabled=True):
+        parsed = TrainConfig.parse(config)
+        self.settings = RuntimeSettings(parsed)
+        self.enabled = enabled and self.settings.stage == 3
+        self.dtype = _DTYPE_NAMES[parsed.dtype]
+        self.runtime = None
+        self.next_id = 0  # partition ids: a parameter's even, its gradient's the odd one after
+        self.warnings = list(self.settings.warnings)
+        self._patched = []
+        self._adopted = None  # the engine's warning callback, once adopted
+
+    def __enter__(self):
+        if _open:
+            raise RuntimeError("strata.init: a context is open already; accepted: one at a time")
+        if not self.enabled:
+            return self
+        if self.runtime is None:
+            # The Runtime's warnings are kept until an engine adopts it, then told to the engine
+            # (the callback holds the context weakly: the Runtime must not keep it alive).
+            context = weakref.ref(self)
+            self.runtime, stale = make_runtime(
+                self.settings, lambda w: context() is not None and context()._tell(w))
+            if stale:
+                self.warnings.append(stale)
+        _open.append(self)
+        self._patch()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self._unpatch()
+            _open.remove(self)
+        return False
+
+    def adopt(self, on_warning):
+        """The Runtime, for the engine (once): its warnings go to `on_warning` from now on."""
+        if self._adopted is not None:
+            raise ValueError("strata.initialize: a model built under this strata.init has an "
+                             "engine already")
+        self._adopted = on_warning
+        for message in self.warnings:
+            on_warning(message)
+        return self.runtime
+
+    def _tell(self, message):
+        if self._adopted is not None:
+            self._adopted(message)
+        else:
+            self.warnings.append(message)
+
+    # --- the patch -------------------------------------------------------------------------------
+
+    def _patch(self):
+        """Every nn.Module class's own __init__ is followed by _partition_module; classes made
+        while the context is open too (__init_subclass__)."""
+        classes, stack = [], [torch.nn.Module]
+        while stack:
+            cls = stack.pop()
+            classes.append(cls)
+            stack.extend(cls.__subclasses__())
+        for cls in classes:
+            self._wrap(cls)
+        context = weakref.ref(self)
+        original = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs):
+            if original is not None:
+                original.__func__(cls, **kwargs)
+            if context() is not None:
+                context()._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._patched.append((torch.nn.Module, "__init_subclass__", original))
+
+    def _wrap(self, cls):
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_strata_wrapped", False):
+            return
+        context = self
+
+        @functools.wraps(original)
+        def wrapped(module, *args, **kwargs):
+            original(module, *args, **kwargs)
+            context._partition_module(module)
+
+        wrapped._strata_wrapped = True
+        cls.__init__ = wrapped
+        self._patched.append((cls, "__init__", original))
+
+    def _unpatch(self):
+        for cls, name, original in reversed(self._patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._patched.clear()
+
+    def _partition_module(self, module):
+        dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
+        for p in module.__dict__.get("_parameters", {}).values():
+            if p is None or not p.requires_grad or partition_of(p) is not None or \
+                    p.numel() < self.settings.threshold or p.device.type == "meta":
+                continue
+            pid, self.next_id = self.next_id, self.next_id + 2
+            with torch.no_grad():
+                initial = p.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()
+                self.runtime.register(pid, "param", dtype_name, p.numel(), 0,
+                                      self.settings.param_tier, initial)
+                del initial
+                # Its shape and dtype without its bytes (one element, expanded).
+                p.data = torch.zeros((), dtype=self.dtype).expand(p.shape)
+            p._strata_init = (self, pid)
