@@ -1303,21 +1303,32 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
                       static_cast<int>(optim_cpu::DType::kF16));
     in.grad_dtype = static_cast<optim_cpu::DType>(d.dtype);
   }
-  auto source = [this](PartitionId id) -> absl::StatusOr<const void*> {
+  // Each gradient is pinned in the host tier while its partition steps and let go right after
+  // (it stays registered, for a step taken anew): never all of them pinned at once.
+  swap::PipelinedOptimizerSwapper::GradSource source;
+  source.get = [this](PartitionId id) -> absl::StatusOr<const void*> {
     absl::StatusOr<std::byte*> p = Acquire(id, Tier::kHost, Access::kOutOfTrace);
     if (!p.ok()) return p.status();
     MutexLock lock(&staged_mu_);
     staged_gradients_.push_back(id);
     return static_cast<const void*>(*p);
   };
-  return optimizer_->Stage(t, inputs, options, source);
+  source.done = [this](PartitionId id) { ReleaseStagedGradients(id); };
+  return optimizer_->Stage(t, inputs, options, std::move(source));
 }
 
-void Runtime::ReleaseStagedGradients() {
+void Runtime::ReleaseStagedGradients(std::optional<PartitionId> only) {
   std::vector<PartitionId> ids;
   {
     MutexLock lock(&staged_mu_);
-    ids.swap(staged_gradients_);
+    if (only.has_value()) {
+      auto it = std::find(staged_gradients_.begin(), staged_gradients_.end(), *only);
+      if (it == staged_gradients_.end()) return;
+      staged_gradients_.erase(it);
+      ids.push_back(*only);
+    } else {
+      ids.swap(staged_gradients_);
+    }
   }
   for (PartitionId id : ids) {
     // Pinned by the optimizer's thread and never written: this cannot fail but by a bug.

@@ -295,9 +295,11 @@ class Runtime {
   // become final (each call with its own t and options), then Commit or Abort. A staged input with
   // a null `grad` is the gradient partition `id` (the optimizer partition's id, by the convention
   // above): the optimizer's thread acquires it in the host tier, out of the trace (waiting there,
-  // not in the trainer, for GradientReady's move down), and holds it until Commit or Abort
-  // returns. Commit changes everything or nothing, as OptimizerStep; the destructor aborts a
-  // step left open.
+  // not in the trainer, for GradientReady's move down), and holds it only while its partition
+  // steps: it is let go right after (it stays registered, wherever the tiers' budgets put it, for
+  // a step taken anew), so the gradients of a model larger than the host tier step through it.
+  // Commit changes everything or nothing, as OptimizerStep; the destructor aborts a step left
+  // open.
   absl::Status BeginOptimizerStep();
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
@@ -358,8 +360,9 @@ class Runtime {
   // else the optimizer thread's (StageOptimizerStep), which neither sees.
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Releases the gradients the optimizer's thread acquired for a staged step.
-  void ReleaseStagedGradients() ABSL_EXCLUSIVE_LOCKS_REQUIRED(optimizer_mu_);
+  // Releases the gradients the optimizer's thread acquired for a staged step and still holds
+  // (`only`: that one, if held: called on the optimizer's thread once its partition has stepped).
+  void ReleaseStagedGradients(std::optional<PartitionId> only = std::nullopt);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
   // made: the caller looks again.

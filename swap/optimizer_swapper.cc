@@ -342,7 +342,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
   Txn& x = *txn_;
   absl::flat_hash_set<tiering::PartitionId> seen = x.seen;
   STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
-                          ValidateInputs(t, inputs, options, source != nullptr, &seen));
+                          ValidateInputs(t, inputs, options, static_cast<bool>(source), &seen));
   uint64_t copies = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr) {
@@ -477,9 +477,14 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     report.bytes_read += StateBytes(it->part->elements);
     const void* grad = it->in.grad;
+    // A gradient from the source is let go as soon as this partition no longer reads it.
+    auto let_go = [it] {
+      if (it->in.grad == nullptr && it->source->done) it->source->done(it->in.id);
+    };
     if (grad == nullptr) {
-      absl::StatusOr<const void*> got = (*it->source)(it->in.id);
+      absl::StatusOr<const void*> got = it->source->get(it->in.id);
       if (!got.ok() || *got == nullptr) {
+        if (got.ok()) let_go();
         x->failure =
             got.ok() ? absl::InternalError("the gradient source gave no address") : got.status();
         x->failure = Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
@@ -489,6 +494,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     if (it->options.check_overflow &&
         optimizer_->HasNonFinite(grad, it->in.grad_dtype, it->part->elements)) {
+      let_go();
       x->overflow = true;
       break;
     }
@@ -509,6 +515,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     const auto c0 = Clock::now();
     absl::Status stepped = optimizer_->Step(it->t, c, options).status();
     report.compute_seconds += Since(c0);
+    let_go();
     Emit(StepEvent::kStepFinished, it->in.id);
     if (!stepped.ok()) {
       x->failure = stepped;
@@ -575,12 +582,22 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     abort();
     return Annotate(x->failure, absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)"));
   }
-  // The host-resident partitions' gradients, before anything is committed.
+  // The host-resident partitions' gradients, before anything is committed; those from a source
+  // are let go once they are no longer read, whatever the outcome.
   std::vector<const void*> host_grads;
+  struct LetGo {
+    std::vector<std::pair<const GradSource*, tiering::PartitionId>> held;
+    ~LetGo() {
+      for (const auto& [source, id] : held) {
+        if (source->done) source->done(id);
+      }
+    }
+  } let_go;
   for (const Txn::Item& it : x->host) {
     const void* grad = it.in.grad;
     if (grad == nullptr) {
-      absl::StatusOr<const void*> got = (*it.source)(it.in.id);
+      absl::StatusOr<const void*> got = it.source->get(it.in.id);
+      if (got.ok() && *got != nullptr) let_go.held.emplace_back(it.source.get(), it.in.id);
       if (!got.ok() || *got == nullptr) {
         abort();
         return Annotate(

@@ -142,16 +142,22 @@ class PipelinedOptimizerSwapper {
   // NVMe-resident partitions (2 bytes an element, 4 for fp32), allocated from `host` (kept for
   // the next step). FailedPrecondition while one is open.
   absl::Status Begin(uint64_t copy_staging_bytes);
-  // Where a staged input with a null `grad` gets its gradient: called on the worker thread just
-  // before the partition steps (its state's read already under way), or at Commit for a
-  // host-resident one, so the gradient may still be on its way to host memory when it is staged.
-  // It returns the gradient's address (valid until Commit or Abort returns) or why there is none.
-  using GradSource = std::function<absl::StatusOr<const void*>(tiering::PartitionId)>;
+  // Where a staged input with a null `grad` gets its gradient: `get` is called on the worker
+  // thread just before the partition steps (its state's read already under way), or at Commit
+  // for a host-resident one, so the gradient may still be on its way to host memory when it is
+  // staged; it returns the gradient's address or why there is none. `done` (when set) is called
+  // once that address is no longer read: as soon as the partition has stepped (or the step ended
+  // without it), on the same thread, so a caller can let each gradient go while the rest step.
+  struct GradSource {
+    std::function<absl::StatusOr<const void*>(tiering::PartitionId)> get;
+    std::function<void(tiering::PartitionId)> done;
+    explicit operator bool() const { return static_cast<bool>(get); }
+  };
   // Stages `inputs` for step t: all of them validated first (as Step's, and against the
   // partitions staged already), none staged when one is refused (InvalidArgument; the
   // transaction stays open). An input with a null `grad` needs `source`.
   absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
-                     const optim_cpu::StepOptions& options = {}, GradSource source = nullptr);
+                     const optim_cpu::StepOptions& options = {}, GradSource source = {});
   absl::StatusOr<StepReport> Commit();
   void Abort();
   bool staging() const { return txn_ != nullptr; }

@@ -80,7 +80,7 @@ def test_misuse_is_named(tmp_path):
 
 
 BUILD = r"""
-import resource, sys, torch
+import sys, torch
 sys.path.insert(0, {tests!r})
 import strata
 from test_engine import make_config
@@ -96,14 +96,24 @@ tmp = pathlib.Path({tmp!r})
 tmp.mkdir(exist_ok=True)
 config = make_config(tmp, 3, "nvme", "fp32", 1, 0.0)
 config["strata"]["nvme_capacity_bytes"] = 256 << 20
+import threading
 before = rss()
-peak = before
+peak = [before]
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        done.wait(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
 if {under_init}:
     with strata.init(config=config):
         model = Big()
 else:
     model = Big()
-print(rss() - before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+done.set()
+sampler.join()
+print(rss() - before, max(peak[0], rss()) - before)
 """
 
 

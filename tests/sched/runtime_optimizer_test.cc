@@ -369,6 +369,50 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
+// A staged step holds each gradient only while its partition steps: once the optimizer's thread
+// has stepped them all, none is pinned, before Commit (the gradients of a model larger than the
+// host tier go through it one at a time).
+TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepped) {
+  ScratchDir dir;
+  RuntimeOptions ro = Quiet();
+  Mutex mu;
+  CondVar stepped_cv;
+  int stepped = 0;
+  ro.on_optimizer_event = [&](swap::StepEvent e, PartitionId) {
+    if (e != swap::StepEvent::kWriteStarted) return;
+    MutexLock lock(&mu);
+    ++stepped;
+    stepped_cv.SignalAll();
+  };
+  auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  Reference ref;
+  const auto grads = Grads(1);
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+    const auto* bytes = reinterpret_cast<const std::byte*>(grads[i].data());
+    ASSERT_TRUE((*rt)
+                    ->Register(Desc(kParts[i].first, kParts[i].second * 4, tiering::Role::kGrad),
+                               Tier::kHost, {bytes, kParts[i].second * 4})
+                    .ok());
+  }
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
+  }
+  {
+    MutexLock lock(&mu);
+    while (stepped < static_cast<int>(kParts.size())) stepped_cv.Wait(&mu);
+  }
+  for (const auto& [id, n] : kParts) {
+    EXPECT_EQ((*rt)->residency().Get(id)->pins[1], 0) << "gradient " << id << " still pinned";
+  }
+  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);
+}
+
 // Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient
 // partition that is not registered or not of the optimizer partition's size: each named.
 TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {

@@ -779,9 +779,11 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
     SCOPED_TRACE(absl::StrCat(config.pipeline_read, " ", config.max_in_cpu_bytes));
     Fixture f(config);
     std::vector<tiering::PartitionId> sourced;  // the source's calls, on whichever thread
+    std::vector<tiering::PartitionId> let_go;   // its gradients let go
     Mutex mu;
     for (int64_t t = 1; t <= 3; ++t) {
       f.NewGrads(static_cast<int>(t));
+      f.trace->Clear();  // the waits below look at this step's events only
       const std::vector<StepInput> in = f.Inputs();
       const auto copies_before = f.copies;
       ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20)).ok());
@@ -791,13 +793,18 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
       ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half)).ok());
       std::vector<StepInput> rest(in.begin() + half, in.end());
       for (StepInput& s : rest) s.grad = nullptr;
-      auto source = [&f, &mu, &sourced](tiering::PartitionId id) -> absl::StatusOr<const void*> {
+      PipelinedOptimizerSwapper::GradSource source;
+      source.get = [&f, &mu, &sourced](tiering::PartitionId id) -> absl::StatusOr<const void*> {
         MutexLock lock(&mu);
         sourced.push_back(id);
         for (size_t i = 0; i < f.parts.size(); ++i) {
           if (f.parts[i].first == id) return static_cast<const void*>(f.grads[i].data());
         }
         return absl::NotFoundError("no such partition");
+      };
+      source.done = [&mu, &let_go](tiering::PartitionId id) {
+        MutexLock lock(&mu);
+        let_go.push_back(id);
       };
       ASSERT_TRUE(f.swapper->Stage(t, rest, {.lr = 5e-4f}, source).ok());
       // The worker steps and writes every NVMe-resident partition before Commit is asked for...
@@ -808,6 +815,14 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
             absl::StrCat("partition ", id, " written before Commit"));
       }
       EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+      {
+        // Each NVMe-resident partition's gradient was let go once it had stepped, before Commit.
+        MutexLock lock(&mu);
+        for (const StepInput& r : rest) {
+          if (!f.swapper->on_nvme(r.id)) continue;
+          EXPECT_EQ(std::count(let_go.begin(), let_go.end(), r.id), t) << r.id;
+        }
+      }
       // ...and nothing the caller can see has changed: the param copies, the committed state.
       EXPECT_EQ(f.copies, copies_before) << "a param copy changed before the commit";
       f.ExpectMatchesReference();
@@ -833,6 +848,9 @@ TEST(SwapperTransactionTest, StagedInPartsIsBitwiseTheStepInMemoryAndChangesNoth
     }
     MutexLock lock(&mu);
     EXPECT_EQ(sourced.size(), 3 * (f.parts.size() - f.parts.size() / 2));
+    std::sort(sourced.begin(), sourced.end());
+    std::sort(let_go.begin(), let_go.end());
+    EXPECT_EQ(let_go, sourced) << "every gradient had is let go once";
   }
 }
 
@@ -862,12 +880,11 @@ TEST(SwapperTransactionTest, AbortOverflowAndAFailingSourceChangeNothing) {
       f.NewGrads(2);
     } else {
       in[3].grad = nullptr;  // partition 13, NVMe-resident
-      ASSERT_TRUE(f.swapper
-                      ->Stage(2, in, {},
-                              [](tiering::PartitionId) -> absl::StatusOr<const void*> {
-                                return absl::DataLossError("the gradient's copy failed");
-                              })
-                      .ok());
+      PipelinedOptimizerSwapper::GradSource failing;
+      failing.get = [](tiering::PartitionId) -> absl::StatusOr<const void*> {
+        return absl::DataLossError("the gradient's copy failed");
+      };
+      ASSERT_TRUE(f.swapper->Stage(2, in, {}, failing).ok());
       auto r = f.swapper->Commit();
       ASSERT_FALSE(r.ok());
       EXPECT_THAT(r.status().message(), HasSubstr("the gradient's copy failed"));
