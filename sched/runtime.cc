@@ -1102,7 +1102,8 @@ absl::Status Runtime::CreateOptimizer(
 
 absl::Status Runtime::CreateOptimizer(
     const optim_cpu::OptimizerConfig& optimizer,
-    const std::vector<std::pair<PartitionId, uint64_t>>& partitions, optim_cpu::DType copy_dtype) {
+    const std::vector<std::pair<PartitionId, uint64_t>>& partitions, optim_cpu::DType copy_dtype,
+    std::optional<uint64_t> copy_elements_wanted) {
   const tiering::OffloadConfig& oc = config_.offload_optimizer;
   if (oc.device == tiering::OffloadDevice::kNone) {
     return absl::FailedPreconditionError(
@@ -1140,6 +1141,9 @@ absl::Status Runtime::CreateOptimizer(
   }
   // The staged param copies of the NVMe-resident partitions, in the trainer's dtype.
   const uint64_t copy_bytes = copy_dtype == optim_cpu::DType::kF32 ? 4 : 2;
+  if (copy_elements_wanted.has_value()) {
+    copy_elements = std::min(copy_elements, *copy_elements_wanted);
+  }
   if (on_nvme) need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * copy_bytes);
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ != nullptr) {

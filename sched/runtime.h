@@ -274,10 +274,13 @@ class Runtime {
   // The same with Adam, Adagrad or Lion (optim_cpu/chunk_optimizer.h: a one-state optimizer keeps
   // its state where Adam keeps exp_avg; ReadOptimizerState gives it there). `copy_dtype`: the
   // dtype of the param copies OptimizerStep will be asked for (the host room set aside for staging
-  // them: 2 bytes an element, 4 for fp32).
+  // them: 2 bytes an element, 4 for fp32); `copy_elements`: how many elements of the NVMe-resident
+  // partitions will ask for one (default: all; a trainer whose parameters are homed on NVMe reads
+  // theirs back from the master weights instead, and sets aside room only for the others').
   absl::Status CreateOptimizer(const optim_cpu::OptimizerConfig& optimizer,
                                const std::vector<std::pair<PartitionId, uint64_t>>& partitions,
-                               optim_cpu::DType copy_dtype = optim_cpu::DType::kBF16);
+                               optim_cpu::DType copy_dtype = optim_cpu::DType::kBF16,
+                               std::optional<uint64_t> copy_elements = std::nullopt);
   // Sets a partition's master weights; its first state starts at `initial_state` (Adagrad's
   // initial_accumulator_value; 0 otherwise), Adam's second moment at zero. (A state that an
   // earlier run left in the store is stepped from as it is, without this.)

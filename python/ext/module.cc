@@ -17,6 +17,8 @@
 // Thread safety: an Optimizer is used by one thread at a time (its calls hold the GIL except while
 // the step runs, and the step serializes on the optimizer's pool). A Runtime is thread-safe, as
 // sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
+#include <xxhash.h>
+
 #include <array>
 #include <cstdint>
 #include <initializer_list>
@@ -24,8 +26,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <xxhash.h>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -573,7 +573,7 @@ class PyRuntime {
   void CreateOptimizer(const std::string& kind, float lr, float beta1, float beta2, float eps,
                        float weight_decay, bool adamw, bool bias_correction, float lr_decay,
                        const std::vector<std::pair<uint64_t, uint64_t>>& partitions,
-                       const std::string& copy_dtype) {
+                       const std::string& copy_dtype, int64_t copy_elements) {
     optim_cpu::OptimizerConfig c;
     if (kind == "adam") {
       c.adam = AdamConfigOf(lr, beta1, beta2, eps, weight_decay, adamw, bias_correction);
@@ -597,7 +597,9 @@ class PyRuntime {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->CreateOptimizer(c, partitions, copy);
+      s = runtime_->CreateOptimizer(
+          c, partitions, copy,
+          copy_elements < 0 ? std::nullopt : std::optional<uint64_t>(copy_elements));
     }
     Check(s);
   }
@@ -805,7 +807,7 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f, py::arg("adamw") = true,
            py::arg("bias_correction") = true, py::arg("lr_decay") = 0.0f,
            py::arg("partitions") = std::vector<std::pair<uint64_t, uint64_t>>{},
-           py::arg("copy_dtype") = "bfloat16")
+           py::arg("copy_dtype") = "bfloat16", py::arg("copy_elements") = -1)
       .def("initialize_optimizer_state", &PyRuntime::InitializeOptimizerState, py::arg("id"),
            py::arg("master"), py::arg("initial_state") = 0.0f)
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),

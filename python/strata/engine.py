@@ -305,7 +305,7 @@ class Engine:
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
             adamw=hyper["adamw"], bias_correction=hyper["bias_correction"],
             lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.numel) for e in self._params],
-            copy_dtype=config.dtype)
+            copy_dtype=config.dtype, copy_elements=self._staged_copy_elements())
         with torch.no_grad():
             for e in self._params:
                 # One parameter at a time (a partition's from its tier: never the whole model).
@@ -341,6 +341,10 @@ class Engine:
         # until one does not.
         self._staged = None
         self._speculate = True
+        # Parameters homed on NVMe take their new weights from the committed master weights, one
+        # at a time, rather than all at once in host memory (_refresh_weights).
+        self._refresh = self._param_tier == "nvme"
+        self._pending_refresh = []
         self._redo_reason = None  # the staged step was dropped during this backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
@@ -425,6 +429,17 @@ class Engine:
                              f"{', '.join(missing[:5])}")
         return groups
 
+    def _will_partition(self, e):
+        return init_module.partition_of(e.param) is not None or \
+            (self.stage == 3 and e.numel >= self._persistence_threshold)
+
+    def _staged_copy_elements(self):
+        """Elements whose new weights a step stages in host memory: all, or (parameters homed on
+        NVMe, read back from the master weights instead) the unpartitioned ones' (-1: all)."""
+        if self._param_tier != "nvme":
+            return -1
+        return sum(e.numel for e in self._params if not self._will_partition(e))
+
     def _initial_weights(self, e):
         """e's weights in fp32 on the host: the tensor's, or its partition's (built under
         strata.init)."""
@@ -456,8 +471,7 @@ class Engine:
             for e in self._params:
                 e.group = owner.get(id(e.param), 0)
                 built = init_module.partition_of(e.param) is not None
-                e.partitioned = built or \
-                    (self.stage == 3 and e.numel >= self._persistence_threshold)
+                e.partitioned = self._will_partition(e)
                 if e.partitioned and not built:
                     initial = e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1) \
                         .contiguous()
@@ -595,30 +609,36 @@ class Engine:
 
     # --- the step staged during backward ------------------------------------------------------
 
-    def _stage(self, e, grad=None):
-        """Stages e's optimizer step (its gradient is final): the Runtime's optimizer thread
-        reads its NVMe state, steps it and writes it to fresh extents while backward goes on;
-        the new weights reach the parameter when the step commits. A partitioned parameter's
-        gradient is its gradient partition (taken from the host tier by that thread) and its new
-        weights go into its host copy, pinned until then; another's are given (`grad`)."""
+    def _stage(self, e, grad=None, clip=1.0, always=False):
+        """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
+        the Runtime's optimizer thread reads its NVMe state, steps it and writes it to fresh
+        extents (during backward, when staged from the gradient hook); the new weights reach the
+        parameter when the step commits. A partitioned parameter's gradient is its gradient
+        partition (taken from the host tier by that thread, one at a time) and its new weights go
+        into its host copy, pinned until then (with parameters homed on NVMe, they are read back
+        from the committed master weights instead, one at a time: _refresh_weights); another's are
+        given (`grad`). Without `always`, nothing is staged while staging is paused."""
         staged = self._staged
         if staged is None:
-            if not self._speculate or self._redo_reason is not None:
+            if not always and (not self._speculate or self._redo_reason is not None):
                 return
             self.runtime.begin_optimizer_step()
             staged = self._staged = _Staged(self.loss_scale)
         lr = float(self.optimizer.param_groups[e.group_index]["lr"])
         try:
-            if e.partitioned:
-                target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-            else:
+            target = None
+            if not e.partitioned:
                 target = self._weights_target(e)
+            elif not self._refresh:
+                target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
             e.staged = (lr, target)
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
-                e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=1.0 / staged.scale,
+                e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
                 check_overflow=self.dtype == torch.float16)
         except _strata.Error as error:
+            if always:
+                raise
             # Staging is the step done early; when it cannot be (the host tier has no room for
             # the parameter's copy, say), the step is taken after backward, as unstaged.
             self._drop_staged(f"staging the step of {e.name} failed: {error}")
@@ -649,8 +669,9 @@ class Engine:
             target = e.staged[1]
             e.staged = None
             if e.partitioned:
-                del target
-                self.runtime.release(e.pid, "host", committed, traced=False)
+                if target is not None:
+                    del target
+                    self.runtime.release(e.pid, "host", committed, traced=False)
             elif committed:
                 self._write_back_weights(e, target)
 
@@ -660,6 +681,8 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
+            self._refresh_weights(list(self._pending_refresh))
         return self.module(*args, **kwargs)
 
     def backward(self, loss):
@@ -706,17 +729,14 @@ class Engine:
             for e in self._params:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
-        grads = []
         try:
-            stepped, report = self._finish_staged(grads)
+            stepped, report = self._finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
-                if not grads:
-                    self._host_gradients(grads)
-                stepped, report = self._optimizer_step(grads)
+                stepped, report = self._step_anew()
         except BaseException:
-            self._end_gradients(grads, failed=True)
+            self._end_gradients(failed=True)
             raise
-        self._end_gradients(grads, failed=False)
+        self._end_gradients(failed=False)
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         if stepped:
             if self.lr_scheduler is not None:
@@ -740,42 +760,57 @@ class Engine:
 
     # --- the optimizer step --------------------------------------------------------------------
 
-    def _host_gradients(self, grads, acquire=True, unstaged_only=False):
-        """Appends (entry, host gradient, acquired?) for each parameter with a gradient (with
-        `unstaged_only`, whose step is not staged), as each is had, so that a failure part way
-        leaves what was acquired in `grads` to be released. A partitioned parameter's gradient is
-        its partition, acquired in the host tier out of the trace, or None without `acquire` (the
-        Runtime's optimizer thread takes it); the others' are on the host already (stage 2's sum)
-        or copied there from torch's .grad."""
+    def _unstaged(self):
+        """(entry, host gradient or None: its partition's) for each parameter with a gradient
+        whose step is not staged."""
         for e in self._params:
-            if unstaged_only and e.staged is not None:
+            if e.staged is not None:
                 continue
             if e.partitioned:
                 if e.has_grad:
-                    g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False)) \
-                        if acquire else None
-                    grads.append((e, g, acquire))
+                    yield e, None
             elif e.host_grad is not None:
-                grads.append((e, e.host_grad, False))
+                yield e, e.host_grad
             elif e.param.grad is not None:
                 g = e.param.grad.detach().reshape(-1).to("cpu")
-                grads.append((e, g if g.is_contiguous() else g.contiguous(), False))
+                yield e, g if g.is_contiguous() else g.contiguous()
 
-    def _finish_staged(self, grads):
+    def _grad_norm(self, scale):
+        """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
+        unscaled gradients (inf when one is not finite); a partition's gradient is read from the
+        host tier one at a time."""
+        norms = []
+        for e in self._params:
+            if e.partitioned:
+                if not e.has_grad:
+                    continue
+                g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+                try:
+                    norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+                finally:
+                    del g
+                    self.runtime.release(e.gid, "host", False, traced=False)
+            elif e.host_grad is not None:
+                norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
+            elif e.param.grad is not None:
+                norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
+        total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+        return total / scale if math.isfinite(total) else math.inf
+
+    def _finish_staged(self):
         """Commits the step staged during backward when it is the step to take: no clipping
         (the global norm under gradient_clipping), the loss scale and learning rates it was
         staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
-        when the step must be taken anew (the staged one aborted; counted in redone_steps).
-        `grads` receives the host gradients read for the norm, for the caller to release."""
+        when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
         staged = self._staged
         if staged is None:
             return None, None
-        # What backward did not stage: the unpartitioned parameters, and partitioned ones with
-        # no gradient in this micro-batch (their partition holds the earlier ones').
-        unstaged = []
-        self._host_gradients(unstaged, acquire=False, unstaged_only=True)
-        for e, g, _ in unstaged:
+        # What backward did not stage: the unpartitioned parameters on a GPU, and partitioned
+        # ones with no gradient in this micro-batch (their partition holds the earlier ones').
+        for e, g in list(self._unstaged()):
             self._stage(e, g)
+        if self._staged is None:  # a staging failed
+            return None, None
         reason = None
         if staged.scale != self.loss_scale:
             reason = "the loss scale changed"
@@ -785,10 +820,7 @@ class Engine:
                 reason = f"the learning rate of {e.name}'s group changed"
         norm = None
         if reason is None and self.config.clipping > 0:
-            self._host_gradients(grads)
-            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for _, g, _ in grads]
-            total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
-            norm = total / staged.scale if math.isfinite(total) else math.inf
+            norm = self._grad_norm(staged.scale)
             if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
                 reason = "gradient clipping scales this step"
                 self._speculate = False  # likely again next step: not staged then
@@ -799,31 +831,75 @@ class Engine:
             self._end_staged(committed=False)
             self._update_scale(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
-        try:
-            r = self.runtime.commit_optimizer_step()
-        except BaseException:
-            self._end_staged(committed=False)
-            raise
+        return self._commit(norm, staged=True)
+
+    def _step_anew(self):
+        """The step after backward: the global norm and clip coefficient (gradient_clipping),
+        then every parameter's step staged with them and committed."""
+        norm = None
+        if self.config.clipping > 0:
+            norm = self._grad_norm(self.loss_scale)
+            if not math.isfinite(norm):
+                self._update_scale(overflow=True)
+                return False, {"overflow": True, "grad_norm": norm}
+        clip = 1.0
+        if norm is not None:
+            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        self._speculate = clip == 1.0  # stage the next step during backward unless it clipped
+        for e, g in list(self._unstaged()):
+            self._stage(e, g, clip=clip, always=True)
+        if self._staged is None:
+            return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
+                          "bytes_written": 0}
+        return self._commit(norm, staged=False)
+
+    def _commit(self, norm, staged):
+        """Commits the open staged step (all or nothing): the new weights reach the parameters,
+        the step counts advance and the loss scale follows (an overflow skips the step)."""
+        r = self.runtime.commit_optimizer_step()
         if r["overflow"]:  # nothing was changed
             self._end_staged(committed=False)
             self._update_scale(overflow=True)
             return False, {"overflow": True, "grad_norm": None}
-        for e in staged.entries:
+        entries = list(self._staged.entries)
+        for e in entries:
             e.steps += 1
         self._end_staged(committed=True)
+        if self._refresh:
+            self._refresh_weights(entries)
         self._optimizer_read += r["bytes_read"]
         self._optimizer_written += r["bytes_written"]
         if self._dynamic_scale:
             self._update_scale(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
-                      "bytes_written": r["bytes_written"], "staged": True}
+                      "bytes_written": r["bytes_written"], "staged": staged}
 
-    def _end_gradients(self, grads, failed):
-        """The step is over (taken, skipped or `failed`): a staged step left is aborted, the host
-        gradients released and every gradient dropped. Each part is tried; a failure among them
-        raises the first one, unless the step `failed` (its error is the one to see: these are
-        kept in engine.warnings)."""
+    def _refresh_weights(self, entries):
+        """Parameters homed on NVMe: their new weights are their committed master weights in the
+        training dtype, read back one parameter at a time (never all in host memory at once).
+        The weights are a copy of the master weights: one that cannot be written now (a failed
+        read or write) is written before the next forward, and the step's error says so."""
+        pending = [e for e in entries if e.partitioned]
+        self._pending_refresh = pending
+        while pending:
+            e = pending[0]
+            master, m, v = (torch.empty(e.numel) for _ in range(3))
+            try:
+                self.runtime.read_optimizer_state(e.gid, master, m, v)
+                del m, v
+                engine_state._set_weights(self, e, master)
+            except Exception as error:
+                raise _strata.Error(
+                    f"the optimizer step committed, but the new weights of {len(pending)} "
+                    f"parameters could not be written yet ({e.name}: {error}); they are written "
+                    "from the master weights before the next forward") from error
+            pending.pop(0)
+
+    def _end_gradients(self, failed):
+        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
+        gradient dropped. Each part is tried; a failure among them raises the first one, unless
+        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
         errors = []
 
         def attempt(fn, *args):
@@ -838,14 +914,8 @@ class Engine:
         self._speculate = self._speculate and not self._second_gradient
         self._second_gradient = False
         self._fired.clear()
-        acquired = set()
-        for e, g, held in grads:
-            if held:
-                acquired.add(e.gid)
-                attempt(self.runtime.release, e.gid, "host", False, 0, False)
-        grads.clear()
         for e in self._params:
-            if e.partitioned and (e.has_grad or e.gid in acquired):
+            if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)
             e.has_grad = False
             e.sent_down = False
@@ -856,67 +926,6 @@ class Engine:
                 raise errors[0]
             for error in errors:
                 self._warn(f"after the failed step: {error}")
-
-    def _optimizer_step(self, grads):
-        scale = self.loss_scale
-        per_group = {}
-        for e, g, _ in grads:
-            # Adam's t is each parameter's own count of steps, as torch's: one that had no
-            # gradient in some step is a step behind the others.
-            per_group.setdefault((e.group_index, e.steps + 1), []).append((e, g))
-        # fp16's overflow check: fused into the optimizer's pass when the step is one call and
-        # needs no norm; otherwise read off the norm, which is inf or nan when a gradient is.
-        fused_check = self.dtype == torch.float16 and self.config.clipping == 0 and \
-            len(per_group) == 1
-        norm = None
-        if self.config.clipping > 0 or (self.dtype == torch.float16 and not fused_check):
-            # As torch.nn.utils.clip_grad_norm_: the norm of the tensors' norms, in fp32.
-            norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for _, g, _ in grads]
-            total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
-            norm = total / scale if math.isfinite(total) else math.inf
-        if norm is not None and not math.isfinite(norm):
-            self._update_scale(overflow=True)
-            return False, {"overflow": True, "grad_norm": norm}
-        clip = 1.0
-        if self.config.clipping > 0 and norm is not None:
-            clip = min(1.0, self.config.clipping / (norm + 1e-6))
-        self._speculate = clip == 1.0  # stage the next step during backward unless it clipped
-        report = {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
-                  "bytes_written": 0}
-        held = []
-        changed = False
-        try:
-            for (index, t), members in per_group.items():
-                inputs, after = [], []
-                for e, g in members:
-                    if e.partitioned:
-                        target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-                        held.append(e)
-                    else:
-                        target = self._weights_target(e)
-                    # the new weights in the training dtype (fp32 included), in the same pass
-                    after.append((e, target))
-                    inputs.append((e.gid, g, target))
-                r = self.runtime.optimizer_step(
-                    t, inputs, lr=float(self.optimizer.param_groups[index]["lr"]),
-                    grad_scale=clip / scale, check_overflow=fused_check)
-                if r["overflow"]:  # nothing was changed
-                    self._update_scale(overflow=True)
-                    return False, {"overflow": True, "grad_norm": None}
-                changed = True
-                self._optimizer_read += r["bytes_read"]
-                self._optimizer_written += r["bytes_written"]
-                for key in ("seconds", "bytes_read", "bytes_written"):
-                    report[key] += r[key]
-                for e, target in after:
-                    e.steps += 1
-                    self._write_back_weights(e, target)
-        finally:
-            for e in held:
-                self.runtime.release(e.pid, "host", changed, traced=False)
-        if self._dynamic_scale:
-            self._update_scale(overflow=False)
-        return True, report
 
     def _write_back_weights(self, e, target):
         """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a

@@ -837,8 +837,8 @@ def test_a_step_that_cannot_be_staged_is_taken_after_backward(tmp_path):
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
-    engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    engine, _, _, _ = strata.initialize(  # parameters in host memory: staged into their copies
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0))
     real = engine.runtime
     target = next(e for e in engine._params if e.partitioned)
     for i, (x, y) in enumerate(batches(3)):
@@ -881,3 +881,37 @@ def test_the_weights_can_be_read_between_backward_and_step(tmp_path):
     engine.step()
     assert engine.last_step_stats["optimizer"]["staged"]
     assert not torch.equal(engine.module_state_dict()["l1.weight"], before["l1.weight"])
+
+
+def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_before_the_next(
+        tmp_path):
+    # Parameters on NVMe take their new weights from the committed master weights after the
+    # step; when one cannot be written then, the step says so and the next forward writes it:
+    # training goes on equal to torch's.
+    from strata import _strata
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    real = engine.runtime
+    target = [e for e in engine._params if e.partitioned][-1]
+    for i, (x, y) in enumerate(batches(4)):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        if i == 1:
+            engine.runtime = FailingRuntime(
+                real, lambda id, tier, traced: id == target.pid and not traced, 1,
+                _strata.Error("injected: no room for the weights"))
+            with pytest.raises(strata.Error, match=r"the optimizer step committed, but the new "
+                                                   r"weights of \d+ parameters could not be "
+                                                   r"written yet \(" + target.name):
+                engine.step()
+            engine.runtime = real
+        else:
+            engine.step()
+        ref_loss = reference.micro_step(x, y, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5), i
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
