@@ -345,6 +345,7 @@ class Engine:
         # at a time, rather than all at once in host memory (_refresh_weights).
         self._refresh = self._param_tier == "nvme"
         self._pending_refresh = []
+        self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
@@ -758,6 +759,9 @@ class Engine:
                   f"{runtime_report['wait_seconds'] * 1e3:.0f} ms{' (' + waits + ')' if waits else ''}"
                   f" on the {self.device_kind} device")
 
+        if self._refresh_error is not None:
+            error, self._refresh_error = self._refresh_error, None
+            raise error
     # --- the optimizer step --------------------------------------------------------------------
 
     def _unstaged(self):
@@ -866,7 +870,10 @@ class Engine:
             e.steps += 1
         self._end_staged(committed=True)
         if self._refresh:
-            self._refresh_weights(entries)
+            try:
+                self._refresh_weights(entries)
+            except _strata.Error as error:  # raised by step() once its bookkeeping is done
+                self._refresh_error = error
         self._optimizer_read += r["bytes_read"]
         self._optimizer_written += r["bytes_written"]
         if self._dynamic_scale:

@@ -34,9 +34,12 @@ are restored, so the steps after a load are bit for bit the steps of the run tha
 Thread safety: the engine's (one thread).
 """
 
+import copy
 import hashlib
 import json
 import os
+import re
+import socket
 import shutil
 import uuid
 
@@ -88,21 +91,37 @@ def _write_file(path, data):
         os.fsync(f.fileno())
 
 
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
+
+
 def _check_tag(tag):
-    if not isinstance(tag, str) or not tag or tag.startswith(".") or "/" in tag or \
-            tag == LATEST or "\0" in tag:
-        raise ValueError(f"save_checkpoint: tag {tag!r}; accepted: a non-empty name without '/', "
-                         f"not starting with '.', other than {LATEST!r}")
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag.startswith(LATEST) or \
+            ".partial" in tag or ".replaced" in tag:
+        raise ValueError(f"save_checkpoint: tag {tag!r}; accepted: 1 to 200 of A-Z a-z 0-9 _ . + "
+                         f"= -, not starting with '.' or '-', not {LATEST!r}..., without "
+                         "'.partial' or '.replaced'")
+
+
+def _host():
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+_PARTIAL = re.compile(r"\.(.+)\.partial-([A-Za-z0-9]+)-([0-9]+)-[0-9a-f]{8}")
 
 
 def _remove_dead_partials(save_dir):
-    """Folders of saves killed before their rename (their process is gone)."""
+    """Folders of saves killed before their rename: made on this host by a process that is gone
+    (a save of another host or PID namespace on a shared folder is left alone)."""
     for name in os.listdir(save_dir):
-        if ".partial-" not in name or not name.startswith("."):
-            continue
-        pid = name.rsplit(".partial-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        m = _PARTIAL.fullmatch(name)
+        if m and m.group(2) == _host() and not os.path.exists(f"/proc/{m.group(3)}"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def _replaced(save_dir, tag):
+    """The folders a save of `tag` moved aside (exactly this tag's)."""
+    pattern = re.compile(re.escape(f".{tag}.replaced-") + "[0-9a-f]{8}")
+    return sorted(n for n in os.listdir(save_dir) if pattern.fullmatch(n))
 
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
@@ -110,12 +129,19 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     returns the tag's folder."""
     if engine._staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"save_checkpoint: inside a gradient-accumulation window (micro-batch "
+            f"{engine.micro_steps % engine.gradient_accumulation_steps} of "
+            f"{engine.gradient_accumulation_steps}): the gradients summed so far are not kept; "
+            "save after the step that ends the window")
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     _check_tag(tag)
     save_dir = os.fspath(save_dir)
     os.makedirs(save_dir, exist_ok=True)
     _remove_dead_partials(save_dir)
-    partial = os.path.join(save_dir, f".{tag}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    partial = os.path.join(save_dir,
+                           f".{tag}.partial-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(partial)
     try:
         _write_state(engine, partial, client_state)
@@ -134,14 +160,14 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
         raise
     if save_latest:
         latest = os.path.join(save_dir, LATEST)
-        _write_file(latest + ".partial", tag.encode())
-        os.replace(latest + ".partial", latest)
+        written = f"{latest}.partial-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        _write_file(written, tag.encode())
+        os.replace(written, latest)
         _fsync_dir(save_dir)
         _point("latest_written")
     # The old folder, and any a killed save left aside for this tag.
-    for name in os.listdir(save_dir):
-        if name.startswith(f".{tag}.replaced-"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    for name in _replaced(save_dir, tag):
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     return final
 
 
@@ -213,9 +239,8 @@ def _resolve(load_dir, tag):
     path = os.path.join(load_dir, tag)
     if os.path.isdir(path):
         return path
-    prefix = f".{tag}.replaced-"
-    aside = [n for n in os.listdir(load_dir) if n.startswith(prefix)]
-    return os.path.join(load_dir, sorted(aside)[0]) if aside else None
+    aside = _replaced(load_dir, tag) if os.path.isdir(load_dir) else []
+    return os.path.join(load_dir, aside[0]) if aside else None
 
 
 def _read_meta(path):
@@ -323,39 +348,99 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
                               "different model (buffers and frozen parameters): "
                               + "; ".join(problems) + "; nothing was changed")
     by_name = {p["name"]: p for p in meta["params"]}
+    module_only = load_module_only or not load_optimizer_states
+    scheduler_state = engine_states["lr_scheduler"]
+    restore_scheduler = False
+    if not load_module_only:
+        _check_optimizer(engine, meta, os.path.join(path, META))
+        restore_scheduler = _check_scheduler(engine, scheduler_state, load_lr_scheduler_states,
+                                             os.path.join(path, ENGINE))
+    # Checked: from here on the engine changes. Gradients summed before the load are dropped.
+    engine._end_gradients(failed=False)
     with open(os.path.join(path, STATES), "rb") as f:
-        if load_optimizer_states and not load_module_only:
-            engine.runtime.begin_load_optimizer_state()
-            try:
-                for e in engine._params:
-                    engine.runtime.load_optimizer_state(e.gid, *_read_tensors(f, by_name[e.name]))
-                engine.runtime.commit_load_optimizer_state()
-            except BaseException:
-                engine.runtime.abort_load_optimizer_state()
-                raise
+        # The optimizer's state, all or none: the checkpoint's, or (module only) the current
+        # moments under the checkpoint's master weights, so the next step goes on from them.
+        engine.runtime.begin_load_optimizer_state()
+        try:
+            for e in engine._params:
+                master, exp_avg, exp_avg_sq = _read_tensors(f, by_name[e.name])
+                if module_only:
+                    _, exp_avg, exp_avg_sq = (torch.empty(e.numel) for _ in range(3))
+                    engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
+                engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
+            engine.runtime.commit_load_optimizer_state()
+        except BaseException:
+            engine.runtime.abort_load_optimizer_state()
+            raise
         for e in engine._params:
             master = _read_tensors(f, by_name[e.name])[0]
             _set_weights(engine, e, master)
     with torch.no_grad():
         for name, value in rest.items():
             value.copy_(saved_rest[name].to(device=value.device, dtype=value.dtype))
-    if not load_module_only:
+    if load_module_only:
+        return path, engine_states["client_state"]
+    if load_optimizer_states:
         for e in engine._params:
             e.steps = by_name[e.name]["steps"]
-        engine.global_steps = meta["global_steps"]
-        engine.skipped_steps = meta["skipped_steps"]
-        engine.micro_steps = meta["micro_steps"]
+    engine.global_steps = meta["global_steps"]
+    engine.skipped_steps = meta["skipped_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    if meta["dtype"] == str(engine.dtype).replace("torch.", ""):
         scaler = meta["loss_scaler"]
         engine.loss_scale = scaler["loss_scale"]
         engine._hysteresis_left = scaler["hysteresis_left"]
         engine._scale_iteration = scaler["scale_iteration"]
         engine._last_overflow = scaler["last_overflow"]
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
-            group.update(saved)
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and \
-                engine_states["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(engine_states["lr_scheduler"])
+    else:
+        engine._warn(f"load_checkpoint: the checkpoint trained in {meta['dtype']}, this engine in "
+                     f"{str(engine.dtype).replace('torch.', '')}: its loss scale is not taken")
+    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+        group.update(saved)
+    if restore_scheduler:
+        engine.lr_scheduler.load_state_dict(scheduler_state)
     return path, engine_states["client_state"]
+
+
+def _check_optimizer(engine, meta, file):
+    """The checkpoint's optimizer is the engine's, with as many param groups, the parameters in
+    the same ones."""
+    if meta["optimizer"] != engine.optimizer_kind:
+        raise CheckpointError(f"load_checkpoint: {file} holds the state of {meta['optimizer']}, "
+                              f"this engine steps {engine.optimizer_kind}: accepted: the same "
+                              "optimizer (or load_module_only=True); nothing was changed")
+    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"load_checkpoint: {file} has {len(meta['param_groups'])} param "
+                              f"groups, this engine {len(engine.optimizer.param_groups)}; nothing "
+                              "was changed")
+    groups = {p["name"]: p["group_index"] for p in meta["params"]}
+    moved = [e.name for e in engine._params if groups[e.name] != e.group_index]
+    if moved:
+        raise CheckpointError(f"load_checkpoint: {file} puts {', '.join(moved)} in other param "
+                              "groups; nothing was changed")
+
+
+def _check_scheduler(engine, state, wanted, file):
+    """Whether the scheduler's state is to be restored; a state the engine's scheduler refuses is
+    found here, before anything changes."""
+    if not wanted:
+        return False
+    scheduler = engine.lr_scheduler
+    if (scheduler is None) != (state is None):
+        engine._warn(f"load_checkpoint: {file} has {'no' if state is None else 'a'} learning-rate "
+                     f"scheduler state and this engine {'has' if state is None else 'has no'} "
+                     "scheduler: the schedule is not restored")
+        return False
+    if scheduler is None:
+        return False
+    trial = copy.deepcopy(scheduler)
+    try:
+        trial.load_state_dict(state)
+    except Exception as error:  # any scheduler's own check
+        raise CheckpointError(f"load_checkpoint: {file}: the learning-rate scheduler's state "
+                              f"does not fit this engine's {type(scheduler).__name__} ({error!r});"
+                              " nothing was changed") from None
+    return True
 
 
 def _set_weights(engine, e, master):

@@ -49,11 +49,20 @@ class _LazyTensor:
         return self.storage.dtype
 
     def read(self):
+        """The tensor's own elements: only the bytes of the storage it spans are read (a storage
+        shared by many tensors is not read whole for each)."""
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        span = 0 if 0 in self.shape else \
+            1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
         with zipfile.ZipFile(self.storage.archive) as z, z.open(self.storage.record) as f:
-            data = bytearray(f.read())
+            f.seek(self.offset * size)
+            data = bytearray(f.read(span * size))
+        if len(data) != span * size:
+            raise engine_state.CheckpointError(
+                f"load_pretrained: {self.storage.archive}: {self.storage.record} ends early")
         flat = torch.frombuffer(data, dtype=self.dtype) if data else \
             torch.empty(0, dtype=self.dtype)
-        return flat.as_strided(self.shape, self.stride, self.offset)
+        return flat.as_strided(self.shape, self.stride, 0)
 
 
 def _storage_dtype(name):
@@ -71,12 +80,17 @@ class _Unpickler(pickle.Unpickler):
         self.archive, self.prefix = archive, prefix
 
     def find_class(self, module, name):
+        # What a state dict's pickle names, and nothing else (a pickle can run any code it names).
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return lambda storage, offset, size, stride, *rest: _LazyTensor(storage, offset, size,
                                                                             stride)
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return lambda data, *rest: data  # an nn.Parameter: its tensor
         if module == "torch" and name.endswith("Storage"):
             return _StorageKind(name)
-        return super().find_class(module, name)
+        if (module, name) in (("collections", "OrderedDict"), ("torch", "Size")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a state dict")
 
     def persistent_load(self, saved_id):
         _, kind, key, _, _ = saved_id
@@ -129,6 +143,9 @@ def _entries(source):
     folder = os.path.dirname(index)
     out = {}
     for file in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(folder, file)):
+            raise engine_state.CheckpointError(
+                f"load_pretrained: {index} names {file}, which is missing")
         shard = read_state_dict_lazily(os.path.join(folder, file))
         for name, where in weight_map.items():
             if where == file:
@@ -163,6 +180,7 @@ def load(engine, source, strict=True):
     if problems:
         raise engine_state.CheckpointError("load_pretrained: " + "; ".join(problems) +
                                            "; nothing was changed")
+    engine._end_gradients(failed=False)  # gradients summed before the load are dropped
     source_of = {n: n for n in wanted if n in entries}
     for alias, own in alias_of.items():
         if own not in source_of and alias in entries:

@@ -9,8 +9,12 @@ Inside the context every nn.Module's ``__init__`` is followed by a step that tur
 own parameters of at least stage3_param_persistence_threshold elements into strata partitions
 (in the training dtype, in the tier offload_param names: device, host or NVMe) and leaves each
 parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
-the submodule is built, so the host memory building needs is about the largest module's own
-parameters, not the model's. The context makes the Runtime (from the config's zero_optimization
+the submodule is built (when its outermost ``__init__`` returns, so a subclass may set them after
+``super().__init__()``), so the host memory building needs is about the largest module's own
+parameters, not the model's. What a parent does to its children's parameters after they were
+built (Hugging Face's ``post_init`` / ``apply(_init_weights)``) does not reach the partitions:
+load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build without the
+context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
 initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
 
@@ -65,6 +69,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         self.next_id = 0  # partition ids: a parameter's even, its gradient's the odd one after
         self.warnings = list(self.settings.warnings)
         self._patched = []
+        self._building = set()  # modules whose __init__ runs now
         self._adopted = None  # the engine's warning callback, once adopted
 
     def __enter__(self):
@@ -138,8 +143,18 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
         @functools.wraps(original)
         def wrapped(module, *args, **kwargs):
-            original(module, *args, **kwargs)
-            context._partition_module(module)
+            # Partitioned when the module's outermost __init__ returns (a subclass that sets its
+            # parameters after super().__init__() sets them first).
+            outer = id(module) not in context._building
+            if outer:
+                context._building.add(id(module))
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                if outer:
+                    context._building.discard(id(module))
+            if outer:
+                context._partition_module(module)
 
         wrapped._strata_wrapped = True
         cls.__init__ = wrapped

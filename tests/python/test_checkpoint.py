@@ -281,3 +281,93 @@ def test_buffers_and_frozen_parameters_come_back_with_a_checkpoint(tmp_path):
     other.load_checkpoint(tmp_path / "ckpt")
     assert torch.equal(other.module.seen, torch.full((3,), 2.0))
     assert torch.equal(other.module.scale, torch.full_like(other.module.scale, 0.5))
+
+
+# --- what a fresh-eye audit found (each failed before its fix) ---------------------------------
+
+def test_loading_only_the_module_moves_the_master_weights_too(tmp_path):
+    # load_module_only, or load_optimizer_states=False: the next step goes on from the loaded
+    # weights (the optimizer's master weights follow them), not from the engine's own.
+    source = engine_for(tmp_path, "nvme", "fp32", seed=0, name="source")
+    train(source, list(batches(4)))
+    source.save_checkpoint(tmp_path / "ckpt")
+    saved = source.module_state_dict()
+    for flags in ({"load_module_only": True}, {"load_optimizer_states": False}):
+        target = engine_for(tmp_path, "nvme", "fp32", seed=1, name=str(sorted(flags)))
+        target.load_checkpoint(tmp_path / "ckpt", **flags)
+        for name, value in target.module_state_dict().items():
+            assert torch.equal(value, saved[name]), (flags, name)
+        for group in target.optimizer.param_groups:
+            group["lr"] = 1e-9
+        train(target, list(batches(2)))
+        for name, value in target.module_state_dict().items():
+            assert torch.allclose(value, saved[name], atol=1e-6), (flags, name)
+
+
+def test_a_save_inside_an_accumulation_window_is_refused(tmp_path):
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    x, y = next(iter(batches(1)))
+    engine.backward(loss_of(engine(x), y))
+    engine.step()  # micro-batch 1 of 2
+    with pytest.raises(RuntimeError, match="inside a gradient-accumulation window"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_load_drops_the_gradients_summed_before_it(tmp_path):
+    source = engine_for(tmp_path, "nvme", "fp32", seed=0, name="source")
+    data = list(batches(8))
+    train(source, data[:4])
+    source.save_checkpoint(tmp_path / "ckpt")
+    clean = engine_for(tmp_path, "nvme", "fp32", seed=1, name="clean")
+    clean.load_checkpoint(tmp_path / "ckpt")
+    busy = engine_for(tmp_path, "nvme", "fp32", seed=1, name="busy")
+    train(busy, data[:1])  # half a window: gradients summed
+    busy.load_checkpoint(tmp_path / "ckpt")
+    assert not any(e.has_grad for e in busy._params)
+    assert train(busy, data[4:]) == train(clean, data[4:])
+
+
+def test_another_optimizers_checkpoint_is_refused_and_changes_nothing(tmp_path):
+    source = engine_for(tmp_path, "cpu", "fp32", seed=0, name="source")
+    source.save_checkpoint(tmp_path / "ckpt")
+    meta_file = tmp_path / "ckpt" / "global_step0" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["optimizer"] = "adagrad"
+    meta_file.write_text(json.dumps(meta))
+    target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
+    before = state_of(target)
+    with pytest.raises(engine_state.CheckpointError, match="holds the state of adagrad"):
+        target.load_checkpoint(tmp_path / "ckpt")
+    for a, b in zip(before, state_of(target)):
+        assert torch.equal(a, b)
+
+
+def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_changes(tmp_path):
+    source = engine_for(tmp_path, "cpu", "fp32", seed=0, name="source")
+    train(source, list(batches(4)))
+    source.save_checkpoint(tmp_path / "ckpt")
+    states = tmp_path / "ckpt" / "global_step2" / "engine_states.pt"
+    saved = torch.load(states)
+    saved["lr_scheduler"] = {"step_size": 2}  # another scheduler's
+    torch.save(saved, states)
+    meta_file = tmp_path / "ckpt" / "global_step2" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    import hashlib
+    meta["files"]["engine_states.pt"]["digest"] = hashlib.blake2b(
+        states.read_bytes(), digest_size=16).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+    target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
+    before = state_of(target)
+    with pytest.raises(engine_state.CheckpointError, match="scheduler's state does not fit"):
+        target.load_checkpoint(tmp_path / "ckpt")
+    assert target.global_steps == 0
+    for a, b in zip(before, state_of(target)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tag", ["x ", " x", "latest.partial", "a.partial-1", "b.replaced-c",
+                                 "-x", "", "a" * 201, "a/b", "é"])
+def test_tags_that_would_confuse_a_later_load_are_refused(tmp_path, tag):
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    with pytest.raises(ValueError, match="accepted: 1 to 200 of"):
+        engine.save_checkpoint(tmp_path / "ckpt", tag=tag)

@@ -892,11 +892,15 @@ def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_b
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
-    engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0))
+    config = make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0)
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+        "warmup_type": "linear"}}
+    engine, _, _, _ = strata.initialize(model=model, config=config)
     real = engine.runtime
     target = [e for e in engine._params if e.partitioned][-1]
-    for i, (x, y) in enumerate(batches(4)):
+    for i, (x, y) in enumerate(batches(5)):
+        rate = engine.get_lr()[0]  # this step's rate (the schedule steps after each step)
         loss = loss_of(engine(x), y)
         engine.backward(loss)
         if i == 1:
@@ -910,6 +914,9 @@ def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_b
             engine.runtime = real
         else:
             engine.step()
+        # The step's bookkeeping was done even when its weights were not all written.
+        assert engine.global_steps == i + 1
+        reference.opt.param_groups[0]["lr"] = rate
         ref_loss = reference.micro_step(x, y, 1)
         reference.step()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5), i

@@ -99,3 +99,29 @@ def test_files_that_are_not_state_dicts_are_named(tmp_path):
     (tmp_path / "shards").mkdir()
     with pytest.raises(engine_state.CheckpointError, match="cannot be read as a shard index"):
         engine.load_pretrained(tmp_path / "shards")
+
+
+def test_parameters_in_the_file_and_a_missing_shard(tmp_path):
+    torch.manual_seed(0)
+    source = Net()
+    torch.save(dict(source.named_parameters()), tmp_path / "params.bin")  # nn.Parameter values
+    engine = engine_of(tmp_path, Net(), "cpu")
+    engine.load_pretrained(tmp_path / "params.bin")
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, source.state_dict()[name]), name
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "pytorch_model.bin.index.json").write_text(
+        '{"weight_map": {"emb.weight": "gone.bin"}}')
+    with pytest.raises(engine_state.CheckpointError, match="names gone.bin, which is missing"):
+        engine.load_pretrained(tmp_path / "shards")
+
+
+def test_a_pickle_that_names_other_code_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"emb.weight": torch.zeros(1), "x": Evil()}, tmp_path / "evil.bin")
+    engine = engine_of(tmp_path, Net(), "cpu")
+    with pytest.raises(engine_state.CheckpointError, match="is not part of a state dict"):
+        engine.load_pretrained(tmp_path / "evil.bin")

@@ -135,3 +135,17 @@ def test_building_under_init_holds_about_one_layer_not_the_model(tmp_path):
     # What stays: the Runtime's own buffers (the aio engine's staging, the pinned pools) and about
     # one layer: measured 46 MiB here, against the model's 128 MiB.
     assert grown[True][1] < model_bytes / 2, grown
+
+
+def test_parameters_set_after_super_init_are_kept(tmp_path):
+    class Filled(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(64, 64)
+            with torch.no_grad():
+                self.weight.fill_(0.25)  # after nn.Linear's own __init__
+
+    config = config_for(tmp_path)
+    with strata.init(config=config):
+        model = torch.nn.Sequential(Filled())
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert torch.equal(engine.module_state_dict()["0.weight"], torch.full((64, 64), 0.25))
