@@ -12,7 +12,7 @@ from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import Whole, state_of, train, whole_engine  # noqa: E402
-from test_engine import Net, batches, loss_of, make_config  # noqa: E402
+from test_engine import Net, batches, loss_of, make_config, step_both  # noqa: E402
 
 
 def engine_of(tmp_path, model, offload="nvme", dtype="fp32"):
@@ -37,14 +37,7 @@ def test_pretrained_weights_load_and_train_as_in_plain_torch(tmp_path, offload):
     reference = copy.deepcopy(pretrained)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     for x, y in batches(3):
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = loss_of(reference(x), y)
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        step_both(engine, reference, torch_adamw, x, y)
 
 
 def test_shards_with_an_index_load_a_tied_model(tmp_path):

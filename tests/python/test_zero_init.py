@@ -12,7 +12,7 @@ import strata
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_checkpoint import state_of  # noqa: E402
-from test_engine import Net, batches, loss_of, make_config  # noqa: E402
+from test_engine import Net, batches, loss_of, make_config, step_both  # noqa: E402
 
 
 def config_for(tmp_path, offload="nvme", stage=3):
@@ -34,14 +34,7 @@ def test_a_model_built_under_init_trains_as_one_built_whole(tmp_path, offload):
     for name, value in engine.module_state_dict().items():
         assert torch.equal(value, reference.state_dict()[name]), name
     for x, y in batches(3):
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = loss_of(reference(x), y)
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        step_both(engine, reference, torch_adamw, x, y)
 
 
 def test_built_under_init_then_pretrained_weights_streamed_in(tmp_path):
