@@ -50,7 +50,6 @@ and the model computes on the CPU; ``engine.device_kind`` and every report say w
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
-import json
 import math
 import time
 import types

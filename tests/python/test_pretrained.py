@@ -11,8 +11,8 @@ import strata
 from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import Whole, state_of, train, whole_engine  # noqa: E402
-from test_engine import Net, batches, loss_of, make_config, step_both  # noqa: E402
+from test_checkpoint import state_of, train, whole_engine  # noqa: E402
+from test_engine import Net, batches, make_config, step_both  # noqa: E402
 
 
 def engine_of(tmp_path, model, offload="nvme", dtype="fp32"):

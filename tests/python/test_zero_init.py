@@ -1,6 +1,5 @@
 """strata.init: a model built without materializing its large parameters, adopted by
 strata.initialize, loaded and trained as one built whole (strata/zero_init.py)."""
-import copy
 import os
 import subprocess
 import sys
@@ -11,8 +10,7 @@ import torch
 import strata
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import state_of  # noqa: E402
-from test_engine import Net, batches, loss_of, make_config, step_both  # noqa: E402
+from test_engine import Net, batches, make_config, step_both  # noqa: E402
 
 
 def config_for(tmp_path, offload="nvme", stage=3):
