@@ -24,12 +24,21 @@ then replaces ``latest`` (written aside, synced, renamed, the folder synced). A 
 moment leaves ``latest`` naming a whole checkpoint; a TAG found only renamed aside is loaded from
 there.
 
+A save is taken between steps, at the end of a gradient-accumulation window (inside one the
+gradients summed so far would not be kept: refused). Tags are 1 to 200 of A-Z a-z 0-9 _ . + = -,
+not starting with '.' or '-', and name nothing a save writes aside.
+
 Loading checks before it changes anything: every parameter of the engine is in the checkpoint
-with its shape and none is extra (all mismatches named at once), the files are whole, and every
-tensor's digest matches (a flipped byte is named by file and tensor). Then the optimizer state is
-loaded all or none (the Runtime's load: one manifest record for the NVMe state), the parameters
-are set from the master weights in the training dtype, and the counters, loss scaler and scheduler
-are restored, so the steps after a load are bit for bit the steps of the run that saved it.
+with its shape and none is extra (all mismatches named at once), the files are whole, every
+tensor's digest matches (a flipped byte is named by file and tensor), the optimizer and its param
+groups are the engine's, and the engine's scheduler takes the saved schedule. Then gradients
+summed before the load are dropped, the optimizer state is loaded all or none (the Runtime's load:
+one manifest record for the NVMe state), the parameters are set from the master weights in the
+training dtype, and the counters, loss scaler and scheduler are restored, so the steps after a
+load are bit for bit the steps of the run that saved it (for a model whose randomness the trainer
+restores: the random-number state is the trainer's, in client_state, as in DeepSpeed). With
+``load_module_only`` (or ``load_optimizer_states=False``) only the weights are taken: the master
+weights follow them and the moments stay.
 
 Thread safety: the engine's (one thread).
 """
