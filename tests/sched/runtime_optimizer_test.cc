@@ -290,6 +290,21 @@ TEST(RuntimeOptimizerTest, EachPartitionStepsAsItsGradientArrivesWhileBackwardGo
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
+// The optimizer over kParts with the reference's master weights, and each partition's fp32
+// gradient partition registered in the host tier (holding `grads` when given, else empty).
+void SetUpStagedOptimizer(Runtime& rt, const Reference& ref,
+                          const std::vector<std::vector<float>>* grads) {
+  ASSERT_TRUE(rt.CreateOptimizer(Adam(), kParts).ok());
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE(rt.InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+    const uint64_t bytes = kParts[i].second * 4;
+    absl::Span<const std::byte> initial;
+    if (grads != nullptr) initial = {reinterpret_cast<const std::byte*>((*grads)[i].data()), bytes};
+    ASSERT_TRUE(
+        rt.Register(Desc(kParts[i].first, bytes, tiering::Role::kGrad), Tier::kHost, initial).ok());
+  }
+}
+
 // The step in parts as a trainer drives it during backward: each gradient written on the device,
 // released, sent down (GradientReady) and staged with no address, so the optimizer's thread takes
 // it from its partition in the host tier. Three steps equal CpuAdam in memory bit for bit; the
@@ -303,15 +318,8 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
   config.host_budget_bytes += 4 * kSlot;
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
-  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
   Reference ref;
-  for (size_t i = 0; i < kParts.size(); ++i) {
-    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
-    ASSERT_TRUE((*rt)
-                    ->Register(Desc(kParts[i].first, kParts[i].second * 4, tiering::Role::kGrad),
-                               Tier::kHost)
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, nullptr));
   // The new weights in bf16, as the trainer's parameters (the room for staging them was set
   // aside by CreateOptimizer).
   std::vector<std::vector<uint16_t>> copies, want;
@@ -386,17 +394,9 @@ TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepp
   };
   auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), ro);
   ASSERT_TRUE(rt.ok()) << rt.status();
-  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
   Reference ref;
   const auto grads = Grads(1);
-  for (size_t i = 0; i < kParts.size(); ++i) {
-    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
-    const auto* bytes = reinterpret_cast<const std::byte*>(grads[i].data());
-    ASSERT_TRUE((*rt)
-                    ->Register(Desc(kParts[i].first, kParts[i].second * 4, tiering::Role::kGrad),
-                               Tier::kHost, {bytes, kParts[i].second * 4})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
   ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
   for (const auto& [id, n] : kParts) {
     ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
