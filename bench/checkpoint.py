@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -31,25 +30,15 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from gpt import GPT  # noqa: E402
+from fio_ceiling import fio_bandwidth  # noqa: E402
 
 import strata  # noqa: E402
 
 
 def fio_seconds(directory, nbytes, write):
-    """fio's time to move `nbytes` one way (None without fio)."""
-    if shutil.which("fio") is None:
-        return None
-    path = os.path.join(directory, "fio.bin")
-    size = max(1 << 20, (nbytes + (1 << 20) - 1) // (1 << 20) * (1 << 20))
-    cmd = ["fio", "--name=ckpt", f"--filename={path}", f"--size={size}", "--bs=1M",
-           "--iodepth=8", "--direct=1", "--ioengine=io_uring",
-           f"--rw={'write' if write else 'read'}", "--end_fsync=1", "--output-format=json"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-    except (subprocess.SubprocessError, OSError):
-        return None
-    job = json.loads(out.stdout)["jobs"][0]["write" if write else "read"]
-    return nbytes / job["bw_bytes"]
+    """fio's time to move `nbytes` one way, synced (None without fio)."""
+    bandwidth = fio_bandwidth(directory, write, nbytes, end_fsync=True)
+    return nbytes / bandwidth if bandwidth else None
 
 
 def rss_bytes():
@@ -117,7 +106,7 @@ def main():
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 3, "stage3_param_persistence_threshold": 10000,
-            "offload_param": {"device": "cpu"},
+            "offload_param": {"device": "cpu", "buffer_count": 2, "buffer_size": 4 << 20},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
         "strata": {"device": "emulated", "device_budget_bytes": 64 << 20,
                    "host_budget_bytes": 4 * state_bytes + (256 << 20),

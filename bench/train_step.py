@@ -57,24 +57,9 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from gpt import GPT, loss_of  # noqa: E402
+from fio_ceiling import fio_bandwidth  # noqa: E402
 
 import strata  # noqa: E402
-
-
-def fio_bandwidth(directory, write):
-    """fio's GB/s at 1 MiB, depth 8, O_DIRECT on a 256 MiB file in `directory` (None: no fio)."""
-    if shutil.which("fio") is None:
-        return None
-    path = os.path.join(directory, "fio.bin")
-    cmd = ["fio", "--name=bw", f"--filename={path}", "--size=256M", "--bs=1M", "--iodepth=8",
-           "--direct=1", "--ioengine=io_uring", f"--rw={'write' if write else 'read'}",
-           "--output-format=json"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-    except (subprocess.SubprocessError, OSError):
-        return None
-    job = json.loads(out.stdout)["jobs"][0]["write" if write else "read"]
-    return job["bw_bytes"] / 1e9
 
 
 def batch(gen, args):
@@ -151,8 +136,8 @@ def main():
         adam.step()
         adam_s = median_time(adam.step, args.steps)
         del adam, flat
-        read_gbs = fio_bandwidth(args.dir, write=False)
-        write_gbs = fio_bandwidth(args.dir, write=True)
+        read_gbs, write_gbs = (None if b is None else b / 1e9 for b in (
+            fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True)))
         if os.path.exists(os.path.join(args.dir, "fio.bin")):
             os.remove(os.path.join(args.dir, "fio.bin"))
         io_s = (state_bytes / (read_gbs * 1e9) + state_bytes / (write_gbs * 1e9)) \
