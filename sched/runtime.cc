@@ -1,5 +1,6 @@
 #include "sched/runtime.h"
 
+#include <malloc.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -61,6 +62,20 @@ const char* ModeName(Scheduler::Mode m) {
       return "on-demand";
   }
   return "?";
+}
+
+// strata.malloc_mmap_threshold_bytes: the tiers' memory is mmap'd and returned when freed, but
+// a trainer's own large blocks (torch's gradient tensors, the BLAS's buffers) come from malloc.
+// glibc raises its mmap threshold to the size of each large block freed, after which such blocks
+// come from its heap, and the heap stays as large as their busiest moment: measured, the resident
+// memory of a 24 MiB-budget fine-tuning run rose by up to 120 MiB over what it held. A fixed
+// threshold gives such blocks back to the system as they are freed.
+void FixMallocMmapThreshold(uint64_t bytes) {
+#if defined(__GLIBC__)
+  if (bytes > 0) mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes));
+#else
+  (void)bytes;
+#endif
 }
 
 }  // namespace
@@ -147,6 +162,7 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
   }
   auto rt = std::unique_ptr<Runtime>(new Runtime());
   rt->config_ = config;
+  FixMallocMmapThreshold(config.malloc_mmap_threshold_bytes);
   rt->options_ = std::move(options);
   auto warn = [r = rt.get()](absl::string_view w) { r->Warn(std::string(w)); };
   aio::EngineOptions eo = rt->options_.engine_options;

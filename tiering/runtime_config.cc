@@ -305,10 +305,11 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     }
   }
   if (auto s = root.find("strata"); s != root.end()) {
-    STRATA_RETURN_IF_ERROR(config::CheckKeys(
-        *s, "strata",
-        {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
-         "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy"}));
+    STRATA_RETURN_IF_ERROR(
+        config::CheckKeys(*s, "strata",
+                          {"aio", "device", "device_budget_bytes", "host_budget_bytes",
+                           "nvme_capacity_bytes", "nvme_path", "copy_bandwidth_bytes_per_s",
+                           "eviction_policy", "malloc_mmap_threshold_bytes"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -324,6 +325,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(
         ReadInt(*s, p, "copy_bandwidth_bytes_per_s", 0, kMax, &c.copy_bandwidth_bytes_per_s));
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "eviction_policy", &c.eviction_policy));
+    STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "malloc_mmap_threshold_bytes", 0, int64_t{32} << 20,
+                                   &c.malloc_mmap_threshold_bytes));
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

@@ -83,7 +83,11 @@ struct RuntimeConfig {
   uint64_t nvme_capacity_bytes = 16ull << 30;
   std::string nvme_path;  // default: offload_param's nvme_path, else offload_optimizer's
   uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
-  std::string eviction_policy = "trace";  // "lru": on demand, least recently used first
+  std::string eviction_policy = "trace";    // "lru": on demand, least recently used first
+  // glibc's M_MMAP_THRESHOLD, fixed by the Runtime (0: glibc's own, which rises after a large
+  // block is freed, after which freed megabyte tensors stay resident in its heap and the
+  // process holds more than its tiers' budgets). glibc takes at most 32 MiB.
+  uint64_t malloc_mmap_threshold_bytes = 256 << 10;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

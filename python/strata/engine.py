@@ -888,12 +888,15 @@ class Engine:
         read or write) is written before the next forward, and the step's error says so."""
         pending = [e for e in entries if e.partitioned]
         self._pending_refresh = pending
+        # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
+        # and freed per parameter is kept resident by glibc's heap once its mmap threshold has
+        # risen, so that the process's resident memory drifts above what is in use.
+        state = torch.empty(3 * max((e.numel for e in pending), default=0))
         while pending:
             e = pending[0]
-            master, m, v = (torch.empty(e.numel) for _ in range(3))
+            master, m, v = state[:3 * e.numel].view(3, e.numel)
             try:
                 self.runtime.read_optimizer_state(e.gid, master, m, v)
-                del m, v
                 engine_state._set_weights(self, e, master)
             except Exception as error:
                 raise _strata.Error(

@@ -458,7 +458,7 @@ def _set_weights(engine, e, master):
         if e.partitioned:
             copy = from_dlpack(engine.runtime.acquire(e.pid, "host", traced=False))
             try:
-                copy.copy_(master.to(copy.dtype))
+                copy.copy_(master)  # converted as it is copied, no temporary
             finally:
                 del copy
                 engine.runtime.release(e.pid, "host", True, traced=False)

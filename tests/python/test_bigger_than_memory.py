@@ -38,9 +38,16 @@ sys.path.insert(0, {here!r})
 import strata
 from test_bigger_than_memory import Deep, batches, HOST_BUDGET, DEVICE_BUDGET
 
-def rss():
+def rss(field="VmRSS:"):
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
+
+# torch's own one-time allocations (the BLAS's per-thread buffers, whose size depends on the CPU's
+# kernel, and the code pages its first ops fault in) belong in the base, not in strata's growth:
+# one forward and backward of a layer of the same shape, outside strata, before measuring.
+warm = torch.nn.Linear({width}, {width})
+torch.nn.functional.mse_loss(torch.tanh(warm(batches(1)[0][0])), batches(1)[0][1]).backward()
+del warm
 
 config = {{
     "train_micro_batch_size_per_gpu": 4,
@@ -53,11 +60,14 @@ config = {{
     "strata": {{"device": "emulated", "device_budget_bytes": DEVICE_BUDGET,
                "host_budget_bytes": HOST_BUDGET, "nvme_capacity_bytes": 1 << 30}}}}
 base = rss()
+base_anon = rss("RssAnon:")
 peak = [base]
+peak_anon = [base_anon]
 done = threading.Event()
 def sample():
     while not done.is_set():
         peak[0] = max(peak[0], rss())
+        peak_anon[0] = max(peak_anon[0], rss("RssAnon:"))
         done.wait(0.002)
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
@@ -73,7 +83,8 @@ for x, y in batches(3):
     losses.append(loss.item())
 done.set()
 sampler.join()
-print(json.dumps({{"losses": losses, "peak_growth": max(peak[0], rss()) - base}}))
+print(json.dumps({{"losses": losses, "peak_growth": max(peak[0], rss()) - base,
+                  "peak_anon_growth": max(peak_anon[0], rss("RssAnon:")) - base_anon}}))
 """
 
 
@@ -96,12 +107,13 @@ def test_a_model_twice_the_host_budget_is_built_loaded_and_trained_within_it(tmp
     here = os.path.dirname(os.path.abspath(__file__))
     child = subprocess.run(
         [sys.executable, "-c", CHILD.format(here=here, nvme=str(tmp_path / "nvme"),
-                                            weights=str(tmp_path / "pretrained.bin"))],
+                                            weights=str(tmp_path / "pretrained.bin"), width=WIDTH)],
         capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-3000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
+    print("bigger than memory:", report)
     for ours, theirs in zip(report["losses"], expected):
         assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)), (report["losses"], expected)
     bound = HOST_BUDGET + DEVICE_BUDGET + MARGIN
     assert bound < weights  # so that holding the weights whole anywhere fails the test
-    assert report["peak_growth"] <= bound, (report["peak_growth"], bound, weights)
+    assert report["peak_growth"] <= bound, (report, bound, weights)

@@ -3,6 +3,7 @@
 // concurrent use. (Its configuration's tests are in runtime_config_test.cc.)
 #include "sched/runtime.h"
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -516,6 +517,27 @@ TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
   }
   EXPECT_GT((*rt)->stats().host_held_bytes, 32u << 20);  // the budget was used
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // they replace malloc
+// A trainer's megabyte blocks (torch's gradients) must go back to the system when freed, not stay
+// in glibc's heap: the Runtime fixes glibc's mmap threshold (strata.malloc_mmap_threshold_bytes),
+// which glibc would otherwise raise past a megabyte the first time such a block is freed.
+TEST(RuntimeTest, LargeBlocksAMallocFreesLeaveTheProcessOnceARuntimeIsMade) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(SmallConfig(dir.File("swap")), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  constexpr size_t kBlock = 1 << 20;
+  for (int round = 0; round < 3; ++round) {
+    const size_t mapped_before = mallinfo2().hblkhd;
+    void* volatile block = std::malloc(kBlock);
+    ASSERT_NE(block, nullptr);
+    EXPECT_GE(mallinfo2().hblkhd, mapped_before + kBlock)
+        << "round " << round << ": the block came from the heap";
+    std::free(block);
+    EXPECT_EQ(mallinfo2().hblkhd, mapped_before) << "round " << round;
+  }
+}
+#endif
 
 TEST(RuntimeTest, AHugeOrOverflowingSizeIsAStatusInEveryTier) {
   ScratchDir dir;

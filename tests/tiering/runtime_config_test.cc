@@ -186,6 +186,17 @@ TEST(RuntimeConfigTest, TraceEvictionIsTheDefaultAndLruIsAccepted) {
   EXPECT_THAT(All(warnings), Not(HasSubstr("eviction_policy")));
 }
 
+TEST(RuntimeConfigTest, TheMallocMmapThresholdIsAQuarterMegabyteUnlessSet) {
+  EXPECT_EQ(RuntimeConfig().malloc_mmap_threshold_bytes, 256u << 10);
+  auto c = RuntimeConfigFromJsonText(R"({"strata": {"malloc_mmap_threshold_bytes": 0}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->malloc_mmap_threshold_bytes, 0u);
+  EXPECT_THAT(RuntimeConfigFromJsonText(R"({"strata": {"malloc_mmap_threshold_bytes": 67108864}})")
+                  .status()
+                  .message(),
+              HasSubstr("malloc_mmap_threshold_bytes"));
+}
+
 struct Bad {
   const char* json;
   const char* message;
