@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "aio/internal/stream_copy.h"
 #include "base/check.h"
 #include "base/status.h"
 
@@ -253,11 +254,11 @@ Worker::Prepared Worker::Prepare(Piece* piece, Op* op) {
       piece->buf_index = staging_index_[piece->staging_slot];
       std::byte* user_in_staging = piece->io_buf + (piece->offset - piece->io_offset);
       if (piece->phase == Phase::kWrite) {
-        std::memcpy(user_in_staging, piece->user, piece->length);
+        StreamCopy(user_in_staging, piece->user, piece->length);
       } else if (piece->phase == Phase::kFillForWrite && piece->required == 0) {
         // The covering block lies wholly past the end of the file: nothing to read first.
         std::memset(piece->io_buf, 0, piece->io_length);
-        std::memcpy(user_in_staging, piece->user, piece->length);
+        StreamCopy(user_in_staging, piece->user, piece->length);
         piece->phase = Phase::kWrite;
         piece->required = piece->io_length;
       }
@@ -316,7 +317,7 @@ void Worker::Handle(Piece* piece, int64_t result, std::deque<Piece*>* ready) {
     if (reached < piece->io_length) {
       std::memset(piece->io_buf + reached, 0, piece->io_length - reached);
     }
-    std::memcpy(piece->io_buf + (piece->offset - piece->io_offset), piece->user, piece->length);
+    StreamCopy(piece->io_buf + (piece->offset - piece->io_offset), piece->user, piece->length);
     piece->phase = Phase::kWrite;
     piece->done = 0;
     piece->required = piece->io_length;
