@@ -149,9 +149,8 @@ void Worker::AddStats(EngineStats* out) const {
 void Worker::Run() {
   const size_t depth = static_cast<size_t>(config_.queue_depth);
   std::deque<Piece*> ready;  // Pieces to (re)submit, in order.
-  std::vector<Op> batch;
   std::vector<OpResult> results(depth);
-  batch.reserve(depth);
+  batch_.reserve(depth);
   while (true) {
     bool waiting_more;
     {
@@ -169,51 +168,14 @@ void Worker::Run() {
       waiting_more = !queue_.empty();
     }
 
-    // Submit. Without overlap_events a new batch starts only when the last one is all reaped.
-    if (config_.overlap_events || in_flight_.empty()) {
-      batch.clear();
-      uint64_t reads = 0, writes = 0, staged = 0;
-      for (auto it = ready.begin(); it != ready.end() && in_flight_.size() < depth;) {
-        Piece* piece = *it;
-        Op op;
-        const bool first = !piece->started;
-        const Prepared prepared = Prepare(piece, &op);
-        if (prepared == Prepared::kNoStaging) {
-          ++it;
-          continue;
-        }
-        it = ready.erase(it);
-        if (prepared == Prepared::kCancelled) {
-          Finish(piece, absl::CancelledError("an earlier piece of the request failed"));
-          continue;
-        }
-        if (first && piece->staged) ++staged;
-        (op.kind == OpKind::kRead ? reads : writes) += 1;
-        in_flight_.insert(piece);
-        if (config_.single_submit) {
-          absl::Status s = backend_->Submit({&op, 1});
-          if (!s.ok()) {
-            FailAll(Annotate(s, backend_->name()), &ready);
-            break;
-          }
-        } else {
-          batch.push_back(op);
-        }
-      }
-      if (!batch.empty()) {
-        absl::Status s = backend_->Submit(batch);
-        if (!s.ok()) FailAll(Annotate(s, backend_->name()), &ready);
-      }
-      MutexLock lock(&mu_);
-      stats_.read_ops += reads;
-      stats_.write_ops += writes;
-      stats_.staged_pieces += staged;
-    }
+    SubmitReady(&ready);
     // Staged reads that completed: copy out now that the queue is full again, so the copies
-    // overlap the transfers in flight.
+    // overlap the transfers in flight; each copy frees a staging slot, which is refilled at once
+    // (a read waiting for a slot would otherwise wait for every copy before it).
     for (Piece* piece : copy_out_) {
-      std::memcpy(piece->user, piece->io_buf + (piece->offset - piece->io_offset), piece->length);
+      StreamCopy(piece->user, piece->io_buf + (piece->offset - piece->io_offset), piece->length);
       Finish(piece, absl::OkStatus());
+      SubmitReady(&ready);
     }
     copy_out_.clear();
     if (in_flight_.empty()) continue;
@@ -237,6 +199,62 @@ void Worker::Run() {
       Handle(piece, results[i].result, &ready);
     }
   }
+}
+
+// Submits what is ready, up to the queue depth; without overlap_events a new batch starts only
+// when the last one is all reaped.
+void Worker::SubmitReady(std::deque<Piece*>* ready) {
+  if (!config_.overlap_events && !in_flight_.empty()) return;
+  const size_t depth = static_cast<size_t>(config_.queue_depth);
+  std::vector<Op>& batch = batch_;
+  batch.clear();
+  uint64_t reads = 0, writes = 0, staged = 0;
+  for (auto it = ready->begin(); it != ready->end() && in_flight_.size() < depth;) {
+    Piece* piece = *it;
+    // A write copied into staging first: what is batched goes to the disk before the copy,
+    // so that the disk works while this thread copies (after a reap of several completions,
+    // copying them all before submitting any left the disk's queue that much emptier).
+    if (!batch.empty() && !piece->started && piece->staged && piece->phase != Phase::kRead) {
+      absl::Status s = backend_->Submit(batch);
+      batch.clear();
+      if (!s.ok()) {
+        FailAll(Annotate(s, backend_->name()), ready);
+        break;
+      }
+    }
+    Op op;
+    const bool first = !piece->started;
+    const Prepared prepared = Prepare(piece, &op);
+    if (prepared == Prepared::kNoStaging) {
+      ++it;
+      continue;
+    }
+    it = ready->erase(it);
+    if (prepared == Prepared::kCancelled) {
+      Finish(piece, absl::CancelledError("an earlier piece of the request failed"));
+      continue;
+    }
+    if (first && piece->staged) ++staged;
+    (op.kind == OpKind::kRead ? reads : writes) += 1;
+    in_flight_.insert(piece);
+    if (config_.single_submit) {
+      absl::Status s = backend_->Submit({&op, 1});
+      if (!s.ok()) {
+        FailAll(Annotate(s, backend_->name()), ready);
+        break;
+      }
+    } else {
+      batch.push_back(op);
+    }
+  }
+  if (!batch.empty()) {
+    absl::Status s = backend_->Submit(batch);
+    if (!s.ok()) FailAll(Annotate(s, backend_->name()), ready);
+  }
+  MutexLock lock(&mu_);
+  stats_.read_ops += reads;
+  stats_.write_ops += writes;
+  stats_.staged_pieces += staged;
 }
 
 Worker::Prepared Worker::Prepare(Piece* piece, Op* op) {

@@ -1,9 +1,11 @@
-// StreamCopy: memcpy for bytes the CPU will not read again, such as a write's copy into an I/O
+// StreamCopy: memcpy for bytes the CPU will not read again soon, such as a write's copy into an I/O
 // staging buffer (the device reads it by DMA). Non-temporal stores skip the read-for-ownership of
 // each destination line and keep the copy out of the caches: measured 1.5x memcpy's rate for
 // megabyte copies into staging on this project's development machine (11 vs 7 GB/s), which is
-// what an unaligned write's worker spends its time on. The bytes are visible to other threads and
-// to the device once it returns (it ends with a store fence). Any lengths and alignments.
+// what an unaligned write's worker spends its time on. Also used for a staged read's copy out of
+// staging (a megabyte piece is past the caches before its reader gets to it). The bytes are
+// visible to other threads and to the device once it returns (it ends with a store fence). Any
+// lengths and alignments.
 //
 // Thread safety: a pure function.
 #ifndef STRATA_AIO_INTERNAL_STREAM_COPY_H_

@@ -163,6 +163,7 @@ class Worker {
   enum class Prepared { kReady, kCancelled, kNoStaging };
 
   void Run();
+  void SubmitReady(std::deque<Piece*>* ready);
   Prepared Prepare(Piece* piece, Op* op);
   void Handle(Piece* piece, int64_t result, std::deque<Piece*>* ready);
   void Finish(Piece* piece, absl::Status status);
@@ -176,6 +177,7 @@ class Worker {
   std::vector<int> free_staging_;
   EngineShared* const shared_;
   absl::flat_hash_set<Piece*> in_flight_;  // Worker thread only.
+  std::vector<Op> batch_;                  // Worker thread only: SubmitReady's batch.
   std::vector<Piece*> copy_out_;           // Worker thread only: staged reads to copy out.
   absl::Status broken_;                    // Worker thread only: a fatal backend error.
   std::thread thread_;
