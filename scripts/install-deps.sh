@@ -10,7 +10,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libaio-dev libhwloc-dev libabsl-dev libboost-dev nlohmann-json3-dev libxxhash-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   fio clang-format
   python3-dev pybind11-dev libdlpack-dev python3-torch python3-pytest python3-tqdm python3-matplotlib
   libopenblas0-pthread

@@ -1,0 +1,195 @@
+// The Gloo communicator with 2, 3 and 4 ranks as processes on loopback, each meeting the others
+// through a rendezvous store served by rank 0, as a launched job does.
+#include "comm/gloo_communicator.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "comm/tcp_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/aio/test_util.h"
+
+namespace strata::comm {
+namespace {
+
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+uint16_t FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at);
+  socklen_t len = sizeof at;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len);
+  close(fd);
+  return ntohs(at.sin_port);
+}
+
+// What one rank does once connected; a non-empty return is its failure, reported to the parent.
+using RankBody = std::function<std::string(Communicator&)>;
+
+struct RankOutcome {
+  int exit_code = -1;
+  std::string message;  // the rank's failure (or the error it was expected to see)
+};
+
+// Runs `size` ranks as child processes; rank r uses world size sizes[r] (default: size).
+std::vector<RankOutcome> RunRanks(int size, const RankBody& body, Duration timeout,
+                                  std::vector<int> sizes = {}) {
+  if (sizes.empty()) sizes.assign(size, size);
+  const uint16_t port = FreePort();
+  strata::testing::ScratchDir dir;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < size; ++r) {
+    const std::string out = dir.File("rank" + std::to_string(r));
+    pid_t pid = fork();
+    if (pid == 0) {
+      std::string message;
+      std::unique_ptr<TcpStoreServer> server;
+      if (r == 0) {
+        auto s = TcpStoreServer::Start("127.0.0.1", port);
+        if (!s.ok())
+          message = std::string(s.status().message());
+        else
+          server = std::move(*s);
+      }
+      if (message.empty()) {
+        auto store = TcpStore::Connect("127.0.0.1", port, timeout);
+        if (!store.ok()) {
+          message = std::string(store.status().message());
+        } else {
+          auto comm = CreateGlooCommunicator(
+              **store, {.rank = r, .size = sizes[r], .host = "127.0.0.1", .timeout = timeout});
+          message = comm.ok() ? body(**comm) : std::string(comm.status().message());
+        }
+      }
+      std::ofstream(out) << message;
+      std::fflush(nullptr);
+      _exit(message.empty() ? 0 : 1);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<RankOutcome> outcomes(size);
+  for (int r = 0; r < size; ++r) {
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    outcomes[r].exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::ifstream in(dir.File("rank" + std::to_string(r)));
+    std::stringstream text;
+    text << in.rdbuf();
+    outcomes[r].message = text.str();
+  }
+  return outcomes;
+}
+
+std::string Check(bool ok, const std::string& what) { return ok ? "" : what; }
+
+// Every collective, with values that tell ranks and positions apart, checked on every rank.
+std::string EveryCollective(Communicator& c) {
+  const int n = c.size(), r = c.rank();
+  // All-gather of 5 bytes per rank.
+  std::vector<std::byte> mine(5), all(5 * n);
+  for (int i = 0; i < 5; ++i) mine[i] = static_cast<std::byte>(r * 10 + i);
+  if (auto s = c.AllGather(mine, absl::MakeSpan(all))->Wait(); !s.ok()) return s.ToString();
+  for (int q = 0; q < n; ++q) {
+    for (int i = 0; i < 5; ++i) {
+      if (all[q * 5 + i] != static_cast<std::byte>(q * 10 + i)) return "all-gather: wrong bytes";
+    }
+  }
+  // Reduce-scatter of n shards of 1000 floats (an odd size): shard q of rank p holds p + q + i.
+  const size_t chunk = 1001;
+  std::vector<float> in(chunk * n), out(chunk);
+  for (int q = 0; q < n; ++q) {
+    for (size_t i = 0; i < chunk; ++i) in[q * chunk + i] = static_cast<float>(r + q + i % 7);
+  }
+  if (auto s = c.ReduceScatter(in, absl::MakeSpan(out))->Wait(); !s.ok()) return s.ToString();
+  for (size_t i = 0; i < chunk; ++i) {
+    // sum over p of (p + r + i%7) = n(n-1)/2 + n*(r + i%7)
+    const float want = static_cast<float>(n * (n - 1) / 2 + n * (r + static_cast<int>(i % 7)));
+    if (out[i] != want) {
+      return "reduce-scatter: element " + std::to_string(i) + " is " + std::to_string(out[i]) +
+             ", want " + std::to_string(want);
+    }
+  }
+  // All-reduce, several issued before any is waited for (they run in order).
+  std::vector<float> a(300, static_cast<float>(r + 1)), b(7, 1.0f);
+  auto wa = c.AllReduce(absl::MakeSpan(a));
+  auto wb = c.AllReduce(absl::MakeSpan(b));
+  if (auto s = wb->Wait(); !s.ok()) return s.ToString();
+  if (!wa->done()) return "all-reduce: a later collective finished before an earlier one";
+  if (auto s = wa->Wait(); !s.ok()) return s.ToString();
+  if (a[299] != static_cast<float>(n * (n + 1) / 2) || b[0] != static_cast<float>(n)) {
+    return "all-reduce: wrong sum";
+  }
+  // Broadcast from the last rank.
+  std::vector<std::byte> data(64, static_cast<std::byte>(r));
+  if (auto s = c.Broadcast(absl::MakeSpan(data), n - 1)->Wait(); !s.ok()) return s.ToString();
+  if (data[63] != static_cast<std::byte>(n - 1)) return "broadcast: wrong bytes";
+  if (auto s = c.Barrier()->Wait(); !s.ok()) return s.ToString();
+  // Bad shapes are refused on the spot, naming what is accepted, and break nothing.
+  auto bad = c.ReduceScatter(in, absl::MakeSpan(out).subspan(1))->Wait();
+  if (bad.code() != absl::StatusCode::kInvalidArgument) return "a bad shape was not refused";
+  return Check(c.Barrier()->Wait().ok(), "a barrier after a refused call failed");
+}
+
+class GlooRanks : public ::testing::TestWithParam<int> {};
+
+TEST_P(GlooRanks, EveryCollectiveGivesTheSameResultOnEveryRank) {
+  const auto outcomes = RunRanks(GetParam(), EveryCollective, Duration(30000));
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    EXPECT_EQ(outcomes[r].exit_code, 0) << "rank " << r << ": " << outcomes[r].message;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooRanks, ::testing::Values(1, 2, 4));
+
+TEST(GlooCommunicatorTest, AWorldSizeThatDiffersFromRankZerosIsNamedAndNothingHangs) {
+  const auto t0 = Clock::now();
+  const auto outcomes =
+      RunRanks(2, [](Communicator&) { return std::string("connected, but should not have"); },
+               Duration(3000), {2, 3});
+  EXPECT_NE(outcomes[1].exit_code, 0);
+  EXPECT_THAT(outcomes[1].message, HasSubstr("was given world size 3 but rank 0 was given 2"));
+  EXPECT_NE(outcomes[0].exit_code, 0);  // it waited for rank 1's address, within its timeout
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(30));
+}
+
+TEST(GlooCommunicatorTest, ARankThatDiesEndsTheOthersCollectivesWithAnError) {
+  const auto t0 = Clock::now();
+  const auto outcomes = RunRanks(
+      3,
+      [](Communicator& c) -> std::string {
+        if (c.rank() == 2) _exit(0);  // dies without a word
+        std::vector<float> x(1 << 16, 1.0f);
+        absl::Status s = c.AllReduce(absl::MakeSpan(x))->Wait();
+        if (s.ok()) return "an all-reduce with a dead rank succeeded";
+        absl::Status again = c.Barrier()->Wait();
+        if (again.ok() || again.message().find("broken") == std::string::npos) {
+          return "the communicator went on after a failure: " + again.ToString();
+        }
+        return "expected: " + std::string(s.message());
+      },
+      Duration(4000));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(outcomes[r].exit_code, 1) << outcomes[r].message;
+    EXPECT_THAT(outcomes[r].message, HasSubstr("expected: rank "));
+    EXPECT_THAT(outcomes[r].message, HasSubstr("all-reduce failed"));
+  }
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace strata::comm
