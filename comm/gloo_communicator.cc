@@ -281,7 +281,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(TcpStore& s
   }
   try {
     gloo::transport::tcp::attr attr;
-    attr.hostname = options.host;
+    if (options.iface.empty()) {
+      attr.hostname = options.host;
+    } else {
+      attr.iface = options.iface;
+    }
     auto device = gloo::transport::tcp::CreateDevice(attr);
     auto context = std::make_shared<gloo::rendezvous::Context>(options.rank, options.size);
     context->setTimeout(options.timeout);

@@ -26,6 +26,7 @@ struct GlooOptions {
   int size = 1;
   // The address this rank's Gloo listens on, as an IP (the interface the others reach it by).
   std::string host = "127.0.0.1";
+  std::string iface;  // when set, the network interface to listen on instead of `host`
   Duration timeout = Duration(60000);  // of the rendezvous and of each collective
   std::string prefix = "gloo";         // of the store's keys, so several communicators can meet
 };

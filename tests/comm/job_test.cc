@@ -1,0 +1,146 @@
+#include "comm/job.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace strata::comm {
+namespace {
+
+using ::testing::HasSubstr;
+
+GetEnv From(std::map<std::string, std::string> vars) {
+  return [vars = std::move(vars)](const char* k) -> const char* {
+    auto it = vars.find(k);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  };
+}
+
+std::map<std::string, std::string> Launched(int rank, int size, int port) {
+  return {{"MASTER_ADDR", "127.0.0.1"},
+          {"MASTER_PORT", std::to_string(port)},
+          {"RANK", std::to_string(rank)},
+          {"WORLD_SIZE", std::to_string(size)},
+          {"LOCAL_RANK", std::to_string(rank)}};
+}
+
+TEST(JobEnvTest, NoLauncherVariablesIsAJobOfOneProcess) {
+  auto env = JobEnvFromEnvironment(From({}));
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_FALSE(env->launched);
+  EXPECT_EQ(env->rank, 0);
+  EXPECT_EQ(env->world_size, 1);
+}
+
+TEST(JobEnvTest, TheLaunchersVariablesAreReadAndTheStoreIsBesideMasterPort) {
+  auto vars = Launched(2, 4, 29500);
+  vars["LOCAL_RANK"] = "0";
+  vars["GLOO_SOCKET_IFNAME"] = "eth1";
+  auto env = JobEnvFromEnvironment(From(vars));
+  ASSERT_TRUE(env.ok()) << env.status();
+  EXPECT_TRUE(env->launched);
+  EXPECT_EQ(env->rank, 2);
+  EXPECT_EQ(env->world_size, 4);
+  EXPECT_EQ(env->local_rank, 0);
+  EXPECT_EQ(env->master_port, 29500);
+  EXPECT_EQ(env->store_port, 29501);
+  EXPECT_EQ(env->gloo_iface, "eth1");
+  vars["STRATA_STORE_PORT"] = "40000";
+  EXPECT_EQ(JobEnvFromEnvironment(From(vars))->store_port, 40000);
+}
+
+struct BadEnv {
+  const char* var;
+  const char* value;  // null: unset
+  const char* message;
+};
+class JobEnvRejects : public ::testing::TestWithParam<BadEnv> {};
+
+TEST_P(JobEnvRejects, NamingTheVariableAndWhatIsAccepted) {
+  auto vars = Launched(1, 2, 29500);
+  if (GetParam().value == nullptr) {
+    vars.erase(GetParam().var);
+  } else {
+    vars[GetParam().var] = GetParam().value;
+  }
+  auto env = JobEnvFromEnvironment(From(vars));
+  ASSERT_FALSE(env.ok()) << GetParam().var;
+  EXPECT_EQ(env.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(env.status().message(), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Variables, JobEnvRejects,
+    ::testing::Values(
+        BadEnv{"WORLD_SIZE", nullptr, "WORLD_SIZE is not set"},
+        BadEnv{"RANK", nullptr, "RANK is not set"},
+        BadEnv{"LOCAL_RANK", nullptr, "LOCAL_RANK is not set"},
+        BadEnv{"MASTER_PORT", nullptr, "MASTER_PORT is not set"},
+        BadEnv{"MASTER_ADDR", nullptr, "MASTER_ADDR is not set"},
+        BadEnv{"MASTER_ADDR", "", "MASTER_ADDR is empty"},
+        BadEnv{"MASTER_PORT", "http", "MASTER_PORT=\"http\": accepted: an integer in [1, 65534]"},
+        BadEnv{"MASTER_PORT", "70000", "MASTER_PORT=\"70000\""},
+        BadEnv{"WORLD_SIZE", "0", "WORLD_SIZE=\"0\": accepted: an integer in [1,"},
+        BadEnv{"RANK", "2", "RANK=\"2\": accepted: 0..WORLD_SIZE-1 (WORLD_SIZE is 2)"},
+        BadEnv{"RANK", "-1", "RANK=\"-1\""},
+        BadEnv{"LOCAL_RANK", "3", "LOCAL_RANK=\"3\": accepted: at most RANK"},
+        BadEnv{"STRATA_STORE_PORT", "29500", "a port other than MASTER_PORT"}));
+
+TEST(JoinJobTest, AJobOfOneProcessHasACommunicatorOfOne) {
+  auto env = JobEnvFromEnvironment(From({}));
+  ASSERT_TRUE(env.ok());
+  auto job = JoinJob(*env, Duration(5000));
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->comm->size(), 1);
+  std::vector<float> x = {1, 2, 3};
+  ASSERT_TRUE(job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok());
+  EXPECT_EQ(x[2], 3);
+}
+
+// torch.distributed (or torchrun's agent) already listens on MASTER_PORT: strata's store is on
+// the next port, and two launched ranks meet and reduce.
+TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
+  int torch_store = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(torch_store, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(listen(torch_store, 4), 0);
+  socklen_t len = sizeof at;
+  getsockname(torch_store, reinterpret_cast<sockaddr*>(&at), &len);
+  const int master_port = ntohs(at.sin_port);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 2; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      auto env = JobEnvFromEnvironment(From(Launched(r, 2, master_port)));
+      if (!env.ok()) _exit(2);
+      auto job = JoinJob(*env, Duration(20000));
+      if (!job.ok()) {
+        fprintf(stderr, "rank %d: %s\n", r, job.status().ToString().c_str());
+        _exit(3);
+      }
+      std::vector<float> x(10, static_cast<float>(r + 1));
+      if (!job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() || x[9] != 3.0f) _exit(4);
+      _exit(0);
+    }
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+  close(torch_store);
+}
+
+}  // namespace
+}  // namespace strata::comm
