@@ -213,36 +213,47 @@ class GlooCommunicator final : public Communicator {
                         timeout_.count(), " ms; a rank died or stopped answering?): ", error);
   }
 
-  // The ring: at step s this rank sends the shard (rank - s - 1) mod n it has summed so far to
-  // the next rank, and adds the previous rank's shard (rank - s - 2) mod n into its own; after
-  // n - 1 steps its own shard holds every rank's sum.
+  // The ring: at step s this rank sends to the next rank the partial sum of shard
+  // (rank - s - 1) mod n (at step 0 its own input's shard) and receives from the previous rank
+  // its partial sum of shard (rank - s - 2) mod n, which it adds to its input's shard; after
+  // n - 1 steps that sum is shard `rank`'s over every rank, made in `out`. Three shard-sized
+  // buffers, kept from call to call (fresh memory would be paid for in page faults each time).
   void RingReduceScatter(absl::Span<const float> in, absl::Span<float> out) {
     const int n = size(), r = rank();
     const size_t chunk = out.size();
-    if (n == 1) {
-      std::memcpy(out.data(), in.data(), chunk * sizeof(float));
+    const size_t bytes = chunk * sizeof(float);
+    if (n == 1 || chunk == 0) {
+      if (chunk > 0) std::memcpy(out.data(), in.data(), bytes);
       return;
     }
-    std::vector<float> work(in.begin(), in.end());
-    std::vector<float> incoming(chunk);
-    auto send = context_->createUnboundBuffer(work.data(), work.size() * sizeof(float));
-    auto recv = context_->createUnboundBuffer(incoming.data(), chunk * sizeof(float));
+    if (ring_.size() < 3 * chunk) {
+      ring_.assign(3 * chunk, 0.0f);
+      ring_buffer_ = context_->createUnboundBuffer(ring_.data(), ring_.size() * sizeof(float));
+    }
+    auto input = context_->createUnboundBuffer(const_cast<float*>(in.data()), in.size() * 4);
     const int next = (r + 1) % n, prev = (r - 1 + n) % n;
+    // ring_: [incoming | partial sum A | partial sum B]; the sum made at step s is sent at s + 1.
+    float* incoming = ring_.data();
     for (int s = 0; s < n - 1; ++s) {
       const uint64_t slot = static_cast<uint64_t>(context_->nextSlot());
       const size_t send_idx = static_cast<size_t>((r - s - 1 + 2 * n) % n);
       const size_t recv_idx = static_cast<size_t>((r - s - 2 + 2 * n) % n);
-      if (chunk > 0) {
-        send->send(next, slot, send_idx * chunk * sizeof(float), chunk * sizeof(float));
-        recv->recv(prev, slot, 0, chunk * sizeof(float));
-        if (!recv->waitRecv(timeout_) || !send->waitSend(timeout_)) {
-          throw gloo::IoException("the ring's exchange was aborted");
-        }
+      const size_t sent_sum = 1 + static_cast<size_t>((s + 1) % 2);  // made at step s - 1
+      const size_t made_sum = 1 + static_cast<size_t>(s % 2);
+      ring_buffer_->recv(prev, slot, 0, bytes);
+      if (s == 0) {
+        input->send(next, slot, send_idx * bytes, bytes);
+      } else {
+        ring_buffer_->send(next, slot, sent_sum * bytes, bytes);
       }
-      float* into = work.data() + recv_idx * chunk;
-      for (size_t i = 0; i < chunk; ++i) into[i] += incoming[i];
+      if (!ring_buffer_->waitRecv(timeout_)) throw gloo::IoException("the ring's receive aborted");
+      const float* mine = in.data() + recv_idx * chunk;
+      float* sum = s == n - 2 ? out.data() : ring_.data() + made_sum * chunk;
+      for (size_t i = 0; i < chunk; ++i) sum[i] = mine[i] + incoming[i];
+      if (!(s == 0 ? input : ring_buffer_)->waitSend(timeout_)) {
+        throw gloo::IoException("the ring's send aborted");
+      }
     }
-    std::memcpy(out.data(), work.data() + static_cast<size_t>(r) * chunk, chunk * sizeof(float));
   }
 
   std::shared_ptr<gloo::Context> context_;
@@ -251,7 +262,9 @@ class GlooCommunicator final : public Communicator {
   CondVar cv_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status broken_;  // the collectives' thread only
+  absl::Status broken_;      // the collectives' thread only
+  std::vector<float> ring_;  // RingReduceScatter's buffers (the collectives' thread only)
+  std::unique_ptr<gloo::transport::UnboundBuffer> ring_buffer_;
   std::thread thread_;
 };
 
