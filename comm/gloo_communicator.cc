@@ -1,5 +1,6 @@
 #include "comm/gloo_communicator.h"
 
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -291,6 +292,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(TcpStore& s
                                                       " but rank 0 was given ", zero_size,
                                                       ": WORLD_SIZE must be the same on every "
                                                       "rank"));
+  }
+  // Gloo writes to its peers' sockets without MSG_NOSIGNAL: a peer that died would end this
+  // process by SIGPIPE instead of failing the collective with an error. Ignored here unless the
+  // program has a handler of its own (Python already ignores it).
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
   }
   try {
     gloo::transport::tcp::attr attr;

@@ -6,7 +6,10 @@
 // in the order issued; all-gather, all-reduce, broadcast and barrier are Gloo's, reduce-scatter a
 // ring over Gloo's point-to-point buffers (Gloo 0.5 has none with a timeout). Gloo reports a peer
 // that died as an I/O error, and one that stopped answering by its timeout; both end the
-// collective with an error naming it (communicator.h).
+// collective with an error naming it (communicator.h). Gloo writes to its sockets without
+// MSG_NOSIGNAL, so making a communicator sets SIGPIPE to be ignored when the program left it at
+// its default (which would end the process when a peer dies); a handler of the program's own is
+// kept.
 //
 // Thread safety: as Communicator.
 #ifndef STRATA_COMM_GLOO_COMMUNICATOR_H_

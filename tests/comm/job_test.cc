@@ -11,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/comm/comm_test_util.h"
 
 namespace strata::comm {
 namespace {
@@ -108,15 +109,18 @@ TEST(JoinJobTest, AJobOfOneProcessHasACommunicatorOfOne) {
 // torch.distributed (or torchrun's agent) already listens on MASTER_PORT: strata's store is on
 // the next port, and two launched ranks meet and reduce.
 TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
-  int torch_store = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(torch_store, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(listen(torch_store, 4), 0);
-  socklen_t len = sizeof at;
-  getsockname(torch_store, reinterpret_cast<sockaddr*>(&at), &len);
-  const int master_port = ntohs(at.sin_port);
+  // A port for the torch store whose next port (strata's) is free too, as far as can be told.
+  uint16_t port = 0;
+  int torch_store = -1;
+  for (int attempt = 0; attempt < 50 && torch_store < 0; ++attempt) {
+    torch_store = testing::ListenOnLoopback(&port);
+    if (torch_store >= 0 && !testing::PortIsFree(static_cast<uint16_t>(port + 1))) {
+      close(torch_store);
+      torch_store = -1;
+    }
+  }
+  ASSERT_GE(torch_store, 0);
+  const int master_port = port;
   std::vector<pid_t> pids;
   for (int r = 0; r < 2; ++r) {
     pid_t pid = fork();

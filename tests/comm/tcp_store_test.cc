@@ -11,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/comm/comm_test_util.h"
 
 namespace strata::comm {
 namespace {
@@ -131,14 +132,9 @@ TEST(TcpStoreTest, NoServerIsATimeoutNamingTheAddress) {
 
 TEST(TcpStoreTest, AServiceThatIsNotTheStoreIsNamedAsSuch) {
   // A listener that accepts and answers something else (as another service on the port would).
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in at{};
-  at.sin_family = AF_INET;
-  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(listen(fd, 4), 0);
-  socklen_t len = sizeof at;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&at), &len);
+  uint16_t port = 0;
+  const int fd = testing::ListenOnLoopback(&port);
+  ASSERT_GE(fd, 0);
   std::thread other([fd] {
     int conn = accept(fd, nullptr, nullptr);
     const char junk[] = "HTTP/1.1 400 Bad Request\r\n\r\n";
@@ -146,7 +142,7 @@ TEST(TcpStoreTest, AServiceThatIsNotTheStoreIsNamedAsSuch) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     close(conn);
   });
-  auto c = TcpStore::Connect("127.0.0.1", ntohs(at.sin_port), Duration(3000));
+  auto c = TcpStore::Connect("127.0.0.1", port, Duration(3000));
   other.join();
   close(fd);
   ASSERT_FALSE(c.ok());
