@@ -177,7 +177,7 @@ TEST(GlooCommunicatorTest, ARankThatDiesEndsTheOthersCollectivesWithAnError) {
         }
         return "expected: " + std::string(s.message());
       },
-      Duration(4000));
+      Duration(10000));
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(outcomes[r].exit_code, 1) << outcomes[r].message;
     EXPECT_THAT(outcomes[r].message, HasSubstr("expected: rank "));
