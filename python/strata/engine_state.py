@@ -11,7 +11,9 @@ beside the tags names the newest. A tag's folder holds
   data position, say) and the module's buffers and frozen parameters, with ``torch.save``;
 * ``meta.json``, written last: the format, the step counters, the fp16 loss scaler, the optimizer's
   param groups, each parameter's name, shape, Adam step count, offset and the XXH3-128 digests of
-  its three tensors, the other names of tied parameters, the digest of ``engine_states.pt``, and
+  its three tensors, the other names of tied parameters, the digest of ``engine_states.pt``, a
+  blake2b digest of meta.json's own content (``meta_digest``: its counters and rates are checked
+  as the tensors are), and
   the config as given.
 
 ``strata.zero_to_fp32`` (and the ``strata_zero_to_fp32`` command) turns one into a plain fp32
@@ -19,10 +21,11 @@ state dict.
 
 Crash-consistent: a save writes the folder under a temporary name (``.TAG.partial-...``), syncs
 every file and the folder, renames it to TAG (an existing TAG is first renamed aside to
-``.TAG.replaced-...`` and removed once the new one is in place), syncs the save folder, and only
-then replaces ``latest`` (written aside, synced, renamed, the folder synced). A process killed at any
-moment leaves ``latest`` naming a whole checkpoint; a TAG found only renamed aside is loaded from
-there.
+``.TAG.replaced-<time>-...`` and removed once the new one is in place, by a rename out of those
+names first so that a removal killed half-way is never taken for a whole copy), syncs the save
+folder, and only then replaces ``latest`` (written aside, synced, renamed, the folder synced). A
+process killed at any moment leaves ``latest`` naming a whole checkpoint; a TAG found only renamed
+aside is loaded from the newest such copy.
 
 A save is taken between steps, at the end of a gradient-accumulation window (inside one the
 gradients summed so far would not be kept: refused). Tags are 1 to 200 of A-Z a-z 0-9 _ . + = -,
@@ -50,6 +53,7 @@ import os
 import re
 import socket
 import shutil
+import time
 import uuid
 
 import numpy
@@ -116,6 +120,7 @@ def _host():
 
 
 _PARTIAL = re.compile(r"\.(.+)\.partial-([A-Za-z0-9]+)-([0-9]+)-[0-9a-f]{8}")
+_DELETING = re.compile(r"\.deleting-[0-9a-f]{8}")
 
 
 def _remove_dead_partials(save_dir):
@@ -125,12 +130,30 @@ def _remove_dead_partials(save_dir):
         m = _PARTIAL.fullmatch(name)
         if m and m.group(2) == _host() and not os.path.exists(f"/proc/{m.group(3)}"):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        elif _DELETING.fullmatch(name):  # a removal that was killed half-way
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
 
 
 def _replaced(save_dir, tag):
-    """The folders a save of `tag` moved aside (exactly this tag's)."""
-    pattern = re.compile(re.escape(f".{tag}.replaced-") + "[0-9a-f]{8}")
-    return sorted(n for n in os.listdir(save_dir) if pattern.fullmatch(n))
+    """The folders a save of `tag` moved aside (exactly this tag's), newest first: each is named
+    by the time it was moved, so that when the tag's own folder is gone (two saves of the tag
+    killed in turn) the one that was the tag last is found, not an older one."""
+    pattern = re.compile(re.escape(f".{tag}.replaced-") + r"(\d{20})-[0-9a-f]{8}")
+    found = [(int(m.group(1)), n) for n in os.listdir(save_dir)
+             if (m := pattern.fullmatch(n))]
+    return [n for _, n in sorted(found, reverse=True)]
+
+
+def _remove(save_dir, name):
+    """Removes a folder put aside: renamed out of the asides' names first, so a removal killed
+    half-way leaves nothing that _resolve could take for whole (_remove_dead_partials finishes
+    it)."""
+    doomed = os.path.join(save_dir, f".deleting-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(os.path.join(save_dir, name), doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
@@ -158,7 +181,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
         _fsync_dir(partial)
         final = os.path.join(save_dir, tag)
         if os.path.lexists(final):
-            aside = os.path.join(save_dir, f".{tag}.replaced-{uuid.uuid4().hex[:8]}")
+            aside = os.path.join(save_dir,
+                                 f".{tag}.replaced-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}")
             os.rename(final, aside)
             _point("old_renamed_aside")
         os.rename(partial, final)
@@ -176,7 +200,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
         _point("latest_written")
     # The old folder, and any a killed save left aside for this tag.
     for name in _replaced(save_dir, tag):
-        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        _remove(save_dir, name)
     return final
 
 
@@ -225,7 +249,15 @@ def _write_state(engine, folder, client_state):
         "files": {STATES: {"bytes": offset}, ENGINE: {"digest": engine_digest}},
         "config": engine.config.source,
     }
+    meta["meta_digest"] = _meta_digest(meta)
     _write_file(os.path.join(folder, META), json.dumps(meta, indent=1).encode())
+
+
+def _meta_digest(meta):
+    """blake2b-128 of meta.json's content without this digest (keys sorted): the step counts, the
+    loss scale and the learning rates it holds are checked as the tensors are."""
+    body = {k: v for k, v in meta.items() if k != "meta_digest"}
+    return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def _module_rest(engine):
@@ -265,6 +297,9 @@ def _read_meta(path):
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or \
             meta.get("version") != VERSION:
         raise CheckpointError(f"load_checkpoint: {file} is not a {FORMAT} of version {VERSION}")
+    if meta.get("meta_digest") != _meta_digest(meta):
+        raise CheckpointError(f"load_checkpoint: {file} does not match its digest (meta_digest): "
+                              "it was changed or damaged; nothing was changed")
     return meta
 
 

@@ -13,7 +13,7 @@ import strata
 from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_engine import Net, batches, loss_of, make_config  # noqa: E402
+from test_engine import VOCAB, WIDTH, Net, batches, loss_of, make_config  # noqa: E402
 
 
 def engine_for(tmp_path, offload, dtype, seed, name="run"):
@@ -127,23 +127,97 @@ def test_a_damaged_checkpoint_is_named_and_changes_nothing(tmp_path, how, messag
     assert target.global_steps == 1
 
 
+class OtherNet(Net):
+    """Net with one layer wider and one renamed: a checkpoint of it does not fit Net."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB + 3, WIDTH)
+        self.extra = self.l2
+        del self.l2
+
+
 def test_a_checkpoint_of_another_model_names_every_difference(tmp_path):
-    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    torch.manual_seed(0)
+    (tmp_path / "run").mkdir()
+    config = make_config(tmp_path / "run", 3, "cpu", "fp32", accumulation=2, clipping=1.0)
+    engine, _, _, _ = strata.initialize(model=OtherNet(), config=config)
     engine.save_checkpoint(tmp_path / "ckpt")
-    meta_file = tmp_path / "ckpt" / "global_step0" / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    meta["params"][0]["shape"] = [7, 7]
-    meta["params"][1]["name"] = "extra.weight"
-    meta_file.write_text(json.dumps(meta))
     other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
     before = state_of(other)
     with pytest.raises(engine_state.CheckpointError) as failed:
         other.load_checkpoint(tmp_path / "ckpt")
     text = str(failed.value)
-    assert "emb.weight: shape [7, 7] in the checkpoint" in text
-    assert f"missing: {engine._params[1].name}" in text and "unexpected: extra.weight" in text
+    assert f"emb.weight: shape [{VOCAB + 3}, {WIDTH}] in the checkpoint" in text, text
+    assert "missing: l2.weight" in text and "missing: l2.bias" in text, text
+    assert "unexpected: extra.weight" in text and "unexpected: extra.bias" in text, text
     for a, b in zip(before, state_of(other)):
         assert torch.equal(a, b)
+
+
+def test_a_changed_meta_json_is_refused_even_where_it_still_parses(tmp_path):
+    """Step counts, the loss scale and the learning rates live in meta.json: a change there that
+    still parses (a flipped bit in a digit) is named, and nothing changes."""
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    train(engine, list(batches(4)))
+    path = engine.save_checkpoint(tmp_path / "ckpt")
+    meta_file = os.path.join(path, "meta.json")
+    text = open(meta_file).read()
+    steps = f'"global_steps": {engine.global_steps}'
+    assert steps in text
+    with open(meta_file, "w") as f:
+        f.write(text.replace(steps, f'"global_steps": {engine.global_steps + 1}'))
+    other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
+    before = state_of(other)
+    with pytest.raises(engine_state.CheckpointError, match="meta.json does not match its digest"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert other.global_steps == 0
+    for a, b in zip(before, state_of(other)):
+        assert torch.equal(a, b)
+
+
+def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypatch):
+    """A save of tag X killed before it cleared the old copy it moved aside, then another killed
+    right after moving X aside: two asides and no X. The one that was X last is loaded (before,
+    the older one was, when the random part of its name sorted first)."""
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    data = list(batches(12))
+    ckpt = tmp_path / "ckpt"
+    train(engine, data[:4])
+    engine.save_checkpoint(ckpt, tag="X")  # step 2
+    train(engine, data[4:8])
+    with monkeypatch.context() as m:  # killed after `latest`, before clearing step 2's copy
+        m.setattr(engine_state, "_remove", lambda *a: None)
+        engine.save_checkpoint(ckpt, tag="X")  # step 4
+    train(engine, data[8:12])
+
+    class Killed(Exception):
+        pass
+
+    def kill_at(point):
+        if point == "old_renamed_aside":
+            raise Killed()
+
+    for attempt in range(2):  # the asides' order must not be luck: a second pair, named anew
+        with monkeypatch.context() as m:
+            m.setattr(engine_state, "_point", kill_at)
+            with pytest.raises(Killed):
+                engine.save_checkpoint(ckpt, tag="X")  # step 6, killed with X moved aside
+        assert not (ckpt / "X").exists()
+        other = engine_for(tmp_path, "cpu", "fp32", seed=1, name=f"other{attempt}")
+        other.load_checkpoint(ckpt, tag="X")
+        assert other.global_steps == 4
+        # Put back for the second attempt: step 4 as X again, step 2's copy aside.
+        newest = engine_state._replaced(str(ckpt), "X")[0]
+        os.rename(ckpt / newest, ckpt / "X")
+    # A removal killed half-way is not taken for a whole copy, and the next save clears it.
+    os.rename(ckpt / "X", ckpt / ".deleting-0123abcd")
+    os.remove(ckpt / ".deleting-0123abcd" / "meta.json")
+    other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other2")
+    other.load_checkpoint(ckpt, tag="X")
+    assert other.global_steps == 2
+    engine.save_checkpoint(ckpt, tag="X")
+    assert sorted(os.listdir(ckpt)) == ["X", "latest"]
 
 
 CHILD = r"""
@@ -332,7 +406,8 @@ def test_another_optimizers_checkpoint_is_refused_and_changes_nothing(tmp_path):
     source.save_checkpoint(tmp_path / "ckpt")
     meta_file = tmp_path / "ckpt" / "global_step0" / "meta.json"
     meta = json.loads(meta_file.read_text())
-    meta["optimizer"] = "adagrad"
+    meta["optimizer"] = "adagrad"  # as a consistent checkpoint of another optimizer says
+    meta["meta_digest"] = engine_state._meta_digest(meta)
     meta_file.write_text(json.dumps(meta))
     target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
     before = state_of(target)
@@ -355,6 +430,7 @@ def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_changes(
     import hashlib
     meta["files"]["engine_states.pt"]["digest"] = hashlib.blake2b(
         states.read_bytes(), digest_size=16).hexdigest()
+    meta["meta_digest"] = engine_state._meta_digest(meta)
     meta_file.write_text(json.dumps(meta))
     target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
     before = state_of(target)
