@@ -6,7 +6,8 @@ or a folder (or the index file itself) of shards with ``pytorch_model.bin.index.
 writes. The files are not loaded whole: their pickle is read with each tensor left where it is
 in the archive, and the tensors are then read one at a time, each straight into its place (a
 partition's host or NVMe copy and the optimizer's fp32 master weights), so the host memory a load
-needs is about one tensor's, whatever the model's size.
+needs beyond the budgets is about one parameter's optimizer state (its fp32 weights and two
+zeroed moments: three times its fp32 size), whatever the model's size.
 
 Before anything changes, every name is checked against the model: missing, unexpected and wrongly
 shaped tensors are named, all of them (``strict=False`` lets missing and unexpected names pass;
@@ -54,15 +55,14 @@ class _LazyTensor:
         size = torch.empty(0, dtype=self.dtype).element_size()
         span = 0 if 0 in self.shape else \
             1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+        data = torch.empty(span * size, dtype=torch.uint8)  # read into at once: no copies
         with zipfile.ZipFile(self.storage.archive) as z, z.open(self.storage.record) as f:
             f.seek(self.offset * size)
-            data = bytearray(f.read(span * size))
-        if len(data) != span * size:
+            got = engine_state._read_into(f, data)
+        if got != span * size:
             raise engine_state.CheckpointError(
                 f"load_pretrained: {self.storage.archive}: {self.storage.record} ends early")
-        flat = torch.frombuffer(data, dtype=self.dtype) if data else \
-            torch.empty(0, dtype=self.dtype)
-        return flat.as_strided(self.shape, self.stride, 0)
+        return data.view(self.dtype).as_strided(self.shape, self.stride, 0)
 
 
 def _storage_dtype(name):

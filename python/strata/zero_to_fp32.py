@@ -13,15 +13,19 @@ has a file of its own) and ``pytorch_model.bin.index.json``, the index large mod
 
 The checkpoint is verified first (every digest: a damaged file is named and nothing is written).
 The master weights are not read into memory: each is a copy-on-write map of its bytes in the
-checkpoint's ``optimizer_states.bin``, which ``torch.save`` writes out page by page (pages of the
-file, which the kernel can drop again), so the resident memory stays near one shard's size, or the
-model's when everything goes to one file.
+checkpoint's ``optimizer_states.bin``, which ``torch.save`` writes out page by page. The pages it
+reads in are the file's, clean, and the kernel can reclaim them, but they count in the process's
+resident memory while mapped: with ``--shard-size`` each shard's are given back once it is written,
+so the resident memory stays near one shard's size; written to one file, it grows by the model's
+size (in such file pages; anonymous memory stays near one tensor's) until the file is written.
 """
 
 import argparse
 import json
+import mmap
 import os
 import sys
+import weakref
 
 import numpy
 import torch
@@ -56,12 +60,28 @@ def _state_dict(checkpoint_dir, tag):
         mapped = numpy.memmap(states, dtype="<f4", mode="c", offset=p["offset"],
                               shape=(p["numel"],))
         out[p["name"]] = torch.from_numpy(mapped).view(p["shape"])
+        _MAPS[id(out[p["name"]])] = mapped
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name]
     extra = torch.load(os.path.join(path, engine_state.ENGINE))["module_extra"]
     for name, value in extra.items():
         out[name] = value
     return path, out
+
+
+# The maps behind the master weights _state_dict hands out, by id of the tensor (weakly: a map
+# goes with its tensor).
+_MAPS = weakref.WeakValueDictionary()
+
+
+def _drop_pages(tensor):
+    """The pages of a master weight's map that writing it read in, given back: they are the
+    checkpoint file's and clean, but they count in the process's resident memory until dropped,
+    and a sharded consolidation must stay near one shard's size."""
+    mapped = _MAPS.get(id(tensor))
+    if mapped is not None and getattr(mapped, "_mmap", None) is not None and \
+            hasattr(mmap, "MADV_DONTNEED"):
+        mapped._mmap.madvise(mmap.MADV_DONTNEED)
 
 
 def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
@@ -96,8 +116,9 @@ def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
     for i, shard in enumerate(shards):
         file = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
         torch.save(shard, os.path.join(out, file))
-        for name in shard:
+        for name, tensor in shard.items():
             weight_map[name] = file
+            _drop_pages(tensor)
     with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return list(state)
