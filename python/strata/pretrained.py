@@ -141,18 +141,23 @@ def _entries(source):
         raise engine_state.CheckpointError(
             f"load_pretrained: {index} cannot be read as a shard index: {error}") from None
     folder = os.path.dirname(index)
-    out = {}
+    out, problems = {}, []
     for file in sorted(set(weight_map.values())):
         if not os.path.isfile(os.path.join(folder, file)):
-            raise engine_state.CheckpointError(
-                f"load_pretrained: {index} names {file}, which is missing")
+            problems.append(f"it names {file}, which is missing")
+            continue
         shard = read_state_dict_lazily(os.path.join(folder, file))
-        for name, where in weight_map.items():
-            if where == file:
-                if name not in shard:
-                    raise engine_state.CheckpointError(
-                        f"load_pretrained: {index} puts {name} in {file}, which lacks it")
+        listed = {name for name, where in weight_map.items() if where == file}
+        for name in sorted(listed):
+            if name not in shard:
+                problems.append(f"it puts {name} in {file}, which lacks it")
+            else:
                 out[name] = shard[name]
+        problems += [f"{file} holds {name}, which it does not list"
+                     for name in sorted(set(shard) - listed)]
+    if problems:
+        raise engine_state.CheckpointError(
+            f"load_pretrained: {index}: " + "; ".join(problems) + "; nothing was changed")
     return out
 
 

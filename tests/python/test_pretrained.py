@@ -1,6 +1,7 @@
 """engine.load_pretrained: a state dict streamed in tensor by tensor, from one torch.save file or
 from shards with an index; every mismatch named before anything changes (strata/pretrained.py)."""
 import copy
+import json
 import os
 import sys
 
@@ -107,6 +108,32 @@ def test_parameters_in_the_file_and_a_missing_shard(tmp_path):
         '{"weight_map": {"emb.weight": "gone.bin"}}')
     with pytest.raises(engine_state.CheckpointError, match="names gone.bin, which is missing"):
         engine.load_pretrained(tmp_path / "shards")
+
+
+def test_every_fault_of_a_sharded_index_is_named_at_once(tmp_path):
+    """Two shards missing, two names put in shards that lack them and a tensor a shard holds but
+    the index does not list: all named in one error (it stopped at the first), nothing changed."""
+    torch.manual_seed(0)
+    engine = engine_of(tmp_path, Net(), "cpu")
+    before = engine.module_state_dict()
+    state = Net().state_dict()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    torch.save({"emb.weight": state["emb.weight"], "l1.weight": state["l1.weight"]},
+               folder / "a.bin")
+    index = {"weight_map": {"emb.weight": "a.bin", "ln.bias": "a.bin", "ln.weight": "a.bin",
+                            "l2.weight": "gone1.bin", "l2.bias": "gone2.bin"}}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(engine_state.CheckpointError) as failed:
+        engine.load_pretrained(folder)
+    text = str(failed.value)
+    for expected in ["names gone1.bin, which is missing", "names gone2.bin, which is missing",
+                     "puts ln.bias in a.bin, which lacks it",
+                     "puts ln.weight in a.bin, which lacks it",
+                     "a.bin holds l1.weight, which it does not list", "nothing was changed"]:
+        assert expected in text, text
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 def test_a_pickle_that_names_other_code_is_refused(tmp_path):
