@@ -21,3 +21,16 @@ class LionReference(torch.optim.Optimizer):
                 update = (beta1 * m + (1 - beta1) * p.grad).sign()
                 p.add_(update, alpha=-group["lr"])
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def assert_computes_as(engine, state_dict, model_class, x):
+    """The engine's forward on `x` equals a plain `model_class` with `state_dict`'s: the weights
+    the engine computes with (its partitions), not only the master weights its state dict shows."""
+    import torch
+
+    reference = model_class()
+    reference.load_state_dict(state_dict)
+    with torch.no_grad():
+        ours = engine(x).float()
+        theirs = reference(x).float()
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), (ours - theirs).abs().max()

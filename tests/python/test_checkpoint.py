@@ -13,6 +13,7 @@ import strata
 from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
+from references import assert_computes_as  # noqa: E402
 from test_engine import VOCAB, WIDTH, Net, batches, loss_of, make_config  # noqa: E402
 
 
@@ -424,6 +425,7 @@ def test_loading_only_the_module_moves_the_master_weights_too(tmp_path):
         target.load_checkpoint(tmp_path / "ckpt", **flags)
         for name, value in target.module_state_dict().items():
             assert torch.equal(value, saved[name]), (flags, name)
+        assert_computes_as(target, saved, Net, next(iter(batches(1)))[0])
         for group in target.optimizer.param_groups:
             group["lr"] = 1e-9
         train(target, list(batches(2)))

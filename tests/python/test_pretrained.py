@@ -12,7 +12,8 @@ import strata
 from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_checkpoint import state_of, train, whole_engine  # noqa: E402
+from references import assert_computes_as  # noqa: E402
+from test_checkpoint import Whole, state_of, train, whole_engine  # noqa: E402
 from test_engine import Net, batches, make_config, step_both  # noqa: E402
 
 
@@ -54,6 +55,7 @@ def test_shards_with_an_index_load_a_tied_model(tmp_path):
     expected = source.module_state_dict()
     for name, value in target.module_state_dict().items():
         assert torch.equal(value, expected[name]), name
+    assert_computes_as(target, expected, Whole, next(iter(batches(1)))[0])
 
 
 def test_every_mismatch_is_named_and_nothing_changes(tmp_path):
@@ -103,6 +105,7 @@ def test_parameters_in_the_file_and_a_missing_shard(tmp_path):
     engine.load_pretrained(tmp_path / "params.bin")
     for name, value in engine.module_state_dict().items():
         assert torch.equal(value, source.state_dict()[name]), name
+    assert_computes_as(engine, source.state_dict(), Net, next(iter(batches(1)))[0])
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "pytorch_model.bin.index.json").write_text(
         '{"weight_map": {"emb.weight": "gone.bin"}}')

@@ -10,6 +10,7 @@ import torch
 import strata
 
 sys.path.insert(0, os.path.dirname(__file__))
+from references import assert_computes_as  # noqa: E402
 from test_engine import Net, batches, make_config, step_both  # noqa: E402
 
 
@@ -46,6 +47,7 @@ def test_built_under_init_then_pretrained_weights_streamed_in(tmp_path):
     engine.load_pretrained(tmp_path / "pretrained.bin")
     for name, value in engine.module_state_dict().items():
         assert torch.equal(value, pretrained.state_dict()[name]), name
+    assert_computes_as(engine, pretrained.state_dict(), Net, next(iter(batches(1)))[0])
 
 
 def test_misuse_is_named(tmp_path):
