@@ -20,7 +20,11 @@ initialize refuses a config whose blocks differ. Small parameters stay ordinary 
 
 Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). A parameter's
 partition holds its initializer's values in the training dtype (the optimizer's fp32 master
-weights start from them, or from load_pretrained).
+weights start from them, or from load_pretrained). A parameter replaced while the model is built
+(a tied weight: ``self.head.weight = self.emb.weight``) gives its partition back as the old
+parameter goes; until then both are held, so the tier must have room for the two at that moment.
+Parameters made on the meta device are left as they are (built so, they have no values to
+partition; strata.initialize then cannot place them).
 
 Thread safety: one context at a time per process (it patches nn.Module classes while open).
 """
@@ -37,6 +41,19 @@ __all__ = ["init", "built_under", "partition_of"]
 
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _open = []  # the context open now (at most one)
+
+
+def _forget(context_ref, pid):
+    """A partitioned parameter is gone: its partition is unregistered (quietly when the Runtime
+    has already let it go, or is gone itself)."""
+    context = context_ref()
+    runtime = getattr(context, "runtime", None) if context is not None else None
+    if runtime is None:
+        return
+    try:
+        runtime.unregister(pid)
+    except Exception:  # noqa: BLE001 - a finalizer must not raise; nothing is left to free
+        pass
 
 
 def partition_of(param):
@@ -183,3 +200,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 # Its shape and dtype without its bytes (one element, expanded).
                 p.data = torch.zeros((), dtype=self.dtype).expand(p.shape)
             p._strata_init = (self, pid)
+            # A parameter replaced while the model is built (a tied weight: head.weight =
+            # emb.weight) gives its partition back as it goes, not at the end of the run: it
+            # held a place in its tier's budget, which the rest of the build may need.
+            weakref.finalize(p, _forget, weakref.ref(self), pid)

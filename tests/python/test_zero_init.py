@@ -50,6 +50,36 @@ def test_built_under_init_then_pretrained_weights_streamed_in(tmp_path):
     assert_computes_as(engine, pretrained.state_dict(), Net, next(iter(batches(1)))[0])
 
 
+class Tied(torch.nn.Module):
+    """A language model's head tied to its embedding, as models do in their __init__: the head's
+    own weight is made, partitioned, then replaced."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.replaced = strata.zero_init.partition_of(self.head.weight)  # its id only
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_a_weight_replaced_while_building_gives_its_partition_back(tmp_path):
+    """Before, the replaced weight's partition stayed registered for the run (found by the audit:
+    8 MB held for nothing in its case)."""
+    config = config_for(tmp_path, "cpu")
+    with strata.init(config=config):
+        model = Tied()
+    assert model.replaced is not None
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    with pytest.raises(strata._strata.Error, match="not registered"):
+        engine.runtime.acquire(model.replaced, "host", traced=False)
+    own = strata.zero_init.partition_of(model.emb.weight)
+    engine.runtime.acquire(own, "host", traced=False)  # the tied weight's own is there
+    engine.runtime.release(own, "host", False, traced=False)
+
+
 def test_misuse_is_named(tmp_path):
     config = config_for(tmp_path)
     with strata.init(config=config):
