@@ -244,6 +244,14 @@ class Engine:
         self._optimizer_read = self._optimizer_written = 0  # the optimizer's NVMe bytes
         self.last_step_stats = {}
 
+        on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                   if t.device.type == "meta"]
+        if on_meta:
+            raise ValueError(
+                f"strata.initialize: {len(on_meta)} tensors of the model are on the meta device "
+                f"and hold no values ({', '.join(on_meta[:5])}{', ...' if len(on_meta) > 5 else ''})"
+                "; accepted: a model built on the CPU, or under strata.init (which partitions "
+                "each parameter as it is made); load pretrained weights after initialize")
         settings = _RuntimeSettings(config)
         for message in settings.warnings:
             self._warn(message)

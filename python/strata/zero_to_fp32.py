@@ -64,8 +64,8 @@ def _state_dict(checkpoint_dir, tag):
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name]
     extra = torch.load(os.path.join(path, engine_state.ENGINE))["module_extra"]
-    for name, value in extra.items():
-        out[name] = value
+    for name, value in extra.items():  # frozen parameters and buffers; floating ones in fp32
+        out[name] = value.float() if value.is_floating_point() else value
     return path, out
 
 

@@ -290,14 +290,26 @@ class Whole(torch.nn.Module):
         return self.head(torch.tanh(self.lin(self.emb(x)) * self.scale))
 
 
-def whole_engine(tmp_path, name, seed):
+def whole_engine(tmp_path, name, seed, dtype="fp32"):
     torch.manual_seed(seed)
     model = Whole()
     strata.register_external_parameter(model.head, model.emb.weight)
     (tmp_path / name).mkdir(exist_ok=True)
     engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path / name, 3, "nvme", "fp32", 1, 0.0))
+        model=model, config=make_config(tmp_path / name, 3, "nvme", dtype, 1, 0.0))
     return engine
+
+
+def test_zero_to_fp32_of_a_bf16_run_is_fp32_throughout(tmp_path):
+    """The frozen parameter and the buffer of a bf16 run came out in bf16 (found by the audit);
+    every floating tensor of the consolidated state dict is fp32."""
+    from strata import zero_to_fp32
+    engine = whole_engine(tmp_path, "run", 0, "bf16")
+    train(engine, batches(2))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    zero_to_fp32.consolidate(tmp_path / "ckpt", tmp_path / "model.bin")
+    state = torch.load(tmp_path / "model.bin")
+    assert {name: t.dtype for name, t in state.items() if t.dtype != torch.float32} == {}
 
 
 @pytest.mark.parametrize("shard_bytes", [None, 3000])

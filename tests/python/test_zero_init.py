@@ -80,6 +80,17 @@ def test_a_weight_replaced_while_building_gives_its_partition_back(tmp_path):
     engine.runtime.release(own, "host", False, traced=False)
 
 
+def test_a_model_on_the_meta_device_is_refused_by_name(tmp_path):
+    class OnMeta(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = torch.nn.Linear(32, 64, device="meta")
+
+    with pytest.raises(ValueError, match=r"on the meta device and hold no values \(l1.weight, "
+                                         r"l1.bias\)"):
+        strata.initialize(model=OnMeta(), config=config_for(tmp_path, "cpu"))
+
+
 def test_misuse_is_named(tmp_path):
     config = config_for(tmp_path)
     with strata.init(config=config):
