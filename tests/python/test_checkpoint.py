@@ -271,6 +271,90 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(tmp_path, tag, ki
     assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".")) == []
 
 
+RANDOM_KILL = r"""
+import os, random, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+from test_checkpoint import engine_for, train
+from test_engine import batches
+import pathlib
+tmp = pathlib.Path({tmp!r})
+engine = engine_for(tmp, "nvme", "fp32", seed=0)
+data = list(batches(8))
+train(engine, data[:4])
+t0 = time.perf_counter()
+engine.save_checkpoint(tmp / "ckpt")  # step 2: whole; its time sets the window below
+took = time.perf_counter() - t0
+train(engine, data[4:])
+delay = random.Random({seed}).uniform(0, 1.2 * took)
+threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+engine.save_checkpoint(tmp / "ckpt", tag={tag!r})  # step 4, killed wherever the delay falls
+time.sleep(60)  # (killed here when the delay outlasted the save)
+"""
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_save_killed_at_a_moment_chosen_by_a_seed_leaves_a_whole_checkpoint(tmp_path, seed):
+    """SIGKILL after a delay drawn from the seed, anywhere in a save that replaces the tag
+    `latest` names (inside a write, a sync or a rename, not only between them): what is left
+    loads whole, and is the old state or the new one."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.run(
+        [sys.executable, "-c", RANDOM_KILL.format(tests=here, tmp=str(tmp_path), seed=seed,
+                                                  tag="global_step2")],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert child.returncode == -signal.SIGKILL, (seed, child.stdout, child.stderr)
+    loader = engine_for(tmp_path, "nvme", "fp32", seed=1, name="loader")
+    loader.load_checkpoint(tmp_path / "ckpt")
+    assert loader.global_steps in (2, 4), seed
+    loader.save_checkpoint(tmp_path / "ckpt", tag="global_step2")
+    assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".")) == []
+
+
+def test_a_save_syncs_every_file_and_folder_before_the_rename_that_publishes_it(tmp_path,
+                                                                               monkeypatch):
+    """A SIGKILL never loses what the page cache holds, so the kill tests cannot see a missing
+    sync; a power loss would. The order is checked instead: each file of the checkpoint, and its
+    folder, synced before the folder is renamed into place; the save folder synced after that
+    rename and before `latest` moves; `latest`'s new content synced before its rename."""
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    train(engine, list(batches(4)))
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")  # so the next save replaces a folder
+    events = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        events.append(("sync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", os.path.basename(a), os.path.basename(b)))
+        return real_rename(a, b)
+
+    def replace(a, b):
+        events.append(("rename", os.path.basename(a), os.path.basename(b)))
+        return real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    monkeypatch.undo()
+
+    def at(event):
+        return events.index(event)
+
+    publish = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == "t")
+    partial = events[publish][1]
+    for name in os.listdir(tmp_path / "ckpt" / "t"):
+        assert at(("sync", name)) < publish, (name, events)
+    assert at(("sync", partial)) < publish, events
+    latest = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == "latest")
+    synced_dir = [i for i, e in enumerate(events) if e == ("sync", "ckpt")]
+    assert any(publish < i < latest for i in synced_dir), events
+    assert at(("sync", events[latest][1])) < latest, events
+    assert any(i > latest for i in synced_dir), events  # latest's rename made durable
+
+
 class Whole(torch.nn.Module):
     """A tied weight (the head reuses the embedding), a buffer and a frozen parameter: what a
     state dict holds besides the trainable parameters under their own names."""
