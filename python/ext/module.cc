@@ -34,6 +34,7 @@
 #include "aio/fault_injection.h"
 #include "base/mutex.h"
 #include "base/status.h"
+#include "comm/job.h"
 #include "optim_cpu/adam.h"
 #include "optim_cpu/chunk_optimizer.h"
 #include "pybind11/pybind11.h"
@@ -747,6 +748,73 @@ class PyRuntime {
   int device_id_ = 0;
 };
 
+
+// The job a launcher started (comm/job.h), for the Python front: who this rank is, and the
+// collectives over CPU tensors (waited for with the GIL released).
+class PyJob {
+ public:
+  explicit PyJob(int64_t timeout_ms) {
+    auto env = comm::JobEnvFromEnvironment();
+    Check(env.status());
+    absl::StatusOr<comm::Job> job;
+    {
+      py::gil_scoped_release unlocked;
+      job = comm::JoinJob(*env, comm::Duration(timeout_ms));
+    }
+    Check(job.status());
+    job_ = std::make_unique<comm::Job>(*std::move(job));
+  }
+  int rank() const { return job_->env.rank; }
+  int world_size() const { return job_->env.world_size; }
+  int local_rank() const { return job_->env.local_rank; }
+  bool launched() const { return job_->env.launched; }
+
+  void AllReduce(py::handle tensor) {
+    const TensorView t = Float32(tensor, "all_reduce");
+    Wait(job_->comm->AllReduce({static_cast<float*>(t.data), t.elements}));
+  }
+  void ReduceScatter(py::handle input, py::handle output) {
+    const TensorView in = Float32(input, "reduce_scatter: input");
+    const TensorView out = Float32(output, "reduce_scatter: output");
+    Wait(job_->comm->ReduceScatter({static_cast<const float*>(in.data), in.elements},
+                                   {static_cast<float*>(out.data), out.elements}));
+  }
+  void AllGather(py::handle input, py::handle output) {
+    const TensorView in = HostTensor(input, "all_gather: input");
+    const TensorView out = HostTensor(output, "all_gather: output");
+    if (in.dtype != out.dtype) {
+      Raise(absl::InvalidArgumentError("all_gather: accepted: input and output of one dtype"));
+    }
+    Wait(job_->comm->AllGather(Bytes(in), Bytes(out)));
+  }
+  void Broadcast(py::handle tensor, int root) {
+    const TensorView t = HostTensor(tensor, "broadcast");
+    Wait(job_->comm->Broadcast(Bytes(t), root));
+  }
+  void Barrier() { Wait(job_->comm->Barrier()); }
+
+ private:
+  static TensorView Float32(py::handle tensor, const char* what) {
+    TensorView t = HostTensor(tensor, what);
+    if (t.dtype != optim_cpu::DType::kF32) {
+      Raise(absl::InvalidArgumentError(absl::StrCat(what, ": accepted: float32 (sums)")));
+    }
+    return t;
+  }
+  static absl::Span<std::byte> Bytes(const TensorView& t) {
+    return {static_cast<std::byte*>(t.data), t.elements * DTypeBytes(t.dtype)};
+  }
+  static void Wait(const std::shared_ptr<comm::Work>& work) {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = work->Wait();
+    }
+    Check(s);
+  }
+  std::unique_ptr<comm::Job> job_;
+};
+
 }  // namespace
 }  // namespace strata::python
 
@@ -760,6 +828,20 @@ PYBIND11_MODULE(_strata, m) {
       PyErr_NewException("strata._strata.InvalidArgumentError", bases.ptr(), nullptr);
   m.attr("Error") = py::handle(g_error);
   m.attr("InvalidArgumentError") = py::handle(g_invalid_argument);
+  py::class_<PyJob>(m, "Job",
+                    "The job a launcher started (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, "
+                    "LOCAL_RANK; none set: a job of one process) and its collectives over CPU "
+                    "tensors, on Gloo (comm/job.h)")
+      .def(py::init<int64_t>(), py::arg("timeout_ms") = 60000)
+      .def_property_readonly("rank", &PyJob::rank)
+      .def_property_readonly("world_size", &PyJob::world_size)
+      .def_property_readonly("local_rank", &PyJob::local_rank)
+      .def_property_readonly("launched", &PyJob::launched)
+      .def("all_reduce", &PyJob::AllReduce, py::arg("tensor"), "sum over the ranks, in place")
+      .def("reduce_scatter", &PyJob::ReduceScatter, py::arg("input"), py::arg("output"))
+      .def("all_gather", &PyJob::AllGather, py::arg("input"), py::arg("output"))
+      .def("broadcast", &PyJob::Broadcast, py::arg("tensor"), py::arg("root"))
+      .def("barrier", &PyJob::Barrier);
 
   py::class_<Optimizer>(m, "Optimizer",
                         "a CPU optimizer (Adam, Adagrad or Lion) stepping CPU tensors in place; "

@@ -1,0 +1,94 @@
+"""strata._strata.Job: joining a launched job from its environment (torchrun's variables) and the
+collectives over CPU tensors, with ranks as processes on loopback, beside a torch.distributed
+process group on the same MASTER_PORT (comm/job.h)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+RANK = r"""
+import json, sys, torch
+import torch.distributed as dist
+from strata import _strata
+if {with_torch}:
+    # The trainer's own process group first, on MASTER_PORT: strata's store must not collide.
+    dist.init_process_group("gloo")
+job = _strata.Job(timeout_ms=30000)
+r, n = job.rank, job.world_size
+out = {{"rank": r, "world_size": n, "local_rank": job.local_rank, "launched": job.launched}}
+x = torch.full((1000,), float(r + 1))
+job.all_reduce(x)
+out["all_reduce"] = x[0].item()
+mine = torch.arange(6, dtype=torch.bfloat16) + 10 * r
+everyone = torch.empty(6 * n, dtype=torch.bfloat16)
+job.all_gather(mine, everyone)
+out["all_gather"] = everyone.float().tolist()
+shards = torch.arange(4 * n, dtype=torch.float32) + r
+own = torch.empty(4)
+job.reduce_scatter(shards, own)
+out["reduce_scatter"] = own.tolist()
+b = torch.full((3,), float(r))
+job.broadcast(b, n - 1)
+out["broadcast"] = b.tolist()
+job.barrier()
+try:
+    job.all_reduce(torch.zeros(3, dtype=torch.bfloat16))
+except _strata.InvalidArgumentError as e:
+    out["refused"] = str(e)
+if {with_torch}:
+    t = torch.ones(2)
+    dist.all_reduce(t)  # torch's group still works beside strata's
+    out["torch"] = t.tolist()
+print(json.dumps(out))
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(n, with_torch, extra_env=None):
+    port = free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(n), LOCAL_RANK=str(r), **(extra_env or {}))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", RANK.format(with_torch=with_torch)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    return outs
+
+
+@pytest.mark.parametrize("n, with_torch", [(2, False), (3, True)])
+def test_ranks_meet_and_every_collective_agrees(n, with_torch):
+    for out in run_ranks(n, with_torch):
+        r = out["rank"]
+        assert (out["world_size"], out["local_rank"], out["launched"]) == (n, r, True)
+        assert out["all_reduce"] == n * (n + 1) / 2
+        assert out["all_gather"] == [10 * q + i for q in range(n) for i in range(6)]
+        # shard r of rank p is (4r .. 4r+3) + p: summed over p
+        assert out["reduce_scatter"] == [n * (4 * r + i) + n * (n - 1) / 2 for i in range(4)]
+        assert out["broadcast"] == [float(n - 1)] * 3
+        assert "all_reduce: accepted: float32" in out["refused"]
+        if with_torch:
+            assert out["torch"] == [float(n)] * 2
+
+
+def test_a_missing_variable_is_named():
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", RANK="0")
+    env.pop("WORLD_SIZE", None)
+    env.pop("LOCAL_RANK", None)
+    child = subprocess.run([sys.executable, "-c", "from strata import _strata; _strata.Job(1000)"],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert child.returncode != 0
+    assert "WORLD_SIZE is not set" in child.stderr, child.stderr[-2000:]
