@@ -140,7 +140,8 @@ class GlooCommunicator final : public Communicator {
     }
     return Issue("broadcast", [this, data, root] {
       gloo::BroadcastOptions o(context_);
-      if (rank() == root) o.setInput(reinterpret_cast<uint8_t*>(data.data()), data.size());
+      // The root sends from its output when given no input. Given the same buffer as both, Gloo
+      // copied it onto itself while its I/O thread was sending from it (TSan saw the race).
       o.setOutput(reinterpret_cast<uint8_t*>(data.data()), data.size());
       o.setRoot(root);
       o.setTimeout(timeout_);
