@@ -46,6 +46,7 @@ weights follow them and the moments stay.
 Thread safety: the engine's (one thread).
 """
 
+import concurrent.futures
 import copy
 import hashlib
 import json
@@ -119,6 +120,7 @@ def _host():
 
 
 _PARTIAL = re.compile(r"\.(.+)\.partial-([A-Za-z0-9]+)-([0-9]+)-[0-9a-f]{8}")
+_SYNC_EVERY = 64 << 20  # bytes of optimizer state written between syncs of a save
 _DELETING = re.compile(r"\.deleting-[0-9a-f]{8}")
 
 
@@ -206,19 +208,43 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
 def _write_state(engine, folder, client_state):
     params = []
     offset = 0
-    with open(os.path.join(folder, STATES), "wb") as f:
-        for e in engine._params:
-            tensors = [torch.empty(e.numel) for _ in _KINDS]
-            engine.runtime.read_optimizer_state(e.gid, *tensors)
-            digests = {}
-            for kind, t in zip(_KINDS, tensors):
-                f.write(memoryview(t.numpy()).cast("B"))  # no copy of it beside
-                digests[kind] = _digest(t)
-            params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel,
-                           "steps": e.steps, "group_index": e.group_index, "offset": offset,
-                           "digests": digests})
-            offset += 3 * 4 * e.numel
-            _point("parameter_written")
+    sizes = [{"numel": e.numel} for e in engine._params]
+    # Two buffers: a parameter's state is read from the optimizer (NVMe or host) and digested
+    # while the one before is written by a thread of its own, which also syncs every 64 MiB so
+    # that the disk's writeback runs beside the rest rather than all in the final sync.
+    buffers = [_state_buffer(sizes), _state_buffer(sizes)]
+    pending = [None, None]
+    with open(os.path.join(folder, STATES), "wb") as f, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
+        unsynced = [0]
+
+        def write(view):
+            f.write(view)
+            unsynced[0] += len(view)
+            if unsynced[0] >= _SYNC_EVERY:
+                f.flush()
+                os.fdatasync(f.fileno())
+                unsynced[0] = 0
+
+        try:
+            for i, e in enumerate(engine._params):
+                slot = i % 2
+                if pending[slot] is not None:
+                    pending[slot].result()  # its buffer is free again (and a failure raised)
+                flat = buffers[slot][:3 * e.numel]
+                tensors = [flat[k * e.numel:(k + 1) * e.numel] for k in range(len(_KINDS))]
+                engine.runtime.read_optimizer_state(e.gid, *tensors)
+                digests = {kind: _digest(t) for kind, t in zip(_KINDS, tensors)}
+                pending[slot] = writer.submit(write, memoryview(flat.numpy()).cast("B"))
+                params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel,
+                               "steps": e.steps, "group_index": e.group_index, "offset": offset,
+                               "digests": digests})
+                offset += 3 * 4 * e.numel
+                _point("parameter_written")
+        finally:
+            for future in pending:
+                if future is not None:
+                    future.result()
         f.flush()
         os.fsync(f.fileno())
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \
