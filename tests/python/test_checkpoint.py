@@ -221,10 +221,10 @@ def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypa
     assert sorted(os.listdir(ckpt)) == ["X", "latest"]
 
 
-CHILD = r"""
-import os, signal, sys
+# Both kill tests' children: a checkpoint of step 2, whole (timed), then two more steps.
+CHILD_SETUP = r"""
+import os, random, signal, sys, threading, time
 sys.path.insert(0, {tests!r})
-import strata
 from strata import engine_state
 from test_checkpoint import engine_for, train
 from test_engine import batches
@@ -233,8 +233,13 @@ tmp = pathlib.Path({tmp!r})
 engine = engine_for(tmp, "nvme", "fp32", seed=0)
 data = list(batches(8))
 train(engine, data[:4])
+t0 = time.perf_counter()
 engine.save_checkpoint(tmp / "ckpt")  # step 2: whole
+took = time.perf_counter() - t0
 train(engine, data[4:])
+"""
+
+CHILD = CHILD_SETUP + r"""
 calls = [0]
 def crash(name):
     calls[0] += 1
@@ -271,20 +276,7 @@ def test_a_save_killed_at_any_moment_leaves_a_whole_checkpoint(tmp_path, tag, ki
     assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith(".")) == []
 
 
-RANDOM_KILL = r"""
-import os, random, signal, sys, threading, time
-sys.path.insert(0, {tests!r})
-from test_checkpoint import engine_for, train
-from test_engine import batches
-import pathlib
-tmp = pathlib.Path({tmp!r})
-engine = engine_for(tmp, "nvme", "fp32", seed=0)
-data = list(batches(8))
-train(engine, data[:4])
-t0 = time.perf_counter()
-engine.save_checkpoint(tmp / "ckpt")  # step 2: whole; its time sets the window below
-took = time.perf_counter() - t0
-train(engine, data[4:])
+RANDOM_KILL = CHILD_SETUP + r"""
 delay = random.Random({seed}).uniform(0, 1.2 * took)
 threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 engine.save_checkpoint(tmp / "ckpt", tag={tag!r})  # step 4, killed wherever the delay falls
