@@ -748,7 +748,6 @@ class PyRuntime {
   int device_id_ = 0;
 };
 
-
 // The job a launcher started (comm/job.h), for the Python front: who this rank is, and the
 // collectives over CPU tensors (waited for with the GIL released).
 class PyJob {

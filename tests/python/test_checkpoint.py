@@ -37,6 +37,17 @@ def state_of(engine):
     return out + list(engine.module_state_dict().values())
 
 
+def assert_refused_and_unchanged(engine, ckpt, match):
+    """Loading `ckpt` into `engine` fails with `match` and changes nothing of it."""
+    before = state_of(engine)
+    steps = engine.global_steps
+    with pytest.raises(engine_state.CheckpointError, match=match):
+        engine.load_checkpoint(ckpt)
+    assert engine.global_steps == steps
+    for a, b in zip(before, state_of(engine)):
+        assert torch.equal(a, b)
+
+
 def train(engine, data):
     losses = []
     for x, y in data:
@@ -169,12 +180,7 @@ def test_a_changed_meta_json_is_refused_even_where_it_still_parses(tmp_path):
     with open(meta_file, "w") as f:
         f.write(text.replace(steps, f'"global_steps": {engine.global_steps + 1}'))
     other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
-    before = state_of(other)
-    with pytest.raises(engine_state.CheckpointError, match="meta.json does not match its digest"):
-        other.load_checkpoint(tmp_path / "ckpt")
-    assert other.global_steps == 0
-    for a, b in zip(before, state_of(other)):
-        assert torch.equal(a, b)
+    assert_refused_and_unchanged(other, tmp_path / "ckpt", "meta.json does not match its digest")
 
 
 def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypatch):
@@ -576,12 +582,7 @@ def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_changes(
     meta["meta_digest"] = engine_state._meta_digest(meta)
     meta_file.write_text(json.dumps(meta))
     target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
-    before = state_of(target)
-    with pytest.raises(engine_state.CheckpointError, match="scheduler's state does not fit"):
-        target.load_checkpoint(tmp_path / "ckpt")
-    assert target.global_steps == 0
-    for a, b in zip(before, state_of(target)):
-        assert torch.equal(a, b)
+    assert_refused_and_unchanged(target, tmp_path / "ckpt", "scheduler's state does not fit")
 
 
 @pytest.mark.parametrize("tag", ["x ", " x", "latest.partial", "a.partial-1", "b.replaced-c",
