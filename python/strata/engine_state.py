@@ -121,6 +121,7 @@ def _host():
 
 _PARTIAL = re.compile(r"\.(.+)\.partial-([A-Za-z0-9]+)-([0-9]+)-[0-9a-f]{8}")
 _SYNC_EVERY = 64 << 20  # bytes of optimizer state written between syncs of a save
+_DOUBLE_BUFFER_MAX = 256 << 20  # a save double-buffers states up to this size
 _DELETING = re.compile(r"\.deleting-[0-9a-f]{8}")
 
 
@@ -212,8 +213,10 @@ def _write_state(engine, folder, client_state):
     # Two buffers: a parameter's state is read from the optimizer (NVMe or host) and digested
     # while the one before is written by a thread of its own, which also syncs every 64 MiB so
     # that the disk's writeback runs beside the rest rather than all in the final sync.
-    buffers = [_state_buffer(sizes), _state_buffer(sizes)]
-    pending = [None, None]
+    # (One buffer when the largest parameter's state is large: the host then holds it once.)
+    first = _state_buffer(sizes)
+    buffers = [first] if first.numel() * 4 > _DOUBLE_BUFFER_MAX else [first, _state_buffer(sizes)]
+    pending = [None] * len(buffers)
     with open(os.path.join(folder, STATES), "wb") as f, \
             concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
         unsynced = [0]
@@ -228,7 +231,7 @@ def _write_state(engine, folder, client_state):
 
         try:
             for i, e in enumerate(engine._params):
-                slot = i % 2
+                slot = i % len(buffers)
                 if pending[slot] is not None:
                     pending[slot].result()  # its buffer is free again (and a failure raised)
                 flat = buffers[slot][:3 * e.numel]
