@@ -109,15 +109,12 @@ TEST(JoinJobTest, AJobOfOneProcessHasACommunicatorOfOne) {
 // torch.distributed (or torchrun's agent) already listens on MASTER_PORT: strata's store is on
 // the next port, and two launched ranks meet and reduce.
 TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
-  // A port for the torch store whose next port (strata's) is free too, as far as can be told.
+  // A port for the torch store whose next port (strata's) is free too (FreePort).
   uint16_t port = 0;
   int torch_store = -1;
   for (int attempt = 0; attempt < 50 && torch_store < 0; ++attempt) {
+    port = testing::FreePort();
     torch_store = testing::ListenOnLoopback(&port);
-    if (torch_store >= 0 && !testing::PortIsFree(static_cast<uint16_t>(port + 1))) {
-      close(torch_store);
-      torch_store = -1;
-    }
   }
   ASSERT_GE(torch_store, 0);
   const int master_port = port;

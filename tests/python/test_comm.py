@@ -3,6 +3,7 @@ collectives over CPU tensors, with ranks as processes on loopback, beside a torc
 process group on the same MASTER_PORT (comm/job.h)."""
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -47,9 +48,20 @@ print(json.dumps(out))
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free a moment ago whose next one (strata's store, MASTER_PORT + 1) is free too,
+    drawn below the kernel's ephemeral range: the neighbours of a port the kernel handed out for a
+    connection are handed out next (CI saw MASTER_PORT + 1 taken)."""
+    rng = random.Random(os.getpid())
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports in 20000-32000")
 
 
 def run_ranks(n, with_torch, extra_env=None):
