@@ -244,10 +244,14 @@ def _write_state(engine, folder, client_state):
                                "digests": digests})
                 offset += 3 * 4 * e.numel
                 _point("parameter_written")
-        finally:
-            for future in pending:
+        except BaseException:
+            for future in pending:  # waited for, but the first failure is the one raised
                 if future is not None:
-                    future.result()
+                    future.exception()
+            raise
+        for future in pending:
+            if future is not None:
+                future.result()
         f.flush()
         os.fsync(f.fileno())
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \

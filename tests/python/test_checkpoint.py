@@ -182,6 +182,39 @@ def test_a_save_with_one_buffer_or_two_loads_the_same_state(tmp_path, monkeypatc
         assert torch.equal(a, b)
 
 
+def test_a_save_that_fails_reports_its_first_failure(tmp_path, monkeypatch):
+    """A read of the optimizer's state fails while the writer thread's sync of the parameter
+    before it has failed too: the save raises the read's error (the writer's had replaced it), and
+    leaves no folder behind."""
+    engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
+    monkeypatch.setattr(engine_state, "_SYNC_EVERY", 0)
+
+    def failing_sync(fd):
+        raise OSError("sync failed")
+
+    monkeypatch.setattr(os, "fdatasync", failing_sync)
+    real_read = engine.runtime.read_optimizer_state
+    calls = [0]
+
+    class Runtime:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def read_optimizer_state(self, *args):
+            calls[0] += 1
+            if calls[0] == 2:
+                import time
+                time.sleep(0.2)  # the writer's failure first
+                raise RuntimeError("read failed")
+            return real_read(*args)
+
+    real = engine.runtime
+    monkeypatch.setattr(engine, "runtime", Runtime())
+    with pytest.raises(RuntimeError, match="read failed"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    assert [n for n in os.listdir(tmp_path / "ckpt") if not n.startswith("latest")] == []
+
+
 def test_a_changed_meta_json_is_refused_even_where_it_still_parses(tmp_path):
     """Step counts, the loss scale and the learning rates live in meta.json: a change there that
     still parses (a flipped bit in a digit) is named, and nothing changes."""
