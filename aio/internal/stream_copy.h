@@ -3,7 +3,8 @@
 // each destination line and keep the copy out of the caches: measured 1.5x memcpy's rate for
 // megabyte copies into staging on this project's development machine (11 vs 7 GB/s), which is
 // what an unaligned write's worker spends its time on. Also used for a staged read's copy out of
-// staging (a megabyte piece is past the caches before its reader gets to it). The bytes are
+// staging (measured: reads of unaligned heap buffers went from 0.76 to 0.80 of the aligned path; a
+// small piece's bytes may be read from cache sooner than this leaves them there). The bytes are
 // visible to other threads and to the device once it returns (it ends with a store fence). Any
 // lengths and alignments.
 //
