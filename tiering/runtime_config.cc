@@ -309,7 +309,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         config::CheckKeys(*s, "strata",
                           {"aio", "device", "device_budget_bytes", "host_budget_bytes",
                            "nvme_capacity_bytes", "nvme_path", "copy_bandwidth_bytes_per_s",
-                           "eviction_policy", "malloc_mmap_threshold_bytes"}));
+                           "eviction_policy", "malloc_mmap_threshold_bytes",
+                           "comm_timeout_s"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -327,6 +328,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "eviction_policy", &c.eviction_policy));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "malloc_mmap_threshold_bytes", 0, int64_t{32} << 20,
                                    &c.malloc_mmap_threshold_bytes));
+    STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

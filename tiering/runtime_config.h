@@ -88,6 +88,9 @@ struct RuntimeConfig {
   // block is freed, after which freed megabyte tensors stay resident in its heap and the
   // process holds more than its tiers' budgets). glibc takes at most 32 MiB.
   uint64_t malloc_mmap_threshold_bytes = 256 << 10;
+  // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
+  // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
+  uint64_t comm_timeout_s = 1800;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

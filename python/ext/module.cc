@@ -748,6 +748,36 @@ class PyRuntime {
   int device_id_ = 0;
 };
 
+// A collective issued with async_op: wait() raises its error; the tensors it reads and writes are
+// held until it is done.
+class JobWork {
+ public:
+  JobWork(std::shared_ptr<comm::Work> work, std::vector<py::object> held)
+      : work_(std::move(work)), held_(std::move(held)) {}
+  JobWork(JobWork&&) = default;
+  JobWork& operator=(JobWork&&) = delete;
+  // Dropped before it is done: waits, so that the collective never writes a freed tensor.
+  ~JobWork() {
+    if (work_ == nullptr || held_.empty()) return;
+    py::gil_scoped_release unlocked;
+    work_->Wait().IgnoreError();
+  }
+  void Wait() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = work_->Wait();
+    }
+    held_.clear();
+    Check(s);
+  }
+  bool Done() const { return work_->done(); }
+
+ private:
+  std::shared_ptr<comm::Work> work_;
+  std::vector<py::object> held_;
+};
+
 // The job a launcher started (comm/job.h), for the Python front: who this rank is, and the
 // collectives over CPU tensors (waited for with the GIL released).
 class PyJob {
@@ -768,29 +798,33 @@ class PyJob {
   int local_rank() const { return job_->env.local_rank; }
   bool launched() const { return job_->env.launched; }
 
-  void AllReduce(py::handle tensor) {
+  // Each collective waits for itself, or with async_op returns a JobWork to wait for (holding its
+  // tensors until it is done).
+  py::object AllReduce(py::object tensor, bool async_op) {
     const TensorView t = Float32(tensor, "all_reduce");
-    Wait(job_->comm->AllReduce({static_cast<float*>(t.data), t.elements}));
+    return Finish(job_->comm->AllReduce({static_cast<float*>(t.data), t.elements}), async_op,
+                  {tensor});
   }
-  void ReduceScatter(py::handle input, py::handle output) {
+  py::object ReduceScatter(py::object input, py::object output, bool async_op) {
     const TensorView in = Float32(input, "reduce_scatter: input");
     const TensorView out = Float32(output, "reduce_scatter: output");
-    Wait(job_->comm->ReduceScatter({static_cast<const float*>(in.data), in.elements},
-                                   {static_cast<float*>(out.data), out.elements}));
+    return Finish(job_->comm->ReduceScatter({static_cast<const float*>(in.data), in.elements},
+                                            {static_cast<float*>(out.data), out.elements}),
+                  async_op, {input, output});
   }
-  void AllGather(py::handle input, py::handle output) {
+  py::object AllGather(py::object input, py::object output, bool async_op) {
     const TensorView in = HostTensor(input, "all_gather: input");
     const TensorView out = HostTensor(output, "all_gather: output");
     if (in.dtype != out.dtype) {
       Raise(absl::InvalidArgumentError("all_gather: accepted: input and output of one dtype"));
     }
-    Wait(job_->comm->AllGather(Bytes(in), Bytes(out)));
+    return Finish(job_->comm->AllGather(Bytes(in), Bytes(out)), async_op, {input, output});
   }
-  void Broadcast(py::handle tensor, int root) {
+  py::object Broadcast(py::object tensor, int root, bool async_op) {
     const TensorView t = HostTensor(tensor, "broadcast");
-    Wait(job_->comm->Broadcast(Bytes(t), root));
+    return Finish(job_->comm->Broadcast(Bytes(t), root), async_op, {tensor});
   }
-  void Barrier() { Wait(job_->comm->Barrier()); }
+  void Barrier() { JobWork(job_->comm->Barrier(), {}).Wait(); }
 
  private:
   static TensorView Float32(py::handle tensor, const char* what) {
@@ -803,13 +837,11 @@ class PyJob {
   static absl::Span<std::byte> Bytes(const TensorView& t) {
     return {static_cast<std::byte*>(t.data), t.elements * DTypeBytes(t.dtype)};
   }
-  static void Wait(const std::shared_ptr<comm::Work>& work) {
-    absl::Status s;
-    {
-      py::gil_scoped_release unlocked;
-      s = work->Wait();
-    }
-    Check(s);
+  static py::object Finish(std::shared_ptr<comm::Work> work, bool async_op,
+                           std::vector<py::object> held) {
+    if (async_op) return py::cast(JobWork(std::move(work), std::move(held)));
+    JobWork(std::move(work), {}).Wait();
+    return py::none();
   }
   std::unique_ptr<comm::Job> job_;
 };
@@ -836,11 +868,20 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("world_size", &PyJob::world_size)
       .def_property_readonly("local_rank", &PyJob::local_rank)
       .def_property_readonly("launched", &PyJob::launched)
-      .def("all_reduce", &PyJob::AllReduce, py::arg("tensor"), "sum over the ranks, in place")
-      .def("reduce_scatter", &PyJob::ReduceScatter, py::arg("input"), py::arg("output"))
-      .def("all_gather", &PyJob::AllGather, py::arg("input"), py::arg("output"))
-      .def("broadcast", &PyJob::Broadcast, py::arg("tensor"), py::arg("root"))
+      .def("all_reduce", &PyJob::AllReduce, py::arg("tensor"), py::arg("async_op") = false,
+           "float32 sum over the ranks, in place")
+      .def("reduce_scatter", &PyJob::ReduceScatter, py::arg("input"), py::arg("output"),
+           py::arg("async_op") = false,
+           "output = the float32 sum over the ranks of their input's shard `rank` (input: "
+           "world_size shards of output's size)")
+      .def("all_gather", &PyJob::AllGather, py::arg("input"), py::arg("output"),
+           py::arg("async_op") = false, "output = every rank's input, in rank order")
+      .def("broadcast", &PyJob::Broadcast, py::arg("tensor"), py::arg("root"),
+           py::arg("async_op") = false)
       .def("barrier", &PyJob::Barrier);
+  py::class_<JobWork>(m, "JobWork", "a collective issued with async_op=True")
+      .def("wait", &JobWork::Wait, "waits for it; raises its error")
+      .def("done", &JobWork::Done);
 
   py::class_<Optimizer>(m, "Optimizer",
                         "a CPU optimizer (Adam, Adagrad or Lion) stepping CPU tensors in place; "

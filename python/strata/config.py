@@ -7,8 +7,9 @@ goes to strata's C++ reader (tiering/runtime_config.h), which refuses a key that
 DeepSpeed's nor strata's, naming the closest known one, and warns of DeepSpeed keys strata does not
 act on. Read here:
 
-  train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps (one process:
-      train_batch_size = micro batch x accumulation; given all three, they must agree)
+  train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+      (train_batch_size = micro batch x accumulation x the job's ranks; given all three, they
+      must agree)
   gradient_clipping                  (0: off)
   bf16.enabled | fp16.enabled with loss_scale (0: dynamic), initial_scale_power (16),
       loss_scale_window (1000), hysteresis (2), min_loss_scale (1)
@@ -130,13 +131,18 @@ class TrainConfig:
         return config
 
     @classmethod
-    def parse(cls, config):
+    def parse(cls, config, world_size=1):
         config = cls.load(config)
         c = cls()
         c.source = config  # as given (a checkpoint keeps it)
         c.micro_batch = _number(config, "train_micro_batch_size_per_gpu", "", None, 1, None, True)
         c.accumulation = _number(config, "gradient_accumulation_steps", "", None, 1, None, True)
         batch = _number(config, "train_batch_size", "", None, 1, None, True)
+        if batch is not None and world_size > 1:
+            if batch % world_size:
+                _bad("train_batch_size", f"{batch} is not a multiple of the job's {world_size} "
+                                         "ranks")
+            batch //= world_size
         if batch is not None:
             if c.micro_batch is None and c.accumulation is None:
                 c.micro_batch, c.accumulation = batch, 1
@@ -151,9 +157,10 @@ class TrainConfig:
                                              f"train_micro_batch_size_per_gpu {c.micro_batch}")
                 c.accumulation = batch // c.micro_batch
             elif batch != c.micro_batch * c.accumulation:
-                _bad("train_batch_size", f"{batch} != train_micro_batch_size_per_gpu "
+                _bad("train_batch_size", f"{batch * world_size} != train_micro_batch_size_per_gpu "
                                          f"{c.micro_batch} x gradient_accumulation_steps "
-                                         f"{c.accumulation} (one process)")
+                                         f"{c.accumulation} x {world_size} "
+                                         f"rank{'s' if world_size > 1 else ''}")
         c.micro_batch = c.micro_batch or 1
         c.accumulation = c.accumulation or 1
         c.clipping = float(_number(config, "gradient_clipping", "", 0.0, 0.0))

@@ -50,6 +50,7 @@ and the model computes on the CPU; ``engine.device_kind`` and every report say w
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
+import json
 import math
 import time
 import types
@@ -64,6 +65,7 @@ from strata import engine_state
 from strata import zero_init as init_module
 from strata import pretrained
 from strata import lr_schedules
+from strata import ranks as ranks_module
 from strata.config import TrainConfig
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 
@@ -103,26 +105,39 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("strata.initialize: config is required (a dict or a JSON path)")
     if mpu is not None:
         raise ValueError("strata.initialize: mpu (model parallelism) is not supported")
-    engine = Engine(model, TrainConfig.parse(config), optimizer=optimizer,
-                    model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    raw = TrainConfig.load(config)
+    ranks = ranks_module.join(raw)
+    engine = Engine(model, TrainConfig.parse(raw, world_size=ranks.size if ranks else 1),
+                    optimizer=optimizer, model_parameters=model_parameters,
+                    lr_scheduler=lr_scheduler, ranks=ranks)
     loader = None
     if training_data is not None:
+        sampler = None
+        if ranks is not None:  # each rank its share of every epoch, as DeepSpeed's loader
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                training_data, num_replicas=ranks.size, rank=ranks.rank, shuffle=True)
         loader = torch.utils.data.DataLoader(training_data, batch_size=engine.micro_batch_size,
-                                             collate_fn=collate_fn, shuffle=True)
+                                             collate_fn=collate_fn, shuffle=sampler is None,
+                                             sampler=sampler)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 class _Param:
     """What the engine keeps of one trainable parameter."""
 
-    __slots__ = ("name", "param", "shape", "numel", "pid", "gid", "partitioned", "group",
-                 "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged")
+    __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
+                 "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
+                 "shard_grad")
 
-    def __init__(self, name, param, pid):
+    def __init__(self, name, param, pid, shard=None):
         self.name = name
         self.param = param
         self.shape = tuple(param.shape)
         self.numel = param.numel()
+        # Elements of its optimizer state (and, partitioned, of its partitions) on this rank: all
+        # of them, or across ranks its shard's (strata/ranks.py).
+        self.shard = self.numel if shard is None else shard
+        self.shard_grad = None  # across ranks: this rank's shard of the mean gradient (fp32)
         self.pid = pid  # the parameter's partition (stage 3, large parameters): even
         self.gid = pid + 1  # its gradient's partition and its optimizer state
         self.partitioned = False
@@ -231,9 +246,11 @@ class _Optimizer(torch.optim.Optimizer):
 class Engine:
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
-    def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None):
+    def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None,
+                 ranks=None):
         self.module = model
         self.config = config
+        self.ranks = ranks  # strata/ranks.py: None in a job of one process
         self.dtype = _DTYPES[config.dtype]
         self.micro_batch_size = config.micro_batch
         self.gradient_accumulation_steps = config.accumulation
@@ -259,6 +276,8 @@ class Engine:
         self._param_tier = settings.param_tier
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
+        if ranks is not None:
+            self._check_ranks(settings, built)
         if built is not None and built.settings.runtime_json != settings.runtime_json:
             raise ValueError("strata.initialize: the model was built under strata.init with "
                              "another config; accepted: the same zero_optimization and strata "
@@ -277,6 +296,13 @@ class Engine:
             if stale:
                 self._warn(stale)
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
+        if ranks is not None and self.device_kind != "emulated":
+            raise ValueError("strata.initialize: across ranks the engine runs on the emulated "
+                             "device tier (strata.device \"emulated\"), its collectives on Gloo "
+                             "over host memory; the CUDA device tier across ranks (NCCL) is not "
+                             "wired into the engine yet")
+        if ranks is not None:
+            ranks.broadcast_module(model)  # every rank starts from rank 0's weights
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
@@ -301,7 +327,8 @@ class Engine:
             pid = init_module.partition_of(p)
             if pid is None:
                 pid, next_id = next_id, next_id + 2
-            self._params.append(_Param(name, p, pid))
+            self._params.append(_Param(name, p, pid, None if ranks is None
+                                       else ranks.shard_elements(p.numel())))
         by_param = {id(e.param): e for e in self._params}
         groups = self._param_groups(optimizer, hyper, by_param)
 
@@ -311,7 +338,7 @@ class Engine:
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
             adamw=hyper["adamw"], bias_correction=hyper["bias_correction"],
-            lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.numel) for e in self._params],
+            lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.shard) for e in self._params],
             copy_dtype=config.dtype, copy_elements=self._staged_copy_elements())
         with torch.no_grad():
             for e in self._params:
@@ -347,7 +374,8 @@ class Engine:
         # The step staged during backward (stage 3): on until a step needs clipping, then off
         # until one does not.
         self._staged = None
-        self._speculate = True
+        # Across ranks the step is taken after backward (the ranks agree on its norm first).
+        self._speculate = ranks is None
         # Parameters homed on NVMe take their new weights from the committed master weights, one
         # at a time, rather than all at once in host memory (_refresh_weights).
         self._refresh = self._param_tier == "nvme"
@@ -437,6 +465,18 @@ class Engine:
                              f"{', '.join(missing[:5])}")
         return groups
 
+    def _check_ranks(self, settings, built):
+        """What the engine does across ranks (strata/ranks.py), and what it refuses."""
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
+                             f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
+                             "shard of the optimizer's state)")
+        if built is not None:
+            raise ValueError("strata.initialize: a model built under strata.init across ranks is "
+                             "not supported yet; accepted: a model built on the CPU")
+        zero = json.loads(settings.runtime_json).get("zero_optimization", {})
+        self.ranks.configure(zero, self.stage)
+
     def _will_partition(self, e):
         return init_module.partition_of(e.param) is not None or \
             (self.stage == 3 and e.numel >= self._persistence_threshold)
@@ -446,13 +486,14 @@ class Engine:
         NVMe, read back from the master weights instead) the unpartitioned ones' (-1: all)."""
         if self._param_tier != "nvme":
             return -1
-        return sum(e.numel for e in self._params if not self._will_partition(e))
+        return sum(e.shard for e in self._params if not self._will_partition(e))
 
     def _initial_weights(self, e):
         """e's weights in fp32 on the host: the tensor's, or its partition's (built under
         strata.init)."""
         if init_module.partition_of(e.param) is None:
-            return e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+            flat = e.param.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
+            return flat if self.ranks is None else self.ranks.own_shard(flat, e.shard)
         held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
         try:
             return held.to(torch.float32)
@@ -483,6 +524,8 @@ class Engine:
                 if e.partitioned and not built:
                     initial = e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1) \
                         .contiguous()
+                    if self.ranks is not None:  # its tiers hold this rank's shard only
+                        initial = self.ranks.own_shard(initial, e.shard)
                     # Its shape, dtype and device without its bytes (one element, expanded), so
                     # that a model larger than the device is never whole there.
                     e.param.data = torch.zeros((), device=self.device, dtype=self.dtype) \
@@ -500,10 +543,10 @@ class Engine:
                 if not e.partitioned:
                     continue
                 if not built:
-                    self.runtime.register(e.pid, "param", dtype_name, e.numel, e.group,
+                    self.runtime.register(e.pid, "param", dtype_name, e.shard, e.group,
                                           self._param_tier, initial)
                 # The gradient's partition starts with no bytes: its first acquire makes zeros.
-                self.runtime.register(e.gid, "grad", dtype_name, e.numel, e.group, "host")
+                self.runtime.register(e.gid, "grad", dtype_name, e.shard, e.group, "host")
                 self.runtime.discard(e.gid)
                 e.param.data = self._empty
 
@@ -528,11 +571,19 @@ class Engine:
     # external parameter stays lent through the inner module's forward): `_holders` counts them.
 
     def _fetch(self, module):
+        gather = []
         for e in self._by_module[module]:
             held = self._holders.get(e.pid, 0)
             if held == 0 and e.param.data.numel() == 0:
-                e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
+                lent = from_dlpack(self.runtime.lend(e.pid, "device"))
+                if self.ranks is None:
+                    e.param.data = lent.view(e.shape)
+                else:  # its shard, gathered whole with the module's others (then given back)
+                    gather.append((e, lent, lambda whole, e=e: setattr(
+                        e.param, "data", whole.view(e.shape))))
             self._holders[e.pid] = held + 1
+        if gather:
+            self.ranks.gather(gather)
 
     def _drop(self, module):
         for e in self._by_module.get(module, ()):
@@ -589,6 +640,9 @@ class Engine:
                 # a shared parameter before this hook): the lent copy goes back now.
                 self._holders.pop(e.pid, None)
                 e.param.data = self._empty
+                if self.ranks is not None:  # reduce-scattered into the owners' shards
+                    self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
+                    return
                 with torch.no_grad():
                     part = from_dlpack(self.runtime.acquire(e.gid, "device"))
                     part.add_(grad.reshape(-1))
@@ -614,6 +668,19 @@ class Engine:
                 # of backward: those are staged after backward instead.
                 self._stage(e, grad.detach().reshape(-1).clone())
         return hook
+
+    def _add_gradient_shard(self, e, shard, boundary):
+        """Across ranks, stage 3: this rank's shard of e's mean gradient, summed into its
+        gradient partition; at the boundary it leaves the device."""
+        with torch.no_grad():
+            part = from_dlpack(self.runtime.acquire(e.gid, "device"))
+            part.add_(shard)
+            del part
+        self.runtime.release(e.gid, "device", True)
+        e.has_grad = True
+        if boundary:
+            self.runtime.gradient_ready(e.gid)
+            e.sent_down = True
 
     # --- the step staged during backward ------------------------------------------------------
 
@@ -655,6 +722,8 @@ class Engine:
         """Where the optimizer writes an unpartitioned parameter's new weights (in the training
         dtype): the parameter itself when it is a contiguous CPU tensor, else a copy made for
         it (_write_back_weights puts it in place)."""
+        if self.ranks is not None:  # this rank's shard, all-gathered after the step
+            return torch.empty(e.shard, dtype=self.dtype)
         if e.param.device.type == "cpu" and e.param.is_contiguous():
             return e.param.data.reshape(-1)
         return torch.empty(e.numel, dtype=self.dtype)
@@ -673,6 +742,7 @@ class Engine:
             return
         if not committed:
             self.runtime.abort_optimizer_step()
+        gather = []
         for e in staged.entries:
             target = e.staged[1]
             e.staged = None
@@ -680,8 +750,14 @@ class Engine:
                 if target is not None:
                     del target
                     self.runtime.release(e.pid, "host", committed, traced=False)
+            elif committed and self.ranks is not None:
+                gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
+                    whole.view(e.shape))))
             elif committed:
                 self._write_back_weights(e, target)
+        if gather:  # every rank's new shards, whole on every rank
+            with torch.no_grad():
+                self.ranks.gather(gather)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -701,7 +777,11 @@ class Engine:
             scaled = scaled * self.loss_scale
         try:
             scaled.backward()
+            if self.ranks is not None:
+                self.ranks.finish_gradients()
         except BaseException:
+            if self.ranks is not None:
+                self.ranks.drop_gradients()
             self._end_staged(committed=False)
             raise
         finally:
@@ -780,6 +860,9 @@ class Engine:
             if e.partitioned:
                 if e.has_grad:
                     yield e, None
+            elif self.ranks is not None:
+                if e.shard_grad is not None:
+                    yield e, e.shard_grad
             elif e.host_grad is not None:
                 yield e, e.host_grad
             elif e.param.grad is not None:
@@ -801,11 +884,16 @@ class Engine:
                 finally:
                     del g
                     self.runtime.release(e.gid, "host", False, traced=False)
+            elif self.ranks is not None:
+                if e.shard_grad is not None:
+                    norms.append(torch.linalg.vector_norm(e.shard_grad, 2, dtype=torch.float32))
             elif e.host_grad is not None:
                 norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
             elif e.param.grad is not None:
                 norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
         total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+        if self.ranks is not None:  # the shards' norms, over every rank
+            total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
         return total / scale if math.isfinite(total) else math.inf
 
     def _finish_staged(self):
@@ -848,21 +936,40 @@ class Engine:
         """The step after backward: the global norm and clip coefficient (gradient_clipping),
         then every parameter's step staged with them and committed."""
         norm = None
-        if self.config.clipping > 0:
+        if self.ranks is not None:
+            self._reduce_gradients()
+        # Across ranks in fp16 the norm is taken anyway: every rank must see an overflow that
+        # any rank's shard holds, and skip the step with the others.
+        if self.config.clipping > 0 or (self.ranks is not None and self.dtype == torch.float16):
             norm = self._grad_norm(self.loss_scale)
             if not math.isfinite(norm):
                 self._update_scale(overflow=True)
                 return False, {"overflow": True, "grad_norm": norm}
         clip = 1.0
-        if norm is not None:
+        if norm is not None and self.config.clipping > 0:
             clip = min(1.0, self.config.clipping / (norm + 1e-6))
-        self._speculate = clip == 1.0  # stage the next step during backward unless it clipped
+        # Stage the next step during backward unless it clipped (never across ranks).
+        self._speculate = clip == 1.0 and self.ranks is None
         for e, g in list(self._unstaged()):
             self._stage(e, g, clip=clip, always=True)
         if self._staged is None:
             return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                           "bytes_written": 0}
         return self._commit(norm, staged=False)
+
+    def _reduce_gradients(self):
+        """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
+        owners' shards (e.shard_grad, the mean over the ranks)."""
+        def gradient_of(e):
+            if e.host_grad is not None:
+                return e.host_grad
+            if e.param.grad is not None:
+                return e.param.grad.detach().reshape(-1).to("cpu")
+            return None
+
+        entries = [e for e in self._params if not e.partitioned]
+        for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
+            e.shard_grad = shard
 
     def _commit(self, norm, staged):
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
@@ -899,10 +1006,10 @@ class Engine:
         # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
         # and freed per parameter is kept resident by glibc's heap once its mmap threshold has
         # risen, so that the process's resident memory drifts above what is in use.
-        state = torch.empty(3 * max((e.numel for e in pending), default=0))
+        state = torch.empty(3 * max((e.shard for e in pending), default=0))
         while pending:
             e = pending[0]
-            master, m, v = state[:3 * e.numel].view(3, e.numel)
+            master, m, v = state[:3 * e.shard].view(3, e.shard)
             try:
                 self.runtime.read_optimizer_state(e.gid, master, m, v)
                 engine_state._set_weights(self, e, master)
@@ -937,6 +1044,7 @@ class Engine:
             e.has_grad = False
             e.sent_down = False
             e.host_grad = None
+            e.shard_grad = None
             e.param.grad = None
         if errors:
             if not failed:
@@ -984,6 +1092,7 @@ class Engine:
         """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
         "global_stepN"), crash-consistent, `latest` moved last (strata/engine_state.py says
         what is kept and how). Returns the tag's folder."""
+        self._refuse_across_ranks("save_checkpoint")
         return engine_state.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -993,6 +1102,7 @@ class Engine:
         when there is no `latest` and no tag. Everything is checked before anything changes;
         load_module_strict is always on (a parameter missing or extra is named)."""
         del load_module_strict
+        self._refuse_across_ranks("load_checkpoint")
         return engine_state.load(self, load_dir, tag, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
 
@@ -1001,7 +1111,13 @@ class Engine:
         shards with pytorch_model.bin.index.json, one tensor at a time (strata/pretrained.py).
         Every missing, unexpected or wrongly shaped tensor is named before anything changes; the
         optimizer starts afresh over the loaded weights. Returns (missing, unexpected) names."""
+        self._refuse_across_ranks("load_pretrained")
         return pretrained.load(self, source, strict)
+
+    def _refuse_across_ranks(self, what):
+        if self.ranks is not None:
+            raise ValueError(f"engine.{what} across ranks is not supported yet (this job has "
+                             f"{self.ranks.size}); accepted: a job of one process")
 
     # --- reports ------------------------------------------------------------------------------
 
@@ -1020,9 +1136,13 @@ class Engine:
             elif e.pid in done:  # a tied parameter: the same tensor under both names
                 out[name] = done[e.pid]
             else:
-                master = torch.empty(e.numel)
-                self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.numel),
-                                                  torch.empty(e.numel))
+                master = torch.empty(e.shard)
+                self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
+                                                  torch.empty(e.shard))
+                if self.ranks is not None:  # every rank's shard (every rank must call this)
+                    whole = []
+                    self.ranks.gather([(e, master, whole.append)])
+                    master = whole[0].clone()
                 out[name] = done[e.pid] = master.to(self.dtype).view(e.shape)
         return out
 

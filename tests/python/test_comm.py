@@ -3,12 +3,12 @@ collectives over CPU tensors, with ranks as processes on loopback, beside a torc
 process group on the same MASTER_PORT (comm/job.h)."""
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from launch import start_ranks
 
 RANK = r"""
 import json, sys, torch
@@ -47,32 +47,8 @@ print(json.dumps(out))
 """
 
 
-def free_port():
-    """A port free a moment ago whose next one (strata's store, MASTER_PORT + 1) is free too,
-    drawn below the kernel's ephemeral range: the neighbours of a port the kernel handed out for a
-    connection are handed out next (CI saw MASTER_PORT + 1 taken)."""
-    rng = random.Random(os.getpid())
-    for _ in range(1000):
-        port = rng.randrange(20000, 32000)
-        try:
-            for p in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free pair of ports in 20000-32000")
-
-
 def run_ranks(n, with_torch, extra_env=None):
-    port = free_port()
-    procs = []
-    for r in range(n):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                   WORLD_SIZE=str(n), LOCAL_RANK=str(r), **(extra_env or {}))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", RANK.format(with_torch=with_torch)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = start_ranks(n, RANK.format(with_torch=with_torch), extra_env=extra_env)
     outs = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)

@@ -1,0 +1,244 @@
+"""ZeRO across ranks for the engine: who owns which shard, and the bucketed collectives.
+
+A job of several processes (launched by torchrun or DeepSpeed's launcher: MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) trains one model data-parallel. Every trainable
+parameter of n elements is cut into world_size shards of ceil(n / world_size) elements (the last
+padded with zeros); rank r owns shard r: its fp32 master weights and optimizer state (stage 1),
+its gradient, reduce-scattered into it and averaged over the ranks (stage 2), and, at stage 3 for
+the partitioned parameters, its weights, which are all its tiers hold (gathered whole before each
+use). The collectives run on Gloo over host buffers (comm/, strata._strata.Job).
+
+Buckets (DeepSpeed's keys, counted in elements of the whole parameters):
+  reduce_bucket_size     gradients reduce-scattered in one collective (default 5e8)
+  allgather_bucket_size  weights all-gathered in one collective (default 5e8)
+  overlap_comm           stage 3: a full bucket of gradients is reduce-scattered while backward
+                         goes on, waited for when the next bucket is full or backward ends
+                         (default: on at stage 3, off below, as DeepSpeed's)
+
+Every rank must issue the same collectives in the same order: the engine does so as long as the
+ranks run the same model through the same graph (parameters used, in the same order), as
+DeepSpeed requires. A rank that dies or stops answering fails the others' collectives within
+strata.comm_timeout_s, naming the collective.
+
+Thread safety: the engine's (one thread).
+"""
+
+import os
+
+import torch
+
+from strata import _strata
+
+__all__ = ["Ranks", "join"]
+
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def join(raw_config):
+    """The job's Ranks when this process was launched as one of several (any of the launcher's
+    variables set: the C++ reader checks them all and names a missing or wrong one), else None.
+    `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every wait)."""
+    if not any(v in os.environ for v in _LAUNCH_VARIABLES):
+        return None
+    strata_block = raw_config.get("strata", {}) if isinstance(raw_config, dict) else {}
+    timeout_s = strata_block.get("comm_timeout_s", 1800) if isinstance(strata_block, dict) \
+        else 1800
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+            not 1 <= timeout_s <= 7 * 24 * 3600:
+        raise ValueError(f"config: strata.comm_timeout_s: {timeout_s!r} is not accepted; "
+                         "accepted: seconds from 1 to 604800")
+    job = _strata.Job(timeout_ms=int(timeout_s * 1000))
+    if job.world_size == 1:
+        return None
+    return Ranks(job)
+
+
+class Ranks:
+    """The job's ranks and the engine's collectives over them."""
+
+    def __init__(self, job):
+        self.job = job
+        self.rank = job.rank
+        self.size = job.world_size
+        self.reduce_bucket = int(5e8)
+        self.allgather_bucket = int(5e8)
+        self.overlap = False
+        self._pending = []  # stage 3: (e, fp32 gradient, boundary) waiting for a full bucket
+        self._pending_elements = 0
+        self._in_flight = None  # (work, entries, output) of the bucket being reduce-scattered
+
+    def configure(self, zero, stage):
+        """Reads the bucket keys of the zero_optimization block."""
+        for key, attr in (("reduce_bucket_size", "reduce_bucket"),
+                          ("allgather_bucket_size", "allgather_bucket")):
+            value = zero.get(key, getattr(self, attr))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1:
+                raise ValueError(f"config: zero_optimization.{key}: {value!r} is not accepted; "
+                                 "accepted: a number of elements, 1 or more")
+            setattr(self, attr, int(value))
+        overlap = zero.get("overlap_comm", stage == 3)
+        if not isinstance(overlap, bool):
+            raise ValueError(f"config: zero_optimization.overlap_comm: {overlap!r} is not "
+                             "accepted; accepted: true or false")
+        self.overlap = overlap
+
+    # --- shards ---------------------------------------------------------------------------------
+
+    def shard_elements(self, numel):
+        return -(-numel // self.size)
+
+    def own_shard(self, flat, shard):
+        """This rank's shard of a whole flat tensor, padded with zeros to `shard` elements (a
+        copy)."""
+        out = torch.zeros(shard, dtype=flat.dtype)
+        lo = min(self.rank * shard, flat.numel())
+        hi = min(lo + shard, flat.numel())
+        out[:hi - lo] = flat[lo:hi]
+        return out
+
+    def broadcast_module(self, module):
+        """Rank 0's parameters and floating-point buffers, everywhere (as DeepSpeed's engine
+        starts every rank from rank 0's weights)."""
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
+                        t.numel() == 0:
+                    continue
+                flat = t.data.detach().to("cpu").reshape(-1).contiguous()
+                self.job.broadcast(flat, 0)
+                t.data.copy_(flat.view(t.shape))
+
+    def _buckets(self, items, limit):
+        """Consecutive runs of `items` ((e, ...) tuples) of at most `limit` whole elements each
+        (one item may be larger alone)."""
+        bucket, elements = [], 0
+        for item in items:
+            if bucket and elements + item[0].numel > limit:
+                yield bucket
+                bucket, elements = [], 0
+            bucket.append(item)
+            elements += item[0].numel
+        if bucket:
+            yield bucket
+
+    # --- gradients: reduce-scattered into their owners' shards, averaged ----------------------
+
+    def _reduce_scatter(self, bucket, async_op):
+        """Starts the reduce-scatter of `bucket` ((e, whole fp32 flat gradient or None, ...)):
+        returns (work, output), output holding this rank's shards one after another, summed."""
+        shards = [e.shard for e, *_ in bucket]
+        total = sum(shards)
+        send = torch.zeros(self.size, total)
+        offset = 0
+        for (e, grad, *_), shard in zip(bucket, shards):
+            if grad is not None:
+                padded = torch.zeros(self.size * shard)
+                padded[:e.numel] = grad
+                send[:, offset:offset + shard] = padded.view(self.size, shard)
+            offset += shard
+        out = torch.empty(total)
+        work = self.job.reduce_scatter(send.view(-1), out, async_op=async_op)
+        return work, out
+
+    @staticmethod
+    def _split(bucket, out, scale):
+        offset = 0
+        for item in bucket:
+            e = item[0]
+            yield item, out[offset:offset + e.shard].mul_(scale)
+            offset += e.shard
+
+    def reduce_gradients(self, entries, gradient_of):
+        """Stages 1-2 (and stage 3's unpartitioned parameters), at the step: each entry's whole
+        gradient (gradient_of(e): a flat fp32 CPU tensor, or None for none on this rank) is
+        reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
+        None where no rank had a gradient}."""
+        grads = [gradient_of(e) for e in entries]
+        has = torch.tensor([0.0 if g is None else 1.0 for g in grads])
+        self.job.all_reduce(has)
+        result = {}
+        items = []
+        for e, g, h in zip(entries, grads, has.tolist()):
+            if h > 0:
+                items.append((e, g))
+            else:
+                result[e] = None
+        for bucket in self._buckets(items, self.reduce_bucket):
+            _, out = self._reduce_scatter(bucket, async_op=False)
+            for (e, _), shard in self._split(bucket, out, 1.0 / self.size):
+                result[e] = shard
+        return result
+
+    def add_gradient(self, e, grad, boundary, apply):
+        """Stage 3, from the gradient hook: e's whole gradient joins the open bucket; a full
+        bucket is reduce-scattered (in the background with overlap_comm) and `apply(e, shard,
+        boundary)` is called with each of its entries' mean shards once it is done."""
+        self._apply = apply
+        self._pending.append((e, grad.detach().reshape(-1).to(device="cpu",
+                                                              dtype=torch.float32), boundary))
+        self._pending_elements += e.numel
+        if self._pending_elements >= self.reduce_bucket:
+            self._flush(wait=not self.overlap)
+
+    def finish_gradients(self):
+        """Stage 3, after backward: the open bucket reduce-scattered and every bucket applied."""
+        if self._pending:
+            self._flush(wait=True)
+        self._wait_in_flight()
+
+    def _flush(self, wait):
+        self._wait_in_flight()
+        bucket, self._pending, self._pending_elements = self._pending, [], 0
+        work, out = self._reduce_scatter(bucket, async_op=True)
+        self._in_flight = (work, bucket, out)
+        if wait:
+            self._wait_in_flight()
+
+    def _wait_in_flight(self):
+        if self._in_flight is None:
+            return
+        (work, bucket, out), self._in_flight = self._in_flight, None
+        work.wait()
+        for (e, _, boundary), shard in self._split(bucket, out, 1.0 / self.size):
+            self._apply(e, shard, boundary)
+
+    def drop_gradients(self):
+        """A failed backward: the buckets not yet applied are dropped (an in-flight collective is
+        waited for first: its buffers must outlive it)."""
+        in_flight, self._in_flight = self._in_flight, None
+        self._pending, self._pending_elements = [], 0
+        if in_flight is not None:
+            try:
+                in_flight[0].wait()
+            except _strata.Error:
+                pass
+
+    # --- weights: all-gathered from their owners ----------------------------------------------
+
+    def gather(self, items):
+        """items: (e, this rank's shard: a flat tensor of e.shard elements, sink) with one dtype
+        per bucket; all-gathered in buckets of allgather_bucket_size; sink(whole flat tensor of
+        e.numel elements) is called for each, the tensor a view of the bucket's buffer."""
+        by_dtype = {}
+        for item in items:
+            by_dtype.setdefault(item[1].dtype, []).append(item)
+        for dtype, group in by_dtype.items():
+            for bucket in self._buckets(group, self.allgather_bucket):
+                total = sum(e.shard for e, *_ in bucket)
+                send = torch.empty(total, dtype=dtype)
+                offset = 0
+                for e, shard, _ in bucket:
+                    send[offset:offset + e.shard] = shard
+                    offset += e.shard
+                whole = torch.empty(self.size, total, dtype=dtype)
+                self.job.all_gather(send, whole.view(-1))
+                offset = 0
+                for e, _, sink in bucket:
+                    sink(whole[:, offset:offset + e.shard].reshape(-1)[:e.numel])
+                    offset += e.shard
+
+    def all_reduce_sum(self, values):
+        """The float sums over the ranks of `values` (a list of floats)."""
+        t = torch.tensor(values, dtype=torch.float32)
+        self.job.all_reduce(t)
+        return t.tolist()

@@ -1,0 +1,36 @@
+"""Ranks as processes on loopback, as torchrun starts them (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE, LOCAL_RANK), for the tests of comm/ and of the engine across ranks."""
+import os
+import random
+import socket
+import subprocess
+import sys
+
+
+def free_port():
+    """A port free a moment ago whose next one (strata's store, MASTER_PORT + 1) is free too,
+    drawn below the kernel's ephemeral range: the neighbours of a port the kernel handed out for a
+    connection are handed out next (CI saw MASTER_PORT + 1 taken)."""
+    rng = random.Random(os.getpid())
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free pair of ports in 20000-32000")
+
+
+def start_ranks(n, script, args=(), extra_env=None, port=None):
+    """`n` processes running `script` (Python source) as ranks 0..n-1 of one job."""
+    port = port or free_port()
+    procs = []
+    for r in range(n):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(n), LOCAL_RANK=str(r), **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
