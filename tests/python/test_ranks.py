@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from launch import start_ranks
+from launch import free_port, start_ranks
 
 # One run of the trainer: one process (no launcher's variables) or one rank of a job. Each rank
 # takes its slice of every global micro-batch; the weights after the steps are written by rank 0.
@@ -139,3 +139,97 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
     if offload == "nvme":
         # Each rank's NVMe state in its own subfolder of the configured nvme_path.
         assert reports[0]["nvme"] == [f"rank{r}" for r in range(n)]
+
+
+SMALL = r"""
+import os, signal, sys, time, torch
+import strata
+stage = int(sys.argv[1])
+kill_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 20}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+print("ready", flush=True)
+for step in range(4):
+    if step == kill_at and int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = engine(torch.randn(2, 16)).square().mean()
+    engine.backward(loss)
+    engine.step()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_killed_rank_ends_the_others_with_an_error_not_a_hang(stage):
+    procs = start_ranks(2, SMALL, (stage, 2))
+    start = time.monotonic()
+    out0, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0, out0
+    assert "done" not in out0
+    # Named: which collective failed, and that it was the other rank that went away.
+    last = err0.strip().splitlines()[-1]
+    assert last.startswith("strata._strata.Error: rank 0 of 2: ") and any(
+        f"{c} failed (timeout 20000 ms; a rank died or stopped answering?)" in last
+        for c in ("reduce-scatter", "all-gather", "all-reduce")), err0[-3000:]
+    assert time.monotonic() - start < 60  # well inside the timeout: a closed peer is seen at once
+
+
+def test_stage_0_across_ranks_is_refused_naming_what_is_accepted():
+    procs = start_ranks(2, SMALL, (0,))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "zero_optimization.stage 0 across 2 ranks: accepted: 1, 2 or 3" in err, err[-2000:]
+
+
+def test_ranks_that_disagree_on_the_world_size_are_told_so():
+    port = free_port()
+    procs = []
+    for rank, size in ((0, 2), (1, 3)):  # the second process says the job has three ranks
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(size), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-c", SMALL, "2"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    _, err1 = procs[1].communicate(timeout=120)
+    assert procs[1].returncode != 0
+    assert "was given world size 3 but rank 0 was given 2: WORLD_SIZE must be the same on every " \
+           "rank" in err1, err1[-2000:]
+    # Rank 0 waits for a rank 1 of its job that never comes: it fails at comm_timeout_s (20 s).
+    _, err0 = procs[0].communicate(timeout=120)
+    assert procs[0].returncode != 0
+    assert time.monotonic() - start < 90
+    assert "gloo: rank 0 of 2 could not connect to the others" in err0 and \
+        "no answer within 20000 ms" in err0, err0[-2000:]
+
+
+def test_a_missing_launcher_variable_is_named_by_initialize():
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               LOCAL_RANK="0")
+    env.pop("WORLD_SIZE", None)
+    child = subprocess.run([sys.executable, "-c", SMALL, "2"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode != 0
+    assert "WORLD_SIZE is not set" in child.stderr, child.stderr[-2000:]
+
+
+def test_a_train_batch_size_the_ranks_do_not_divide_is_refused():
+    from strata.config import TrainConfig, ConfigError
+    with pytest.raises(ConfigError, match="train_batch_size: 10 is not a multiple of the job's 4 "
+                                          "ranks"):
+        TrainConfig.parse({"train_batch_size": 10}, world_size=4)
+    c = TrainConfig.parse({"train_batch_size": 16, "gradient_accumulation_steps": 2},
+                          world_size=4)
+    assert (c.micro_batch, c.accumulation) == (2, 2)
+    with pytest.raises(ConfigError, match="16 != train_micro_batch_size_per_gpu 4 x "
+                                          "gradient_accumulation_steps 2 x 4 ranks"):
+        TrainConfig.parse({"train_batch_size": 16, "gradient_accumulation_steps": 2,
+                           "train_micro_batch_size_per_gpu": 4}, world_size=4)
