@@ -36,6 +36,7 @@ bench: build
 	./build/release/bench/sched_step --dir $(SCRATCH) --json build/release/sched_step.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/train_step.py --dir $(SCRATCH) --json build/release/train_step.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/checkpoint.py --dir $(SCRATCH) --json build/release/checkpoint.json
+	PYTHONPATH=build/release/python $(PYTHON) bench/train_ranks.py --json build/release/train_ranks.json
 
 test: build
 	ctest --preset release

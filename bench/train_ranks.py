@@ -1,0 +1,121 @@
+"""bench/train_ranks: the demo model's training step on 2 ranks beside 1 rank, the same global
+batch, ZeRO stage 3 across ranks on Gloo over loopback (strata/ranks.py) (BENCH.md).
+
+    PYTHONPATH=build/release/python /usr/bin/python3 bench/train_ranks.py [--json out.json] \
+        [--rounds 3] [--steps 6] [--batch 8] [--ranks 2] [--stage 3]
+
+Each round runs the demo GPT (examples/gpt.py) for --steps steps after two warm-ups, first as one
+process taking the global batch, then as --ranks processes on this machine each taking its slice,
+and reports each one's median step. The ceiling is perfect scaling: the one-process step divided
+by the ranks (each rank computing and stepping its share, the collectives free). Every process
+computes with one BLAS thread (the model's compute on a GPU leaves the host's cores to strata), so
+--ranks beyond the machine's cores is not scaling but sharing. The optimizer's state is in host
+memory (offload_optimizer "cpu"), the device tier the emulated one: no disk in the step.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+from launch import free_port  # noqa: E402
+
+RANK = r"""
+import json, os, sys, time, statistics
+import torch
+sys.path.insert(0, {examples!r})
+import strata
+from gpt import GPT, loss_of
+steps, batch, stage = {steps}, {batch}, {stage}
+world = int(os.environ.get("WORLD_SIZE", 1))
+rank = int(os.environ.get("RANK", 0))
+torch.manual_seed(0)
+model = GPT(6, 256, 8, 128)
+config = {{"train_batch_size": batch,
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+          "zero_optimization": {{"stage": stage, "offload_optimizer": {{"device": "cpu"}},
+                                "stage3_param_persistence_threshold": 10000}},
+          "strata": {{"device": "emulated", "host_budget_bytes": 1 << 30,
+                     "nvme_capacity_bytes": 1 << 30}}}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+gen = torch.Generator().manual_seed(1)
+x = torch.randint(0, 256, (batch, 128), generator=gen)
+y = torch.roll(x, -1, 1)
+per = batch // world
+x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+times = []
+for i in range(steps + 2):
+    start = time.perf_counter()
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    if i >= 2:
+        times.append(time.perf_counter() - start)
+print(json.dumps({{"rank": rank, "step_s": statistics.median(times)}}))
+"""
+
+
+def run(ranks, args):
+    script = RANK.format(examples=os.path.join(HERE, "..", "examples"), steps=args.steps,
+                         batch=args.batch, stage=args.stage)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    port = free_port()
+    procs = []
+    for r in range(ranks):
+        env = dict(base)
+        if ranks > 1:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                       WORLD_SIZE=str(ranks), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    step = 0.0
+    for p in procs:
+        out, err = p.communicate(timeout=900)
+        if p.returncode != 0:
+            sys.exit(f"train_ranks: a rank failed: {err[-2000:]}")
+        step = max(step, json.loads(out.strip().splitlines()[-1])["step_s"])
+    return step  # the job's step is its slowest rank's
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8, help="the global batch")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1 or args.ranks < 2 or args.batch % args.ranks:
+        sys.exit("train_ranks: --rounds and --steps at least 1, --ranks at least 2, and --batch "
+                 "a multiple of --ranks")
+    rows = []
+    for round_index in range(args.rounds):
+        one = run(1, args)
+        many = run(args.ranks, args)
+        ceiling = one / args.ranks
+        rows.append({"one_rank_s": one, "ranks_s": many, "ceiling_s": ceiling,
+                     "of_ceiling": ceiling / many})
+        print(f"round {round_index}: 1 rank {one * 1e3:.0f} ms a step; {args.ranks} ranks "
+              f"{many * 1e3:.0f} ms ({one / many:.2f}x); perfect scaling {ceiling * 1e3:.0f} ms: "
+              f"{ceiling / many:.2f} of it", flush=True)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"train_ranks/step_{args.ranks}_ranks: {med['ranks_s'] * 1e3:.1f} ms = "
+          f"{med['of_ceiling']:.2f} of perfect scaling ({med['ceiling_s'] * 1e3:.1f} ms: 1 rank's "
+          f"{med['one_rank_s'] * 1e3:.1f} ms / {args.ranks}); ZeRO stage {args.stage}, global "
+          f"batch {args.batch}, Gloo on loopback, {os.cpu_count()} cores (higher is better)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"bench": "train_ranks", "machine": platform.node(),
+                       "date": time.strftime("%Y-%m-%d"), "args": vars(args), "rounds": rows,
+                       "median": med}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
