@@ -17,12 +17,17 @@ Buckets (DeepSpeed's keys, counted in elements of the whole parameters):
 
 Every rank must issue the same collectives in the same order: the engine does so as long as the
 ranks run the same model through the same graph (parameters used, in the same order), as
-DeepSpeed requires. A rank that dies or stops answering fails the others' collectives within
-strata.comm_timeout_s, naming the collective.
+DeepSpeed requires. The ranks check it: before each bucket's collective they exchange a 16-byte
+digest of what it holds (its kind, and its parameters' names and sizes), so a rank whose order
+differs is named on every rank at the same collective, each raising the same error, rather than
+exchanging the wrong tensors or waiting in a collective the others never issue. A rank that dies
+or stops answering fails the others' collectives within strata.comm_timeout_s, naming the
+collective.
 
 Thread safety: the engine's (one thread).
 """
 
+import hashlib
 import os
 
 import torch
@@ -66,6 +71,7 @@ class Ranks:
         self._pending = []  # stage 3: (e, fp32 gradient, boundary) waiting for a full bucket
         self._pending_elements = 0
         self._in_flight = None  # (work, entries, output) of the bucket being reduce-scattered
+        self._collectives = 0  # issued so far (named when the ranks disagree)
 
     def configure(self, zero, stage):
         """Reads the bucket keys of the zero_optimization block."""
@@ -81,6 +87,27 @@ class Ranks:
             raise ValueError(f"config: zero_optimization.overlap_comm: {overlap!r} is not "
                              "accepted; accepted: true or false")
         self.overlap = overlap
+
+    def _agree(self, kind, entries):
+        """Every rank is about to issue the same collective `kind` over the same parameters (see
+        the module's docstring); else every rank raises, naming the ranks that differ."""
+        self._agree_on(f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries))
+
+    def _agree_on(self, what):
+        self._collectives += 1
+        mine = hashlib.blake2b(what.encode(), digest_size=16).digest()
+        everyone = torch.empty(self.size * 4)  # 16 bytes a rank, carried as float32's bits
+        self.job.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.float32),
+                            everyone)
+        digests = everyone.view(self.size, 4).numpy().tobytes()
+        other = [r for r in range(self.size) if digests[16 * r:16 * r + 16] != digests[:16]]
+        if other:
+            raise _strata.Error(
+                f"rank {self.rank} of {self.size}: the ranks issue different collectives at "
+                f"collective {self._collectives}: rank{'s' if len(other) > 1 else ''} "
+                f"{', '.join(map(str, other))} differ{'' if len(other) > 1 else 's'} from rank 0 "
+                f"(this rank: {what[:300]}); accepted: the same model on every rank, its "
+                "parameters used in the same order (the same graph)")
 
     # --- shards ---------------------------------------------------------------------------------
 
@@ -99,8 +126,11 @@ class Ranks:
     def broadcast_module(self, module):
         """Rank 0's parameters and floating-point buffers, everywhere (as DeepSpeed's engine
         starts every rank from rank 0's weights)."""
+        tensors = list(module.parameters()) + list(module.buffers())
+        self._agree_on("the broadcast of the model's tensors " +
+                       ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
         with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
+            for t in tensors:
                 if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
                         t.numel() == 0:
                     continue
@@ -126,6 +156,7 @@ class Ranks:
     def _reduce_scatter(self, bucket, async_op):
         """Starts the reduce-scatter of `bucket` ((e, whole fp32 flat gradient or None, ...)):
         returns (work, output), output holding this rank's shards one after another, summed."""
+        self._agree("reduce-scatter", [e for e, *_ in bucket])
         shards = [e.shard for e, *_ in bucket]
         total = sum(shards)
         send = torch.zeros(self.size, total)
@@ -153,6 +184,7 @@ class Ranks:
         gradient (gradient_of(e): a flat fp32 CPU tensor, or None for none on this rank) is
         reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
         None where no rank had a gradient}."""
+        self._agree("the gradients' reduction", entries)
         grads = [gradient_of(e) for e in entries]
         has = torch.tensor([0.0 if g is None else 1.0 for g in grads])
         self.job.all_reduce(has)
@@ -224,6 +256,7 @@ class Ranks:
             by_dtype.setdefault(item[1].dtype, []).append(item)
         for dtype, group in by_dtype.items():
             for bucket in self._buckets(group, self.allgather_bucket):
+                self._agree(f"all-gather ({dtype})", [e for e, *_ in bucket])
                 total = sum(e.shard for e, *_ in bucket)
                 send = torch.empty(total, dtype=dtype)
                 offset = 0

@@ -233,3 +233,50 @@ def test_a_train_batch_size_the_ranks_do_not_divide_is_refused():
                                           "gradient_accumulation_steps 2 x 4 ranks"):
         TrainConfig.parse({"train_batch_size": 16, "gradient_accumulation_steps": 2,
                            "train_micro_batch_size_per_gpu": 4}, world_size=4)
+
+
+DIVERGE = r"""
+import os, sys, torch
+import strata
+stage = int(sys.argv[1])
+rank = int(os.environ["RANK"])
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, step):
+        # From the second step rank 1 runs its layers the other way round.
+        if rank == 1 and step >= 1:
+            return self.a(self.b(x))
+        return self.b(self.a(x))
+
+torch.manual_seed(0)
+config = {"train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=Net(), config=config)
+for step in range(3):
+    engine.backward(engine(torch.randn(2, 16), step).square().mean())
+    engine.step()
+print("done")
+"""
+
+
+def test_a_rank_whose_order_differs_is_named_on_every_rank_without_a_hang():
+    # Stage 3 gathers each module's weights as it runs: the order of use is the collectives'.
+    # (Stages 1-2 reduce in the parameters' order at the step, whatever the graph.)
+    procs = start_ranks(2, DIVERGE, (3,))
+    start = time.monotonic()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode != 0 and "done" not in out
+        last = err.strip().splitlines()[-1]
+        assert "the ranks issue different collectives at collective" in last and \
+            "rank 1 differs from rank 0" in last and \
+            "accepted: the same model on every rank" in last, err[-2000:]
+    assert time.monotonic() - start < 50  # at once, not at the 60 s timeout
