@@ -6,7 +6,10 @@
         engine.backward(loss)
         engine.step()                 # the optimizer steps at each accumulation boundary
 
-One process, one device. Every trainable parameter has fp32 master weights and Adam moments in
+One device per process. Launched as several ranks (torchrun's variables set), the engine trains
+data-parallel with ZeRO across them (strata/ranks.py: each rank owns a shard of every parameter's
+optimizer state and gradient, and at stage 3 of its partitioned weights); what follows describes
+one rank. Every trainable parameter has fp32 master weights and Adam moments in
 the Runtime's optimizer (sched/runtime.h CreateOptimizer): in pinned host memory
 (offload_optimizer.device "cpu") or on NVMe ("nvme", stepped through the pipelined swapper). strata
 always steps on the CPU, so offload_optimizer.device "none" is taken as "cpu", with a warning.
@@ -85,6 +88,8 @@ def register_external_parameter(module, parameter):
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
+_ENGINE_KEYS = tuple(f"zero_optimization.{k}:" for k in (
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"))
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -398,8 +403,8 @@ class Engine:
         if message.endswith(_TRAINER_WARNING):
             message = message[:-len(_TRAINER_WARNING)] + "(DeepSpeed's; not supported by strata: " \
                                                          "ignored)"
-        if message.startswith("zero_optimization.stage:"):
-            return  # the engine acts on the stage
+        if message.startswith(_ENGINE_KEYS):
+            return  # the engine acts on these (the bucket keys across ranks: strata/ranks.py)
         self._warn(message)
 
     @staticmethod
