@@ -207,9 +207,25 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
 
 
 def _write_state(engine, folder, client_state):
-    params = []
+    """One process's checkpoint: its optimizer state, engine states and meta.json."""
+    entries, size = _write_optimizer_states(engine, os.path.join(folder, STATES))
+    params = [dict(_param_meta(e), **entry) for e, entry in zip(engine._params, entries)]
+    engine_digest = _write_engine_states(engine, folder, client_state)
+    _write_meta(engine, folder, params, {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
+
+
+def _param_meta(e):
+    return {"name": e.name, "shape": list(e.shape), "numel": e.numel, "steps": e.steps,
+            "group_index": e.group_index}
+
+
+def _write_optimizer_states(engine, file):
+    """Each parameter's optimizer state on this rank (its master weights, exp_avg, exp_avg_sq:
+    e.shard floats each, its shard's across ranks) one after the other in `file`, synced; returns
+    ([{"offset", "digests"} per parameter], the file's bytes)."""
+    entries = []
     offset = 0
-    sizes = [{"numel": e.numel} for e in engine._params]
+    sizes = [{"numel": e.shard} for e in engine._params]
     # Two buffers: a parameter's state is read from the optimizer (NVMe or host) and digested
     # while the one before is written by a thread of its own, which also syncs every 64 MiB so
     # that the disk's writeback runs beside the rest rather than all in the final sync.
@@ -217,8 +233,7 @@ def _write_state(engine, folder, client_state):
     first = _state_buffer(sizes)
     buffers = [first] if first.numel() * 4 > _DOUBLE_BUFFER_MAX else [first, _state_buffer(sizes)]
     pending = [None] * len(buffers)
-    with open(os.path.join(folder, STATES), "wb") as f, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
+    with open(file, "wb") as f, concurrent.futures.ThreadPoolExecutor(max_workers=1) as writer:
         unsynced = [0]
 
         def write(view):
@@ -234,15 +249,14 @@ def _write_state(engine, folder, client_state):
                 slot = i % len(buffers)
                 if pending[slot] is not None:
                     pending[slot].result()  # its buffer is free again (and a failure raised)
-                flat = buffers[slot][:3 * e.numel]
-                tensors = [flat[k * e.numel:(k + 1) * e.numel] for k in range(len(_KINDS))]
+                n = e.shard
+                flat = buffers[slot][:3 * n]
+                tensors = [flat[k * n:(k + 1) * n] for k in range(len(_KINDS))]
                 engine.runtime.read_optimizer_state(e.gid, *tensors)
                 digests = {kind: _digest(t) for kind, t in zip(_KINDS, tensors)}
                 pending[slot] = writer.submit(write, memoryview(flat.numpy()).cast("B"))
-                params.append({"name": e.name, "shape": list(e.shape), "numel": e.numel,
-                               "steps": e.steps, "group_index": e.group_index, "offset": offset,
-                               "digests": digests})
-                offset += 3 * 4 * e.numel
+                entries.append({"offset": offset, "digests": digests})
+                offset += 3 * 4 * n
                 _point("parameter_written")
         except BaseException:
             for future in pending:  # waited for, but the first failure is the one raised
@@ -254,15 +268,25 @@ def _write_state(engine, folder, client_state):
                 future.result()
         f.flush()
         os.fsync(f.fileno())
+    return entries, offset
+
+
+def _write_engine_states(engine, folder, client_state):
+    """engine_states.pt, synced; returns its digest."""
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \
         hasattr(engine.lr_scheduler, "state_dict") else None
     aliases, extra = _module_rest(engine)
+    del aliases
     torch.save({"lr_scheduler": scheduler, "client_state": client_state,
                 "module_extra": {n: t.detach().to("cpu").clone() for n, t in extra.items()}},
                os.path.join(folder, ENGINE))
     with open(os.path.join(folder, ENGINE), "rb+") as f:
         os.fsync(f.fileno())
-        engine_digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+def _write_meta(engine, folder, params, files, world_size=None):
+    aliases, _ = _module_rest(engine)
     meta = {
         "format": FORMAT, "version": VERSION, "digest": "xxh3-128 per tensor; blake2b-128 of "
                                                           f"{ENGINE}",
@@ -278,9 +302,11 @@ def _write_state(engine, folder, client_state):
                          for g in engine.optimizer.param_groups],
         "params": params,
         "aliases": aliases,
-        "files": {STATES: {"bytes": offset}, ENGINE: {"digest": engine_digest}},
+        "files": files,
         "config": engine.config.source,
     }
+    if world_size is not None:
+        meta["world_size"] = world_size
     meta["meta_digest"] = _meta_digest(meta)
     _write_file(os.path.join(folder, META), json.dumps(meta, indent=1).encode())
 
