@@ -1097,7 +1097,6 @@ class Engine:
         """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
         "global_stepN"), crash-consistent, `latest` moved last (strata/engine_state.py says
         what is kept and how). Returns the tag's folder."""
-        self._refuse_across_ranks("save_checkpoint")
         return engine_state.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
@@ -1107,7 +1106,6 @@ class Engine:
         when there is no `latest` and no tag. Everything is checked before anything changes;
         load_module_strict is always on (a parameter missing or extra is named)."""
         del load_module_strict
-        self._refuse_across_ranks("load_checkpoint")
         return engine_state.load(self, load_dir, tag, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
 

@@ -172,38 +172,141 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     _check_tag(tag)
     save_dir = os.fspath(save_dir)
+    if engine.ranks is not None:
+        return _save_ranks(engine, save_dir, tag, client_state, save_latest)
+    partial = _new_partial(save_dir, tag)
+    try:
+        _write_state(engine, partial, client_state)
+        _point("files_written")
+        final = _publish(save_dir, tag, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if save_latest:
+        _write_latest(save_dir, tag)
+    _drop_asides(save_dir, tag)
+    return final
+
+
+def _new_partial(save_dir, tag):
+    """The folder a save writes into before its rename (save_dir made; dead saves' removed)."""
     os.makedirs(save_dir, exist_ok=True)
     _remove_dead_partials(save_dir)
     partial = os.path.join(save_dir,
                            f".{tag}.partial-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(partial)
-    try:
-        _write_state(engine, partial, client_state)
-        _point("files_written")
-        _fsync_dir(partial)
-        final = os.path.join(save_dir, tag)
-        if os.path.lexists(final):
-            aside = os.path.join(save_dir,
-                                 f".{tag}.replaced-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}")
-            os.rename(final, aside)
-            _point("old_renamed_aside")
-        os.rename(partial, final)
-        _fsync_dir(save_dir)
-        _point("renamed")
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if save_latest:
-        latest = os.path.join(save_dir, LATEST)
-        written = f"{latest}.partial-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        _write_file(written, tag.encode())
-        os.replace(written, latest)
-        _fsync_dir(save_dir)
-        _point("latest_written")
-    # The old folder, and any a killed save left aside for this tag.
+    return partial
+
+
+def _publish(save_dir, tag, partial):
+    """The whole, written folder synced and renamed to `tag` (an existing one moved aside first);
+    returns its path."""
+    _fsync_dir(partial)
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final):
+        aside = os.path.join(save_dir,
+                             f".{tag}.replaced-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, aside)
+        _point("old_renamed_aside")
+    os.rename(partial, final)
+    _fsync_dir(save_dir)
+    _point("renamed")
+    return final
+
+
+def _write_latest(save_dir, tag):
+    latest = os.path.join(save_dir, LATEST)
+    written = f"{latest}.partial-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _write_file(written, tag.encode())
+    os.replace(written, latest)
+    _fsync_dir(save_dir)
+    _point("latest_written")
+
+
+def _drop_asides(save_dir, tag):
+    """The old folder, and any a killed save left aside for this tag."""
     for name in _replaced(save_dir, tag):
         _remove(save_dir, name)
-    return final
+
+
+def _save_ranks(engine, save_dir, tag, client_state, save_latest):
+    """A save across ranks (the folder shared by them, as DeepSpeed's): rank 0 makes the folder
+    and tells the others its name; every rank writes its optimizer states
+    (optimizer_states.rank<r>.bin, its shard of every parameter's) and their digests; once every
+    rank has, rank 0 writes engine_states.pt and meta.json (every rank's digests in it), renames the
+    folder and moves ``latest``. A rank that fails or dies ends the save on every rank with an
+    error, the folder removed and ``latest`` unchanged."""
+    ranks = engine.ranks
+    lead = ranks.rank == 0
+    failure, name = None, ""
+    if lead:
+        try:
+            name = os.path.basename(_new_partial(save_dir, tag))
+        except OSError as error:
+            failure = error
+    name = ranks.broadcast_text(name)
+    if not name:
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"save_checkpoint: rank 0 could not make the checkpoint's folder "
+                              f"in {save_dir} (it says why); nothing was saved")
+    partial = os.path.join(save_dir, name)
+    try:
+        try:
+            entries, size = _write_optimizer_states(
+                engine, os.path.join(partial, _rank_file(ranks.rank)))
+            _write_file(os.path.join(partial, f"rank{ranks.rank}.json"),
+                        json.dumps({"params": entries, "bytes": size}).encode())
+            _point("rank_written")
+        except Exception as error:  # told to the others first
+            failure = error
+        failed = ranks.failed_ranks(failure is None)
+        if failed:
+            if failure is not None:
+                raise failure
+            raise CheckpointError(
+                f"save_checkpoint: rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} could not write {tag!r} (each says why); nothing "
+                f"was saved, {LATEST} is unchanged")
+        if lead:
+            try:
+                _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest)
+            except Exception as error:
+                failure = error
+        if ranks.failed_ranks(failure is None):  # rank 0's outcome, on every rank
+            if failure is not None:
+                raise failure
+            raise CheckpointError(f"save_checkpoint: rank 0 could not complete {tag!r} (it says "
+                                  "why)")
+    except BaseException:
+        if lead:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if lead:
+        _drop_asides(save_dir, tag)
+    return os.path.join(save_dir, tag)
+
+
+def _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest):
+    """Rank 0, once every rank has written its part: the engine's states and meta.json, then the
+    folder renamed and ``latest`` moved."""
+    size = engine.ranks.size
+    parts = []
+    for q in range(size):
+        part_file = os.path.join(partial, f"rank{q}.json")
+        with open(part_file, encoding="utf-8") as f:
+            parts.append(json.load(f))
+    params = [dict(_param_meta(e), shard=e.shard, ranks=[part["params"][i] for part in parts])
+              for i, e in enumerate(engine._params)]
+    files = {_rank_file(q): {"bytes": part["bytes"]} for q, part in enumerate(parts)}
+    files[ENGINE] = {"digest": _write_engine_states(engine, partial, client_state)}
+    for q in range(size):
+        os.remove(os.path.join(partial, f"rank{q}.json"))
+    _write_meta(engine, partial, params, files, world_size=size)
+    _point("files_written")
+    _publish(save_dir, tag, partial)
+    if save_latest:
+        _write_latest(save_dir, tag)
 
 
 def _write_state(engine, folder, client_state):
@@ -380,16 +483,22 @@ def _state_buffer(entries):
     return torch.empty(3 * max((e["numel"] for e in entries), default=0), dtype=torch.float32)
 
 
-def _read_tensors(f, entry, buffer):
-    """The parameter's three tensors, read straight into `buffer` (_state_buffer: no bytes object
-    and copy of it beside: the host holds one parameter's state, once); views of it, valid until
-    the next read. None when the file ends early."""
-    f.seek(entry["offset"])
-    n = entry["numel"]
-    flat = buffer[:3 * n]
-    if _read_into(f, flat) != 3 * 4 * n:
-        return None
-    return [flat[i * n:(i + 1) * n] for i in range(3)]
+def saved_world_size(meta):
+    """How many ranks wrote the checkpoint (1: one process's, optimizer_states.bin)."""
+    return meta.get("world_size", 1)
+
+
+def _rank_file(rank):
+    return f"optimizer_states.rank{rank}.bin"
+
+
+def _pieces(meta, entry):
+    """Where a parameter's state lies: ([(file, offset, digests) per saved rank], the elements of
+    each piece). One process's checkpoint is one piece of all its elements."""
+    if saved_world_size(meta) == 1:
+        return [(STATES, entry["offset"], entry["digests"])], entry["numel"]
+    return [(_rank_file(q), r["offset"], r["digests"]) for q, r in enumerate(entry["ranks"])], \
+        entry["shard"]
 
 
 def _read_into(f, tensor):
@@ -406,27 +515,71 @@ def _read_into(f, tensor):
     return done
 
 
-def _verify(path, meta):
-    states = os.path.join(path, STATES)
-    if not os.path.isfile(states):
-        raise CheckpointError(f"load_checkpoint: {states} is missing; nothing was changed")
-    size = os.path.getsize(states)
-    if size != meta["files"][STATES]["bytes"]:
-        raise CheckpointError(f"load_checkpoint: {states} holds {size} bytes, "
-                              f"{meta['files'][STATES]['bytes']} were written; nothing was "
-                              "changed")
-    buffer = _state_buffer(meta["params"])
-    with open(states, "rb") as f:
-        for entry in meta["params"]:
-            tensors = _read_tensors(f, entry, buffer)
-            if tensors is None:
-                raise CheckpointError(f"load_checkpoint: {states} ends inside {entry['name']}; "
+def _read_range(handles, meta, entry, lo, hi, out):
+    """Elements [lo, hi) of a parameter's tensors (master, exp_avg, exp_avg_sq: as many as `out`
+    has rows) into the rows of `out` (k x m, m >= hi - lo; the rest zeros: a shard's padding),
+    from whichever saved pieces hold them (`handles`: open files by name): a checkpoint is read
+    by any number of ranks, whatever number wrote it."""
+    pieces, shard = _pieces(meta, entry)
+    out.zero_()
+    hi = min(hi, entry["numel"])
+    for q, (name, offset, _) in enumerate(pieces):
+        a, b = max(lo, q * shard), min(hi, (q + 1) * shard)
+        if a >= b:
+            continue
+        f = handles[name]
+        for k in range(out.shape[0]):
+            f.seek(offset + 4 * (k * shard + a - q * shard))
+            if _read_into(f, out[k, a - lo:b - lo]) != 4 * (b - a):
+                raise CheckpointError(f"load_checkpoint: {f.name} ends inside {entry['name']}; "
                                       "nothing was changed")
-            for kind, t in zip(_KINDS, tensors):
-                if _digest(t) != entry["digests"][kind]:
-                    raise CheckpointError(
-                        f"load_checkpoint: {states}: {entry['name']} ({kind}) does not match its "
-                        "digest: the file is damaged; nothing was changed")
+
+
+def _files_for(meta, ranges):
+    """The saved files holding elements of the given {name: (lo, hi)} (every file without)."""
+    needed = set()
+    for entry in meta["params"]:
+        pieces, shard = _pieces(meta, entry)
+        lo, hi = ranges.get(entry["name"], (0, entry["numel"]))
+        for q, (name, _, _) in enumerate(pieces):
+            if max(lo, q * shard) < min(hi, (q + 1) * shard, entry["numel"]):
+                needed.add(name)
+    return sorted(needed)
+
+
+def _verify(path, meta, files=None):
+    """The saved state files (`files`, default all) are whole and every tensor in them matches
+    its digest; and engine_states.pt matches its own."""
+    world = saved_world_size(meta)
+    names = [STATES] if world == 1 else [_rank_file(q) for q in range(world)]
+    if files is not None:
+        names = [n for n in names if n in files]
+    for name in names:
+        states = os.path.join(path, name)
+        if not os.path.isfile(states):
+            raise CheckpointError(f"load_checkpoint: {states} is missing; nothing was changed")
+        size = os.path.getsize(states)
+        if size != meta["files"][name]["bytes"]:
+            raise CheckpointError(f"load_checkpoint: {states} holds {size} bytes, "
+                                  f"{meta['files'][name]['bytes']} were written; nothing was "
+                                  "changed")
+    buffer = torch.empty(3 * max((_pieces(meta, e)[1] for e in meta["params"]), default=0))
+    for q, name in enumerate(names):
+        states = os.path.join(path, name)
+        with open(states, "rb") as f:
+            for entry in meta["params"]:
+                pieces, n = _pieces(meta, entry)
+                _, offset, digests = next(p for p in pieces if p[0] == name)
+                f.seek(offset)
+                flat = buffer[:3 * n]
+                if _read_into(f, flat) != 3 * 4 * n:
+                    raise CheckpointError(f"load_checkpoint: {states} ends inside "
+                                          f"{entry['name']}; nothing was changed")
+                for k, kind in enumerate(_KINDS):
+                    if _digest(flat[k * n:(k + 1) * n]) != digests[kind]:
+                        raise CheckpointError(
+                            f"load_checkpoint: {states}: {entry['name']} ({kind}) does not match "
+                            "its digest: the file is damaged; nothing was changed")
     engine_file = os.path.join(path, ENGINE)
     try:
         with open(engine_file, "rb") as f:
@@ -446,13 +599,36 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
     DeepSpeed's, with a warning)."""
     if engine._staged is not None:
         raise RuntimeError("load_checkpoint: between backward and step; load after step()")
-    load_dir = os.fspath(load_dir)
+    failure = checked = None
+    try:
+        checked = _check_load(engine, os.fspath(load_dir), tag, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only)
+    except Exception as error:  # across ranks, told to the others first
+        failure = error
+    if engine.ranks is not None:  # every rank checked, or none changes anything
+        failed = engine.ranks.failed_ranks(failure is None)
+        if failed and failure is None:
+            raise CheckpointError(
+                f"load_checkpoint: rank{'s' if len(failed) > 1 else ''} "
+                f"{', '.join(map(str, failed))} could not load it (each says why); nothing was "
+                "changed")
+    if failure is not None:
+        raise failure
+    if checked is None:
+        return None, None
+    return _apply_load(engine, checked, load_module_only, load_optimizer_states)
+
+
+def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                load_module_only):
+    """Everything load checks before it changes anything; None when there is no `latest` and no
+    tag (said in a warning)."""
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.isfile(latest):
             engine._warn(f"load_checkpoint: {latest} is missing and no tag was given: nothing "
                          "was loaded")
-            return None, None
+            return None
         with open(latest, encoding="utf-8") as f:
             tag = f.read().strip()
     path = _resolve(load_dir, tag)
@@ -460,7 +636,11 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
         raise CheckpointError(f"load_checkpoint: no checkpoint {tag!r} in {load_dir}")
     meta = _read_meta(path)
     _check_shapes(engine, meta, os.path.join(path, META))
-    _verify(path, meta)
+    # This rank's elements of each parameter: all of them, or its shard's across ranks.
+    rank = engine.ranks.rank if engine.ranks is not None else 0
+    ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in engine._params}
+    files = _files_for(meta, ranges)
+    _verify(path, meta, files)
     engine_states = torch.load(os.path.join(path, ENGINE))
     _, rest = _module_rest(engine)
     saved_rest = engine_states["module_extra"]
@@ -474,34 +654,61 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
                               "different model (buffers and frozen parameters): "
                               + "; ".join(problems) + "; nothing was changed")
     by_name = {p["name"]: p for p in meta["params"]}
-    module_only = load_module_only or not load_optimizer_states
     scheduler_state = engine_states["lr_scheduler"]
     restore_scheduler = False
     if not load_module_only:
         _check_optimizer(engine, meta, os.path.join(path, META))
         restore_scheduler = _check_scheduler(engine, scheduler_state, load_lr_scheduler_states,
                                              os.path.join(path, ENGINE))
+    return path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler
+
+
+def _apply_load(engine, checked, load_module_only, load_optimizer_states):
+    """The checked load applied (see load)."""
+    path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler = checked
+    saved_rest = engine_states["module_extra"]
+    module_only = load_module_only or not load_optimizer_states
+    scheduler_state = engine_states["lr_scheduler"]
     # Checked: from here on the engine changes. Gradients summed before the load are dropped.
     engine._end_gradients(failed=False)
-    buffer = _state_buffer(meta["params"])
-    with open(os.path.join(path, STATES), "rb") as f:
+    buffer = torch.empty(3 * max((e.shard for e in engine._params), default=0))
+    handles = {}
+    try:
+        for name in files:
+            handles[name] = open(os.path.join(path, name), "rb")
+
+        def read(e):
+            state = buffer[:3 * e.shard].view(3, e.shard)
+            _read_range(handles, meta, by_name[e.name], *ranges[e.name], state)
+            return state
+
         # The optimizer's state, all or none: the checkpoint's, or (module only) the current
         # moments under the checkpoint's master weights, so the next step goes on from them.
         engine.runtime.begin_load_optimizer_state()
         try:
             for e in engine._params:
-                master, exp_avg, exp_avg_sq = _read_tensors(f, by_name[e.name], buffer)
+                master, exp_avg, exp_avg_sq = read(e)
                 if module_only:
-                    _, exp_avg, exp_avg_sq = (torch.empty(e.numel) for _ in range(3))
+                    _, exp_avg, exp_avg_sq = (torch.empty(e.shard) for _ in range(3))
                     engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
                 engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
             engine.runtime.commit_load_optimizer_state()
         except BaseException:
             engine.runtime.abort_load_optimizer_state()
             raise
+        gather = []  # across ranks: the unpartitioned parameters' shards, whole everywhere
         for e in engine._params:
-            master = _read_tensors(f, by_name[e.name], buffer)[0]
-            _set_weights(engine, e, master)
+            master = read(e)[0]
+            if engine.ranks is not None and not e.partitioned:
+                gather.append((e, master.to(engine.dtype, copy=True),
+                               lambda whole, e=e: _set_weights(engine, e, whole)))
+            else:
+                _set_weights(engine, e, master)
+        if gather:
+            engine.ranks.gather(gather)
+    finally:
+        for f in handles.values():
+            f.close()
     with torch.no_grad():
         for name, value in rest.items():
             value.copy_(saved_rest[name].to(device=value.device, dtype=value.dtype))

@@ -270,6 +270,29 @@ class Ranks:
                     sink(whole[:, offset:offset + e.shard].reshape(-1)[:e.numel])
                     offset += e.shard
 
+    def all_ok(self, ok):
+        """Whether every rank is `ok` (each rank says whether it is)."""
+        return self.all_reduce_sum([0.0 if ok else 1.0])[0] == 0
+
+    def failed_ranks(self, ok):
+        """The ranks that are not `ok` (each rank says whether it is)."""
+        flags = torch.zeros(self.size)
+        flags[self.rank] = 0.0 if ok else 1.0
+        self.job.all_reduce(flags)
+        return [r for r, f in enumerate(flags.tolist()) if f]
+
+    def broadcast_text(self, text, limit=1024):
+        """Rank 0's `text` (at most `limit` bytes of UTF-8), on every rank."""
+        data = bytearray(limit + 4)
+        if self.rank == 0:
+            raw = text.encode()[:limit]
+            data[:4] = len(raw).to_bytes(4, "little")
+            data[4:4 + len(raw)] = raw
+        carrier = torch.frombuffer(data, dtype=torch.float32)  # the bytes, as float32's bits
+        self.job.broadcast(carrier, 0)
+        size = int.from_bytes(bytes(data[:4]), "little")
+        return bytes(data[4:4 + size]).decode()
+
     def all_reduce_sum(self, values):
         """The float sums over the ranks of `values` (a list of floats)."""
         t = torch.tensor(values, dtype=torch.float32)

@@ -18,6 +18,9 @@ reads in are the file's, clean, and the kernel can reclaim them, but they count 
 resident memory while mapped: with ``--shard-size`` each shard's are given back once it is written,
 so the resident memory stays near one shard's size; written to one file, it grows by the model's
 size (in such file pages; anonymous memory stays near one tensor's) until the file is written.
+A checkpoint saved by several ranks holds each parameter in shards, one file per rank: each
+parameter is joined as it is written (with ``--shard-size``, one output shard's parameters at a
+time; to one file, the whole model in memory).
 """
 
 import argparse
@@ -54,19 +57,62 @@ def _state_dict(checkpoint_dir, tag):
             f"zero_to_fp32: no checkpoint {tag!r} in {checkpoint_dir}")
     meta = engine_state._read_meta(path)
     engine_state._verify(path, meta)
-    states = os.path.join(path, engine_state.STATES)
     out = {}
     for p in meta["params"]:
-        mapped = numpy.memmap(states, dtype="<f4", mode="c", offset=p["offset"],
-                              shape=(p["numel"],))
-        out[p["name"]] = torch.from_numpy(mapped).view(p["shape"])
-        _MAPS[id(out[p["name"]])] = mapped
+        pieces, shard = engine_state._pieces(meta, p)
+        if len(pieces) == 1:  # one process's: a map of the bytes
+            file, offset, _ = pieces[0]
+            mapped = numpy.memmap(os.path.join(path, file), dtype="<f4", mode="c", offset=offset,
+                                  shape=(p["numel"],))
+            out[p["name"]] = torch.from_numpy(mapped).view(p["shape"])
+            _MAPS[id(out[p["name"]])] = mapped
+        else:  # every rank's shard, read when written (_materialize)
+            out[p["name"]] = _Shards(path, meta, p)
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name]
     extra = torch.load(os.path.join(path, engine_state.ENGINE))["module_extra"]
     for name, value in extra.items():  # frozen parameters and buffers; floating ones in fp32
         out[name] = value.float() if value.is_floating_point() else value
     return path, out
+
+
+class _Shards:
+    """A parameter's master weights saved in shards by several ranks: joined when written, one
+    shard of the output at a time (_materialize)."""
+
+    def __init__(self, path, meta, entry):
+        self.path, self.meta, self.entry = path, meta, entry
+        self.shape = torch.Size(entry["shape"])
+
+    def numel(self):
+        return self.entry["numel"]
+
+    def element_size(self):
+        return 4
+
+    def load(self):
+        files = sorted({p[0] for p in engine_state._pieces(self.meta, self.entry)[0]})
+        handles = {f: open(os.path.join(self.path, f), "rb") for f in files}
+        try:
+            master = torch.empty(1, self.numel())
+            engine_state._read_range(handles, self.meta, self.entry, 0, self.numel(), master)
+        finally:
+            for f in handles.values():
+                f.close()
+        return master[0].view(self.shape)
+
+
+def _materialize(state):
+    """`state` with every _Shards read (a tensor under several names read once)."""
+    done = {}
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, _Shards):
+            if id(value) not in done:
+                done[id(value)] = value.load()
+            value = done[id(value)]
+        out[name] = value
+    return out
 
 
 # The maps behind the master weights _state_dict hands out, by id of the tensor (weakly: a map
@@ -92,7 +138,7 @@ def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
     _, state = _state_dict(checkpoint_dir, tag)
     out = os.fspath(out)
     if shard_bytes is None:
-        torch.save(state, out)
+        torch.save(_materialize(state), out)
         return list(state)
     os.makedirs(out, exist_ok=True)
     # A tensor with all its names (a tied weight's) goes into one shard, which torch.save keeps
@@ -115,7 +161,7 @@ def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
     total = sum(t.numel() * t.element_size() for t, _ in groups.values())
     for i, shard in enumerate(shards):
         file = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
-        torch.save(shard, os.path.join(out, file))
+        torch.save(_materialize(shard), os.path.join(out, file))
         for name, tensor in shard.items():
             weight_map[name] = file
             _drop_pages(tensor)
