@@ -1114,13 +1114,7 @@ class Engine:
         shards with pytorch_model.bin.index.json, one tensor at a time (strata/pretrained.py).
         Every missing, unexpected or wrongly shaped tensor is named before anything changes; the
         optimizer starts afresh over the loaded weights. Returns (missing, unexpected) names."""
-        self._refuse_across_ranks("load_pretrained")
         return pretrained.load(self, source, strict)
-
-    def _refuse_across_ranks(self, what):
-        if self.ranks is not None:
-            raise ValueError(f"engine.{what} across ranks is not supported yet (this job has "
-                             f"{self.ranks.size}); accepted: a job of one process")
 
     # --- reports ------------------------------------------------------------------------------
 

@@ -599,24 +599,32 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
     DeepSpeed's, with a warning)."""
     if engine._staged is not None:
         raise RuntimeError("load_checkpoint: between backward and step; load after step()")
-    failure = checked = None
-    try:
-        checked = _check_load(engine, os.fspath(load_dir), tag, load_optimizer_states,
-                              load_lr_scheduler_states, load_module_only)
-    except Exception as error:  # across ranks, told to the others first
-        failure = error
-    if engine.ranks is not None:  # every rank checked, or none changes anything
-        failed = engine.ranks.failed_ranks(failure is None)
-        if failed and failure is None:
-            raise CheckpointError(
-                f"load_checkpoint: rank{'s' if len(failed) > 1 else ''} "
-                f"{', '.join(map(str, failed))} could not load it (each says why); nothing was "
-                "changed")
-    if failure is not None:
-        raise failure
+    checked = checked_everywhere(engine, "load_checkpoint", lambda: _check_load(
+        engine, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states,
+        load_module_only))
     if checked is None:
         return None, None
     return _apply_load(engine, checked, load_module_only, load_optimizer_states)
+
+
+def checked_everywhere(engine, what, check):
+    """check()'s result once it has passed on every rank (one process: once it has passed); a
+    rank whose check failed raises its error, the others an error naming it: nothing changes on
+    any rank."""
+    failure = result = None
+    try:
+        result = check()
+    except Exception as error:  # across ranks, told to the others first
+        failure = error
+    if engine.ranks is not None:
+        failed = engine.ranks.failed_ranks(failure is None)
+        if failed and failure is None:
+            raise CheckpointError(
+                f"{what}: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                "could not load it (each says why); nothing was changed")
+    if failure is not None:
+        raise failure
+    return result
 
 
 def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,

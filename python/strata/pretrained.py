@@ -166,6 +166,47 @@ def load(engine, source, strict=True):
     (missing names, unexpected names), both empty when strict."""
     if engine._staged is not None:
         raise RuntimeError("load_pretrained: between backward and step; load after step()")
+    entries, aliases, rest, missing, unexpected = engine_state.checked_everywhere(
+        engine, "load_pretrained", lambda: _check(engine, source, strict))
+    engine._end_gradients(failed=False)  # gradients summed before the load are dropped
+    wanted = {e.name for e in engine._params}
+    source_of = {n: n for n in wanted if n in entries}
+    alias_of = dict(aliases)
+    for alias, own in alias_of.items():
+        if own not in source_of and alias in entries:
+            source_of[own] = alias
+    loaded = [e for e in engine._params if e.name in source_of]
+
+    def ours(e, whole):
+        """This rank's part of a parameter: across ranks, its shard of the optimizer's state and
+        of a partition; otherwise (and an unpartitioned parameter's weights) all of it."""
+        return whole if engine.ranks is None else engine.ranks.own_shard(whole, e.shard)
+
+    engine.runtime.begin_load_optimizer_state()
+    try:
+        for e in loaded:
+            master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
+                          .contiguous())
+            first = torch.full_like(master, engine._initial_state)
+            engine.runtime.load_optimizer_state(e.gid, master, first, torch.zeros_like(master))
+        engine.runtime.commit_load_optimizer_state()
+    except BaseException:
+        engine.runtime.abort_load_optimizer_state()
+        raise
+    for e in loaded:
+        whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
+        engine_state._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
+        e.steps = 0
+    with torch.no_grad():
+        for name, value in rest.items():
+            if name in entries:
+                value.copy_(entries[name].read().to(device=value.device, dtype=value.dtype))
+    return missing, unexpected
+
+
+def _check(engine, source, strict):
+    """What load checks before it changes anything: (the entries, the module's aliases, its
+    other tensors, the missing and unexpected names)."""
     entries = _entries(source)
     aliases, rest = engine_state._module_rest(engine)
     wanted = {e.name: e.shape for e in engine._params}
@@ -185,28 +226,4 @@ def load(engine, source, strict=True):
     if problems:
         raise engine_state.CheckpointError("load_pretrained: " + "; ".join(problems) +
                                            "; nothing was changed")
-    engine._end_gradients(failed=False)  # gradients summed before the load are dropped
-    source_of = {n: n for n in wanted if n in entries}
-    for alias, own in alias_of.items():
-        if own not in source_of and alias in entries:
-            source_of[own] = alias
-    loaded = [e for e in engine._params if e.name in source_of]
-    engine.runtime.begin_load_optimizer_state()
-    try:
-        for e in loaded:
-            master = entries[source_of[e.name]].read().to(torch.float32).reshape(-1).contiguous()
-            first = torch.full_like(master, engine._initial_state)
-            engine.runtime.load_optimizer_state(e.gid, master, first, torch.zeros_like(master))
-        engine.runtime.commit_load_optimizer_state()
-    except BaseException:
-        engine.runtime.abort_load_optimizer_state()
-        raise
-    for e in loaded:
-        engine_state._set_weights(engine, e, entries[source_of[e.name]].read()
-                                  .to(torch.float32).reshape(-1))
-        e.steps = 0
-    with torch.no_grad():
-        for name, value in rest.items():
-            if name in entries:
-                value.copy_(entries[name].read().to(device=value.device, dtype=value.dtype))
-    return missing, unexpected
+    return entries, aliases, rest, missing, unexpected

@@ -344,6 +344,11 @@ elif mode == "refused":  # a load one rank cannot make: nothing changes on any r
         print(json.dumps({"error": f"{type(error).__name__}: {error}", "steps": engine.global_steps}))
         sys.exit(0)
     sys.exit("a damaged checkpoint loaded")
+elif mode == "pretrained":  # weights streamed from a torch.save file, the optimizer afresh
+    for _ in range(2):
+        torch.randint(0, 50, (8, 6), generator=gen)
+    assert engine.load_pretrained(ckpt) == ([], [])
+    mark("at_save")
 else:
     for _ in range(2):  # the data of the steps before the save
         torch.randint(0, 50, (8, 6), generator=gen)
@@ -359,9 +364,9 @@ print("ok")
 """
 
 
-def run_ckpt(tmp_path, mode, n, stage, name):
+def run_ckpt(tmp_path, mode, n, stage, name, source=None):
     out = tmp_path / f"{name}.pt"
-    args = (mode, stage, tmp_path / "ckpt", out)
+    args = (mode, stage, source or tmp_path / "ckpt", out)
     if n == 1:
         env = {k: v for k, v in os.environ.items()
                if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -458,3 +463,12 @@ def test_a_load_one_rank_cannot_make_changes_nothing_on_any_rank(tmp_path):
     assert [e["steps"] for e in errors] == [0, 0]
     marks = torch.load(tmp_path / "refused.pt")
     assert_same(marks["after_refused"], marks["before"], True, "after a refused load")
+
+
+def test_pretrained_weights_stream_into_two_ranks(tmp_path):
+    saved = run_ckpt(tmp_path, "save", 1, 3, "saved")
+    torch.save(saved["at_save"], tmp_path / "pretrained.pt")
+    single = run_ckpt(tmp_path, "pretrained", 1, 3, "single", tmp_path / "pretrained.pt")
+    ranks = run_ckpt(tmp_path, "pretrained", 2, 3, "ranks", tmp_path / "pretrained.pt")
+    assert_same(ranks["at_save"], saved["at_save"], True, "loaded by 2")
+    assert_same(ranks["after"], single["after"], False, "two steps after, 2 ranks beside 1")
