@@ -282,7 +282,7 @@ class Engine:
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
         if ranks is not None:
-            self._check_ranks(settings, built)
+            self._check_ranks(settings)
         if built is not None and built.settings.runtime_json != settings.runtime_json:
             raise ValueError("strata.initialize: the model was built under strata.init with "
                              "another config; accepted: the same zero_optimization and strata "
@@ -306,8 +306,9 @@ class Engine:
                              "device tier (strata.device \"emulated\"), its collectives on Gloo "
                              "over host memory; the CUDA device tier across ranks (NCCL) is not "
                              "wired into the engine yet")
-        if ranks is not None:
-            ranks.broadcast_module(model)  # every rank starts from rank 0's weights
+        if ranks is not None:  # every rank starts from rank 0's weights
+            ranks.broadcast_module(
+                model, skip=lambda t: init_module.partition_of(t) is not None)  # (those are)
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
@@ -470,15 +471,12 @@ class Engine:
                              f"{', '.join(missing[:5])}")
         return groups
 
-    def _check_ranks(self, settings, built):
+    def _check_ranks(self, settings):
         """What the engine does across ranks (strata/ranks.py), and what it refuses."""
         if self.stage not in (1, 2, 3):
             raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
                              f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
                              "shard of the optimizer's state)")
-        if built is not None:
-            raise ValueError("strata.initialize: a model built under strata.init across ranks is "
-                             "not supported yet; accepted: a model built on the CPU")
         zero = json.loads(settings.runtime_json).get("zero_optimization", {})
         self.ranks.configure(zero, self.stage)
 

@@ -37,14 +37,19 @@ from strata import _strata
 __all__ = ["Ranks", "join"]
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_joined = []  # the job this process joined (once: its store holds MASTER_PORT + 1)
 
 
 def join(raw_config):
     """The job's Ranks when this process was launched as one of several (any of the launcher's
     variables set: the C++ reader checks them all and names a missing or wrong one), else None.
-    `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every wait)."""
+    `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every wait). A process
+    joins its job once: strata.init and every engine after it share the Ranks (and the order of
+    their collectives)."""
     if not any(v in os.environ for v in _LAUNCH_VARIABLES):
         return None
+    if _joined:
+        return _joined[0]
     strata_block = raw_config.get("strata", {}) if isinstance(raw_config, dict) else {}
     timeout_s = strata_block.get("comm_timeout_s", 1800) if isinstance(strata_block, dict) \
         else 1800
@@ -53,9 +58,8 @@ def join(raw_config):
         raise ValueError(f"config: strata.comm_timeout_s: {timeout_s!r} is not accepted; "
                          "accepted: seconds from 1 to 604800")
     job = _strata.Job(timeout_ms=int(timeout_s * 1000))
-    if job.world_size == 1:
-        return None
-    return Ranks(job)
+    _joined.append(Ranks(job) if job.world_size > 1 else None)
+    return _joined[0]
 
 
 class Ranks:
@@ -123,10 +127,10 @@ class Ranks:
         out[:hi - lo] = flat[lo:hi]
         return out
 
-    def broadcast_module(self, module):
-        """Rank 0's parameters and floating-point buffers, everywhere (as DeepSpeed's engine
-        starts every rank from rank 0's weights)."""
-        tensors = list(module.parameters()) + list(module.buffers())
+    def broadcast_module(self, module, skip=lambda t: False):
+        """Rank 0's parameters and floating-point buffers (but those `skip` names), everywhere
+        (as DeepSpeed's engine starts every rank from rank 0's weights)."""
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not skip(t)]
         self._agree_on("the broadcast of the model's tensors " +
                        ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
         with torch.no_grad():
@@ -137,6 +141,12 @@ class Ranks:
                 flat = t.data.detach().to("cpu").reshape(-1).contiguous()
                 self.job.broadcast(flat, 0)
                 t.data.copy_(flat.view(t.shape))
+
+    def broadcast_tensor(self, flat, what):
+        """Rank 0's values of a flat CPU tensor, in place (strata.init: a parameter as it is
+        built, before each rank keeps its shard)."""
+        self._agree_on(f"the broadcast of {what} ({flat.numel()} {flat.dtype})")
+        self.job.broadcast(flat, 0)
 
     def _buckets(self, items, limit):
         """Consecutive runs of `items` ((e, ...) tuples) of at most `limit` whole elements each

@@ -18,7 +18,9 @@ context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
 initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
 
-Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). A parameter's
+Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). Launched as
+several ranks, every parameter takes rank 0's values as it is built and each rank's partition
+holds only its shard (strata/ranks.py). A parameter's
 partition holds its initializer's values in the training dtype (the optimizer's fp32 master
 weights start from them, or from load_pretrained). A parameter replaced while the model is built
 (a tied weight: ``self.head.weight = self.emb.weight``) gives its partition back as the old
@@ -34,6 +36,7 @@ import weakref
 
 import torch
 
+from strata import ranks as ranks_module
 from strata.config import TrainConfig
 from strata.runtime_settings import RuntimeSettings, make_runtime
 
@@ -78,7 +81,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
     path) the engine will be made with."""
 
     def __init__(self, config, enabled=True):
-        parsed = TrainConfig.parse(config)
+        raw = TrainConfig.load(config)
+        # Across ranks (a launched job): each parameter is rank 0's, and each rank's tiers hold
+        # only its shard (strata/ranks.py).
+        self.ranks = ranks_module.join(raw)
+        parsed = TrainConfig.parse(raw, world_size=self.ranks.size if self.ranks else 1)
         self.settings = RuntimeSettings(parsed)
         self.enabled = enabled and self.settings.stage == 3
         self.dtype = _DTYPE_NAMES[parsed.dtype]
@@ -194,7 +201,10 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             pid, self.next_id = self.next_id, self.next_id + 2
             with torch.no_grad():
                 initial = p.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()
-                self.runtime.register(pid, "param", dtype_name, p.numel(), 0,
+                if self.ranks is not None:
+                    self.ranks.broadcast_tensor(initial, f"a {type(module).__name__}'s parameter")
+                    initial = self.ranks.own_shard(initial, self.ranks.shard_elements(p.numel()))
+                self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
                                       self.settings.param_tier, initial)
                 del initial
                 # Its shape and dtype without its bytes (one element, expanded).
