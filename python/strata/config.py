@@ -138,26 +138,28 @@ class TrainConfig:
         c.micro_batch = _number(config, "train_micro_batch_size_per_gpu", "", None, 1, None, True)
         c.accumulation = _number(config, "gradient_accumulation_steps", "", None, 1, None, True)
         batch = _number(config, "train_batch_size", "", None, 1, None, True)
+        given = batch
         if batch is not None and world_size > 1:
             if batch % world_size:
                 _bad("train_batch_size", f"{batch} is not a multiple of the job's {world_size} "
                                          "ranks")
             batch //= world_size
+        per_rank = "" if world_size == 1 else f" (over {world_size} ranks, {batch} a rank)"
         if batch is not None:
             if c.micro_batch is None and c.accumulation is None:
                 c.micro_batch, c.accumulation = batch, 1
             elif c.micro_batch is None:
                 if batch % c.accumulation:
-                    _bad("train_batch_size", f"{batch} is not a multiple of "
+                    _bad("train_batch_size", f"{given}{per_rank} is not a multiple of "
                                              f"gradient_accumulation_steps {c.accumulation}")
                 c.micro_batch = batch // c.accumulation
             elif c.accumulation is None:
                 if batch % c.micro_batch:
-                    _bad("train_batch_size", f"{batch} is not a multiple of "
+                    _bad("train_batch_size", f"{given}{per_rank} is not a multiple of "
                                              f"train_micro_batch_size_per_gpu {c.micro_batch}")
                 c.accumulation = batch // c.micro_batch
             elif batch != c.micro_batch * c.accumulation:
-                _bad("train_batch_size", f"{batch * world_size} != train_micro_batch_size_per_gpu "
+                _bad("train_batch_size", f"{given} != train_micro_batch_size_per_gpu "
                                          f"{c.micro_batch} x gradient_accumulation_steps "
                                          f"{c.accumulation} x {world_size} "
                                          f"rank{'s' if world_size > 1 else ''}")

@@ -117,14 +117,29 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                     lr_scheduler=lr_scheduler, ranks=ranks)
     loader = None
     if training_data is not None:
-        sampler = None
         if ranks is not None:  # each rank its share of every epoch, as DeepSpeed's loader
-            sampler = torch.utils.data.distributed.DistributedSampler(
-                training_data, num_replicas=ranks.size, rank=ranks.rank, shuffle=True)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=engine.micro_batch_size,
-                                             collate_fn=collate_fn, shuffle=sampler is None,
-                                             sampler=sampler)
+            loader = _EpochLoader(
+                training_data, batch_size=engine.micro_batch_size, collate_fn=collate_fn,
+                sampler=torch.utils.data.distributed.DistributedSampler(
+                    training_data, num_replicas=ranks.size, rank=ranks.rank, shuffle=True))
+        else:
+            loader = torch.utils.data.DataLoader(training_data, batch_size=engine.micro_batch_size,
+                                                 collate_fn=collate_fn, shuffle=True)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+class _EpochLoader(torch.utils.data.DataLoader):
+    """Across ranks: a DataLoader over a DistributedSampler that shuffles anew each epoch (each
+    pass over it is the next epoch, as one process's shuffling loader), the ranks in step."""
+
+    def __init__(self, *args, **kwargs):
+        self._epoch = 0
+        super().__init__(*args, **kwargs)
+
+    def __iter__(self):
+        self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
 
 
 class _Param:
@@ -256,6 +271,10 @@ class Engine:
         self.module = model
         self.config = config
         self.ranks = ranks  # strata/ranks.py: None in a job of one process
+        # DeepSpeed's engine's: this process's place in the job.
+        self.global_rank = ranks.rank if ranks is not None else 0
+        self.world_size = ranks.size if ranks is not None else 1
+        self.local_rank = ranks.job.local_rank if ranks is not None else 0
         self.dtype = _DTYPES[config.dtype]
         self.micro_batch_size = config.micro_batch
         self.gradient_accumulation_steps = config.accumulation
@@ -281,6 +300,8 @@ class Engine:
         self._param_tier = settings.param_tier
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
+        ranks_module.bucket_settings(  # checked in one process too
+            json.loads(settings.runtime_json).get("zero_optimization", {}), self.stage)
         if ranks is not None:
             self._check_ranks(settings)
         if built is not None and built.settings.runtime_json != settings.runtime_json:
@@ -398,7 +419,8 @@ class Engine:
     def _warn(self, message):
         if message not in self.warnings:
             self.warnings.append(message)
-            print(f"strata: warning: {message}")
+            if self.global_rank == 0:  # every rank keeps it; rank 0 says it
+                print(f"strata: warning: {message}")
 
     def _runtime_warning(self, message):
         if message.endswith(_TRAINER_WARNING):
@@ -477,8 +499,11 @@ class Engine:
             raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
                              f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
                              "shard of the optimizer's state)")
-        zero = json.loads(settings.runtime_json).get("zero_optimization", {})
-        self.ranks.configure(zero, self.stage)
+        runtime = json.loads(settings.runtime_json)
+        self.ranks.configure(runtime.get("zero_optimization", {}), self.stage,
+                             runtime.get("strata", {}).get("host_budget_bytes", 4 << 30))
+        for message in self.ranks.warnings:
+            self._warn(message)
 
     def _will_partition(self, e):
         return init_module.partition_of(e.param) is not None or \
@@ -792,6 +817,13 @@ class Engine:
         self._raise_deferred()
         return loss
 
+    def train_batch_size(self):
+        """DeepSpeed's: micro batch x gradient accumulation x ranks."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def train_micro_batch_size_per_gpu(self):
+        return self.micro_batch_size
+
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
@@ -840,7 +872,7 @@ class Engine:
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
             "step_seconds": time.perf_counter() - start}
-        if self.global_steps % self.config.steps_per_print == 0:
+        if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
                               for k, v in runtime_report["wait_by_cause"].items() if v > 0)
             print(f"strata: step {self.global_steps} (skipped {self.skipped_steps}), lr "

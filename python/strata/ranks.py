@@ -41,34 +41,68 @@ _joined = []  # the job this process joined (once: its store holds MASTER_PORT +
 
 
 def join(raw_config):
-    """The job's Ranks when this process was launched as one of several (any of the launcher's
-    variables set: the C++ reader checks them all and names a missing or wrong one), else None.
-    `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every wait). A process
-    joins its job once: strata.init and every engine after it share the Ranks (and the order of
-    their collectives)."""
+    """Ranks for an engine (or strata.init) when this process was launched as one of several (any
+    of the launcher's variables set: the C++ reader checks them all and names a missing or wrong
+    one), else None. `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every
+    wait). A process joins its job once (its store holds MASTER_PORT + 1): strata.init and every
+    engine share the job's collectives, in one order, each with Ranks (buckets) of its own."""
     if not any(v in os.environ for v in _LAUNCH_VARIABLES):
         return None
-    if _joined:
-        return _joined[0]
     strata_block = raw_config.get("strata", {}) if isinstance(raw_config, dict) else {}
     timeout_s = strata_block.get("comm_timeout_s", 1800) if isinstance(strata_block, dict) \
         else 1800
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or \
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or \
             not 1 <= timeout_s <= 7 * 24 * 3600:
         raise ValueError(f"config: strata.comm_timeout_s: {timeout_s!r} is not accepted; "
-                         "accepted: seconds from 1 to 604800")
-    job = _strata.Job(timeout_ms=int(timeout_s * 1000))
-    _joined.append(Ranks(job) if job.world_size > 1 else None)
-    return _joined[0]
+                         "accepted: whole seconds from 1 to 604800")
+    if not _joined:
+        _joined.append((_strata.Job(timeout_ms=timeout_s * 1000), timeout_s))
+    job, joined_timeout = _joined[0]
+    if job.world_size == 1:
+        return None
+    ranks = Ranks(job)
+    if timeout_s != joined_timeout:
+        ranks.warnings.append(
+            f"strata.comm_timeout_s: {timeout_s} s, but this process joined its job with "
+            f"{joined_timeout} s (an earlier strata.init or engine): the job's is kept")
+    return ranks
+
+
+# Elements of a bucket per byte of strata.host_budget_bytes: a bucket's buffers are host memory
+# outside the tiers' budgets (a reduce-scatter's send buffer of 4 bytes an element, one more in
+# flight with overlap_comm; an all-gather's in the training dtype), so that buckets are capped at
+# a 32nd of the host budget in elements: with both in flight, a quarter of the budget in bytes.
+_BUCKET_PER_BUDGET_BYTE = 1 / 32
+
+
+def bucket_settings(zero, stage):
+    """The zero_optimization block's reduce_bucket_size, allgather_bucket_size (elements, 5e8 by
+    default as DeepSpeed's) and overlap_comm (on at stage 3 by default, as DeepSpeed's), checked
+    (in one process too, where they have nothing to act on)."""
+    buckets = {}
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        value = zero.get(key, int(5e8))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+            raise ValueError(f"config: zero_optimization.{key}: {value!r} is not accepted; "
+                             "accepted: a number of elements, 1 or more")
+        buckets[key] = int(value)
+    overlap = zero.get("overlap_comm", stage == 3)
+    if overlap in (0, 1) and not isinstance(overlap, float):
+        overlap = bool(overlap)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"config: zero_optimization.overlap_comm: {overlap!r} is not "
+                         "accepted; accepted: true or false")
+    return buckets["reduce_bucket_size"], buckets["allgather_bucket_size"], overlap
 
 
 class Ranks:
-    """The job's ranks and the engine's collectives over them."""
+    """The job's ranks and one engine's collectives over them."""
 
     def __init__(self, job):
         self.job = job
         self.rank = job.rank
         self.size = job.world_size
+        self.warnings = []
         self.reduce_bucket = int(5e8)
         self.allgather_bucket = int(5e8)
         self.overlap = False
@@ -76,21 +110,22 @@ class Ranks:
         self._pending_elements = 0
         self._in_flight = None  # (work, entries, output) of the bucket being reduce-scattered
         self._collectives = 0  # issued so far (named when the ranks disagree)
+        self.reduce_scatters_in_backward = 0  # buckets reduce-scattered while backward ran
 
-    def configure(self, zero, stage):
-        """Reads the bucket keys of the zero_optimization block."""
+    def configure(self, zero, stage, host_budget_bytes):
+        """Takes the bucket keys of the zero_optimization block (bucket_settings), each bucket
+        capped by the host budget (see _BUCKET_PER_BUDGET_BYTE; said in self.warnings)."""
+        self.reduce_bucket, self.allgather_bucket, self.overlap = bucket_settings(zero, stage)
+        cap = max(1 << 16, int(host_budget_bytes * _BUCKET_PER_BUDGET_BYTE))
         for key, attr in (("reduce_bucket_size", "reduce_bucket"),
                           ("allgather_bucket_size", "allgather_bucket")):
-            value = zero.get(key, getattr(self, attr))
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1:
-                raise ValueError(f"config: zero_optimization.{key}: {value!r} is not accepted; "
-                                 "accepted: a number of elements, 1 or more")
-            setattr(self, attr, int(value))
-        overlap = zero.get("overlap_comm", stage == 3)
-        if not isinstance(overlap, bool):
-            raise ValueError(f"config: zero_optimization.overlap_comm: {overlap!r} is not "
-                             "accepted; accepted: true or false")
-        self.overlap = overlap
+            if getattr(self, attr) > cap:
+                if key in zero:
+                    self.warnings.append(
+                        f"zero_optimization.{key}: {getattr(self, attr)} elements would hold "
+                        "that many in host memory outside strata.host_budget_bytes: buckets of "
+                        f"{cap} are used (a 32nd of the host budget)")
+                setattr(self, attr, cap)
 
     def _agree(self, kind, entries):
         """Every rank is about to issue the same collective `kind` over the same parameters (see
@@ -101,8 +136,12 @@ class Ranks:
         self._collectives += 1
         mine = hashlib.blake2b(what.encode(), digest_size=16).digest()
         everyone = torch.empty(self.size * 4)  # 16 bytes a rank, carried as float32's bits
-        self.job.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.float32),
-                            everyone)
+        try:
+            self.job.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.float32),
+                                everyone)
+        except _strata.Error as error:
+            raise _strata.Error(f"rank {self.rank} of {self.size}: about to issue {what[:300]}: "
+                                f"the ranks could not agree on it: {error}") from None
         digests = everyone.view(self.size, 4).numpy().tobytes()
         other = [r for r in range(self.size) if digests[16 * r:16 * r + 16] != digests[:16]]
         if other:
@@ -111,7 +150,9 @@ class Ranks:
                 f"collective {self._collectives}: rank{'s' if len(other) > 1 else ''} "
                 f"{', '.join(map(str, other))} differ{'' if len(other) > 1 else 's'} from rank 0 "
                 f"(this rank: {what[:300]}); accepted: the same model on every rank, its "
-                "parameters used in the same order (the same graph)")
+                "parameters used in the same order (the same graph); at stage 3 every rank runs "
+                "every forward, evaluation's too (a module's weights are gathered from every "
+                "rank)")
 
     # --- shards ---------------------------------------------------------------------------------
 
@@ -128,18 +169,20 @@ class Ranks:
         return out
 
     def broadcast_module(self, module, skip=lambda t: False):
-        """Rank 0's parameters and floating-point buffers (but those `skip` names), everywhere
-        (as DeepSpeed's engine starts every rank from rank 0's weights)."""
-        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if not skip(t)]
+        """Rank 0's parameters and buffers, of every dtype (but those `skip` names), everywhere,
+        as DeepSpeed's engine starts every rank from rank 0's weights."""
+        tensors = [t for t in list(module.parameters()) + list(module.buffers())
+                   if not skip(t) and t.numel() > 0]
         self._agree_on("the broadcast of the model's tensors " +
                        ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
         with torch.no_grad():
             for t in tensors:
-                if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or \
-                        t.numel() == 0:
-                    continue
                 flat = t.data.detach().to("cpu").reshape(-1).contiguous()
-                self.job.broadcast(flat, 0)
+                raw = flat.view(torch.uint8)
+                carrier = torch.zeros((raw.numel() + 3) // 4)  # the bytes, as float32's bits
+                carrier.view(torch.uint8)[:raw.numel()] = raw
+                self.job.broadcast(carrier, 0)
+                raw.copy_(carrier.view(torch.uint8)[:raw.numel()])
                 t.data.copy_(flat.view(t.shape))
 
     def broadcast_tensor(self, flat, what):
@@ -266,7 +309,9 @@ class Ranks:
             by_dtype.setdefault(item[1].dtype, []).append(item)
         for dtype, group in by_dtype.items():
             for bucket in self._buckets(group, self.allgather_bucket):
-                self._agree(f"all-gather ({dtype})", [e for e, *_ in bucket])
+                self._agree(f"all-gather ({dtype}; "
+                            f"{'with' if torch.is_grad_enabled() else 'without'} autograd)",
+                            [e for e, *_ in bucket])
                 total = sum(e.shard for e, *_ in bucket)
                 send = torch.empty(total, dtype=dtype)
                 offset = 0

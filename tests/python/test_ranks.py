@@ -251,6 +251,10 @@ def test_a_train_batch_size_the_ranks_do_not_divide_is_refused():
     c = TrainConfig.parse({"train_batch_size": 16, "gradient_accumulation_steps": 2},
                           world_size=4)
     assert (c.micro_batch, c.accumulation) == (2, 2)
+    with pytest.raises(ConfigError, match=r"train_batch_size: 8 \(over 4 ranks, 2 a rank\) is "
+                                          "not a multiple of gradient_accumulation_steps 3"):
+        TrainConfig.parse({"train_batch_size": 8, "gradient_accumulation_steps": 3},
+                          world_size=4)
     with pytest.raises(ConfigError, match="16 != train_micro_batch_size_per_gpu 4 x "
                                           "gradient_accumulation_steps 2 x 4 ranks"):
         TrainConfig.parse({"train_batch_size": 16, "gradient_accumulation_steps": 2,
@@ -494,3 +498,88 @@ def test_pretrained_weights_stream_into_two_ranks(tmp_path):
     ranks = run_ckpt(tmp_path, "pretrained", 2, 3, "ranks", tmp_path / "pretrained.pt")
     assert_same(ranks["at_save"], saved["at_save"], True, "loaded by 2")
     assert_same(ranks["after"], single["after"], False, "two steps after, 2 ranks beside 1")
+
+
+MISC = r"""
+import json, os, sys, torch
+import strata
+rank = int(os.environ["RANK"])
+torch.manual_seed(rank)  # every rank builds other weights: rank 0's must win
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(6, 8)
+        self.l2 = torch.nn.Linear(8, 2)
+        self.register_buffer("counts", torch.randint(0, 1000, (5,)))  # int64
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+def config(stage, **zero):
+    return {"train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+            "zero_optimization": dict({"stage": stage, "stage3_param_persistence_threshold": 10},
+                                      **zero),
+            "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                       "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 30}}
+
+out = {}
+# A float64 model: rank 0's weights (and int64 buffer) reach every rank before the cast.
+model = Net().double()
+a, _, loader, _ = strata.initialize(model=model, config=config(2, reduce_bucket_size=100),
+                                    training_data=list(range(16)))
+out["weights"] = {k: v.double().sum().item() for k, v in a.module_state_dict().items()}
+out["place"] = [a.global_rank, a.world_size, a.local_rank, a.train_batch_size()]
+out["epochs"] = [[int(i) for batch in loader for i in batch] for _ in range(3)]
+# A second engine in the same process, with buckets of its own.
+b, _, _, _ = strata.initialize(model=Net(), config=config(3, reduce_bucket_size=7777,
+                                                         overlap_comm=1))
+out["buckets"] = [a.ranks.reduce_bucket, a.ranks.overlap, b.ranks.reduce_bucket, b.ranks.overlap]
+for engine in (a, b):
+    for _ in range(2):
+        x = torch.randn(2, 6)  # (the engine trains in fp32: the float64 model was cast)
+        engine.backward(engine(x).square().mean())
+        engine.step()
+out["trained"] = [a.global_steps, b.global_steps]
+print(json.dumps(out))
+"""
+
+
+def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_reshuffle():
+    procs = start_ranks(2, MISC)
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0]["weights"] == outs[1]["weights"]  # the float64 weights and the int buffer
+    assert [o["place"] for o in outs] == [[0, 2, 0, 4], [1, 2, 1, 4]]
+    for o in outs:
+        assert o["buckets"] == [100, False, 7777, True]
+        assert o["trained"] == [2, 2]
+        epochs = o["epochs"]
+        assert len(epochs[0]) == 8 and epochs[0] != epochs[1] != epochs[2]  # reshuffled
+    # The ranks' shares of an epoch are the whole of it, once.
+    for e in range(3):
+        assert sorted(outs[0]["epochs"][e] + outs[1]["epochs"][e]) == list(range(16))
+
+
+def test_bad_bucket_and_timeout_values_are_named_in_one_process_too(tmp_path):
+    import strata
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
+            "strata": {"host_budget_bytes": 1 << 24, "nvme_capacity_bytes": 1 << 24}}
+    for zero, message in (({"overlap_comm": "yes"}, "overlap_comm: 'yes' is not accepted"),
+                          ({"reduce_bucket_size": 0}, "reduce_bucket_size: 0 is not accepted")):
+        with pytest.raises(ValueError, match=message):
+            strata.initialize(model=torch.nn.Linear(2, 2),
+                              config=dict(base, zero_optimization=dict(zero, stage=2)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               WORLD_SIZE="2", LOCAL_RANK="0")
+    child = subprocess.run(
+        [sys.executable, "-c", "import torch, strata; strata.initialize(model=torch.nn.Linear(2,"
+         " 2), config={'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'}, "
+         "'zero_optimization': {'stage': 2}, 'strata': {'comm_timeout_s': 1.5}})"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert "strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds" in child.stderr, \
+        child.stderr[-2000:]
