@@ -683,6 +683,10 @@ class Engine:
                     self.runtime.gradient_ready(e.gid)
                     e.sent_down = True
                     self._stage(e)
+            elif self.stage == 2 and self.ranks is not None:
+                # Reduce-scattered as it is made: this rank keeps only its shard's mean.
+                e.param.grad = None
+                self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
             elif self.stage == 2:  # to the host as it is made, summed there in fp32
                 e.param.grad = None
                 if e.host_grad is None:
@@ -698,8 +702,13 @@ class Engine:
         return hook
 
     def _add_gradient_shard(self, e, shard, boundary):
-        """Across ranks, stage 3: this rank's shard of e's mean gradient, summed into its
-        gradient partition; at the boundary it leaves the device."""
+        """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
+        e.shard_grad in fp32; stage 3: its gradient partition, which at the boundary leaves the
+        device)."""
+        if not e.partitioned:
+            e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
+            e.has_grad = True
+            return
         with torch.no_grad():
             part = from_dlpack(self.runtime.acquire(e.gid, "device"))
             part.add_(shard)
@@ -1002,7 +1011,10 @@ class Engine:
                 return e.param.grad.detach().reshape(-1).to("cpu")
             return None
 
-        entries = [e for e in self._params if not e.partitioned]
+        # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.
+        entries = [e for e in self._params if not e.partitioned and self.stage != 2]
+        if not entries:
+            return
         for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
             e.shard_grad = shard
 

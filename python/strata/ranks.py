@@ -69,10 +69,11 @@ def join(raw_config):
 
 
 # Elements of a bucket per byte of strata.host_budget_bytes: a bucket's buffers are host memory
-# outside the tiers' budgets (a reduce-scatter's send buffer of 4 bytes an element, one more in
-# flight with overlap_comm; an all-gather's in the training dtype), so that buckets are capped at
-# a 32nd of the host budget in elements: with both in flight, a quarter of the budget in bytes.
-_BUCKET_PER_BUDGET_BYTE = 1 / 32
+# outside the tiers' budgets (the gradients it holds as autograd made them, at most 4 bytes an
+# element, and its send buffer, 4 more; with overlap_comm one more bucket's send buffer in flight;
+# an all-gather's in the training dtype), so that buckets are capped at a 64th of the host budget
+# in elements: about a fifth of the budget in bytes at most.
+_BUCKET_PER_BUDGET_BYTE = 1 / 64
 
 
 def bucket_settings(zero, stage):
@@ -124,7 +125,7 @@ class Ranks:
                     self.warnings.append(
                         f"zero_optimization.{key}: {getattr(self, attr)} elements would hold "
                         "that many in host memory outside strata.host_budget_bytes: buckets of "
-                        f"{cap} are used (a 32nd of the host budget)")
+                        f"{cap} are used (a 64th of the host budget)")
                 setattr(self, attr, cap)
 
     def _agree(self, kind, entries):
@@ -215,10 +216,12 @@ class Ranks:
         send = torch.zeros(self.size, total)
         offset = 0
         for (e, grad, *_), shard in zip(bucket, shards):
-            if grad is not None:
-                padded = torch.zeros(self.size * shard)
-                padded[:e.numel] = grad
-                send[:, offset:offset + shard] = padded.view(self.size, shard)
+            if grad is not None:  # rank j's rows: elements [j * shard, (j + 1) * shard)
+                flat = grad.reshape(-1)
+                whole, rest = divmod(e.numel, shard)
+                send[:whole, offset:offset + shard] = flat[:whole * shard].view(whole, shard)
+                if rest:
+                    send[whole, offset:offset + rest] = flat[whole * shard:]
             offset += shard
         out = torch.empty(total)
         work = self.job.reduce_scatter(send.view(-1), out, async_op=async_op)
@@ -255,18 +258,19 @@ class Ranks:
         return result
 
     def add_gradient(self, e, grad, boundary, apply):
-        """Stage 3, from the gradient hook: e's whole gradient joins the open bucket; a full
-        bucket is reduce-scattered (in the background with overlap_comm) and `apply(e, shard,
-        boundary)` is called with each of its entries' mean shards once it is done."""
+        """Stages 2 and 3, from the gradient hook: e's whole gradient (held as autograd made it,
+        not copied) joins the open bucket; a full bucket is reduce-scattered (in the background
+        with overlap_comm) and `apply(e, shard, boundary)` is called with each of its entries'
+        mean shards once it is done."""
         self._apply = apply
-        self._pending.append((e, grad.detach().reshape(-1).to(device="cpu",
-                                                              dtype=torch.float32), boundary))
+        self._pending.append((e, grad.detach().to("cpu"), boundary))
         self._pending_elements += e.numel
         if self._pending_elements >= self.reduce_bucket:
+            self.reduce_scatters_in_backward += 1
             self._flush(wait=not self.overlap)
 
     def finish_gradients(self):
-        """Stage 3, after backward: the open bucket reduce-scattered and every bucket applied."""
+        """After backward: the open bucket reduce-scattered and every bucket applied."""
         if self._pending:
             self._flush(wait=True)
         self._wait_in_flight()

@@ -78,12 +78,19 @@ for step in range(steps):
             loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 50),
                                                      y.reshape(-1))
             engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary():  # what this rank holds
+                held = sum(e.shard_grad.numel() for e in engine._params
+                           if e.shard_grad is not None)
+                held += sum(e.host_grad.numel() for e in engine._params
+                            if e.host_grad is not None)
             engine.step()
     norms.append(engine.last_step_stats["optimizer"]["grad_norm"])
 state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
-print(json.dumps({"rank": rank, "steps": engine.global_steps,
+print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held,
+                  "shards": {e.name: [e.numel, e.shard] for e in engine._params},
+                  "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
                   "nvme": sorted(__import__("os").listdir(nvme)) if offload == "nvme" else []}))
 """
 
@@ -158,6 +165,12 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
             moved = (value - initial[name]).norm()
             apart = (job[name] - split[name]).norm()
             assert apart < 0.1 * moved, f"{name}: {apart:.3g} apart, training moved it {moved:.3g}"
+    for r in reports:  # each rank owns a shard of every parameter, and holds no more
+        assert all(shard == -(-numel // n) for numel, shard in r["shards"].values()), r["shards"]
+        if stage == 2:  # its gradients' shards only (stage 1 keeps whole ones until the step)
+            assert r["held"] == sum(shard for _, shard in r["shards"].values()), r
+        if stage >= 2:  # reduce-scattered while backward ran (buckets of 3000 elements)
+            assert r["in_backward"] > 0, r
     if offload == "nvme":
         # Each rank's NVMe state in its own subfolder of the configured nvme_path.
         assert reports[0]["nvme"] == [f"rank{r}" for r in range(n)]
