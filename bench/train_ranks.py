@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, {examples!r})
 import strata
 from gpt import GPT, loss_of
-steps, batch, stage = {steps}, {batch}, {stage}
+steps, batch, stage, overlap, bucket = {steps}, {batch}, {stage}, {overlap}, {bucket}
 world = int(os.environ.get("WORLD_SIZE", 1))
 rank = int(os.environ.get("RANK", 0))
 torch.manual_seed(0)
@@ -39,7 +39,9 @@ model = GPT(6, 256, 8, 128)
 config = {{"train_batch_size": batch,
           "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
           "zero_optimization": {{"stage": stage, "offload_optimizer": {{"device": "cpu"}},
-                                "stage3_param_persistence_threshold": 10000}},
+                                "stage3_param_persistence_threshold": 10000,
+                                "overlap_comm": overlap, "reduce_bucket_size": bucket,
+                                "allgather_bucket_size": bucket}},
           "strata": {{"device": "emulated", "host_budget_bytes": 1 << 30,
                      "nvme_capacity_bytes": 1 << 30}}}}
 engine, _, _, _ = strata.initialize(model=model, config=config)
@@ -61,7 +63,8 @@ print(json.dumps({{"rank": rank, "step_s": statistics.median(times)}}))
 
 def run(ranks, args):
     script = RANK.format(examples=os.path.join(HERE, "..", "examples"), steps=args.steps,
-                         batch=args.batch, stage=args.stage)
+                         batch=args.batch, stage=args.stage, overlap=args.overlap_comm == "on",
+                         bucket=args.bucket)
     base = {k: v for k, v in os.environ.items()
             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -91,6 +94,10 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="the global batch")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
+    parser.add_argument("--overlap-comm", choices=("on", "off"), default="on",
+                        help="zero_optimization.overlap_comm (DeepSpeed's default at stage 3: on)")
+    parser.add_argument("--bucket", type=int, default=1 << 20,
+                        help="reduce_bucket_size and allgather_bucket_size, elements")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.ranks < 2 or args.batch % args.ranks:
         sys.exit("train_ranks: --rounds and --steps at least 1, --ranks at least 2, and --batch "
@@ -109,7 +116,8 @@ def main():
     print(f"train_ranks/step_{args.ranks}_ranks: {med['ranks_s'] * 1e3:.1f} ms = "
           f"{med['of_ceiling']:.2f} of perfect scaling ({med['ceiling_s'] * 1e3:.1f} ms: 1 rank's "
           f"{med['one_rank_s'] * 1e3:.1f} ms / {args.ranks}); ZeRO stage {args.stage}, global "
-          f"batch {args.batch}, Gloo on loopback, {os.cpu_count()} cores (higher is better)")
+          f"batch {args.batch}, overlap_comm {args.overlap_comm}, buckets of {args.bucket} "
+          f"elements, Gloo on loopback, {os.cpu_count()} cores (higher is better)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"bench": "train_ranks", "machine": platform.node(),

@@ -146,13 +146,16 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout) {
   auto store = TcpStore::Connect(master, port, timeout);
   if (!store.ok()) return store.status();
   job.store = std::move(*store);
-  auto comm = CreateGlooCommunicator(*job.store, {.rank = env.rank,
-                                                  .size = env.world_size,
-                                                  .host = host,
-                                                  .iface = env.gloo_iface,
-                                                  .timeout = timeout});
-  if (!comm.ok()) return comm.status();
-  job.comm = std::move(*comm);
+  for (auto [prefix, out] : {std::pair{"gloo", &job.comm}, std::pair{"gloo-side", &job.side}}) {
+    auto comm = CreateGlooCommunicator(*job.store, {.rank = env.rank,
+                                                    .size = env.world_size,
+                                                    .host = host,
+                                                    .iface = env.gloo_iface,
+                                                    .timeout = timeout,
+                                                    .prefix = prefix});
+    if (!comm.ok()) return comm.status();
+    *out = std::move(*comm);
+  }
   return job;
 }
 

@@ -46,6 +46,10 @@ struct Job {
   std::unique_ptr<TcpStoreServer> server;  // rank 0's
   std::unique_ptr<TcpStore> store;
   std::unique_ptr<Communicator> comm;  // Gloo, over host buffers
+  // A second communicator over the same ranks, whose collectives run beside the first's rather
+  // than after them (each keeps its own order): the engine's gradient reduce-scatters, so that a
+  // bucket being reduced never holds up the next module's weight all-gather.
+  std::unique_ptr<Communicator> side;
 };
 
 // Meets the other ranks (each waits up to `timeout` for the others, never longer) and connects

@@ -805,20 +805,20 @@ class PyJob {
     return Finish(job_->comm->AllReduce({static_cast<float*>(t.data), t.elements}), async_op,
                   {tensor});
   }
-  py::object ReduceScatter(py::object input, py::object output, bool async_op) {
+  py::object ReduceScatter(py::object input, py::object output, bool async_op, bool side) {
     const TensorView in = Float32(input, "reduce_scatter: input");
     const TensorView out = Float32(output, "reduce_scatter: output");
-    return Finish(job_->comm->ReduceScatter({static_cast<const float*>(in.data), in.elements},
-                                            {static_cast<float*>(out.data), out.elements}),
+    return Finish(Comm(side).ReduceScatter({static_cast<const float*>(in.data), in.elements},
+                                           {static_cast<float*>(out.data), out.elements}),
                   async_op, {input, output});
   }
-  py::object AllGather(py::object input, py::object output, bool async_op) {
+  py::object AllGather(py::object input, py::object output, bool async_op, bool side) {
     const TensorView in = HostTensor(input, "all_gather: input");
     const TensorView out = HostTensor(output, "all_gather: output");
     if (in.dtype != out.dtype) {
       Raise(absl::InvalidArgumentError("all_gather: accepted: input and output of one dtype"));
     }
-    return Finish(job_->comm->AllGather(Bytes(in), Bytes(out)), async_op, {input, output});
+    return Finish(Comm(side).AllGather(Bytes(in), Bytes(out)), async_op, {input, output});
   }
   py::object Broadcast(py::object tensor, int root, bool async_op) {
     const TensorView t = HostTensor(tensor, "broadcast");
@@ -837,6 +837,8 @@ class PyJob {
   static absl::Span<std::byte> Bytes(const TensorView& t) {
     return {static_cast<std::byte*>(t.data), t.elements * DTypeBytes(t.dtype)};
   }
+  // The job's communicator, or (side) its second one, whose collectives run beside the first's.
+  comm::Communicator& Comm(bool side) { return side ? *job_->side : *job_->comm; }
   static py::object Finish(std::shared_ptr<comm::Work> work, bool async_op,
                            std::vector<py::object> held) {
     if (async_op) return py::cast(JobWork(std::move(work), std::move(held)));
@@ -871,11 +873,13 @@ PYBIND11_MODULE(_strata, m) {
       .def("all_reduce", &PyJob::AllReduce, py::arg("tensor"), py::arg("async_op") = false,
            "float32 sum over the ranks, in place")
       .def("reduce_scatter", &PyJob::ReduceScatter, py::arg("input"), py::arg("output"),
-           py::arg("async_op") = false,
+           py::arg("async_op") = false, py::arg("side") = false,
            "output = the float32 sum over the ranks of their input's shard `rank` (input: "
-           "world_size shards of output's size)")
+           "world_size shards of output's size); side: on the job's second communicator, "
+           "beside the first's collectives (each keeps its own order)")
       .def("all_gather", &PyJob::AllGather, py::arg("input"), py::arg("output"),
-           py::arg("async_op") = false, "output = every rank's input, in rank order")
+           py::arg("async_op") = false, py::arg("side") = false,
+           "output = every rank's input, in rank order")
       .def("broadcast", &PyJob::Broadcast, py::arg("tensor"), py::arg("root"),
            py::arg("async_op") = false)
       .def("barrier", &PyJob::Barrier);

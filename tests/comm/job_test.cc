@@ -130,7 +130,12 @@ TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
         _exit(3);
       }
       std::vector<float> x(10, static_cast<float>(r + 1));
+      // The side communicator's collective is issued first and waited for last: it runs beside
+      // the first communicator's, not before or after it.
+      std::vector<float> y(10, static_cast<float>(10 * (r + 1)));
+      auto side = job->side->AllReduce(absl::MakeSpan(y));
       if (!job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() || x[9] != 3.0f) _exit(4);
+      if (!side->Wait().ok() || y[9] != 30.0f) _exit(5);
       _exit(0);
     }
     pids.push_back(pid);
