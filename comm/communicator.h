@@ -16,6 +16,7 @@
 #ifndef STRATA_COMM_COMMUNICATOR_H_
 #define STRATA_COMM_COMMUNICATOR_H_
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 
@@ -29,6 +30,9 @@ class Work {
   virtual ~Work() = default;
   // Blocks until the collective is done; its outcome.
   virtual absl::Status Wait() = 0;
+  // Blocks until the collective is done or `timeout` has passed; whether it is done (a caller
+  // that must stay responsive, to a signal say, waits in such steps).
+  virtual bool WaitFor(std::chrono::milliseconds timeout) = 0;
   virtual bool done() const = 0;
 };
 

@@ -1,5 +1,6 @@
 #include "comm/gloo_communicator.h"
 
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <deque>
@@ -57,6 +58,16 @@ class WorkImpl final : public Work {
     MutexLock lock(&mu_);
     while (!done_) cv_.Wait(&mu_);
     return status_;
+  }
+  bool WaitFor(std::chrono::milliseconds timeout) override {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    MutexLock lock(&mu_);
+    while (!done_) {
+      const auto left = until - std::chrono::steady_clock::now();
+      if (left <= std::chrono::nanoseconds(0)) return false;
+      cv_.WaitFor(&mu_, left);
+    }
+    return true;
   }
   bool done() const override {
     MutexLock lock(&mu_);

@@ -101,6 +101,15 @@ class NcclWork final : public Work {
     finished_ = true;
     return status_;
   }
+  bool WaitFor(std::chrono::milliseconds timeout) override {
+    // The event is polled (a blocking wait would not see NCCL's asynchronous errors): in steps.
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (!done()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return true;
+  }
   bool done() const override {
     MutexLock lock(&mu_);
     return finished_ || !early_.ok() ||

@@ -19,7 +19,9 @@
 // sched::Runtime is; its warnings callback runs on whichever thread warns, taking the GIL.
 #include <xxhash.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
@@ -748,8 +750,9 @@ class PyRuntime {
   int device_id_ = 0;
 };
 
-// A collective issued with async_op: wait() raises its error; the tensors it reads and writes are
-// held until it is done.
+// A collective of the job and the tensors it reads and writes, held until it is done. wait()
+// raises its error, and can be interrupted (Ctrl-C: Python's signal handlers run between waits of
+// 50 ms); an interrupted collective still runs, so its tensors are kept (Abandoned) until it ends.
 class JobWork {
  public:
   JobWork(std::shared_ptr<comm::Work> work, std::vector<py::object> held)
@@ -763,15 +766,33 @@ class JobWork {
     work_->Wait().IgnoreError();
   }
   void Wait() {
-    absl::Status s;
-    {
-      py::gil_scoped_release unlocked;
-      s = work_->Wait();
+    for (;;) {
+      bool finished;
+      {
+        py::gil_scoped_release unlocked;
+        finished = work_->WaitFor(std::chrono::milliseconds(50));
+      }
+      if (finished) break;
+      if (PyErr_CheckSignals() != 0) {
+        Abandoned().push_back(std::make_unique<JobWork>(std::move(*this)));
+        throw py::error_already_set();
+      }
     }
+    absl::Status s = work_->Wait();
     held_.clear();
     Check(s);
   }
   bool Done() const { return work_->done(); }
+  // Works given up by an interrupted wait, with their tensors; those done are let go as new
+  // collectives are issued.
+  static std::vector<std::unique_ptr<JobWork>>& Abandoned() {
+    static auto* abandoned = new std::vector<std::unique_ptr<JobWork>>();
+    return *abandoned;
+  }
+  static void ForgetFinished() {
+    auto& a = Abandoned();
+    a.erase(std::remove_if(a.begin(), a.end(), [](const auto& w) { return w->Done(); }), a.end());
+  }
 
  private:
   std::shared_ptr<comm::Work> work_;
@@ -824,7 +845,7 @@ class PyJob {
     const TensorView t = HostTensor(tensor, "broadcast");
     return Finish(job_->comm->Broadcast(Bytes(t), root), async_op, {tensor});
   }
-  void Barrier() { JobWork(job_->comm->Barrier(), {}).Wait(); }
+  void Barrier() { Finish(job_->comm->Barrier(), false, {}); }
 
  private:
   static TensorView Float32(py::handle tensor, const char* what) {
@@ -841,8 +862,10 @@ class PyJob {
   comm::Communicator& Comm(bool side) { return side ? *job_->side : *job_->comm; }
   static py::object Finish(std::shared_ptr<comm::Work> work, bool async_op,
                            std::vector<py::object> held) {
-    if (async_op) return py::cast(JobWork(std::move(work), std::move(held)));
-    JobWork(std::move(work), {}).Wait();
+    JobWork::ForgetFinished();
+    JobWork w(std::move(work), std::move(held));
+    if (async_op) return py::cast(std::move(w));
+    w.Wait();
     return py::none();
   }
   std::unique_ptr<comm::Job> job_;

@@ -80,3 +80,38 @@ def test_a_missing_variable_is_named():
                            env=env, capture_output=True, text=True, timeout=60)
     assert child.returncode != 0
     assert "WORLD_SIZE is not set" in child.stderr, child.stderr[-2000:]
+
+
+WAITS = r"""
+import os, sys, time, torch
+from strata import _strata
+job = _strata.Job(timeout_ms=60000)
+if job.rank == 1:
+    time.sleep(120)  # never takes part
+print("waiting", flush=True)
+start = time.monotonic()
+x = torch.ones(1 << 20)
+try:
+    job.all_reduce(x)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
+    os._exit(0)
+"""
+
+
+def test_ctrl_c_interrupts_a_rank_waiting_in_a_collective():
+    import signal
+    import time
+    procs = start_ranks(2, WAITS)
+    try:
+        line = procs[0].stdout.readline()
+        assert line.strip() == "waiting", line + procs[0].stderr.read()
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGINT)
+        out, err = procs[0].communicate(timeout=30)
+        assert out.startswith("interrupted after "), out + err[-2000:]
+        assert float(out.split()[2]) < 3.0, out  # at once, not at the 60 s timeout
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
