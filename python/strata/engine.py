@@ -403,6 +403,11 @@ class Engine:
         self._staged = None
         # Across ranks the step is taken after backward (the ranks agree on its norm first).
         self._speculate = ranks is None
+        self._gather_order = None  # across ranks: the modules' fetches, once recorded
+        self._recording = []
+        self._cursor = None
+        self._prefetched = None  # (module, its entries, the gather started for it)
+        self.prefetched_gathers = 0  # gathers started ahead that their module used
         # Parameters homed on NVMe take their new weights from the committed master weights, one
         # at a time, rather than all at once in host memory (_refresh_weights).
         self._refresh = self._param_tier == "nvme"
@@ -599,19 +604,67 @@ class Engine:
     # external parameter stays lent through the inner module's forward): `_holders` counts them.
 
     def _fetch(self, module):
+        prefetched = self._take_prefetched(module)
         gather = []
         for e in self._by_module[module]:
             held = self._holders.get(e.pid, 0)
-            if held == 0 and e.param.data.numel() == 0:
+            if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
                 lent = from_dlpack(self.runtime.lend(e.pid, "device"))
                 if self.ranks is None:
                     e.param.data = lent.view(e.shape)
                 else:  # its shard, gathered whole with the module's others (then given back)
-                    gather.append((e, lent, lambda whole, e=e: setattr(
-                        e.param, "data", whole.view(e.shape))))
+                    gather.append((e, lent, self._sink(e)))
             self._holders[e.pid] = held + 1
-        if gather:
-            self.ranks.gather(gather)
+        if self.ranks is not None:
+            self.ranks.finish_gather(prefetched[1])
+            if gather:
+                self.ranks.gather(gather)
+            self._prefetch_after(module)
+
+    # Across ranks, the all-gathers follow the order the first micro-batch fetched the modules in
+    # (forward, then backward): while a module computes, the next one's weights are gathered
+    # (issued on every rank at the same point, so the ranks' collectives stay in one order). A
+    # micro-batch whose order differs (on every rank alike) gathers on demand for its rest.
+
+    def _sink(self, e):
+        def sink(whole):
+            if e.param.data.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
+                e.param.data = whole.view(e.shape)
+        return sink
+
+    def _take_prefetched(self, module):
+        """({entries} the gather started ahead for `module` covers, its collectives); a gather
+        started for another module is waited for and dropped."""
+        pending, self._prefetched = self._prefetched, None
+        if pending is None:
+            return set(), []
+        target, entries, started = pending
+        if target is module:
+            self.prefetched_gathers += 1
+            return entries, started
+        for work, _, _ in started:
+            work.wait()
+        return set(), []
+
+    def _prefetch_after(self, module):
+        if self._gather_order is None:  # the first micro-batch: recording the order
+            self._recording.append(module)
+            return
+        if self._cursor is None or self._cursor >= len(self._gather_order) or \
+                self._gather_order[self._cursor] is not module:
+            self._cursor = None  # another order: on demand until the next forward
+            return
+        self._cursor += 1
+        if self._cursor == len(self._gather_order):
+            return
+        following = self._gather_order[self._cursor]
+        items = []
+        for e in self._by_module[following]:
+            if self._holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
+                items.append((e, from_dlpack(self.runtime.lend(e.pid, "device")), self._sink(e)))
+        if items:
+            self._prefetched = (following, {e for e, _, _ in items},
+                                self.ranks.start_gather(items))
 
     def _drop(self, module):
         for e in self._by_module.get(module, ()):
@@ -804,6 +857,11 @@ class Engine:
     def forward(self, *args, **kwargs):
         if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
             self._refresh_weights(list(self._pending_refresh))
+        if self.ranks is not None:
+            self._take_prefetched(None)  # one started for a backward that did not come
+            self._cursor = 0
+            if self._gather_order is None:  # recorded from the forward whose backward comes
+                self._recording = []
         return self.module(*args, **kwargs)
 
     def backward(self, loss):
@@ -816,6 +874,8 @@ class Engine:
             scaled.backward()
             if self.ranks is not None:
                 self.ranks.finish_gradients()
+                if self._gather_order is None:
+                    self._gather_order = self._recording
         except BaseException:
             if self.ranks is not None:
                 self.ranks.drop_gradients()

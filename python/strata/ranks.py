@@ -310,10 +310,16 @@ class Ranks:
     def gather(self, items):
         """items: (e, this rank's shard: a flat tensor of e.shard elements, sink) with one dtype
         per bucket; all-gathered in buckets of allgather_bucket_size; sink(whole flat tensor of
-        e.numel elements) is called for each, the tensor a view of the bucket's buffer."""
+        e.numel elements) is called for each."""
+        self.finish_gather(self.start_gather(items))
+
+    def start_gather(self, items):
+        """gather's collectives issued (the shards copied out: they may be let go); returns what
+        finish_gather waits for and hands to the sinks."""
         by_dtype = {}
         for item in items:
             by_dtype.setdefault(item[1].dtype, []).append(item)
+        started = []
         for dtype, group in by_dtype.items():
             for bucket in self._buckets(group, self.allgather_bucket):
                 self._agree(f"all-gather ({dtype}; "
@@ -326,11 +332,19 @@ class Ranks:
                     send[offset:offset + e.shard] = shard
                     offset += e.shard
                 whole = torch.empty(self.size, total, dtype=dtype)
-                self.job.all_gather(send, whole.view(-1))
-                offset = 0
-                for e, _, sink in bucket:
-                    sink(whole[:, offset:offset + e.shard].reshape(-1)[:e.numel])
-                    offset += e.shard
+                work = self.job.all_gather(send, whole.view(-1), async_op=True)
+                started.append((work, [(e, sink) for e, _, sink in bucket], whole))
+        return started
+
+    def finish_gather(self, started):
+        """Waits for start_gather's collectives; each sink gets its parameter whole (a tensor of
+        its own, not a view of the bucket's buffer)."""
+        for work, bucket, whole in started:
+            work.wait()
+            offset = 0
+            for e, sink in bucket:
+                sink(whole[:, offset:offset + e.shard].reshape(-1)[:e.numel])
+                offset += e.shard
 
     def all_ok(self, ok):
         """Whether every rank is `ok` (each rank says whether it is)."""

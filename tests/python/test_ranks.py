@@ -91,6 +91,7 @@ if rank == 0:
 print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held,
                   "shards": {e.name: [e.numel, e.shard] for e in engine._params},
                   "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
+                  "prefetched": engine.prefetched_gathers,
                   "nvme": sorted(__import__("os").listdir(nvme)) if offload == "nvme" else []}))
 """
 
@@ -171,6 +172,11 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
             assert r["held"] == sum(shard for _, shard in r["shards"].values()), r
         if stage >= 2:  # reduce-scattered while backward ran (buckets of 3000 elements)
             assert r["in_backward"] > 0, r
+        if stage == 3:
+            # From the second micro-batch, of its 6 gathers (emb, l1, l2 forward and backward)
+            # 4 were started ahead: not the first, nor l2's backward (its weights are still lent
+            # to its forward when that gather's turn comes).
+            assert r["prefetched"] == (2 * steps - 1) * 4, r
     if offload == "nvme":
         # Each rank's NVMe state in its own subfolder of the configured nvme_path.
         assert reports[0]["nvme"] == [f"rank{r}" for r in range(n)]
