@@ -724,17 +724,8 @@ class Engine:
                 if self.ranks is not None:  # reduce-scattered into the owners' shards
                     self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
                     return
-                with torch.no_grad():
-                    part = from_dlpack(self.runtime.acquire(e.gid, "device"))
-                    part.add_(grad.reshape(-1))
-                    del part
-                self.runtime.release(e.gid, "device", True)
-                e.has_grad = True
-                if boundary:
-                    # Its last micro-batch: the gradient leaves the device now, in the background,
-                    # while backward goes on, and its optimizer step is staged.
-                    self.runtime.gradient_ready(e.gid)
-                    e.sent_down = True
+                self._add_to_gradient_partition(e, grad.reshape(-1), boundary)
+                if boundary:  # its optimizer step is staged
                     self._stage(e)
             elif self.stage == 2 and self.ranks is not None:
                 # Reduce-scattered as it is made: this rank keeps only its shard's mean.
@@ -762,9 +753,15 @@ class Engine:
             e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
             e.has_grad = True
             return
+        self._add_to_gradient_partition(e, shard, boundary)
+
+    def _add_to_gradient_partition(self, e, values, boundary):
+        """Sums `values` into e's gradient partition on the device; in its last micro-batch
+        (`boundary`) the gradient leaves the device now, in the background, while backward goes
+        on."""
         with torch.no_grad():
             part = from_dlpack(self.runtime.acquire(e.gid, "device"))
-            part.add_(shard)
+            part.add_(values)
             del part
         self.runtime.release(e.gid, "device", True)
         e.has_grad = True
