@@ -45,6 +45,8 @@ zero = {"stage": stage, "offload_optimizer": {"device": offload, "nvme_path": nv
 if stage == 3:
     zero["offload_param"] = {"device": offload, "nvme_path": nvme, "buffer_count": 2,
                              "buffer_size": 65536}
+elif offload == "nvme":  # the NVMe optimizer's staging buffers, within the host budget
+    zero["offload_param"] = {"buffer_count": 2, "buffer_size": 65536}
 config = {"train_batch_size": GLOBAL * 2, "gradient_accumulation_steps": 2 * SPLIT,
           "gradient_clipping": 0.5,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
@@ -122,6 +124,7 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
 
 @pytest.mark.parametrize("n, stage, offload, dtype, under_init", [
     (2, 1, "cpu", "fp32", False),
+    (4, 1, "nvme", "fp32", False),
     (2, 2, "cpu", "fp32", False),
     (2, 3, "cpu", "fp32", False),
     (4, 3, "nvme", "fp32", False),
