@@ -54,6 +54,9 @@ class Communicator {
   // data = root's data, in place.
   virtual std::shared_ptr<Work> Broadcast(absl::Span<std::byte> data, int root) = 0;
   virtual std::shared_ptr<Work> Barrier() = 0;
+  // Breaks the communicator at once, for a caller that gives up waiting (Ctrl-C): a collective in
+  // flight fails (its peers see the connections close and fail theirs), as does every later one.
+  virtual void Abort() = 0;
 };
 
 }  // namespace strata::comm

@@ -1,5 +1,6 @@
 #include "comm/gloo_communicator.h"
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -107,6 +108,15 @@ class GlooCommunicator final : public Communicator {
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
 
+  // The peers' collectives fail at once (the connections close). One of this rank's that waits for
+  // a peer's bytes stays blocked until the timeout (Gloo's algorithms cannot be woken): later
+  // collectives are refused at once rather than queued behind it, and the communicator must not
+  // be destroyed before it ends (the destructor joins its thread).
+  void Abort() override {
+    aborted_.store(true);
+    context_->closeConnections();
+  }
+
   std::shared_ptr<Work> AllGather(absl::Span<const std::byte> in,
                                   absl::Span<std::byte> out) override {
     if (out.size() != in.size() * static_cast<size_t>(size())) {
@@ -182,6 +192,9 @@ class GlooCommunicator final : public Communicator {
   }
 
   std::shared_ptr<Work> Issue(std::string what, std::function<void()> run) {
+    if (aborted_.load()) {  // not queued behind a collective the abort left blocked
+      return Failed(Aborted(what));
+    }
     auto work = std::make_shared<WorkImpl>();
     {
       MutexLock lock(&mu_);
@@ -201,6 +214,7 @@ class GlooCommunicator final : public Communicator {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (broken_.ok() && aborted_.load()) broken_ = Aborted(task.what);
       if (!broken_.ok()) {
         task.work->Complete(broken_);
         continue;
@@ -219,6 +233,12 @@ class GlooCommunicator final : public Communicator {
       }
       task.work->Complete(std::move(s));
     }
+  }
+
+  absl::Status Aborted(const std::string& what) const {
+    return absl::CancelledError(
+        absl::StrCat("rank ", rank(), " of ", size(), ": ", what,
+                     ": the communicator was aborted (a wait for a collective was interrupted)"));
   }
 
   std::string Describe(const std::string& what, const char* error) const {
@@ -275,7 +295,8 @@ class GlooCommunicator final : public Communicator {
   CondVar cv_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status broken_;      // the collectives' thread only
+  absl::Status broken_;  // the collectives' thread only
+  std::atomic<bool> aborted_{false};
   std::vector<float> ring_;  // RingReduceScatter's buffers (the collectives' thread only)
   std::unique_ptr<gloo::transport::UnboundBuffer> ring_buffer_;
   std::thread thread_;

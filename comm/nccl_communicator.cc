@@ -150,6 +150,20 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
 
+  void Abort() override {
+    MutexLock lock(&state_->mu);
+    if (state_->broken.ok()) {
+      state_->broken = absl::CancelledError(
+          absl::StrCat("nccl: rank ", rank_, " of ", size_,
+                       ": the communicator was aborted (a wait for a collective was interrupted)"));
+    }
+    if (state_->comm != nullptr) {
+      cudaSetDevice(state_->device);
+      ncclCommAbort(state_->comm);
+      state_->comm = nullptr;
+    }
+  }
+
   std::shared_ptr<Work> AllGather(absl::Span<const std::byte> in,
                                   absl::Span<std::byte> out) override {
     if (out.size() != in.size() * static_cast<size_t>(size_)) {

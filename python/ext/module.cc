@@ -23,6 +23,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -752,16 +753,20 @@ class PyRuntime {
 
 // A collective of the job and the tensors it reads and writes, held until it is done. wait()
 // raises its error, and can be interrupted (Ctrl-C: Python's signal handlers run between waits of
-// 50 ms); an interrupted collective still runs, so its tensors are kept (Abandoned) until it ends.
+// 50 ms): the job's communicators are then aborted (`abort`), so that the peers' collectives fail
+// at once and every later one here is refused at once; the interrupted collective may run on until
+// the timeout, so its tensors, and the job (held by `abort`), are kept (Abandoned) until it ends.
 class JobWork {
  public:
-  JobWork(std::shared_ptr<comm::Work> work, std::vector<py::object> held)
-      : work_(std::move(work)), held_(std::move(held)) {}
+  JobWork(std::shared_ptr<comm::Work> work, std::vector<py::object> held,
+          std::function<void()> abort)
+      : work_(std::move(work)), held_(std::move(held)), abort_(std::move(abort)) {}
+  JobWork(const JobWork&) = default;
   JobWork(JobWork&&) = default;
   JobWork& operator=(JobWork&&) = delete;
   // Dropped before it is done: waits, so that the collective never writes a freed tensor.
   ~JobWork() {
-    if (work_ == nullptr || held_.empty()) return;
+    if (work_ == nullptr || held_.empty() || interrupted_) return;  // (Abandoned holds them)
     py::gil_scoped_release unlocked;
     work_->Wait().IgnoreError();
   }
@@ -774,7 +779,9 @@ class JobWork {
       }
       if (finished) break;
       if (PyErr_CheckSignals() != 0) {
-        Abandoned().push_back(std::make_unique<JobWork>(std::move(*this)));
+        abort_();
+        Abandoned().push_back(std::make_unique<JobWork>(*this));
+        interrupted_ = true;
         throw py::error_already_set();
       }
     }
@@ -797,6 +804,8 @@ class JobWork {
  private:
   std::shared_ptr<comm::Work> work_;
   std::vector<py::object> held_;
+  std::function<void()> abort_;
+  bool interrupted_ = false;  // a wait for it was interrupted: Abandoned keeps it
 };
 
 // The job a launcher started (comm/job.h), for the Python front: who this rank is, and the
@@ -812,7 +821,7 @@ class PyJob {
       job = comm::JoinJob(*env, comm::Duration(timeout_ms));
     }
     Check(job.status());
-    job_ = std::make_unique<comm::Job>(*std::move(job));
+    job_ = std::make_shared<comm::Job>(*std::move(job));
   }
   int rank() const { return job_->env.rank; }
   int world_size() const { return job_->env.world_size; }
@@ -860,15 +869,17 @@ class PyJob {
   }
   // The job's communicator, or (side) its second one, whose collectives run beside the first's.
   comm::Communicator& Comm(bool side) { return side ? *job_->side : *job_->comm; }
-  static py::object Finish(std::shared_ptr<comm::Work> work, bool async_op,
-                           std::vector<py::object> held) {
+  py::object Finish(std::shared_ptr<comm::Work> work, bool async_op, std::vector<py::object> held) {
     JobWork::ForgetFinished();
-    JobWork w(std::move(work), std::move(held));
+    JobWork w(std::move(work), std::move(held), [job = job_] {
+      job->comm->Abort();
+      job->side->Abort();
+    });
     if (async_op) return py::cast(std::move(w));
     w.Wait();
     return py::none();
   }
-  std::unique_ptr<comm::Job> job_;
+  std::shared_ptr<comm::Job> job_;  // shared with its collectives' abort (JobWork)
 };
 
 }  // namespace

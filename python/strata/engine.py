@@ -875,7 +875,13 @@ class Engine:
                     self._gather_order = self._recording
         except BaseException:
             if self.ranks is not None:
-                self.ranks.drop_gradients()
+                # The gradients autograd made before the failure are kept, as in one process
+                # (whatever the buckets: those not reduced yet are now), every rank alike; if the
+                # ranks cannot (one failed alone, or the job did), they are dropped.
+                try:
+                    self.ranks.finish_gradients()
+                except Exception:  # noqa: BLE001 - the backward's own error is the one raised
+                    self.ranks.drop_gradients()
             self._end_staged(committed=False)
             raise
         finally:

@@ -234,8 +234,10 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
     and tells the others its name; every rank writes its optimizer states
     (optimizer_states.rank<r>.bin, its shard of every parameter's) and their digests; once every
     rank has, rank 0 writes engine_states.pt and meta.json (every rank's digests in it), renames the
-    folder and moves ``latest``. A rank that fails or dies ends the save on every rank with an
-    error, the folder removed and ``latest`` unchanged."""
+    folder and moves ``latest``. A rank that fails or dies before the checkpoint is whole ends the
+    save on every rank with an error, the folder removed and ``latest`` unchanged; one that dies
+    after is told of in rank 0's error, which says the checkpoint is whole. Every rank must give
+    the same tag."""
     ranks = engine.ranks
     lead = ranks.rank == 0
     failure, name = None, ""
@@ -251,6 +253,15 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
         raise CheckpointError(f"save_checkpoint: rank 0 could not make the checkpoint's folder "
                               f"in {save_dir} (it says why); nothing was saved")
     partial = os.path.join(save_dir, name)
+    theirs = name[1:name.rindex(".partial-")]
+    failed = ranks.failed_ranks(theirs == tag)  # every rank saves the same tag
+    if failed:
+        if lead:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(
+            f"save_checkpoint: rank{'s' if len(failed) > 1 else ''} "
+            f"{', '.join(map(str, failed))} gave another tag than rank 0's {theirs!r} (this rank: "
+            f"{tag!r}); accepted: the same tag on every rank; nothing was saved")
     try:
         try:
             entries, size = _write_optimizer_states(
@@ -268,12 +279,25 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
                 f"save_checkpoint: rank{'s' if len(failed) > 1 else ''} "
                 f"{', '.join(map(str, failed))} could not write {tag!r} (each says why); nothing "
                 f"was saved, {LATEST} is unchanged")
+        published = False
         if lead:
             try:
                 _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest)
+                published = True
             except Exception as error:
                 failure = error
-        if ranks.failed_ranks(failure is None):  # rank 0's outcome, on every rank
+        _point("before_outcome")
+        try:
+            failed = ranks.failed_ranks(failure is None)  # rank 0's outcome, on every rank
+        except Exception as error:
+            if published:  # whole and named; only telling the others failed
+                _drop_asides(save_dir, tag)
+                raise CheckpointError(
+                    f"save_checkpoint: {tag!r} was saved whole"
+                    f"{' and ' + LATEST + ' names it' if save_latest else ''}, but the other "
+                    f"ranks could not be told: {error}") from error
+            raise
+        if failed:
             if failure is not None:
                 raise failure
             raise CheckpointError(f"save_checkpoint: rank 0 could not complete {tag!r} (it says "

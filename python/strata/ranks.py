@@ -128,19 +128,18 @@ class Ranks:
                         f"{cap} are used (a 64th of the host budget)")
                 setattr(self, attr, cap)
 
-    def _agree(self, kind, entries, side=False):
+    def _agree(self, kind, entries):
         """Every rank is about to issue the same collective `kind` over the same parameters (see
-        the module's docstring); else every rank raises, naming the ranks that differ. `side`:
-        on the job's second communicator (the one the collective goes on)."""
-        self._agree_on(f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries), side)
+        the module's docstring); else every rank raises, naming the ranks that differ."""
+        self._agree_on(f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries))
 
-    def _agree_on(self, what, side=False):
+    def _agree_on(self, what):
         self._collectives += 1
         mine = hashlib.blake2b(what.encode(), digest_size=16).digest()
         everyone = torch.empty(self.size * 4)  # 16 bytes a rank, carried as float32's bits
         try:
             self.job.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.float32),
-                                everyone, side=side)
+                                everyone)
         except _strata.Error as error:
             raise _strata.Error(f"rank {self.rank} of {self.size}: about to issue {what[:300]}: "
                                 f"the ranks could not agree on it: {error}") from None
@@ -211,9 +210,11 @@ class Ranks:
     def _reduce_scatter(self, bucket, async_op):
         """Starts the reduce-scatter of `bucket` ((e, whole fp32 flat gradient or None, ...)):
         returns (work, output), output holding this rank's shards one after another, summed."""
-        # On the job's second communicator: a bucket in flight never holds up the weights'
-        # all-gathers on the first (overlap_comm).
-        self._agree("reduce-scatter", [e for e, *_ in bucket], side=True)
+        # Agreed on the job's first communicator, where every collective's digest goes (one order:
+        # a rank that differs is named at once, whichever communicator its collective is for);
+        # reduced on the second: a bucket in flight never holds up the weights' all-gathers on
+        # the first (overlap_comm).
+        self._agree("reduce-scatter", [e for e, *_ in bucket])
         shards = [e.shard for e, *_ in bucket]
         total = sum(shards)
         send = torch.zeros(self.size, total)

@@ -87,19 +87,32 @@ import os, sys, time, torch
 from strata import _strata
 job = _strata.Job(timeout_ms=60000)
 if job.rank == 1:
-    time.sleep(120)  # never takes part
+    time.sleep(3)  # not there when rank 0 waits; then finds it gone
+    start = time.monotonic()
+    try:
+        job.all_reduce(torch.ones(4))
+    except _strata.Error as error:
+        print(f"rank 1 failed after {time.monotonic() - start:.2f} s: {error}", flush=True)
+    sys.exit(0)
 print("waiting", flush=True)
 start = time.monotonic()
 x = torch.ones(1 << 20)
+work = job.all_reduce(x, async_op=True)
 try:
-    job.all_reduce(x)
+    work.wait()
 except KeyboardInterrupt:
     print(f"interrupted after {time.monotonic() - start:.2f} s", flush=True)
-    os._exit(0)
+print(f"done: {work.done()}", flush=True)  # asked again: an answer, not a crash
+start = time.monotonic()
+try:
+    job.all_reduce(torch.ones(4))  # refused at once, not queued behind the interrupted one
+except _strata.Error as error:
+    print(f"then refused after {time.monotonic() - start:.2f} s: {error}", flush=True)
+# and the process ends as usual (the interrupted collective does not hold up its exit)
 """
 
 
-def test_ctrl_c_interrupts_a_rank_waiting_in_a_collective():
+def test_ctrl_c_interrupts_a_rank_waiting_in_a_collective_and_the_job_ends_at_once():
     import signal
     import time
     procs = start_ranks(2, WAITS)
@@ -107,10 +120,19 @@ def test_ctrl_c_interrupts_a_rank_waiting_in_a_collective():
         line = procs[0].stdout.readline()
         assert line.strip() == "waiting", line + procs[0].stderr.read()
         time.sleep(1.0)
+        start = time.monotonic()
         procs[0].send_signal(signal.SIGINT)
-        out, err = procs[0].communicate(timeout=30)
-        assert out.startswith("interrupted after "), out + err[-2000:]
-        assert float(out.split()[2]) < 3.0, out  # at once, not at the 60 s timeout
+        out0, err0 = procs[0].communicate(timeout=30)
+        out1, err1 = procs[1].communicate(timeout=30)
+        assert time.monotonic() - start < 15, (out0, out1)  # not the 60 s timeout
+        lines = out0.strip().splitlines()
+        assert lines[0].startswith("interrupted after ") and float(lines[0].split()[2]) < 3, out0
+        assert lines[1] == "done: False", out0
+        assert lines[2].startswith("then refused after ") and float(lines[2].split()[3]) < 1 \
+            and "the communicator was aborted (a wait for a collective was interrupted)" in \
+            lines[2], out0
+        assert procs[0].returncode == 0, err0[-2000:]
+        assert out1.startswith("rank 1 failed after ") and float(out1.split()[4]) < 5, out1
     finally:
         for p in procs:
             p.kill()

@@ -296,15 +296,17 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Linear(16, 16)
 
     def forward(self, x, step):
-        # From the second step rank 1 runs its layers the other way round.
+        # From the second step rank 1 runs its layers the other way round (stage 3), or leaves
+        # one out (an expert no token was routed to, at stage 2).
         if rank == 1 and step >= 1:
-            return self.a(self.b(x))
+            return self.b(x) if stage == 2 else self.a(self.b(x))
         return self.b(self.a(x))
 
 torch.manual_seed(0)
 config = {"train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10,
+                                "reduce_bucket_size": 1},
           "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
                      "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
 engine, _, _, _ = strata.initialize(model=Net(), config=config)
@@ -315,10 +317,12 @@ print("done")
 """
 
 
-def test_a_rank_whose_order_differs_is_named_on_every_rank_without_a_hang():
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_whose_order_differs_is_named_on_every_rank_without_a_hang(stage):
     # Stage 3 gathers each module's weights as it runs: the order of use is the collectives'.
-    # (Stages 1-2 reduce in the parameters' order at the step, whatever the graph.)
-    procs = start_ranks(2, DIVERGE, (3,))
+    # Stage 2 reduces each gradient as backward makes it, on the job's second communicator (each
+    # digest on the first: a rank that differs is still named at once, not at the timeout).
+    procs = start_ranks(2, DIVERGE, (stage,))
     start = time.monotonic()
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -605,3 +609,102 @@ def test_bad_bucket_and_timeout_values_are_named_in_one_process_too(tmp_path):
         env=env, capture_output=True, text=True, timeout=60)
     assert "strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds" in child.stderr, \
         child.stderr[-2000:]
+
+
+# A backward that fails mid-way (in every rank alike) and training that goes on: the gradients
+# autograd made before the failure stay, as in one process, whatever the buckets.
+FAILING = r"""
+import json, os, sys, torch
+import strata
+stage, bucket, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+fail = [False]
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if fail[0]:
+            raise RuntimeError("boom")
+        return grad
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 32)
+        self.c = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.c(self.b(Boom.apply(self.a(x))))
+
+torch.manual_seed(0)
+config = {"train_batch_size": 8, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10,
+                                "reduce_bucket_size": bucket},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=Net(), config=config)
+gen = torch.Generator().manual_seed(2)
+per = 4 // world
+for step in range(3):
+    for micro in range(2):
+        x = torch.randn(4, 16, generator=gen)[rank * per:(rank + 1) * per]
+        fail[0] = step == 1 and micro == 1
+        try:
+            engine.backward(engine(x).square().mean())
+        except RuntimeError as error:
+            assert "boom" in str(error)
+        engine.step()
+state = engine.module_state_dict()
+if rank == 0:
+    torch.save(state, out)
+"""
+
+
+@pytest.mark.parametrize("stage, bucket", [(2, 100000), (3, 100000), (3, 1)])
+def test_gradients_made_before_a_failed_backward_are_kept_as_in_one_process(tmp_path, stage,
+                                                                           bucket):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    single = subprocess.run([sys.executable, "-c", FAILING, str(stage), str(bucket),
+                             str(tmp_path / "one.pt")], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert single.returncode == 0, single.stderr[-2000:]
+    for p in start_ranks(2, FAILING, (stage, bucket, tmp_path / "two.pt")):
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    assert_same(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), False,
+                "after a failed backward")
+
+
+def test_ranks_that_save_different_tags_are_told_and_nothing_is_saved(tmp_path):
+    script = CKPT.replace('engine.save_checkpoint(ckpt, client_state={"rank": rank})',
+                          'engine.save_checkpoint(ckpt, tag=f"tag{rank}", client_state={})')
+    procs = start_ranks(2, script, ("save", 3, tmp_path / "ckpt", tmp_path / "x.pt"))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "save_checkpoint: rank 1 gave another tag than rank 0's 'tag0'" in err and \
+            "accepted: the same tag on every rank; nothing was saved" in err, err[-2000:]
+    assert os.listdir(tmp_path / "ckpt") == []
+
+
+def test_a_rank_that_dies_once_the_checkpoint_is_whole_is_told_of_as_such(tmp_path):
+    script = CKPT.replace(
+        '''        engine_state._crash_point = lambda at: at == "parameter_written" and os.kill(os.getpid(), 9)''',
+        '''        engine_state._crash_point = lambda at: at == "before_outcome" and os.kill(os.getpid(), 9)''')
+    assert script != CKPT
+    procs = start_ranks(2, script, ("kill", 3, tmp_path / "ckpt", tmp_path / "x.pt"))
+    out0, err0 = procs[0].communicate(timeout=120)
+    procs[1].communicate(timeout=60)
+    error = json.loads(out0.strip().splitlines()[-1])["error"]
+    # Rank 1 died after writing its part: rank 0 finished the checkpoint, then could not tell it.
+    assert error.startswith("CheckpointError: save_checkpoint: 'second' was saved whole and "
+                            "latest names it, but the other ranks could not be told"), error
+    assert (tmp_path / "ckpt" / "latest").read_text() == "second"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["first", "latest", "second"]
