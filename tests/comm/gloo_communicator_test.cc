@@ -186,6 +186,39 @@ TEST(GlooCommunicatorTest, ARankThatDiesEndsTheOthersCollectivesWithAnError) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(30));
 }
 
+// A caller that gives up waiting (Ctrl-C) aborts: the peers' collectives fail at once, and later
+// ones here are refused at once instead of queued behind the one left blocked.
+TEST(GlooCommunicatorTest, AnAbortEndsThePeersCollectivesAndRefusesLaterOnesAtOnce) {
+  const auto outcomes = RunRanks(
+      2,
+      [](Communicator& c) -> std::string {
+        if (absl::Status s = c.Barrier()->Wait(); !s.ok()) return "barrier: " + s.ToString();
+        std::vector<float> x(1 << 10, 1.0f);
+        if (c.rank() == 1) {  // late: rank 0 has given up by then
+          std::this_thread::sleep_for(std::chrono::seconds(2));
+          const auto t0 = Clock::now();
+          absl::Status s = c.AllReduce(absl::MakeSpan(x))->Wait();
+          if (s.ok()) return "an all-reduce with an aborted peer succeeded";
+          if (Clock::now() - t0 > std::chrono::seconds(3)) return "failed only at the timeout";
+          return "";
+        }
+        auto work = c.AllReduce(absl::MakeSpan(x));
+        if (work->WaitFor(std::chrono::milliseconds(300))) return "done without rank 1";
+        c.Abort();
+        const auto t0 = Clock::now();
+        absl::Status s = c.Barrier()->Wait();
+        if (s.ok() || s.message().find("the communicator was aborted") == std::string::npos) {
+          return "after the abort: " + s.ToString();
+        }
+        if (Clock::now() - t0 > std::chrono::milliseconds(500)) return "refused only late";
+        work->Wait().IgnoreError();  // (the blocked one ends by its timeout before the join)
+        return "";
+      },
+      Duration(6000));
+  EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].message;
+  EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].message;
+}
+
 // Gloo writes to its sockets without MSG_NOSIGNAL: a write racing a dead peer's close raised
 // SIGPIPE and ended a survivor (seen as exit 141 in the test above, about one run in eight).
 // Making a communicator ignores SIGPIPE when it was left at its default, and keeps a handler.
