@@ -16,6 +16,12 @@ beside the tags names the newest. A tag's folder holds
   as the tensors are), and
   the config as given.
 
+Saved by several ranks (strata/ranks.py), the folder holds ``optimizer_states.rank<r>.bin`` in
+place of ``optimizer_states.bin``: rank r's shard of each parameter's three tensors (``shard``
+elements each, the last rank's padded), and meta.json says ``world_size`` and, per parameter, each
+rank's offset and digests; rank 0 writes the rest once every rank has written its part. A
+checkpoint is read by any number of ranks, whatever number wrote it.
+
 ``strata.zero_to_fp32`` (and the ``strata_zero_to_fp32`` command) turns one into a plain fp32
 state dict.
 
