@@ -344,7 +344,8 @@ def _write_state(engine, folder, client_state):
     entries, size = _write_optimizer_states(engine, os.path.join(folder, STATES))
     params = [dict(_param_meta(e), **entry) for e, entry in zip(engine._params, entries)]
     engine_digest = _write_engine_states(engine, folder, client_state)
-    _write_meta(engine, folder, params, {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
+    _write_meta(engine, folder, params,
+                {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
 
 
 def _param_meta(e):

@@ -393,7 +393,8 @@ elif mode == "refused":  # a load one rank cannot make: nothing changes on any r
         mark("after_refused")
         if rank == 0:
             torch.save(marks, out)
-        print(json.dumps({"error": f"{type(error).__name__}: {error}", "steps": engine.global_steps}))
+        print(json.dumps({"error": f"{type(error).__name__}: {error}",
+                          "steps": engine.global_steps}))
         sys.exit(0)
     sys.exit("a damaged checkpoint loaded")
 elif mode == "pretrained":  # weights streamed from a torch.save file, the optimizer afresh
@@ -695,9 +696,8 @@ def test_ranks_that_save_different_tags_are_told_and_nothing_is_saved(tmp_path):
 
 
 def test_a_rank_that_dies_once_the_checkpoint_is_whole_is_told_of_as_such(tmp_path):
-    script = CKPT.replace(
-        '''        engine_state._crash_point = lambda at: at == "parameter_written" and os.kill(os.getpid(), 9)''',
-        '''        engine_state._crash_point = lambda at: at == "before_outcome" and os.kill(os.getpid(), 9)''')
+    script = CKPT.replace('at == "parameter_written" and os.kill',
+                          'at == "before_outcome" and os.kill')
     assert script != CKPT
     procs = start_ranks(2, script, ("kill", 3, tmp_path / "ckpt", tmp_path / "x.pt"))
     out0, err0 = procs[0].communicate(timeout=120)
