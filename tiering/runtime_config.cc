@@ -309,8 +309,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         config::CheckKeys(*s, "strata",
                           {"aio", "device", "device_budget_bytes", "host_budget_bytes",
                            "nvme_capacity_bytes", "nvme_path", "copy_bandwidth_bytes_per_s",
-                           "eviction_policy", "malloc_mmap_threshold_bytes",
-                           "comm_timeout_s"}));
+                           "eviction_policy", "malloc_mmap_threshold_bytes", "comm_timeout_s"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
