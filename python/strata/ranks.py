@@ -208,8 +208,9 @@ class Ranks:
     # --- gradients: reduce-scattered into their owners' shards, averaged ----------------------
 
     def _reduce_scatter(self, bucket, async_op):
-        """Starts the reduce-scatter of `bucket` ((e, whole fp32 flat gradient or None, ...)):
-        returns (work, output), output holding this rank's shards one after another, summed."""
+        """Starts the reduce-scatter of `bucket` ((e, its whole gradient in any floating dtype, or
+        None, ...)), summed in fp32: returns (work, output), output holding this rank's shards one
+        after another."""
         # Agreed on the job's first communicator, where every collective's digest goes (one order:
         # a rank that differs is named at once, whichever communicator its collective is for);
         # reduced on the second: a bucket in flight never holds up the weights' all-gathers on
@@ -240,8 +241,8 @@ class Ranks:
             offset += e.shard
 
     def reduce_gradients(self, entries, gradient_of):
-        """Stages 1-2 (and stage 3's unpartitioned parameters), at the step: each entry's whole
-        gradient (gradient_of(e): a flat fp32 CPU tensor, or None for none on this rank) is
+        """Stage 1 (and stage 3's unpartitioned parameters), at the step: each entry's whole
+        gradient (gradient_of(e): a CPU tensor, or None for none on this rank) is
         reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
         None where no rank had a gradient}."""
         self._agree("the gradients' reduction", entries)
