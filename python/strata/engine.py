@@ -300,10 +300,11 @@ class Engine:
         self._param_tier = settings.param_tier
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
-        ranks_module.bucket_settings(  # checked in one process too
-            json.loads(settings.runtime_json).get("zero_optimization", {}), self.stage)
+        runtime_blocks = json.loads(settings.runtime_json)
+        # The bucket keys, checked in one process too.
+        ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
         if ranks is not None:
-            self._check_ranks(settings)
+            self._check_ranks(runtime_blocks)
         if built is not None and built.settings.runtime_json != settings.runtime_json:
             raise ValueError("strata.initialize: the model was built under strata.init with "
                              "another config; accepted: the same zero_optimization and strata "
@@ -498,13 +499,12 @@ class Engine:
                              f"{', '.join(missing[:5])}")
         return groups
 
-    def _check_ranks(self, settings):
+    def _check_ranks(self, runtime):
         """What the engine does across ranks (strata/ranks.py), and what it refuses."""
         if self.stage not in (1, 2, 3):
             raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
                              f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
                              "shard of the optimizer's state)")
-        runtime = json.loads(settings.runtime_json)
         self.ranks.configure(runtime.get("zero_optimization", {}), self.stage,
                              runtime.get("strata", {}).get("host_budget_bytes", 4 << 30))
         for message in self.ranks.warnings:
