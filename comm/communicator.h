@@ -54,8 +54,10 @@ class Communicator {
   // data = root's data, in place.
   virtual std::shared_ptr<Work> Broadcast(absl::Span<std::byte> data, int root) = 0;
   virtual std::shared_ptr<Work> Barrier() = 0;
-  // Breaks the communicator at once, for a caller that gives up waiting (Ctrl-C): a collective in
-  // flight fails (its peers see the connections close and fail theirs), as does every later one.
+  // Breaks the communicator at once, for a caller that gives up waiting (Ctrl-C): the peers'
+  // collectives fail (they see the connections close) and every later one here fails at once; one
+  // of this rank's in flight may stay blocked until the timeout (Gloo's cannot be woken), so the
+  // communicator must outlive it.
   virtual void Abort() = 0;
 };
 
