@@ -1,5 +1,6 @@
 # The two commands that do all set-up on a fresh Debian 12 machine:
-#   make demo   installs what is missing, builds (release) and runs the main job: the quick NVMe
+#   make demo   installs what is missing (Debian's packages, and the Python environment .venv
+#               from PyPI), builds (release) and runs the main job: the quick NVMe
 #               sweep on a scratch folder under the build directory, then single-device
 #               fine-tuning of a GPT-style model with strata (its aio block from the sweep),
 #               beside plain PyTorch
@@ -8,16 +9,21 @@
 SCRATCH ?= build/release/scratch
 DEMO_ARGS ?=
 FINETUNE_ARGS ?=
-PYTHON ?= /usr/bin/python3
+VENV ?= $(CURDIR)/.venv
+PYTHON ?= $(VENV)/bin/python
 BENCH_ARGS ?= --reserve-hugetlb
 
-.PHONY: deps demo bench test asan tsan build clean
+.PHONY: deps venv demo bench test asan tsan build clean
 
 deps:
 	@bash scripts/install-deps.sh
 
-build: deps
-	cmake --preset release
+# The Python environment (torch, transformers, pytest, ... pinned in python/requirements.txt).
+venv: deps
+	@STRATA_VENV=$(VENV) bash scripts/python-env.sh
+
+build: venv
+	cmake --preset release -DSTRATA_PYTHON=$(PYTHON)
 	cmake --build --preset release
 
 demo: build
@@ -30,7 +36,7 @@ bench: build
 	mkdir -p $(SCRATCH)
 	./build/release/bench/aio_vs_fio --dir $(SCRATCH) --json build/release/aio_vs_fio.json $(BENCH_ARGS)
 	./build/release/bench/sweep_vs_fio --dir $(SCRATCH) --json build/release/sweep_vs_fio.json $(BENCH_ARGS)
-	./build/release/bench/cpu_adam --json build/release/cpu_adam.json
+	./build/release/bench/cpu_adam --json build/release/cpu_adam.json --torch_python $(PYTHON)
 	./build/release/bench/optimizer_swap --dir $(SCRATCH) --json build/release/optimizer_swap.json $(BENCH_ARGS)
 	./build/release/bench/nvme_store --dir $(SCRATCH) --json build/release/nvme_store.json
 	./build/release/bench/sched_step --dir $(SCRATCH) --json build/release/sched_step.json

@@ -1,7 +1,7 @@
 """bench/checkpoint: saving and loading a checkpoint whose optimizer state lives on NVMe, beside
 fio moving the same bytes in the same run, and the peak host memory of each (BENCH.md).
 
-    PYTHONPATH=build/release/python /usr/bin/python3 bench/checkpoint.py --dir SCRATCH \
+    PYTHONPATH=build/release/python .venv/bin/python bench/checkpoint.py --dir SCRATCH \
         [--json out.json] [--rounds 3] [--layers 8] [--width 512]
 
 The engine (ZeRO stage 3, parameters in pinned host memory, the optimizer's state on NVMe under

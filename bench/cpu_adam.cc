@@ -1,8 +1,8 @@
 // cpu_adam: strata's CPU AdamW against a bandwidth kernel of the same shape on the same data and
 // threads (reads p, g, m, v and writes p, m, v in place with trivial arithmetic; with bf16
 // gradients and a bf16 copy out it reads a bf16 g and writes a bf16 copy too), interleaved, and
-// against torch.optim.AdamW (Debian's python3-torch, foreach on and off) as a peer when present.
-// See shared BENCH.md.
+// against torch.optim.AdamW (the project's pinned torch, foreach on and off) as a peer when
+// present. See shared BENCH.md.
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -28,8 +28,9 @@
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "parameters");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(std::string, threads, "", "thread counts (default: 1 and all cores)");
-ABSL_FLAG(std::string, torch_python, "/usr/bin/python3",
-          "python with torch for the peer row "
+ABSL_FLAG(std::string, torch_python, ".venv/bin/python",
+          "python with torch for the peer row (default: the project's environment, from the "
+          "repository root) "
           "(empty: no peer)");
 ABSL_FLAG(std::string, json, "", "write the report here");
 ABSL_FLAG(int, accuracy_steps, 300, "steps of the bf16-moments accuracy experiment (0: skip)");

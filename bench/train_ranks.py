@@ -1,7 +1,7 @@
 """bench/train_ranks: the demo model's training step on 2 ranks beside 1 rank, the same global
 batch, ZeRO stage 3 across ranks on Gloo over loopback (strata/ranks.py) (BENCH.md).
 
-    PYTHONPATH=build/release/python /usr/bin/python3 bench/train_ranks.py [--json out.json] \
+    PYTHONPATH=build/release/python .venv/bin/python bench/train_ranks.py [--json out.json] \
         [--rounds 3] [--steps 6] [--batch 8] [--ranks 2] [--stage 3]
 
 Each round runs the demo GPT (examples/gpt.py) for --steps steps after two warm-ups, first as one

@@ -1,7 +1,7 @@
 """bench/train_step: the demo model's training step under strata against its lower bound, beside
 plain PyTorch; and strata.optim.CpuAdam against torch.optim.AdamW from Python (BENCH.md).
 
-    PYTHONPATH=build/release/python /usr/bin/python3 bench/train_step.py --dir SCRATCH \
+    PYTHONPATH=build/release/python .venv/bin/python bench/train_step.py --dir SCRATCH \
         [--json out.json] [--rounds 3] [--steps 6] [--adam-params 67108864]
 
 Each round measures, side by side:

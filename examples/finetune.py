@@ -1,6 +1,6 @@
 """strata's main job: fine-tune a GPT-style model on one device with strata, beside plain PyTorch.
 
-    /usr/bin/python3 examples/finetune.py --work build/release/scratch/finetune \
+    .venv/bin/python examples/finetune.py --work build/release/scratch/finetune \
         [--aio-block build/release/scratch/strata-sweep/best.json] [--steps 150]
 
 (`make demo` runs the quick aio sweep first and passes its best block here.) The model is
@@ -154,10 +154,10 @@ def main():
     if engine.device_kind == "emulated":
         print(f"strata: torch computes with {torch.get_num_threads()} thread(s)")
 
-    try:
+    # A progress bar on a terminal; plain lines in a log file (no carriage returns).
+    tqdm = None
+    if sys.stderr.isatty():
         from tqdm import tqdm
-    except ImportError:
-        tqdm = None
     losses, step_seconds, waits = [], [], {}
     bar = tqdm(total=args.steps, desc="strata", unit="step") if tqdm else None
     start = time.perf_counter()
@@ -259,7 +259,7 @@ def main():
         fig.savefig(png, dpi=100)
         print(f"loss curves: {png}")
     except ImportError:
-        print("finetune: matplotlib is missing: no PNG (apt-get install python3-matplotlib)")
+        print("finetune: matplotlib is missing: no PNG (scripts/python-env.sh installs it)")
     print(f"summary: {os.path.join(args.work, 'summary.json')}")
     if not finite:
         sys.exit("finetune: a loss was not finite")

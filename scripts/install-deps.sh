@@ -3,8 +3,8 @@
 # Idempotent: when everything is present it only checks (dpkg-query) and exits in well under a second.
 # Uses sudo when not root. CUDA is not installed here: when the toolkit is present (its standard
 # location, /usr/local/cuda) the build uses it; when absent, the configure step says what is left out.
-# libopenblas0-pthread: Debian's python3-torch computes through the system BLAS, and the reference
-# one is about 50x slower at the fine-tuning demo's matrix products.
+# The Python packages (torch, transformers, pytest, ...) are not Debian's: scripts/python-env.sh
+# installs them, pinned, from PyPI into the project's own virtual environment over python3-venv.
 set -euo pipefail
 
 packages=(
@@ -12,8 +12,7 @@ packages=(
   liburing-dev libaio-dev libhwloc-dev libabsl-dev libboost-dev nlohmann-json3-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   fio clang-format
-  python3-dev pybind11-dev libdlpack-dev python3-torch python3-pytest python3-tqdm python3-matplotlib
-  libopenblas0-pthread
+  python3-dev python3-venv pybind11-dev libdlpack-dev
 )
 
 missing=()

@@ -17,18 +17,32 @@ The package is strata's front for PyTorch. What is here today:
   for torch's AdamW and Adagrad, as DeepSpeed's DeepSpeedCPUAdam, DeepSpeedCPUAdagrad and
   DeepSpeedCPULion are).
 
+Messages: warnings through Python's ``warnings`` (``strata.StrataWarning``), the engine's step
+lines through the ``strata`` logger (``logging.getLogger("strata")``, INFO); nothing is printed on
+stdout.
+
 Errors from strata's C++ core are ``strata.Error`` (a ``RuntimeError``) with ``code`` (the
 status's name, e.g. ``"RESOURCE_EXHAUSTED"``) and ``errno``; bad arguments are
 ``strata.InvalidArgumentError``, which is also a ``ValueError``.
 """
 
-from strata._strata import Error, InvalidArgumentError
+import torch as _torch
+
+# torch 2.4 and later (the module hooks with keyword arguments, post-accumulate-grad hooks and
+# torch.utils.checkpoint's non-reentrant default the front relies on); CI tests the pinned one.
+_TORCH = tuple(int(part) for part in _torch.__version__.split("+")[0].split(".")[:2])
+if _TORCH < (2, 4):
+    raise ImportError(f"strata needs torch 2.4 or later; this is torch {_torch.__version__} "
+                      "(scripts/python-env.sh makes the project's environment, with torch 2.11.0)")
+
+from strata._strata import Error, InvalidArgumentError  # noqa: E402
 from strata import checkpointing
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
-from strata.engine import Engine, initialize, register_external_parameter
+from strata.engine import Engine, StrataWarning, initialize, register_external_parameter
 from strata.zero_init import init
 
 __all__ = ["checkpointing", "ConfigError", "Engine", "Error", "InvalidArgumentError", "init",
-           "initialize", "lr_schedules", "optim", "register_external_parameter"]
+           "initialize", "lr_schedules", "optim", "register_external_parameter",
+           "StrataWarning"]

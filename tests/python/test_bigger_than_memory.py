@@ -43,10 +43,13 @@ def rss(field="VmRSS:"):
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
 
 # torch's own one-time allocations (the BLAS's per-thread buffers, whose size depends on the CPU's
-# kernel, and the code pages its first ops fault in) belong in the base, not in strata's growth:
-# one forward and backward of a layer of the same shape, outside strata, before measuring.
+# kernel, the code pages its first ops fault in, and the modules torch 2 imports the first time a
+# torch.optim.Optimizer is made: torch._dynamo and what it pulls in, about 80 MiB) belong in the
+# base, not in strata's growth: one forward, backward and optimizer step of a layer of the same
+# shape, outside strata, before measuring.
 warm = torch.nn.Linear({width}, {width})
 torch.nn.functional.mse_loss(torch.tanh(warm(batches(1)[0][0])), batches(1)[0][1]).backward()
+torch.optim.SGD(warm.parameters(), lr=0.1).step()
 del warm
 
 config = {{
