@@ -1379,6 +1379,10 @@ RuntimeStats Runtime::stats() const {
   MutexLock lock(&mu_);
   RuntimeStats s = stats_;
   s.host_held_bytes = host_memory_->held_bytes();
+  for (int t = 0; t < tiering::kTierCount; ++t) {
+    s.peak_bytes[t] = table_->peak_bytes(static_cast<Tier>(t));
+    s.budget_bytes[t] = table_->budget_bytes(static_cast<Tier>(t));
+  }
   s.bytes_moved = mover_->bytes_moved();
   return s;
 }

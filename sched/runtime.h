@@ -178,6 +178,9 @@ struct RuntimeStats {
   // Pinned host memory held (partitions' copies, staging buffers, freed blocks kept for reuse,
   // page rounding): never more than strata.host_budget_bytes.
   uint64_t host_held_bytes = 0;
+  // Per tier (device, host, nvme): the most bytes of partitions (and budget set aside) it has
+  // held at once since Create, against its budget (the residency table's accounting).
+  std::array<uint64_t, tiering::kTierCount> peak_bytes{}, budget_bytes{};
   swap::TierMatrix bytes_moved{};  // [from][to]
 };
 

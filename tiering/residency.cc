@@ -70,6 +70,7 @@ absl::Status ResidencyTable::ReserveLocked(Tier t, const PartitionDesc& desc) {
         " bytes has ", budgets_[I(t)] - used_[I(t)], " free, ", bytes, " needed"));
   }
   used_[I(t)] += bytes;
+  peak_[I(t)] = std::max(peak_[I(t)], used_[I(t)]);
   if (desc.role == Role::kParam) param_elements_[I(t)] += desc.elements;
   return absl::OkStatus();
 }
@@ -285,6 +286,11 @@ uint64_t ResidencyTable::used_bytes(Tier t) const {
   return used_[I(t)];
 }
 
+uint64_t ResidencyTable::peak_bytes(Tier t) const {
+  MutexLock lock(&mu_);
+  return peak_[I(t)];
+}
+
 absl::Status ResidencyTable::SetAside(Tier t, uint64_t bytes) {
   MutexLock lock(&mu_);
   if (used_[I(t)] > budgets_[I(t)] || bytes > budgets_[I(t)] - used_[I(t)]) {
@@ -294,6 +300,7 @@ absl::Status ResidencyTable::SetAside(Tier t, uint64_t bytes) {
                      budgets_[I(t)] - std::min(budgets_[I(t)], used_[I(t)]), " free"));
   }
   used_[I(t)] += bytes;
+  peak_[I(t)] = std::max(peak_[I(t)], used_[I(t)]);
   set_aside_[I(t)] += bytes;
   return absl::OkStatus();
 }

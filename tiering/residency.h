@@ -134,6 +134,9 @@ class ResidencyTable {
 
   absl::StatusOr<Residency> Get(PartitionId id) const;
   uint64_t used_bytes(Tier t) const;
+  // The most bytes the tier has held at once (reservations and set-asides included) since the
+  // table was made: never more than its budget.
+  uint64_t peak_bytes(Tier t) const;
   uint64_t budget_bytes(Tier t) const { return budgets_[static_cast<int>(t)]; }
   // What a copy of the partition is counted as against a budget: its bytes in whole granules.
   uint64_t Footprint(const PartitionDesc& desc) const {
@@ -155,6 +158,7 @@ class ResidencyTable {
   mutable Mutex mu_;
   std::array<uint64_t, kTierCount> used_ ABSL_GUARDED_BY(mu_){};
   std::array<uint64_t, kTierCount> set_aside_ ABSL_GUARDED_BY(mu_){};  // part of used_
+  std::array<uint64_t, kTierCount> peak_ ABSL_GUARDED_BY(mu_){};       // the most used_ has been
   std::array<uint64_t, kTierCount> param_elements_ ABSL_GUARDED_BY(mu_){};
   absl::flat_hash_map<PartitionId, Residency> table_ ABSL_GUARDED_BY(mu_);
 };

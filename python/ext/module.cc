@@ -555,6 +555,13 @@ class PyRuntime {
     d["steps"] = s.steps;
     d["host_held_bytes"] = s.host_held_bytes;
     static constexpr const char* kTiers[] = {"device", "host", "nvme"};
+    py::dict peak, budget;
+    for (int t = 0; t < tiering::kTierCount; ++t) {
+      peak[kTiers[t]] = s.peak_bytes[t];
+      budget[kTiers[t]] = s.budget_bytes[t];
+    }
+    d["peak_bytes"] = peak;  // per tier: the most it held at once
+    d["budget_bytes"] = budget;
     py::dict moved;
     for (int f = 0; f < tiering::kTierCount; ++f) {
       for (int t = 0; t < tiering::kTierCount; ++t) {

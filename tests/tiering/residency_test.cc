@@ -58,6 +58,26 @@ TEST(ResidencyTest, TwoMovesOfOnePartitionNeverRace) {
   EXPECT_THAT(s.message(), HasSubstr("a move nvme -> host is already in flight"));
 }
 
+TEST(ResidencyTest, ThePeakIsTheMostATierHeldAtOnce) {
+  ResidencyTable t({1000, 1000, 1000}, /*granule_bytes=*/1);
+  EXPECT_EQ(t.peak_bytes(Tier::kDevice), 0u);
+  ASSERT_TRUE(t.Register(Desc(1, 300)).ok());
+  ASSERT_TRUE(t.Register(Desc(2, 200)).ok());
+  ASSERT_TRUE(t.Materialize(1, Tier::kDevice).ok());
+  ASSERT_TRUE(t.Materialize(2, Tier::kHost).ok());
+  ASSERT_TRUE(t.BeginMove(2, Tier::kHost, Tier::kDevice).ok());  // reserved: 500 at once
+  ASSERT_TRUE(t.EndMove(2, true).ok());
+  ASSERT_TRUE(t.BeginMove(1, Tier::kDevice, Tier::kHost).ok());
+  ASSERT_TRUE(t.EndMove(1, true).ok());
+  ASSERT_TRUE(t.Drop(1, Tier::kDevice).ok());
+  EXPECT_EQ(t.used_bytes(Tier::kDevice), 200u);
+  EXPECT_EQ(t.peak_bytes(Tier::kDevice), 500u);
+  ASSERT_TRUE(t.SetAside(Tier::kDevice, 700).ok());
+  t.GiveBack(Tier::kDevice, 700);
+  EXPECT_EQ(t.peak_bytes(Tier::kDevice), 900u);
+  EXPECT_EQ(t.peak_bytes(Tier::kHost), 500u);
+}
+
 TEST(ResidencyTest, BudgetsAreHardAndNamed) {
   ResidencyTable t({150, 1000, 1000}, /*granule_bytes=*/1);
   ASSERT_TRUE(t.Register(Desc(1)).ok());
