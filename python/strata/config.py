@@ -17,6 +17,8 @@ act on. Read here:
       lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false; Adagrad with lr,
       lr_decay, eps, weight_decay, initial_accumulator_value; Lion with lr, betas, weight_decay
   scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR and scheduler.params (strata.lr_schedules)
+  data_types.grad_accum_dtype        fp32 (the default) | the training dtype (bf16, fp16): the
+      dtype micro-batches' gradients are summed in between optimizer steps, at every stage
   steps_per_print, zero_allow_untested_optimizer
   activation_checkpointing (strata.checkpointing.configure reads it)
 """
@@ -30,7 +32,7 @@ __all__ = ["TrainConfig", "ConfigError"]
 TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
                 "gradient_accumulation_steps", "gradient_clipping", "bf16", "bfloat16", "fp16",
                 "optimizer", "scheduler", "steps_per_print", "zero_allow_untested_optimizer",
-                "activation_checkpointing")
+                "activation_checkpointing", "data_types")
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,7 @@ class TrainConfig:
         self.accumulation = 1
         self.clipping = 0.0
         self.dtype = "float32"  # or "bfloat16", "float16"
+        self.grad_accum_dtype = "float32"  # or the training dtype (data_types.grad_accum_dtype)
         self.loss_scale = 0.0  # fp16: 0 is dynamic
         self.initial_scale_power = 16
         self.loss_scale_window = 1000
@@ -197,6 +200,19 @@ class TrainConfig:
             if c.min_loss_scale <= 0:
                 _bad("fp16.min_loss_scale", f"{c.min_loss_scale} is not accepted; accepted: > 0")
             c.consecutive_hysteresis = _bool(fp16, "consecutive_hysteresis", "fp16.", False)
+
+        data_types = _object(config, "data_types")
+        if data_types:
+            _check_keys(data_types, "data_types.", ("grad_accum_dtype",))
+            names = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+            given = data_types.get("grad_accum_dtype", "fp32")
+            given = "fp32" if given is None else given
+            accepted = sorted({"fp32", {v: k for k, v in names.items()}[c.dtype]})
+            if given not in accepted:
+                _bad("data_types.grad_accum_dtype",
+                     f"{given!r} is not accepted with {c.dtype} training; accepted: "
+                     f"{' or '.join(repr(a) for a in accepted)}")
+            c.grad_accum_dtype = names[given]
 
         if "optimizer" in config:
             opt = _object(config, "optimizer")

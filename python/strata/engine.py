@@ -54,9 +54,11 @@ Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
 import json
+import logging
 import math
 import time
 import types
+import warnings
 import weakref
 
 import torch
@@ -72,7 +74,15 @@ from strata import ranks as ranks_module
 from strata.config import TrainConfig
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 
-__all__ = ["initialize", "Engine", "register_external_parameter"]
+__all__ = ["initialize", "Engine", "register_external_parameter", "StrataWarning"]
+
+# The engine's messages: warnings through `warnings` (StrataWarning), the step lines
+# (steps_per_print) through this logger at INFO; nothing is printed.
+logger = logging.getLogger("strata")
+
+
+class StrataWarning(UserWarning):
+    """What the engine warns of: a key it does not act on, a value it changed, a plan it left."""
 
 
 def register_external_parameter(module, parameter):
@@ -87,6 +97,7 @@ def register_external_parameter(module, parameter):
         external.append(parameter)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
 _ENGINE_KEYS = tuple(f"zero_optimization.{k}:" for k in (
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"))
@@ -187,8 +198,6 @@ class _HostActivations:
     count in strata.host_budget_bytes. Holds the engine weakly: once it is gone, checkpoints keep
     torch's host copies again."""
 
-    _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
         self._free = []  # ids given back
@@ -196,7 +205,7 @@ class _HostActivations:
 
     def keep(self, tensor):
         engine = self._engine()
-        if engine is None or tensor.dtype not in self._DTYPES or tensor.numel() == 0:
+        if engine is None or tensor.dtype not in _DTYPE_NAMES or tensor.numel() == 0:
             return None
         if self._next is None:
             self._next = max(e.gid for e in engine._params) + 1
@@ -205,7 +214,7 @@ class _HostActivations:
             self._next += 1
         flat = tensor.detach().reshape(-1).to("cpu")
         try:
-            engine.runtime.register(pid, "other", self._DTYPES[tensor.dtype], flat.numel(), 0,
+            engine.runtime.register(pid, "other", _DTYPE_NAMES[tensor.dtype], flat.numel(), 0,
                                     "host", flat.contiguous())
         except _strata.Error as error:
             self._free.append(pid)
@@ -276,6 +285,11 @@ class Engine:
         self.world_size = ranks.size if ranks is not None else 1
         self.local_rank = ranks.job.local_rank if ranks is not None else 0
         self.dtype = _DTYPES[config.dtype]
+        # What micro-batches' gradients are summed in (data_types.grad_accum_dtype, fp32 by
+        # default), at every stage: partitioned ones in their gradient partition, the others in
+        # a host sum (e.host_grad) when it differs from the training dtype.
+        self.grad_accum_dtype = _DTYPES[config.grad_accum_dtype]
+        self._sum_apart = config.accumulation > 1 and self.grad_accum_dtype != self.dtype
         self.micro_batch_size = config.micro_batch
         self.gradient_accumulation_steps = config.accumulation
         self.warnings = []
@@ -426,7 +440,7 @@ class Engine:
         if message not in self.warnings:
             self.warnings.append(message)
             if self.global_rank == 0:  # every rank keeps it; rank 0 says it
-                print(f"strata: warning: {message}")
+                warnings.warn(f"strata: {message}", StrataWarning, stacklevel=2)
 
     def _runtime_warning(self, message):
         if message.endswith(_TRAINER_WARNING):
@@ -543,8 +557,6 @@ class Engine:
             for p in module._parameters.values():
                 if p is not None:
                     owner.setdefault(id(p), module_index)
-        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                      torch.float16: "float16"}[self.dtype]
         trainable = {id(e.param) for e in self._params}
         with torch.no_grad():
             for p in model.parameters():
@@ -565,7 +577,7 @@ class Engine:
                         .expand(e.shape)
                 else:
                     e.param.data = e.param.data.to(device=self.device, dtype=self.dtype)
-                if e.partitioned or self.stage in (2, 3):
+                if e.partitioned or self.stage in (2, 3) or self._sum_apart:
                     # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
                     # is made now, while the parameter has its shape and dtype (autograd checks
                     # gradients against them), and kept alive here.
@@ -576,10 +588,11 @@ class Engine:
                 if not e.partitioned:
                     continue
                 if not built:
-                    self.runtime.register(e.pid, "param", dtype_name, e.shard, e.group,
+                    self.runtime.register(e.pid, "param", _DTYPE_NAMES[self.dtype], e.shard, e.group,
                                           self._param_tier, initial)
                 # The gradient's partition starts with no bytes: its first acquire makes zeros.
-                self.runtime.register(e.gid, "grad", dtype_name, e.shard, e.group, "host")
+                self.runtime.register(e.gid, "grad", _DTYPE_NAMES[self.grad_accum_dtype],
+                                      e.shard, e.group, "host")
                 self.runtime.discard(e.gid)
                 e.param.data = self._empty
 
@@ -731,11 +744,13 @@ class Engine:
                 # Reduce-scattered as it is made: this rank keeps only its shard's mean.
                 e.param.grad = None
                 self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
-            elif self.stage == 2:  # to the host as it is made, summed there in fp32
+            elif self.stage == 2 or self._sum_apart:
+                # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
+                # stages when that is not the training dtype).
                 e.param.grad = None
                 if e.host_grad is None:
-                    e.host_grad = torch.zeros(e.numel, dtype=torch.float32)
-                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=torch.float32))
+                    e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
+                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=self.grad_accum_dtype))
                 e.has_grad = True
             elif boundary and grad.device.type == "cpu":
                 # Stage 3's small parameters keep torch's .grad; its final value is staged (a
@@ -947,11 +962,12 @@ class Engine:
         if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
                               for k, v in runtime_report["wait_by_cause"].items() if v > 0)
-            print(f"strata: step {self.global_steps} (skipped {self.skipped_steps}), lr "
-                  f"{self.get_lr()[0]:.3g}, loss scale {self.loss_scale:g}, optimizer "
-                  f"{self.last_step_stats['step_seconds'] * 1e3:.0f} ms, waited "
-                  f"{runtime_report['wait_seconds'] * 1e3:.0f} ms{' (' + waits + ')' if waits else ''}"
-                  f" on the {self.device_kind} device")
+            logger.info("step %d (skipped %d), lr %.3g, loss scale %g, optimizer %.0f ms, waited "
+                        "%.0f ms%s on the %s device", self.global_steps, self.skipped_steps,
+                        self.get_lr()[0], self.loss_scale,
+                        self.last_step_stats["step_seconds"] * 1e3,
+                        runtime_report["wait_seconds"] * 1e3, f" ({waits})" if waits else "",
+                        self.device_kind)
 
         if self._refresh_error is not None:
             error, self._refresh_error = self._refresh_error, None

@@ -1,4 +1,7 @@
-"""Reference optimizers written out in plain torch, for the tests to compare against."""
+"""Reference optimizers and training written out in plain torch, for the tests to compare
+against."""
+import copy
+
 import torch
 
 
@@ -34,3 +37,34 @@ def assert_computes_as(engine, state_dict, model_class, x):
         ours = engine(x).float()
         theirs = reference(x).float()
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), (ours - theirs).abs().max()
+
+
+class MixedPrecisionAdamW:
+    """Plain torch's training step: AdamW over fp32 master weights (`model`), with a copy of the
+    model computing in `dtype` (the mixed-precision recipe written out: gradients made in
+    `dtype`, summed over micro-batches in fp32, clipped by clip_grad_norm_, the copy the rounding
+    of the master weights). For fp32 it is torch.optim.AdamW on the model itself."""
+
+    def __init__(self, model, dtype, clipping, lr=1e-2, weight_decay=0.01):
+        self.master = model
+        self.model = copy.deepcopy(model).to(dtype)
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=lr, weight_decay=weight_decay)
+        self.clipping = clipping
+
+    def backward(self, loss, accumulation):
+        """A micro-batch's backward, its loss divided by the accumulation steps (as the engine's);
+        the gradients are summed into the master weights' in fp32."""
+        (loss / accumulation).backward()
+        for m, p in zip(self.master.parameters(), self.model.parameters()):
+            if p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad.float())
+                p.grad = None
+
+    def step(self):
+        if self.clipping:
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping)
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(self.master.parameters(), self.model.parameters()):
+                p.copy_(m)

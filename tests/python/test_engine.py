@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import strata
+from references import MixedPrecisionAdamW
 
 VOCAB, WIDTH = 50, 32
 
@@ -61,31 +62,16 @@ def make_config(tmp_path, stage, offload, dtype, accumulation=2, clipping=1.0):
     return config
 
 
-class Reference:
+class Reference(MixedPrecisionAdamW):
     """Plain torch: AdamW over fp32 master weights, with the model computing in `dtype`."""
 
     def __init__(self, model, dtype, clipping):
-        self.master = model
-        self.model = copy.deepcopy(model).to(dtype)
-        self.opt = torch.optim.AdamW(self.master.parameters(), lr=1e-2, weight_decay=0.01)
-        self.clipping = clipping
+        super().__init__(model, dtype, clipping)
 
     def micro_step(self, x, y, accumulation):
         loss = loss_of(self.model(x), y)
-        (loss / accumulation).backward()
+        self.backward(loss, accumulation)
         return loss
-
-    def step(self):
-        for m, p in zip(self.master.parameters(), self.model.parameters()):
-            m.grad = p.grad.float()
-            p.grad = None
-        if self.clipping:
-            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.clipping)
-        self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(self.master.parameters(), self.model.parameters()):
-                p.copy_(m)
 
 
 def train_both(tmp_path, stage, offload, dtype, steps=12, accumulation=2, clipping=1.0):
@@ -225,6 +211,36 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, clipping):
     engine.step()
     assert engine.global_steps == 3 and engine.skipped_steps == 1
     assert not torch.equal(engine_weights(engine)[0], before)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("accum", [None, "fp32", "bf16"])
+def test_bf16_gradients_are_summed_in_grad_accum_dtype_fp32_by_default(tmp_path, stage, accum):
+    # Four micro-batches: the first's gradient 1/4 per element, the others' 2^-11, which a bf16
+    # sum drops (half an ulp of 1/4, rounded to even) and an fp32 sum keeps.
+    config = make_config(tmp_path, stage, "cpu", "bf16", accumulation=4, clipping=1e6)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    if accum is not None:
+        config["data_types"] = {"grad_accum_dtype": accum}
+    engine, _, _, _ = strata.initialize(model=Scale(), config=config)
+    for value in (1.0, 2.0 ** -9, 2.0 ** -9, 2.0 ** -9):
+        engine.backward(engine(torch.full((256,), value, dtype=torch.bfloat16)))
+        engine.step()
+    per_element = 0.25 + 3 * 2.0 ** -11 if accum in (None, "fp32") else 0.25
+    assert engine.last_step_stats["optimizer"]["grad_norm"] == pytest.approx(
+        16 * per_element, rel=1e-6)
+
+
+def test_grad_accum_dtype_names_what_it_accepts(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "bf16")
+    config["data_types"] = {"grad_accum_dtype": "fp16"}
+    with pytest.raises(strata.ConfigError, match=r"data_types.grad_accum_dtype: 'fp16' is not "
+                                                 r"accepted with bfloat16 training; accepted: "
+                                                 r"'bf16' or 'fp32'"):
+        strata.initialize(model=Scale(), config=config)
+    config["data_types"] = {"grad_dtype": "fp32"}
+    with pytest.raises(strata.ConfigError, match="data_types.grad_dtype: unknown key"):
+        strata.initialize(model=Scale(), config=config)
 
 
 def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
@@ -564,16 +580,21 @@ def test_activation_checkpointing_refuses_an_unknown_key():
             deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
 
 
-def test_steps_per_print_reports_every_n_steps(tmp_path, capsys):
+def test_steps_per_print_reports_every_n_steps_through_logging_not_stdout(tmp_path, capsys,
+                                                                          caplog):
     config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1)
     config["steps_per_print"] = 2
-    engine, _, _, _ = strata.initialize(model=Net(), config=config)
-    for x, y in batches(5):
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("strata: step ")]
-    assert [l.split()[2] for l in lines] == ["2", "4"]
+    with pytest.warns(strata.StrataWarning, match="not used"):  # nvme_path with device cpu
+        engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    with caplog.at_level("INFO", logger="strata"):
+        for x, y in batches(5):
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.name == "strata"]
+    assert [l.split()[1] for l in lines] == ["2", "4"]
     assert "on the emulated device" in lines[0]
+    # A library prints nothing: the user's stdout may be data.
+    assert capsys.readouterr().out == ""
 
 
 def test_checkpointing_gives_parameter_gradients_when_no_input_requires_grad():
