@@ -11,8 +11,13 @@ own parameters of at least stage3_param_persistence_threshold elements into stra
 parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
 the submodule is built (when its outermost ``__init__`` returns, so a subclass may set them after
 ``super().__init__()``), so the host memory building needs is about the largest module's own
-parameters, not the model's. What a parent does to its children's parameters after they were
-built (Hugging Face's ``post_init`` / ``apply(_init_weights)``) does not reach the partitions:
+parameters, not the model's. A `transformers` model's own initialization, which runs after every
+module was built (``post_init``: ``_initialize_weights`` on each module, a parent's reaching into
+its children's parameters), writes the partitions: while it runs for one module, each
+partitioned parameter a torch function is given is lent whole from its host copy, and written
+back when that module's initialization returns (so the host memory it needs is what one module's
+initialization touches; across ranks the parameter is lent as zeros and rank 0's result is
+kept). Other code that writes parameters after they were built does not reach the partitions:
 load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build without the
 context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
@@ -32,9 +37,12 @@ Thread safety: one context at a time per process (it patches nn.Module classes w
 """
 
 import functools
+import sys
 import weakref
 
 import torch
+from torch.utils import _pytree
+from torch.utils.dlpack import from_dlpack
 
 from strata import ranks as ranks_module
 from strata.config import TrainConfig
@@ -158,6 +166,25 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._patched.append((torch.nn.Module, "__init_subclass__", original))
+        modeling = sys.modules.get("transformers.modeling_utils")
+        if modeling is not None:  # transformers' post_init writes the partitions (_LentForInit)
+            self._wrap_initialization(modeling.PreTrainedModel)
+
+    def _wrap_initialization(self, cls):
+        original = cls.__dict__["_initialize_weights"]
+        context = self
+
+        @functools.wraps(original)
+        def wrapped(model, module, *args, **kwargs):
+            lending = _LentForInit(context)
+            try:
+                with lending:
+                    return original(model, module, *args, **kwargs)
+            finally:
+                lending.give_back()
+
+        cls._initialize_weights = wrapped
+        self._patched.append((cls, "_initialize_weights", original))
 
     def _wrap(self, cls):
         original = cls.__dict__.get("__init__")
@@ -192,6 +219,26 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 setattr(cls, name, original)
         self._patched.clear()
 
+    def _placeholder(self, shape):
+        """A partitioned parameter's data: its shape and dtype without its bytes (one element,
+        expanded)."""
+        return torch.zeros((), dtype=self.dtype).expand(shape)
+
+    def _write_whole(self, pid, whole):
+        """A parameter's new values (whole, in the training dtype) into its partition: across
+        ranks rank 0's, this rank's shard of them."""
+        flat = whole.reshape(-1)
+        if self.ranks is not None:
+            flat = flat.contiguous()
+            self.ranks.broadcast_tensor(flat, "a parameter's initialization")
+            flat = self.ranks.own_shard(flat, self.ranks.shard_elements(whole.numel()))
+        held = from_dlpack(self.runtime.acquire(pid, "host", traced=False))
+        try:
+            held.copy_(flat)
+        finally:
+            del held
+            self.runtime.release(pid, "host", True, traced=False)
+
     def _partition_module(self, module):
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         for p in module.__dict__.get("_parameters", {}).values():
@@ -207,10 +254,56 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
                                       self.settings.param_tier, initial)
                 del initial
-                # Its shape and dtype without its bytes (one element, expanded).
-                p.data = torch.zeros((), dtype=self.dtype).expand(p.shape)
+                p.data = self._placeholder(p.shape)
             p._strata_init = (self, pid)
             # A parameter replaced while the model is built (a tied weight: head.weight =
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.
             weakref.finalize(p, _forget, weakref.ref(self), pid)
+
+
+class _LentForInit(torch.overrides.TorchFunctionMode):
+    """While one module's initialization runs: each parameter of `context`'s partitions that a
+    torch function is given (``init.normal_(module.weight)``, ``module.weight[0]``) is lent
+    whole first, as its host copy (across ranks a zeroed tensor), so that what the function
+    writes lands in the partition; give_back() writes them and restores the placeholders."""
+
+    def __init__(self, context):
+        super().__init__()
+        self.context = context
+        self.lent = {}  # id(param) -> (param, pid, the host copy held or None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.nn.Parameter) and id(leaf) not in self.lent:
+                made = getattr(leaf, "_strata_init", None)
+                if made is not None and made[0] is self.context:
+                    self._lend(leaf, made[1])
+        return func(*args, **kwargs)
+
+    def _lend(self, param, pid):
+        context = self.context
+        if context.ranks is not None:
+            held = None
+            param.data = torch.zeros(param.shape, dtype=context.dtype)
+        else:
+            held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
+            param.data = held.view(param.shape)
+        self.lent[id(param)] = (param, pid, held)
+
+    def give_back(self):
+        error = None
+        while self.lent:
+            _, (param, pid, held) = self.lent.popitem()
+            whole, param.data = param.data, self.context._placeholder(param.shape)
+            try:
+                if held is None:  # across ranks: rank 0's values, this rank's shard
+                    self.context._write_whole(pid, whole)
+                else:  # nothing refers to the host copy once it is released
+                    del whole, held
+                    self.context.runtime.release(pid, "host", True, traced=False)
+            except Exception as e:  # noqa: BLE001 - each is given back; the first error raised
+                error = error or e
+        if error is not None:
+            raise error

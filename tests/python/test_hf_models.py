@@ -1,0 +1,257 @@
+"""Hugging Face `transformers` models under strata.initialize, against plain PyTorch.
+
+Each architecture is built from a small config with random weights (nothing is downloaded) and
+trained a few steps through the engine and through plain torch (torch.optim.AdamW with
+clip_grad_norm_; bf16: the mixed-precision recipe written out, references.MixedPrecisionAdamW) on
+the same batches from the same seed, with the models' own keyword arguments (input_ids,
+attention_mask with padding, labels) and loss (`.loss` of their output objects). The device tier
+is the host-emulated one: at stage 3 its budget is set below the model's parameters, so every
+step lends them through it, and each case checks that it did.
+"""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import strata
+from references import MixedPrecisionAdamW
+
+VOCAB = 128
+STEPS, ACCUMULATION = 3, 2
+# A fine-tuning rate: Adam moves every weight by about LR a step, whatever its gradient, so
+# gradients that differ by a rounding near zero move a weight by up to 2 LR apart.
+LR = 1e-3
+
+
+def _decoder(cls_name, config_name, **extra):
+    def build():
+        config = getattr(transformers, config_name)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, **extra)
+        return getattr(transformers, cls_name)(config)
+    return build
+
+
+# Each a function that builds the model; dropout off, so that both sides compute the same.
+ARCHITECTURES = {
+    "llama": _decoder("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2),
+    "qwen2": _decoder("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=2),
+    "mistral": _decoder("MistralForCausalLM", "MistralConfig", num_key_value_heads=2),
+    "gemma": _decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_dim=8),
+    "phi": _decoder("PhiForCausalLM", "PhiConfig", resid_pdrop=0.0, embd_pdrop=0.0,
+                    attention_dropout=0.0),
+    # Conv1D layers (not nn.Linear), the head tied to the embedding.
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
+    "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
+    # Encoder-decoder, the embedding shared by both and the head.
+    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+}
+
+
+def batches(name, n, seed=1):
+    """Keyword arguments of `n` micro-batches: two sequences of 12, the second padded by 3."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (2, 12), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+        if name == "t5":
+            labels = torch.randint(3, VOCAB, (2, 6), generator=gen)
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+        out.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return out
+
+
+def param_bytes(model, dtype):
+    return sum(p.numel() for p in model.parameters()) * torch.tensor([], dtype=dtype).element_size()
+
+
+def make_config(tmp_path, model, stage, offload, dtype):
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    largest = max(p.numel() for p in model.parameters())
+    # A quarter of the parameters, or room for the largest one with its (fp32) gradient and half
+    # as much again.
+    element = torch.tensor([], dtype=torch_dtype).element_size()
+    budget = max(param_bytes(model, torch_dtype) // 4, largest * (element + 4) * 3 // 2)
+    nvme = str(tmp_path / "nvme")
+    zero = {"stage": stage, "offload_optimizer": {"device": offload},
+            "stage3_param_persistence_threshold": 100}
+    if offload == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = nvme
+        # Its staging buffers (DeepSpeed's default buffer_size, 1e8 elements, is more than the
+        # host budget).
+        zero["offload_param"] = {"buffer_count": 2, "buffer_size": 1 << 16}
+    if stage == 3:
+        zero.setdefault("offload_param", {})["device"] = offload
+        if offload == "nvme":
+            zero["offload_param"]["nvme_path"] = nvme
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUMULATION,
+              "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+              "zero_optimization": zero,
+              "strata": {"device": "emulated", "device_budget_bytes": budget,
+                         "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20}}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def train_both(tmp_path, name, stage, offload, dtype):
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name]()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = MixedPrecisionAdamW(copy.deepcopy(model), torch_dtype, clipping=1.0, lr=LR)
+    config = make_config(tmp_path, model, stage, offload, dtype)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    losses = []
+    for kwargs in batches(name, STEPS * ACCUMULATION):
+        out = engine(**kwargs)
+        engine.backward(out.loss)
+        engine.step()
+        ref_loss = reference.model(**kwargs).loss
+        reference.backward(ref_loss, ACCUMULATION)
+        if engine.micro_steps % ACCUMULATION == 0:
+            reference.step()
+        losses.append((out.loss.item(), ref_loss.item()))
+    return engine, reference, losses, config, initial
+
+
+def assert_offloaded(engine, config, model_bytes, stage, offload):
+    """At stage 3 the parameters went through a device tier smaller than they are, within its
+    budget; with the optimizer on NVMe, its state was read and written there."""
+    stats = engine.stats()
+    moved = stats["bytes_moved"]
+    if stage == 3:
+        budget = config["strata"]["device_budget_bytes"]
+        assert stats["budget_bytes"]["device"] == budget < model_bytes
+        assert 0 < stats["peak_bytes"]["device"] <= budget
+        into_device = sum(v for k, v in moved.items() if k.endswith("_to_device"))
+        assert into_device >= STEPS * model_bytes // 2, moved  # lent again every step
+    if offload == "nvme":
+        assert moved.get("host_to_nvme", 0) > 0 and moved.get("nvme_to_host", 0) > 0, moved
+
+
+# Every architecture at stage 3 with parameters and optimizer on NVMe in fp32, and each at one
+# other stage, offload and dtype, so that every stage, both offloads and both dtypes meet several.
+CASES = [(name, 3, "nvme", "fp32") for name in ARCHITECTURES] + [
+    ("llama", 3, "cpu", "bf16"), ("qwen2", 2, "nvme", "fp32"), ("mistral", 1, "cpu", "bf16"),
+    ("gemma", 0, "cpu", "fp32"), ("phi", 3, "cpu", "bf16"), ("gpt2", 2, "cpu", "bf16"),
+    ("bert", 1, "nvme", "fp32"), ("t5", 3, "cpu", "bf16")]
+
+
+@pytest.mark.parametrize("name,stage,offload,dtype", CASES)
+def test_a_transformers_model_trains_as_plain_torch(tmp_path, name, stage, offload, dtype):
+    engine, reference, losses, config, initial = train_both(tmp_path, name, stage, offload,
+                                                            dtype)
+    # fp32: the same arithmetic but for the optimizer's fused multiply-adds; bf16: the same
+    # recipe, where a weight whose bf16 rounding lands the other way moves later losses by about
+    # 2^-8 relative.
+    tolerance = 1e-5 if dtype == "fp32" else 2e-2
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=tolerance, abs=tolerance), losses
+    ours = engine.module_state_dict()
+    theirs = reference.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key].float(), value.float(), rtol=tolerance,
+                                   atol=tolerance, msg=lambda m: f"{key}: {m}")
+    moved = max((ours[key].float() - initial[key].float()).abs().max().item() for key in initial)
+    assert moved > 0.5 * LR  # it trained
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    assert_offloaded(engine, config, param_bytes(reference.model, torch_dtype), stage, offload)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_generate_with_offloaded_parameters_gives_the_plain_models_tokens(tmp_path, name):
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name]()
+    plain = copy.deepcopy(model).eval()
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, model, 3, "cpu", "fp32"))
+    prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    engine.eval()
+    with torch.no_grad():
+        ours = engine.module.generate(prompt, max_new_tokens=6, do_sample=False)
+    theirs = plain.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert ours.tolist() == theirs.tolist()
+    assert engine.stats()["peak_bytes"]["device"] <= make_config(
+        tmp_path, plain, 3, "cpu", "fp32")["strata"]["device_budget_bytes"]
+    # Training goes on after eval as before it: the next step equals plain torch's.
+    engine.train()
+    plain.train()
+    torch_adamw = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.01)
+    for kwargs in batches(name, 2):
+        loss = engine(**kwargs).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = plain(**kwargs).loss
+        (ref_loss / ACCUMULATION).backward()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    torch_adamw.step()
+    kwargs = batches(name, 1, seed=9)[0]
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == pytest.approx(plain(**kwargs).loss.item(),
+                                                             rel=1e-5)
+
+
+def test_gradient_checkpointing_enable_trains_as_plain_torch(tmp_path):
+    # transformers' default: torch.utils.checkpoint without reentrance. Each decoder layer is
+    # recomputed whole in backward, so the device holds a layer's parameters at once.
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    model_bytes = param_bytes(model, torch.float32)
+    model.gradient_checkpointing_enable()
+    reference = MixedPrecisionAdamW(copy.deepcopy(model), torch.float32, clipping=1.0, lr=LR)
+    config = make_config(tmp_path, model, 3, "cpu", "fp32")
+    config["strata"]["device_budget_bytes"] = 80000
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for kwargs in batches("llama", 4):
+        loss = engine(**kwargs).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference.model(**kwargs).loss
+        reference.backward(ref_loss, ACCUMULATION)
+        if engine.micro_steps % ACCUMULATION == 0:
+            reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert engine.stats()["peak_bytes"]["device"] <= 80000 < model_bytes
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5"])
+def test_a_model_from_config_under_strata_init_is_initialized_as_transformers_does(tmp_path,
+                                                                                    name):
+    # transformers initializes every weight after the modules are built (post_init); under
+    # strata.init that writes the partitions, module by module: the same values as a plain
+    # build from the same seed.
+    torch.manual_seed(0)
+    plain = ARCHITECTURES[name]()
+    config = make_config(tmp_path, plain, 3, "nvme", "fp32")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = ARCHITECTURES[name]()
+    partitioned = {n: p for n, p in plain.named_parameters()
+                   if strata.zero_init.partition_of(model.get_parameter(n)) is not None}
+    assert sum(p.numel() for p in partitioned.values()) > 0.8 * sum(
+        p.numel() for p in plain.parameters())
+    # Nothing materialized: each a placeholder of one element's bytes.
+    assert all(model.get_parameter(n).untyped_storage().nbytes() <= 4 for n in partitioned)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    ours = engine.module_state_dict()
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    kwargs = batches(name, 1)[0]
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == pytest.approx(plain(**kwargs).loss.item(),
+                                                             rel=1e-6)
