@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <tuple>
 
 #include "absl/strings/numbers.h"
@@ -172,11 +173,12 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
   const std::string base = config.SwapPath();
   const std::string swap = base.empty() ? "" : absl::StrCat(base, "/rank", rank);
   if (!swap.empty()) {
-    if (mkdir(base.c_str(), 0700) != 0 && errno != EEXIST) {
-      return Annotate(ErrnoStatus(errno, "mkdir", base),
+    struct stat st;
+    std::error_code made;  // its missing parents too, as DeepSpeed's swap folders are
+    if (stat(base.c_str(), &st) != 0 && !std::filesystem::create_directories(base, made) && made) {
+      return Annotate(ErrnoStatus(made.value(), "mkdir -p", base),
                       "config: nvme_path must be a directory that exists or can be made");
     }
-    struct stat st;
     if (stat(base.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
       return absl::FailedPreconditionError(
           absl::StrCat("config: nvme_path ", base, " is not a directory"));

@@ -158,9 +158,9 @@ class _Param:
 
     __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad")
+                 "shard_grad", "frozen")
 
-    def __init__(self, name, param, pid, shard=None):
+    def __init__(self, name, param, pid, shard=None, frozen=False):
         self.name = name
         self.param = param
         self.shape = tuple(param.shape)
@@ -179,6 +179,9 @@ class _Param:
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
         self.sent_down = False  # GradientReady told for this step's gradient
         self.staged = None  # (lr, param copy target) once its step is staged (_Staged)
+        # A frozen parameter partitioned at stage 3: lent around its modules as any other, with no
+        # gradient, no optimizer state (gid unused), never written back.
+        self.frozen = frozen
 
 
 class _Staged:
@@ -208,7 +211,7 @@ class _HostActivations:
         if engine is None or tensor.dtype not in _DTYPE_NAMES or tensor.numel() == 0:
             return None
         if self._next is None:
-            self._next = max(e.gid for e in engine._params) + 1
+            self._next = engine._next_id
         pid = self._free.pop() if self._free else self._next
         if pid == self._next:
             self._next += 1
@@ -371,6 +374,28 @@ class Engine:
                 pid, next_id = next_id, next_id + 2
             self._params.append(_Param(name, p, pid, None if ranks is None
                                        else ranks.shard_elements(p.numel())))
+        # The parameters not trained (requires_grad False, or left out of model_parameters): at
+        # stage 3 the large ones (and any built under strata.init) are partitions too.
+        self._frozen = []
+        trained = {id(p) for _, p in named}
+        for name, p in model.named_parameters():
+            if id(p) in trained or self.stage != 3:
+                continue
+            pid = init_module.partition_of(p)
+            if pid is None and p.numel() < self._persistence_threshold:
+                continue
+            if ranks is not None:
+                if pid is None:  # across ranks frozen parameters stay whole on each device
+                    continue
+                raise ValueError(
+                    f"strata.initialize: {name} was built under strata.init and is not trained "
+                    f"(frozen): across {ranks.size} ranks a frozen parameter's partition is not "
+                    "supported yet; accepted: freeze it in one process, or build the model "
+                    "without strata.init")
+            if pid is None:
+                pid, next_id = next_id, next_id + 2
+            self._frozen.append(_Param(name, p, pid, frozen=True))
+        self._next_id = next_id  # the first id no partition uses (cpu_checkpointing's start)
         by_param = {id(e.param): e for e in self._params}
         groups = self._param_groups(optimizer, hyper, by_param)
 
@@ -558,10 +583,21 @@ class Engine:
                 if p is not None:
                     owner.setdefault(id(p), module_index)
         trainable = {id(e.param) for e in self._params}
+        frozen = {id(e.param) for e in self._frozen}
         with torch.no_grad():
             for p in model.parameters():
-                if id(p) not in trainable:
+                if id(p) not in trainable and id(p) not in frozen:
                     p.data = p.data.to(device=self.device, dtype=self.dtype)
+            for e in self._frozen:
+                e.group = owner.get(id(e.param), 0)
+                e.partitioned = True
+                if init_module.partition_of(e.param) is None:
+                    self.runtime.register(
+                        e.pid, "param", _DTYPE_NAMES[self.dtype], e.shard, e.group,
+                        self._param_tier,
+                        e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1)
+                        .contiguous())
+                e.param.data = self._empty
             for e in self._params:
                 e.group = owner.get(id(e.param), 0)
                 built = init_module.partition_of(e.param) is not None
@@ -598,7 +634,7 @@ class Engine:
 
     def _install_module_hooks(self, model):
         self._by_module = {}
-        partitioned = {id(e.param): e for e in self._params if e.partitioned}
+        partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
         self._holders = {}
         for module in model.modules():
             used = list(module._parameters.values()) + \
@@ -606,7 +642,7 @@ class Engine:
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._by_module[module] = own
-                module.register_forward_pre_hook(self._before_forward)
+                module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
                 module.register_forward_hook(self._after_forward)
                 if type(module) is torch.nn.Linear:
                     module.forward = types.MethodType(_zero3_linear_forward, module)
@@ -679,8 +715,10 @@ class Engine:
             self._prefetched = (following, {e for e, _, _ in items},
                                 self.ranks.start_gather(items))
 
-    def _drop(self, module):
+    def _drop(self, module, frozen_only=False):
         for e in self._by_module.get(module, ()):
+            if frozen_only and not e.frozen:
+                continue
             held = self._holders.get(e.pid, 0) - 1
             self._holders[e.pid] = max(held, 0)
             if held <= 0:
@@ -688,12 +726,26 @@ class Engine:
 
     def _drop_all(self):
         self._holders.clear()
-        for e in self._params:
+        for e in self._params + self._frozen:
             if e.partitioned:
                 e.param.data = self._empty
 
-    def _before_forward(self, module, inputs):
+    def _before_forward(self, module, args, kwargs):
         self._fetch(module)
+        if torch.is_grad_enabled() and any(e.frozen for e in self._by_module[module]):
+            # A frozen parameter has no gradient hook to give it back in backward: it goes back
+            # once the gradient of the module's input is made (its backward is done then).
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad:
+                    done = []
+
+                    def after_backward(grad, module=module, done=done):
+                        if not done:
+                            done.append(True)
+                            self._drop(module, frozen_only=True)
+
+                    t.register_hook(after_backward)
+                    break
 
     def _after_forward(self, module, inputs, output):
         self._drop(module)
@@ -1246,10 +1298,13 @@ class Engine:
         parameters. They are read from the optimizer's fp32 master weights (which the parameters
         are the rounding of), so reading them is not an access of the step's trace."""
         by_param = {id(e.param): e for e in self._params if e.partitioned}
+        frozen = {id(e.param): e for e in self._frozen}
         out, done = {}, {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             e = by_param.get(id(value))
-            if e is None:
+            if id(value) in frozen:
+                out[name] = self._read_frozen(frozen[id(value)])
+            elif e is None:
                 out[name] = value.detach().to("cpu").clone()
             elif e.pid in done:  # a tied parameter: the same tensor under both names
                 out[name] = done[e.pid]
@@ -1263,6 +1318,25 @@ class Engine:
                     master = whole[0].clone()
                 out[name] = done[e.pid] = master.to(self.dtype).view(e.shape)
         return out
+
+    def _read_frozen(self, e):
+        """A frozen partitioned parameter's weights (its partition's host copy, copied)."""
+        held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+        try:
+            return held.view(e.shape).clone()
+        finally:
+            del held
+            self.runtime.release(e.pid, "host", False, traced=False)
+
+    def _write_frozen(self, e, values):
+        """Sets a frozen partitioned parameter's weights (converted to the training dtype)."""
+        held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+        try:
+            with torch.no_grad():
+                held.copy_(values.reshape(-1))
+        finally:
+            del held
+            self.runtime.release(e.pid, "host", True, traced=False)
 
     def stats(self):
         """The Runtime's statistics since the engine was made (waits, bytes per tier pair), the

@@ -412,7 +412,7 @@ def _write_engine_states(engine, folder, client_state):
     aliases, extra = _module_rest(engine)
     del aliases
     torch.save({"lr_scheduler": scheduler, "client_state": client_state,
-                "module_extra": {n: t.detach().to("cpu").clone() for n, t in extra.items()}},
+                "module_extra": {n: t.read() for n, t in extra.items()}},
                os.path.join(folder, ENGINE))
     with open(os.path.join(folder, ENGINE), "rb+") as f:
         os.fsync(f.fileno())
@@ -452,16 +452,40 @@ def _meta_digest(meta):
     return hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
+class _Rest:
+    """A tensor of the module's state dict outside the optimizer: a buffer or a frozen parameter,
+    held as a tensor or (a frozen parameter at stage 3) as a partition."""
+
+    def __init__(self, engine, value, frozen):
+        self.engine, self.value, self.frozen = engine, value, frozen
+        self.shape = torch.Size(frozen.shape) if frozen is not None else value.shape
+
+    def read(self):
+        """Its values on the CPU (a copy)."""
+        if self.frozen is not None:
+            return self.engine._read_frozen(self.frozen)
+        return self.value.detach().to("cpu").clone()
+
+    def write(self, values):
+        """Sets its values (converted to its dtype)."""
+        if self.frozen is not None:
+            self.engine._write_frozen(self.frozen, values)
+            return
+        with torch.no_grad():
+            self.value.copy_(values.to(device=self.value.device, dtype=self.value.dtype))
+
+
 def _module_rest(engine):
     """What the module's state dict holds besides the trainable parameters under their own names:
     (aliases: another name of a trainable parameter, a tied weight -> its name; the rest: frozen
-    parameters and buffers by name)."""
+    parameters and buffers by name, each a _Rest)."""
     names = {id(e.param): e.name for e in engine._params}
+    frozen = {id(e.param): e for e in engine._frozen}
     aliases, rest = {}, {}
     for name, value in engine.module.state_dict(keep_vars=True).items():
         own = names.get(id(value))
         if own is None:
-            rest[name] = value
+            rest[name] = _Rest(engine, value, frozen.get(id(value)))
         elif own != name:
             aliases[name] = own
     return aliases, rest
@@ -748,9 +772,8 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
     finally:
         for f in handles.values():
             f.close()
-    with torch.no_grad():
-        for name, value in rest.items():
-            value.copy_(saved_rest[name].to(device=value.device, dtype=value.dtype))
+    for name, value in rest.items():
+        value.write(saved_rest[name])
     if load_module_only:
         return path, engine_states["client_state"]
     if load_optimizer_states:

@@ -197,10 +197,9 @@ def load(engine, source, strict=True):
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
         engine_state._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
         e.steps = 0
-    with torch.no_grad():
-        for name, value in rest.items():
-            if name in entries:
-                value.copy_(entries[name].read().to(device=value.device, dtype=value.dtype))
+    for name, value in rest.items():
+        if name in entries:
+            value.write(entries[name].read())
     return missing, unexpected
 
 

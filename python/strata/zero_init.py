@@ -6,7 +6,8 @@
     engine.load_pretrained("pytorch_model.bin.index.json")
 
 Inside the context every nn.Module's ``__init__`` is followed by a step that turns the module's
-own parameters of at least stage3_param_persistence_threshold elements into strata partitions
+own parameters of at least stage3_param_persistence_threshold elements (trainable or frozen: the
+engine lends a frozen one as any other and never writes it back) into strata partitions
 (in the training dtype, in the tier offload_param names: device, host or NVMe) and leaves each
 parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
 the submodule is built (when its outermost ``__init__`` returns, so a subclass may set them after
@@ -242,7 +243,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
     def _partition_module(self, module):
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         for p in module.__dict__.get("_parameters", {}).values():
-            if p is None or not p.requires_grad or partition_of(p) is not None or \
+            if p is None or partition_of(p) is not None or \
                     p.numel() < self.settings.threshold or p.device.type == "meta":
                 continue
             pid, self.next_id = self.next_id, self.next_id + 2

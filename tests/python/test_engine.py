@@ -946,3 +946,15 @@ def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_b
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5), i
     for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
         torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_nvme_path_whose_parents_do_not_exist_is_made(tmp_path):
+    config = make_config(tmp_path / "a" / "b", 3, "nvme", "fp32")
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    engine.backward(loss_of(engine(next(batches(1))[0]), next(batches(1))[1]))
+    assert (tmp_path / "a" / "b" / "nvme").is_dir()
+    (tmp_path / "file").write_text("")
+    config = make_config(tmp_path / "file", 3, "nvme", "fp32")
+    with pytest.raises(strata.Error, match=r"nvme_path must be a directory that exists or can "
+                                           r"be made: mkdir -p .*file/nvme"):
+        strata.initialize(model=Net(), config=config)

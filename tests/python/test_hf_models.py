@@ -255,3 +255,112 @@ def test_a_model_from_config_under_strata_init_is_initialized_as_transformers_do
     with torch.no_grad():
         assert engine(**kwargs).loss.item() == pytest.approx(plain(**kwargs).loss.item(),
                                                              rel=1e-6)
+
+
+def _lora(model):
+    import peft
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                             target_modules=["q_proj", "v_proj", "gate_proj"])
+    return peft.get_peft_model(model, config)
+
+
+def _lora_config(tmp_path):
+    # The device tier holds under half the frozen base.
+    return make_config(tmp_path, ARCHITECTURES["llama"](), 3, "nvme", "fp32")
+
+
+def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
+    torch.manual_seed(0)
+    base = ARCHITECTURES["llama"]()
+    model_bytes = param_bytes(base, torch.float32)
+    model = _lora(base)
+    plain = copy.deepcopy(model)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()
+                     if not p.requires_grad}
+    config = _lora_config(tmp_path)
+    assert config["strata"]["device_budget_bytes"] < model_bytes / 2
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    # Every large frozen weight is a partition, lent around its module and never trained.
+    assert {e.name for e in engine._frozen} == {n for n, p in frozen_before.items()
+                                                 if p.numel() >= 100}
+    assert all(e.name.endswith(("lora_A.default.weight", "lora_B.default.weight"))
+               for e in engine._params)
+    torch_adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR,
+                                    weight_decay=0.01)
+    for i, kwargs in enumerate(batches("llama", STEPS * ACCUMULATION)):
+        loss = engine(**kwargs).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = plain(**kwargs).loss
+        (ref_loss / ACCUMULATION).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            torch_adamw.step()
+            torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    ours = engine.module_state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    for name, value in frozen_before.items():
+        assert torch.equal(ours[name], value), name  # never written back
+    stats = engine.stats()
+    assert stats["peak_bytes"]["device"] <= config["strata"]["device_budget_bytes"]
+    # Frozen weights are read from NVMe and never written back to it: what goes down is the
+    # adapters' optimizer state.
+    assert stats["bytes_moved"].get("nvme_to_device", 0) + \
+        stats["bytes_moved"].get("nvme_to_host", 0) >= STEPS * model_bytes // 2
+
+
+def test_lora_on_a_model_built_under_strata_init_computes_with_its_weights(tmp_path):
+    # The frozen weights were partitions from the start: before, they were left out of the
+    # engine's lending and the model forwarded with all-zero weights.
+    torch.manual_seed(0)
+    plain = _lora(ARCHITECTURES["llama"]())
+    model_bytes = param_bytes(plain, torch.float32)
+    config = _lora_config(tmp_path)
+    assert config["strata"]["device_budget_bytes"] < model_bytes / 2
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = ARCHITECTURES["llama"]()
+    model = _lora(model)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    kwargs = batches("llama", 1)[0]
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == pytest.approx(plain(**kwargs).loss.item(),
+                                                             rel=1e-6)
+    # Pretrained weights stream into the frozen partitions too.
+    torch.manual_seed(5)
+    other = _lora(ARCHITECTURES["llama"]())
+    torch.save(other.state_dict(), tmp_path / "pretrained.bin")
+    assert engine.load_pretrained(tmp_path / "pretrained.bin") == ([], [])
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == pytest.approx(other(**kwargs).loss.item(),
+                                                             rel=1e-6)
+    for name, value in other.state_dict().items():
+        torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_a_lora_model_keeps_its_frozen_partitions(tmp_path):
+    def make(seed):
+        torch.manual_seed(seed)
+        model = _lora(ARCHITECTURES["llama"]())
+        return strata.initialize(model=model, config=_lora_config(tmp_path / str(seed)))[0]
+
+    engine = make(0)
+    for kwargs in batches("llama", 2):
+        engine.backward(engine(**kwargs).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    other = make(1)  # other frozen weights and adapters: the load replaces all of them
+    other.load_checkpoint(tmp_path / "ckpt")
+    ours, theirs = engine.module_state_dict(), other.module_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    kwargs = batches("llama", 1, seed=3)[0]
+    for e in (engine, other):
+        e.backward(e(**kwargs).loss)
+        e.step()
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == other(**kwargs).loss.item()
