@@ -82,9 +82,10 @@ absl::StatusOr<std::unique_ptr<CpuAdagrad>> CpuAdagrad::Create(const AdagradConf
 absl::StatusOr<StepResult> CpuAdagrad::Step(int64_t t, const StateChunk& c, const StepOptions& o) {
   internal::UpdateArgs a = ArgsFor(internal::Rule::kAdagrad, c, o);
   const float lr = o.lr >= 0 ? o.lr : config_.lr;
+  const float weight_decay = o.weight_decay >= 0 ? o.weight_decay : config_.weight_decay;
   a.step_size = static_cast<float>(lr / (1.0 + double(t - 1) * config_.lr_decay));
   a.eps = config_.eps;
-  a.l2 = config_.weight_decay;
+  a.l2 = weight_decay;
   return RunStep<CpuAdagrad>("CpuAdagrad::Step", *core_, t, c, o, a);
 }
 
@@ -120,13 +121,14 @@ absl::StatusOr<std::unique_ptr<CpuLion>> CpuLion::Create(const LionConfig& confi
 absl::StatusOr<StepResult> CpuLion::Step(int64_t t, const StateChunk& c, const StepOptions& o) {
   internal::UpdateArgs a = ArgsFor(internal::Rule::kLion, c, o);
   const float lr = o.lr >= 0 ? o.lr : config_.lr;
+  const float weight_decay = o.weight_decay >= 0 ? o.weight_decay : config_.weight_decay;
   a.beta1 = config_.beta1;
   a.beta2 = config_.beta2;
   a.one_minus_beta1 = 1.0f - config_.beta1;
   a.one_minus_beta2 = 1.0f - config_.beta2;
   a.step_size = lr;
-  a.decoupled = config_.weight_decay != 0.0f;
-  a.decay = static_cast<float>(1.0 - double{lr} * config_.weight_decay);
+  a.decoupled = weight_decay != 0.0f;
+  a.decay = static_cast<float>(1.0 - double{lr} * weight_decay);
   return RunStep<CpuLion>("CpuLion::Step", *core_, t, c, o, a);
 }
 

@@ -54,6 +54,8 @@ absl::StatusOr<StepResult> CpuAdam::Step(int64_t t, const AdamChunk& c,
                                          const StepOptions& options) {
   STRATA_RETURN_IF_ERROR(Validate(t, c, options));
   const float lr = options.lr >= 0 ? options.lr : config_.lr;
+  const float weight_decay =
+      options.weight_decay >= 0 ? options.weight_decay : config_.weight_decay;
   if (options.check_overflow && core_->HasNonFinite(c.grad, c.grad_dtype, c.size)) {
     return StepResult{.overflow = true};
   }
@@ -80,9 +82,9 @@ absl::StatusOr<StepResult> CpuAdam::Step(int64_t t, const AdamChunk& c,
   a.step_size = static_cast<float>(lr / bc1);
   a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   a.grad_scale = options.grad_scale;
-  a.l2 = config_.adamw ? 0.0f : config_.weight_decay;
-  a.decoupled = config_.adamw && config_.weight_decay != 0.0f;
-  a.decay = static_cast<float>(1.0 - double{lr} * config_.weight_decay);
+  a.l2 = config_.adamw ? 0.0f : weight_decay;
+  a.decoupled = config_.adamw && weight_decay != 0.0f;
+  a.decay = static_cast<float>(1.0 - double{lr} * weight_decay);
   core_->Run(a, c.size);
   return StepResult{};
 }

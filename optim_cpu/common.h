@@ -25,6 +25,9 @@ struct StepOptions {
   float grad_scale = 1.0f;  // multiplies every gradient (1/loss_scale times a clip coefficient)
   bool check_overflow = false;
   float lr = -1;  // >= 0: this step's learning rate (schedulers); else config's
+  // >= 0: this step's weight decay (a parameter group's: no decay for biases and norms); else
+  // config's.
+  float weight_decay = -1;
 };
 
 struct StepResult {

@@ -134,6 +134,7 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
   if (state_dtype == DType::kF16) return bad("moment_dtype fp16: accepted fp32, bf16");
   if (!std::isfinite(options.grad_scale)) return bad("grad_scale must be finite");
   if (!std::isfinite(options.lr)) return bad("lr must be finite");
+  if (!std::isfinite(options.weight_decay)) return bad("weight_decay must be finite");
   return absl::OkStatus();
 }
 

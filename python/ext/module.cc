@@ -100,9 +100,11 @@ void CheckStepTensors(const TensorView& p,
   }
 }
 
-optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_overflow) {
+optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_overflow,
+                                     float weight_decay = -1) {
   optim_cpu::StepOptions options;
   options.lr = lr;
+  options.weight_decay = weight_decay;
   options.grad_scale = grad_scale;
   options.check_overflow = check_overflow;
   return options;
@@ -631,10 +633,11 @@ class PyRuntime {
 
   // One optimizer step t over (id, grad, param_copy or None) triples; returns the step's report.
   py::dict OptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
-                         bool check_overflow) {
+                         bool check_overflow, float weight_decay) {
     std::vector<TensorView> keep;
     std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/false, &keep);
-    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
+    const optim_cpu::StepOptions options =
+        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay);
     absl::StatusOr<swap::StepReport> r;
     {
       py::gil_scoped_release unlocked;
@@ -657,10 +660,11 @@ class PyRuntime {
   // (id, grad or None, param_copy or None) triples; a None grad is the gradient partition `id`,
   // taken from the host tier by the optimizer's thread.
   void StageOptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
-                          bool check_overflow) {
+                          bool check_overflow, float weight_decay) {
     std::vector<TensorView> keep;
     std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/true, &keep);
-    const optim_cpu::StepOptions options = StepOptionsOf(lr, grad_scale, check_overflow);
+    const optim_cpu::StepOptions options =
+        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
@@ -978,10 +982,12 @@ PYBIND11_MODULE(_strata, m) {
       .def("initialize_optimizer_state", &PyRuntime::InitializeOptimizerState, py::arg("id"),
            py::arg("master"), py::arg("initial_state") = 0.0f)
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
-           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
+           py::arg("weight_decay") = -1.0f)
       .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep)
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
-           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false)
+           py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
+           py::arg("weight_decay") = -1.0f)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
       .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)

@@ -360,7 +360,10 @@ class Engine:
         hyper = self._hyper_parameters(config, optimizer)
         self._params = []
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if model_parameters is not None:
+        if model_parameters is not None:  # (a generator is read twice below)
+            model_parameters = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g
+                                for g in (model_parameters if not torch.is_tensor(model_parameters)
+                                          else [model_parameters])]
             wanted = {id(p) for p in _flatten_params(model_parameters)}
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
@@ -397,7 +400,7 @@ class Engine:
             self._frozen.append(_Param(name, p, pid, frozen=True))
         self._next_id = next_id  # the first id no partition uses (cpu_checkpointing's start)
         by_param = {id(e.param): e for e in self._params}
-        groups = self._param_groups(optimizer, hyper, by_param)
+        groups = self._param_groups(optimizer, model_parameters, hyper, by_param)
 
         self.optimizer_kind = hyper["kind"]
         self._initial_state = hyper["initial_accumulator_value"]  # a fresh optimizer's first state
@@ -428,6 +431,8 @@ class Engine:
             self.lr_scheduler = lr_schedules.make(config.scheduler, self.optimizer)
         elif callable(self.lr_scheduler) and not hasattr(self.lr_scheduler, "step"):
             self.lr_scheduler = self.lr_scheduler(self.optimizer)
+        elif self.lr_scheduler is not None:
+            self._adopt_schedule(self.lr_scheduler, optimizer)
 
         self.loss_scale = 1.0
         self._dynamic_scale = False
@@ -515,28 +520,66 @@ class Engine:
         raise ValueError("strata.initialize: no optimizer: give one, or an optimizer block in "
                          "the config (type Adam, AdamW, Adagrad or Lion)")
 
-    def _param_groups(self, optimizer, hyper, by_param):
-        """One group per client group (lr may differ; the other hyper-parameters may not: the
-        Runtime's optimizer has one set)."""
-        if optimizer is None:
-            return [{"params": [e.param for e in self._params], "lr": hyper["lr"]}]
+    def _param_groups(self, optimizer, model_parameters, hyper, by_param):
+        """The optimizer's parameter groups, each with its own lr and weight_decay (the no-decay
+        group of biases and norms most fine-tuning scripts make): the client optimizer's groups,
+        else the groups given as model_parameters (dicts with "params" and any of "lr" and
+        "weight_decay", the config's values for the rest), else one group. Other
+        hyper-parameters (betas, eps, lr_decay) cannot differ between groups: the Runtime's
+        optimizer has one set."""
+        if optimizer is not None:
+            given, source = optimizer.param_groups, "the optimizer's param group"
+        elif model_parameters is not None and any(isinstance(g, dict) for g in model_parameters):
+            given, source = model_parameters, "model_parameters group"
+        else:
+            return [{"params": [e.param for e in self._params], "lr": hyper["lr"],
+                     "weight_decay": hyper["weight_decay"]}]
         groups = []
-        for index, group in enumerate(optimizer.param_groups):
-            for key in ("betas", "eps", "weight_decay", "lr_decay"):
+        for index, group in enumerate(given):
+            if not isinstance(group, dict):
+                raise ValueError(f"strata.initialize: {source} {index} is a "
+                                 f"{type(group).__name__}; accepted: every group a dict with "
+                                 "\"params\", or no groups (parameters alone)")
+            for key in ("betas", "eps", "lr_decay"):
                 if key in group and tuple(_as_tuple(group[key])) != tuple(_as_tuple(hyper[key])):
                     raise ValueError(
-                        f"strata.initialize: param group {index} has {key} {group[key]} where "
-                        f"group 0 has {hyper[key]}; accepted: groups that differ only in lr")
+                        f"strata.initialize: {source} {index} has {key} {group[key]} where the "
+                        f"optimizer has {hyper[key]}; accepted: groups that differ in lr and "
+                        "weight_decay only")
             params = [p for p in group["params"] if id(p) in by_param]
             for p in params:
                 by_param[id(p)].group_index = len(groups)
-            groups.append({"params": params, "lr": float(group["lr"])})
+            groups.append({"params": params, "lr": float(group.get("lr", hyper["lr"])),
+                           "weight_decay": float(group.get("weight_decay",
+                                                           hyper["weight_decay"]))})
         missing = [e.name for e in self._params if not any(
             e.param is p for g in groups for p in g["params"])]
         if missing:
             raise ValueError(f"strata.initialize: trainable parameters not in the optimizer: "
                              f"{', '.join(missing[:5])}")
         return groups
+
+    def _adopt_schedule(self, schedule, client):
+        """A schedule built on the client's optimizer (transformers'
+        get_linear_schedule_with_warmup(optimizer, ...) before initialize) sets the rates of
+        that optimizer, which the engine does not step: it is moved onto the engine's optimizer,
+        whose groups take the client's as the schedule left them (its initial_lr, and lr at the
+        schedule's first step)."""
+        bound = getattr(schedule, "optimizer", None)
+        if bound is None or bound is self.optimizer:
+            return
+        if bound is not client:
+            raise ValueError("strata.initialize: lr_scheduler sets the rates of an optimizer that "
+                             "was not given to initialize; accepted: a schedule of the optimizer "
+                             "given, of the engine's optimizer (a callable taking it), or none")
+        for ours, theirs in zip(self.optimizer.param_groups, client.param_groups):
+            ours.update({k: v for k, v in theirs.items() if k != "params"})
+        schedule.optimizer = self.optimizer
+
+    def _hyper_of(self, e):
+        """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
+        group = self.optimizer.param_groups[e.group_index]
+        return float(group["lr"]), float(group["weight_decay"])
 
     def _check_ranks(self, runtime):
         """What the engine does across ranks (strata/ranks.py), and what it refuses."""
@@ -853,18 +896,18 @@ class Engine:
                 return
             self.runtime.begin_optimizer_step()
             staged = self._staged = _Staged(self.loss_scale)
-        lr = float(self.optimizer.param_groups[e.group_index]["lr"])
+        lr, weight_decay = self._hyper_of(e)
         try:
             target = None
             if not e.partitioned:
                 target = self._weights_target(e)
             elif not self._refresh:
                 target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-            e.staged = (lr, target)
+            e.staged = ((lr, weight_decay), target)
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
-                check_overflow=self.dtype == torch.float16)
+                check_overflow=self.dtype == torch.float16, weight_decay=weight_decay)
         except _strata.Error as error:
             if always:
                 raise
@@ -1002,7 +1045,11 @@ class Engine:
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         if stepped:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                with warnings.catch_warnings():
+                    # torch's schedules look for their optimizer's step() having run first: the
+                    # engine's ran, within this step(), and the schedule follows it.
+                    warnings.filterwarnings("ignore", r".*`optimizer\.step\(\)`", UserWarning)
+                    self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         runtime_report = self.runtime.end_step()
@@ -1090,8 +1137,8 @@ class Engine:
             reason = "the loss scale changed"
         for e in staged.entries:
             if reason is None and \
-                    e.staged[0] != float(self.optimizer.param_groups[e.group_index]["lr"]):
-                reason = f"the learning rate of {e.name}'s group changed"
+                    e.staged[0] != self._hyper_of(e):
+                reason = f"the learning rate or weight decay of {e.name}'s group changed"
         norm = None
         if reason is None and self.config.clipping > 0:
             norm = self._grad_norm(staged.scale)

@@ -241,6 +241,29 @@ TEST_P(AdamIsaTest, AnFp32CopyIsTheUpdatedMasterWeightsBitForBit) {
   }
 }
 
+TEST_P(AdamIsaTest, AStepsWeightDecayReplacesTheConfigsAsAParamGroupsDoes) {
+  constexpr size_t kN = 517;
+  for (const bool adamw : {true, false}) {
+    AdamConfig with = Config(adamw, /*bc=*/true), without = with;
+    with.weight_decay = 0.3f;
+    without.weight_decay = 0.0f;
+    auto decaying = CpuAdam::Create(with);
+    auto plain = CpuAdam::Create(without);
+    ASSERT_TRUE(decaying.ok() && plain.ok());
+    State a = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 7);
+    State b = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 7);
+    for (int64_t t = 1; t <= 3; ++t) {
+      ASSERT_TRUE((*decaying)->Step(t, a.Chunk(0, kN), {.weight_decay = 0.0f}).ok());
+      ASSERT_TRUE((*plain)->Step(t, b.Chunk(0, kN)).ok());
+    }
+    EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
+    // And the other way: a decay the config does not have.
+    ASSERT_TRUE((*plain)->Step(4, b.Chunk(0, kN), {.weight_decay = 0.3f}).ok());
+    ASSERT_TRUE((*decaying)->Step(4, a.Chunk(0, kN)).ok());
+    EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
+  }
+}
+
 // Runs `steps` steps with the given thread count, cutting the tensors into `cuts` chunks.
 State RunWith(Isa isa, int threads, const std::vector<size_t>& cuts, DType grad, DType moments) {
   AdamConfig c;
@@ -454,6 +477,8 @@ TEST(AdamStepTest, BadSpansAreRejectedNamingTheArgument) {
   c = s.Chunk(0, 64);
   auto r = (*adam)->Step(1, c, {.grad_scale = NAN});
   EXPECT_THAT(r.status().message(), HasSubstr("grad_scale"));
+  r = (*adam)->Step(1, c, {.weight_decay = INFINITY});
+  EXPECT_THAT(r.status().message(), HasSubstr("weight_decay must be finite"));
 }
 
 TEST(AdamStepTest, ChosenIsaIsTheBestTheCpuHas) {

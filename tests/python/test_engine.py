@@ -958,3 +958,86 @@ def test_an_nvme_path_whose_parents_do_not_exist_is_made(tmp_path):
     with pytest.raises(strata.Error, match=r"nvme_path must be a directory that exists or can "
                                            r"be made: mkdir -p .*file/nvme"):
         strata.initialize(model=Net(), config=config)
+
+
+def _decay_groups(model, lr=None):
+    """The groups fine-tuning scripts make: decay for the weights, none for biases and norms
+    (whose lr differs too, when `lr` is given)."""
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or n.startswith("ln")]
+    decay = [p for p in model.parameters() if all(p is not q for q in no_decay)]
+    return [{"params": decay, "weight_decay": 0.1},
+            dict({"params": no_decay, "weight_decay": 0.0}, **({"lr": lr} if lr else {}))]
+
+
+def _train_beside(engine, reference, torch_optimizer, steps=4):
+    for x, y in batches(steps):
+        step_both(engine, reference, torch_optimizer, x, y)
+        assert engine.get_lr() == pytest.approx([g["lr"] for g in torch_optimizer.param_groups])
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_model_parameters_groups_keep_their_own_weight_decay_and_lr(tmp_path, stage):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, stage, "nvme", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=model, config=config,
+                                        model_parameters=_decay_groups(model, lr=5e-3))
+    torch_adamw = torch.optim.AdamW(_decay_groups(reference, lr=5e-3), lr=1e-2,
+                                    weight_decay=0.01)
+    _train_beside(engine, reference, torch_adamw)
+
+
+def test_a_client_optimizers_groups_keep_their_own_weight_decay(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    engine, _, _, _ = strata.initialize(
+        model=model, config=config, optimizer=torch.optim.AdamW(_decay_groups(model), lr=1e-2))
+    torch_adamw = torch.optim.AdamW(_decay_groups(reference), lr=1e-2)
+    _train_beside(engine, reference, torch_adamw)
+    # Groups that differ in what the Runtime's optimizer holds once are refused by name.
+    groups = _decay_groups(Net())
+    groups[1]["betas"] = (0.8, 0.9)
+    with pytest.raises(ValueError, match=r"the optimizer's param group 1 has betas \(0.8, 0.9\) "
+                                         r"where the optimizer has \(0.9, 0.999\)"):
+        strata.initialize(model=Net(), config=config, optimizer=torch.optim.AdamW(groups))
+
+
+def test_a_schedule_built_on_the_client_optimizer_drives_the_engines_rate(tmp_path):
+    # transformers' get_linear_schedule_with_warmup(optimizer, ...) made before initialize: it
+    # used to set the rates of an optimizer the engine never read.
+    import transformers
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = transformers.get_linear_schedule_with_warmup(client, 2, 6)
+    engine, _, _, returned = strata.initialize(model=model, config=config, optimizer=client,
+                                               lr_scheduler=schedule)
+    assert returned is schedule and engine.get_lr() == [0.0]
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    reference_schedule = transformers.get_linear_schedule_with_warmup(torch_adamw, 2, 6)
+    rates = []
+    for x, y in batches(5):
+        rates.append(engine.get_lr()[0])
+        step_both(engine, reference, torch_adamw, x, y, reference_schedule)
+        assert engine.get_lr() == pytest.approx(reference_schedule.get_last_lr())
+    assert rates == pytest.approx([0.0, 0.005, 0.01, 0.0075, 0.005])
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+    # A schedule of some other optimizer is refused by name.
+    other = torch.optim.AdamW(Net().parameters(), lr=1e-2)
+    config = make_config(tmp_path / "other", 3, "cpu", "fp32")
+    del config["optimizer"]
+    with pytest.raises(ValueError, match="lr_scheduler sets the rates of an optimizer that was "
+                                         "not given to initialize"):
+        model = Net()
+        strata.initialize(model=model, config=config, optimizer=torch.optim.AdamW(
+            model.parameters()), lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
