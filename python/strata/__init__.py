@@ -41,8 +41,10 @@ from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
 from strata.engine import Engine, StrataWarning, initialize, register_external_parameter
+from strata.pretrained import from_pretrained
 from strata.zero_init import init
 
-__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "InvalidArgumentError", "init",
+__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "from_pretrained",
+           "InvalidArgumentError", "init",
            "initialize", "lr_schedules", "optim", "register_external_parameter",
            "StrataWarning"]

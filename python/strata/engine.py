@@ -422,6 +422,9 @@ class Engine:
             b.data = b.data.to(self.device)
         self._place_parameters(model)
         self._install_module_hooks(model)
+        # The module's own load_state_dict would set placeholders and tensors the optimizer's
+        # master weights overwrite at the next step: it loads through the engine instead.
+        model.load_state_dict = types.MethodType(_load_state_dict_through(engine), model)
 
         self.optimizer = _Optimizer(self, groups, dict(lr=hyper["lr"], betas=hyper["betas"],
                                                        eps=hyper["eps"],
@@ -1424,6 +1427,24 @@ class _Zero3Linear(torch.autograd.Function):
 
 def _zero3_linear_forward(module, x):
     return _Zero3Linear.apply(x, module.weight, module.bias)
+
+
+def _load_state_dict_through(engine_ref):
+    def load_state_dict(module, state_dict, strict=True, assign=False):
+        """As torch's, for a module an engine trains: the weights stream into its partitions and
+        the optimizer's master weights (engine.load_pretrained's rules: every missing,
+        unexpected or wrongly shaped tensor named before anything changes; the optimizer starts
+        afresh over the loaded weights)."""
+        engine = engine_ref()
+        if engine is None:
+            raise RuntimeError("load_state_dict: the engine training this module is gone")
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported for a module an "
+                             "engine trains (its parameters are the engine's partitions); "
+                             "accepted: assign=False")
+        missing, unexpected = pretrained.load(engine, dict(state_dict), strict)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+    return load_state_dict
 
 
 def _tensors(value):

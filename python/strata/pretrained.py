@@ -1,17 +1,28 @@
 """Pretrained weights streamed into an engine: ``engine.load_pretrained(source)``.
 
-`source` is a ``torch.save`` file of a state dict (the zip format torch has written since 1.6),
-or a folder (or the index file itself) of shards with ``pytorch_model.bin.index.json``
-(``{"weight_map": {name: file}}``), as large models ship and ``strata_zero_to_fp32 --shard-size``
-writes. The files are not loaded whole: their pickle is read with each tensor left where it is
-in the archive, and the tensors are then read one at a time, each straight into its place (a
-partition's host or NVMe copy and the optimizer's fp32 master weights), so the host memory a load
-needs beyond the budgets is about one parameter's optimizer state (its fp32 weights and two
-zeroed moments: three times its fp32 size), whatever the model's size.
+`source` is one of:
+  - a ``safetensors`` file, or a folder (or the index file itself) of safetensors shards with
+    ``model.safetensors.index.json``, as Hugging Face models ship;
+  - a ``torch.save`` file of a state dict (the zip format torch has written since 1.6), or a
+    folder (or the index) of such shards with ``pytorch_model.bin.index.json``
+    (``{"weight_map": {name: file}}``), as ``strata_zero_to_fp32 --shard-size`` writes;
+  - a folder holding one of those (``model.safetensors`` first, as transformers looks);
+  - a state dict in memory (``engine.module.load_state_dict(state_dict)`` comes here).
+Stored tensors may be fp32, bf16 or fp16 (any float dtype): each is converted as it is placed.
+The files are not loaded whole: a safetensors file is read a tensor at a time; a torch.save
+pickle is read with each tensor left where it is in the archive; each tensor goes straight into
+its place (a partition's host or NVMe copy and the optimizer's fp32 master weights), so the host
+memory a load needs beyond the budgets is about one parameter's optimizer state (its fp32 weights
+and two zeroed moments: three times its fp32 size), whatever the model's size.
 
-Before anything changes, every name is checked against the model: missing, unexpected and wrongly
-shaped tensors are named, all of them (``strict=False`` lets missing and unexpected names pass;
-a wrong shape never does). Then the optimizer state is replaced all or none: the master weights
+Names are matched as transformers matches them: a checkpoint of the base model loads into a model
+with a head (and back) through the model's ``base_model_prefix`` ("model.", "transformer.",
+"bert."); the old LayerNorm names ``gamma`` and ``beta`` are ``weight`` and ``bias``; a tensor that
+is one of the model's non-persistent buffers (``position_ids`` in older BERT checkpoints) or that
+the model says to ignore (``_keys_to_ignore_on_load_unexpected``) is passed over. Before anything
+changes, every name is checked against the model: missing, unexpected and wrongly shaped tensors
+are named, all of them, both shapes shown (``strict=False`` lets missing and unexpected names
+pass; a wrong shape never does). Then the optimizer state is replaced all or none: the master weights
 are the loaded tensors in fp32 and the optimizer starts afresh over them (moments and step counts
 zero, as for a model just built); the parameters are set in the training dtype; the buffers and
 frozen parameters are copied in.
@@ -22,15 +33,73 @@ Thread safety: the engine's (one thread).
 import json
 import os
 import pickle
+import re
 import zipfile
 
 import torch
 
 from strata import engine_state
 
-__all__ = ["load", "read_state_dict_lazily"]
+__all__ = ["load", "read_state_dict_lazily", "read_safetensors_lazily", "from_pretrained"]
 
 INDEX = "pytorch_model.bin.index.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class _SafetensorsTensor:
+    """A tensor of a safetensors file, read when asked for (only its own bytes)."""
+
+    def __init__(self, path, name, shape, dtype):
+        self.path, self.name, self.shape, self.dtype = path, name, torch.Size(shape), dtype
+
+    def read(self):
+        from safetensors import safe_open
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor(self.name)
+
+
+class _InMemory:
+    """A tensor of a state dict given in memory."""
+
+    def __init__(self, tensor):
+        self.tensor, self.shape, self.dtype = tensor, tensor.shape, tensor.dtype
+
+    def read(self):
+        return self.tensor.detach()
+
+
+def read_safetensors_lazily(path):
+    """{name: a tensor left in the file (.shape, .dtype, .read())} of a safetensors file."""
+    from safetensors import safe_open
+    path = os.fspath(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            out = {}
+            for name in f.keys():
+                piece = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if dtype is None:
+                    raise engine_state.CheckpointError(
+                        f"load_pretrained: {path}: {name} is stored as {piece.get_dtype()}; "
+                        f"accepted: {', '.join(_SAFETENSORS_DTYPES)}")
+                out[name] = _SafetensorsTensor(path, name, piece.get_shape(), dtype)
+            return out
+    except engine_state.CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors' own error types vary by version
+        raise engine_state.CheckpointError(
+            f"load_pretrained: {path} cannot be read as safetensors: {error}") from None
+
+
+def _read_file_lazily(path):
+    if os.fspath(path).endswith(".safetensors"):
+        return read_safetensors_lazily(path)
+    return read_state_dict_lazily(path)
 
 
 class _LazyStorage:
@@ -128,12 +197,27 @@ def read_state_dict_lazily(path):
 
 
 def _entries(source):
-    """{name: lazy tensor} of a file, or of the shards an index names."""
+    """{name: lazy tensor} of a file, of the shards an index names, of the file or index a folder
+    holds, or of a state dict in memory."""
+    if isinstance(source, dict):
+        return {name: _InMemory(t) for name, t in source.items() if torch.is_tensor(t)}
     source = os.fspath(source)
-    index = os.path.join(source, INDEX) if os.path.isdir(source) else \
-        source if source.endswith(".index.json") else None
+    index = None
+    if os.path.isdir(source):
+        for name in (SAFETENSORS, SAFETENSORS_INDEX, INDEX):
+            if os.path.exists(os.path.join(source, name)):
+                index = os.path.join(source, name)
+                break
+        else:
+            raise engine_state.CheckpointError(
+                f"load_pretrained: {source} holds none of {SAFETENSORS}, {SAFETENSORS_INDEX}, "
+                f"{INDEX}; accepted: a folder with one of them, or a file")
+        if not index.endswith(".index.json"):
+            return _read_file_lazily(index)
+    elif source.endswith(".index.json"):
+        index = source
     if index is None:
-        return read_state_dict_lazily(source)
+        return _read_file_lazily(source)
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
@@ -146,7 +230,7 @@ def _entries(source):
         if not os.path.isfile(os.path.join(folder, file)):
             problems.append(f"it names {file}, which is missing")
             continue
-        shard = read_state_dict_lazily(os.path.join(folder, file))
+        shard = _read_file_lazily(os.path.join(folder, file))
         listed = {name for name, where in weight_map.items() if where == file}
         for name in sorted(listed):
             if name not in shard:
@@ -206,15 +290,16 @@ def load(engine, source, strict=True):
 def _check(engine, source, strict):
     """What load checks before it changes anything: (the entries, the module's aliases, its
     other tensors, the missing and unexpected names)."""
-    entries = _entries(source)
     aliases, rest = engine_state._module_rest(engine)
     wanted = {e.name: e.shape for e in engine._params}
     wanted.update({n: tuple(t.shape) for n, t in rest.items()})
     alias_of = dict(aliases)  # another name of a trainable parameter -> its name
+    entries = _matched(engine.module, _entries(source), set(wanted) | set(alias_of))
+    where = "the state dict" if isinstance(source, dict) else os.fspath(source)
     missing = [n for n in wanted if n not in entries and
                not any(a in entries for a, own in alias_of.items() if own == n)]
     unexpected = [n for n in entries if n not in wanted and n not in alias_of]
-    shapes = [f"{n}: shape {list(entries[n].shape)} in {os.fspath(source)}, "
+    shapes = [f"{n}: shape {list(entries[n].shape)} in {where}, "
               f"{list(wanted[n])} in the model"
               for n in wanted if n in entries and tuple(entries[n].shape) != tuple(wanted[n])]
     shapes += [f"{a}: shape {list(entries[a].shape)}, {list(wanted[own])} in the model"
@@ -226,3 +311,55 @@ def _check(engine, source, strict):
         raise engine_state.CheckpointError("load_pretrained: " + "; ".join(problems) +
                                            "; nothing was changed")
     return entries, aliases, rest, missing, unexpected
+
+
+def _matched(model, entries, known):
+    """`entries` under the model's names, matched as transformers matches them (the module's
+    docstring): a name the model lacks is tried with the old LayerNorm names replaced and with
+    the base model's prefix added or taken off; what is still unknown and is a non-persistent
+    buffer of the model, or matches its _keys_to_ignore_on_load_unexpected, is passed over."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    ignore = [re.compile(p) for p in
+              (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    non_persistent = {f"{path}.{b}" if path else b for path, m in model.named_modules()
+                      for b in getattr(m, "_non_persistent_buffers_set", ())}
+    out = {}
+    for name, tensor in entries.items():
+        target = name
+        if target not in known:
+            legacy = re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", name))
+            tried = [legacy]
+            if prefix:
+                tried.append(f"{prefix}.{legacy}")
+                if legacy.startswith(prefix + "."):
+                    tried.append(legacy[len(prefix) + 1:])
+            target = next((t for t in tried if t in known), name)
+        if target not in known and (target in non_persistent or
+                                    any(p.search(name) for p in ignore)):
+            continue
+        out.setdefault(target, tensor)
+    return out
+
+
+def from_pretrained(cls, path, config, **initialize_kwargs):
+    """A `transformers` model class's ``from_pretrained`` through strata, for a model larger than
+    the host: the model's config is read from the folder `path` (its config.json), the model is
+    built under ``strata.init(config)`` without initializing weights it is about to load (as
+    transformers does under DeepSpeed), ``strata.initialize(model=..., config=config,
+    **initialize_kwargs)`` makes the engine, and the folder's weights (safetensors or torch.save,
+    one file or shards) stream into it (engine.load_pretrained, strict). Returns initialize's
+    (engine, optimizer, dataloader, lr_scheduler)."""
+    import transformers
+    from strata import engine as engine_module
+    from strata import zero_init
+    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    skip_init = getattr(getattr(transformers, "initialization", None), "no_init_weights", None)
+    with zero_init.init(config=config):
+        if skip_init is not None:
+            with skip_init():
+                model = cls._from_config(hf_config)
+        else:
+            model = cls._from_config(hf_config)
+    out = engine_module.initialize(model=model, config=config, **initialize_kwargs)
+    out[0].load_pretrained(path)
+    return out

@@ -93,8 +93,17 @@ def test_files_that_are_not_state_dicts_are_named(tmp_path):
     with pytest.raises(engine_state.CheckpointError, match="holds a list"):
         engine.load_pretrained(tmp_path / "list.bin")
     (tmp_path / "shards").mkdir()
+    with pytest.raises(engine_state.CheckpointError,
+                       match="shards holds none of model.safetensors, model.safetensors.index.json,"
+                             " pytorch_model.bin.index.json"):
+        engine.load_pretrained(tmp_path / "shards")
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text("{")
     with pytest.raises(engine_state.CheckpointError, match="cannot be read as a shard index"):
         engine.load_pretrained(tmp_path / "shards")
+    (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(engine_state.CheckpointError,
+                       match="broken.safetensors cannot be read as safetensors"):
+        engine.load_pretrained(tmp_path / "broken.safetensors")
 
 
 def test_parameters_in_the_file_and_a_missing_shard(tmp_path):
