@@ -1,8 +1,9 @@
 """A strata checkpoint as one fp32 state dict, as DeepSpeed's zero_to_fp32.
 
-    strata_zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG] [--shard-size BYTES]
+    strata_zero_to_fp32 CHECKPOINT_DIR OUT [--tag TAG] [--shard-size BYTES] [--safetensors]
     python3 -m strata.zero_to_fp32 CHECKPOINT_DIR OUT ...
-    strata.zero_to_fp32.consolidate(checkpoint_dir, out, tag=None, shard_bytes=None)
+    strata.zero_to_fp32.consolidate(checkpoint_dir, out, tag=None, shard_bytes=None,
+                                    safetensors=False)
 
 OUT is a ``torch.save`` file that ``torch.load`` reads and a plain ``nn.Module`` of the same
 architecture loads with ``load_state_dict`` (strict): every trainable parameter's fp32 master
@@ -10,6 +11,13 @@ weights, a tied weight under each of its names, the buffers and frozen parameter
 ``--shard-size``, OUT is a folder of files of at most that many bytes each (a tensor larger than it
 has a file of its own) and ``pytorch_model.bin.index.json``, the index large models ship with
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
+
+With ``--safetensors`` (or an OUT ending in ``.safetensors``) the files are safetensors, as
+transformers' ``save_pretrained`` writes them: ``model.safetensors``, or shards
+``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, with the metadata
+``{"format": "pt"}`` that ``from_pretrained`` asks for. safetensors holds no shared tensors: a tied
+weight is written once, under the first of its names in the module's state dict (the embedding's,
+which transformers ties the head to when it loads); the others are left out.
 
 The checkpoint is verified first (every digest: a damaged file is named and nothing is written).
 The master weights are not read into memory: each is a copy-on-write map of its bytes in the
@@ -38,6 +46,7 @@ from strata import engine_state
 __all__ = ["consolidate", "main"]
 
 INDEX = "pytorch_model.bin.index.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def _state_dict(checkpoint_dir, tag):
@@ -130,15 +139,20 @@ def _drop_pages(tensor):
         mapped._mmap.madvise(mmap.MADV_DONTNEED)
 
 
-def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
+def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None, safetensors=False):
     """Writes the checkpoint's fp32 state dict to `out` (a file; with `shard_bytes`, a folder of
-    shards and their index). Returns the names written."""
+    shards and their index), as torch.save files or (`safetensors`, or `out` ending in
+    .safetensors) safetensors. Returns the names written."""
     if shard_bytes is not None and shard_bytes < 1:
         raise ValueError(f"zero_to_fp32: shard size {shard_bytes}; accepted: at least 1 byte")
     _, state = _state_dict(checkpoint_dir, tag)
     out = os.fspath(out)
+    safetensors = safetensors or out.endswith(".safetensors")
+    if safetensors:  # a tensor once, under its first name
+        seen = set()
+        state = {n: t for n, t in state.items() if not (id(t) in seen or seen.add(id(t)))}
     if shard_bytes is None:
-        torch.save(_materialize(state), out)
+        _write(_materialize(state), out, safetensors)
         return list(state)
     os.makedirs(out, exist_ok=True)
     # A tensor with all its names (a tied weight's) goes into one shard, which torch.save keeps
@@ -160,14 +174,24 @@ def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None):
     weight_map = {}
     total = sum(t.numel() * t.element_size() for t, _ in groups.values())
     for i, shard in enumerate(shards):
-        file = f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
-        torch.save(_materialize(shard), os.path.join(out, file))
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if safetensors else \
+            f"pytorch_model-{i + 1:05d}-of-{len(shards):05d}.bin"
+        _write(_materialize(shard), os.path.join(out, file), safetensors)
         for name, tensor in shard.items():
             weight_map[name] = file
             _drop_pages(tensor)
-    with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
+    index = SAFETENSORS_INDEX if safetensors else INDEX
+    with open(os.path.join(out, index), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return list(state)
+
+
+def _write(state, path, safetensors):
+    if safetensors:
+        from safetensors.torch import save_file
+        save_file({n: t.contiguous() for n, t in state.items()}, path, metadata={"format": "pt"})
+    else:
+        torch.save(state, path)
 
 
 def main(argv=None):
@@ -180,9 +204,12 @@ def main(argv=None):
     parser.add_argument("--tag", help="the checkpoint's tag (default: the one `latest` names)")
     parser.add_argument("--shard-size", type=int, metavar="BYTES",
                         help="write shards of at most BYTES each and their index")
+    parser.add_argument("--safetensors", action="store_true",
+                        help="write safetensors (as save_pretrained does) rather than torch.save")
     args = parser.parse_args(argv)
     try:
-        names = consolidate(args.checkpoint_dir, args.out, args.tag, args.shard_size)
+        names = consolidate(args.checkpoint_dir, args.out, args.tag, args.shard_size,
+                            args.safetensors)
     except (engine_state.CheckpointError, ValueError, OSError) as error:
         print(f"strata_zero_to_fp32: {error}", file=sys.stderr)
         return 2

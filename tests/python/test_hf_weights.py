@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import strata
-from strata import engine_state
+from strata import engine_state, zero_to_fp32
 from test_hf_models import ARCHITECTURES, batches, make_config
 
 
@@ -192,3 +192,27 @@ def test_a_real_pretrained_model_loads_and_fine_tunes_as_plain_torch(tmp_path):
     assert_same_weights(engine, plain, tolerance=2e-5)
     assert engine.stats()["peak_bytes"]["device"] <= config["strata"]["device_budget_bytes"]
     assert config["strata"]["device_budget_bytes"] < 0.6 * state_bytes
+
+
+@pytest.mark.parametrize("shard", [None, 40000])
+def test_zero_to_fp32_writes_safetensors_that_from_pretrained_loads(tmp_path, shard):
+    torch.manual_seed(0)
+    model = ARCHITECTURES["gpt2"]()  # a tied head: written once, tied again by transformers
+    config = model.config
+    engine = engine_of(tmp_path, model)
+    for kwargs in batches("gpt2", 2):
+        engine.backward(engine(**kwargs).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "hf").mkdir()
+    out = tmp_path / ("hf" if shard else "hf/model.safetensors")
+    zero_to_fp32.consolidate(tmp_path / "ckpt", out, shard_bytes=shard, safetensors=True)
+    config.save_pretrained(tmp_path / "hf")
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert ("model.safetensors.index.json" in files) == (shard is not None), files
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    ours = engine.module_state_dict()
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, ours[name].float(), rtol=0, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
