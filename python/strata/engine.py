@@ -53,9 +53,11 @@ and the model computes on the CPU; ``engine.device_kind`` and every report say w
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
+import contextlib
 import json
 import logging
 import math
+import os
 import time
 import types
 import warnings
@@ -294,7 +296,10 @@ class Engine:
         self.grad_accum_dtype = _DTYPES[config.grad_accum_dtype]
         self._sum_apart = config.accumulation > 1 and self.grad_accum_dtype != self.dtype
         self.micro_batch_size = config.micro_batch
-        self.gradient_accumulation_steps = config.accumulation
+        self._accumulation = config.accumulation
+        self._backward_since_step = False  # step() without a backward is refused
+        self._step_applied = False  # the last boundary's step changed the weights
+        self._global_grad_norm = None  # the last step's, when it computed one
         self.warnings = []
         self.global_steps = 0  # accumulation boundaries passed (skipped steps included)
         self.skipped_steps = 0
@@ -974,14 +979,16 @@ class Engine:
                 self._recording = []
         return self.module(*args, **kwargs)
 
-    def backward(self, loss):
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
-        DeepSpeed's) and by the fp16 loss scale."""
-        scaled = loss.float() / self.gradient_accumulation_steps
+        DeepSpeed's; not with scale_wrt_gas=False) and by the fp16 loss scale. retain_graph as
+        torch's (a second backward through the same graph adds to the gradients)."""
+        scaled = loss.float() / self._accumulation if scale_wrt_gas else loss.float()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
+        self._backward_since_step = True
         try:
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
             if self.ranks is not None:
                 self.ranks.finish_gradients()
                 if self._gather_order is None:
@@ -1002,15 +1009,71 @@ class Engine:
         self._raise_deferred()
         return loss
 
+    # --- DeepSpeed's engine API, as trainers call it ------------------------------------------
+
+    def gradient_accumulation_steps(self):
+        return self._accumulation
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def bf16_enabled(self):
+        return self.dtype == torch.bfloat16
+
+    def fp16_enabled(self):
+        return self.dtype == torch.float16
+
+    def get_global_grad_norm(self):
+        """The global gradient norm of the last optimizer step (unscaled, over every rank), as
+        DeepSpeed's; None when that step did not compute one (gradient_clipping 0 and no fp16
+        across ranks: strata does not read every gradient once more only to report it)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self):
+        """Whether the last accumulation boundary's step changed the weights (False after an
+        fp16 overflow skipped it)."""
+        return self._step_applied
+
+    def no_sync(self):
+        """DeepSpeed's: a context in which gradients are not reduced across ranks. In one process,
+        and at stage 1 across ranks (which reduces at the step), nothing is reduced during
+        backward anyway; stages 2 and 3 partition gradients as they are made, so it is refused
+        there, as DeepSpeed refuses it."""
+        if self.ranks is not None and self.stage in (2, 3):
+            raise RuntimeError(f"no_sync: ZeRO stage {self.stage} reduce-scatters gradients as "
+                               "backward makes them and cannot hold them back; accepted: stage "
+                               "1, or one process")
+        return contextlib.nullcontext()
+
+    def save_16bit_model(self, save_dir, save_filename="pytorch_model.bin"):
+        """DeepSpeed's: the model's weights whole in the training dtype (module_state_dict: the
+        partitions gathered) written to save_dir/save_filename, by torch.save, or as safetensors
+        when the name ends in .safetensors (a tied weight once). Across ranks every rank must
+        call it; rank 0 writes. Returns True."""
+        state = self.module_state_dict()
+        if self.global_rank != 0:
+            return True
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(os.fspath(save_dir), save_filename)
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+            seen = set()
+            state = {n: t.contiguous() for n, t in state.items()
+                     if not (t.data_ptr() in seen or seen.add(t.data_ptr()))}
+            save_file(state, path, metadata={"format": "pt"})
+        else:
+            torch.save(state, path)
+        return True
+
     def train_batch_size(self):
         """DeepSpeed's: micro batch x gradient accumulation x ranks."""
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+        return self.micro_batch_size * self._accumulation * self.world_size
 
     def train_micro_batch_size_per_gpu(self):
         return self.micro_batch_size
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self._accumulation == 0
 
     def zero_grad(self):
         """Gradients are dropped at each optimizer step; between steps they accumulate."""
@@ -1027,7 +1090,12 @@ class Engine:
 
     def step(self):
         """Ends a micro-batch; at an accumulation boundary, the optimizer step (see the module's
-        docstring) and the learning-rate schedule's step."""
+        docstring) and the learning-rate schedule's step. Refused, counting nothing, when no
+        backward ran since the last step()."""
+        if not self._backward_since_step:
+            raise RuntimeError("step: no backward() since the last step(); accepted: "
+                               "engine.backward(loss) then engine.step() for each micro-batch")
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -1046,6 +1114,8 @@ class Engine:
             raise
         self._end_gradients(failed=False)
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
+        self._step_applied = bool(stepped)
+        self._global_grad_norm = report.get("grad_norm") if report else None
         if stepped:
             if self.lr_scheduler is not None:
                 with warnings.catch_warnings():

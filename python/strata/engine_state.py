@@ -169,11 +169,11 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     returns the tag's folder."""
     if engine._staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if engine.micro_steps % engine._accumulation:
         raise RuntimeError(
             f"save_checkpoint: inside a gradient-accumulation window (micro-batch "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps} of "
-            f"{engine.gradient_accumulation_steps}): the gradients summed so far are not kept; "
+            f"{engine.micro_steps % engine._accumulation} of "
+            f"{engine._accumulation}): the gradients summed so far are not kept; "
             "save after the step that ends the window")
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     _check_tag(tag)

@@ -156,7 +156,7 @@ def test_config_from_a_json_file_and_train_batch_size(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     engine, optimizer, loader, scheduler = strata.initialize(model=Net(), config=str(path))
-    assert engine.micro_batch_size == 4 and engine.gradient_accumulation_steps == 2
+    assert engine.micro_batch_size == 4 and engine.gradient_accumulation_steps() == 2
     assert loader is None and scheduler is None
     assert optimizer.param_groups[0]["lr"] == 1e-2
 
@@ -1041,3 +1041,49 @@ def test_a_schedule_built_on_the_client_optimizer_drives_the_engines_rate(tmp_pa
         model = Net()
         strata.initialize(model=model, config=config, optimizer=torch.optim.AdamW(
             model.parameters()), lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+def test_deepspeeds_engine_api_as_trainers_call_it(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "bf16", accumulation=2, clipping=1.0)
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    assert engine.gradient_accumulation_steps() == 2
+    assert engine.zero_optimization_stage() == 3
+    assert engine.bf16_enabled() and not engine.fp16_enabled()
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
+    with engine.no_sync():  # one process: nothing is reduced during backward anyway
+        x, y = next(batches(1))
+        engine.backward(loss_of(engine(x), y))
+    engine.step()
+    # step() without a backward is refused and counts nothing.
+    with pytest.raises(RuntimeError, match=r"step: no backward\(\) since the last step\(\)"):
+        engine.step()
+    assert engine.micro_steps == 1 and engine.global_steps == 0
+    # retain_graph: a second backward through the same graph adds to the gradients.
+    x, y = next(batches(2, seed=5))
+    loss = loss_of(engine(x), y)
+    engine.backward(loss, retain_graph=True)
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+    assert engine.get_global_grad_norm() > 0
+    engine.save_16bit_model(tmp_path / "out")
+    engine.save_16bit_model(tmp_path / "out", "model.safetensors")
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin")
+    whole = engine.module_state_dict()
+    assert saved.keys() == whole.keys()
+    assert all(saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], whole[n]) for n in saved)
+    from safetensors.torch import load_file
+    assert all(torch.equal(t, whole[n]) for n, t in
+               load_file(tmp_path / "out" / "model.safetensors").items())
+
+
+def test_backward_without_scaling_by_the_accumulation_steps(tmp_path):
+    config = make_config(tmp_path, 0, "cpu", "fp32", accumulation=2, clipping=1e6)
+    engine, _, _, _ = strata.initialize(model=Scale(), config=config)
+    # Each micro-batch's gradient is 1 per element: summed over two micro-batches, halved (the
+    # norm over 256 elements 16) or not (32).
+    for scale_wrt_gas, norm in ((True, 16.0), (False, 32.0)):
+        for _ in range(2):
+            engine.backward(engine(torch.ones(256)), scale_wrt_gas=scale_wrt_gas)
+            engine.step()
+        assert engine.get_global_grad_norm() == pytest.approx(norm)
