@@ -45,6 +45,12 @@ def use_host_store(store):
     _store["host"] = store
 
 
+def host_store_of(engine):
+    """Whether cpu_checkpointing keeps inputs in `engine`'s host tier now."""
+    store = _store.get("host")
+    return store is not None and store.engine() is engine
+
+
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
               contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
               synchronize=None, profile=None, cpu_checkpointing=None):

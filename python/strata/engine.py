@@ -64,6 +64,10 @@ import warnings
 import weakref
 
 import torch
+# torch imports torch._dynamo the first time an optimizer is made, and that first import keeps
+# the frames that made the optimizer alive: the engine's __init__ (and so the engine) would never
+# be freed by its last reference. Imported here, at the module's import, it keeps none of ours.
+import torch._dynamo  # noqa: F401, E402
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
@@ -204,12 +208,12 @@ class _HostActivations:
     torch's host copies again."""
 
     def __init__(self, engine):
-        self._engine = weakref.ref(engine)
+        self.engine = weakref.ref(engine)
         self._free = []  # ids given back
         self._next = None  # the next id never used
 
     def keep(self, tensor):
-        engine = self._engine()
+        engine = self.engine()
         if engine is None or tensor.dtype not in _DTYPE_NAMES or tensor.numel() == 0:
             return None
         if self._next is None:
@@ -265,16 +269,22 @@ class _Optimizer(torch.optim.Optimizer):
     ``step()`` is the engine's."""
 
     def __init__(self, engine, groups, defaults):
-        self._engine = engine
+        self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
         super().__init__(groups, defaults)
+
+    def _engine_or_raise(self):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the engine this optimizer steps is gone (closed or deleted)")
+        return engine
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        self._engine.step()
+        self._engine_or_raise().step()
         return loss
 
     def zero_grad(self, set_to_none=True):
-        self._engine.zero_grad()
+        self._engine_or_raise().zero_grad()
 
 
 class Engine:
@@ -339,9 +349,9 @@ class Engine:
             return engine() is not None and engine()._runtime_warning(w)
 
         if built is not None:
-            self.runtime = built.adopt(on_warning)  # its partitions are the model's parameters
+            self._runtime = built.adopt(on_warning)  # its partitions are the model's parameters
         else:
-            self.runtime, stale = make_runtime(settings, on_warning)
+            self._runtime, stale = make_runtime(settings, on_warning)
             if stale:
                 self._warn(stale)
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
@@ -684,6 +694,7 @@ class Engine:
                 e.param.data = self._empty
 
     def _install_module_hooks(self, model):
+        self._hook_handles, self._patched_forward = [], []
         self._by_module = {}
         partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
         self._holders = {}
@@ -693,10 +704,15 @@ class Engine:
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._by_module[module] = own
-                module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-                module.register_forward_hook(self._after_forward)
+                # The hooks hold the engine weakly: the module must not keep its engine alive
+                # (the last reference to an engine frees its Runtime, pinned memory and disk).
+                self._hook_handles += [
+                    module.register_forward_pre_hook(_weakly(self._before_forward),
+                                                     with_kwargs=True),
+                    module.register_forward_hook(_weakly(self._after_forward))]
                 if type(module) is torch.nn.Linear:
                     module.forward = types.MethodType(_zero3_linear_forward, module)
+                    self._patched_forward.append(module)
 
     # --- stage 3: parameters lent around each module's forward and backward -------------------
 
@@ -970,6 +986,7 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
         if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
             self._refresh_weights(list(self._pending_refresh))
         if self.ranks is not None:
@@ -1458,6 +1475,58 @@ class Engine:
             del held
             self.runtime.release(e.pid, "host", True, traced=False)
 
+    # --- the engine's life ----------------------------------------------------------------------
+
+    @property
+    def runtime(self):
+        """The Runtime behind the engine (sched/runtime.h); closed engines have none."""
+        if self._runtime is None:
+            raise RuntimeError("strata: the engine is closed; accepted: a new strata.initialize")
+        return self._runtime
+
+    @runtime.setter
+    def runtime(self, runtime):  # a seam: tests put a Runtime that fails where they want
+        self._runtime = runtime
+
+    def close(self):
+        """Gives back what the engine holds: its Runtime (the device and pinned host memory of
+        its tiers, its NVMe store, whose swap files are removed unless strata.nvme_keep_files),
+        the hooks on the module, the module's patched methods. Idempotent. A step staged and not
+        committed is dropped; the module's partitioned parameters are left placeholders of their
+        shape without their bytes (take
+        module_state_dict() or save a checkpoint first: ``module.load_state_dict(state,
+        assign=True)`` then gives the plain module its weights back). The last reference to an engine closes
+        it as well (nothing holds an engine but its user); ``with engine:`` closes it at the
+        end of the block."""
+        if self._runtime is None:
+            return
+        try:
+            self._end_staged(committed=False)
+        finally:
+            self._drop_all()
+            for e in self._params + self._frozen:  # each its shape again, without its bytes
+                if e.partitioned:
+                    e.param.data = torch.zeros((), dtype=self.dtype, device=self.device) \
+                        .expand(e.shape)
+            for handle in self._hook_handles:
+                handle.remove()
+            for module in self._patched_forward:
+                module.__dict__.pop("forward", None)
+            self.module.__dict__.pop("load_state_dict", None)
+            if checkpointing.host_store_of(self):
+                checkpointing.use_host_store(None)
+            built = init_module.built_under(self.module)
+            if built is not None:
+                built.release()
+            self._runtime = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
     def stats(self):
         """The Runtime's statistics since the engine was made (waits, bytes per tier pair), the
         optimizer's NVMe traffic included in bytes_moved (its state read into the host and
@@ -1497,6 +1566,17 @@ class _Zero3Linear(torch.autograd.Function):
 
 def _zero3_linear_forward(module, x):
     return _Zero3Linear.apply(x, module.weight, module.bias)
+
+
+def _weakly(method):
+    """`method` (a bound method of the engine) called through a weak reference: nothing once the
+    engine is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
 
 
 def _load_state_dict_through(engine_ref):

@@ -138,6 +138,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             on_warning(message)
         return self.runtime
 
+    def release(self):
+        """The engine that adopted the Runtime is closed: the context lets it go too (its
+        parameters' partitions go with it)."""
+        self.runtime = None
+
     def _tell(self, message):
         if self._adopted is not None:
             self._adopted(message)

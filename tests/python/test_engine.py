@@ -1087,3 +1087,50 @@ def test_backward_without_scaling_by_the_accumulation_steps(tmp_path):
             engine.backward(engine(torch.ones(256)), scale_wrt_gas=scale_wrt_gas)
             engine.step()
         assert engine.get_global_grad_norm() == pytest.approx(norm)
+
+
+def _one_step(engine):
+    x, y = next(batches(1))
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+
+
+def test_the_last_reference_to_an_engine_frees_its_runtime_without_the_cycle_collector(
+        tmp_path):
+    import gc
+    import weakref
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1)
+    model = Net()
+    gc.collect()
+    gc.disable()
+    try:
+        engine, optimizer, _, _ = strata.initialize(model=model, config=config)
+        _one_step(engine)
+        engine_ref, runtime_ref = weakref.ref(engine), weakref.ref(engine.runtime)
+        del engine, optimizer
+        assert engine_ref() is None and runtime_ref() is None
+    finally:
+        gc.enable()
+    # Its NVMe store is closed: another engine takes the same nvme_path at once.
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    _one_step(engine)
+
+
+def test_close_gives_back_the_runtime_and_the_modules_hooks(tmp_path):
+    import weakref
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1)
+    model = Net()
+    with strata.initialize(model=model, config=config)[0] as engine:
+        _one_step(engine)
+        runtime_ref = weakref.ref(engine.runtime)
+        state = engine.module_state_dict()
+    assert runtime_ref() is None
+    assert not model.l1._forward_pre_hooks and not model.l1._forward_hooks
+    assert "forward" not in model.l1.__dict__ and "load_state_dict" not in model.__dict__
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        _one_step(engine)
+    engine.close()  # again: nothing
+    # The module takes its weights back as a plain module, and a new engine the same folder.
+    model.load_state_dict(state, assign=True)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    _one_step(engine)
