@@ -68,6 +68,7 @@ import torch
 # the frames that made the optimizer alive: the engine's __init__ (and so the engine) would never
 # be freed by its last reference. Imported here, at the module's import, it keeps none of ours.
 import torch._dynamo  # noqa: F401, E402
+from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
@@ -383,6 +384,12 @@ class Engine:
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
+        for path, module in model.named_modules():
+            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+                raise ValueError(
+                    f"strata.initialize: {path or type(module).__name__} is a "
+                    f"{type(module).__name__} with sparse=True: sparse gradients are not "
+                    "supported (the optimizer steps dense partitions); accepted: sparse=False")
         # Ids: a parameter built under strata.init keeps its partition's; the others take pairs
         # after every id in use.
         next_id = built.next_id if built is not None else 0
@@ -433,8 +440,15 @@ class Engine:
         # The placeholder of a partitioned parameter: on the compute device, so that swapping
         # .data never changes a parameter's device (torch would drop its gradient node).
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for b in model.buffers():
-            b.data = b.data.to(self.device)
+        # Buffers go to the device. A module's floating buffers take the training dtype when it
+        # has parameters of its own (BatchNorm's running statistics compute with its weight);
+        # those of a module without parameters (a rotary embedding's inv_freq) keep theirs.
+        for module in model.modules():
+            own = any(p is not None for p in module._parameters.values())
+            for b in module._buffers.values():
+                if b is not None:
+                    b.data = b.data.to(device=self.device, dtype=self.dtype
+                                       if own and b.is_floating_point() else b.dtype)
         self._place_parameters(model)
         self._install_module_hooks(model)
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
@@ -695,24 +709,43 @@ class Engine:
 
     def _install_module_hooks(self, model):
         self._hook_handles, self._patched_forward = [], []
+        self._discovered = False  # _ExternalUses has run (the first forward)
         self._by_module = {}
         partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
+        self._partitioned_by_id = partitioned
         self._holders = {}
         for module in model.modules():
             used = list(module._parameters.values()) + \
                 list(getattr(module, "_strata_external_parameters", ()))
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
-                self._by_module[module] = own
-                # The hooks hold the engine weakly: the module must not keep its engine alive
-                # (the last reference to an engine frees its Runtime, pinned memory and disk).
-                self._hook_handles += [
-                    module.register_forward_pre_hook(_weakly(self._before_forward),
-                                                     with_kwargs=True),
-                    module.register_forward_hook(_weakly(self._after_forward))]
-                if type(module) is torch.nn.Linear:
-                    module.forward = types.MethodType(_zero3_linear_forward, module)
-                    self._patched_forward.append(module)
+                self._lend_around(module, own)
+
+    def _lend_around(self, module, entries):
+        """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
+        it (once) and adds them to what it lends."""
+        if module not in self._by_module:
+            self._by_module[module] = []
+            # The hooks hold the engine weakly: the module must not keep its engine alive (the
+            # last reference to an engine frees its Runtime, pinned memory and disk).
+            self._hook_handles += [
+                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True),
+                module.register_forward_hook(_weakly(self._after_forward))]
+            if type(module) is torch.nn.Linear:
+                module.forward = types.MethodType(_zero3_linear_forward, module)
+                self._patched_forward.append(module)
+        self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
+
+    def _use_external(self, param, module):
+        """`module`'s forward used `param`, a partitioned parameter it does not own (found by
+        _ExternalUses): it is registered as external to `module`, lent around it from now on, and
+        lent now, until `module`'s forward ends."""
+        e = self._partitioned_by_id[id(param)]
+        register_external_parameter(module, param)
+        self._lend_around(module, [e])
+        self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
+        if e.param.data.numel() == 0:
+            e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
 
     # --- stage 3: parameters lent around each module's forward and backward -------------------
 
@@ -994,7 +1027,14 @@ class Engine:
             self._cursor = 0
             if self._gather_order is None:  # recorded from the forward whose backward comes
                 self._recording = []
-        return self.module(*args, **kwargs)
+        if self._discovered or self.stage != 3:
+            return self.module(*args, **kwargs)
+        # The first forward finds the partitioned parameters a module uses that it does not own
+        # (_ExternalUses), and registers each with the module that used it.
+        with _ExternalUses(self):
+            out = self.module(*args, **kwargs)
+        self._discovered = True
+        return out
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
@@ -1544,28 +1584,91 @@ class Engine:
 class _Zero3Linear(torch.autograd.Function):
     """F.linear that saves the weight parameter itself for backward, not the transposed view
     F.linear's autograd saves: a view would keep the lent partition pinned from forward to
-    backward (every layer's at once), where the parameter is lent again before its backward."""
+    backward (every layer's at once), where the parameter is lent again before its backward.
+
+    Its output is a tensor of its own, not a view (a model may change it in place: ReLU(inplace),
+    ``h += x``). Under torch.autocast it computes in the autocast dtype, as F.linear would, and
+    its backward does too (the weight is cast again there, not kept cast)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
+        device = x.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.cast = cast
         ctx.save_for_backward(x, weight, bias)
-        return torch.nn.functional.linear(x, weight, bias)  # no graph inside a Function
+        with torch.autocast(device, enabled=False):
+            if cast is not None:
+                x, weight = x.to(cast), weight.to(cast)
+                bias = bias.to(cast) if bias is not None else None
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=flat.dtype, device=x.device)
+            if bias is None:
+                torch.mm(flat, weight.t(), out=out.view(-1, weight.shape[0]))
+            else:
+                torch.addmm(bias, flat, weight.t(), out=out.view(-1, weight.shape[0]))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
+        cast = ctx.cast
+        w = weight.to(cast) if cast is not None else weight
+        xs = x.to(cast) if cast is not None else x
         if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(weight)
+            grad_x = grad.matmul(w).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(xs.reshape(-1, xs.shape[-1])) \
+                .to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
         return grad_x, grad_w, grad_b
 
 
 def _zero3_linear_forward(module, x):
     return _Zero3Linear.apply(x, module.weight, module.bias)
+
+
+class _ExternalUses(torch.overrides.TorchFunctionMode):
+    """During an engine's first forward at stage 3: each torch function given a partitioned
+    parameter that is not lent (a parameter used outside its owner's forward: F.linear(x,
+    self.fc.weight) in a parent, an nn.ParameterList indexed by its parent, a tied head used as
+    ``h @ wte.weight.t()``) lends it, registered as external to the innermost module whose
+    forward runs (Engine._use_external), as register_external_parameter would. A later forward
+    that uses a parameter so in a module that did not in the first needs
+    register_external_parameter."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.stack = []
+        self.handles = []
+
+    def __enter__(self):
+        def enter(module, args):
+            self.stack.append(module)
+
+        def leave(module, args, out):  # (returns None: the output stays the module's)
+            if self.stack:
+                self.stack.pop()
+
+        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+                        torch.nn.modules.module.register_module_forward_hook(leave)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        engine = self.engine
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.nn.Parameter) and id(leaf) in engine._partitioned_by_id \
+                    and leaf.data.numel() == 0:
+                engine._use_external(leaf, self.stack[-1] if self.stack else engine.module)
+        return func(*args, **kwargs)
 
 
 def _weakly(method):

@@ -1134,3 +1134,108 @@ def test_close_gives_back_the_runtime_and_the_modules_hooks(tmp_path):
     model.load_state_dict(state, assign=True)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     _one_step(engine)
+
+
+class _InplaceRelu(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True), \
+            torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class _InplaceAdd(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h += x
+        return self.out(h)
+
+
+class _OutsideOwner(torch.nn.Module):  # a parent computes with its child's weight
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.fc(x), self.head.weight)
+
+
+class _ParameterList(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ws = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(16, 16) / 4)
+                                         for _ in range(2))
+
+    def forward(self, x):
+        for w in self.ws:
+            x = torch.tanh(x @ w)
+        return x
+
+
+class _TiedTransposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.fc = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(self.wte(x)) @ self.wte.weight.t()
+
+
+class _BatchNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), \
+            torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.bn(self.fc(x)))
+
+
+@pytest.mark.parametrize("cls,autocast,dtype", [
+    (_InplaceRelu, False, "fp32"), (_InplaceAdd, False, "fp32"), (_InplaceRelu, True, "fp32"),
+    (_OutsideOwner, False, "fp32"), (_ParameterList, False, "fp32"),
+    (_TiedTransposed, False, "fp32"), (_BatchNorm, False, "bf16")])
+def test_stage3_runs_what_models_do_with_their_parameters_as_plain_torch(tmp_path, cls, autocast,
+                                                                         dtype):
+    # In-place ops on a linear's 3-D output, torch.autocast, parameters used outside their
+    # owner's forward, bf16 with BatchNorm's float buffers: each crashed at stage 3, naming
+    # nothing.
+    torch.manual_seed(0)
+    model = cls()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    reference = MixedPrecisionAdamW(copy.deepcopy(model), torch_dtype, clipping=0.0)
+    config = make_config(tmp_path, 3, "cpu", dtype, accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        if cls is _TiedTransposed:
+            x = torch.randint(0, 32, (2, 5), generator=gen)
+        elif cls is _BatchNorm:
+            x = torch.randn(6, 16, generator=gen).to(torch_dtype)
+        else:
+            x = torch.randn(2, 5, 16, generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ref_loss = reference.model(x).float().pow(2).mean()
+        reference.backward(ref_loss, 1)
+        reference.step()
+        tolerance = 1e-5 if dtype == "fp32" and not autocast else 2e-2
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=tolerance)
+    assert engine.last_step_stats["runtime"]["mode"] == "planned"
+
+
+def test_sparse_embeddings_are_refused_by_name(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4))
+    with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
+                                         "are not supported"):
+        strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu", "fp32"))
