@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -185,8 +186,21 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     }
     tiering::NvmeStoreOptions so;
     so.capacity_bytes = config.nvme_capacity_bytes;
+    so.remove_files_on_close = !config.nvme_keep_files;
     so.on_warning = warn;
     STRATA_ASSIGN_OR_RETURN(rt->store_, tiering::NvmeStore::Open(swap, so, rt->engine_.get()));
+    // What the run may take, said before it takes it.
+    struct statvfs vfs;
+    const uint64_t free_bytes =
+        statvfs(swap.c_str(), &vfs) == 0 ? static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize : 0;
+    const uint64_t cap = rt->store_->capacity_bytes();
+    rt->Warn(absl::StrCat(
+        "NVMe store at ", swap, ": swap files grow on demand up to ", cap,
+        " bytes (strata.nvme_capacity_bytes); ", free_bytes, " bytes free on that filesystem now",
+        cap > free_bytes ? "; the cap is more than that: a run that needs it all fails when the "
+                           "disk fills (ResourceExhausted naming the file)"
+                         : "",
+        config.nvme_keep_files ? "" : "; removed when the Runtime ends (strata.nvme_keep_files)"));
   }
   if (config.emulated_device) {
     rt->Warn(

@@ -3,7 +3,6 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -34,7 +33,10 @@ namespace {
 constexpr char kManifest[] = "manifest.json";
 constexpr char kManifestTmp[] = "manifest.json.tmp";
 constexpr char kLockFile[] = "lock";
-constexpr int kFormat = 2;
+// Format 3: swap files grow on demand; the snapshot records the cap and file_bytes, and a log
+// record the files' sizes that changed. Format 2 (files reserved whole at creation) is read too.
+constexpr int kFormat = 3;
+constexpr int kOldestFormat = 2;
 // A log record: magic, payload length, XXH3-64 of the payload, the payload (JSON), zero padding
 // to the next multiple of kRecordBlock (a record never shares a block with another, so appending
 // one never rewrites the block of one already committed).
@@ -45,6 +47,17 @@ constexpr uint64_t kRecordBlock = 4096;
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 std::string SwapName(uint32_t i) { return absl::StrFormat("swap-%03d.bin", i); }
+
+// The index of a swap file's name, or -1 for any other name.
+int64_t SwapIndex(const std::string& name) {
+  unsigned index = 0;
+  char tail = 0;
+  if (std::sscanf(name.c_str(), "swap-%u.bi%c", &index, &tail) != 2 || tail != 'n' ||
+      SwapName(index) != name) {
+    return -1;
+  }
+  return index;
+}
 std::string LogName(uint64_t seq) { return absl::StrFormat("journal-%d.log", seq); }
 
 uint64_t Checksum(absl::Span<const std::byte> bytes) {
@@ -179,11 +192,40 @@ NvmeStore::~NvmeStore() {
     MutexLock commit(&commit_mu_);
     log_.Close();
   }
-  files_.clear();
+  {
+    MutexLock lock(&mu_);
+    files_.clear();
+  }
+  // Removed while the lock is still held: no other store opens the directory meanwhile.
+  if (opened_ && options_.remove_files_on_close) RemoveFiles();
   if (lock_fd_ >= 0) {
     MutexLock registry(&g_locked_mu);
     close(lock_fd_);
     LockedFiles().erase(lock_key_);
+  }
+  if (opened_ && options_.remove_files_on_close && created_dir_) {
+    rmdir(dir_.c_str());  // only when empty: whatever else is there stays, and the directory
+  }
+}
+
+void NvmeStore::RemoveFiles() {
+  // The files this store writes, by name (whatever a crash of an earlier process left too); the
+  // lock file last, so a reader of the folder never finds a lock without a store.
+  std::error_code ec;
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (SwapIndex(name) >= 0 || absl::StartsWith(name, "journal-") || name == kManifest ||
+        name == kManifestTmp) {
+      names.push_back(name);
+    }
+  }
+  names.push_back(kLockFile);
+  for (const std::string& name : names) {
+    const std::string path = dir_ + "/" + name;
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      Warn(absl::StrCat("nvme store: could not remove ", path, ": ", std::strerror(errno)));
+    }
   }
 }
 
@@ -225,6 +267,7 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
       return Annotate(ErrnoStatus(errno, "mkdir", dir),
                       "nvme store: nvme_path must be a directory that exists or can be made");
     }
+    store->created_dir_ = true;
   } else if (!S_ISDIR(st.st_mode)) {
     return absl::FailedPreconditionError(
         absl::StrCat("nvme store: nvme_path ", dir, " is not a directory"));
@@ -243,6 +286,7 @@ absl::StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::Open(const std::string& di
     STRATA_ASSIGN_OR_RETURN(std::vector<PartitionId> bad, store->Verify());
     if (corrupt != nullptr) *corrupt = std::move(bad);
   }
+  store->opened_ = true;
   return store;
 }
 
@@ -260,33 +304,47 @@ absl::Status NvmeStore::Lock() {
     // process already holds.
     return in_use(absl::StrCat("process ", getpid(), ", this one,"));
   }
-  const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) return Annotate(ErrnoStatus(errno, "open", path), "nvme store: lock file");
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return Annotate(ErrnoStatus(err, "fstat", path), "nvme store: lock file");
-  }
-  const std::pair<dev_t, ino_t> key{st.st_dev, st.st_ino};
-  // A POSIX record lock (not flock): it belongs to this process alone, so a child forked while
-  // the store is open (a data loader's worker) does not keep it after this process closes the
-  // store or dies; the kernel drops it when the process ends, however it ends.
-  struct flock want = {};
-  want.l_type = F_WRLCK;
-  want.l_whence = SEEK_SET;
-  if (fcntl(fd, F_SETLK, &want) != 0) {
-    const int err = errno;
-    if (err != EACCES && err != EAGAIN) {
+  int fd = -1;
+  std::pair<dev_t, ino_t> key;
+  // A holder that removes its files (remove_files_on_close) unlinks the lock file before it lets
+  // the lock go: a lock won on an unlinked file is worthless, so it is taken again on the file
+  // the path names now.
+  for (int attempt = 0;; ++attempt) {
+    fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return Annotate(ErrnoStatus(errno, "open", path), "nvme store: lock file");
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      const int err = errno;
       close(fd);
-      return Annotate(ErrnoStatus(err, "fcntl(F_SETLK)", path), "nvme store");
+      return Annotate(ErrnoStatus(err, "fstat", path), "nvme store: lock file");
     }
-    struct flock held = {};
-    held.l_type = F_WRLCK;
-    held.l_whence = SEEK_SET;
-    const bool known = fcntl(fd, F_GETLK, &held) == 0 && held.l_type != F_UNLCK;
+    key = {st.st_dev, st.st_ino};
+    // A POSIX record lock (not flock): it belongs to this process alone, so a child forked while
+    // the store is open (a data loader's worker) does not keep it after this process closes the
+    // store or dies; the kernel drops it when the process ends, however it ends.
+    struct flock want = {};
+    want.l_type = F_WRLCK;
+    want.l_whence = SEEK_SET;
+    if (fcntl(fd, F_SETLK, &want) != 0) {
+      const int err = errno;
+      if (err != EACCES && err != EAGAIN) {
+        close(fd);
+        return Annotate(ErrnoStatus(err, "fcntl(F_SETLK)", path), "nvme store");
+      }
+      struct flock held = {};
+      held.l_type = F_WRLCK;
+      held.l_whence = SEEK_SET;
+      const bool known = fcntl(fd, F_GETLK, &held) == 0 && held.l_type != F_UNLCK;
+      close(fd);
+      return in_use(known ? absl::StrCat("process ", held.l_pid) : std::string("another process"));
+    }
+    struct stat now;
+    if (stat(path.c_str(), &now) == 0 && now.st_dev == st.st_dev && now.st_ino == st.st_ino) break;
     close(fd);
-    return in_use(known ? absl::StrCat("process ", held.l_pid) : std::string("another process"));
+    if (attempt == 100) {
+      return absl::UnavailableError(
+          absl::StrCat("nvme store: the lock file ", path, " keeps being removed and made again"));
+    }
   }
   const std::string pid = absl::StrCat(getpid(), "\n");  // for a person looking at the folder
   if (ftruncate(fd, 0) != 0 || pwrite(fd, pid.data(), pid.size(), 0) < 0) {
@@ -301,60 +359,19 @@ absl::Status NvmeStore::Lock() {
 }
 
 absl::Status NvmeStore::Create() {
-  // A new store: check the space, then reserve it.
+  // A new store: no swap space yet (the files grow on demand, up to the cap); the manifest log
+  // and the snapshot naming it.
   if (options_.capacity_bytes == 0) {
     return absl::InvalidArgumentError("nvme store: capacity_bytes: must be > 0");
   }
-  const uint64_t capacity = AlignUp(options_.capacity_bytes, options_.alignment);
-  struct statvfs vfs;
-  if (statvfs(dir_.c_str(), &vfs) != 0) return ErrnoStatus(errno, "statvfs", dir_);
-  const uint64_t available = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-  if (available < capacity) {
-    return absl::ResourceExhaustedError(absl::StrCat("nvme store: ", dir_, " has ", available,
-                                                     " bytes free; the store needs ", capacity,
-                                                     " (nothing was written)"));
-  }
-  const uint64_t file_bytes = AlignUp(options_.file_bytes, options_.alignment);
-  std::vector<std::string> created;
-  auto undo = [&] {
-    files_.clear();
-    for (const auto& p : created) unlink(p.c_str());
-  };
-  for (uint64_t reserved = 0; reserved < capacity;) {
-    const uint64_t size = std::min(file_bytes, capacity - reserved);
-    const uint32_t index = static_cast<uint32_t>(files_.size());
-    const std::string path = dir_ + "/" + SwapName(index);
-    aio::OpenOptions oo;
-    oo.writable = oo.create = oo.truncate = true;
-    auto file = engine_->Open(path, oo);
-    if (!file.ok()) {
-      undo();
-      return Annotate(file.status(), "nvme store");
-    }
-    created.push_back(path);
-    if (absl::Status s = file->Allocate(0, size); !s.ok()) {
-      undo();
-      return Annotate(s, "nvme store: reserving swap space");
-    }
-    files_.push_back(*std::move(file));
-    file_sizes_.push_back(size);
-    reserved += size;
-  }
-  {
-    MutexLock lock(&mu_);
-    free_.resize(files_.size());
-    for (size_t i = 0; i < files_.size(); ++i) free_[i][0] = file_sizes_[i];
-  }
+  capacity_ = AlignUp(options_.capacity_bytes, options_.alignment);
+  file_bytes_ = AlignUp(options_.file_bytes, options_.alignment);
   MutexLock commit(&commit_mu_);
   const std::string log_path = dir_ + "/" + LogName(0);
   aio::OpenOptions oo;
   oo.writable = oo.create = oo.truncate = true;
   auto log = engine_->Open(log_path, oo);
-  if (!log.ok()) {
-    undo();
-    return Annotate(log.status(), "nvme store: manifest log");
-  }
-  created.push_back(log_path);
+  if (!log.ok()) return Annotate(log.status(), "nvme store: manifest log");
   log_ = *std::move(log);
   absl::Status s = log_.Sync();
   if (s.ok()) s = SyncDir(dir_);
@@ -362,26 +379,31 @@ absl::Status NvmeStore::Create() {
     MutexLock lock(&mu_);
     generation_ = 1;
   }
-  if (s.ok()) s = WriteSnapshot(0, &snapshot_bytes_);
+  if (s.ok()) s = WriteSnapshot(0, &snapshot_bytes_, &logged_sizes_);
   if (!s.ok()) {
     log_.Close();
-    undo();
+    unlink(log_path.c_str());
   }
   return s;
 }
 
-absl::Status NvmeStore::WriteSnapshot(uint64_t log_seq, uint64_t* bytes) {
+absl::Status NvmeStore::WriteSnapshot(uint64_t log_seq, uint64_t* bytes,
+                                      std::vector<uint64_t>* sizes) {
   nlohmann::json j;
   j["strata_nvme_store"] = kFormat;
   j["alignment"] = options_.alignment;
+  j["capacity_bytes"] = capacity_;
+  j["file_bytes"] = file_bytes_;
   j["log"] = LogName(log_seq);
   j["files"] = nlohmann::json::array();
-  for (uint32_t i = 0; i < file_sizes_.size(); ++i) {
-    j["files"].push_back({{"name", SwapName(i)}, {"bytes", file_sizes_[i]}});
-  }
   j["partitions"] = nlohmann::json::array();
+  std::vector<uint64_t> recorded;
   {
     MutexLock lock(&mu_);
+    recorded = file_sizes_;
+    for (uint32_t i = 0; i < file_sizes_.size(); ++i) {
+      j["files"].push_back({{"name", SwapName(i)}, {"bytes", file_sizes_[i]}});
+    }
     j["generation"] = generation_;
     std::vector<PartitionId> ids;
     for (const auto& [id, r] : records_) ids.push_back(id);
@@ -409,6 +431,7 @@ absl::Status NvmeStore::WriteSnapshot(uint64_t log_seq, uint64_t* bytes) {
   STRATA_RETURN_IF_ERROR(SyncDir(dir_));
   Hook("compact:snapshot-renamed");
   *bytes = text.size();
+  *sizes = std::move(recorded);
   return absl::OkStatus();
 }
 
@@ -423,7 +446,8 @@ absl::Status NvmeStore::Compact() {
   if (s.ok()) s = SyncDir(dir_);
   if (s.ok()) Hook("compact:log-created");
   uint64_t bytes = 0;
-  if (s.ok()) s = WriteSnapshot(seq, &bytes);
+  std::vector<uint64_t> sizes;
+  if (s.ok()) s = WriteSnapshot(seq, &bytes, &sizes);
   if (!s.ok()) {
     // The snapshot in force still names the old log; the new one is not needed.
     log->Close();
@@ -440,6 +464,7 @@ absl::Status NvmeStore::Compact() {
   log_seq_ = seq;
   log_end_ = 0;
   snapshot_bytes_ = bytes;
+  logged_sizes_ = std::move(sizes);
   log_poisoned_ = false;
   MutexLock lock(&mu_);
   FreeLocked(quarantined_);
@@ -456,10 +481,11 @@ absl::Status NvmeStore::Load() {
   };
   if (j.is_discarded() || !j.is_object()) return bad("not valid JSON");
   const int format = j.value("strata_nvme_store", 0);
-  if (format != kFormat) {
-    return bad(format == 0 ? std::string("not a strata store manifest")
-                           : absl::StrCat("format ", format, " (this strata reads format ", kFormat,
-                                          "); move the store aside or remove it"));
+  if (format < kOldestFormat || format > kFormat) {
+    return bad(format == 0
+                   ? std::string("not a strata store manifest")
+                   : absl::StrCat("format ", format, " (this strata reads formats ", kOldestFormat,
+                                  " to ", kFormat, "); move the store aside or remove it"));
   }
   auto stored = ParseHex(j.value("checksum", std::string()));
   if (!stored.ok() || *stored != ManifestChecksum(j)) {
@@ -479,22 +505,31 @@ absl::Status NvmeStore::Load() {
         return bad(absl::StrCat("log name ", log_name, " is not journal-N.log"));
       }
       for (const auto& f : j.at("files")) {
-        const std::string fpath = dir_ + "/" + f.at("name").get<std::string>();
-        aio::OpenOptions oo;
-        oo.writable = true;
-        auto file = engine_->Open(fpath, oo);
-        if (!file.ok()) return Annotate(file.status(), "nvme store");
-        const uint64_t size = f.at("bytes").get<uint64_t>();
-        auto actual = file->Size();
-        if (!actual.ok()) return actual.status();
-        if (*actual < size) {
-          return bad(absl::StrCat(fpath, " is ", *actual, " bytes, the manifest says ", size));
+        const uint32_t index = static_cast<uint32_t>(files_.size());
+        if (f.at("name").get<std::string>() != SwapName(index)) {
+          return bad(absl::StrCat("swap file ", index, " is named ", f.at("name").dump(), ", not ",
+                                  SwapName(index)));
         }
-        files_.push_back(*std::move(file));
-        file_sizes_.push_back(size);
+        if (absl::Status s = AdoptFileLocked(index, f.at("bytes").get<uint64_t>()); !s.ok()) {
+          return s.code() == absl::StatusCode::kDataLoss ? bad(s.message()) : s;
+        }
       }
-      free_.assign(files_.size(), {});
-      for (size_t i = 0; i < files_.size(); ++i) free_[i][0] = file_sizes_[i];
+      // Format 2 reserved its files whole at creation: they were its capacity.
+      const uint64_t allocated = AllocatedLocked();
+      uint64_t recorded_cap = allocated;
+      file_bytes_ = AlignUp(options_.file_bytes, options_.alignment);
+      if (format >= 3) {
+        recorded_cap = j.at("capacity_bytes").get<uint64_t>();
+        file_bytes_ = j.at("file_bytes").get<uint64_t>();
+        if (file_bytes_ == 0 || file_bytes_ % options_.alignment != 0) {
+          return bad(
+              absl::StrCat("file_bytes ", file_bytes_, " is not a multiple of the alignment"));
+        }
+      }
+      const uint64_t wanted = options_.capacity_bytes > 0
+                                  ? AlignUp(options_.capacity_bytes, options_.alignment)
+                                  : recorded_cap;
+      capacity_ = std::max(wanted, allocated);
       for (const auto& p : j.at("partitions")) {
         auto r = ParseRecord(p);
         if (!r.ok()) return bad(r.status().message());
@@ -504,16 +539,37 @@ absl::Status NvmeStore::Load() {
       return bad(absl::StrCat("missing or mistyped field (", e.what(), ")"));
     }
     STRATA_RETURN_IF_ERROR(Replay(dir_ + "/" + log_name, &log_nonempty));
+    capacity_ = std::max(capacity_, AllocatedLocked());
+    // A growth that a crash left unrecorded is given back: a file grown past the size the manifest
+    // records is truncated to it (nothing recorded lies past it), and a file no record names is
+    // removed below.
+    for (uint32_t i = 0; i < files_.size(); ++i) {
+      auto actual = files_[i]->Size();
+      if (actual.ok() && *actual > file_sizes_[i]) {
+        if (absl::Status t = files_[i]->Truncate(file_sizes_[i]); !t.ok()) {
+          Warn(absl::StrCat("nvme store: giving back space a growth left unrecorded: ",
+                            t.message()));
+        }
+      }
+    }
+    logged_sizes_ = file_sizes_;
   }
   aio::OpenOptions oo;
   oo.writable = true;
   STRATA_ASSIGN_OR_RETURN(log_, engine_->Open(dir_ + "/" + log_name, oo));
   snapshot_bytes_ = std::filesystem::file_size(path);
-  // Files no snapshot names: logs of compactions that crashed, a snapshot never renamed.
+  // Files no snapshot names: logs of compactions that crashed, a snapshot never renamed, swap
+  // files of a growth that no commit recorded.
+  uint64_t swap_files = 0;
+  {
+    MutexLock lock(&mu_);
+    swap_files = files_.size();
+  }
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
     const std::string name = entry.path().filename().string();
-    if ((absl::StartsWith(name, "journal-") && name != log_name) || name == kManifestTmp) {
+    if ((absl::StartsWith(name, "journal-") && name != log_name) || name == kManifestTmp ||
+        SwapIndex(name) >= static_cast<int64_t>(swap_files)) {
       std::filesystem::remove(entry.path(), ec);
     }
   }
@@ -561,6 +617,12 @@ absl::Status NvmeStore::Replay(const std::string& log_path, bool* any) {
 
 absl::Status NvmeStore::ApplyRecord(const nlohmann::json& j) {
   const uint64_t g = j.at("g").get<uint64_t>();
+  // The files' sizes that changed (a growth), before the puts that use the space.
+  if (auto files = j.find("files"); files != j.end()) {
+    for (const auto& f : *files) {
+      STRATA_RETURN_IF_ERROR(AdoptFileLocked(f.at(0).get<uint32_t>(), f.at(1).get<uint64_t>()));
+    }
+  }
   std::vector<PartitionRecord> puts;
   for (const auto& p : j.at("put")) {
     STRATA_ASSIGN_OR_RETURN(PartitionRecord r, ParseRecord(p));
@@ -578,6 +640,44 @@ absl::Status NvmeStore::ApplyRecord(const nlohmann::json& j) {
   for (const PartitionRecord& r : puts) drop(r.id);
   for (PartitionRecord& r : puts) STRATA_RETURN_IF_ERROR(Carve(r));
   generation_ = g;
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::AdoptFileLocked(uint32_t index, uint64_t size) {
+  const std::string path = dir_ + "/" + SwapName(index);
+  if (index > files_.size()) {
+    return absl::DataLossError(absl::StrCat("the manifest names ", path, " but the store has ",
+                                            files_.size(), " swap files before it"));
+  }
+  if (size % options_.alignment != 0) {
+    return absl::DataLossError(absl::StrCat("the manifest gives ", path, " ", size,
+                                            " bytes, not a multiple of the alignment"));
+  }
+  if (index < files_.size() && size <= file_sizes_[index]) return absl::OkStatus();
+  std::unique_ptr<aio::File> opened;
+  const aio::File* file = nullptr;
+  if (index == files_.size()) {
+    aio::OpenOptions oo;
+    oo.writable = true;
+    auto f = engine_->Open(path, oo);
+    if (!f.ok()) return Annotate(f.status(), "nvme store");
+    opened = std::make_unique<aio::File>(*std::move(f));
+    file = opened.get();
+  } else {
+    file = files_[index].get();
+  }
+  STRATA_ASSIGN_OR_RETURN(const uint64_t actual, file->Size());
+  if (actual < size) {
+    return absl::DataLossError(
+        absl::StrCat(path, " is ", actual, " bytes, the manifest says ", size));
+  }
+  if (opened != nullptr) {
+    files_.push_back(std::move(opened));
+    file_sizes_.push_back(0);
+    free_.emplace_back();
+  }
+  InsertFreeLocked(index, file_sizes_[index], size - file_sizes_[index]);
+  file_sizes_[index] = size;
   return absl::OkStatus();
 }
 
@@ -667,14 +767,8 @@ Mutex* NvmeStore::PartitionMutex(PartitionId id) {
   return m.get();
 }
 
-absl::StatusOr<std::vector<StoreExtent>> NvmeStore::AllocateLocked(uint64_t length) {
+std::vector<StoreExtent> NvmeStore::AllocateLocked(uint64_t length) {
   const uint64_t len = AlignUp(length, options_.alignment);
-  const uint64_t capacity = capacity_bytes();
-  if (len > capacity - used_) {
-    return absl::ResourceExhaustedError(absl::StrCat("nvme store ", dir_, ": no room for ", len,
-                                                     " bytes (", used_, " of ", capacity,
-                                                     " bytes in use; nothing was written)"));
-  }
   // One piece when a free range is large enough (first fit); otherwise the largest free ranges,
   // as many as it takes.
   std::vector<StoreExtent> out;
@@ -711,26 +805,161 @@ absl::StatusOr<std::vector<StoreExtent>> NvmeStore::AllocateLocked(uint64_t leng
   return out;
 }
 
+void NvmeStore::InsertFreeLocked(uint32_t f, uint64_t offset, uint64_t length) {
+  if (length == 0) return;
+  auto& fl = free_[f];
+  uint64_t start = offset, len = length;
+  auto next = fl.lower_bound(start);
+  if (next != fl.end() && next->first == start + len) {
+    len += next->second;
+    next = fl.erase(next);
+  }
+  if (next != fl.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      len += prev->second;
+      fl.erase(prev);
+    }
+  }
+  fl[start] = len;
+}
+
 void NvmeStore::FreeLocked(const std::vector<StoreExtent>& extents) {
   for (const StoreExtent& e : extents) {
-    auto& fl = free_[e.file];
-    uint64_t start = e.offset, len = e.length;
-    auto next = fl.lower_bound(start);
-    if (next != fl.end() && next->first == start + len) {
-      len += next->second;
-      next = fl.erase(next);
-    }
-    if (next != fl.begin()) {
-      auto prev = std::prev(next);
-      if (prev->first + prev->second == start) {
-        start = prev->first;
-        len += prev->second;
-        fl.erase(prev);
-      }
-    }
-    fl[start] = len;
+    InsertFreeLocked(e.file, e.offset, e.length);
     used_ -= e.length;
   }
+}
+
+uint64_t NvmeStore::AllocatedLocked() const {
+  uint64_t total = 0;
+  for (uint64_t s : file_sizes_) total += s;
+  return total;
+}
+
+const aio::File* NvmeStore::FileAt(uint32_t f) const {
+  MutexLock lock(&mu_);
+  return files_[f].get();
+}
+
+absl::Status NvmeStore::Fallocate(const aio::File& file, uint64_t offset, uint64_t length) const {
+  if (options_.test_fallocate_errno) {
+    if (const int err = options_.test_fallocate_errno(file.path(), offset, length); err != 0) {
+      return ErrnoStatus(err, "fallocate", file.path(), offset, length);
+    }
+  }
+  return file.Allocate(offset, length);
+}
+
+absl::Status NvmeStore::Grow(uint64_t target, const std::string& context) {
+  uint64_t allocated = 0, used = 0;
+  {
+    MutexLock lock(&mu_);
+    allocated = AllocatedLocked();
+    used = used_;
+  }
+  if (allocated >= target) return absl::OkStatus();  // grown by another thread meanwhile
+  target = std::min(target, capacity_);
+  if (allocated >= target) {
+    return absl::ResourceExhaustedError(absl::StrCat(context, ": no room under the cap (", used,
+                                                     " of ", capacity_,
+                                                     " bytes in use; nothing was written)"));
+  }
+  // By an eighth of what the files hold at least (few growths for a store that fills up), by
+  // exactly what is needed when the disk has no room for more.
+  const uint64_t needed = target - allocated;
+  const uint64_t ahead =
+      std::min(capacity_ - allocated, std::max(needed, AlignUp(allocated / 8, options_.alignment)));
+  absl::Status s = GrowBy(ahead);
+  if (!s.ok() && ahead > needed && StatusErrno(s) == ENOSPC) s = GrowBy(needed);
+  if (!s.ok()) {
+    return Annotate(s, absl::StrCat(context, ": growing the swap files in ", dir_, " by ", needed,
+                                    " bytes (", used, " of ", capacity_, " bytes in use, the cap; ",
+                                    allocated, " held by the files now; nothing was written)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeStore::GrowBy(uint64_t bytes) {
+  struct Step {
+    uint32_t file;
+    uint64_t from, length;
+    bool created;
+  };
+  std::vector<Step> steps;
+  {
+    MutexLock lock(&mu_);
+    uint64_t rest = bytes;
+    const uint32_t n = static_cast<uint32_t>(files_.size());
+    if (n > 0 && file_sizes_.back() < file_bytes_) {
+      const uint64_t e = std::min(rest, file_bytes_ - file_sizes_.back());
+      steps.push_back({n - 1, file_sizes_.back(), e, false});
+      rest -= e;
+    }
+    for (uint32_t f = n; rest > 0; ++f) {
+      const uint64_t e = std::min(rest, file_bytes_);
+      steps.push_back({f, 0, e, true});
+      rest -= e;
+    }
+  }
+  // Each step fallocated and synced (a new file's size and blocks durable with it); then the
+  // directory entries of new files; only then is the space handed out. On failure every step
+  // taken is undone: an extended file truncated back, a new file removed.
+  std::vector<std::unique_ptr<aio::File>> created;
+  auto undo = [&](size_t taken) {
+    for (size_t i = 0; i < taken; ++i) {
+      const Step& st = steps[i];
+      if (st.created) continue;
+      if (absl::Status t = FileAt(st.file)->Truncate(st.from); !t.ok()) {
+        Warn(absl::StrCat("nvme store: undoing a growth that failed: ", t.message()));
+      }
+    }
+    for (const auto& file : created) unlink(file->path().c_str());
+    created.clear();
+  };
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Step& st = steps[i];
+    const aio::File* file = nullptr;
+    if (st.created) {
+      aio::OpenOptions oo;
+      oo.writable = oo.create = oo.truncate = true;
+      auto opened = engine_->Open(dir_ + "/" + SwapName(st.file), oo);
+      if (!opened.ok()) {
+        undo(i);
+        return opened.status();
+      }
+      created.push_back(std::make_unique<aio::File>(*std::move(opened)));
+      file = created.back().get();
+    } else {
+      file = FileAt(st.file);
+    }
+    absl::Status s = Fallocate(*file, st.from, st.length);
+    if (s.ok()) s = file->Sync();
+    if (!s.ok()) {
+      undo(i + 1);
+      return s;
+    }
+  }
+  if (!created.empty()) {
+    if (absl::Status s = SyncDir(dir_); !s.ok()) {
+      undo(steps.size());
+      return s;
+    }
+  }
+  Hook("grow:allocated");
+  MutexLock lock(&mu_);
+  size_t next_created = 0;
+  for (const Step& st : steps) {
+    if (st.created) {
+      files_.push_back(std::move(created[next_created++]));
+      file_sizes_.push_back(0);
+      free_.emplace_back();
+    }
+    InsertFreeLocked(st.file, st.from, st.length);
+    file_sizes_[st.file] = st.from + st.length;
+  }
+  return absl::OkStatus();
 }
 
 NvmeStore::Pending NvmeStore::ReadPieces(const PartitionRecord& r, uint64_t offset,
@@ -738,7 +967,7 @@ NvmeStore::Pending NvmeStore::ReadPieces(const PartitionRecord& r, uint64_t offs
   Pending p;
   uint64_t pos = 0;
   ForEachPiece(r.extents, offset, out.size(), [&](uint32_t f, uint64_t at, uint64_t n) {
-    p.Add(engine_->ReadAsync(files_[f], at, out.subspan(pos, n)));
+    p.Add(engine_->ReadAsync(*FileAt(f), at, out.subspan(pos, n)));
     pos += n;
   });
   return p;
@@ -749,7 +978,7 @@ NvmeStore::Pending NvmeStore::WritePieces(const std::vector<StoreExtent>& extent
   Pending p;
   uint64_t pos = 0;
   ForEachPiece(extents, offset, bytes.size(), [&](uint32_t f, uint64_t at, uint64_t n) {
-    p.Add(engine_->WriteAsync(files_[f], at, bytes.subspan(pos, n)));
+    p.Add(engine_->WriteAsync(*FileAt(f), at, bytes.subspan(pos, n)));
     pos += n;
   });
   return p;
@@ -760,7 +989,7 @@ absl::Status NvmeStore::SyncFiles(const std::vector<StoreExtent>& extents) {
   for (const StoreExtent& e : extents) touched.push_back(e.file);
   std::sort(touched.begin(), touched.end());
   touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-  for (uint32_t f : touched) STRATA_RETURN_IF_ERROR(files_[f].Sync());
+  for (uint32_t f : touched) STRATA_RETURN_IF_ERROR(FileAt(f)->Sync());
   return absl::OkStatus();
 }
 
@@ -779,12 +1008,21 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
   }
   uint64_t g = 0;
   std::vector<PartitionRecord> records;
+  std::vector<uint64_t> sizes;
   {
     MutexLock lock(&mu_);
     g = generation_ + 1;
+    sizes = file_sizes_;
   }
   nlohmann::json j;
   j["g"] = g;
+  // The files' sizes the manifest does not record yet: every extent this record names lies in
+  // space fallocated and synced before it was handed out, within these sizes.
+  nlohmann::json grown = nlohmann::json::array();
+  for (uint32_t i = 0; i < sizes.size(); ++i) {
+    if (i >= logged_sizes_.size() || sizes[i] != logged_sizes_[i]) grown.push_back({i, sizes[i]});
+  }
+  if (!grown.empty()) j["files"] = grown;
   j["put"] = nlohmann::json::array();
   for (const auto& [id, st] : puts) {
     records.push_back(PartitionRecord{id, st.length, st.checksum, g, st.extents});
@@ -819,6 +1057,7 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
   }
   Hook("commit:log-synced");
   log_end_ += block.size();
+  logged_sizes_ = std::move(sizes);
   {
     MutexLock lock(&mu_);
     auto drop = [&](PartitionId id) {
@@ -864,32 +1103,51 @@ void NvmeStore::Batch::Abort() {
 
 absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id, uint64_t length,
                                                                     const std::string& context) {
-  MutexLock lock(&store_->mu_);
-  if (!staged_.contains(id)) {
-    // A new partition, or one that grows: admitted only if, once it is committed, the free space
-    // still holds a copy-on-write of the largest partition. (A Put that does not grow a partition
-    // always fits: the reserve is there for it.)
-    const uint64_t len = AlignUp(length, store_->options_.alignment);
-    const auto it = store_->records_.find(id);
-    const uint64_t old = it == store_->records_.end() ? 0 : ExtentBytes(it->second.extents);
-    if (len > old) {
-      const uint64_t grow = len - old;
-      const uint64_t largest =
-          std::max(len, store_->lengths_.empty() ? 0 : *store_->lengths_.rbegin());
-      const uint64_t capacity = store_->capacity_bytes(), free = capacity - store_->used_;
-      if (grow > free || free - grow < largest) {
-        uint64_t stored = grow;
-        for (uint64_t l : store_->lengths_) stored += l;
-        return absl::ResourceExhaustedError(absl::StrCat(
-            context, ": ", old == 0 ? "admitting " : "growing the partition by ", grow,
-            " more bytes would leave ", grow > free ? 0 : free - grow, " free, less than the ",
-            largest, " a copy-on-write of the largest partition needs (", store_->used_, " of ",
-            capacity, " bytes in use; a store for these partitions needs ", stored + largest,
-            " bytes: their sum plus the largest; nothing was written)"));
+  const uint64_t len = AlignUp(length, store_->options_.alignment);
+  // Checked and taken under one hold of mu_; when the files hold too little, grown (one growth at
+  // a time, without mu_) and checked again: what others took meanwhile is counted.
+  for (;;) {
+    uint64_t target = 0;
+    {
+      MutexLock lock(&store_->mu_);
+      const uint64_t capacity = store_->capacity_, used = store_->used_;
+      uint64_t reserve = 0;
+      if (!staged_.contains(id)) {
+        // A new partition, or one that grows: admitted only if, once it is committed, the free
+        // space under the cap still holds a copy-on-write of the largest partition. (A Put that
+        // does not grow a partition always fits: the reserve is there for it.)
+        const auto it = store_->records_.find(id);
+        const uint64_t old = it == store_->records_.end() ? 0 : ExtentBytes(it->second.extents);
+        if (len > old) {
+          const uint64_t grow = len - old;
+          const uint64_t largest =
+              std::max(len, store_->lengths_.empty() ? 0 : *store_->lengths_.rbegin());
+          const uint64_t free = capacity - used;
+          if (grow > free || free - grow < largest) {
+            uint64_t stored = grow;
+            for (uint64_t l : store_->lengths_) stored += l;
+            return absl::ResourceExhaustedError(absl::StrCat(
+                context, ": ", old == 0 ? "admitting " : "growing the partition by ", grow,
+                " more bytes would leave ", grow > free ? 0 : free - grow, " free, less than the ",
+                largest, " a copy-on-write of the largest partition needs (", used, " of ",
+                capacity, " bytes in use, the cap; a store for these partitions needs ",
+                stored + largest, " bytes: their sum plus the largest; nothing was written)"));
+          }
+          // The files are grown to hold that reserve now, not when a rewrite needs it.
+          reserve = largest;
+        }
       }
+      if (len > capacity - used) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat(context, ": no room for ", len, " bytes under the cap (", used, " of ",
+                         capacity, " bytes in use; nothing was written)"));
+      }
+      target = std::min(capacity, used + len + reserve);
+      if (store_->AllocatedLocked() >= target) return store_->AllocateLocked(len);
     }
+    MutexLock grow(&store_->grow_mu_);
+    STRATA_RETURN_IF_ERROR(store_->Grow(target, context));
   }
-  return store_->AllocateLocked(length);
 }
 
 absl::Status NvmeStore::Batch::Keep(PartitionId id, std::vector<StoreExtent> extents,
@@ -1071,10 +1329,11 @@ uint64_t NvmeStore::used_bytes() const {
   return used_;
 }
 
-uint64_t NvmeStore::capacity_bytes() const {
-  uint64_t total = 0;
-  for (uint64_t s : file_sizes_) total += s;
-  return total;
+uint64_t NvmeStore::capacity_bytes() const { return capacity_; }
+
+uint64_t NvmeStore::allocated_bytes() const {
+  MutexLock lock(&mu_);
+  return AllocatedLocked();
 }
 
 uint64_t NvmeStore::log_bytes() const {

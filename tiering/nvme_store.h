@@ -1,19 +1,36 @@
 // tiering/nvme_store.h: the NVMe tier's swap space, a crash-consistent store of partitions.
 //
-// Layout. The store owns a directory (created 0700 when missing) holding a few large swap files
-// (swap-000.bin, ...), each preallocated with fallocate when the store is created, a manifest
-// snapshot (manifest.json), a manifest log (journal-N.log) and a lock file (lock). Partitions live
-// in extents of the swap files, aligned for O_DIRECT; a partition may span several extents, in
-// one file or several, so a partition larger than one swap file, or one that fits only in the
-// pieces of a fragmented store, is stored all the same. Why extents over a few large files rather
-// than a file per partition or per layer: the space is reserved once, so a full disk is found when
-// the store is made and never in the middle of a step; writes create and unlink no files, so no
-// directory metadata is written while training; and few files mean few descriptors and
-// registered-file slots for io_uring.
+// Layout. The store owns a directory (created 0700 when missing) holding swap files (swap-000.bin,
+// ...), a manifest snapshot (manifest.json), a manifest log (journal-N.log) and a lock file
+// (lock). Partitions live in extents of the swap files, aligned for O_DIRECT; a partition may span
+// several extents, in one file or several, so a partition larger than one swap file, or one that
+// fits only in the pieces of a fragmented store, is stored all the same. Why extents over a few
+// large files rather than a file per partition or per layer: space, once taken, is reused without
+// touching the filesystem, so a rewrite creates and unlinks no files and writes no directory
+// metadata while training; and few files mean few descriptors and registered-file slots for
+// io_uring.
+//
+// Growth. A new store takes no swap space: the files grow on demand, up to
+// NvmeStoreOptions::capacity_bytes, which is a cap, never exceeded. When an allocation (a new
+// partition, a Put, a staged Batch entry) finds too little free space, the store fallocates more
+// at the end of the last swap file, or adds a new file once the last holds file_bytes (growing by
+// at least an eighth of what it holds, so a store that fills up grows a few times, not once per
+// partition; by exactly what is needed when the disk has no more). Growth is durable before it is
+// used: the space is fallocated and the file synced (a new file's directory entry too: the
+// directory is fsync'd) before any extent in it is handed out, so a commit record never points at
+// space that a crash could take away; the record that first uses the grown space also records the
+// files' sizes, and a reopen takes the files at the sizes the manifest records, giving back (by
+// truncating, or removing a file no record names) what a crash left grown but unrecorded. A growth
+// that fails (the disk is full: fallocate's ENOSPC) is undone and the allocation fails with
+// ResourceExhausted naming the file, the bytes asked for, what is in use and the cap; nothing was
+// written, the previous copy stays in force. Files never shrink while the store is open: space
+// freed by a Put or an Erase is reused, not given back.
 //
 // One store per directory. Open takes an exclusive lock (a POSIX record lock on dir/lock, held for
 // the store's life; the lock file also names the holder's pid): a second store on the same
-// directory, in this process or another, is refused with FailedPrecondition naming the holder. The
+// directory, in this process or another, is refused with FailedPrecondition naming the holder. A
+// lock taken on a lock file that its holder removed meanwhile (remove_files_on_close) is dropped
+// and taken again on the new file, so two stores never both believe they hold the directory. The
 // lock belongs to the process that opened the store: a child it forks (a data loader's worker)
 // does not hold it, so closing the store frees the directory at once; and it dies with its process,
 // so a crashed process never blocks its successor. Ranks of one job must be given
@@ -42,13 +59,19 @@
 //
 // Space. Stored bytes are rounded up to the alignment. A copy-on-write needs room for the new copy
 // while the old one is still in force, so the store keeps a reserve: a new partition, or a Put
-// that makes a partition larger, is admitted only when, after it, the free space still holds a
-// copy of the largest partition. Capacity for a
-// set of partitions is therefore the sum of their aligned sizes plus the largest one; that
+// that makes a partition larger, is admitted only when, after it, the free space under the cap
+// still holds a copy of the largest partition; and the files are grown at its admission to hold
+// that reserve on disk, so the rewrites it is for never wait on the disk's free space. Capacity
+// for a set of partitions is therefore the sum of their aligned sizes plus the largest one; that
 // guarantees that one Put of an existing partition at a time always finds room. Each further Put
 // in flight at the same time, and each partition staged in an open Batch, needs its own size on
-// top (a Batch that stages every partition needs twice their sum). A Put that cannot get space
-// fails with ResourceExhausted before any byte is written, naming what is in use.
+// top (a Batch that stages every partition needs twice their sum), taken from the disk when it
+// is needed. A Put that cannot get space fails with ResourceExhausted before any byte is written,
+// naming what is in use and the cap (or, when the disk is full, the file it could not grow).
+//
+// Removal. With NvmeStoreOptions::remove_files_on_close the destructor of a store that opened
+// removes its swap files, manifest, log and lock file, and the directory when Open created it and
+// nothing else is left in it. Otherwise the files stay for the next Open (a restarted process).
 //
 // Thread safety: NvmeStore is thread-safe; Puts and Gets of different partitions run
 // concurrently (their I/O through the shared aio Engine); commits are serialized by the log but
@@ -80,8 +103,10 @@ namespace strata::tiering {
 using PartitionId = uint64_t;
 
 struct NvmeStoreOptions {
-  // Total space to reserve, split over swap files of at most file_bytes each. > 0. Only read when
-  // the store is created; a reopened store keeps the files it has.
+  // The most space the swap files may take, split over files of at most file_bytes each (rounded
+  // up to the alignment). > 0 when the store is created; on reopen a value > 0 replaces the cap
+  // the manifest records (never below what the files already hold), 0 keeps it. file_bytes is only
+  // read when the store is created.
   uint64_t capacity_bytes = 0;
   uint64_t file_bytes = 4ull << 30;
   // Extent alignment (bytes, a power of two >= the files' O_DIRECT alignment).
@@ -91,17 +116,24 @@ struct NvmeStoreOptions {
   // Reread and verify every partition at Open (see Verify()); off: reopening reads only the
   // manifest, and Get finds a damaged partition when it is read.
   bool verify_on_open = false;
+  // The destructor removes the store's files (see "Removal" above). Off: they stay for a reopen.
+  bool remove_files_on_close = false;
   // The manifest log is compacted into a new snapshot when it grows past
   // max(compact_min_log_bytes, 2 x the snapshot's size).
   uint64_t compact_min_log_bytes = 64 << 10;
   // Notices that are not errors of the call that met them (a compaction that failed and will be
   // retried; stale files removed at Open). Default: stderr.
   std::function<void(absl::string_view)> on_warning;
-  // Test seam: called at each step of a commit and of a compaction with the step's name
-  // ("commit:data-synced", "commit:log-written", "commit:log-synced", "compact:log-created",
-  // "compact:snapshot-written", "compact:snapshot-renamed", "compact:old-log-removed"), so a test
-  // can kill the process there and check what a reopen finds.
+  // Test seam: called at each step of a commit, of a compaction and of a growth with the step's
+  // name ("commit:data-synced", "commit:log-written", "commit:log-synced", "compact:log-created",
+  // "compact:snapshot-written", "compact:snapshot-renamed", "compact:old-log-removed",
+  // "grow:allocated": the new space fallocated and synced, not yet handed out), so a test can kill
+  // the process there and check what a reopen finds.
   std::function<void(absl::string_view)> test_hook;
+  // Test seam: called before each fallocate that grows a swap file (path, offset, length); a
+  // nonzero errno it returns is taken as that fallocate's failure (ENOSPC: a full disk).
+  std::function<int(const std::string& path, uint64_t offset, uint64_t length)>
+      test_fallocate_errno;
 };
 
 // A piece of a swap file: `length` is a multiple of the store's alignment.
@@ -124,14 +156,16 @@ struct PartitionRecord {
 
 class NvmeStore {
  public:
-  // Creates the store in `dir` (reserving capacity) or reopens the one there, after taking the
-  // directory's lock. On reopen the manifest snapshot and log are read (and compacted when the
+  // Creates the store in `dir` (taking no swap space yet) or reopens the one there, after taking
+  // the directory's lock. On reopen the manifest snapshot and log are read (and compacted when the
   // log is not empty); with options.verify_on_open every partition is verified and `corrupt`
   // (when not null) receives the ids whose bytes do not match their checksum (they stay listed;
   // Get on them fails with DataLoss). Errors name the path: dir not a directory, not writable,
   // in use by another store (FailedPrecondition), a filesystem refusing O_DIRECT (when the
-  // engine uses it), not enough space (ResourceExhausted, before anything is written), a
-  // manifest that does not parse or whose checksum does not match (DataLoss).
+  // engine uses it, found by opening the manifest log), a manifest that does not parse or whose
+  // checksum does not match, or a swap file shorter than the manifest records (DataLoss). The cap
+  // is not checked against the disk's free space: a full disk is found by the growth that meets
+  // it.
   static absl::StatusOr<std::unique_ptr<NvmeStore>> Open(
       const std::string& dir, const NvmeStoreOptions& options, aio::Engine* engine,
       std::vector<PartitionId>* corrupt = nullptr);
@@ -199,7 +233,10 @@ class NvmeStore {
   uint64_t generation() const;
   // Bytes held by partitions and by staged copies (aligned).
   uint64_t used_bytes() const;
+  // The cap: the most the swap files may take.
   uint64_t capacity_bytes() const;
+  // What the swap files take now (fallocated; grows toward capacity_bytes()).
+  uint64_t allocated_bytes() const;
   // Bytes of manifest log written since the last snapshot (what the next commit appends to).
   uint64_t log_bytes() const;
   const std::string& dir() const { return dir_; }
@@ -209,9 +246,26 @@ class NvmeStore {
   NvmeStore() = default;
   absl::Status Lock();
   absl::Status Create();
-  absl::StatusOr<std::vector<StoreExtent>> AllocateLocked(uint64_t length)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `length` (aligned) bytes of free space; the caller has checked that the files hold them.
+  std::vector<StoreExtent> AllocateLocked(uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeLocked(const std::vector<StoreExtent>& extents) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds [offset, offset + length) of file `f` to its free ranges, coalescing.
+  void InsertFreeLocked(uint32_t f, uint64_t offset, uint64_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t AllocatedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Grows the swap files until they hold `target` bytes (at most the cap): fallocated, synced and
+  // published whole, or not at all (see "Growth" above). OK at once when they already do.
+  absl::Status Grow(uint64_t target, const std::string& context)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(grow_mu_);
+  // One growth of `bytes` (the end of the last file, then new files), all or nothing.
+  absl::Status GrowBy(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grow_mu_);
+  absl::Status Fallocate(const aio::File& file, uint64_t offset, uint64_t length) const;
+  // Opens swap file `index` as holding `size` bytes (the next file, or a larger size for one
+  // already open), checking that the file on disk is at least that long.
+  absl::Status AdoptFileLocked(uint32_t index, uint64_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The swap file `f` (open for the store's life; the pointer stays valid).
+  const aio::File* FileAt(uint32_t f) const;
+  void RemoveFiles();
   absl::Status Carve(const PartitionRecord& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends one record (puts and erases) to the log and makes it durable, then applies it.
   // Requires commit_mu_, not mu_.
@@ -219,7 +273,8 @@ class NvmeStore {
                             const std::vector<PartitionId>& erases, const std::string& context);
   // Writes a new snapshot of the committed state naming a new, empty log (see above).
   absl::Status Compact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
-  absl::Status WriteSnapshot(uint64_t log_seq, uint64_t* bytes);
+  // Writes manifest.json naming journal-<log_seq>.log; `*sizes` receives the file sizes it records.
+  absl::Status WriteSnapshot(uint64_t log_seq, uint64_t* bytes, std::vector<uint64_t>* sizes);
   absl::Status Load();
   // Replays the log's records; `*any` is set when the log holds anything (records or a torn tail).
   absl::Status Replay(const std::string& log_path, bool* any) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -240,9 +295,15 @@ class NvmeStore {
   aio::Engine* engine_ = nullptr;
   int lock_fd_ = -1;
   std::pair<dev_t, ino_t>
-      lock_key_{};  // the lock file's device and inode (this process's registry)
-  std::vector<aio::File> files_;
-  std::vector<uint64_t> file_sizes_;
+      lock_key_{};            // the lock file's device and inode (this process's registry)
+  bool created_dir_ = false;  // Open made dir_
+  bool opened_ = false;       // Open succeeded (only then may the destructor remove files)
+  // Set by Open, then constant: the cap and the size a swap file grows to (both aligned).
+  uint64_t capacity_ = 0;
+  uint64_t file_bytes_ = 0;
+
+  // Serializes growth; never held by a thread that holds mu_ or commit_mu_.
+  Mutex grow_mu_ ABSL_ACQUIRED_BEFORE(mu_);
 
   // Serializes commits (the log's order); held across the log's I/O, never with mu_ over I/O.
   mutable Mutex commit_mu_ ABSL_ACQUIRED_BEFORE(mu_);
@@ -255,8 +316,15 @@ class NvmeStore {
   // then (a record that reached the disk after all must not point at reused space).
   bool log_poisoned_ ABSL_GUARDED_BY(commit_mu_) = false;
   std::vector<StoreExtent> quarantined_ ABSL_GUARDED_BY(commit_mu_);
+  // The swap files' sizes as the manifest (snapshot and log) records them; a commit records the
+  // sizes that differ.
+  std::vector<uint64_t> logged_sizes_ ABSL_GUARDED_BY(commit_mu_);
 
   mutable Mutex mu_;
+  // The swap files (appended to by growth, never removed while the store is open) and the bytes
+  // of each that are fallocated, synced and handed out.
+  std::vector<std::unique_ptr<aio::File>> files_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> file_sizes_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<PartitionId, PartitionRecord> records_ ABSL_GUARDED_BY(mu_);
   // Aligned lengths of the stored partitions (the largest sets the copy-on-write reserve).

@@ -305,11 +305,11 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     }
   }
   if (auto s = root.find("strata"); s != root.end()) {
-    STRATA_RETURN_IF_ERROR(
-        config::CheckKeys(*s, "strata",
-                          {"aio", "device", "device_budget_bytes", "host_budget_bytes",
-                           "nvme_capacity_bytes", "nvme_path", "copy_bandwidth_bytes_per_s",
-                           "eviction_policy", "malloc_mmap_threshold_bytes", "comm_timeout_s"}));
+    STRATA_RETURN_IF_ERROR(config::CheckKeys(
+        *s, "strata",
+        {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
+         "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
+         "malloc_mmap_threshold_bytes", "comm_timeout_s"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -321,6 +321,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "device_budget_bytes", 1, kMax, &c.device_budget_bytes));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "host_budget_bytes", 1, kMax, &c.host_budget_bytes));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "nvme_capacity_bytes", 1, kMax, &c.nvme_capacity_bytes));
+    STRATA_RETURN_IF_ERROR(ReadBool(*s, p, "nvme_keep_files", &c.nvme_keep_files));
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "nvme_path", &c.nvme_path));
     STRATA_RETURN_IF_ERROR(
         ReadInt(*s, p, "copy_bandwidth_bytes_per_s", 0, kMax, &c.copy_bandwidth_bytes_per_s));

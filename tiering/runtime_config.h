@@ -14,8 +14,8 @@
 //         (each also under DeepSpeed's other spelling, without "stage3_"; one or the other, not
 //          both; their meanings in sched/runtime.h)}
 // and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
-//   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_path",
-//   "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
+//   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_keep_files",
+//   "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
 // Values follow base/config_reader.h's rule (integers exact; DeepSpeed's 1e8 accepted; "auto"
 // explained; JSON errors with line and column). Unknown keys are reported, never silently
 // ignored: DeepSpeed's other top-level keys and zero_optimization keys are warnings ("left to the
@@ -27,6 +27,9 @@
 // strata keeps one NVMe store per process, at SwapPath(): strata.nvme_path when given, else
 // offload_param's nvme_path when its device is "nvme", else offload_optimizer's; every other
 // nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.
+// The NVMe store's swap files grow on demand up to strata.nvme_capacity_bytes (a cap, not a
+// reservation), and are removed when the Runtime ends unless strata.nvme_keep_files is true (for a
+// restarted process that adopts what the last one left).
 // strata.eviction_policy "trace" (the default): the scheduler plans prefetches and evictions from
 // the recorded trace (sched/scheduler.h); "lru": on demand, least recently used evicted first.
 //
@@ -80,8 +83,9 @@ struct RuntimeConfig {
   bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
   uint64_t device_budget_bytes = 1ull << 30;
   uint64_t host_budget_bytes = 4ull << 30;
-  uint64_t nvme_capacity_bytes = 16ull << 30;
-  std::string nvme_path;  // default: offload_param's nvme_path, else offload_optimizer's
+  uint64_t nvme_capacity_bytes = 16ull << 30;  // the most the swap files may grow to
+  bool nvme_keep_files = false;  // false: the store's files are removed when the Runtime ends
+  std::string nvme_path;         // default: offload_param's nvme_path, else offload_optimizer's
   uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
   std::string eviction_policy = "trace";    // "lru": on demand, least recently used first
   // glibc's M_MMAP_THRESHOLD, fixed by the Runtime (0: glibc's own, which rises after a large

@@ -109,7 +109,8 @@ TEST(RuntimeDiscardTest, ADiscardIsRefusedWhilePinnedAndNamesAnUnknownPartition)
 
 TEST(RuntimeDiscardTest, FlushSkipsADiscardedPartitionAndARestartFindsItsLastStoredBytes) {
   ScratchDir dir;
-  const RuntimeConfig config = Config(dir.File("swap"), 2, 2);
+  RuntimeConfig config = Config(dir.File("swap"), 2, 2);
+  config.nvme_keep_files = true;  // what the next Runtime adopts
   const auto stored = RandomBytes(kBytes, 3);
   {
     auto rt = Runtime::Create(config, Quiet());

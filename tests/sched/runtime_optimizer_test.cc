@@ -184,7 +184,8 @@ INSTANTIATE_TEST_SUITE_P(Devices, RuntimeOptimizerTest,
 
 TEST(RuntimeOptimizerTest, ARestartedRuntimeStepsFromTheStateTheLastOneLeft) {
   ScratchDir dir;
-  const RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.nvme_keep_files = true;  // what the next Runtime adopts
   Reference ref;
   {
     auto rt = Runtime::Create(config, Quiet());

@@ -284,9 +284,42 @@ std::vector<std::byte> HostBytes(Runtime& rt, PartitionId id, uint64_t n = 10000
   return out;
 }
 
+// The Runtime's notice about its NVMe store (the engine's fallbacks may come before it).
+std::string StoreNotice(const Runtime& rt) {
+  for (const std::string& w : rt.warnings()) {
+    if (w.rfind("NVMe store at ", 0) == 0) return w;
+  }
+  return "";
+}
+
+TEST(RuntimeTest, TheStoreSaysWhatItMayTakeAndItsFilesGoWithTheRuntime) {
+  ScratchDir dir;
+  const std::string rank0 = dir.File("swap/rank0");
+  {
+    auto rt = Runtime::Create(SmallConfig(dir.File("swap")), Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    const std::string said = StoreNotice(**rt);
+    EXPECT_THAT(said, HasSubstr("NVMe store at " + rank0 +
+                                ": swap files grow on demand up to 8388608 bytes "
+                                "(strata.nvme_capacity_bytes); "));
+    EXPECT_THAT(said, HasSubstr("bytes free on that filesystem now"));
+    EXPECT_THAT(said, ::testing::Not(HasSubstr("the cap is more than that")));
+    ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, RandomBytes(100000, 1)).ok());
+    EXPECT_TRUE(std::filesystem::exists(rank0 + "/swap-000.bin"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(rank0));            // strata.nvme_keep_files is false
+  EXPECT_TRUE(std::filesystem::exists(dir.File("swap")));  // the user's folder stays
+  RuntimeConfig huge = SmallConfig(dir.File("swap"));
+  huge.nvme_capacity_bytes = 1ull << 60;
+  auto rt = Runtime::Create(huge, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  EXPECT_THAT(StoreNotice(**rt), HasSubstr("the cap is more than that"));
+}
+
 TEST(RuntimeTest, ARestartedRuntimeAdoptsWhatTheLastOneLeftWithItsLatestBytes) {
   ScratchDir dir;
-  const RuntimeConfig config = SmallConfig(dir.File("swap"));
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.nvme_keep_files = true;  // what the next Runtime adopts
   const auto changed = RandomBytes(100000, 77);
   {
     auto rt = Runtime::Create(config, Quiet());

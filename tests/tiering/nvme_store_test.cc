@@ -1,19 +1,25 @@
 // The NVMe store: round trips, copy on write and its reserve, partitions spanning files, a full
-// store and a full disk, injected faults during data and manifest-log writes (reopening finds the
-// previous generation whole), a kill at each step of a commit and of a compaction, torn log tails,
-// flipped bytes found on Verify and Get, the directory lock, bad paths, and concurrent use.
+// store and a full disk, swap files that grow on demand up to the cap (a failed growth, a kill
+// after one, a reopen of a grown store), files removed on close, injected faults during data and
+// manifest-log writes (reopening finds the previous generation whole), a kill at each step of a
+// commit and of a compaction, torn log tails, flipped bytes found on Verify and Get, the directory
+// lock, bad paths, and concurrent use.
 #include "tiering/nvme_store.h"
 
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "aio/fault_injection.h"
 #include "base/status.h"
 #include "gmock/gmock.h"
@@ -69,6 +75,25 @@ std::vector<std::string> Listing(const std::string& dir) {
   return names;
 }
 
+// The swap files in `dir`: how many, their sizes, and the bytes of disk they take (st_blocks).
+struct SwapFiles {
+  int count = 0;
+  uint64_t size_bytes = 0;
+  uint64_t disk_bytes = 0;
+};
+SwapFiles Swap(const std::string& dir) {
+  SwapFiles out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().filename().string().rfind("swap-", 0) != 0) continue;
+    struct stat st;
+    EXPECT_EQ(stat(e.path().c_str(), &st), 0);
+    ++out.count;
+    out.size_bytes += static_cast<uint64_t>(st.st_size);
+    out.disk_bytes += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  return out;
+}
+
 std::vector<std::byte> GetAll(NvmeStore& s, PartitionId id) {
   auto r = s.Find(id);
   EXPECT_TRUE(r.ok()) << r.status();
@@ -87,13 +112,18 @@ TEST(NvmeStoreTest, PartitionsRoundTripAndSurviveReopening) {
     auto store = NvmeStore::Open(path, Small(), engine.get());
     ASSERT_TRUE(store.ok()) << store.status();
     EXPECT_EQ((*store)->capacity_bytes(), 8u << 20);
+    EXPECT_EQ((*store)->allocated_bytes(), 0u);
     ASSERT_TRUE((*store)->Put(1, a).ok());
     ASSERT_TRUE((*store)->Put(2, b).ok());
     ASSERT_TRUE((*store)->Put(3, c).ok());
     EXPECT_EQ(GetAll(**store, 1), a);
     EXPECT_EQ(GetAll(**store, 3), c);
     EXPECT_EQ((*store)->used_bytes(), 102400u + 4096 + (2u << 20));
-    EXPECT_TRUE(std::filesystem::exists(path + "/swap-002.bin"));
+    // Grown on demand: the partitions and one copy-on-write of the largest, in two of the 3 MiB
+    // files (the cap would allow a third).
+    EXPECT_EQ((*store)->allocated_bytes(), 102400u + 4096 + (2u << 20) + (2u << 20));
+    EXPECT_EQ(Swap(path).count, 2);
+    EXPECT_EQ(Swap(path).size_bytes, (*store)->allocated_bytes());
     EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::all,
               std::filesystem::perms::owner_all);
   }
@@ -213,16 +243,268 @@ TEST(NvmeStoreTest, AStoreSizedByTheRuleNeverJamsOnWriteBacks) {
   }
 }
 
-TEST(NvmeStoreTest, NotEnoughDiskIsFoundBeforeAnythingIsWritten) {
+TEST(NvmeStoreTest, ACapLargerThanTheDiskTakesNothingAtCreation) {
+  // The cap is what the store may take, not what it takes: a 1 PiB cap on any disk opens, and a
+  // small model takes small files.
   ScratchDir dir;
   auto engine = MakeEngine();
   NvmeStoreOptions o;
+  o.on_warning = [](absl::string_view) {};
   o.capacity_bytes = 1ull << 50;
   auto store = NvmeStore::Open(dir.File("s"), o, engine.get());
-  EXPECT_EQ(store.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(store.status().message(), HasSubstr("the store needs 1125899906842624"));
-  // Only the lock file was made (a lock file is never removed: another process may hold it).
-  EXPECT_THAT(Listing(dir.File("s")), ElementsAre("lock"));
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->capacity_bytes(), 1ull << 50);
+  EXPECT_EQ((*store)->allocated_bytes(), 0u);
+  EXPECT_THAT(Listing(dir.File("s")), ElementsAre("journal-0.log", "lock", "manifest.json"));
+  const auto v = RandomBytes(16 << 10, 1);
+  ASSERT_TRUE((*store)->Put(1, v).ok());
+  EXPECT_EQ(Swap(dir.File("s")).size_bytes, 32u << 10);  // the partition and its reserve
+  EXPECT_EQ(GetAll(**store, 1), v);
+}
+
+TEST(NvmeStoreTest, SwapFilesTakeNoDiskUntilPartitionsArePutThenGrowWithThem) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  NvmeStoreOptions o = Small();
+  o.capacity_bytes = 1ull << 30;
+  o.file_bytes = 4 << 20;
+  auto store = NvmeStore::Open(path, o, engine.get());
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(Swap(path).count, 0);
+  EXPECT_EQ(Swap(path).disk_bytes, 0u);
+  uint64_t before = 0;
+  for (PartitionId id = 0; id < 6; ++id) {
+    ASSERT_TRUE((*store)->Put(id, RandomBytes(1 << 20, id)).ok()) << id;
+    const SwapFiles swap = Swap(path);
+    // Fallocated (on disk, not sparse), at least the partitions and the reserve, and far from
+    // the 1 GiB cap: within an eighth of what they hold.
+    EXPECT_GE(swap.disk_bytes, (id + 2) << 20) << id;
+    EXPECT_LE(swap.size_bytes, ((id + 2) << 20) + ((id + 2) << 20) / 8 + 4096) << id;
+    EXPECT_EQ(swap.size_bytes, (*store)->allocated_bytes());
+    EXPECT_GE(swap.size_bytes, before);
+    before = swap.size_bytes;
+  }
+  EXPECT_EQ(Swap(path).count, 2);  // 4 MiB files
+  for (PartitionId id = 0; id < 6; ++id) EXPECT_EQ(GetAll(**store, id), RandomBytes(1 << 20, id));
+}
+
+TEST(NvmeStoreTest, GrowthStopsAtTheCapAndAPutPastItChangesNothing) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(path, Small(), engine.get());  // an 8 MiB cap in 3 MiB files
+  ASSERT_TRUE(store.ok());
+  PartitionId admitted = 0;
+  for (; admitted < 7; ++admitted) {
+    ASSERT_TRUE((*store)->Put(admitted, RandomBytes(1 << 20, admitted)).ok()) << admitted;
+    EXPECT_LE((*store)->allocated_bytes(), 8u << 20);
+    EXPECT_LE(Swap(path).size_bytes, 8u << 20);
+  }
+  // Seven 1 MiB partitions and the reserve fill the cap: the files are 3 + 3 + 2 MiB.
+  EXPECT_EQ((*store)->allocated_bytes(), 8u << 20);
+  EXPECT_THAT(Listing(path), ::testing::Contains(::testing::StartsWith("swap-")).Times(3));
+  const uint64_t generation = (*store)->generation();
+  absl::Status s = (*store)->Put(7, RandomBytes(1 << 20, 7));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("7340032 of 8388608 bytes in use, the cap"));
+  EXPECT_THAT(s.message(), HasSubstr("nothing was written"));
+  EXPECT_EQ((*store)->generation(), generation);
+  EXPECT_EQ((*store)->List().size(), 7u);
+  EXPECT_EQ(Swap(path).size_bytes, 8u << 20);
+  EXPECT_FALSE(std::filesystem::exists(path + "/swap-003.bin"));
+  // The rewrites the reserve is for still go through.
+  for (PartitionId id = 0; id < 7; ++id) {
+    ASSERT_TRUE((*store)->Put(id, RandomBytes(1 << 20, 100 + id)).ok()) << id;
+  }
+  EXPECT_EQ(GetAll(**store, 3), RandomBytes(1 << 20, 103));
+}
+
+TEST(NvmeStoreTest, TheReserveIsJudgedAgainstTheCapAndHeldOnDisk) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  std::atomic<bool> disk_full{false};
+  NvmeStoreOptions o = Small();  // an 8 MiB cap
+  o.test_fallocate_errno = [&](const std::string&, uint64_t, uint64_t) {
+    return disk_full.load() ? ENOSPC : 0;
+  };
+  auto store = NvmeStore::Open(path, o, engine.get());
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Put(1, RandomBytes(3 << 20, 1)).ok());
+  EXPECT_EQ((*store)->allocated_bytes(), 6u << 20);  // the partition and its reserve
+  // 3 MiB are free in the files now, but a second 3 MiB partition would leave 2 MiB under the
+  // cap, less than the reserve: refused, though the files could hold it.
+  absl::Status s = (*store)->Put(2, RandomBytes(3 << 20, 2));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("needs 9437184 bytes"));
+  // One that leaves the reserve under the cap is admitted, and the files grow to hold the
+  // reserve with it ...
+  ASSERT_TRUE((*store)->Put(2, RandomBytes(2 << 20, 2)).ok());
+  EXPECT_EQ((*store)->allocated_bytes(), 8u << 20);
+  // ... so the rewrites it is for never ask the disk for space, even a full one.
+  disk_full = true;
+  for (int round = 0; round < 4; ++round) {
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(3 << 20, 10 + round)).ok()) << round;
+    ASSERT_TRUE((*store)->Put(2, RandomBytes(2 << 20, 20 + round)).ok()) << round;
+  }
+  EXPECT_EQ(GetAll(**store, 1), RandomBytes(3 << 20, 13));
+  EXPECT_EQ(GetAll(**store, 2), RandomBytes(2 << 20, 23));
+}
+
+TEST(NvmeStoreTest, AGrowthOnAFullDiskIsResourceExhaustedNamingTheFileWithNothingChanged) {
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  auto engine = MakeEngine();
+  std::string full;              // fallocate fails with ENOSPC on paths ending so
+  NvmeStoreOptions o = Small();  // an 8 MiB cap in 3 MiB files
+  o.test_fallocate_errno = [&](const std::string& p, uint64_t, uint64_t) {
+    return !full.empty() && absl::EndsWith(p, full) ? ENOSPC : 0;
+  };
+  const auto v1 = RandomBytes(1 << 20, 1), v2 = RandomBytes(1536 << 10, 2);
+  auto store = NvmeStore::Open(path, o, engine.get());
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Put(1, v1).ok());
+  ASSERT_EQ((*store)->allocated_bytes(), 2u << 20);
+  const uint64_t generation = (*store)->generation();
+  // Partition 2 needs swap-000.bin grown to its 3 MiB and a new swap-001.bin: the first step
+  // works, the second meets a full disk; both are undone.
+  full = "swap-001.bin";
+  absl::Status s = (*store)->Put(2, v2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(StatusErrno(s), ENOSPC);
+  EXPECT_THAT(s.message(), HasSubstr(path + "/swap-001.bin"));
+  EXPECT_THAT(s.message(), HasSubstr("by 2097152 bytes"));  // 1.5 MiB and its reserve, less 1 free
+  EXPECT_THAT(s.message(), HasSubstr("1048576 of 8388608 bytes in use, the cap"));
+  EXPECT_THAT(s.message(), HasSubstr("nothing was written"));
+  EXPECT_EQ((*store)->generation(), generation);
+  EXPECT_EQ((*store)->allocated_bytes(), 2u << 20);
+  EXPECT_EQ(std::filesystem::file_size(path + "/swap-000.bin"), 2u << 20);
+  EXPECT_FALSE(std::filesystem::exists(path + "/swap-001.bin"));
+  EXPECT_EQ(GetAll(**store, 1), v1);
+  // The extension itself fails: the same, naming swap-000.bin.
+  full = "swap-000.bin";
+  s = (*store)->Put(2, v2);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr(path + "/swap-000.bin @ 2097152"));
+  EXPECT_EQ(std::filesystem::file_size(path + "/swap-000.bin"), 2u << 20);
+  // Space again: it goes through, and a reopen finds both.
+  full.clear();
+  ASSERT_TRUE((*store)->Put(2, v2).ok());
+  store->reset();
+  std::vector<PartitionId> corrupt;
+  auto again = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(corrupt.empty());
+  EXPECT_EQ(GetAll(**again, 1), v1);
+  EXPECT_EQ(GetAll(**again, 2), v2);
+}
+
+TEST(NvmeStoreTest, AGrowthAheadThatTheDiskCannotHoldTakesOnlyWhatIsNeeded) {
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  uint64_t disk_left = ~0ull;
+  NvmeStoreOptions o = Small();
+  o.capacity_bytes = o.file_bytes = 64 << 20;
+  o.test_fallocate_errno = [&](const std::string&, uint64_t, uint64_t length) {
+    return length > disk_left ? ENOSPC : 0;
+  };
+  auto store = NvmeStore::Open(dir.File("s"), o, engine.get());
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Put(1, RandomBytes(16 << 20, 1)).ok());
+  ASSERT_EQ((*store)->allocated_bytes(), 32u << 20);
+  // A 4 KiB partition would grow the files by an eighth (4 MiB); the disk has 8 KiB.
+  disk_left = 8192;
+  ASSERT_TRUE((*store)->Put(2, RandomBytes(4096, 2)).ok());
+  EXPECT_EQ((*store)->allocated_bytes(), (32u << 20) + 4096);
+}
+
+TEST(NvmeStoreTest, AStoreThatGrewReopensWithItsFilesAtTheSizesTheyReached) {
+  // Growth recorded in log records (no snapshot in between), then read back by a reopen that
+  // passes no capacity: the recorded cap and file size stay in force.
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  std::map<PartitionId, std::vector<std::byte>> expect;
+  uint64_t allocated = 0;
+  {
+    auto engine = MakeEngine();
+    NvmeStoreOptions o = Small();
+    o.file_bytes = 1 << 20;
+    o.compact_min_log_bytes = 1 << 20;
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok());
+    for (PartitionId id = 0; id < 5; ++id) {
+      expect[id] = RandomBytes(300000 + id * 100000, id);
+      ASSERT_TRUE((*store)->Put(id, expect[id]).ok()) << id;
+    }
+    allocated = (*store)->allocated_bytes();
+    EXPECT_GT((*store)->log_bytes(), 0u);
+  }
+  EXPECT_EQ(Swap(path).size_bytes, allocated);
+  for (int round = 0; round < 2; ++round) {  // the log replayed, then the snapshot it became
+    auto engine = MakeEngine();
+    std::vector<PartitionId> corrupt;
+    auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+    ASSERT_TRUE(store.ok()) << round << ": " << store.status();
+    EXPECT_TRUE(corrupt.empty());
+    EXPECT_EQ((*store)->capacity_bytes(), 8u << 20);
+    EXPECT_EQ((*store)->allocated_bytes(), allocated);
+    for (const auto& [id, v] : expect) EXPECT_EQ(GetAll(**store, id), v) << id;
+  }
+  // It goes on growing, in files of the size it was made with, up to its cap.
+  auto engine = MakeEngine();
+  NvmeStoreOptions bigger;
+  bigger.on_warning = [](absl::string_view) {};
+  bigger.capacity_bytes = 9 << 20;  // a reopen may raise the cap
+  auto store = NvmeStore::Open(path, bigger, engine.get());
+  ASSERT_TRUE(store.ok());
+  EXPECT_EQ((*store)->capacity_bytes(), 9u << 20);
+  ASSERT_TRUE((*store)->Put(9, RandomBytes(1 << 20, 9)).ok());
+  for (const auto& name : Listing(path)) {
+    if (name.rfind("swap-", 0) == 0) {
+      EXPECT_LE(std::filesystem::file_size(path + "/" + name), 1u << 20) << name;
+    }
+  }
+}
+
+TEST(NvmeStoreTest, FilesAreRemovedOnCloseWhenAskedAndKeptOtherwise) {
+  ScratchDir dir;
+  auto engine = MakeEngine();
+  NvmeStoreOptions o = Small();
+  o.remove_files_on_close = true;
+  {
+    // A directory the store made: removed with it.
+    auto store = NvmeStore::Open(dir.File("made"), o, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(4 << 20, 1)).ok());
+    EXPECT_GE(Swap(dir.File("made")).count, 2);
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.File("made")));
+  // A directory that was there: the store's files go, the directory and what else is in it stay.
+  std::filesystem::create_directory(dir.File("given"));
+  std::ofstream(dir.File("given/notes.txt")) << "mine\n";
+  {
+    auto store = NvmeStore::Open(dir.File("given"), o, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(4096, 1)).ok());
+  }
+  EXPECT_THAT(Listing(dir.File("given")), ElementsAre("notes.txt"));
+  // A store that did not open (a damaged manifest) leaves everything where it was.
+  {
+    NvmeStoreOptions keep = Small();
+    auto store = NvmeStore::Open(dir.File("damaged"), keep, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, RandomBytes(4096, 1)).ok());
+  }
+  std::ofstream(dir.File("damaged/manifest.json"), std::ios::trunc) << "{";
+  const auto before = Listing(dir.File("damaged"));
+  EXPECT_EQ(NvmeStore::Open(dir.File("damaged"), o, engine.get()).status().code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(Listing(dir.File("damaged")), before);
+  // The directory is free again at once for the next store, which starts empty.
+  auto next = NvmeStore::Open(dir.File("given"), Small(), engine.get());
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE((*next)->List().empty());
 }
 
 TEST(NvmeStoreTest, ADataWriteThatFailsLeavesThePreviousCopy) {
@@ -882,7 +1164,7 @@ TEST_P(NvmeStoreKillTest, AReopenFindsOneStateWholeAndGoesOn) {
   EXPECT_EQ(GetAll(**store, 2), other);
   EXPECT_EQ((*store)->used_bytes(), 200704u + 8192u) << point;  // nothing leaked
   EXPECT_THAT(Listing(path), ElementsAre(::testing::StartsWith("journal-"), "lock", "manifest.json",
-                                         "swap-000.bin", "swap-001.bin", "swap-002.bin"))
+                                         "swap-000.bin"))
       << point;
   const auto v3 = RandomBytes(200000, 4);
   ASSERT_TRUE((*store)->Put(1, v3).ok()) << point;
@@ -897,6 +1179,71 @@ INSTANTIATE_TEST_SUITE_P(EachStep, NvmeStoreKillTest,
                                            std::make_pair("compact:snapshot-written", 2),
                                            std::make_pair("compact:snapshot-renamed", 2),
                                            std::make_pair("compact:old-log-removed", 2)),
+                         [](const auto& info) {
+                           std::string name = info.param.first;
+                           for (char& c : name) {
+                             if (c == ':' || c == '-') c = '_';
+                           }
+                           return name;
+                         });
+
+// A kill after the files grew for a new partition, before (or after) the commit that uses the
+// space: a reopen finds the previous state with the unrecorded growth given back (the new one
+// with the files at their grown sizes), and goes on.
+class NvmeStoreGrowthKillTest : public ::testing::TestWithParam<std::pair<const char*, bool>> {};
+
+TEST_P(NvmeStoreGrowthKillTest, AReopenFindsThePreviousStateAndSpace) {
+  const auto [point, committed] = GetParam();
+  ScratchDir dir;
+  const std::string path = dir.File("s");
+  const auto v1 = RandomBytes(1 << 20, 1), v2 = RandomBytes(2 << 20, 2);
+  const NvmeStoreOptions o = Small();  // 3 MiB files
+  {
+    auto engine = MakeEngine();
+    auto store = NvmeStore::Open(path, o, engine.get());
+    ASSERT_TRUE(store.ok());
+    ASSERT_TRUE((*store)->Put(1, v1).ok());
+    ASSERT_EQ((*store)->allocated_bytes(), 2u << 20);
+  }
+  const std::string where = point;
+  EXPECT_EXIT(
+      {
+        auto engine = MakeEngine();
+        NvmeStoreOptions k = o;
+        k.test_hook = [&](absl::string_view at) {
+          if (at == where) _exit(42);
+        };
+        auto store = NvmeStore::Open(path, k, engine.get());
+        if (!store.ok()) _exit(2);
+        (void)(*store)->Put(2, v2);  // grows swap-000.bin to 3 MiB and adds a 2 MiB swap-001.bin
+        _exit(3);
+      },
+      ::testing::ExitedWithCode(42), "");
+  auto engine = MakeEngine();
+  std::vector<PartitionId> corrupt;
+  auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
+  ASSERT_TRUE(store.ok()) << point << ": " << store.status();
+  EXPECT_TRUE(corrupt.empty()) << point;
+  EXPECT_EQ(GetAll(**store, 1), v1) << point;
+  if (committed) {
+    EXPECT_EQ(GetAll(**store, 2), v2) << point;
+    EXPECT_EQ((*store)->allocated_bytes(), 5u << 20) << point;
+    EXPECT_EQ(std::filesystem::file_size(path + "/swap-001.bin"), 2u << 20) << point;
+  } else {
+    EXPECT_EQ((*store)->Find(2).status().code(), absl::StatusCode::kNotFound) << point;
+    EXPECT_EQ((*store)->allocated_bytes(), 2u << 20) << point;
+    EXPECT_FALSE(std::filesystem::exists(path + "/swap-001.bin")) << point;
+  }
+  EXPECT_EQ(std::filesystem::file_size(path + "/swap-000.bin"), committed ? 3u << 20 : 2u << 20)
+      << point;
+  ASSERT_TRUE((*store)->Put(2, v1).ok()) << point;
+  EXPECT_EQ(GetAll(**store, 2), v1);
+}
+
+INSTANTIATE_TEST_SUITE_P(AroundTheCommit, NvmeStoreGrowthKillTest,
+                         ::testing::Values(std::make_pair("grow:allocated", false),
+                                           std::make_pair("commit:data-synced", false),
+                                           std::make_pair("commit:log-synced", true)),
                          [](const auto& info) {
                            std::string name = info.param.first;
                            for (char& c : name) {

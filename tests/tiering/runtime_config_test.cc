@@ -197,6 +197,15 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsAQuarterMegabyteUnlessSet) {
               HasSubstr("malloc_mmap_threshold_bytes"));
 }
 
+TEST(RuntimeConfigTest, NvmeFilesAreRemovedUnlessKeepFilesIsSet) {
+  EXPECT_FALSE(RuntimeConfig().nvme_keep_files);
+  std::vector<std::string> warnings;
+  auto c = RuntimeConfigFromJsonText(R"({"strata": {"nvme_keep_files": true}})", &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->nvme_keep_files);
+  EXPECT_THAT(All(warnings), Not(HasSubstr("nvme_keep_files")));
+}
+
 struct Bad {
   const char* json;
   const char* message;
@@ -219,6 +228,9 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{R"({"strata": {"device": "tpu"}})", "accepted: emulated, cuda"},
         Bad{R"({"strata": {"eviction": "lru"}})", "strata.eviction: unknown key"},
         Bad{R"({"strata": {"eviction_policy": "fifo"}})", "accepted: lru, trace"},
+        Bad{R"({"strata": {"nvme_keep_files": "yes"}})",
+            "strata.nvme_keep_files: must be a JSON boolean (true or false), got \"yes\""},
+        Bad{R"({"strata": {"nvme_keep_file": true}})", "did you mean nvme_keep_files?"},
         Bad{R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
             "offload_param.nvme_path: is required when device is \"nvme\""},
         Bad{R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
