@@ -1,4 +1,5 @@
-"""bench/train_step: the demo model's training step under strata against its lower bound, beside
+"""bench/train_step: the demo model's training step (a transformers LlamaForCausalLM,
+examples/llama.py) under strata against its lower bound, beside
 plain PyTorch; and strata.optim.CpuAdam against torch.optim.AdamW from Python (BENCH.md).
 
     PYTHONPATH=build/release/python .venv/bin/python bench/train_step.py --dir SCRATCH \
@@ -21,7 +22,7 @@ with the model's for them (both figures are in docs/performance.md). strata's
 figure is the bound over its step (1.0 = at the bound); the ratio reported is the median of the
 rounds' ratios.
 
-Then CpuAdam against torch.optim.AdamW (foreach=False, the CPU default in torch 1.13) on one tensor
+Then CpuAdam against torch.optim.AdamW (foreach=False, torch's default for CPU tensors) on one tensor
 of --adam-params parameters, fp32, the same thread count: the speedup, step time over step time.
 """
 import argparse
@@ -56,7 +57,7 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-from gpt import GPT, loss_of  # noqa: E402
+from llama import llama, loss_of  # noqa: E402
 from fio_ceiling import fio_bandwidth  # noqa: E402
 
 import strata  # noqa: E402
@@ -104,7 +105,7 @@ def main():
     nvme = os.path.join(args.dir, "train_step_nvme")
 
     torch.manual_seed(0)
-    base = GPT(args.layers, args.width, args.heads, args.context)
+    base = llama(args.layers, args.width, args.heads, args.context)
     params = sum(p.numel() for p in base.parameters())
     state_bytes = params * 12  # master weights and two moments, fp32
     gen = torch.Generator().manual_seed(1)
@@ -116,7 +117,7 @@ def main():
         x, y = batch(gen, args)
 
         def forward_backward():
-            loss_of(plain(x), y).backward()
+            loss_of(plain, x, y).backward()
 
         def plain_step():
             forward_backward()
@@ -161,7 +162,7 @@ def main():
         engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
         def strata_step():
-            engine.backward(loss_of(engine(x), y))
+            engine.backward(loss_of(engine, x, y))
             engine.step()
 
         strata_step()
@@ -212,7 +213,7 @@ def main():
     if state_bytes + 2 * params * 4 <= args.device_budget_mb * (1 << 20):
         print("train_step: warning: the model's state fits the device budget: strata moves "
               "little; raise the model or lower --device-budget-mb")
-    print(f"model: GPT {params / 1e6:.2f}M parameters, batch {args.batch} x {args.context}; "
+    print(f"model: transformers LlamaForCausalLM {params / 1e6:.2f}M parameters, batch {args.batch} x {args.context}; "
           f"device budget {args.device_budget_mb} MiB (host-emulated device, model on the CPU "
           f"with {args.compute_threads or 'the BLAS default of'} compute thread"
           f"{'' if args.compute_threads == 1 else 's'}, OPENBLAS_NUM_THREADS="

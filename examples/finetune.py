@@ -1,10 +1,11 @@
-"""strata's main job: fine-tune a GPT-style model on one device with strata, beside plain PyTorch.
+"""strata's main job: fine-tune a transformers Llama model on one device with strata, beside
+plain PyTorch.
 
     .venv/bin/python examples/finetune.py --work build/release/scratch/finetune \
         [--aio-block build/release/scratch/strata-sweep/best.json] [--steps 150]
 
 (`make demo` runs the quick aio sweep first and passes its best block here.) The model is
-examples/gpt.py's, the text the licences Debian ships (/usr/share/common-licenses, read as bytes)
+examples/llama.py's (transformers' LlamaForCausalLM from a small config, byte tokens), the text the licences Debian ships (/usr/share/common-licenses, read as bytes)
 or any file given with --text. strata runs ZeRO stage 3: parameters offloaded to pinned host
 memory and lent to the device tier around each module, the optimizer's fp32 master weights and
 moments on NVMe under --work, the device budget a fraction of the model's state
@@ -15,7 +16,8 @@ two loss curves side by side and their largest difference; the bytes each pair o
 and a PNG of both curves (loss_curves.png in --work) and a JSON summary (summary.json).
 
 Without a GPU the device tier is the host-emulated one and the model computes on the CPU in fp32
-(torch 1.13's CPU has no fast bf16 matmul); with --device cuda it is the GPU, in bf16.
+(the reference is then fp32 too, so the curves agree to rounding); with --device cuda it is the
+GPU, in bf16.
 """
 import argparse
 import contextlib
@@ -30,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, loss_of  # noqa: E402
+from llama import llama, loss_of  # noqa: E402
 
 import strata  # noqa: E402
 
@@ -95,7 +97,7 @@ def main():
     os.makedirs(nvme, exist_ok=True)
     text = read_text(args.text)
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.width, args.heads, args.context)
+    model = llama(args.layers, args.width, args.heads, args.context)
     reference = copy.deepcopy(model)
     params = sum(p.numel() for p in model.parameters())
     cuda = args.device == "cuda"
@@ -136,7 +138,7 @@ def main():
         config["aio"] = block.get("aio", {})
         config["strata"]["aio"] = block.get("strata", {}).get("aio", {})
 
-    print(f"model: GPT {args.layers} layers x {args.width} wide, {params / 1e6:.2f}M parameters; "
+    print(f"model: transformers LlamaForCausalLM {args.layers} layers x {args.width} wide, {params / 1e6:.2f}M parameters; "
           f"{len(text) / 1e6:.2f} MB of text")
     print(f"state: {state_bytes / 2**20:.1f} MiB (parameters, gradients, optimizer) over a device "
           f"budget of {budget / 2**20:.1f} MiB = {state_bytes / budget:.1f}x")
@@ -165,7 +167,7 @@ def main():
         t0 = time.perf_counter()
         if cuda:
             x, y = x.cuda(), y.cuda()
-        loss = loss_of(engine(x), y)
+        loss = loss_of(engine, x, y)
         engine.backward(loss)
         engine.step()
         step_seconds.append(time.perf_counter() - t0)
@@ -199,7 +201,7 @@ def main():
                 x, y = x.cuda(), y.cuda()
             with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else \
                     contextlib.nullcontext():
-                loss = loss_of(reference(x), y)
+                loss = loss_of(reference, x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
             opt.step()
@@ -252,7 +254,7 @@ def main():
             ax.plot(ref_losses, "--", label="plain PyTorch, torch.optim.AdamW")
         ax.set_xlabel("step")
         ax.set_ylabel("loss (cross-entropy, bytes)")
-        ax.set_title(f"GPT {params / 1e6:.1f}M, state {state_bytes / budget:.1f}x the device budget")
+        ax.set_title(f"Llama {params / 1e6:.1f}M, state {state_bytes / budget:.1f}x the device budget")
         ax.legend()
         fig.tight_layout()
         png = os.path.join(args.work, "loss_curves.png")
