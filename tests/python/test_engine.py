@@ -1187,6 +1187,15 @@ class _TiedTransposed(torch.nn.Module):
         return self.fc(self.wte(x)) @ self.wte.weight.t()
 
 
+class _CalledTwice(torch.nn.Module):  # one module twice in a forward
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.fc(x)))
+
+
 class _BatchNorm(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -1200,7 +1209,7 @@ class _BatchNorm(torch.nn.Module):
 @pytest.mark.parametrize("cls,autocast,dtype", [
     (_InplaceRelu, False, "fp32"), (_InplaceAdd, False, "fp32"), (_InplaceRelu, True, "fp32"),
     (_OutsideOwner, False, "fp32"), (_ParameterList, False, "fp32"),
-    (_TiedTransposed, False, "fp32"), (_BatchNorm, False, "bf16")])
+    (_TiedTransposed, False, "fp32"), (_CalledTwice, False, "fp32"), (_BatchNorm, False, "bf16")])
 def test_stage3_runs_what_models_do_with_their_parameters_as_plain_torch(tmp_path, cls, autocast,
                                                                          dtype):
     # In-place ops on a linear's 3-D output, torch.autocast, parameters used outside their
