@@ -1125,6 +1125,8 @@ def test_close_gives_back_the_runtime_and_the_modules_hooks(tmp_path):
         runtime_ref = weakref.ref(engine.runtime)
         state = engine.module_state_dict()
     assert runtime_ref() is None
+    # Its NVMe store went with it (strata.nvme_keep_files is false by default).
+    assert not list((tmp_path / "nvme").rglob("swap-*")), list((tmp_path / "nvme").rglob("*"))
     assert not model.l1._forward_pre_hooks and not model.l1._forward_hooks
     assert "forward" not in model.l1.__dict__ and "load_state_dict" not in model.__dict__
     with pytest.raises(RuntimeError, match="the engine is closed"):
