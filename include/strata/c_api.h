@@ -177,7 +177,9 @@ STRATA_C_EXPORT int strata_runtime_create_from_file(const char* config_path,
                                                     const strata_runtime_options* options,
                                                     strata_runtime** out);
 /* Flushes dirty partitions to NVMe (a failure is a warning; call strata_flush first to see it)
- * and frees everything. NULL is accepted and does nothing. */
+ * and frees everything: the NVMe store's files too, unless the config's strata.nvme_keep_files
+ * is true (then a later runtime on the same nvme_path adopts what they hold: strata_adopt). NULL
+ * is accepted and does nothing. */
 STRATA_C_EXPORT void strata_runtime_destroy(strata_runtime* runtime);
 
 /* Registers a partition placed in `tier` with `initial_bytes` bytes from `initial` (NULL and 0:

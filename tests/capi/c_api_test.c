@@ -72,7 +72,8 @@ static void Config(char* out, size_t capacity) {
            "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\", "
            "\"nvme_path\": \"%s\", \"buffer_count\": 2, \"buffer_size\": 65536}},"
            " \"strata\": {\"device\": \"emulated\", \"device_budget_bytes\": 131072,"
-           " \"host_budget_bytes\": 1048576, \"nvme_capacity_bytes\": 16777216}}",
+           " \"host_budget_bytes\": 1048576, \"nvme_capacity_bytes\": 16777216,"
+           " \"nvme_keep_files\": true}}",
            scratch);
 }
 
@@ -327,8 +328,8 @@ static void TestTheLastErrorIsThePerThread(void) {
   strata_runtime_destroy(rt);
 }
 
-/* The store outlives the runtime: flushed, destroyed, made again; a second runtime on the same
- * folder meanwhile is refused. */
+/* With nvme_keep_files, the store outlives the runtime: flushed, destroyed, made again; a second
+ * runtime on the same folder meanwhile is refused. */
 static void TestARestartAdoptsWhatWasFlushed(void) {
   unsigned char first[kBytes];
   Pattern(first, 11);
