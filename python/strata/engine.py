@@ -710,6 +710,7 @@ class Engine:
     def _install_module_hooks(self, model):
         self._hook_handles, self._patched_forward = [], []
         self._discovered = False  # _ExternalUses has run (the first forward)
+        self._internal_depth = 0  # > 0 while the engine's own hooks run (_internal)
         self._by_module = {}
         partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
         self._partitioned_by_id = partitioned
@@ -735,6 +736,15 @@ class Engine:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
                 self._patched_forward.append(module)
         self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
+
+    @contextlib.contextmanager
+    def _internal(self):
+        """The engine's own torch calls (lending, gathering): _ExternalUses lets them be."""
+        self._internal_depth += 1
+        try:
+            yield
+        finally:
+            self._internal_depth -= 1
 
     def _use_external(self, param, module):
         """`module`'s forward used `param`, a partitioned parameter it does not own (found by
@@ -831,7 +841,8 @@ class Engine:
                 e.param.data = self._empty
 
     def _before_forward(self, module, args, kwargs):
-        self._fetch(module)
+        with self._internal():
+            self._fetch(module)
         if torch.is_grad_enabled() and any(e.frozen for e in self._by_module[module]):
             # A frozen parameter has no gradient hook to give it back in backward: it goes back
             # once the gradient of the module's input is made (its backward is done then).
@@ -848,7 +859,8 @@ class Engine:
                     break
 
     def _after_forward(self, module, inputs, output):
-        self._drop(module)
+        with self._internal():
+            self._drop(module)
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
@@ -1629,6 +1641,13 @@ def _zero3_linear_forward(module, x):
     return _Zero3Linear.apply(x, module.weight, module.bias)
 
 
+# What a placeholder answers as its parameter would (a parent reading self.dtype is no use of the
+# weights): _ExternalUses lends nothing for these.
+_METADATA = {getattr(torch.Tensor, name).__get__ for name in (
+    "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_cuda",
+    "is_sparse", "is_meta", "is_quantized")}
+
+
 class _ExternalUses(torch.overrides.TorchFunctionMode):
     """During an engine's first forward at stage 3: each torch function given a partitioned
     parameter that is not lent (a parameter used outside its owner's forward: F.linear(x,
@@ -1664,6 +1683,8 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         engine = self.engine
+        if engine._internal_depth or func in _METADATA:
+            return func(*args, **kwargs)
         for leaf in _pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.nn.Parameter) and id(leaf) in engine._partitioned_by_id \
                     and leaf.data.numel() == 0:

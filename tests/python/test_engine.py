@@ -1250,3 +1250,32 @@ def test_sparse_embeddings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
                                          "are not supported"):
         strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu", "fp32"))
+
+
+def test_the_first_forward_leaves_nothing_lent_and_registers_no_module_as_its_own_user(tmp_path):
+    # The first forward looks for parameters used outside their owner's forward; the engine's
+    # own lending inside it is not such a use (it held every partition lent past its module).
+    engine, _, _, _ = strata.initialize(model=Net(), config=make_config(tmp_path, 3, "cpu",
+                                                                        "fp32"))
+    x, y = next(batches(1))
+    loss = loss_of(engine(x), y)
+    assert not any(engine._holders.values())
+    assert not [e.name for e in engine._params if e.partitioned and e.param.data.numel()]
+    assert not any(m.__dict__.get("_strata_external_parameters") for m in engine.module.modules())
+    engine.backward(loss)
+    engine.step()
+
+
+def test_reading_a_parameters_dtype_or_device_outside_its_module_lends_nothing(tmp_path):
+    # transformers' models read self.dtype (their first parameter's) in forward: no use of it.
+    class ReadsDtype(Net):
+        def forward(self, x):
+            assert self.emb.weight.dtype == torch.float32 and self.l2.weight.device.type == "cpu"
+            return super().forward(x)
+
+    engine, _, _, _ = strata.initialize(model=ReadsDtype(), config=make_config(tmp_path, 3, "cpu",
+                                                                               "fp32"))
+    x, y = next(batches(1))
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    assert not any(m.__dict__.get("_strata_external_parameters") for m in engine.module.modules())
