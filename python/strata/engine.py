@@ -384,6 +384,10 @@ class Engine:
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise ValueError("strata.initialize: the model is torch.compile'd; accepted: the "
+                             "module itself (model._orig_mod): the engine lends parameters "
+                             "around each module's forward, which a compiled graph bypasses")
         for path, module in model.named_modules():
             if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
                 raise ValueError(
@@ -449,6 +453,7 @@ class Engine:
                 if b is not None:
                     b.data = b.data.to(device=self.device, dtype=self.dtype
                                        if own and b.is_floating_point() else b.dtype)
+        self._hook_handles, self._patched_forward = [], []  # what close() takes off
         self._place_parameters(model)
         self._install_module_hooks(model)
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
@@ -694,7 +699,7 @@ class Engine:
                     # gradients against them), and kept alive here.
                     with torch.enable_grad():
                         node = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
-                    node.register_hook(self._gradient_hook(e))
+                    self._hook_handles.append(node.register_hook(self._gradient_hook(e)))
                     e.param._strata_node = node
                 if not e.partitioned:
                     continue
@@ -708,8 +713,8 @@ class Engine:
                 e.param.data = self._empty
 
     def _install_module_hooks(self, model):
-        self._hook_handles, self._patched_forward = [], []
         self._discovered = False  # _ExternalUses has run (the first forward)
+        self._discovering = None  # the _ExternalUses of the forward running now
         self._internal_depth = 0  # > 0 while the engine's own hooks run (_internal)
         self._by_module = {}
         partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
@@ -721,6 +726,29 @@ class Engine:
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._lend_around(module, own)
+        if self.stage == 3:
+            # torch.compile of the model would run a graph that bypasses the lending (silently
+            # wrong from its second step): dynamo is told to leave the model's forward eager.
+            model.forward = torch.compiler.disable(model.forward)
+            if model not in self._patched_forward:
+                self._patched_forward.append(model)
+            # The first forward, however it is called (engine(), generate()).
+            self._hook_handles += [
+                model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
+                model.register_forward_hook(_weakly(self._end_discovery), always_call=True)]
+
+    def _begin_discovery(self, module, args):
+        """The model's first forward finds the partitioned parameters a module uses that it does
+        not own (_ExternalUses), and registers each with the module that used it."""
+        if not self._discovered and self._discovering is None:
+            self._discovering = _ExternalUses(self)
+            self._discovering.__enter__()
+
+    def _end_discovery(self, module, args, output):
+        if self._discovering is not None:
+            discovering, self._discovering = self._discovering, None
+            discovering.__exit__(None, None, None)
+            self._discovered = True
 
     def _lend_around(self, module, entries):
         """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
@@ -729,8 +757,11 @@ class Engine:
             self._by_module[module] = []
             # The hooks hold the engine weakly: the module must not keep its engine alive (the
             # last reference to an engine frees its Runtime, pinned memory and disk).
+            # Lending runs before the module's other pre-hooks (they see its weights, as in plain
+            # torch); a post-hook registered after the engine's sees them given back.
             self._hook_handles += [
-                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True),
+                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
+                                                 prepend=True),
                 module.register_forward_hook(_weakly(self._after_forward))]
             if type(module) is torch.nn.Linear:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
@@ -1039,14 +1070,7 @@ class Engine:
             self._cursor = 0
             if self._gather_order is None:  # recorded from the forward whose backward comes
                 self._recording = []
-        if self._discovered or self.stage != 3:
-            return self.module(*args, **kwargs)
-        # The first forward finds the partitioned parameters a module uses that it does not own
-        # (_ExternalUses), and registers each with the module that used it.
-        with _ExternalUses(self):
-            out = self.module(*args, **kwargs)
-        self._discovered = True
-        return out
+        return self.module(*args, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
@@ -1562,6 +1586,8 @@ class Engine:
                         .expand(e.shape)
             for handle in self._hook_handles:
                 handle.remove()
+            for e in self._params:
+                e.param.__dict__.pop("_strata_node", None)
             for module in self._patched_forward:
                 module.__dict__.pop("forward", None)
             self.module.__dict__.pop("load_state_dict", None)

@@ -15,7 +15,8 @@ the submodule is built (when its outermost ``__init__`` returns, so a subclass m
 parameters, not the model's. A `transformers` model's own initialization, which runs after every
 module was built (``post_init``: ``_initialize_weights`` on each module, a parent's reaching into
 its children's parameters), writes the partitions: while it runs for one module, each
-partitioned parameter a torch function is given is lent whole from its host copy, and written
+partitioned parameter a torch function is given is lent whole, as an fp32 copy of its partition
+(so that bf16 training draws the values a plain fp32 build does, then rounds them), and written
 back when that module's initialization returns (so the host memory it needs is what one module's
 initialization touches; across ranks the parameter is lent as zeros and rank 0's result is
 kept). Other code that writes parameters after they were built does not reach the partitions:
@@ -271,13 +272,13 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 class _LentForInit(torch.overrides.TorchFunctionMode):
     """While one module's initialization runs: each parameter of `context`'s partitions that a
     torch function is given (``init.normal_(module.weight)``, ``module.weight[0]``) is lent
-    whole first, as its host copy (across ranks a zeroed tensor), so that what the function
-    writes lands in the partition; give_back() writes them and restores the placeholders."""
+    whole first, as an fp32 copy of its partition (across ranks a zeroed tensor); give_back()
+    writes them into the partitions (in the training dtype) and restores the placeholders."""
 
     def __init__(self, context):
         super().__init__()
         self.context = context
-        self.lent = {}  # id(param) -> (param, pid, the host copy held or None)
+        self.lent = {}  # id(param) -> (param, pid)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -289,26 +290,29 @@ class _LentForInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _lend(self, param, pid):
+        """The parameter whole in fp32 (transformers' initializers draw in the tensor's dtype, and
+        a bf16 draw is not a plain fp32 build's): its partition's values, or across ranks zeros
+        (rank 0's result is kept)."""
         context = self.context
         if context.ranks is not None:
-            held = None
-            param.data = torch.zeros(param.shape, dtype=context.dtype)
+            whole = torch.zeros(param.shape, dtype=torch.float32)
         else:
             held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
-            param.data = held.view(param.shape)
-        self.lent[id(param)] = (param, pid, held)
+            try:
+                whole = held.view(param.shape).to(torch.float32, copy=True)
+            finally:
+                del held
+                context.runtime.release(pid, "host", False, traced=False)
+        param.data = whole
+        self.lent[id(param)] = (param, pid)
 
     def give_back(self):
         error = None
         while self.lent:
-            _, (param, pid, held) = self.lent.popitem()
+            _, (param, pid) = self.lent.popitem()
             whole, param.data = param.data, self.context._placeholder(param.shape)
-            try:
-                if held is None:  # across ranks: rank 0's values, this rank's shard
-                    self.context._write_whole(pid, whole)
-                else:  # nothing refers to the host copy once it is released
-                    del whole, held
-                    self.context.runtime.release(pid, "host", True, traced=False)
+            try:  # (across ranks rank 0's values, this rank's shard)
+                self.context._write_whole(pid, whole)
             except Exception as e:  # noqa: BLE001 - each is given back; the first error raised
                 error = error or e
         if error is not None:

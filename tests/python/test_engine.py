@@ -1279,3 +1279,64 @@ def test_reading_a_parameters_dtype_or_device_outside_its_module_lends_nothing(t
     engine.backward(loss_of(engine(x), y))
     engine.step()
     assert not any(m.__dict__.get("_strata_external_parameters") for m in engine.module.modules())
+
+
+def test_a_modules_own_pre_hooks_see_its_weights_at_every_forward(tmp_path):
+    # weight_norm, pruning and the like compute from the weights in a forward pre-hook: the
+    # engine lends them first (they saw the empty placeholder from the second forward on).
+    model = Net()
+    seen = []
+    model.l1.register_forward_pre_hook(lambda module, args: seen.append(module.weight.numel()))
+    engine, _, _, _ = strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu",
+                                                                        "fp32"))
+    for x, y in batches(3):
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert seen == [64 * 32] * 3
+
+
+def test_after_close_the_module_trains_as_a_plain_module(tmp_path):
+    model = Net()
+    with strata.initialize(model=model, config=make_config(tmp_path, 2, "cpu", "fp32"))[0] \
+            as engine:
+        _one_step(engine)
+    x, y = next(batches(1))
+    loss_of(model(x), y).backward()  # the engine's gradient hooks are gone with it
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_torch_compile_of_the_module_trains_as_plain_torch_and_a_compiled_model_is_refused(
+        tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    compiled = torch.compile(engine.module, backend="eager")  # left eager at stage 3
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(3):
+        loss = loss_of(compiled(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(x), y)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="the model is torch.compile'd; accepted: the module "
+                                         r"itself \(model._orig_mod\)"):
+        strata.initialize(model=torch.compile(Net()), config=make_config(tmp_path / "b", 3,
+                                                                         "cpu", "fp32"))
+
+
+def test_the_first_call_through_the_module_finds_a_weight_used_outside_its_owner(tmp_path):
+    # generate() or an eval loop may call engine.module before engine(...) ever runs.
+    torch.manual_seed(0)
+    model = _TiedTransposed()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    ids = torch.randint(0, 32, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(engine.module(ids), reference(ids))
