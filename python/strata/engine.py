@@ -890,12 +890,21 @@ class Engine:
                     break
 
     def _after_forward(self, module, inputs, output):
-        with self._internal():
-            self._drop(module)
+        hooked = False
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, module=module: self._before_backward(module))
+                    hooked = True
+            if not hooked and any(not e.frozen for e in self._by_module[module]):
+                # No output carries a gradient back into the module, yet it has trained
+                # parameters: what it computed with them went elsewhere (an auxiliary loss kept
+                # on the module), where no hook could lend them again for backward. They stay
+                # lent until their gradients are made (the gradient hook gives each back), or
+                # until backward ends.
+                return
+        with self._internal():
+            self._drop(module)
 
     def _before_backward(self, module):
         self._fetch(module)

@@ -1340,3 +1340,42 @@ def test_the_first_call_through_the_module_finds_a_weight_used_outside_its_owner
     ids = torch.randint(0, 32, (2, 5))
     with torch.no_grad():
         torch.testing.assert_close(engine.module(ids), reference(ids))
+
+
+def test_a_parameter_used_for_a_loss_kept_on_its_module_trains_as_plain_torch(tmp_path):
+    # A mixture of experts' auxiliary loss: kept on the module, not in its output.
+    class Side(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            self.aux = (self.w * self.w).mean()
+            return x
+
+    class WithAux(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.side, self.out = Side(), torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(self.side(x)).pow(2).mean() + self.side.aux
+
+    torch.manual_seed(0)
+    model = WithAux()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(x)
+        ref_loss.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert not any(engine._holders.values())
