@@ -799,7 +799,22 @@ class Engine:
         for e in self._by_module[module]:
             held = self._holders.get(e.pid, 0)
             if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
-                lent = from_dlpack(self.runtime.lend(e.pid, "device"))
+                try:
+                    lent = from_dlpack(self.runtime.lend(e.pid, "device"))
+                except _strata.Error as error:
+                    if error.code != "RESOURCE_EXHAUSTED":
+                        raise
+                    lent_now = sum(x.numel * x.param.element_size() for x in
+                                   self._params + self._frozen if x.partitioned and
+                                   x.param.data.numel())
+                    told = _strata.Error(
+                        f"{error} (lending {e.name} to {type(module).__name__}: "
+                        f"{lent_now} bytes of parameters are lent now; a view autograd saved, "
+                        "or gradient checkpointing recomputing a whole block in backward, holds "
+                        "its module's parameters at once: raise strata.device_budget_bytes to "
+                        "hold them)")
+                    told.code, told.errno = error.code, getattr(error, "errno", 0)
+                    raise told from None
                 if self.ranks is None:
                     e.param.data = lent.view(e.shape)
                 else:  # its shard, gathered whole with the module's others (then given back)

@@ -367,3 +367,20 @@ def test_a_checkpoint_of_a_lora_model_keeps_its_frozen_partitions(tmp_path):
         e.step()
     with torch.no_grad():
         assert engine(**kwargs).loss.item() == other(**kwargs).loss.item()
+
+
+def test_a_device_budget_without_room_for_a_checkpointed_block_names_what_it_lends(tmp_path):
+    # Gradient checkpointing recomputes a whole GPT-2 block in backward: a budget of a quarter
+    # of the parameters cannot hold one, and the error says what was being lent and why.
+    torch.manual_seed(0)
+    model = ARCHITECTURES["gpt2"]()
+    model.gradient_checkpointing_enable()
+    engine, _, _, _ = strata.initialize(model=model, config=make_config(tmp_path, model, 3, "cpu",
+                                                                        "fp32"))
+    with pytest.raises(strata.Error, match=r"lending transformer\.h\.\d\..* to Conv1D: \d+ bytes "
+                                           r"of parameters are lent now; .*gradient checkpointing"
+                                           r".*raise strata\.device_budget_bytes") as raised:
+        for kwargs in batches("gpt2", 2):
+            engine.backward(engine(**kwargs).loss)
+            engine.step()
+    assert raised.value.code == "RESOURCE_EXHAUSTED"
