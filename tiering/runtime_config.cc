@@ -300,8 +300,10 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       }
     }
     if (c.offload_param.device != OffloadDevice::kNone && c.zero_stage != 3) {
-      return Bad(p + "offload_param",
-                 absl::StrCat("parameter offload needs stage 3, the stage is ", c.zero_stage));
+      // DeepSpeed ignores it below stage 3, and configs shared between stages carry it.
+      warn(absl::StrCat(p, "offload_param.device: ignored at stage ", c.zero_stage,
+                        " (parameters are offloaded at stage 3 only)"));
+      c.offload_param.device = OffloadDevice::kNone;
     }
   }
   if (auto s = root.find("strata"); s != root.end()) {

@@ -124,6 +124,18 @@ TEST(RuntimeConfigTest, AnNvmePathOfABlockNotOnNvmeIsReported) {
                         "offload_param.device is not \"nvme\""));
 }
 
+TEST(RuntimeConfigTest, ParameterOffloadBelowStage3IsIgnoredAndSaidAsDeepSpeedDoes) {
+  // Configs shared between stages carry offload_param (DeepSpeed reads it at stage 3 only).
+  std::vector<std::string> warnings;
+  auto c = RuntimeConfigFromJsonText(R"({"zero_optimization": {"stage": 2,
+      "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}})",
+                                     &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->offload_param.device, OffloadDevice::kNone);
+  EXPECT_THAT(All(warnings), HasSubstr("zero_optimization.offload_param.device: ignored at stage "
+                                       "2 (parameters are offloaded at stage 3 only)"));
+}
+
 TEST(RuntimeConfigTest, DeepSpeedsOtherSpellingsAreItsOwnKeys) {
   std::vector<std::string> warnings;
   // DeepSpeed's names as its config code spells them: bfloat16 (bf16's old name),
@@ -233,8 +245,6 @@ INSTANTIATE_TEST_SUITE_P(
         Bad{R"({"strata": {"nvme_keep_file": true}})", "did you mean nvme_keep_files?"},
         Bad{R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
             "offload_param.nvme_path: is required when device is \"nvme\""},
-        Bad{R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
-            "parameter offload needs stage 3"},
         Bad{R"({"zero_optimization": {"stage": 5}})",
             "zero_optimization.stage: must be an integer in [0, 3]"},
         Bad{R"({"zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
