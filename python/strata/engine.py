@@ -17,8 +17,7 @@ always steps on the CPU, so offload_optimizer.device "none" is taken as "cpu", w
 ZeRO stage 3: each parameter with at least stage3_param_persistence_threshold elements is a
 strata partition in the training dtype, kept where offload_param.device says (none: the device
 tier; cpu: pinned host; nvme: NVMe) and lent to the module as its ``.data`` just before the
-module's forward and again before its backward (a hook on the forward's outputs: torch 1.13 has no
-module pre-backward hook), dropped after. A lent tensor is released when torch frees it, so a view
+module's forward and again before its backward (a hook on the forward's outputs), dropped after. A lent tensor is released when torch frees it, so a view
 autograd saved for backward keeps its partition pinned rather than pointing at reused memory. Its
 gradient is accumulated into a gradient partition on the device as autograd makes it (the
 parameter's ``.grad`` is never kept), which leaves the device in the background at the
@@ -26,7 +25,8 @@ accumulation boundary (GradientReady). Smaller parameters stay on the device as 
 The Runtime records the first step's accesses and prefetches ahead of need from the second.
 
 Stages 0-2: parameters stay on the device; gradients are torch's ``.grad`` (stage 2 moves each to
-the host as it is made, summing micro-batches there in fp32).
+the host as it is made, summing micro-batches there in grad_accum_dtype, fp32 by default, as the
+other stages do when it is not the training dtype).
 
 The step, at each accumulation boundary. At stage 3 each parameter's step is staged during
 backward, as autograd makes its gradient final (Runtime.stage_optimizer_step: the Runtime's
@@ -50,13 +50,17 @@ plan for forward and backward holds whatever the step did.
 Without a GPU the device tier is the host-emulated one (strata.device "emulated", the default)
 and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.
 
+The engine is split by concern, as FSDP2's state is: this module is the facade (set-up, the loop,
+DeepSpeed's API, checkpoints, reports, the engine's life); strata/lending.py lends stage 3's
+parameters around modules; strata/gradients.py takes the gradients; strata/step.py stages and
+commits the optimizer step. The three are mixins over the engine's one state.
+
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 import types
@@ -68,7 +72,6 @@ import torch
 # the frames that made the optimizer alive: the engine's __init__ (and so the engine) would never
 # be freed by its last reference. Imported here, at the module's import, it keeps none of ours.
 import torch._dynamo  # noqa: F401, E402
-from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
@@ -79,7 +82,10 @@ from strata import pretrained
 from strata import lr_schedules
 from strata import ranks as ranks_module
 from strata.config import TrainConfig
+from strata.gradients import Gradients
+from strata.lending import Lending, register_external_parameter
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
+from strata.step import Step
 
 __all__ = ["initialize", "Engine", "register_external_parameter", "StrataWarning"]
 
@@ -91,17 +97,6 @@ logger = logging.getLogger("strata")
 class StrataWarning(UserWarning):
     """What the engine warns of: a key it does not act on, a value it changed, a plan it left."""
 
-
-def register_external_parameter(module, parameter):
-    """Says that `module`'s forward uses `parameter`, which another module owns (a tied weight
-    used functionally, as ``h @ self.wte.weight.t()``), as DeepSpeed's
-    ``deepspeed.zero.register_external_parameter``: at stage 3 the parameter is then lent for the
-    whole of `module`'s forward. Call it before ``strata.initialize``."""
-    if not isinstance(parameter, torch.nn.Parameter):
-        raise ValueError("register_external_parameter: accepted: a torch.nn.Parameter")
-    external = module.__dict__.setdefault("_strata_external_parameters", [])
-    if not any(p is parameter for p in external):
-        external.append(parameter)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
@@ -191,17 +186,6 @@ class _Param:
         self.frozen = frozen
 
 
-class _Staged:
-    """The optimizer step being staged during backward (Runtime.begin_optimizer_step): each
-    partitioned parameter's step is staged as autograd makes its gradient final, speculatively
-    with no clipping and no overflow; engine.step() commits it when that was right, else aborts
-    it and steps again."""
-
-    def __init__(self, scale):
-        self.scale = scale  # the loss scale the gradients were made with
-        self.entries = []  # staged _Param entries, their targets pinned in the host tier
-
-
 class _HostActivations:
     """Where strata.checkpointing's cpu_checkpointing keeps a checkpoint's floating-point inputs:
     partitions of the engine's host tier (role "other", ids after the parameters'), so that they
@@ -288,7 +272,7 @@ class _Optimizer(torch.optim.Optimizer):
         self._engine_or_raise().zero_grad()
 
 
-class Engine:
+class Engine(Lending, Gradients, Step):
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
     def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None,
@@ -712,374 +696,6 @@ class Engine:
                 self.runtime.discard(e.gid)
                 e.param.data = self._empty
 
-    def _install_module_hooks(self, model):
-        self._discovered = False  # _ExternalUses has run (the first forward)
-        self._discovering = None  # the _ExternalUses of the forward running now
-        self._internal_depth = 0  # > 0 while the engine's own hooks run (_internal)
-        self._by_module = {}
-        partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
-        self._partitioned_by_id = partitioned
-        self._holders = {}
-        for module in model.modules():
-            used = list(module._parameters.values()) + \
-                list(getattr(module, "_strata_external_parameters", ()))
-            own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
-            if own:
-                self._lend_around(module, own)
-        if self.stage == 3:
-            # torch.compile of the model would run a graph that bypasses the lending (silently
-            # wrong from its second step): dynamo is told to leave the model's forward eager.
-            model.forward = torch.compiler.disable(model.forward)
-            if model not in self._patched_forward:
-                self._patched_forward.append(model)
-            # The first forward, however it is called (engine(), generate()).
-            self._hook_handles += [
-                model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
-                model.register_forward_hook(_weakly(self._end_discovery), always_call=True)]
-
-    def _begin_discovery(self, module, args):
-        """The model's first forward finds the partitioned parameters a module uses that it does
-        not own (_ExternalUses), and registers each with the module that used it."""
-        if not self._discovered and self._discovering is None:
-            self._discovering = _ExternalUses(self)
-            self._discovering.__enter__()
-
-    def _end_discovery(self, module, args, output):
-        if self._discovering is not None:
-            discovering, self._discovering = self._discovering, None
-            discovering.__exit__(None, None, None)
-            self._discovered = True
-
-    def _lend_around(self, module, entries):
-        """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
-        it (once) and adds them to what it lends."""
-        if module not in self._by_module:
-            self._by_module[module] = []
-            # The hooks hold the engine weakly: the module must not keep its engine alive (the
-            # last reference to an engine frees its Runtime, pinned memory and disk).
-            # Lending runs before the module's other pre-hooks (they see its weights, as in plain
-            # torch); a post-hook registered after the engine's sees them given back.
-            self._hook_handles += [
-                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
-                                                 prepend=True),
-                module.register_forward_hook(_weakly(self._after_forward))]
-            if type(module) is torch.nn.Linear:
-                module.forward = types.MethodType(_zero3_linear_forward, module)
-                self._patched_forward.append(module)
-        self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
-
-    @contextlib.contextmanager
-    def _internal(self):
-        """The engine's own torch calls (lending, gathering): _ExternalUses lets them be."""
-        self._internal_depth += 1
-        try:
-            yield
-        finally:
-            self._internal_depth -= 1
-
-    def _use_external(self, param, module):
-        """`module`'s forward used `param`, a partitioned parameter it does not own (found by
-        _ExternalUses): it is registered as external to `module`, lent around it from now on, and
-        lent now, until `module`'s forward ends."""
-        e = self._partitioned_by_id[id(param)]
-        register_external_parameter(module, param)
-        self._lend_around(module, [e])
-        self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
-        if e.param.data.numel() == 0:
-            e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
-
-    # --- stage 3: parameters lent around each module's forward and backward -------------------
-
-    # A parameter is lent while some module's forward that uses it runs (an outer module's
-    # external parameter stays lent through the inner module's forward): `_holders` counts them.
-
-    def _fetch(self, module):
-        prefetched = self._take_prefetched(module)
-        gather = []
-        for e in self._by_module[module]:
-            held = self._holders.get(e.pid, 0)
-            if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
-                try:
-                    lent = from_dlpack(self.runtime.lend(e.pid, "device"))
-                except _strata.Error as error:
-                    if error.code != "RESOURCE_EXHAUSTED":
-                        raise
-                    lent_now = sum(x.numel * x.param.element_size() for x in
-                                   self._params + self._frozen if x.partitioned and
-                                   x.param.data.numel())
-                    told = _strata.Error(
-                        f"{error} (lending {e.name} to {type(module).__name__}: "
-                        f"{lent_now} bytes of parameters are lent now; a view autograd saved, "
-                        "or gradient checkpointing recomputing a whole block in backward, holds "
-                        "its module's parameters at once: raise strata.device_budget_bytes to "
-                        "hold them)")
-                    told.code, told.errno = error.code, getattr(error, "errno", 0)
-                    raise told from None
-                if self.ranks is None:
-                    e.param.data = lent.view(e.shape)
-                else:  # its shard, gathered whole with the module's others (then given back)
-                    gather.append((e, lent, self._sink(e)))
-            self._holders[e.pid] = held + 1
-        if self.ranks is not None:
-            self.ranks.finish_gather(prefetched[1])
-            if gather:
-                self.ranks.gather(gather)
-            self._prefetch_after(module)
-
-    # Across ranks, the all-gathers follow the order the first micro-batch fetched the modules in
-    # (forward, then backward): while a module computes, the next one's weights are gathered
-    # (issued on every rank at the same point, so the ranks' collectives stay in one order). A
-    # micro-batch whose order differs (on every rank alike) gathers on demand for its rest.
-
-    def _sink(self, e):
-        def sink(whole):
-            if e.param.data.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
-                e.param.data = whole.view(e.shape)
-        return sink
-
-    def _take_prefetched(self, module):
-        """({entries} the gather started ahead for `module` covers, its collectives); a gather
-        started for another module is waited for and dropped."""
-        pending, self._prefetched = self._prefetched, None
-        if pending is None:
-            return set(), []
-        target, entries, started = pending
-        if target is module:
-            self.prefetched_gathers += 1
-            return entries, started
-        for work, _, _ in started:
-            work.wait()
-        return set(), []
-
-    def _prefetch_after(self, module):
-        if self._gather_order is None:  # the first micro-batch: recording the order
-            self._recording.append(module)
-            return
-        if self._cursor is None or self._cursor >= len(self._gather_order) or \
-                self._gather_order[self._cursor] is not module:
-            self._cursor = None  # another order: on demand until the next forward
-            return
-        self._cursor += 1
-        if self._cursor == len(self._gather_order):
-            return
-        following = self._gather_order[self._cursor]
-        items = []
-        for e in self._by_module[following]:
-            if self._holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
-                items.append((e, from_dlpack(self.runtime.lend(e.pid, "device")), self._sink(e)))
-        if items:
-            self._prefetched = (following, {e for e, _, _ in items},
-                                self.ranks.start_gather(items))
-
-    def _drop(self, module, frozen_only=False):
-        for e in self._by_module.get(module, ()):
-            if frozen_only and not e.frozen:
-                continue
-            held = self._holders.get(e.pid, 0) - 1
-            self._holders[e.pid] = max(held, 0)
-            if held <= 0:
-                e.param.data = self._empty
-
-    def _drop_all(self):
-        self._holders.clear()
-        for e in self._params + self._frozen:
-            if e.partitioned:
-                e.param.data = self._empty
-
-    def _before_forward(self, module, args, kwargs):
-        with self._internal():
-            self._fetch(module)
-        if torch.is_grad_enabled() and any(e.frozen for e in self._by_module[module]):
-            # A frozen parameter has no gradient hook to give it back in backward: it goes back
-            # once the gradient of the module's input is made (its backward is done then).
-            for t in _tensors((args, kwargs)):
-                if t.requires_grad:
-                    done = []
-
-                    def after_backward(grad, module=module, done=done):
-                        if not done:
-                            done.append(True)
-                            self._drop(module, frozen_only=True)
-
-                    t.register_hook(after_backward)
-                    break
-
-    def _after_forward(self, module, inputs, output):
-        hooked = False
-        if torch.is_grad_enabled():
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, module=module: self._before_backward(module))
-                    hooked = True
-            if not hooked and any(not e.frozen for e in self._by_module[module]):
-                # No output carries a gradient back into the module, yet it has trained
-                # parameters: what it computed with them went elsewhere (an auxiliary loss kept
-                # on the module), where no hook could lend them again for backward. They stay
-                # lent until their gradients are made (the gradient hook gives each back), or
-                # until backward ends.
-                return
-        with self._internal():
-            self._drop(module)
-
-    def _before_backward(self, module):
-        self._fetch(module)
-
-    def _gradient_hook(self, e):
-        # The hook lives on a C++ autograd node the garbage collector cannot see into: it holds
-        # the engine weakly, or the engine would never be collected.
-        engine = weakref.ref(self)
-
-        def hook(*unused):
-            self = engine()
-            if self is None:
-                return
-            grad = e.param.grad
-            if grad is None:
-                return
-            boundary = self.is_gradient_accumulation_boundary()
-            if boundary:
-                if e.staged is not None or e in self._fired:
-                    # A second gradient in the boundary micro-batch (a second backward through
-                    # it): a step staged from the first cannot stand, and its hold on the gradient
-                    # goes before the gradient is added to.
-                    self._second_gradient = True
-                    if e.staged is not None:
-                        self._drop_staged(f"the gradient of {e.name} changed after its step was "
-                                          "staged")
-                self._fired.add(e)
-            if e.partitioned:
-                e.param.grad = None
-                # Its gradient is the last thing backward needed of it (autograd sums the uses of
-                # a shared parameter before this hook): the lent copy goes back now.
-                self._holders.pop(e.pid, None)
-                e.param.data = self._empty
-                if self.ranks is not None:  # reduce-scattered into the owners' shards
-                    self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
-                    return
-                self._add_to_gradient_partition(e, grad.reshape(-1), boundary)
-                if boundary:  # its optimizer step is staged
-                    self._stage(e)
-            elif self.stage == 2 and self.ranks is not None:
-                # Reduce-scattered as it is made: this rank keeps only its shard's mean.
-                e.param.grad = None
-                self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
-            elif self.stage == 2 or self._sum_apart:
-                # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
-                # stages when that is not the training dtype).
-                e.param.grad = None
-                if e.host_grad is None:
-                    e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
-                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=self.grad_accum_dtype))
-                e.has_grad = True
-            elif boundary and grad.device.type == "cpu":
-                # Stage 3's small parameters keep torch's .grad; its final value is staged (a
-                # copy: a second backward would add to .grad while the optimizer reads it). On a
-                # GPU the copy to the host would make the host wait for the device in the middle
-                # of backward: those are staged after backward instead.
-                self._stage(e, grad.detach().reshape(-1).clone())
-        return hook
-
-    def _add_gradient_shard(self, e, shard, boundary):
-        """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
-        e.shard_grad in fp32; stage 3: its gradient partition, which at the boundary leaves the
-        device)."""
-        if not e.partitioned:
-            e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
-            e.has_grad = True
-            return
-        self._add_to_gradient_partition(e, shard, boundary)
-
-    def _add_to_gradient_partition(self, e, values, boundary):
-        """Sums `values` into e's gradient partition on the device; in its last micro-batch
-        (`boundary`) the gradient leaves the device now, in the background, while backward goes
-        on."""
-        with torch.no_grad():
-            part = from_dlpack(self.runtime.acquire(e.gid, "device"))
-            part.add_(values)
-            del part
-        self.runtime.release(e.gid, "device", True)
-        e.has_grad = True
-        if boundary:
-            self.runtime.gradient_ready(e.gid)
-            e.sent_down = True
-
-    # --- the step staged during backward ------------------------------------------------------
-
-    def _stage(self, e, grad=None, clip=1.0, always=False):
-        """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
-        the Runtime's optimizer thread reads its NVMe state, steps it and writes it to fresh
-        extents (during backward, when staged from the gradient hook); the new weights reach the
-        parameter when the step commits. A partitioned parameter's gradient is its gradient
-        partition (taken from the host tier by that thread, one at a time) and its new weights go
-        into its host copy, pinned until then (with parameters homed on NVMe, they are read back
-        from the committed master weights instead, one at a time: _refresh_weights); another's are
-        given (`grad`). Without `always`, nothing is staged while staging is paused."""
-        staged = self._staged
-        if staged is None:
-            if not always and (not self._speculate or self._redo_reason is not None):
-                return
-            self.runtime.begin_optimizer_step()
-            staged = self._staged = _Staged(self.loss_scale)
-        lr, weight_decay = self._hyper_of(e)
-        try:
-            target = None
-            if not e.partitioned:
-                target = self._weights_target(e)
-            elif not self._refresh:
-                target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-            e.staged = ((lr, weight_decay), target)
-            staged.entries.append(e)
-            self.runtime.stage_optimizer_step(
-                e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
-                check_overflow=self.dtype == torch.float16, weight_decay=weight_decay)
-        except _strata.Error as error:
-            if always:
-                raise
-            # Staging is the step done early; when it cannot be (the host tier has no room for
-            # the parameter's copy, say), the step is taken after backward, as unstaged.
-            self._drop_staged(f"staging the step of {e.name} failed: {error}")
-
-    def _weights_target(self, e):
-        """Where the optimizer writes an unpartitioned parameter's new weights (in the training
-        dtype): the parameter itself when it is a contiguous CPU tensor, else a copy made for
-        it (_write_back_weights puts it in place)."""
-        if self.ranks is not None:  # this rank's shard, all-gathered after the step
-            return torch.empty(e.shard, dtype=self.dtype)
-        if e.param.device.type == "cpu" and e.param.is_contiguous():
-            return e.param.data.reshape(-1)
-        return torch.empty(e.numel, dtype=self.dtype)
-
-    def _drop_staged(self, reason):
-        """The staged step cannot stand: aborted; this step is taken anew after backward."""
-        self.redone_steps += 1
-        self.last_redo_reason = self._redo_reason = reason
-        self._end_staged(committed=False)
-
-    def _end_staged(self, committed):
-        """Ends the staged step: aborted unless `committed`; the partitioned parameters' host
-        copies released (written when committed), the others' new weights put in place."""
-        staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        if not committed:
-            self.runtime.abort_optimizer_step()
-        gather = []
-        for e in staged.entries:
-            target = e.staged[1]
-            e.staged = None
-            if e.partitioned:
-                if target is not None:
-                    del target
-                    self.runtime.release(e.pid, "host", committed, traced=False)
-            elif committed and self.ranks is not None:
-                gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
-                    whole.view(e.shape))))
-            elif committed:
-                self._write_back_weights(e, target)
-        if gather:  # every rank's new shards, whole on every rank
-            with torch.no_grad():
-                self.ranks.gather(gather)
-
     # --- the loop -----------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
@@ -1261,240 +877,7 @@ class Engine:
         if self._refresh_error is not None:
             error, self._refresh_error = self._refresh_error, None
             raise error
-    # --- the optimizer step --------------------------------------------------------------------
 
-    def _unstaged(self):
-        """(entry, host gradient or None: its partition's) for each parameter with a gradient
-        whose step is not staged."""
-        for e in self._params:
-            if e.staged is not None:
-                continue
-            if e.partitioned:
-                if e.has_grad:
-                    yield e, None
-            elif self.ranks is not None:
-                if e.shard_grad is not None:
-                    yield e, e.shard_grad
-            elif e.host_grad is not None:
-                yield e, e.host_grad
-            elif e.param.grad is not None:
-                g = e.param.grad.detach().reshape(-1).to("cpu")
-                yield e, g if g.is_contiguous() else g.contiguous()
-
-    def _grad_norm(self, scale):
-        """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
-        unscaled gradients (inf when one is not finite); a partition's gradient is read from the
-        host tier one at a time."""
-        norms = []
-        for e in self._params:
-            if e.partitioned:
-                if not e.has_grad:
-                    continue
-                g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
-                try:
-                    norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
-                finally:
-                    del g
-                    self.runtime.release(e.gid, "host", False, traced=False)
-            elif self.ranks is not None:
-                if e.shard_grad is not None:
-                    norms.append(torch.linalg.vector_norm(e.shard_grad, 2, dtype=torch.float32))
-            elif e.host_grad is not None:
-                norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
-            elif e.param.grad is not None:
-                norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
-        total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
-        if self.ranks is not None:  # the shards' norms, over every rank
-            total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
-        return total / scale if math.isfinite(total) else math.inf
-
-    def _finish_staged(self):
-        """Commits the step staged during backward when it is the step to take: no clipping
-        (the global norm under gradient_clipping), the loss scale and learning rates it was
-        staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
-        when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
-        staged = self._staged
-        if staged is None:
-            return None, None
-        # What backward did not stage: the unpartitioned parameters on a GPU, and partitioned
-        # ones with no gradient in this micro-batch (their partition holds the earlier ones').
-        for e, g in list(self._unstaged()):
-            self._stage(e, g)
-        if self._staged is None:  # a staging failed
-            return None, None
-        reason = None
-        if staged.scale != self.loss_scale:
-            reason = "the loss scale changed"
-        for e in staged.entries:
-            if reason is None and \
-                    e.staged[0] != self._hyper_of(e):
-                reason = f"the learning rate or weight decay of {e.name}'s group changed"
-        norm = None
-        if reason is None and self.config.clipping > 0:
-            norm = self._grad_norm(staged.scale)
-            if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
-                reason = "gradient clipping scales this step"
-                self._speculate = False  # likely again next step: not staged then
-        if reason is not None:
-            self._drop_staged(reason)
-            return None, None
-        if norm is not None and not math.isfinite(norm):
-            self._end_staged(committed=False)
-            self._update_scale(overflow=True)
-            return False, {"overflow": True, "grad_norm": norm}
-        return self._commit(norm, staged=True)
-
-    def _step_anew(self):
-        """The step after backward: the global norm and clip coefficient (gradient_clipping),
-        then every parameter's step staged with them and committed."""
-        norm = None
-        if self.ranks is not None:
-            self._reduce_gradients()
-        # Across ranks in fp16 the norm is taken anyway: every rank must see an overflow that
-        # any rank's shard holds, and skip the step with the others.
-        if self.config.clipping > 0 or (self.ranks is not None and self.dtype == torch.float16):
-            norm = self._grad_norm(self.loss_scale)
-            if not math.isfinite(norm):
-                self._update_scale(overflow=True)
-                return False, {"overflow": True, "grad_norm": norm}
-        clip = 1.0
-        if norm is not None and self.config.clipping > 0:
-            clip = min(1.0, self.config.clipping / (norm + 1e-6))
-        # Stage the next step during backward unless it clipped (never across ranks).
-        self._speculate = clip == 1.0 and self.ranks is None
-        for e, g in list(self._unstaged()):
-            self._stage(e, g, clip=clip, always=True)
-        if self._staged is None:
-            return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
-                          "bytes_written": 0}
-        return self._commit(norm, staged=False)
-
-    def _reduce_gradients(self):
-        """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
-        owners' shards (e.shard_grad, the mean over the ranks)."""
-        def gradient_of(e):
-            if e.host_grad is not None:
-                return e.host_grad
-            if e.param.grad is not None:
-                return e.param.grad.detach().reshape(-1).to("cpu")
-            return None
-
-        # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.
-        entries = [e for e in self._params if not e.partitioned and self.stage != 2]
-        if not entries:
-            return
-        for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
-            e.shard_grad = shard
-
-    def _commit(self, norm, staged):
-        """Commits the open staged step (all or nothing): the new weights reach the parameters,
-        the step counts advance and the loss scale follows (an overflow skips the step)."""
-        r = self.runtime.commit_optimizer_step()
-        if r["overflow"]:  # nothing was changed
-            self._end_staged(committed=False)
-            self._update_scale(overflow=True)
-            return False, {"overflow": True, "grad_norm": None}
-        entries = list(self._staged.entries)
-        for e in entries:
-            e.steps += 1
-        self._end_staged(committed=True)
-        if self._refresh:
-            try:
-                self._refresh_weights(entries)
-            except _strata.Error as error:  # raised by step() once its bookkeeping is done
-                self._refresh_error = error
-        self._optimizer_read += r["bytes_read"]
-        self._optimizer_written += r["bytes_written"]
-        if self._dynamic_scale:
-            self._update_scale(overflow=False)
-        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
-                      "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
-                      "bytes_written": r["bytes_written"], "staged": staged}
-
-    def _refresh_weights(self, entries):
-        """Parameters homed on NVMe: their new weights are their committed master weights in the
-        training dtype, read back one parameter at a time (never all in host memory at once).
-        The weights are a copy of the master weights: one that cannot be written now (a failed
-        read or write) is written before the next forward, and the step's error says so."""
-        pending = [e for e in entries if e.partitioned]
-        self._pending_refresh = pending
-        # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
-        # and freed per parameter is kept resident by glibc's heap once its mmap threshold has
-        # risen, so that the process's resident memory drifts above what is in use.
-        state = torch.empty(3 * max((e.shard for e in pending), default=0))
-        while pending:
-            e = pending[0]
-            master, m, v = state[:3 * e.shard].view(3, e.shard)
-            try:
-                self.runtime.read_optimizer_state(e.gid, master, m, v)
-                engine_state._set_weights(self, e, master)
-            except Exception as error:
-                raise _strata.Error(
-                    f"the optimizer step committed, but the new weights of {len(pending)} "
-                    f"parameters could not be written yet ({e.name}: {error}); they are written "
-                    "from the master weights before the next forward") from error
-            pending.pop(0)
-
-    def _end_gradients(self, failed):
-        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
-        gradient dropped. Each part is tried; a failure among them raises the first one, unless
-        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except _strata.Error as error:
-                errors.append(error)
-
-        attempt(self._end_staged, False)
-        self._redo_reason = None
-        # Staged again from the next step unless this one was clipped or saw a second gradient.
-        self._speculate = self._speculate and not self._second_gradient
-        self._second_gradient = False
-        self._fired.clear()
-        for e in self._params:
-            if e.partitioned and e.has_grad:
-                attempt(self.runtime.discard, e.gid)
-            e.has_grad = False
-            e.sent_down = False
-            e.host_grad = None
-            e.shard_grad = None
-            e.param.grad = None
-        if errors:
-            if not failed:
-                raise errors[0]
-            for error in errors:
-                self._warn(f"after the failed step: {error}")
-
-    def _write_back_weights(self, e, target):
-        """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a
-        non-contiguous one) is copied into it."""
-        if not e.partitioned and target.data_ptr() != e.param.data_ptr():
-            e.param.data.copy_(target.view(e.shape))
-
-    def _update_scale(self, overflow):
-        """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under
-        min_loss_scale) once `hysteresis` overflows have been absorbed; loss_scale_window steps
-        after the last overflow, the scale doubles (consecutive_hysteresis: every good step
-        restores the hysteresis; else only a doubling does)."""
-        if not self._dynamic_scale:
-            return
-        c = self.config
-        if overflow:
-            if c.hysteresis == 1 or self._hysteresis_left == 1:
-                self.loss_scale = max(self.loss_scale / 2, c.min_loss_scale)
-            else:
-                self._hysteresis_left -= 1
-            self._last_overflow = self._scale_iteration
-        else:
-            if c.consecutive_hysteresis:
-                self._hysteresis_left = c.hysteresis
-            if (self._scale_iteration - self._last_overflow) % c.loss_scale_window == 0:
-                if not c.consecutive_hysteresis:
-                    self._hysteresis_left = c.hysteresis
-                self.loss_scale *= 2
-        self._scale_iteration += 1
 
     def _raise_deferred(self):
         errors = self.runtime.take_deferred_errors()
@@ -1643,116 +1026,6 @@ class Engine:
         return s
 
 
-class _Zero3Linear(torch.autograd.Function):
-    """F.linear that saves the weight parameter itself for backward, not the transposed view
-    F.linear's autograd saves: a view would keep the lent partition pinned from forward to
-    backward (every layer's at once), where the parameter is lent again before its backward.
-
-    Its output is a tensor of its own, not a view (a model may change it in place: ReLU(inplace),
-    ``h += x``). Under torch.autocast it computes in the autocast dtype, as F.linear would, and
-    its backward does too (the weight is cast again there, not kept cast)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        device = x.device.type
-        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        ctx.cast = cast
-        ctx.save_for_backward(x, weight, bias)
-        with torch.autocast(device, enabled=False):
-            if cast is not None:
-                x, weight = x.to(cast), weight.to(cast)
-                bias = bias.to(cast) if bias is not None else None
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=flat.dtype, device=x.device)
-            if bias is None:
-                torch.mm(flat, weight.t(), out=out.view(-1, weight.shape[0]))
-            else:
-                torch.addmm(bias, flat, weight.t(), out=out.view(-1, weight.shape[0]))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
-        grad_x = grad_w = grad_b = None
-        cast = ctx.cast
-        w = weight.to(cast) if cast is not None else weight
-        xs = x.to(cast) if cast is not None else x
-        if ctx.needs_input_grad[0]:
-            grad_x = grad.matmul(w).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(xs.reshape(-1, xs.shape[-1])) \
-                .to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b
-
-
-def _zero3_linear_forward(module, x):
-    return _Zero3Linear.apply(x, module.weight, module.bias)
-
-
-# What a placeholder answers as its parameter would (a parent reading self.dtype is no use of the
-# weights): _ExternalUses lends nothing for these.
-_METADATA = {getattr(torch.Tensor, name).__get__ for name in (
-    "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_cuda",
-    "is_sparse", "is_meta", "is_quantized")}
-
-
-class _ExternalUses(torch.overrides.TorchFunctionMode):
-    """During an engine's first forward at stage 3: each torch function given a partitioned
-    parameter that is not lent (a parameter used outside its owner's forward: F.linear(x,
-    self.fc.weight) in a parent, an nn.ParameterList indexed by its parent, a tied head used as
-    ``h @ wte.weight.t()``) lends it, registered as external to the innermost module whose
-    forward runs (Engine._use_external), as register_external_parameter would. A later forward
-    that uses a parameter so in a module that did not in the first needs
-    register_external_parameter."""
-
-    def __init__(self, engine):
-        super().__init__()
-        self.engine = engine
-        self.stack = []
-        self.handles = []
-
-    def __enter__(self):
-        def enter(module, args):
-            self.stack.append(module)
-
-        def leave(module, args, out):  # (returns None: the output stays the module's)
-            if self.stack:
-                self.stack.pop()
-
-        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
-                        torch.nn.modules.module.register_module_forward_hook(leave)]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        engine = self.engine
-        if engine._internal_depth or func in _METADATA:
-            return func(*args, **kwargs)
-        for leaf in _pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.nn.Parameter) and id(leaf) in engine._partitioned_by_id \
-                    and leaf.data.numel() == 0:
-                engine._use_external(leaf, self.stack[-1] if self.stack else engine.module)
-        return func(*args, **kwargs)
-
-
-def _weakly(method):
-    """`method` (a bound method of the engine) called through a weak reference: nothing once the
-    engine is gone."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args, **kwargs):
-        bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
-    return call
-
-
 def _load_state_dict_through(engine_ref):
     def load_state_dict(module, state_dict, strict=True, assign=False):
         """As torch's, for a module an engine trains: the weights stream into its partitions and
@@ -1769,17 +1042,6 @@ def _load_state_dict_through(engine_ref):
         missing, unexpected = pretrained.load(engine, dict(state_dict), strict)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
-
-
-def _tensors(value):
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 def _flatten_params(params):

@@ -1,0 +1,150 @@
+"""The gradient path: each parameter's gradient taken as autograd makes it final (a hook on its
+AccumulateGrad node), summed into its gradient partition (stage 3, in grad_accum_dtype; at the
+accumulation boundary it leaves the device in the background and its optimizer step is staged),
+into a host sum (stage 2, or grad_accum_dtype other than the training dtype), or reduce-scattered
+across ranks into each owner's shard (strata/ranks.py); and every gradient dropped when the step
+is over.
+
+`Gradients` is a mixin of strata.engine.Engine. Thread safety: the engine's (one thread).
+"""
+
+import weakref
+
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from strata import _strata
+
+__all__ = ["Gradients"]
+
+
+class Gradients:
+    """The engine's gradient path (see the module's docstring)."""
+
+    def _gradient_hook(self, e):
+        # The hook lives on a C++ autograd node the garbage collector cannot see into: it holds
+        # the engine weakly, or the engine would never be collected.
+        engine = weakref.ref(self)
+
+        def hook(*unused):
+            self = engine()
+            if self is None:
+                return
+            grad = e.param.grad
+            if grad is None:
+                return
+            boundary = self.is_gradient_accumulation_boundary()
+            if boundary:
+                if e.staged is not None or e in self._fired:
+                    # A second gradient in the boundary micro-batch (a second backward through
+                    # it): a step staged from the first cannot stand, and its hold on the gradient
+                    # goes before the gradient is added to.
+                    self._second_gradient = True
+                    if e.staged is not None:
+                        self._drop_staged(f"the gradient of {e.name} changed after its step was "
+                                          "staged")
+                self._fired.add(e)
+            if e.partitioned:
+                e.param.grad = None
+                # Its gradient is the last thing backward needed of it (autograd sums the uses of
+                # a shared parameter before this hook): the lent copy goes back now.
+                self._holders.pop(e.pid, None)
+                e.param.data = self._empty
+                if self.ranks is not None:  # reduce-scattered into the owners' shards
+                    self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
+                    return
+                self._add_to_gradient_partition(e, grad.reshape(-1), boundary)
+                if boundary:  # its optimizer step is staged
+                    self._stage(e)
+            elif self.stage == 2 and self.ranks is not None:
+                # Reduce-scattered as it is made: this rank keeps only its shard's mean.
+                e.param.grad = None
+                self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
+            elif self.stage == 2 or self._sum_apart:
+                # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
+                # stages when that is not the training dtype).
+                e.param.grad = None
+                if e.host_grad is None:
+                    e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
+                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=self.grad_accum_dtype))
+                e.has_grad = True
+            elif boundary and grad.device.type == "cpu":
+                # Stage 3's small parameters keep torch's .grad; its final value is staged (a
+                # copy: a second backward would add to .grad while the optimizer reads it). On a
+                # GPU the copy to the host would make the host wait for the device in the middle
+                # of backward: those are staged after backward instead.
+                self._stage(e, grad.detach().reshape(-1).clone())
+        return hook
+
+    def _add_gradient_shard(self, e, shard, boundary):
+        """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
+        e.shard_grad in fp32; stage 3: its gradient partition, which at the boundary leaves the
+        device)."""
+        if not e.partitioned:
+            e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
+            e.has_grad = True
+            return
+        self._add_to_gradient_partition(e, shard, boundary)
+
+    def _add_to_gradient_partition(self, e, values, boundary):
+        """Sums `values` into e's gradient partition on the device; in its last micro-batch
+        (`boundary`) the gradient leaves the device now, in the background, while backward goes
+        on."""
+        with torch.no_grad():
+            part = from_dlpack(self.runtime.acquire(e.gid, "device"))
+            part.add_(values)
+            del part
+        self.runtime.release(e.gid, "device", True)
+        e.has_grad = True
+        if boundary:
+            self.runtime.gradient_ready(e.gid)
+            e.sent_down = True
+
+    def _reduce_gradients(self):
+        """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
+        owners' shards (e.shard_grad, the mean over the ranks)."""
+        def gradient_of(e):
+            if e.host_grad is not None:
+                return e.host_grad
+            if e.param.grad is not None:
+                return e.param.grad.detach().reshape(-1).to("cpu")
+            return None
+
+        # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.
+        entries = [e for e in self._params if not e.partitioned and self.stage != 2]
+        if not entries:
+            return
+        for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
+            e.shard_grad = shard
+
+    def _end_gradients(self, failed):
+        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
+        gradient dropped. Each part is tried; a failure among them raises the first one, unless
+        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except _strata.Error as error:
+                errors.append(error)
+
+        attempt(self._end_staged, False)
+        self._redo_reason = None
+        # Staged again from the next step unless this one was clipped or saw a second gradient.
+        self._speculate = self._speculate and not self._second_gradient
+        self._second_gradient = False
+        self._fired.clear()
+        for e in self._params:
+            if e.partitioned and e.has_grad:
+                attempt(self.runtime.discard, e.gid)
+            e.has_grad = False
+            e.sent_down = False
+            e.host_grad = None
+            e.shard_grad = None
+            e.param.grad = None
+        if errors:
+            if not failed:
+                raise errors[0]
+            for error in errors:
+                self._warn(f"after the failed step: {error}")

@@ -1,0 +1,375 @@
+"""Stage 3's parameters lent around each module's forward and backward: the engine's part that
+FSDP2 calls the parameter group.
+
+A partitioned parameter's ``.data`` is an empty placeholder until a module that uses it runs: a
+forward pre-hook on each such module (registered first, so the module's own pre-hooks see the
+weights) lends it from the Runtime into the device tier, a forward hook gives it back, and a hook
+on the forward's outputs lends it again before the module's backward (a module pre-backward hook
+does not exist in every torch). A lent tensor is released when torch frees it, so a view autograd
+saved for backward keeps its partition pinned rather than pointing at reused memory. An
+nn.Linear runs _Zero3Linear, which saves the weight itself, not a view. A frozen parameter has no
+gradient hook to give it back in backward: it goes back once the module's input gradient is made.
+The model's first forward finds parameters used outside their owner's forward (_ExternalUses).
+Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py).
+
+`Lending` is a mixin of strata.engine.Engine: its methods use the engine's state (_by_module,
+_holders, the Runtime, the ranks). Thread safety: the engine's (one thread).
+"""
+
+import contextlib
+import types
+import weakref
+
+import torch
+from torch.utils import _pytree
+from torch.utils.dlpack import from_dlpack
+
+from strata import _strata
+
+__all__ = ["Lending", "register_external_parameter"]
+
+
+class Lending:
+    """The engine's stage-3 lending (see the module's docstring)."""
+
+    def _install_module_hooks(self, model):
+        self._discovered = False  # _ExternalUses has run (the first forward)
+        self._discovering = None  # the _ExternalUses of the forward running now
+        self._internal_depth = 0  # > 0 while the engine's own hooks run (_internal)
+        self._by_module = {}
+        partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
+        self._partitioned_by_id = partitioned
+        self._holders = {}
+        for module in model.modules():
+            used = list(module._parameters.values()) + \
+                list(getattr(module, "_strata_external_parameters", ()))
+            own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
+            if own:
+                self._lend_around(module, own)
+        if self.stage == 3:
+            # torch.compile of the model would run a graph that bypasses the lending (silently
+            # wrong from its second step): dynamo is told to leave the model's forward eager.
+            model.forward = torch.compiler.disable(model.forward)
+            if model not in self._patched_forward:
+                self._patched_forward.append(model)
+            # The first forward, however it is called (engine(), generate()).
+            self._hook_handles += [
+                model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
+                model.register_forward_hook(_weakly(self._end_discovery), always_call=True)]
+
+    def _begin_discovery(self, module, args):
+        """The model's first forward finds the partitioned parameters a module uses that it does
+        not own (_ExternalUses), and registers each with the module that used it."""
+        if not self._discovered and self._discovering is None:
+            self._discovering = _ExternalUses(self)
+            self._discovering.__enter__()
+
+    def _end_discovery(self, module, args, output):
+        if self._discovering is not None:
+            discovering, self._discovering = self._discovering, None
+            discovering.__exit__(None, None, None)
+            self._discovered = True
+
+    def _lend_around(self, module, entries):
+        """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
+        it (once) and adds them to what it lends."""
+        if module not in self._by_module:
+            self._by_module[module] = []
+            # The hooks hold the engine weakly: the module must not keep its engine alive (the
+            # last reference to an engine frees its Runtime, pinned memory and disk).
+            # Lending runs before the module's other pre-hooks (they see its weights, as in plain
+            # torch); a post-hook registered after the engine's sees them given back.
+            self._hook_handles += [
+                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
+                                                 prepend=True),
+                module.register_forward_hook(_weakly(self._after_forward))]
+            if type(module) is torch.nn.Linear:
+                module.forward = types.MethodType(_zero3_linear_forward, module)
+                self._patched_forward.append(module)
+        self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
+
+    @contextlib.contextmanager
+    def _internal(self):
+        """The engine's own torch calls (lending, gathering): _ExternalUses lets them be."""
+        self._internal_depth += 1
+        try:
+            yield
+        finally:
+            self._internal_depth -= 1
+
+    def _use_external(self, param, module):
+        """`module`'s forward used `param`, a partitioned parameter it does not own (found by
+        _ExternalUses): it is registered as external to `module`, lent around it from now on, and
+        lent now, until `module`'s forward ends."""
+        e = self._partitioned_by_id[id(param)]
+        register_external_parameter(module, param)
+        self._lend_around(module, [e])
+        self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
+        if e.param.data.numel() == 0:
+            e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
+
+    def _fetch(self, module):
+        prefetched = self._take_prefetched(module)
+        gather = []
+        for e in self._by_module[module]:
+            held = self._holders.get(e.pid, 0)
+            if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
+                try:
+                    lent = from_dlpack(self.runtime.lend(e.pid, "device"))
+                except _strata.Error as error:
+                    if error.code != "RESOURCE_EXHAUSTED":
+                        raise
+                    lent_now = sum(x.numel * x.param.element_size() for x in
+                                   self._params + self._frozen if x.partitioned and
+                                   x.param.data.numel())
+                    told = _strata.Error(
+                        f"{error} (lending {e.name} to {type(module).__name__}: "
+                        f"{lent_now} bytes of parameters are lent now; a view autograd saved, "
+                        "or gradient checkpointing recomputing a whole block in backward, holds "
+                        "its module's parameters at once: raise strata.device_budget_bytes to "
+                        "hold them)")
+                    told.code, told.errno = error.code, getattr(error, "errno", 0)
+                    raise told from None
+                if self.ranks is None:
+                    e.param.data = lent.view(e.shape)
+                else:  # its shard, gathered whole with the module's others (then given back)
+                    gather.append((e, lent, self._sink(e)))
+            self._holders[e.pid] = held + 1
+        if self.ranks is not None:
+            self.ranks.finish_gather(prefetched[1])
+            if gather:
+                self.ranks.gather(gather)
+            self._prefetch_after(module)
+
+    # Across ranks, the all-gathers follow the order the first micro-batch fetched the modules in
+    # (forward, then backward): while a module computes, the next one's weights are gathered
+    # (issued on every rank at the same point, so the ranks' collectives stay in one order). A
+    # micro-batch whose order differs (on every rank alike) gathers on demand for its rest.
+
+    def _sink(self, e):
+        def sink(whole):
+            if e.param.data.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
+                e.param.data = whole.view(e.shape)
+        return sink
+
+    def _take_prefetched(self, module):
+        """({entries} the gather started ahead for `module` covers, its collectives); a gather
+        started for another module is waited for and dropped."""
+        pending, self._prefetched = self._prefetched, None
+        if pending is None:
+            return set(), []
+        target, entries, started = pending
+        if target is module:
+            self.prefetched_gathers += 1
+            return entries, started
+        for work, _, _ in started:
+            work.wait()
+        return set(), []
+
+    def _prefetch_after(self, module):
+        if self._gather_order is None:  # the first micro-batch: recording the order
+            self._recording.append(module)
+            return
+        if self._cursor is None or self._cursor >= len(self._gather_order) or \
+                self._gather_order[self._cursor] is not module:
+            self._cursor = None  # another order: on demand until the next forward
+            return
+        self._cursor += 1
+        if self._cursor == len(self._gather_order):
+            return
+        following = self._gather_order[self._cursor]
+        items = []
+        for e in self._by_module[following]:
+            if self._holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
+                items.append((e, from_dlpack(self.runtime.lend(e.pid, "device")), self._sink(e)))
+        if items:
+            self._prefetched = (following, {e for e, _, _ in items},
+                                self.ranks.start_gather(items))
+
+    def _drop(self, module, frozen_only=False):
+        for e in self._by_module.get(module, ()):
+            if frozen_only and not e.frozen:
+                continue
+            held = self._holders.get(e.pid, 0) - 1
+            self._holders[e.pid] = max(held, 0)
+            if held <= 0:
+                e.param.data = self._empty
+
+    def _drop_all(self):
+        self._holders.clear()
+        for e in self._params + self._frozen:
+            if e.partitioned:
+                e.param.data = self._empty
+
+    def _before_forward(self, module, args, kwargs):
+        with self._internal():
+            self._fetch(module)
+        if torch.is_grad_enabled() and any(e.frozen for e in self._by_module[module]):
+            # A frozen parameter has no gradient hook to give it back in backward: it goes back
+            # once the gradient of the module's input is made (its backward is done then).
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad:
+                    done = []
+
+                    def after_backward(grad, module=module, done=done):
+                        if not done:
+                            done.append(True)
+                            self._drop(module, frozen_only=True)
+
+                    t.register_hook(after_backward)
+                    break
+
+    def _after_forward(self, module, inputs, output):
+        hooked = False
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, module=module: self._before_backward(module))
+                    hooked = True
+            if not hooked and any(not e.frozen for e in self._by_module[module]):
+                # No output carries a gradient back into the module, yet it has trained
+                # parameters: what it computed with them went elsewhere (an auxiliary loss kept
+                # on the module), where no hook could lend them again for backward. They stay
+                # lent until their gradients are made (the gradient hook gives each back), or
+                # until backward ends.
+                return
+        with self._internal():
+            self._drop(module)
+
+    def _before_backward(self, module):
+        self._fetch(module)
+
+
+def register_external_parameter(module, parameter):
+    """Says that `module`'s forward uses `parameter`, which another module owns (a tied weight
+    used functionally, as ``h @ self.wte.weight.t()``), as DeepSpeed's
+    ``deepspeed.zero.register_external_parameter``: at stage 3 the parameter is then lent for the
+    whole of `module`'s forward. The model's first forward registers the uses it meets by itself
+    (_ExternalUses); call this, before ``strata.initialize``, for a use on a path the first
+    forward does not take."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise ValueError("register_external_parameter: accepted: a torch.nn.Parameter")
+    external = module.__dict__.setdefault("_strata_external_parameters", [])
+    if not any(p is parameter for p in external):
+        external.append(parameter)
+
+
+class _Zero3Linear(torch.autograd.Function):
+    """F.linear that saves the weight parameter itself for backward, not the transposed view
+    F.linear's autograd saves: a view would keep the lent partition pinned from forward to
+    backward (every layer's at once), where the parameter is lent again before its backward.
+
+    Its output is a tensor of its own, not a view (a model may change it in place: ReLU(inplace),
+    ``h += x``). Under torch.autocast it computes in the autocast dtype, as F.linear would, and
+    its backward does too (the weight is cast again there, not kept cast)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        device = x.device.type
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.cast = cast
+        ctx.save_for_backward(x, weight, bias)
+        with torch.autocast(device, enabled=False):
+            if cast is not None:
+                x, weight = x.to(cast), weight.to(cast)
+                bias = bias.to(cast) if bias is not None else None
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=flat.dtype, device=x.device)
+            if bias is None:
+                torch.mm(flat, weight.t(), out=out.view(-1, weight.shape[0]))
+            else:
+                torch.addmm(bias, flat, weight.t(), out=out.view(-1, weight.shape[0]))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        cast = ctx.cast
+        w = weight.to(cast) if cast is not None else weight
+        xs = x.to(cast) if cast is not None else x
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(w).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(xs.reshape(-1, xs.shape[-1])) \
+                .to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(bias.dtype)
+        return grad_x, grad_w, grad_b
+
+
+def _zero3_linear_forward(module, x):
+    return _Zero3Linear.apply(x, module.weight, module.bias)
+
+
+# What a placeholder answers as its parameter would (a parent reading self.dtype is no use of the
+# weights): _ExternalUses lends nothing for these.
+_METADATA = {getattr(torch.Tensor, name).__get__ for name in (
+    "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_cuda",
+    "is_sparse", "is_meta", "is_quantized")}
+
+
+class _ExternalUses(torch.overrides.TorchFunctionMode):
+    """During an engine's first forward at stage 3: each torch function given a partitioned
+    parameter that is not lent (a parameter used outside its owner's forward: F.linear(x,
+    self.fc.weight) in a parent, an nn.ParameterList indexed by its parent, a tied head used as
+    ``h @ wte.weight.t()``) lends it, registered as external to the innermost module whose
+    forward runs (Engine._use_external), as register_external_parameter would. A later forward
+    that uses a parameter so in a module that did not in the first needs
+    register_external_parameter."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.stack = []
+        self.handles = []
+
+    def __enter__(self):
+        def enter(module, args):
+            self.stack.append(module)
+
+        def leave(module, args, out):  # (returns None: the output stays the module's)
+            if self.stack:
+                self.stack.pop()
+
+        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+                        torch.nn.modules.module.register_module_forward_hook(leave)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        engine = self.engine
+        if engine._internal_depth or func in _METADATA:
+            return func(*args, **kwargs)
+        for leaf in _pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.nn.Parameter) and id(leaf) in engine._partitioned_by_id \
+                    and leaf.data.numel() == 0:
+                engine._use_external(leaf, self.stack[-1] if self.stack else engine.module)
+        return func(*args, **kwargs)
+
+
+def _weakly(method):
+    """`method` (a bound method of the engine) called through a weak reference: nothing once the
+    engine is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
+
+
+def _tensors(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)

@@ -1,0 +1,293 @@
+"""The optimizer step: staged during backward (each partitioned parameter's step as its gradient
+is final, speculatively with no clipping and no overflow) and committed after it when that was the
+step to take, else dropped and taken anew (clipping by the global norm, the fp16 loss scale and
+overflow exact); the commit changes everything or nothing, and the new weights reach the
+parameters (their host copies, or read back from the master weights when homed on NVMe).
+docs/engine.md says why the staged step is exact.
+
+`Step` is a mixin of strata.engine.Engine. Thread safety: the engine's (one thread).
+"""
+
+import math
+
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from strata import _strata
+from strata import engine_state
+
+__all__ = ["Step"]
+
+
+class _Staged:
+    """The optimizer step being staged during backward (Runtime.begin_optimizer_step): each
+    partitioned parameter's step is staged as autograd makes its gradient final, speculatively
+    with no clipping and no overflow; engine.step() commits it when that was right, else aborts
+    it and steps again."""
+
+    def __init__(self, scale):
+        self.scale = scale  # the loss scale the gradients were made with
+        self.entries = []  # staged _Param entries, their targets pinned in the host tier
+
+
+class Step:
+    """The engine's optimizer step (see the module's docstring)."""
+
+    def _stage(self, e, grad=None, clip=1.0, always=False):
+        """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
+        the Runtime's optimizer thread reads its NVMe state, steps it and writes it to fresh
+        extents (during backward, when staged from the gradient hook); the new weights reach the
+        parameter when the step commits. A partitioned parameter's gradient is its gradient
+        partition (taken from the host tier by that thread, one at a time) and its new weights go
+        into its host copy, pinned until then (with parameters homed on NVMe, they are read back
+        from the committed master weights instead, one at a time: _refresh_weights); another's are
+        given (`grad`). Without `always`, nothing is staged while staging is paused."""
+        staged = self._staged
+        if staged is None:
+            if not always and (not self._speculate or self._redo_reason is not None):
+                return
+            self.runtime.begin_optimizer_step()
+            staged = self._staged = _Staged(self.loss_scale)
+        lr, weight_decay = self._hyper_of(e)
+        try:
+            target = None
+            if not e.partitioned:
+                target = self._weights_target(e)
+            elif not self._refresh:
+                target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+            e.staged = ((lr, weight_decay), target)
+            staged.entries.append(e)
+            self.runtime.stage_optimizer_step(
+                e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
+                check_overflow=self.dtype == torch.float16, weight_decay=weight_decay)
+        except _strata.Error as error:
+            if always:
+                raise
+            # Staging is the step done early; when it cannot be (the host tier has no room for
+            # the parameter's copy, say), the step is taken after backward, as unstaged.
+            self._drop_staged(f"staging the step of {e.name} failed: {error}")
+
+    def _weights_target(self, e):
+        """Where the optimizer writes an unpartitioned parameter's new weights (in the training
+        dtype): the parameter itself when it is a contiguous CPU tensor, else a copy made for
+        it (_write_back_weights puts it in place)."""
+        if self.ranks is not None:  # this rank's shard, all-gathered after the step
+            return torch.empty(e.shard, dtype=self.dtype)
+        if e.param.device.type == "cpu" and e.param.is_contiguous():
+            return e.param.data.reshape(-1)
+        return torch.empty(e.numel, dtype=self.dtype)
+
+    def _drop_staged(self, reason):
+        """The staged step cannot stand: aborted; this step is taken anew after backward."""
+        self.redone_steps += 1
+        self.last_redo_reason = self._redo_reason = reason
+        self._end_staged(committed=False)
+
+    def _end_staged(self, committed):
+        """Ends the staged step: aborted unless `committed`; the partitioned parameters' host
+        copies released (written when committed), the others' new weights put in place."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        if not committed:
+            self.runtime.abort_optimizer_step()
+        gather = []
+        for e in staged.entries:
+            target = e.staged[1]
+            e.staged = None
+            if e.partitioned:
+                if target is not None:
+                    del target
+                    self.runtime.release(e.pid, "host", committed, traced=False)
+            elif committed and self.ranks is not None:
+                gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
+                    whole.view(e.shape))))
+            elif committed:
+                self._write_back_weights(e, target)
+        if gather:  # every rank's new shards, whole on every rank
+            with torch.no_grad():
+                self.ranks.gather(gather)
+
+    def _unstaged(self):
+        """(entry, host gradient or None: its partition's) for each parameter with a gradient
+        whose step is not staged."""
+        for e in self._params:
+            if e.staged is not None:
+                continue
+            if e.partitioned:
+                if e.has_grad:
+                    yield e, None
+            elif self.ranks is not None:
+                if e.shard_grad is not None:
+                    yield e, e.shard_grad
+            elif e.host_grad is not None:
+                yield e, e.host_grad
+            elif e.param.grad is not None:
+                g = e.param.grad.detach().reshape(-1).to("cpu")
+                yield e, g if g.is_contiguous() else g.contiguous()
+
+    def _grad_norm(self, scale):
+        """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
+        unscaled gradients (inf when one is not finite); a partition's gradient is read from the
+        host tier one at a time."""
+        norms = []
+        for e in self._params:
+            if e.partitioned:
+                if not e.has_grad:
+                    continue
+                g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+                try:
+                    norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+                finally:
+                    del g
+                    self.runtime.release(e.gid, "host", False, traced=False)
+            elif self.ranks is not None:
+                if e.shard_grad is not None:
+                    norms.append(torch.linalg.vector_norm(e.shard_grad, 2, dtype=torch.float32))
+            elif e.host_grad is not None:
+                norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
+            elif e.param.grad is not None:
+                norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
+        total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+        if self.ranks is not None:  # the shards' norms, over every rank
+            total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
+        return total / scale if math.isfinite(total) else math.inf
+
+    def _finish_staged(self):
+        """Commits the step staged during backward when it is the step to take: no clipping
+        (the global norm under gradient_clipping), the loss scale and learning rates it was
+        staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
+        when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
+        staged = self._staged
+        if staged is None:
+            return None, None
+        # What backward did not stage: the unpartitioned parameters on a GPU, and partitioned
+        # ones with no gradient in this micro-batch (their partition holds the earlier ones').
+        for e, g in list(self._unstaged()):
+            self._stage(e, g)
+        if self._staged is None:  # a staging failed
+            return None, None
+        reason = None
+        if staged.scale != self.loss_scale:
+            reason = "the loss scale changed"
+        for e in staged.entries:
+            if reason is None and \
+                    e.staged[0] != self._hyper_of(e):
+                reason = f"the learning rate or weight decay of {e.name}'s group changed"
+        norm = None
+        if reason is None and self.config.clipping > 0:
+            norm = self._grad_norm(staged.scale)
+            if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
+                reason = "gradient clipping scales this step"
+                self._speculate = False  # likely again next step: not staged then
+        if reason is not None:
+            self._drop_staged(reason)
+            return None, None
+        if norm is not None and not math.isfinite(norm):
+            self._end_staged(committed=False)
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": norm}
+        return self._commit(norm, staged=True)
+
+    def _step_anew(self):
+        """The step after backward: the global norm and clip coefficient (gradient_clipping),
+        then every parameter's step staged with them and committed."""
+        norm = None
+        if self.ranks is not None:
+            self._reduce_gradients()
+        # Across ranks in fp16 the norm is taken anyway: every rank must see an overflow that
+        # any rank's shard holds, and skip the step with the others.
+        if self.config.clipping > 0 or (self.ranks is not None and self.dtype == torch.float16):
+            norm = self._grad_norm(self.loss_scale)
+            if not math.isfinite(norm):
+                self._update_scale(overflow=True)
+                return False, {"overflow": True, "grad_norm": norm}
+        clip = 1.0
+        if norm is not None and self.config.clipping > 0:
+            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        # Stage the next step during backward unless it clipped (never across ranks).
+        self._speculate = clip == 1.0 and self.ranks is None
+        for e, g in list(self._unstaged()):
+            self._stage(e, g, clip=clip, always=True)
+        if self._staged is None:
+            return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
+                          "bytes_written": 0}
+        return self._commit(norm, staged=False)
+
+    def _commit(self, norm, staged):
+        """Commits the open staged step (all or nothing): the new weights reach the parameters,
+        the step counts advance and the loss scale follows (an overflow skips the step)."""
+        r = self.runtime.commit_optimizer_step()
+        if r["overflow"]:  # nothing was changed
+            self._end_staged(committed=False)
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": None}
+        entries = list(self._staged.entries)
+        for e in entries:
+            e.steps += 1
+        self._end_staged(committed=True)
+        if self._refresh:
+            try:
+                self._refresh_weights(entries)
+            except _strata.Error as error:  # raised by step() once its bookkeeping is done
+                self._refresh_error = error
+        self._optimizer_read += r["bytes_read"]
+        self._optimizer_written += r["bytes_written"]
+        if self._dynamic_scale:
+            self._update_scale(overflow=False)
+        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
+                      "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
+                      "bytes_written": r["bytes_written"], "staged": staged}
+
+    def _refresh_weights(self, entries):
+        """Parameters homed on NVMe: their new weights are their committed master weights in the
+        training dtype, read back one parameter at a time (never all in host memory at once).
+        The weights are a copy of the master weights: one that cannot be written now (a failed
+        read or write) is written before the next forward, and the step's error says so."""
+        pending = [e for e in entries if e.partitioned]
+        self._pending_refresh = pending
+        # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
+        # and freed per parameter is kept resident by glibc's heap once its mmap threshold has
+        # risen, so that the process's resident memory drifts above what is in use.
+        state = torch.empty(3 * max((e.shard for e in pending), default=0))
+        while pending:
+            e = pending[0]
+            master, m, v = state[:3 * e.shard].view(3, e.shard)
+            try:
+                self.runtime.read_optimizer_state(e.gid, master, m, v)
+                engine_state._set_weights(self, e, master)
+            except Exception as error:
+                raise _strata.Error(
+                    f"the optimizer step committed, but the new weights of {len(pending)} "
+                    f"parameters could not be written yet ({e.name}: {error}); they are written "
+                    "from the master weights before the next forward") from error
+            pending.pop(0)
+
+    def _write_back_weights(self, e, target):
+        """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a
+        non-contiguous one) is copied into it."""
+        if not e.partitioned and target.data_ptr() != e.param.data_ptr():
+            e.param.data.copy_(target.view(e.shape))
+
+    def _update_scale(self, overflow):
+        """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under
+        min_loss_scale) once `hysteresis` overflows have been absorbed; loss_scale_window steps
+        after the last overflow, the scale doubles (consecutive_hysteresis: every good step
+        restores the hysteresis; else only a doubling does)."""
+        if not self._dynamic_scale:
+            return
+        c = self.config
+        if overflow:
+            if c.hysteresis == 1 or self._hysteresis_left == 1:
+                self.loss_scale = max(self.loss_scale / 2, c.min_loss_scale)
+            else:
+                self._hysteresis_left -= 1
+            self._last_overflow = self._scale_iteration
+        else:
+            if c.consecutive_hysteresis:
+                self._hysteresis_left = c.hysteresis
+            if (self._scale_iteration - self._last_overflow) % c.loss_scale_window == 0:
+                if not c.consecutive_hysteresis:
+                    self._hysteresis_left = c.hysteresis
+                self.loss_scale *= 2
+        self._scale_iteration += 1
