@@ -17,7 +17,9 @@ and two zeroed moments: three times its fp32 size), whatever the model's size.
 
 Names are matched as transformers matches them: a checkpoint of the base model loads into a model
 with a head (and back) through the model's ``base_model_prefix`` ("model.", "transformer.",
-"bert."); the old LayerNorm names ``gamma`` and ``beta`` are ``weight`` and ``bias``; a tensor that
+"bert."); a PEFT model takes its base model's names (``base_model.model.`` and ``.base_layer.``
+left out), so a base checkpoint loads under LoRA adapters; the old LayerNorm names ``gamma`` and
+``beta`` are ``weight`` and ``bias``; a tensor that
 is one of the model's non-persistent buffers (``position_ids`` in older BERT checkpoints) or that
 the model says to ignore (``_keys_to_ignore_on_load_unexpected``) is passed over. Before anything
 changes, every name is checked against the model: missing, unexpected and wrongly shaped tensors
@@ -323,6 +325,12 @@ def _matched(model, entries, known):
               (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     non_persistent = {f"{path}.{b}" if path else b for path, m in model.named_modules()
                       for b in getattr(m, "_non_persistent_buffers_set", ())}
+    # A PEFT model's names, as the model it wraps has them (base_model.model.<name>, a wrapped
+    # layer's weights under .base_layer.): a base model's checkpoint loads into its adapted model.
+    unwrapped = {}
+    for name in known:
+        unwrapped.setdefault(re.sub(r"^base_model\.model\.", "", name)
+                             .replace(".base_layer.", "."), name)
     out = {}
     for name, tensor in entries.items():
         target = name
@@ -333,7 +341,8 @@ def _matched(model, entries, known):
                 tried.append(f"{prefix}.{legacy}")
                 if legacy.startswith(prefix + "."):
                     tried.append(legacy[len(prefix) + 1:])
-            target = next((t for t in tried if t in known), name)
+            target = next((t for t in tried if t in known), None) or \
+                next((unwrapped[t] for t in tried if t in unwrapped), name)
         if target not in known and (target in non_persistent or
                                     any(p.search(name) for p in ignore)):
             continue

@@ -216,3 +216,27 @@ def test_zero_to_fp32_writes_safetensors_that_from_pretrained_loads(tmp_path, sh
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, ours[name].float(), rtol=0, atol=0,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_a_base_checkpoint_loads_under_lora_adapters_built_under_strata_init(tmp_path):
+    # LoRA on a model larger than the host: built under strata.init, adapted, then the base
+    # model's weights stream in under the adapted names; only the adapters are missing.
+    import peft
+    torch.manual_seed(1)
+    pretrained = ARCHITECTURES["llama"]()
+    pretrained.save_pretrained(tmp_path / "base", max_shard_size="40KB")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    config = make_config(tmp_path, pretrained, 3, "nvme", "fp32")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = ARCHITECTURES["llama"]()
+    model = peft.get_peft_model(model, lora)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    missing, unexpected = engine.load_pretrained(tmp_path / "base", strict=False)
+    assert unexpected == [] and missing and all("lora_" in n for n in missing), missing
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(copy.deepcopy(pretrained), lora)  # its B is zero: the base's
+    kwargs = batches("llama", 1)[0]
+    with torch.no_grad():
+        assert engine(**kwargs).loss.item() == pytest.approx(reference(**kwargs).loss.item(),
+                                                             rel=1e-6)
