@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <thread>
 #include <utility>
@@ -1114,6 +1115,26 @@ TEST(NvmeStoreSecondProcess, DISABLED_IsRefusedTheStoreNamedByTheEnvironment) {
   std::ofstream(std::string(path) + ".refused") << "refused\n";
 }
 
+// In a forked child: opens the store at `path` with `o`, killed (exit 42) when its test hook
+// reaches `where` while `act` runs; the parent expects exactly that death.
+void ExpectKilledAt(const std::string& path, const NvmeStoreOptions& o, const std::string& where,
+                    const std::function<void(NvmeStore&)>& act) {
+  EXPECT_EXIT(
+      {
+        auto engine = MakeEngine();
+        NvmeStoreOptions k = o;
+        k.test_hook = [&](absl::string_view at) {
+          if (at == where) _exit(42);
+        };
+        auto store = NvmeStore::Open(path, k, engine.get());
+        if (!store.ok()) _exit(2);
+        act(**store);
+        _exit(3);  // the kill point was never reached
+      },
+      ::testing::ExitedWithCode(42), "")
+      << where;
+}
+
 // A kill at each step of a commit (and of the compaction that follows it): a reopen finds the
 // previous state or the new one, whole, and the store goes on.
 class NvmeStoreKillTest : public ::testing::TestWithParam<std::pair<const char*, int>> {};
@@ -1134,20 +1155,7 @@ TEST_P(NvmeStoreKillTest, AReopenFindsOneStateWholeAndGoesOn) {
     ASSERT_TRUE((*store)->Put(1, v1).ok());
     ASSERT_TRUE((*store)->Put(2, other).ok());
   }
-  const std::string where = point;
-  EXPECT_EXIT(
-      {
-        auto engine = MakeEngine();
-        NvmeStoreOptions k = o;
-        k.test_hook = [&](absl::string_view at) {
-          if (at == where) _exit(42);
-        };
-        auto store = NvmeStore::Open(path, k, engine.get());
-        if (!store.ok()) _exit(2);
-        (void)(*store)->Put(1, v2);
-        _exit(3);  // the kill point was never reached
-      },
-      ::testing::ExitedWithCode(42), "");
+  ExpectKilledAt(path, o, point, [&](NvmeStore& store) { (void)store.Put(1, v2); });
   auto engine = MakeEngine();
   std::vector<PartitionId> corrupt;
   auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
@@ -1205,20 +1213,8 @@ TEST_P(NvmeStoreGrowthKillTest, AReopenFindsThePreviousStateAndSpace) {
     ASSERT_TRUE((*store)->Put(1, v1).ok());
     ASSERT_EQ((*store)->allocated_bytes(), 2u << 20);
   }
-  const std::string where = point;
-  EXPECT_EXIT(
-      {
-        auto engine = MakeEngine();
-        NvmeStoreOptions k = o;
-        k.test_hook = [&](absl::string_view at) {
-          if (at == where) _exit(42);
-        };
-        auto store = NvmeStore::Open(path, k, engine.get());
-        if (!store.ok()) _exit(2);
-        (void)(*store)->Put(2, v2);  // grows swap-000.bin to 3 MiB and adds a 2 MiB swap-001.bin
-        _exit(3);
-      },
-      ::testing::ExitedWithCode(42), "");
+  // The Put grows swap-000.bin to 3 MiB and adds a 2 MiB swap-001.bin.
+  ExpectKilledAt(path, o, point, [&](NvmeStore& store) { (void)store.Put(2, v2); });
   auto engine = MakeEngine();
   std::vector<PartitionId> corrupt;
   auto store = NvmeStore::Open(path, Verifying(), engine.get(), &corrupt);
