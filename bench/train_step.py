@@ -26,6 +26,7 @@ Then CpuAdam against torch.optim.AdamW (foreach=False, torch's default for CPU t
 of --adam-params parameters, fp32, the same thread count: the speedup, step time over step time.
 """
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -37,18 +38,19 @@ import sys
 import time
 
 
-def _compute_threads_argument():
-    """--compute-threads as given (default "1"), read before torch loads its BLAS."""
+def _argument(name, default):
+    """--NAME as given, read before torch loads its BLAS."""
     for i, arg in enumerate(sys.argv):
-        if arg == "--compute-threads" and i + 1 < len(sys.argv):
+        if arg == name and i + 1 < len(sys.argv):
             return sys.argv[i + 1]
-        if arg.startswith("--compute-threads="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
-    return "1"
+    return default
 
 
 # The BLAS reads its thread count once, when it loads: the script runs itself again with it set.
-_THREADS = _compute_threads_argument()
+# On a GPU the model computes there: torch's host threads are left as they are.
+_THREADS = _argument("--compute-threads", "0" if _argument("--device", "") == "cuda" else "1")
 if _THREADS.isdigit() and _THREADS != "0" and os.environ.get("OPENBLAS_NUM_THREADS") != _THREADS:
     os.execve(sys.executable, [sys.executable] + sys.argv,
               dict(os.environ, OPENBLAS_NUM_THREADS=_THREADS, OMP_NUM_THREADS=_THREADS))
@@ -65,16 +67,58 @@ import strata  # noqa: E402
 
 def batch(gen, args):
     x = torch.randint(0, 256, (args.batch, args.context), generator=gen)
-    return x, torch.roll(x, -1, 1)
+    y = torch.roll(x, -1, 1)
+    return (x.cuda(), y.cuda()) if args.device == "cuda" else (x, y)
+
+
+def _sync():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def median_time(fn, steps):
     times = []
     for _ in range(steps):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def link_bandwidths(nbytes=256 << 20, repeats=5):
+    """Pinned host <-> GPU copy rates (bytes/s) measured with torch: (to the device, to host)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), repeats)
+    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), repeats)
+    return nbytes / h2d, nbytes / d2h
+
+
+def planner_prediction(args, base, config, plan_binary):
+    """strata_plan's prediction of this run on this machine (--calibrate: its CPU Adam and copy
+    link measured here; the GPU's TFLOPS given): its JSON's "step" block, or an error line."""
+    folder = os.path.join(args.dir, "train_step_plan")
+    os.makedirs(folder, exist_ok=True)
+    model_json = os.path.join(folder, "config.json")
+    config_json = os.path.join(folder, "ds_config.json")
+    plan_json = os.path.join(folder, "plan.json")
+    base.config.to_json_file(model_json)
+    with open(config_json, "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    hbm_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    command = [plan_binary, "--calibrate", "--calibrate-device", "cuda",
+               "--gpu-tflops", str(args.gpu_tflops), "--gpu-hbm-gib", f"{hbm_gib:.1f}",
+               "--model", model_json, "--config", config_json, "--sequence", str(args.context),
+               "--micro-batch", str(args.batch), "--nocheckpointing", "--json", plan_json]
+    run = subprocess.run(command, capture_output=True, text=True)
+    print(run.stdout[-4000:])
+    if run.returncode != 0 or not os.path.exists(plan_json):
+        return {"error": f"strata_plan exited {run.returncode}: {run.stderr[-2000:]}"}
+    with open(plan_json, encoding="utf-8") as f:
+        plan = json.load(f)
+    return plan.get("step") or {"error": "strata_plan predicted no step: " + json.dumps(plan)[:2000]}
 
 
 def main():
@@ -88,7 +132,22 @@ def main():
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--device", choices=["emulated", "cuda"], default="emulated",
+                        help="strata's device tier: the host-emulated one (the model computes on "
+                             "the CPU in fp32) or GPU 0 (the model computes there in bf16, plain "
+                             "PyTorch under autocast with the whole model in HBM)")
+    parser.add_argument("--optimizer", choices=["cpu", "nvme"], default="nvme",
+                        help="where the optimizer state lives (offload_optimizer.device)")
     parser.add_argument("--device-budget-mb", type=float, default=16)
+    parser.add_argument("--budget-of-state", type=float, default=0,
+                        help="the device budget as this fraction of the training state "
+                             "(parameters, gradients, master weights and moments); 0: "
+                             "--device-budget-mb")
+    parser.add_argument("--gpu-tflops", type=float, default=989,
+                        help="with --device cuda and --plan: the GPU's dense bf16 TFLOPS for the "
+                             "planner (989: an H100 SXM)")
+    parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
+                                       "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
     parser.add_argument("--compute-threads", type=int, default=1,
                         help="threads of the model's compute (the BLAS's and torch's), plain "
@@ -101,6 +160,11 @@ def main():
             sys.exit(f"train_step: --{name.replace('_', '-')} must be at least 1")
     if args.compute_threads < 0:
         sys.exit("train_step: --compute-threads must be 0 (the BLAS's default) or more")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("train_step: --device cuda: torch sees no CUDA device")
+    if not 0 <= args.budget_of_state < 1:
+        sys.exit("train_step: --budget-of-state must be in [0, 1)")
     os.makedirs(args.dir, exist_ok=True)
     nvme = os.path.join(args.dir, "train_step_nvme")
 
@@ -108,16 +172,27 @@ def main():
     base = llama(args.layers, args.width, args.heads, args.context)
     params = sum(p.numel() for p in base.parameters())
     state_bytes = params * 12  # master weights and two moments, fp32
+    element = 2 if cuda else 4  # the training dtype: bf16 on a GPU, fp32 on the emulated tier
+    training_state = params * (2 * element + 12)  # parameters, gradients, optimizer
+    budget = int(args.budget_of_state * training_state) if args.budget_of_state else \
+        int(args.device_budget_mb * (1 << 20))
+    tokens = args.batch * args.context
+    flops = 6 * params * tokens  # forward and backward, the attention scores left out
+    link = link_bandwidths() if cuda else None
     gen = torch.Generator().manual_seed(1)
     rows = []
+    prediction = None
     for round_index in range(args.rounds):
         # plain PyTorch, everything in memory
-        plain = copy.deepcopy(base)
+        plain = copy.deepcopy(base).to(args.device if cuda else "cpu")
         opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
         x, y = batch(gen, args)
 
         def forward_backward():
-            loss_of(plain, x, y).backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else \
+                    contextlib.nullcontext():
+                loss = loss_of(plain, x, y)
+            loss.backward()
 
         def plain_step():
             forward_backward()
@@ -129,6 +204,8 @@ def main():
                                 args.steps)
         plain_s = median_time(plain_step, args.steps)
         del plain, opt
+        if cuda:
+            torch.cuda.empty_cache()
 
         # the optimizer's floor: CpuAdam in memory, and the disk moving the state
         flat = torch.zeros(params)
@@ -138,11 +215,15 @@ def main():
         adam_s = median_time(adam.step, args.steps)
         del adam, flat
         read_gbs, write_gbs = (None if b is None else b / 1e9 for b in (
-            fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True)))
+            fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True))) \
+            if args.optimizer == "nvme" else (None, None)
         if os.path.exists(os.path.join(args.dir, "fio.bin")):
             os.remove(os.path.join(args.dir, "fio.bin"))
         io_s = (state_bytes / (read_gbs * 1e9) + state_bytes / (write_gbs * 1e9)) \
-            if read_gbs and write_gbs else 0.0
+            if read_gbs and write_gbs and args.optimizer == "nvme" else 0.0
+        # The link (a GPU only): the parameters lent for forward and again for backward, the
+        # gradients back, in the training dtype, each direction at its own measured rate.
+        link_s = max(2 * params * element / link[0], params * element / link[1]) if cuda else 0.0
 
         # strata
         shutil.rmtree(nvme, ignore_errors=True)
@@ -153,12 +234,16 @@ def main():
             "zero_optimization": {
                 "stage": 3,
                 "offload_param": {"device": "cpu", "buffer_count": 4, "buffer_size": 1 << 22},
-                "offload_optimizer": {"device": "nvme", "nvme_path": nvme,
+                "offload_optimizer": {"device": args.optimizer, "nvme_path": nvme,
                                       "pipeline_read": True, "pipeline_write": True},
                 "stage3_param_persistence_threshold": 10000},
-            "strata": {"device": "emulated",
-                       "device_budget_bytes": int(args.device_budget_mb * (1 << 20)),
-                       "host_budget_bytes": 1 << 30, "nvme_capacity_bytes": 1 << 30}}
+            "strata": {"device": args.device, "device_budget_bytes": budget,
+                       "host_budget_bytes": max(1 << 30, 2 * training_state),
+                       "nvme_capacity_bytes": max(1 << 30, 2 * training_state)}}
+        if cuda:
+            config["bf16"] = {"enabled": True}
+        if round_index == 0 and cuda and args.plan:
+            prediction = planner_prediction(args, base, config, args.plan)
         engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
         def strata_step():
@@ -169,17 +254,18 @@ def main():
         strata_step()
         strata_s = median_time(strata_step, args.steps)
         waits = engine.last_step_stats["runtime"]["wait_by_cause"]
+        engine.close()
         del engine
         shutil.rmtree(nvme, ignore_errors=True)
 
-        bound_s = max(compute_s, adam_s, io_s)
-        rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s,
+        bound_s = max(compute_s, adam_s, io_s, link_s)
+        rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s, "link_s": link_s,
                      "read_gbs": read_gbs, "write_gbs": write_gbs, "plain_s": plain_s,
                      "strata_s": strata_s, "bound_s": bound_s, "ratio": bound_s / strata_s,
                      "waits": waits})
         print(f"round {round_index}: strata {strata_s * 1e3:.0f} ms, bound {bound_s * 1e3:.0f} ms "
               f"(compute {compute_s * 1e3:.0f}, CpuAdam {adam_s * 1e3:.0f}, disk "
-              f"{io_s * 1e3:.0f}), plain PyTorch {plain_s * 1e3:.0f} ms")
+              f"{io_s * 1e3:.0f}, link {link_s * 1e3:.0f}), plain PyTorch {plain_s * 1e3:.0f} ms")
 
     # CpuAdam against torch.optim.AdamW at --adam-params
     n = args.adam_params
@@ -205,36 +291,52 @@ def main():
     bound_steps = 1 / med(r["bound_s"] for r in rows)
     plain_steps = 1 / med(r["plain_s"] for r in rows)
     speedup = med(r[2] for r in adam_rows)
-    no_fio = any(r["read_gbs"] is None for r in rows)
+    no_fio = args.optimizer == "nvme" and any(r["read_gbs"] is None for r in rows)
     print()
     if no_fio:
         print("train_step: fio is missing: the disk term is left out of the bound (apt-get "
               "install fio)")
-    if state_bytes + 2 * params * 4 <= args.device_budget_mb * (1 << 20):
+    if training_state <= budget:
         print("train_step: warning: the model's state fits the device budget: strata moves "
               "little; raise the model or lower --device-budget-mb")
     print(f"model: transformers LlamaForCausalLM {params / 1e6:.2f}M parameters, batch {args.batch} x {args.context}; "
-          f"device budget {args.device_budget_mb} MiB (host-emulated device, model on the CPU "
-          f"with {args.compute_threads or 'the BLAS default of'} compute thread"
-          f"{'' if args.compute_threads == 1 else 's'}, OPENBLAS_NUM_THREADS="
-          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')})")
+          f"device budget {budget / 2**20:.1f} MiB = {budget / training_state:.3f} of the training "
+          f"state ({training_state / 2**20:.0f} MiB); optimizer on {args.optimizer}; "
+          + (f"{torch.cuda.get_device_name()}, bf16 (plain PyTorch: autocast, the whole model "
+             f"in HBM); link measured {link[0] / 1e9:.1f} GB/s to the device, "
+             f"{link[1] / 1e9:.1f} GB/s back" if cuda else
+             f"host-emulated device, model on the CPU with "
+             f"{args.compute_threads or 'the BLAS default of'} compute thread"
+             f"{'' if args.compute_threads == 1 else 's'}, OPENBLAS_NUM_THREADS="
+             f"{os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}"))
     print(f"{'round':>5} {'strata ms':>10} {'bound ms':>9} {'compute':>8} {'CpuAdam':>8} "
-          f"{'disk':>6} {'plain ms':>9} {'ratio':>6}")
+          f"{'disk':>6} {'link':>6} {'plain ms':>9} {'ratio':>6}")
     for i, r in enumerate(rows):
         print(f"{i:>5} {r['strata_s'] * 1e3:>10.0f} {r['bound_s'] * 1e3:>9.0f} "
               f"{r['compute_s'] * 1e3:>8.0f} {r['adam_s'] * 1e3:>8.0f} {r['io_s'] * 1e3:>6.0f} "
-              f"{r['plain_s'] * 1e3:>9.0f} {r['ratio']:>6.2f}")
+              f"{r['link_s'] * 1e3:>6.0f} {r['plain_s'] * 1e3:>9.0f} {r['ratio']:>6.2f}")
     print(f"CpuAdam vs torch.optim.AdamW at {n} parameters, {torch.get_num_threads()} "
           f"thread{'' if torch.get_num_threads() == 1 else 's'} each: "
           + ", ".join(f"{a * 1e3:.0f} vs {b * 1e3:.0f} ms" for a, b, _ in adam_rows))
     ratios = [r["ratio"] for r in rows]
     speedups = [r[2] for r in adam_rows]
     print(f"train_step/steps_per_s: {strata_steps:.3f} steps/s = {ratio:.3f} of the step's lower "
-          f"bound max(compute, CpuAdam, disk) ({bound_steps:.3f} steps/s; rounds "
+          f"bound max(compute, CpuAdam, disk, link) ({bound_steps:.3f} steps/s; rounds "
           f"{min(ratios):.3f}-{max(ratios):.3f})")
     print(f"train_step/plain_pytorch_steps_per_s: {plain_steps:.3f} steps/s (everything in "
           f"memory, a reference, not a ceiling; strata runs {strata_steps / plain_steps:.2f}x of "
           f"it)")
+    print(f"train_step/tokens_per_s: {strata_steps * tokens:.0f} tokens/s, "
+          f"{strata_steps * flops / 1e12:.2f} model TFLOPs (6 x parameters x tokens); plain "
+          f"PyTorch {plain_steps * tokens:.0f} tokens/s, {plain_steps * flops / 1e12:.2f} TFLOPs")
+    if prediction is not None:
+        if "error" in prediction:
+            print(f"train_step/planner: no prediction: {prediction['error']}")
+        else:
+            print(f"train_step/planner: predicted {prediction['seconds'] * 1e3:.0f} ms a step "
+                  f"(its bound {prediction['lower_bound_seconds'] * 1e3:.0f} ms); measured "
+                  f"{1e3 / strata_steps:.0f} ms = {prediction['seconds'] * strata_steps:.2f}x "
+                  "the prediction's rate")
     print(f"train_step/cpu_adam_vs_torch_adamw: {speedup:.2f}x torch.optim.AdamW "
           f"(foreach=False) at {n} parameters (rounds {min(speedups):.2f}-{max(speedups):.2f})")
 
@@ -254,7 +356,8 @@ def main():
                 {"name": "steps_per_s", "value": strata_steps, "unit": "steps/s",
                  "ceiling": bound_steps,
                  "ceiling_source": "1 / max(plain PyTorch forward+backward, CpuAdam in memory, "
-                                   "optimizer state / fio GB/s each way)"
+                                   "optimizer state / fio GB/s each way, parameters and "
+                                   "gradients / the measured link (a GPU only))"
                                    + (" (fio missing: no disk term)" if no_fio else ""),
                  "ratio": ratio, "min_ratio": min(ratios), "max_ratio": max(ratios),
                  "config": vars(args)},
@@ -267,8 +370,13 @@ def main():
                  "config": {"params": n, "threads": torch.get_num_threads()}}],
             "rounds": rows,
             "adam_rounds": [{"cpu_adam_s": a, "torch_adamw_s": b} for a, b, _ in adam_rows],
+            "tokens_per_s": strata_steps * tokens, "model_tflops": strata_steps * flops / 1e12,
+            "plain_tokens_per_s": plain_steps * tokens,
+            "planner": prediction,
+            "link_gbs": None if link is None else [link[0] / 1e9, link[1] / 1e9],
             "machine": {"cpu": cpu, "cores": os.cpu_count(), "fs": fs,
-                        "device": "host-emulated", "torch": torch.__version__}}
+                        "device": torch.cuda.get_device_name() if cuda else "host-emulated",
+                        "torch": torch.__version__}}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
 

@@ -1,0 +1,226 @@
+"""The engine on the CUDA device tier (`strata.device` "cuda"), against plain PyTorch on the same GPU.
+
+Every case here needs a CUDA device and skips, saying so, where there is none (the development
+machines): scripts/device-check.sh runs them on a lent GPU machine, where a skip counts as a
+failure. The other suites run the same engine on the host-emulated device tier; these check what
+only a GPU exercises: the model computing on the device, partitions lent into device memory
+through pinned staging buffers, gradients copied back, bf16 on the GPU, a device budget below the
+model's parameters, strata.init, generate() and checkpoints.
+"""
+import copy
+
+import pytest
+import torch
+import transformers
+
+import strata
+from references import MixedPrecisionAdamW
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device (torch.cuda.is_available() is False): these run on a GPU machine "
+           "(scripts/device-check.sh)")
+
+VOCAB, WIDTH = 64, 64
+
+
+class Net(torch.nn.Module):
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.LayerNorm(2 * WIDTH), torch.nn.ReLU(),
+            torch.nn.Linear(2 * WIDTH, WIDTH)) for _ in range(blocks))
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, VOCAB, (4, 16), generator=gen)
+        yield x.cuda(), torch.roll(x, 1, 1).cuda()
+
+
+def loss_of(logits, y):
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             y.reshape(-1))
+
+
+def param_bytes(model, element):
+    return sum(p.numel() for p in model.parameters()) * element
+
+
+def quarter_budget(model, element, fraction=4):
+    """A `fraction`th of the parameters' bytes, or room for the largest one with its fp32
+    gradient and half as much again."""
+    largest = max(p.numel() for p in model.parameters())
+    return max(param_bytes(model, element) // fraction, largest * (element + 4) * 3 // 2)
+
+
+def make_config(tmp_path, stage, offload, dtype, budget, accumulation=2):
+    nvme = str(tmp_path / "nvme")
+    zero = {"stage": stage, "offload_optimizer": {"device": offload, "nvme_path": nvme},
+            "stage3_param_persistence_threshold": 100}
+    if stage == 3 or offload == "nvme":
+        zero["offload_param"] = {"buffer_count": 2, "buffer_size": 1 << 16}
+    if stage == 3:
+        zero["offload_param"].update(device=offload, nvme_path=nvme)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
+              "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "zero_optimization": zero,
+              "strata": {"device": "cuda", "device_budget_bytes": budget,
+                         "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20}}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_training_on_cuda_matches_plain_torch_on_the_same_gpu(tmp_path, stage, offload, dtype):
+    torch.manual_seed(0)
+    model = Net()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    element = 2 if dtype == "bf16" else 4
+    model_bytes = param_bytes(model, element)
+    # Stage 3: the device holds half the parameters (and their gradients) at once.
+    budget = quarter_budget(model, element, 2) if stage == 3 else 64 << 20
+    reference = MixedPrecisionAdamW(copy.deepcopy(model).cuda(), torch_dtype, clipping=1.0,
+                                    lr=1e-3)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, offload, dtype, budget))
+    assert engine.device_kind == "cuda" and engine.device.type == "cuda"
+    losses = []
+    for i, (x, y) in enumerate(batches(8)):
+        logits = engine(x)
+        assert logits.is_cuda
+        loss = loss_of(logits, y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference.model(x), y)
+        reference.backward(ref_loss, 2)
+        if (i + 1) % 2 == 0:
+            reference.step()
+        losses.append((loss.item(), ref_loss.item()))
+    # fp32: cuBLAS on both sides, the optimizer's fused multiply-adds apart; bf16: one rounding
+    # of a weight landing differently moves later losses by about 2^-8 relative.
+    tolerance = 1e-4 if dtype == "fp32" else 2e-2
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=tolerance, abs=tolerance)
+    state = engine.module_state_dict()
+    for name, theirs in reference.master.state_dict().items():
+        torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
+                                   rtol=tolerance, atol=tolerance if dtype == "fp32" else 2e-2)
+    assert engine.last_step_stats["device"] == "cuda"
+    stats = engine.stats()
+    if stage == 3:
+        assert stats["budget_bytes"]["device"] == budget < model_bytes
+        assert 0 < stats["peak_bytes"]["device"] <= budget
+        into_device = sum(v for k, v in stats["bytes_moved"].items() if k.endswith("_to_device"))
+        assert into_device >= 4 * model_bytes // 2, stats["bytes_moved"]
+    engine.close()
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_batches(n, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, VOCAB, (2, 16), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, -4:] = 0
+        out.append(dict(input_ids=ids.cuda(), attention_mask=mask.cuda(),
+                        labels=ids.masked_fill(mask == 0, -100).cuda()))
+    return out
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_a_transformers_llama_trains_in_bf16_on_cuda_through_a_quarter_budget(tmp_path, offload):
+    torch.manual_seed(0)
+    model = llama()
+    reference = MixedPrecisionAdamW(copy.deepcopy(model).cuda(), torch.bfloat16, clipping=1.0,
+                                    lr=1e-3)
+    plain = copy.deepcopy(model).cuda()
+    budget = quarter_budget(model, 2)
+    assert budget < param_bytes(model, 2) // 2
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, offload, "bf16", budget, accumulation=1))
+    losses = []
+    for kwargs in llama_batches(4):
+        out = engine(**kwargs)
+        engine.backward(out.loss)
+        engine.step()
+        ref = reference.model(**kwargs).loss
+        reference.backward(ref, 1)
+        reference.step()
+        losses.append((out.loss.item(), ref.item()))
+    for ours, theirs in losses:
+        assert ours == pytest.approx(theirs, rel=2e-2, abs=2e-2)
+    stats = engine.stats()
+    assert 0 < stats["peak_bytes"]["device"] <= budget
+    # generate() under no_grad with offloaded parameters gives the plain model's tokens.
+    plain.load_state_dict({k: v.float() for k, v in engine.module_state_dict().items()})
+    plain = plain.to(torch.bfloat16)
+    prompt = llama_batches(1, seed=5)[0]["input_ids"][:1, :6]
+    engine.eval()
+    with torch.no_grad():
+        ours = engine.module.generate(prompt, max_new_tokens=6, do_sample=False)
+        theirs = plain.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.cpu(), theirs.cpu())
+    engine.close()
+
+
+def test_strata_init_builds_on_the_cuda_tier_and_trains(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "bf16", 1 << 20, accumulation=1)
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = llama()
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    first = None
+    for kwargs in llama_batches(6):
+        out = engine(**kwargs)
+        engine.backward(out.loss)
+        engine.step()
+        first = out.loss.item() if first is None else first
+    assert out.loss.item() < first
+    engine.close()
+
+
+def test_a_checkpoint_on_cuda_resumes_bit_for_bit(tmp_path):
+    def run(resume_from=None, save_to=None):
+        torch.manual_seed(0)
+        engine, _, _, _ = strata.initialize(
+            model=Net(), config=make_config(tmp_path / "run", 3, "nvme", "bf16",
+                                            quarter_budget(Net(), 2, 2), accumulation=1))
+        data = list(batches(6))
+        if resume_from:
+            engine.load_checkpoint(resume_from)
+            data = data[3:]
+        losses = []
+        for i, (x, y) in enumerate(data):
+            loss = loss_of(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if save_to and i == 2:
+                engine.save_checkpoint(save_to)
+        engine.close()
+        return losses
+
+    whole = run(save_to=str(tmp_path / "ckpt"))
+    resumed = run(resume_from=str(tmp_path / "ckpt"))
+    assert resumed == whole[3:]
