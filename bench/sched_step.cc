@@ -281,7 +281,10 @@ Run RunPolicy(const Model& m, const std::vector<Group>& step_groups, Policy poli
     for (const Access& a : g.accesses) {
       auto p = (*rt)->Acquire(a.id, a.tier);
       if (!p.ok()) return p.status();
-      if (a.dirty) (*p)[0] = std::byte{1};  // the bytes change (the rest is modelled)
+      // The bytes change (the rest is modelled), where the host can write them: on the CUDA
+      // tier a device copy's pointer is device memory, and the dirty release alone makes the
+      // runtime write it back.
+      if (a.dirty && (config.emulated_device || a.tier != Tier::kDevice)) (*p)[0] = std::byte{1};
     }
     compute.Run(g.compute_s);
     for (const Access& a : g.accesses) {

@@ -148,7 +148,13 @@ class Step:
                 norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
             elif e.param.grad is not None:
                 norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
-        total = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+        # Partitions' norms are on the host, the parameters kept on the device (stage 3's small
+        # ones, stages 0-2) have theirs there: each device's norms are stacked where they are.
+        by_device = {}
+        for n in norms:
+            by_device.setdefault(n.device, []).append(n)
+        parts = [torch.linalg.vector_norm(torch.stack(ns), 2).cpu() for ns in by_device.values()]
+        total = torch.linalg.vector_norm(torch.stack(parts), 2).item() if parts else 0.0
         if self.ranks is not None:  # the shards' norms, over every rank
             total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
         return total / scale if math.isfinite(total) else math.inf

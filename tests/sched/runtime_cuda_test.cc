@@ -23,6 +23,7 @@ TEST(RuntimeCudaTest, ADeviceCopyReleasedOnAStreamIsWrittenBackOnlyAfterTheStrea
   config.host_budget_bytes = 4 * kBytes;
   config.nvme_path = dir.File("swap");
   config.nvme_capacity_bytes = 8 * kBytes;
+  config.offload_param.buffer_size = 1 << 20;  // staging buffers within the host budget
   RuntimeOptions o;
   o.on_warning = [](absl::string_view) {};
   o.device_index = 0;
