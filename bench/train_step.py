@@ -96,6 +96,31 @@ def link_bandwidths(nbytes=256 << 20, repeats=5):
     return nbytes / h2d, nbytes / d2h
 
 
+def profile_step(step, cuda, path):
+    """One `step` under torch.profiler (CPU, and CUDA on a GPU): the ops by their own host time
+    and by device time, and the GPU's busy time against the step's, written to `path`; the trace
+    to `path`.trace.json."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync()
+    wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"one step under the profiler: {wall * 1e3:.1f} ms\n")
+        if cuda:
+            busy = sum(e.self_device_time_total for e in averages) / 1e6
+            f.write(f"the GPU's kernels and copies: {busy * 1e3:.1f} ms "
+                    f"({busy / wall:.0%} of the step)\n\n")
+            f.write(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+            f.write("\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+    prof.export_chrome_trace(path + ".trace.json")
+
+
 def planner_prediction(args, base, config, plan_binary):
     """strata_plan's prediction of this run on this machine (--calibrate: its CPU Adam and copy
     link measured here; the GPU's TFLOPS given): its JSON's "step" block, or an error line."""
@@ -146,6 +171,9 @@ def main():
     parser.add_argument("--gpu-tflops", type=float, default=989,
                         help="with --device cuda and --plan: the GPU's dense bf16 TFLOPS for the "
                              "planner (989: an H100 SXM)")
+    parser.add_argument("--profile", help="write torch.profiler's tables of one strata step (round "
+                                          "0, after the timed steps) here, and its trace beside "
+                                          "it (.trace.json): where the step's time goes")
     parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
                                        "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
@@ -253,6 +281,8 @@ def main():
         strata_step()
         strata_step()
         strata_s = median_time(strata_step, args.steps)
+        if round_index == 0 and args.profile:
+            profile_step(strata_step, cuda, args.profile)
         waits = engine.last_step_stats["runtime"]["wait_by_cause"]
         engine.close()
         del engine

@@ -155,7 +155,8 @@ train_step() {
   "$python" bench/train_step.py --device cuda --optimizer "${1:-cpu}" --budget-of-state 0.1 \
     --layers "${TS_LAYERS:-12}" --width "${TS_WIDTH:-1536}" --heads 12 --context 1024 \
     --batch 8 --rounds 2 --steps 3 --dir "$scratch/train_step" \
-    --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json"
+    --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json" \
+    --profile "$logs/train_step_${1:-cpu}_profile.txt"
 }
 
 # The scheduler's step on the CUDA tier against its lower bound.

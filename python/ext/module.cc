@@ -8,7 +8,10 @@
 //               over host or NVMe state): what strata.initialize's engine drives. Tiers are
 //               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
 //               "grad", "other". Acquire lends the partition's memory as a DLPack capsule
-//               (a 1-D tensor of its elements), valid until the matching release.
+//               (a 1-D tensor of its elements), valid until the matching release; Lend's is
+//               released when its tensor is freed. On the CUDA tier a device copy's release
+//               takes the stream its kernels were queued on (an integer cudaStream_t), so the
+//               Runtime does not reuse or read the copy before that work has run.
 // A failing call raises strata._strata.Error (a RuntimeError) with the Status's message and the
 // attributes `code` (the canonical code's name, e.g. "RESOURCE_EXHAUSTED") and `errno` (0 when the
 // status carries none); an InvalidArgument raises InvalidArgumentError, which is also a ValueError.
@@ -440,7 +443,10 @@ class PyRuntime {
   // As Acquire, but the partition is released (clean) when the tensor made from the capsule is
   // freed, whenever that is: a view autograd saved for backward keeps it pinned, never pointing
   // at memory the Runtime has reused. A release that fails then is kept for TakeDeferredErrors.
-  py::capsule Lend(uint64_t id, const std::string& tier) {
+  // `stream` (the CUDA tier: the cudaStream_t the tensor's kernels are queued on, as an integer;
+  // 0: none) is the release's: the copy is not reused before the work queued there by the time
+  // the tensor is freed has run.
+  py::capsule Lend(uint64_t id, const std::string& tier, uintptr_t stream) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
     absl::StatusOr<std::byte*> p;
     {
@@ -458,8 +464,9 @@ class PyRuntime {
     Deferred* deferred = deferred_.get();
     return LendTensor(address, shape.dtype, shape.elements,
                       cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0,
-                      [runtime, deferred, id, t, keep] {
-                        const absl::Status s = runtime->Release(id, t, /*dirty=*/false);
+                      [runtime, deferred, id, t, keep, stream] {
+                        const absl::Status s = runtime->Release(
+                            id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream));
                         if (!s.ok()) {
                           MutexLock lock(&deferred->mu);
                           deferred->errors.push_back(std::string(s.message()));
@@ -960,7 +967,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true)
-      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"))
+      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = 0)
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
            py::arg("stream") = 0, py::arg("traced") = true)

@@ -487,6 +487,14 @@ class Engine(Lending, Gradients, Step):
 
     # --- set-up -------------------------------------------------------------------------------
 
+    def _stream(self):
+        """Where the model's kernels are queued: on the CUDA tier torch's current stream (the
+        integer cudaStream_t the Runtime takes with a device copy's release, so that it neither
+        reuses nor reads the copy before they have run); 0 on the emulated tier (no streams)."""
+        if self.device_kind != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def _warn(self, message):
         if message not in self.warnings:
             self.warnings.append(message)

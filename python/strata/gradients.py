@@ -94,7 +94,9 @@ class Gradients:
             part = from_dlpack(self.runtime.acquire(e.gid, "device"))
             part.add_(values)
             del part
-        self.runtime.release(e.gid, "device", True)
+        # On a GPU the sum is queued on torch's stream: the Runtime copies it to the host only
+        # once that work has run.
+        self.runtime.release(e.gid, "device", True, self._stream())
         e.has_grad = True
         if boundary:
             self.runtime.gradient_ready(e.gid)

@@ -106,7 +106,8 @@ class Lending:
         self._lend_around(module, [e])
         self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
         if e.param.data.numel() == 0:
-            e.param.data = from_dlpack(self.runtime.lend(e.pid, "device")).view(e.shape)
+            lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
+            e.param.data = lent.view(e.shape)
 
     def _fetch(self, module):
         prefetched = self._take_prefetched(module)
@@ -115,7 +116,7 @@ class Lending:
             held = self._holders.get(e.pid, 0)
             if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
                 try:
-                    lent = from_dlpack(self.runtime.lend(e.pid, "device"))
+                    lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
                 except _strata.Error as error:
                     if error.code != "RESOURCE_EXHAUSTED":
                         raise
@@ -181,7 +182,8 @@ class Lending:
         items = []
         for e in self._by_module[following]:
             if self._holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
-                items.append((e, from_dlpack(self.runtime.lend(e.pid, "device")), self._sink(e)))
+                lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
+                items.append((e, lent, self._sink(e)))
         if items:
             self._prefetched = (following, {e for e, _, _ in items},
                                 self.ranks.start_gather(items))

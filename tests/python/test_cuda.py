@@ -224,3 +224,44 @@ def test_a_checkpoint_on_cuda_resumes_bit_for_bit(tmp_path):
     whole = run(save_to=str(tmp_path / "ckpt"))
     resumed = run(resume_from=str(tmp_path / "ckpt"))
     assert resumed == whole[3:]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path, dtype):
+    """The GPU runs behind the host: a kernel that sleeps (torch.cuda._sleep) is queued on torch's
+    stream before each block computes, forward and backward, so the host queues a block's work
+    and frees its lent weights, or releases its gradient partition, well before the GPU has run
+    it. Released without the stream, the Runtime would reuse a weight's device memory for the
+    next prefetch, or copy a gradient to the host, before the kernels that read or write them: the
+    losses and weights would part from plain torch's."""
+    torch.manual_seed(0)
+    model = Net()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    element = 2 if dtype == "bf16" else 4
+    reference = MixedPrecisionAdamW(copy.deepcopy(model).cuda(), torch_dtype, clipping=0.0,
+                                    lr=1e-3)
+    config = make_config(tmp_path, 3, "cpu", dtype, quarter_budget(model, element, 2),
+                         accumulation=1)
+    config["gradient_clipping"] = 0.0
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+
+    def behind(*unused):
+        torch.cuda._sleep(20_000_000)  # tens of milliseconds of the GPU's time
+
+    for block in engine.module.blocks:
+        block.register_forward_pre_hook(behind)
+        block.register_full_backward_pre_hook(behind)
+    tolerance = 1e-4 if dtype == "fp32" else 2e-2
+    for x, y in batches(4):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref = loss_of(reference.model(x), y)
+        reference.backward(ref, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref.item(), rel=tolerance, abs=tolerance)
+    state = engine.module_state_dict()
+    for name, theirs in reference.master.state_dict().items():
+        torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
+                                   rtol=tolerance, atol=tolerance if dtype == "fp32" else 2e-2)
+    engine.close()
