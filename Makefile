@@ -41,6 +41,9 @@ bench: build
 	./build/release/bench/nvme_store --dir $(SCRATCH) --json build/release/nvme_store.json
 	./build/release/bench/sched_step --dir $(SCRATCH) --json build/release/sched_step.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/train_step.py --dir $(SCRATCH) --json build/release/train_step.json
+	@STRATA_VENV=$(VENV) bash scripts/python-env.sh --deepspeed
+	PYTHONPATH=build/release/python $(PYTHON) bench/vs_deepspeed.py --dir $(SCRATCH) \
+	    --json build/release/vs_deepspeed.json --png build/release/vs_deepspeed.png
 	PYTHONPATH=build/release/python $(PYTHON) bench/checkpoint.py --dir $(SCRATCH) --json build/release/checkpoint.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/train_ranks.py --json build/release/train_ranks.json
 

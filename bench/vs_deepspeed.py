@@ -1,0 +1,386 @@
+"""bench/vs_deepspeed: strata against DeepSpeed itself, the same model, batches and config, in one run.
+
+    PYTHONPATH=build/release/python .venv/bin/python bench/vs_deepspeed.py --dir SCRATCH \
+        [--json out.json] [--png out.png] [--rounds 3] [--steps 4] [--rows zero2_cpu,...]
+
+DeepSpeed (bench/requirements-deepspeed.txt: 0.19.8, a source package) is installed into the
+project's environment by `scripts/python-env.sh --deepspeed` (make bench does it); without a GPU it
+runs with DS_ACCELERATOR=cpu (its communication on Gloo where oneCCL is absent) and builds the ops
+it uses (CPU Adam, async I/O) with ninja on first use, as it does for its users.
+
+One transformers LlamaForCausalLM (examples/llama.py), the same seed, batches and DeepSpeed JSON
+config, handed verbatim to `deepspeed.initialize` and to `strata.initialize`, for each row:
+  zero2_cpu      ZeRO-2, offload_optimizer cpu (ZeRO-Offload)
+  zero3_cpu      ZeRO-3, offload_param and offload_optimizer cpu
+  zero3_nvme     ZeRO-3, both on NVMe (ZeRO-Infinity), one aio block for both (--aio-block: the
+                 sweep's best.json; else the one below)
+  zenflow        DeepSpeed's ZenFlow (ZeRO-2 + cpu offload, overlap_step) beside strata's default
+                 for that config (ZenFlow updates the unimportant gradients' columns late: its
+                 losses are not the same arithmetic and are not held to the tolerance)
+  super_offload  DeepSpeed's asynchronous CPU-offload optimizer (ZeRO-3, super_offload) beside
+                 strata's default (the same arithmetic: held to the tolerance)
+Each system runs in a process of its own (its memory measured alone), two warm-up steps and then
+--steps timed ones; the rows and the two systems interleave round by round, the order of the two
+alternating. Each row reports: the step time (median of the rounds' medians, and the spread of
+every timed step), peak resident memory (VmHWM), peak locked memory (VmLck, sampled every 5 ms),
+the bytes the process read from and wrote to storage per step (/proc/self/io: under the NVMe
+folder, as nothing else is read or written during the steps), and both systems' losses, which
+must agree within --tolerance (else the row's comparison is void and says so). A row DeepSpeed
+cannot run is kept with its exact error.
+
+Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload"]
+# Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
+APPROXIMATE = {"zenflow"}
+DEFAULT_AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+               "single_submit": False, "overlap_events": True}
+
+
+def row_config(row, args, nvme):
+    """The DeepSpeed JSON config of `row`: (DeepSpeed's, strata's). Verbatim the same but for the
+    zenflow and super_offload rows, where strata gets the config without DeepSpeed's option (its
+    default for it)."""
+    zero = {"stage": 2 if row in ("zero2_cpu", "zenflow") else 3,
+            "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
+    place = "nvme" if row == "zero3_nvme" else "cpu"
+    zero["offload_optimizer"] = {"device": place, "pin_memory": True}
+    if zero["stage"] == 3:
+        zero["offload_param"] = {"device": place, "pin_memory": True}
+        zero["stage3_prefetch_bucket_size"] = 50_000_000
+        zero["stage3_param_persistence_threshold"] = 10_000
+    if place == "nvme":
+        zero["offload_optimizer"].update(nvme_path=nvme, pipeline_read=True, pipeline_write=True)
+        zero["offload_param"].update(nvme_path=nvme, buffer_count=5,
+                                     buffer_size=args.nvme_buffer_elements)
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "zero_optimization": zero}
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    if place == "nvme":
+        config["aio"] = dict(args.aio)
+    ours = json.loads(json.dumps(config))
+    if row == "zenflow":
+        config["zero_optimization"]["zenflow"] = {
+            "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
+            "select_interval": 4, "overlap_step": True, "full_warm_up_rounds": 0}
+    if row == "super_offload":
+        config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    return config, ours
+
+
+# ---- the child: one system, one row ----------------------------------------------------------
+
+class LockedPeak:
+    """VmLck's peak, sampled every 5 ms on a thread (the kernel keeps no peak of it)."""
+
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, status_kib("VmLck"))
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status_kib("VmLck"))
+        return self.peak
+
+
+def status_kib(key):
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def io_bytes():
+    """(read_bytes, write_bytes) this process made the block layer read and write."""
+    out = {}
+    with open("/proc/self/io", encoding="utf-8") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v)
+    return out["read_bytes"], out["write_bytes"]
+
+
+def child(spec):
+    locked = LockedPeak()
+    system = spec["system"]
+    if system == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import torch
+    from llama import llama, loss_of
+    torch.manual_seed(0)
+    model = llama(spec["layers"], spec["width"], spec["heads"], spec["context"])
+    if system == "deepspeed":
+        import deepspeed
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=spec["config"])
+    else:
+        import strata
+        engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
+    gen = torch.Generator().manual_seed(1)
+    losses, times = [], []
+    start_io = None
+    for step in range(spec["warmup"] + spec["steps"]):
+        if step == spec["warmup"]:
+            start_io = io_bytes()
+        x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+        t0 = time.perf_counter()
+        loss = loss_of(engine, x, torch.roll(x, -1, 1))
+        engine.backward(loss)
+        engine.step()
+        elapsed = time.perf_counter() - t0
+        losses.append(loss.item())
+        if step >= spec["warmup"]:
+            times.append(elapsed)
+    end_io = io_bytes()
+    report = {"losses": losses, "step_s": times,
+              "read_bytes_per_step": (end_io[0] - start_io[0]) / spec["steps"],
+              "write_bytes_per_step": (end_io[1] - start_io[1]) / spec["steps"],
+              "peak_rss_bytes": status_kib("VmHWM") * 1024,
+              "peak_locked_bytes": locked.stop() * 1024,
+              "versions": {"torch": torch.__version__}}
+    if system == "deepspeed":
+        import deepspeed
+        report["versions"]["deepspeed"] = deepspeed.__version__
+    else:
+        import strata
+        report["stats"] = {k: v for k, v in engine.stats().items()
+                           if k in ("bytes_moved", "peak_bytes", "budget_bytes")}
+        engine.close()
+    with open(spec["out"], "w", encoding="utf-8") as f:
+        json.dump(report, f)
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+def run_one(system, row, config, args, round_index, scratch):
+    """Runs one system on one row in a child process; its report, or {"error": ...}."""
+    nvme = os.path.join(scratch, f"nvme_{system}")
+    shutil.rmtree(nvme, ignore_errors=True)
+    os.makedirs(nvme)
+    config = json.loads(json.dumps(config).replace(json.dumps(args.nvme_placeholder)[1:-1], nvme))
+    out = os.path.join(scratch, f"{system}_{row}_{round_index}.json")
+    spec = {"system": system, "config": config, "layers": args.layers, "width": args.width,
+            "heads": args.heads, "context": args.context, "batch": args.batch,
+            "warmup": 2, "steps": args.steps, "out": out, "port": 29500 + round_index}
+    spec_path = out + ".spec"
+    with open(spec_path, "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec_path],
+                          capture_output=True, text=True, env=env, timeout=args.child_timeout)
+    shutil.rmtree(nvme, ignore_errors=True)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        # The exception's last lines: the exact error, as the system gave it.
+        error = "\n".join(tail[-6:]) if tail else f"exit {proc.returncode}"
+        return {"error": error, "returncode": proc.returncode}
+    with open(out, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def summarize(runs):
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[0]["error"]}
+    medians = [statistics.median(r["step_s"]) for r in ok]
+    every = [t for r in ok for t in r["step_s"]]
+    return {"step_s": statistics.median(medians), "min_s": min(every), "max_s": max(every),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
+            "peak_locked_bytes": max(r["peak_locked_bytes"] for r in ok),
+            "read_bytes_per_step": statistics.median(r["read_bytes_per_step"] for r in ok),
+            "write_bytes_per_step": statistics.median(r["write_bytes_per_step"] for r in ok),
+            "losses": ok[0]["losses"], "rounds": len(ok),
+            "errors": [r["error"] for r in runs if "error" in r]}
+
+
+def fmt_bytes(b):
+    return f"{b / 2**20:.0f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+
+def ratio(a, b):
+    return a / b if b else float("inf") if a else 1.0
+
+
+def chart(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["row"] for r in rows if "error" not in r["strata"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.38
+    for ax, key, label, scale in ((axes[0], "step_s", "step time (s), lower is better", 1),
+                                  (axes[1], "peak_rss_bytes", "peak resident memory (GiB)",
+                                   2**30)):
+        xs = range(len(names))
+        ours = [next(r for r in rows if r["row"] == n)["strata"][key] / scale for n in names]
+        theirs = [next(r for r in rows if r["row"] == n)["deepspeed"].get(key, 0) / scale
+                  for n in names]
+        ax.bar([x - width / 2 for x in xs], ours, width, label="strata")
+        ax.bar([x + width / 2 for x in xs], theirs, width, label="DeepSpeed 0.19.8")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, rotation=20)
+        ax.set_title(label)
+        ax.legend()
+    for r in rows:
+        if "error" in r["deepspeed"] and r["row"] in names:
+            i = names.index(r["row"])
+            axes[0].text(i + width / 2, 0, "error", rotation=90, ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        with open(sys.argv[2], encoding="utf-8") as f:
+            child(json.load(f))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, help="scratch folder (the NVMe rows' drive)")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--png", help="draw the table as a chart here")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 2)")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help="comma-separated, of: " + ", ".join(ROWS))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--bf16", action="store_true", help="both in bf16 (default fp32)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="the losses' agreement, relative (default 1e-4 fp32, 2e-2 bf16)")
+    parser.add_argument("--aio-block", help="aio_bench_perf_sweep's best.json: its aio block")
+    parser.add_argument("--nvme-buffer-elements", type=int, default=1 << 24,
+                        help="offload_param.buffer_size of the NVMe row (elements)")
+    parser.add_argument("--child-timeout", type=int, default=1800)
+    args = parser.parse_args()
+    rows = [r for r in args.rows.split(",") if r]
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not rows:
+        sys.exit(f"vs_deepspeed: --rows {args.rows}: unknown {bad}; accepted: {', '.join(ROWS)}")
+    if args.rounds < 1 or args.steps < 1:
+        sys.exit("vs_deepspeed: --rounds and --steps must be at least 1")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"vs_deepspeed: DeepSpeed is not installed in this environment ({e}); install "
+                 "it with: bash scripts/python-env.sh --deepspeed")
+    args.tolerance = args.tolerance or (2e-2 if args.bf16 else 1e-4)
+    args.aio = dict(DEFAULT_AIO)
+    if args.aio_block:
+        with open(args.aio_block, encoding="utf-8") as f:
+            args.aio = json.load(f).get("aio", args.aio)
+    os.makedirs(args.dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="vs_deepspeed.", dir=args.dir)
+    args.nvme_placeholder = "@NVME@"
+
+    runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
+    for round_index in range(args.rounds):
+        for row in rows:
+            ds_config, our_config = row_config(row, args, args.nvme_placeholder)
+            order = ("strata", "deepspeed") if round_index % 2 == 0 else ("deepspeed", "strata")
+            for system in order:
+                if system == "deepspeed" and runs[(row, system)] and \
+                        "error" in runs[(row, system)][-1]:
+                    continue  # the same error again: kept once
+                report = run_one(system, row, ds_config if system == "deepspeed" else our_config,
+                                 args, round_index, scratch)
+                runs[(row, system)].append(report)
+                what = report.get("error", "").splitlines()[-1:] or \
+                    [f"{statistics.median(report['step_s']):.3f} s a step"]
+                print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    table = []
+    for row in rows:
+        ours, theirs = summarize(runs[(row, "strata")]), summarize(runs[(row, "deepspeed")])
+        entry = {"row": row, "strata": ours, "deepspeed": theirs}
+        if "error" not in ours and "error" not in theirs:
+            worst = max(abs(a - b) / max(abs(b), 1e-12)
+                        for a, b in zip(ours["losses"], theirs["losses"]))
+            entry["loss_difference"] = worst
+            entry["void"] = row not in APPROXIMATE and worst > args.tolerance
+            entry["speedup"] = theirs["step_s"] / ours["step_s"]
+        table.append(entry)
+
+    import torch
+    print()
+    print(f"model: transformers LlamaForCausalLM {args.layers} layers x {args.width}, batch "
+          f"{args.batch} x {args.context}, {'bf16' if args.bf16 else 'fp32'}, on the CPU "
+          f"({os.cpu_count()} cores, torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads); {args.rounds} rounds of 2 + {args.steps} steps")
+    print(f"{'row':>13} {'step s strata':>14} {'DeepSpeed':>10} {'rate x':>7} "
+          f"{'peak RSS':>19} {'peak VmLck':>19} {'read/step':>19} {'written/step':>19} "
+          f"{'losses':>14}")
+    for e in table:
+        ours, theirs = e["strata"], e["deepspeed"]
+        if "error" in ours:
+            print(f"{e['row']:>13} strata failed: {ours['error']}")
+            continue
+        if "error" in theirs:
+            print(f"{e['row']:>13} {ours['step_s']:>14.3f}  DeepSpeed failed here: "
+                  f"{theirs['error'].splitlines()[-1]}")
+            continue
+
+        def pair(key):
+            return f"{fmt_bytes(ours[key])}/{fmt_bytes(theirs[key])}"
+        losses = ("VOID " if e["void"] else "") + f"{e['loss_difference']:.1e}" + \
+            (" (approx.)" if e["row"] in APPROXIMATE else "")
+        print(f"{e['row']:>13} {ours['step_s']:>14.3f} {theirs['step_s']:>10.3f} "
+              f"{e['speedup']:>7.2f} {pair('peak_rss_bytes'):>19} "
+              f"{pair('peak_locked_bytes'):>19} {pair('read_bytes_per_step'):>19} "
+              f"{pair('write_bytes_per_step'):>19} {losses:>14}")
+    for e in table:
+        if "speedup" in e and not e["void"]:
+            print(f"vs_deepspeed/{e['row']}: strata {e['speedup']:.2f}x DeepSpeed's step rate "
+                  f"(step {e['strata']['step_s']:.3f} s [{e['strata']['min_s']:.3f}, "
+                  f"{e['strata']['max_s']:.3f}] vs {e['deepspeed']['step_s']:.3f} s "
+                  f"[{e['deepspeed']['min_s']:.3f}, {e['deepspeed']['max_s']:.3f}]); peak RSS "
+                  f"{ratio(e['strata']['peak_rss_bytes'], e['deepspeed']['peak_rss_bytes']):.2f}"
+                  "x DeepSpeed's")
+        elif e.get("void"):
+            print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
+                  f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")
+    if args.png:
+        chart(table, args.png)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"bench": "vs_deepspeed", "rows": table, "config": {
+                k: v for k, v in vars(args).items() if k not in ("nvme_placeholder",)},
+                "machine": {"cpu": platform.processor() or platform.machine(),
+                            "cores": os.cpu_count(), "torch": torch.__version__,
+                            "device": "cpu (strata: the host-emulated device tier; DeepSpeed: "
+                                      "DS_ACCELERATOR=cpu)"}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
