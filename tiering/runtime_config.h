@@ -88,10 +88,14 @@ struct RuntimeConfig {
   std::string nvme_path;         // default: offload_param's nvme_path, else offload_optimizer's
   uint64_t copy_bandwidth_bytes_per_s = 0;  // emulated device: model PCIe (0: no cap)
   std::string eviction_policy = "trace";    // "lru": on demand, least recently used first
-  // glibc's M_MMAP_THRESHOLD, fixed by the Runtime (0: glibc's own, which rises after a large
-  // block is freed, after which freed megabyte tensors stay resident in its heap and the
-  // process holds more than its tiers' budgets). glibc takes at most 32 MiB.
-  uint64_t malloc_mmap_threshold_bytes = 256 << 10;
+  // glibc's M_MMAP_THRESHOLD, fixed by the Runtime for the whole process when not 0. 0 (the
+  // default, as torch and DeepSpeed leave it): glibc's own, which rises after a large block is
+  // freed, after which freed megabyte tensors stay resident in its heap, and the process can hold
+  // more than its tiers' budgets. A fixed threshold gives them back as they are freed, and each
+  // such block is mapped and faulted in anew: measured on the CPU, a model's element-wise ops ran
+  // 2-4x slower and a training step 1.3-1.5x (docs/performance.md, vs DeepSpeed). glibc takes at
+  // most 32 MiB.
+  uint64_t malloc_mmap_threshold_bytes = 0;
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;

@@ -61,7 +61,9 @@ config = {{
                           "buffer_size": 1048576}},
         "offload_optimizer": {{"device": "nvme", "nvme_path": {nvme!r}}}}},
     "strata": {{"device": "emulated", "device_budget_bytes": DEVICE_BUDGET,
-               "host_budget_bytes": HOST_BUDGET, "nvme_capacity_bytes": 1 << 30}}}}
+               "host_budget_bytes": HOST_BUDGET, "nvme_capacity_bytes": 1 << 30,
+               # freed blocks go back to the system: the resident memory is what is held
+               "malloc_mmap_threshold_bytes": 256 << 10}}}}
 base = rss()
 base_anon = rss("RssAnon:")
 peak = [base]

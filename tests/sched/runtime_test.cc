@@ -552,12 +552,14 @@ TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
 }
 
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // they replace malloc
-// A trainer's megabyte blocks (torch's gradients) must go back to the system when freed, not stay
-// in glibc's heap: the Runtime fixes glibc's mmap threshold (strata.malloc_mmap_threshold_bytes),
-// which glibc would otherwise raise past a megabyte the first time such a block is freed.
-TEST(RuntimeTest, LargeBlocksAMallocFreesLeaveTheProcessOnceARuntimeIsMade) {
+// With strata.malloc_mmap_threshold_bytes set, a trainer's megabyte blocks (torch's gradients) go
+// back to the system when freed, not stay in glibc's heap: the Runtime fixes glibc's mmap
+// threshold, which glibc would otherwise raise past a megabyte the first time such a block is freed.
+TEST(RuntimeTest, LargeBlocksAMallocFreesLeaveTheProcessOnceARuntimeIsMadeWithAThreshold) {
   ScratchDir dir;
-  auto rt = Runtime::Create(SmallConfig(dir.File("swap")), Quiet());
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.malloc_mmap_threshold_bytes = 256 << 10;
+  auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   constexpr size_t kBlock = 1 << 20;
   for (int round = 0; round < 3; ++round) {
