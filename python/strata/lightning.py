@@ -302,8 +302,7 @@ def _build_config(strategy, a, given, has_config, config):
             _put(config, "zero_optimization.stage", 0, "zero_optimization=False")
     elif "stage" in applied:
         _put(config, "zero_optimization.stage", a["stage"], f"stage={a['stage']}")
-    stage = config.get("zero_optimization", {}).get("stage", 0) \
-        if isinstance(config.get("zero_optimization", {}), dict) else 0
+    stage = _get(config, "zero_optimization.stage") or 0
     nvme = os.fspath(a["nvme_path"])
 
     if "offload_optimizer" in given and not a["offload_optimizer"]:
@@ -317,6 +316,10 @@ def _build_config(strategy, a, given, has_config, config):
         if device == "nvme":
             _put(config, "zero_optimization.offload_optimizer.nvme_path", nvme,
                  f"nvme_path={nvme!r}")
+    elif not isinstance(_get(config, "zero_optimization.offload_optimizer.device"), str):
+        # Left out: strata's own place for it, host memory (not DeepSpeed's device, which strata
+        # does not have; a config that says "none" is told so by the engine).
+        _put(config, "zero_optimization.offload_optimizer.device", "cpu", "offload_optimizer")
     if "optimizer_buffer_count" in given:
         _put(config, "zero_optimization.offload_optimizer.buffer_count",
              a["optimizer_buffer_count"], f"optimizer_buffer_count={a['optimizer_buffer_count']}")
@@ -344,7 +347,7 @@ def _build_config(strategy, a, given, has_config, config):
                           "offload_optimizer_device are not 'nvme')")
 
     if "remote_device" in given and a["remote_device"] is not None:
-        tier = config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+        tier = _get(config, "zero_optimization.offload_param.device") or "none"
         if stage != 3:
             warn("remote_device", "models are built partitioned at ZeRO stage 3 only")
         elif a["remote_device"] != tier:
@@ -383,9 +386,18 @@ def _build_config(strategy, a, given, has_config, config):
     return config
 
 
+def _get(config, dotted):
+    """config[dotted], or None where a block on the way is missing or not a dict."""
+    value = config
+    for part in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def _uses_nvme(config):
-    zero = config.get("zero_optimization", {})
-    return any(isinstance(zero.get(k), dict) and zero[k].get("device") == "nvme"
+    return any(_get(config, f"zero_optimization.{k}.device") == "nvme"
                for k in ("offload_param", "offload_optimizer"))
 
 
@@ -757,15 +769,15 @@ class _StrategyMixin:
 
     @property
     def engine(self):
-        """The strata engine (strata.engine.Engine) of the current run, or None."""
+        """The strata engine (strata.engine.Engine) of this strategy's last run (kept after it, with
+        the module), or None."""
         if self._engine is not None and self._engine._runtime is None:
-            self._engine = None
+            self._engine = None  # closed since (release, or a later fit's new engine)
         return self._engine
 
     @property
     def zero_stage(self):
-        zero = self.config.get("zero_optimization", {})
-        return zero.get("stage", 0) if isinstance(zero, dict) else 0
+        return _get(self.config, "zero_optimization.stage") or 0
 
     @property
     def restore_checkpoint_after_setup(self):
@@ -845,6 +857,20 @@ class _StrategyMixin:
         self._flavor.init_dist_connection(environment, self._process_group_backend, **kwargs)
 
     # --- precision ---
+
+    @property
+    def precision_plugin(self):
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin):
+        # The Trainer gives a strategy it made from a registered name its own plugin for the
+        # precision flag (having turned "16-mixed" on the CPU into "bf16-mixed"): strata's takes
+        # that precision.
+        if plugin is not None and not isinstance(plugin, _PrecisionMixin):
+            plugin = self._flavor.StrataPrecision(
+                _check_precision(getattr(plugin, "precision", plugin)))
+        self._precision_plugin = plugin
 
     def _resolve_precision(self):
         """The Trainer's precision flag, as given (Lightning would turn "16-mixed" on the CPU into
@@ -1061,6 +1087,11 @@ class _StrategyMixin:
                                                 lr_scheduler=scheduler, config=config)
         _ENGINES.add(engine)
         module.__dict__["_strata_engine"] = _Held(engine, self._runtime_json(config))
+        # Lightning's modules track their device (self.device) through .to(); the engine placed
+        # the parameters itself.
+        for sub in module.modules():
+            if hasattr(sub, "_device"):
+                sub._device = engine.device
         if training:
             self.optimizers = [engine.optimizer]
             _track_steps(engine.optimizer)
@@ -1163,7 +1194,6 @@ class _StrategyMixin:
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
-        self._engine = None
         if self.lightning_module is not None:
             self.model = self.lightning_module
 
