@@ -146,13 +146,25 @@ def fit(strategy, model_class=Net, seed=0, model_kwargs=None, **kwargs):
 _PLAIN = {}
 
 
+class GradientNorms(pl.Callback):
+    """Plain Lightning's global gradient norm before each optimizer step (before clipping)."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad.float().norm() for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(torch.stack(grads).norm().item())
+
+
 def plain(precision="32-true", **kwargs):
     """Plain Lightning's run (cached: several tests hold strata to it)."""
     key = (precision, tuple(sorted(kwargs.items())))
     if key not in _PLAIN:
-        model, _, losses = fit("auto", precision=precision, **kwargs)
+        norms = GradientNorms()
+        model, _, losses = fit("auto", precision=precision, callbacks=[norms], **kwargs)
         _PLAIN[key] = (losses, {k: v.detach().float().clone() for k, v in
-                                model.state_dict().items()})
+                                model.state_dict().items()}, norms.norms)
     return _PLAIN[key]
 
 
@@ -183,7 +195,7 @@ def strata_warnings(record):
 ])
 def test_logged_losses_agree_with_plain_lightning(tmp_path, stage, device, precision):
     common = dict(precision=precision, accumulate_grad_batches=3, gradient_clip_val=0.5)
-    expected, expected_weights = plain(**common)
+    expected, expected_weights, norms = plain(**common)
     strategy = StrataStrategy(stage=stage, offload_optimizer=True, offload_parameters=stage == 3,
                               offload_optimizer_device=device, offload_params_device=device,
                               nvme_path=str(tmp_path), config=THRESHOLD)
@@ -200,6 +212,10 @@ def test_logged_losses_agree_with_plain_lightning(tmp_path, stage, device, preci
         torch.testing.assert_close(weights[name].float(), value, rtol=0,
                                    atol=1e-5 if precision == "32-true" else 2e-2, msg=name)
     engine = t.strategy.engine
+    # The last step's gradient: the mean over its window (Lightning divides each micro-batch's
+    # loss by accumulate_grad_batches; the engine does not divide again).
+    assert engine.get_global_grad_norm() == pytest.approx(
+        norms[-1], rel=1e-4 if precision == "32-true" else 5e-2)
     assert engine.stage == stage and engine.dtype == (torch.float32 if precision == "32-true"
                                                       else torch.bfloat16)
     moved = engine.stats()["bytes_moved"]
@@ -213,7 +229,7 @@ def test_logged_losses_agree_with_plain_lightning(tmp_path, stage, device, preci
 
 def test_fp16_on_the_cpu_agrees_with_plain_fp32():
     # Lightning would make "16-mixed" bf16 on the CPU; strata's engine trains in fp16 there.
-    expected, _ = plain(accumulate_grad_batches=2)
+    expected, _, _ = plain(accumulate_grad_batches=2)
     model, t, losses = fit(StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD),
                            precision="16-mixed", accumulate_grad_batches=2)
     engine = t.strategy.engine
@@ -382,7 +398,7 @@ def test_release_gives_the_weights_back_and_a_second_fit_starts_afresh():
 
 
 def test_configure_model_builds_under_strata_init():
-    expected, _ = plain(model_class=LazyNet)
+    expected, _, _ = plain(model_class=LazyNet)
     built = []
 
     class Probe(LazyNet):
@@ -410,6 +426,7 @@ RANKS = textwrap.dedent(r"""
     sys.path.insert(0, sys.argv[1])
     import test_lightning as T
     import strata.lightning as sl
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from strata.lightning import StrataStrategy
     devices, out = int(sys.argv[2]), sys.argv[3]
 
@@ -429,8 +446,11 @@ RANKS = textwrap.dedent(r"""
                               allgather_bucket_size=3000, reduce_bucket_size=3000,
                               overlap_comm=False,
                               config={**T.THRESHOLD, "strata": {"comm_timeout_s": 120}})
+    # The job of two saves a checkpoint at the end of each epoch (each rank its shards).
+    saving = [ModelCheckpoint(dirpath=os.path.dirname(out), save_top_k=-1)] if devices > 1 \
+        else []
     trainer = T.trainer(strategy, recorder, devices=devices, accumulate_grad_batches=2,
-                        gradient_clip_val=0.5)
+                        gradient_clip_val=0.5, callbacks=saving, enable_checkpointing=bool(saving))
     trainer.fit(model)
     engine = trainer.strategy.engine
     weights = sl.module_state_dict(model)  # every rank takes part
@@ -472,6 +492,21 @@ def test_two_processes_give_the_result_of_one(tmp_path):
                                rtol=0, atol=1e-5)
     for name, value in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], value, rtol=1e-4, atol=2e-5, msg=name)
+    # The checkpoint the two ranks wrote after epoch 1 resumes in one process: epoch 2 is the
+    # one-process run's.
+    folder = tmp_path / "epoch=0-step=4.ckpt"
+    assert sorted(os.listdir(folder / "checkpoint")) == [
+        "engine_states.pt", "meta.json", "optimizer_states.rank0.bin",
+        "optimizer_states.rank1.bin"]
+    torch.manual_seed(3)
+    model = Net()
+    recorder = Recorder()
+    t = trainer(StrataStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
+                               config=THRESHOLD), recorder, accumulate_grad_batches=2,
+                gradient_clip_val=0.5)
+    t.fit(model, loader(), ckpt_path=folder)
+    torch.testing.assert_close(torch.tensor(recorder.losses()), torch.tensor(one["losses"][4:]),
+                               rtol=0, atol=1e-5)
 
 
 # --- the arguments -------------------------------------------------------------------------------
