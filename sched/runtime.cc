@@ -358,7 +358,19 @@ absl::Status Runtime::Register(const tiering::PartitionDesc& desc, Tier tier,
   if (!filled.ok()) return undo(filled);
   PartState& st = parts_[desc.id];
   if (IsMemory(tier)) st.last_use[I(tier)] = ++tick_;
+  MarkHostCachedLocked(desc, st);
   return absl::OkStatus();
+}
+
+void Runtime::MarkHostCachedLocked(const tiering::PartitionDesc& desc, PartState& st) {
+  const auto& op = config_.offload_param;
+  if (store_ == nullptr || desc.role != tiering::Role::kParam ||
+      op.device != tiering::OffloadDevice::kNvme || op.max_in_cpu <= 0 ||
+      host_cached_elements_ + desc.elements > static_cast<uint64_t>(op.max_in_cpu)) {
+    return;
+  }
+  st.host_cached = true;
+  host_cached_elements_ += desc.elements;
 }
 
 absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
@@ -392,7 +404,7 @@ absl::Status Runtime::Adopt(const tiering::PartitionDesc& desc) {
     table_->Unregister(desc.id).IgnoreError();
     return s;
   }
-  parts_[desc.id];
+  MarkHostCachedLocked(desc, parts_[desc.id]);
   return absl::OkStatus();
 }
 
@@ -452,8 +464,10 @@ absl::Status Runtime::Unregister(PartitionId id) {
       return absl::FailedPreconditionError(
           absl::StrCat("unregister partition ", id, ": another thread is bringing it in"));
     }
+    const uint64_t elements = r.desc.elements;
     STRATA_RETURN_IF_ERROR(table_->Unregister(id));
     mover_->Forget(id);
+    if (parts_.at(id).host_cached) host_cached_elements_ -= elements;
     parts_.erase(id);
   }
   if (!stored) return absl::OkStatus();
@@ -640,7 +654,8 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, ui
     // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
     const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
                                 r.desc.role == tiering::Role::kParam &&
-                                config_.offload_param.device == tiering::OffloadDevice::kNvme;
+                                config_.offload_param.device == tiering::OffloadDevice::kNvme &&
+                                !parts_.at(id).host_cached;
     const Tier lower = tier == Tier::kDevice && !device_to_nvme ? Tier::kHost : Tier::kNvme;
     if (lower == Tier::kNvme && store_ == nullptr) {
       return absl::ResourceExhaustedError(
@@ -746,6 +761,16 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
       from = other;
     } else if (r.current[I(Tier::kNvme)]) {
       from = Tier::kNvme;
+      if (tier == Tier::kDevice && parts_.at(id).host_cached && !r.has_copy[I(Tier::kHost)]) {
+        // A parameter within max_in_cpu: through the host tier, whose clean copy stays for its
+        // next use (backward, the next step) instead of the disk being read again. Without room
+        // there it goes straight to the device, staged.
+        bool raced = false;
+        absl::Status staged = MoveLocked(id, Tier::kNvme, Tier::kHost, purpose, limit, waits,
+                                         &raced);
+        if (staged.ok() || raced) continue;  // the host copy is the source now: look again
+        if (staged.code() != absl::StatusCode::kResourceExhausted) return staged;
+      }
     } else if (r.current[I(other)]) {
       return absl::FailedPreconditionError(
           absl::StrCat("prefetch partition ", id, " to the ", TierName(tier), " tier: its ",

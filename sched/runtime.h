@@ -349,7 +349,14 @@ class Runtime {
     int carrying = 0;                    // MoveLocked calls between their unlock and re-lock
     std::array<bool, 2> prefetched{};    // device, host: brought by a prefetch, not yet acquired
     std::optional<Purpose> moving;       // why its move in flight runs
+    // A parameter homed on NVMe within offload_param.max_in_cpu: brought to the device through
+    // the host tier, whose clean copy stays (room permitting) for its next use.
+    bool host_cached = false;
   };
+  // Marks `st` host_cached when `desc` is a parameter homed on NVMe and the elements so marked
+  // stay within offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory).
+  void MarkHostCachedLocked(const tiering::PartitionDesc& desc, PartState& st)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counters of the current step.
   struct StepCounters {
     StepReport r;
@@ -433,6 +440,7 @@ class Runtime {
   // partition in while a Discard waits for that.
   CondVar moved_;
   absl::node_hash_map<PartitionId, PartState> parts_ ABSL_GUARDED_BY(mu_);
+  uint64_t host_cached_elements_ ABSL_GUARDED_BY(mu_) = 0;  // of the parts_ marked host_cached
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
   int moves_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   // Discards waiting (on moved_) for the threads bringing their partition in: an Acquire or a

@@ -181,7 +181,8 @@ const std::vector<std::string>& OffloadOptimizerKeys() {
 // Keys strata checks but does not act on yet: each warns when present. Later work removes an
 // entry when it wires the key (the optimizer step on the Runtime: offload_optimizer's; ZeRO
 // across ranks: the stage). What the Runtime does read: the aio blocks, offload_param.device
-// (NVMe parameters skip the host on the way down), offload_param.buffer_size and buffer_count
+// (NVMe parameters skip the host on the way down but for those within max_in_cpu),
+// offload_param.max_in_cpu, offload_param.buffer_size and buffer_count
 // (its staging pool), stage3_prefetch_bucket_size (the scheduler's window), the nvme_paths (the
 // store's folder) and the strata block.
 struct NotYetUsed {
@@ -192,7 +193,6 @@ const std::vector<NotYetUsed>& NotYetUsedKeys() {
   static const std::vector<NotYetUsed> keys = {
       {"zero_optimization.stage", "strata does not partition across ranks yet"},
       {"zero_optimization.offload_param.pin_memory", "strata's host tier is always pinned"},
-      {"zero_optimization.offload_param.max_in_cpu", "the host tier is sized by host_budget_bytes"},
       {"zero_optimization.offload_optimizer.pin_memory", "strata's host tier is always pinned"},
       {"zero_optimization.offload_optimizer.fast_init",
        "the optimizer's state is written once, by InitializeOptimizerState"},

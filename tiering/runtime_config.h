@@ -21,9 +21,11 @@
 // ignored: DeepSpeed's other top-level keys and zero_optimization keys are warnings ("left to the
 // trainer"); a key that is neither DeepSpeed's nor strata's is an error naming the closest known
 // key, at the top level and in every block strata reads (each offload block takes only the keys
-// DeepSpeed gives it). Keys strata checks but does not act on yet (pin_memory, max_in_cpu,
-// fast_init, ratio, the zero stage; listed in one place in runtime_config.cc) warn "accepted but
-// not yet used".
+// DeepSpeed gives it). Keys strata checks but does not act on yet (pin_memory, fast_init, ratio,
+// the zero stage; listed in one place in runtime_config.cc) warn "accepted but not yet used".
+// offload_param.max_in_cpu: with parameters on NVMe, up to that many parameter elements (the
+// first registered) go to the device through the host tier and keep a clean host copy there,
+// room in host_budget_bytes permitting, as DeepSpeed keeps them in CPU memory; 0: none.
 // strata keeps one NVMe store per process, at SwapPath(): strata.nvme_path when given, else
 // offload_param's nvme_path when its device is "nvme", else offload_optimizer's; every other
 // nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.

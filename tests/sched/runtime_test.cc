@@ -95,6 +95,67 @@ TEST(RuntimeTest, APartitionTravelsNvmeToDeviceAndBackWithItsChanges) {
   EXPECT_GT(s.acquire_wait_seconds, 0);
 }
 
+// offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory): a parameter homed
+// on NVMe within it goes to the device through the host tier and keeps its clean host copy, so
+// its next use (backward, the next step) reads no disk; one beyond it goes straight, staged.
+TEST(RuntimeTest, ParametersWithinMaxInCpuKeepAHostCopyAndAreReadFromTheDiskOnce) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.offload_param.max_in_cpu = 25000;  // the first partition's elements, not the second's
+  config.device_budget_bytes = 1 << 20;
+  config.host_budget_bytes = 1 << 20;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const auto v1 = RandomBytes(100000, 41), v2 = RandomBytes(100000, 42);
+  ASSERT_TRUE((*rt)->Register(Desc(1), Tier::kNvme, v1).ok());
+  ASSERT_TRUE((*rt)->Register(Desc(2), Tier::kNvme, v2).ok());
+  for (int use = 0; use < 3; ++use) {
+    for (PartitionId id : {1, 2}) {
+      auto p = (*rt)->Acquire(id, Tier::kDevice);
+      ASSERT_TRUE(p.ok()) << p.status();
+      EXPECT_EQ(0, std::memcmp(*p, (id == 1 ? v1 : v2).data(), 100000)) << id << " " << use;
+      ASSERT_TRUE((*rt)->Release(id, Tier::kDevice, false).ok());
+      ASSERT_TRUE((*rt)->Evict(id, Tier::kDevice).ok());  // clean: dropped
+    }
+  }
+  const RuntimeStats s = (*rt)->stats();
+  EXPECT_EQ(s.bytes_moved[2][1], 100000u);      // the first, NVMe -> host once
+  EXPECT_EQ(s.bytes_moved[1][0], 3 * 100000u);  // and host -> device at each use
+  EXPECT_EQ(s.bytes_moved[2][0], 3 * 100000u);  // the second, NVMe -> device at each use
+  auto r1 = (*rt)->residency().Get(1), r2 = (*rt)->residency().Get(2);
+  EXPECT_TRUE(r1->current[static_cast<int>(Tier::kHost)]);
+  EXPECT_FALSE(r2->has_copy[static_cast<int>(Tier::kHost)]);
+  // Its host copy is clean: evicted for room, it is dropped without a write.
+  const RuntimeStats before = (*rt)->stats();
+  ASSERT_TRUE((*rt)->Evict(1, Tier::kHost).ok());
+  EXPECT_EQ((*rt)->stats().bytes_moved, before.bytes_moved);
+}
+
+TEST(RuntimeTest, ParametersWithinMaxInCpuGoStraightToTheDeviceWhenTheHostHasNoRoom) {
+  ScratchDir dir;
+  RuntimeConfig config = SmallConfig(dir.File("swap"));
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.device_budget_bytes = 1 << 20;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  // The host tier holds three partitions: all pinned, there is no room for a fourth's copy.
+  std::vector<std::byte*> held;
+  for (PartitionId id : {1, 2, 3}) {
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kHost, RandomBytes(100000, id)).ok());
+    auto h = (*rt)->Acquire(id, Tier::kHost);
+    ASSERT_TRUE(h.ok()) << h.status();
+  }
+  const auto v = RandomBytes(100000, 44);
+  ASSERT_TRUE((*rt)->Register(Desc(4), Tier::kNvme, v).ok());
+  auto p = (*rt)->Acquire(4, Tier::kDevice);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(0, std::memcmp(*p, v.data(), v.size()));
+  EXPECT_EQ((*rt)->stats().bytes_moved[2][0], 100000u);  // straight, staged
+  ASSERT_TRUE((*rt)->Release(4, Tier::kDevice, false).ok());
+  for (PartitionId id : {1, 2, 3}) ASSERT_TRUE((*rt)->Release(id, Tier::kHost, false).ok());
+}
+
 TEST(RuntimeTest, BudgetsHoldByEvictingTheLeastRecentlyUsedUnpinnedCopy) {
   ScratchDir dir;
   auto rt = Runtime::Create(SmallConfig(dir.File("swap")));
@@ -169,6 +230,7 @@ TEST(RuntimeTest, ParametersOffloadedToNvmeMoveBetweenDeviceAndNvmeInStagedChunk
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));
   config.offload_param.device = OffloadDevice::kNvme;
+  config.offload_param.max_in_cpu = 0;  // none kept in the host tier
   config.offload_param.buffer_size = 64 << 10;  // a partition is several chunks
   config.device_budget_bytes = 1 << 20;
   config.host_budget_bytes = 1 << 20;
@@ -245,6 +307,7 @@ TEST(RuntimeTest, AStagedWriteBackThatFailsKeepsTheDeviceCopyDirty) {
   ro.engine_options.on_warning = [](absl::string_view) {};
   RuntimeConfig config = SmallConfig(dir.File("swap"));
   config.offload_param.device = OffloadDevice::kNvme;
+  config.offload_param.max_in_cpu = 0;  // the straight path: none kept in the host tier
   config.offload_param.buffer_size = 64 << 10;
   auto rt = Runtime::Create(config, ro);
   ASSERT_TRUE(rt.ok());
@@ -418,6 +481,7 @@ TEST(RuntimeTest, MakingRoomGoesOnPastAVictimThatCannotBeWrittenBack) {
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));
   config.offload_param.device = OffloadDevice::kNvme;  // device copies go down to NVMe
+  config.offload_param.max_in_cpu = 0;  // none kept in the host tier
   config.nvme_capacity_bytes = 3 * 102400;  // two stored partitions and the copy-on-write reserve
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
