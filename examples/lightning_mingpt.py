@@ -33,7 +33,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 
 import torch
@@ -43,7 +42,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-import strata.lightning  # noqa: F401 - registers the strategy names
+# Importing strata.lightning registers the strategy names (strata_stage_3_offload, ...).
 from strata.lightning import StrataStrategy, convert_zero_checkpoint_to_fp32_state_dict
 
 log = logging.getLogger("lightning_mingpt")

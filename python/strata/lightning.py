@@ -85,7 +85,6 @@ import importlib
 import importlib.util
 import inspect
 import io
-import json
 import logging
 import math
 import os
@@ -642,9 +641,14 @@ class _PrecisionMixin:
             self._stepping = False
         self._after_closure(model, optimizer)
         engine = self._engine()
+        if model.automatic_optimization and result is None:
+            raise ValueError("StrataStrategy: training_step returned None at an optimizer step "
+                             "(no backward): the engine cannot step the micro-batches before "
+                             "it without one; accepted: a loss from every training_step, as "
+                             "DeepSpeedStrategy requires (or manual optimization)")
         if self._backwards == 0:
-            # training_step returned None (no backward since the last step): nothing to step,
-            # as a torch optimizer steps nothing without gradients.
+            # Manual optimization's step() with no backward since the last: nothing to step, as
+            # a torch optimizer steps nothing without gradients.
             return result
         engine.step()
         self._backwards = 0
@@ -751,6 +755,7 @@ class _StrategyMixin:
         self._engine = None  # the engine of this strategy's current run
         self._full_weights = None  # a one-file checkpoint's state dict, for load_model_state_dict
         self._loaded_full_weights = False  # the run's checkpoint was one file (weights only)
+        self._saved_environment = {}  # the launcher's variables as they were (setup_distributed)
 
     # --- messages ---
 
@@ -844,7 +849,9 @@ class _StrategyMixin:
         if self.world_size == 1:
             return  # one process: no process group (Lightning's collectives pass through)
         environment = self.cluster_environment
-        # strata's job reads torchrun's variables (strata/ranks.py), as DeepSpeed's does.
+        # strata's job reads torchrun's variables (strata/ranks.py), as DeepSpeed's does; they are
+        # put back as they were at teardown (the job, once joined, does not read them again).
+        self._saved_environment = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES[:5]}
         os.environ["MASTER_ADDR"] = environment.main_address
         os.environ["MASTER_PORT"] = str(environment.main_port)
         os.environ["RANK"] = str(self.global_rank)
@@ -1057,8 +1064,12 @@ class _StrategyMixin:
         optimizer, scheduler_config, scheduler = None, None, None
         if not training:
             trainable = [p for p in module.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0) if trainable \
-                else None
+            if not trainable:
+                raise ValueError("StrataStrategy: the model has no trainable parameters: strata's "
+                                 "engine (which evaluation runs on too) needs at least one; "
+                                 "accepted: a model with a parameter that requires grad")
+            # The engine always has an optimizer; evaluation's never steps.
+            optimizer = torch.optim.AdamW(trainable, lr=0.0, weight_decay=0.0)
         elif "optimizer" in config:
             if flavor.is_overridden("configure_optimizers", module):
                 self._warn("StrataStrategy: the config has an optimizer block: it is used, and "
@@ -1194,6 +1205,12 @@ class _StrategyMixin:
         if self.accelerator is not None:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        saved, self._saved_environment = self._saved_environment, {}
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if self.lightning_module is not None:
             self.model = self.lightning_module
 

@@ -33,7 +33,7 @@ class Net(pl.LightningModule):
     """A minGPT-shaped LightningModule: token and position embeddings, pre-LayerNorm MLP blocks
     with residuals, a head; AdamW with weight decay."""
 
-    def __init__(self, lr=3e-3, scheduler=None):
+    def __init__(self, lr=3e-3, scheduler=None, optimizer="adamw"):
         super().__init__()
         self.save_hyperparameters()
         self.build()
@@ -71,7 +71,9 @@ class Net(pl.LightningModule):
         return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        kind = {"adamw": torch.optim.AdamW, "cpu_adam": strata.optim.CpuAdam}
+        optimizer = kind[self.hparams.optimizer](self.parameters(), lr=self.hparams.lr,
+                                                 weight_decay=0.01)
         if self.hparams.scheduler == "step":
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
             return {"optimizer": optimizer,
@@ -188,6 +190,7 @@ def strata_warnings(record):
 # against plain fp32 within 5e-3 (measured 7e-5).
 @pytest.mark.parametrize("stage, device, precision", [
     (2, "cpu", "32-true"),
+    (2, "nvme", "32-true"),
     (3, "cpu", "32-true"),
     (3, "nvme", "32-true"),
     (2, "cpu", "bf16-mixed"),
@@ -253,9 +256,13 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
     assert sum(losses[16:]) / 8 < sum(losses[:8]) / 8 - 0.05
 
 
-def test_lr_scheduler_and_manual_optimization_agree_with_plain_lightning():
-    _, _, expected = fit("auto", model_kwargs={"scheduler": "step"})
-    model, t, losses = fit(StrataStrategy(stage=2), model_kwargs={"scheduler": "step"})
+def test_lr_scheduler_cpu_adam_and_manual_optimization_agree_with_plain_lightning():
+    # strata.optim.CpuAdam (DeepSpeedCPUAdam's arguments, decoupled weight decay) from
+    # configure_optimizers, with Lightning's scheduler config: plain Lightning steps the same
+    # optimizer on the CPU.
+    kwargs = {"scheduler": "step", "optimizer": "cpu_adam"}
+    _, _, expected = fit("auto", model_kwargs=kwargs)
+    model, t, losses = fit(StrataStrategy(stage=2), model_kwargs=kwargs)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
     # StepLR(2, 0.5) stepped after each of 16 optimizer steps, by Lightning, on strata's optimizer
     assert t.strategy.engine.get_lr() == pytest.approx([3e-3 * 0.5 ** 8])
@@ -540,6 +547,55 @@ def test_acted_arguments_reach_the_engine(tmp_path):
     assert strata.lightning.logger.level == 20  # logging_level
     strata.checkpointing.reset()
     strata.lightning.logger.setLevel("NOTSET")
+
+
+def test_lightning_arguments_and_the_config_take_effect(tmp_path):
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+    environment = LightningEnvironment()
+    t = trainer(StrataStrategy(parallel_devices=[torch.device("cpu")] * 2,
+                               cluster_environment=environment, process_group_backend="gloo"))
+    assert t.num_devices == 2 and t.world_size == 2
+    assert t.strategy.cluster_environment is environment
+    assert t.strategy.process_group_backend == "gloo"
+    # precision_plugin: strata's precision given to the strategy instead of Trainer(precision=)
+    _, t, _ = fit(StrataStrategy(precision_plugin=sl.StrataPrecision("bf16-mixed")),
+                  max_epochs=1)
+    assert t.strategy.engine.dtype == torch.bfloat16
+    # zero_optimization=False: stage 0
+    _, t, _ = fit(StrataStrategy(zero_optimization=False), max_epochs=1)
+    assert t.strategy.engine.stage == 0
+    # A static loss scale and the dynamic scale's arguments reach the engine.
+    _, t, _ = fit(StrataStrategy(loss_scale=128), precision="16-mixed", max_epochs=1)
+    assert t.strategy.engine.loss_scale == 128.0 and not t.strategy.engine._dynamic_scale
+    _, t, _ = fit(StrataStrategy(loss_scale_window=7, hysteresis=3, min_loss_scale=4),
+                  precision="16-mixed", max_epochs=1)
+    config = t.strategy.engine.config
+    assert (config.loss_scale_window, config.hysteresis, config.min_loss_scale) == (7, 3, 4.0)
+    # config as a JSON path, with strata's own block: its budgets are the Runtime's.
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},'
+                    ' "stage3_param_persistence_threshold": 100},'
+                    ' "strata": {"device_budget_bytes": 1048576, "host_budget_bytes": 67108864}}')
+    _, t, _ = fit(StrataStrategy(config=str(path)), max_epochs=1)
+    engine = t.strategy.engine
+    assert engine.stage == 3
+    assert engine.stats()["budget_bytes"] == {"device": 1 << 20, "host": 64 << 20, "nvme": 0}
+
+
+def test_training_step_returning_none_is_refused_at_an_optimizer_step():
+    class Skips(Net):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match="training_step returned None"):
+        trainer(StrataStrategy()).fit(Skips(), loader())
+
+
+def test_a_model_without_trainable_parameters_is_refused_by_evaluation():
+    model = Net()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        trainer(StrataStrategy()).validate(model, loader(16, seed=1))
 
 
 def test_auto_batch_size_and_the_trainer_owned_keys():
