@@ -811,14 +811,23 @@ class _StrategyMixin:
 
     def _configure_launcher(self):
         super()._configure_launcher()
-        environment = self.cluster_environment
-        if self.num_processes > 1 and environment is not None and \
-                not environment.creates_processes_externally and \
-                "STRATA_STORE_PORT" not in os.environ:
-            # Lightning's launcher gives the processes it starts this environment: strata's store
-            # takes a port of its own, not MASTER_PORT + 1 (which may be in use).
-            avoid = {int(os.environ["MASTER_PORT"]) + 1} if "MASTER_PORT" in os.environ else ()
-            os.environ["STRATA_STORE_PORT"] = str(_free_port(avoid))
+        launcher = self._launcher
+        if launcher is None:
+            return
+        launch = launcher.launch
+
+        def launch_with_a_store_port(function, *args, **kwargs):
+            environment = self.cluster_environment
+            if self.num_processes * self.num_nodes > 1 and environment is not None and \
+                    not environment.creates_processes_externally and \
+                    "STRATA_STORE_PORT" not in os.environ:
+                # Lightning's launcher gives the processes it starts this environment: strata's
+                # store takes a port of its own, not MASTER_PORT + 1 (which may be in use).
+                avoid = {int(os.environ["MASTER_PORT"]) + 1} if "MASTER_PORT" in os.environ \
+                    else ()
+                os.environ["STRATA_STORE_PORT"] = str(_free_port(avoid))
+            return launch(function, *args, **kwargs)
+        launcher.launch = launch_with_a_store_port
 
     def setup_environment(self):
         self._resolve_precision()
@@ -1030,6 +1039,12 @@ class _StrategyMixin:
         module = self.lightning_module
         fitting = trainer.state.fn == self._flavor.TrainerFn.FITTING
         held = _held(module)
+        if fitting and any(isinstance(c, self._flavor.GradientAccumulationScheduler)
+                           for c in trainer.callbacks):
+            raise RuntimeError("StrataStrategy: GradientAccumulationScheduler changes "
+                               "accumulate_grad_batches between epochs, and strata's engine "
+                               "keeps one accumulation for its run; accepted: "
+                               "Trainer(accumulate_grad_batches=N)")
         if fitting:
             if held is not None:
                 # A new fit: a new engine and optimizer, from the weights the last one left.
@@ -1290,6 +1305,8 @@ class _Flavor:
         self.ForwardRedirection = strategy_module._ForwardRedirection
         self.Precision = importlib.import_module(f"{package}.plugins.precision").Precision
         self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
+        self.GradientAccumulationScheduler = importlib.import_module(
+            f"{package}.callbacks").GradientAccumulationScheduler
         self.is_overridden = importlib.import_module(
             f"{package}.utilities.model_helpers").is_overridden
         optimizer = importlib.import_module(f"{package}.core.optimizer")
