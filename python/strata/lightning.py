@@ -272,16 +272,19 @@ def _load_config(config):
     return copy.deepcopy(TrainConfig.load(config)), True
 
 
-def _put(config, dotted, value, argument, strict=True):
+def _put(config, dotted, value, argument, given=True):
     """Sets config[dotted] = value for the argument `argument`; a value the config already holds
-    there and that differs is refused, naming both (strict)."""
+    there and that differs is refused, naming both. An argument not given (its default) leaves
+    the config's value."""
     *path, key = dotted.split(".")
     block = config
     for part in path:
         block = block.setdefault(part, {})
         if not isinstance(block, dict):
             raise ConfigError(f"config: {part}: accepted: a JSON object")
-    if strict and key in block and block[key] != "auto" and block[key] != value:
+    if not given and key in block and block[key] != "auto":
+        return
+    if key in block and block[key] != "auto" and block[key] != value:
         raise ValueError(f"StrataStrategy: {argument} and the config's {dotted} "
                          f"({block[key]!r}) disagree; accepted: one of them, or the same value")
     block[key] = value
@@ -309,16 +312,15 @@ def _build_config(strategy, a, given, has_config, config):
                                   "kept in host memory, as offload_optimizer=True with "
                                   "offload_optimizer_device='cpu'")
     if a["offload_optimizer"] or "offload_optimizer_device" in given:
-        device = a["offload_optimizer_device"]
-        _put(config, "zero_optimization.offload_optimizer.device", device,
-             f"offload_optimizer_device={device!r}")
+        device = _device_for(config, "offload_optimizer", a, given, "offload_optimizer_device")
         if device == "nvme":
             _put(config, "zero_optimization.offload_optimizer.nvme_path", nvme,
-                 f"nvme_path={nvme!r}")
+                 f"nvme_path={nvme!r}", "nvme_path" in given)
     elif not isinstance(_get(config, "zero_optimization.offload_optimizer.device"), str):
         # Left out: strata's own place for it, host memory (not DeepSpeed's device, which strata
         # does not have; a config that says "none" is told so by the engine).
-        _put(config, "zero_optimization.offload_optimizer.device", "cpu", "offload_optimizer")
+        _put(config, "zero_optimization.offload_optimizer.device", "cpu", "offload_optimizer",
+             given=False)
     if "optimizer_buffer_count" in given:
         _put(config, "zero_optimization.offload_optimizer.buffer_count",
              a["optimizer_buffer_count"], f"optimizer_buffer_count={a['optimizer_buffer_count']}")
@@ -327,11 +329,10 @@ def _build_config(strategy, a, given, has_config, config):
         warn("offload_parameters", f"parameters are offloaded at ZeRO stage 3 only (this is "
                                    f"stage {stage}): they stay on the device")
     elif a["offload_parameters"]:
-        device = a["offload_params_device"]
-        _put(config, "zero_optimization.offload_param.device", device,
-             f"offload_params_device={device!r}")
+        device = _device_for(config, "offload_param", a, given, "offload_params_device")
         if device == "nvme":
-            _put(config, "zero_optimization.offload_param.nvme_path", nvme, f"nvme_path={nvme!r}")
+            _put(config, "zero_optimization.offload_param.nvme_path", nvme, f"nvme_path={nvme!r}",
+                 "nvme_path" in given)
     elif "offload_params_device" in given:
         warn("offload_params_device", "offload_parameters is not True: parameters stay on the "
                                       "device")
@@ -383,6 +384,17 @@ def _build_config(strategy, a, given, has_config, config):
         _put(config, "strata.comm_timeout_s", max(1, int(a["timeout"].total_seconds())),
              f"timeout={a['timeout']}")
     return config
+
+
+def _device_for(config, block, a, given, argument):
+    """Writes the offload block's device: the argument's when given (a config that says otherwise
+    is refused), else the config's own, else the argument's default. Returns it."""
+    dotted = f"zero_optimization.{block}.device"
+    if argument not in given and isinstance(_get(config, dotted), str):
+        return _get(config, dotted)
+    device = a[argument]
+    _put(config, dotted, device, f"{argument}={device!r}")
+    return device
 
 
 def _get(config, dotted):

@@ -680,6 +680,25 @@ def test_bad_arguments_are_refused_naming_them(arguments, message):
         StrataStrategy(**arguments)
 
 
+def test_arguments_given_apply_over_the_config_and_defaults_leave_it():
+    config = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"},
+                                    "reduce_bucket_size": 1000},
+              "strata": {"host_budget_bytes": 1 << 26}}
+    strategy = StrataStrategy(stage=3, offload_parameters=True, queue_depth=16, config=config)
+    zero = strategy.config["zero_optimization"]
+    # Given: stage, offload_parameters, queue_depth; left at their defaults: the devices and
+    # nvme_path, which the config says (DeepSpeedStrategy's defaults would be 'cpu' and
+    # /local_nvme).
+    assert zero["stage"] == 3 and zero["offload_param"] == {"device": "nvme", "nvme_path": "/x"}
+    assert zero["reduce_bucket_size"] == 1000 and strategy.config["aio"] == {"queue_depth": 16}
+    assert strategy.config["strata"] == {"host_budget_bytes": 1 << 26}
+    assert config["zero_optimization"] == {"offload_param": {"device": "nvme", "nvme_path": "/x"},
+                                           "reduce_bucket_size": 1000}  # the user's, untouched
+    # Without a config, DeepSpeedStrategy's default stage (2).
+    assert StrataStrategy().config["zero_optimization"]["stage"] == 2
+    assert "stage" not in StrataStrategy(config={}).config.get("zero_optimization", {})
+
+
 def test_unknown_argument_is_refused_listing_the_accepted_ones():
     with pytest.raises(TypeError, match="offload_param.*accepted: DeepSpeedStrategy's arguments"):
         StrataStrategy(offload_param=True)
