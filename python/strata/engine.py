@@ -414,6 +414,13 @@ class Engine(Lending, Gradients, Step):
 
         self.optimizer_kind = hyper["kind"]
         self._initial_state = hyper["initial_accumulator_value"]  # a fresh optimizer's first state
+        # Parameters homed on NVMe take their new weights from the committed master weights, one
+        # at a time, rather than all at once in host memory (_refresh_weights: it reads each
+        # parameter's whole optimizer state back, 12 bytes per element), unless they are within
+        # offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory: the Runtime
+        # keeps their host copies) and their copies fit a quarter of the host budget twice: then
+        # the step writes their new weights into their host copies, as for parameters homed there.
+        self._refresh = self._param_tier == "nvme" and not self._params_in_cpu(runtime_blocks)
         self.runtime.create_optimizer(
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
@@ -474,9 +481,6 @@ class Engine(Lending, Gradients, Step):
         self._cursor = None
         self._prefetched = None  # (module, its entries, the gather started for it)
         self.prefetched_gathers = 0  # gathers started ahead that their module used
-        # Parameters homed on NVMe take their new weights from the committed master weights, one
-        # at a time, rather than all at once in host memory (_refresh_weights).
-        self._refresh = self._param_tier == "nvme"
         self._pending_refresh = []
         self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
@@ -628,9 +632,20 @@ class Engine(Lending, Gradients, Step):
     def _staged_copy_elements(self):
         """Elements whose new weights a step stages in host memory: all, or (parameters homed on
         NVMe, read back from the master weights instead) the unpartitioned ones' (-1: all)."""
-        if self._param_tier != "nvme":
+        if not self._refresh:
             return -1
         return sum(e.shard for e in self._params if not self._will_partition(e))
+
+    def _params_in_cpu(self, runtime_blocks):
+        """Whether the partitioned parameters are all within offload_param.max_in_cpu
+        (DeepSpeed's default 1e9 elements) and their copies, twice (the host copies and the
+        step's staged new weights), within half of strata.host_budget_bytes."""
+        offload = runtime_blocks.get("zero_optimization", {}).get("offload_param", {})
+        max_in_cpu = offload.get("max_in_cpu", 1e9)
+        host = runtime_blocks.get("strata", {}).get("host_budget_bytes", 4 << 30)
+        elements = sum(e.numel for e in self._params if self._will_partition(e))
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return elements <= max_in_cpu and 2 * elements * element <= host // 2
 
     def _initial_weights(self, e):
         """e's weights in fp32 on the host: the tensor's, or its partition's (built under

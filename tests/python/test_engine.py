@@ -909,14 +909,15 @@ def test_the_weights_can_be_read_between_backward_and_step(tmp_path):
 
 def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_before_the_next(
         tmp_path):
-    # Parameters on NVMe take their new weights from the committed master weights after the
-    # step; when one cannot be written then, the step says so and the next forward writes it:
-    # training goes on equal to torch's.
+    # Parameters on NVMe beyond max_in_cpu take their new weights from the committed master
+    # weights after the step; when one cannot be written then, the step says so and the next
+    # forward writes it: training goes on equal to torch's.
     from strata import _strata
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
     config = make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0)
+    config["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
     config["scheduler"] = {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
         "warmup_type": "linear"}}
@@ -1379,3 +1380,41 @@ def test_a_parameter_used_for_a_loss_kept_on_its_module_trains_as_plain_torch(tm
         torch_adamw.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     assert not any(engine._holders.values())
+
+
+@pytest.mark.parametrize("max_in_cpu", [0, 10**9])
+def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(tmp_path,
+                                                                                 max_in_cpu):
+    """Parameters homed on NVMe: within offload_param.max_in_cpu (DeepSpeed's default 1e9) the
+    step writes their new weights into their host copies, reading the optimizer state once;
+    beyond it they are read back from the committed master weights (the state read twice). Both
+    train as plain torch."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
+    config = make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0)
+    config["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert engine._refresh == (max_in_cpu == 0)
+    def storage_read():  # what this process read from the disk (O_DIRECT: what it asked for)
+        with open("/proc/self/io", encoding="utf-8") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+    state = 12 * sum(e.numel for e in engine._params)  # master weights and two moments, fp32
+    partitioned = 12 * sum(e.numel for e in engine._params if e.partitioned)
+    for i, (x, y) in enumerate(batches(4)):
+        before = storage_read()
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)  # (the step is staged during backward)
+        engine.step()
+        read = storage_read() - before
+        if i > 0:  # (the first step's forward reads the parameters too)
+            if max_in_cpu:
+                assert read < state + partitioned // 2, (read, state)
+            else:
+                assert read >= state + partitioned // 2, (read, state)
+        ref_loss = reference.micro_step(x, y, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
