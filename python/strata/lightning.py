@@ -545,9 +545,17 @@ def _close_engines():
             pass
 
 
+def _closed(engine):
+    try:
+        engine.runtime  # noqa: B018 - a closed engine's raises
+    except RuntimeError:
+        return True
+    return False
+
+
 def _held(module):
     held = module.__dict__.get("_strata_engine") if module is not None else None
-    if held is not None and held.engine._runtime is None:  # closed by its user
+    if held is not None and _closed(held.engine):  # closed by its user
         module.__dict__.pop("_strata_engine", None)
         return None
     return held
@@ -788,7 +796,7 @@ class _StrategyMixin:
     def engine(self):
         """The strata engine (strata.engine.Engine) of this strategy's last run (kept after it, with
         the module), or None."""
-        if self._engine is not None and self._engine._runtime is None:
+        if self._engine is not None and _closed(self._engine):
             self._engine = None  # closed since (release, or a later fit's new engine)
         return self._engine
 

@@ -395,7 +395,9 @@ def test_release_gives_the_weights_back_and_a_second_fit_starts_afresh():
     # A new fit: a new engine (and optimizer) from the weights the first left.
     t2 = trainer(StrataStrategy(stage=2), max_epochs=1)
     t2.fit(model, loader())
-    assert first._runtime is None and t2.strategy.engine is not first
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        first.runtime
+    assert t2.strategy.engine is not first
     sl.release(model)
     assert "_strata_engine" not in model.__dict__ and t2.strategy.engine is None
     assert all(p.numel() > 0 for p in model.parameters())
@@ -567,7 +569,7 @@ def test_lightning_arguments_and_the_config_take_effect(tmp_path):
     assert t.strategy.engine.stage == 0
     # A static loss scale and the dynamic scale's arguments reach the engine.
     _, t, _ = fit(StrataStrategy(loss_scale=128), precision="16-mixed", max_epochs=1)
-    assert t.strategy.engine.loss_scale == 128.0 and not t.strategy.engine._dynamic_scale
+    assert t.strategy.engine.loss_scale == 128.0 and t.strategy.engine.config.loss_scale == 128
     _, t, _ = fit(StrataStrategy(loss_scale_window=7, hysteresis=3, min_loss_scale=4),
                   precision="16-mixed", max_epochs=1)
     config = t.strategy.engine.config
