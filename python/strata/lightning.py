@@ -917,11 +917,16 @@ class _StrategyMixin:
                              f"{type(plugin).__name__}; accepted: Trainer(precision=...) or "
                              "StrataStrategy(precision_plugin=StrataPrecision(...))")
         plugin._strategy = weakref.ref(self)
-        if not plugin._from_trainer:
-            return plugin.precision
         trainer = getattr(self.lightning_module, "_trainer", None)
         connector = getattr(trainer, "_accelerator_connector", None)
         flag = getattr(connector, "_precision_flag", None)
+        if not plugin._from_trainer:
+            # Given to the strategy: a Trainer(precision=...) other than the default must agree.
+            if isinstance(flag, str) and flag in _PRECISIONS and flag != "32-true" and \
+                    _check_precision(flag) != plugin.precision:
+                raise ValueError(f"StrataStrategy: precision_plugin is {plugin.precision!r} and "
+                                 f"Trainer(precision={flag!r}); accepted: one of them")
+            return plugin.precision
         if not isinstance(flag, str):
             raise RuntimeError("StrataStrategy: the Trainer's precision could not be read; "
                                "accepted: StrataStrategy(precision_plugin=StrataPrecision("

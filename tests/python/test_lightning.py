@@ -716,6 +716,8 @@ def test_unknown_argument_is_refused_listing_the_accepted_ones():
     (lambda: StrataStrategy(), {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
      "gradient_clip_algorithm='value' is not supported"),
     (lambda: StrataStrategy(), {"precision": "64-true"}, "precision='64-true' is not supported"),
+    (lambda: StrataStrategy(precision_plugin=sl.StrataPrecision("bf16-mixed")),
+     {"precision": "16-mixed"}, "precision_plugin is 'bf16-mixed' and Trainer"),
     (lambda: StrataStrategy(config={"strata": {"device": "cuda"}}), {},
      "strata.device is 'cuda' and the Trainer runs on cpu"),
     (lambda: StrataStrategy(config={"zero_optimisation": {"stage": 2}}), {},
