@@ -12,20 +12,21 @@ import strata
 from strata import _strata
 
 
-def config(tmp_path, device_budget=1 << 20, host_budget=64 << 20):
+def config(tmp_path, device_budget=1 << 20, host_budget=64 << 20, max_in_cpu=10**9):
     return json.dumps({
         "zero_optimization": {
             "stage": 3,
             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2,
-                              "buffer_size": 65536},
+                              "buffer_size": 65536, "max_in_cpu": max_in_cpu},
             "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
         "strata": {"device": "emulated", "device_budget_bytes": device_budget,
                    "host_budget_bytes": host_budget, "nvme_capacity_bytes": 256 << 20}})
 
 
-def test_bytes_go_down_and_come_back_through_every_tier(tmp_path):
+@pytest.mark.parametrize("max_in_cpu", [0, 10**9])
+def test_bytes_go_down_and_come_back_through_every_tier(tmp_path, max_in_cpu):
     warnings = []
-    rt = _strata.Runtime(config(tmp_path), on_warning=warnings.append)
+    rt = _strata.Runtime(config(tmp_path, max_in_cpu=max_in_cpu), on_warning=warnings.append)
     assert rt.emulated_device
     assert any("emulated" in w for w in warnings)
     rt.register(0, "param", "bfloat16", 5000, 0, "nvme",
@@ -42,7 +43,11 @@ def test_bytes_go_down_and_come_back_through_every_tier(tmp_path):
     del on_host
     rt.release(0, "host", False)
     report = rt.end_step()
-    assert report["bytes_moved"]["nvme_to_device"] == 10000
+    if max_in_cpu:  # a parameter within max_in_cpu: through the host tier, whose copy stays
+        assert report["bytes_moved"]["nvme_to_host"] == 10000
+        assert report["bytes_moved"]["host_to_device"] == 10000
+    else:  # straight to the device, staged
+        assert report["bytes_moved"]["nvme_to_device"] == 10000
     assert report["bytes_moved"]["device_to_host"] == 10000
     assert rt.stats()["steps"] == 1
 
