@@ -60,12 +60,13 @@ or another, use them, and a later fit starts a new engine (and optimizer) from t
 ``module_state_dict(model)`` gives the weights whole; ``release(model)`` puts them back into the
 module as plain tensors and closes its engine.
 
-Not acted on (warned when given): max_in_cpu, pin_memory=False, sub_group_size,
+Not acted on (warned when given): pin_memory=False, sub_group_size,
 contiguous_gradients, allgather_partitions, reduce_scatter, zero_allow_untested_optimizer,
 partition_activations, contiguous_memory_optimization, synchronize_checkpoint_boundary,
 exclude_frozen_parameters, offload_optimizer=False (strata always steps on the CPU), a
-remote_device other than the parameters' tier, the loss-scale arguments outside "16-mixed", and
-the bucket and overlap_comm arguments in one process (they act across ranks).
+remote_device other than the parameters' tier, max_in_cpu without parameters on NVMe, the
+loss-scale arguments outside "16-mixed", and the bucket and overlap_comm arguments in one process
+(they act across ranks).
 
 Both packages are served: ``StrataStrategy`` and ``StrataPrecision`` here are built on
 ``lightning.pytorch`` (on ``pytorch_lightning`` where only that is installed);
@@ -131,7 +132,6 @@ def _default_timeout():
 # strata does; False is not honoured.
 _ANY = object()
 _NOT_ACTED_ON = {
-    "max_in_cpu": ("the host tier is sized by strata.host_budget_bytes", _ANY),
     "sub_group_size": ("strata steps the optimizer one parameter's partition at a time, "
                        "pipelined with its NVMe reads and writes", _ANY),
     "contiguous_gradients": ("strata keeps each gradient in a partition of its own", True),
@@ -224,7 +224,7 @@ def _check_arguments(a):
                                           1 << 20)
     a["params_buffer_size"] = _check_int("params_buffer_size", a["params_buffer_size"], 4096,
                                          256 << 20)
-    a["max_in_cpu"] = _check_int("max_in_cpu", a["max_in_cpu"], 0)
+    a["max_in_cpu"] = _check_int("max_in_cpu", a["max_in_cpu"], 0, 1 << 50)
     a["optimizer_buffer_count"] = _check_int("optimizer_buffer_count",
                                              a["optimizer_buffer_count"], 1, 1 << 20)
     a["block_size"] = _check_int("block_size", a["block_size"], 4096, 64 << 20, True)
@@ -342,6 +342,14 @@ def _build_config(strategy, a, given, has_config, config):
                                                                   "buffer_size")):
         if name in given:
             _put(config, f"zero_optimization.offload_param.{key}", a[name], f"{name}={a[name]}")
+    if "max_in_cpu" in given:
+        # Parameters homed on NVMe within it keep a host copy (while the host budget has room).
+        if _get(config, "zero_optimization.offload_param.device") == "nvme":
+            _put(config, "zero_optimization.offload_param.max_in_cpu", a["max_in_cpu"],
+                 f"max_in_cpu={a['max_in_cpu']}")
+        else:
+            warn("max_in_cpu", "it acts on parameters offloaded to NVMe, and these are not "
+                               "(offload_params_device='nvme' with offload_parameters=True)")
     if "nvme_path" in given and not _uses_nvme(config):
         warn("nvme_path", "nothing is offloaded to NVMe (offload_params_device and "
                           "offload_optimizer_device are not 'nvme')")

@@ -525,6 +525,7 @@ def test_acted_arguments_reach_the_engine(tmp_path):
         stage=3, offload_optimizer=True, offload_parameters=True,
         offload_params_device="nvme", offload_optimizer_device="nvme", remote_device="nvme",
         nvme_path=str(tmp_path), params_buffer_count=4, params_buffer_size=1 << 16,
+        max_in_cpu=10_000,
         optimizer_buffer_count=2, block_size=1 << 16, queue_depth=4, single_submit=True,
         overlap_events=False, thread_count=2, pin_memory=True, cpu_checkpointing=True,
         logging_batch_size_per_gpu=4, logging_level="INFO", config=THRESHOLD,
@@ -537,7 +538,8 @@ def test_acted_arguments_reach_the_engine(tmp_path):
                             "overlap_events": False, "intra_op_parallelism": 2}
     zero = given["zero_optimization"]
     assert zero["offload_param"] == {"device": "nvme", "nvme_path": str(tmp_path),
-                                     "buffer_count": 4, "buffer_size": 1 << 16}
+                                     "buffer_count": 4, "buffer_size": 1 << 16,
+                                     "max_in_cpu": 10_000}
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path),
                                          "buffer_count": 2}
     assert given["strata"]["comm_timeout_s"] == 300
@@ -611,7 +613,7 @@ def test_auto_batch_size_and_the_trainer_owned_keys():
 
 
 @pytest.mark.parametrize("arguments, named", [
-    ({"max_in_cpu": 10}, "max_in_cpu"),
+    ({"max_in_cpu": 10}, "max_in_cpu"),  # without parameters on NVMe
     ({"sub_group_size": 10}, "sub_group_size"),
     ({"contiguous_gradients": False}, "contiguous_gradients"),
     ({"allgather_partitions": False}, "allgather_partitions"),
