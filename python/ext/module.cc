@@ -445,13 +445,15 @@ class PyRuntime {
   // at memory the Runtime has reused. A release that fails then is kept for TakeDeferredErrors.
   // `stream` (the CUDA tier: the cudaStream_t the tensor's kernels are queued on, as an integer;
   // 0: none) is the release's: the copy is not reused before the work queued there by the time
-  // the tensor is freed has run.
-  py::capsule Lend(uint64_t id, const std::string& tier, uintptr_t stream) {
+  // the tensor is freed has run. `traced` false: an access the scheduler does not see (an
+  // evaluation's forward), as Acquire's.
+  py::capsule Lend(uint64_t id, const std::string& tier, uintptr_t stream, bool traced) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
+    const sched::Access access = traced ? sched::Access::kTraced : sched::Access::kOutOfTrace;
     absl::StatusOr<std::byte*> p;
     {
       py::gil_scoped_release unlocked;
-      p = runtime_->Acquire(id, t);
+      p = runtime_->Acquire(id, t, access);
     }
     std::byte* address = Take(std::move(p));
     const Shape shape = shapes_.at(id);
@@ -464,9 +466,10 @@ class PyRuntime {
     Deferred* deferred = deferred_.get();
     return LendTensor(address, shape.dtype, shape.elements,
                       cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0,
-                      [runtime, deferred, id, t, keep, stream] {
+                      [runtime, deferred, id, t, keep, stream, access] {
                         const absl::Status s = runtime->Release(
-                            id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream));
+                            id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream),
+                            access);
                         if (!s.ok()) {
                           MutexLock lock(&deferred->mu);
                           deferred->errors.push_back(std::string(s.message()));
@@ -967,7 +970,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true)
-      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = 0)
+      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = 0,
+           py::arg("traced") = true)
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
            py::arg("stream") = 0, py::arg("traced") = true)

@@ -482,6 +482,7 @@ class Engine(Lending, Gradients, Step):
         self._prefetched = None  # (module, its entries, the gather started for it)
         self.prefetched_gathers = 0  # gathers started ahead that their module used
         self._pending_refresh = []
+        self._in_backward = False  # engine.backward is running (lending.py: _traced)
         self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
@@ -743,6 +744,7 @@ class Engine(Lending, Gradients, Step):
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._backward_since_step = True
+        self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
             if self.ranks is not None:
@@ -761,6 +763,7 @@ class Engine(Lending, Gradients, Step):
             self._end_staged(committed=False)
             raise
         finally:
+            self._in_backward = False
             self._drop_all()
         self._raise_deferred()
         return loss

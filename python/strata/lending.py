@@ -106,8 +106,17 @@ class Lending:
         self._lend_around(module, [e])
         self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
         if e.param.data.numel() == 0:
-            lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
+            lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
+                                                     self._traced()))
             e.param.data = lent.view(e.shape)
+
+    def _traced(self):
+        """Whether a lend now is part of the training step's access trace: a forward with
+        gradients or in training mode (a checkpointed segment's first forward runs without
+        gradients), or anything during engine.backward (whose hooks run without them). An
+        evaluation's forward (eval mode under no_grad, outside backward) is not: the scheduler
+        neither records it nor takes it for a step that left the plan."""
+        return torch.is_grad_enabled() or self._in_backward or self.module.training
 
     def _fetch(self, module):
         prefetched = self._take_prefetched(module)
@@ -116,7 +125,8 @@ class Lending:
             held = self._holders.get(e.pid, 0)
             if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
                 try:
-                    lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
+                    lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
+                                                         self._traced()))
                 except _strata.Error as error:
                     if error.code != "RESOURCE_EXHAUSTED":
                         raise

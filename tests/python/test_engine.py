@@ -1418,3 +1418,35 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
     for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
         torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_evaluation_between_steps_leaves_the_training_trace_alone(tmp_path):
+    """A forward in eval mode under no_grad (validation between training steps, as Lightning
+    runs it) lends the parameters outside the recorded trace: the next training step is still
+    planned, nothing warns that the order changed, and training matches plain torch."""
+    import warnings as warnings_module
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, 0.0)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0))
+    held_out = torch.randint(0, VOCAB, (2, 8))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always")
+        for i, (x, y) in enumerate(batches(6)):
+            loss = loss_of(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = reference.micro_step(x, y, 1)
+            reference.step()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+            if i >= 2:
+                assert engine.last_step_stats["runtime"]["mode"] == "planned", i
+            engine.eval()
+            with torch.no_grad():  # the validation
+                ours = engine(held_out)
+                theirs = reference.model(held_out)
+            engine.train()
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    differs = [str(w.message) for w in caught if "differs from the recorded trace" in str(w.message)]
+    assert not differs, differs
