@@ -302,7 +302,12 @@ absl::Status NvmeStore::Lock() {
       stat(path.c_str(), &st) == 0 && LockedFiles().count({st.st_dev, st.st_ino}) > 0) {
     // Checked before opening: closing any descriptor of the lock file would drop the lock this
     // process already holds.
-    return in_use(absl::StrCat("process ", getpid(), ", this one,"));
+    // In this process: most often an engine of an earlier run, still alive.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "nvme store: ", dir_, " is in use by another strata store of this process (", getpid(),
+        ", which holds ", path, "): an earlier engine or Runtime on this nvme_path is still "
+        "alive; close it first (engine.close(), or strata.lightning.release(model) for a "
+        "Lightning module), or give this one an nvme_path of its own"));
   }
   int fd = -1;
   std::pair<dev_t, ino_t> key;

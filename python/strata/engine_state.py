@@ -170,11 +170,14 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     if engine._staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
     if engine.micro_steps % engine._accumulation:
-        raise RuntimeError(
-            f"save_checkpoint: inside a gradient-accumulation window (micro-batch "
-            f"{engine.micro_steps % engine._accumulation} of "
-            f"{engine._accumulation}): the gradients summed so far are not kept; "
-            "save after the step that ends the window")
+        # As DeepSpeed's and plain PyTorch's checkpoints (a trainer's validation or exception
+        # callback saves where it is): the state as of the last step, without the window's
+        # gradients.
+        engine._warn(
+            f"save_checkpoint inside a gradient-accumulation window (micro-batch "
+            f"{engine.micro_steps % engine._accumulation} of {engine._accumulation}): the "
+            "gradients summed so far in the window are not saved; a run resumed from this "
+            "checkpoint ends the window with the micro-batches that follow only")
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     _check_tag(tag)
     save_dir = os.fspath(save_dir)

@@ -575,13 +575,24 @@ def test_loading_only_the_module_moves_the_master_weights_too(tmp_path):
             assert torch.allclose(value, saved[name], atol=1e-6), (flags, name)
 
 
-def test_a_save_inside_an_accumulation_window_is_refused(tmp_path):
+def test_a_save_inside_an_accumulation_window_keeps_the_last_steps_state_and_says_so(tmp_path):
+    # As DeepSpeed's and plain PyTorch's (a trainer's validation or exception callback saves
+    # where it is): the weights and optimizer state of the last step, the window's gradients not.
     engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
-    x, y = next(iter(batches(1)))
+    data = list(batches(3))
+    train(engine, data[:2])  # one step
+    x, y = data[2]
     engine.backward(loss_of(engine(x), y))
     engine.step()  # micro-batch 1 of 2
-    with pytest.raises(RuntimeError, match="inside a gradient-accumulation window"):
+    with pytest.warns(strata.StrataWarning, match="inside a gradient-accumulation window "
+                                                  r"\(micro-batch 1 of 2\)"):
         engine.save_checkpoint(tmp_path / "ckpt")
+    resumed = engine_for(tmp_path, "cpu", "fp32", seed=1, name="resumed")
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.global_steps == engine.global_steps == 1
+    assert resumed.micro_steps == engine.micro_steps == 3
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(resumed.module_state_dict()[name], value), name
 
 
 def test_a_load_drops_the_gradients_summed_before_it(tmp_path):

@@ -811,3 +811,35 @@ def test_gpu_accelerator_uses_the_cuda_tier_and_agrees_with_plain_lightning():
     assert model.device.type == "cuda"
     assert engine.stats()["bytes_moved"].get("host_to_device", 0) > 0
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=5e-3)
+
+
+def test_checkpoints_saved_inside_an_accumulation_window_keep_the_run_going(tmp_path):
+    """A monitored ModelCheckpoint whose validation falls inside an accumulation window
+    (val_check_interval not a multiple of it), and OnExceptionCheckpoint when the run fails
+    mid-window: both save, as under plain Lightning, with a warning that the window's gradients
+    are not kept; the user's exception is the one raised (from the audit: both failed with the
+    engine's refusal to save mid-window)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+    folder = tmp_path / "monitored"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        t = trainer(StrataStrategy(), max_epochs=1, accumulate_grad_batches=3,
+                    val_check_interval=4, enable_checkpointing=True,
+                    callbacks=[ModelCheckpoint(dirpath=folder, monitor="val_loss", save_top_k=1)])
+        torch.manual_seed(0)
+        t.fit(Net(), loader(), loader(16, seed=1))
+    assert os.listdir(folder), "no checkpoint was saved"
+    assert any("inside a gradient-accumulation window" in w for w in strata_warnings(record))
+
+    class Boom(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, index):
+            if index == 3:  # the second micro-batch of the second window
+                raise RuntimeError("boom")
+
+    folder = tmp_path / "on_exception"
+    t = trainer(StrataStrategy(), max_epochs=1, accumulate_grad_batches=3,
+                enable_checkpointing=True, callbacks=[Boom(), OnExceptionCheckpoint(dirpath=folder)])
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        t.fit(Net(), loader())
+    assert "on_exception.ckpt" in os.listdir(folder)
