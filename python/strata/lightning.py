@@ -115,6 +115,8 @@ TAG = "checkpoint"
 _CLIENT_KEY = "lightning"
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                      "STRATA_STORE_PORT")
+_ONE_PROCESS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                          "NODE_RANK")
 _PRECISIONS = {"32-true": "float32", "32": "float32", "bf16-mixed": "bfloat16",
                "bf16-true": "bfloat16", "16-mixed": "float16", "16-true": "float16"}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -784,6 +786,10 @@ class _StrategyMixin:
         self._full_weights = None  # a one-file checkpoint's state dict, for load_model_state_dict
         self._loaded_full_weights = False  # the run's checkpoint was one file (weights only)
         self._saved_environment = {}  # the launcher's variables as they were (setup_distributed)
+        # As they were when the strategy was made: a run of one process puts back what Lightning
+        # set meanwhile (MASTER_ADDR, MASTER_PORT, LOCAL_RANK, NODE_RANK), or a later
+        # strata.initialize in this process would take them for a launched job's.
+        self._environment_at_start = {k: os.environ.get(k) for k in _ONE_PROCESS_VARIABLES}
 
     # --- messages ---
 
@@ -1254,6 +1260,8 @@ class _StrategyMixin:
             self.accelerator.teardown()
         self.checkpoint_io.teardown()
         saved, self._saved_environment = self._saved_environment, {}
+        if self.world_size == 1:
+            saved = dict(self._environment_at_start)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

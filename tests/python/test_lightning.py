@@ -843,3 +843,20 @@ def test_checkpoints_saved_inside_an_accumulation_window_keep_the_run_going(tmp_
     with pytest.raises(RuntimeError, match="boom"):
         t.fit(Net(), loader())
     assert "on_exception.ckpt" in os.listdir(folder)
+
+
+def test_a_one_process_run_leaves_no_launch_variables_behind(tmp_path):
+    """After a fit in one process the variables Lightning set (MASTER_ADDR, MASTER_PORT,
+    LOCAL_RANK, NODE_RANK) are as they were, so a later strata.initialize in the same process is
+    not taken for a launched job's (found running test files in one process)."""
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+    before = {k: os.environ.get(k) for k in names}
+    torch.manual_seed(0)
+    t = trainer(StrataStrategy(), max_epochs=1)
+    t.fit(Net(), loader())
+    assert {k: os.environ.get(k) for k in names} == before
+    model = nn.Linear(4, 4)
+    engine, _, _, _ = strata.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    engine.close()
