@@ -26,7 +26,9 @@ every timed step), peak resident memory (VmHWM), peak locked memory (VmLck, samp
 the bytes the process read from and wrote to storage per step (/proc/self/io: under the NVMe
 folder, as nothing else is read or written during the steps), and both systems' losses, which
 must agree within --tolerance (else the row's comparison is void and says so). A row DeepSpeed
-cannot run is kept with its exact error.
+cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
+bytes read and written a step at fio's read and write rates in the scratch folder (bench/
+fio_ceiling.py, measured once a round; left out where fio is missing).
 
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
@@ -43,6 +45,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from fio_ceiling import fio_bandwidth  # noqa: E402
 ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload"]
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
 APPROXIMATE = {"zenflow"}
@@ -307,7 +311,15 @@ def main():
     args.nvme_placeholder = "@NVME@"
 
     runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
+    disk = []  # (read, write) bytes/s by fio in the scratch folder, once a round (the NVMe row)
     for round_index in range(args.rounds):
+        if "zero3_nvme" in rows:
+            bw = (fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True))
+            fio_file = os.path.join(args.dir, "fio.bin")
+            if os.path.exists(fio_file):
+                os.remove(fio_file)
+            if None not in bw:
+                disk.append(bw)
         for row in rows:
             ds_config, our_config = row_config(row, args, args.nvme_placeholder)
             order = ("strata", "deepspeed") if round_index % 2 == 0 else ("deepspeed", "strata")
@@ -337,6 +349,15 @@ def main():
             entry["loss_difference"] = worst
             entry["void"] = row not in APPROXIMATE and worst > args.tolerance
             entry["speedup"] = theirs["step_s"] / ours["step_s"]
+            if row == "zero3_nvme" and disk:
+                # The disk's floor for each system: its own bytes read and written a step at fio's
+                # rates (the median of the rounds'), reads and writes one after the other.
+                read_bps = statistics.median(d[0] for d in disk)
+                write_bps = statistics.median(d[1] for d in disk)
+                for side in (ours, theirs):
+                    side["disk_floor_s"] = side["read_bytes_per_step"] / read_bps + \
+                        side["write_bytes_per_step"] / write_bps
+                entry["fio_gbs"] = [read_bps / 1e9, write_bps / 1e9]
         table.append(entry)
 
     import torch
@@ -374,7 +395,13 @@ def main():
                   f"[{e['deepspeed']['min_s']:.3f}, {e['deepspeed']['max_s']:.3f}]); peak RSS "
                   f"{ratio(e['strata']['peak_rss_bytes'], e['deepspeed']['peak_rss_bytes']):.2f}"
                   "x DeepSpeed's")
-        elif e.get("void"):
+        if "fio_gbs" in e:
+            print(f"vs_deepspeed/{e['row']}: the disk's floor (its bytes a step at fio's "
+                  f"{e['fio_gbs'][0]:.2f} GB/s read, {e['fio_gbs'][1]:.2f} GB/s write): strata "
+                  f"{e['strata']['disk_floor_s']:.3f} s ({e['strata']['disk_floor_s'] / e['strata']['step_s']:.2f} "
+                  f"of its step), DeepSpeed {e['deepspeed']['disk_floor_s']:.3f} s "
+                  f"({e['deepspeed']['disk_floor_s'] / e['deepspeed']['step_s']:.2f} of its step)")
+        if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")
     if args.png:
