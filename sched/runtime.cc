@@ -652,10 +652,9 @@ absl::Status Runtime::EvictLocked(PartitionId id, Tier tier, Purpose purpose, ui
     }
     if (!r.only_current(tier)) break;  // another copy is current: a drop
     // Parameters offloaded to NVMe skip the host on the way down, as in ZeRO-Infinity.
-    const bool device_to_nvme = tier == Tier::kDevice && store_ != nullptr &&
-                                r.desc.role == tiering::Role::kParam &&
-                                config_.offload_param.device == tiering::OffloadDevice::kNvme &&
-                                !parts_.at(id).host_cached;
+    const bool device_to_nvme =
+        tier == Tier::kDevice && store_ != nullptr && r.desc.role == tiering::Role::kParam &&
+        config_.offload_param.device == tiering::OffloadDevice::kNvme && !parts_.at(id).host_cached;
     const Tier lower = tier == Tier::kDevice && !device_to_nvme ? Tier::kHost : Tier::kNvme;
     if (lower == Tier::kNvme && store_ == nullptr) {
       return absl::ResourceExhaustedError(
@@ -766,8 +765,8 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
         // next use (backward, the next step) instead of the disk being read again. Without room
         // there it goes straight to the device, staged.
         bool raced = false;
-        absl::Status staged = MoveLocked(id, Tier::kNvme, Tier::kHost, purpose, limit, waits,
-                                         &raced);
+        absl::Status staged =
+            MoveLocked(id, Tier::kNvme, Tier::kHost, purpose, limit, waits, &raced);
         if (staged.ok() || raced) continue;  // the host copy is the source now: look again
         if (staged.code() != absl::StatusCode::kResourceExhausted) return staged;
       }

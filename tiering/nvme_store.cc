@@ -305,7 +305,8 @@ absl::Status NvmeStore::Lock() {
     // In this process: most often an engine of an earlier run, still alive.
     return absl::FailedPreconditionError(absl::StrCat(
         "nvme store: ", dir_, " is in use by another strata store of this process (", getpid(),
-        ", which holds ", path, "): an earlier engine or Runtime on this nvme_path is still "
+        ", which holds ", path,
+        "): an earlier engine or Runtime on this nvme_path is still "
         "alive; close it first (engine.close(), or strata.lightning.release(model) for a "
         "Lightning module), or give this one an nvme_path of its own"));
   }

@@ -464,21 +464,20 @@ class PyRuntime {
     PyObject* keep = py::cast(this, py::return_value_policy::reference).release().ptr();
     sched::Runtime* runtime = runtime_.get();
     Deferred* deferred = deferred_.get();
-    return LendTensor(address, shape.dtype, shape.elements,
-                      cuda ? DeviceKind::kCuda : DeviceKind::kCpu, cuda ? device_id_ : 0,
-                      [runtime, deferred, id, t, keep, stream, access] {
-                        const absl::Status s = runtime->Release(
-                            id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream),
-                            access);
-                        if (!s.ok()) {
-                          MutexLock lock(&deferred->mu);
-                          deferred->errors.push_back(std::string(s.message()));
-                        }
-                        if (Py_IsInitialized()) {  // at exit the interpreter may be gone
-                          py::gil_scoped_acquire gil;
-                          Py_DECREF(keep);
-                        }
-                      });
+    return LendTensor(
+        address, shape.dtype, shape.elements, cuda ? DeviceKind::kCuda : DeviceKind::kCpu,
+        cuda ? device_id_ : 0, [runtime, deferred, id, t, keep, stream, access] {
+          const absl::Status s = runtime->Release(
+              id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream), access);
+          if (!s.ok()) {
+            MutexLock lock(&deferred->mu);
+            deferred->errors.push_back(std::string(s.message()));
+          }
+          if (Py_IsInitialized()) {  // at exit the interpreter may be gone
+            py::gil_scoped_acquire gil;
+            Py_DECREF(keep);
+          }
+        });
   }
 
   void ArmFaults(bool armed) {

@@ -230,7 +230,7 @@ TEST(RuntimeTest, ParametersOffloadedToNvmeMoveBetweenDeviceAndNvmeInStagedChunk
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));
   config.offload_param.device = OffloadDevice::kNvme;
-  config.offload_param.max_in_cpu = 0;  // none kept in the host tier
+  config.offload_param.max_in_cpu = 0;          // none kept in the host tier
   config.offload_param.buffer_size = 64 << 10;  // a partition is several chunks
   config.device_budget_bytes = 1 << 20;
   config.host_budget_bytes = 1 << 20;
@@ -481,7 +481,7 @@ TEST(RuntimeTest, MakingRoomGoesOnPastAVictimThatCannotBeWrittenBack) {
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));
   config.offload_param.device = OffloadDevice::kNvme;  // device copies go down to NVMe
-  config.offload_param.max_in_cpu = 0;  // none kept in the host tier
+  config.offload_param.max_in_cpu = 0;                 // none kept in the host tier
   config.nvme_capacity_bytes = 3 * 102400;  // two stored partitions and the copy-on-write reserve
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
@@ -618,7 +618,8 @@ TEST(RuntimeTest, PinnedMemoryHeldStaysWithinTheHostBudget) {
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // they replace malloc
 // With strata.malloc_mmap_threshold_bytes set, a trainer's megabyte blocks (torch's gradients) go
 // back to the system when freed, not stay in glibc's heap: the Runtime fixes glibc's mmap
-// threshold, which glibc would otherwise raise past a megabyte the first time such a block is freed.
+// threshold, which glibc would otherwise raise past a megabyte the first time such a block is
+// freed.
 TEST(RuntimeTest, LargeBlocksAMallocFreesLeaveTheProcessOnceARuntimeIsMadeWithAThreshold) {
   ScratchDir dir;
   RuntimeConfig config = SmallConfig(dir.File("swap"));

@@ -884,9 +884,9 @@ TEST(NvmeStoreTest, ASecondStoreOnOneDirectoryIsRefusedInThisProcessAndAnother) 
     ASSERT_TRUE((*first)->Put(1, RandomBytes(5000, 1)).ok());
     auto second = NvmeStore::Open(path, Small(), engine.get());
     EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_THAT(second.status().message(),
-                HasSubstr(absl::StrCat("in use by another strata store of this process (",
-                                       getpid())));
+    EXPECT_THAT(
+        second.status().message(),
+        HasSubstr(absl::StrCat("in use by another strata store of this process (", getpid())));
     EXPECT_THAT(second.status().message(), HasSubstr("engine.close()"));  // how to free it
     EXPECT_THAT(second.status().message(), HasSubstr("nvme_path of its own"));
     // Another process (a fresh one: this one has threads, so it is exec'd, not only forked).
