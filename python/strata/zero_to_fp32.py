@@ -33,6 +33,7 @@ time; to one file, the whole model in memory).
 
 import argparse
 import json
+import logging
 import mmap
 import os
 import sys
@@ -207,13 +208,21 @@ def main(argv=None):
     parser.add_argument("--safetensors", action="store_true",
                         help="write safetensors (as save_pretrained does) rather than torch.save")
     args = parser.parse_args(argv)
+    # The command line's own messages go through the `strata` logger, to stderr (the library
+    # itself never configures logging: this is the program's entry point).
+    log = logging.getLogger("strata.zero_to_fp32")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("strata_zero_to_fp32: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         names = consolidate(args.checkpoint_dir, args.out, args.tag, args.shard_size,
                             args.safetensors)
     except (engine_state.CheckpointError, ValueError, OSError) as error:
-        print(f"strata_zero_to_fp32: {error}", file=sys.stderr)
+        log.error("%s", error)
         return 2
-    print(f"strata_zero_to_fp32: {len(names)} tensors to {args.out}")
+    log.info("%d tensors to %s", len(names), args.out)
     return 0
 
 
