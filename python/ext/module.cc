@@ -588,6 +588,13 @@ class PyRuntime {
   std::vector<std::string> Warnings() const { return runtime_->warnings(); }
 
   bool EmulatedDevice() const { return runtime_->config().emulated_device; }
+  // offload_param.max_in_cpu as the Runtime read it (elements; 0 without parameters on NVMe):
+  // the parameters registered within it keep a host copy (sched/runtime.h).
+  int64_t MaxInCpu() const {
+    const auto& op = runtime_->config().offload_param;
+    return op.device == tiering::OffloadDevice::kNvme ? op.max_in_cpu : 0;
+  }
+  uint64_t HostBudgetBytes() const { return runtime_->config().host_budget_bytes; }
 
   // `kind`: "adam" (AdamW with adamw), "adagrad" (lr_decay, weight_decay as L2, eps) or "lion"
   // (beta1, beta2, weight_decay decoupled); `copy_dtype`: the dtype of the param copies the steps
@@ -983,6 +990,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("stats", &PyRuntime::Stats)
       .def("warnings", &PyRuntime::Warnings)
       .def_property_readonly("emulated_device", &PyRuntime::EmulatedDevice)
+      .def_property_readonly("max_in_cpu", &PyRuntime::MaxInCpu)
+      .def_property_readonly("host_budget_bytes", &PyRuntime::HostBudgetBytes)
       .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("kind") = "adam",
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
            py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f, py::arg("adamw") = true,

@@ -420,7 +420,7 @@ class Engine(Lending, Gradients, Step):
         # offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory: the Runtime
         # keeps their host copies) and their copies fit a quarter of the host budget twice: then
         # the step writes their new weights into their host copies, as for parameters homed there.
-        self._refresh = self._param_tier == "nvme" and not self._params_in_cpu(runtime_blocks)
+        self._refresh = self._param_tier == "nvme" and not self._params_in_cpu()
         self.runtime.create_optimizer(
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
@@ -637,16 +637,15 @@ class Engine(Lending, Gradients, Step):
             return -1
         return sum(e.shard for e in self._params if not self._will_partition(e))
 
-    def _params_in_cpu(self, runtime_blocks):
-        """Whether the partitioned parameters are all within offload_param.max_in_cpu
-        (DeepSpeed's default 1e9 elements) and their copies, twice (the host copies and the
-        step's staged new weights), within half of strata.host_budget_bytes."""
-        offload = runtime_blocks.get("zero_optimization", {}).get("offload_param", {})
-        max_in_cpu = offload.get("max_in_cpu", 1e9)
-        host = runtime_blocks.get("strata", {}).get("host_budget_bytes", 4 << 30)
+    def _params_in_cpu(self):
+        """Whether the partitioned parameters are all within offload_param.max_in_cpu as the
+        Runtime read it (DeepSpeed's default 1e9 elements: the Runtime keeps their host copies)
+        and their copies, twice (the host copies and the step's staged new weights), within half
+        of the host budget."""
         elements = sum(e.numel for e in self._params if self._will_partition(e))
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return elements <= max_in_cpu and 2 * elements * element <= host // 2
+        return elements <= self.runtime.max_in_cpu and \
+            2 * elements * element <= self.runtime.host_budget_bytes // 2
 
     def _initial_weights(self, e):
         """e's weights in fp32 on the host: the tensor's, or its partition's (built under

@@ -107,3 +107,12 @@ def test_a_partition_larger_than_the_device_budget_is_refused(tmp_path):
     with pytest.raises(strata.Error) as e:
         rt.acquire(0, "device")
     assert e.value.code == "RESOURCE_EXHAUSTED"
+
+
+def test_the_runtime_says_the_max_in_cpu_and_host_budget_it_read(tmp_path):
+    rt = _strata.Runtime(config(tmp_path, host_budget=32 << 20, max_in_cpu=12345))
+    assert rt.max_in_cpu == 12345 and rt.host_budget_bytes == 32 << 20
+    # Without parameters on NVMe nothing is kept for them: 0.
+    cpu = json.loads(config(tmp_path / "cpu"))
+    cpu["zero_optimization"]["offload_param"]["device"] = "cpu"
+    assert _strata.Runtime(json.dumps(cpu)).max_in_cpu == 0
