@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "aio/buffer.h"
 #include "aio/engine.h"
@@ -78,7 +79,9 @@ ABSL_FLAG(std::string, optimizer, "after_backward",
           "gradient, as strata's trainer front does)");
 ABSL_FLAG(std::vector<std::string>, policies,
           std::vector<std::string>({"strata", "lru", "deepspeed_like"}),
-          "the policies to run, in each round (comma-separated): strata, lru, deepspeed_like");
+          "the policies to run, in each round (comma-separated): strata, lru, deepspeed_like; "
+          "NAME@2 runs NAME with the copy engine's two streams, one per direction "
+          "(strata.copy_streams 2; the default is one)");
 ABSL_FLAG(std::string, json, "", "write the report here");
 
 namespace strata::bench {
@@ -98,7 +101,10 @@ using tiering::PartitionId;
 using tiering::Role;
 using tiering::Tier;
 
+// A policy's name, with "@2" after it for the CUDA copy engine's two streams (one per direction)
+// instead of one (strata.copy_streams): "strata@2".
 std::optional<Policy> PolicyNamed(absl::string_view name) {
+  if (absl::EndsWith(name, "@2") || absl::EndsWith(name, "@1")) name.remove_suffix(2);
   if (name == "strata") return Policy::kTrace;
   if (name == "lru") return Policy::kLru;
   if (name == "deepspeed_like") return Policy::kDeepSpeedLike;
@@ -388,7 +394,9 @@ int Main() {
       const double commit_s = *commit;
       commit_s_all.push_back(commit_s);
       std::filesystem::remove_all(config.nvme_path, ec);
-      Run run = RunPolicy(m, step_groups, policy, config);
+      tiering::RuntimeConfig run_config = config;
+      run_config.copy_streams = absl::EndsWith(name, "@2") ? 2 : 1;
+      Run run = RunPolicy(m, step_groups, policy, run_config);
       if (!run.error.empty()) {
         std::fprintf(stderr, "sched_step: %s: %s\n", name.c_str(), run.error.c_str());
         return 1;
@@ -585,8 +593,11 @@ int main(int argc, char** argv) {
   }
   for (const std::string& p : policies) {
     if (!strata::bench::PolicyNamed(p)) {
-      strata::aio_bench::BadFlag("--policies",
-                                 "names \"" + p + "\"; accepted: strata, lru, deepspeed_like");
+      strata::aio_bench::BadFlag(
+          "--policies",
+          "names \"" + p +
+              "\"; accepted: strata, lru, deepspeed_like, each with @1 or @2 after it "
+              "or not");
     }
   }
   if (const std::string d = absl::GetFlag(FLAGS_device); d != "emulated" && d != "cuda") {

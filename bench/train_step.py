@@ -13,6 +13,9 @@ Each round measures, side by side:
     written every step) at fio's read and write bandwidth (io_s; fio at 1 MiB, depth 8, O_DIRECT);
   * strata: the engine's step (ZeRO stage 3, parameters offloaded to the host, the optimizer on
     NVMe, the device budget under the model's state), the median of --steps after two warm-ups.
+With --variants, more strata configurations (optimizer threads / copy streams) are measured in
+each round beside the first; with --profile, the first one's step is also split into its phases
+(each waited for before the next) and profiled.
 The step's lower bound is max(compute_s, adam_s, io_s): every part overlapped with the others
 (the link is not in it: the emulated device's copies are memcpy, capped by nothing). The model
 computes with --compute-threads BLAS threads (default 1, plain PyTorch and strata alike): on a
@@ -96,10 +99,32 @@ def link_bandwidths(nbytes=256 << 20, repeats=5):
     return nbytes / h2d, nbytes / d2h
 
 
-def profile_step(step, cuda, path):
+def phases(engine, x, y, steps):
+    """The step's phases, each waited for on the GPU before the next starts (so nothing of one
+    overlaps the next, unlike a real step): the medians over `steps` of forward, backward and
+    engine.step(), in seconds, and the last step's stats."""
+    times = {"forward": [], "backward": [], "step": []}
+    for _ in range(steps):
+        _sync()
+        t0 = time.perf_counter()
+        loss = loss_of(engine, x, y)
+        _sync()
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        _sync()
+        t2 = time.perf_counter()
+        engine.step()
+        _sync()
+        t3 = time.perf_counter()
+        for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
+            times[key].append(value)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def profile_step(step, cuda, path, split=None):
     """One `step` under torch.profiler (CPU, and CUDA on a GPU): the ops by their own host time
-    and by device time, and the GPU's busy time against the step's, written to `path`; the trace
-    to `path`.trace.json."""
+    and by device time, and the GPU's busy time against the step's, written to `path` (with
+    `split`, the phases() of the step, first); the trace to `path`.trace.json."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     _sync()
@@ -110,6 +135,9 @@ def profile_step(step, cuda, path):
     wall = time.perf_counter() - t0
     averages = prof.key_averages()
     with open(path, "w", encoding="utf-8") as f:
+        if split:
+            f.write("the step's phases, each waited for before the next (median ms): "
+                    + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in split.items()) + "\n")
         f.write(f"one step under the profiler: {wall * 1e3:.1f} ms\n")
         if cuda:
             busy = sum(e.self_device_time_total for e in averages) / 1e6
@@ -173,7 +201,16 @@ def main():
                              "planner (989: an H100 SXM)")
     parser.add_argument("--profile", help="write torch.profiler's tables of one strata step (round "
                                           "0, after the timed steps) here, and its trace beside "
-                                          "it (.trace.json): where the step's time goes")
+                                          "it (.trace.json) and the engine's last_step_stats "
+                                          "(.stats.json): where the step's time goes")
+    parser.add_argument("--optimizer-threads", type=int, default=0,
+                        help="strata.optimizer_threads (0: one per core)")
+    parser.add_argument("--copy-streams", type=int, default=1, choices=[1, 2],
+                        help="strata.copy_streams: the CUDA copy engine's streams")
+    parser.add_argument("--variants", default="",
+                        help="more strata configurations measured in each round beside the "
+                             "first, comma-separated THREADS/STREAMS (optimizer threads, copy "
+                             "streams), e.g. 14/1,14/2")
     parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
                                        "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
@@ -188,6 +225,14 @@ def main():
             sys.exit(f"train_step: --{name.replace('_', '-')} must be at least 1")
     if args.compute_threads < 0:
         sys.exit("train_step: --compute-threads must be 0 (the BLAS's default) or more")
+    try:
+        variants = [tuple(int(v) for v in spec.split("/")) for spec in args.variants.split(",")
+                    if spec]
+        if any(len(v) != 2 or v[0] < 0 or v[1] not in (1, 2) for v in variants):
+            raise ValueError
+    except ValueError:
+        sys.exit(f"train_step: --variants {args.variants!r}: accepted: comma-separated "
+                 "THREADS/STREAMS, THREADS 0 or more, STREAMS 1 or 2 (e.g. 14/1,14/2)")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("train_step: --device cuda: torch sees no CUDA device")
@@ -254,8 +299,6 @@ def main():
         link_s = max(2 * params * element / link[0], params * element / link[1]) if cuda else 0.0
 
         # strata
-        shutil.rmtree(nvme, ignore_errors=True)
-        os.makedirs(nvme)
         config = {
             "train_micro_batch_size_per_gpu": args.batch,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -267,32 +310,56 @@ def main():
                 "stage3_param_persistence_threshold": 10000},
             "strata": {"device": args.device, "device_budget_bytes": budget,
                        "host_budget_bytes": max(1 << 30, 2 * training_state),
-                       "nvme_capacity_bytes": max(1 << 30, 2 * training_state)}}
+                       "nvme_capacity_bytes": max(1 << 30, 2 * training_state),
+                       "optimizer_threads": args.optimizer_threads,
+                       "copy_streams": args.copy_streams}}
         if cuda:
             config["bf16"] = {"enabled": True}
         if round_index == 0 and cuda and args.plan:
             prediction = planner_prediction(args, base, config, args.plan)
-        engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
-        def strata_step():
-            engine.backward(loss_of(engine, x, y))
-            engine.step()
+        def measure(threads, streams, profile):
+            """strata's median step with these optimizer threads and copy streams (and, with
+            `profile`, its phases and profile); (seconds, the last step's waits by cause)."""
+            shutil.rmtree(nvme, ignore_errors=True)
+            os.makedirs(nvme)
+            config["strata"].update(optimizer_threads=threads, copy_streams=streams)
+            engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
-        strata_step()
-        strata_step()
-        strata_s = median_time(strata_step, args.steps)
-        if round_index == 0 and args.profile:
-            profile_step(strata_step, cuda, args.profile)
-        waits = engine.last_step_stats["runtime"]["wait_by_cause"]
-        engine.close()
-        del engine
-        shutil.rmtree(nvme, ignore_errors=True)
+            def strata_step():
+                engine.backward(loss_of(engine, x, y))
+                engine.step()
+
+            strata_step()
+            strata_step()
+            seconds = median_time(strata_step, args.steps)
+            if profile:
+                split = phases(engine, x, y, args.steps)
+                profile_step(strata_step, cuda, args.profile, split)
+                with open(args.profile + ".stats.json", "w", encoding="utf-8") as f:
+                    json.dump(engine.last_step_stats, f, indent=1, default=str)
+                print("strata's phases, each waited for before the next: "
+                      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()))
+            waits = engine.last_step_stats["runtime"]["wait_by_cause"]
+            engine.close()
+            del engine
+            shutil.rmtree(nvme, ignore_errors=True)
+            return seconds, waits
+
+        strata_s, waits = measure(args.optimizer_threads, args.copy_streams,
+                                  round_index == 0 and args.profile)
+        variant_s = {}
+        for threads, streams in variants:
+            variant_s[f"{threads}/{streams}"], _ = measure(threads, streams, False)
+            print(f"round {round_index}: strata with {threads or 'one per core'} optimizer "
+                  f"threads and {streams} copy stream{'s' if streams > 1 else ''}: "
+                  f"{variant_s[f'{threads}/{streams}'] * 1e3:.0f} ms")
 
         bound_s = max(compute_s, adam_s, io_s, link_s)
         rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s, "link_s": link_s,
                      "read_gbs": read_gbs, "write_gbs": write_gbs, "plain_s": plain_s,
                      "strata_s": strata_s, "bound_s": bound_s, "ratio": bound_s / strata_s,
-                     "waits": waits})
+                     "waits": waits, "variants_s": variant_s})
         print(f"round {round_index}: strata {strata_s * 1e3:.0f} ms, bound {bound_s * 1e3:.0f} ms "
               f"(compute {compute_s * 1e3:.0f}, CpuAdam {adam_s * 1e3:.0f}, disk "
               f"{io_s * 1e3:.0f}, link {link_s * 1e3:.0f}), plain PyTorch {plain_s * 1e3:.0f} ms")

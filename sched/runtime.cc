@@ -225,7 +225,8 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     auto memory = tiering::CreateCudaDeviceResource(device);
     if (!memory.ok()) return Annotate(memory.status(), "config: strata.device is \"cuda\"");
     rt->device_memory_ = *std::move(memory);
-    STRATA_ASSIGN_OR_RETURN(rt->copy_, tiering::CreateCudaCopyEngine(device));
+    STRATA_ASSIGN_OR_RETURN(
+        rt->copy_, tiering::CreateCudaCopyEngine(device, static_cast<int>(config.copy_streams)));
   }
   if (rt->options_.wrap_copy_engine) {
     rt->copy_ = rt->options_.wrap_copy_engine(std::move(rt->copy_));
@@ -1218,7 +1219,12 @@ absl::Status Runtime::CreateOptimizer(
   auto give_back = [&] {
     for (Tier t : {Tier::kHost, Tier::kNvme}) table_->GiveBack(t, need[I(t)]);
   };
-  auto created = optim_cpu::MakeChunkOptimizer(optimizer);
+  // The config's thread count where the caller left the optimizer's at its default (0).
+  optim_cpu::OptimizerConfig threaded = optimizer;
+  for (int* threads : {&threaded.adam.threads, &threaded.adagrad.threads, &threaded.lion.threads}) {
+    if (*threads == 0) *threads = static_cast<int>(config_.optimizer_threads);
+  }
+  auto created = optim_cpu::MakeChunkOptimizer(threaded);
   if (!created.ok()) {
     give_back();
     return Annotate(created.status(), "create optimizer");

@@ -151,17 +151,36 @@ EOF
 # bench/train_step on the GPU: a Llama of about 310M parameters, the device budget a tenth of its
 # training state, the optimizer on the host (or on NVMe: OPTIMIZER=nvme); the planner's prediction
 # of the same run beside it.
+# Beside the default (the optimizer on every core, one copy stream), the same step with the
+# optimizer leaving two cores to the trainer and the Runtime's workers, with one stream per copy
+# direction, and with half the cores (strata.optimizer_threads, strata.copy_streams).
 train_step() {
+  local n
+  n=$(nproc)
   "$python" bench/train_step.py --device cuda --optimizer "${1:-cpu}" --budget-of-state 0.1 \
     --layers "${TS_LAYERS:-12}" --width "${TS_WIDTH:-1536}" --heads 12 --context 1024 \
-    --batch 8 --rounds 2 --steps 3 --dir "$scratch/train_step" \
+    --batch 8 --rounds "${TS_ROUNDS:-2}" --steps 3 --dir "$scratch/train_step" \
+    --variants "${TS_VARIANTS:-$((n - 2))/1,$((n - 2))/2,$((n / 2))/2}" \
     --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json" \
     --profile "$logs/train_step_${1:-cpu}_profile.txt"
 }
 
-# The scheduler's step on the CUDA tier against its lower bound.
+# The scheduler's step on the CUDA tier against its lower bound: strata with one copy stream and
+# with one per direction (the copy engine's open question), LRU and the DeepSpeed-like policy.
 sched_step() {
-  "$build"/bench/sched_step --device=cuda --dir "$scratch" --json "$logs/sched_step.json"
+  "$build"/bench/sched_step --device=cuda --dir "$scratch" --json "$logs/sched_step.json" \
+    --policies=strata,strata@2,lru,deepspeed_like --rounds "${SS_ROUNDS:-2}" --steps 4
+}
+
+# The C++ tests with a CUDA case (the whole suite is cpp_suite).
+cpp_cuda() {
+  (cd "$build" && ctest -j4 -R "Cuda|CUDA" --timeout 120 --no-tests=error --output-on-failure)
+  local rc=$?
+  if grep -qiE "skipped|not run" "$logs/cpp_cuda.log"; then
+    echo "device-check: a CUDA test skipped"
+    rc=1
+  fi
+  return $rc
 }
 
 # The rest of the Python suite (the emulated tier, with this machine's Python and torch).
@@ -175,16 +194,17 @@ export PKG_CONFIG_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu/pkgconfig
 export PYTHONPATH=$PWD/$build/python:/tmp/strata-wheels${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export deps logs python build scratch
-export -f environment unpack configure_and_build cpp_suite cuda_pytest demo train_step \
+export -f environment unpack configure_and_build cpp_suite cpp_cuda cuda_pytest demo train_step \
   sched_step python_suite
 
 part environment 60 environment
 part unpack 60 unpack
 part build 300 configure_and_build
 part cuda_pytest 120 cuda_pytest
+part train_step 200 train_step cpu
+part sched_step 90 sched_step
+part cpp_cuda 60 cpp_cuda
 part demo 100 demo
-part train_step 120 train_step cpu
-part sched_step 45 sched_step
 part cpp_suite 150 cpp_suite
 part train_step_nvme 120 train_step nvme
 part python_suite 600 python_suite

@@ -1,16 +1,17 @@
 // tiering/copy_engine.h: moving bytes between device memory and host memory, asynchronously.
 //
 // Two implementations behind one interface:
-//  - CUDA (CreateCudaCopyEngine): cudaMemcpyAsync on a dedicated stream, completion reported by a
-//    host callback on that stream; host buffers should be pinned. Built when the CUDA toolkit is
-//    present; fails with a clear status when there is no device.
+//  - CUDA (CreateCudaCopyEngine): cudaMemcpyAsync on a dedicated stream (or one per direction),
+//    completion reported by a host callback on that stream; host buffers should be pinned. Built
+//    when the CUDA toolkit is present; fails with a clear status when there is no device.
 //  - Host-emulated (HostCopyEngine): a worker thread that memcpy's, in submission order, with an
 //    optional bandwidth cap (bytes per second) so simulations can model PCIe. This is what runs on
 //    machines without a GPU, where the device tier is ordinary memory; it is a test seam and says
 //    so in its name.
 //
-// Copies complete in submission order. `done` runs exactly once, on the engine's thread (CUDA: a
-// CUDA callback thread); it must not block on the engine.
+// Copies complete in submission order (CUDA with a stream per direction: within a direction).
+// `done` runs exactly once, on the engine's thread (CUDA: a CUDA callback thread); it must not
+// block on the engine.
 //
 // Fences: a trainer's kernels run on its own stream, after the host code that queued them has
 // moved on. RecordFence(stream) marks the point on that stream where the work queued so far ends
@@ -105,9 +106,12 @@ class HostCopyEngine final : public CopyEngine {
   std::thread thread_;
 };
 
-// A CUDA copy engine on `device`. Unimplemented when built without CUDA; FailedPrecondition
-// naming the CUDA error when there is no usable device.
-absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device);
+// A CUDA copy engine on `device` with `streams` streams: 1 (both directions, in submission order)
+// or 2 (one per direction: copies to the host and to the device overlap, as the link carries both
+// at once; zeroing goes with the copies to the device). Unimplemented when built without CUDA;
+// FailedPrecondition naming the CUDA error when there is no usable device; InvalidArgument for
+// another stream count.
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device, int streams = 1);
 
 }  // namespace strata::tiering
 

@@ -1,6 +1,8 @@
 // The CUDA pieces of tiering/: the copy engine (cudaMemcpyAsync on a stream) and the device
 // memory resource (stream-ordered cudaMallocAsync). The only file of this module where
 // STRATA_HAVE_CUDA appears; without CUDA the factories return Unimplemented.
+#include <cstdint>
+
 #include "absl/strings/str_cat.h"
 #include "tiering/copy_engine.h"
 #include "tiering/internal/cuda_host.h"
@@ -17,24 +19,29 @@ namespace {
 
 class CudaCopyEngine final : public CopyEngine {
  public:
-  CudaCopyEngine(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  // `to_device` carries the copies to the device and the zeroing; `to_host` the copies back (the
+  // same stream when the engine has one).
+  CudaCopyEngine(int device, cudaStream_t to_device, cudaStream_t to_host)
+      : device_(device), to_device_(to_device), to_host_(to_host) {}
   ~CudaCopyEngine() override {
     cudaSetDevice(device_);
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
+    for (cudaStream_t s : {to_device_, to_host_}) cudaStreamSynchronize(s);
+    cudaStreamDestroy(to_device_);
+    if (to_host_ != to_device_) cudaStreamDestroy(to_host_);
   }
   void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction, Done done) override {
     cudaSetDevice(device_);
+    const bool down = direction == CopyDirection::kHostToDevice;
+    cudaStream_t stream = down ? to_device_ : to_host_;
     const cudaError_t err = cudaMemcpyAsync(
-        dst, src, bytes,
-        direction == CopyDirection::kHostToDevice ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
-        stream_);
-    Complete(err, absl::StrCat("cudaMemcpyAsync of ", bytes, " bytes"), std::move(done));
+        dst, src, bytes, down ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream);
+    Complete(stream, err, absl::StrCat("cudaMemcpyAsync of ", bytes, " bytes"), std::move(done));
   }
   void Zero(void* dst, size_t bytes, Done done) override {
     cudaSetDevice(device_);
-    const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, stream_);
-    Complete(err, absl::StrCat("cudaMemsetAsync of ", bytes, " bytes"), std::move(done));
+    const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, to_device_);
+    Complete(to_device_, err, absl::StrCat("cudaMemsetAsync of ", bytes, " bytes"),
+             std::move(done));
   }
   absl::string_view name() const override { return "CUDA copy engine"; }
 
@@ -57,16 +64,16 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
  private:
-  // `done` runs once the work just queued on the stream (`queued`: its status, named by `what`)
-  // has run: from a host function queued behind it.
-  void Complete(cudaError_t queued, absl::string_view what, Done done) {
+  // `done` runs once the work just queued on `stream` (`queued`: its status, named by `what`) has
+  // run: from a host function queued behind it.
+  void Complete(cudaStream_t stream, cudaError_t queued, absl::string_view what, Done done) {
     if (queued != cudaSuccess) {
       std::move(done)(absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(queued))));
       return;
     }
     auto* heap = new Done(std::move(done));
     const cudaError_t cb = cudaLaunchHostFunc(
-        stream_,
+        stream,
         [](void* arg) {
           auto* d = static_cast<Done*>(arg);
           std::move (*d)(absl::OkStatus());
@@ -74,7 +81,7 @@ class CudaCopyEngine final : public CopyEngine {
         },
         heap);
     if (cb != cudaSuccess) {
-      cudaStreamSynchronize(stream_);
+      cudaStreamSynchronize(stream);
       std::move (*heap)(
           absl::InternalError(absl::StrCat("cudaLaunchHostFunc: ", cudaGetErrorName(cb))));
       delete heap;
@@ -110,12 +117,17 @@ class CudaCopyEngine final : public CopyEngine {
   };
 
   int device_;
-  cudaStream_t stream_;
+  cudaStream_t to_device_;
+  cudaStream_t to_host_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device) {
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device, int streams) {
+  if (streams != 1 && streams != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA copy engine: ", streams, " streams; accepted: 1 or 2"));
+  }
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || device < 0 || device >= count) {
@@ -126,32 +138,42 @@ absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device) {
                                         : absl::StrCat(" (", count, " present)")));
   }
   cudaSetDevice(device);
-  cudaStream_t stream;
-  err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  if (err != cudaSuccess) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("CUDA copy engine: cudaStreamCreate: ", cudaGetErrorName(err)));
+  cudaStream_t made[2] = {nullptr, nullptr};
+  for (int i = 0; i < streams; ++i) {
+    err = cudaStreamCreateWithFlags(&made[i], cudaStreamNonBlocking);
+    if (err != cudaSuccess) {
+      if (i == 1) cudaStreamDestroy(made[0]);
+      return absl::FailedPreconditionError(
+          absl::StrCat("CUDA copy engine: cudaStreamCreate: ", cudaGetErrorName(err)));
+    }
   }
-  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(device, stream));
+  return std::unique_ptr<CopyEngine>(
+      new CudaCopyEngine(device, made[0], streams == 2 ? made[1] : made[0]));
 }
 
+// Device memory from a stream-ordered pool of strata's own, which keeps what it has mapped (its
+// release threshold is unbounded) until the Runtime ends: the Runtime holds at most its device
+// budget, and a pool giving its memory back at every synchronization (the default pool's
+// threshold, 0) would map and unmap device memory for each partition lent.
 class CudaDeviceResource final : public MemoryResource {
  public:
-  CudaDeviceResource(int device, cudaStream_t stream) : device_(device), stream_(stream) {}
+  CudaDeviceResource(int device, cudaStream_t stream, cudaMemPool_t pool)
+      : device_(device), stream_(stream), pool_(pool) {}
   ~CudaDeviceResource() override {
     cudaSetDevice(device_);
     cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
+    cudaMemPoolDestroy(pool_);
   }
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     cudaSetDevice(device_);
     void* p = nullptr;
-    const cudaError_t err = cudaMallocAsync(&p, bytes, stream_);
+    const cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_, stream_);
     if (err == cudaSuccess) cudaStreamSynchronize(stream_);
     if (err != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError(
-          absl::StrCat("cudaMallocAsync of ", bytes, " bytes: ", cudaGetErrorName(err)));
+          absl::StrCat("cudaMallocFromPoolAsync of ", bytes, " bytes: ", cudaGetErrorName(err)));
     }
     return p;
   }
@@ -164,6 +186,7 @@ class CudaDeviceResource final : public MemoryResource {
  private:
   int device_;
   cudaStream_t stream_;
+  cudaMemPool_t pool_;
 };
 
 absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int device) {
@@ -175,13 +198,28 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> CreateCudaDeviceResource(int dev
         absl::StrCat("CUDA device memory: no CUDA device ", device));
   }
   cudaSetDevice(device);
-  cudaStream_t stream;
-  err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  cudaMemPoolProps props = {};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool;
+  err = cudaMemPoolCreate(&pool, &props);
   if (err != cudaSuccess) {
+    cudaGetLastError();
     return absl::FailedPreconditionError(
-        absl::StrCat("CUDA device memory: cudaStreamCreate: ", cudaGetErrorName(err)));
+        absl::StrCat("CUDA device memory: cudaMemPoolCreate: ", cudaGetErrorName(err)));
   }
-  return std::unique_ptr<MemoryResource>(new CudaDeviceResource(device, stream));
+  uint64_t keep_all = UINT64_MAX;
+  err = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+  cudaStream_t stream = nullptr;
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    cudaMemPoolDestroy(pool);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA device memory: setting up its pool and stream: ", cudaGetErrorName(err)));
+  }
+  return std::unique_ptr<MemoryResource>(new CudaDeviceResource(device, stream, pool));
 }
 
 absl::Status internal::CudaHostRegister(void* p, size_t bytes) {
@@ -210,7 +248,7 @@ absl::Status internal::CudaHostRegister(void*, size_t) {
 
 void internal::CudaHostUnregister(void*) {}
 
-absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int) {
+absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int, int) {
   return absl::UnimplementedError("CUDA copy engine: strata was built without CUDA");
 }
 

@@ -101,6 +101,14 @@ struct RuntimeConfig {
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;
+  // The CPU optimizer's threads (0: one per core this process may use, each bound to its core).
+  // On a GPU the trainer's thread queues the kernels and the Runtime's workers queue the copies:
+  // an optimizer on every core competes with both while it steps during backward.
+  int64_t optimizer_threads = 0;
+  // The CUDA copy engine's streams: 1 (both directions on one, in submission order) or 2 (one per
+  // direction: a gradient going to the host need not wait behind a weight coming to the device).
+  // The host-emulated engine has one worker whatever this says.
+  int64_t copy_streams = 1;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

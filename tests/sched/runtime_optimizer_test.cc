@@ -3,8 +3,10 @@
 // the partitions in the one store and found again by a restarted Runtime, stepped in the order
 // the trace released the gradients, and its bad inputs named.
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "base/mutex.h"
@@ -173,6 +175,35 @@ TEST(RuntimeOptimizerTest, TheCopiesRoomSetAsideFollowsTheirDtype) {
     EXPECT_EQ((*rt)->residency().set_aside_bytes(Tier::kHost),
               4 * largest + (elements * bytes + 4095) / 4096 * 4096)
         << optim_cpu::DTypeName(copy);
+  }
+}
+
+int ThreadsOfThisProcess() {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
+// strata.optimizer_threads sizes the optimizer's pool where the optimizer's own count is left at
+// 0; a count the caller set stays.
+TEST(RuntimeOptimizerTest, TheConfigsOptimizerThreadsSizeItsPoolUnlessTheOptimizerSetsThem) {
+  for (const auto& [configured, given, made] :
+       std::vector<std::tuple<int, int, int>>{{3, 0, 3}, {3, 2, 2}, {5, 0, 5}}) {
+    ScratchDir dir;
+    RuntimeConfig c = OptimizerConfig(dir.File("swap"), OffloadDevice::kCpu);
+    c.optimizer_threads = configured;
+    auto rt = Runtime::Create(c, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    optim_cpu::OptimizerConfig oc;
+    oc.adam = Adam();
+    oc.adam.threads = given;
+    const int before = ThreadsOfThisProcess();
+    ASSERT_TRUE((*rt)->CreateOptimizer(oc, kParts, optim_cpu::DType::kF32).ok());
+    EXPECT_EQ(ThreadsOfThisProcess() - before, made)
+        << "strata.optimizer_threads " << configured << ", the optimizer's own " << given;
   }
 }
 

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/aio/test_util.h"
@@ -68,27 +69,62 @@ TEST(HostCopyEngineTest, ZerosComeInOrderWithTheCopiesAndDoNotCrossTheCappedLink
 }
 
 TEST(CudaCopyEngineTest, RoundTripThroughDeviceMemoryWhenThereIsADevice) {
-  auto engine = CreateCudaCopyEngine(0);
-  if (!engine.ok()) GTEST_SKIP() << "no CUDA device: " << engine.status().message();
-  auto device = CreateCudaDeviceResource(0);
-  ASSERT_TRUE(device.ok()) << device.status();
-  const auto src = strata::testing::RandomBytes(8 << 20, 2);
-  std::vector<std::byte> back(src.size());
-  auto d = (*device)->Allocate(src.size());
-  ASSERT_TRUE(d.ok()) << d.status();
-  ASSERT_TRUE(
-      (*engine)->CopyAsync(*d, src.data(), src.size(), CopyDirection::kHostToDevice).get().ok());
-  ASSERT_TRUE(
-      (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
-  EXPECT_EQ(back, src);
-  // Zeros made on the device, in order behind the copies.
-  ASSERT_TRUE((*engine)->ZeroAsync(*d, src.size() / 2).get().ok());
-  ASSERT_TRUE(
-      (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
-  EXPECT_EQ(std::count(back.begin(), back.begin() + src.size() / 2, std::byte{0}),
-            static_cast<ptrdiff_t>(src.size() / 2));
-  EXPECT_TRUE(std::equal(back.begin() + src.size() / 2, back.end(), src.begin() + src.size() / 2));
-  (*device)->Deallocate(*d, src.size());
+  for (int streams : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(streams, " streams"));
+    auto engine = CreateCudaCopyEngine(0, streams);
+    if (!engine.ok()) GTEST_SKIP() << "no CUDA device: " << engine.status().message();
+    auto device = CreateCudaDeviceResource(0);
+    ASSERT_TRUE(device.ok()) << device.status();
+    const auto src = strata::testing::RandomBytes(8 << 20, 2);
+    std::vector<std::byte> back(src.size());
+    auto d = (*device)->Allocate(src.size());
+    ASSERT_TRUE(d.ok()) << d.status();
+    ASSERT_TRUE(
+        (*engine)->CopyAsync(*d, src.data(), src.size(), CopyDirection::kHostToDevice).get().ok());
+    ASSERT_TRUE(
+        (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
+    EXPECT_EQ(back, src);
+    // Zeros made on the device, in order behind the copies.
+    ASSERT_TRUE((*engine)->ZeroAsync(*d, src.size() / 2).get().ok());
+    ASSERT_TRUE(
+        (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
+    EXPECT_EQ(std::count(back.begin(), back.begin() + src.size() / 2, std::byte{0}),
+              static_cast<ptrdiff_t>(src.size() / 2));
+    EXPECT_TRUE(
+        std::equal(back.begin() + src.size() / 2, back.end(), src.begin() + src.size() / 2));
+    // Both directions in flight at once (on two streams they overlap): each lands whole.
+    auto e = (*device)->Allocate(src.size());
+    ASSERT_TRUE(e.ok()) << e.status();
+    const auto other = strata::testing::RandomBytes(src.size(), 3);
+    ASSERT_TRUE((*engine)
+                    ->CopyAsync(*e, other.data(), other.size(), CopyDirection::kHostToDevice)
+                    .get()
+                    .ok());
+    ASSERT_TRUE(
+        (*engine)->CopyAsync(*d, src.data(), src.size(), CopyDirection::kHostToDevice).get().ok());
+    std::vector<std::byte> from_e(src.size());
+    auto down = (*engine)->CopyAsync(*d, other.data(), other.size(), CopyDirection::kHostToDevice);
+    auto up = (*engine)->CopyAsync(from_e.data(), *e, other.size(), CopyDirection::kDeviceToHost);
+    ASSERT_TRUE(down.get().ok());
+    ASSERT_TRUE(up.get().ok());
+    EXPECT_EQ(from_e, other);
+    ASSERT_TRUE(
+        (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
+    EXPECT_EQ(back, other);
+    (*device)->Deallocate(*e, src.size());
+    (*device)->Deallocate(*d, src.size());
+  }
+}
+
+TEST(CudaCopyEngineTest, OneOrTwoStreamsAreAccepted) {
+  for (int streams : {0, 3, -1}) {
+    auto engine = CreateCudaCopyEngine(0, streams);
+    ASSERT_FALSE(engine.ok());
+    // Built without CUDA the factory says that first.
+    if (engine.status().code() == absl::StatusCode::kUnimplemented) continue;
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument) << engine.status();
+    EXPECT_THAT(engine.status().message(), ::testing::HasSubstr("accepted: 1 or 2"));
+  }
 }
 
 }  // namespace

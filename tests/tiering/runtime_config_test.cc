@@ -198,7 +198,7 @@ TEST(RuntimeConfigTest, TraceEvictionIsTheDefaultAndLruIsAccepted) {
   EXPECT_THAT(All(warnings), Not(HasSubstr("eviction_policy")));
 }
 
-TEST(RuntimeConfigTest, TheMallocMmapThresholdIsAQuarterMegabyteUnlessSet) {
+TEST(RuntimeConfigTest, TheMallocMmapThresholdIsGlibcsOwnUnlessSet) {
   EXPECT_EQ(RuntimeConfig().malloc_mmap_threshold_bytes, 0u);  // glibc's own, as torch's
   auto c = RuntimeConfigFromJsonText(R"({"strata": {"malloc_mmap_threshold_bytes": 0}})");
   ASSERT_TRUE(c.ok()) << c.status();
@@ -207,6 +207,27 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsAQuarterMegabyteUnlessSet) {
                   .status()
                   .message(),
               HasSubstr("malloc_mmap_threshold_bytes"));
+}
+
+TEST(RuntimeConfigTest, OptimizerThreadsAndCopyStreamsAreReadAndBounded) {
+  EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
+  EXPECT_EQ(RuntimeConfig().copy_streams, 1);
+  auto c = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_threads": 14, "copy_streams": 2}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->optimizer_threads, 14);
+  EXPECT_EQ(c->copy_streams, 2);
+  for (const char* bad :
+       {R"({"strata": {"optimizer_threads": -1}})", R"({"strata": {"optimizer_threads": 1025}})",
+        R"({"strata": {"optimizer_threads": "all"}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                HasSubstr("strata.optimizer_threads"))
+        << bad;
+  }
+  for (const char* bad :
+       {R"({"strata": {"copy_streams": 0}})", R"({"strata": {"copy_streams": 3}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(), HasSubstr("strata.copy_streams"))
+        << bad;
+  }
 }
 
 TEST(RuntimeConfigTest, NvmeFilesAreRemovedUnlessKeepFilesIsSet) {
