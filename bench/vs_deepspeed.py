@@ -1,12 +1,29 @@
 """bench/vs_deepspeed: strata against DeepSpeed itself, the same model, batches and config, in one run.
 
     PYTHONPATH=build/release/python .venv/bin/python bench/vs_deepspeed.py --dir SCRATCH \
-        [--json out.json] [--png out.png] [--rounds 3] [--steps 4] [--rows zero2_cpu,...]
+        [--json out.json] [--png out.png] [--rounds 3] [--steps 4] [--rows zero2_cpu,...] \
+        [--device cpu|cuda]
 
 DeepSpeed (bench/requirements-deepspeed.txt: 0.19.8, a source package) is installed into the
-project's environment by `scripts/python-env.sh --deepspeed` (make bench does it); without a GPU it
-runs with DS_ACCELERATOR=cpu (its communication on Gloo where oneCCL is absent) and builds the ops
-it uses (CPU Adam, async I/O) with ninja on first use, as it does for its users.
+project's environment by `scripts/python-env.sh --deepspeed` (make bench does it); it builds the
+ops it uses (CPU Adam, async I/O) with ninja on first use, as it does for its users.
+
+--device cpu (the default): both compute on the CPU, DeepSpeed with DS_ACCELERATOR=cpu (its
+communication on Gloo where oneCCL is absent), strata on its host-emulated device tier (no strata
+block: its defaults).
+--device cuda (torch must see a CUDA device; it stops at once, saying so, where none is): both
+compute on GPU 0. DeepSpeed with its CUDA accelerator (one process, torch.distributed on NCCL);
+its async I/O op (the NVMe row) is built with the CUDA toolkit (CUDA_HOME) and needs libaio's
+headers and library where gcc finds them (CPATH, LIBRARY_PATH). strata gets, in its copy of the
+config only, a strata block: device "cuda"; device_budget_bytes at stage 3 a quarter of the
+model's parameters in the training dtype (or, if more, room for the largest one with its fp32
+gradient and half as much again: tests/python/test_cuda.py's rule), so that those rows offload
+for real, and at stages 1-2 (where the parameters stay on the device) the whole model's
+parameters; host_budget_bytes twice the training state (parameters, gradients, fp32 master
+weights and moments), at least 1 GiB, as bench/train_step.py sizes it; on the NVMe row,
+nvme_capacity_bytes room for the optimizer state twice over, at least the default 16 GiB. The
+batches are made on the CPU from the same seeds and moved to the GPU before each step's clock
+starts; the GPU is synchronized before the clock starts and before it stops.
 
 One transformers LlamaForCausalLM (examples/llama.py), the same seed, batches and DeepSpeed JSON
 config, handed verbatim to `deepspeed.initialize` and to `strata.initialize`, for each row:
@@ -28,7 +45,12 @@ folder, as nothing else is read or written during the steps), and both systems' 
 must agree within --tolerance (else the row's comparison is void and says so). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
-fio_ceiling.py, measured once a round; left out where fio is missing).
+fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
+reports each system's peak GPU memory: torch's (torch.cuda.max_memory_allocated), strata's own
+device tier beside it (engine.stats() peak_bytes["device"], a CUDA memory pool of its own that
+torch does not count), and the whole GPU's in use (total less free, cudaMemGetInfo, after each
+step: the CUDA context, torch's cache and strata's pool included); the report and the table name
+the GPU (torch.cuda.get_device_name).
 
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
@@ -50,6 +72,9 @@ from fio_ceiling import fio_bandwidth  # noqa: E402
 ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload"]
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
 APPROXIMATE = {"zenflow"}
+# On cuda, each child's peak GPU memory (the module docstring says what each counts).
+GPU_KEYS = ("gpu_peak_bytes", "gpu_peak_allocated_bytes", "gpu_peak_reserved_bytes",
+            "gpu_peak_used_bytes", "gpu_strata_tier_peak_bytes")
 DEFAULT_AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
                "single_submit": False, "overlap_events": True}
 
@@ -57,7 +82,7 @@ DEFAULT_AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
 def row_config(row, args, nvme):
     """The DeepSpeed JSON config of `row`: (DeepSpeed's, strata's). Verbatim the same but for the
     zenflow and super_offload rows, where strata gets the config without DeepSpeed's option (its
-    default for it)."""
+    default for it), and on cuda, where strata's copy alone gets a strata block (strata_block)."""
     zero = {"stage": 2 if row in ("zero2_cpu", "zenflow") else 3,
             "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
@@ -80,6 +105,8 @@ def row_config(row, args, nvme):
     if place == "nvme":
         config["aio"] = dict(args.aio)
     ours = json.loads(json.dumps(config))
+    if args.device == "cuda":
+        ours["strata"] = strata_block(zero["stage"], place, args)
     if row == "zenflow":
         config["zero_optimization"]["zenflow"] = {
             "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
@@ -87,6 +114,33 @@ def row_config(row, args, nvme):
     if row == "super_offload":
         config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
     return config, ours
+
+
+def model_shape(args):
+    """(parameters, the largest parameter's elements) of the model the rows train, counted on
+    torch's meta device (nothing allocated)."""
+    import torch
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from llama import llama
+    with torch.device("meta"):
+        model = llama(args.layers, args.width, args.heads, args.context)
+    sizes = [p.numel() for p in model.parameters()]
+    return sum(sizes), max(sizes)
+
+
+def strata_block(stage, place, args):
+    """strata's own block on cuda (the module docstring says why each size)."""
+    element = 2 if args.bf16 else 4  # the training dtype's bytes
+    params, largest = args.model_params, args.model_largest
+    if stage == 3:
+        device = max(params * element // 4, largest * (element + 4) * 3 // 2)
+    else:
+        device = params * element
+    block = {"device": "cuda", "device_budget_bytes": device,
+             "host_budget_bytes": max(1 << 30, 2 * params * (2 * element + 12))}
+    if place == "nvme":
+        block["nvme_capacity_bytes"] = max(16 << 30, 2 * params * (2 * 12 + element))
+    return block
 
 
 # ---- the child: one system, one row ----------------------------------------------------------
@@ -132,8 +186,12 @@ def io_bytes():
 def child(spec):
     locked = LockedPeak()
     system = spec["system"]
+    cuda = spec["device"] == "cuda"
     if system == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if cuda:
+            os.environ["DS_ACCELERATOR"] = "cuda"  # its CUDA accelerator, NCCL on one GPU
+        else:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -151,18 +209,27 @@ def child(spec):
     gen = torch.Generator().manual_seed(1)
     losses, times = [], []
     start_io = None
+    gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
         if step == spec["warmup"]:
             start_io = io_bytes()
         x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+        if cuda:
+            x = x.cuda()
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = loss_of(engine, x, torch.roll(x, -1, 1))
         engine.backward(loss)
         engine.step()
+        if cuda:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         losses.append(loss.item())
         if step >= spec["warmup"]:
             times.append(elapsed)
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            gpu_used = max(gpu_used, total - free)
     end_io = io_bytes()
     report = {"losses": losses, "step_s": times,
               "read_bytes_per_step": (end_io[0] - start_io[0]) / spec["steps"],
@@ -170,14 +237,24 @@ def child(spec):
               "peak_rss_bytes": status_kib("VmHWM") * 1024,
               "peak_locked_bytes": locked.stop() * 1024,
               "versions": {"torch": torch.__version__}}
+    if cuda:
+        report.update(device_name=torch.cuda.get_device_name(),
+                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+                      gpu_peak_used_bytes=gpu_used)
     if system == "deepspeed":
         import deepspeed
         report["versions"]["deepspeed"] = deepspeed.__version__
     else:
         import strata
         report["stats"] = {k: v for k, v in engine.stats().items()
-                           if k in ("bytes_moved", "peak_bytes", "budget_bytes")}
+                           if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
+        if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
+            report["gpu_strata_tier_peak_bytes"] = report["stats"]["peak_bytes"].get("device", 0)
         engine.close()
+    if cuda:  # torch's peak, and strata's tier's beside it (not at the same moment: an upper bound)
+        report["gpu_peak_bytes"] = report["gpu_peak_allocated_bytes"] + \
+            report.get("gpu_strata_tier_peak_bytes", 0)
     with open(spec["out"], "w", encoding="utf-8") as f:
         json.dump(report, f)
 
@@ -193,7 +270,8 @@ def run_one(system, row, config, args, round_index, scratch):
     out = os.path.join(scratch, f"{system}_{row}_{round_index}.json")
     spec = {"system": system, "config": config, "layers": args.layers, "width": args.width,
             "heads": args.heads, "context": args.context, "batch": args.batch,
-            "warmup": 2, "steps": args.steps, "out": out, "port": 29500 + round_index}
+            "device": args.device, "warmup": 2, "steps": args.steps, "out": out,
+            "port": 29500 + round_index}
     spec_path = out + ".spec"
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
@@ -216,7 +294,10 @@ def summarize(runs):
         return {"error": runs[0]["error"]}
     medians = [statistics.median(r["step_s"]) for r in ok]
     every = [t for r in ok for t in r["step_s"]]
-    return {"step_s": statistics.median(medians), "min_s": min(every), "max_s": max(every),
+    gpu = {k: max(r.get(k, 0) for r in ok) for k in GPU_KEYS if k in ok[0]}
+    if gpu:
+        gpu["device_name"] = ok[0]["device_name"]
+    return {**gpu, "step_s": statistics.median(medians), "min_s": min(every), "max_s": max(every),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
             "peak_locked_bytes": max(r["peak_locked_bytes"] for r in ok),
             "read_bytes_per_step": statistics.median(r["read_bytes_per_step"] for r in ok),
@@ -286,6 +367,10 @@ def main():
     parser.add_argument("--nvme-buffer-elements", type=int, default=1 << 24,
                         help="offload_param.buffer_size of the NVMe row (elements)")
     parser.add_argument("--child-timeout", type=int, default=1800)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both compute: the CPU (DeepSpeed's cpu accelerator, strata's "
+                             "host-emulated device tier) or GPU 0 (DeepSpeed's CUDA accelerator, "
+                             "strata.device cuda)")
     args = parser.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     bad = [r for r in rows if r not in ROWS]
@@ -293,6 +378,13 @@ def main():
         sys.exit(f"vs_deepspeed: --rows {args.rows}: unknown {bad}; accepted: {', '.join(ROWS)}")
     if args.rounds < 1 or args.steps < 1:
         sys.exit("vs_deepspeed: --rounds and --steps must be at least 1")
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"vs_deepspeed: --device cuda: torch {torch.__version__} (built for CUDA "
+                 f"{torch.version.cuda or 'none'}) sees no CUDA device here "
+                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                 "accepted: --device cpu, or a machine with a GPU")
+    args.model_params, args.model_largest = model_shape(args)
     missing = None
     try:
         import deepspeed  # noqa: F401
@@ -339,10 +431,13 @@ def main():
                 print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
 
+    cuda = args.device == "cuda"
     table = []
     for row in rows:
         ours, theirs = summarize(runs[(row, "strata")]), summarize(runs[(row, "deepspeed")])
         entry = {"row": row, "strata": ours, "deepspeed": theirs}
+        if cuda:
+            entry["strata_block"] = row_config(row, args, args.nvme_placeholder)[1]["strata"]
         if "error" not in ours and "error" not in theirs:
             worst = max(abs(a - b) / max(abs(b), 1e-12)
                         for a, b in zip(ours["losses"], theirs["losses"]))
@@ -360,15 +455,31 @@ def main():
                 entry["fio_gbs"] = [read_bps / 1e9, write_bps / 1e9]
         table.append(entry)
 
-    import torch
+    # The GPU's name, asked once the children are done (a CUDA context here would hold memory of
+    # the GPU the children measure).
+    gpu = torch.cuda.get_device_name() if cuda else None
     print()
-    print(f"model: transformers LlamaForCausalLM {args.layers} layers x {args.width}, batch "
-          f"{args.batch} x {args.context}, {'bf16' if args.bf16 else 'fp32'}, on the CPU "
-          f"({os.cpu_count()} cores, torch {torch.__version__} with "
-          f"{torch.get_num_threads()} threads); {args.rounds} rounds of 2 + {args.steps} steps")
+    where = (f"on {gpu} (strata: strata.device cuda; DeepSpeed: its CUDA accelerator), "
+             f"{os.cpu_count()} CPU cores, torch {torch.__version__} (CUDA {torch.version.cuda})"
+             if cuda else
+             f"on the CPU ({os.cpu_count()} cores, torch {torch.__version__} with "
+             f"{torch.get_num_threads()} threads)")
+    print(f"model: transformers LlamaForCausalLM {args.layers} layers x {args.width} "
+          f"({args.model_params / 1e6:.1f}M parameters), batch {args.batch} x {args.context}, "
+          f"{'bf16' if args.bf16 else 'fp32'}, {where}; {args.rounds} rounds of 2 + "
+          f"{args.steps} steps")
+    if cuda:
+        element = 2 if args.bf16 else 4
+        for e in table:
+            block = e["strata_block"]
+            print(f"strata's block, {e['row']}: device budget "
+                  f"{fmt_bytes(block['device_budget_bytes'])} "
+                  f"({block['device_budget_bytes'] / (args.model_params * element):.2f} of the "
+                  f"parameters' {fmt_bytes(args.model_params * element)}), host budget "
+                  f"{fmt_bytes(block['host_budget_bytes'])}")
     print(f"{'row':>13} {'step s strata':>14} {'DeepSpeed':>10} {'rate x':>7} "
           f"{'peak RSS':>19} {'peak VmLck':>19} {'read/step':>19} {'written/step':>19} "
-          f"{'losses':>14}")
+          + (f"{'peak GPU':>19} {'GPU in use':>19} " if cuda else "") + f"{'losses':>14}")
     for e in table:
         ours, theirs = e["strata"], e["deepspeed"]
         if "error" in ours:
@@ -386,7 +497,9 @@ def main():
         print(f"{e['row']:>13} {ours['step_s']:>14.3f} {theirs['step_s']:>10.3f} "
               f"{e['speedup']:>7.2f} {pair('peak_rss_bytes'):>19} "
               f"{pair('peak_locked_bytes'):>19} {pair('read_bytes_per_step'):>19} "
-              f"{pair('write_bytes_per_step'):>19} {losses:>14}")
+              f"{pair('write_bytes_per_step'):>19} "
+              + (f"{pair('gpu_peak_bytes'):>19} {pair('gpu_peak_used_bytes'):>19} "
+                 if cuda else "") + f"{losses:>14}")
     for e in table:
         if "speedup" in e and not e["void"]:
             print(f"vs_deepspeed/{e['row']}: strata {e['speedup']:.2f}x DeepSpeed's step rate "
@@ -395,6 +508,16 @@ def main():
                   f"[{e['deepspeed']['min_s']:.3f}, {e['deepspeed']['max_s']:.3f}]); peak RSS "
                   f"{ratio(e['strata']['peak_rss_bytes'], e['deepspeed']['peak_rss_bytes']):.2f}"
                   "x DeepSpeed's")
+        if "speedup" in e and cuda:
+            ours, theirs = e["strata"], e["deepspeed"]
+            print(f"vs_deepspeed/{e['row']}: peak GPU memory strata "
+                  f"{fmt_bytes(ours['gpu_peak_bytes'])} (torch's "
+                  f"{fmt_bytes(ours['gpu_peak_allocated_bytes'])} + its device tier's "
+                  f"{fmt_bytes(ours['gpu_strata_tier_peak_bytes'])}), DeepSpeed "
+                  f"{fmt_bytes(theirs['gpu_peak_bytes'])}: "
+                  f"{ratio(ours['gpu_peak_bytes'], theirs['gpu_peak_bytes']):.2f}x; the whole GPU "
+                  f"in use {fmt_bytes(ours['gpu_peak_used_bytes'])} / "
+                  f"{fmt_bytes(theirs['gpu_peak_used_bytes'])}")
         if "fio_gbs" in e:
             print(f"vs_deepspeed/{e['row']}: the disk's floor (its bytes a step at fio's "
                   f"{e['fio_gbs'][0]:.2f} GB/s read, {e['fio_gbs'][1]:.2f} GB/s write): strata "
@@ -417,14 +540,20 @@ def main():
                         "loss_difference": e["loss_difference"],
                         "peak_rss_ratio": ratio(ours["peak_rss_bytes"], theirs["peak_rss_bytes"]),
                         "strata_step_s": ours["step_s"], "deepspeed_step_s": theirs["step_s"]})
+        if cuda:
+            figures[-1]["peak_gpu_ratio"] = ratio(ours["gpu_peak_bytes"], theirs["gpu_peak_bytes"])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"bench": "vs_deepspeed", "figures": figures, "rows": table, "config": {
                 k: v for k, v in vars(args).items() if k not in ("nvme_placeholder",)},
                 "machine": {"cpu": platform.processor() or platform.machine(),
                             "cores": os.cpu_count(), "torch": torch.__version__,
-                            "device": "cpu (strata: the host-emulated device tier; DeepSpeed: "
-                                      "DS_ACCELERATOR=cpu)"}}, f, indent=1)
+                            "device": f"{gpu} (strata: strata.device cuda; DeepSpeed: its CUDA "
+                                      "accelerator, NCCL)" if cuda else
+                                      "cpu (strata: the host-emulated device tier; DeepSpeed: "
+                                      "DS_ACCELERATOR=cpu)",
+                            **({"gpu": gpu, "cuda": torch.version.cuda} if cuda else {})}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":
