@@ -10,8 +10,9 @@
 #                        after every part, so whatever ran comes back even if the call is cut
 # DEPS_DIR holds what the machine lacks, fetched here beforehand into the git-ignored .device-deps:
 # Debian's .deb files for the C++ build (`apt-get download` of the -dev packages
-# scripts/install-deps.sh lists, and their library packages) and, under wheels/, Python wheels of
-# what its python3 lacks, if any. On a machine without a GPU the CUDA parts fail (and say why) and
+# scripts/install-deps.sh lists, and their library packages) and, under wheels/, DeepSpeed's
+# source package and the wheels of its dependencies (cp312, manylinux) for bench/vs_deepspeed.
+# On a machine without a GPU the CUDA parts fail (and say why) and
 # the others run: that is how this script is tried here.
 # Time: CHECK_SECONDS (default 480) bounds the whole run; each part gets its own limit, cut to
 # what is left, and a part that would start with under 20 s left is recorded as not run.
@@ -83,10 +84,44 @@ unpack() {
   sed -i "s#\"/usr/#\"$prefix/usr/#g" "$prefix"/usr/share/cmake/Gloo/*.cmake \
     "$prefix"/usr/lib/x86_64-linux-gnu/cmake/Hiredis/*.cmake || return 1
   grep -h "IMPORTED_LOCATION" "$prefix"/usr/share/cmake/Gloo/*.cmake
-  if [ -d "$deps/wheels" ]; then
-    "$python" -m pip install -q --no-index --no-deps --target /tmp/strata-wheels \
-      "$deps"/wheels/*.whl || return 1
-  fi
+}
+
+# DeepSpeed for bench/vs_deepspeed (issue 32), installed offline from $deps/wheels (its source
+# package and the wheels of what it needs) into a folder of its own: only what the interpreter's
+# environment lacks, so that nothing of the environment is shadowed.
+ds_env() {
+  export PYTHONPATH=/tmp/strata-ds${PYTHONPATH:+:$PYTHONPATH}
+  export PATH=/tmp/strata-ds/bin:$(dirname "$("$python" -c 'import sys; print(sys.executable)')"):$PATH
+  export TORCH_EXTENSIONS_DIR=/tmp/strata-ds/torch_extensions
+}
+
+deepspeed_install() {
+  local ds=/tmp/strata-ds wheels=$deps/wheels
+  ds_env
+  mkdir -p "$ds"
+  "$python" -c "import setuptools" 2>/dev/null ||
+    "$python" -m pip install -q --no-index --no-deps --target "$ds" "$wheels"/setuptools-*.whl
+  DS_BUILD_OPS=0 "$python" -m pip install -q --dry-run --no-index --find-links "$wheels" \
+    --no-build-isolation --report "$ds/plan.json" "deepspeed==${DS_VERSION:-0.19.8}" || return 1
+  "$python" -c 'import json, sys
+for i in json.load(open(sys.argv[1]))["install"]:
+    print(i["metadata"]["name"] + "==" + i["metadata"]["version"])' "$ds/plan.json" >"$ds/plan.txt"
+  echo "installing into $ds:" $(cat "$ds/plan.txt")
+  DS_BUILD_OPS=0 "$python" -m pip install -q --no-index --find-links "$wheels" \
+    --no-build-isolation --no-deps --target "$ds" -r "$ds/plan.txt" || return 1
+  "$python" -c "import deepspeed; print('deepspeed', deepspeed.__version__, deepspeed.__file__)" ||
+    return 1
+  # Its CPU Adam, built now rather than inside the first measured child.
+  "$python" -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+}
+
+# bench/vs_deepspeed on the GPU: the ZeRO-2 and ZeRO-3 cpu-offload rows.
+vs_deepspeed() {
+  ds_env
+  "$python" bench/vs_deepspeed.py --device cuda --dir "$scratch/vsds" \
+    --rows "${VS_ROWS:-zero2_cpu,zero3_cpu}" --bf16 --layers 8 --width 2048 --heads 16 \
+    --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 --child-timeout 150 \
+    --json "$logs/vs_deepspeed_cuda.json" --png "$logs/vs_deepspeed_cuda.png"
 }
 
 configure_and_build() {
@@ -191,10 +226,10 @@ python_suite() {
 
 export LD_LIBRARY_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu:/tmp/strata-deps/usr/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PKG_CONFIG_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu/pkgconfig
-export PYTHONPATH=$PWD/$build/python:/tmp/strata-wheels${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export deps logs python build scratch
-export -f environment unpack configure_and_build cpp_suite cpp_cuda cuda_pytest demo train_step \
+export -f environment unpack ds_env deepspeed_install vs_deepspeed configure_and_build cpp_suite cpp_cuda cuda_pytest demo train_step \
   sched_step python_suite
 
 part environment 60 environment
@@ -204,6 +239,8 @@ part cuda_pytest 120 cuda_pytest
 part train_step 200 train_step cpu
 part sched_step 90 sched_step
 part cpp_cuda 60 cpp_cuda
+part deepspeed_install 120 deepspeed_install
+part vs_deepspeed 300 vs_deepspeed
 part demo 100 demo
 part cpp_suite 150 cpp_suite
 part train_step_nvme 120 train_step nvme
