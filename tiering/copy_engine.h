@@ -54,8 +54,11 @@ class Fence {
   virtual bool Passed() = 0;
 };
 
-// A trainer's stream, as its API hands it over (CUDA: a cudaStream_t); null: none given.
+// A trainer's stream, as its API hands it over (CUDA: a cudaStream_t); null: none given. CUDA's
+// legacy default stream, whose cudaStream_t is 0 (torch's default stream), is passed as
+// kLegacyDefaultStream (CUDA's own name for it, cudaStreamLegacy).
 using StreamHandle = void*;
+inline StreamHandle const kLegacyDefaultStream = reinterpret_cast<StreamHandle>(uintptr_t{1});
 
 class CopyEngine {
  public:
@@ -68,9 +71,10 @@ class CopyEngine {
   }
   virtual void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction,
                     Done done) = 0;
-  // Sets `bytes` of device memory at `dst` to zero, without crossing the link, in order behind the
-  // copies queued before it as on one stream (CUDA: cudaMemsetAsync on the engine's stream;
-  // host-emulated: a memset on the engine's thread, not paced by the link's cap).
+  // Sets `bytes` of device memory at `dst` to zero, without crossing the link. Not ordered with
+  // the copies in flight (CUDA: cudaMemsetAsync on a stream of its own, so that a gradient's
+  // zeros do not wait behind the weights and gradients crossing the link; host-emulated: a memset
+  // on the engine's thread, not paced by the link's cap): a caller waits for what it needs first.
   virtual void Zero(void* dst, size_t bytes, Done done) = 0;
   virtual absl::string_view name() const = 0;
 

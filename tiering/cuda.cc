@@ -17,17 +17,20 @@ namespace strata::tiering {
 #if STRATA_HAVE_CUDA
 namespace {
 
+static_assert(sizeof(cudaStream_t) == sizeof(StreamHandle));
+
 class CudaCopyEngine final : public CopyEngine {
  public:
-  // `to_device` carries the copies to the device and the zeroing; `to_host` the copies back (the
-  // same stream when the engine has one).
-  CudaCopyEngine(int device, cudaStream_t to_device, cudaStream_t to_host)
-      : device_(device), to_device_(to_device), to_host_(to_host) {}
+  // `to_device` carries the copies to the device, `to_host` the copies back (the same stream when
+  // the engine has one), `zeros` the zeroing.
+  CudaCopyEngine(int device, cudaStream_t to_device, cudaStream_t to_host, cudaStream_t zeros)
+      : device_(device), to_device_(to_device), to_host_(to_host), zeros_(zeros) {}
   ~CudaCopyEngine() override {
     cudaSetDevice(device_);
-    for (cudaStream_t s : {to_device_, to_host_}) cudaStreamSynchronize(s);
+    for (cudaStream_t s : {to_device_, to_host_, zeros_}) cudaStreamSynchronize(s);
     cudaStreamDestroy(to_device_);
     if (to_host_ != to_device_) cudaStreamDestroy(to_host_);
+    cudaStreamDestroy(zeros_);
   }
   void Copy(void* dst, const void* src, size_t bytes, CopyDirection direction, Done done) override {
     cudaSetDevice(device_);
@@ -39,9 +42,8 @@ class CudaCopyEngine final : public CopyEngine {
   }
   void Zero(void* dst, size_t bytes, Done done) override {
     cudaSetDevice(device_);
-    const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, to_device_);
-    Complete(to_device_, err, absl::StrCat("cudaMemsetAsync of ", bytes, " bytes"),
-             std::move(done));
+    const cudaError_t err = cudaMemsetAsync(dst, 0, bytes, zeros_);
+    Complete(zeros_, err, absl::StrCat("cudaMemsetAsync of ", bytes, " bytes"), std::move(done));
   }
   absl::string_view name() const override { return "CUDA copy engine"; }
 
@@ -53,7 +55,10 @@ class CudaCopyEngine final : public CopyEngine {
     if (err != cudaSuccess) {
       return absl::InternalError(absl::StrCat("cudaEventCreate: ", cudaGetErrorName(err)));
     }
-    err = cudaEventRecord(event, static_cast<cudaStream_t>(stream));
+    // kLegacyDefaultStream is CUDA's cudaStreamLegacy.
+    err =
+        cudaEventRecord(event, stream == kLegacyDefaultStream ? cudaStreamLegacy
+                                                              : static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) {
       cudaEventDestroy(event);
       return absl::InvalidArgumentError(
@@ -119,6 +124,7 @@ class CudaCopyEngine final : public CopyEngine {
   int device_;
   cudaStream_t to_device_;
   cudaStream_t to_host_;
+  cudaStream_t zeros_;
 };
 
 }  // namespace
@@ -138,17 +144,18 @@ absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device, int
                                         : absl::StrCat(" (", count, " present)")));
   }
   cudaSetDevice(device);
-  cudaStream_t made[2] = {nullptr, nullptr};
-  for (int i = 0; i < streams; ++i) {
+  // The copy streams, then the zeroing's.
+  cudaStream_t made[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < streams + 1; ++i) {
     err = cudaStreamCreateWithFlags(&made[i], cudaStreamNonBlocking);
     if (err != cudaSuccess) {
-      if (i == 1) cudaStreamDestroy(made[0]);
+      for (int j = 0; j < i; ++j) cudaStreamDestroy(made[j]);
       return absl::FailedPreconditionError(
           absl::StrCat("CUDA copy engine: cudaStreamCreate: ", cudaGetErrorName(err)));
     }
   }
   return std::unique_ptr<CopyEngine>(
-      new CudaCopyEngine(device, made[0], streams == 2 ? made[1] : made[0]));
+      new CudaCopyEngine(device, made[0], streams == 2 ? made[1] : made[0], made[streams]));
 }
 
 // Device memory from a stream-ordered pool of strata's own, which keeps what it has mapped (its

@@ -197,7 +197,8 @@ STRATA_C_EXPORT int strata_unregister(strata_runtime* runtime, uint64_t id);
 STRATA_C_EXPORT int strata_acquire(strata_runtime* runtime, uint64_t id, strata_tier tier,
                                    void** address);
 /* Unpins; `dirty` non-zero: the caller changed the bytes. `stream`: the cudaStream_t the
- * trainer's kernels that use the copy were queued on (NULL when they are done). */
+ * trainer's kernels that use the copy were queued on (NULL when they are done; for CUDA's legacy
+ * default stream, whose handle is 0, pass cudaStreamLegacy). */
 STRATA_C_EXPORT int strata_release(strata_runtime* runtime, uint64_t id, strata_tier tier,
                                    int dirty, void* stream);
 STRATA_C_EXPORT int strata_evict(strata_runtime* runtime, uint64_t id, strata_tier tier);

@@ -232,6 +232,15 @@ using tiering::ElementType;
 using tiering::Role;
 using tiering::Tier;
 
+// A stream as Python gives it: None, none; an integer cudaStream_t, where 0 is CUDA's legacy
+// default stream (torch's default stream), which the Runtime takes as kLegacyDefaultStream (0 there
+// would mean none).
+tiering::StreamHandle StreamOf(std::optional<uintptr_t> given) {
+  if (!given.has_value()) return nullptr;
+  if (*given == 0) return tiering::kLegacyDefaultStream;
+  return reinterpret_cast<tiering::StreamHandle>(*given);
+}
+
 Tier TierNamed(const std::string& name, bool memory_only) {
   if (name == "device") return Tier::kDevice;
   if (name == "host") return Tier::kHost;
@@ -443,11 +452,13 @@ class PyRuntime {
   // As Acquire, but the partition is released (clean) when the tensor made from the capsule is
   // freed, whenever that is: a view autograd saved for backward keeps it pinned, never pointing
   // at memory the Runtime has reused. A release that fails then is kept for TakeDeferredErrors.
-  // `stream` (the CUDA tier: the cudaStream_t the tensor's kernels are queued on, as an integer;
-  // 0: none) is the release's: the copy is not reused before the work queued there by the time
-  // the tensor is freed has run. `traced` false: an access the scheduler does not see (an
-  // evaluation's forward), as Acquire's.
-  py::capsule Lend(uint64_t id, const std::string& tier, uintptr_t stream, bool traced) {
+  // `stream` (the CUDA tier: the cudaStream_t the tensor's kernels are queued on, as an integer,
+  // 0 being CUDA's legacy default stream, torch's default; None: none) is the release's: the copy
+  // is not reused before the work queued there by the time the tensor is freed has run. `traced`
+  // false: an access the scheduler does not see (an evaluation's forward), as Acquire's.
+  py::capsule Lend(uint64_t id, const std::string& tier, std::optional<uintptr_t> given,
+                   bool traced) {
+    const tiering::StreamHandle stream = StreamOf(given);
     const Tier t = TierNamed(tier, /*memory_only=*/true);
     const sched::Access access = traced ? sched::Access::kTraced : sched::Access::kOutOfTrace;
     absl::StatusOr<std::byte*> p;
@@ -467,8 +478,7 @@ class PyRuntime {
     return LendTensor(
         address, shape.dtype, shape.elements, cuda ? DeviceKind::kCuda : DeviceKind::kCpu,
         cuda ? device_id_ : 0, [runtime, deferred, id, t, keep, stream, access] {
-          const absl::Status s = runtime->Release(
-              id, t, /*dirty=*/false, reinterpret_cast<tiering::StreamHandle>(stream), access);
+          const absl::Status s = runtime->Release(id, t, /*dirty=*/false, stream, access);
           if (!s.ok()) {
             MutexLock lock(&deferred->mu);
             deferred->errors.push_back(std::string(s.message()));
@@ -495,12 +505,14 @@ class PyRuntime {
     return errors;
   }
 
-  void Release(uint64_t id, const std::string& tier, bool dirty, uintptr_t stream, bool traced) {
+  void Release(uint64_t id, const std::string& tier, bool dirty, std::optional<uintptr_t> given,
+               bool traced) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
+    const tiering::StreamHandle stream = StreamOf(given);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->Release(id, t, dirty, reinterpret_cast<tiering::StreamHandle>(stream),
+      s = runtime_->Release(id, t, dirty, stream,
                             traced ? sched::Access::kTraced : sched::Access::kOutOfTrace);
     }
     Check(s);
@@ -976,11 +988,11 @@ PYBIND11_MODULE(_strata, m) {
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true)
-      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = 0,
+      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = py::none(),
            py::arg("traced") = true)
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
-           py::arg("stream") = 0, py::arg("traced") = true)
+           py::arg("stream") = py::none(), py::arg("traced") = true)
       .def("discard", &PyRuntime::Discard, py::arg("id"))
       .def("stored_partitions", &PyRuntime::StoredPartitions)
       .def("unregister", &PyRuntime::Unregister, py::arg("id"))

@@ -160,7 +160,7 @@ class _Param:
 
     __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad", "frozen")
+                 "shard_grad", "frozen", "pinned_grad", "incoming")
 
     def __init__(self, name, param, pid, shard=None, frozen=False):
         self.name = name
@@ -177,6 +177,10 @@ class _Param:
         self.group = 0
         self.has_grad = False
         self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
+        # On a GPU: host_grad's pinned memory, kept from step to step, and a later micro-batch's
+        # gradient on its way to the host (pinned too) to be added to it.
+        self.pinned_grad = None
+        self.incoming = None
         self.group_index = 0  # which optimizer param group
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
         self.sent_down = False  # GradientReady told for this step's gradient
@@ -293,6 +297,11 @@ class Engine(Lending, Gradients, Step):
         self.micro_batch_size = config.micro_batch
         self._accumulation = config.accumulation
         self._backward_since_step = False  # step() without a backward is refused
+        # On a GPU (stage 2, or sums apart): gradients on their way to pinned host memory, of
+        # the backward running, and of those that ended, each with the event after its copies
+        # (gradients.py).
+        self._grads_in_flight = []
+        self._grads_landing = []
         self._step_applied = False  # the last boundary's step changed the weights
         self._global_grad_norm = None  # the last step's, when it computed one
         self.warnings = []
@@ -495,9 +504,10 @@ class Engine(Lending, Gradients, Step):
     def _stream(self):
         """Where the model's kernels are queued: on the CUDA tier torch's current stream (the
         integer cudaStream_t the Runtime takes with a device copy's release, so that it neither
-        reuses nor reads the copy before they have run); 0 on the emulated tier (no streams)."""
+        reuses nor reads the copy before they have run; 0 is CUDA's legacy default stream,
+        torch's default, a stream like any other); None on the emulated tier (no streams)."""
         if self.device_kind != "cuda":
-            return 0
+            return None
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def _warn(self, message):
@@ -746,6 +756,7 @@ class Engine(Lending, Gradients, Step):
         self._in_backward = True
         try:
             scaled.backward(retain_graph=retain_graph)
+            self._end_backward_copies()
             if self.ranks is not None:
                 self.ranks.finish_gradients()
                 if self._gather_order is None:
@@ -859,6 +870,7 @@ class Engine(Lending, Gradients, Step):
         if not boundary:
             return
         start = time.perf_counter()
+        self._land_host_gradients()
         if self.stage == 3:
             for e in self._params:
                 if e.partitioned and e.has_grad and not e.sent_down:

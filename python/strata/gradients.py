@@ -64,9 +64,12 @@ class Gradients:
                 # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
                 # stages when that is not the training dtype).
                 e.param.grad = None
-                if e.host_grad is None:
-                    e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
-                e.host_grad.add_(grad.reshape(-1).to(device="cpu", dtype=self.grad_accum_dtype))
+                if grad.device.type == "cuda":
+                    self._send_to_host(e, grad.reshape(-1))
+                else:
+                    if e.host_grad is None:
+                        e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
+                    e.host_grad.add_(grad.reshape(-1).to(dtype=self.grad_accum_dtype))
                 e.has_grad = True
             elif boundary and grad.device.type == "cpu":
                 # Stage 3's small parameters keep torch's .grad; its final value is staged (a
@@ -75,6 +78,55 @@ class Gradients:
                 # of backward: those are staged after backward instead.
                 self._stage(e, grad.detach().reshape(-1).clone())
         return hook
+
+    def _send_to_host(self, e, grad):
+        """A GPU's gradient to the host without the host waiting for the GPU: copied on torch's
+        stream into pinned memory (the window's first straight into e.host_grad, a later one
+        into e.incoming, added once it has landed). The copies of one backward are marked by an
+        event after it (engine.backward) and waited for before the host reads them
+        (_land_host_gradients)."""
+        if e.incoming is not None:  # an earlier micro-batch's, long landed: summed now
+            self._land_host_gradients(finished_only=True)
+        values = grad.to(self.grad_accum_dtype)
+        if e.pinned_grad is None:
+            e.pinned_grad = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
+        if e.host_grad is None:
+            e.host_grad = e.pinned_grad
+            e.host_grad.copy_(values, non_blocking=True)
+        else:
+            if e.incoming is not None:  # a second gradient in this backward (a shared use)
+                self._land_host_gradients()
+            e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
+            e.incoming.copy_(values, non_blocking=True)
+        # The copy reads `values` after this returns: torch's caching allocator keeps its memory
+        # from other streams' use, and this stream's later work comes after the copy.
+        self._grads_in_flight.append(e)
+
+    def _end_backward_copies(self):
+        """After a backward: its gradients' copies to the host, marked by an event on torch's
+        stream."""
+        if self._grads_in_flight:
+            event = torch.cuda.current_stream(self.device).record_event()
+            self._grads_landing.append((event, self._grads_in_flight))
+            self._grads_in_flight = []
+
+    def _land_host_gradients(self, finished_only=False):
+        """Waits for the gradients' copies to the host (those of the backwards that ended, each
+        marked by its event; with not `finished_only`, also those of a backward still running or
+        that failed, by waiting for the stream) and sums each later micro-batch's into its
+        host_grad."""
+        batches, self._grads_landing = self._grads_landing, []
+        if not finished_only and self._grads_in_flight:
+            torch.cuda.current_stream(self.device).synchronize()
+            batches.append((None, self._grads_in_flight))
+            self._grads_in_flight = []
+        for event, entries in batches:
+            if event is not None:
+                event.synchronize()
+            for e in entries:
+                if e.incoming is not None:
+                    e.host_grad.add_(e.incoming)
+                    e.incoming = None
 
     def _add_gradient_shard(self, e, shard, boundary):
         """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
@@ -132,6 +184,8 @@ class Gradients:
                 errors.append(error)
 
         attempt(self._end_staged, False)
+        # Their pinned memory is written to again next step: the copies end first.
+        self._land_host_gradients()
         self._redo_reason = None
         # Staged again from the next step unless this one was clipped or saw a second gradient.
         self._speculate = self._speculate and not self._second_gradient
@@ -143,6 +197,7 @@ class Gradients:
             e.has_grad = False
             e.sent_down = False
             e.host_grad = None
+            e.incoming = None
             e.shard_grad = None
             e.param.grad = None
         if errors:

@@ -226,24 +226,29 @@ def test_a_checkpoint_on_cuda_resumes_bit_for_bit(tmp_path):
     assert resumed == whole[3:]
 
 
+@pytest.mark.parametrize("stage,accumulation", [(3, 1), (2, 2)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path, dtype):
+def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path, dtype, stage,
+                                                                       accumulation):
     """The GPU runs behind the host: a kernel that sleeps (torch.cuda._sleep) is queued on torch's
-    stream before each block computes, forward and backward, so the host queues a block's work
-    and frees its lent weights, or releases its gradient partition, well before the GPU has run
-    it. Released without the stream, the Runtime would reuse a weight's device memory for the
-    next prefetch, or copy a gradient to the host, before the kernels that read or write them: the
-    losses and weights would part from plain torch's."""
+    stream (the default stream, whose handle is 0) before each block computes, forward and
+    backward, so the host queues a block's work and frees its lent weights, or releases its
+    gradient partition, well before the GPU has run it. Released without the stream, the Runtime
+    would reuse a weight's device memory for the next prefetch, or copy a gradient to the host,
+    before the kernels that read or write them; at stage 2 the gradients go to pinned host memory
+    on that stream, and a host reading them before they land would sum stale values: the losses
+    and weights would part from plain torch's."""
     torch.manual_seed(0)
     model = Net()
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     element = 2 if dtype == "bf16" else 4
     reference = MixedPrecisionAdamW(copy.deepcopy(model).cuda(), torch_dtype, clipping=0.0,
                                     lr=1e-3)
-    config = make_config(tmp_path, 3, "cpu", dtype, quarter_budget(model, element, 2),
-                         accumulation=1)
+    config = make_config(tmp_path, stage, "cpu", dtype, quarter_budget(model, element, 2),
+                         accumulation=accumulation)
     config["gradient_clipping"] = 0.0
     engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert torch.cuda.current_stream().cuda_stream == 0  # the case torch users are in
 
     def behind(*unused):
         torch.cuda._sleep(20_000_000)  # tens of milliseconds of the GPU's time
@@ -252,13 +257,14 @@ def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path
         block.register_forward_pre_hook(behind)
         block.register_full_backward_pre_hook(behind)
     tolerance = 1e-4 if dtype == "fp32" else 2e-2
-    for x, y in batches(4):
+    for i, (x, y) in enumerate(batches(4 * accumulation)):
         loss = loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
         ref = loss_of(reference.model(x), y)
-        reference.backward(ref, 1)
-        reference.step()
+        reference.backward(ref, accumulation)
+        if (i + 1) % accumulation == 0:
+            reference.step()
         assert loss.item() == pytest.approx(ref.item(), rel=tolerance, abs=tolerance)
     state = engine.module_state_dict()
     for name, theirs in reference.master.state_dict().items():

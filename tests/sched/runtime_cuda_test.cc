@@ -1,5 +1,6 @@
-// The Runtime on a real CUDA device with the trainer's own stream: a device copy released with
-// the stream whose queued work writes it is not written back before that work has run (the
+// The Runtime on a real CUDA device with the trainer's own stream, or CUDA's legacy default stream
+// (torch's default, whose handle is 0: passed as kLegacyDefaultStream): a device copy released
+// with the stream whose queued work writes it is not written back before that work has run (the
 // trainer never synchronizes the device). Skips, saying why, where there is no CUDA device.
 #include <cuda_runtime_api.h>
 
@@ -14,7 +15,10 @@ namespace {
 
 using ::strata::testing::ScratchDir;
 
-TEST(RuntimeCudaTest, ADeviceCopyReleasedOnAStreamIsWrittenBackOnlyAfterTheStreamsWork) {
+class RuntimeCudaTest : public ::testing::TestWithParam<bool> {};  // the legacy default stream
+
+TEST_P(RuntimeCudaTest, ADeviceCopyReleasedOnAStreamIsWrittenBackOnlyAfterTheStreamsWork) {
+  const bool legacy = GetParam();
   constexpr uint64_t kBytes = 64 << 20;
   ScratchDir dir;
   RuntimeConfig config;
@@ -38,15 +42,18 @@ TEST(RuntimeCudaTest, ADeviceCopyReleasedOnAStreamIsWrittenBackOnlyAfterTheStrea
   d.bytes = kBytes;
   d.elements = kBytes / 4;
   ASSERT_TRUE((*rt)->Register(d, Tier::kDevice).ok());
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaStream_t stream = 0;  // the legacy default stream
+  if (!legacy) ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   auto p = (*rt)->Acquire(1, Tier::kDevice);
   ASSERT_TRUE(p.ok()) << p.status();
   // Tens of milliseconds of queued work on the trainer's stream; the last write is 0x5a.
   for (int i = 0; i < 400; ++i)
     ASSERT_EQ(cudaMemsetAsync(*p, i & 0xff, kBytes, stream), cudaSuccess);
   ASSERT_EQ(cudaMemsetAsync(*p, 0x5a, kBytes, stream), cudaSuccess);
-  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, /*dirty=*/true, stream).ok());
+  ASSERT_TRUE((*rt)
+                  ->Release(1, Tier::kDevice, /*dirty=*/true,
+                            legacy ? tiering::kLegacyDefaultStream : stream)
+                  .ok());
   ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());  // written back to the host first
   auto host = (*rt)->Acquire(1, Tier::kHost);
   ASSERT_TRUE(host.ok()) << host.status();
@@ -55,8 +62,11 @@ TEST(RuntimeCudaTest, ADeviceCopyReleasedOnAStreamIsWrittenBackOnlyAfterTheStrea
   for (uint64_t i = 0; i < kBytes; ++i) wrong += bytes[i] != 0x5a;
   EXPECT_EQ(wrong, 0u) << "the write-back read the copy before the stream's work had run";
   ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
-  cudaStreamDestroy(stream);
+  if (!legacy) cudaStreamDestroy(stream);
 }
+
+INSTANTIATE_TEST_SUITE_P(Streams, RuntimeCudaTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "legacy" : "own"; });
 
 }  // namespace
 }  // namespace strata::sched

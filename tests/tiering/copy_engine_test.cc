@@ -84,7 +84,7 @@ TEST(CudaCopyEngineTest, RoundTripThroughDeviceMemoryWhenThereIsADevice) {
     ASSERT_TRUE(
         (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
     EXPECT_EQ(back, src);
-    // Zeros made on the device, in order behind the copies.
+    // Zeros made on the device (the copy before them waited for).
     ASSERT_TRUE((*engine)->ZeroAsync(*d, src.size() / 2).get().ok());
     ASSERT_TRUE(
         (*engine)->CopyAsync(back.data(), *d, src.size(), CopyDirection::kDeviceToHost).get().ok());
