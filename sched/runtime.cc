@@ -1322,12 +1322,12 @@ absl::StatusOr<swap::StepReport> Runtime::OptimizerStep(int64_t t,
   return optimizer_->Step(t, inputs, options);
 }
 
-absl::Status Runtime::BeginOptimizerStep() {
+absl::Status Runtime::BeginOptimizerStep(bool host_early) {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
-  return optimizer_->Begin(copy_staging_room_);
+  return optimizer_->Begin(copy_staging_room_, host_early);
 }
 
 absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
@@ -1414,11 +1414,12 @@ absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
   return r;
 }
 
-void Runtime::AbortOptimizerStep() {
+std::vector<PartitionId> Runtime::AbortOptimizerStep() {
   MutexLock lock(&optimizer_mu_);
-  if (optimizer_ == nullptr) return;
-  optimizer_->Abort();
+  if (optimizer_ == nullptr) return {};
+  std::vector<PartitionId> stepped = optimizer_->Abort();
   ReleaseStagedGradients();
+  return stepped;
 }
 
 RuntimeStats Runtime::stats() const {

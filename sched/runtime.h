@@ -305,12 +305,14 @@ class Runtime {
   // steps: it is let go right after (it stays registered, wherever the tiers' budgets put it, for
   // a step taken anew), so the gradients of a model larger than the host tier step through it.
   // Commit changes everything or nothing, as OptimizerStep; the destructor aborts a step left
-  // open.
-  absl::Status BeginOptimizerStep();
+  // open. With `host_early` (swap/optimizer_swapper.h's Begin), host-resident partitions step in
+  // place as they are staged, during backward, for a trainer that will not abort the step for its
+  // arithmetic; AbortOptimizerStep returns those that had stepped.
+  absl::Status BeginOptimizerStep(bool host_early = false);
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
-  void AbortOptimizerStep();
+  std::vector<PartitionId> AbortOptimizerStep();
   // Loads optimizer state (a checkpoint's), all or none: swap/optimizer_swapper.h's BeginLoad,
   // Load and CommitLoad or AbortLoad.
   absl::Status BeginLoadOptimizerState();

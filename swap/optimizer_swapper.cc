@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/mutex.h"
 #include "base/status.h"
 
@@ -230,7 +231,37 @@ struct PipelinedOptimizerSwapper::Txn {
   bool overflow = false;
   StepReport report;
   std::thread worker;
+  // host_early: the host-resident items, stepped in place by early_worker as they come; what it
+  // stepped, its failure and its compute time are its own until it is joined.
+  bool host_early = false;
+  std::deque<Item> early ABSL_GUARDED_BY(mu);
+  std::vector<tiering::PartitionId> stepped_early;
+  absl::Status early_failure;
+  double early_compute_s = 0;
+  std::thread early_worker;
 };
+
+namespace {
+
+// Steps host-resident partition `it` in place with gradient `grad` (validated when staged).
+absl::Status StepInPlace(optim_cpu::ChunkOptimizer* optimizer, const StepInput& in, int64_t t,
+                         const optim_cpu::StepOptions& given, float* state, uint64_t n,
+                         const void* grad) {
+  optim_cpu::AdamChunk c;
+  c.param = state;
+  c.exp_avg = state + n;
+  c.exp_avg_sq = state + 2 * n;
+  c.grad = grad;
+  c.grad_dtype = in.grad_dtype;
+  c.param_copy = in.param_copy;
+  c.copy_dtype = in.copy_dtype;
+  c.size = n;
+  optim_cpu::StepOptions options = given;
+  options.check_overflow = false;
+  return optimizer->Step(t, c, options).status();
+}
+
+}  // namespace
 
 absl::StatusOr<std::vector<const PipelinedOptimizerSwapper::Part*>>
 PipelinedOptimizerSwapper::ValidateInputs(int64_t t, absl::Span<const StepInput> inputs,
@@ -310,7 +341,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   return r;
 }
 
-absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes) {
+absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool host_early) {
   if (txn_ != nullptr) {
     return absl::FailedPreconditionError(
         "optimizer swapper: a step is already being staged (Commit or Abort it first)");
@@ -324,12 +355,20 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes) {
                                     "needs ",
                                     copy_staging_bytes, " bytes of host memory"));
   }
+  if (host_early && !buffers_.empty()) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: host_early with NVMe-resident partitions (their commit could fail "
+        "after the host-resident ones had stepped); accepted: host_early when every partition is "
+        "host-resident");
+  }
   txn_ = std::make_unique<Txn>();
   txn_->t0 = Clock::now();
+  txn_->host_early = host_early;
   if (!buffers_.empty()) {
     txn_->batch = store_->NewBatch();
     txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
   }
+  if (host_early) txn_->early_worker = std::thread([this, x = txn_.get()] { RunEarly(x); });
   return absl::OkStatus();
 }
 
@@ -340,6 +379,13 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     return absl::FailedPreconditionError("optimizer swapper: Stage before Begin");
   }
   Txn& x = *txn_;
+  if (x.host_early && options.check_overflow) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer step ", t,
+        ": check_overflow in a step begun with host_early (the host-resident partitions step as "
+        "they are staged, so an overflow found later could not undo them); accepted: "
+        "check_overflow false, or Begin without host_early"));
+  }
   absl::flat_hash_set<tiering::PartitionId> seen = x.seen;
   STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
                           ValidateInputs(t, inputs, options, static_cast<bool>(source), &seen));
@@ -357,7 +403,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
   x.seen = std::move(seen);
   auto shared_source = source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
-  std::vector<Txn::Item> nvme;
+  std::vector<Txn::Item> nvme, early;
   for (size_t i = 0; i < inputs.size(); ++i) {
     Txn::Item item;
     item.in = inputs[i];
@@ -366,7 +412,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     item.part = parts[i];
     if (item.in.grad == nullptr) item.source = shared_source;
     if (parts[i]->host_state != nullptr) {
-      x.host.push_back(std::move(item));
+      (x.host_early ? early : x.host).push_back(std::move(item));
       continue;
     }
     if (item.in.param_copy != nullptr) {
@@ -375,12 +421,49 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     }
     nvme.push_back(std::move(item));
   }
-  if (!nvme.empty()) {
+  if (!nvme.empty() || !early.empty()) {
     MutexLock lock(&x.mu);
     for (Txn::Item& item : nvme) x.nvme.push_back(std::move(item));
+    for (Txn::Item& item : early) x.early.push_back(std::move(item));
     x.staged.SignalAll();
   }
   return absl::OkStatus();
+}
+
+void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
+  for (size_t k = 0;; ++k) {
+    const Txn::Item* it = nullptr;
+    {
+      MutexLock lock(&x->mu);
+      while (!x->closed && !x->cancelled && x->early.size() <= k) x->staged.Wait(&x->mu);
+      if (x->cancelled || x->early.size() <= k) return;
+      it = &x->early[k];  // a deque's elements stay put while more are staged
+    }
+    const void* grad = it->in.grad;
+    if (grad == nullptr) {
+      absl::StatusOr<const void*> got = it->source->get(it->in.id);
+      if (!got.ok() || *got == nullptr) {
+        if (got.ok() && it->source->done) it->source->done(it->in.id);
+        x->early_failure = Annotate(
+            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status(),
+            absl::StrCat("the gradient of partition ", it->in.id));
+        return;
+      }
+      grad = *got;
+    }
+    Emit(StepEvent::kStepStarted, it->in.id);
+    const auto c0 = Clock::now();
+    absl::Status s = StepInPlace(optimizer_, it->in, it->t, it->options, it->part->host_state,
+                                 it->part->elements, grad);
+    x->early_compute_s += Since(c0);
+    if (it->in.grad == nullptr && it->source->done) it->source->done(it->in.id);
+    Emit(StepEvent::kStepFinished, it->in.id);
+    if (!s.ok()) {
+      x->early_failure = s;
+      return;
+    }
+    x->stepped_early.push_back(it->in.id);
+  }
 }
 
 void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
@@ -543,16 +626,19 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   }
 }
 
-void PipelinedOptimizerSwapper::Abort() {
-  if (txn_ == nullptr) return;
+std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
+  if (txn_ == nullptr) return {};
   {
     MutexLock lock(&txn_->mu);
     txn_->closed = txn_->cancelled = true;
     txn_->staged.SignalAll();
   }
   if (txn_->worker.joinable()) txn_->worker.join();
+  if (txn_->early_worker.joinable()) txn_->early_worker.join();
   if (txn_->batch) txn_->batch->Abort();
+  std::vector<tiering::PartitionId> stepped = std::move(txn_->stepped_early);
   txn_.reset();
+  return stepped;
 }
 
 absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
@@ -566,8 +652,17 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     txn_->staged.SignalAll();
   }
   if (txn_->worker.joinable()) txn_->worker.join();
+  if (txn_->early_worker.joinable()) txn_->early_worker.join();
   std::unique_ptr<Txn> x = std::move(txn_);
   const int64_t t = x->first_t;
+  x->report.compute_seconds += x->early_compute_s;
+  if (!x->early_failure.ok()) {
+    return Annotate(
+        x->early_failure,
+        absl::StrCat("optimizer step ", t, ": host-resident partitions stepping during backward: ",
+                     x->stepped_early.size(), " of them had stepped (",
+                     absl::StrJoin(x->stepped_early, ", "), "), the others had not"));
+  }
   const std::string unchanged = absl::StrCat("optimizer step ", t, ": nothing was changed");
   auto abort = [&] {
     if (x->batch) x->batch->Abort();
@@ -636,21 +731,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   }
   for (size_t i = 0; i < x->host.size(); ++i) {
     const Txn::Item& it = x->host[i];
-    float* state = it.part->host_state;
-    const uint64_t n = it.part->elements;
-    optim_cpu::AdamChunk c;
-    c.param = state;
-    c.exp_avg = state + n;
-    c.exp_avg_sq = state + 2 * n;
-    c.grad = host_grads[i];
-    c.grad_dtype = it.in.grad_dtype;
-    c.param_copy = it.in.param_copy;
-    c.copy_dtype = it.in.copy_dtype;
-    c.size = n;
-    optim_cpu::StepOptions options = it.options;
-    options.check_overflow = false;
     const auto s0 = Clock::now();
-    absl::Status s = optimizer_->Step(it.t, c, options).status();
+    absl::Status s = StepInPlace(optimizer_, it.in, it.t, it.options, it.part->host_state,
+                                 it.part->elements, host_grads[i]);
     report.compute_seconds += Since(s0);
     if (!s.ok()) {
       return absl::InternalError(absl::StrCat(

@@ -38,11 +38,13 @@
 // waits for that work and then commits exactly as Step does; it reports an overflow (a staged
 // input with options.check_overflow whose gradient is not finite) or the first failure with
 // nothing changed. Abort drops it all, nothing changed. Host-resident partitions step at Commit,
-// in place, after the NVMe commit. Step is Begin, Stage of every input and Commit.
+// in place, after the NVMe commit, unless the step was begun with host_early: then they step in
+// place as they are staged (see Begin). Step is Begin, Stage of every input and Commit.
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
-// the thread that stages it) and reads the committed state. The store, the optimizer and the host
+// the thread that stages it) and reads the committed state (with host_early, a host-resident
+// partition that has stepped reads stepped, and one must not be read while it steps). The store, the optimizer and the host
 // memory resource are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
@@ -88,8 +90,9 @@ struct OptimizerSwapperConfig {
   // OR-ed into each partition's id to make its key in the store, keeping the optimizer's state
   // apart from other users of the same store (the Runtime's partitions). 0: the ids themselves.
   tiering::PartitionId store_key_bits = 0;
-  // Test seam: called at each StepEvent of an NVMe-resident partition, on the thread where it
-  // happens, so a test can see how reads, steps and writes interleave. It may block to hold a
+  // Test seam: called at each StepEvent of an NVMe-resident partition (and kStepStarted and
+  // kStepFinished of a host-resident one stepping early: Begin's host_early), on the thread where
+  // it happens, so a test can see how reads, steps and writes interleave. It may block to hold a
   // read or write back; a step never waits for an I/O thread without announcing it with an
   // *Awaited event first, so a hook that holds an I/O thread until the step moves on, or until
   // that event, cannot deadlock. Default: none.
@@ -141,7 +144,13 @@ class PipelinedOptimizerSwapper {
   // The step in parts (above). `copy_staging_bytes`: room for the staged param copies of the
   // NVMe-resident partitions (2 bytes an element, 4 for fp32), allocated from `host` (kept for
   // the next step). FailedPrecondition while one is open.
-  absl::Status Begin(uint64_t copy_staging_bytes);
+  // `host_early`: the host-resident partitions step in place as they are staged (on a thread of
+  // the transaction's), during backward, rather than at Commit. For a caller that will not abort
+  // the step for its arithmetic (no clipping or loss scale to learn after backward): an input with
+  // check_overflow is refused, and an Abort, or a failure, leaves those that stepped stepped (Abort
+  // returns them). FailedPrecondition when the swapper has NVMe-resident partitions (whose commit
+  // could fail after the host-resident ones had changed).
+  absl::Status Begin(uint64_t copy_staging_bytes, bool host_early = false);
   // Where a staged input with a null `grad` gets its gradient: `get` is called on the worker
   // thread just before the partition steps (its state's read already under way), or at Commit
   // for a host-resident one, so the gradient may still be on its way to host memory when it is
@@ -159,7 +168,8 @@ class PipelinedOptimizerSwapper {
   absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
                      const optim_cpu::StepOptions& options = {}, GradSource source = {});
   absl::StatusOr<StepReport> Commit();
-  void Abort();
+  // Drops the step; returns the host-resident partitions that had stepped in place (host_early).
+  std::vector<tiering::PartitionId> Abort();
   bool staging() const { return txn_ != nullptr; }
   // Replaces the state of any of the partitions, all or none (loading a checkpoint): BeginLoad,
   // then Load each partition's master weights and moments (an NVMe-resident one is written to
@@ -203,6 +213,8 @@ class PipelinedOptimizerSwapper {
       bool have_source, absl::flat_hash_set<tiering::PartitionId>* seen) const;
   // The worker of a transaction: steps its NVMe-resident partitions as they are staged.
   void RunStaged(Txn* x);
+  // The other worker, with host_early: steps the host-resident partitions in place as staged.
+  void RunEarly(Txn* x);
   tiering::PartitionId StoreKey(tiering::PartitionId id) const {
     return id | config_.store_key_bits;
   }

@@ -676,11 +676,11 @@ class PyRuntime {
 
   // The step in parts (sched::Runtime::BeginOptimizerStep and the rest): the tensors staged are
   // held until the step is committed or aborted.
-  void BeginOptimizerStep() {
+  void BeginOptimizerStep(bool host_early) {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->BeginOptimizerStep();
+      s = runtime_->BeginOptimizerStep(host_early);
     }
     Check(s);
   }
@@ -712,12 +712,15 @@ class PyRuntime {
     return ReportDict(Take(std::move(r)));
   }
 
-  void AbortOptimizerStep() {
+  // The ids of the host-resident partitions that had stepped in place (host_early).
+  std::vector<uint64_t> AbortOptimizerStep() {
+    std::vector<uint64_t> stepped;
     {
       py::gil_scoped_release unlocked;
-      runtime_->AbortOptimizerStep();
+      stepped = runtime_->AbortOptimizerStep();
     }
     staged_.clear();
+    return stepped;
   }
 
   // A checkpoint's optimizer state, all or none (sched::Runtime::BeginLoadOptimizerState).
@@ -1015,7 +1018,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
            py::arg("weight_decay") = -1.0f)
-      .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep)
+      .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep, py::arg("host_early") = false)
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
            py::arg("weight_decay") = -1.0f)

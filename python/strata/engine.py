@@ -155,6 +155,12 @@ class _EpochLoader(torch.utils.data.DataLoader):
         return super().__iter__()
 
 
+def runtime_blocks_device(settings):
+    """offload_optimizer.device as the Runtime takes it ("cpu" or "nvme")."""
+    zero = json.loads(settings.runtime_json).get("zero_optimization", {})
+    return zero.get("offload_optimizer", {}).get("device", "cpu")
+
+
 class _Param:
     """What the engine keeps of one trainable parameter."""
 
@@ -324,6 +330,9 @@ class Engine(Lending, Gradients, Step):
             self._warn(message)
         self.stage = settings.stage
         self._param_tier = settings.param_tier
+        # The optimizer state in host memory (offload_optimizer "cpu"): its partitions may step in
+        # place during backward when nothing learnt after backward can change the step (step.py).
+        self._optimizer_on_host = runtime_blocks_device(settings) == "cpu"
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
         runtime_blocks = json.loads(settings.runtime_json)
@@ -494,6 +503,9 @@ class Engine(Lending, Gradients, Step):
         self._in_backward = False  # engine.backward is running (lending.py: _traced)
         self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
+        # Host-resident partitions that stepped in place during this backward before the staged
+        # step was dropped (step.py): they are not stepped again.
+        self._stepped_early = set()
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
         self.redone_steps = 0  # staged steps dropped and taken anew
@@ -1021,7 +1033,7 @@ class Engine(Lending, Gradients, Step):
         if self._runtime is None:
             return
         try:
-            self._end_staged(committed=False)
+            self._end_staged(committed=False, reason="the engine closed")
         finally:
             self._drop_all()
             for e in self._params + self._frozen:  # each its shape again, without its bytes

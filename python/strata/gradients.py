@@ -184,6 +184,7 @@ class Gradients:
                 errors.append(error)
 
         attempt(self._end_staged, False)
+        self._stepped_early.clear()
         # Their pinned memory is written to again next step: the copies end first.
         self._land_host_gradients()
         self._redo_reason = None

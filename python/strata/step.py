@@ -25,9 +25,10 @@ class _Staged:
     with no clipping and no overflow; engine.step() commits it when that was right, else aborts
     it and steps again."""
 
-    def __init__(self, scale):
+    def __init__(self, scale, early=False):
         self.scale = scale  # the loss scale the gradients were made with
         self.entries = []  # staged _Param entries, their targets pinned in the host tier
+        self.early = early  # host-resident partitions step in place as they are staged
 
 
 class Step:
@@ -46,8 +47,9 @@ class Step:
         if staged is None:
             if not always and (not self._speculate or self._redo_reason is not None):
                 return
-            self.runtime.begin_optimizer_step()
-            staged = self._staged = _Staged(self.loss_scale)
+            early = not always and self._host_early()
+            self.runtime.begin_optimizer_step(host_early=early)
+            staged = self._staged = _Staged(self.loss_scale, early)
         lr, weight_decay = self._hyper_of(e)
         try:
             target = None
@@ -77,32 +79,57 @@ class Step:
             return e.param.data.reshape(-1)
         return torch.empty(e.numel, dtype=self.dtype)
 
+    def _host_early(self):
+        """Whether the host-resident partitions may step in place as backward makes their
+        gradients final, rather than after backward: when the optimizer state is in host memory
+        and nothing learnt after backward can change the step (no gradient clipping, no fp16 loss
+        scale, one process), from the second step on (the first shows whether the boundary
+        micro-batch takes one backward). Dropping such a step cannot undo them (_drop_staged)."""
+        return (self._optimizer_on_host and self.config.clipping <= 0
+                and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
+
     def _drop_staged(self, reason):
-        """The staged step cannot stand: aborted; this step is taken anew after backward."""
+        """The staged step cannot stand: aborted; this step is taken anew after backward. Host-
+        resident partitions that had stepped in place (early) keep that step, taken with what
+        was known when they were staged, and are not stepped again; a warning says so."""
         self.redone_steps += 1
         self.last_redo_reason = self._redo_reason = reason
-        self._end_staged(committed=False)
+        self._end_staged(committed=False, reason=reason)
 
-    def _end_staged(self, committed):
-        """Ends the staged step: aborted unless `committed`; the partitioned parameters' host
-        copies released (written when committed), the others' new weights put in place."""
+    def _end_staged(self, committed, reason="backward failed"):
+        """Ends the staged step: aborted unless `committed` (for `reason`); the partitioned
+        parameters' host copies released (written when committed), the others' new weights put
+        in place. Host-resident partitions that had stepped in place (early) keep that step, and
+        a warning says so."""
         staged, self._staged = self._staged, None
         if staged is None:
             return
+        stepped = set()
         if not committed:
-            self.runtime.abort_optimizer_step()
+            stepped = set(self.runtime.abort_optimizer_step())
+        early = [e for e in staged.entries if e.gid in stepped]
+        for e in early:  # stepped in place during backward: that step stands
+            e.steps += 1
+            self._stepped_early.add(e)
+        if early:
+            self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
+                       "had stepped during backward with the gradients and rates known then "
+                       "(strata steps host-resident optimizer state during backward when gradient "
+                       "clipping is off and the dtype is not fp16): they keep that step, and the "
+                       "others step when the step is taken")
         gather = []
         for e in staged.entries:
             target = e.staged[1]
             e.staged = None
+            written = committed or e in self._stepped_early  # by a step that stands
             if e.partitioned:
                 if target is not None:
                     del target
-                    self.runtime.release(e.pid, "host", committed, traced=False)
-            elif committed and self.ranks is not None:
+                    self.runtime.release(e.pid, "host", written, traced=False)
+            elif written and self.ranks is not None:
                 gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
                     whole.view(e.shape))))
-            elif committed:
+            elif written:
                 self._write_back_weights(e, target)
         if gather:  # every rank's new shards, whole on every rank
             with torch.no_grad():
@@ -112,7 +139,7 @@ class Step:
         """(entry, host gradient or None: its partition's) for each parameter with a gradient
         whose step is not staged."""
         for e in self._params:
-            if e.staged is not None:
+            if e.staged is not None or e in self._stepped_early:
                 continue
             if e.partitioned:
                 if e.has_grad:
@@ -229,6 +256,7 @@ class Step:
             self._update_scale(overflow=True)
             return False, {"overflow": True, "grad_norm": None}
         entries = list(self._staged.entries)
+        early = self._staged.early
         for e in entries:
             e.steps += 1
         self._end_staged(committed=True)
@@ -243,7 +271,8 @@ class Step:
             self._update_scale(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
-                      "bytes_written": r["bytes_written"], "staged": staged}
+                      "bytes_written": r["bytes_written"], "staged": staged,
+                      "host_early": early}
 
     def _refresh_weights(self, entries):
         """Parameters homed on NVMe: their new weights are their committed master weights in the

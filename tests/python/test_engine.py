@@ -6,6 +6,7 @@ torch: torch.optim.AdamW with clip_grad_norm_, on an fp32 model; for bf16, the s
 recipe written out by hand (a bf16 model computes, fp32 master weights step, the bf16 copy is the
 rounded master)."""
 import copy
+import time
 import json
 
 import pytest
@@ -743,6 +744,57 @@ def test_the_step_staged_during_backward_commits_when_nothing_changes_it(tmp_pat
         engine, staged = staged_run(tmp_path / str(clipping), clipping, offload=offload)
         assert all(staged)
         assert engine.redone_steps == 0
+
+
+def test_with_the_state_in_host_memory_and_nothing_to_learn_after_backward_it_steps_during_it(
+        tmp_path):
+    # offload_optimizer cpu and no clipping: from the second step on, each partition steps in
+    # place as backward makes its gradient final (its master weights change before step() is
+    # called), and the steps equal torch's (staged_run checks). With clipping, the host-resident
+    # state steps after backward, as the clip coefficient is only known then.
+    def before_step(engine, reference, i):
+        if i == 0:
+            return
+        # The last block's weight (its gradient is final first) against torch's before its step.
+        index, e = next((k, e) for k, e in reversed(list(enumerate(engine._params)))
+                        if e.partitioned)
+        before = list(reference.model.parameters())[index].detach().reshape(-1)
+        master, m, v = torch.empty(e.shard), torch.empty(e.shard), torch.empty(e.shard)
+        deadline = time.monotonic() + 60
+        while True:
+            engine.runtime.read_optimizer_state(e.gid, master, m, v)
+            if (master - before).abs().max() > 1e-4:  # one step of lr 1e-2 moved it
+                break
+            assert time.monotonic() < deadline, "no partition stepped during backward"
+            time.sleep(0.01)
+
+    engine, staged = staged_run(tmp_path, 0.0, offload="cpu", hook=before_step)
+    assert all(staged) and engine.redone_steps == 0
+    assert engine.last_step_stats["optimizer"]["host_early"]
+    (tmp_path / "clipped").mkdir()
+    engine, staged = staged_run(tmp_path / "clipped", 1e6, offload="cpu")
+    assert all(staged) and not engine.last_step_stats["optimizer"]["host_early"]
+
+
+def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp_path):
+    # Stepping during backward cannot be undone: a second backward through the boundary
+    # micro-batch, after some partitions stepped with the first one's gradients, leaves them with
+    # that step (said in a warning); the others take the summed gradients; none steps twice, and
+    # the steps after it are staged no more (staging pauses for second gradients).
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0))
+    for i, (x, y) in enumerate(batches(4)):
+        engine.backward(loss_of(engine(x), y))
+        if i == 1:
+            time.sleep(0.5)  # the first backward's partitions step meanwhile
+            engine.backward(loss_of(engine(x), y) * 0.5)
+        engine.step()
+    said = [w for w in engine.warnings if "had stepped during backward" in w]
+    assert said and "changed after its step was staged" in said[0], engine.warnings
+    assert all(e.steps == 4 for e in engine._params), [(e.name, e.steps) for e in engine._params]
+    assert engine.redone_steps == 1
+    assert not engine.last_step_stats["optimizer"].get("staged", False)
 
 
 def test_a_step_that_clipping_scales_is_taken_anew_and_staging_pauses(tmp_path):

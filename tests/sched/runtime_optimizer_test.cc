@@ -342,10 +342,15 @@ void SetUpStagedOptimizer(Runtime& rt, const Reference& ref,
 // it from its partition in the host tier. Three steps equal CpuAdam in memory bit for bit; the
 // optimizer's acquires stay out of the trace (the scheduler plans from step 2 without diverging,
 // and the trainer's report counts only its own accesses); nothing stays pinned after Commit; an
-// Abort changes nothing.
-TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfTheTrace) {
+// Abort changes nothing. With the state in host memory and host_early (the param), each partition
+// steps on the optimizer's thread as it is staged, with the same bits.
+class StagedStepTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StagedStepTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfTheTrace) {
+  const bool early = GetParam();
   ScratchDir dir;
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  RuntimeConfig config =
+      OptimizerConfig(dir.File("swap"), early ? OffloadDevice::kCpu : OffloadDevice::kNvme);
   config.device_budget_bytes = 8 * kSlot;
   config.host_budget_bytes += 4 * kSlot;
   auto rt = Runtime::Create(config, Quiet());
@@ -361,7 +366,7 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
   }
   for (int64_t t = 1; t <= 4; ++t) {
     const auto grads = Grads(t);
-    ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+    ASSERT_TRUE((*rt)->BeginOptimizerStep(early).ok());
     for (size_t k = kParts.size(); k-- > 0;) {  // backward: last layer first
       const PartitionId id = kParts[k].first;
       auto p = (*rt)->Acquire(id, Tier::kDevice);
@@ -373,8 +378,8 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
           (*rt)->StageOptimizerStep(t, {swap::StepInput{.id = id, .param_copy = copies[k].data()}});
       ASSERT_TRUE(staged.ok()) << staged;
     }
-    if (t == 3) {  // dropped: step 3 is done again below
-      (*rt)->AbortOptimizerStep();
+    if (t == 3 && !early) {  // dropped: step 3 is done again below
+      EXPECT_THAT((*rt)->AbortOptimizerStep(), ::testing::IsEmpty());
       ExpectState(**rt, ref);
       ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
       ASSERT_TRUE((*rt)->StageOptimizerStep(t, Inputs(grads)).ok());
@@ -383,7 +388,7 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
     ASSERT_TRUE(r.ok()) << r.status();
     ref.Step(t, grads);
     ExpectState(**rt, ref);
-    if (t != 3) {  // step 3's retry was given no copies
+    if (t != 3 || early) {  // step 3's retry was given no copies
       for (size_t i = 0; i < kParts.size(); ++i) {
         for (uint64_t j = 0; j < kParts[i].second; ++j) {
           uint32_t bits;
@@ -408,6 +413,9 @@ TEST(RuntimeOptimizerTest, AStagedStepTakesTheGradientsFromTheirPartitionsOutOfT
   }
   ASSERT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(HostEarly, StagedStepTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "host_early" : "nvme"; });
 
 // A staged step holds each gradient only while its partition steps: once the optimizer's thread
 // has stepped them all, none is pinned, before Commit (the gradients of a model larger than the

@@ -933,6 +933,110 @@ TEST(SwapperTransactionTest, AnOverflowFoundLateDropsWhatWasStaged) {
   EXPECT_EQ(f.copies, copies_before);
 }
 
+// host_early: with every partition in host memory, each steps in place as it is staged, before
+// Commit (during the trainer's backward), bit for bit the step in memory; one not staged yet is
+// untouched until it is.
+TEST(SwapperTransactionTest, HostEarlyStepsEachHostResidentPartitionAsItIsStaged) {
+  Fixture f({true, true, 1 << 30});
+  for (const auto& [id, n] : f.parts) ASSERT_FALSE(f.swapper->on_nvme(id)) << id;
+  for (int64_t t = 1; t <= 2; ++t) {
+    f.NewGrads(static_cast<int>(t));
+    const Reference before = f.ref;
+    f.StepReference(t);
+    f.trace->Clear();
+    ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+    std::vector<StepInput> in = f.Inputs();
+    ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, 4)).ok());
+    f.trace->WaitUntil(
+        [&](const std::vector<Entry>& x) {
+          return std::all_of(in.begin(), in.begin() + 4, [&x](const StepInput& s) {
+            return Any(x, StepEvent::kStepFinished, s.id);
+          });
+        },
+        "the first four stepped");
+    ASSERT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+    // Stepped before Commit: the first four hold the new state, the fifth its old one.
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      const uint64_t n = f.parts[i].second;
+      std::vector<float> p(n), m(n), v(n);
+      ASSERT_TRUE(
+          f.swapper
+              ->ReadState(f.parts[i].first, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v))
+              .ok());
+      const std::vector<float>& want = i < 4 ? f.ref.p[i] : before.p[i];
+      EXPECT_EQ(0, std::memcmp(p.data(), want.data(), n * 4)) << "partition " << f.parts[i].first;
+    }
+    ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(4)).ok());
+    auto r = f.swapper->Commit();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->overflow);
+    EXPECT_GT(r->compute_seconds, 0);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// Dropping a host_early step leaves those that had stepped stepped (Abort names them) and the
+// others as they were; a gradient that cannot be had fails Commit naming who stepped.
+TEST(SwapperTransactionTest, HostEarlyAbortAndFailureSayWhatHadStepped) {
+  Fixture f({true, true, 1 << 30});
+  f.NewGrads(1);
+  const Reference before = f.ref;
+  f.StepReference(1);
+  ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+  std::vector<StepInput> in = f.Inputs();
+  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 2)).ok());
+  f.trace->WaitUntil(
+      [&](const std::vector<Entry>& x) {
+        return Any(x, StepEvent::kStepFinished, in[0].id) &&
+               Any(x, StepEvent::kStepFinished, in[1].id);
+      },
+      "the first two stepped");
+  EXPECT_THAT(f.swapper->Abort(), ::testing::ElementsAre(in[0].id, in[1].id));
+  EXPECT_FALSE(f.swapper->staging());
+  for (size_t i = 0; i < f.parts.size(); ++i) {
+    const uint64_t n = f.parts[i].second;
+    std::vector<float> p(n), m(n), v(n);
+    ASSERT_TRUE(
+        f.swapper
+            ->ReadState(f.parts[i].first, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v))
+            .ok());
+    const std::vector<float>& want = i < 2 ? f.ref.p[i] : before.p[i];
+    EXPECT_EQ(0, std::memcmp(p.data(), want.data(), n * 4)) << "partition " << f.parts[i].first;
+  }
+  // A gradient source that fails on the third partition: the first two step, Commit says so.
+  ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+  in[2].grad = nullptr;
+  PipelinedOptimizerSwapper::GradSource failing;
+  failing.get = [](tiering::PartitionId) -> absl::StatusOr<const void*> {
+    return absl::DataLossError("the gradient's copy failed");
+  };
+  ASSERT_TRUE(f.swapper->Stage(2, in, {}, failing).ok());
+  auto r = f.swapper->Commit();
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("the gradient's copy failed"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr(absl::StrCat("2 of them had stepped (", in[0].id, ", ", in[1].id, ")")));
+}
+
+TEST(SwapperTransactionTest, HostEarlyMisuseIsRefused) {
+  {
+    Fixture f({true, true, 220000});  // 12 and 13 on NVMe
+    absl::Status s = f.swapper->Begin(0, /*host_early=*/true);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_THAT(s.message(), HasSubstr("NVMe-resident"));
+    EXPECT_FALSE(f.swapper->staging());
+  }
+  Fixture f({true, true, 1 << 30});
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+  absl::Status s = f.swapper->Stage(1, f.Inputs(), {.check_overflow = true});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("check_overflow"));
+  EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+  f.ExpectMatchesReference();  // nothing stepped
+}
+
 TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
   Fixture f({true, true, 220000});
   f.NewGrads(1);
