@@ -311,7 +311,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         *s, "strata",
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
-         "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams"}));
+         "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
+         "optimizer_during_backward"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -333,6 +334,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
+    STRATA_RETURN_IF_ERROR(
+        ReadBool(*s, p, "optimizer_during_backward", &c.optimizer_during_backward));
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

@@ -109,6 +109,13 @@ struct RuntimeConfig {
   // direction: a gradient going to the host need not wait behind a weight coming to the device).
   // The host-emulated engine has one worker whatever this says.
   int64_t copy_streams = 1;
+  // The optimizer state in host memory (offload_optimizer "cpu") steps during backward, each
+  // partition in place as backward makes its gradient final, rather than after backward, when
+  // nothing learnt after backward can change the step (no gradient clipping, no fp16 loss scale,
+  // one process). The trainer's front decides; this says whether it may. Off by default: on a GPU
+  // the optimizer's threads then compete with the trainer's for the cores while backward runs
+  // (measured in docs/performance.md).
+  bool optimizer_during_backward = false;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

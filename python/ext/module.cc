@@ -607,6 +607,7 @@ class PyRuntime {
     return op.device == tiering::OffloadDevice::kNvme ? op.max_in_cpu : 0;
   }
   uint64_t HostBudgetBytes() const { return runtime_->config().host_budget_bytes; }
+  bool OptimizerDuringBackward() const { return runtime_->config().optimizer_during_backward; }
 
   // `kind`: "adam" (AdamW with adamw), "adagrad" (lr_decay, weight_decay as L2, eps) or "lion"
   // (beta1, beta2, weight_decay decoupled); `copy_dtype`: the dtype of the param copies the steps
@@ -1007,6 +1008,7 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("emulated_device", &PyRuntime::EmulatedDevice)
       .def_property_readonly("max_in_cpu", &PyRuntime::MaxInCpu)
       .def_property_readonly("host_budget_bytes", &PyRuntime::HostBudgetBytes)
+      .def_property_readonly("optimizer_during_backward", &PyRuntime::OptimizerDuringBackward)
       .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("kind") = "adam",
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
            py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f, py::arg("adamw") = true,

@@ -506,6 +506,7 @@ class Engine(Lending, Gradients, Step):
         # Host-resident partitions that stepped in place during this backward before the staged
         # step was dropped (step.py): they are not stepped again.
         self._stepped_early = set()
+        self._early_held = []  # their host copies, released written after backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
         self.redone_steps = 0  # staged steps dropped and taken anew
@@ -928,6 +929,13 @@ class Engine(Lending, Gradients, Step):
             raise error
 
 
+    def _attempt_quietly(self, fn, *args):
+        """fn(*args); a strata error it raises is kept as a warning (closing goes on)."""
+        try:
+            fn(*args)
+        except _strata.Error as error:
+            self._warn(f"closing: {error}")
+
     def _raise_deferred(self):
         errors = self.runtime.take_deferred_errors()
         if errors:
@@ -1036,6 +1044,7 @@ class Engine(Lending, Gradients, Step):
             self._end_staged(committed=False, reason="the engine closed")
         finally:
             self._drop_all()
+            self._release_early_held(self._attempt_quietly)
             for e in self._params + self._frozen:  # each its shape again, without its bytes
                 if e.partitioned:
                     e.param.data = torch.zeros((), dtype=self.dtype, device=self.device) \

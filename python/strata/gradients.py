@@ -90,17 +90,20 @@ class Gradients:
         values = grad.to(self.grad_accum_dtype)
         if e.pinned_grad is None:
             e.pinned_grad = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
+        incoming = None
         if e.host_grad is None:
             e.host_grad = e.pinned_grad
             e.host_grad.copy_(values, non_blocking=True)
         else:
             if e.incoming is not None:  # a second gradient in this backward (a shared use)
                 self._land_host_gradients()
-            e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
-            e.incoming.copy_(values, non_blocking=True)
+            incoming = e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype,
+                                                pin_memory=True)
+            incoming.copy_(values, non_blocking=True)
         # The copy reads `values` after this returns: torch's caching allocator keeps its memory
-        # from other streams' use, and this stream's later work comes after the copy.
-        self._grads_in_flight.append(e)
+        # from other streams' use, and this stream's later work comes after the copy. The copy
+        # belongs to this backward's batch: summed only once that batch's event has passed.
+        self._grads_in_flight.append((e, incoming))
 
     def _end_backward_copies(self):
         """After a backward: its gradients' copies to the host, marked by an event on torch's
@@ -120,13 +123,14 @@ class Gradients:
             torch.cuda.current_stream(self.device).synchronize()
             batches.append((None, self._grads_in_flight))
             self._grads_in_flight = []
-        for event, entries in batches:
+        for event, copies in batches:
             if event is not None:
                 event.synchronize()
-            for e in entries:
-                if e.incoming is not None:
-                    e.host_grad.add_(e.incoming)
-                    e.incoming = None
+            for e, incoming in copies:
+                if incoming is not None:
+                    e.host_grad.add_(incoming)
+                    if e.incoming is incoming:
+                        e.incoming = None
 
     def _add_gradient_shard(self, e, shard, boundary):
         """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
@@ -153,6 +157,13 @@ class Gradients:
         if boundary:
             self.runtime.gradient_ready(e.gid)
             e.sent_down = True
+
+    def _release_early_held(self, attempt):
+        """The host copies of partitions that stepped early in a dropped step, held until
+        backward was over: released written (each through `attempt`)."""
+        held, self._early_held = self._early_held, []
+        for e in held:
+            attempt(lambda pid: self.runtime.release(pid, "host", True, traced=False), e.pid)
 
     def _reduce_gradients(self):
         """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
@@ -184,6 +195,7 @@ class Gradients:
                 errors.append(error)
 
         attempt(self._end_staged, False)
+        self._release_early_held(attempt)
         self._stepped_early.clear()
         # Their pinned memory is written to again next step: the copies end first.
         self._land_host_gradients()

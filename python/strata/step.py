@@ -80,12 +80,14 @@ class Step:
         return torch.empty(e.numel, dtype=self.dtype)
 
     def _host_early(self):
-        """Whether the host-resident partitions may step in place as backward makes their
-        gradients final, rather than after backward: when the optimizer state is in host memory
-        and nothing learnt after backward can change the step (no gradient clipping, no fp16 loss
-        scale, one process), from the second step on (the first shows whether the boundary
-        micro-batch takes one backward). Dropping such a step cannot undo them (_drop_staged)."""
-        return (self._optimizer_on_host and self.config.clipping <= 0
+        """Whether the host-resident partitions step in place as backward makes their gradients
+        final, rather than after backward: when strata.optimizer_during_backward says they may,
+        the optimizer state is in host memory and nothing learnt after backward can change the
+        step (no gradient clipping, no fp16 loss scale, one process), from the second step on (the
+        first shows whether the boundary micro-batch takes one backward). Dropping such a step
+        cannot undo them (_end_staged)."""
+        return (self._optimizer_on_host and self.runtime.optimizer_during_backward
+                and self.config.clipping <= 0
                 and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
 
     def _drop_staged(self, reason):
@@ -114,9 +116,9 @@ class Step:
         if early:
             self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
                        "had stepped during backward with the gradients and rates known then "
-                       "(strata steps host-resident optimizer state during backward when gradient "
-                       "clipping is off and the dtype is not fp16): they keep that step, and the "
-                       "others step when the step is taken")
+                       "(strata.optimizer_during_backward: host-resident optimizer state steps "
+                       "during backward): they keep that step, and the others step when the step "
+                       "is taken")
         gather = []
         for e in staged.entries:
             target = e.staged[1]
@@ -125,7 +127,12 @@ class Step:
             if e.partitioned:
                 if target is not None:
                     del target
-                    self.runtime.release(e.pid, "host", written, traced=False)
+                    if written and not committed:
+                        # Stepped early, dropped while backward may still use its device copy:
+                        # its host copy goes back written once backward is over (_end_gradients).
+                        self._early_held.append(e)
+                    else:
+                        self.runtime.release(e.pid, "host", written, traced=False)
             elif written and self.ranks is not None:
                 gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
                     whole.view(e.shape))))

@@ -709,14 +709,16 @@ def test_a_client_torch_adagrad_gives_the_kind_and_its_hyper_parameters(tmp_path
 
 # --- the step staged during backward (stage 3) ------------------------------------------------
 
-def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None):
-    """train_both at stage 3 with `hook(engine, step)` called between backward and step; the
-    per-step 'staged' flags of the optimizer's reports."""
+def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None, during_backward=False):
+    """train_both at stage 3 with `hook(engine, step)` called between backward and step (and
+    strata.optimizer_during_backward as given); the per-step 'staged' flags of the optimizer's
+    reports."""
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, clipping)
-    engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, 3, offload, "fp32", 1, clipping))
+    config = make_config(tmp_path, 3, offload, "fp32", 1, clipping)
+    config["strata"]["optimizer_during_backward"] = during_backward
+    engine, _, _, _ = strata.initialize(model=model, config=config)
     staged = []
     for i, (x, y) in enumerate(batches(steps)):
         loss = loss_of(engine(x), y)
@@ -748,10 +750,11 @@ def test_the_step_staged_during_backward_commits_when_nothing_changes_it(tmp_pat
 
 def test_with_the_state_in_host_memory_and_nothing_to_learn_after_backward_it_steps_during_it(
         tmp_path):
-    # offload_optimizer cpu and no clipping: from the second step on, each partition steps in
-    # place as backward makes its gradient final (its master weights change before step() is
-    # called), and the steps equal torch's (staged_run checks). With clipping, the host-resident
-    # state steps after backward, as the clip coefficient is only known then.
+    # strata.optimizer_during_backward, offload_optimizer cpu and no clipping: from the second
+    # step on, each partition steps in place as backward makes its gradient final (its master
+    # weights change before step() is called), and the steps equal torch's (staged_run checks).
+    # With clipping, the host-resident state steps after backward, as the clip coefficient is
+    # only known then; and so it does without the setting (its default).
     def before_step(engine, reference, i):
         if i == 0:
             return
@@ -768,12 +771,15 @@ def test_with_the_state_in_host_memory_and_nothing_to_learn_after_backward_it_st
             assert time.monotonic() < deadline, "no partition stepped during backward"
             time.sleep(0.01)
 
-    engine, staged = staged_run(tmp_path, 0.0, offload="cpu", hook=before_step)
+    engine, staged = staged_run(tmp_path, 0.0, offload="cpu", hook=before_step,
+                                during_backward=True)
     assert all(staged) and engine.redone_steps == 0
     assert engine.last_step_stats["optimizer"]["host_early"]
-    (tmp_path / "clipped").mkdir()
-    engine, staged = staged_run(tmp_path / "clipped", 1e6, offload="cpu")
-    assert all(staged) and not engine.last_step_stats["optimizer"]["host_early"]
+    for name, clipping, during_backward in (("clipped", 1e6, True), ("default", 0.0, False)):
+        (tmp_path / name).mkdir()
+        engine, staged = staged_run(tmp_path / name, clipping, offload="cpu",
+                                    during_backward=during_backward)
+        assert all(staged) and not engine.last_step_stats["optimizer"]["host_early"], name
 
 
 def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp_path):
@@ -782,19 +788,24 @@ def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp
     # that step (said in a warning); the others take the summed gradients; none steps twice, and
     # the steps after it are staged no more (staging pauses for second gradients).
     torch.manual_seed(0)
-    engine, _, _, _ = strata.initialize(
-        model=Net(), config=make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0))
+    config = make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0)
+    config["strata"]["optimizer_during_backward"] = True
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    staged = []
     for i, (x, y) in enumerate(batches(4)):
         engine.backward(loss_of(engine(x), y))
         if i == 1:
             time.sleep(0.5)  # the first backward's partitions step meanwhile
             engine.backward(loss_of(engine(x), y) * 0.5)
         engine.step()
+        staged.append(engine.last_step_stats["optimizer"].get("staged", False))
     said = [w for w in engine.warnings if "had stepped during backward" in w]
     assert said and "changed after its step was staged" in said[0], engine.warnings
     assert all(e.steps == 4 for e in engine._params), [(e.name, e.steps) for e in engine._params]
     assert engine.redone_steps == 1
-    assert not engine.last_step_stats["optimizer"].get("staged", False)
+    # The second step was taken anew, the third after backward (staging paused), the fourth
+    # staged again.
+    assert staged == [True, False, False, True]
 
 
 def test_a_step_that_clipping_scales_is_taken_anew_and_staging_pauses(tmp_path):

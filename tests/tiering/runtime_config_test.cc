@@ -209,13 +209,21 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsGlibcsOwnUnlessSet) {
               HasSubstr("malloc_mmap_threshold_bytes"));
 }
 
-TEST(RuntimeConfigTest, OptimizerThreadsAndCopyStreamsAreReadAndBounded) {
+TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
   EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
   EXPECT_EQ(RuntimeConfig().copy_streams, 1);
-  auto c = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_threads": 14, "copy_streams": 2}})");
+  EXPECT_FALSE(RuntimeConfig().optimizer_during_backward);
+  auto c = RuntimeConfigFromJsonText(
+      R"({"strata": {"optimizer_threads": 14, "copy_streams": 2,
+                     "optimizer_during_backward": true}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->optimizer_threads, 14);
   EXPECT_EQ(c->copy_streams, 2);
+  EXPECT_TRUE(c->optimizer_during_backward);
+  EXPECT_THAT(RuntimeConfigFromJsonText(R"({"strata": {"optimizer_during_backward": "yes"}})")
+                  .status()
+                  .message(),
+              HasSubstr("strata.optimizer_during_backward"));
   for (const char* bad :
        {R"({"strata": {"optimizer_threads": -1}})", R"({"strata": {"optimizer_threads": 1025}})",
         R"({"strata": {"optimizer_threads": "all"}})"}) {
