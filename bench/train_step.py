@@ -207,10 +207,14 @@ def main():
                         help="strata.optimizer_threads (0: one per core)")
     parser.add_argument("--copy-streams", type=int, default=1, choices=[1, 2],
                         help="strata.copy_streams: the CUDA copy engine's streams")
+    parser.add_argument("--during-backward", action="store_true",
+                        help="strata.optimizer_during_backward: the host-resident optimizer "
+                             "state steps during backward")
     parser.add_argument("--variants", default="",
                         help="more strata configurations measured in each round beside the "
-                             "first, comma-separated THREADS/STREAMS (optimizer threads, copy "
-                             "streams), e.g. 14/1,14/2")
+                             "first, comma-separated THREADS/STREAMS[/DURING] (optimizer "
+                             "threads, copy streams, 1: optimizer_during_backward), e.g. "
+                             "14/1,14/2/1")
     parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
                                        "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
@@ -228,11 +232,14 @@ def main():
     try:
         variants = [tuple(int(v) for v in spec.split("/")) for spec in args.variants.split(",")
                     if spec]
-        if any(len(v) != 2 or v[0] < 0 or v[1] not in (1, 2) for v in variants):
+        variants = [v if len(v) == 3 else v + (0,) for v in variants]
+        if any(len(v) != 3 or v[0] < 0 or v[1] not in (1, 2) or v[2] not in (0, 1)
+               for v in variants):
             raise ValueError
     except ValueError:
         sys.exit(f"train_step: --variants {args.variants!r}: accepted: comma-separated "
-                 "THREADS/STREAMS, THREADS 0 or more, STREAMS 1 or 2 (e.g. 14/1,14/2)")
+                 "THREADS/STREAMS[/DURING], THREADS 0 or more, STREAMS 1 or 2, DURING 0 or 1 "
+                 "(e.g. 14/1,14/2/1)")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("train_step: --device cuda: torch sees no CUDA device")
@@ -318,12 +325,14 @@ def main():
         if round_index == 0 and cuda and args.plan:
             prediction = planner_prediction(args, base, config, args.plan)
 
-        def measure(threads, streams, profile):
-            """strata's median step with these optimizer threads and copy streams (and, with
-            `profile`, its phases and profile); (seconds, the last step's waits by cause)."""
+        def measure(threads, streams, during, profile):
+            """strata's median step with these optimizer threads, copy streams and
+            optimizer_during_backward (and, with `profile`, its phases and profile); (seconds,
+            the last step's waits by cause)."""
             shutil.rmtree(nvme, ignore_errors=True)
             os.makedirs(nvme)
-            config["strata"].update(optimizer_threads=threads, copy_streams=streams)
+            config["strata"].update(optimizer_threads=threads, copy_streams=streams,
+                                    optimizer_during_backward=bool(during))
             engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
             def strata_step():
@@ -347,13 +356,14 @@ def main():
             return seconds, waits
 
         strata_s, waits = measure(args.optimizer_threads, args.copy_streams,
-                                  round_index == 0 and args.profile)
+                                  args.during_backward, round_index == 0 and args.profile)
         variant_s = {}
-        for threads, streams in variants:
-            variant_s[f"{threads}/{streams}"], _ = measure(threads, streams, False)
+        for threads, streams, during in variants:
+            name = f"{threads}/{streams}/{during}"
+            variant_s[name], _ = measure(threads, streams, during, False)
             print(f"round {round_index}: strata with {threads or 'one per core'} optimizer "
-                  f"threads and {streams} copy stream{'s' if streams > 1 else ''}: "
-                  f"{variant_s[f'{threads}/{streams}'] * 1e3:.0f} ms")
+                  f"threads, {streams} copy stream{'s' if streams > 1 else ''}, the optimizer "
+                  f"{'during' if during else 'after'} backward: {variant_s[name] * 1e3:.0f} ms")
 
         bound_s = max(compute_s, adam_s, io_s, link_s)
         rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s, "link_s": link_s,

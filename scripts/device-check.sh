@@ -186,16 +186,17 @@ EOF
 # bench/train_step on the GPU: a Llama of about 310M parameters, the device budget a tenth of its
 # training state, the optimizer on the host (or on NVMe: OPTIMIZER=nvme); the planner's prediction
 # of the same run beside it.
-# Beside the default (the optimizer on every core, one copy stream), the same step with the
-# optimizer leaving two cores to the trainer and the Runtime's workers, with one stream per copy
-# direction, and with half the cores (strata.optimizer_threads, strata.copy_streams).
+# Beside the default (the optimizer on every core after backward, one copy stream), the same
+# step with the optimizer during backward (strata.optimizer_during_backward) on every core, on all
+# but two (left to the trainer's threads) and on half, and with one copy stream per direction
+# (strata.optimizer_threads, strata.copy_streams).
 train_step() {
   local n
   n=$(nproc)
   "$python" bench/train_step.py --device cuda --optimizer "${1:-cpu}" --budget-of-state 0.1 \
     --layers "${TS_LAYERS:-12}" --width "${TS_WIDTH:-1536}" --heads 12 --context 1024 \
     --batch 8 --rounds "${TS_ROUNDS:-2}" --steps 3 --dir "$scratch/train_step" \
-    --variants "${TS_VARIANTS:-$((n - 2))/1,$((n - 2))/2,$((n / 2))/2}" \
+    --variants "${TS_VARIANTS:-0/1/1,$((n - 2))/1/1,$((n / 2))/1/1,0/2/0}" \
     --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json" \
     --profile "$logs/train_step_${1:-cpu}_profile.txt"
 }
