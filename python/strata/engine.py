@@ -166,7 +166,7 @@ class _Param:
 
     __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad", "frozen", "pinned_grad", "incoming")
+                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights")
 
     def __init__(self, name, param, pid, shard=None, frozen=False):
         self.name = name
@@ -187,6 +187,7 @@ class _Param:
         # gradient on its way to the host (pinned too) to be added to it.
         self.pinned_grad = None
         self.incoming = None
+        self.pinned_weights = None  # on a GPU: where the step writes its new weights
         self.group_index = 0  # which optimizer param group
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
         self.sent_down = False  # GradientReady told for this step's gradient
@@ -308,6 +309,7 @@ class Engine(Lending, Gradients, Step):
         # (gradients.py).
         self._grads_in_flight = []
         self._grads_landing = []
+        self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self._step_applied = False  # the last boundary's step changed the weights
         self._global_grad_norm = None  # the last step's, when it computed one
         self.warnings = []

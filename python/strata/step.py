@@ -77,6 +77,16 @@ class Step:
             return torch.empty(e.shard, dtype=self.dtype)
         if e.param.device.type == "cpu" and e.param.is_contiguous():
             return e.param.data.reshape(-1)
+        if e.param.device.type == "cuda":
+            # Pinned and kept from step to step: the new weights go to the GPU on torch's
+            # stream without the host waiting (_write_back_weights); the last step's copies out
+            # of it have run before it is written again.
+            if self._weights_sent is not None:
+                self._weights_sent.synchronize()
+                self._weights_sent = None
+            if e.pinned_weights is None:
+                e.pinned_weights = torch.empty(e.numel, dtype=self.dtype, pin_memory=True)
+            return e.pinned_weights
         return torch.empty(e.numel, dtype=self.dtype)
 
     def _host_early(self):
@@ -307,9 +317,13 @@ class Step:
 
     def _write_back_weights(self, e, target):
         """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a
-        non-contiguous one) is copied into it."""
+        non-contiguous one) is copied into it; to a GPU on torch's stream, from pinned memory
+        (an event marks the copies' end, waited for before that memory is written again)."""
         if not e.partitioned and target.data_ptr() != e.param.data_ptr():
-            e.param.data.copy_(target.view(e.shape))
+            to_gpu = e.param.device.type == "cuda" and target.is_pinned()
+            e.param.data.copy_(target.view(e.shape), non_blocking=to_gpu)
+            if to_gpu:
+                self._weights_sent = torch.cuda.current_stream(self.device).record_event()
 
     def _update_scale(self, overflow):
         """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under
