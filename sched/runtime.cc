@@ -1414,6 +1414,11 @@ absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
   return r;
 }
 
+void Runtime::WaitForEarlySteps() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ != nullptr) optimizer_->WaitForEarlySteps();
+}
+
 std::vector<PartitionId> Runtime::AbortOptimizerStep() {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) return {};

@@ -224,7 +224,8 @@ class Runtime {
   absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier, Access access = Access::kTraced);
   // Unpins; `dirty`: the caller changed the bytes in `tier` (its other copies go stale and their
   // memory is freed). `stream` (device tier, CUDA: the cudaStream_t where the trainer queued the
-  // kernels that use the copy; null when they are done): the copy is not read, overwritten or
+  // kernels that use the copy, tiering::kLegacyDefaultStream for CUDA's legacy default stream,
+  // whose handle is 0; null when they are done): the copy is not read, overwritten or
   // freed until the work queued there so far has run (an event recorded on it, waited for by the
   // thread that moves or frees the copy, never by a device-wide synchronize). The host-emulated
   // device has no streams: `stream` is accepted and there is nothing to wait for. A dirty release
@@ -307,12 +308,15 @@ class Runtime {
   // Commit changes everything or nothing, as OptimizerStep; the destructor aborts a step left
   // open. With `host_early` (swap/optimizer_swapper.h's Begin), host-resident partitions step in
   // place as they are staged, during backward, for a trainer that will not abort the step for its
-  // arithmetic; AbortOptimizerStep returns those that had stepped.
+  // arithmetic; AbortOptimizerStep returns those that had stepped (after a failed Commit too).
   absl::Status BeginOptimizerStep(bool host_early = false);
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
   std::vector<PartitionId> AbortOptimizerStep();
+  // With a host_early step open, waits until the host-resident partitions staged so far have
+  // stepped (their state and param copies are then read whole); at once otherwise.
+  void WaitForEarlySteps();
   // Loads optimizer state (a checkpoint's), all or none: swap/optimizer_swapper.h's BeginLoad,
   // Load and CommitLoad or AbortLoad.
   absl::Status BeginLoadOptimizerState();

@@ -7,6 +7,7 @@
 #include <future>
 #include <limits>
 #include <thread>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -170,6 +171,7 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
+  WaitForEarlySteps();  // no host-resident state is read while it steps
   // The committed state (a staged step changes nothing before its Commit). While one is staged
   // the ring is the worker's: the blob is read into memory of its own.
   const float* state = part->host_state;
@@ -235,6 +237,9 @@ struct PipelinedOptimizerSwapper::Txn {
   // stepped, its failure and its compute time are its own until it is joined.
   bool host_early = false;
   std::deque<Item> early ABSL_GUARDED_BY(mu);
+  size_t early_done ABSL_GUARDED_BY(mu) = 0;       // items of `early` the worker is done with
+  bool early_stopped ABSL_GUARDED_BY(mu) = false;  // it returned (closed, cancelled or failed)
+  CondVar early_progress;                          // early_done or early_stopped changed
   std::vector<tiering::PartitionId> stepped_early;
   absl::Status early_failure;
   double early_compute_s = 0;
@@ -361,6 +366,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
         "after the host-resident ones had stepped); accepted: host_early when every partition is "
         "host-resident");
   }
+  failed_early_.clear();
   txn_ = std::make_unique<Txn>();
   txn_->t0 = Clock::now();
   txn_->host_early = host_early;
@@ -430,11 +436,29 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
   return absl::OkStatus();
 }
 
+void PipelinedOptimizerSwapper::WaitForEarlySteps() {
+  if (txn_ == nullptr || !txn_->host_early) return;
+  Txn& x = *txn_;
+  MutexLock lock(&x.mu);
+  while (!x.early_stopped && x.early_done < x.early.size()) x.early_progress.Wait(&x.mu);
+}
+
 void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
+  // Each item is done (stepped or not) when the next is taken; the worker's end is announced.
+  struct Stopped {
+    Txn* x;
+    ~Stopped() {
+      MutexLock lock(&x->mu);
+      x->early_stopped = true;
+      x->early_progress.SignalAll();
+    }
+  } stopped{x};
   for (size_t k = 0;; ++k) {
     const Txn::Item* it = nullptr;
     {
       MutexLock lock(&x->mu);
+      x->early_done = k;
+      x->early_progress.SignalAll();
       while (!x->closed && !x->cancelled && x->early.size() <= k) x->staged.Wait(&x->mu);
       if (x->cancelled || x->early.size() <= k) return;
       it = &x->early[k];  // a deque's elements stay put while more are staged
@@ -627,7 +651,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
 }
 
 std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
-  if (txn_ == nullptr) return {};
+  if (txn_ == nullptr) return std::exchange(failed_early_, {});
   {
     MutexLock lock(&txn_->mu);
     txn_->closed = txn_->cancelled = true;
@@ -657,6 +681,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   const int64_t t = x->first_t;
   x->report.compute_seconds += x->early_compute_s;
   if (!x->early_failure.ok()) {
+    failed_early_ = x->stepped_early;  // for the caller's Abort: they stay stepped
     return Annotate(
         x->early_failure,
         absl::StrCat("optimizer step ", t, ": host-resident partitions stepping during backward: ",

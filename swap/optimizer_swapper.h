@@ -44,7 +44,8 @@
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
 // the thread that stages it) and reads the committed state (with host_early, a host-resident
-// partition that has stepped reads stepped, and one must not be read while it steps). The store, the optimizer and the host
+// partition reads stepped once it has: ReadState first waits for the early steps staged so far,
+// as WaitForEarlySteps). The store, the optimizer and the host
 // memory resource are borrowed and must outlive the swapper.
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
@@ -168,8 +169,13 @@ class PipelinedOptimizerSwapper {
   absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
                      const optim_cpu::StepOptions& options = {}, GradSource source = {});
   absl::StatusOr<StepReport> Commit();
-  // Drops the step; returns the host-resident partitions that had stepped in place (host_early).
+  // Drops the step; returns the host-resident partitions that had stepped in place (host_early),
+  // or, with no step open, those of a host_early step whose Commit failed (once).
   std::vector<tiering::PartitionId> Abort();
+  // With a host_early step open: waits until every host-resident partition staged so far has
+  // stepped (or the stepping stopped at a failure), so that their state and param copies can be
+  // read. Returns at once otherwise.
+  void WaitForEarlySteps();
   bool staging() const { return txn_ != nullptr; }
   // Replaces the state of any of the partitions, all or none (loading a checkpoint): BeginLoad,
   // then Load each partition's master weights and moments (an NVMe-resident one is written to
@@ -233,6 +239,8 @@ class PipelinedOptimizerSwapper {
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;
+  // The partitions a host_early step had stepped when its Commit failed, for the next Abort.
+  std::vector<tiering::PartitionId> failed_early_;
   std::unique_ptr<Loading> loading_;
 };
 

@@ -110,9 +110,9 @@ class HostCopyEngine final : public CopyEngine {
   std::thread thread_;
 };
 
-// A CUDA copy engine on `device` with `streams` streams: 1 (both directions, in submission order)
-// or 2 (one per direction: copies to the host and to the device overlap, as the link carries both
-// at once; zeroing goes with the copies to the device). Unimplemented when built without CUDA;
+// A CUDA copy engine on `device` with `streams` copy streams: 1 (both directions, in submission
+// order) or 2 (one per direction: copies to the host and to the device overlap, as the link carries
+// both at once); zeroing has a stream of its own either way. Unimplemented when built without CUDA;
 // FailedPrecondition naming the CUDA error when there is no usable device; InvalidArgument for
 // another stream count.
 absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device, int streams = 1);

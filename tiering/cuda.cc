@@ -159,9 +159,10 @@ absl::StatusOr<std::unique_ptr<CopyEngine>> CreateCudaCopyEngine(int device, int
 }
 
 // Device memory from a stream-ordered pool of strata's own, which keeps what it has mapped (its
-// release threshold is unbounded) until the Runtime ends: the Runtime holds at most its device
-// budget, and a pool giving its memory back at every synchronization (the default pool's
-// threshold, 0) would map and unmap device memory for each partition lent.
+// release threshold is unbounded) until the Runtime ends: up to the most the Runtime held at once
+// (within its device budget) plus the pool's rounding. A pool giving its memory back at every
+// synchronization (the default pool's threshold, 0) would map and unmap device memory for each
+// partition lent.
 class CudaDeviceResource final : public MemoryResource {
  public:
   CudaDeviceResource(int device, cudaStream_t stream, cudaMemPool_t pool)

@@ -713,6 +713,11 @@ class PyRuntime {
     return ReportDict(Take(std::move(r)));
   }
 
+  void WaitForEarlySteps() {
+    py::gil_scoped_release unlocked;
+    runtime_->WaitForEarlySteps();
+  }
+
   // The ids of the host-resident partitions that had stepped in place (host_early).
   std::vector<uint64_t> AbortOptimizerStep() {
     std::vector<uint64_t> stepped;
@@ -1026,6 +1031,7 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("weight_decay") = -1.0f)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
+      .def("wait_for_early_steps", &PyRuntime::WaitForEarlySteps)
       .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)
       .def("load_optimizer_state", &PyRuntime::LoadOptimizerState, py::arg("id"), py::arg("master"),
            py::arg("exp_avg"), py::arg("exp_avg_sq"))

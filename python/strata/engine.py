@@ -976,6 +976,9 @@ class Engine(Lending, Gradients, Step):
         stage 3 the module's own state_dict() holds empty placeholders for the partitioned
         parameters. They are read from the optimizer's fp32 master weights (which the parameters
         are the rounding of), so reading them is not an access of the step's trace."""
+        # Between backward and step with strata.optimizer_during_backward, parameters step as
+        # backward goes: what has stepped is read whole, never while it is being written.
+        self.runtime.wait_for_early_steps()
         by_param = {id(e.param): e for e in self._params if e.partitioned}
         frozen = {id(e.param): e for e in self._frozen}
         out, done = {}, {}

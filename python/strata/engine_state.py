@@ -169,6 +169,11 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     returns the tag's folder."""
     if engine._staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
+    if engine._stepped_early:
+        raise RuntimeError(
+            f"save_checkpoint: the step is half taken ({len(engine._stepped_early)} parameters "
+            "stepped during backward before it was dropped, the others have not yet: "
+            "strata.optimizer_during_backward); save after step()")
     if engine.micro_steps % engine._accumulation:
         # As DeepSpeed's and plain PyTorch's checkpoints (a trainer's validation or exception
         # callback saves where it is): the state as of the last step, without the window's

@@ -43,6 +43,8 @@ class Step:
         into its host copy, pinned until then (with parameters homed on NVMe, they are read back
         from the committed master weights instead, one at a time: _refresh_weights); another's are
         given (`grad`). Without `always`, nothing is staged while staging is paused."""
+        if e in self._stepped_early:  # it stepped during a backward whose step was dropped
+            return
         staged = self._staged
         if staged is None:
             if not always and (not self._speculate or self._redo_reason is not None):
@@ -123,13 +125,21 @@ class Step:
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1
             self._stepped_early.add(e)
+            if self._refresh and e.partitioned and e not in self._pending_refresh:
+                # Homed on NVMe: its new weights are read from its master weights before the
+                # next forward.
+                self._pending_refresh.append(e)
         if early:
+            # Nothing more is staged in this window: the rest step after backward.
+            self._redo_reason = self._redo_reason or reason
             self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
                        "had stepped during backward with the gradients and rates known then "
                        "(strata.optimizer_during_backward: host-resident optimizer state steps "
-                       "during backward): they keep that step, and the others step when the step "
-                       "is taken")
+                       "during backward, and their new weights may already have been used by "
+                       "what ran of backward after that): they keep that step, and the others "
+                       "step when the step is taken")
         gather = []
+        failed = None  # every entry is ended; the first release that fails is raised after
         for e in staged.entries:
             target = e.staged[1]
             e.staged = None
@@ -141,8 +151,11 @@ class Step:
                         # Stepped early, dropped while backward may still use its device copy:
                         # its host copy goes back written once backward is over (_end_gradients).
                         self._early_held.append(e)
-                    else:
+                        continue
+                    try:
                         self.runtime.release(e.pid, "host", written, traced=False)
+                    except _strata.Error as error:
+                        failed = failed or error
             elif written and self.ranks is not None:
                 gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
                     whole.view(e.shape))))
@@ -151,6 +164,8 @@ class Step:
         if gather:  # every rank's new shards, whole on every rank
             with torch.no_grad():
                 self.ranks.gather(gather)
+        if failed is not None:
+            raise failed
 
     def _unstaged(self):
         """(entry, host gradient or None: its partition's) for each parameter with a gradient
@@ -296,7 +311,8 @@ class Step:
         training dtype, read back one parameter at a time (never all in host memory at once).
         The weights are a copy of the master weights: one that cannot be written now (a failed
         read or write) is written before the next forward, and the step's error says so."""
-        pending = [e for e in entries if e.partitioned]
+        pending = list(self._pending_refresh) + [
+            e for e in entries if e.partitioned and e not in self._pending_refresh]
         self._pending_refresh = pending
         # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
         # and freed per parameter is kept resident by glibc's heap once its mmap threshold has

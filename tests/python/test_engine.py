@@ -808,6 +808,59 @@ def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp
     assert staged == [True, False, False, True]
 
 
+class _Failed(Exception):
+    pass
+
+
+def _failing_backward(engine, x, y):
+    """A backward that fails at its last module (the embedding's gradient), after the others'
+    partitions have had time to step during it."""
+    out = engine.module.emb(x)
+
+    def fail(grad):
+        time.sleep(0.3)
+        raise _Failed()
+
+    out.register_hook(fail)
+    m = engine.module
+    with pytest.raises(_Failed):
+        engine.backward(loss_of(m.l2(m.ln(torch.relu(m.l1(out)))), y))
+
+
+@pytest.mark.parametrize("params_on", ["cpu", "nvme"])
+def test_a_failed_backward_after_partitions_stepped_during_it_steps_none_twice(tmp_path,
+                                                                               params_on):
+    # strata.optimizer_during_backward: a backward that fails after some partitions stepped,
+    # then the same batch again and step(): each parameter steps once in that window (the ones
+    # that stepped are not staged again), the parameters' weights are their master weights' (with
+    # parameters homed on NVMe, read back from them), and a checkpoint waits for the step.
+    torch.manual_seed(0)
+    config = make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0)
+    config["strata"]["optimizer_during_backward"] = True
+    if params_on == "nvme":
+        config["zero_optimization"]["offload_param"] = {
+            "device": "nvme", "nvme_path": str(tmp_path / "nvme"), "max_in_cpu": 0,
+            "buffer_count": 2, "buffer_size": 65536}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    data = list(batches(3))
+    engine.backward(loss_of(engine(data[0][0]), data[0][1]))
+    engine.step()
+    _failing_backward(engine, *data[1])
+    assert any("had stepped during backward" in w for w in engine.warnings), engine.warnings
+    with pytest.raises(RuntimeError, match="half taken"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.backward(loss_of(engine(data[1][0]), data[1][1]))
+    engine.step()
+    assert all(e.steps == 2 for e in engine._params), [(e.name, e.steps) for e in engine._params]
+    engine(data[2][0])  # a forward: what is pending reaches the parameters
+    for e, weights in zip(engine._params, engine_weights(engine)):
+        master = torch.empty(e.shard)
+        engine.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
+                                            torch.empty(e.shard))
+        assert torch.equal(weights.reshape(-1).float(), master), e.name
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+
+
 def test_a_step_that_clipping_scales_is_taken_anew_and_staging_pauses(tmp_path):
     # A bound under every norm: the first step's staged step is dropped and taken anew with the
     # clip coefficient; staging then pauses (every later step clips too), and the plan holds.

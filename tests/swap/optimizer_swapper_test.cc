@@ -1017,6 +1017,27 @@ TEST(SwapperTransactionTest, HostEarlyAbortAndFailureSayWhatHadStepped) {
   EXPECT_THAT(r.status().message(), HasSubstr("the gradient's copy failed"));
   EXPECT_THAT(r.status().message(),
               HasSubstr(absl::StrCat("2 of them had stepped (", in[0].id, ", ", in[1].id, ")")));
+  // The caller learns which, as from an Abort (once).
+  EXPECT_THAT(f.swapper->Abort(), ::testing::ElementsAre(in[0].id, in[1].id));
+  EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+}
+
+// ReadState (and WaitForEarlySteps) wait for the early steps staged so far: the state read is
+// the stepped one, never one being written.
+TEST(SwapperTransactionTest, HostEarlyStateIsReadOnlyOnceItHasStepped) {
+  Fixture f({true, true, 1 << 30});
+  f.NewGrads(1);
+  f.StepReference(1);
+  ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+  f.swapper->WaitForEarlySteps();
+  for (const auto& [id, n] : f.parts) {
+    EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kStepFinished, id)) << id;
+  }
+  f.ExpectMatchesReference();  // ReadState, before Commit
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
 }
 
 TEST(SwapperTransactionTest, HostEarlyMisuseIsRefused) {
