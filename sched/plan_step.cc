@@ -574,6 +574,7 @@ class Replay {
 
   absl::Status Step() {
     double cpu_done = now_;
+    double written_done = now_;  // the streamed partitions' write-backs
     for (const Group& g : trace_.groups) {
       for (Track* t : {&gpu_, &cpu_, &down_, &up_, &disk_}) t->Forget(now_);
       // Acquire: the group's copies already there are held first, so that bringing one of its
@@ -620,7 +621,14 @@ class Replay {
         c.last_use = end;
         if (a.dirty) Write(a.id, a.tier, end);
         scheduler_.OnRelease(trace_.partitions[a.id], a.tier, a.dirty, end);
-        if (a.dirty && a.tier == Tier::kHost) STRATA_RETURN_IF_ERROR(WriteBackEarly(a.id, end));
+        if (trace_.Streamed(a.id) && a.tier != Tier::kNvme) {
+          // Written back to NVMe (when dirtied) and not kept; the step's commit waits for the
+          // write, as the optimizer's does.
+          Drop(a.id, a.tier, end);
+          written_done = std::max(written_done, parts_[a.id].at[I(Tier::kNvme)].ready);
+        } else if (a.dirty && a.tier == Tier::kHost) {
+          STRATA_RETURN_IF_ERROR(WriteBackEarly(a.id, end));
+        }
       }
       if (g.gradient_ready) STRATA_RETURN_IF_ERROR(SendDown(*g.gradient_ready, end));
       if (g.discard) Discard(*g.discard, end);
@@ -628,6 +636,10 @@ class Replay {
     if (cpu_done > now_) {
       if (reporting_) waits_[kCpu] += cpu_done - now_;
       now_ = cpu_done;
+    }
+    if (written_done > now_) {
+      if (reporting_) waits_[kNvmeWrite] += written_done - now_;
+      now_ = written_done;
     }
     return absl::OkStatus();
   }
@@ -681,6 +693,18 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
     if (t.partitions[i].id != i) {
       return absl::InvalidArgumentError(
           absl::StrCat("partition ", i, " has id ", t.partitions[i].id, "; ids are their indices"));
+    }
+  }
+  if (!t.streamed.empty() && t.streamed.size() != t.partitions.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the trace has ", t.partitions.size(), " partitions but ", t.streamed.size(),
+                     " streamed flags (accepted: none, or one each)"));
+  }
+  for (size_t i = 0; i < t.streamed.size(); ++i) {
+    if (t.streamed[i] && t.home[i] != Tier::kNvme) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(t.Name(i), " is streamed but homed in the ", TierName(t.home[i]),
+                       " tier; accepted: streamed partitions homed on NVMe"));
     }
   }
   bool device = false, nvme = false;
@@ -779,12 +803,26 @@ Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budg
   auto bytes = [&t](PartitionId id) { return t.partitions[id].bytes; };
   const std::vector<Group> linked =
       Filtered(t.groups, [&](PartitionId id) { return t.home[id] != Tier::kDevice; });
-  const std::vector<Group> on_disk =
-      Filtered(t.groups, [&](PartitionId id) { return t.home[id] == Tier::kNvme; });
+  const std::vector<Group> on_disk = Filtered(
+      t.groups, [&](PartitionId id) { return t.home[id] == Tier::kNvme && !t.Streamed(id); });
   const uint64_t memory = budgets.device + budgets.host;
   Bound b;
   b.link = Belady(bytes, Accesses(linked), budgets.device, Tier::kDevice);
   b.disk = Belady(bytes, Accesses(on_disk), memory);
+  // A streamed partition crosses the disk at each access, whatever room there is: read before
+  // its group and, dirtied, written after it (counted in the phase of the access).
+  std::array<Traffic, kPhaseCount> streamed{};
+  for (const Group& g : t.groups) {
+    for (const Access& a : g.accesses) {
+      if (!t.Streamed(a.id)) continue;
+      streamed[g.phase].loaded += bytes(a.id);
+      if (a.dirty) streamed[g.phase].written += bytes(a.id);
+    }
+  }
+  for (const Traffic& x : streamed) {
+    b.disk.loaded += x.loaded;
+    b.disk.written += x.written;
+  }
   for (const Group& g : t.groups) (g.on_cpu ? b.cpu_s : b.compute_s) += g.compute_s;
   auto link_s = [&](const Traffic& x) {
     return x.loaded + x.written > 0 ? lanes.LinkSeconds(x.loaded, x.written) : 0.0;
@@ -796,6 +834,8 @@ Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budg
   for (int p = 0; p < kPhaseCount; ++p) {
     b.phases[p] = link_phases[p];
     b.phases[p].disk = disk_phases[p].disk;
+    b.phases[p].disk.loaded += streamed[p].loaded;
+    b.phases[p].disk.written += streamed[p].written;
     b.by_phase_s +=
         std::max({b.phases[p].compute_s, b.phases[p].cpu_s, link_s(b.phases[p].link),
                   lanes.DiskSeconds(b.phases[p].disk.loaded, b.phases[p].disk.written)});

@@ -28,7 +28,8 @@
 //    a copy the host already holds is just dropped);
 //  - the trainer waits for its group's bytes and for the GPU; a group on the CPU (Group::on_cpu)
 //    waits for its bytes and the CPU lane without holding the trainer; the step ends when the
-//    trainer and the CPU are done.
+//    trainer and the CPU are done, and the streamed partitions' write-backs (StepTrace::streamed:
+//    the NVMe optimizer's state, whose commit ends the step) have ended.
 //  - prefetches are issued as the Runtime issues them, after each acquire and at a step's end, each
 //    of the window's partitions on its own; each runs on one of `workers` worker threads (as do
 //    GradientReady's moves), waiting for one to be free; a prefetch evicts nothing the window
@@ -70,7 +71,13 @@ struct StepTrace {
   std::vector<Tier> home;                          // each partition's own copy
   std::vector<Group> groups;                       // one step, in order
   std::vector<std::string> names;                  // optional: what each partition is, for messages
-  std::string Name(PartitionId id) const;          // "partition 7", or "partition 7 (its name)"
+  // Optional: partitions kept in no memory tier past a use (empty: none). Homed on NVMe, each is
+  // read from there at every access and, dirtied, written back and dropped once its group ends:
+  // the NVMe optimizer's state, which the Runtime reads into the optimizer's ring, steps and
+  // writes back every step whatever room the host tier has.
+  std::vector<bool> streamed;
+  bool Streamed(PartitionId id) const { return id < streamed.size() && streamed[id]; }
+  std::string Name(PartitionId id) const;  // "partition 7", or "partition 7 (its name)"
 };
 
 // Bytes per second; staging: the NVMe <-> device chunks.

@@ -98,10 +98,17 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
     add(Role::kGrad, x * g_share, d, g_home, u);
     add(Role::kMaster, x * s_share, opt_per_param, s_home, u);
   }
+  // The optimizer's state on NVMe is read and written back every step, whatever room the host
+  // has (the Runtime keeps none of it in host memory: sched/runtime.cc CreateOptimizer).
+  tr.streamed.assign(tr.partitions.size(), false);
+  if (s_home == Tier::kNvme) {
+    for (int64_t u = 0; u < units; ++u) tr.streamed[3 * u + 2] = true;
+  }
   if (accumulate) {
     for (int64_t u = 0; u < units; ++u) {
       const double x = static_cast<double>(u < m.layers ? m.LayerParams() : m.OuterParams());
       add(Role::kGrad, x * g_share, d, Tier::kHost, u);
+      tr.streamed.push_back(false);
     }
   }
   auto P = [](int64_t u) { return static_cast<PartitionId>(3 * u); };

@@ -178,9 +178,9 @@ TEST(PlanStepTest, AnAcquireWaitsForAMoveStillReadingItsCopy) {
 TEST(PlanStepTest, APrefetchDoesNotQueueBehindEarlyWriteBacks) {
   // Partitions 0 and 1 are written in the host together, and each is written back early as the
   // group ends (1 s each on the disk, one after the other). Partition 2 (homed in the host, written
-  // by the same group) is prefetched to the device as the next group starts: as in the Runtime, which runs early
-  // write-backs on at most workers - 1 threads and the other jobs first, it finds a worker at once
-  // (1 s over the link), rather than one freed by a write-back.
+  // by the same group) is prefetched to the device as the next group starts: as in the Runtime,
+  // which runs early write-backs on at most workers - 1 threads and the other jobs first, it finds
+  // a worker at once (1 s over the link), rather than one freed by a write-back.
   StepTrace t = Homed(4, kMB, Tier::kNvme);
   t.home[2] = Tier::kHost;
   t.home[3] = Tier::kDevice;
@@ -297,6 +297,32 @@ TEST(PlanStepTest, PartitionsOnNvmeUsedOnlyInTheHostNeedNoLink) {
   auto p = PredictStep(t, disk_only, {0, kMB});
   ASSERT_TRUE(p.ok()) << p.status();
   EXPECT_NEAR(p->step_s, 0.0, 1e-9);  // it stays in the host's room
+}
+
+// The NVMe optimizer's state (streamed): whatever room the host has, each step reads it from the
+// disk and writes it back, in the replay and in the bound; the same partition not streamed stays
+// in the host's room after the first step.
+TEST(PlanStepTest, AStreamedPartitionCrossesTheDiskEveryStepWhateverTheHostHolds) {
+  StepTrace t = Homed(2, kMB, Tier::kNvme);
+  t.groups = {{{{0, Tier::kHost, true}}, 0.001}, {{{1, Tier::kHost, false}}, 0.001}};
+  Lanes disk = Link(1e6);  // 1 s a partition each way
+  disk.to_device = disk.to_host = 0;
+  auto kept = PredictStep(t, disk, {0, 4 * kMB});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->bytes[kNvmeRead], 0u);
+  EXPECT_EQ(kept->bound.disk.loaded + kept->bound.disk.written, 0u);
+  t.streamed = {true, true};
+  auto streamed = PredictStep(t, disk, {0, 4 * kMB});
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+  EXPECT_EQ(streamed->bytes[kNvmeRead], 2 * kMB);  // both read, every step
+  EXPECT_EQ(streamed->bytes[kNvmeWrite], kMB);     // the one dirtied written back
+  EXPECT_EQ(streamed->bound.disk.loaded, 2 * kMB);
+  EXPECT_EQ(streamed->bound.disk.written, kMB);
+  EXPECT_GE(streamed->step_s, 2.0);  // the two reads, one after the other on the disk
+  EXPECT_GE(streamed->step_s, streamed->bound.seconds() - 1e-9);
+  t.home[1] = Tier::kHost;  // streamed, but not homed on NVMe
+  EXPECT_NE(PredictStep(t, disk, {0, 4 * kMB}).status().message().find("streamed but homed"),
+            std::string::npos);
 }
 
 TEST(PlanStepTest, APrefetchWithNoRoomOnTheDeviceIsStagedInTheHost) {

@@ -305,11 +305,23 @@ TEST_F(PlanCliTest, AThirteenBModelFitsOneWorkstationGpuOnlyWithNvmeOffload) {
   EXPECT_TRUE(plan["fits"].get<bool>());
   EXPECT_EQ(plan["model"]["parameters"].get<int64_t>(), 13015864320);
   EXPECT_GT(plan["nvme"]["optimizer"].get<double>(), 12 * 13.0e9);
+  // The optimizer's state on NVMe crosses the disk every step, though the host could hold it.
+  EXPECT_GE(plan["step"]["lanes"]["nvme read"]["bytes"].get<double>(), 12 * 13.0e9);
+  EXPECT_GE(plan["step"]["lanes"]["nvme write"]["bytes"].get<double>(), 12 * 13.0e9);
 
   Outcome over = Execute(kPlan + " --model " + Path("model.json") +
                          " --hardware rtx4090-256g-2nvme --config " + Path("plain.json"));
   EXPECT_EQ(over.exit_code, 1) << over.output;
   EXPECT_THAT(over.output, HasSubstr("DOES NOT FIT: the device tier needs"));
+
+  // No config at all: the default does not fit, and the answer is what does.
+  Outcome none =
+      Execute(kPlan + " --model " + Path("model.json") + " --hardware rtx4090-256g-2nvme");
+  EXPECT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_THAT(none.output, HasSubstr("no --config: the default (ZeRO stage 0, nothing offloaded) "
+                                     "does not fit: the device tier needs"));
+  EXPECT_THAT(none.output, HasSubstr("the suggested config"));
+  EXPECT_THAT(none.output, HasSubstr("FITS"));
 }
 
 TEST_F(PlanCliTest, ItPredictsTheStepDrawsItAndSuggestsAConfigThatReadsBack) {

@@ -307,7 +307,17 @@ int Main() {
   if (!plan.ok()) Fail(std::string(plan.status().message()));
   for (const std::string& w : warnings) std::fprintf(stderr, "strata_plan: note: %s\n", w.c_str());
   std::optional<Json> suggested;
-  if (absl::GetFlag(FLAGS_suggest)) {
+  // No config and the default (ZeRO stage 0, nothing offloaded) does not fit: the search runs as
+  // with --suggest, so that the answer says what does fit.
+  const bool search_for_one = absl::GetFlag(FLAGS_config).empty() && plan->overflow.has_value();
+  if (search_for_one && !absl::GetFlag(FLAGS_suggest)) {
+    std::printf(
+        "no --config: the default (ZeRO stage 0, nothing offloaded) does not fit: the %s tier "
+        "needs %s of its %s. The fastest configuration that fits, as --suggest finds it:\n\n",
+        plan->overflow->tier.c_str(), Gb(plan->overflow->need).c_str(),
+        Gb(plan->overflow->have).c_str());
+  }
+  if (absl::GetFlag(FLAGS_suggest) || search_for_one) {
     auto s = Suggest(*model, *hw, *training);
     if (!s.ok()) {
       std::printf("--suggest: %s\n", std::string(s.status().message()).c_str());
