@@ -488,7 +488,7 @@ absl::Status Runtime::Unregister(PartitionId id) {
 }
 
 absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose,
-                                 uint64_t limit, Waits* waits, bool* raced) {
+                                 uint64_t limit, Waits* waits, bool* raced, bool zeros) {
   STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
   const bool fill = from == to;  // zeros for a partition without bytes (Discarded)
   for (;;) {
@@ -527,7 +527,7 @@ absl::Status Runtime::MoveLocked(PartitionId id, Tier from, Tier to, Purpose pur
   ++moves_in_flight_;
   const auto t0 = Clock::now();
   mu_.Unlock();
-  absl::Status moved = mover_->Carry(id, from, to);
+  absl::Status moved = mover_->Carry(id, from, to, zeros);
   mu_.Lock();
   --moves_in_flight_;
   --st->carrying;
@@ -714,7 +714,7 @@ absl::Status Runtime::Flush() {
 }
 
 absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit,
-                                  Waits* waits, bool* filled) {
+                                  Waits* waits, bool* filled, bool overwrite) {
   for (;;) {
     STRATA_ASSIGN_OR_RETURN(const Residency r, table_->Get(id));
     // An Acquire pins the copy and may write it: a move still reading it (a write-back begun
@@ -747,9 +747,11 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
     // pinned copy (its holder may be writing it): it reads NVMe's when that is current.
     const Tier other = tier == Tier::kDevice ? Tier::kHost : Tier::kDevice;
     if (!r.written) {
-      // Discarded: zeros are made where they are wanted; nothing is read.
+      // Discarded: zeros are made where they are wanted (the room alone for an overwrite);
+      // nothing is read.
       bool raced = false;
-      absl::Status made = MoveLocked(id, tier, tier, purpose, limit, waits, &raced);
+      absl::Status made =
+          MoveLocked(id, tier, tier, purpose, limit, waits, &raced, /*zeros=*/!overwrite);
       if (made.ok() && filled != nullptr) *filled = true;
       if (!made.ok() && !raced) return made;
       continue;
@@ -784,7 +786,8 @@ absl::Status Runtime::BringLocked(PartitionId id, Tier tier, Purpose purpose, ui
   }
 }
 
-absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier, Access access) {
+absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier, Access access,
+                                            bool overwrite) {
   if (!IsMemory(tier)) {
     return absl::InvalidArgumentError(absl::StrCat("acquire partition ", id,
                                                    ": the device or host tier (nvme is not "
@@ -793,13 +796,14 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier, Access ac
   absl::StatusOr<std::byte*> result;
   {
     MutexLock lock(&mu_);
-    result = AcquireLocked(id, tier, access == Access::kTraced);
+    result = AcquireLocked(id, tier, access == Access::kTraced, overwrite);
   }
   TellWarnings();
   return result;
 }
 
-absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, bool traced) {
+absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, bool traced,
+                                                  bool overwrite) {
   auto it = parts_.find(id);
   if (it == parts_.end()) {
     return absl::NotFoundError(absl::StrCat("acquire partition ", id, ": not registered"));
@@ -829,7 +833,7 @@ absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, boo
   ++st.busy;
   Waits waits;
   bool filled = false;  // zeros made for a discarded partition by this Acquire
-  absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits, &filled);
+  absl::Status brought = BringLocked(id, tier, Purpose::kAcquire, 0, &waits, &filled, overwrite);
   // Counted once each: acquires = hits + zero fills + late prefetches + misses.
   if (hit) {
     if (traced) ++stats_.acquire_hits;

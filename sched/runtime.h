@@ -220,8 +220,10 @@ class Runtime {
   // Access::kOutOfTrace: an access the scheduler does not see (not recorded, not compared with
   // the plan, not counted in the step's report), for accesses whose order may vary from step to
   // step (the optimizer step's, which depend on clipping or a retried step); release it the same
-  // way.
-  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier, Access access = Access::kTraced);
+  // way. `overwrite`: the caller writes every byte before it releases (dirty): a partition without
+  // bytes (discarded) is given its room as it is, no zeros made (a gradient's first micro-batch).
+  absl::StatusOr<std::byte*> Acquire(PartitionId id, Tier tier, Access access = Access::kTraced,
+                                     bool overwrite = false);
   // Unpins; `dirty`: the caller changed the bytes in `tier` (its other copies go stale and their
   // memory is freed). `stream` (device tier, CUDA: the cudaStream_t where the trainer queued the
   // kernels that use the copy, tiering::kLegacyDefaultStream for CUDA's legacy default stream,
@@ -372,21 +374,25 @@ class Runtime {
   Runtime() = default;
   // Brings a current copy of `id` into `tier` (joining a move in flight). `limit`: for a prefetch,
   // the distance of its use (victims must be needed later). The caller holds a busy mark on `id`.
-  // `filled` (when given) is set when this call made zeros for a discarded partition.
+  // `filled` (when given) is set when this call made room for a discarded partition: zeros unless
+  // `overwrite` (Acquire's).
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits,
-                           bool* filled = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                           bool* filled = nullptr, bool overwrite = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `traced`: an access of the trainer's, seen by the scheduler and counted in the step's report;
   // else the optimizer thread's (StageOptimizerStep), which neither sees.
-  absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true)
+  absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true,
+                                           bool overwrite = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the gradients the optimizer's thread acquired for a staged step and still holds
   // (`only`: that one, if held: called on the optimizer's thread once its partition has stepped).
   void ReleaseStagedGradients(std::optional<PartitionId> only = std::nullopt);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
-  // made: the caller looks again.
+  // made: the caller looks again. A fill (from == to) makes zeros unless not `zeros`.
   absl::Status MoveLocked(PartitionId id, Tier from, Tier to, Purpose purpose, uint64_t limit,
-                          Waits* waits, bool* raced = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          Waits* waits, bool* raced = nullptr, bool zeros = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts copies from `t` until a copy of `desc` fits. A prefetch (purpose kPrefetch) never waits
   // and never evicts a copy needed within `limit` accesses; its evictions follow the same rules.
   absl::Status MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc, Purpose purpose,

@@ -161,9 +161,9 @@ absl::Status Mover::Zeros(Tier tier, std::byte* dst, uint64_t bytes) {
 }
 
 absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
-                          std::byte* dst) {
+                          std::byte* dst, bool zeros) {
   using tiering::CopyDirection;
-  if (from == to) return Zeros(to, dst, bytes);  // a fill
+  if (from == to) return zeros ? Zeros(to, dst, bytes) : absl::OkStatus();  // a fill
   if (from == Tier::kNvme && to == Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(StagingPool::Lease lease, parts_.staging->Take());
     return parts_.store->GetChunked(
@@ -192,7 +192,7 @@ absl::Status Mover::Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, st
       .get();
 }
 
-absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
+absl::Status Mover::Carry(PartitionId id, Tier from, Tier to, bool zeros) {
   STRATA_ASSIGN_OR_RETURN(const tiering::Residency r, parts_.table->Get(id));
   if (!r.move || r.move->first != from || r.move->second != to) {
     return absl::FailedPreconditionError(
@@ -226,7 +226,7 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to) {
     dst = static_cast<std::byte*>(*p);
     allocated = true;
   }
-  absl::Status moved = Bytes(id, bytes, from, to, src, dst);
+  absl::Status moved = Bytes(id, bytes, from, to, src, dst, zeros);
   if (!moved.ok()) {
     if (allocated) ResourceFor(to).Deallocate(dst, bytes);
     return fail(moved);

@@ -76,8 +76,9 @@ class Mover {
   // Carries out the move from -> to that the table has begun (ResidencyTable::BeginMove), and ends
   // it (EndMove: the new copy current, or released on failure). from == to: the fill the table
   // has begun (ResidencyTable::BeginFill, memory tiers only): zeros made in that tier (on the
-  // device by the copy engine, without crossing the link), not counted as bytes moved.
-  absl::Status Carry(PartitionId id, Tier from, Tier to);
+  // device by the copy engine, without crossing the link), not counted as bytes moved; with not
+  // `zeros`, the room alone (its caller overwrites every byte).
+  absl::Status Carry(PartitionId id, Tier from, Tier to, bool zeros = true);
 
   // Drops the copy in `tier` through the table (its rules) and frees its memory (memory tiers; a
   // stale NVMe copy keeps its extent until the next write-back replaces it).
@@ -105,7 +106,7 @@ class Mover {
  private:
   tiering::MemoryResource& ResourceFor(Tier t) const;
   absl::Status Bytes(PartitionId id, uint64_t bytes, Tier from, Tier to, std::byte* src,
-                     std::byte* dst);
+                     std::byte* dst, bool zeros = true);
   // Zeros in a memory tier's copy (the device's made there by the copy engine).
   absl::Status Zeros(Tier tier, std::byte* dst, uint64_t bytes);
 

@@ -434,13 +434,15 @@ class PyRuntime {
     shapes_[id] = {t, elements};
   }
 
-  // The partition's copy in `tier`, pinned, as a DLPack capsule of its elements.
-  py::capsule Acquire(uint64_t id, const std::string& tier, bool traced) {
+  // The partition's copy in `tier`, pinned, as a DLPack capsule of its elements (`overwrite`:
+  // the caller writes all of it, sched::Runtime::Acquire).
+  py::capsule Acquire(uint64_t id, const std::string& tier, bool traced, bool overwrite) {
     const Tier t = TierNamed(tier, /*memory_only=*/true);
     absl::StatusOr<std::byte*> p;
     {
       py::gil_scoped_release unlocked;
-      p = runtime_->Acquire(id, t, traced ? sched::Access::kTraced : sched::Access::kOutOfTrace);
+      p = runtime_->Acquire(id, t, traced ? sched::Access::kTraced : sched::Access::kOutOfTrace,
+                            overwrite);
     }
     std::byte* address = Take(std::move(p));
     const Shape shape = shapes_.at(id);  // registered: the Acquire succeeded
@@ -996,7 +998,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
-      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true)
+      .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true,
+           py::arg("overwrite") = false)
       .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = py::none(),
            py::arg("traced") = true)
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)

@@ -143,12 +143,16 @@ class Gradients:
         self._add_to_gradient_partition(e, shard, boundary)
 
     def _add_to_gradient_partition(self, e, values, boundary):
-        """Sums `values` into e's gradient partition on the device; in its last micro-batch
-        (`boundary`) the gradient leaves the device now, in the background, while backward goes
-        on."""
+        """Sums `values` into e's gradient partition on the device (the window's first is copied
+        into it, its room taken without zeros); in its last micro-batch (`boundary`) the gradient
+        leaves the device now, in the background, while backward goes on."""
+        first = not e.has_grad
         with torch.no_grad():
-            part = from_dlpack(self.runtime.acquire(e.gid, "device"))
-            part.add_(values)
+            part = from_dlpack(self.runtime.acquire(e.gid, "device", overwrite=first))
+            if first:
+                part.copy_(values)
+            else:
+                part.add_(values)
             del part
         # On a GPU the sum is queued on torch's stream: the Runtime copies it to the host only
         # once that work has run.

@@ -930,12 +930,12 @@ class FailingRuntime:
     def __getattr__(self, name):
         return getattr(self._runtime, name)
 
-    def acquire(self, id, tier, traced=True):
+    def acquire(self, id, tier, traced=True, overwrite=False):
         if self._left > 0 and self._which(id, tier, traced):
             self._left -= 1
             if self._left == 0:
                 raise self._error
-        return self._runtime.acquire(id, tier, traced=traced)
+        return self._runtime.acquire(id, tier, traced=traced, overwrite=overwrite)
 
 
 def assert_nothing_held(engine):

@@ -1,8 +1,10 @@
 // Runtime::Discard: a partition whose bytes are no longer needed (a gradient once stepped) comes
 // back as zeros made in place, without a byte crossing the link or the disk; what it refuses, what
 // a restart finds, and how the scheduler treats it.
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -84,6 +86,62 @@ TEST(RuntimeDiscardTest, ADiscardedPartitionComesBackAsZerosWithoutMovingAByte) 
     EXPECT_EQ((*p)[kBytes - 1], std::byte{0x33});
     ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
   }
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+// Acquire(..., overwrite): the caller writes every byte, so a discarded partition is given its
+// room without zeros (the copy engine zeroes nothing; a gradient's first micro-batch copies into
+// it); the bytes it writes are the partition's. A partition with bytes is brought as ever.
+TEST(RuntimeDiscardTest, AnOverwritingAcquireOfADiscardedPartitionMakesNoZeros) {
+  ScratchDir dir;
+  auto zeros = std::make_shared<std::atomic<int>>(0);
+  RuntimeOptions ro = Quiet();
+  ro.wrap_copy_engine = [zeros](std::unique_ptr<tiering::CopyEngine> inner) {
+    class Counting final : public tiering::CopyEngine {
+     public:
+      Counting(std::unique_ptr<tiering::CopyEngine> inner, std::shared_ptr<std::atomic<int>> n)
+          : inner_(std::move(inner)), n_(std::move(n)) {}
+      void Copy(void* dst, const void* src, size_t bytes, tiering::CopyDirection d,
+                Done done) override {
+        inner_->Copy(dst, src, bytes, d, std::move(done));
+      }
+      void Zero(void* dst, size_t bytes, Done done) override {
+        ++*n_;
+        inner_->Zero(dst, bytes, std::move(done));
+      }
+      absl::string_view name() const override { return "counting"; }
+
+     private:
+      std::unique_ptr<tiering::CopyEngine> inner_;
+      std::shared_ptr<std::atomic<int>> n_;
+    };
+    return std::unique_ptr<tiering::CopyEngine>(new Counting(std::move(inner), zeros));
+  };
+  auto rt = Runtime::Create(Config(dir.File("swap"), 2, 2), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  const auto grad = Desc(1, kBytes, tiering::Role::kGrad);
+  ASSERT_TRUE((*rt)->Register(grad, Tier::kNvme, RandomBytes(kBytes, 1)).ok());
+  for (bool overwrite : {false, true}) {
+    SCOPED_TRACE(overwrite ? "overwrite" : "zeros");
+    ASSERT_TRUE((*rt)->Discard(1).ok());
+    const int before = zeros->load();
+    auto p = (*rt)->Acquire(1, Tier::kDevice, Access::kTraced, overwrite);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ(zeros->load() - before, overwrite ? 0 : 1);
+    std::memset(*p, 0x44, kBytes);
+    ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, true).ok());
+    ASSERT_TRUE((*rt)->Evict(1, Tier::kDevice).ok());
+    auto h = (*rt)->Acquire(1, Tier::kHost);
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ((*h)[0], std::byte{0x44});
+    EXPECT_EQ((*h)[kBytes - 1], std::byte{0x44});
+    ASSERT_TRUE((*rt)->Release(1, Tier::kHost, false).ok());
+  }
+  // With bytes, an overwriting acquire brings them as any acquire does.
+  auto p = (*rt)->Acquire(1, Tier::kDevice, Access::kTraced, /*overwrite=*/true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)[kBytes / 2], std::byte{0x44});
+  ASSERT_TRUE((*rt)->Release(1, Tier::kDevice, false).ok());
   EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
