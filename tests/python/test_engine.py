@@ -795,7 +795,7 @@ def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp
     for i, (x, y) in enumerate(batches(4)):
         engine.backward(loss_of(engine(x), y))
         if i == 1:
-            time.sleep(0.5)  # the first backward's partitions step meanwhile
+            engine.runtime.wait_for_early_steps()  # the first backward's partitions have stepped
             engine.backward(loss_of(engine(x), y) * 0.5)
         engine.step()
         staged.append(engine.last_step_stats["optimizer"].get("staged", False))
@@ -813,12 +813,12 @@ class _Failed(Exception):
 
 
 def _failing_backward(engine, x, y):
-    """A backward that fails at its last module (the embedding's gradient), after the others'
-    partitions have had time to step during it."""
+    """A backward that fails at its last module (the embedding's gradient), once the others'
+    partitions have stepped during it."""
     out = engine.module.emb(x)
 
     def fail(grad):
-        time.sleep(0.3)
+        engine.runtime.wait_for_early_steps()  # the others' partitions have stepped
         raise _Failed()
 
     out.register_hook(fail)
