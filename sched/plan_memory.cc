@@ -60,6 +60,13 @@ absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::s
       config::ReadInt(root, "", "train_micro_batch_size_per_gpu", 1, 1 << 20, &t.micro_batch));
   STRATA_RETURN_IF_ERROR(config::ReadInt(root, "", "gradient_accumulation_steps", 1, 1 << 20,
                                          &t.gradient_accumulation));
+  if (auto it = root.find("gradient_clipping"); it != root.end()) {
+    if (!it->is_number() || it->get<double>() < 0) {
+      return config::Bad("gradient_clipping",
+                         absl::StrCat(it->dump(), ": accepted: a number, 0 or more (0: off)"));
+    }
+    t.gradient_clipping = it->get<double>();
+  }
   if (auto it = root.find("strata"); it != root.end() && it->is_object()) {
     if (it->contains("device_budget_bytes")) t.device_budget = t.runtime.device_budget_bytes;
     if (it->contains("host_budget_bytes")) t.host_budget = t.runtime.host_budget_bytes;

@@ -54,6 +54,7 @@ struct Training {
   bool fp16 = false;
   int64_t micro_batch = 1;
   int64_t gradient_accumulation = 1;
+  double gradient_clipping = 0;  // DeepSpeed's gradient_clipping (0: off)
   bool activation_checkpointing = true;
   // strata.device_budget_bytes and strata.host_budget_bytes when the config gives them (the
   // planner's step replay caps its budgets there; else it gives the tiers what the hardware has

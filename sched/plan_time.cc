@@ -37,6 +37,15 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   const double g_share = rc.zero_stage >= 2 || offloaded_opt ? 1 / n : 1;
   const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
   const int64_t ga = t.gradient_accumulation;
+  // Whether the CPU optimizer steps each unit during backward, as its gradient is final, or all
+  // of them after backward, as the trainer's front does it: during backward at stage 3 in one
+  // process, for state on NVMe (the staged step), and for state in host memory only with
+  // strata.optimizer_during_backward when nothing learnt after backward can change the step
+  // (no clipping, no fp16 loss scale).
+  const bool during_backward =
+      rc.zero_stage == 3 && n == 1 &&
+      (s_home == Tier::kNvme || (s_home == Tier::kHost && rc.optimizer_during_backward &&
+                                 t.gradient_clipping <= 0 && !t.fp16));
 
   StepModel out;
   // Budgets.
@@ -129,6 +138,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   auto gpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / hw.hbm_bytes_per_s; };
   const int64_t head = m.layers;
 
+  std::vector<Group> after_backward;  // the optimizer's groups when it steps after backward
   for (int64_t micro = 0; micro < ga; ++micro) {
     const bool last = micro + 1 == ga;
     tr.groups.push_back({{{P(head), Tier::kDevice, false}}, 0, kForward});  // the embeddings
@@ -155,18 +165,22 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       if (accumulate) cpu.accesses.push_back({A(u), Tier::kHost, false});
       cpu.accesses.push_back({P(u), Tier::kHost, true});
       cpu.compute_s = cpu_opt(u);
-      tr.groups.push_back(cpu);
+      std::vector<Group>& into = during_backward ? tr.groups : after_backward;
+      if (!during_backward) cpu.phase = kOptimizer;
+      into.push_back(cpu);
       if (accumulate) {
         Group drop;
-        drop.phase = kBackward;
+        drop.phase = cpu.phase;
         drop.on_cpu = true;
         drop.discard = A(u);
-        tr.groups.push_back(drop);
+        into.push_back(drop);
       }
     };
     backward(head, 2 * head_fwd);
     for (int64_t l = m.layers - 1; l >= 0; --l) backward(l, bwd_factor * layer_fwd);
   }
+  // After backward, on the CPU optimizer's lane: the step (and the next forward) waits for it.
+  tr.groups.insert(tr.groups.end(), after_backward.begin(), after_backward.end());
   if (!offloaded_opt) {
     for (int64_t u = units - 1; u >= 0; --u) {
       Group g{

@@ -1,6 +1,7 @@
 // The planner's model, hardware and memory arithmetic (sched/plan_*.h), on hand-checked cases.
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -474,6 +475,48 @@ TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
   ASSERT_TRUE(longer.ok()) << longer.status();
   EXPECT_DOUBLE_EQ(longer->model.lanes.nvme_commit_s, 0.1);
   EXPECT_GT(longer->step.step_s, time->step.step_s);
+}
+
+// The optimizer's state in host memory steps after backward, as the trainer's front does it by
+// default (its steps in the optimizer phase, the step waiting for them), unless
+// strata.optimizer_during_backward lets it step during backward, which clipping forbids; state on
+// NVMe steps during backward (the staged step). The same model, hardware and budgets each time.
+TEST(PlanTimeTest, HostResidentOptimizerStateStepsAfterBackwardUnlessItMayStepDuringIt) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  auto plan = [&](const std::string& where, bool during, double clipping) {
+    Json c = {{"bf16", {{"enabled", true}}},
+              {"gradient_clipping", clipping},
+              {"zero_optimization",
+               {{"stage", 3},
+                {"offload_param", {{"device", "cpu"}}},
+                {"offload_optimizer", {{"device", where}, {"nvme_path", "/x"}}}}},
+              {"strata", {{"optimizer_during_backward", during}}}};
+    const Training t = Config(c);
+    auto time = PlanTime(m, hw, t, *PlanMemory(m, hw, t));
+    EXPECT_TRUE(time.ok()) << time.status();
+    int in_backward = 0, after = 0;
+    for (const Group& g : time->model.trace.groups) {
+      if (!g.on_cpu || g.compute_s == 0) continue;
+      (g.phase == kOptimizer ? after : in_backward) += 1;
+    }
+    return std::make_tuple(in_backward, after, time->step.step_s);
+  };
+  const auto [b0, a0, after_s] = plan("cpu", false, 0.0);
+  EXPECT_EQ(b0, 0);
+  EXPECT_EQ(a0, m.layers + 1);
+  const auto [b1, a1, during_s] = plan("cpu", true, 0.0);
+  EXPECT_EQ(b1, m.layers + 1);
+  EXPECT_EQ(a1, 0);
+  EXPECT_LT(during_s, after_s);  // the optimizer hidden behind backward
+  const auto [b2, a2, clipped_s] = plan("cpu", true, 1.0);
+  EXPECT_EQ(b2, 0);
+  EXPECT_DOUBLE_EQ(clipped_s, after_s);
+  const auto [b3, a3, nvme_s] = plan("nvme", false, 1.0);
+  EXPECT_EQ(b3, m.layers + 1);
+  EXPECT_EQ(a3, 0);
+  EXPECT_THAT(TrainingFromConfig({{"gradient_clipping", -1}}, nullptr).status().message(),
+              HasSubstr("gradient_clipping"));
 }
 
 TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {
