@@ -603,6 +603,15 @@ int main(int argc, char** argv) {
   if (const std::string d = absl::GetFlag(FLAGS_device); d != "emulated" && d != "cuda") {
     strata::aio_bench::BadFlag("--device", "is \"" + d + "\"; accepted: emulated, cuda");
   }
+  // The device budget is a quarter of the parameters, and backward holds a layer's parameters
+  // and its gradient on the device at once: two layers' worth.
+  if (const int layers = absl::GetFlag(FLAGS_layers); layers < 8) {
+    strata::aio_bench::BadFlag(
+        "--layers",
+        absl::StrCat(layers, ": the device budget (a quarter of the parameters, ", layers,
+                     "/4 layers' worth) cannot hold a layer's parameters and gradient at once "
+                     "(2 layers' worth); accepted: 8 or more"));
+  }
   if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
     strata::aio_bench::BadFlag("--json", s.message());
   }

@@ -191,6 +191,10 @@ TEST(BenchCliTest, EveryBenchmarkTakesEitherSpellingAndRefusesNumbersOutOfRange)
            {"optimizer_swap", "--params 2048 --partition_params 4096",
             "--params: must be at least --partition-params"},
            {"sched_step", "--layers 0", "--layers: must be an integer in [1, 10000], got 0"},
+           {"sched_step", "--layers 7",
+            "--layers: 7: the device budget (a quarter of the parameters, 7/4 layers' worth) "
+            "cannot hold a layer's parameters and gradient at once (2 layers' worth); accepted: 8 "
+            "or more"},
            {"sched_step", "--copy-gbps=0", "--copy-gbps: must be a number in [0.01, 1000]"},
            {"sched_step", "--policies=", "--policies: is empty; accepted: strata, lru"},
            {"sched_step", "--policies=strata,fifo",
