@@ -155,12 +155,6 @@ class _EpochLoader(torch.utils.data.DataLoader):
         return super().__iter__()
 
 
-def runtime_blocks_device(settings):
-    """offload_optimizer.device as the Runtime takes it ("cpu" or "nvme")."""
-    zero = json.loads(settings.runtime_json).get("zero_optimization", {})
-    return zero.get("offload_optimizer", {}).get("device", "cpu")
-
-
 class _Param:
     """What the engine keeps of one trainable parameter."""
 
@@ -334,7 +328,7 @@ class Engine(Lending, Gradients, Step):
         self._param_tier = settings.param_tier
         # The optimizer state in host memory (offload_optimizer "cpu"): its partitions may step in
         # place during backward when nothing learnt after backward can change the step (step.py).
-        self._optimizer_on_host = runtime_blocks_device(settings) == "cpu"
+        self._optimizer_on_host = settings.optimizer_device == "cpu"
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
         runtime_blocks = json.loads(settings.runtime_json)

@@ -30,6 +30,7 @@ class RuntimeSettings:
             self.warnings.append(
                 "zero_optimization.offload_optimizer.device is \"none\": strata steps the "
                 "optimizer on the CPU, so its state is kept in pinned host memory (as \"cpu\")")
+        self.optimizer_device = offload["device"]  # "cpu" or "nvme", as the Runtime takes it
         param_offload = zero.get("offload_param", {}) or {}
         self.param_tier = {"none": "device", "cpu": "host", "nvme": "nvme"}.get(
             param_offload.get("device", "none"), "device")

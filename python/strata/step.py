@@ -139,6 +139,7 @@ class Step:
                        "what ran of backward after that): they keep that step, and the others "
                        "step when the step is taken")
         gather = []
+        sent = False  # new weights gone to a GPU from pinned memory
         failed = None  # every entry is ended; the first release that fails is raised after
         for e in staged.entries:
             target = e.staged[1]
@@ -160,7 +161,9 @@ class Step:
                 gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
                     whole.view(e.shape))))
             elif written:
-                self._write_back_weights(e, target)
+                sent = self._write_back_weights(e, target) or sent
+        if sent:  # one event after every copy out of the pinned targets
+            self._weights_sent = torch.cuda.current_stream(self.device).record_event()
         if gather:  # every rank's new shards, whole on every rank
             with torch.no_grad():
                 self.ranks.gather(gather)
@@ -334,12 +337,13 @@ class Step:
     def _write_back_weights(self, e, target):
         """After the step: a copy written elsewhere than the parameter (a GPU parameter, or a
         non-contiguous one) is copied into it; to a GPU on torch's stream, from pinned memory
-        (an event marks the copies' end, waited for before that memory is written again)."""
+        (returns True then: _end_staged marks the copies' end with an event, waited for before
+        that memory is written again)."""
         if not e.partitioned and target.data_ptr() != e.param.data_ptr():
             to_gpu = e.param.device.type == "cuda" and target.is_pinned()
             e.param.data.copy_(target.view(e.shape), non_blocking=to_gpu)
-            if to_gpu:
-                self._weights_sent = torch.cuda.current_stream(self.device).record_event()
+            return to_gpu
+        return False
 
     def _update_scale(self, overflow):
         """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -281,14 +282,29 @@ struct Fixture {
       ASSERT_TRUE(adam->Step(t, c).ok());
     }
   }
+  // Partition i's master weights and moments, as ReadState gives them.
+  std::array<std::vector<float>, 3> Read(size_t i) {
+    const uint64_t n = parts[i].second;
+    std::array<std::vector<float>, 3> s{std::vector<float>(n), std::vector<float>(n),
+                                        std::vector<float>(n)};
+    EXPECT_TRUE(swapper
+                    ->ReadState(parts[i].first, absl::MakeSpan(s[0]), absl::MakeSpan(s[1]),
+                                absl::MakeSpan(s[2]))
+                    .ok());
+    return s;
+  }
+  // The first `stepped` partitions' master weights are the reference's, the others `before`'s.
+  void ExpectMastersStepped(size_t stepped, const Reference& before) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const std::vector<float>& want = i < stepped ? ref.p[i] : before.p[i];
+      EXPECT_EQ(0, std::memcmp(Read(i)[0].data(), want.data(), parts[i].second * 4))
+          << "partition " << parts[i].first;
+    }
+  }
   void ExpectMatchesReference() {
     for (size_t i = 0; i < parts.size(); ++i) {
       const uint64_t n = parts[i].second;
-      std::vector<float> p(n), m(n), v(n);
-      ASSERT_TRUE(
-          swapper
-              ->ReadState(parts[i].first, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v))
-              .ok());
+      const auto [p, m, v] = Read(i);
       EXPECT_EQ(0, std::memcmp(p.data(), ref.p[i].data(), n * 4)) << "master of " << parts[i].first;
       EXPECT_EQ(0, std::memcmp(m.data(), ref.m[i].data(), n * 4))
           << "exp_avg of " << parts[i].first;
@@ -956,16 +972,7 @@ TEST(SwapperTransactionTest, HostEarlyStepsEachHostResidentPartitionAsItIsStaged
         "the first four stepped");
     ASSERT_THAT(f.trace->stuck(), ::testing::IsEmpty());
     // Stepped before Commit: the first four hold the new state, the fifth its old one.
-    for (size_t i = 0; i < f.parts.size(); ++i) {
-      const uint64_t n = f.parts[i].second;
-      std::vector<float> p(n), m(n), v(n);
-      ASSERT_TRUE(
-          f.swapper
-              ->ReadState(f.parts[i].first, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v))
-              .ok());
-      const std::vector<float>& want = i < 4 ? f.ref.p[i] : before.p[i];
-      EXPECT_EQ(0, std::memcmp(p.data(), want.data(), n * 4)) << "partition " << f.parts[i].first;
-    }
+    f.ExpectMastersStepped(4, before);
     ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(4)).ok());
     auto r = f.swapper->Commit();
     ASSERT_TRUE(r.ok()) << r.status();
@@ -994,16 +1001,7 @@ TEST(SwapperTransactionTest, HostEarlyAbortAndFailureSayWhatHadStepped) {
       "the first two stepped");
   EXPECT_THAT(f.swapper->Abort(), ::testing::ElementsAre(in[0].id, in[1].id));
   EXPECT_FALSE(f.swapper->staging());
-  for (size_t i = 0; i < f.parts.size(); ++i) {
-    const uint64_t n = f.parts[i].second;
-    std::vector<float> p(n), m(n), v(n);
-    ASSERT_TRUE(
-        f.swapper
-            ->ReadState(f.parts[i].first, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v))
-            .ok());
-    const std::vector<float>& want = i < 2 ? f.ref.p[i] : before.p[i];
-    EXPECT_EQ(0, std::memcmp(p.data(), want.data(), n * 4)) << "partition " << f.parts[i].first;
-  }
+  f.ExpectMastersStepped(2, before);
   // A gradient source that fails on the third partition: the first two step, Commit says so.
   ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
   in[2].grad = nullptr;
