@@ -506,7 +506,7 @@ int Main() {
           "prediction (median of the %zu rounds the disk held steady; %.2f-%.2f), %s the 15%% the "
           "planner promises (%zu rounds apart: the disk moved); the store's commit per "
           "write-back, measured: %.2f ms (median)\n",
-          Summary::Of(predicted_all).median * 1e3, predicted_all.size(), honesty.size(), h.median,
+          Summary::Of(predicted_all).median * 1e3, predicted_all.size(), h.median, honesty.size(),
           h.min, h.max, h.median >= 0.85 && h.median <= 1.15 ? "within" : "NOT within",
           unsteady.size(), Summary::Of(commit_s_all).median * 1e3);
     }
