@@ -204,12 +204,13 @@ def main():
                                           "it (.trace.json) and the engine's last_step_stats "
                                           "(.stats.json): where the step's time goes")
     parser.add_argument("--optimizer-threads", type=int, default=0,
-                        help="strata.optimizer_threads (0: one per core)")
+                        help="strata.optimizer_threads (0: one per core, all but two when the "
+                             "optimizer steps during backward)")
     parser.add_argument("--copy-streams", type=int, default=1, choices=[1, 2],
                         help="strata.copy_streams: the CUDA copy engine's streams")
-    parser.add_argument("--during-backward", action="store_true",
-                        help="strata.optimizer_during_backward: the host-resident optimizer "
-                             "state steps during backward")
+    parser.add_argument("--during-backward", choices=["auto", "true", "false"], default="auto",
+                        help="strata.optimizer_during_backward: whether the host-resident "
+                             "optimizer state steps during backward (auto, its default: on a GPU)")
     parser.add_argument("--variants", default="",
                         help="more strata configurations measured in each round beside the "
                              "first, comma-separated THREADS/STREAMS[/DURING] (optimizer "
@@ -240,6 +241,7 @@ def main():
         sys.exit(f"train_step: --variants {args.variants!r}: accepted: comma-separated "
                  "THREADS/STREAMS[/DURING], THREADS 0 or more, STREAMS 1 or 2, DURING 0 or 1 "
                  "(e.g. 14/1,14/2/1)")
+    during_arg = {"auto": "auto", "true": True, "false": False}[args.during_backward]
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("train_step: --device cuda: torch sees no CUDA device")
@@ -319,7 +321,8 @@ def main():
                        "host_budget_bytes": max(1 << 30, 2 * training_state),
                        "nvme_capacity_bytes": max(1 << 30, 2 * training_state),
                        "optimizer_threads": args.optimizer_threads,
-                       "copy_streams": args.copy_streams}}
+                       "copy_streams": args.copy_streams,
+                       "optimizer_during_backward": during_arg}}
         if cuda:
             config["bf16"] = {"enabled": True}
         if round_index == 0 and cuda and args.plan:
@@ -332,7 +335,7 @@ def main():
             shutil.rmtree(nvme, ignore_errors=True)
             os.makedirs(nvme)
             config["strata"].update(optimizer_threads=threads, copy_streams=streams,
-                                    optimizer_during_backward=bool(during))
+                                    optimizer_during_backward=during)
             engine, _, _, _ = strata.initialize(model=copy.deepcopy(base), config=config)
 
             def strata_step():
@@ -355,13 +358,13 @@ def main():
             shutil.rmtree(nvme, ignore_errors=True)
             return seconds, waits
 
-        strata_s, waits = measure(args.optimizer_threads, args.copy_streams,
-                                  args.during_backward, round_index == 0 and args.profile)
+        strata_s, waits = measure(args.optimizer_threads, args.copy_streams, during_arg,
+                                  round_index == 0 and args.profile)
         variant_s = {}
         for threads, streams, during in variants:
             name = f"{threads}/{streams}/{during}"
-            variant_s[name], _ = measure(threads, streams, during, False)
-            print(f"round {round_index}: strata with {threads or 'one per core'} optimizer "
+            variant_s[name], _ = measure(threads, streams, bool(during), False)
+            print(f"round {round_index}: strata with {threads or 'the default count of'} optimizer "
                   f"threads, {streams} copy stream{'s' if streams > 1 else ''}, the optimizer "
                   f"{'during' if during else 'after'} backward: {variant_s[name] * 1e3:.0f} ms")
 

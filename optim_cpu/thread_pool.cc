@@ -21,6 +21,16 @@ std::pair<size_t, size_t> RangeOf(size_t n, size_t granule, int workers, int i) 
 
 }  // namespace
 
+int ThreadPool::Cores() {
+  hwloc_topology_t topology;
+  int n = 0;
+  if (hwloc_topology_init(&topology) == 0) {
+    if (hwloc_topology_load(topology) == 0) n = hwloc_get_nbobjs_by_type(topology, HWLOC_OBJ_CORE);
+    hwloc_topology_destroy(topology);
+  }
+  return n > 0 ? n : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(int threads, bool bind) {
   if (threads < 0 || threads > 1024) {
     return absl::InvalidArgumentError(

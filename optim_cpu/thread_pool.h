@@ -25,8 +25,10 @@ namespace strata::optim_cpu {
 
 class ThreadPool {
  public:
-  // threads: 1..1024; 0 means one per core (hwloc's count of cores, else hardware_concurrency).
+  // threads: 1..1024; 0 means one per core (Cores()).
   static absl::StatusOr<std::unique_ptr<ThreadPool>> Create(int threads, bool bind = true);
+  // The machine's cores: hwloc's count, else hardware_concurrency (at least 1).
+  static int Cores();
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;

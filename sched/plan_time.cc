@@ -40,12 +40,14 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   // Whether the CPU optimizer steps each unit during backward, as its gradient is final, or all
   // of them after backward, as the trainer's front does it: during backward at stage 3 in one
   // process, for state on NVMe (the staged step), and for state in host memory only with
-  // strata.optimizer_during_backward when nothing learnt after backward can change the step
-  // (no clipping, no fp16 loss scale).
+  // strata.optimizer_during_backward (its "auto" default is on for a GPU, which the planner
+  // models) when nothing learnt after backward can change the step (no clipping, no fp16 loss
+  // scale).
   const bool during_backward =
       rc.zero_stage == 3 && n == 1 &&
-      (s_home == Tier::kNvme || (s_home == Tier::kHost && rc.optimizer_during_backward &&
-                                 t.gradient_clipping <= 0 && !t.fp16));
+      (s_home == Tier::kNvme ||
+       (s_home == Tier::kHost && rc.optimizer_during_backward.value_or(true) &&
+        t.gradient_clipping <= 0 && !t.fp16));
 
   StepModel out;
   // Budgets.

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
+#include "optim_cpu/thread_pool.h"
 
 namespace strata::sched {
 namespace {
@@ -1226,7 +1227,7 @@ absl::Status Runtime::CreateOptimizer(
   // The config's thread count where the caller left the optimizer's at its default (0).
   optim_cpu::OptimizerConfig threaded = optimizer;
   for (int* threads : {&threaded.adam.threads, &threaded.adagrad.threads, &threaded.lion.threads}) {
-    if (*threads == 0) *threads = static_cast<int>(config_.optimizer_threads);
+    if (*threads == 0) *threads = config_.OptimizerThreads(optim_cpu::ThreadPool::Cores());
   }
   auto created = optim_cpu::MakeChunkOptimizer(threaded);
   if (!created.ok()) {

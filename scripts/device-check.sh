@@ -186,19 +186,20 @@ EOF
 # bench/train_step on the GPU: a Llama of about 310M parameters, the device budget a tenth of its
 # training state, the optimizer on the host (or on NVMe: OPTIMIZER=nvme); the planner's prediction
 # of the same run beside it.
-# Beside the default (the optimizer on every core after backward, one copy stream), the same
-# step with the optimizer during backward (strata.optimizer_during_backward) on every core, on all
-# but two (left to the trainer's threads) and on half, and with one copy stream per direction
-# (strata.optimizer_threads, strata.copy_streams).
+# Beside the default (on a GPU the optimizer steps during backward on all but two cores, one copy
+# stream), the same step with the optimizer after backward on every core (the default before
+# 2026-11-26), during backward on every core and on half, and with one copy stream per direction
+# (strata.optimizer_during_backward, strata.optimizer_threads, strata.copy_streams). TS_EXTRA:
+# more train_step arguments (the profiled configuration's, such as --during-backward false).
 train_step() {
   local n
   n=$(nproc)
   "$python" bench/train_step.py --device cuda --optimizer "${1:-cpu}" --budget-of-state 0.1 \
     --layers "${TS_LAYERS:-12}" --width "${TS_WIDTH:-1536}" --heads 12 --context 1024 \
     --batch 8 --rounds "${TS_ROUNDS:-2}" --steps 3 --dir "$scratch/train_step" \
-    --variants "${TS_VARIANTS:-0/1/1,$((n - 2))/1/1,$((n / 2))/1/1,0/2/0}" \
+    --variants "${TS_VARIANTS:-0/1/0,$n/1/1,$((n / 2))/1/1,0/2/1}" \
     --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json" \
-    --profile "$logs/train_step_${1:-cpu}_profile.txt"
+    --profile "$logs/train_step_${1:-cpu}_profile.txt" ${TS_EXTRA:-}
 }
 
 # The scheduler's step on the CUDA tier against its lower bound: strata with one copy stream and

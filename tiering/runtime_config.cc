@@ -252,6 +252,11 @@ bool Present(const Json& root, absl::string_view dotted) {
 
 }  // namespace
 
+int RuntimeConfig::OptimizerThreads(int cores) const {
+  if (optimizer_threads != 0) return static_cast<int>(optimizer_threads);
+  return OptimizerDuringBackward() ? std::max(1, cores - 2) : cores;
+}
+
 std::string RuntimeConfig::SwapPath() const {
   if (!nvme_path.empty()) return nvme_path;
   if (offload_param.device == OffloadDevice::kNvme) return offload_param.nvme_path;
@@ -334,8 +339,16 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
-    STRATA_RETURN_IF_ERROR(
-        ReadBool(*s, p, "optimizer_during_backward", &c.optimizer_during_backward));
+    if (auto d = s->find("optimizer_during_backward"); d != s->end()) {
+      if (d->is_boolean()) {
+        c.optimizer_during_backward = d->get<bool>();
+      } else if (!d->is_string() || d->get<std::string>() != "auto") {
+        return Bad(p + "optimizer_during_backward",
+                   absl::StrCat(d->dump(),
+                                ": accepted: true, false, \"auto\" (the default: true "
+                                "where strata.device is \"cuda\")"));
+      }
+    }
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

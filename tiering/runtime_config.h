@@ -40,6 +40,7 @@
 #define STRATA_TIERING_RUNTIME_CONFIG_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,9 +102,10 @@ struct RuntimeConfig {
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;
-  // The CPU optimizer's threads (0: one per core this process may use, each bound to its core).
-  // On a GPU the trainer's thread queues the kernels and the Runtime's workers queue the copies:
-  // an optimizer on every core competes with both while it steps during backward.
+  // The CPU optimizer's threads (0: one per core, each bound to its core; when the optimizer steps
+  // during backward, all but two cores: OptimizerThreads()). On a GPU the trainer's thread queues
+  // the kernels and the Runtime's workers queue the copies: an optimizer on every core competes
+  // with both while it steps during backward.
   int64_t optimizer_threads = 0;
   // The CUDA copy engine's streams: 1 (both directions on one, in submission order) or 2 (one per
   // direction: a gradient going to the host need not wait behind a weight coming to the device).
@@ -112,10 +114,21 @@ struct RuntimeConfig {
   // The optimizer state in host memory (offload_optimizer "cpu") steps during backward, each
   // partition in place as backward makes its gradient final, rather than after backward, when
   // nothing learnt after backward can change the step (no gradient clipping, no fp16 loss scale,
-  // one process). The trainer's front decides; this says whether it may. Off by default: on a GPU
-  // the optimizer's threads then compete with the trainer's for the cores while backward runs
-  // (measured in docs/performance.md).
-  bool optimizer_during_backward = false;
+  // one process). The trainer's front decides; this says whether it may. Unset ("auto", the
+  // default): where the trainer computes on a GPU (strata.device "cuda"), not where it computes
+  // on the host's cores (the emulated device), whose threads the optimizer's would take while
+  // backward runs. Measured in docs/performance.md.
+  std::optional<bool> optimizer_during_backward;
+
+  // Whether host-resident optimizer state may step during backward: the setting, or "auto"'s
+  // answer for this device.
+  bool OptimizerDuringBackward() const {
+    return optimizer_during_backward.value_or(!emulated_device);
+  }
+  // The CPU optimizer's threads for a machine of `cores` cores: optimizer_threads, or when that
+  // is 0, one per core, all but two (left to the trainer's and the copies' threads, at least one)
+  // where the optimizer steps during backward.
+  int OptimizerThreads(int cores) const;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

@@ -609,7 +609,7 @@ class PyRuntime {
     return op.device == tiering::OffloadDevice::kNvme ? op.max_in_cpu : 0;
   }
   uint64_t HostBudgetBytes() const { return runtime_->config().host_budget_bytes; }
-  bool OptimizerDuringBackward() const { return runtime_->config().optimizer_during_backward; }
+  bool OptimizerDuringBackward() const { return runtime_->config().OptimizerDuringBackward(); }
 
   // `kind`: "adam" (AdamW with adamw), "adagrad" (lr_decay, weight_decay as L2, eps) or "lion"
   // (beta1, beta2, weight_decay decoupled); `copy_dtype`: the dtype of the param copies the steps

@@ -480,11 +480,12 @@ TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
 // The optimizer's state in host memory steps after backward, as the trainer's front does it by
 // default (its steps in the optimizer phase, the step waiting for them), unless
 // strata.optimizer_during_backward lets it step during backward, which clipping forbids; state on
-// NVMe steps during backward (the staged step). The same model, hardware and budgets each time.
+// NVMe steps during backward (the staged step). Its default ("auto") is on for a GPU, which the
+// planner models. The same model, hardware and budgets each time.
 TEST(PlanTimeTest, HostResidentOptimizerStateStepsAfterBackwardUnlessItMayStepDuringIt) {
   const Transformer m = Model(OneB(), 1024, 1);
   const Hardware hw = *HardwareFromJson(A100());
-  auto plan = [&](const std::string& where, bool during, double clipping) {
+  auto plan = [&](const std::string& where, Json during, double clipping) {
     Json c = {{"bf16", {{"enabled", true}}},
               {"gradient_clipping", clipping},
               {"zero_optimization",
@@ -492,6 +493,7 @@ TEST(PlanTimeTest, HostResidentOptimizerStateStepsAfterBackwardUnlessItMayStepDu
                 {"offload_param", {{"device", "cpu"}}},
                 {"offload_optimizer", {{"device", where}, {"nvme_path", "/x"}}}}},
               {"strata", {{"optimizer_during_backward", during}}}};
+    if (during.is_null()) c.erase("strata");
     const Training t = Config(c);
     auto time = PlanTime(m, hw, t, *PlanMemory(m, hw, t));
     EXPECT_TRUE(time.ok()) << time.status();
@@ -509,6 +511,10 @@ TEST(PlanTimeTest, HostResidentOptimizerStateStepsAfterBackwardUnlessItMayStepDu
   EXPECT_EQ(b1, m.layers + 1);
   EXPECT_EQ(a1, 0);
   EXPECT_LT(during_s, after_s);  // the optimizer hidden behind backward
+  const auto [b_auto, a_auto, auto_s] = plan("cpu", Json(), 0.0);
+  EXPECT_EQ(b_auto, m.layers + 1);
+  EXPECT_EQ(a_auto, 0);
+  EXPECT_DOUBLE_EQ(auto_s, during_s);
   const auto [b2, a2, clipped_s] = plan("cpu", true, 1.0);
   EXPECT_EQ(b2, 0);
   EXPECT_DOUBLE_EQ(clipped_s, after_s);

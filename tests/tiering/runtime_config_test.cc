@@ -12,6 +12,7 @@
 namespace strata::tiering {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -212,18 +213,36 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsGlibcsOwnUnlessSet) {
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
   EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
   EXPECT_EQ(RuntimeConfig().copy_streams, 1);
-  EXPECT_FALSE(RuntimeConfig().optimizer_during_backward);
+  EXPECT_FALSE(RuntimeConfig().optimizer_during_backward.has_value());  // "auto"
+  EXPECT_FALSE(RuntimeConfig().OptimizerDuringBackward());  // auto on the emulated device: off
+  for (const char* auto_on_cuda :
+       {R"({"strata": {"device": "cuda"}})",
+        R"({"strata": {"device": "cuda", "optimizer_during_backward": "auto"}})"}) {
+    auto a = RuntimeConfigFromJsonText(auto_on_cuda);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_TRUE(a->OptimizerDuringBackward()) << auto_on_cuda;
+    EXPECT_EQ(a->OptimizerThreads(16), 14) << "all but two cores while it steps during backward";
+    EXPECT_EQ(a->OptimizerThreads(2), 1);
+  }
+  auto off = RuntimeConfigFromJsonText(
+      R"({"strata": {"device": "cuda", "optimizer_during_backward": false}})");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->OptimizerDuringBackward());
+  EXPECT_EQ(off->OptimizerThreads(16), 16) << "one per core";
   auto c = RuntimeConfigFromJsonText(
       R"({"strata": {"optimizer_threads": 14, "copy_streams": 2,
                      "optimizer_during_backward": true}})");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->optimizer_threads, 14);
   EXPECT_EQ(c->copy_streams, 2);
-  EXPECT_TRUE(c->optimizer_during_backward);
-  EXPECT_THAT(RuntimeConfigFromJsonText(R"({"strata": {"optimizer_during_backward": "yes"}})")
-                  .status()
-                  .message(),
-              HasSubstr("strata.optimizer_during_backward"));
+  EXPECT_TRUE(c->OptimizerDuringBackward());  // on the emulated device too, when asked
+  EXPECT_EQ(c->OptimizerThreads(16), 14) << "the configured count";
+  for (const char* bad : {R"({"strata": {"optimizer_during_backward": "yes"}})",
+                          R"({"strata": {"optimizer_during_backward": 1}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                AllOf(HasSubstr("strata.optimizer_during_backward"), HasSubstr("\"auto\"")))
+        << bad;
+  }
   for (const char* bad :
        {R"({"strata": {"optimizer_threads": -1}})", R"({"strata": {"optimizer_threads": 1025}})",
         R"({"strata": {"optimizer_threads": "all"}})"}) {
