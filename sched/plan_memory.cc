@@ -105,8 +105,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   const double layer = static_cast<double>(
       std::max(m.LayerParams(), m.vocab * m.hidden));  // the largest partition, in parameters
   const double small = static_cast<double>(m.layers) * (m.LayerParams() - m.LayerMatrixParams());
+  const double largest = static_cast<double>(m.LargestParamParams());
   const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
   MemoryPlan p;
+  // Parameters homed on NVMe: the Runtime keeps their host copies while they are within
+  // offload_param.max_in_cpu and twice their copies fit half the host budget (the front's
+  // _params_in_cpu); otherwise the step takes their new weights from the master weights.
+  const bool nvme_params = rc.zero_stage >= 3 && param_to == OffloadDevice::kNvme;
+  const bool params_kept_in_host =
+      nvme_params && psi - small <= static_cast<double>(rc.offload_param.max_in_cpu) &&
+      2 * d * (psi - small) <= static_cast<double>(rc.host_budget_bytes) / 2;
+  p.weights_from_master = nvme_params && !params_kept_in_host;
 
   // Optimizer state.
   if (opt_to == OffloadDevice::kNone) {
@@ -115,11 +124,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     p.host.optimizer = opt_per_param * psi;
   } else {
     // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
-    // before the old is given up) and a 2-byte param copy per element in the host.
+    // before the old is given up), a ring of buffers for the largest partition (one parameter),
+    // and a copy in the training dtype of the new weights the step stages in the host: every
+    // parameter's, or with their weights taken from the master weights only the small ones the
+    // front does not partition.
     p.nvme.optimizer = 2 * opt_per_param * psi;
-    p.host.params += 2 * psi;
+    p.host.params += d * (p.weights_from_master ? small : psi);
     p.host.staging +=
-        n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * layer;
+        n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * largest;
   }
 
   // Parameters.
@@ -136,6 +148,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
         p.host.params = d * psi;
       } else {
         p.nvme.params = d * psi;
+        if (params_kept_in_host) p.host.params += d * psi;
         p.host.staging += n * static_cast<double>(rc.offload_param.buffer_count) *
                           static_cast<double>(rc.offload_param.buffer_size);
       }

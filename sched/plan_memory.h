@@ -77,6 +77,10 @@ struct MemoryPlan {
     double need = 0, have = 0;
   };
   std::optional<Overflow> overflow;  // the first tier (device, host, NVMe) over its capacity
+  // Parameters homed on NVMe whose new weights the step does not stage in host memory: after the
+  // commit the trainer's front reads each one's committed master weights back (its whole
+  // optimizer state) and writes its partition (python/strata/engine.py, _refresh_weights).
+  bool weights_from_master = false;
 };
 
 // InvalidArgument when the config offloads to a tier the hardware lacks (NVMe).

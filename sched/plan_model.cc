@@ -102,6 +102,11 @@ int64_t Transformer::LayerParams() const {
   return LayerMatrixParams() + bias_params + 4 * hidden;
 }
 
+int64_t Transformer::LargestParamParams() const {
+  const int64_t mlp = experts > 1 ? experts * (gated_mlp ? 2 : 1) * hidden * ffn : hidden * ffn;
+  return std::max({vocab * hidden, mlp, hidden * (heads * head_dim() + 2 * kv_heads * head_dim())});
+}
+
 int64_t Transformer::OuterParams() const {
   const int64_t embeddings = (tied_embeddings ? 1 : 2) * vocab * hidden;
   const int64_t final_norm = gated_mlp ? hidden : 2 * hidden;

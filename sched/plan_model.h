@@ -66,6 +66,9 @@ struct Transformer {
   int64_t LayerParams() const;
   // Embeddings (input, output when untied, learned positions) and the final norm.
   int64_t OuterParams() const;
+  // The largest single parameter (one tensor, one partition in the Runtime): the embedding or an
+  // MLP matrix (a mixture-of-experts layer's experts as one tensor, as transformers stores them).
+  int64_t LargestParamParams() const;
   int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
   // Forward FLOPs for one token at this sequence length.
   double ForwardFlopsPerToken() const;

@@ -165,7 +165,9 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       }
       cpu.accesses = {{S(u), Tier::kHost, true}, {G(u), Tier::kHost, false}};
       if (accumulate) cpu.accesses.push_back({A(u), Tier::kHost, false});
-      cpu.accesses.push_back({P(u), Tier::kHost, true});
+      // The new weights, into the parameters' host copies (taken from the master weights after
+      // the commit instead when mem.weights_from_master: below).
+      if (!mem.weights_from_master) cpu.accesses.push_back({P(u), Tier::kHost, true});
       cpu.compute_s = cpu_opt(u);
       std::vector<Group>& into = during_backward ? tr.groups : after_backward;
       if (!during_backward) cpu.phase = kOptimizer;
@@ -183,6 +185,17 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   }
   // After backward, on the CPU optimizer's lane: the step (and the next forward) waits for it.
   tr.groups.insert(tr.groups.end(), after_backward.begin(), after_backward.end());
+  if (offloaded_opt && mem.weights_from_master) {
+    // After the commit, each parameter's committed state read back whole and its new weights
+    // written to its partition, one at a time (the front's _refresh_weights).
+    for (int64_t u = units - 1; u >= 0; --u) {
+      Group g{{{S(u), Tier::kHost, false}, {P(u), Tier::kHost, true}},
+              (4 + d) * params_of(u) / (hw.optimizer_bytes_per_s / n),
+              kOptimizer};
+      g.on_cpu = true;
+      tr.groups.push_back(g);
+    }
+  }
   if (!offloaded_opt) {
     for (int64_t u = units - 1; u >= 0; --u) {
       Group g{

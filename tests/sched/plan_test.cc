@@ -270,7 +270,7 @@ TEST(PlanMemoryTest, BytesPerTierAtEachStageAndOffloadChoiceMatchTheFormulas) {
        2 * (3e8 + small),
        2 * 2 * largest,
        0,
-       2 * psi,  // the optimizer's param copies
+       2 * small,  // the step's new weights of the small unpartitioned ones (the rest: below)
        4 * 2 * largest,
        0,
        5 * 1e8 + 4 * 12 * largest,
@@ -475,6 +475,45 @@ TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
   ASSERT_TRUE(longer.ok()) << longer.status();
   EXPECT_DOUBLE_EQ(longer->model.lanes.nvme_commit_s, 0.1);
   EXPECT_GT(longer->step.step_s, time->step.step_s);
+}
+
+// Parameters homed on NVMe: beyond offload_param.max_in_cpu (or when twice their copies do not fit
+// half the host budget) the host holds none of their weights, and after the commit each one's
+// state is read back whole for its new weights (the front's _refresh_weights): 12 more bytes a
+// parameter read from NVMe each step. Within it the Runtime keeps their host copies and the step
+// stages their new weights in the host (2 bytes a parameter each), and reads nothing back.
+TEST(PlanTimeTest, ParametersOnNvmeTakeTheirNewWeightsFromTheMasterWeightsBeyondMaxInCpu) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  const double psi = static_cast<double>(m.TotalParams());
+  const double small = static_cast<double>(m.layers) * (m.LayerParams() - m.LayerMatrixParams());
+  auto plan = [&](double max_in_cpu) {
+    Json c = {
+        {"bf16", {{"enabled", true}}},
+        {"zero_optimization",
+         {{"stage", 3},
+          {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}, {"max_in_cpu", max_in_cpu}}},
+          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}},
+        {"strata", {{"host_budget_bytes", 64e9}}}};
+    const Training t = Config(c);
+    auto mem = PlanMemory(m, hw, t);
+    EXPECT_TRUE(mem.ok()) << mem.status();
+    auto time = PlanTime(m, hw, t, *mem);
+    EXPECT_TRUE(time.ok()) << time.status();
+    return std::make_pair(*mem, time->step);
+  };
+  const auto [kept_mem, kept] = plan(1e12);
+  EXPECT_FALSE(kept_mem.weights_from_master);
+  EXPECT_DOUBLE_EQ(kept_mem.host.params, 2 * 2 * psi);  // host copies, and the step's staged ones
+  const auto [streamed_mem, streamed] = plan(1e9);
+  ASSERT_GT(psi - small, 1e9);
+  EXPECT_TRUE(streamed_mem.weights_from_master);
+  EXPECT_DOUBLE_EQ(streamed_mem.host.params, 2 * small);
+  // The state read back after the commit (12 bytes a parameter, the small ones' too: they are
+  // counted with their units); the state written once either way.
+  EXPECT_NEAR(streamed.bytes[kNvmeRead] - kept.bytes[kNvmeRead], 12 * psi, 0.02 * 12 * psi);
+  EXPECT_GE(streamed.bytes[kNvmeWrite], 12 * psi);
+  EXPECT_GT(streamed.step_s, kept.step_s);
 }
 
 // The optimizer's state in host memory steps after backward, as the trainer's front does it by
