@@ -124,11 +124,13 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     p.host.optimizer = opt_per_param * psi;
   } else {
     // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
-    // before the old is given up), a ring of buffers for the largest partition (one parameter),
+    // before the old is given up; with strata.optimizer_commit "partition", of one partition),
+    // a ring of buffers for the largest partition (one parameter),
     // and a copy in the training dtype of the new weights the step stages in the host: every
     // parameter's, or with their weights taken from the master weights only the small ones the
     // front does not partition.
-    p.nvme.optimizer = 2 * opt_per_param * psi;
+    p.nvme.optimizer =
+        rc.optimizer_commit_each ? opt_per_param * (psi + largest) : 2 * opt_per_param * psi;
     p.host.params += d * (p.weights_from_master ? small : psi);
     p.host.staging +=
         n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * largest;

@@ -42,12 +42,14 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   // process, for state on NVMe (the staged step), and for state in host memory only with
   // strata.optimizer_during_backward (its "auto" default is on for a GPU, which the planner
   // models) when nothing learnt after backward can change the step (no clipping, no fp16 loss
-  // scale).
+  // scale). With strata.optimizer_commit "partition" a step once begun cannot be dropped, so the
+  // NVMe state too steps during backward only where host-resident state would.
+  const bool may_step_early =
+      rc.optimizer_during_backward.value_or(true) && t.gradient_clipping <= 0 && !t.fp16;
   const bool during_backward =
       rc.zero_stage == 3 && n == 1 &&
-      (s_home == Tier::kNvme ||
-       (s_home == Tier::kHost && rc.optimizer_during_backward.value_or(true) &&
-        t.gradient_clipping <= 0 && !t.fp16));
+      ((s_home == Tier::kNvme && (!rc.optimizer_commit_each || may_step_early)) ||
+       (s_home == Tier::kHost && may_step_early));
 
   StepModel out;
   // Budgets.
@@ -255,16 +257,24 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
               t.activation_checkpointing = ckpt;
               Transformer m = model;
               m.micro_batch = micro;
-              ++tried;
-              auto mem = PlanMemory(m, hw, t);
-              if (!mem.ok() || mem->overflow) continue;
-              auto time = PlanTime(m, hw, t, *mem);
-              if (!time.ok()) continue;
-              ++fitting;
-              // Candidates come lightest first (lower stages, less offloaded): a heavier one must
-              // be 2% faster to replace it.
-              if (!best || time->tokens_per_s > 1.02 * best->time.tokens_per_s) {
-                best = Suggestion{t, m, *mem, *std::move(time)};
+              // With the optimizer on NVMe and the base's commit "step", strata.optimizer_commit
+              // "partition" too (half the NVMe room; steps that cannot be dropped): after it, as
+              // a heavier candidate.
+              const bool also_each =
+                  opt == OffloadDevice::kNvme && !base.runtime.optimizer_commit_each;
+              for (int each = 0; each <= (also_each ? 1 : 0); ++each) {
+                if (each == 1) t.runtime.optimizer_commit_each = true;
+                ++tried;
+                auto mem = PlanMemory(m, hw, t);
+                if (!mem.ok() || mem->overflow) continue;
+                auto time = PlanTime(m, hw, t, *mem);
+                if (!time.ok()) continue;
+                ++fitting;
+                // Candidates come lightest first (lower stages, less offloaded): a heavier one
+                // must be 2% faster to replace it.
+                if (!best || time->tokens_per_s > 1.02 * best->time.tokens_per_s) {
+                  best = Suggestion{t, m, *mem, *std::move(time)};
+                }
               }
             }
           }
@@ -275,7 +285,8 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
   if (!best) {
     return absl::NotFoundError(absl::StrCat("no configuration fits: tried ", tried,
                                             " (every ZeRO stage, offload choice, micro-batch "
-                                            "1-64, with and without activation checkpointing)"));
+                                            "1-64, with and without activation checkpointing, "
+                                            "both strata.optimizer_commit modes)"));
   }
   best->tried = tried;
   best->fitting = fitting;
@@ -315,6 +326,7 @@ nlohmann::json SuggestionConfig(const Suggestion& s) {
               {"strata",
                {{"device_budget_bytes", s.time.model.budgets.device},
                 {"host_budget_bytes", s.time.model.budgets.host}}}};
+  if (rc.optimizer_commit_each) out["strata"]["optimizer_commit"] = "partition";
   if (s.training.dtype_bytes == 2) out[s.training.fp16 ? "fp16" : "bf16"] = {{"enabled", true}};
   return out;
 }

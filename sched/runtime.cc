@@ -1196,7 +1196,9 @@ absl::Status Runtime::CreateOptimizer(
     if (on_nvme) {
       largest = std::max(largest, elements * 12);
       copy_elements += elements;
-      need[I(Tier::kNvme)] += 2 * Pages(elements * 12);
+      // The state, and its second copy while a step commits (with optimizer_commit "partition",
+      // one partition's: below).
+      need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * Pages(elements * 12);
     } else {
       need[I(Tier::kHost)] += Pages(elements * 12);
     }
@@ -1206,7 +1208,15 @@ absl::Status Runtime::CreateOptimizer(
   if (copy_elements_wanted.has_value()) {
     copy_elements = std::min(copy_elements, *copy_elements_wanted);
   }
-  if (on_nvme) need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * copy_bytes);
+  if (on_nvme && config_.optimizer_commit_each) {
+    // One partition's second copy on NVMe (the store's copy on write, one Put at a time); a copy
+    // buffer (fp32-sized) beside each ring buffer instead of the staged copies.
+    need[I(Tier::kNvme)] += Pages(largest);
+    need[I(Tier::kHost)] += ring * (Pages(largest) + Pages(largest / 3));
+    copy_elements = 0;
+  } else if (on_nvme) {
+    need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * copy_bytes);
+  }
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ != nullptr) {
     return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
@@ -1239,6 +1249,7 @@ absl::Status Runtime::CreateOptimizer(
   sc.pipeline_write = oc.pipeline_write;
   sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
   sc.ring_buffers = ring;
+  sc.commit_each = config_.optimizer_commit_each;
   sc.store_key_bits = kOptimizerKey;
   sc.on_event = options_.on_optimizer_event;
   auto swapper = swap::PipelinedOptimizerSwapper::Create(store_.get(), created->get(),

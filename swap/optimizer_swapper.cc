@@ -105,6 +105,11 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
     for (int i = 0; i < count; ++i) {
       STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(s->buffer_bytes_));
       s->buffers_.push_back(static_cast<float*>(p));
+      if (config.commit_each) {
+        s->copy_buffer_bytes_ = s->buffer_bytes_ / 3;  // an fp32 copy: 4 bytes of 12
+        STRATA_ASSIGN_OR_RETURN(void* c, host->Allocate(s->copy_buffer_bytes_));
+        s->copy_buffers_.push_back(static_cast<std::byte*>(c));
+      }
     }
   }
   return s;
@@ -115,6 +120,7 @@ PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
   AbortLoad();
   if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
+  for (std::byte* b : copy_buffers_) host_->Deallocate(b, copy_buffer_bytes_);
   for (auto& [id, part] : parts_) {
     if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
   }
@@ -241,6 +247,8 @@ struct PipelinedOptimizerSwapper::Txn {
   bool early_stopped ABSL_GUARDED_BY(mu) = false;  // it returned (closed, cancelled or failed)
   CondVar early_progress;                          // early_done or early_stopped changed
   std::vector<tiering::PartitionId> stepped_early;
+  // commit_each: the NVMe-resident partitions whose new state has landed (the worker's).
+  std::vector<tiering::PartitionId> landed;
   absl::Status early_failure;
   double early_compute_s = 0;
   std::thread early_worker;
@@ -328,7 +336,8 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   }
   uint64_t staging_bytes = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr) {
+    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr &&
+        !config_.commit_each) {
       staging_bytes += parts[i]->elements * CopyBytes(inputs[i].copy_dtype);
     }
   }
@@ -360,7 +369,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
                                     "needs ",
                                     copy_staging_bytes, " bytes of host memory"));
   }
-  if (host_early && !buffers_.empty()) {
+  if (host_early && !buffers_.empty() && !config_.commit_each) {
     return absl::FailedPreconditionError(
         "optimizer swapper: host_early with NVMe-resident partitions (their commit could fail "
         "after the host-resident ones had stepped); accepted: host_early when every partition is "
@@ -371,7 +380,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
   txn_->t0 = Clock::now();
   txn_->host_early = host_early;
   if (!buffers_.empty()) {
-    txn_->batch = store_->NewBatch();
+    if (!config_.commit_each) txn_->batch = store_->NewBatch();
     txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
   }
   if (host_early) txn_->early_worker = std::thread([this, x = txn_.get()] { RunEarly(x); });
@@ -392,12 +401,21 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
         "they are staged, so an overflow found later could not undo them); accepted: "
         "check_overflow false, or Begin without host_early"));
   }
+  if (config_.commit_each && !buffers_.empty() && options.check_overflow) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer step ", t,
+        ": check_overflow with commit_each (each NVMe-resident partition's new state lands as it "
+        "is written, so an overflow found later could not undo the ones before it); accepted: "
+        "check_overflow false (Step checks every gradient first), or a swapper without "
+        "commit_each"));
+  }
   absl::flat_hash_set<tiering::PartitionId> seen = x.seen;
   STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
                           ValidateInputs(t, inputs, options, static_cast<bool>(source), &seen));
   uint64_t copies = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr) {
+    if (parts[i]->host_state == nullptr && inputs[i].param_copy != nullptr &&
+        !config_.commit_each) {
       copies += parts[i]->elements * CopyBytes(inputs[i].copy_dtype);
     }
   }
@@ -421,7 +439,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
       (x.host_early ? early : x.host).push_back(std::move(item));
       continue;
     }
-    if (item.in.param_copy != nullptr) {
+    if (item.in.param_copy != nullptr && !config_.commit_each) {
       item.staged_copy = copy_staging_ + x.copy_used;
       x.copy_used += parts[i]->elements * CopyBytes(item.in.copy_dtype);
     }
@@ -537,12 +555,20 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     const tiering::PartitionId id = it.in.id;
     const uint64_t n = it.part->elements;
     std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
-    // Writes are staged one after another (a Batch is used by one thread at a time).
-    auto work = [this, buf, id, n, prev, b = x->batch.get()] {
+    // With commit_each, the param copy computed into this slot's copy buffer goes out once the
+    // state has landed.
+    std::byte* copy = config_.commit_each ? copy_buffers_[k % ring] : nullptr;
+    void* copy_to = copy != nullptr ? it.in.param_copy : nullptr;
+    const uint64_t copy_bytes = n * CopyBytes(it.in.copy_dtype);
+    // Writes are staged one after another (a Batch is used by one thread at a time; with
+    // commit_each, one Put at a time needs the store's room for one partition's second copy).
+    auto work = [this, buf, id, n, prev, b = x->batch.get(), copy, copy_to, copy_bytes] {
       if (prev.valid()) prev.wait();
       Emit(StepEvent::kWriteStarted, id);
       const auto w0 = Clock::now();
-      absl::Status s = b->Stage(StoreKey(id), Bytes(buf, n));
+      absl::Status s = b != nullptr ? b->Stage(StoreKey(id), Bytes(buf, n))
+                                    : store_->Put(StoreKey(id), Bytes(buf, n));
+      if (s.ok() && copy_to != nullptr) std::memcpy(copy_to, copy, copy_bytes);
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {
@@ -614,7 +640,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     c.exp_avg_sq = state + 2 * n;
     c.grad = grad;
     c.grad_dtype = it->in.grad_dtype;
-    c.param_copy = it->staged_copy;
+    c.param_copy = config_.commit_each && it->in.param_copy != nullptr ? copy_buffers_[k % ring]
+                                                                       : it->staged_copy;
     c.copy_dtype = it->in.copy_dtype;
     c.size = n;
     optim_cpu::StepOptions options = it->options;
@@ -643,6 +670,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       report.write_seconds += w.second;
       if (w.first.ok()) {
         report.bytes_written += StateBytes(items[j]->part->elements);
+        if (config_.commit_each) x->landed.push_back(items[j]->in.id);
       } else if (x->failure.ok()) {
         x->failure = w.first;
       }
@@ -661,6 +689,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
   if (txn_->batch) txn_->batch->Abort();
   std::vector<tiering::PartitionId> stepped = std::move(txn_->stepped_early);
+  stepped.insert(stepped.end(), txn_->landed.begin(), txn_->landed.end());
   txn_.reset();
   return stepped;
 }
@@ -680,15 +709,24 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   std::unique_ptr<Txn> x = std::move(txn_);
   const int64_t t = x->first_t;
   x->report.compute_seconds += x->early_compute_s;
+  // What had stepped (host_early) or landed (commit_each) stays so: a failure from here on says
+  // which, and leaves them for the caller's Abort.
+  std::vector<tiering::PartitionId> stepped = x->stepped_early;
+  stepped.insert(stepped.end(), x->landed.begin(), x->landed.end());
   if (!x->early_failure.ok()) {
-    failed_early_ = x->stepped_early;  // for the caller's Abort: they stay stepped
+    failed_early_ = stepped;  // for the caller's Abort: they stay stepped
     return Annotate(
         x->early_failure,
         absl::StrCat("optimizer step ", t, ": host-resident partitions stepping during backward: ",
-                     x->stepped_early.size(), " of them had stepped (",
-                     absl::StrJoin(x->stepped_early, ", "), "), the others had not"));
+                     stepped.size(), " of them had stepped (", absl::StrJoin(stepped, ", "),
+                     "), the others had not"));
   }
-  const std::string unchanged = absl::StrCat("optimizer step ", t, ": nothing was changed");
+  const std::string unchanged =
+      stepped.empty()
+          ? absl::StrCat("optimizer step ", t, ": nothing was changed")
+          : absl::StrCat("optimizer step ", t, ": ", stepped.size(), " partitions had stepped (",
+                         absl::StrJoin(stepped, ", "), "), the others had not");
+  failed_early_ = stepped;  // until the step commits, below
   auto abort = [&] {
     if (x->batch) x->batch->Abort();
   };
@@ -700,7 +738,10 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   };
   if (!x->failure.ok()) {
     abort();
-    return Annotate(x->failure, absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)"));
+    return Annotate(x->failure,
+                    stepped.empty()
+                        ? absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)")
+                        : unchanged);
   }
   // The host-resident partitions' gradients, before anything is committed; those from a source
   // are let go once they are no longer read, whatever the outcome.
@@ -744,6 +785,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     report.write_seconds += Since(w0);
     if (!committed.ok()) return Annotate(committed, unchanged);
   }
+  failed_early_.clear();  // committed
   // Committed: what the caller sees changes now, by steps that cannot fail. The staged param
   // copies go out, then the host-resident partitions step (their inputs were validated when they
   // were staged, so the optimizer has nothing left to refuse: an error here is a bug, reported as
@@ -776,7 +818,7 @@ absl::Status PipelinedOptimizerSwapper::BeginLoad() {
                      txn_ != nullptr ? "step is being staged" : "load is open", " (end it first)"));
   }
   loading_ = std::make_unique<Loading>();
-  if (store_ != nullptr) loading_->batch = store_->NewBatch();
+  if (store_ != nullptr && !config_.commit_each) loading_->batch = store_->NewBatch();
   return absl::OkStatus();
 }
 
@@ -809,6 +851,7 @@ absl::Status PipelinedOptimizerSwapper::Load(tiering::PartitionId id,
   std::memcpy(into + n, exp_avg.data(), n * sizeof(float));
   std::memcpy(into + 2 * n, exp_avg_sq.data(), n * sizeof(float));
   if (part->host_state != nullptr) return absl::OkStatus();
+  if (loading_->batch == nullptr) return store_->Put(StoreKey(id), Bytes(into, n));  // commit_each
   return loading_->batch->Stage(StoreKey(id), Bytes(into, n));
 }
 

@@ -17,7 +17,8 @@
 // is written while k steps, through a ring of pinned buffers (three by default, one without
 // pipelining); the gradients come from the caller's host memory.
 //
-// A step changes nothing until it commits. The new NVMe state is staged in fresh extents and
+// A step changes nothing until it commits (unless commit_each, below). The new NVMe state is staged
+// in fresh extents and
 // committed in one manifest record at the end of the step; the param copies of the NVMe-resident
 // partitions are computed into a staging buffer meanwhile. Only after the commit are the staged
 // copies copied to the callers' `param_copy` and the host-resident partitions stepped (their
@@ -91,6 +92,18 @@ struct OptimizerSwapperConfig {
   // OR-ed into each partition's id to make its key in the store, keeping the optimizer's state
   // apart from other users of the same store (the Runtime's partitions). 0: the ids themselves.
   tiering::PartitionId store_key_bits = 0;
+  // Each NVMe-resident partition's new state replaces its old one as soon as it is written (a
+  // Put of its own: the store's copy on write of that partition, synced and committed, the old
+  // extents freed), and its param copy goes to the caller's param_copy then, from a copy buffer
+  // of its ring slot; no staging buffer. So NVMe needs room for the state once plus one
+  // partition, not the step's second copy of it (strata.optimizer_commit "partition"). The price:
+  // a step cannot be dropped once a partition has landed. As with Begin's host_early, Abort and a
+  // failed Commit report the partitions that had stepped (the caller keeps their step and steps
+  // only the others when it steps again: the result is the unfailed step's, bit for bit), and an
+  // input with check_overflow is refused by Stage (Step checks every gradient before anything).
+  // Loads likewise: Load writes each NVMe-resident partition at once; AbortLoad undoes only the
+  // host-resident ones (see BeginLoad).
+  bool commit_each = false;
   // Test seam: called at each StepEvent of an NVMe-resident partition (and kStepStarted and
   // kStepFinished of a host-resident one stepping early: Begin's host_early), on the thread where
   // it happens, so a test can see how reads, steps and writes interleave. It may block to hold a
@@ -150,7 +163,7 @@ class PipelinedOptimizerSwapper {
   // the step for its arithmetic (no clipping or loss scale to learn after backward): an input with
   // check_overflow is refused, and an Abort, or a failure, leaves those that stepped stepped (Abort
   // returns them). FailedPrecondition when the swapper has NVMe-resident partitions (whose commit
-  // could fail after the host-resident ones had changed).
+  // could fail after the host-resident ones had changed), unless it commits each one (commit_each).
   absl::Status Begin(uint64_t copy_staging_bytes, bool host_early = false);
   // Where a staged input with a null `grad` gets its gradient: `get` is called on the worker
   // thread just before the partition steps (its state's read already under way), or at Commit
@@ -169,8 +182,9 @@ class PipelinedOptimizerSwapper {
   absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
                      const optim_cpu::StepOptions& options = {}, GradSource source = {});
   absl::StatusOr<StepReport> Commit();
-  // Drops the step; returns the host-resident partitions that had stepped in place (host_early),
-  // or, with no step open, those of a host_early step whose Commit failed (once).
+  // Drops the step; returns the partitions that had stepped: host-resident ones in place
+  // (host_early), NVMe-resident ones whose new state had landed (commit_each); or, with no step
+  // open, those of such a step whose Commit failed (once).
   std::vector<tiering::PartitionId> Abort();
   // With a host_early step open: waits until every host-resident partition staged so far has
   // stepped (or the stepping stopped at a failure), so that their state and param copies can be
@@ -181,7 +195,9 @@ class PipelinedOptimizerSwapper {
   // then Load each partition's master weights and moments (an NVMe-resident one is written to
   // fresh extents at once, through the ring; a host-resident one is kept aside in memory from
   // `host`), then CommitLoad (one manifest record, then the host-resident ones copied in) or
-  // AbortLoad; nothing changes before CommitLoad, and a failed CommitLoad changes nothing.
+  // AbortLoad; nothing changes before CommitLoad, and a failed CommitLoad changes nothing. With
+  // commit_each a Load writes an NVMe-resident partition's state in place of the old at once (no
+  // second copy of the state on NVMe): a load that fails part way leaves those partitions loaded.
   // FailedPrecondition while a step is staged (and Step or Begin while a load is).
   absl::Status BeginLoad();
   absl::Status Load(tiering::PartitionId id, absl::Span<const float> master,
@@ -236,10 +252,14 @@ class PipelinedOptimizerSwapper {
   absl::flat_hash_map<tiering::PartitionId, Part> parts_;
   uint64_t buffer_bytes_ = 0;
   std::vector<float*> buffers_;
+  // commit_each: one per ring buffer, as large as the largest partition's fp32 copy.
+  std::vector<std::byte*> copy_buffers_;
+  uint64_t copy_buffer_bytes_ = 0;
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;
-  // The partitions a host_early step had stepped when its Commit failed, for the next Abort.
+  // The partitions a host_early or commit_each step had stepped when its Commit failed, for the
+  // next Abort.
   std::vector<tiering::PartitionId> failed_early_;
   std::unique_ptr<Loading> loading_;
 };

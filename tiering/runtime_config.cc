@@ -317,7 +317,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
          "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
-         "optimizer_during_backward"}));
+         "optimizer_during_backward", "optimizer_commit"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -349,6 +349,16 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                                 "where strata.device is \"cuda\")"));
       }
     }
+    std::string commit = "step";
+    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "optimizer_commit", &commit));
+    if (commit != "step" && commit != "partition") {
+      return Bad(p + "optimizer_commit",
+                 absl::StrCat("\"", commit,
+                              "\": accepted: step (a second copy of the NVMe state while a step "
+                              "commits), partition (each partition's state replaced as it is "
+                              "written)"));
+    }
+    c.optimizer_commit_each = commit == "partition";
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

@@ -120,6 +120,17 @@ struct RuntimeConfig {
   // backward runs. Measured in docs/performance.md.
   std::optional<bool> optimizer_during_backward;
 
+  // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" (the
+  // default) writes all of it to fresh extents and commits it in one record after backward, so a
+  // step can be dropped (clipping, an overflow, a second backward) or fail with nothing changed,
+  // at the price of NVMe room for a second copy of the whole state; "partition" (true here)
+  // commits each partition as soon as it is written, so NVMe holds the state once plus one
+  // partition, and a step, once begun, is not dropped: it is taken during backward only where
+  // host-resident state would step then (OptimizerDuringBackward() and its conditions), else
+  // after backward, and one that fails part way keeps what had stepped and steps the rest when
+  // it is taken again.
+  bool optimizer_commit_each = false;
+
   // Whether host-resident optimizer state may step during backward: the setting, or "auto"'s
   // answer for this device.
   bool OptimizerDuringBackward() const {

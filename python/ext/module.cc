@@ -348,9 +348,10 @@ py::dict ReportDict(const swap::StepReport& report) {
 class PyRuntime {
  public:
   // `inject_write_error` (a test seam, 0 by default): every write the aio engine makes fails with
-  // that errno while the faults are armed (ArmFaults; disarmed until then).
+  // that errno while the faults are armed (ArmFaults; disarmed until then), but the first
+  // `inject_write_skip` writes made armed.
   PyRuntime(const std::string& config_json, int rank, int device_index, int workers,
-            py::object on_warning, int inject_write_error) {
+            py::object on_warning, int inject_write_error, int64_t inject_write_skip) {
     std::vector<std::string> warnings;
     tiering::RuntimeConfig config =
         Take(tiering::RuntimeConfigFromJsonText(config_json, &warnings));
@@ -363,9 +364,14 @@ class PyRuntime {
                                                     " is not accepted; accepted: 0 (none) or an "
                                                     "errno from 1 to 4095")));
     }
+    if (inject_write_skip < 0) {
+      Raise(absl::InvalidArgumentError(absl::StrCat("inject_write_skip ", inject_write_skip,
+                                                    " is not accepted; accepted: 0 or more")));
+    }
     if (inject_write_error != 0) {
       aio::FaultRule rule = aio::FaultRule::Error(inject_write_error);
       rule.only = aio::OpKind::kWrite;
+      rule.skip = static_cast<uint64_t>(inject_write_skip);
       faults_ = std::make_shared<aio::FaultInjector>(/*seed=*/1, std::vector{rule});
       faults_->Arm(false);
       options.engine_options.wrap_backend = aio::FaultInjector::ForEngine(faults_);
@@ -610,6 +616,7 @@ class PyRuntime {
   }
   uint64_t HostBudgetBytes() const { return runtime_->config().host_budget_bytes; }
   bool OptimizerDuringBackward() const { return runtime_->config().OptimizerDuringBackward(); }
+  bool OptimizerCommitEach() const { return runtime_->config().optimizer_commit_each; }
 
   // `kind`: "adam" (AdamW with adamw), "adagrad" (lr_decay, weight_decay as L2, eps) or "lion"
   // (beta1, beta2, weight_decay decoupled); `copy_dtype`: the dtype of the param copies the steps
@@ -992,9 +999,10 @@ PYBIND11_MODULE(_strata, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"), py::arg("threads") = 0);
 
   py::class_<PyRuntime>(m, "Runtime", "sched::Runtime: partitions in tiers, moved ahead of need")
-      .def(py::init<const std::string&, int, int, int, py::object, int>(), py::arg("config_json"),
-           py::arg("rank") = -1, py::arg("device_index") = -1, py::arg("workers") = 4,
-           py::arg("on_warning") = py::none(), py::arg("inject_write_error") = 0)
+      .def(py::init<const std::string&, int, int, int, py::object, int, int64_t>(),
+           py::arg("config_json"), py::arg("rank") = -1, py::arg("device_index") = -1,
+           py::arg("workers") = 4, py::arg("on_warning") = py::none(),
+           py::arg("inject_write_error") = 0, py::arg("inject_write_skip") = 0)
       .def("arm_faults", &PyRuntime::ArmFaults, py::arg("armed"))
       .def("register", &PyRuntime::Register, py::arg("id"), py::arg("role"), py::arg("dtype"),
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
@@ -1017,6 +1025,7 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("max_in_cpu", &PyRuntime::MaxInCpu)
       .def_property_readonly("host_budget_bytes", &PyRuntime::HostBudgetBytes)
       .def_property_readonly("optimizer_during_backward", &PyRuntime::OptimizerDuringBackward)
+      .def_property_readonly("optimizer_commit_each", &PyRuntime::OptimizerCommitEach)
       .def("create_optimizer", &PyRuntime::CreateOptimizer, py::arg("kind") = "adam",
            py::arg("lr") = 1e-3f, py::arg("beta1") = 0.9f, py::arg("beta2") = 0.999f,
            py::arg("eps") = 1e-8f, py::arg("weight_decay") = 0.0f, py::arg("adamw") = true,

@@ -502,6 +502,11 @@ class Engine(Lending, Gradients, Step):
         # Host-resident partitions that stepped in place during this backward before the staged
         # step was dropped (step.py): they are not stepped again.
         self._stepped_early = set()
+        # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
+        # lands as it is written, so a step once begun is not dropped (step.py).
+        self._commit_each = self.runtime.optimizer_commit_each and not self._optimizer_on_host
+        # A load that failed part way with _commit_each: what it had loaded stays (engine_state).
+        self._half_loaded = None
         self._early_held = []  # their host copies, released written after backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
@@ -870,6 +875,8 @@ class Engine(Lending, Gradients, Step):
         """Ends a micro-batch; at an accumulation boundary, the optimizer step (see the module's
         docstring) and the learning-rate schedule's step. Refused, counting nothing, when no
         backward ran since the last step()."""
+        if self._half_loaded is not None:
+            raise RuntimeError(f"step: {self._half_loaded}")
         if not self._backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")

@@ -169,6 +169,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     returns the tag's folder."""
     if engine._staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
+    if engine._half_loaded is not None:
+        raise RuntimeError(f"save_checkpoint: {engine._half_loaded}")
     if engine._stepped_early:
         raise RuntimeError(
             f"save_checkpoint: the step is half taken ({len(engine._stepped_early)} parameters "
@@ -764,9 +766,15 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
                     engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
                 engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
             engine.runtime.commit_load_optimizer_state()
-        except BaseException:
+        except BaseException as error:
             engine.runtime.abort_load_optimizer_state()
+            if engine._commit_each:  # what was written of the NVMe state stays
+                engine._half_loaded = (
+                    f"a checkpoint's load failed part way ({error}); with strata.optimizer_commit "
+                    "\"partition\" the optimizer state it had written to NVMe stays, beside the "
+                    "rest of the old state: load a checkpoint again")
             raise
+        engine._half_loaded = None
         gather = []  # across ranks: the unpartitioned parameters' shards, whole everywhere
         for e in engine._params:
             master = read(e)[0]

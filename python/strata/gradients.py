@@ -198,7 +198,7 @@ class Gradients:
             except _strata.Error as error:
                 errors.append(error)
 
-        attempt(self._end_staged, False)
+        attempt(self._end_staged, False, "the step failed" if failed else "gradients dropped")
         self._release_early_held(attempt)
         self._stepped_early.clear()
         # Their pinned memory is written to again next step: the copies end first.

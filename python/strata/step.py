@@ -49,6 +49,8 @@ class Step:
         if staged is None:
             if not always and (not self._speculate or self._redo_reason is not None):
                 return
+            if not always and self._commit_each and not self._may_step_early():
+                return  # each partition's step lands as it is taken: only where none is dropped
             early = not always and self._host_early()
             self.runtime.begin_optimizer_step(host_early=early)
             staged = self._staged = _Staged(self.loss_scale, early)
@@ -63,7 +65,8 @@ class Step:
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
-                check_overflow=self.dtype == torch.float16, weight_decay=weight_decay)
+                check_overflow=self.dtype == torch.float16 and not self._commit_each,
+                weight_decay=weight_decay)
         except _strata.Error as error:
             if always:
                 raise
@@ -91,16 +94,19 @@ class Step:
             return e.pinned_weights
         return torch.empty(e.numel, dtype=self.dtype)
 
+    def _may_step_early(self):
+        """Whether partitions may step for good as backward makes their gradients final: when
+        strata.optimizer_during_backward says they may and nothing learnt after backward can
+        change the step (no gradient clipping, no fp16 loss scale, one process), from the second
+        step on (the first shows whether the boundary micro-batch takes one backward). Dropping
+        such a step cannot undo them (_end_staged)."""
+        return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
+                and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
+
     def _host_early(self):
         """Whether the host-resident partitions step in place as backward makes their gradients
-        final, rather than after backward: when strata.optimizer_during_backward says they may,
-        the optimizer state is in host memory and nothing learnt after backward can change the
-        step (no gradient clipping, no fp16 loss scale, one process), from the second step on (the
-        first shows whether the boundary micro-batch takes one backward). Dropping such a step
-        cannot undo them (_end_staged)."""
-        return (self._optimizer_on_host and self.runtime.optimizer_during_backward
-                and self.config.clipping <= 0
-                and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
+        final, rather than after backward (_may_step_early, with the state in host memory)."""
+        return self._optimizer_on_host and self._may_step_early()
 
     def _drop_staged(self, reason):
         """The staged step cannot stand: aborted; this step is taken anew after backward. Host-
@@ -132,12 +138,14 @@ class Step:
         if early:
             # Nothing more is staged in this window: the rest step after backward.
             self._redo_reason = self._redo_reason or reason
+            how = ("strata.optimizer_commit \"partition\": each partition's new NVMe state "
+                   "replaces its old one as it is written" if self._commit_each else
+                   "strata.optimizer_during_backward: host-resident optimizer state steps "
+                   "during backward, and their new weights may already have been used by "
+                   "what ran of backward after that")
             self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
-                       "had stepped during backward with the gradients and rates known then "
-                       "(strata.optimizer_during_backward: host-resident optimizer state steps "
-                       "during backward, and their new weights may already have been used by "
-                       "what ran of backward after that): they keep that step, and the others "
-                       "step when the step is taken")
+                       f"had stepped with the gradients and rates known then ({how}): they keep "
+                       "that step, and the others step when the step is taken")
         gather = []
         sent = False  # new weights gone to a GPU from pinned memory
         failed = None  # every entry is ended; the first release that fails is raised after
@@ -265,7 +273,10 @@ class Step:
             self._reduce_gradients()
         # Across ranks in fp16 the norm is taken anyway: every rank must see an overflow that
         # any rank's shard holds, and skip the step with the others.
-        if self.config.clipping > 0 or (self.ranks is not None and self.dtype == torch.float16):
+        # Likewise with _commit_each: a partition's step lands as it is taken, so an overflow must
+        # be known before the first one.
+        if self.config.clipping > 0 or (self.dtype == torch.float16 and
+                                        (self.ranks is not None or self._commit_each)):
             norm = self._grad_norm(self.loss_scale)
             if not math.isfinite(norm):
                 self._update_scale(overflow=True)

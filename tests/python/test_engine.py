@@ -497,6 +497,91 @@ class Checkpointed(torch.nn.Module):
         return self.net.l2(h)
 
 
+def _train_steps(config, data, engine_out=None):
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    if engine_out is not None:
+        engine_out.append(engine)
+    losses = []
+    for x, y in data:
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return engine, losses
+
+
+@pytest.mark.parametrize("during, clipping", [(False, 1.0), (True, 0.0)])
+def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_path, during,
+                                                                          clipping):
+    """strata.optimizer_commit "partition": each NVMe partition's new state replaces its old one
+    as it is written; the steps are the same arithmetic as the whole step's, after backward
+    (clipping) or during it (optimizer_during_backward, no clipping)."""
+    data = list(batches(8))
+    results = []
+    for commit in ("step", "partition"):
+        config = make_config(tmp_path / commit, 3, "nvme", "fp32", accumulation=2,
+                             clipping=clipping)
+        config["strata"].update(optimizer_commit=commit, optimizer_during_backward=during)
+        engine, losses = _train_steps(config, data)
+        assert engine._commit_each == (commit == "partition")
+        results.append((losses, [w.clone() for w in engine_weights(engine)],
+                        engine.last_step_stats["optimizer"].get("staged")))
+    (losses_a, weights_a, staged_a), (losses_b, weights_b, staged_b) = results
+    assert losses_a == losses_b
+    for a, b in zip(weights_a, weights_b):
+        assert torch.equal(a, b)
+    assert staged_b == during  # staged during backward only where nothing can drop it
+
+
+@pytest.mark.parametrize("skip", [0, 2, 5])
+def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_path, monkeypatch,
+                                                                          skip):
+    """A step that fails part way with strata.optimizer_commit "partition" (the disk full after
+    `skip` writes): the partitions whose state had landed keep that step (their step counts say
+    so, and a warning how many), the others do not, and training goes on from there."""
+    import errno
+    from strata import _strata
+    made = []
+    real_runtime = _strata.Runtime
+
+    def faulty_runtime(*args, **kwargs):
+        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, inject_write_skip=skip,
+                          **kwargs)
+        made.append(rt)
+        return rt
+
+    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=1.0)
+    config["strata"]["optimizer_commit"] = "partition"
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    data = list(batches(4))
+    for x, y in data[:2]:
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert {e.steps for e in engine._params} == {2}
+    made[0].arm_faults(True)
+    x, y = data[2]
+    engine.backward(loss_of(engine(x), y))
+    warned = len(engine.warnings)
+    with pytest.raises(strata.Error, match="No space left on device"):
+        engine.step()
+    made[0].arm_faults(False)
+    landed = [e for e in engine._params if e.steps == 3]
+    assert len(landed) + sum(e.steps == 2 for e in engine._params) == len(engine._params)
+    if skip == 0:
+        assert not landed  # the first write failed
+    else:
+        assert 0 < len(landed) < len(engine._params)
+        assert any(f"after {len(landed)} parameters had stepped" in w and
+                   "optimizer_commit" in w for w in engine.warnings[warned:])
+    # The next step steps every partition once more.
+    x, y = data[3]
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    assert {e.steps for e in engine._params} == ({3} if not landed else {3, 4})
+
+
 @pytest.mark.parametrize("cpu_checkpointing", [False, True])
 def test_activation_checkpointing_trains_as_without_it(tmp_path, cpu_checkpointing):
     torch.manual_seed(0)

@@ -296,6 +296,39 @@ TEST(PlanMemoryTest, BytesPerTierAtEachStageAndOffloadChoiceMatchTheFormulas) {
   }
 }
 
+// strata.optimizer_commit "partition": NVMe holds the optimizer state once and one partition more
+// (the largest parameter's), not a second copy of the whole of it; and the state steps during
+// backward only where host-resident state would (no clipping here: it does).
+TEST(PlanMemoryTest, CommittingEachPartitionNeedsTheStateOnceAndOnePartitionOnNvme) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  const double psi = static_cast<double>(m.TotalParams());
+  const double largest = static_cast<double>(m.LargestParamParams());
+  auto nvme_state = [&](const char* commit, double clipping) {
+    const Training t = Config({{"bf16", {{"enabled", true}}},
+                               {"gradient_clipping", clipping},
+                               {"zero_optimization",
+                                {{"stage", 3},
+                                 {"offload_param", {{"device", "cpu"}}},
+                                 {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}},
+                               {"strata", {{"optimizer_commit", commit}}}});
+    auto p = PlanMemory(m, hw, t);
+    EXPECT_TRUE(p.ok()) << p.status();
+    auto time = PlanTime(m, hw, t, *p);
+    EXPECT_TRUE(time.ok()) << time.status();
+    int in_backward = 0;
+    for (const Group& g : time->model.trace.groups) {
+      in_backward += g.on_cpu && g.compute_s > 0 && g.phase == kBackward;
+    }
+    return std::make_pair(p->nvme.optimizer, in_backward);
+  };
+  EXPECT_DOUBLE_EQ(nvme_state("step", 1.0).first, 2 * 12 * psi);
+  EXPECT_DOUBLE_EQ(nvme_state("partition", 1.0).first, 12 * (psi + largest));
+  EXPECT_EQ(nvme_state("step", 1.0).second, m.layers + 1);  // staged, dropped when it clips
+  EXPECT_EQ(nvme_state("partition", 1.0).second, 0);        // after backward: it clips
+  EXPECT_EQ(nvme_state("partition", 0.0).second, m.layers + 1);
+}
+
 TEST(PlanMemoryTest, Fp32TrainingKeepsEightBytesOfStateAndAccumulatedGradientsStayInTheHost) {
   const Transformer m = Model(OneB(), 1024, 1);
   const double psi = static_cast<double>(m.TotalParams());
@@ -595,6 +628,20 @@ TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {
   tiny.erase("nvme");
   auto none = Suggest(Model(l13, 2048, 1), *HardwareFromJson(tiny), base);
   EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(none.status().message(), HasSubstr("both strata.optimizer_commit modes"));
+  // 64 GiB of host memory leaves Adam's state (156 GB) to NVMe, and 0.25 TB of NVMe holds it once
+  // but not twice: the suggestion commits each partition, and says so in its config.
+  Json small_disk = A100();
+  small_disk["host"]["ram_gib"] = 64;
+  small_disk["nvme"]["drives"] = 1;
+  small_disk["nvme"]["capacity_tb"] = 0.25;
+  auto each = Suggest(Model(l13, 2048, 1), *HardwareFromJson(small_disk), base);
+  ASSERT_TRUE(each.ok()) << each.status();
+  EXPECT_EQ(each->training.runtime.offload_optimizer.device, tiering::OffloadDevice::kNvme);
+  EXPECT_TRUE(each->training.runtime.optimizer_commit_each);
+  EXPECT_EQ(SuggestionConfig(*each)["strata"]["optimizer_commit"], "partition");
+  // Where the state fits twice, the default commit stays.
+  EXPECT_FALSE(big->training.runtime.optimizer_commit_each);
 }
 
 }  // namespace

@@ -206,7 +206,7 @@ struct Fixture {
   Reference ref;
 
   explicit Fixture(OptimizerSwapperConfig config, Parts parts_in = kParts,
-                   uint32_t block_size = 64 << 10)
+                   uint32_t block_size = 64 << 10, uint64_t store_capacity = 32 << 20)
       : parts(std::move(parts_in)) {
     aio::AioConfig ac;
     ac.block_size = block_size;
@@ -218,7 +218,7 @@ struct Fixture {
     };
     engine = *aio::Engine::Create(ac, eo);
     tiering::NvmeStoreOptions so;
-    so.capacity_bytes = 32 << 20;
+    so.capacity_bytes = store_capacity;
     so.on_warning = [](absl::string_view) {};
     store = *tiering::NvmeStore::Open(dir.File("swap"), so, engine.get());
     optim_cpu::AdamConfig adam_config;
@@ -1054,6 +1054,152 @@ TEST(SwapperTransactionTest, HostEarlyMisuseIsRefused) {
   EXPECT_THAT(s.message(), HasSubstr("check_overflow"));
   EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
   f.ExpectMatchesReference();  // nothing stepped
+}
+
+OptimizerSwapperConfig CommitEach(bool pipelined, uint64_t max_in_cpu) {
+  OptimizerSwapperConfig c{pipelined, pipelined, max_in_cpu};
+  c.commit_each = true;
+  return c;
+}
+
+// commit_each: a store with room for the state once and one partition more steps (bitwise the
+// step in memory, param copies included), where the whole step's second copy does not fit.
+TEST(SwapperCommitEachTest, StepsInAStoreWithRoomForOnePartitionMoreThanTheState) {
+  auto aligned = [](uint64_t n) { return (n * 12 + 4095) / 4096 * 4096; };
+  uint64_t state = 0, largest = 0;
+  for (const auto& [id, n] : kParts) {
+    state += aligned(n);
+    largest = std::max(largest, aligned(n));
+  }
+  for (bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "serial");
+    Fixture f(CommitEach(pipelined, 0), kParts, 64 << 10, state + largest);
+    for (int64_t t = 1; t <= 3; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      auto r = f.swapper->Step(t, f.Inputs());
+      ASSERT_TRUE(r.ok()) << r.status();
+      f.StepReference(t);
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+    EXPECT_EQ(f.swapper->copy_staging_bytes(), 0u);  // the copies go out from the ring
+  }
+  // The same store without commit_each: the step's second copy does not fit.
+  Fixture whole({true, true, 0}, kParts, 64 << 10, state + largest);
+  whole.NewGrads(1);
+  auto r = whole.swapper->Step(1, whole.Inputs());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  whole.ExpectMastersStepped(0, whole.ref);
+}
+
+// commit_each: partition 13's write fails after 12's landed. 12 keeps its step (state and param
+// copy), the others do not; Commit and then Abort say which; stepping the rest gives the bits of
+// a step that never failed. Host-resident partitions (10, 11, 14) step at Commit: not reached.
+TEST(SwapperCommitEachTest, AWriteThatFailsLeavesWhatLandedAndTheRestStepAfter) {
+  for (bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "serial");
+    Fixture f(CommitEach(pipelined, 220000));
+    ASSERT_TRUE(f.swapper->on_nvme(12) && f.swapper->on_nvme(13) && !f.swapper->on_nvme(10));
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    const Reference before = f.ref;
+    const auto copies_before = f.copies;
+    f.NewGrads(2);
+    f.StepReference(2);
+    f.trace->Clear();  // step 1's events: the fault fires at 13's first write of step 2 (once)
+    f.trace->SetFault([](const Entry& op, const std::vector<Entry>& seen) {
+      return op.kind == aio::OpKind::kWrite && op.data_file &&
+                     Any(seen, StepEvent::kWriteStarted, 13)
+                 ? ENOSPC
+                 : 0;
+    });
+    auto failed = f.swapper->Step(2, f.Inputs());
+    f.trace->SetFault(nullptr);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(StatusErrno(failed.status()), ENOSPC) << failed.status();
+    EXPECT_THAT(failed.status().message(), HasSubstr("1 partitions had stepped (12)"));
+    EXPECT_THAT(f.swapper->Abort(), ::testing::ElementsAre(12));
+    EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());  // said once
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      const bool landed = f.parts[i].first == 12;
+      const Reference& want = landed ? f.ref : before;
+      const auto [p, m, v] = f.Read(i);
+      EXPECT_EQ(0, std::memcmp(p.data(), want.p[i].data(), p.size() * 4)) << f.parts[i].first;
+      EXPECT_EQ(0, std::memcmp(v.data(), want.v[i].data(), v.size() * 4)) << f.parts[i].first;
+      EXPECT_EQ(f.copies[i], landed ? f.ref.copy[i] : copies_before[i]) << f.parts[i].first;
+    }
+    auto corrupt = f.store->Verify();
+    ASSERT_TRUE(corrupt.ok()) << corrupt.status();
+    EXPECT_TRUE(corrupt->empty());
+    // The caller steps the others; together, the step that never failed.
+    std::vector<StepInput> rest;
+    for (const StepInput& in : f.Inputs()) {
+      if (in.id != 12) rest.push_back(in);
+    }
+    ASSERT_TRUE(f.swapper->Step(2, rest).ok());
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// commit_each: an overflow could not be undone once a partition landed, so Stage refuses
+// check_overflow (Step checks every gradient first); host_early goes with NVMe-resident
+// partitions; Abort reports what had landed.
+TEST(SwapperCommitEachTest, CheckOverflowIsRefusedAndHostEarlyIsAcceptedWithNvmeState) {
+  Fixture f(CommitEach(true, 220000));
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  absl::Status s = f.swapper->Stage(1, f.Inputs(), {.check_overflow = true});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("check_overflow with commit_each"));
+  EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+  f.ExpectMastersStepped(0, f.ref);
+  // Step's own check: an inf in the last gradient skips the step, nothing landed.
+  f.grads.back()[0] = std::numeric_limits<float>::infinity();
+  auto r = f.swapper->Step(1, f.Inputs(), {.check_overflow = true});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->overflow);
+  f.ExpectMastersStepped(0, f.ref);
+  f.NewGrads(1);
+  const Reference before = f.ref;
+  f.StepReference(1);
+  ASSERT_TRUE(f.swapper->Begin(0, /*host_early=*/true).ok());
+  std::vector<StepInput> in = f.Inputs();
+  ASSERT_TRUE(f.swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 3)).ok());  // 10, 11, 12
+  f.trace->WaitUntil(
+      [&](const std::vector<Entry>& x) {
+        return Any(x, StepEvent::kStepFinished, 10) && Any(x, StepEvent::kStepFinished, 11) &&
+               Any(x, StepEvent::kStepFinished, 12);
+      },
+      "10, 11 and 12 stepped");  // 12's write is under way: Abort waits for it
+  EXPECT_THAT(f.swapper->Abort(), ::testing::UnorderedElementsAre(10, 11, 12));
+  f.ExpectMastersStepped(3, before);
+}
+
+// commit_each: a load writes each NVMe-resident partition at once; one that fails part way leaves
+// those written, and a second load puts everything right.
+TEST(SwapperCommitEachTest, ALoadWritesEachPartitionAsItComes) {
+  Fixture f(CommitEach(true, 0));
+  f.NewGrads(1);
+  f.StepReference(1);  // the state to load: the reference's after one step
+  auto load = [&](size_t upto) {
+    EXPECT_TRUE(f.swapper->BeginLoad().ok());
+    for (size_t i = 0; i < upto; ++i) {
+      EXPECT_TRUE(f.swapper->Load(f.parts[i].first, f.ref.p[i], f.ref.m[i], f.ref.v[i]).ok());
+    }
+  };
+  Fixture fresh(CommitEach(true, 0));  // the initial state, to compare with
+  load(2);
+  f.swapper->AbortLoad();
+  for (size_t i = 0; i < f.parts.size(); ++i) {
+    const auto got = f.Read(i)[0];
+    const auto& want = i < 2 ? f.ref.p[i] : fresh.ref.p[i];
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * 4)) << f.parts[i].first;
+  }
+  load(f.parts.size());
+  ASSERT_TRUE(f.swapper->CommitLoad().ok());
+  f.ExpectMatchesReference();
 }
 
 TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {

@@ -210,6 +210,25 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsGlibcsOwnUnlessSet) {
               HasSubstr("malloc_mmap_threshold_bytes"));
 }
 
+TEST(RuntimeConfigTest, OptimizerCommitIsStepOrPartition) {
+  EXPECT_FALSE(RuntimeConfig().optimizer_commit_each);
+  auto step = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "step"}})");
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->optimizer_commit_each);
+  auto partition = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "partition"}})");
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  EXPECT_TRUE(partition->optimizer_commit_each);
+  for (const char* bad : {R"({"strata": {"optimizer_commit": "layer"}})",
+                          R"({"strata": {"optimizer_commit": true}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                HasSubstr("strata.optimizer_commit"))
+        << bad;
+  }
+  EXPECT_THAT(
+      RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "layer"}})").status().message(),
+      AllOf(HasSubstr("step"), HasSubstr("partition")));
+}
+
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
   EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
   EXPECT_EQ(RuntimeConfig().copy_streams, 1);
