@@ -170,11 +170,16 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 original.__func__(cls, **kwargs)
             if context() is not None:
                 context()._wrap(cls)
+                if _is_pretrained_model_base(cls):  # transformers' modeling code loaded now
+                    context()._wrap_initialization(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._patched.append((torch.nn.Module, "__init_subclass__", original))
+        # transformers' post_init writes the partitions (_LentForInit): its PreTrainedModel now
+        # when its modeling code is loaded, else as the class is made (init_subclass above:
+        # transformers loads it on a model class's first use, which may be inside the context).
         modeling = sys.modules.get("transformers.modeling_utils")
-        if modeling is not None:  # transformers' post_init writes the partitions (_LentForInit)
+        if modeling is not None:
             self._wrap_initialization(modeling.PreTrainedModel)
 
     def _wrap_initialization(self, cls):
@@ -267,6 +272,13 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.
             weakref.finalize(p, _forget, weakref.ref(self), pid)
+
+
+def _is_pretrained_model_base(cls):
+    """Whether `cls` is transformers' PreTrainedModel itself (whose _initialize_weights every
+    model's post_init runs)."""
+    return cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils" \
+        and "_initialize_weights" in cls.__dict__
 
 
 class _LentForInit(torch.overrides.TorchFunctionMode):

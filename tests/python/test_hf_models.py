@@ -9,6 +9,9 @@ is the host-emulated one: at stage 3 its budget is set below the model's paramet
 step lends them through it, and each case checks that it did.
 """
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -384,3 +387,43 @@ def test_a_device_budget_without_room_for_a_checkpointed_block_names_what_it_len
             engine.backward(engine(**kwargs).loss)
             engine.step()
     assert raised.value.code == "RESOURCE_EXHAUSTED"
+
+
+@pytest.mark.parametrize("imported", ["before", "inside"])
+def test_strata_init_initializes_a_transformers_model_whose_modeling_code_loads_late(tmp_path,
+                                                                                     imported):
+    # transformers loads its modeling code on first use: a model class named first inside the
+    # context ("before": `import transformers` only; "inside": not even that) is built under
+    # strata.init and initialized as transformers does, not refused by the placeholders.
+    code = f"""
+import sys, torch
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+{"import transformers" if imported == "before" else ""}
+import strata
+assert "transformers.modeling_utils" not in sys.modules
+config = {{"train_micro_batch_size_per_gpu": 2, "optimizer": {{"type": "AdamW"}},
+          "zero_optimization": {{"stage": 3, "offload_optimizer": {{"device": "cpu"}},
+          "stage3_param_persistence_threshold": 10}},
+          "strata": {{"device": "emulated", "host_budget_bytes": 64 << 20,
+                     "device_budget_bytes": 64 << 20}}}}
+torch.manual_seed(0)
+with strata.init(config=config):
+    import transformers
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16))
+engine, _, _, _ = strata.initialize(model=model, config=config)
+torch.manual_seed(0)
+plain = transformers.LlamaForCausalLM(model.config)
+ours = engine.module_state_dict()
+for key, value in plain.state_dict().items():
+    assert torch.equal(ours[key], value), key
+x = torch.randint(0, 64, (2, 8))
+engine.backward(engine(input_ids=x, labels=x).loss)
+engine.step()
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
