@@ -214,8 +214,8 @@ def main():
     parser.add_argument("--variants", default="",
                         help="more strata configurations measured in each round beside the "
                              "first, comma-separated THREADS/STREAMS[/DURING] (optimizer "
-                             "threads, copy streams, 1: optimizer_during_backward), e.g. "
-                             "14/1,14/2/1")
+                             "threads, copy streams, DURING 1 or 0: optimizer_during_backward "
+                             "on or off, left out: auto), e.g. 14/1,14/2/1")
     parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
                                        "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
@@ -233,14 +233,14 @@ def main():
     try:
         variants = [tuple(int(v) for v in spec.split("/")) for spec in args.variants.split(",")
                     if spec]
-        variants = [v if len(v) == 3 else v + (0,) for v in variants]
-        if any(len(v) != 3 or v[0] < 0 or v[1] not in (1, 2) or v[2] not in (0, 1)
+        variants = [v if len(v) == 3 else v + (-1,) for v in variants]  # DURING left: auto
+        if any(len(v) != 3 or v[0] < 0 or v[1] not in (1, 2) or v[2] not in (-1, 0, 1)
                for v in variants):
             raise ValueError
     except ValueError:
         sys.exit(f"train_step: --variants {args.variants!r}: accepted: comma-separated "
                  "THREADS/STREAMS[/DURING], THREADS 0 or more, STREAMS 1 or 2, DURING 0 or 1 "
-                 "(e.g. 14/1,14/2/1)")
+                 "(left out: auto) (e.g. 14/1,14/2/1)")
     during_arg = {"auto": "auto", "true": True, "false": False}[args.during_backward]
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -363,10 +363,12 @@ def main():
         variant_s = {}
         for threads, streams, during in variants:
             name = f"{threads}/{streams}/{during}"
-            variant_s[name], _ = measure(threads, streams, bool(during), False)
+            variant_s[name], _ = measure(threads, streams,
+                                         "auto" if during < 0 else bool(during), False)
             print(f"round {round_index}: strata with {threads or 'the default count of'} optimizer "
                   f"threads, {streams} copy stream{'s' if streams > 1 else ''}, the optimizer "
-                  f"{'during' if during else 'after'} backward: {variant_s[name] * 1e3:.0f} ms")
+                  f"{['as auto says', 'after', 'during'][during + 1]} backward: "
+                  f"{variant_s[name] * 1e3:.0f} ms")
 
         bound_s = max(compute_s, adam_s, io_s, link_s)
         rows.append({"compute_s": compute_s, "adam_s": adam_s, "io_s": io_s, "link_s": link_s,

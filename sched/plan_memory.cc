@@ -110,11 +110,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   MemoryPlan p;
   // Parameters homed on NVMe: the Runtime keeps their host copies while they are within
   // offload_param.max_in_cpu and twice their copies fit half the host budget (the front's
-  // _params_in_cpu); otherwise the step takes their new weights from the master weights.
+  // _params_in_cpu); otherwise the step takes their new weights from the master weights. The
+  // host budget: the config's, else (as the replay takes it) the machine's memory.
   const bool nvme_params = rc.zero_stage >= 3 && param_to == OffloadDevice::kNvme;
+  const double host_budget =
+      t.host_budget ? static_cast<double>(*t.host_budget) : static_cast<double>(hw.host_bytes);
   const bool params_kept_in_host =
       nvme_params && psi - small <= static_cast<double>(rc.offload_param.max_in_cpu) &&
-      2 * d * (psi - small) <= static_cast<double>(rc.host_budget_bytes) / 2;
+      2 * d * (psi - small) <= host_budget / 2;
   p.weights_from_master = nvme_params && !params_kept_in_host;
 
   // Optimizer state.
@@ -124,16 +127,16 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     p.host.optimizer = opt_per_param * psi;
   } else {
     // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
-    // before the old is given up; with strata.optimizer_commit "partition", of one partition),
-    // a ring of buffers for the largest partition (one parameter),
+    // before the old is given up), a ring of buffers for the largest partition (one parameter),
     // and a copy in the training dtype of the new weights the step stages in the host: every
     // parameter's, or with their weights taken from the master weights only the small ones the
-    // front does not partition.
-    p.nvme.optimizer =
-        rc.optimizer_commit_each ? opt_per_param * (psi + largest) : 2 * opt_per_param * psi;
-    p.host.params += d * (p.weights_from_master ? small : psi);
-    p.host.staging +=
-        n * static_cast<double>(rc.offload_optimizer.buffer_count) * opt_per_param * largest;
+    // front does not partition. With strata.optimizer_commit "partition": the second copy of one
+    // partition, and no staged copies but an fp32 copy buffer beside each ring buffer.
+    const bool each = rc.optimizer_commit_each;
+    p.nvme.optimizer = each ? opt_per_param * (psi + largest) : 2 * opt_per_param * psi;
+    if (!each) p.host.params += d * (p.weights_from_master ? small : psi);
+    p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
+                      (opt_per_param + (each ? 4 : 0)) * largest;
   }
 
   // Parameters.
@@ -147,7 +150,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     } else {
       p.device.params = d * std::min(psi, live + small);
       if (param_to == OffloadDevice::kCpu) {
-        p.host.params = d * psi;
+        p.host.params += d * psi;  // beside the NVMe optimizer's staged copies, if any
       } else {
         p.nvme.params = d * psi;
         if (params_kept_in_host) p.host.params += d * psi;

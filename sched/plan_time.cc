@@ -324,7 +324,8 @@ nlohmann::json SuggestionConfig(const Suggestion& s) {
               {"gradient_accumulation_steps", s.training.gradient_accumulation},
               {"zero_optimization", zero},
               {"strata",
-               {{"device_budget_bytes", s.time.model.budgets.device},
+               {{"device", "cuda"},  // the planner's machine has GPUs
+                {"device_budget_bytes", s.time.model.budgets.device},
                 {"host_budget_bytes", s.time.model.budgets.host}}}};
   if (rc.optimizer_commit_each) out["strata"]["optimizer_commit"] = "partition";
   if (s.training.dtype_bytes == 2) out[s.training.fp16 ? "fp16" : "bf16"] = {{"enabled", true}};

@@ -724,7 +724,8 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   const std::string unchanged =
       stepped.empty()
           ? absl::StrCat("optimizer step ", t, ": nothing was changed")
-          : absl::StrCat("optimizer step ", t, ": ", stepped.size(), " partitions had stepped (",
+          : absl::StrCat("optimizer step ", t, ": ", stepped.size(),
+                         stepped.size() == 1 ? " partition had" : " partitions had", " stepped (",
                          absl::StrJoin(stepped, ", "), "), the others had not");
   failed_early_ = stepped;  // until the step commits, below
   auto abort = [&] {

@@ -350,7 +350,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       }
     }
     std::string commit = "step";
-    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "optimizer_commit", &commit));
+    if (auto it = s->find("optimizer_commit"); it != s->end()) {
+      commit = it->is_string() ? it->get<std::string>() : it->dump();
+    }
     if (commit != "step" && commit != "partition") {
       return Bad(p + "optimizer_commit",
                  absl::StrCat("\"", commit,
@@ -359,6 +361,12 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                               "written)"));
     }
     c.optimizer_commit_each = commit == "partition";
+    if (c.optimizer_commit_each && c.offload_optimizer.device != OffloadDevice::kNvme) {
+      warn(absl::StrCat(p,
+                        "optimizer_commit: \"partition\" is for optimizer state on NVMe "
+                        "(offload_optimizer.device \"nvme\"); host-resident state steps in "
+                        "place, so it does nothing here"));
+    }
     if (c.eviction_policy != "trace" && c.eviction_policy != "lru") {
       return Bad(p + "eviction_policy",
                  absl::StrCat("\"", c.eviction_policy, "\": accepted: lru, trace"));

@@ -102,8 +102,9 @@ struct RuntimeConfig {
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;
-  // The CPU optimizer's threads (0: one per core, each bound to its core; when the optimizer steps
-  // during backward, all but two cores: OptimizerThreads()). On a GPU the trainer's thread queues
+  // The CPU optimizer's threads (0: one per core, each bound to its core; all but two cores when
+  // optimizer_during_backward is on, whether or not a given step then overlaps backward (the
+  // pool is made once): OptimizerThreads()). On a GPU the trainer's thread queues
   // the kernels and the Runtime's workers queue the copies: an optimizer on every core competes
   // with both while it steps during backward.
   int64_t optimizer_threads = 0;
@@ -138,7 +139,7 @@ struct RuntimeConfig {
   }
   // The CPU optimizer's threads for a machine of `cores` cores: optimizer_threads, or when that
   // is 0, one per core, all but two (left to the trainer's and the copies' threads, at least one)
-  // where the optimizer steps during backward.
+  // where OptimizerDuringBackward() says the optimizer may step during backward.
   int OptimizerThreads(int cores) const;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }

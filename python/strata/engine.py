@@ -36,7 +36,8 @@ take: no clipping scales it (the global norm of the host gradients under gradien
 learning rate and loss scale are the ones it was staged with, and no gradient changed after it was
 staged. Otherwise it is dropped and the step taken anew after backward (redone_steps counts them;
 staging pauses after a step that clipping scaled), so the result always equals the unoverlapped
-step. Stages 0-2 step after backward. Either way the commit changes everything or nothing: the
+step. Stages 0-2 step after backward. Either way the commit changes everything or nothing (but
+with strata.optimizer_commit "partition", below): the
 optimizer steps each partition with grad_scale = clip / loss_scale, writing the new weights in the
 training dtype into the parameter's host copy (stage 3) or the device tensor, and the gradients
 are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overflow after
@@ -44,7 +45,10 @@ are discarded. fp16 with dynamic loss scaling (DeepSpeed's rule: halve on overfl
 skips a step whose gradients overflowed, changing nothing else. A step that fails (a disk that
 fills while the optimizer state is written) raises strata.Error and changes nothing: the weights
 and the optimizer state stay the previous step's (the NVMe state commits whole or not at all), and
-that step's gradients are dropped. The optimizer's accesses are out of the Runtime's trace, so the
+that step's gradients are dropped. With strata.optimizer_commit "partition" each NVMe partition's
+new state commits as it is written: a step that fails part way leaves the partitions that had
+landed stepped (a warning says how many; each keeps its own step count), and the others step at
+the next step. The optimizer's accesses are out of the Runtime's trace, so the
 plan for forward and backward holds whatever the step did.
 
 Without a GPU the device tier is the host-emulated one (strata.device "emulated", the default)
@@ -505,6 +509,11 @@ class Engine(Lending, Gradients, Step):
         # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
         # lands as it is written, so a step once begun is not dropped (step.py).
         self._commit_each = self.runtime.optimizer_commit_each and not self._optimizer_on_host
+        if self._commit_each and self.ranks is not None:
+            raise ValueError(
+                "strata.optimizer_commit \"partition\" across ranks: a step that failed part "
+                "way on one rank would leave its shards stepped and the others' not; accepted: "
+                "\"step\" (the default) in a job of several processes")
         # A load that failed part way with _commit_each: what it had loaded stays (engine_state).
         self._half_loaded = None
         self._early_held = []  # their host copies, released written after backward

@@ -53,6 +53,7 @@ Thread safety: the engine's (one thread).
 """
 
 import concurrent.futures
+import contextlib
 import copy
 import hashlib
 import json
@@ -736,6 +737,28 @@ def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_
     return path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler
 
 
+@contextlib.contextmanager
+def loading_optimizer_state(engine, what, whole):
+    """The optimizer state's load (Runtime.begin_load_optimizer_state .. commit or abort), as the
+    body loads it. With strata.optimizer_commit "partition" each NVMe partition is written as it
+    is loaded, so a load that fails part way leaves those: the engine then refuses to stage, step
+    or save until a load of the `whole` state succeeds (engine._half_loaded says why)."""
+    engine.runtime.begin_load_optimizer_state()
+    try:
+        yield
+        engine.runtime.commit_load_optimizer_state()
+    except BaseException as error:
+        engine.runtime.abort_load_optimizer_state()
+        if engine._commit_each:  # what was written of the NVMe state stays
+            engine._half_loaded = (
+                f"{what} failed part way ({error}); with strata.optimizer_commit \"partition\" "
+                "the optimizer state it had written to NVMe stays, beside the rest of the old "
+                "state: load a checkpoint (its optimizer state whole) again")
+        raise
+    if whole:
+        engine._half_loaded = None
+
+
 def _apply_load(engine, checked, load_module_only, load_optimizer_states):
     """The checked load applied (see load)."""
     path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler = checked
@@ -757,24 +780,14 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
 
         # The optimizer's state, all or none: the checkpoint's, or (module only) the current
         # moments under the checkpoint's master weights, so the next step goes on from them.
-        engine.runtime.begin_load_optimizer_state()
-        try:
+        with loading_optimizer_state(engine, "a checkpoint's load",
+                                     whole=not module_only):
             for e in engine._params:
                 master, exp_avg, exp_avg_sq = read(e)
                 if module_only:
                     _, exp_avg, exp_avg_sq = (torch.empty(e.shard) for _ in range(3))
                     engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
                 engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
-            engine.runtime.commit_load_optimizer_state()
-        except BaseException as error:
-            engine.runtime.abort_load_optimizer_state()
-            if engine._commit_each:  # what was written of the NVMe state stays
-                engine._half_loaded = (
-                    f"a checkpoint's load failed part way ({error}); with strata.optimizer_commit "
-                    "\"partition\" the optimizer state it had written to NVMe stays, beside the "
-                    "rest of the old state: load a checkpoint again")
-            raise
-        engine._half_loaded = None
         gather = []  # across ranks: the unpartitioned parameters' shards, whole everywhere
         for e in engine._params:
             master = read(e)[0]

@@ -268,17 +268,13 @@ def load(engine, source, strict=True):
         of a partition; otherwise (and an unpartitioned parameter's weights) all of it."""
         return whole if engine.ranks is None else engine.ranks.own_shard(whole, e.shard)
 
-    engine.runtime.begin_load_optimizer_state()
-    try:
+    with engine_state.loading_optimizer_state(engine, "load_pretrained",
+                                              whole=len(loaded) == len(engine._params)):
         for e in loaded:
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
                           .contiguous())
             first = torch.full_like(master, engine._initial_state)
             engine.runtime.load_optimizer_state(e.gid, master, first, torch.zeros_like(master))
-        engine.runtime.commit_load_optimizer_state()
-    except BaseException:
-        engine.runtime.abort_load_optimizer_state()
-        raise
     for e in loaded:
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
         engine_state._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)

@@ -1,8 +1,10 @@
 """The optimizer step: staged during backward (each partitioned parameter's step as its gradient
 is final, speculatively with no clipping and no overflow) and committed after it when that was the
 step to take, else dropped and taken anew (clipping by the global norm, the fp16 loss scale and
-overflow exact); the commit changes everything or nothing, and the new weights reach the
-parameters (their host copies, or read back from the master weights when homed on NVMe).
+overflow exact); the commit changes everything or nothing (with strata.optimizer_commit
+"partition", each NVMe partition commits as it is written, so the step is staged during backward
+only where nothing can drop it), and the new weights reach the parameters (their host copies, or
+read back from the master weights when homed on NVMe).
 docs/engine.md says why the staged step is exact.
 
 `Step` is a mixin of strata.engine.Engine. Thread safety: the engine's (one thread).
@@ -44,6 +46,8 @@ class Step:
         from the committed master weights instead, one at a time: _refresh_weights); another's are
         given (`grad`). Without `always`, nothing is staged while staging is paused."""
         if e in self._stepped_early:  # it stepped during a backward whose step was dropped
+            return
+        if self._half_loaded is not None:  # step() refuses; nothing may land meanwhile
             return
         staged = self._staged
         if staged is None:

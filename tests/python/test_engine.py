@@ -582,6 +582,72 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     assert {e.steps for e in engine._params} == ({3} if not landed else {3, 4})
 
 
+def _optimizer_state(engine):
+    out = []
+    for e in engine._params:
+        m, a, v = torch.empty(e.shard), torch.empty(e.shard), torch.empty(e.shard)
+        engine.runtime.read_optimizer_state(e.gid, m, a, v)
+        out.append(torch.cat([m, a, v]))
+    return out
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "pretrained"])
+def test_optimizer_commit_partition_a_load_that_fails_part_way_is_refused_until_one_succeeds(
+        tmp_path, monkeypatch, how):
+    """strata.optimizer_commit "partition": a load of the optimizer state (load_checkpoint,
+    load_pretrained) that fails after some partitions were written leaves them so: the engine then
+    stages nothing during backward (nothing lands on the mixed state), refuses step() and
+    save_checkpoint naming why, and a whole load puts it right."""
+    import errno
+    from strata import _strata
+    made = []
+    real_runtime = _strata.Runtime
+
+    def faulty_runtime(*args, **kwargs):
+        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, inject_write_skip=2, **kwargs)
+        made.append(rt)
+        return rt
+
+    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
+    config["strata"].update(optimizer_commit="partition", optimizer_during_backward=True)
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    data = list(batches(6))
+    for x, y in data[:2]:
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    x, y = data[2]
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    torch.manual_seed(123)
+    other = Net().state_dict()
+    made[0].arm_faults(True)
+    with pytest.raises(strata.Error, match="No space left on device"):
+        if how == "checkpoint":
+            engine.load_checkpoint(tmp_path / "ckpt")
+        else:
+            engine.load_pretrained(other)
+    made[0].arm_faults(False)
+    assert "failed part way" in engine._half_loaded
+    before = _optimizer_state(engine)
+    x, y = data[3]
+    engine.backward(loss_of(engine(x), y))
+    assert engine._staged is None  # nothing staged, so nothing landed during backward
+    for b, a in zip(before, _optimizer_state(engine)):
+        assert torch.equal(b, a)
+    with pytest.raises(RuntimeError, match="step: .*failed part way"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="save_checkpoint: .*failed part way"):
+        engine.save_checkpoint(tmp_path / "again")
+    engine.load_checkpoint(tmp_path / "ckpt")  # whole: training goes on
+    assert engine._half_loaded is None
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 3
+
+
 @pytest.mark.parametrize("cpu_checkpointing", [False, True])
 def test_activation_checkpointing_trains_as_without_it(tmp_path, cpu_checkpointing):
     torch.manual_seed(0)

@@ -708,3 +708,21 @@ def test_a_rank_that_dies_once_the_checkpoint_is_whole_is_told_of_as_such(tmp_pa
                             "latest names it, but the other ranks could not be told"), error
     assert (tmp_path / "ckpt" / "latest").read_text() == "second"
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["first", "latest", "second"]
+
+
+def test_optimizer_commit_partition_across_ranks_is_refused_naming_what_is_accepted(tmp_path):
+    # A step that failed part way on one rank would leave its shards stepped and the others' not.
+    script = SMALL.replace(
+        '"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},',
+        '"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10, '
+        f'"offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}, '
+        '"offload_param": {"buffer_count": 2, "buffer_size": 65536}}, '
+        '"aio": {"block_size": 65536},').replace(
+        '"comm_timeout_s": 20}', '"comm_timeout_s": 20, "optimizer_commit": "partition"}')
+    assert "optimizer_commit" in script and "nvme_path" in script
+    procs = start_ranks(2, script, (2,))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert 'strata.optimizer_commit "partition" across ranks' in err and \
+            'accepted: "step"' in err, err[-2000:]

@@ -304,6 +304,7 @@ TEST(PlanMemoryTest, CommittingEachPartitionNeedsTheStateOnceAndOnePartitionOnNv
   const Hardware hw = *HardwareFromJson(A100());
   const double psi = static_cast<double>(m.TotalParams());
   const double largest = static_cast<double>(m.LargestParamParams());
+  Bytes host;  // the last plan's host row
   auto nvme_state = [&](const char* commit, double clipping) {
     const Training t = Config({{"bf16", {{"enabled", true}}},
                                {"gradient_clipping", clipping},
@@ -320,10 +321,17 @@ TEST(PlanMemoryTest, CommittingEachPartitionNeedsTheStateOnceAndOnePartitionOnNv
     for (const Group& g : time->model.trace.groups) {
       in_backward += g.on_cpu && g.compute_s > 0 && g.phase == kBackward;
     }
+    host = p->host;
     return std::make_pair(p->nvme.optimizer, in_backward);
   };
   EXPECT_DOUBLE_EQ(nvme_state("step", 1.0).first, 2 * 12 * psi);
+  // The parameters' host copies (offload_param cpu) and the step's staged new weights.
+  EXPECT_DOUBLE_EQ(host.params, 2 * psi + 2 * psi);
+  EXPECT_DOUBLE_EQ(host.staging, 4 * 12 * largest);
   EXPECT_DOUBLE_EQ(nvme_state("partition", 1.0).first, 12 * (psi + largest));
+  // No staged copies: each goes out from the ring's copy buffer (fp32-sized) as it lands.
+  EXPECT_DOUBLE_EQ(host.params, 2 * psi);
+  EXPECT_DOUBLE_EQ(host.staging, 4 * (12 + 4) * largest);
   EXPECT_EQ(nvme_state("step", 1.0).second, m.layers + 1);  // staged, dropped when it clips
   EXPECT_EQ(nvme_state("partition", 1.0).second, 0);        // after backward: it clips
   EXPECT_EQ(nvme_state("partition", 0.0).second, m.layers + 1);
@@ -614,7 +622,10 @@ TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {
   EXPECT_FALSE(big->memory.overflow);
   // The block reads back as a config that plans the same.
   const Json block = SuggestionConfig(*big);
+  // A GPU's config (strata.device "cuda"): the optimizer during backward ("auto") as planned.
+  EXPECT_EQ(block["strata"]["device"], "cuda");
   Training again = Config(block);
+  EXPECT_TRUE(again.runtime.OptimizerDuringBackward());
   again.activation_checkpointing = big->training.activation_checkpointing;
   EXPECT_EQ(again.runtime.zero_stage, big->training.runtime.zero_stage);
   EXPECT_EQ(again.micro_batch, big->training.micro_batch);

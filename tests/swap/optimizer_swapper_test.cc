@@ -1118,7 +1118,7 @@ TEST(SwapperCommitEachTest, AWriteThatFailsLeavesWhatLandedAndTheRestStepAfter) 
     f.trace->SetFault(nullptr);
     ASSERT_FALSE(failed.ok());
     EXPECT_EQ(StatusErrno(failed.status()), ENOSPC) << failed.status();
-    EXPECT_THAT(failed.status().message(), HasSubstr("1 partitions had stepped (12)"));
+    EXPECT_THAT(failed.status().message(), HasSubstr("1 partition had stepped (12)"));
     EXPECT_THAT(f.swapper->Abort(), ::testing::ElementsAre(12));
     EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());  // said once
     for (size_t i = 0; i < f.parts.size(); ++i) {

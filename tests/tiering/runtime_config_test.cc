@@ -221,12 +221,18 @@ TEST(RuntimeConfigTest, OptimizerCommitIsStepOrPartition) {
   for (const char* bad : {R"({"strata": {"optimizer_commit": "layer"}})",
                           R"({"strata": {"optimizer_commit": true}})"}) {
     EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
-                HasSubstr("strata.optimizer_commit"))
+                AllOf(HasSubstr("strata.optimizer_commit"), HasSubstr("accepted: step"),
+                      HasSubstr("partition")))
         << bad;
   }
-  EXPECT_THAT(
-      RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "layer"}})").status().message(),
-      AllOf(HasSubstr("step"), HasSubstr("partition")));
+  // Host-resident state: said to do nothing.
+  std::vector<std::string> warnings;
+  auto on_cpu = RuntimeConfigFromJsonText(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+          "strata": {"optimizer_commit": "partition"}})",
+      &warnings);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("optimizer_commit")));
 }
 
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {

@@ -1,0 +1,478 @@
+"""bench/bigger_than_ram: a model whose fp32 training state is larger than this machine's RAM,
+trained here on the CPU in bf16 with the host budget at a few GiB, its state on the disk.
+
+    PYTHONPATH=build/release/python .venv/bin/python bench/bigger_than_ram.py --dir SCRATCH \
+        [--layers 36 --width 2048 --heads 16] [--host-budget-gib 4] [--json out.json]
+
+What it does, and reports (BENCH.md):
+  * before anything is allocated, what the run needs (disk: the NVMe store and a checkpoint;
+    memory: the host and device budgets and a margin for torch) against what the machine has
+    (free space under --dir, MemAvailable), refusing with the figures when it is short;
+  * the disk's ceiling, fio reading and writing 1 MiB blocks at depth 8 under --dir (this virtual
+    disk's rate moves twofold within minutes: measured in the same run);
+  * run A, in a child process: a transformers LlamaForCausalLM built under strata.init (its
+    weights go to their partitions as they are made, never whole in memory), ZeRO-3 with the
+    parameters and the optimizer on NVMe (strata.optimizer_commit "partition": the state once on
+    the disk), --steps steps, a checkpoint after step --save-after; each step's time, bytes read
+    and written by the process (/proc/self/io) and peak resident memory (VmHWM, reset before
+    each step);
+  * run B, in a fresh child: the same model, the checkpoint loaded, the steps after it: its losses
+    must be run A's, bit for bit (the resumed run is the run that did not stop);
+  * the step against the disk's lower bound (its bytes at fio's rates, read and write one after
+    the other: one device) and against strata_plan's prediction for this machine (--plan: its
+    CPU Adam and copy link calibrated here, the disk from fio, the compute from a bf16 matmul
+    timed here, as the planner's "GPU").
+  * with --deepspeed, DeepSpeed ZeRO-Infinity on the same model and config (its "strata" block
+    left out; sub_group_size set, as DeepSpeed's default of 1e9 elements pins buffers the size of
+    the model), built under deepspeed.zero.Init, in a child of its own after strata's runs (their
+    files removed first): its steps' time, bytes and peak memory, or its exact error.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+
+GIB = 1 << 30
+
+
+def status_bytes(key):
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def io_bytes():
+    """(read_bytes, write_bytes) this process made the block layer read and write."""
+    out = {}
+    with open("/proc/self/io", encoding="utf-8") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v)
+    return out["read_bytes"], out["write_bytes"]
+
+
+def reset_peak():
+    """Resets VmHWM to the current resident size (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+        f.write("5")
+
+
+def shape(args):
+    """(parameter count, largest parameter's elements) of the model, built on the meta device."""
+    import torch
+    from llama import llama
+    with torch.device("meta"):
+        model = llama(args.layers, args.width, args.heads, args.context, vocab=args.vocab)
+    sizes = [p.numel() for p in model.parameters()]
+    return sum(sizes), max(sizes)
+
+
+def config_for(args, nvme, largest):
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
+                              "buffer_size": largest},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
+            # Parameters in use at once, a fifth of the device budget (2-byte weights): the
+            # planner's model of what the device holds.
+            "stage3_max_live_parameters": args.device_budget_gib * GIB // 10,
+        },
+        "strata": {"device": "emulated", "device_budget_bytes": args.device_budget_gib * GIB,
+                   "host_budget_bytes": args.host_budget_gib * GIB,
+                   "nvme_capacity_bytes": args.nvme_capacity_gib * GIB,
+                   "optimizer_commit": args.commit,
+                   # freed blocks go back to the system: the resident memory is what is held
+                   "malloc_mmap_threshold_bytes": 256 << 10},
+    }
+
+
+def needs(args, params, largest):
+    """(disk bytes, memory bytes, lines saying why) the run needs."""
+    state = 12 * params  # fp32 master weights and Adam's two moments
+    copies = 1 if args.commit == "partition" else 2
+    disk = {
+        "the optimizer's state on NVMe": copies * state + (12 * largest if copies == 1 else 0),
+        "the bf16 weights on NVMe": 2 * params,
+        "fp32 gradients the host budget spills to NVMe (at most)": 4 * params,
+        "the checkpoint (master weights and moments)": state,
+        "fio's scratch file and slack": 512 << 20,
+    }
+    memory = {
+        "the host budget": args.host_budget_gib * GIB,
+        "the device budget (the emulated device is host memory)": args.device_budget_gib * GIB,
+        "torch, the model's activations and the interpreter (margin)": args.margin_gib * GIB,
+    }
+    return disk, memory
+
+
+def preflight(args, params, largest):
+    disk, memory = needs(args, params, largest)
+    stat = os.statvfs(args.dir)
+    free = stat.f_bavail * stat.f_frsize
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    lines = [f"the model: {params / 1e9:.2f}B parameters; its fp32 training state (weights, "
+             f"gradients, Adam's moments: 16 bytes a parameter) {16 * params / GIB:.1f} GiB, this "
+             f"machine's RAM {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f}"
+             " GiB"]
+    for what, parts, have in (("disk under " + args.dir, disk, free),
+                              ("memory", memory, available)):
+        total = sum(parts.values())
+        lines.append(f"{what}: needs {total / GIB:.1f} GiB, has {have / GIB:.1f} GiB")
+        lines += [f"    {v / GIB:6.1f} GiB  {k}" for k, v in parts.items()]
+        if total > have:
+            sys.exit("\n".join(lines) + f"\nbigger_than_ram: the {what.split()[0]} is short by "
+                     f"{(total - have) / GIB:.1f} GiB; refused before anything was allocated "
+                     "(a smaller --layers, or more room)")
+    for line in lines:
+        print(line)
+    return sum(disk.values())
+
+
+CHILD = r"""
+import json, sys, threading, time
+sys.path.insert(0, {examples!r})
+sys.path.insert(0, {bench!r})
+import torch
+import strata
+from llama import llama, loss_of
+import bigger_than_ram as b
+
+args = json.loads({args!r})
+torch.manual_seed(0)
+torch.set_num_threads(args["threads"])
+config = json.loads({config!r})
+gen = torch.Generator().manual_seed(7)
+data = [torch.randint(0, args["vocab"], (args["batch"], args["context"] + 1), generator=gen)
+        for _ in range(args["steps"])]
+out = {{"steps": [], "losses": {{}}}}
+t0 = time.perf_counter()
+with strata.init(config=config):
+    model = llama(args["layers"], args["width"], args["heads"], args["context"],
+                  vocab=args["vocab"])
+engine, _, _, _ = strata.initialize(model=model, config=config)
+out["build_s"] = time.perf_counter() - t0
+first = 1
+if args["resume"]:
+    t0 = time.perf_counter()
+    engine.load_checkpoint(args["checkpoint"])
+    out["load_s"] = time.perf_counter() - t0
+    first = engine.global_steps + 1
+for step in range(first, args["steps"] + 1):
+    tokens = data[step - 1]
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    b.reset_peak()
+    r0, w0 = b.io_bytes()
+    t0 = time.perf_counter()
+    loss = loss_of(engine, x, y)
+    engine.backward(loss)
+    engine.step()
+    seconds = time.perf_counter() - t0
+    r1, w1 = b.io_bytes()
+    out["losses"][str(step)] = loss.item()
+    out["steps"].append({{"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
+                         "peak_rss": b.status_bytes("VmHWM"),
+                         "stepped": engine.last_step_stats["stepped"]}})
+    print(f"step {{step}}: loss {{loss.item():.6f}}, {{seconds:.1f}} s, read "
+          f"{{(r1 - r0) / 2**30:.1f}} GiB, written {{(w1 - w0) / 2**30:.1f}} GiB, peak RSS "
+          f"{{b.status_bytes('VmHWM') / 2**30:.2f}} GiB", flush=True)
+    if step == args["save_after"] and not args["resume"]:
+        b.reset_peak()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(args["checkpoint"])
+        out["save_s"] = time.perf_counter() - t0
+        out["save_peak_rss"] = b.status_bytes("VmHWM")
+        print(f"checkpoint after step {{step}}: {{out['save_s']:.1f}} s", flush=True)
+out["warnings"] = list(engine.warnings)
+engine.close()
+with open(args["result"], "w") as f:
+    json.dump(out, f)
+"""
+
+
+DS_CHILD = r"""
+import json, os, sys, time
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+sys.path.insert(0, {examples!r})
+sys.path.insert(0, {bench!r})
+import torch
+import deepspeed
+from llama import llama, loss_of
+import bigger_than_ram as b
+
+args = json.loads({args!r})
+config = json.loads({config!r})
+torch.manual_seed(0)
+torch.set_num_threads(args["threads"])
+gen = torch.Generator().manual_seed(7)
+data = [torch.randint(0, args["vocab"], (args["batch"], args["context"] + 1), generator=gen)
+        for _ in range(args["steps"])]
+out = {{"steps": [], "losses": {{}}, "deepspeed": deepspeed.__version__}}
+t0 = time.perf_counter()
+with deepspeed.zero.Init(config_dict_or_path=config):
+    model = llama(args["layers"], args["width"], args["heads"], args["context"],
+                  vocab=args["vocab"])
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       config=config)
+out["build_s"] = time.perf_counter() - t0
+for step in range(1, args["steps"] + 1):
+    tokens = data[step - 1]
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    b.reset_peak()
+    r0, w0 = b.io_bytes()
+    t0 = time.perf_counter()
+    loss = loss_of(engine, x, y)
+    engine.backward(loss)
+    engine.step()
+    seconds = time.perf_counter() - t0
+    r1, w1 = b.io_bytes()
+    out["losses"][str(step)] = loss.item()
+    out["steps"].append({{"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
+                         "peak_rss": b.status_bytes("VmHWM")}})
+    print(f"deepspeed step {{step}}: loss {{loss.item():.6f}}, {{seconds:.1f}} s, read "
+          f"{{(r1 - r0) / 2**30:.1f}} GiB, written {{(w1 - w0) / 2**30:.1f}} GiB, peak RSS "
+          f"{{b.status_bytes('VmHWM') / 2**30:.2f}} GiB", flush=True)
+with open(args["result"], "w") as f:
+    json.dump(out, f)
+"""
+
+
+def run_deepspeed(args, config, result):
+    """DeepSpeed's run of the same model and config (its exact error when it fails)."""
+    ds_config = {k: v for k, v in config.items() if k != "strata"}
+    ds_config["zero_optimization"] = dict(ds_config["zero_optimization"],
+                                          sub_group_size=args.ds_sub_group_size)
+    code = DS_CHILD.format(examples=os.path.join(HERE, "..", "examples"), bench=HERE,
+                           args=json.dumps(dict(vars(args), result=result)),
+                           config=json.dumps(ds_config))
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), text=True,
+                              capture_output=True, timeout=args.ds_timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"did not finish in {args.ds_timeout} s",
+                "output": (e.stdout or "")[-2000:] if isinstance(e.stdout, str) else ""}
+    print("\n".join(line for line in proc.stdout.splitlines() if "deepspeed step" in line))
+    if proc.returncode != 0 or not os.path.exists(result):
+        tail = [line for line in proc.stderr.splitlines() if line.strip()][-12:]
+        return {"error": f"exited {proc.returncode}: " + "\n".join(tail)}
+    with open(result, encoding="utf-8") as f:
+        out = json.load(f)
+    out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def run_child(args, config, resume, result):
+    child_args = dict(vars(args), resume=resume, result=result,
+                      checkpoint=os.path.join(args.dir, "checkpoint"))
+    code = CHILD.format(examples=os.path.join(HERE, "..", "examples"), bench=HERE,
+                        args=json.dumps(child_args), config=json.dumps(config))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), text=True)
+    if proc.returncode != 0:
+        sys.exit(f"bigger_than_ram: run {'B' if resume else 'A'} exited {proc.returncode}")
+    with open(result, encoding="utf-8") as f:
+        out = json.load(f)
+    out["wall_s"] = time.perf_counter() - started
+    return out
+
+
+def matmul_tflops(threads):
+    """This CPU's bf16 matmul rate (the planner's "GPU" here), TFLOPS."""
+    import torch
+    torch.set_num_threads(threads)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ b
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        a @ b
+    return 2 * 2048 ** 3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def planner(args, config, read_bps, write_bps, free_bytes):
+    """strata_plan's step for this run on this machine, or an error line."""
+    import torch
+    from llama import llama
+    folder = os.path.join(args.dir, "plan")
+    os.makedirs(folder, exist_ok=True)
+    with torch.device("meta"):
+        model = llama(args.layers, args.width, args.heads, args.context, vocab=args.vocab)
+    model.config.to_json_file(os.path.join(folder, "config.json"))
+    with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    hardware = os.path.join(folder, "hardware.json")
+    tflops = matmul_tflops(args.threads)
+    calibrate = subprocess.run(
+        [args.plan, "--calibrate", "--gpu-tflops", f"{tflops:.4f}", "--gpu-hbm-gib",
+         str(args.device_budget_gib), "--save-hardware", hardware], capture_output=True, text=True)
+    if calibrate.returncode != 0 or not os.path.exists(hardware):
+        return {"error": f"strata_plan --calibrate exited {calibrate.returncode}: "
+                         f"{calibrate.stderr[-1000:]}"}
+    with open(hardware, encoding="utf-8") as f:
+        hw = json.load(f)
+    hw["nvme"] = {"drives": 1, "read_gbps": read_bps / 1e9, "write_gbps": write_bps / 1e9,
+                  "capacity_tb": free_bytes / 1e12}
+    hw["gpu"]["efficiency"] = 1.0  # the rate given is the one measured
+    hw["source"] = (hw.get("source", "") + f"; NVMe from fio in the same run; the 'GPU' is this "
+                    f"CPU's bf16 matmul, {tflops:.3f} TFLOPS measured")
+    with open(hardware, "w", encoding="utf-8") as f:
+        json.dump(hw, f)
+    plan_json = os.path.join(folder, "plan.json")
+    run = subprocess.run(
+        [args.plan, "--model", os.path.join(folder, "config.json"), "--hardware", hardware,
+         "--config", os.path.join(folder, "ds_config.json"), "--sequence", str(args.context),
+         "--micro-batch", str(args.batch), "--nocheckpointing", "--json", plan_json],
+        capture_output=True, text=True)
+    print(run.stdout[-3000:])
+    if not os.path.exists(plan_json):
+        return {"error": f"strata_plan exited {run.returncode}: {run.stderr[-1000:]}"}
+    with open(plan_json, encoding="utf-8") as f:
+        plan = json.load(f)
+    step = plan.get("step") or {"error": "no step predicted"}
+    step["tflops_given"] = tflops
+    return step
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, help="scratch folder on the disk (the NVMe tier)")
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-after", type=int, default=2)
+    parser.add_argument("--host-budget-gib", type=int, default=4)
+    parser.add_argument("--device-budget-gib", type=int, default=1)
+    parser.add_argument("--nvme-capacity-gib", type=int, default=0,
+                        help="strata.nvme_capacity_bytes in GiB (0: what the run needs)")
+    parser.add_argument("--margin-gib", type=int, default=3)
+    parser.add_argument("--commit", choices=["partition", "step"], default="partition",
+                        help="strata.optimizer_commit")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--plan", help="strata_plan's path: its prediction beside the step")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="also run DeepSpeed ZeRO-Infinity on the same model and config")
+    parser.add_argument("--ds-sub-group-size", type=int, default=100_000_000)
+    parser.add_argument("--ds-timeout", type=int, default=3600)
+    args = parser.parse_args()
+    if not 1 <= args.save_after < args.steps:
+        sys.exit("bigger_than_ram: --save-after must be at least 1 and below --steps (the "
+                 "resumed run takes the steps after it)")
+    os.makedirs(args.dir, exist_ok=True)
+    params, largest = shape(args)
+    need = preflight(args, params, largest)
+    if args.nvme_capacity_gib == 0:
+        args.nvme_capacity_gib = -(-int(need - 12 * params - (512 << 20)) // GIB) + 1
+    nvme = os.path.join(args.dir, "nvme")
+    shutil.rmtree(nvme, ignore_errors=True)
+    shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
+    config = config_for(args, nvme, largest)
+
+    from fio_ceiling import fio_bandwidth
+    read_bps = fio_bandwidth(args.dir, write=False)
+    write_bps = fio_bandwidth(args.dir, write=True)
+    print(f"fio under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "
+          f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps else "fio: not available")
+    stat = os.statvfs(args.dir)
+    prediction = (planner(args, config, read_bps, write_bps, stat.f_bavail * stat.f_frsize)
+                  if args.plan and read_bps and write_bps else None)
+
+    a = run_child(args, config, False, os.path.join(args.dir, "run_a.json"))
+    b = run_child(args, config, True, os.path.join(args.dir, "run_b.json"))
+    read_bps_after = fio_bandwidth(args.dir, write=False)
+    write_bps_after = fio_bandwidth(args.dir, write=True)
+
+    resumed = {s: (a["losses"][s], b["losses"][s]) for s in b["losses"]}
+    matches = all(x == y for x, y in resumed.values()) and bool(resumed)
+    steady = [s for s in a["steps"] if s["step"] > 1] or a["steps"]
+    step_s = sorted(s["seconds"] for s in steady)[len(steady) // 2]
+    read = sorted(s["read"] for s in steady)[len(steady) // 2]
+    written = sorted(s["written"] for s in steady)[len(steady) // 2]
+    peak = max(s["peak_rss"] for s in a["steps"] + b["steps"])
+    report = {"params": params, "fp32_state_bytes": 16 * params, "config": config,
+              "fio_read_bps": [read_bps, read_bps_after],
+              "fio_write_bps": [write_bps, write_bps_after], "run_a": a, "run_b": b,
+              "resumed_losses": resumed, "resume_matches": matches, "step_s": step_s,
+              "read_per_step": read, "written_per_step": written, "peak_rss": peak,
+              "prediction": prediction}
+    print(f"\nmodel: transformers LlamaForCausalLM, {params / 1e9:.2f}B parameters ({args.layers} "
+          f"layers x {args.width}), batch {args.batch} x {args.context}, bf16, on this CPU "
+          f"({os.cpu_count()} cores); fp32 training state {16 * params / GIB:.1f} GiB")
+    print(f"bigger_than_ram/peak_rss: {peak / GIB:.2f} GiB (host budget "
+          f"{args.host_budget_gib} GiB + device budget {args.device_budget_gib} GiB, the emulated "
+          f"device being host memory)")
+    if read_bps and write_bps:
+        rates = [(r, w) for r, w in ((read_bps, write_bps), (read_bps_after, write_bps_after))
+                 if r and w]
+        floors = [read / r + written / w for r, w in rates]
+        report["disk_floor_s"] = floors
+        print(f"bigger_than_ram/step_s: {step_s:.1f} s a step (median of steps 2-{args.steps}); "
+              f"its disk floor (read {read / GIB:.1f} GiB, written {written / GIB:.1f} GiB at "
+              f"fio's rates before and after the runs) {min(floors):.1f}-{max(floors):.1f} s: "
+              f"strata {min(floors) / step_s:.2f}-{max(floors) / step_s:.2f} of the floor's "
+              "rate")
+    if prediction is not None:
+        if "error" in prediction:
+            print(f"bigger_than_ram/planner: {prediction['error']}")
+        else:
+            print(f"bigger_than_ram/planner: predicted {prediction['seconds']:.1f} s a step (its bound {prediction['lower_bound_seconds']:.1f} s); "
+                  f"measured {step_s:.1f} s = {prediction['seconds'] / step_s:.2f}x the "
+                  "prediction's rate")
+    print(f"bigger_than_ram/resume: steps {', '.join(sorted(resumed))} after the checkpoint "
+          f"{'match' if matches else 'DO NOT match'} the run that did not stop: "
+          + "; ".join(f"{s}: {x!r} vs {y!r}" for s, (x, y) in sorted(resumed.items())))
+    print(f"build {a['build_s']:.0f} s, checkpoint save {a.get('save_s', 0):.0f} s, load "
+          f"{b.get('load_s', 0):.0f} s")
+    if args.deepspeed:
+        shutil.rmtree(nvme, ignore_errors=True)
+        shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
+        ds_nvme = nvme + "_deepspeed"
+        shutil.rmtree(ds_nvme, ignore_errors=True)
+        ds_config = config_for(args, ds_nvme, largest)
+        ds = run_deepspeed(args, ds_config, os.path.join(args.dir, "run_deepspeed.json"))
+        shutil.rmtree(ds_nvme, ignore_errors=True)
+        report["deepspeed"] = ds
+        if "error" in ds:
+            print(f"bigger_than_ram/deepspeed: DeepSpeed {ds['error']}")
+        else:
+            ds_steady = [s for s in ds["steps"] if s["step"] > 1] or ds["steps"]
+            ds_step = sorted(s["seconds"] for s in ds_steady)[len(ds_steady) // 2]
+            ds_peak = max(s["peak_rss"] for s in ds["steps"])
+            agree = max(abs(ds["losses"][k] - a["losses"][k]) for k in a["losses"])
+            print(f"bigger_than_ram/deepspeed: strata {ds_step / step_s:.2f}x DeepSpeed's step "
+                  f"rate ({step_s:.1f} s vs {ds_step:.1f} s); peak RSS {peak / GIB:.2f} vs "
+                  f"{ds_peak / GIB:.2f} GiB ({peak / ds_peak:.2f}x); the losses differ by at most "
+                  f"{agree:.2e}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    if not matches:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
