@@ -439,7 +439,8 @@ def main():
         if "error" in prediction:
             print(f"bigger_than_ram/planner: {prediction['error']}")
         else:
-            print(f"bigger_than_ram/planner: predicted {prediction['seconds']:.1f} s a step (its bound {prediction['lower_bound_seconds']:.1f} s); "
+            print(f"bigger_than_ram/planner: predicted {prediction['seconds']:.1f} s a step "
+                  f"(its bound {prediction['lower_bound_seconds']:.1f} s); "
                   f"measured {step_s:.1f} s = {prediction['seconds'] / step_s:.2f}x the "
                   "prediction's rate")
     print(f"bigger_than_ram/resume: steps {', '.join(sorted(resumed))} after the checkpoint "
