@@ -1385,6 +1385,50 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
                       static_cast<int>(optim_cpu::DType::kF16));
     in.grad_dtype = static_cast<optim_cpu::DType>(d.dtype);
   }
+  // A partition to take an input's new weights: its elements, its dtype the copy's.
+  bool sinks = false;
+  for (swap::StepInput& in : inputs) {
+    if (!in.copy_to_sink) continue;
+    sinks = true;
+    absl::StatusOr<Residency> r;
+    {
+      MutexLock lock(&mu_);
+      r = table_->Get(in.sink_target);
+    }
+    const std::string what = absl::StrCat("optimizer step ", t, ": partition ", in.sink_target,
+                                          " (to take ", in.id, "'s new weights)");
+    if (!r.ok()) return absl::NotFoundError(absl::StrCat(what, " is not registered"));
+    const tiering::PartitionDesc& d = r->desc;
+    absl::StatusOr<uint64_t> elements = optimizer_->elements(in.id);
+    if (d.dtype == tiering::ElementType::kOther || !elements.ok() || d.elements != *elements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " holds ", d.elements, " elements of dtype ", static_cast<int>(d.dtype),
+          "; accepted: float32, bfloat16 or float16, as many elements as the optimizer's "
+          "partition (",
+          elements.ok() ? absl::StrCat(*elements) : "none", ")"));
+    }
+    in.copy_dtype = static_cast<optim_cpu::DType>(d.dtype);
+  }
+  swap::PipelinedOptimizerSwapper::CopySink sink;
+  if (sinks) {
+    sink.get = [this](PartitionId, PartitionId target) -> absl::StatusOr<void*> {
+      absl::StatusOr<std::byte*> p = Acquire(target, Tier::kHost, Access::kOutOfTrace);
+      if (!p.ok()) return p.status();
+      return static_cast<void*>(*p);
+    };
+    sink.done = [this](PartitionId id, PartitionId target) {
+      // Pinned by this thread and written: the release cannot fail but by a bug; the weights are
+      // then counted as not placed, for the caller to write them again.
+      absl::Status s = Release(target, Tier::kHost, true, nullptr, Access::kOutOfTrace);
+      if (!s.ok()) {
+        Warn(absl::StrCat("optimizer step: releasing partition ", target, " written with ", id,
+                          "'s new weights: ", s.message()));
+        return;
+      }
+      MutexLock lock(&staged_mu_);
+      copied_.push_back(id);
+    };
+  }
   // Each gradient is pinned in the host tier while its partition steps and let go right after
   // (it stays registered, for a step taken anew): never all of them pinned at once.
   swap::PipelinedOptimizerSwapper::GradSource source;
@@ -1396,7 +1440,12 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
     return static_cast<const void*>(*p);
   };
   source.done = [this](PartitionId id) { ReleaseStagedGradients(id); };
-  return optimizer_->Stage(t, inputs, options, std::move(source));
+  return optimizer_->Stage(t, inputs, options, std::move(source), std::move(sink));
+}
+
+std::vector<PartitionId> Runtime::TakeCopiedPartitions() {
+  MutexLock lock(&staged_mu_);
+  return std::exchange(copied_, {});
 }
 
 void Runtime::ReleaseStagedGradients(std::optional<PartitionId> only) {

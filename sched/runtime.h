@@ -311,11 +311,18 @@ class Runtime {
   // open. With `host_early` (swap/optimizer_swapper.h's Begin), host-resident partitions step in
   // place as they are staged, during backward, for a trainer that will not abort the step for its
   // arithmetic; AbortOptimizerStep returns those that had stepped (after a failed Commit too).
+  // With strata.optimizer_commit "partition" an input may name, in `sink_target` with
+  // copy_to_sink, a registered partition of as many 16- or 32-bit elements (its parameter) to
+  // take its new weights: once its state has landed, the optimizer's thread acquires that
+  // partition in the host tier out of the trace, writes them and releases it written (so the
+  // weights of parameters homed on NVMe go there without a copy of the model in host memory);
+  // TakeCopiedPartitions returns the optimizer partitions whose weights went so.
   absl::Status BeginOptimizerStep(bool host_early = false);
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
   std::vector<PartitionId> AbortOptimizerStep();
+  std::vector<PartitionId> TakeCopiedPartitions();
   // With a host_early step open, waits until the host-resident partitions staged so far have
   // stepped (their state and param copies are then read whole); at once otherwise.
   void WaitForEarlySteps();
@@ -446,6 +453,7 @@ class Runtime {
   // Gradient partitions the optimizer's thread pinned in the host tier for the staged step.
   Mutex staged_mu_;
   std::vector<PartitionId> staged_gradients_ ABSL_GUARDED_BY(staged_mu_);
+  std::vector<PartitionId> copied_ ABSL_GUARDED_BY(staged_mu_);  // TakeCopiedPartitions
 
   mutable Mutex mu_;
   // Signalled when a move ends, when a Discard frees copies, and when a thread stops bringing a

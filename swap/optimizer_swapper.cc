@@ -220,6 +220,7 @@ struct PipelinedOptimizerSwapper::Txn {
     const Part* part = nullptr;
     std::byte* staged_copy = nullptr;  // NVMe-resident with a param_copy: where it is staged
     std::shared_ptr<const GradSource> source;  // for a null in.grad
+    std::shared_ptr<const CopySink> sink;      // for in.copy_to_sink
   };
   Mutex mu;
   CondVar staged;  // an item was staged, or the transaction closed
@@ -304,7 +305,7 @@ PipelinedOptimizerSwapper::ValidateInputs(int64_t t, absl::Span<const StepInput>
     c.exp_avg = c.exp_avg_sq = &stand_in;
     c.grad = in.grad == nullptr && have_source ? &stand_in : in.grad;
     c.grad_dtype = in.grad_dtype;
-    c.param_copy = in.param_copy;
+    c.param_copy = in.copy_to_sink ? &stand_in : in.param_copy;  // its dtype checked too
     c.copy_dtype = in.copy_dtype;
     c.size = (*part)->elements;
     if (absl::Status s = optimizer_->Validate(t, c, options); !s.ok()) {
@@ -389,7 +390,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
 
 absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepInput> inputs,
                                               const optim_cpu::StepOptions& options,
-                                              GradSource source) {
+                                              GradSource source, CopySink sink) {
   if (txn_ == nullptr) {
     return absl::FailedPreconditionError("optimizer swapper: Stage before Begin");
   }
@@ -424,9 +425,24 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
         "optimizer step ", t, ": the staged param copies need ", x.copy_used + copies,
         " bytes; Begin set aside ", copy_staging_bytes_, " (nothing of this call was staged)"));
   }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].copy_to_sink) continue;
+    const char* wrong = !config_.commit_each              ? "the swapper has no commit_each"
+                        : !sink                           ? "no CopySink was given"
+                        : parts[i]->host_state != nullptr ? "its state is host-resident"
+                        : inputs[i].param_copy != nullptr ? "it has a param_copy too"
+                                                          : nullptr;
+    if (wrong != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer step ", t, ": partition ", inputs[i].id, ": copy_to_sink, but ", wrong,
+          "; accepted: copy_to_sink for NVMe-resident state with commit_each and a CopySink "
+          "(nothing of this call was staged)"));
+    }
+  }
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
   x.seen = std::move(seen);
   auto shared_source = source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
+  auto shared_sink = sink ? std::make_shared<const CopySink>(std::move(sink)) : nullptr;
   std::vector<Txn::Item> nvme, early;
   for (size_t i = 0; i < inputs.size(); ++i) {
     Txn::Item item;
@@ -435,6 +451,7 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     item.options = options;
     item.part = parts[i];
     if (item.in.grad == nullptr) item.source = shared_source;
+    if (item.in.copy_to_sink) item.sink = shared_sink;
     if (parts[i]->host_state != nullptr) {
       (x.host_early ? early : x.host).push_back(std::move(item));
       continue;
@@ -560,15 +577,25 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     std::byte* copy = config_.commit_each ? copy_buffers_[k % ring] : nullptr;
     void* copy_to = copy != nullptr ? it.in.param_copy : nullptr;
     const uint64_t copy_bytes = n * CopyBytes(it.in.copy_dtype);
+    const CopySink* sink = copy != nullptr && it.in.copy_to_sink ? it.sink.get() : nullptr;
+    const tiering::PartitionId target = it.in.sink_target;
     // Writes are staged one after another (a Batch is used by one thread at a time; with
     // commit_each, one Put at a time needs the store's room for one partition's second copy).
-    auto work = [this, buf, id, n, prev, b = x->batch.get(), copy, copy_to, copy_bytes] {
+    auto work = [this, buf, id, n, prev, b = x->batch.get(), copy, copy_to, copy_bytes, sink,
+                 target] {
       if (prev.valid()) prev.wait();
       Emit(StepEvent::kWriteStarted, id);
       const auto w0 = Clock::now();
       absl::Status s = b != nullptr ? b->Stage(StoreKey(id), Bytes(buf, n))
                                     : store_->Put(StoreKey(id), Bytes(buf, n));
       if (s.ok() && copy_to != nullptr) std::memcpy(copy_to, copy, copy_bytes);
+      if (s.ok() && sink != nullptr) {  // landed: the copy goes where the sink says
+        absl::StatusOr<void*> to = sink->get(id, target);
+        if (to.ok() && *to != nullptr) {
+          std::memcpy(*to, copy, copy_bytes);
+          if (sink->done) sink->done(id, target);
+        }
+      }
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {
@@ -640,8 +667,9 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     c.exp_avg_sq = state + 2 * n;
     c.grad = grad;
     c.grad_dtype = it->in.grad_dtype;
-    c.param_copy = config_.commit_each && it->in.param_copy != nullptr ? copy_buffers_[k % ring]
-                                                                       : it->staged_copy;
+    c.param_copy = config_.commit_each && (it->in.param_copy != nullptr || it->in.copy_to_sink)
+                       ? copy_buffers_[k % ring]
+                       : it->staged_copy;
     c.copy_dtype = it->in.copy_dtype;
     c.size = n;
     optim_cpu::StepOptions options = it->options;

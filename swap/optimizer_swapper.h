@@ -120,6 +120,10 @@ struct StepInput {
   optim_cpu::DType grad_dtype = optim_cpu::DType::kF32;
   void* param_copy = nullptr;  // optional bf16, fp16 or fp32 copy of the new weights
   optim_cpu::DType copy_dtype = optim_cpu::DType::kBF16;
+  // With commit_each, instead of param_copy: the copy goes where Stage's CopySink says, once the
+  // partition's state has landed; `sink_target` is passed to the sink as it is.
+  bool copy_to_sink = false;
+  tiering::PartitionId sink_target = 0;
 };
 
 struct StepReport {
@@ -176,11 +180,23 @@ class PipelinedOptimizerSwapper {
     std::function<void(tiering::PartitionId)> done;
     explicit operator bool() const { return static_cast<bool>(get); }
   };
+  // With commit_each, where an input with copy_to_sink puts its param copy: `get(id, target)` is
+  // called on the thread that wrote the partition's state, once it has landed, and returns the
+  // address of as many elements of copy_dtype, or why there is none (then the copy is not
+  // placed: the step stands, its state landed; the caller learns it from done's absence);
+  // `done(id, target)` follows once the copy is there.
+  struct CopySink {
+    std::function<absl::StatusOr<void*>(tiering::PartitionId, tiering::PartitionId)> get;
+    std::function<void(tiering::PartitionId, tiering::PartitionId)> done;
+    explicit operator bool() const { return static_cast<bool>(get); }
+  };
   // Stages `inputs` for step t: all of them validated first (as Step's, and against the
   // partitions staged already), none staged when one is refused (InvalidArgument; the
-  // transaction stays open). An input with a null `grad` needs `source`.
+  // transaction stays open). An input with a null `grad` needs `source`; one with copy_to_sink
+  // needs `sink` and commit_each, and NVMe-resident state.
   absl::Status Stage(int64_t t, absl::Span<const StepInput> inputs,
-                     const optim_cpu::StepOptions& options = {}, GradSource source = {});
+                     const optim_cpu::StepOptions& options = {}, GradSource source = {},
+                     CopySink sink = {});
   absl::StatusOr<StepReport> Commit();
   // Drops the step; returns the partitions that had stepped: host-resident ones in place
   // (host_early), NVMe-resident ones whose new state had landed (commit_each); or, with no step

@@ -294,7 +294,12 @@ std::vector<swap::StepInput> StepInputs(const py::list& inputs, bool grad_option
       s.grad = keep->back().data;
       s.grad_dtype = keep->back().dtype;
     }
-    if (!triple[2].is_none()) {
+    if (grad_optional && py::isinstance<py::int_>(triple[2])) {
+      // A partition id: the new weights go into that partition once the state has landed
+      // (optimizer_commit "partition"; sched::Runtime::StageOptimizerStep).
+      s.copy_to_sink = true;
+      s.sink_target = triple[2].cast<uint64_t>();
+    } else if (!triple[2].is_none()) {
       keep->push_back(HostTensor(triple[2], absl::StrCat("param_copy of ", s.id)));
       s.param_copy = keep->back().data;
       s.copy_dtype = keep->back().dtype;
@@ -695,8 +700,9 @@ class PyRuntime {
     Check(s);
   }
 
-  // (id, grad or None, param_copy or None) triples; a None grad is the gradient partition `id`,
-  // taken from the host tier by the optimizer's thread.
+  // (id, grad or None, param_copy or None or a partition id) triples; a None grad is the gradient
+  // partition `id`, taken from the host tier by the optimizer's thread; a partition id takes the
+  // new weights once the state has landed (optimizer_commit "partition").
   void StageOptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
                           bool check_overflow, float weight_decay) {
     std::vector<TensorView> keep;
@@ -726,6 +732,10 @@ class PyRuntime {
     py::gil_scoped_release unlocked;
     runtime_->WaitForEarlySteps();
   }
+
+  // The optimizer partitions whose new weights went into their partition (a partition id given
+  // as the param copy) since the last call.
+  std::vector<uint64_t> TakeCopiedPartitions() { return runtime_->TakeCopiedPartitions(); }
 
   // The ids of the host-resident partitions that had stepped in place (host_early).
   std::vector<uint64_t> AbortOptimizerStep() {
@@ -1043,6 +1053,7 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("weight_decay") = -1.0f)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
+      .def("take_copied_partitions", &PyRuntime::TakeCopiedPartitions)
       .def("wait_for_early_steps", &PyRuntime::WaitForEarlySteps)
       .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)
       .def("load_optimizer_state", &PyRuntime::LoadOptimizerState, py::arg("id"), py::arg("master"),

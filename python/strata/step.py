@@ -65,6 +65,10 @@ class Step:
                 target = self._weights_target(e)
             elif not self._refresh:
                 target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
+            elif self._commit_each and always:
+                # After backward, nothing uses the parameter: the optimizer's thread writes its
+                # new weights into its partition once its state has landed (no read-back).
+                target = e.pid
             e.staged = ((lr, weight_decay), target)
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
@@ -131,11 +135,13 @@ class Step:
         stepped = set()
         if not committed:
             stepped = set(self.runtime.abort_optimizer_step())
+        copied = set(self.runtime.take_copied_partitions())  # weights written where they live
         early = [e for e in staged.entries if e.gid in stepped]
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1
             self._stepped_early.add(e)
-            if self._refresh and e.partitioned and e not in self._pending_refresh:
+            if self._refresh and e.partitioned and e not in self._pending_refresh and \
+                    e.gid not in copied:
                 # Homed on NVMe: its new weights are read from its master weights before the
                 # next forward.
                 self._pending_refresh.append(e)
@@ -147,9 +153,10 @@ class Step:
                    "strata.optimizer_during_backward: host-resident optimizer state steps "
                    "during backward, and their new weights may already have been used by "
                    "what ran of backward after that")
+            when = "" if self._commit_each else " during backward"
             self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
-                       f"had stepped with the gradients and rates known then ({how}): they keep "
-                       "that step, and the others step when the step is taken")
+                       f"had stepped{when} with the gradients and rates known then ({how}): they "
+                       "keep that step, and the others step when the step is taken")
         gather = []
         sent = False  # new weights gone to a GPU from pinned memory
         failed = None  # every entry is ended; the first release that fails is raised after
@@ -158,7 +165,7 @@ class Step:
             e.staged = None
             written = committed or e in self._stepped_early  # by a step that stands
             if e.partitioned:
-                if target is not None:
+                if target is not None and not isinstance(target, int):  # (int: written there)
                     del target
                     if written and not committed:
                         # Stepped early, dropped while backward may still use its device copy:
@@ -301,6 +308,7 @@ class Step:
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
         the step counts advance and the loss scale follows (an overflow skips the step)."""
         r = self.runtime.commit_optimizer_step()
+        copied = set(self.runtime.take_copied_partitions())  # their weights written already
         if r["overflow"]:  # nothing was changed
             self._end_staged(committed=False)
             self._update_scale(overflow=True)
@@ -312,7 +320,7 @@ class Step:
         self._end_staged(committed=True)
         if self._refresh:
             try:
-                self._refresh_weights(entries)
+                self._refresh_weights([e for e in entries if e.gid not in copied])
             except _strata.Error as error:  # raised by step() once its bookkeeping is done
                 self._refresh_error = error
         self._optimizer_read += r["bytes_read"]

@@ -1177,6 +1177,85 @@ TEST(SwapperCommitEachTest, CheckOverflowIsRefusedAndHostEarlyIsAcceptedWithNvme
   f.ExpectMastersStepped(3, before);
 }
 
+// commit_each: a CopySink takes each NVMe-resident partition's param copy once its state has
+// landed (the Runtime's way to write a parameter homed on NVMe without holding every copy); one
+// whose state did not land gets none, and a sink that cannot place one leaves the step standing.
+TEST(SwapperCommitEachTest, ACopySinkTakesEachCopyOnceItsStateLanded) {
+  Fixture f(CommitEach(true, 220000));  // 12 and 13 on NVMe
+  f.NewGrads(1);
+  f.StepReference(1);
+  std::vector<StepInput> in = f.Inputs();
+  Mutex mu;
+  std::vector<std::pair<tiering::PartitionId, tiering::PartitionId>> placed;  // (id, target)
+  std::atomic<bool> refuse13{false};
+  PipelinedOptimizerSwapper::CopySink sink;
+  sink.get = [&](tiering::PartitionId id, tiering::PartitionId target) -> absl::StatusOr<void*> {
+    EXPECT_EQ(target, id + 100);
+    EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kWriteStarted, id)) << "before its write";
+    if (id == 13 && refuse13) return absl::ResourceExhaustedError("no room for 13's weights");
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      if (f.parts[i].first == id) return static_cast<void*>(f.copies[i].data());
+    }
+    return absl::NotFoundError("unknown partition");
+  };
+  sink.done = [&](tiering::PartitionId id, tiering::PartitionId target) {
+    MutexLock lock(&mu);
+    placed.emplace_back(id, target);
+  };
+  for (StepInput& s : in) {
+    if (!f.swapper->on_nvme(s.id)) continue;
+    s.param_copy = nullptr;
+    s.copy_to_sink = true;
+    s.sink_target = s.id + 100;
+  }
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, in, {}, {}, sink).ok());
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();  // the host-resident ones' as before, the NVMe ones' by the sink
+  {
+    MutexLock lock(&mu);
+    EXPECT_THAT(placed, ::testing::ElementsAre(
+                            std::pair<tiering::PartitionId, tiering::PartitionId>{12, 112},
+                            std::pair<tiering::PartitionId, tiering::PartitionId>{13, 113}));
+    placed.clear();
+  }
+  // Step 2: the sink cannot place 13's copy; the step stands (13's state landed), 13's copy is
+  // step 1's, and done is not called for it.
+  const auto copies_before = f.copies;
+  f.NewGrads(2);
+  f.StepReference(2);
+  refuse13 = true;
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  ASSERT_TRUE(f.swapper->Stage(2, in, {}, {}, sink).ok());
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.ExpectMatchesReference();
+  for (size_t i = 0; i < f.parts.size(); ++i) {
+    EXPECT_EQ(f.copies[i], f.parts[i].first == 13 ? copies_before[i] : f.ref.copy[i])
+        << f.parts[i].first;
+  }
+  {
+    MutexLock lock(&mu);
+    EXPECT_THAT(placed, ::testing::ElementsAre(
+                            std::pair<tiering::PartitionId, tiering::PartitionId>{12, 112}));
+  }
+  // Misuse: a sink input without a sink, or host-resident, or without commit_each.
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  absl::Status no_sink = f.swapper->Stage(3, in);
+  EXPECT_THAT(no_sink.message(), HasSubstr("no CopySink was given"));
+  std::vector<StepInput> host_one = {in[0]};
+  host_one[0].param_copy = nullptr;
+  host_one[0].copy_to_sink = true;
+  EXPECT_THAT(f.swapper->Stage(3, host_one, {}, {}, sink).message(),
+              HasSubstr("its state is host-resident"));
+  EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+  Fixture whole({true, true, 220000});
+  ASSERT_TRUE(whole.swapper->Begin(0).ok());
+  EXPECT_THAT(whole.swapper->Stage(1, in, {}, {}, sink).message(),
+              HasSubstr("the swapper has no commit_each"));
+  whole.swapper->Abort();
+}
+
 // commit_each: a load writes each NVMe-resident partition at once; one that fails part way leaves
 // those written, and a second load puts everything right.
 TEST(SwapperCommitEachTest, ALoadWritesEachPartitionAsItComes) {
