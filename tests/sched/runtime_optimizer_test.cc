@@ -453,6 +453,63 @@ TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepp
   ExpectState(**rt, ref);
 }
 
+// strata.optimizer_commit "partition": an input naming a parameter partition (homed on NVMe) as
+// its copy's sink gets its new weights written there by the optimizer's thread once its state has
+// landed, the partition released written (its host copy the latest: read back, it holds them);
+// TakeCopiedPartitions says which; a sink that is not registered or not of the partition's size
+// is named before anything is staged. The parameters' host copies are never all pinned at once.
+TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAsItLands) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.host_budget_bytes += 64 * kSlot;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Reference ref;
+  const auto grads = Grads(1);
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  for (const auto& [id, n] : kParts) {  // the parameters: fp32 here, ids 100 above
+    tiering::PartitionDesc d = Desc(id + 100, n * 4);
+    d.dtype = tiering::ElementType::kF32;
+    ASSERT_TRUE((*rt)->Register(d, Tier::kNvme).ok());
+  }
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    swap::StepInput in{.id = id};
+    in.copy_to_sink = true;
+    in.sink_target = id + 100;
+    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {in}).ok());
+  }
+  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);
+  std::vector<PartitionId> copied = (*rt)->TakeCopiedPartitions();
+  std::sort(copied.begin(), copied.end());
+  EXPECT_THAT(copied, ElementsAre(11, 12, 13));
+  EXPECT_TRUE((*rt)->TakeCopiedPartitions().empty());
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    const PartitionId pid = kParts[i].first + 100;
+    EXPECT_EQ((*rt)->residency().Get(pid)->pins[1], 0) << pid << " still pinned";
+    auto held = (*rt)->Acquire(pid, Tier::kHost);
+    ASSERT_TRUE(held.ok()) << held.status();
+    EXPECT_EQ(0, std::memcmp(*held, ref.p[i].data(), kParts[i].second * 4)) << pid;
+    ASSERT_TRUE((*rt)->Release(pid, Tier::kHost, false).ok());
+  }
+  // A sink partition that is not registered, or not of the optimizer partition's size.
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  swap::StepInput unknown{.id = 11};
+  unknown.copy_to_sink = true;
+  unknown.sink_target = 999;
+  EXPECT_THAT((*rt)->StageOptimizerStep(2, {unknown}).message(), HasSubstr("not registered"));
+  swap::StepInput wrong = unknown;
+  wrong.sink_target = 112;  // 12's parameter: 7001 elements, not 11's 5000
+  EXPECT_THAT((*rt)->StageOptimizerStep(2, {wrong}).message(),
+              HasSubstr("as many elements as the optimizer's partition"));
+  EXPECT_TRUE((*rt)->AbortOptimizerStep().empty());
+}
+
+// Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient//
 // Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient
 // partition that is not registered or not of the optimizer partition's size: each named.
 TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {
