@@ -51,6 +51,12 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       ((s_home == Tier::kNvme && (!rc.optimizer_commit_each || may_step_early)) ||
        (s_home == Tier::kHost && may_step_early));
 
+  // Parameters with no host copy (mem.weights_from_master) take their new weights from the
+  // committed master weights, read back after the step; with strata.optimizer_commit "partition"
+  // and the step after backward, the optimizer's thread writes them into their partitions as
+  // each state lands instead (the front's CopySink), reading nothing back.
+  const bool read_back = mem.weights_from_master && !(rc.optimizer_commit_each && !during_backward);
+
   StepModel out;
   // Budgets.
   double device_homed = 0;
@@ -168,8 +174,8 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       cpu.accesses = {{S(u), Tier::kHost, true}, {G(u), Tier::kHost, false}};
       if (accumulate) cpu.accesses.push_back({A(u), Tier::kHost, false});
       // The new weights, into the parameters' host copies (taken from the master weights after
-      // the commit instead when mem.weights_from_master: below).
-      if (!mem.weights_from_master) cpu.accesses.push_back({P(u), Tier::kHost, true});
+      // the commit instead when they are read back: below).
+      if (!read_back) cpu.accesses.push_back({P(u), Tier::kHost, true});
       cpu.compute_s = cpu_opt(u);
       std::vector<Group>& into = during_backward ? tr.groups : after_backward;
       if (!during_backward) cpu.phase = kOptimizer;
@@ -187,7 +193,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   }
   // After backward, on the CPU optimizer's lane: the step (and the next forward) waits for it.
   tr.groups.insert(tr.groups.end(), after_backward.begin(), after_backward.end());
-  if (offloaded_opt && mem.weights_from_master) {
+  if (offloaded_opt && read_back) {
     // After the commit, each parameter's committed state read back whole and its new weights
     // written to its partition, one at a time (the front's _refresh_weights).
     for (int64_t u = units - 1; u >= 0; --u) {

@@ -528,14 +528,15 @@ TEST(PlanTimeTest, ParametersOnNvmeTakeTheirNewWeightsFromTheMasterWeightsBeyond
   const Hardware hw = *HardwareFromJson(A100());
   const double psi = static_cast<double>(m.TotalParams());
   const double small = static_cast<double>(m.layers) * (m.LayerParams() - m.LayerMatrixParams());
-  auto plan = [&](double max_in_cpu) {
+  auto plan = [&](double max_in_cpu, const char* commit = "step", double clipping = 0) {
     Json c = {
         {"bf16", {{"enabled", true}}},
+        {"gradient_clipping", clipping},
         {"zero_optimization",
          {{"stage", 3},
           {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}, {"max_in_cpu", max_in_cpu}}},
           {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}},
-        {"strata", {{"host_budget_bytes", 64e9}}}};
+        {"strata", {{"host_budget_bytes", 64e9}, {"optimizer_commit", commit}}}};
     const Training t = Config(c);
     auto mem = PlanMemory(m, hw, t);
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -555,6 +556,11 @@ TEST(PlanTimeTest, ParametersOnNvmeTakeTheirNewWeightsFromTheMasterWeightsBeyond
   EXPECT_NEAR(streamed.bytes[kNvmeRead] - kept.bytes[kNvmeRead], 12 * psi, 0.02 * 12 * psi);
   EXPECT_GE(streamed.bytes[kNvmeWrite], 12 * psi);
   EXPECT_GT(streamed.step_s, kept.step_s);
+  // strata.optimizer_commit "partition" with the step after backward (clipping): the optimizer's
+  // thread writes the new weights into their partitions as each state lands; nothing read back.
+  const auto [each_mem, each] = plan(1e9, "partition", 1.0);
+  EXPECT_TRUE(each_mem.weights_from_master);
+  EXPECT_LT(each.bytes[kNvmeRead], streamed.bytes[kNvmeRead] - 10 * psi);
 }
 
 // The optimizer's state in host memory steps after backward, as the trainer's front does it by
