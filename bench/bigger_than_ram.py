@@ -463,11 +463,11 @@ def main():
             ds_steady = [s for s in ds["steps"] if s["step"] > 1] or ds["steps"]
             ds_step = sorted(s["seconds"] for s in ds_steady)[len(ds_steady) // 2]
             ds_peak = max(s["peak_rss"] for s in ds["steps"])
-            agree = max(abs(ds["losses"][k] - a["losses"][k]) for k in a["losses"])
             print(f"bigger_than_ram/deepspeed: strata {ds_step / step_s:.2f}x DeepSpeed's step "
                   f"rate ({step_s:.1f} s vs {ds_step:.1f} s); peak RSS {peak / GIB:.2f} vs "
-                  f"{ds_peak / GIB:.2f} GiB ({peak / ds_peak:.2f}x); the losses differ by at most "
-                  f"{agree:.2e}")
+                  f"{ds_peak / GIB:.2f} GiB ({peak / ds_peak:.2f}x); losses not comparable: each "
+                  "system initializes the weights its own way under its init context (strata "
+                  f"{a['losses']['1']:.4f}, DeepSpeed {ds['losses']['1']:.4f} at step 1)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
