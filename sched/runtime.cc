@@ -1411,14 +1411,32 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
   }
   swap::PipelinedOptimizerSwapper::CopySink sink;
   if (sinks) {
-    sink.get = [this](PartitionId, PartitionId target) -> absl::StatusOr<void*> {
+    sink.get = [this](PartitionId id, PartitionId target) -> absl::StatusOr<void*> {
       absl::StatusOr<std::byte*> p = Acquire(target, Tier::kHost, Access::kOutOfTrace);
-      if (!p.ok()) return p.status();
-      return static_cast<void*>(*p);
+      absl::Status refused = p.status();
+      if (p.ok()) {
+        // A copy pinned in the device tier (the parameter still lent) could not go stale under
+        // its holder when this one is written: the copy is not placed, and the caller writes it
+        // when it is free (nothing was written: released clean).
+        bool lent = false;
+        {
+          MutexLock lock(&mu_);
+          absl::StatusOr<Residency> r = table_->Get(target);
+          lent = r.ok() && r->pins[I(Tier::kDevice)] > 0;
+        }
+        if (!lent) return static_cast<void*>(*p);
+        Release(target, Tier::kHost, false, nullptr, Access::kOutOfTrace).IgnoreError();
+        refused = absl::FailedPreconditionError("it is lent to the device");
+      }
+      Warn(absl::StrCat("optimizer step: the new weights of ", id, " were not written into ",
+                        "partition ", target, " as its state landed (", refused.message(),
+                        "): the trainer writes them after the step"));
+      return refused;
     };
     sink.done = [this](PartitionId id, PartitionId target) {
-      // Pinned by this thread and written: the release cannot fail but by a bug; the weights are
-      // then counted as not placed, for the caller to write them again.
+      // Pinned by this thread, checked not lent, and written: the release cannot fail but by a
+      // bug (another holder pinning the device copy meanwhile); the weights are then counted as
+      // not placed, for the caller to write them again.
       absl::Status s = Release(target, Tier::kHost, true, nullptr, Access::kOutOfTrace);
       if (!s.ok()) {
         Warn(absl::StrCat("optimizer step: releasing partition ", target, " written with ", id,

@@ -294,7 +294,13 @@ std::vector<swap::StepInput> StepInputs(const py::list& inputs, bool grad_option
       s.grad = keep->back().data;
       s.grad_dtype = keep->back().dtype;
     }
-    if (grad_optional && py::isinstance<py::int_>(triple[2])) {
+    if (grad_optional && py::isinstance<py::int_>(triple[2]) &&
+        !py::isinstance<py::bool_>(triple[2])) {
+      if (triple[2].cast<int64_t>() < 0) {
+        Raise(absl::InvalidArgumentError(
+            absl::StrCat("the param copy of ", s.id, " names partition ", triple[2].cast<int64_t>(),
+                         "; accepted: a partition id (0 or more)")));
+      }
       // A partition id: the new weights go into that partition once the state has landed
       // (optimizer_commit "partition"; sched::Runtime::StageOptimizerStep).
       s.copy_to_sink = true;

@@ -308,11 +308,11 @@ class Step:
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
         the step counts advance and the loss scale follows (an overflow skips the step)."""
         r = self.runtime.commit_optimizer_step()
-        copied = set(self.runtime.take_copied_partitions())  # their weights written already
         if r["overflow"]:  # nothing was changed
             self._end_staged(committed=False)
             self._update_scale(overflow=True)
             return False, {"overflow": True, "grad_norm": None}
+        copied = set(self.runtime.take_copied_partitions())  # their weights written already
         entries = list(self._staged.entries)
         early = self._staged.early
         for e in entries:

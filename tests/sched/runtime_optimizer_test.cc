@@ -509,7 +509,53 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   EXPECT_TRUE((*rt)->AbortOptimizerStep().empty());
 }
 
-// Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient//
+// A parameter still lent to the device (pinned there) when its state lands: writing its host copy
+// could not make the device copy stale under its holder, so the sink leaves it alone (not in
+// TakeCopiedPartitions, for the caller to write later); no pin is left behind and every current
+// copy keeps the old bytes.
+TEST(RuntimeOptimizerTest, ASinkPartitionLentToTheDeviceIsLeftForTheCallerWithNoPinBehind) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.host_budget_bytes += 64 * kSlot;
+  config.device_budget_bytes += 64 * kSlot;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Reference ref;
+  const auto grads = Grads(1);
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  const std::vector<float> old(kParts[1].second, 7.0f);  // 12's parameter: 7s
+  for (const auto& [id, n] : kParts) {
+    tiering::PartitionDesc d = Desc(id + 100, n * 4);
+    d.dtype = tiering::ElementType::kF32;
+    absl::Span<const std::byte> initial;
+    if (id == 12) initial = {reinterpret_cast<const std::byte*>(old.data()), n * 4};
+    ASSERT_TRUE((*rt)->Register(d, Tier::kHost, initial).ok());
+  }
+  auto lent = (*rt)->Acquire(112, Tier::kDevice);  // the trainer still holds it
+  ASSERT_TRUE(lent.ok()) << lent.status();
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    swap::StepInput in{.id = id};
+    in.copy_to_sink = true;
+    in.sink_target = id + 100;
+    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {in}).ok());
+  }
+  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);  // the step stands
+  std::vector<PartitionId> copied = (*rt)->TakeCopiedPartitions();
+  std::sort(copied.begin(), copied.end());
+  EXPECT_THAT(copied, ElementsAre(11, 13));
+  EXPECT_EQ((*rt)->residency().Get(112)->pins[1], 0) << "a host pin left behind";
+  ASSERT_TRUE((*rt)->Release(112, Tier::kDevice, false).ok());
+  auto held = (*rt)->Acquire(112, Tier::kHost);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(0, std::memcmp(*held, old.data(), old.size() * 4)) << "the old weights, untouched";
+  ASSERT_TRUE((*rt)->Release(112, Tier::kHost, false).ok());
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
 // Begin twice, Stage or Commit with none open, a staged step beside OptimizerStep, a gradient
 // partition that is not registered or not of the optimizer partition's size: each named.
 TEST(RuntimeOptimizerTest, StagedStepMisuseIsNamed) {
