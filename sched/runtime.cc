@@ -1346,6 +1346,31 @@ absl::Status Runtime::BeginOptimizerStep(bool host_early) {
   return optimizer_->Begin(copy_staging_room_, host_early);
 }
 
+absl::StatusOr<optim_cpu::DType> Runtime::StepPartitionDtype(PartitionId partition,
+                                                             PartitionId optimizer_id,
+                                                             const std::string& what,
+                                                             absl::string_view hint) {
+  absl::StatusOr<Residency> r;
+  {
+    MutexLock lock(&mu_);
+    r = table_->Get(partition);
+  }
+  if (!r.ok()) return absl::NotFoundError(absl::StrCat(what, " is not registered", hint));
+  const tiering::PartitionDesc& d = r->desc;
+  absl::StatusOr<uint64_t> elements = optimizer_->elements(optimizer_id);
+  if (d.dtype == tiering::ElementType::kOther || !elements.ok() || d.elements != *elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " holds ", d.elements, " elements of dtype ", static_cast<int>(d.dtype),
+        "; accepted: float32, bfloat16 or float16, as many elements as the optimizer's "
+        "partition (",
+        elements.ok() ? absl::StrCat(*elements) : "none", ")"));
+  }
+  static_assert(
+      static_cast<int>(tiering::ElementType::kBF16) == static_cast<int>(optim_cpu::DType::kBF16) &&
+      static_cast<int>(tiering::ElementType::kF16) == static_cast<int>(optim_cpu::DType::kF16));
+  return static_cast<optim_cpu::DType>(d.dtype);
+}
+
 absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                          const optim_cpu::StepOptions& options) {
   MutexLock lock(&optimizer_mu_);
@@ -1359,55 +1384,22 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
   // optimizer partition's (checked here, before anything is staged).
   for (swap::StepInput& in : inputs) {
     if (in.grad != nullptr) continue;
-    absl::StatusOr<Residency> r;
-    {
-      MutexLock lock(&mu_);
-      r = table_->Get(in.id);
-    }
-    const std::string what = absl::StrCat("optimizer step ", t, ": the gradient partition ", in.id);
-    if (!r.ok()) {
-      return absl::NotFoundError(absl::StrCat(what,
-                                              " is not registered (an input with no "
-                                              "gradient address steps from it)"));
-    }
-    const tiering::PartitionDesc& d = r->desc;
-    absl::StatusOr<uint64_t> elements = optimizer_->elements(in.id);
-    if (d.dtype == tiering::ElementType::kOther || !elements.ok() || d.elements != *elements) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " holds ", d.elements, " elements of dtype ", static_cast<int>(d.dtype),
-          "; accepted: float32, bfloat16 or float16, as many elements as the optimizer's "
-          "partition (",
-          elements.ok() ? absl::StrCat(*elements) : "none", ")"));
-    }
-    static_assert(static_cast<int>(tiering::ElementType::kBF16) ==
-                      static_cast<int>(optim_cpu::DType::kBF16) &&
-                  static_cast<int>(tiering::ElementType::kF16) ==
-                      static_cast<int>(optim_cpu::DType::kF16));
-    in.grad_dtype = static_cast<optim_cpu::DType>(d.dtype);
+    STRATA_ASSIGN_OR_RETURN(
+        in.grad_dtype,
+        StepPartitionDtype(in.id, in.id,
+                           absl::StrCat("optimizer step ", t, ": the gradient partition ", in.id),
+                           " (an input with no gradient address steps from it)"));
   }
   // A partition to take an input's new weights: its elements, its dtype the copy's.
   bool sinks = false;
   for (swap::StepInput& in : inputs) {
     if (!in.copy_to_sink) continue;
     sinks = true;
-    absl::StatusOr<Residency> r;
-    {
-      MutexLock lock(&mu_);
-      r = table_->Get(in.sink_target);
-    }
-    const std::string what = absl::StrCat("optimizer step ", t, ": partition ", in.sink_target,
-                                          " (to take ", in.id, "'s new weights)");
-    if (!r.ok()) return absl::NotFoundError(absl::StrCat(what, " is not registered"));
-    const tiering::PartitionDesc& d = r->desc;
-    absl::StatusOr<uint64_t> elements = optimizer_->elements(in.id);
-    if (d.dtype == tiering::ElementType::kOther || !elements.ok() || d.elements != *elements) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, " holds ", d.elements, " elements of dtype ", static_cast<int>(d.dtype),
-          "; accepted: float32, bfloat16 or float16, as many elements as the optimizer's "
-          "partition (",
-          elements.ok() ? absl::StrCat(*elements) : "none", ")"));
-    }
-    in.copy_dtype = static_cast<optim_cpu::DType>(d.dtype);
+    STRATA_ASSIGN_OR_RETURN(
+        in.copy_dtype,
+        StepPartitionDtype(in.sink_target, in.id,
+                           absl::StrCat("optimizer step ", t, ": partition ", in.sink_target,
+                                        " (to take ", in.id, "'s new weights)")));
   }
   swap::PipelinedOptimizerSwapper::CopySink sink;
   if (sinks) {

@@ -394,6 +394,14 @@ class Runtime {
   // Releases the gradients the optimizer's thread acquired for a staged step and still holds
   // (`only`: that one, if held: called on the optimizer's thread once its partition has stepped).
   void ReleaseStagedGradients(std::optional<PartitionId> only = std::nullopt);
+  // The dtype of `partition`, registered with as many 16- or 32-bit elements as the optimizer's
+  // partition `optimizer_id` (a step's gradient or copy target); else why not, after `what`
+  // (`hint` follows "is not registered").
+  absl::StatusOr<optim_cpu::DType> StepPartitionDtype(PartitionId partition,
+                                                      PartitionId optimizer_id,
+                                                      const std::string& what,
+                                                      absl::string_view hint = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(optimizer_mu_);
   // Begins (making room when needed), carries and ends one move, unlocking mu_ while bytes move.
   // `raced` is set (and Aborted returned) when another thread moved the partition while room was
   // made: the caller looks again. A fill (from == to) makes zeros unless not `zeros`.
