@@ -38,32 +38,40 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
+from vs_deepspeed import io_bytes, status_kib  # noqa: E402 (the /proc figures, read alike)
 
 GIB = 1 << 30
 
 
 def status_bytes(key):
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def io_bytes():
-    """(read_bytes, write_bytes) this process made the block layer read and write."""
-    out = {}
-    with open("/proc/self/io", encoding="utf-8") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k] = int(v)
-    return out["read_bytes"], out["write_bytes"]
+    """A /proc/self/status field (VmHWM, VmRSS) in bytes."""
+    return status_kib(key) * 1024
 
 
 def reset_peak():
     """Resets VmHWM to the current resident size (Linux: clear_refs 5)."""
     with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
         f.write("5")
+
+
+def timed_step(engine, loss_of, tokens, step, name):
+    """One training step of `engine` on `tokens` (inputs and next-token targets), its figures:
+    (loss, {"step", "seconds", "read", "written", "peak_rss"}), printed as `name` step N."""
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    reset_peak()
+    r0, w0 = io_bytes()
+    t0 = time.perf_counter()
+    loss = loss_of(engine, x, y)
+    engine.backward(loss)
+    engine.step()
+    seconds = time.perf_counter() - t0
+    r1, w1 = io_bytes()
+    record = {"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
+              "peak_rss": status_bytes("VmHWM")}
+    print(f"{name}step {step}: loss {loss.item():.6f}, {seconds:.1f} s, read "
+          f"{(r1 - r0) / GIB:.1f} GiB, written {(w1 - w0) / GIB:.1f} GiB, peak RSS "
+          f"{record['peak_rss'] / GIB:.2f} GiB", flush=True)
+    return loss.item(), record
 
 
 def shape(args):
@@ -146,7 +154,7 @@ def preflight(args, params, largest):
 
 
 CHILD = r"""
-import json, sys, threading, time
+import json, sys, time
 sys.path.insert(0, {examples!r})
 sys.path.insert(0, {bench!r})
 import torch
@@ -175,23 +183,9 @@ if args["resume"]:
     out["load_s"] = time.perf_counter() - t0
     first = engine.global_steps + 1
 for step in range(first, args["steps"] + 1):
-    tokens = data[step - 1]
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    b.reset_peak()
-    r0, w0 = b.io_bytes()
-    t0 = time.perf_counter()
-    loss = loss_of(engine, x, y)
-    engine.backward(loss)
-    engine.step()
-    seconds = time.perf_counter() - t0
-    r1, w1 = b.io_bytes()
-    out["losses"][str(step)] = loss.item()
-    out["steps"].append({{"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
-                         "peak_rss": b.status_bytes("VmHWM"),
-                         "stepped": engine.last_step_stats["stepped"]}})
-    print(f"step {{step}}: loss {{loss.item():.6f}}, {{seconds:.1f}} s, read "
-          f"{{(r1 - r0) / 2**30:.1f}} GiB, written {{(w1 - w0) / 2**30:.1f}} GiB, peak RSS "
-          f"{{b.status_bytes('VmHWM') / 2**30:.2f}} GiB", flush=True)
+    out["losses"][str(step)], record = b.timed_step(engine, loss_of, data[step - 1], step, "")
+    record["stepped"] = engine.last_step_stats["stepped"]
+    out["steps"].append(record)
     if step == args["save_after"] and not args["resume"]:
         b.reset_peak()
         t0 = time.perf_counter()
@@ -234,22 +228,9 @@ engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.param
                                        config=config)
 out["build_s"] = time.perf_counter() - t0
 for step in range(1, args["steps"] + 1):
-    tokens = data[step - 1]
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    b.reset_peak()
-    r0, w0 = b.io_bytes()
-    t0 = time.perf_counter()
-    loss = loss_of(engine, x, y)
-    engine.backward(loss)
-    engine.step()
-    seconds = time.perf_counter() - t0
-    r1, w1 = b.io_bytes()
-    out["losses"][str(step)] = loss.item()
-    out["steps"].append({{"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
-                         "peak_rss": b.status_bytes("VmHWM")}})
-    print(f"deepspeed step {{step}}: loss {{loss.item():.6f}}, {{seconds:.1f}} s, read "
-          f"{{(r1 - r0) / 2**30:.1f}} GiB, written {{(w1 - w0) / 2**30:.1f}} GiB, peak RSS "
-          f"{{b.status_bytes('VmHWM') / 2**30:.2f}} GiB", flush=True)
+    out["losses"][str(step)], record = b.timed_step(engine, loss_of, data[step - 1], step,
+                                                    "deepspeed ")
+    out["steps"].append(record)
 with open(args["result"], "w") as f:
     json.dump(out, f)
 """
