@@ -14,7 +14,7 @@ from strata import engine_state
 
 sys.path.insert(0, os.path.dirname(__file__))
 from references import assert_computes_as  # noqa: E402
-from test_engine import VOCAB, WIDTH, Net, batches, loss_of, make_config  # noqa: E402
+from test_engine import VOCAB, WIDTH, Net, batches, loss_of, make_config, train  # noqa: E402
 
 
 def engine_for(tmp_path, offload, dtype, seed, name="run"):
@@ -46,16 +46,6 @@ def assert_refused_and_unchanged(engine, ckpt, match):
     assert engine.global_steps == steps
     for a, b in zip(before, state_of(engine)):
         assert torch.equal(a, b)
-
-
-def train(engine, data):
-    losses = []
-    for x, y in data:
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])

@@ -63,6 +63,33 @@ def make_config(tmp_path, stage, offload, dtype, accumulation=2, clipping=1.0):
     return config
 
 
+def train(engine, data):
+    """One step of `engine` per (x, y) in `data`; their losses."""
+    losses = []
+    for x, y in data:
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def faulty_runtimes(monkeypatch, error, skip=0):
+    """From now on the engines' Runtimes are made with writes failing with `error` once their
+    faults are armed (arm_faults), after `skip` writes; the list of those made."""
+    from strata import _strata
+    made = []
+    real_runtime = _strata.Runtime
+
+    def faulty_runtime(*args, **kwargs):
+        rt = real_runtime(*args, inject_write_error=error, inject_write_skip=skip, **kwargs)
+        made.append(rt)
+        return rt
+
+    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    return made
+
+
 class Reference(MixedPrecisionAdamW):
     """Plain torch: AdamW over fp32 master weights, with the model computing in `dtype`."""
 
@@ -436,16 +463,7 @@ def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
 def test_a_disk_that_fills_mid_step_ends_the_step_and_keeps_the_previous_state(tmp_path,
                                                                                monkeypatch):
     import errno
-    from strata import _strata
-    made = []
-    real_runtime = _strata.Runtime
-
-    def faulty_runtime(*args, **kwargs):
-        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, **kwargs)
-        made.append(rt)
-        return rt
-
-    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    made = faulty_runtimes(monkeypatch, errno.ENOSPC)
     config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
     data = list(batches(4))
@@ -497,18 +515,10 @@ class Checkpointed(torch.nn.Module):
         return self.net.l2(h)
 
 
-def _train_steps(config, data, engine_out=None):
+def _train_steps(config, data):
     torch.manual_seed(0)
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
-    if engine_out is not None:
-        engine_out.append(engine)
-    losses = []
-    for x, y in data:
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return engine, losses
+    return engine, train(engine, data)
 
 
 @pytest.mark.parametrize("stage, during, clipping", [(3, False, 1.0), (3, True, 0.0),
@@ -543,17 +553,7 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     `skip` writes): the partitions whose state had landed keep that step (their step counts say
     so, and a warning how many), the others do not, and training goes on from there."""
     import errno
-    from strata import _strata
-    made = []
-    real_runtime = _strata.Runtime
-
-    def faulty_runtime(*args, **kwargs):
-        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, inject_write_skip=skip,
-                          **kwargs)
-        made.append(rt)
-        return rt
-
-    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    made = faulty_runtimes(monkeypatch, errno.ENOSPC, skip=skip)
     config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=1.0)
     config["strata"]["optimizer_commit"] = "partition"
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
@@ -605,12 +605,7 @@ def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_th
         engine._refresh_weights = lambda entries: (read_back.append(  # (partitioned ones)
             [e.name for e in list(entries) + engine._pending_refresh if e.partitioned]),
             real(entries))
-        losses = []
-        for x, y in data:
-            loss = loss_of(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train(engine, data)
         results[commit] = (losses, [w.clone() for w in engine_weights(engine)],
                            sum(len(r) for r in read_back))
     (losses_a, weights_a, read_a), (losses_b, weights_b, read_b) = results.values()
@@ -637,16 +632,7 @@ def test_optimizer_commit_partition_a_load_that_fails_part_way_is_refused_until_
     stages nothing during backward (nothing lands on the mixed state), refuses step() and
     save_checkpoint naming why, and a whole load puts it right."""
     import errno
-    from strata import _strata
-    made = []
-    real_runtime = _strata.Runtime
-
-    def faulty_runtime(*args, **kwargs):
-        rt = real_runtime(*args, inject_write_error=errno.ENOSPC, inject_write_skip=2, **kwargs)
-        made.append(rt)
-        return rt
-
-    monkeypatch.setattr(strata.engine._strata, "Runtime", faulty_runtime)
+    made = faulty_runtimes(monkeypatch, errno.ENOSPC, skip=2)
     config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
     config["strata"].update(optimizer_commit="partition", optimizer_during_backward=True)
     torch.manual_seed(0)
