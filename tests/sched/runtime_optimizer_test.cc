@@ -453,6 +453,34 @@ TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepp
   ExpectState(**rt, ref);
 }
 
+// The parameters of kParts' optimizer partitions (fp32, ids 100 above) registered in `tier`
+// (`old`: 12's parameter's initial values, else none), then step 1 staged with each parameter as
+// its copy's sink and committed; the optimizer partitions whose weights were written there.
+std::vector<PartitionId> StepIntoParameterSinks(Runtime& rt, Tier tier,
+                                                const std::vector<float>* old = nullptr,
+                                                PartitionId lend = 0) {
+  for (const auto& [id, n] : kParts) {
+    tiering::PartitionDesc d = Desc(id + 100, n * 4);
+    d.dtype = tiering::ElementType::kF32;
+    absl::Span<const std::byte> initial;
+    if (id == 12 && old != nullptr)
+      initial = {reinterpret_cast<const std::byte*>(old->data()), n * 4};
+    EXPECT_TRUE(rt.Register(d, tier, initial).ok());
+  }
+  if (lend != 0) EXPECT_TRUE(rt.Acquire(lend, Tier::kDevice).ok());  // the trainer still holds it
+  EXPECT_TRUE(rt.BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    swap::StepInput in{.id = id};
+    in.copy_to_sink = true;
+    in.sink_target = id + 100;
+    EXPECT_TRUE(rt.StageOptimizerStep(1, {in}).ok());
+  }
+  EXPECT_TRUE(rt.CommitOptimizerStep().ok());
+  std::vector<PartitionId> copied = rt.TakeCopiedPartitions();
+  std::sort(copied.begin(), copied.end());
+  return copied;
+}
+
 // strata.optimizer_commit "partition": an input naming a parameter partition (homed on NVMe) as
 // its copy's sink gets its new weights written there by the optimizer's thread once its state has
 // landed, the partition released written (its host copy the latest: read back, it holds them);
@@ -469,24 +497,9 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   Reference ref;
   const auto grads = Grads(1);
   ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
-  for (const auto& [id, n] : kParts) {  // the parameters: fp32 here, ids 100 above
-    tiering::PartitionDesc d = Desc(id + 100, n * 4);
-    d.dtype = tiering::ElementType::kF32;
-    ASSERT_TRUE((*rt)->Register(d, Tier::kNvme).ok());
-  }
-  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
-  for (const auto& [id, n] : kParts) {
-    swap::StepInput in{.id = id};
-    in.copy_to_sink = true;
-    in.sink_target = id + 100;
-    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {in}).ok());
-  }
-  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kNvme), ElementsAre(11, 12, 13));
   ref.Step(1, grads);
   ExpectState(**rt, ref);
-  std::vector<PartitionId> copied = (*rt)->TakeCopiedPartitions();
-  std::sort(copied.begin(), copied.end());
-  EXPECT_THAT(copied, ElementsAre(11, 12, 13));
   EXPECT_TRUE((*rt)->TakeCopiedPartitions().empty());
   for (size_t i = 0; i < kParts.size(); ++i) {
     const PartitionId pid = kParts[i].first + 100;
@@ -525,28 +538,9 @@ TEST(RuntimeOptimizerTest, ASinkPartitionLentToTheDeviceIsLeftForTheCallerWithNo
   const auto grads = Grads(1);
   ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
   const std::vector<float> old(kParts[1].second, 7.0f);  // 12's parameter: 7s
-  for (const auto& [id, n] : kParts) {
-    tiering::PartitionDesc d = Desc(id + 100, n * 4);
-    d.dtype = tiering::ElementType::kF32;
-    absl::Span<const std::byte> initial;
-    if (id == 12) initial = {reinterpret_cast<const std::byte*>(old.data()), n * 4};
-    ASSERT_TRUE((*rt)->Register(d, Tier::kHost, initial).ok());
-  }
-  auto lent = (*rt)->Acquire(112, Tier::kDevice);  // the trainer still holds it
-  ASSERT_TRUE(lent.ok()) << lent.status();
-  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
-  for (const auto& [id, n] : kParts) {
-    swap::StepInput in{.id = id};
-    in.copy_to_sink = true;
-    in.sink_target = id + 100;
-    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {in}).ok());
-  }
-  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kHost, &old, /*lend=*/112), ElementsAre(11, 13));
   ref.Step(1, grads);
   ExpectState(**rt, ref);  // the step stands
-  std::vector<PartitionId> copied = (*rt)->TakeCopiedPartitions();
-  std::sort(copied.begin(), copied.end());
-  EXPECT_THAT(copied, ElementsAre(11, 13));
   EXPECT_EQ((*rt)->residency().Get(112)->pins[1], 0) << "a host pin left behind";
   ASSERT_TRUE((*rt)->Release(112, Tier::kDevice, false).ok());
   auto held = (*rt)->Acquire(112, Tier::kHost);

@@ -312,6 +312,17 @@ struct Fixture {
           << "exp_avg_sq of " << parts[i].first;
     }
   }
+  // Steps 1..`steps` with new gradients each, every one bitwise the reference's, copies too.
+  void StepMatchingTheReference(int64_t steps) {
+    for (int64_t t = 1; t <= steps; ++t) {
+      NewGrads(static_cast<int>(t));
+      auto r = swapper->Step(t, Inputs());
+      ASSERT_TRUE(r.ok()) << r.status();
+      StepReference(t);
+      ExpectMatchesReference();
+      ExpectCopiesMatchReference();
+    }
+  }
   void ExpectCopiesMatchReference() {
     for (size_t i = 0; i < parts.size(); ++i) {
       EXPECT_EQ(copies[i], ref.copy[i]) << "param_copy of " << parts[i].first;
@@ -324,14 +335,7 @@ class SwapperModes : public ::testing::TestWithParam<OptimizerSwapperConfig> {};
 TEST_P(SwapperModes, AStepOverNvmeStateIsBitwiseTheStepInMemory) {
   Fixture f(GetParam());
   const uint64_t max_blob = (65536 * 3 + 5) * 12;
-  for (int64_t t = 1; t <= 4; ++t) {
-    f.NewGrads(static_cast<int>(t));
-    auto r = f.swapper->Step(t, f.Inputs());
-    ASSERT_TRUE(r.ok()) << r.status();
-    f.StepReference(t);
-    f.ExpectMatchesReference();
-    f.ExpectCopiesMatchReference();
-  }
+  ASSERT_NO_FATAL_FAILURE(f.StepMatchingTheReference(4));
   // Pinned buffers: never more than the ring (three with pipelining unless set, one without), plus
   // the host-resident state, plus the staged param copies of the NVMe-resident partitions (bf16).
   uint64_t in_cpu = 0, on_nvme = 0;
@@ -1074,14 +1078,7 @@ TEST(SwapperCommitEachTest, StepsInAStoreWithRoomForOnePartitionMoreThanTheState
   for (bool pipelined : {true, false}) {
     SCOPED_TRACE(pipelined ? "pipelined" : "serial");
     Fixture f(CommitEach(pipelined, 0), kParts, 64 << 10, state + largest);
-    for (int64_t t = 1; t <= 3; ++t) {
-      f.NewGrads(static_cast<int>(t));
-      auto r = f.swapper->Step(t, f.Inputs());
-      ASSERT_TRUE(r.ok()) << r.status();
-      f.StepReference(t);
-      f.ExpectMatchesReference();
-      f.ExpectCopiesMatchReference();
-    }
+    ASSERT_NO_FATAL_FAILURE(f.StepMatchingTheReference(3));
     EXPECT_EQ(f.swapper->copy_staging_bytes(), 0u);  // the copies go out from the ring
   }
   // The same store without commit_each: the step's second copy does not fit.
