@@ -96,7 +96,19 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
             absl::StrCat("optimizer swapper: partition ", id, " does not fit in max_in_cpu (",
                          config.max_in_cpu_bytes, " bytes) and there is no NVMe store"));
       }
-      s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(elements));
+      const uint64_t g = config.sub_group_elements;
+      part.group = g > 0 && elements > g ? g : elements;
+      const uint64_t groups = (elements + part.group - 1) / part.group;
+      if (groups > 1 && (id >= (tiering::PartitionId{1} << kGroupShift) ||
+                         groups >= (uint64_t{1} << (63 - kGroupShift)))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer swapper: partition ", id, " of ", elements, " elements in ", groups,
+            " sub-groups of ", g, " (sub_group_elements); accepted when a partition is cut: ids "
+            "below 2^",
+            kGroupShift, " and fewer than 2^", 63 - kGroupShift, " sub-groups"));
+      }
+      part.groups = static_cast<uint32_t>(groups);
+      s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(part.group));
     }
     s->parts_.emplace(id, part);
   }
@@ -158,14 +170,24 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
                                                    part->elements, " elements, got ",
                                                    master.size()));
   }
-  float* state = part->host_state != nullptr ? part->host_state : buffers_.front();
-  std::memcpy(state, master.data(), master.size() * sizeof(float));
-  std::fill(state + part->elements, state + 2 * part->elements, initial_state);
-  std::memset(state + 2 * part->elements, 0, part->elements * sizeof(float));
-  if (part->host_state != nullptr) return absl::OkStatus();
+  auto fill = [&](float* state, uint64_t offset, uint64_t n) {
+    std::memcpy(state, master.data() + offset, n * sizeof(float));
+    std::fill(state + n, state + 2 * n, initial_state);
+    std::memset(state + 2 * n, 0, n * sizeof(float));
+  };
+  if (part->host_state != nullptr) {
+    fill(part->host_state, 0, part->elements);
+    return absl::OkStatus();
+  }
   std::unique_ptr<tiering::NvmeStore::Batch> batch = store_->NewBatch();
-  STRATA_RETURN_IF_ERROR(batch->Stage(StoreKey(id), Bytes(state, part->elements)));
-  return batch->Commit();
+  for (uint32_t j = 0; j < part->groups; ++j) {
+    const uint64_t n = part->GroupSize(j);
+    fill(buffers_.front(), part->GroupOffset(j), n);
+    STRATA_RETURN_IF_ERROR(batch->Stage(StoreKey(id, j), Bytes(buffers_.front(), n)));
+  }
+  STRATA_RETURN_IF_ERROR(batch->Commit());
+  partial_.erase(id);
+  return absl::OkStatus();
 }
 
 absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
@@ -178,22 +200,28 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
   WaitForEarlySteps();  // no host-resident state is read while it steps
-  // The committed state (a staged step changes nothing before its Commit). While one is staged
-  // the ring is the worker's: the blob is read into memory of its own.
-  const float* state = part->host_state;
-  std::unique_ptr<float[]> own;
-  if (state == nullptr) {
-    float* into = buffers_.front();
-    if (txn_ != nullptr) {
-      own = std::make_unique<float[]>(3 * n);
-      into = own.get();
-    }
-    STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id), MutableBytes(into, n)));
-    state = into;
+  auto out = [&](const float* state, uint64_t offset, uint64_t count) {
+    std::memcpy(master.data() + offset, state, count * sizeof(float));
+    std::memcpy(exp_avg.data() + offset, state + count, count * sizeof(float));
+    std::memcpy(exp_avg_sq.data() + offset, state + 2 * count, count * sizeof(float));
+  };
+  if (part->host_state != nullptr) {
+    out(part->host_state, 0, n);
+    return absl::OkStatus();
   }
-  std::memcpy(master.data(), state, n * sizeof(float));
-  std::memcpy(exp_avg.data(), state + n, n * sizeof(float));
-  std::memcpy(exp_avg_sq.data(), state + 2 * n, n * sizeof(float));
+  // The committed state (a staged step changes nothing before its Commit). While one is staged
+  // the ring is the worker's: each blob is read into memory of its own.
+  float* into = buffers_.front();
+  std::unique_ptr<float[]> own;
+  if (txn_ != nullptr) {
+    own = std::make_unique<float[]>(3 * part->group);
+    into = own.get();
+  }
+  for (uint32_t j = 0; j < part->groups; ++j) {
+    const uint64_t count = part->GroupSize(j);
+    STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id, j), MutableBytes(into, count)));
+    out(into, part->GroupOffset(j), count);
+  }
   return absl::OkStatus();
 }
 
@@ -213,14 +241,31 @@ absl::Status PipelinedOptimizerSwapper::ReserveCopyStaging(uint64_t bytes) {
 }
 
 struct PipelinedOptimizerSwapper::Txn {
+  // A copy_to_sink partition's target, asked of the sink once (at its first sub-group to land)
+  // and given back (done) once: by the write of its last sub-group, else when the worker ends.
+  // Its sub-groups' writes run one after another, so they take turns with it.
+  struct SinkHold {
+    void* to = nullptr;
+    bool asked = false;
+    bool done = false;
+  };
   struct Item {
     StepInput in;
     int64_t t = 0;
     optim_cpu::StepOptions options;
     const Part* part = nullptr;
+    // NVMe-resident: one sub-group of the partition (the whole of one not cut), and whether it
+    // is the last of the partition's staged in this step; host-resident: the whole partition.
+    uint32_t group = 0;
+    uint64_t offset = 0, count = 0;
+    bool last = true;
+    // Stepped already by a step that failed part way (commit_each): its param copy is remade
+    // from its state; nothing is stepped or written.
+    bool copy_only = false;
     std::byte* staged_copy = nullptr;  // NVMe-resident with a param_copy: where it is staged
     std::shared_ptr<const GradSource> source;  // for a null in.grad
     std::shared_ptr<const CopySink> sink;      // for in.copy_to_sink
+    std::shared_ptr<SinkHold> hold;            // likewise
   };
   Mutex mu;
   CondVar staged;  // an item was staged, or the transaction closed
@@ -248,7 +293,9 @@ struct PipelinedOptimizerSwapper::Txn {
   bool early_stopped ABSL_GUARDED_BY(mu) = false;  // it returned (closed, cancelled or failed)
   CondVar early_progress;                          // early_done or early_stopped changed
   std::vector<tiering::PartitionId> stepped_early;
-  // commit_each: the NVMe-resident partitions whose new state has landed (the worker's).
+  // commit_each: the sub-groups whose new state has landed (the worker's until it is joined),
+  // then (SettleLanded) the partitions whose every sub-group has, at their step.
+  std::vector<const Item*> landed_groups;
   std::vector<tiering::PartitionId> landed;
   absl::Status early_failure;
   double early_compute_s = 0;
@@ -439,6 +486,17 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
           "(nothing of this call was staged)"));
     }
   }
+  for (const StepInput& in : inputs) {
+    auto partial = partial_.find(in.id);
+    if (partial != partial_.end() && partial->second.t != t) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer step ", t, ": partition ", in.id, ": ",
+          std::count(partial->second.landed.begin(), partial->second.landed.end(), true), " of its ",
+          partial->second.landed.size(), " sub-groups stepped to step ", partial->second.t,
+          " already (a step that failed part way); accepted: step it at ", partial->second.t,
+          ", which steps the others (nothing of this call was staged)"));
+    }
+  }
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
   x.seen = std::move(seen);
   auto shared_source = source ? std::make_shared<const GradSource>(std::move(source)) : nullptr;
@@ -450,17 +508,39 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     item.t = t;
     item.options = options;
     item.part = parts[i];
+    item.count = parts[i]->elements;
     if (item.in.grad == nullptr) item.source = shared_source;
-    if (item.in.copy_to_sink) item.sink = shared_sink;
+    if (item.in.copy_to_sink) {
+      item.sink = shared_sink;
+      item.hold = std::make_shared<Txn::SinkHold>();
+    }
     if (parts[i]->host_state != nullptr) {
       (x.host_early ? early : x.host).push_back(std::move(item));
       continue;
     }
+    std::byte* staged_copy = nullptr;
+    const uint64_t copy_bytes = CopyBytes(item.in.copy_dtype);
     if (item.in.param_copy != nullptr && !config_.commit_each) {
-      item.staged_copy = copy_staging_ + x.copy_used;
-      x.copy_used += parts[i]->elements * CopyBytes(item.in.copy_dtype);
+      staged_copy = copy_staging_ + x.copy_used;
+      x.copy_used += parts[i]->elements * copy_bytes;
     }
-    nvme.push_back(std::move(item));
+    // One item a sub-group; one that stepped already (a step that failed part way) only remakes
+    // its param copy, when there is one to make.
+    auto partial = partial_.find(item.in.id);
+    const bool copied = item.in.param_copy != nullptr || item.in.copy_to_sink;
+    const size_t first = nvme.size();
+    for (uint32_t j = 0; j < parts[i]->groups; ++j) {
+      Txn::Item g = item;
+      g.group = j;
+      g.offset = parts[i]->GroupOffset(j);
+      g.count = parts[i]->GroupSize(j);
+      g.copy_only = partial != partial_.end() && partial->second.landed[j];
+      if (g.copy_only && !copied) continue;
+      g.last = false;
+      if (staged_copy != nullptr) g.staged_copy = staged_copy + g.offset * copy_bytes;
+      nvme.push_back(std::move(g));
+    }
+    if (nvme.size() > first) nvme.back().last = true;
   }
   if (!nvme.empty() || !early.empty()) {
     MutexLock lock(&x.mu);
@@ -531,7 +611,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   const size_t ring = buffers_.size();
   std::vector<std::future<Result>> reads;
   std::vector<std::shared_future<Result>> writes;
-  // The items seen so far (a deque's elements stay put; indexing it would race with Stage).
+  // The items seen so far (a deque's elements stay put; indexing it would race with Stage). An
+  // item is one sub-group of a partition (the whole of one not cut), a partition's in a row.
   std::vector<const Txn::Item*> items;
   // Item k (at most one past those seen): waits for it to be staged when `wait`; null when it is
   // not there (or will not come).
@@ -548,11 +629,12 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     if (reads.size() <= k) reads.resize(k + 1);
     float* buf = buffers_[k % ring];
     const tiering::PartitionId id = it.in.id;
-    const uint64_t n = it.part->elements;
-    auto work = [this, buf, id, n] {
+    const tiering::PartitionId key = StoreKey(id, it.group);
+    const uint64_t n = it.count;
+    auto work = [this, buf, id, key, n] {
       Emit(StepEvent::kReadStarted, id);
       const auto r0 = Clock::now();
-      absl::Status s = store_->Get(StoreKey(id), MutableBytes(buf, n));
+      absl::Status s = store_->Get(key, MutableBytes(buf, n));
       return Result(s, Since(r0));
     };
     if (config_.pipeline_read) {
@@ -569,38 +651,46 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   auto start_write = [&](size_t k, const Txn::Item& it) {
     if (writes.size() <= k) writes.resize(k + 1);
     float* buf = buffers_[k % ring];
-    const tiering::PartitionId id = it.in.id;
-    const uint64_t n = it.part->elements;
     std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
     // With commit_each, the param copy computed into this slot's copy buffer goes out once the
-    // state has landed.
+    // state has landed (a sub-group that had stepped already writes nothing: its copy goes out).
     std::byte* copy = config_.commit_each ? copy_buffers_[k % ring] : nullptr;
-    void* copy_to = copy != nullptr ? it.in.param_copy : nullptr;
-    const uint64_t copy_bytes = n * CopyBytes(it.in.copy_dtype);
-    const CopySink* sink = copy != nullptr && it.in.copy_to_sink ? it.sink.get() : nullptr;
-    const tiering::PartitionId target = it.in.sink_target;
+    const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
     // Writes are staged one after another (a Batch is used by one thread at a time; with
-    // commit_each, one Put at a time needs the store's room for one partition's second copy).
-    auto work = [this, buf, id, n, prev, b = x->batch.get(), copy, copy_to, copy_bytes, sink,
-                 target] {
+    // commit_each, one Put at a time needs the store's room for one sub-group's second copy).
+    auto work = [this, buf, &it, prev, b = x->batch.get(), copy, copy_bytes] {
       if (prev.valid()) prev.wait();
-      Emit(StepEvent::kWriteStarted, id);
+      const tiering::PartitionId id = it.in.id;
       const auto w0 = Clock::now();
-      absl::Status s = b != nullptr ? b->Stage(StoreKey(id), Bytes(buf, n))
-                                    : store_->Put(StoreKey(id), Bytes(buf, n));
-      if (s.ok() && copy_to != nullptr) std::memcpy(copy_to, copy, copy_bytes);
-      if (s.ok() && sink != nullptr) {  // landed: the copy goes where the sink says
-        absl::StatusOr<void*> to = sink->get(id, target);
-        if (to.ok() && *to != nullptr) {
-          std::memcpy(*to, copy, copy_bytes);
-          if (sink->done) sink->done(id, target);
+      absl::Status s;
+      if (!it.copy_only) {
+        Emit(StepEvent::kWriteStarted, id);
+        s = b != nullptr ? b->Stage(StoreKey(id, it.group), Bytes(buf, it.count))
+                         : store_->Put(StoreKey(id, it.group), Bytes(buf, it.count));
+      }
+      if (!s.ok() || copy == nullptr) return Result(s, Since(w0));
+      const uint64_t at = it.offset * copy_bytes;
+      if (it.in.param_copy != nullptr) {
+        std::memcpy(static_cast<std::byte*>(it.in.param_copy) + at, copy, it.count * copy_bytes);
+      }
+      if (it.hold != nullptr) {  // landed: the copy goes where the sink says
+        Txn::SinkHold& h = *it.hold;
+        if (!h.asked) {
+          h.asked = true;
+          absl::StatusOr<void*> to = it.sink->get(id, it.in.sink_target);
+          if (to.ok()) h.to = *to;
+        }
+        if (h.to != nullptr) {
+          std::memcpy(static_cast<std::byte*>(h.to) + at, copy, it.count * copy_bytes);
+          if (it.last && it.sink->done) it.sink->done(id, it.in.sink_target);
+          h.done = it.last;
         }
       }
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {
       writes[k] = std::async(std::launch::async, work).share();
-      Emit(StepEvent::kWriteLaunched, id);
+      Emit(StepEvent::kWriteLaunched, it.in.id);
     } else {
       writes[k] = std::async(std::launch::deferred, work).share();
       await_write(k);
@@ -616,6 +706,15 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     start_read(k, it);
     return true;
+  };
+  // A gradient from the source, held from the first of its partition's sub-groups that steps
+  // until the last has (then let go: the caller may let each gradient go while the rest step).
+  const void* held = nullptr;
+  tiering::PartitionId held_id = 0;
+  const GradSource* held_source = nullptr;
+  auto let_go = [&] {
+    if (held != nullptr && held_source->done) held_source->done(held_id);
+    held = nullptr;
   };
   size_t k = 0;
   for (;; ++k) {
@@ -635,49 +734,65 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       x->failure = read_status;
       break;
     }
-    report.bytes_read += StateBytes(it->part->elements);
-    const void* grad = it->in.grad;
-    // A gradient from the source is let go as soon as this partition no longer reads it.
-    auto let_go = [it] {
-      if (it->in.grad == nullptr && it->source->done) it->source->done(it->in.id);
-    };
-    if (grad == nullptr) {
-      absl::StatusOr<const void*> got = it->source->get(it->in.id);
-      if (!got.ok() || *got == nullptr) {
-        if (got.ok()) let_go();
-        x->failure =
-            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status();
-        x->failure = Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
-        break;
-      }
-      grad = *got;
-    }
-    if (it->options.check_overflow &&
-        optimizer_->HasNonFinite(grad, it->in.grad_dtype, it->part->elements)) {
-      let_go();
-      x->overflow = true;
-      break;
-    }
-    Emit(StepEvent::kStepStarted, it->in.id);
-    optim_cpu::AdamChunk c;
+    report.bytes_read += StateBytes(it->count);
     float* state = buffers_[k % ring];
-    const uint64_t n = it->part->elements;
+    const uint64_t n = it->count;
+    optim_cpu::AdamChunk c;
     c.param = state;
     c.exp_avg = state + n;
     c.exp_avg_sq = state + 2 * n;
-    c.grad = grad;
     c.grad_dtype = it->in.grad_dtype;
+    optim_cpu::StepOptions options = it->options;
+    options.check_overflow = false;
+    if (it->copy_only) {
+      // Its master weights as they are, copied by the optimizer's own conversion: a step of
+      // rate 0 and no decay over a zero gradient (the second moment's slot, zeroed: the moments
+      // change in the ring only, never written).
+      std::memset(state + 2 * n, 0, n * sizeof(float));
+      c.grad = state + 2 * n;
+      c.grad_dtype = optim_cpu::DType::kF32;
+      options.lr = 0;
+      options.weight_decay = 0;
+      options.grad_scale = 1;
+    } else {
+      if (it->in.grad != nullptr) {
+        c.grad = it->in.grad;
+      } else {
+        if (held == nullptr || held_id != it->in.id) {
+          let_go();
+          absl::StatusOr<const void*> got = it->source->get(it->in.id);
+          if (!got.ok() || *got == nullptr) {
+            if (got.ok() && it->source->done) it->source->done(it->in.id);
+            x->failure = got.ok() ? absl::InternalError("the gradient source gave no address")
+                                  : got.status();
+            x->failure =
+                Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
+            break;
+          }
+          held = *got;
+          held_id = it->in.id;
+          held_source = it->source.get();
+        }
+        c.grad = held;
+      }
+      c.grad = static_cast<const std::byte*>(c.grad) +
+               it->offset * (it->in.grad_dtype == optim_cpu::DType::kF32 ? 4 : 2);
+      if (it->options.check_overflow &&
+          optimizer_->HasNonFinite(c.grad, it->in.grad_dtype, n)) {
+        x->overflow = true;
+        break;
+      }
+    }
+    Emit(StepEvent::kStepStarted, it->in.id);
     c.param_copy = config_.commit_each && (it->in.param_copy != nullptr || it->in.copy_to_sink)
                        ? copy_buffers_[k % ring]
                        : it->staged_copy;
     c.copy_dtype = it->in.copy_dtype;
     c.size = n;
-    optim_cpu::StepOptions options = it->options;
-    options.check_overflow = false;
     const auto c0 = Clock::now();
     absl::Status stepped = optimizer_->Step(it->t, c, options).status();
     report.compute_seconds += Since(c0);
-    let_go();
+    if (it->last && held_id == it->in.id) let_go();
     Emit(StepEvent::kStepFinished, it->in.id);
     if (!stepped.ok()) {
       x->failure = stepped;
@@ -685,6 +800,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     start_write(k, *it);
   }
+  let_go();
   // Wait for everything in flight before deciding (no I/O may outlive the transaction).
   for (size_t j = 0; j < std::max(reads.size(), writes.size()); ++j) {
     // A deferred read that was never needed is not run.
@@ -697,13 +813,40 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       const Result& w = await_write(j);
       report.write_seconds += w.second;
       if (w.first.ok()) {
-        report.bytes_written += StateBytes(items[j]->part->elements);
-        if (config_.commit_each) x->landed.push_back(items[j]->in.id);
+        if (!items[j]->copy_only) {
+          report.bytes_written += StateBytes(items[j]->count);
+          if (config_.commit_each) x->landed_groups.push_back(items[j]);
+        }
       } else if (x->failure.ok()) {
         x->failure = w.first;
       }
     }
   }
+  // A target asked for and not given back (its partition's last sub-group did not land, or was
+  // not reached) is given back now, with what landed of it.
+  for (const Txn::Item* it : items) {
+    if (it->hold != nullptr && it->hold->to != nullptr && !it->hold->done) {
+      it->hold->done = true;
+      if (it->sink->done) it->sink->done(it->in.id, it->in.sink_target);
+    }
+  }
+}
+
+void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
+  for (const Txn::Item* it : x->landed_groups) {
+    auto [p, added] = partial_.try_emplace(it->in.id);
+    if (added) {
+      p->second.t = it->t;
+      p->second.landed.assign(it->part->groups, false);
+    }
+    p->second.landed[it->group] = true;
+    if (std::find(p->second.landed.begin(), p->second.landed.end(), false) ==
+        p->second.landed.end()) {
+      x->landed.push_back(it->in.id);
+      partial_.erase(p);
+    }
+  }
+  x->landed_groups.clear();
 }
 
 std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
@@ -715,6 +858,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   }
   if (txn_->worker.joinable()) txn_->worker.join();
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
+  SettleLanded(txn_.get());
   if (txn_->batch) txn_->batch->Abort();
   std::vector<tiering::PartitionId> stepped = std::move(txn_->stepped_early);
   stepped.insert(stepped.end(), txn_->landed.begin(), txn_->landed.end());
@@ -735,6 +879,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   if (txn_->worker.joinable()) txn_->worker.join();
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
   std::unique_ptr<Txn> x = std::move(txn_);
+  SettleLanded(x.get());
   const int64_t t = x->first_t;
   x->report.compute_seconds += x->early_compute_s;
   // What had stepped (host_early) or landed (commit_each) stays so: a failure from here on says
@@ -821,8 +966,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   // such).
   for (const Txn::Item& it : x->nvme) {
     if (it.staged_copy != nullptr) {
-      std::memcpy(it.in.param_copy, it.staged_copy,
-                  it.part->elements * CopyBytes(it.in.copy_dtype));
+      const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
+      std::memcpy(static_cast<std::byte*>(it.in.param_copy) + it.offset * copy_bytes,
+                  it.staged_copy, it.count * copy_bytes);
     }
   }
   for (size_t i = 0; i < x->host.size(); ++i) {
@@ -865,7 +1011,11 @@ absl::Status PipelinedOptimizerSwapper::Load(tiering::PartitionId id,
         absl::StrCat("optimizer swapper: load partition ", id, ": it has ", n, " elements, given ",
                      master.size(), ", ", exp_avg.size(), " and ", exp_avg_sq.size()));
   }
-  float* into = buffers_.empty() ? nullptr : buffers_.front();
+  auto fill = [&](float* into, uint64_t offset, uint64_t count) {
+    std::memcpy(into, master.data() + offset, count * sizeof(float));
+    std::memcpy(into + count, exp_avg.data() + offset, count * sizeof(float));
+    std::memcpy(into + 2 * count, exp_avg_sq.data() + offset, count * sizeof(float));
+  };
   if (part->host_state != nullptr) {
     auto held = std::find_if(loading_->host.begin(), loading_->host.end(),
                              [part](const auto& h) { return h.first == part; });
@@ -874,14 +1024,22 @@ absl::Status PipelinedOptimizerSwapper::Load(tiering::PartitionId id,
       loading_->host.emplace_back(part, static_cast<float*>(p));
       held = loading_->host.end() - 1;
     }
-    into = held->second;
+    fill(held->second, 0, n);
+    return absl::OkStatus();
   }
-  std::memcpy(into, master.data(), n * sizeof(float));
-  std::memcpy(into + n, exp_avg.data(), n * sizeof(float));
-  std::memcpy(into + 2 * n, exp_avg_sq.data(), n * sizeof(float));
-  if (part->host_state != nullptr) return absl::OkStatus();
-  if (loading_->batch == nullptr) return store_->Put(StoreKey(id), Bytes(into, n));  // commit_each
-  return loading_->batch->Stage(StoreKey(id), Bytes(into, n));
+  for (uint32_t j = 0; j < part->groups; ++j) {
+    const uint64_t count = part->GroupSize(j);
+    float* into = buffers_.front();
+    fill(into, part->GroupOffset(j), count);
+    if (loading_->batch == nullptr) {  // commit_each: in place of the old at once
+      STRATA_RETURN_IF_ERROR(store_->Put(StoreKey(id, j), Bytes(into, count)));
+      partial_.erase(id);  // what a failed step left is being replaced
+    } else {
+      STRATA_RETURN_IF_ERROR(loading_->batch->Stage(StoreKey(id, j), Bytes(into, count)));
+    }
+  }
+  if (loading_->batch != nullptr) loading_->loaded.push_back(id);
+  return absl::OkStatus();
 }
 
 absl::Status PipelinedOptimizerSwapper::CommitLoad() {
@@ -890,6 +1048,9 @@ absl::Status PipelinedOptimizerSwapper::CommitLoad() {
   }
   std::unique_ptr<Loading> l = std::move(loading_);
   absl::Status committed = l->batch != nullptr ? l->batch->Commit() : absl::OkStatus();
+  if (committed.ok()) {
+    for (tiering::PartitionId id : l->loaded) partial_.erase(id);
+  }
   for (const auto& [part, state] : l->host) {
     if (committed.ok()) std::memcpy(part->host_state, state, StateBytes(part->elements));
     host_->Deallocate(state, StateBytes(part->elements));

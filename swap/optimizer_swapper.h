@@ -51,6 +51,7 @@
 #ifndef STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -104,6 +105,19 @@ struct OptimizerSwapperConfig {
   // Loads likewise: Load writes each NVMe-resident partition at once; AbortLoad undoes only the
   // host-resident ones (see BeginLoad).
   bool commit_each = false;
+  // The state of an NVMe-resident partition larger than this is read, stepped and written in
+  // sub-groups of at most this many elements (DeepSpeed's sub_group_size; the last one shorter),
+  // each a blob of its own in the store, pipelined like partitions: the ring's buffers are as
+  // large as the largest sub-group, not the largest partition, so host memory is bounded by the
+  // config whatever a parameter's size, and with commit_each NVMe's room beyond the state is one
+  // sub-group. The results are the same bits (the optimizers' bits do not depend on how a
+  // partition is cut). With commit_each a step that fails part way may leave a partition with
+  // some sub-groups stepped: it is not among those reported stepped, and when it is staged again
+  // (at the same t; another t is refused) only its other sub-groups step, while its param copy is
+  // made whole again (the stepped sub-groups' copies are remade from their state, read, not
+  // written). 0: whole partitions. Host-resident state is never cut. A partition cut in more than
+  // one is keyed by its id and its sub-group's index: ids below 2^40, fewer than 2^23 sub-groups.
+  uint64_t sub_group_elements = 0;
   // Test seam: called at each StepEvent of an NVMe-resident partition (and kStepStarted and
   // kStepFinished of a host-resident one stepping early: Begin's host_early), on the thread where
   // it happens, so a test can see how reads, steps and writes interleave. It may block to hold a
@@ -235,12 +249,25 @@ class PipelinedOptimizerSwapper {
   struct Part {
     uint64_t elements = 0;
     float* host_state = nullptr;  // host-resident: [master | m | v]; else null
+    // NVMe-resident: cut in `groups` sub-groups of `group` elements (the last one shorter).
+    uint64_t group = 0;
+    uint32_t groups = 1;
+    // Sub-group j's first element and length.
+    uint64_t GroupOffset(uint32_t j) const { return j * group; }
+    uint64_t GroupSize(uint32_t j) const { return std::min(group, elements - j * group); }
+  };
+  // commit_each: a partition some of whose sub-groups have stepped to step t, the others not (a
+  // step that failed part way), until a step at t lands the others.
+  struct Partial {
+    int64_t t = 0;
+    std::vector<bool> landed;
   };
   struct Txn;       // an open transaction (optimizer_swapper.cc)
   struct Loading {  // an open load
     std::unique_ptr<tiering::NvmeStore::Batch> batch;
     // Host-resident partitions' new state, copied in at CommitLoad.
     std::vector<std::pair<const Part*, float*>> host;
+    std::vector<tiering::PartitionId> loaded;  // NVMe-resident ones, staged in `batch`
   };
   PipelinedOptimizerSwapper() = default;
   absl::StatusOr<const Part*> Find(tiering::PartitionId id) const;
@@ -253,9 +280,14 @@ class PipelinedOptimizerSwapper {
   void RunStaged(Txn* x);
   // The other worker, with host_early: steps the host-resident partitions in place as staged.
   void RunEarly(Txn* x);
-  tiering::PartitionId StoreKey(tiering::PartitionId id) const {
-    return id | config_.store_key_bits;
+  // Sub-group j of partition id's key in the store (j 0: the partition's, cut or not).
+  tiering::PartitionId StoreKey(tiering::PartitionId id, uint32_t j = 0) const {
+    return id | config_.store_key_bits | (tiering::PartitionId{j} << kGroupShift);
   }
+  static constexpr int kGroupShift = 40;
+  // After the worker is joined: the sub-groups that landed (commit_each) are recorded in
+  // partial_, and the partitions now whole at their step added to the transaction's `landed`.
+  void SettleLanded(Txn* x);
   void Emit(StepEvent event, tiering::PartitionId id) const;
   // Makes the param-copy staging buffer at least `bytes` long.
   absl::Status ReserveCopyStaging(uint64_t bytes);
@@ -277,6 +309,7 @@ class PipelinedOptimizerSwapper {
   // The partitions a host_early or commit_each step had stepped when its Commit failed, for the
   // next Abort.
   std::vector<tiering::PartitionId> failed_early_;
+  absl::flat_hash_map<tiering::PartitionId, Partial> partial_;
   std::unique_ptr<Loading> loading_;
 };
 

@@ -16,9 +16,11 @@
 #include <filesystem>
 #include <functional>
 #include <random>
+#include <set>
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
 #include "aio/backend.h"
 #include "base/mutex.h"
 #include "base/status.h"
@@ -1276,6 +1278,217 @@ TEST(SwapperCommitEachTest, ALoadWritesEachPartitionAsItComes) {
   load(f.parts.size());
   ASSERT_TRUE(f.swapper->CommitLoad().ok());
   f.ExpectMatchesReference();
+}
+
+// sub_group_elements: partitions larger than a sub-group are read, stepped and written in pieces
+// of it (12: 40 pieces of 5000, the last 1613; 13: 8; 11: 4), each its own blob: the results are
+// the bits of whole partitions, in every mode; the ring is as large as a sub-group, not the
+// largest partition; loads and reads go piece by piece.
+OptimizerSwapperConfig SubGroups(OptimizerSwapperConfig c, uint64_t elements = 5000) {
+  c.sub_group_elements = elements;
+  return c;
+}
+
+TEST(SwapperSubGroupTest, CutPartitionsStepBitwiseAsWholeOnesWithTheRingASubGroup) {
+  for (OptimizerSwapperConfig c :
+       {OptimizerSwapperConfig{true, true, 0}, OptimizerSwapperConfig{false, false, 0},
+        OptimizerSwapperConfig{true, true, 220000}, CommitEach(true, 0), CommitEach(false, 0)}) {
+    c = SubGroups(c);
+    SCOPED_TRACE(absl::StrCat(c.pipeline_read ? "pipelined" : "serial", " max_in_cpu ",
+                              c.max_in_cpu_bytes, c.commit_each ? " commit_each" : ""));
+    Fixture f(c);
+    ASSERT_NO_FATAL_FAILURE(f.StepMatchingTheReference(3));
+    uint64_t in_cpu = 0;
+    for (const auto& [id, n] : kParts) in_cpu += f.swapper->on_nvme(id) ? 0 : n * 12;
+    // The ring's buffers (and commit_each's copy buffers) hold a sub-group.
+    const uint64_t slot = 5000 * 12 + (c.commit_each ? 5000 * 4 : 0);
+    EXPECT_LE(f.host.counts().peak_bytes,
+              f.swapper->buffer_count() * slot + in_cpu + f.swapper->copy_staging_bytes());
+    // Each piece a blob: no read or write of the store's data larger than one.
+    for (const Entry& e : f.trace->entries()) {
+      if (e.io && e.data_file) {
+        EXPECT_LE(e.length, (5000u * 12 + 4095) / 4096 * 4096) << e.offset;
+      }
+    }
+    std::set<tiering::PartitionId> keys;
+    for (const tiering::PartitionRecord& r : f.store->List()) keys.insert(r.id);
+    EXPECT_TRUE(keys.contains(12) && keys.contains(12 | (uint64_t{39} << 40)));
+    EXPECT_FALSE(keys.contains(12 | (uint64_t{40} << 40)));
+    // A load goes piece by piece too: the reference's state, loaded, reads back as it was.
+    Fixture other(c);
+    ASSERT_TRUE(other.swapper->BeginLoad().ok());
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      ASSERT_TRUE(other.swapper->Load(f.parts[i].first, f.ref.p[i], f.ref.m[i], f.ref.v[i]).ok());
+    }
+    ASSERT_TRUE(other.swapper->CommitLoad().ok());
+    other.ref = f.ref;
+    other.ExpectMatchesReference();
+  }
+}
+
+// A staged step with its gradients from a GradSource and its copies to a CopySink: each
+// partition's gradient is asked for once and let go once, after its last piece stepped; each
+// sink target asked for once and given back once, after its last piece landed.
+TEST(SwapperSubGroupTest, ASourceAndASinkAreAskedOnceAPartition) {
+  Fixture f(SubGroups(CommitEach(true, 220000)));  // 12 (40 pieces) and 13 (8) on NVMe
+  f.NewGrads(1);
+  f.StepReference(1);
+  Mutex mu;
+  std::vector<std::string> calls;
+  auto add = [&](std::string s) {
+    MutexLock lock(&mu);
+    calls.push_back(std::move(s));
+  };
+  PipelinedOptimizerSwapper::GradSource source;
+  source.get = [&](tiering::PartitionId id) -> absl::StatusOr<const void*> {
+    add(absl::StrCat("grad ", id));
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      if (f.parts[i].first == id) return static_cast<const void*>(f.grads[i].data());
+    }
+    return absl::NotFoundError("no such gradient");
+  };
+  source.done = [&](tiering::PartitionId id) { add(absl::StrCat("let go ", id)); };
+  PipelinedOptimizerSwapper::CopySink sink;
+  sink.get = [&](tiering::PartitionId id, tiering::PartitionId) -> absl::StatusOr<void*> {
+    add(absl::StrCat("sink ", id));
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      if (f.parts[i].first == id) return static_cast<void*>(f.copies[i].data());
+    }
+    return absl::NotFoundError("no such partition");
+  };
+  sink.done = [&](tiering::PartitionId id, tiering::PartitionId) {
+    add(absl::StrCat("sink done ", id));
+  };
+  std::vector<StepInput> in = f.Inputs();
+  for (StepInput& s : in) {
+    if (!f.swapper->on_nvme(s.id)) continue;
+    s.grad = nullptr;
+    s.param_copy = nullptr;
+    s.copy_to_sink = true;
+    s.sink_target = s.id;
+  }
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, in, {}, source, sink).ok());
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+  MutexLock lock(&mu);
+  for (tiering::PartitionId id : {12, 13}) {
+    for (const char* what : {"grad ", "let go ", "sink ", "sink done "}) {
+      EXPECT_EQ(std::count(calls.begin(), calls.end(), absl::StrCat(what, id)), 1)
+          << what << id << ": " << absl::StrJoin(calls, "; ");
+    }
+  }
+  auto at = [&](const std::string& s) { return std::find(calls.begin(), calls.end(), s); };
+  EXPECT_LT(at("grad 12"), at("let go 12"));
+  EXPECT_LT(at("let go 12"), at("grad 13"));  // one gradient held at a time
+  EXPECT_LT(at("sink 12"), at("sink done 12"));
+}
+
+// commit_each: a write fails in the middle of partition 12 (its 3rd piece). 12 is not reported
+// stepped; its first two pieces are (state and copy), the rest not; a step of 12 at another t is
+// refused; stepping it again at the same t steps only the others and remakes the whole param copy
+// (the caller's buffer given anew, garbage): together, the bits of a step that never failed.
+TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRetryEndsIt) {
+  for (bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "serial");
+    Fixture f(SubGroups(CommitEach(pipelined, 220000)));
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    const Reference before = f.ref;
+    f.NewGrads(2);
+    f.StepReference(2);
+    f.trace->Clear();
+    f.trace->SetFault([](const Entry& op, const std::vector<Entry>& seen) {
+      const auto writes = std::count_if(seen.begin(), seen.end(), [](const Entry& e) {
+        return e.Is(StepEvent::kWriteStarted, 12);
+      });
+      return op.kind == aio::OpKind::kWrite && op.data_file && writes == 3 ? ENOSPC : 0;
+    });
+    auto failed = f.swapper->Step(2, f.Inputs());
+    f.trace->SetFault(nullptr);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(StatusErrno(failed.status()), ENOSPC) << failed.status();
+    const std::vector<tiering::PartitionId> stepped = f.swapper->Abort();
+    EXPECT_THAT(stepped, ::testing::Not(::testing::Contains(12)));
+    const size_t i12 = 2;
+    ASSERT_EQ(f.parts[i12].first, 12u);
+    // Each piece is step 2's or step 1's whole (state and copy): 0 and 1 step 2's, 2 step 1's;
+    // later ones either (pipelined, their writes may have been under way).
+    const auto [p, m, v] = f.Read(i12);
+    int landed = 0;
+    for (uint64_t j = 0; j < 40; ++j) {
+      const uint64_t at = j * 5000, n = std::min<uint64_t>(5000, 196613 - at);
+      auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
+        return std::memcmp(a.data() + at, b.data() + at, n * 4) == 0;
+      };
+      const bool now = same(p, f.ref.p[i12]) && same(m, f.ref.m[i12]) && same(v, f.ref.v[i12]);
+      const bool then = same(p, before.p[i12]) && same(m, before.m[i12]) && same(v, before.v[i12]);
+      EXPECT_NE(now, then) << "piece " << j;
+      EXPECT_TRUE(j >= 2 || now) << "piece " << j;
+      EXPECT_TRUE(j != 2 || then) << "piece " << j;
+      const auto& copy = now ? f.ref.copy[i12] : before.copy[i12];
+      EXPECT_TRUE(std::equal(copy.begin() + at, copy.begin() + at + n,
+                             f.copies[i12].begin() + at))
+          << "piece " << j;
+      landed += now;
+    }
+    auto corrupt = f.store->Verify();
+    ASSERT_TRUE(corrupt.ok()) << corrupt.status();
+    EXPECT_TRUE(corrupt->empty());
+    // Another t is refused, naming the one accepted.
+    std::vector<StepInput> only12 = {f.Inputs()[i12]};
+    auto wrong = f.swapper->Step(3, only12);
+    EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(wrong.status().message(), HasSubstr(absl::StrCat(landed, " of its 40 sub-groups stepped to step 2")));
+    // The retry at t 2 of every partition but those that stepped, 12's into a fresh copy buffer.
+    std::fill(f.copies[i12].begin(), f.copies[i12].end(), 0x7777);
+    std::vector<StepInput> rest;
+    for (const StepInput& s : f.Inputs()) {
+      if (std::find(stepped.begin(), stepped.end(), s.id) == stepped.end()) rest.push_back(s);
+    }
+    f.trace->Clear();
+    auto retried = f.swapper->Step(2, rest);
+    ASSERT_TRUE(retried.ok()) << retried.status();
+    // The pieces that had stepped only remade their copies: the others written.
+    int writes = 0;
+    for (const Entry& e : f.trace->entries()) writes += e.Is(StepEvent::kWriteStarted, 12);
+    EXPECT_EQ(writes, 40 - landed);
+    const auto after = f.Read(i12);
+    EXPECT_EQ(0, std::memcmp(after[0].data(), f.ref.p[i12].data(), after[0].size() * 4));
+    EXPECT_EQ(0, std::memcmp(after[1].data(), f.ref.m[i12].data(), after[1].size() * 4));
+    EXPECT_EQ(0, std::memcmp(after[2].data(), f.ref.v[i12].data(), after[2].size() * 4));
+    EXPECT_EQ(f.copies[i12], f.ref.copy[i12]);
+    // 12 is whole at step 2: step 3 is taken as any other.
+    f.NewGrads(3);
+    f.StepReference(3);
+    ASSERT_TRUE(f.swapper->Step(3, f.Inputs()).ok());
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+TEST(SwapperSubGroupTest, IdsThatCannotKeyTheirPiecesAreRefused) {
+  ScratchDir dir;
+  aio::EngineOptions eo;
+  eo.on_warning = [](absl::string_view) {};
+  auto engine = *aio::Engine::Create(aio::AioConfig{}, eo);
+  tiering::NvmeStoreOptions so;
+  so.capacity_bytes = 1 << 20;
+  so.on_warning = [](absl::string_view) {};
+  auto store = *tiering::NvmeStore::Open(dir.File("swap"), so, engine.get());
+  auto adam = *optim_cpu::CpuAdam::Create(optim_cpu::AdamConfig{});
+  tiering::HostMemoryResource host;
+  auto cut = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host,
+                                               SubGroups({true, true, 0}, 100),
+                                               {{uint64_t{1} << 40, 1000}});
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(cut.status().message(), HasSubstr("ids below 2^40"));
+  // Not cut (no larger than a sub-group): any id.
+  auto whole = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host,
+                                                 SubGroups({true, true, 0}, 1000),
+                                                 {{uint64_t{1} << 40, 1000}});
+  EXPECT_TRUE(whole.ok()) << whole.status();
 }
 
 TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
