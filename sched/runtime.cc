@@ -1194,11 +1194,15 @@ absl::Status Runtime::CreateOptimizer(
                                                      tiering::kMaxPartitionBytes / 12, ")"));
     }
     if (on_nvme) {
-      largest = std::max(largest, elements * 12);
+      // The ring's buffers hold a sub-group (zero_optimization.sub_group_size) at most.
+      largest =
+          std::max(largest, std::min(elements, static_cast<uint64_t>(config_.sub_group_size)) * 12);
       copy_elements += elements;
-      // The state, and its second copy while a step commits (with optimizer_commit "partition",
-      // one partition's: below).
-      need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * Pages(elements * 12);
+      // The state (each sub-group a blob, in whole pages), and its second copy while a step
+      // commits (with optimizer_commit "partition", one sub-group's: below).
+      const uint64_t g = std::min(elements, static_cast<uint64_t>(config_.sub_group_size));
+      const uint64_t stored = (elements / g) * Pages(g * 12) + Pages(elements % g * 12);
+      need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * stored;
     } else {
       need[I(Tier::kHost)] += Pages(elements * 12);
     }
@@ -1209,7 +1213,7 @@ absl::Status Runtime::CreateOptimizer(
     copy_elements = std::min(copy_elements, *copy_elements_wanted);
   }
   if (on_nvme && config_.optimizer_commit_each) {
-    // One partition's second copy on NVMe (the store's copy on write, one Put at a time); a copy
+    // One sub-group's second copy on NVMe (the store's copy on write, one Put at a time); a copy
     // buffer (fp32-sized) beside each ring buffer instead of the staged copies.
     need[I(Tier::kNvme)] += Pages(largest);
     need[I(Tier::kHost)] += ring * (Pages(largest) + Pages(largest / 3));
@@ -1250,6 +1254,7 @@ absl::Status Runtime::CreateOptimizer(
   sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
+  sc.sub_group_elements = static_cast<uint64_t>(config_.sub_group_size);
   sc.store_key_bits = kOptimizerKey;
   sc.on_event = options_.on_optimizer_event;
   auto swapper = swap::PipelinedOptimizerSwapper::Create(store_.get(), created->get(),

@@ -268,9 +268,12 @@ class Runtime {
   // offload_optimizer.device: "cpu", in pinned host memory; "nvme", in the NVMe store, stepped
   // through a ring of offload_optimizer.buffer_count pinned buffers (at least three with
   // pipeline_read or pipeline_write, which overlap reading the next partition's state and writing
-  // the last one's with the step). The host and NVMe room it needs (state, ring, the staged bf16
+  // the last one's with the step), each as large as the largest partition's state or a
+  // sub-group's (zero_optimization.sub_group_size elements: larger partitions step in sub-groups
+  // of it; ids below 2^40 then). The host and NVMe room it needs (state, ring, the staged bf16
   // copies of NVMe-resident weights; twice the NVMe state, as a step writes the new state beside
-  // the old before its commit) is set aside from strata.host_budget_bytes and the store's capacity
+  // the old before its commit, or once and a sub-group with optimizer_commit "partition") is set
+  // aside from strata.host_budget_bytes and the store's capacity
   // at once: ResourceExhausted, naming what is needed and free, when it does not fit (create the
   // optimizer before filling the host tier). Its ids are its own: the store keeps them apart from
   // the partitions'. By convention an optimizer partition has the id of the gradient partition it

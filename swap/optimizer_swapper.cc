@@ -101,11 +101,12 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
       const uint64_t groups = (elements + part.group - 1) / part.group;
       if (groups > 1 && (id >= (tiering::PartitionId{1} << kGroupShift) ||
                          groups >= (uint64_t{1} << (63 - kGroupShift)))) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "optimizer swapper: partition ", id, " of ", elements, " elements in ", groups,
-            " sub-groups of ", g, " (sub_group_elements); accepted when a partition is cut: ids "
-            "below 2^",
-            kGroupShift, " and fewer than 2^", 63 - kGroupShift, " sub-groups"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("optimizer swapper: partition ", id, " of ", elements, " elements in ",
+                         groups, " sub-groups of ", g,
+                         " (sub_group_elements); accepted when a partition is cut: ids "
+                         "below 2^",
+                         kGroupShift, " and fewer than 2^", 63 - kGroupShift, " sub-groups"));
       }
       part.groups = static_cast<uint32_t>(groups);
       s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(part.group));
@@ -297,6 +298,8 @@ struct PipelinedOptimizerSwapper::Txn {
   // then (SettleLanded) the partitions whose every sub-group has, at their step.
   std::vector<const Item*> landed_groups;
   std::vector<tiering::PartitionId> landed;
+  // Those some of whose sub-groups landed and the others not, as "id (k of n sub-groups)".
+  std::vector<std::string> partly;
   absl::Status early_failure;
   double early_compute_s = 0;
   std::thread early_worker;
@@ -491,10 +494,10 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     if (partial != partial_.end() && partial->second.t != t) {
       return absl::InvalidArgumentError(absl::StrCat(
           "optimizer step ", t, ": partition ", in.id, ": ",
-          std::count(partial->second.landed.begin(), partial->second.landed.end(), true), " of its ",
-          partial->second.landed.size(), " sub-groups stepped to step ", partial->second.t,
-          " already (a step that failed part way); accepted: step it at ", partial->second.t,
-          ", which steps the others (nothing of this call was staged)"));
+          std::count(partial->second.landed.begin(), partial->second.landed.end(), true),
+          " of its ", partial->second.landed.size(), " sub-groups stepped to step ",
+          partial->second.t, " already (a step that failed part way); accepted: step it at ",
+          partial->second.t, ", which steps the others (nothing of this call was staged)"));
     }
   }
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
@@ -777,8 +780,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       }
       c.grad = static_cast<const std::byte*>(c.grad) +
                it->offset * (it->in.grad_dtype == optim_cpu::DType::kF32 ? 4 : 2);
-      if (it->options.check_overflow &&
-          optimizer_->HasNonFinite(c.grad, it->in.grad_dtype, n)) {
+      if (it->options.check_overflow && optimizer_->HasNonFinite(c.grad, it->in.grad_dtype, n)) {
         x->overflow = true;
         break;
       }
@@ -833,7 +835,9 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
 }
 
 void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
+  std::vector<tiering::PartitionId> touched;
   for (const Txn::Item* it : x->landed_groups) {
+    if (touched.empty() || touched.back() != it->in.id) touched.push_back(it->in.id);
     auto [p, added] = partial_.try_emplace(it->in.id);
     if (added) {
       p->second.t = it->t;
@@ -847,6 +851,13 @@ void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
     }
   }
   x->landed_groups.clear();
+  for (tiering::PartitionId id : touched) {
+    auto p = partial_.find(id);
+    if (p == partial_.end()) continue;
+    const std::vector<bool>& l = p->second.landed;
+    x->partly.push_back(absl::StrCat(id, " (", std::count(l.begin(), l.end(), true), " of ",
+                                     l.size(), " sub-groups)"));
+  }
 }
 
 std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
@@ -894,12 +905,23 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
                      stepped.size(), " of them had stepped (", absl::StrJoin(stepped, ", "),
                      "), the others had not"));
   }
+  std::vector<std::string> said;
+  if (!stepped.empty()) {
+    said.push_back(absl::StrCat(stepped.size(),
+                                stepped.size() == 1 ? " partition had" : " partitions had",
+                                " stepped (", absl::StrJoin(stepped, ", "), ")"));
+  }
+  if (!x->partly.empty()) {
+    said.push_back(absl::StrCat(x->partly.size(),
+                                x->partly.size() == 1 ? " partition" : " partitions",
+                                " had stepped in part (", absl::StrJoin(x->partly, ", "),
+                                "; stepped again at step ", t, ", only the rest step)"));
+  }
+  const bool changed = !said.empty();
   const std::string unchanged =
-      stepped.empty()
-          ? absl::StrCat("optimizer step ", t, ": nothing was changed")
-          : absl::StrCat("optimizer step ", t, ": ", stepped.size(),
-                         stepped.size() == 1 ? " partition had" : " partitions had", " stepped (",
-                         absl::StrJoin(stepped, ", "), "), the others had not");
+      !changed ? absl::StrCat("optimizer step ", t, ": nothing was changed")
+               : absl::StrCat("optimizer step ", t, ": ", absl::StrJoin(said, ", "),
+                              ", the others had not");
   failed_early_ = stepped;  // until the step commits, below
   auto abort = [&] {
     if (x->batch) x->batch->Abort();
@@ -912,10 +934,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   };
   if (!x->failure.ok()) {
     abort();
-    return Annotate(x->failure,
-                    stepped.empty()
-                        ? absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)")
-                        : unchanged);
+    return Annotate(
+        x->failure,
+        !changed ? absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)") : unchanged);
   }
   // The host-resident partitions' gradients, before anything is committed; those from a source
   // are let go once they are no longer read, whatever the outcome.

@@ -213,8 +213,9 @@ class PipelinedOptimizerSwapper {
                      CopySink sink = {});
   absl::StatusOr<StepReport> Commit();
   // Drops the step; returns the partitions that had stepped: host-resident ones in place
-  // (host_early), NVMe-resident ones whose new state had landed (commit_each); or, with no step
-  // open, those of such a step whose Commit failed (once).
+  // (host_early), NVMe-resident ones whose new state had landed whole (commit_each; one with only
+  // some sub-groups landed is not among them, and a failed Commit's message names it); or, with
+  // no step open, those of such a step whose Commit failed (once).
   std::vector<tiering::PartitionId> Abort();
   // With a host_early step open: waits until every host-resident partition staged so far has
   // stepped (or the stepping stopped at a failure), so that their state and param copies can be

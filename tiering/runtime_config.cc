@@ -104,7 +104,10 @@ const std::vector<Stage3Knob>& Stage3Knobs() {
 
 // zero_optimization keys strata reads (the rest of DeepSpeedZeroKeys is left to the trainer).
 bool ReadByStrata(absl::string_view key) {
-  if (key == "stage" || key == "offload_param" || key == "offload_optimizer") return true;
+  if (key == "stage" || key == "offload_param" || key == "offload_optimizer" ||
+      key == "sub_group_size") {
+    return true;
+  }
   for (const Stage3Knob& k : Stage3Knobs()) {
     if (key == k.alias || key == k.field) return true;
   }
@@ -299,6 +302,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       const char* key = z->contains(k.field) ? k.field : k.alias;
       STRATA_RETURN_IF_ERROR(ReadInt(*z, p, key, 0, int64_t{1} << 50, &(c.*k.member)));
     }
+    STRATA_RETURN_IF_ERROR(
+        ReadInt(*z, p, "sub_group_size", 1, int64_t{1} << 50, &c.sub_group_size));
     for (const auto& [key, value] : z->items()) {
       if (!ReadByStrata(key)) {
         warn(absl::StrCat(p, key, ": not used by strata (DeepSpeed's; left to the trainer)"));

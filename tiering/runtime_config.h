@@ -12,7 +12,9 @@
 //     "stage3_prefetch_bucket_size" (5e7), "stage3_max_live_parameters" (1e9),
 //     "stage3_max_reuse_distance" (1e9), "stage3_param_persistence_threshold" (1e5)
 //         (each also under DeepSpeed's other spelling, without "stage3_"; one or the other, not
-//          both; their meanings in sched/runtime.h)}
+//          both; their meanings in sched/runtime.h),
+//     "sub_group_size" (1e9: the optimizer state on NVMe is stepped in pieces of at most that
+//         many elements, swap/optimizer_swapper.h's sub_group_elements)}
 // and strata's own, in "strata": {"aio": {...}, "device": "cuda"|"emulated",
 //   "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes", "nvme_keep_files",
 //   "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy": "lru"|"trace"}.
@@ -82,6 +84,11 @@ struct RuntimeConfig {
   int64_t stage3_max_live_parameters = 1000000000;
   int64_t stage3_max_reuse_distance = 1000000000;
   int64_t stage3_param_persistence_threshold = 100000;
+  // zero_optimization.sub_group_size: a parameter's optimizer state on NVMe is read, stepped and
+  // written in sub-groups of at most this many elements (DeepSpeed's; its default, 1e9), so the
+  // optimizer's buffers hold a sub-group, not the largest parameter. Smaller parameters are not
+  // merged: each is stepped as one.
+  int64_t sub_group_size = 1000000000;
   // strata's own
   bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
   uint64_t device_budget_bytes = 1ull << 30;

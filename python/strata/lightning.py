@@ -60,7 +60,7 @@ or another, use them, and a later fit starts a new engine (and optimizer) from t
 ``module_state_dict(model)`` gives the weights whole; ``release(model)`` puts them back into the
 module as plain tensors and closes its engine.
 
-Not acted on (warned when given): pin_memory=False, sub_group_size,
+Not acted on (warned when given): pin_memory=False,
 contiguous_gradients, allgather_partitions, reduce_scatter, zero_allow_untested_optimizer,
 partition_activations, contiguous_memory_optimization, synchronize_checkpoint_boundary,
 exclude_frozen_parameters, offload_optimizer=False (strata always steps on the CPU), a
@@ -134,8 +134,6 @@ def _default_timeout():
 # strata does; False is not honoured.
 _ANY = object()
 _NOT_ACTED_ON = {
-    "sub_group_size": ("strata steps the optimizer one parameter's partition at a time, "
-                       "pipelined with its NVMe reads and writes", _ANY),
     "contiguous_gradients": ("strata keeps each gradient in a partition of its own", True),
     "allgather_partitions": ("strata always all-gathers the updated weights", True),
     "reduce_scatter": ("strata always reduce-scatters gradients across ranks", True),
@@ -326,6 +324,9 @@ def _build_config(strategy, a, given, has_config, config):
     if "optimizer_buffer_count" in given:
         _put(config, "zero_optimization.offload_optimizer.buffer_count",
              a["optimizer_buffer_count"], f"optimizer_buffer_count={a['optimizer_buffer_count']}")
+    # As DeepSpeedStrategy writes it, its default too (1e12: no parameter is cut).
+    _put(config, "zero_optimization.sub_group_size", a["sub_group_size"],
+         f"sub_group_size={a['sub_group_size']}", "sub_group_size" in given)
 
     if a["offload_parameters"] and stage != 3:
         warn("offload_parameters", f"parameters are offloaded at ZeRO stage 3 only (this is "

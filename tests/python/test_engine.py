@@ -9,6 +9,8 @@ import copy
 import time
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -527,35 +529,46 @@ def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_pat
                                                                           clipping):
     """strata.optimizer_commit "partition": each NVMe partition's new state replaces its old one
     as it is written; the steps are the same arithmetic as the whole step's, after backward
-    (clipping) or during it (optimizer_during_backward, no clipping)."""
+    (clipping) or during it (optimizer_during_backward, no clipping); and so are they with
+    zero_optimization.sub_group_size cutting the larger parameters' state in pieces."""
     data = list(batches(8))
     results = []
-    for commit in ("step", "partition"):
-        config = make_config(tmp_path / commit, stage, "nvme", "fp32", accumulation=2,
-                             clipping=clipping)
+    for commit, sub_group in (("step", None), ("partition", None), ("step", 500),
+                              ("partition", 500)):
+        config = make_config(tmp_path / f"{commit}{sub_group}", stage, "nvme", "fp32",
+                             accumulation=2, clipping=clipping)
         config["strata"].update(optimizer_commit=commit, optimizer_during_backward=during)
+        if sub_group:
+            config["zero_optimization"]["sub_group_size"] = sub_group
         engine, losses = _train_steps(config, data)
         assert engine._commit_each == (commit == "partition")
         results.append((losses, [w.clone() for w in engine_weights(engine)],
-                        engine.last_step_stats["optimizer"].get("staged")))
-    (losses_a, weights_a, staged_a), (losses_b, weights_b, staged_b) = results
-    assert losses_a == losses_b
-    for a, b in zip(weights_a, weights_b):
-        assert torch.equal(a, b)
-    if stage == 3:  # (below stage 3 the step is after backward, staged or not)
-        assert staged_b == during  # staged during backward only where nothing can drop it
+                        engine.last_step_stats["optimizer"].get("staged"), commit))
+    losses_a, weights_a, _, _ = results[0]
+    for losses_b, weights_b, staged_b, commit in results[1:]:
+        assert losses_a == losses_b
+        for a, b in zip(weights_a, weights_b):
+            assert torch.equal(a, b)
+        if stage == 3 and commit == "partition":  # (below stage 3 the step is after backward)
+            assert staged_b == during  # staged during backward only where nothing can drop it
 
 
-@pytest.mark.parametrize("skip", [0, 2, 5])
+@pytest.mark.parametrize("skip, sub_group", [(0, None), (2, None), (5, None), (2, 500),
+                                             (5, 500)])
 def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_path, monkeypatch,
-                                                                          skip):
+                                                                          skip, sub_group):
     """A step that fails part way with strata.optimizer_commit "partition" (the disk full after
     `skip` writes): the partitions whose state had landed keep that step (their step counts say
-    so, and a warning how many), the others do not, and training goes on from there."""
+    so, and a warning how many), the others do not, and training goes on from there. With
+    sub_group_size a parameter may fail with some of its pieces landed: it is not counted stepped,
+    and the next step steps its other pieces. Either way, after it every parameter's weights (fp32)
+    are its master weights, bit for bit: no landed copy is lost."""
     import errno
     made = faulty_runtimes(monkeypatch, errno.ENOSPC, skip=skip)
     config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=1.0)
     config["strata"]["optimizer_commit"] = "partition"
+    if sub_group:
+        config["zero_optimization"]["sub_group_size"] = sub_group
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
     data = list(batches(4))
     for x, y in data[:2]:
@@ -566,13 +579,16 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     x, y = data[2]
     engine.backward(loss_of(engine(x), y))
     warned = len(engine.warnings)
-    with pytest.raises(strata.Error, match="No space left on device"):
+    with pytest.raises(strata.Error, match="No space left on device") as failed:
         engine.step()
     made[0].arm_faults(False)
     landed = [e for e in engine._params if e.steps == 3]
     assert len(landed) + sum(e.steps == 2 for e in engine._params) == len(engine._params)
     if skip == 0:
         assert not landed  # the first write failed
+    elif sub_group and not landed:  # the error names the parameter stepped in part
+        assert re.search(r"1 partition had stepped in part \(\d+ \(\d of \d sub-groups\)",
+                         str(failed.value)), str(failed.value)
     else:
         assert 0 < len(landed) < len(engine._params)
         assert any(f"after {len(landed)} parameters had stepped" in w and
@@ -582,6 +598,9 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     engine.backward(loss_of(engine(x), y))
     engine.step()
     assert {e.steps for e in engine._params} == ({3} if not landed else {3, 4})
+    for e, weights, state in zip(engine._params, engine_weights(engine),
+                                 _optimizer_state(engine)):
+        assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
 
 
 def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_the_state_back(

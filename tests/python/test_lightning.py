@@ -525,7 +525,7 @@ def test_acted_arguments_reach_the_engine(tmp_path):
         stage=3, offload_optimizer=True, offload_parameters=True,
         offload_params_device="nvme", offload_optimizer_device="nvme", remote_device="nvme",
         nvme_path=str(tmp_path), params_buffer_count=4, params_buffer_size=1 << 16,
-        max_in_cpu=10_000,
+        max_in_cpu=10_000, sub_group_size=1000,
         optimizer_buffer_count=2, block_size=1 << 16, queue_depth=4, single_submit=True,
         overlap_events=False, thread_count=2, pin_memory=True, cpu_checkpointing=True,
         logging_batch_size_per_gpu=4, logging_level="INFO", config=THRESHOLD,
@@ -542,6 +542,8 @@ def test_acted_arguments_reach_the_engine(tmp_path):
                                      "max_in_cpu": 10_000}
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path),
                                          "buffer_count": 2}
+    assert zero["sub_group_size"] == 1000  # the NVMe optimizer steps in pieces of it
+    assert max(e.numel for e in engine._params if e.partitioned) > 1000
     assert given["strata"]["comm_timeout_s"] == 300
     moved = engine.stats()["bytes_moved"]  # (NVMe to device directly, or through the host)
     assert moved.get("nvme_to_device", 0) + moved.get("nvme_to_host", 0) > 0, moved
@@ -614,7 +616,6 @@ def test_auto_batch_size_and_the_trainer_owned_keys():
 
 @pytest.mark.parametrize("arguments, named", [
     ({"max_in_cpu": 10}, "max_in_cpu"),  # without parameters on NVMe
-    ({"sub_group_size": 10}, "sub_group_size"),
     ({"contiguous_gradients": False}, "contiguous_gradients"),
     ({"allgather_partitions": False}, "allgather_partitions"),
     ({"reduce_scatter": False}, "reduce_scatter"),

@@ -522,6 +522,57 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   EXPECT_TRUE((*rt)->AbortOptimizerStep().empty());
 }
 
+// zero_optimization.sub_group_size: partitions larger than it step in sub-groups. The ring set
+// aside holds a sub-group, not the largest partition (the NVMe room counts each sub-group's blob
+// in whole pages); the steps are CpuAdam's in memory bit for bit, with the step's gradients taken
+// from their partitions and, with optimizer_commit "partition", each parameter's new weights
+// written into its partition (one acquire and one release of it, whatever its sub-groups).
+TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
+  for (bool each : {false, true}) {
+    SCOPED_TRACE(each ? "optimizer_commit partition" : "optimizer_commit step");
+    ScratchDir dir;
+    RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+    config.sub_group_size = 2000;  // 11: 3 sub-groups, 12: 4 (the last 1001), 13: 2
+    config.optimizer_commit_each = each;
+    config.offload_param.device = OffloadDevice::kNvme;
+    config.host_budget_bytes += 64 * kSlot;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    Reference ref;
+    const auto grads = Grads(1);
+    ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+    const uint64_t piece = (2000 * 12 + 4095) / 4096 * 4096;
+    const uint64_t stored = (2 + 3 + 1) * piece + 2 * ((1000 * 12 + 4095) / 4096 * 4096) +
+                            (1001 * 12 + 4095) / 4096 * 4096;
+    const auto& table = (*rt)->residency();
+    EXPECT_EQ(table.set_aside_bytes(Tier::kHost),
+              each ? 4 * (piece + (2000 * 4 + 4095) / 4096 * 4096)
+                   : 4 * piece + ((5000 + 7001 + 3000) * 2 + 4095) / 4096 * 4096);
+    EXPECT_EQ(table.set_aside_bytes(Tier::kNvme), each ? stored + piece : 2 * stored);
+    if (each) {
+      EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kNvme), ElementsAre(11, 12, 13));
+    } else {
+      ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+      for (const auto& [id, n] : kParts) {
+        ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
+      }
+      ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+    }
+    ref.Step(1, grads);
+    ExpectState(**rt, ref);
+    for (size_t i = 0; each && i < kParts.size(); ++i) {
+      const PartitionId pid = kParts[i].first + 100;
+      EXPECT_EQ(table.Get(pid)->pins[1], 0) << pid << " still pinned";
+      auto held = (*rt)->Acquire(pid, Tier::kHost);
+      ASSERT_TRUE(held.ok()) << held.status();
+      EXPECT_EQ(0, std::memcmp(*held, ref.p[i].data(), kParts[i].second * 4)) << pid;
+      ASSERT_TRUE((*rt)->Release(pid, Tier::kHost, false).ok());
+    }
+    for (const auto& [id, n] : kParts) EXPECT_EQ(table.Get(id)->pins[1], 0) << id;
+    EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
+  }
+}
+
 // A parameter still lent to the device (pinned there) when its state lands: writing its host copy
 // could not make the device copy stale under its holder, so the sink leaves it alone (not in
 // TakeCopiedPartitions, for the caller to write later); no pin is left behind and every current

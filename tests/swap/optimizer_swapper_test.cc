@@ -33,6 +33,7 @@ namespace {
 
 using ::strata::testing::ScratchDir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // What happened, in order: an op the engine handed to a backend, or one of the swapper's
 // StepEvents.
@@ -1409,6 +1410,8 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     f.trace->SetFault(nullptr);
     ASSERT_FALSE(failed.ok());
     EXPECT_EQ(StatusErrno(failed.status()), ENOSPC) << failed.status();
+    EXPECT_THAT(failed.status().message(), HasSubstr("had stepped in part (12 ("));
+    EXPECT_THAT(failed.status().message(), Not(HasSubstr("nothing was changed")));
     const std::vector<tiering::PartitionId> stepped = f.swapper->Abort();
     EXPECT_THAT(stepped, ::testing::Not(::testing::Contains(12)));
     const size_t i12 = 2;
@@ -1428,8 +1431,7 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
       EXPECT_TRUE(j >= 2 || now) << "piece " << j;
       EXPECT_TRUE(j != 2 || then) << "piece " << j;
       const auto& copy = now ? f.ref.copy[i12] : before.copy[i12];
-      EXPECT_TRUE(std::equal(copy.begin() + at, copy.begin() + at + n,
-                             f.copies[i12].begin() + at))
+      EXPECT_TRUE(std::equal(copy.begin() + at, copy.begin() + at + n, f.copies[i12].begin() + at))
           << "piece " << j;
       landed += now;
     }
@@ -1440,7 +1442,10 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     std::vector<StepInput> only12 = {f.Inputs()[i12]};
     auto wrong = f.swapper->Step(3, only12);
     EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(wrong.status().message(), HasSubstr(absl::StrCat(landed, " of its 40 sub-groups stepped to step 2")));
+    EXPECT_THAT(failed.status().message(),
+                HasSubstr(absl::StrCat("12 (", landed, " of 40 sub-groups)")));
+    EXPECT_THAT(wrong.status().message(),
+                HasSubstr(absl::StrCat(landed, " of its 40 sub-groups stepped to step 2")));
     // The retry at t 2 of every partition but those that stepped, 12's into a fresh copy buffer.
     std::fill(f.copies[i12].begin(), f.copies[i12].end(), 0x7777);
     std::vector<StepInput> rest;
@@ -1479,9 +1484,8 @@ TEST(SwapperSubGroupTest, IdsThatCannotKeyTheirPiecesAreRefused) {
   auto store = *tiering::NvmeStore::Open(dir.File("swap"), so, engine.get());
   auto adam = *optim_cpu::CpuAdam::Create(optim_cpu::AdamConfig{});
   tiering::HostMemoryResource host;
-  auto cut = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host,
-                                               SubGroups({true, true, 0}, 100),
-                                               {{uint64_t{1} << 40, 1000}});
+  auto cut = PipelinedOptimizerSwapper::Create(
+      store.get(), adam.get(), &host, SubGroups({true, true, 0}, 100), {{uint64_t{1} << 40, 1000}});
   EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(cut.status().message(), HasSubstr("ids below 2^40"));
   // Not cut (no larger than a sub-group): any id.

@@ -161,6 +161,26 @@ TEST(RuntimeConfigTest, DeepSpeedsOtherSpellingsAreItsOwnKeys) {
   EXPECT_THAT(all, Not(HasSubstr("prefetch_bucket_size: not used by strata")));
 }
 
+// zero_optimization.sub_group_size: read (DeepSpeed's default 1e9), not warned of; 0 or a
+// fraction refused naming what is accepted.
+TEST(RuntimeConfigTest, SubGroupSizeIsReadWithDeepSpeedsDefault) {
+  std::vector<std::string> warnings;
+  auto plain = RuntimeConfigFromJsonText(R"({"zero_optimization": {"stage": 3}})", &warnings);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->sub_group_size, 1000000000);
+  auto c = RuntimeConfigFromJsonText(
+      R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e6}})", &warnings);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sub_group_size, 1000000);
+  EXPECT_THAT(All(warnings), Not(HasSubstr("sub_group_size")));
+  for (const char* bad : {"0", "2.5", "\"big\"", "-1"}) {
+    auto b = RuntimeConfigFromJsonText(
+        absl::StrCat(R"({"zero_optimization": {"sub_group_size": )", bad, "}}"), &warnings);
+    EXPECT_FALSE(b.ok()) << bad;
+    EXPECT_THAT(b.status().message(), HasSubstr("zero_optimization.sub_group_size")) << bad;
+  }
+}
+
 TEST(RuntimeConfigTest, OffloadParamKeysAreReadOnlyWhereDeepSpeedHasThem) {
   // offload_param has no optimizer keys and offload_optimizer no buffer_size or max_in_cpu:
   // DeepSpeed refuses them, and strata would read them into nothing.
