@@ -127,16 +127,20 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     p.host.optimizer = opt_per_param * psi;
   } else {
     // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
-    // before the old is given up), a ring of buffers for the largest partition (one parameter),
+    // before the old is given up), a ring of buffers for the largest partition (one parameter, or
+    // a sub-group of it),
     // and a copy in the training dtype of the new weights the step stages in the host: every
     // parameter's, or with their weights taken from the master weights only the small ones the
     // front does not partition. With strata.optimizer_commit "partition": the second copy of one
     // partition, and no staged copies but an fp32 copy buffer beside each ring buffer.
+    // The ring's buffers and the commit's room beyond the state hold a sub-group
+    // (zero_optimization.sub_group_size) when the largest parameter is larger.
     const bool each = rc.optimizer_commit_each;
-    p.nvme.optimizer = each ? opt_per_param * (psi + largest) : 2 * opt_per_param * psi;
+    const double group = std::min(largest, static_cast<double>(rc.sub_group_size));
+    p.nvme.optimizer = each ? opt_per_param * (psi + group) : 2 * opt_per_param * psi;
     if (!each) p.host.params += d * (p.weights_from_master ? small : psi);
     p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
-                      (opt_per_param + (each ? 4 : 0)) * largest;
+                      (opt_per_param + (each ? 4 : 0)) * group;
   }
 
   // Parameters.

@@ -17,6 +17,9 @@ The package is strata's front for PyTorch. What is here today:
   for torch's AdamW and Adagrad, as DeepSpeed's DeepSpeedCPUAdam, DeepSpeedCPUAdagrad and
   DeepSpeedCPULion are).
 
+* ``strata.TiledLinear`` and ``strata.tile_linears``: memory-centric tiling (strata.tiling), a
+  linear layer cut into tiles lent one at a time, so the device needs a tile, not a layer.
+
 Messages: warnings through Python's ``warnings`` (``strata.StrataWarning``), the engine's step
 lines through the ``strata`` logger (``logging.getLogger("strata")``, INFO); nothing is printed on
 stdout.
@@ -42,9 +45,10 @@ from strata import lr_schedules
 from strata.config import ConfigError
 from strata.engine import Engine, StrataWarning, initialize, register_external_parameter
 from strata.pretrained import from_pretrained
+from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 
 __all__ = ["checkpointing", "ConfigError", "Engine", "Error", "from_pretrained",
            "InvalidArgumentError", "init",
            "initialize", "lr_schedules", "optim", "register_external_parameter",
-           "StrataWarning"]
+           "StrataWarning", "TiledLinear", "tile_linears"]

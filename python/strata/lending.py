@@ -7,7 +7,8 @@ weights) lends it from the Runtime into the device tier, a forward hook gives it
 on the forward's outputs lends it again before the module's backward (a module pre-backward hook
 does not exist in every torch). A lent tensor is released when torch frees it, so a view autograd
 saved for backward keeps its partition pinned rather than pointing at reused memory. An
-nn.Linear runs _Zero3Linear, which saves the weight itself, not a view. A frozen parameter has no
+nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which saves the weight itself,
+not a view. A frozen parameter has no
 gradient hook to give it back in backward: it goes back once the module's input gradient is made.
 The model's first forward finds parameters used outside their owner's forward (_ExternalUses).
 Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py).
@@ -83,7 +84,9 @@ class Lending:
                 module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
                                                  prepend=True),
                 module.register_forward_hook(_weakly(self._after_forward))]
-            if type(module) is torch.nn.Linear:
+            # nn.Linear, or a subclass that keeps its forward (strata.TiledLinear's tiles).
+            if isinstance(module, torch.nn.Linear) and \
+                    type(module).forward is torch.nn.Linear.forward:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
                 self._patched_forward.append(module)
         self._by_module[module] += [e for e in entries if e not in self._by_module[module]]

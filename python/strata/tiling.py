@@ -1,0 +1,151 @@
+"""Memory-centric tiling (ZeRO-Infinity's; DeepSpeed's ``TiledLinear``): a linear layer cut into a
+grid of smaller linear tiles, each a parameter (and so, at stage 3, a partition) of its own.
+
+At stage 3 strata lends each parameter to its module around that module's forward and backward.
+A ``torch.nn.Linear`` is one parameter: the device must hold the whole matrix (and its gradient)
+while it runs, which for the layers of the largest models is more than a GPU has (a 1T model's MLP
+matrix: 2.6 billion parameters, 5.2 GB in bf16, and as much again of gradient). A ``TiledLinear``
+computes the same product tile by tile, so the device needs one tile at a time (the scheduler
+prefetching the next): its out_splits x in_splits tiles are ``torch.nn.Linear`` modules,
+``tiles[o][i]`` mapping the i-th slice of the input features to the o-th slice of the output
+features, and the output slice o is the sum of its row's products (the bias, when there is one,
+belongs to the row's first tile). With in_splits 1 the result is the Linear's bit for bit; with
+more, the sums of the partial products are rounded once per tile and differ from it in the last
+bits, as any blocked matrix product does.
+
+``TiledLinear(in_features, out_features, bias=True, in_splits=1, out_splits=1)`` builds one (under
+``strata.init`` each tile is partitioned as it is made, so the whole matrix never exists);
+``TiledLinear.from_linear(linear, in_splits, out_splits)`` copies an existing Linear's weights;
+``tile_linears(model, max_tile_params)`` replaces, in place, every ``torch.nn.Linear`` of a model
+with more parameters than that by a TiledLinear whose tiles have at most that many (the fewest
+tiles that do it, cut along the output features first; a weight tied to another module's, as a
+language model's head to its embeddings, is left whole), and returns how many it replaced.
+``module.weight_whole()`` gives the matrix back (for export). A tiled module's state dict names
+its tiles (``tiles.O.I.weight``), not ``weight``: tile after loading pretrained weights.
+
+Thread safety: modules, as torch's.
+"""
+
+import math
+
+import torch
+
+__all__ = ["TiledLinear", "tile_linears"]
+
+
+def _parts(total, splits, what):
+    """`total` features cut into `splits` slices as even as can be (the first ones one larger)."""
+    if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= total:
+        raise ValueError(f"TiledLinear: {what}={splits!r}; accepted: an int from 1 to the "
+                         f"{what.split('_')[0]}_features ({total})")
+    base, extra = divmod(total, splits)
+    return [base + (1 if k < extra else 0) for k in range(splits)]
+
+
+class _Tile(torch.nn.Linear):
+    """One tile: a Linear initialised as a slice of the whole matrix would be (torch's default
+    bounds, 1/sqrt(fan_in), from the whole matrix's fan-in, not the tile's), in its own __init__
+    (before strata.init partitions it)."""
+
+    def __init__(self, in_features, out_features, bias, whole_in_features, device=None,
+                 dtype=None):
+        self._whole_in = whole_in_features  # read by reset_parameters, which __init__ calls
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+    def reset_parameters(self):
+        bound = 1 / math.sqrt(self._whole_in)
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+
+class TiledLinear(torch.nn.Module):
+    """y = x W^T + b computed by a grid of out_splits x in_splits Linear tiles (see the module's
+    docstring)."""
+
+    def __init__(self, in_features, out_features, bias=True, in_splits=1, out_splits=1,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TiledLinear: {name}={value!r}; accepted: a positive int")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_parts = _parts(in_features, in_splits, "in_splits")
+        self.out_parts = _parts(out_features, out_splits, "out_splits")
+        self.tiles = torch.nn.ModuleList(
+            torch.nn.ModuleList(
+                _Tile(i, o, bool(bias) and k == 0, in_features, device=device, dtype=dtype)
+                for k, i in enumerate(self.in_parts))
+            for o in self.out_parts)
+
+    def forward(self, x):
+        xs = x.split(self.in_parts, dim=-1) if len(self.in_parts) > 1 else (x,)
+        out = []
+        for row in self.tiles:
+            y = row[0](xs[0])
+            for tile, xi in zip(row[1:], xs[1:]):
+                y = y + tile(xi)
+            out.append(y)
+        return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+    @classmethod
+    def from_linear(cls, linear, in_splits=1, out_splits=1):
+        """A TiledLinear with `linear`'s weights (and bias), on its device and dtype."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"TiledLinear.from_linear: {type(linear).__name__}; accepted: a "
+                             "torch.nn.Linear")
+        tiled = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    in_splits=in_splits, out_splits=out_splits, device=linear.weight.device,
+                    dtype=linear.weight.dtype)
+        with torch.no_grad():
+            rows = linear.weight.split(tiled.out_parts, dim=0)
+            biases = linear.bias.split(tiled.out_parts) if linear.bias is not None else None
+            for o, row in enumerate(tiled.tiles):
+                for tile, piece in zip(row, rows[o].split(tiled.in_parts, dim=1)):
+                    tile.weight.copy_(piece)
+                if biases is not None:
+                    row[0].bias.copy_(biases[o])
+        tiled.train(linear.training)
+        return tiled
+
+    def weight_whole(self):
+        """The (out_features, in_features) matrix the tiles make (a new tensor)."""
+        return torch.cat([torch.cat([t.weight for t in row], dim=1) for row in self.tiles], dim=0)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tiles={len(self.out_parts)}x{len(self.in_parts)}")
+
+
+def _splits_for(out_features, in_features, max_tile_params):
+    """(in_splits, out_splits): the fewest tiles of at most max_tile_params weights, cutting the
+    output features first (whole input rows keep the product exact) and the input features only
+    when a single output row is too large."""
+    if in_features <= max_tile_params:
+        rows = max(1, max_tile_params // in_features)
+        return 1, math.ceil(out_features / rows)
+    return math.ceil(in_features / max_tile_params), out_features
+
+
+def tile_linears(model, max_tile_params):
+    """Replaces each torch.nn.Linear of `model` with more than `max_tile_params` weights by a
+    TiledLinear of the same weights whose tiles have at most that many; returns how many were
+    replaced. Call it before strata.initialize (on weights already loaded)."""
+    if isinstance(max_tile_params, bool) or not isinstance(max_tile_params, int) or \
+            max_tile_params < 1:
+        raise ValueError(f"tile_linears: max_tile_params={max_tile_params!r}; accepted: a "
+                         "positive int")
+    # A weight tied to another module's (a language model's head and its embeddings) stays.
+    seen, tied = set(), set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        (tied if id(p) in seen else seen).add(id(p))
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.numel() > max_tile_params and \
+                    id(child.weight) not in tied:
+                in_splits, out_splits = _splits_for(child.out_features, child.in_features,
+                                                    max_tile_params)
+                setattr(parent, name, TiledLinear.from_linear(child, in_splits, out_splits))
+                replaced += 1
+    return replaced

@@ -1,0 +1,140 @@
+"""strata.TiledLinear and strata.tile_linears (memory-centric tiling): the same products as the
+Linear they replace, and at stage 3 a device tier that must hold a tile, not the whole matrix."""
+import copy
+import re
+
+import pytest
+import torch
+import transformers
+
+import strata
+from strata.tiling import TiledLinear, tile_linears
+
+
+@pytest.mark.parametrize("in_splits, out_splits", [(1, 1), (1, 3), (3, 1), (2, 5)])
+def test_a_tiled_linear_computes_the_linears_product_and_gradients(in_splits, out_splits):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(12, 10)
+    tiled = TiledLinear.from_linear(linear, in_splits, out_splits)
+    assert len(tiled.tiles) == out_splits and all(len(r) == in_splits for r in tiled.tiles)
+    assert torch.equal(tiled.weight_whole(), linear.weight)
+    x = torch.randn(4, 7, 12, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = linear(x), tiled(x2)
+    if in_splits == 1:  # whole input rows: the same sums, bit for bit
+        assert torch.equal(y, y2)
+    torch.testing.assert_close(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    grad_whole = torch.cat([torch.cat([t.weight.grad for t in row], 1) for row in tiled.tiles])
+    torch.testing.assert_close(grad_whole, linear.weight.grad)
+    bias = torch.cat([row[0].bias.grad for row in tiled.tiles])
+    torch.testing.assert_close(bias, linear.bias.grad)
+    assert all(t.bias is None for row in tiled.tiles for t in row[1:])
+
+
+def test_a_new_tiled_linear_is_initialised_as_its_whole_matrix_would_be():
+    torch.manual_seed(0)
+    tiled = TiledLinear(4096, 8, in_splits=4)
+    bound = 1 / 4096 ** 0.5  # the whole matrix's fan-in, not a tile's (1024)
+    weights = tiled.weight_whole()
+    assert weights.abs().max() <= bound and weights.abs().max() > 0.9 * bound
+    assert TiledLinear(5, 3, bias=False).tiles[0][0].bias is None
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"in_features": 0, "out_features": 3}, "in_features=0"),
+    ({"in_features": 4, "out_features": 3, "in_splits": 5}, "in_splits=5; accepted: an int from 1 "
+                                                             "to the in_features (4)"),
+    ({"in_features": 4, "out_features": 3, "out_splits": 0}, "out_splits=0"),
+    ({"in_features": 4, "out_features": 3, "out_splits": True}, "out_splits=True"),
+])
+def test_bad_tilings_are_refused_naming_what_is_accepted(arguments, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TiledLinear(**arguments)
+    with pytest.raises(ValueError, match="accepted: a torch.nn.Linear"):
+        TiledLinear.from_linear(torch.nn.Conv1d(2, 2, 1))
+    with pytest.raises(ValueError, match="max_tile_params=0"):
+        tile_linears(torch.nn.Linear(2, 2), 0)
+
+
+def _llama(vocab=128):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_tile_linears_replaces_the_large_linears_of_a_transformers_model():
+    model = _llama()
+    before = copy.deepcopy(model)
+    # The MLP's 64 x 256 matrices (16384 weights) are cut, attention's 64 x 64 ones (4096) and
+    # the head (tied to the embeddings) are not.
+    assert tile_linears(model, 4096) == 6
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.up_proj, TiledLinear) and isinstance(mlp.down_proj, TiledLinear)
+    assert max(t.weight.numel() for row in mlp.up_proj.tiles for t in row) <= 4096
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 128, (2, 16))
+    torch.testing.assert_close(model(ids).logits, before(ids).logits)
+    # Rows wider than the limit (down_proj's 256): cut along the input features too.
+    small = copy.deepcopy(before)
+    assert tile_linears(small, 100) == 14  # every Linear but the tied head
+    assert max(p.numel() for n, p in small.named_parameters() if "tiles" in n) <= 100
+    assert len(small.model.layers[0].mlp.down_proj.tiles[0]) == 3  # 256 inputs in 3
+    torch.testing.assert_close(small(ids).logits, before(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def _config(tmp_path, device_budget):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
+                                  "offload_optimizer": {"device": "cpu"},
+                                  "offload_param": {"device": "cpu"}},
+            "strata": {"device": "emulated", "device_budget_bytes": device_budget,
+                       "host_budget_bytes": 64 << 20}}
+
+
+def test_at_stage3_the_device_holds_tiles_where_a_whole_matrix_does_not_fit(tmp_path):
+    """The device budget (48 KiB) is smaller than an MLP matrix (64 x 256 weights: 64 KiB in
+    fp32): the untiled model is refused naming the budget; tiled to 2048-weight tiles (8 KiB), the
+    same model trains through it, as plain torch trains the tiled model."""
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(strata.Error, match="budget"):
+        engine, _, _, _ = strata.initialize(model=_llama(32), config=_config(tmp_path, 48 << 10))
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+    model = _llama(32)
+    assert tile_linears(model, 2048) == 10  # q, o and the MLP's three, in two layers
+    reference = copy.deepcopy(model)
+    engine, _, _, _ = strata.initialize(model=model, config=_config(tmp_path, 48 << 10))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    for _ in range(3):
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        ref = reference(input_ids=ids, labels=ids)
+        optimizer.zero_grad()
+        ref.loss.backward()
+        optimizer.step()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert engine.stats()["peak_bytes"]["device"] <= 48 << 10
+    engine.close()
+
+
+def test_under_strata_init_each_tile_is_a_partition_of_its_own(tmp_path):
+    config = _config(tmp_path, 1 << 20)
+    with strata.init(config=config):
+        tiled = TiledLinear(256, 64, in_splits=2, out_splits=4)
+    ids = {strata.zero_init.partition_of(t.weight) for row in tiled.tiles for t in row}
+    assert None not in ids and len(ids) == 8
+    engine, _, _, _ = strata.initialize(model=tiled, config=config)
+    x = torch.randn(2, 256)
+    engine.backward(engine(x).square().sum())
+    engine.step()
+    engine.close()
