@@ -104,7 +104,13 @@ int64_t Transformer::LayerParams() const {
 
 int64_t Transformer::LargestParamParams() const {
   const int64_t mlp = experts > 1 ? experts * (gated_mlp ? 2 : 1) * hidden * ffn : hidden * ffn;
-  return std::max({vocab * hidden, mlp, hidden * (heads * head_dim() + 2 * kv_heads * head_dim())});
+  const int64_t matrix = std::max(mlp, hidden * (heads * head_dim() + 2 * kv_heads * head_dim()));
+  return std::max(vocab * hidden, tile_params > 0 ? std::min(matrix, tile_params) : matrix);
+}
+
+int64_t Transformer::LayerUnits() const {
+  if (tile_params <= 0) return 1;
+  return std::max<int64_t>(1, (LayerMatrixParams() + tile_params - 1) / tile_params);
 }
 
 int64_t Transformer::OuterParams() const {

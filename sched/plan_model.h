@@ -56,6 +56,10 @@ struct Transformer {
   bool biases = true;      // the non-gated families' linear biases
   bool tied_embeddings = true;
   int64_t sequence = 0, micro_batch = 1;
+  // Memory-centric tiling (strata.tile_linears(model, tile_params), strata.TiledLinear): each of a
+  // layer's matrices larger than this many parameters is cut into tiles of at most so many, each
+  // its own partition, lent one at a time. 0: not tiled. The embeddings are not tiled.
+  int64_t tile_params = 0;
 
   int64_t head_dim() const { return head_size > 0 ? head_size : hidden / heads; }
   // The matrix parameters of one layer (every expert's, and the router's).
@@ -69,6 +73,9 @@ struct Transformer {
   // The largest single parameter (one tensor, one partition in the Runtime): the embedding or an
   // MLP matrix (a mixture-of-experts layer's experts as one tensor, as transformers stores them).
   int64_t LargestParamParams() const;
+  // The units a layer is lent in: 1, or with tiling its matrices' tiles (ceil(matrices /
+  // tile_params)), each taking an equal share of the layer's parameters and compute.
+  int64_t LayerUnits() const;
   int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
   // Forward FLOPs for one token at this sequence length.
   double ForwardFlopsPerToken() const;

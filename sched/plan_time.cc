@@ -88,9 +88,13 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   out.lanes.staging_count = static_cast<int>(rc.offload_param.buffer_count);
   out.scheduler.prefetch_bucket_elements = static_cast<uint64_t>(rc.stage3_prefetch_bucket_size);
 
-  // Partitions: per unit (the layers, then the embeddings and head) P, G, S; with gradient
-  // accumulation and an offloaded optimizer, a host accumulation buffer A per unit.
-  const int64_t units = m.layers + 1;
+  // Partitions: per unit (the layers, or with tiling each layer's tiles, then the embeddings and
+  // head) P, G, S; with gradient accumulation and an offloaded optimizer, a host accumulation
+  // buffer A per unit.
+  const int64_t tiles = m.LayerUnits();
+  const int64_t body = m.layers * tiles;
+  const int64_t units = body + 1;
+  const double unit_params = static_cast<double>(m.LayerParams()) / static_cast<double>(tiles);
   const bool accumulate = offloaded_opt && ga > 1;
   StepTrace& tr = out.trace;
   auto add = [&](Role role, double params, double bytes_per, Tier home, int64_t unit) {
@@ -101,7 +105,9 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
         "the ",
         kWhat[what == 1 && tr.partitions.size() >= 3 * static_cast<size_t>(units) ? 3 : what],
         " of ",
-        unit < m.layers ? absl::StrCat("layer ", unit) : std::string("the embeddings and head")));
+        unit >= body ? std::string("the embeddings and head")
+        : tiles == 1 ? absl::StrCat("layer ", unit)
+                     : absl::StrCat("layer ", unit / tiles, "'s tile ", unit % tiles)));
     PartitionDesc p;
     p.id = tr.partitions.size();
     p.role = role;
@@ -112,7 +118,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
     tr.home.push_back(home);
   };
   for (int64_t u = 0; u < units; ++u) {
-    const double x = static_cast<double>(u < m.layers ? m.LayerParams() : m.OuterParams());
+    const double x = u < body ? unit_params : static_cast<double>(m.OuterParams());
     add(Role::kParam, x * p_share, d, p_home, u);
     add(Role::kGrad, x * g_share, d, g_home, u);
     add(Role::kMaster, x * s_share, opt_per_param, s_home, u);
@@ -125,7 +131,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   }
   if (accumulate) {
     for (int64_t u = 0; u < units; ++u) {
-      const double x = static_cast<double>(u < m.layers ? m.LayerParams() : m.OuterParams());
+      const double x = u < body ? unit_params : static_cast<double>(m.OuterParams());
       add(Role::kGrad, x * g_share, d, Tier::kHost, u);
       tr.streamed.push_back(false);
     }
@@ -140,19 +146,19 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   const double rate = hw.gpu_flops * hw.efficiency;
   const double layer_fwd = (2.0 * static_cast<double>(m.LayerActiveMatrixParams()) * tokens +
                             4.0 * m.sequence * static_cast<double>(m.hidden) * tokens) /
-                           rate;
+                           rate / static_cast<double>(tiles);  // a unit's: a layer or a tile
   const double head_fwd = 2.0 * static_cast<double>(m.vocab) * m.hidden * tokens / rate;
   const double bwd_factor = t.activation_checkpointing ? 3 : 2;
   auto params_of = [&](int64_t u) { return tr.partitions[S(u)].elements; };
   auto cpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / (hw.optimizer_bytes_per_s / n); };
   auto gpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / hw.hbm_bytes_per_s; };
-  const int64_t head = m.layers;
+  const int64_t head = body;
 
   std::vector<Group> after_backward;  // the optimizer's groups when it steps after backward
   for (int64_t micro = 0; micro < ga; ++micro) {
     const bool last = micro + 1 == ga;
     tr.groups.push_back({{{P(head), Tier::kDevice, false}}, 0, kForward});  // the embeddings
-    for (int64_t l = 0; l < m.layers; ++l) {
+    for (int64_t l = 0; l < body; ++l) {
       tr.groups.push_back({{{P(l), Tier::kDevice, false}}, layer_fwd, kForward});
     }
     tr.groups.push_back({{{P(head), Tier::kDevice, false}}, head_fwd, kForward});
@@ -189,7 +195,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       }
     };
     backward(head, 2 * head_fwd);
-    for (int64_t l = m.layers - 1; l >= 0; --l) backward(l, bwd_factor * layer_fwd);
+    for (int64_t l = body - 1; l >= 0; --l) backward(l, bwd_factor * layer_fwd);
   }
   // After backward, on the CPU optimizer's lane: the step (and the next forward) waits for it.
   tr.groups.insert(tr.groups.end(), after_backward.begin(), after_backward.end());

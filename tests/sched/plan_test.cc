@@ -337,6 +337,96 @@ TEST(PlanMemoryTest, CommittingEachPartitionNeedsTheStateOnceAndOnePartitionOnNv
   EXPECT_EQ(nvme_state("partition", 0.0).second, m.layers + 1);
 }
 
+// zero_optimization.sub_group_size: the NVMe optimizer's ring (and with optimizer_commit
+// "partition" its room beyond the state) holds a sub-group when the largest parameter is larger,
+// as Runtime::CreateOptimizer sets it aside.
+TEST(PlanMemoryTest, SubGroupsBoundTheOptimizersRingAndItsCommitRoom) {
+  const Transformer m = Model(OneB(), 1024, 1);
+  const Hardware hw = *HardwareFromJson(A100());
+  const double psi = static_cast<double>(m.TotalParams());
+  const double largest = static_cast<double>(m.LargestParamParams());
+  ASSERT_GT(largest, 1e7);
+  for (const char* commit : {"step", "partition"}) {
+    const bool each = std::string(commit) == "partition";
+    Json zero = {{"stage", 3},
+                 {"offload_param", {{"device", "cpu"}}},
+                 {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}};
+    const Training whole = Config({{"bf16", {{"enabled", true}}},
+                                   {"zero_optimization", zero},
+                                   {"strata", {{"optimizer_commit", commit}}}});
+    zero["sub_group_size"] = 1e7;
+    const Training cut = Config({{"bf16", {{"enabled", true}}},
+                                 {"zero_optimization", zero},
+                                 {"strata", {{"optimizer_commit", commit}}}});
+    auto a = PlanMemory(m, hw, whole), b = PlanMemory(m, hw, cut);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_DOUBLE_EQ(a->host.staging - b->host.staging, 4 * (each ? 16 : 12) * (largest - 1e7))
+        << commit;
+    EXPECT_DOUBLE_EQ(b->nvme.optimizer, each ? 12 * (psi + 1e7) : 2 * 12 * psi) << commit;
+  }
+}
+
+// Memory-centric tiling (Transformer::tile_params, strata.tile_linears): a layer is lent in tiles,
+// so the device holds two tiles in use (or the embeddings, when larger) instead of two layers,
+// and the step's replay lends each tile alone, with its share of the layer's compute: the 1T
+// shape that does not fit a V100 whole fits it tiled.
+TEST(PlanMemoryTest, TilingLendsALayerInTilesSoTheDeviceHoldsTilesNotLayers) {
+  Transformer m = Model({{"model_type", "gpt2"},
+                         {"n_layer", 4},
+                         {"n_embd", 25600},
+                         {"n_head", 160},
+                         {"vocab_size", 50257},
+                         {"n_positions", 2048}},
+                        2048, 1);
+  Json hw_json = A100();
+  hw_json["gpu"]["hbm_gib"] = 32;
+  hw_json["nvme"] = {{"drives", 1}, {"capacity_tb", 4}, {"read_gbps", 6}, {"write_gbps", 3}};
+  const Hardware hw = *HardwareFromJson(hw_json);
+  const Training t = Config({{"fp16", {{"enabled", true}}},
+                             {"zero_optimization",
+                              {{"stage", 3},
+                               {"sub_group_size", 1e8},
+                               {"offload_param", {{"device", "nvme"}, {"nvme_path", "/x"}}},
+                               {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}}}},
+                             {"strata", {{"optimizer_commit", "partition"}}}});
+  auto whole = PlanMemory(m, hw, t);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_TRUE(whole->overflow.has_value());
+  EXPECT_EQ(whole->overflow->tier, "device");
+  EXPECT_EQ(m.LayerUnits(), 1);
+  m.tile_params = 1000000000;
+  EXPECT_EQ(m.LayerUnits(), 8);                      // 7.86e9 matrix parameters a layer
+  EXPECT_EQ(m.LargestParamParams(), 50257 * 25600);  // the embeddings, not tiled
+  auto tiled = PlanMemory(m, hw, t);
+  ASSERT_TRUE(tiled.ok()) << tiled.status();
+  EXPECT_FALSE(tiled->overflow.has_value()) << tiled->overflow->tier;
+  const double unit = 50257.0 * 25600;  // the largest unit lent: the embeddings
+  EXPECT_DOUBLE_EQ(tiled->device.grads, 2 * 2 * unit);
+  // and the small ones: biases and norms, 13 x hidden a layer
+  EXPECT_DOUBLE_EQ(tiled->device.params, 2 * (2 * unit + 4 * 13 * 25600));
+  auto time = PlanTime(m, hw, t, *tiled);
+  ASSERT_TRUE(time.ok()) << time.status();
+  const StepTrace& tr = time->model.trace;
+  EXPECT_EQ(tr.partitions.size(), 3u * (4 * 8 + 1));
+  EXPECT_EQ(tr.names[3 * 9], "the parameters of layer 1's tile 1");
+  double forward = 0;
+  for (const Group& g : tr.groups) forward += g.phase == kForward ? g.compute_s : 0;
+  // The same flops as the untiled model's (on a GPU with room for it), in eight times the units.
+  m.tile_params = 0;
+  hw_json["gpu"]["hbm_gib"] = 80;
+  const Hardware big = *HardwareFromJson(hw_json);
+  auto unbounded = PlanMemory(m, big, t);
+  ASSERT_TRUE(unbounded.ok() && !unbounded->overflow) << unbounded.status();
+  auto whole_time = PlanTime(m, big, t, *unbounded);
+  ASSERT_TRUE(whole_time.ok()) << whole_time.status();
+  double whole_forward = 0;
+  for (const Group& g : whole_time->model.trace.groups) {
+    whole_forward += g.phase == kForward ? g.compute_s : 0;
+  }
+  EXPECT_NEAR(forward, whole_forward, 1e-9 * whole_forward);
+  EXPECT_EQ(whole_time->model.trace.partitions.size(), 3u * (4 + 1));
+}
+
 TEST(PlanMemoryTest, Fp32TrainingKeepsEightBytesOfStateAndAccumulatedGradientsStayInTheHost) {
   const Transformer m = Model(OneB(), 1024, 1);
   const double psi = static_cast<double>(m.TotalParams());

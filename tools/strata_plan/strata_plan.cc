@@ -2,6 +2,7 @@
 //
 //   strata_plan --model config.json --hardware a100-80g-4nvme [--config ds_config.json]
 //               [--sequence N] [--micro-batch N] [--checkpointing|--nocheckpointing] [--json F]
+//               [--tile-params N]
 //
 // --model: a Hugging Face config.json (sched/plan_model.h lists the keys read). --hardware: a
 // hardware description (sched/plan_hardware.h), a path or the name of one shipped with strata
@@ -54,6 +55,9 @@ ABSL_FLAG(int64_t, sequence, 0, "tokens per sequence (0: the model's own, capped
 ABSL_FLAG(int64_t, micro_batch, 0,
           "sequences per GPU per micro-step (0: the config's train_micro_batch_size_per_gpu, "
           "else 1)");
+ABSL_FLAG(int64_t, tile_params, 0,
+          "memory-centric tiling: the layers' matrices cut into tiles of at most this many "
+          "parameters, each lent alone, as strata.tile_linears(model, N) does (0: not tiled)");
 ABSL_FLAG(bool, checkpointing, true,
           "activation checkpointing (each layer's input kept, the rest recomputed)");
 ABSL_FLAG(std::string, json, "", "also write the plan as JSON here");
@@ -303,6 +307,7 @@ int Main() {
   auto model =
       TransformerFromHfConfig(model_json, absl::GetFlag(FLAGS_sequence), training->micro_batch);
   if (!model.ok()) Fail(absl::StrCat(absl::GetFlag(FLAGS_model), ": ", model.status().message()));
+  model->tile_params = absl::GetFlag(FLAGS_tile_params);
   auto plan = PlanMemory(*model, *hw, *training);
   if (!plan.ok()) Fail(std::string(plan.status().message()));
   for (const std::string& w : warnings) std::fprintf(stderr, "strata_plan: note: %s\n", w.c_str());
@@ -460,6 +465,7 @@ int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(argc, argv, strata::sched::plan::kUsage, "strata_plan",
                                       {{"sequence", 0, 1 << 24},
                                        {"micro_batch", 0, 1 << 20},
+                                       {"tile_params", 0, int64_t{1} << 50},
                                        {"gpu_tflops", 0, 1e6},
                                        {"gpu_hbm_gib", 0, 1e6},
                                        {"gpus", 1, 1024},
