@@ -332,6 +332,9 @@ nlohmann::json SuggestionConfig(const Suggestion& s) {
     }
     zero["stage3_prefetch_bucket_size"] = rc.stage3_prefetch_bucket_size;
   }
+  if (rc.sub_group_size != tiering::RuntimeConfig{}.sub_group_size) {
+    zero["sub_group_size"] = rc.sub_group_size;
+  }
   Json out = {{"train_micro_batch_size_per_gpu", s.training.micro_batch},
               {"gradient_accumulation_steps", s.training.gradient_accumulation},
               {"zero_optimization", zero},

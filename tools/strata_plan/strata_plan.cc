@@ -450,10 +450,16 @@ int Main() {
     WriteFile("json", out, j.dump(2) + "\n");
   }
   if (suggested) {
+    const std::string tiled =
+        model->tile_params > 0
+            ? absl::StrCat("; the model tiled, as strata.tile_linears(model, ", model->tile_params,
+                           ") does")
+            : "";
     std::printf(
         "\nthe suggested config (activation checkpointing %s: it is the model code's "
-        "choice, not a config key):\n%s\n",
-        training->activation_checkpointing ? "on" : "off", suggested->dump(2).c_str());
+        "choice, not a config key%s):\n%s\n",
+        training->activation_checkpointing ? "on" : "off", tiled.c_str(),
+        suggested->dump(2).c_str());
   }
   return plan->overflow ? 1 : 0;
 }
