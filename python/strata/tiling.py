@@ -9,9 +9,10 @@ computes the same product tile by tile, so the device needs one tile at a time (
 prefetching the next): its out_splits x in_splits tiles are ``torch.nn.Linear`` modules,
 ``tiles[o][i]`` mapping the i-th slice of the input features to the o-th slice of the output
 features, and the output slice o is the sum of its row's products (the bias, when there is one,
-belongs to the row's first tile). With in_splits 1 the result is the Linear's bit for bit; with
-more, the sums of the partial products are rounded once per tile and differ from it in the last
-bits, as any blocked matrix product does.
+belongs to the row's first tile). With in_splits 1 each output is the same dot product as the
+Linear's (bit for bit on the CPU; a GPU's kernels, picked by shape, may differ in the last bits);
+with more, the sums of the partial products are rounded once per tile and differ from it in the
+last bits, as any blocked matrix product does.
 
 ``TiledLinear(in_features, out_features, bias=True, in_splits=1, out_splits=1)`` builds one (under
 ``strata.init`` each tile is partitioned as it is made, so the whole matrix never exists);
