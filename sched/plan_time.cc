@@ -53,9 +53,9 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
 
   // Parameters with no host copy (mem.weights_from_master) take their new weights from the
   // committed master weights, read back after the step; with strata.optimizer_commit "partition"
-  // and the step after backward, the optimizer's thread writes them into their partitions as
-  // each state lands instead (the front's CopySink), reading nothing back.
-  const bool read_back = mem.weights_from_master && !(rc.optimizer_commit_each && !during_backward);
+  // the optimizer's thread writes them into their partitions as each state lands instead (the
+  // front's CopySink, during backward or after it), reading nothing back.
+  const bool read_back = mem.weights_from_master && !rc.optimizer_commit_each;
 
   StepModel out;
   // Budgets.

@@ -65,9 +65,11 @@ class Step:
                 target = self._weights_target(e)
             elif not self._refresh:
                 target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-            elif self._commit_each and always:
-                # After backward, nothing uses the parameter: the optimizer's thread writes its
-                # new weights into its partition once its state has landed (no read-back).
+            elif self._commit_each:
+                # Its gradient is final: nothing uses the parameter again before the step (the
+                # Runtime leaves one still lent to the device alone, and it is read back then).
+                # The optimizer's thread writes its new weights into its partition once its
+                # state has landed (no read-back).
                 target = e.pid
             e.staged = ((lr, weight_decay), target)
             staged.entries.append(e)

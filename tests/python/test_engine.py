@@ -603,19 +603,21 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
 
 
+@pytest.mark.parametrize("during", [False, True])
 def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_the_state_back(
-        tmp_path):
+        tmp_path, during):
     """Parameters homed on NVMe beyond offload_param.max_in_cpu: with the whole step's commit
     their new weights are read back from the committed master weights after the step (12 bytes a
     parameter); with strata.optimizer_commit "partition" the optimizer's thread writes them into
-    their partitions as each state lands, and nothing is read back. The same weights either
-    way."""
+    their partitions as each state lands, and nothing is read back: after backward, or during
+    it (no clipping, optimizer_during_backward). The same weights either way."""
     data = list(batches(6))
     results = {}
     for commit in ("step", "partition"):
-        config = make_config(tmp_path / commit, 3, "nvme", "bf16", accumulation=1, clipping=1.0)
+        config = make_config(tmp_path / commit, 3, "nvme", "bf16", accumulation=1,
+                             clipping=0.0 if during else 1.0)
         config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10  # none kept in host
-        config["strata"]["optimizer_commit"] = commit
+        config["strata"].update(optimizer_commit=commit, optimizer_during_backward=during)
         torch.manual_seed(0)
         engine, _, _, _ = strata.initialize(model=Net(), config=config)
         assert engine._refresh

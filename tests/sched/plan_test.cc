@@ -651,6 +651,10 @@ TEST(PlanTimeTest, ParametersOnNvmeTakeTheirNewWeightsFromTheMasterWeightsBeyond
   const auto [each_mem, each] = plan(1e9, "partition", 1.0);
   EXPECT_TRUE(each_mem.weights_from_master);
   EXPECT_LT(each.bytes[kNvmeRead], streamed.bytes[kNvmeRead] - 10 * psi);
+  // And with the step during backward (no clipping): the same, as each state lands then.
+  const auto [during_mem, during] = plan(1e9, "partition", 0.0);
+  EXPECT_TRUE(during_mem.weights_from_master);
+  EXPECT_LT(during.bytes[kNvmeRead], streamed.bytes[kNvmeRead] - 10 * psi);
 }
 
 // The optimizer's state in host memory steps after backward, as the trainer's front does it by
