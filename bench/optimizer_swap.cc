@@ -1,5 +1,7 @@
 // optimizer_swap: one optimizer step of a model whose optimizer state lives on NVMe, pipelined
-// (read k+1 | step k | write k-1) and serial (read, step, write per partition), against the
+// (read k+1 | step k | write k-1), pipelined in sub-groups (each partition read, stepped and
+// written in --sub-group-params pieces: zero_optimization.sub_group_size) and serial (read, step,
+// write per partition), against the
 // bound max(I/O time at the disk bandwidth fio measures on the same directory in the same round,
 // the optimizer's time on the same data in memory). The I/O time is bytes read / fio's read
 // GB/s + bytes written / fio's write GB/s: reads and writes share one disk. See shared BENCH.md.
@@ -24,6 +26,8 @@
 ABSL_FLAG(std::string, dir, ".", "directory for the swap space (on the drive to measure)");
 ABSL_FLAG(int64_t, params, int64_t{1} << 26, "model parameters (12 bytes of state each)");
 ABSL_FLAG(int64_t, partition_params, int64_t{1} << 22, "parameters per partition");
+ABSL_FLAG(int64_t, sub_group_params, int64_t{1} << 20,
+          "the sub-grouped variant's sub-group, in parameters (smaller than a partition)");
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(bool, reserve_hugetlb, false,
           "raise vm.nr_hugepages for the run (root) so fio's buffers are huge pages like ours");
@@ -55,7 +59,7 @@ int Main() {
   auto engine = aio::Engine::Create(ac);
   if (!engine.ok()) return 1;
   tiering::NvmeStoreOptions so;
-  so.capacity_bytes = state_bytes * 4 + (256 << 20);  // two swappers, copy on write each
+  so.capacity_bytes = state_bytes * 6 + (256 << 20);  // three swappers, copy on write each
   so.verify_on_get = absl::GetFlag(FLAGS_verify);
   auto store = tiering::NvmeStore::Open(swap_dir, so, engine->get());
   if (!store.ok()) {
@@ -68,20 +72,26 @@ int Main() {
   tiering::PinnedHostResource pinned;
   tiering::PoolingResource host(&pinned, 1ull << 30);
 
-  std::vector<std::pair<tiering::PartitionId, uint64_t>> pipelined_parts, serial_parts;
+  std::vector<std::pair<tiering::PartitionId, uint64_t>> pipelined_parts, serial_parts, cut_parts;
   for (uint64_t k = 0; k < n_parts; ++k) {
     const uint64_t n = std::min(per, params - k * per);
     pipelined_parts.emplace_back(k, n);
     serial_parts.emplace_back(100000 + k, n);
+    cut_parts.emplace_back(200000 + k, n);
   }
+  const uint64_t group = absl::GetFlag(FLAGS_sub_group_params);
   auto pipelined = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host,
                                                            {true, true, 0}, pipelined_parts);
   auto serial = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host,
                                                         {false, false, 0}, serial_parts);
-  if (!pipelined.ok() || !serial.ok()) return 1;
+  swap::OptimizerSwapperConfig cut_config{true, true, 0};
+  cut_config.sub_group_elements = group;
+  auto cut = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host, cut_config,
+                                                     cut_parts);
+  if (!pipelined.ok() || !serial.ok() || !cut.ok()) return 1;
 
   // State and gradients; the in-memory copy for the optimizer-time bound.
-  std::printf("initializing %llu partitions (%.2f GiB of optimizer state on NVMe, twice) ...\n",
+  std::printf("initializing %llu partitions (%.2f GiB of optimizer state on NVMe, thrice) ...\n",
               static_cast<unsigned long long>(n_parts), state_bytes / double(1 << 30));
   std::fflush(stdout);
   std::mt19937 rng(1);
@@ -94,7 +104,8 @@ int Main() {
     grads[k].resize(n);
     for (float& x : grads[k]) x = 0.1f * d(rng);
     if (!(*pipelined)->Initialize(k, master).ok() ||
-        !(*serial)->Initialize(100000 + k, master).ok()) {
+        !(*serial)->Initialize(100000 + k, master).ok() ||
+        !(*cut)->Initialize(200000 + k, master).ok()) {
       std::fprintf(stderr, "initialize failed\n");
       return 1;
     }
@@ -130,7 +141,8 @@ int Main() {
     if (auto r = RunFio(job); !r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
   }
 
-  std::vector<double> pipe_s, serial_s, bound_s, io_s, adam_s, ratio, serial_ratio;
+  std::vector<double> pipe_s, serial_s, cut_s, bound_s, io_s, adam_s, ratio, serial_ratio,
+      cut_ratio;
   for (int round = 0; round <= rounds; ++round) {
     const int64_t t = round + 1;
     // The bound's parts, measured in this round.
@@ -156,7 +168,7 @@ int Main() {
     }
     const double adam_time = Since(a0);
     // Ours, alternating which goes first.
-    swap::StepReport rp, rs;
+    swap::StepReport rp, rs, rc;
     auto run_p = [&] {
       auto r = (*pipelined)->Step(t, inputs(0));
       if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
@@ -167,11 +179,18 @@ int Main() {
       if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
       rs = r.ok() ? *r : swap::StepReport();
     };
+    auto run_c = [&] {
+      auto r = (*cut)->Step(t, inputs(200000));
+      if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+      rc = r.ok() ? *r : swap::StepReport();
+    };
     if (round % 2 == 0) {
       run_p();
+      run_c();
       run_s();
     } else {
       run_s();
+      run_c();
       run_p();
     }
     if (round == 0) continue;
@@ -185,19 +204,21 @@ int Main() {
     const double bound = std::max(io_time, adam_time);
     pipe_s.push_back(rp.seconds);
     serial_s.push_back(rs.seconds);
+    cut_s.push_back(rc.seconds);
     bound_s.push_back(bound);
     io_s.push_back(io_time);
     adam_s.push_back(adam_time);
     if (bound > 0) {
       ratio.push_back(rp.seconds / bound);
       serial_ratio.push_back(rs.seconds / bound);
+      cut_ratio.push_back(rc.seconds / bound);
     }
     std::printf(
-        "round %d: pipelined %.3f s (reads %.3f, writes %.3f, Adam %.3f summed), serial "
-        "%.3f s, bound %.3f s (I/O %.3f s at %.2f/%.2f GB/s read/write, Adam in memory "
-        "%.3f s)\n",
-        round, rp.seconds, rp.read_seconds, rp.write_seconds, rp.compute_seconds, rs.seconds, bound,
-        io_time, read_gbps, write_gbps, adam_time);
+        "round %d: pipelined %.3f s (reads %.3f, writes %.3f, Adam %.3f summed), in sub-groups "
+        "%.3f s, serial %.3f s, bound %.3f s (I/O %.3f s at %.2f/%.2f GB/s read/write, Adam in "
+        "memory %.3f s)\n",
+        round, rp.seconds, rp.read_seconds, rp.write_seconds, rp.compute_seconds, rc.seconds,
+        rs.seconds, bound, io_time, read_gbps, write_gbps, adam_time);
     std::fflush(stdout);
   }
   std::filesystem::remove(fio_file, ec);
@@ -205,6 +226,7 @@ int Main() {
   Report report("optimizer_swap", MachineInfo::Probe(dir));
   nlohmann::json config = {{"params", params},
                            {"partition_params", per},
+                           {"sub_group_params", group},
                            {"partitions", n_parts},
                            {"state_bytes", state_bytes},
                            {"block_size", ac.block_size},
@@ -232,8 +254,17 @@ int Main() {
            .ratio = Summary::Of(serial_ratio),
            .lower_is_better = true,
            .config = config};
-  if (!have_fio) p.note = s.note = "fio missing: no I/O bound";
+  Figure c{.name = "sub_grouped_step",
+           .unit = "s",
+           .value = Summary::Of(cut_s),
+           .ceiling = Summary::Of(bound_s),
+           .ceiling_source = source,
+           .ratio = Summary::Of(cut_ratio),
+           .lower_is_better = true,
+           .config = config};
+  if (!have_fio) p.note = s.note = c.note = "fio missing: no I/O bound";
   report.Add(p);
+  report.Add(c);
   report.Add(s);
   std::printf("\nI/O bound %.3f s, Adam in memory %.3f s (medians)\n", Summary::Of(io_s).median,
               Summary::Of(adam_s).median);
@@ -241,6 +272,7 @@ int Main() {
   if (!absl::GetFlag(FLAGS_json).empty() && !report.WriteJson(absl::GetFlag(FLAGS_json))) return 1;
   pipelined->reset();
   serial->reset();
+  cut->reset();
   store->reset();
   std::filesystem::remove_all(swap_dir, ec);
   return 0;
@@ -254,7 +286,10 @@ int main(int argc, char** argv) {
   strata::aio_bench::ParseFlagsOrExit(
       argc, argv, "optimizer_swap --dir DIR [--params N] [--rounds 5] [--json PATH]",
       "bench/optimizer_swap.cc",
-      {{"params", 1024, 1ull << 40}, {"partition_params", 1024, 1ull << 36}, {"rounds", 1, 1000}});
+      {{"params", 1024, 1ull << 40},
+       {"partition_params", 1024, 1ull << 36},
+       {"sub_group_params", 1024, 1ull << 36},
+       {"rounds", 1, 1000}});
   if (auto s = strata::aio_bench::PrepareOutputFile(absl::GetFlag(FLAGS_json)); !s.ok()) {
     strata::aio_bench::BadFlag("--json", s.message());  // found before measuring
   }
