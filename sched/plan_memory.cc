@@ -137,8 +137,12 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     // The ring's buffers and the commit's room beyond the state hold a sub-group
     // (zero_optimization.sub_group_size) when the largest parameter is larger.
     const bool each = rc.optimizer_commit_each;
-    const double group = std::min(largest, static_cast<double>(rc.sub_group_size));
-    p.nvme.optimizer = each ? opt_per_param * (psi + group) : 2 * opt_per_param * psi;
+    const double group =
+        rc.sub_group_size > 0 ? std::min(largest, static_cast<double>(rc.sub_group_size)) : largest;
+    // With "partition", room beside the state for the store's copy on write of its largest blob:
+    // a sub-group's state or the largest parameter's partition.
+    p.nvme.optimizer = each ? opt_per_param * psi + std::max(opt_per_param * group, d * largest)
+                            : 2 * opt_per_param * psi;
     if (!each) p.host.params += d * (p.weights_from_master ? small : psi);
     p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
                       (opt_per_param + (each ? 4 : 0)) * group;

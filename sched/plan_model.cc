@@ -110,7 +110,13 @@ int64_t Transformer::LargestParamParams() const {
 
 int64_t Transformer::LayerUnits() const {
   if (tile_params <= 0) return 1;
-  return std::max<int64_t>(1, (LayerMatrixParams() + tile_params - 1) / tile_params);
+  // Each matrix tiled on its own, as tile_linears does: the attention's input projection (q, k
+  // and v together) and output, the MLP's two (three gated) matrices of every expert, the router.
+  auto tiles = [this](int64_t matrix) { return (matrix + tile_params - 1) / tile_params; };
+  const int64_t q = heads * head_dim(), kv = kv_heads * head_dim();
+  const int64_t mlp = experts * (gated_mlp ? 3 : 2) * tiles(hidden * ffn);
+  const int64_t router = experts > 1 ? tiles(hidden * experts) : 0;
+  return tiles(hidden * (q + 2 * kv)) + tiles(q * hidden) + mlp + router;
 }
 
 int64_t Transformer::OuterParams() const {

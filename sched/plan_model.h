@@ -73,8 +73,9 @@ struct Transformer {
   // The largest single parameter (one tensor, one partition in the Runtime): the embedding or an
   // MLP matrix (a mixture-of-experts layer's experts as one tensor, as transformers stores them).
   int64_t LargestParamParams() const;
-  // The units a layer is lent in: 1, or with tiling its matrices' tiles (ceil(matrices /
-  // tile_params)), each taking an equal share of the layer's parameters and compute.
+  // The units a layer is lent in: 1, or with tiling its matrices' tiles (each matrix's
+  // ceil(matrix / tile_params), the attention's q, k and v as one), each taking an equal share of
+  // the layer's parameters and compute.
   int64_t LayerUnits() const;
   int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
   // Forward FLOPs for one token at this sequence length.

@@ -1182,7 +1182,14 @@ absl::Status Runtime::CreateOptimizer(
   const int ring = pipelined ? static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 3, 64))
                              : static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 1, 64));
   std::array<uint64_t, tiering::kTierCount> need{};
-  uint64_t largest = 0, copy_elements = 0;
+  uint64_t largest = 0, copy_elements = 0, most_elements = 0;
+  // A partition's sub-groups: zero_optimization.sub_group_size elements at most (0 or less:
+  // whole).
+  auto sub_group = [this](uint64_t elements) {
+    return config_.sub_group_size > 0
+               ? std::min(elements, static_cast<uint64_t>(config_.sub_group_size))
+               : elements;
+  };
   for (const auto& [id, elements] : partitions) {
     if (id >= kOptimizerKey) {
       return absl::InvalidArgumentError(
@@ -1195,12 +1202,12 @@ absl::Status Runtime::CreateOptimizer(
     }
     if (on_nvme) {
       // The ring's buffers hold a sub-group (zero_optimization.sub_group_size) at most.
-      largest =
-          std::max(largest, std::min(elements, static_cast<uint64_t>(config_.sub_group_size)) * 12);
+      largest = std::max(largest, sub_group(elements) * 12);
+      most_elements = std::max(most_elements, elements);
       copy_elements += elements;
       // The state (each sub-group a blob, in whole pages), and its second copy while a step
       // commits (with optimizer_commit "partition", one sub-group's: below).
-      const uint64_t g = std::min(elements, static_cast<uint64_t>(config_.sub_group_size));
+      const uint64_t g = sub_group(elements);
       const uint64_t stored = (elements / g) * Pages(g * 12) + Pages(elements % g * 12);
       need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * stored;
     } else {
@@ -1213,9 +1220,11 @@ absl::Status Runtime::CreateOptimizer(
     copy_elements = std::min(copy_elements, *copy_elements_wanted);
   }
   if (on_nvme && config_.optimizer_commit_each) {
-    // One sub-group's second copy on NVMe (the store's copy on write, one Put at a time); a copy
-    // buffer (fp32-sized) beside each ring buffer instead of the staged copies.
-    need[I(Tier::kNvme)] += Pages(largest);
+    // The store's copy on write, one Put at a time, needs room for its largest blob beside the
+    // state: a sub-group's, or a parameter's partition (by convention as many elements as its
+    // optimizer partition, in the trainer's dtype), whichever is larger. A copy buffer
+    // (fp32-sized) beside each ring buffer instead of the staged copies.
+    need[I(Tier::kNvme)] += Pages(std::max(largest, most_elements * copy_bytes));
     need[I(Tier::kHost)] += ring * (Pages(largest) + Pages(largest / 3));
     copy_elements = 0;
   } else if (on_nvme) {
@@ -1254,7 +1263,7 @@ absl::Status Runtime::CreateOptimizer(
   sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
-  sc.sub_group_elements = static_cast<uint64_t>(config_.sub_group_size);
+  sc.sub_group_elements = static_cast<uint64_t>(std::max<int64_t>(0, config_.sub_group_size));
   sc.store_key_bits = kOptimizerKey;
   sc.on_event = options_.on_optimizer_event;
   auto swapper = swap::PipelinedOptimizerSwapper::Create(store_.get(), created->get(),
@@ -1430,16 +1439,19 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
                         "): the trainer writes them after the step"));
       return refused;
     };
-    sink.done = [this](PartitionId id, PartitionId target) {
-      // Pinned by this thread, checked not lent, and written: the release cannot fail but by a
-      // bug (another holder pinning the device copy meanwhile); the weights are then counted as
-      // not placed, for the caller to write them again.
+    sink.done = [this](PartitionId id, PartitionId target, bool whole) {
+      // Pinned by this thread, checked not lent, and written (all of it, or the sub-groups that
+      // landed of a step that failed part way: released written all the same, and not counted
+      // copied): the release cannot fail but by a bug (another holder pinning the device copy
+      // meanwhile); the weights are then counted as not placed, for the caller to write them
+      // again.
       absl::Status s = Release(target, Tier::kHost, true, nullptr, Access::kOutOfTrace);
       if (!s.ok()) {
         Warn(absl::StrCat("optimizer step: releasing partition ", target, " written with ", id,
                           "'s new weights: ", s.message()));
         return;
       }
+      if (!whole) return;
       MutexLock lock(&staged_mu_);
       copied_.push_back(id);
     };
@@ -1456,6 +1468,11 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
   };
   source.done = [this](PartitionId id) { ReleaseStagedGradients(id); };
   return optimizer_->Stage(t, inputs, options, std::move(source), std::move(sink));
+}
+
+std::vector<PartitionId> Runtime::PartlySteppedOptimizerPartitions() {
+  MutexLock lock(&optimizer_mu_);
+  return optimizer_ != nullptr ? optimizer_->PartlyStepped() : std::vector<PartitionId>{};
 }
 
 std::vector<PartitionId> Runtime::TakeCopiedPartitions() {

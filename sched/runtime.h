@@ -326,6 +326,10 @@ class Runtime {
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
   std::vector<PartitionId> AbortOptimizerStep();
   std::vector<PartitionId> TakeCopiedPartitions();
+  // The optimizer partitions stepped in part (zero_optimization.sub_group_size with
+  // optimizer_commit "partition": a step that failed inside them), until they are stepped again
+  // at that step (swap/optimizer_swapper.h's PartlyStepped).
+  std::vector<PartitionId> PartlySteppedOptimizerPartitions();
   // With a host_early step open, waits until the host-resident partitions staged so far have
   // stepped (their state and param copies are then read whole); at once otherwise.
   void WaitForEarlySteps();

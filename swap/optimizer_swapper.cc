@@ -60,6 +60,13 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
         "optimizer swapper: the optimizer and host memory are required");
   }
   const bool pipelined = config.pipeline_read || config.pipeline_write;
+  constexpr tiering::PartitionId kGroupBits =
+      ((tiering::PartitionId{1} << 63) - 1) & ~((tiering::PartitionId{1} << kGroupShift) - 1);
+  if (config.sub_group_elements > 0 && (config.store_key_bits & kGroupBits) != 0) {
+    return absl::InvalidArgumentError(
+        "optimizer swapper: store_key_bits has bits 40 to 62 set, which key the sub-groups "
+        "(sub_group_elements); accepted with sub-groups: bit 63 and bits below 40");
+  }
   if (config.ring_buffers < 0 || config.ring_buffers > 64 ||
       (pipelined && config.ring_buffers > 0 && config.ring_buffers < 3)) {
     return absl::InvalidArgumentError(
@@ -99,14 +106,14 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
       const uint64_t g = config.sub_group_elements;
       part.group = g > 0 && elements > g ? g : elements;
       const uint64_t groups = (elements + part.group - 1) / part.group;
-      if (groups > 1 && (id >= (tiering::PartitionId{1} << kGroupShift) ||
-                         groups >= (uint64_t{1} << (63 - kGroupShift)))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("optimizer swapper: partition ", id, " of ", elements, " elements in ",
-                         groups, " sub-groups of ", g,
-                         " (sub_group_elements); accepted when a partition is cut: ids "
-                         "below 2^",
-                         kGroupShift, " and fewer than 2^", 63 - kGroupShift, " sub-groups"));
+      // With sub-groups, a piece's key carries its index above bit 40: every NVMe-resident id
+      // (cut or not, or one could be a cut one's piece) is below 2^40.
+      if (g > 0 && (id >= (tiering::PartitionId{1} << kGroupShift) ||
+                    groups >= (uint64_t{1} << (63 - kGroupShift)))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "optimizer swapper: partition ", id, " of ", elements, " elements in ", groups,
+            " sub-groups of ", g, " (sub_group_elements); accepted with sub-groups: ids below 2^",
+            kGroupShift, " and fewer than 2^", 63 - kGroupShift, " sub-groups a partition"));
       }
       part.groups = static_cast<uint32_t>(groups);
       s->buffer_bytes_ = std::max(s->buffer_bytes_, StateBytes(part.group));
@@ -153,6 +160,13 @@ absl::StatusOr<uint64_t> PipelinedOptimizerSwapper::elements(tiering::PartitionI
   return part->elements;
 }
 
+std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::PartlyStepped() const {
+  std::vector<tiering::PartitionId> ids;
+  for (const auto& [id, p] : partial_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
 bool PipelinedOptimizerSwapper::on_nvme(tiering::PartitionId id) const {
   auto it = parts_.find(id);
   return it != parts_.end() && it->second.host_state == nullptr;
@@ -180,13 +194,18 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
     fill(part->host_state, 0, part->elements);
     return absl::OkStatus();
   }
-  std::unique_ptr<tiering::NvmeStore::Batch> batch = store_->NewBatch();
+  // All at once (one record); with commit_each each sub-group in place of its old one, so that
+  // no more than one sub-group's second copy is needed.
+  std::unique_ptr<tiering::NvmeStore::Batch> batch =
+      config_.commit_each ? nullptr : store_->NewBatch();
   for (uint32_t j = 0; j < part->groups; ++j) {
     const uint64_t n = part->GroupSize(j);
     fill(buffers_.front(), part->GroupOffset(j), n);
-    STRATA_RETURN_IF_ERROR(batch->Stage(StoreKey(id, j), Bytes(buffers_.front(), n)));
+    STRATA_RETURN_IF_ERROR(batch != nullptr
+                               ? batch->Stage(StoreKey(id, j), Bytes(buffers_.front(), n))
+                               : store_->Put(StoreKey(id, j), Bytes(buffers_.front(), n)));
   }
-  STRATA_RETURN_IF_ERROR(batch->Commit());
+  if (batch != nullptr) STRATA_RETURN_IF_ERROR(batch->Commit());
   partial_.erase(id);
   return absl::OkStatus();
 }
@@ -201,6 +220,13 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
   WaitForEarlySteps();  // no host-resident state is read while it steps
+  if (auto p = partial_.find(id); p != partial_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "optimizer swapper: partition ", id, ": ", PartlyStepped(p->second),
+        " (a step that failed part way): its state is not of one step; accepted: reading it once "
+        "a step at ",
+        p->second.t, " has stepped the rest"));
+  }
   auto out = [&](const float* state, uint64_t offset, uint64_t count) {
     std::memcpy(master.data() + offset, state, count * sizeof(float));
     std::memcpy(exp_avg.data() + offset, state + count, count * sizeof(float));
@@ -249,6 +275,7 @@ struct PipelinedOptimizerSwapper::Txn {
     void* to = nullptr;
     bool asked = false;
     bool done = false;
+    uint32_t placed = 0;  // sub-groups whose copy went there
   };
   struct Item {
     StepInput in;
@@ -493,11 +520,9 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
     auto partial = partial_.find(in.id);
     if (partial != partial_.end() && partial->second.t != t) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "optimizer step ", t, ": partition ", in.id, ": ",
-          std::count(partial->second.landed.begin(), partial->second.landed.end(), true),
-          " of its ", partial->second.landed.size(), " sub-groups stepped to step ",
-          partial->second.t, " already (a step that failed part way); accepted: step it at ",
-          partial->second.t, ", which steps the others (nothing of this call was staged)"));
+          "optimizer step ", t, ": partition ", in.id, ": ", PartlyStepped(partial->second),
+          " already (a step that failed part way); accepted: step it at ", partial->second.t,
+          ", which steps the others (nothing of this call was staged)"));
     }
   }
   if (x.seen.empty() && x.host.empty()) x.first_t = t;
@@ -685,8 +710,13 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
         }
         if (h.to != nullptr) {
           std::memcpy(static_cast<std::byte*>(h.to) + at, copy, it.count * copy_bytes);
-          if (it.last && it.sink->done) it.sink->done(id, it.in.sink_target);
-          h.done = it.last;
+          ++h.placed;
+          if (it.last) {
+            h.done = true;
+            if (it.sink->done) {
+              it.sink->done(id, it.in.sink_target, h.placed == it.part->groups);
+            }
+          }
         }
       }
       return Result(s, Since(w0));
@@ -829,7 +859,9 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   for (const Txn::Item* it : items) {
     if (it->hold != nullptr && it->hold->to != nullptr && !it->hold->done) {
       it->hold->done = true;
-      if (it->sink->done) it->sink->done(it->in.id, it->in.sink_target);
+      if (it->sink->done) {
+        it->sink->done(it->in.id, it->in.sink_target, it->hold->placed == it->part->groups);
+      }
     }
   }
 }
@@ -851,13 +883,21 @@ void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
     }
   }
   x->landed_groups.clear();
-  for (tiering::PartitionId id : touched) {
-    auto p = partial_.find(id);
-    if (p == partial_.end()) continue;
-    const std::vector<bool>& l = p->second.landed;
-    x->partly.push_back(absl::StrCat(id, " (", std::count(l.begin(), l.end(), true), " of ",
-                                     l.size(), " sub-groups)"));
+  // Every partition staged that is stepped in part now, by this step or an earlier one.
+  touched.clear();
+  for (const Txn::Item& it : x->nvme) {
+    if (!touched.empty() && touched.back() == it.in.id) continue;
+    touched.push_back(it.in.id);
+    auto p = partial_.find(it.in.id);
+    if (p != partial_.end()) {
+      x->partly.push_back(absl::StrCat(it.in.id, ": ", PartlyStepped(p->second)));
+    }
   }
+}
+
+std::string PipelinedOptimizerSwapper::PartlyStepped(const Partial& p) {
+  return absl::StrCat(std::count(p.landed.begin(), p.landed.end(), true), " of its ",
+                      p.landed.size(), " sub-groups stepped to step ", p.t);
 }
 
 std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
@@ -912,10 +952,10 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
                                 " stepped (", absl::StrJoin(stepped, ", "), ")"));
   }
   if (!x->partly.empty()) {
-    said.push_back(absl::StrCat(x->partly.size(),
-                                x->partly.size() == 1 ? " partition" : " partitions",
-                                " had stepped in part (", absl::StrJoin(x->partly, ", "),
-                                "; stepped again at step ", t, ", only the rest step)"));
+    said.push_back(
+        absl::StrCat(x->partly.size(), x->partly.size() == 1 ? " partition" : " partitions",
+                     " had stepped in part (", absl::StrJoin(x->partly, "; "),
+                     "; each steps only the rest when it is stepped again at that step)"));
   }
   const bool changed = !said.empty();
   const std::string unchanged =
@@ -1054,7 +1094,7 @@ absl::Status PipelinedOptimizerSwapper::Load(tiering::PartitionId id,
     fill(into, part->GroupOffset(j), count);
     if (loading_->batch == nullptr) {  // commit_each: in place of the old at once
       STRATA_RETURN_IF_ERROR(store_->Put(StoreKey(id, j), Bytes(into, count)));
-      partial_.erase(id);  // what a failed step left is being replaced
+      if (j + 1 == part->groups) partial_.erase(id);  // what a failed step left is replaced
     } else {
       STRATA_RETURN_IF_ERROR(loading_->batch->Stage(StoreKey(id, j), Bytes(into, count)));
     }

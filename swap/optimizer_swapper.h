@@ -56,6 +56,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -198,10 +199,13 @@ class PipelinedOptimizerSwapper {
   // called on the thread that wrote the partition's state, once it has landed, and returns the
   // address of as many elements of copy_dtype, or why there is none (then the copy is not
   // placed: the step stands, its state landed; the caller learns it from done's absence);
-  // `done(id, target)` follows once the copy is there.
+  // `done(id, target, whole)` follows once the copy is there: `whole` when every sub-group's is
+  // (a partition cut in sub-groups, some of which failed to land, gets the copies of those that
+  // landed, and whole false: the rest come when it is stepped again). Asked for and given back
+  // once a partition, whatever its sub-groups.
   struct CopySink {
     std::function<absl::StatusOr<void*>(tiering::PartitionId, tiering::PartitionId)> get;
-    std::function<void(tiering::PartitionId, tiering::PartitionId)> done;
+    std::function<void(tiering::PartitionId, tiering::PartitionId, bool whole)> done;
     explicit operator bool() const { return static_cast<bool>(get); }
   };
   // Stages `inputs` for step t: all of them validated first (as Step's, and against the
@@ -240,6 +244,9 @@ class PipelinedOptimizerSwapper {
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
 
   bool on_nvme(tiering::PartitionId id) const;
+  // The partitions some of whose sub-groups have stepped and the others not (commit_each: a step
+  // that failed inside them), until a step at that t steps the rest; sorted.
+  std::vector<tiering::PartitionId> PartlyStepped() const;
   // A partition's elements (NotFound: not one of the swapper's).
   absl::StatusOr<uint64_t> elements(tiering::PartitionId id) const;
   size_t buffer_count() const { return buffers_.size(); }
@@ -281,6 +288,8 @@ class PipelinedOptimizerSwapper {
   void RunStaged(Txn* x);
   // The other worker, with host_early: steps the host-resident partitions in place as staged.
   void RunEarly(Txn* x);
+  // "k of its n sub-groups stepped to step t", of a partition stepped in part.
+  static std::string PartlyStepped(const Partial& p);
   // Sub-group j of partition id's key in the store (j 0: the partition's, cut or not).
   tiering::PartitionId StoreKey(tiering::PartitionId id, uint32_t j = 0) const {
     return id | config_.store_key_bits | (tiering::PartitionId{j} << kGroupShift);

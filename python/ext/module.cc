@@ -742,6 +742,9 @@ class PyRuntime {
   // The optimizer partitions whose new weights went into their partition (a partition id given
   // as the param copy) since the last call.
   std::vector<uint64_t> TakeCopiedPartitions() { return runtime_->TakeCopiedPartitions(); }
+  std::vector<uint64_t> PartlySteppedOptimizerPartitions() {
+    return runtime_->PartlySteppedOptimizerPartitions();
+  }
 
   // The ids of the host-resident partitions that had stepped in place (host_early).
   std::vector<uint64_t> AbortOptimizerStep() {
@@ -1060,6 +1063,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
       .def("take_copied_partitions", &PyRuntime::TakeCopiedPartitions)
+      .def("partly_stepped_optimizer_partitions", &PyRuntime::PartlySteppedOptimizerPartitions)
       .def("wait_for_early_steps", &PyRuntime::WaitForEarlySteps)
       .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)
       .def("load_optimizer_state", &PyRuntime::LoadOptimizerState, py::arg("id"), py::arg("master"),

@@ -138,6 +138,11 @@ class Step:
         if not committed:
             stepped = set(self.runtime.abort_optimizer_step())
         copied = set(self.runtime.take_copied_partitions())  # weights written where they live
+        # Stepped in part (sub_group_size, a step that failed inside them): a partitioned one's
+        # host copy holds the landed sub-groups' new weights, kept (released written); none is
+        # counted stepped: the next step steps the rest (and remakes every sub-group's weights).
+        partly = set(self.runtime.partly_stepped_optimizer_partitions()) \
+            if self._commit_each and not committed else set()
         early = [e for e in staged.entries if e.gid in stepped]
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1
@@ -165,7 +170,8 @@ class Step:
         for e in staged.entries:
             target = e.staged[1]
             e.staged = None
-            written = committed or e in self._stepped_early  # by a step that stands
+            # By a step that stands, whole or in part.
+            written = committed or e in self._stepped_early or (e.partitioned and e.gid in partly)
             if e.partitioned:
                 if target is not None and not isinstance(target, int):  # (int: written there)
                     del target

@@ -579,6 +579,10 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     x, y = data[2]
     engine.backward(loss_of(engine(x), y))
     warned = len(engine.warnings)
+    released_written = []  # the host copies the engine releases written after the failed step
+    real_release = engine._release_early_held
+    engine._release_early_held = lambda attempt: (
+        released_written.extend(e.gid for e in engine._early_held), real_release(attempt))
     with pytest.raises(strata.Error, match="No space left on device") as failed:
         engine.step()
     made[0].arm_faults(False)
@@ -587,8 +591,14 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     if skip == 0:
         assert not landed  # the first write failed
     elif sub_group and not landed:  # the error names the parameter stepped in part
-        assert re.search(r"1 partition had stepped in part \(\d+ \(\d of \d sub-groups\)",
-                         str(failed.value)), str(failed.value)
+        assert re.search(r"1 partition had stepped in part \(\d+: \d of its \d sub-groups "
+                         r"stepped to step 3", str(failed.value)), str(failed.value)
+        # Its host copy keeps the landed sub-groups' new weights: released written once backward
+        # is over, as the copies of partitions that stepped whole are (it was released clean, so
+        # a later eviction could drop them).
+        partly = engine.runtime.partly_stepped_optimizer_partitions()
+        assert len(partly) == 1
+        assert released_written == partly
     else:
         assert 0 < len(landed) < len(engine._params)
         assert any(f"after {len(landed)} parameters had stepped" in w and

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "base/mutex.h"
+#include "base/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "sched/runtime.h"
@@ -571,6 +572,55 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
     for (const auto& [id, n] : kParts) EXPECT_EQ(table.Get(id)->pins[1], 0) << id;
     EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
   }
+}
+
+// sub_group_size 0 set in a RuntimeConfig (the JSON refuses it): whole partitions (it divided by
+// zero). With optimizer_commit "partition" and sub-groups smaller than a parameter's partition,
+// the NVMe room set aside beside the state holds the largest blob the store copies on write, a
+// parameter's partition (bf16: 2 bytes an element) as well as a sub-group's state: a store of
+// exactly the parameters and what CreateOptimizer set aside takes every Initialize and a step
+// (with a sub-group's room only, the first Initialize was refused).
+TEST(RuntimeOptimizerTest, SubGroupSizeZeroIsWholeAndTheCommitRoomHoldsAParameter) {
+  {
+    ScratchDir dir;
+    RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+    config.sub_group_size = 0;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  }
+  auto pages = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  auto run = [&](uint64_t capacity, uint64_t* set_aside) -> absl::Status {
+    ScratchDir dir;
+    RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+    config.sub_group_size = 500;  // 6000-byte pieces: smaller than 12's 14002-byte parameter
+    config.optimizer_commit_each = true;
+    config.offload_param.device = OffloadDevice::kNvme;
+    if (capacity > 0) config.nvme_capacity_bytes = capacity;
+    auto rt = Runtime::Create(config, Quiet());
+    if (!rt.ok()) return rt.status();
+    for (const auto& [id, n] : kParts) {
+      tiering::PartitionDesc d = Desc(id + 100, n * 2);
+      d.dtype = tiering::ElementType::kBF16;
+      STRATA_RETURN_IF_ERROR((*rt)->Register(d, Tier::kNvme));
+    }
+    STRATA_RETURN_IF_ERROR((*rt)->CreateOptimizer(Adam(), kParts));
+    *set_aside = (*rt)->residency().set_aside_bytes(Tier::kNvme);
+    Reference ref;
+    for (size_t i = 0; i < kParts.size(); ++i) {
+      STRATA_RETURN_IF_ERROR((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]));
+    }
+    const auto grads = Grads(1);
+    return (*rt)->OptimizerStep(1, Inputs(grads)).status();
+  };
+  uint64_t set_aside = 0;
+  ASSERT_TRUE(run(0, &set_aside).ok());
+  EXPECT_GE(set_aside, pages(7001 * 2));
+  const uint64_t params = pages(5000 * 2) + pages(7001 * 2) + pages(3000 * 2);
+  uint64_t again = 0;
+  absl::Status tight = run(params + set_aside, &again);
+  EXPECT_TRUE(tight.ok()) << tight;
+  EXPECT_EQ(again, set_aside);
 }
 
 // A parameter still lent to the device (pinned there) when its state lands: writing its host copy

@@ -1198,7 +1198,7 @@ TEST(SwapperCommitEachTest, ACopySinkTakesEachCopyOnceItsStateLanded) {
     }
     return absl::NotFoundError("unknown partition");
   };
-  sink.done = [&](tiering::PartitionId id, tiering::PartitionId target) {
+  sink.done = [&](tiering::PartitionId id, tiering::PartitionId target, bool) {
     MutexLock lock(&mu);
     placed.emplace_back(id, target);
   };
@@ -1357,8 +1357,8 @@ TEST(SwapperSubGroupTest, ASourceAndASinkAreAskedOnceAPartition) {
     }
     return absl::NotFoundError("no such partition");
   };
-  sink.done = [&](tiering::PartitionId id, tiering::PartitionId) {
-    add(absl::StrCat("sink done ", id));
+  sink.done = [&](tiering::PartitionId id, tiering::PartitionId, bool whole) {
+    add(absl::StrCat("sink done ", id, whole ? "" : " in part"));
   };
   std::vector<StepInput> in = f.Inputs();
   for (StepInput& s : in) {
@@ -1410,18 +1410,32 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     f.trace->SetFault(nullptr);
     ASSERT_FALSE(failed.ok());
     EXPECT_EQ(StatusErrno(failed.status()), ENOSPC) << failed.status();
-    EXPECT_THAT(failed.status().message(), HasSubstr("had stepped in part (12 ("));
+    EXPECT_THAT(failed.status().message(), HasSubstr("had stepped in part (12: "));
     EXPECT_THAT(failed.status().message(), Not(HasSubstr("nothing was changed")));
     const std::vector<tiering::PartitionId> stepped = f.swapper->Abort();
     EXPECT_THAT(stepped, ::testing::Not(::testing::Contains(12)));
     const size_t i12 = 2;
     ASSERT_EQ(f.parts[i12].first, 12u);
-    // Each piece is step 2's or step 1's whole (state and copy): 0 and 1 step 2's, 2 step 1's;
-    // later ones either (pipelined, their writes may have been under way).
-    const auto [p, m, v] = f.Read(i12);
+    // Its state is not of one step: ReadState refuses it (a checkpoint would be torn).
+    std::vector<float> p(196613), m(196613), v(196613);
+    absl::Status torn =
+        f.swapper->ReadState(12, absl::MakeSpan(p), absl::MakeSpan(m), absl::MakeSpan(v));
+    EXPECT_EQ(torn.code(), absl::StatusCode::kFailedPrecondition) << torn;
+    EXPECT_THAT(torn.message(), HasSubstr("its state is not of one step"));
+    // Each piece, read from the store, is step 2's or step 1's whole (state and copy): 0 and 1
+    // step 2's, 2 step 1's; later ones either (pipelined, their writes may have been under way).
     int landed = 0;
     for (uint64_t j = 0; j < 40; ++j) {
       const uint64_t at = j * 5000, n = std::min<uint64_t>(5000, 196613 - at);
+      std::vector<float> blob(3 * n);
+      ASSERT_TRUE(
+          f.store
+              ->Get(12 | (j << 40),
+                    absl::MakeSpan(reinterpret_cast<std::byte*>(blob.data()), blob.size() * 4))
+              .ok());
+      std::copy(blob.begin(), blob.begin() + n, p.begin() + at);
+      std::copy(blob.begin() + n, blob.begin() + 2 * n, m.begin() + at);
+      std::copy(blob.begin() + 2 * n, blob.end(), v.begin() + at);
       auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
         return std::memcmp(a.data() + at, b.data() + at, n * 4) == 0;
       };
@@ -1443,7 +1457,7 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     auto wrong = f.swapper->Step(3, only12);
     EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(failed.status().message(),
-                HasSubstr(absl::StrCat("12 (", landed, " of 40 sub-groups)")));
+                HasSubstr(absl::StrCat("12: ", landed, " of its 40 sub-groups stepped to step 2")));
     EXPECT_THAT(wrong.status().message(),
                 HasSubstr(absl::StrCat(landed, " of its 40 sub-groups stepped to step 2")));
     // The retry at t 2 of every partition but those that stepped, 12's into a fresh copy buffer.
@@ -1452,13 +1466,33 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     for (const StepInput& s : f.Inputs()) {
       if (std::find(stepped.begin(), stepped.end(), s.id) == stepped.end()) rest.push_back(s);
     }
+    // A retry whose first write fails too says 12 is still stepped in part, not that nothing
+    // changed.
+    f.trace->Clear();
+    f.trace->SetFault([](const Entry& op, const std::vector<Entry>&) {
+      return op.kind == aio::OpKind::kWrite && op.data_file ? ENOSPC : 0;
+    });
+    auto again = f.swapper->Step(2, rest);
+    f.trace->SetFault(nullptr);
+    ASSERT_FALSE(again.ok());
+    EXPECT_THAT(again.status().message(),
+                HasSubstr(absl::StrCat("12: ", landed, " of its 40 sub-groups stepped to step 2")));
+    EXPECT_THAT(again.status().message(), Not(HasSubstr("nothing was changed")));
+    std::vector<tiering::PartitionId> stepped_again = f.swapper->Abort();
+    rest.erase(std::remove_if(rest.begin(), rest.end(),
+                              [&](const StepInput& s) {
+                                return std::find(stepped_again.begin(), stepped_again.end(),
+                                                 s.id) != stepped_again.end();
+                              }),
+               rest.end());
     f.trace->Clear();
     auto retried = f.swapper->Step(2, rest);
     ASSERT_TRUE(retried.ok()) << retried.status();
     // The pieces that had stepped only remade their copies: the others written.
     int writes = 0;
     for (const Entry& e : f.trace->entries()) writes += e.Is(StepEvent::kWriteStarted, 12);
-    EXPECT_EQ(writes, 40 - landed);
+    EXPECT_LE(writes, 40 - landed);  // (the failed retry may have landed one more)
+    EXPECT_GT(writes, 0);
     const auto after = f.Read(i12);
     EXPECT_EQ(0, std::memcmp(after[0].data(), f.ref.p[i12].data(), after[0].size() * 4));
     EXPECT_EQ(0, std::memcmp(after[1].data(), f.ref.m[i12].data(), after[1].size() * 4));
@@ -1471,6 +1505,65 @@ TEST(SwapperSubGroupTest, AWriteThatFailsInsideAPartitionLeavesItsPiecesAndTheRe
     f.ExpectMatchesReference();
     f.ExpectCopiesMatchReference();
   }
+}
+
+// A CopySink with a write failing inside partition 12: the sink is given back once, "in part"
+// (the landed pieces' copies are there, not the rest), so the Runtime does not count it copied;
+// the retry at the same t fills the whole target (landed pieces' copies remade) and gives it
+// back whole.
+TEST(SwapperSubGroupTest, ASinkGivenPartOfACopyIsToldSoAndTheRetryMakesItWhole) {
+  Fixture f(SubGroups(CommitEach(true, 220000)));
+  f.NewGrads(1);
+  f.StepReference(1);
+  Mutex mu;
+  std::vector<std::string> calls;
+  PipelinedOptimizerSwapper::CopySink sink;
+  sink.get = [&](tiering::PartitionId id, tiering::PartitionId) -> absl::StatusOr<void*> {
+    for (size_t i = 0; i < f.parts.size(); ++i) {
+      if (f.parts[i].first == id) return static_cast<void*>(f.copies[i].data());
+    }
+    return absl::NotFoundError("no such partition");
+  };
+  sink.done = [&](tiering::PartitionId id, tiering::PartitionId, bool whole) {
+    MutexLock lock(&mu);
+    calls.push_back(absl::StrCat(id, whole ? " whole" : " in part"));
+  };
+  std::vector<StepInput> in = f.Inputs();
+  for (StepInput& s : in) {
+    if (!f.swapper->on_nvme(s.id)) continue;
+    s.param_copy = nullptr;
+    s.copy_to_sink = true;
+    s.sink_target = s.id;
+  }
+  f.trace->SetFault([](const Entry& op, const std::vector<Entry>& seen) {
+    const auto writes = std::count_if(seen.begin(), seen.end(), [](const Entry& e) {
+      return e.Is(StepEvent::kWriteStarted, 12);
+    });
+    return op.kind == aio::OpKind::kWrite && op.data_file && writes == 3 ? ENOSPC : 0;
+  });
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, in, {}, {}, sink).ok());
+  ASSERT_FALSE(f.swapper->Commit().ok());
+  f.trace->SetFault(nullptr);
+  const std::vector<tiering::PartitionId> stepped = f.swapper->Abort();
+  {
+    MutexLock lock(&mu);
+    EXPECT_THAT(calls, ::testing::Contains("12 in part"));
+    EXPECT_THAT(calls, ::testing::Not(::testing::Contains("12 whole")));
+    calls.clear();
+  }
+  std::fill(f.copies[2].begin(), f.copies[2].end(), 0x7777);  // 12's target, anew
+  std::vector<StepInput> rest;
+  for (const StepInput& s : in) {
+    if (std::find(stepped.begin(), stepped.end(), s.id) == stepped.end()) rest.push_back(s);
+  }
+  ASSERT_TRUE(f.swapper->Begin(0).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, rest, {}, {}, sink).ok());
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+  MutexLock lock(&mu);
+  EXPECT_EQ(std::count(calls.begin(), calls.end(), "12 whole"), 1) << absl::StrJoin(calls, "; ");
 }
 
 TEST(SwapperSubGroupTest, IdsThatCannotKeyTheirPiecesAreRefused) {
@@ -1488,11 +1581,20 @@ TEST(SwapperSubGroupTest, IdsThatCannotKeyTheirPiecesAreRefused) {
       store.get(), adam.get(), &host, SubGroups({true, true, 0}, 100), {{uint64_t{1} << 40, 1000}});
   EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(cut.status().message(), HasSubstr("ids below 2^40"));
-  // Not cut (no larger than a sub-group): any id.
+  // Not cut, but with sub-groups on: refused too (its key could be a cut partition's piece: 5's
+  // second piece is 5 | 1 << 40).
   auto whole = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host,
-                                                 SubGroups({true, true, 0}, 1000),
-                                                 {{uint64_t{1} << 40, 1000}});
-  EXPECT_TRUE(whole.ok()) << whole.status();
+                                                 SubGroups({true, true, 0}, 100),
+                                                 {{5, 200}, {(uint64_t{1} << 40) | 5, 100}});
+  EXPECT_EQ(whole.status().code(), absl::StatusCode::kInvalidArgument);
+  // Without sub-groups, any id; and store_key_bits among the pieces' bits is refused.
+  EXPECT_TRUE(PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host, {true, true, 0},
+                                                {{(uint64_t{1} << 40) | 5, 100}})
+                  .ok());
+  OptimizerSwapperConfig keyed = SubGroups({true, true, 0}, 100);
+  keyed.store_key_bits = uint64_t{1} << 50;
+  auto bits = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host, keyed, {{5, 200}});
+  EXPECT_THAT(bits.status().message(), HasSubstr("store_key_bits"));
 }
 
 TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {
