@@ -103,8 +103,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   const double d = t.dtype_bytes;
   const double psi = static_cast<double>(m.TotalParams());
   // The largest unit lent (a layer, or one of its tiles; or the embeddings), in parameters.
-  const double layer = std::max(static_cast<double>(m.LayerParams()) / m.LayerUnits(),
-                                static_cast<double>(m.vocab * m.hidden));
+  const double layer = static_cast<double>(std::max(m.LentUnitParams(), m.vocab * m.hidden));
   const double small = static_cast<double>(m.layers) * (m.LayerParams() - m.LayerMatrixParams());
   const double largest = static_cast<double>(m.LargestParamParams());
   const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;

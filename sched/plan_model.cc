@@ -103,20 +103,32 @@ int64_t Transformer::LayerParams() const {
 }
 
 int64_t Transformer::LargestParamParams() const {
+  // A mixture of experts' expert weights are one tensor (as transformers stores them), never
+  // tiled; the others are Linear matrices, tiled when tile_params is set.
+  if (tile_params > 0) return std::max(vocab * hidden, LentUnitParams());
   const int64_t mlp = experts > 1 ? experts * (gated_mlp ? 2 : 1) * hidden * ffn : hidden * ffn;
   const int64_t matrix = std::max(mlp, hidden * (heads * head_dim() + 2 * kv_heads * head_dim()));
-  return std::max(vocab * hidden, tile_params > 0 ? std::min(matrix, tile_params) : matrix);
+  return std::max(vocab * hidden, matrix);
+}
+
+int64_t Transformer::LentUnitParams() const {
+  if (tile_params <= 0) return LayerParams();
+  const int64_t q = heads * head_dim(), kv = kv_heads * head_dim();
+  auto tile = [this](int64_t matrix) { return std::min(matrix, tile_params); };
+  const int64_t mlp =
+      experts > 1 ? experts * (gated_mlp ? 2 : 1) * hidden * ffn : tile(hidden * ffn);
+  return std::max({tile(hidden * q), tile(hidden * kv), tile(q * hidden), mlp});
 }
 
 int64_t Transformer::LayerUnits() const {
   if (tile_params <= 0) return 1;
-  // Each matrix tiled on its own, as tile_linears does: the attention's input projection (q, k
-  // and v together) and output, the MLP's two (three gated) matrices of every expert, the router.
+  // Each Linear tiled on its own, as tile_linears does: q, k, v and o, the MLP's two (three
+  // gated) matrices; a mixture of experts' two expert tensors (never tiled) and its router.
   auto tiles = [this](int64_t matrix) { return (matrix + tile_params - 1) / tile_params; };
   const int64_t q = heads * head_dim(), kv = kv_heads * head_dim();
-  const int64_t mlp = experts * (gated_mlp ? 3 : 2) * tiles(hidden * ffn);
-  const int64_t router = experts > 1 ? tiles(hidden * experts) : 0;
-  return tiles(hidden * (q + 2 * kv)) + tiles(q * hidden) + mlp + router;
+  const int64_t mlp =
+      experts > 1 ? 2 + tiles(hidden * experts) : (gated_mlp ? 3 : 2) * tiles(hidden * ffn);
+  return tiles(hidden * q) + 2 * tiles(hidden * kv) + tiles(q * hidden) + mlp;
 }
 
 int64_t Transformer::OuterParams() const {

@@ -73,10 +73,14 @@ struct Transformer {
   // The largest single parameter (one tensor, one partition in the Runtime): the embedding or an
   // MLP matrix (a mixture-of-experts layer's experts as one tensor, as transformers stores them).
   int64_t LargestParamParams() const;
-  // The units a layer is lent in: 1, or with tiling its matrices' tiles (each matrix's
-  // ceil(matrix / tile_params), the attention's q, k and v as one), each taking an equal share of
-  // the layer's parameters and compute.
+  // The units a layer is lent in: 1, or with tiling its Linears' tiles (each matrix's
+  // ceil(matrix / tile_params): q, k, v, o and the MLP's; a mixture of experts' expert tensors
+  // are not tiled), each taking an equal share of the layer's parameters and compute in the
+  // step's replay.
   int64_t LayerUnits() const;
+  // The largest of those units (a layer, or the largest tile or untiled tensor), in parameters:
+  // what the device must hold of a layer at once.
+  int64_t LentUnitParams() const;
   int64_t TotalParams() const { return layers * LayerParams() + OuterParams(); }
   // Forward FLOPs for one token at this sequence length.
   double ForwardFlopsPerToken() const;

@@ -1068,8 +1068,10 @@ class Engine(Lending, Gradients, Step):
                 handle.remove()
             for e in self._params:
                 e.param.__dict__.pop("_strata_node", None)
-            for module in self._patched_forward:
+            for module, own in self._patched_forward:
                 module.__dict__.pop("forward", None)
+                if own is not None:
+                    module.forward = own
             self.module.__dict__.pop("load_state_dict", None)
             if checkpointing.host_store_of(self):
                 checkpointing.use_host_store(None)

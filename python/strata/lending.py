@@ -50,9 +50,10 @@ class Lending:
         if self.stage == 3:
             # torch.compile of the model would run a graph that bypasses the lending (silently
             # wrong from its second step): dynamo is told to leave the model's forward eager.
+            if all(m is not model for m, _ in self._patched_forward):
+                # (close() puts back a forward the instance had of its own: a wrapper's.)
+                self._patched_forward.append((model, model.__dict__.get("forward")))
             model.forward = torch.compiler.disable(model.forward)
-            if model not in self._patched_forward:
-                self._patched_forward.append(model)
             # The first forward, however it is called (engine(), generate()).
             self._hook_handles += [
                 model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
@@ -84,11 +85,13 @@ class Lending:
                 module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
                                                  prepend=True),
                 module.register_forward_hook(_weakly(self._after_forward))]
-            # nn.Linear, or a subclass that keeps its forward (strata.TiledLinear's tiles).
+            # nn.Linear, or a subclass that keeps its forward (strata.TiledLinear's tiles), unless
+            # something set a forward of its own on the instance (a wrapper's hook: it stays).
             if isinstance(module, torch.nn.Linear) and \
-                    type(module).forward is torch.nn.Linear.forward:
+                    type(module).forward is torch.nn.Linear.forward and \
+                    "forward" not in module.__dict__:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
-                self._patched_forward.append(module)
+                self._patched_forward.append((module, None))
         self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
 
     @contextlib.contextmanager

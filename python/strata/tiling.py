@@ -21,8 +21,13 @@ last bits, as any blocked matrix product does.
 with more parameters than that by a TiledLinear whose tiles have at most that many (the fewest
 tiles that do it, cut along the output features first; a weight tied to another module's, as a
 language model's head to its embeddings, is left whole), and returns how many it replaced.
-``module.weight_whole()`` gives the matrix back (for export). A tiled module's state dict names
-its tiles (``tiles.O.I.weight``), not ``weight``: tile after loading pretrained weights.
+``module.weight_whole()`` (or ``module.weight``, for code that reads a Linear's weight: made on
+each access, differentiable) gives the matrix back. A frozen Linear's tiles stay frozen. A tiled
+module's state dict names its tiles (``tiles.O.I.weight``), not ``weight``: tile after loading
+pretrained weights, and before applying peft (a peft adapter layer's Linears are refused). A
+Linear whose weights are placeholders (built under strata.init) or on the meta device is refused:
+build such a model with TiledLinear. Forward hooks on a replaced Linear, and references to it
+held outside the module tree, are not carried over to its TiledLinear.
 
 Thread safety: modules, as torch's.
 """
@@ -98,16 +103,33 @@ class TiledLinear(torch.nn.Module):
         tiled = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                     in_splits=in_splits, out_splits=out_splits, device=linear.weight.device,
                     dtype=linear.weight.dtype)
+        _check_materialized(linear)
         with torch.no_grad():
             rows = linear.weight.split(tiled.out_parts, dim=0)
             biases = linear.bias.split(tiled.out_parts) if linear.bias is not None else None
             for o, row in enumerate(tiled.tiles):
                 for tile, piece in zip(row, rows[o].split(tiled.in_parts, dim=1)):
                     tile.weight.copy_(piece)
+                    tile.weight.requires_grad_(linear.weight.requires_grad)  # frozen stays so
                 if biases is not None:
                     row[0].bias.copy_(biases[o])
+                    row[0].bias.requires_grad_(linear.bias.requires_grad)
         tiled.train(linear.training)
         return tiled
+
+    @property
+    def weight(self):
+        """The whole matrix, made from the tiles on each access (differentiable: gradients reach
+        the tiles), for code that reads a Linear's weight (nn.TransformerEncoderLayer's fast path,
+        F.linear(x, module.weight)); it costs the whole matrix in memory, which tiling avoids."""
+        return self.weight_whole()
+
+    @property
+    def bias(self):
+        """The whole bias (None without one), made on each access as ``weight`` is."""
+        if self.tiles[0][0].bias is None:
+            return None
+        return torch.cat([row[0].bias for row in self.tiles])
 
     def weight_whole(self):
         """The (out_features, in_features) matrix the tiles make (a new tensor)."""
@@ -116,6 +138,22 @@ class TiledLinear(torch.nn.Module):
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tiles={len(self.out_parts)}x{len(self.in_parts)}")
+
+
+def _check_materialized(linear):
+    """A Linear whose weights are not there to copy is refused: one built under strata.init (its
+    parameters are placeholders; build the model with TiledLinear in that context instead) or on
+    the meta device."""
+    from strata import zero_init
+    for p in (linear.weight, linear.bias):
+        if p is None:
+            continue
+        if zero_init.partition_of(p) is not None or p.device.type == "meta":
+            raise ValueError(
+                "TiledLinear.from_linear: the Linear's weights are not materialized (built under "
+                "strata.init, or on the meta device); accepted: a Linear with its weights, e.g. "
+                "tile before strata.init, or build the model with strata.TiledLinear in the "
+                "context")
 
 
 def _splits_for(out_features, in_features, max_tile_params):
@@ -145,6 +183,11 @@ def tile_linears(model, max_tile_params):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.numel() > max_tile_params and \
                     id(child.weight) not in tied:
+                if type(parent).__module__.split(".")[0] == "peft":
+                    raise ValueError(
+                        f"tile_linears: {name} belongs to {type(parent).__name__}, a peft adapter "
+                        "layer, which reads its Linears' weights; accepted: tile the model before "
+                        "applying peft, or a max_tile_params that leaves the adapted layers whole")
                 in_splits, out_splits = _splits_for(child.out_features, child.in_features,
                                                     max_tile_params)
                 setattr(parent, name, TiledLinear.from_linear(child, in_splits, out_splits))

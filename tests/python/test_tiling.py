@@ -138,3 +138,54 @@ def test_under_strata_init_each_tile_is_a_partition_of_its_own(tmp_path):
     engine.backward(engine(x).square().sum())
     engine.step()
     engine.close()
+
+
+def test_from_linear_keeps_a_frozen_linear_frozen_and_gives_its_weight_to_readers():
+    linear = torch.nn.Linear(8, 6)
+    linear.requires_grad_(False)
+    tiled = TiledLinear.from_linear(linear, 2, 3)
+    assert not any(p.requires_grad for p in tiled.parameters())
+    # Code that reads a Linear's weight (F.linear, nn.TransformerEncoderLayer's fast path) gets
+    # the whole matrix, differentiable through the tiles.
+    assert torch.equal(tiled.weight, linear.weight) and torch.equal(tiled.bias, linear.bias)
+    trained = TiledLinear.from_linear(torch.nn.Linear(8, 6), 2, 3)
+    x = torch.randn(3, 8)
+    torch.nn.functional.linear(x, trained.weight, trained.bias).sum().backward()
+    assert all(p.grad is not None for p in trained.parameters())
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=64, batch_first=True).eval()
+    before = copy.deepcopy(layer)
+    assert tile_linears(layer, 256) == 2  # linear1, linear2 (the attention's own stay)
+    with torch.no_grad():
+        src = torch.randn(2, 5, 16)
+        torch.testing.assert_close(layer(src), before(src))
+
+
+def test_weights_that_are_not_there_or_read_by_peft_are_refused_by_name(tmp_path):
+    with strata.init(config=_config(tmp_path, 1 << 20)):
+        built = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.raises(ValueError, match="not materialized"):
+        tile_linears(built, 100)
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="tile the model before applying peft"):
+        tile_linears(model, 1000)
+
+
+def test_a_wrapper_set_on_a_linears_forward_is_kept_at_stage3_and_after_close(tmp_path):
+    """A forward set on the instance (a hook library's wrapper) is left alone by the lending's
+    _Zero3Linear, and put back by close(), as the engine found it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    inner = model[0].forward
+    wrapper = lambda x: inner(x) * 2  # noqa: E731
+    model[0].forward = wrapper
+    reference = copy.deepcopy(model)
+    reference[0].forward = lambda x: torch.nn.functional.linear(
+        x, reference[0].weight, reference[0].bias) * 2
+    config = _config(tmp_path, 1 << 20)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(engine(x), reference(x))
+    engine.close()  # (the partitioned weights are left placeholders: the wrapper is what stays)
+    assert model[0].__dict__.get("forward") is wrapper

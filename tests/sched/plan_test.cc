@@ -400,9 +400,10 @@ TEST(PlanMemoryTest, TilingLendsALayerInTilesSoTheDeviceHoldsTilesNotLayers) {
   EXPECT_EQ(whole->overflow->tier, "device");
   EXPECT_EQ(m.LayerUnits(), 1);
   m.tile_params = 1000000000;
-  // Each matrix tiled alone: q, k and v together (1.97e9: 2 tiles), the output (0.66e9: 1), the
-  // MLP's two (2.62e9: 3 each).
-  EXPECT_EQ(m.LayerUnits(), 9);
+  // Each Linear tiled alone, as tile_linears does: q, k, v and o (0.66e9: 1 tile each), the MLP's
+  // two (2.62e9: 3 each).
+  EXPECT_EQ(m.LayerUnits(), 10);
+  EXPECT_EQ(m.LentUnitParams(), 1000000000);         // an MLP tile
   EXPECT_EQ(m.LargestParamParams(), 50257 * 25600);  // the embeddings, not tiled
   auto tiled = PlanMemory(m, hw, t);
   ASSERT_TRUE(tiled.ok()) << tiled.status();
@@ -414,11 +415,11 @@ TEST(PlanMemoryTest, TilingLendsALayerInTilesSoTheDeviceHoldsTilesNotLayers) {
   auto time = PlanTime(m, hw, t, *tiled);
   ASSERT_TRUE(time.ok()) << time.status();
   const StepTrace& tr = time->model.trace;
-  EXPECT_EQ(tr.partitions.size(), 3u * (4 * 9 + 1));
-  EXPECT_EQ(tr.names[3 * 10], "the parameters of layer 1's tile 1");
+  EXPECT_EQ(tr.partitions.size(), 3u * (4 * 10 + 1));
+  EXPECT_EQ(tr.names[3 * 11], "the parameters of layer 1's tile 1");
   double forward = 0;
   for (const Group& g : tr.groups) forward += g.phase == kForward ? g.compute_s : 0;
-  // The same flops as the untiled model's (on a GPU with room for it), in nine times the units.
+  // The same flops as the untiled model's (on a GPU with room for it), in ten times the units.
   m.tile_params = 0;
   hw_json["gpu"]["hbm_gib"] = 80;
   const Hardware big = *HardwareFromJson(hw_json);
@@ -432,6 +433,24 @@ TEST(PlanMemoryTest, TilingLendsALayerInTilesSoTheDeviceHoldsTilesNotLayers) {
   }
   EXPECT_NEAR(forward, whole_forward, 1e-9 * whole_forward);
   EXPECT_EQ(whole_time->model.trace.partitions.size(), 3u * (4 + 1));
+  // A mixture of experts' expert weights are one tensor each (not Linears): never tiled, so
+  // the device still holds them whole.
+  Transformer moe = Model({{"model_type", "mixtral"},
+                           {"num_hidden_layers", 2},
+                           {"hidden_size", 4096},
+                           {"intermediate_size", 14336},
+                           {"num_attention_heads", 32},
+                           {"num_key_value_heads", 8},
+                           {"vocab_size", 32000},
+                           {"num_local_experts", 8},
+                           {"num_experts_per_tok", 2}},
+                          1024, 1);
+  const int64_t experts = int64_t{8} * 2 * 4096 * 14336;  // gate and up, fused
+  EXPECT_EQ(moe.LargestParamParams(), experts);
+  moe.tile_params = 100000000;
+  EXPECT_EQ(moe.LentUnitParams(), experts);
+  EXPECT_EQ(moe.LargestParamParams(), experts);
+  EXPECT_EQ(moe.LayerUnits(), 1 + 1 + 1 + 1 + 2 + 1);  // q, k, v, o; two expert tensors; router
 }
 
 TEST(PlanMemoryTest, Fp32TrainingKeepsEightBytesOfStateAndAccumulatedGradientsStayInTheHost) {

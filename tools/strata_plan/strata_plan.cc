@@ -421,7 +421,10 @@ int Main() {
     }
   }
   if (const std::string out = absl::GetFlag(FLAGS_json); !out.empty()) {
-    Json j = {{"model", {{"name", model->name}, {"parameters", model->TotalParams()}}},
+    Json j = {{"model",
+               {{"name", model->name},
+                {"parameters", model->TotalParams()},
+                {"tile_params", model->tile_params}}},
               {"hardware", hw->name.empty() ? hw_path : hw->name},
               {"device", BytesJson(plan->device)},
               {"host", BytesJson(plan->host)},
@@ -451,10 +454,9 @@ int Main() {
   }
   if (suggested) {
     const std::string tiled =
-        model->tile_params > 0
-            ? absl::StrCat("; the model tiled, as strata.tile_linears(model, ", model->tile_params,
-                           ") does")
-            : "";
+        model->tile_params > 0 ? absl::StrCat("; the model tiled, as strata.tile_linears(model, ",
+                                              model->tile_params, ") does")
+                               : "";
     std::printf(
         "\nthe suggested config (activation checkpointing %s: it is the model code's "
         "choice, not a config key%s):\n%s\n",
