@@ -1447,8 +1447,15 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
       // again.
       absl::Status s = Release(target, Tier::kHost, true, nullptr, Access::kOutOfTrace);
       if (!s.ok()) {
-        Warn(absl::StrCat("optimizer step: releasing partition ", target, " written with ", id,
-                          "'s new weights: ", s.message()));
+        // Lent to the device since get checked (the trainer acquired it meanwhile): the pin is
+        // let go (released clean: the device copy's holder keeps the bytes it has), the weights
+        // not counted placed, for the trainer to write them after the step.
+        absl::Status clean = Release(target, Tier::kHost, false, nullptr, Access::kOutOfTrace);
+        Warn(absl::StrCat("optimizer step: partition ", target, " was lent while ", id,
+                          "'s new weights were written into it (", s.message(),
+                          "): released as it was",
+                          clean.ok() ? "" : " failed too: ", clean.ok() ? "" : clean.message(),
+                          "; the trainer writes them after the step"));
         return;
       }
       if (!whole) return;

@@ -707,6 +707,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
           h.asked = true;
           absl::StatusOr<void*> to = it.sink->get(id, it.in.sink_target);
           if (to.ok()) h.to = *to;
+          if (h.to != nullptr) Emit(StepEvent::kSinkHeld, id);
         }
         if (h.to != nullptr) {
           std::memcpy(static_cast<std::byte*>(h.to) + at, copy, it.count * copy_bytes);

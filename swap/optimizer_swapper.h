@@ -80,6 +80,7 @@ enum class StepEvent : uint8_t {
   kWriteLaunched,  // its write was handed to an I/O thread (pipeline_write only)
   kWriteStarted,   // its write (Batch::Stage) begins, on whichever thread runs it
   kWriteAwaited,   // the step's thread waits for its write (or, without pipeline_write, runs it)
+  kSinkHeld,       // a CopySink gave its copy's target (get), before the copy goes there
 };
 
 struct OptimizerSwapperConfig {

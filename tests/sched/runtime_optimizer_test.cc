@@ -2,6 +2,8 @@
 // CpuAdam in memory, its room set aside from the host and NVMe budgets, its state kept apart from
 // the partitions in the one store and found again by a restarted Runtime, stepped in the order
 // the trace released the gradients, and its bad inputs named.
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -648,6 +650,45 @@ TEST(RuntimeOptimizerTest, ASinkPartitionLentToTheDeviceIsLeftForTheCallerWithNo
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_EQ(0, std::memcmp(*held, old.data(), old.size() * 4)) << "the old weights, untouched";
   ASSERT_TRUE((*rt)->Release(112, Tier::kHost, false).ok());
+  EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
+}
+
+// The same, but the parameter is lent after the sink took it and before its weights are released
+// written (the trainer acquiring it on the device meanwhile): the written release is refused, so
+// the sink lets its pin go as it was, says so, and does not count the weights placed (the pin was
+// left behind for good before: the partition could not even be unregistered).
+TEST(RuntimeOptimizerTest, ASinkPartitionLentWhileItIsWrittenLeavesNoPinBehind) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.host_budget_bytes += 64 * kSlot;
+  config.device_budget_bytes += 64 * kSlot;
+  RuntimeOptions options = Quiet();
+  Runtime* runtime = nullptr;
+  std::atomic<bool> lent{false};
+  options.on_optimizer_event = [&](swap::StepEvent e, PartitionId id) {
+    if (e == swap::StepEvent::kSinkHeld && id == 12 && !lent.exchange(true)) {
+      EXPECT_TRUE(runtime->Acquire(112, Tier::kDevice).ok());  // the trainer lends it now
+    }
+  };
+  auto rt = Runtime::Create(config, options);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  runtime = rt->get();
+  Reference ref;
+  const auto grads = Grads(1);
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kHost), ElementsAre(11, 13));
+  EXPECT_TRUE(lent);
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);  // the step stands
+  EXPECT_EQ((*rt)->residency().Get(112)->pins[1], 0) << "a host pin left behind";
+  const std::vector<std::string> warnings = (*rt)->warnings();
+  EXPECT_TRUE(std::any_of(warnings.begin(), warnings.end(), [](const std::string& w) {
+    return w.find("partition 112 was lent while 12's new weights were written") !=
+           std::string::npos;
+  }));
+  ASSERT_TRUE((*rt)->Release(112, Tier::kDevice, false).ok());
+  EXPECT_TRUE((*rt)->Unregister(112).ok());
   EXPECT_TRUE((*rt)->residency().CheckInvariants().ok());
 }
 
