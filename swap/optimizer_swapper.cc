@@ -868,9 +868,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
 }
 
 void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
-  std::vector<tiering::PartitionId> touched;
   for (const Txn::Item* it : x->landed_groups) {
-    if (touched.empty() || touched.back() != it->in.id) touched.push_back(it->in.id);
     auto [p, added] = partial_.try_emplace(it->in.id);
     if (added) {
       p->second.t = it->t;
@@ -884,13 +882,13 @@ void PipelinedOptimizerSwapper::SettleLanded(Txn* x) {
     }
   }
   x->landed_groups.clear();
-  // Every partition staged that is stepped in part now, by this step or an earlier one.
-  touched.clear();
+  // Every partition staged that is stepped in part now, by this step or an earlier one (a
+  // partition's items are staged in a row).
+  const Txn::Item* previous = nullptr;
   for (const Txn::Item& it : x->nvme) {
-    if (!touched.empty() && touched.back() == it.in.id) continue;
-    touched.push_back(it.in.id);
-    auto p = partial_.find(it.in.id);
-    if (p != partial_.end()) {
+    if (previous != nullptr && previous->in.id == it.in.id) continue;
+    previous = &it;
+    if (auto p = partial_.find(it.in.id); p != partial_.end()) {
       x->partly.push_back(absl::StrCat(it.in.id, ": ", PartlyStepped(p->second)));
     }
   }

@@ -484,6 +484,19 @@ std::vector<PartitionId> StepIntoParameterSinks(Runtime& rt, Tier tier,
   return copied;
 }
 
+// Each of kParts' parameter partitions (ids 100 above, fp32) unpinned and holding its master
+// weights, as a sink wrote them.
+void ExpectParametersHoldTheMasters(Runtime& rt, const Reference& ref) {
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    const PartitionId pid = kParts[i].first + 100;
+    EXPECT_EQ(rt.residency().Get(pid)->pins[1], 0) << pid << " still pinned";
+    auto held = rt.Acquire(pid, Tier::kHost);
+    ASSERT_TRUE(held.ok()) << held.status();
+    EXPECT_EQ(0, std::memcmp(*held, ref.p[i].data(), kParts[i].second * 4)) << pid;
+    ASSERT_TRUE(rt.Release(pid, Tier::kHost, false).ok());
+  }
+}
+
 // strata.optimizer_commit "partition": an input naming a parameter partition (homed on NVMe) as
 // its copy's sink gets its new weights written there by the optimizer's thread once its state has
 // landed, the partition released written (its host copy the latest: read back, it holds them);
@@ -504,14 +517,7 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   ref.Step(1, grads);
   ExpectState(**rt, ref);
   EXPECT_TRUE((*rt)->TakeCopiedPartitions().empty());
-  for (size_t i = 0; i < kParts.size(); ++i) {
-    const PartitionId pid = kParts[i].first + 100;
-    EXPECT_EQ((*rt)->residency().Get(pid)->pins[1], 0) << pid << " still pinned";
-    auto held = (*rt)->Acquire(pid, Tier::kHost);
-    ASSERT_TRUE(held.ok()) << held.status();
-    EXPECT_EQ(0, std::memcmp(*held, ref.p[i].data(), kParts[i].second * 4)) << pid;
-    ASSERT_TRUE((*rt)->Release(pid, Tier::kHost, false).ok());
-  }
+  ExpectParametersHoldTheMasters(**rt, ref);
   // A sink partition that is not registered, or not of the optimizer partition's size.
   ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
   swap::StepInput unknown{.id = 11};
@@ -563,14 +569,7 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
     }
     ref.Step(1, grads);
     ExpectState(**rt, ref);
-    for (size_t i = 0; each && i < kParts.size(); ++i) {
-      const PartitionId pid = kParts[i].first + 100;
-      EXPECT_EQ(table.Get(pid)->pins[1], 0) << pid << " still pinned";
-      auto held = (*rt)->Acquire(pid, Tier::kHost);
-      ASSERT_TRUE(held.ok()) << held.status();
-      EXPECT_EQ(0, std::memcmp(*held, ref.p[i].data(), kParts[i].second * 4)) << pid;
-      ASSERT_TRUE((*rt)->Release(pid, Tier::kHost, false).ok());
-    }
+    if (each) ExpectParametersHoldTheMasters(**rt, ref);
     for (const auto& [id, n] : kParts) EXPECT_EQ(table.Get(id)->pins[1], 0) << id;
     EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
   }
