@@ -178,7 +178,8 @@ def tile_linears(model, max_tile_params):
     seen, tied = set(), set()
     for _, p in model.named_parameters(remove_duplicate=False):
         (tied if id(p) in seen else seen).add(id(p))
-    replaced = 0
+    # Every Linear to replace is found (and checked) before any is: a refused model is unchanged.
+    chosen = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.numel() > max_tile_params and \
@@ -188,8 +189,11 @@ def tile_linears(model, max_tile_params):
                         f"tile_linears: {name} belongs to {type(parent).__name__}, a peft adapter "
                         "layer, which reads its Linears' weights; accepted: tile the model before "
                         "applying peft, or a max_tile_params that leaves the adapted layers whole")
-                in_splits, out_splits = _splits_for(child.out_features, child.in_features,
-                                                    max_tile_params)
-                setattr(parent, name, TiledLinear.from_linear(child, in_splits, out_splits))
-                replaced += 1
+                _check_materialized(child)
+                chosen.append((parent, name, child))
+    for parent, name, child in chosen:
+        in_splits, out_splits = _splits_for(child.out_features, child.in_features,
+                                            max_tile_params)
+        setattr(parent, name, TiledLinear.from_linear(child, in_splits, out_splits))
+    replaced = len(chosen)
     return replaced

@@ -170,6 +170,8 @@ def test_weights_that_are_not_there_or_read_by_peft_are_refused_by_name(tmp_path
     model = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="tile the model before applying peft"):
         tile_linears(model, 1000)
+    # Refused whole: no Linear of the model was replaced before the peft layer was met.
+    assert not any(isinstance(m, TiledLinear) for m in model.modules())
 
 
 def test_a_wrapper_set_on_a_linears_forward_is_kept_at_stage3_and_after_close(tmp_path):
