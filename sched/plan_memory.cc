@@ -145,6 +145,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     if (!each) p.host.params += d * (p.weights_from_master ? small : psi);
     p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
                       (opt_per_param + (each ? 4 : 0)) * group;
+    // Each process's read-ahead room (strata.optimizer_read_ahead_bytes; "auto": an eighth of
+    // its host budget), at most its share of the state (with "partition", a copy buffer's room
+    // beside each sub-group's).
+    const double ahead_most = (opt_per_param + (each ? 4 : 0)) * psi / n;
+    const double ahead = rc.optimizer_read_ahead_bytes.has_value()
+                             ? static_cast<double>(*rc.optimizer_read_ahead_bytes)
+                             : static_cast<double>(rc.host_budget_bytes) / 8;
+    p.host.staging += n * std::min(ahead_most, ahead);
   }
 
   // Parameters.

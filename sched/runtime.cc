@@ -1183,6 +1183,12 @@ absl::Status Runtime::CreateOptimizer(
                              : static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 1, 64));
   std::array<uint64_t, tiering::kTierCount> need{};
   uint64_t largest = 0, copy_elements = 0, most_elements = 0;
+  // What every NVMe sub-group would take in the read-ahead room at once (swap/optimizer_swapper.h:
+  // its state, and a copy buffer with optimizer_commit "partition", each in whole pages).
+  uint64_t ahead_most = 0;
+  auto ahead_slot = [this](uint64_t g) {
+    return Pages(g * 12) + (config_.optimizer_commit_each ? Pages(g * 4) : 0);
+  };
   // A partition's sub-groups: zero_optimization.sub_group_size elements at most (0 or less:
   // whole).
   auto sub_group = [this](uint64_t elements) {
@@ -1210,6 +1216,8 @@ absl::Status Runtime::CreateOptimizer(
       const uint64_t g = sub_group(elements);
       const uint64_t stored = (elements / g) * Pages(g * 12) + Pages(elements % g * 12);
       need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * stored;
+      ahead_most +=
+          (elements / g) * ahead_slot(g) + (elements % g > 0 ? ahead_slot(elements % g) : 0);
     } else {
       need[I(Tier::kHost)] += Pages(elements * 12);
     }
@@ -1230,17 +1238,39 @@ absl::Status Runtime::CreateOptimizer(
   } else if (on_nvme) {
     need[I(Tier::kHost)] += ring * Pages(largest) + Pages(copy_elements * copy_bytes);
   }
+  // The read-ahead room (strata.optimizer_read_ahead_bytes; "auto": an eighth of the host budget).
+  const bool ahead_auto = !config_.optimizer_read_ahead_bytes.has_value();
+  uint64_t ahead = 0;
+  if (on_nvme) {
+    ahead = std::min(ahead_most, Pages(ahead_auto ? config_.host_budget_bytes / 8
+                                                  : *config_.optimizer_read_ahead_bytes));
+  }
+  need[I(Tier::kHost)] += ahead;
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ != nullptr) {
     return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
   }
-  for (Tier t : {Tier::kHost, Tier::kNvme}) {
-    if (absl::Status s = table_->SetAside(t, need[I(t)]); !s.ok()) {
+  for (bool again = true; again;) {
+    again = false;
+    for (Tier t : {Tier::kHost, Tier::kNvme}) {
+      absl::Status s = table_->SetAside(t, need[I(t)]);
+      if (s.ok()) continue;
       table_->GiveBack(Tier::kHost, t == Tier::kNvme ? need[I(Tier::kHost)] : 0);
+      if (t == Tier::kHost && ahead_auto && ahead > 0) {
+        Warn(absl::StrCat("create optimizer: its read-ahead room (", ahead,
+                          " bytes, strata.optimizer_read_ahead_bytes \"auto\") does not fit in "
+                          "the host tier beside its other buffers; none is taken: a step that "
+                          "waits for clipping reads its NVMe state after backward"));
+        need[I(Tier::kHost)] -= ahead;
+        ahead = 0;
+        again = true;
+        break;
+      }
       return Annotate(
           s, absl::StrCat("create optimizer: its state and buffers (offload_optimizer."
                           "device \"",
-                          on_nvme ? "nvme" : "cpu", "\", buffer_count ", oc.buffer_count, ") need ",
+                          on_nvme ? "nvme" : "cpu", "\", buffer_count ", oc.buffer_count,
+                          on_nvme ? absl::StrCat(", read-ahead ", ahead, " bytes") : "", ") need ",
                           need[I(t)], " bytes of the ", TierName(t), " tier"));
     }
   }
@@ -1263,6 +1293,7 @@ absl::Status Runtime::CreateOptimizer(
   sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
+  sc.read_ahead_bytes = ahead;
   sc.sub_group_elements = static_cast<uint64_t>(std::max<int64_t>(0, config_.sub_group_size));
   sc.store_key_bits = kOptimizerKey;
   sc.on_event = options_.on_optimizer_event;
@@ -1352,12 +1383,25 @@ absl::StatusOr<swap::StepReport> Runtime::OptimizerStep(int64_t t,
   return optimizer_->Step(t, inputs, options);
 }
 
-absl::Status Runtime::BeginOptimizerStep(bool host_early) {
+absl::Status Runtime::BeginOptimizerStep(bool host_early, bool hold) {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
-  return optimizer_->Begin(copy_staging_room_, host_early);
+  return optimizer_->Begin(copy_staging_room_, host_early, hold);
+}
+
+absl::Status Runtime::ReleaseOptimizerStep(float grad_scale) {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  return optimizer_->Release(grad_scale);
+}
+
+uint64_t Runtime::OptimizerReadAheadBytes() {
+  MutexLock lock(&optimizer_mu_);
+  return optimizer_ == nullptr ? 0 : optimizer_->read_ahead_bytes();
 }
 
 absl::StatusOr<optim_cpu::DType> Runtime::StepPartitionDtype(PartitionId partition,

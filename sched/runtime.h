@@ -320,7 +320,14 @@ class Runtime {
   // partition in the host tier out of the trace, writes them and releases it written (so the
   // weights of parameters homed on NVMe go there without a copy of the model in host memory);
   // TakeCopiedPartitions returns the optimizer partitions whose weights went so.
-  absl::Status BeginOptimizerStep(bool host_early = false);
+  // With `hold` (swap/optimizer_swapper.h's held step), the staged partitions' NVMe state is read
+  // ahead into the optimizer's read-ahead room (strata.optimizer_read_ahead_bytes) and nothing
+  // steps until ReleaseOptimizerStep gives the gradients' scale (every staged input's grad_scale
+  // replaced by it), for a trainer that learns it after backward (clipping's global norm).
+  absl::Status BeginOptimizerStep(bool host_early = false, bool hold = false);
+  absl::Status ReleaseOptimizerStep(float grad_scale);
+  // The read-ahead room the optimizer holds (0: none, or no optimizer).
+  uint64_t OptimizerReadAheadBytes();
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                   const optim_cpu::StepOptions& options = {});
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();

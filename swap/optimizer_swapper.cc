@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <future>
@@ -28,6 +29,13 @@ constexpr uint64_t kMaxElements = std::numeric_limits<uint64_t>::max() / (3 * si
 // The param copy's element: bf16 or fp16, the copy dtypes CpuAdam writes (it refuses others).
 // Bytes per element of a param copy: fp32 (a trainer computing in fp32), bf16 or fp16.
 uint64_t CopyBytes(optim_cpu::DType t) { return t == optim_cpu::DType::kF32 ? 4 : 2; }
+
+uint64_t WholePages(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+// A sub-group's room in the read-ahead memory: its state, and with commit_each a copy buffer (an
+// fp32 copy, as the ring's), each in whole pages.
+uint64_t ReadAheadSlot(uint64_t elements, bool commit_each) {
+  return WholePages(StateBytes(elements)) + (commit_each ? WholePages(elements * 4) : 0);
+}
 
 absl::Span<const std::byte> Bytes(const float* p, uint64_t elements) {
   return {reinterpret_cast<const std::byte*>(p), StateBytes(elements)};
@@ -120,6 +128,20 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
     }
     s->parts_.emplace(id, part);
   }
+  if (s->buffer_bytes_ > 0 && config.read_ahead_bytes > 0) {
+    // No more than every NVMe-resident sub-group's room at once.
+    uint64_t most = 0;
+    for (const auto& [id, part] : s->parts_) {
+      if (part.host_state != nullptr) continue;
+      for (uint32_t j = 0; j < part.groups; ++j) {
+        most += ReadAheadSlot(part.GroupSize(j), config.commit_each);
+      }
+    }
+    const uint64_t bytes = std::min(WholePages(config.read_ahead_bytes), most);
+    STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(bytes));
+    s->read_ahead_ = static_cast<std::byte*>(p);
+    s->read_ahead_bytes_ = bytes;
+  }
   if (s->buffer_bytes_ > 0) {
     const int count = config.ring_buffers > 0 ? config.ring_buffers : pipelined ? 3 : 1;
     for (int i = 0; i < count; ++i) {
@@ -141,6 +163,7 @@ PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
   if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
   for (std::byte* b : copy_buffers_) host_->Deallocate(b, copy_buffer_bytes_);
+  if (read_ahead_ != nullptr) host_->Deallocate(read_ahead_, read_ahead_bytes_);
   for (auto& [id, part] : parts_) {
     if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
   }
@@ -299,7 +322,11 @@ struct PipelinedOptimizerSwapper::Txn {
   CondVar staged;  // an item was staged, or the transaction closed
   // The NVMe-resident items (a deque: the worker holds references while more are staged).
   std::deque<Item> nvme ABSL_GUARDED_BY(mu);
-  bool closed ABSL_GUARDED_BY(mu) = false;     // Commit or Abort: nothing more is staged
+  bool closed ABSL_GUARDED_BY(mu) = false;  // Commit or Abort: nothing more is staged
+  // A held transaction (Begin's hold): nothing steps until Release gives the scale.
+  bool held = false;
+  bool released ABSL_GUARDED_BY(mu) = false;
+  float scale ABSL_GUARDED_BY(mu) = 1;
   bool cancelled ABSL_GUARDED_BY(mu) = false;  // Abort: stop at the next item
   // The caller's:
   std::vector<Item> host;
@@ -433,7 +460,13 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   return r;
 }
 
-absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool host_early) {
+absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool host_early,
+                                              bool hold) {
+  if (hold && host_early) {
+    return absl::InvalidArgumentError(
+        "optimizer swapper: Begin with hold and host_early (a held step steps nothing before "
+        "Release, host_early steps as staged); accepted: one of them");
+  }
   if (txn_ != nullptr) {
     return absl::FailedPreconditionError(
         "optimizer swapper: a step is already being staged (Commit or Abort it first)");
@@ -457,6 +490,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
   txn_ = std::make_unique<Txn>();
   txn_->t0 = Clock::now();
   txn_->host_early = host_early;
+  txn_->held = hold;
   if (!buffers_.empty()) {
     if (!config_.commit_each) txn_->batch = store_->NewBatch();
     txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
@@ -579,6 +613,26 @@ absl::Status PipelinedOptimizerSwapper::Stage(int64_t t, absl::Span<const StepIn
   return absl::OkStatus();
 }
 
+absl::Status PipelinedOptimizerSwapper::Release(float grad_scale) {
+  if (txn_ == nullptr || !txn_->held) {
+    return absl::FailedPreconditionError(
+        "optimizer swapper: Release with no held step open (Begin with hold first)");
+  }
+  if (!(grad_scale > 0) || !std::isfinite(grad_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: Release: grad_scale ",
+                                                   grad_scale, "; accepted: finite and above 0"));
+  }
+  Txn& x = *txn_;
+  MutexLock lock(&x.mu);
+  if (x.released) {
+    return absl::FailedPreconditionError("optimizer swapper: Release: the step was released");
+  }
+  x.released = true;
+  x.scale = grad_scale;
+  x.staged.SignalAll();
+  return absl::OkStatus();
+}
+
 void PipelinedOptimizerSwapper::WaitForEarlySteps() {
   if (txn_ == nullptr || !txn_->host_early) return;
   Txn& x = *txn_;
@@ -653,9 +707,30 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     return items.back();
   };
   auto started = [&](size_t k) { return k < reads.size() && reads[k].valid(); };
+  // Item k's state and (commit_each) copy buffer: a ring buffer's, or its room in the read-ahead
+  // memory (a held step's, given in the order staged until one does not fit).
+  std::vector<float*> state_of;
+  std::vector<std::byte*> copy_of;
+  constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  std::vector<size_t> ring_user(ring, kNone);  // the item that used each ring buffer last
+  size_t ring_next = 0;
+  uint64_t ahead_used = 0;
+  bool ahead_open = x->held && read_ahead_ != nullptr;
+  auto take_ahead = [&](size_t k, const Txn::Item& it) {
+    const uint64_t slot = ReadAheadSlot(it.count, config_.commit_each);
+    if (!ahead_open || slot > read_ahead_bytes_ - ahead_used) {
+      ahead_open = false;
+      return false;
+    }
+    state_of[k] = reinterpret_cast<float*>(read_ahead_ + ahead_used);
+    const uint64_t state = WholePages(StateBytes(it.count));
+    copy_of[k] = config_.commit_each ? read_ahead_ + ahead_used + state : nullptr;
+    ahead_used += slot;
+    return true;
+  };
   auto start_read = [&](size_t k, const Txn::Item& it) {
     if (reads.size() <= k) reads.resize(k + 1);
-    float* buf = buffers_[k % ring];
+    float* buf = state_of[k];
     const tiering::PartitionId id = it.in.id;
     const tiering::PartitionId key = StoreKey(id, it.group);
     const uint64_t n = it.count;
@@ -665,7 +740,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       absl::Status s = store_->Get(key, MutableBytes(buf, n));
       return Result(s, Since(r0));
     };
-    if (config_.pipeline_read) {
+    // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
+    const bool ahead = read_ahead_ != nullptr && reinterpret_cast<std::byte*>(buf) >= read_ahead_ &&
+                       reinterpret_cast<std::byte*>(buf) < read_ahead_ + read_ahead_bytes_;
+    if (config_.pipeline_read || ahead) {
       reads[k] = std::async(std::launch::async, work);
       Emit(StepEvent::kReadLaunched, id);
     } else {
@@ -678,11 +756,11 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   };
   auto start_write = [&](size_t k, const Txn::Item& it) {
     if (writes.size() <= k) writes.resize(k + 1);
-    float* buf = buffers_[k % ring];
+    float* buf = state_of[k];
     std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
     // With commit_each, the param copy computed into this slot's copy buffer goes out once the
     // state has landed (a sub-group that had stepped already writes nothing: its copy goes out).
-    std::byte* copy = config_.commit_each ? copy_buffers_[k % ring] : nullptr;
+    std::byte* copy = copy_of[k];
     const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
     // Writes are staged one after another (a Batch is used by one thread at a time; with
     // commit_each, one Put at a time needs the store's room for one sub-group's second copy).
@@ -730,17 +808,52 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       await_write(k);
     }
   };
-  // Starts the read of k into its buffer, which k-ring used last: that write must be done first.
-  auto read = [&](size_t k, const Txn::Item& it) -> bool {
-    if (k >= ring) {
-      if (const absl::Status& s = await_write(k - ring).first; !s.ok()) {
-        x->failure = s;
-        return false;
+  // Starts the read of k into its buffer: its read-ahead room, else the next ring buffer, whose
+  // last item's write must be done first (that item has stepped: at most two items, k and k+1,
+  // are read and not stepped in the ring at once, and the ring has three buffers or more when
+  // reads are pipelined). `ahead_only`: not into the ring (returns false, no failure, when there
+  // is no room ahead).
+  auto read = [&](size_t k, const Txn::Item& it, bool ahead_only = false) -> bool {
+    if (state_of.size() <= k) {
+      state_of.resize(k + 1);
+      copy_of.resize(k + 1);
+    }
+    if (!take_ahead(k, it)) {
+      if (ahead_only) return false;
+      const size_t r = ring_next++ % ring;
+      if (ring_user[r] != kNone) {
+        if (const absl::Status& s = await_write(ring_user[r]).first; !s.ok()) {
+          x->failure = s;
+          return false;
+        }
       }
+      ring_user[r] = k;
+      state_of[k] = buffers_[r];
+      copy_of[k] = config_.commit_each ? copy_buffers_[r] : nullptr;
     }
     start_read(k, it);
     return true;
   };
+  // A held step: until Release, the items staged after k are read ahead as far as the read-ahead
+  // room lasts. Returns the scale, or nothing when the step was aborted first.
+  auto await_release = [&](size_t k) -> std::optional<float> {
+    for (size_t j = k + 1;;) {
+      const Txn::Item* next = nullptr;
+      {
+        MutexLock lock(&x->mu);
+        while (!x->released && !x->cancelled && !(ahead_open && x->nvme.size() > j)) {
+          x->staged.Wait(&x->mu);
+        }
+        if (x->cancelled) return std::nullopt;
+        if (x->released) return x->scale;
+        while (items.size() <= j) items.push_back(&x->nvme[items.size()]);
+        next = items[j];
+      }
+      // No room for j: ahead_open is false now, and the next turn waits for the Release.
+      if (started(j) || read(j, *next, /*ahead_only=*/true)) ++j;
+    }
+  };
+  std::optional<float> held_scale;
   // A gradient from the source, held from the first of its partition's sub-groups that steps
   // until the last has (then let go: the caller may let each gradient go while the rest step).
   const void* held = nullptr;
@@ -761,6 +874,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
         if (!read(k + 1, *next)) break;
       }
     }
+    if (x->held && !held_scale.has_value()) {
+      held_scale = await_release(k);
+      if (!held_scale.has_value()) break;  // aborted
+    }
     Emit(StepEvent::kReadAwaited, it->in.id);
     auto [read_status, read_s] = reads[k].get();
     report.read_seconds += read_s;
@@ -769,7 +886,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       break;
     }
     report.bytes_read += StateBytes(it->count);
-    float* state = buffers_[k % ring];
+    float* state = state_of[k];
     const uint64_t n = it->count;
     optim_cpu::AdamChunk c;
     c.param = state;
@@ -778,6 +895,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     c.grad_dtype = it->in.grad_dtype;
     optim_cpu::StepOptions options = it->options;
     options.check_overflow = false;
+    if (held_scale.has_value()) options.grad_scale = *held_scale;
     if (it->copy_only) {
       // Its master weights as they are, copied by the optimizer's own conversion: a step of
       // rate 0 and no decay over a zero gradient (the second moment's slot, zeroed: the moments
@@ -818,7 +936,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     Emit(StepEvent::kStepStarted, it->in.id);
     c.param_copy = config_.commit_each && (it->in.param_copy != nullptr || it->in.copy_to_sink)
-                       ? copy_buffers_[k % ring]
+                       ? copy_of[k]
                        : it->staged_copy;
     c.copy_dtype = it->in.copy_dtype;
     c.size = n;
@@ -921,8 +1039,15 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     return absl::FailedPreconditionError("optimizer swapper: Commit before Begin");
   }
   const auto c0 = Clock::now();
+  float held_scale = 0;  // a held step's (0: not held)
   {
     MutexLock lock(&txn_->mu);
+    if (txn_->held && !txn_->released) {
+      return absl::FailedPreconditionError(
+          "optimizer swapper: Commit of a held step before its Release (the scale of its "
+          "gradients); the step is still open");
+    }
+    if (txn_->held) held_scale = txn_->scale;
     txn_->closed = true;
     txn_->staged.SignalAll();
   }
@@ -1034,7 +1159,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   for (size_t i = 0; i < x->host.size(); ++i) {
     const Txn::Item& it = x->host[i];
     const auto s0 = Clock::now();
-    absl::Status s = StepInPlace(optimizer_, it.in, it.t, it.options, it.part->host_state,
+    optim_cpu::StepOptions options = it.options;
+    if (held_scale > 0) options.grad_scale = held_scale;
+    absl::Status s = StepInPlace(optimizer_, it.in, it.t, options, it.part->host_state,
                                  it.part->elements, host_grads[i]);
     report.compute_seconds += Since(s0);
     if (!s.ok()) {

@@ -42,6 +42,19 @@
 // in place, after the NVMe commit, unless the step was begun with host_early: then they step in
 // place as they are staged (see Begin). Step is Begin, Stage of every input and Commit.
 //
+// A step whose gradients' scale is learnt only after backward (clipping by the global norm, as
+// DeepSpeed's gradient_clipping: every partition's step depends on every gradient) can still have
+// its disk reads overlap backward: Begin(..., hold) opens a held transaction. Its partitions are
+// staged as their gradients become final, and the worker reads their NVMe state ahead, in the
+// order staged, into the read-ahead room (read_ahead_bytes of pinned host memory, taken at Create;
+// each sub-group's state there in whole pages until the transaction ends, and a copy buffer's room
+// beside it with commit_each) as far as it lasts, but steps nothing until Release(grad_scale)
+// gives the scale, which replaces every staged input's grad_scale (those staged after it too).
+// Then it goes on as any transaction: the rest through the ring, pipelined. Nothing is stepped,
+// written or landed before Release, so an Abort before it changes nothing (commit_each too) and
+// drops what was read ahead. Commit before Release is refused (FailedPrecondition, the
+// transaction left open). Host-resident partitions read nothing ahead and step at Commit.
+//
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
 // the thread that stages it) and reads the committed state (with host_early, a host-resident
@@ -56,6 +69,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -120,6 +134,10 @@ struct OptimizerSwapperConfig {
   // written). 0: whole partitions. Host-resident state is never cut. A partition cut in more than
   // one is keyed by its id and its sub-group's index: ids below 2^40, fewer than 2^23 sub-groups.
   uint64_t sub_group_elements = 0;
+  // Pinned host memory for a held step's read-ahead (above), taken at Create: at most what the
+  // NVMe-resident partitions' sub-groups would take there all at once (in whole pages, with a
+  // copy buffer's room each with commit_each). 0: none (a held step reads as the ring allows).
+  uint64_t read_ahead_bytes = 0;
   // Test seam: called at each StepEvent of an NVMe-resident partition (and kStepStarted and
   // kStepFinished of a host-resident one stepping early: Begin's host_early), on the thread where
   // it happens, so a test can see how reads, steps and writes interleave. It may block to hold a
@@ -184,7 +202,12 @@ class PipelinedOptimizerSwapper {
   // check_overflow is refused, and an Abort, or a failure, leaves those that stepped stepped (Abort
   // returns them). FailedPrecondition when the swapper has NVMe-resident partitions (whose commit
   // could fail after the host-resident ones had changed), unless it commits each one (commit_each).
-  absl::Status Begin(uint64_t copy_staging_bytes, bool host_early = false);
+  // `hold`: a held transaction (above; not with host_early).
+  absl::Status Begin(uint64_t copy_staging_bytes, bool host_early = false, bool hold = false);
+  // A held transaction's gradient scale (above): the worker steps from now on. FailedPrecondition
+  // with no held transaction open, or after its Release; InvalidArgument for a scale that is not
+  // finite and positive.
+  absl::Status Release(float grad_scale);
   // Where a staged input with a null `grad` gets its gradient: `get` is called on the worker
   // thread just before the partition steps (its state's read already under way), or at Commit
   // for a host-resident one, so the gradient may still be on its way to host memory when it is
@@ -253,6 +276,8 @@ class PipelinedOptimizerSwapper {
   size_t buffer_count() const { return buffers_.size(); }
   // Bytes of host memory held for staging param copies (see above).
   uint64_t copy_staging_bytes() const { return copy_staging_bytes_; }
+  // Bytes of pinned host memory held for a held step's read-ahead (read_ahead_bytes, capped).
+  uint64_t read_ahead_bytes() const { return read_ahead_bytes_; }
 
  private:
   struct Part {
@@ -314,6 +339,8 @@ class PipelinedOptimizerSwapper {
   // commit_each: one per ring buffer, as large as the largest partition's fp32 copy.
   std::vector<std::byte*> copy_buffers_;
   uint64_t copy_buffer_bytes_ = 0;
+  std::byte* read_ahead_ = nullptr;
+  uint64_t read_ahead_bytes_ = 0;
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;

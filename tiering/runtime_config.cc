@@ -322,7 +322,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
          "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
-         "optimizer_during_backward", "optimizer_commit"}));
+         "optimizer_during_backward", "optimizer_commit", "optimizer_read_ahead_bytes"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -352,6 +352,20 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                    absl::StrCat(d->dump(),
                                 ": accepted: true, false, \"auto\" (the default: true "
                                 "where strata.device is \"cuda\")"));
+      }
+    }
+    if (auto r = s->find("optimizer_read_ahead_bytes"); r != s->end()) {
+      if (!r->is_string() || r->get<std::string>() != "auto") {
+        uint64_t bytes = 0;
+        if (!r->is_number() ||
+            !ReadInt(*s, p, "optimizer_read_ahead_bytes", 0, kMax, &bytes).ok()) {
+          return Bad(
+              p + "optimizer_read_ahead_bytes",
+              absl::StrCat(r->dump(), ": accepted: bytes, an integer from 0 (none) to ", kMax,
+                           ", or \"auto\" (the default: an eighth of "
+                           "host_budget_bytes)"));
+        }
+        c.optimizer_read_ahead_bytes = bytes;
       }
     }
     std::string commit = "step";

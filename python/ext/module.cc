@@ -697,14 +697,25 @@ class PyRuntime {
 
   // The step in parts (sched::Runtime::BeginOptimizerStep and the rest): the tensors staged are
   // held until the step is committed or aborted.
-  void BeginOptimizerStep(bool host_early) {
+  void BeginOptimizerStep(bool host_early, bool hold) {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->BeginOptimizerStep(host_early);
+      s = runtime_->BeginOptimizerStep(host_early, hold);
     }
     Check(s);
   }
+
+  void ReleaseOptimizerStep(float grad_scale) {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->ReleaseOptimizerStep(grad_scale);
+    }
+    Check(s);
+  }
+
+  uint64_t OptimizerReadAheadBytes() { return runtime_->OptimizerReadAheadBytes(); }
 
   // (id, grad or None, param_copy or None or a partition id) triples; a None grad is the gradient
   // partition `id`, taken from the host tier by the optimizer's thread; a partition id takes the
@@ -1056,7 +1067,10 @@ PYBIND11_MODULE(_strata, m) {
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
            py::arg("weight_decay") = -1.0f)
-      .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep, py::arg("host_early") = false)
+      .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep, py::arg("host_early") = false,
+           py::arg("hold") = false)
+      .def("release_optimizer_step", &PyRuntime::ReleaseOptimizerStep, py::arg("grad_scale"))
+      .def_property_readonly("optimizer_read_ahead_bytes", &PyRuntime::OptimizerReadAheadBytes)
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
            py::arg("weight_decay") = -1.0f)

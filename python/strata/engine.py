@@ -503,6 +503,10 @@ class Engine(Lending, Gradients, Step):
         self._in_backward = False  # engine.backward is running (lending.py: _traced)
         self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
+        # A step that cannot be speculated is staged held (step.py: _may_hold) where the
+        # optimizer has room to read its NVMe state ahead; not after a second gradient.
+        self._read_ahead = self.runtime.optimizer_read_ahead_bytes > 0
+        self._hold = True
         # Host-resident partitions that stepped in place during this backward before the staged
         # step was dropped (step.py): they are not stepped again.
         self._stepped_early = set()

@@ -206,6 +206,7 @@ class Gradients:
         self._redo_reason = None
         # Staged again from the next step unless this one was clipped or saw a second gradient.
         self._speculate = self._speculate and not self._second_gradient
+        self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
         self._fired.clear()
         for e in self._params:

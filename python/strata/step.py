@@ -27,10 +27,13 @@ class _Staged:
     with no clipping and no overflow; engine.step() commits it when that was right, else aborts
     it and steps again."""
 
-    def __init__(self, scale, early=False):
+    def __init__(self, scale, early=False, held=False):
         self.scale = scale  # the loss scale the gradients were made with
         self.entries = []  # staged _Param entries, their targets pinned in the host tier
         self.early = early  # host-resident partitions step in place as they are staged
+        # Held: the NVMe state is read ahead as staged, and nothing steps until the gradients'
+        # scale is known after backward (_finish_held).
+        self.held = held
 
 
 class Step:
@@ -51,13 +54,19 @@ class Step:
             return
         staged = self._staged
         if staged is None:
-            if not always and (not self._speculate or self._redo_reason is not None):
-                return
-            if not always and self._commit_each and not self._may_step_early():
-                return  # each partition's step lands as it is taken: only where none is dropped
-            early = not always and self._host_early()
-            self.runtime.begin_optimizer_step(host_early=early)
-            staged = self._staged = _Staged(self.loss_scale, early)
+            hold = False
+            if not always:
+                if self._redo_reason is not None:
+                    return
+                # With _commit_each each partition's step lands as it is taken: it speculates
+                # only where none is dropped.
+                if not self._speculate or (self._commit_each and not self._may_step_early()):
+                    if not self._may_hold():
+                        return
+                    hold = True  # its state read ahead; stepped once the scale is known
+            early = not always and not hold and self._host_early()
+            self.runtime.begin_optimizer_step(host_early=early, hold=hold)
+            staged = self._staged = _Staged(self.loss_scale, early, hold)
         lr, weight_decay = self._hyper_of(e)
         try:
             target = None
@@ -112,6 +121,14 @@ class Step:
         such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
                 and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
+
+    def _may_hold(self):
+        """Whether a step that cannot be speculated (clipping scaled the last one, or each
+        partition commits as it lands) is staged held during backward: its NVMe state read ahead
+        into the optimizer's read-ahead room (strata.optimizer_read_ahead_bytes) as each gradient
+        is final, stepped after backward with the clipping then known. Not across ranks, nor
+        after a window that saw a second gradient (it would be dropped again)."""
+        return self._read_ahead and self.ranks is None and self._hold
 
     def _host_early(self):
         """Whether the host-resident partitions step in place as backward makes their gradients
@@ -269,6 +286,18 @@ class Step:
             if reason is None and \
                     e.staged[0] != self._hyper_of(e):
                 reason = f"the learning rate or weight decay of {e.name}'s group changed"
+        if staged.held:
+            if reason is not None:  # nothing has stepped: taken anew
+                self._drop_staged(reason)
+                return None, None
+            norm, clip = self._norm_and_clip(staged.scale)
+            if clip is None:
+                self._end_staged(committed=False)
+                self._update_scale(overflow=True)
+                return False, {"overflow": True, "grad_norm": norm}
+            self._speculate = clip == 1.0 and self.ranks is None
+            self.runtime.release_optimizer_step(clip / staged.scale)
+            return self._commit(norm, staged=True)
         norm = None
         if reason is None and self.config.clipping > 0:
             norm = self._grad_norm(staged.scale)
@@ -287,22 +316,12 @@ class Step:
     def _step_anew(self):
         """The step after backward: the global norm and clip coefficient (gradient_clipping),
         then every parameter's step staged with them and committed."""
-        norm = None
         if self.ranks is not None:
             self._reduce_gradients()
-        # Across ranks in fp16 the norm is taken anyway: every rank must see an overflow that
-        # any rank's shard holds, and skip the step with the others.
-        # Likewise with _commit_each: a partition's step lands as it is taken, so an overflow must
-        # be known before the first one.
-        if self.config.clipping > 0 or (self.dtype == torch.float16 and
-                                        (self.ranks is not None or self._commit_each)):
-            norm = self._grad_norm(self.loss_scale)
-            if not math.isfinite(norm):
-                self._update_scale(overflow=True)
-                return False, {"overflow": True, "grad_norm": norm}
-        clip = 1.0
-        if norm is not None and self.config.clipping > 0:
-            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        norm, clip = self._norm_and_clip(self.loss_scale)
+        if clip is None:
+            self._update_scale(overflow=True)
+            return False, {"overflow": True, "grad_norm": norm}
         # Stage the next step during backward unless it clipped (never across ranks).
         self._speculate = clip == 1.0 and self.ranks is None
         for e, g in list(self._unstaged()):
@@ -311,6 +330,23 @@ class Step:
             return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                           "bytes_written": 0}
         return self._commit(norm, staged=False)
+
+    def _norm_and_clip(self, scale):
+        """(global norm or None, clipping coefficient), the gradients made with loss scale
+        `scale`; the coefficient is None when the norm is not finite (an overflow). The norm is
+        taken for gradient_clipping, and in fp16 across ranks (every rank must see an overflow
+        that any rank's shard holds, and skip the step with the others) or with _commit_each (a
+        partition's step lands as it is taken, so an overflow must be known before the first)."""
+        norm = None
+        if self.config.clipping > 0 or (self.dtype == torch.float16 and
+                                        (self.ranks is not None or self._commit_each)):
+            norm = self._grad_norm(scale)
+            if not math.isfinite(norm):
+                return norm, None
+        clip = 1.0
+        if norm is not None and self.config.clipping > 0:
+            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+        return norm, clip
 
     def _commit(self, norm, staged):
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
@@ -323,6 +359,7 @@ class Step:
         copied = set(self.runtime.take_copied_partitions())  # their weights written already
         entries = list(self._staged.entries)
         early = self._staged.early
+        held = self._staged.held
         for e in entries:
             e.steps += 1
         self._end_staged(committed=True)
@@ -338,7 +375,7 @@ class Step:
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "staged": staged,
-                      "host_early": early}
+                      "host_early": early, "held": held}
 
     def _refresh_weights(self, entries):
         """Parameters homed on NVMe: their new weights are their committed master weights in the

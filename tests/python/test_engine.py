@@ -542,18 +542,22 @@ def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_pat
             config["zero_optimization"]["sub_group_size"] = sub_group
         engine, losses = _train_steps(config, data)
         assert engine._commit_each == (commit == "partition")
+        report = engine.last_step_stats["optimizer"]
         results.append((losses, [w.clone() for w in engine_weights(engine)],
-                        engine.last_step_stats["optimizer"].get("staged"), commit))
+                        (report.get("staged"), report.get("held")), commit))
     losses_a, weights_a, _, _ = results[0]
-    for losses_b, weights_b, staged_b, commit in results[1:]:
+    for losses_b, weights_b, (staged_b, held_b), commit in results[1:]:
         assert losses_a == losses_b
         for a, b in zip(weights_a, weights_b):
             assert torch.equal(a, b)
         if stage == 3 and commit == "partition":  # (below stage 3 the step is after backward)
-            assert staged_b == during  # staged during backward only where nothing can drop it
+            # Stepped during backward only where nothing can drop it; else held (its state read
+            # during backward, stepped after it).
+            assert staged_b
+            assert held_b == (not during)
 
 
-@pytest.mark.parametrize("skip, sub_group", [(0, None), (2, None), (5, None), (2, 500),
+@pytest.mark.parametrize("skip, sub_group", [(0, None), (3, None), (5, None), (2, 500),
                                              (5, 500)])
 def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_path, monkeypatch,
                                                                           skip, sub_group):
@@ -600,7 +604,7 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         assert len(partly) == 1
         assert released_written == partly
     else:
-        assert 0 < len(landed) < len(engine._params)
+        assert 0 < len(landed) < len(engine._params), str(failed.value)
         assert any(f"after {len(landed)} parameters had stepped" in w and
                    "optimizer_commit" in w for w in engine.warnings[warned:])
     # The next step steps every partition once more.
@@ -915,15 +919,17 @@ def test_a_client_torch_adagrad_gives_the_kind_and_its_hyper_parameters(tmp_path
 
 # --- the step staged during backward (stage 3) ------------------------------------------------
 
-def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None, during_backward=False):
+def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None, during_backward=False,
+               held=None, strata_block=None):
     """train_both at stage 3 with `hook(engine, step)` called between backward and step (and
-    strata.optimizer_during_backward as given); the per-step 'staged' flags of the optimizer's
-    reports."""
+    strata.optimizer_during_backward as given, and `strata_block`'s keys); the per-step 'staged'
+    flags of the optimizer's reports (and their 'held' flags appended to `held`)."""
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, clipping)
     config = make_config(tmp_path, 3, offload, "fp32", 1, clipping)
     config["strata"]["optimizer_during_backward"] = during_backward
+    config["strata"].update(strata_block or {})
     engine, _, _, _ = strata.initialize(model=model, config=config)
     staged = []
     for i, (x, y) in enumerate(batches(steps)):
@@ -933,6 +939,8 @@ def staged_run(tmp_path, clipping, steps=8, offload="nvme", hook=None, during_ba
             hook(engine, reference, i)
         engine.step()
         staged.append(engine.last_step_stats["optimizer"].get("staged", False))
+        if held is not None:
+            held.append(engine.last_step_stats["optimizer"].get("held", False))
         ref_loss = reference.micro_step(x, y, 1)
         reference.step()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-5), i
@@ -1067,11 +1075,21 @@ def test_a_failed_backward_after_partitions_stepped_during_it_steps_none_twice(t
     engine.save_checkpoint(str(tmp_path / "ckpt"))
 
 
-def test_a_step_that_clipping_scales_is_taken_anew_and_staging_pauses(tmp_path):
+@pytest.mark.parametrize("offload, read_ahead", [("nvme", "auto"), ("nvme", 0), ("cpu", "auto")])
+def test_a_step_that_clipping_scales_is_taken_anew_and_then_held(tmp_path, offload, read_ahead):
     # A bound under every norm: the first step's staged step is dropped and taken anew with the
-    # clip coefficient; staging then pauses (every later step clips too), and the plan holds.
-    engine, staged = staged_run(tmp_path, clipping=1e-3)
-    assert not any(staged)
+    # clip coefficient; speculation then pauses (every later step clips too), and the plan holds.
+    # With the state on NVMe and read-ahead room (strata.optimizer_read_ahead_bytes) each later
+    # step is staged held: its state read during backward, stepped after it with the clipping
+    # then known, as torch's step (staged_run compares them); without room, or with the state in
+    # host memory (nothing to read), it is taken after backward.
+    held = []
+    engine, staged = staged_run(tmp_path, clipping=1e-3, offload=offload, held=held,
+                                strata_block={"optimizer_read_ahead_bytes": read_ahead})
+    holds = offload == "nvme" and read_ahead != 0
+    assert (engine.runtime.optimizer_read_ahead_bytes > 0) == holds
+    assert staged == [False] + [holds] * 7
+    assert held == [False] + [holds] * 7
     assert engine.redone_steps == 1
     assert engine.last_redo_reason == "gradient clipping scales this step"
 
@@ -1086,6 +1104,22 @@ def test_a_learning_rate_changed_after_backward_is_the_one_stepped(tmp_path):
     engine, staged = staged_run(tmp_path, clipping=0.0, hook=change_lr)
     assert staged == [True, True, True, False, True, True, True, True]
     assert engine.redone_steps == 1
+    assert "learning rate" in engine.last_redo_reason
+
+
+def test_a_held_step_whose_learning_rate_changed_after_backward_is_taken_anew(tmp_path):
+    # Held steps (clipping under every norm, the state on NVMe): nothing has stepped when the
+    # change is seen, so the held step is dropped whole and taken anew at the new rate.
+    def change_lr(engine, reference, i):
+        if i == 3:
+            for group in engine.optimizer.param_groups:
+                group["lr"] = 5e-3
+            for group in reference.opt.param_groups:
+                group["lr"] = 5e-3
+    held = []
+    engine, staged = staged_run(tmp_path, clipping=1e-3, hook=change_lr, held=held)
+    assert held == [False, True, True, False, True, True, True, True]
+    assert engine.redone_steps == 2
     assert "learning rate" in engine.last_redo_reason
 
 

@@ -6,11 +6,14 @@
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "base/mutex.h"
 #include "base/status.h"
 #include "gmock/gmock.h"
@@ -103,6 +106,23 @@ std::vector<swap::StepInput> Inputs(const std::vector<std::vector<float>>& grads
   return in;
 }
 
+uint64_t WholePages(uint64_t bytes) { return (bytes + 4095) / 4096 * 4096; }
+
+// The optimizer's read-ahead room at strata.optimizer_read_ahead_bytes "auto": an eighth of the
+// host budget, at most every NVMe sub-group's state in whole pages (and its copy buffer's with
+// optimizer_commit "partition").
+uint64_t AutoReadAhead(const RuntimeConfig& c, uint64_t sub_group = 0) {
+  uint64_t most = 0;
+  for (const auto& [id, n] : kParts) {
+    const uint64_t g = sub_group > 0 ? std::min(sub_group, n) : n;
+    for (uint64_t at = 0; at < n; at += g) {
+      const uint64_t k = std::min(g, n - at);
+      most += WholePages(k * 12) + (c.optimizer_commit_each ? WholePages(k * 4) : 0);
+    }
+  }
+  return std::min(most, WholePages(c.host_budget_bytes / 8));
+}
+
 void ExpectState(Runtime& rt, const Reference& ref) {
   for (size_t i = 0; i < kParts.size(); ++i) {
     const uint64_t n = kParts[i].second;
@@ -135,8 +155,10 @@ TEST_P(RuntimeOptimizerTest, StepsMatchCpuAdamInMemoryWithinTheRuntimesBudgets) 
     elements += n;
   }
   const auto& table = (*rt)->residency();
-  EXPECT_EQ(table.set_aside_bytes(Tier::kHost),
-            nvme ? 4 * largest + (elements * 2 + 4095) / 4096 * 4096 : state);
+  EXPECT_EQ(
+      table.set_aside_bytes(Tier::kHost),
+      nvme ? 4 * largest + (elements * 2 + 4095) / 4096 * 4096 + AutoReadAhead(config) : state);
+  EXPECT_EQ((*rt)->OptimizerReadAheadBytes(), nvme ? AutoReadAhead(config) : 0);
   EXPECT_EQ(table.set_aside_bytes(Tier::kNvme), nvme ? 2 * state : 0);
   Reference ref;
   for (size_t i = 0; i < kParts.size(); ++i) {
@@ -176,9 +198,104 @@ TEST(RuntimeOptimizerTest, TheCopiesRoomSetAsideFollowsTheirDtype) {
     }
     const uint64_t bytes = copy == optim_cpu::DType::kF32 ? 4 : 2;
     EXPECT_EQ((*rt)->residency().set_aside_bytes(Tier::kHost),
-              4 * largest + (elements * bytes + 4095) / 4096 * 4096)
+              4 * largest + (elements * bytes + 4095) / 4096 * 4096 +
+                  AutoReadAhead(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme)))
         << optim_cpu::DTypeName(copy);
   }
+}
+
+// strata.optimizer_read_ahead_bytes: "auto" (above), a size (capped at the NVMe state's), 0
+// (none), each set aside in the host tier; "auto" that does not fit beside the optimizer's other
+// buffers takes none and says so, a size that does not fit is refused naming it; state in host
+// memory takes none.
+TEST(RuntimeOptimizerTest, TheReadAheadRoomIsSetAsideAsConfigured) {
+  uint64_t most = 0;
+  for (const auto& [id, n] : kParts) most += WholePages(n * 12);
+  struct Case {
+    std::optional<uint64_t> bytes;
+    uint64_t host_budget;
+    OffloadDevice device;
+    uint64_t want;
+    bool warned;
+  };
+  const uint64_t base = OptimizerConfig("", OffloadDevice::kNvme).host_budget_bytes;
+  // A host budget with room for the optimizer's ring and staged copies and a page more (beside
+  // the staging pool, which the budget also holds).
+  uint64_t tight = 0;
+  {
+    ScratchDir dir;
+    auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    uint64_t largest = 0, elements = 0;
+    for (const auto& [id, n] : kParts) {
+      largest = std::max(largest, WholePages(n * 12));
+      elements += n;
+    }
+    tight = base - (*rt)->residency().budget_bytes(Tier::kHost) + 4 * largest +
+            WholePages(elements * 2) + 4096;
+  }
+  for (const Case& c :
+       std::vector<Case>{{0, base, OffloadDevice::kNvme, 0, false},
+                         {10000, base, OffloadDevice::kNvme, 12288, false},
+                         {uint64_t{1} << 40, base, OffloadDevice::kNvme, most, false},
+                         {std::nullopt, 64 << 20, OffloadDevice::kNvme, most, false},
+                         {std::nullopt, base, OffloadDevice::kCpu, 0, false},
+                         // Room for the ring and copies only: auto gives way.
+                         {std::nullopt, tight, OffloadDevice::kNvme, 0, true}}) {
+    SCOPED_TRACE(absl::StrCat(c.bytes.value_or(-1), " ", c.host_budget));
+    ScratchDir dir;
+    RuntimeConfig config = OptimizerConfig(dir.File("swap"), c.device);
+    config.host_budget_bytes = c.host_budget;
+    config.optimizer_read_ahead_bytes = c.bytes;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    absl::Status s = (*rt)->CreateOptimizer(Adam(), kParts);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ((*rt)->OptimizerReadAheadBytes(), c.want);
+    bool warned = false;
+    for (const std::string& w : (*rt)->warnings()) {
+      warned = warned || absl::StrContains(w, "read-ahead room");
+    }
+    EXPECT_EQ(warned, c.warned);
+  }
+  // A size that does not fit is refused, naming it.
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_read_ahead_bytes = uint64_t{1} << 40;
+  config.host_budget_bytes = tight;
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  absl::Status s = (*rt)->CreateOptimizer(Adam(), kParts);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("read-ahead"));
+}
+
+// A held step through the Runtime (BeginOptimizerStep with hold): staged, released at a scale,
+// committed: CpuAdam's step in memory at that scale, bit for bit.
+TEST(RuntimeOptimizerTest, AHeldStepIsTheStepAtItsReleasedScale) {
+  ScratchDir dir;
+  auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  ASSERT_TRUE((*rt)->CreateOptimizer(Adam(), kParts).ok());
+  ASSERT_GT((*rt)->OptimizerReadAheadBytes(), 0u);
+  Reference ref;
+  for (size_t i = 0; i < kParts.size(); ++i) {
+    ASSERT_TRUE((*rt)->InitializeOptimizerState(kParts[i].first, ref.p[i]).ok());
+  }
+  for (int64_t t = 1; t <= 2; ++t) {
+    auto grads = Grads(t);
+    ASSERT_TRUE((*rt)->BeginOptimizerStep(false, true).ok());
+    ASSERT_TRUE((*rt)->StageOptimizerStep(t, Inputs(grads)).ok());
+    EXPECT_EQ((*rt)->CommitOptimizerStep().status().code(), absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE((*rt)->ReleaseOptimizerStep(0.25f).ok());
+    auto r = (*rt)->CommitOptimizerStep();
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (auto& g : grads) {
+      for (float& x : g) x *= 0.25f;  // exact: a power of two
+    }
+    ref.Step(t, grads);
+  }
+  ExpectState(**rt, ref);
 }
 
 int ThreadsOfThisProcess() {
@@ -555,8 +672,9 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
                             (1001 * 12 + 4095) / 4096 * 4096;
     const auto& table = (*rt)->residency();
     EXPECT_EQ(table.set_aside_bytes(Tier::kHost),
-              each ? 4 * (piece + (2000 * 4 + 4095) / 4096 * 4096)
-                   : 4 * piece + ((5000 + 7001 + 3000) * 2 + 4095) / 4096 * 4096);
+              (each ? 4 * (piece + (2000 * 4 + 4095) / 4096 * 4096)
+                    : 4 * piece + ((5000 + 7001 + 3000) * 2 + 4095) / 4096 * 4096) +
+                  AutoReadAhead(config, 2000));
     EXPECT_EQ(table.set_aside_bytes(Tier::kNvme), each ? stored + piece : 2 * stored);
     if (each) {
       EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kNvme), ElementsAre(11, 12, 13));

@@ -15,9 +15,11 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
@@ -273,7 +275,7 @@ struct Fixture {
     }
     return in;
   }
-  void StepReference(int64_t t) {
+  void StepReference(int64_t t, const optim_cpu::StepOptions& options = {}) {
     for (size_t i = 0; i < parts.size(); ++i) {
       optim_cpu::AdamChunk c;
       c.param = ref.p[i].data();
@@ -282,7 +284,7 @@ struct Fixture {
       c.exp_avg_sq = ref.v[i].data();
       c.param_copy = ref.copy[i].data();
       c.size = parts[i].second;
-      ASSERT_TRUE(adam->Step(t, c).ok());
+      ASSERT_TRUE(adam->Step(t, c, options).ok());
     }
   }
   // Partition i's master weights and moments, as ReadState gives them.
@@ -1595,6 +1597,185 @@ TEST(SwapperSubGroupTest, IdsThatCannotKeyTheirPiecesAreRefused) {
   keyed.store_key_bits = uint64_t{1} << 50;
   auto bits = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host, keyed, {{5, 200}});
   EXPECT_THAT(bits.status().message(), HasSubstr("store_key_bits"));
+}
+
+OptimizerSwapperConfig ReadAhead(OptimizerSwapperConfig c, uint64_t bytes = uint64_t{1} << 40) {
+  c.read_ahead_bytes = bytes;
+  return c;
+}
+
+// A held step (clipping learnt after backward): the NVMe-resident state is read ahead as it is
+// staged, nothing steps, lands or is written before Release, and the step then is bitwise the
+// step in memory at Release's scale (the staged inputs' own grad_scale replaced), param copies
+// included; in every mode (pipelined or not, commit_each, sub-groups). Room for everything.
+TEST(SwapperHeldTest, AHeldStepReadsAheadStepsNothingBeforeReleaseAndIsTheStepAtItsScale) {
+  for (OptimizerSwapperConfig config :
+       {ReadAhead({true, true, 220000}), ReadAhead({false, false, 0}), ReadAhead({true, true, 0}),
+        ReadAhead(CommitEach(true, 220000)), ReadAhead(SubGroups({true, true, 0}))}) {
+    SCOPED_TRACE(absl::StrCat(config.pipeline_read, " ", config.max_in_cpu_bytes, " ",
+                              config.commit_each, " ", config.sub_group_elements));
+    Fixture f(config);
+    // The room is capped at what every NVMe-resident sub-group takes.
+    uint64_t most = 0;
+    for (const auto& [id, n] : f.parts) {
+      if (!f.swapper->on_nvme(id)) continue;
+      const uint64_t g = config.sub_group_elements > 0 ? config.sub_group_elements : n;
+      for (uint64_t at = 0; at < n; at += g) {
+        const uint64_t k = std::min(g, n - at);
+        most +=
+            (k * 12 + 4095) / 4096 * 4096 + (config.commit_each ? (k * 4 + 4095) / 4096 * 4096 : 0);
+      }
+    }
+    EXPECT_EQ(f.swapper->read_ahead_bytes(), most);
+    for (int64_t t = 1; t <= 3; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      f.trace->Clear();
+      const std::vector<StepInput> in = f.Inputs();
+      const auto copies_before = f.copies;
+      ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+      const size_t half = in.size() / 2;
+      ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half)).ok());
+      ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(half)).ok());
+      for (const auto& [id, n] : f.parts) {
+        if (!f.swapper->on_nvme(id)) continue;
+        f.trace->WaitUntil(
+            [id = id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
+            absl::StrCat("partition ", id, " read before Release"));
+      }
+      EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+      for (const Entry& e : f.trace->entries()) {
+        EXPECT_FALSE(!e.io &&
+                     (e.event == StepEvent::kStepStarted || e.event == StepEvent::kWriteStarted))
+            << "partition " << e.id << " stepped or was written before Release";
+        EXPECT_FALSE(e.io && e.kind == aio::OpKind::kWrite) << "a write before Release";
+      }
+      EXPECT_EQ(f.copies, copies_before);
+      f.ExpectMatchesReference();
+      const float scale = 0.37f / static_cast<float>(t);
+      ASSERT_TRUE(f.swapper->Release(scale).ok());
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_GT(r->bytes_read, 0u);
+      f.StepReference(t, {.grad_scale = scale});
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+  }
+}
+
+// The read-ahead room holds the first two NVMe-resident partitions: those are read before
+// Release, the others after it, through the ring; the step is the same.
+TEST(SwapperHeldTest, WhatTheRoomDoesNotHoldIsReadAfterRelease) {
+  // 12 (196613 elements) and 13 (40000) are NVMe-resident past 220000 bytes in host memory.
+  const uint64_t room =
+      (65536 * 3 + 5) * 12 / 4096 * 4096 + 4096 + (40000 * 12 + 4095) / 4096 * 4096;
+  Fixture f(ReadAhead({true, true, 220000}, room), {{10, 1000 + 7},
+                                                    {11, 16384 + 1},
+                                                    {12, 65536 * 3 + 5},
+                                                    {13, 40000},
+                                                    {15, 30000},
+                                                    {16, 20000},
+                                                    {14, 3}});
+  ASSERT_TRUE(f.swapper->on_nvme(15) && f.swapper->on_nvme(16));
+  EXPECT_EQ(f.swapper->read_ahead_bytes(), room);
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+  for (tiering::PartitionId id : {12, 13}) {
+    f.trace->WaitUntil(
+        [id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
+        absl::StrCat("partition ", id, " read ahead"));
+  }
+  EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+  // A worker that read past its room would have started 15's read by now.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (tiering::PartitionId id : {15, 16}) {
+    EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, id))
+        << "partition " << id << " read ahead without room";
+  }
+  ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+  auto r = f.swapper->Commit();
+  ASSERT_TRUE(r.ok()) << r.status();
+  f.StepReference(1);
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+}
+
+// Abort before Release changes nothing (commit_each too: nothing has landed); a read that fails
+// ahead fails the Commit with nothing changed; the retry is the step that never failed.
+TEST(SwapperHeldTest, AbortAndAFailedReadAheadChangeNothing) {
+  for (OptimizerSwapperConfig config :
+       {ReadAhead({true, true, 220000}), ReadAhead(CommitEach(true, 220000))}) {
+    SCOPED_TRACE(config.commit_each ? "commit_each" : "step");
+    Fixture f(config);
+    f.NewGrads(1);
+    const auto copies_before = f.copies;
+    const uint64_t generation = f.store->generation();
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+    ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+    f.trace->WaitUntil(
+        [](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, 13); },
+        "partition 13 read ahead");
+    EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+    EXPECT_EQ(f.store->generation(), generation);
+    f.ExpectMatchesReference();
+    EXPECT_EQ(f.copies, copies_before);
+    // (With commit_each, once Released, each partition lands as it steps, as in any of its steps:
+    // a read failing then leaves what landed before it, AWriteThatFailsLeavesWhatLanded... above.)
+    if (config.commit_each) continue;
+    auto record = f.store->Find(13);
+    ASSERT_TRUE(record.ok()) << record.status();
+    const std::vector<tiering::StoreExtent> extents = record->extents;
+    f.trace->SetFault([extents](const Entry& op, const std::vector<Entry>&) {
+      return op.kind == aio::OpKind::kRead && op.data_file && Overlaps(op, extents) ? EIO : 0;
+    });
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+    ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+    ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+    auto failed = f.swapper->Commit();
+    ASSERT_FALSE(failed.ok());
+    EXPECT_EQ(StatusErrno(failed.status()), EIO) << failed.status();
+    EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty()) << "a partition landed";
+    f.ExpectMatchesReference();
+    EXPECT_EQ(f.copies, copies_before);
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+    ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+    ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+    ASSERT_TRUE(f.swapper->Commit().ok());
+    f.StepReference(1);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+TEST(SwapperHeldTest, MisuseIsRefusedNamingWhatIsWrong) {
+  Fixture f(ReadAhead({true, true, 220000}));
+  f.NewGrads(1);
+  EXPECT_EQ(f.swapper->Release(1).code(), absl::StatusCode::kFailedPrecondition);
+  absl::Status s = f.swapper->Begin(0, true, true);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("hold and host_early"));
+  EXPECT_FALSE(f.swapper->staging());
+  ASSERT_TRUE(f.swapper->Begin(0).ok());  // not held
+  EXPECT_EQ(f.swapper->Release(1).code(), absl::StatusCode::kFailedPrecondition);
+  f.swapper->Abort();
+  ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+  auto early = f.swapper->Commit();
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
+  EXPECT_THAT(early.status().message(), HasSubstr("before its Release"));
+  EXPECT_TRUE(f.swapper->staging()) << "the held step stays open";
+  for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    s = f.swapper->Release(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(s.message(), HasSubstr("accepted: finite and above 0"));
+  }
+  ASSERT_TRUE(f.swapper->Release(0.5f).ok());
+  EXPECT_EQ(f.swapper->Release(0.5f).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(f.swapper->Commit().ok());
+  f.StepReference(1, {.grad_scale = 0.5f});
+  f.ExpectMatchesReference();
 }
 
 TEST(SwapperTransactionTest, MisuseIsRefusedNamingWhatIsWrong) {

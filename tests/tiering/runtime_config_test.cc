@@ -255,6 +255,29 @@ TEST(RuntimeConfigTest, OptimizerCommitIsStepOrPartition) {
   EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("optimizer_commit")));
 }
 
+TEST(RuntimeConfigTest, OptimizerReadAheadIsBytesOrAuto) {
+  EXPECT_FALSE(RuntimeConfig().optimizer_read_ahead_bytes.has_value());  // "auto"
+  auto automatic =
+      RuntimeConfigFromJsonText(R"({"strata": {"optimizer_read_ahead_bytes": "auto"}})");
+  ASSERT_TRUE(automatic.ok()) << automatic.status();
+  EXPECT_FALSE(automatic->optimizer_read_ahead_bytes.has_value());
+  for (const auto& [text, want] : std::vector<std::pair<const char*, uint64_t>>{
+           {R"({"strata": {"optimizer_read_ahead_bytes": 0}})", 0},
+           {R"({"strata": {"optimizer_read_ahead_bytes": 1e9}})", 1000000000}}) {
+    auto c = RuntimeConfigFromJsonText(text);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->optimizer_read_ahead_bytes, want) << text;
+  }
+  for (const char* bad : {R"({"strata": {"optimizer_read_ahead_bytes": -1}})",
+                          R"({"strata": {"optimizer_read_ahead_bytes": "lots"}})",
+                          R"({"strata": {"optimizer_read_ahead_bytes": 1.5}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                AllOf(HasSubstr("strata.optimizer_read_ahead_bytes"), HasSubstr("accepted: bytes"),
+                      HasSubstr("\"auto\"")))
+        << bad;
+  }
+}
+
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
   EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
   EXPECT_EQ(RuntimeConfig().copy_streams, 1);
