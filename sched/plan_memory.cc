@@ -146,12 +146,17 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
                       (opt_per_param + (each ? 4 : 0)) * group;
     // Each process's read-ahead room (strata.optimizer_read_ahead_bytes; "auto": an eighth of
-    // its host budget), at most its share of the state (with "partition", a copy buffer's room
-    // beside each sub-group's).
+    // its host budget where the trainer's front would hold a step, none elsewhere: one process,
+    // and a step decided after backward, by clipping or by "partition" stepping after backward
+    // (runtime_settings.py)), at most its share of the state (with "partition", a copy buffer's
+    // room beside each sub-group's).
+    const bool during = rc.optimizer_during_backward.value_or(true);  // "auto" on a GPU
+    const bool held = n == 1 && (t.gradient_clipping > 0 || (each && !(during && !t.fp16)));
     const double ahead_most = (opt_per_param + (each ? 4 : 0)) * psi / n;
     const double ahead = rc.optimizer_read_ahead_bytes.has_value()
                              ? static_cast<double>(*rc.optimizer_read_ahead_bytes)
-                             : static_cast<double>(rc.host_budget_bytes) / 8;
+                         : held ? static_cast<double>(rc.host_budget_bytes) / 8
+                                : 0;
     p.host.staging += n * std::min(ahead_most, ahead);
   }
 

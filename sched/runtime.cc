@@ -1257,12 +1257,17 @@ absl::Status Runtime::CreateOptimizer(
       if (s.ok()) continue;
       table_->GiveBack(Tier::kHost, t == Tier::kNvme ? need[I(Tier::kHost)] : 0);
       if (t == Tier::kHost && ahead_auto && ahead > 0) {
-        Warn(absl::StrCat("create optimizer: its read-ahead room (", ahead,
-                          " bytes, strata.optimizer_read_ahead_bytes \"auto\") does not fit in "
-                          "the host tier beside its other buffers; none is taken: a step that "
-                          "waits for clipping reads its NVMe state after backward"));
-        need[I(Tier::kHost)] -= ahead;
-        ahead = 0;
+        // "auto" gives way: half as much, down to none.
+        const uint64_t was = ahead;
+        ahead = ahead / 2 >= (1 << 20) ? Pages(ahead / 2) : 0;
+        need[I(Tier::kHost)] -= was - ahead;
+        if (ahead == 0) {
+          Warn(
+              absl::StrCat("create optimizer: its read-ahead room (strata."
+                           "optimizer_read_ahead_bytes \"auto\") does not fit in the host tier "
+                           "beside its other buffers; none is taken: a step decided after "
+                           "backward (clipping) reads its NVMe state after backward"));
+        }
         again = true;
         break;
       }
@@ -1294,6 +1299,13 @@ absl::Status Runtime::CreateOptimizer(
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
   sc.read_ahead_bytes = ahead;
+  if (ahead_auto && on_nvme && ahead < std::min(ahead_most, Pages(config_.host_budget_bytes / 8)) &&
+      ahead > 0) {
+    Warn(
+        absl::StrCat("create optimizer: its read-ahead room (strata.optimizer_read_ahead_bytes "
+                     "\"auto\") is ",
+                     ahead, " bytes, what the host tier had room for beside its other buffers"));
+  }
   sc.sub_group_elements = static_cast<uint64_t>(std::max<int64_t>(0, config_.sub_group_size));
   sc.store_key_bits = kOptimizerKey;
   sc.on_event = options_.on_optimizer_event;

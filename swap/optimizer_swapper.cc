@@ -137,7 +137,8 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
         most += ReadAheadSlot(part.GroupSize(j), config.commit_each);
       }
     }
-    const uint64_t bytes = std::min(WholePages(config.read_ahead_bytes), most);
+    const uint64_t bytes =
+        config.read_ahead_bytes >= most ? most : WholePages(config.read_ahead_bytes);
     STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(bytes));
     s->read_ahead_ = static_cast<std::byte*>(p);
     s->read_ahead_bytes_ = bytes;
@@ -718,8 +719,9 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   bool ahead_open = x->held && read_ahead_ != nullptr;
   auto take_ahead = [&](size_t k, const Txn::Item& it) {
     const uint64_t slot = ReadAheadSlot(it.count, config_.commit_each);
+    // One that does not fit goes through the ring; a later, smaller one may still fit.
     if (!ahead_open || slot > read_ahead_bytes_ - ahead_used) {
-      ahead_open = false;
+      if (read_ahead_bytes_ - ahead_used < 4096) ahead_open = false;  // nothing more fits
       return false;
     }
     state_of[k] = reinterpret_cast<float*>(read_ahead_ + ahead_used);
@@ -834,10 +836,13 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     start_read(k, it);
     return true;
   };
-  // A held step: until Release, the items staged after k are read ahead as far as the read-ahead
-  // room lasts. Returns the scale, or nothing when the step was aborted first.
+  // A held step: until Release, the items staged after k are read ahead while the read-ahead room
+  // lasts (one that does not fit is left to the ring, after Release), at most kAheadInFlight
+  // reads at a time. Returns the scale, or nothing when the step was aborted first.
+  constexpr size_t kAheadInFlight = 8;
+  std::deque<size_t> in_flight;  // reads started ahead, oldest first
   auto await_release = [&](size_t k) -> std::optional<float> {
-    for (size_t j = k + 1;;) {
+    for (size_t j = k + 1;; ++j) {
       const Txn::Item* next = nullptr;
       {
         MutexLock lock(&x->mu);
@@ -849,8 +854,12 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
         while (items.size() <= j) items.push_back(&x->nvme[items.size()]);
         next = items[j];
       }
-      // No room for j: ahead_open is false now, and the next turn waits for the Release.
-      if (started(j) || read(j, *next, /*ahead_only=*/true)) ++j;
+      if (started(j)) continue;
+      while (in_flight.size() >= kAheadInFlight) {  // a read takes a bounded time
+        reads[in_flight.front()].wait();
+        in_flight.pop_front();
+      }
+      if (read(j, *next, /*ahead_only=*/true)) in_flight.push_back(j);
     }
   };
   std::optional<float> held_scale;

@@ -48,12 +48,14 @@
 // staged as their gradients become final, and the worker reads their NVMe state ahead, in the
 // order staged, into the read-ahead room (read_ahead_bytes of pinned host memory, taken at Create;
 // each sub-group's state there in whole pages until the transaction ends, and a copy buffer's room
-// beside it with commit_each) as far as it lasts, but steps nothing until Release(grad_scale)
-// gives the scale, which replaces every staged input's grad_scale (those staged after it too).
-// Then it goes on as any transaction: the rest through the ring, pipelined. Nothing is stepped,
-// written or landed before Release, so an Abort before it changes nothing (commit_each too) and
-// drops what was read ahead. Commit before Release is refused (FailedPrecondition, the
-// transaction left open). Host-resident partitions read nothing ahead and step at Commit.
+// beside it with commit_each) while it lasts (a sub-group that does not fit is left to the ring;
+// at most eight reads at a time; pipeline_read or not), but steps nothing until
+// Release(grad_scale) gives the scale, which replaces every staged input's grad_scale (those
+// staged after it too). Then it goes on as any transaction: the rest through the ring, pipelined.
+// Nothing is stepped, written or landed before Release, so an Abort before it changes nothing
+// (commit_each too) and drops what was read ahead. Commit before Release is refused
+// (FailedPrecondition, the transaction left open). Host-resident partitions read nothing ahead and
+// step at Commit.
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
@@ -86,7 +88,7 @@ namespace strata::swap {
 
 // The moments of a step for one NVMe-resident partition (see OptimizerSwapperConfig::on_event).
 enum class StepEvent : uint8_t {
-  kReadLaunched,   // its read was handed to an I/O thread (pipeline_read only)
+  kReadLaunched,   // its read was handed to an I/O thread (pipeline_read, or read ahead)
   kReadStarted,    // its read begins, on whichever thread runs it
   kReadAwaited,    // the step's thread waits for its read (or, without pipeline_read, runs it)
   kStepStarted,    // CpuAdam begins on it (the step's thread)

@@ -6,6 +6,7 @@ Thread safety: none needed (values made once).
 """
 
 import json
+import os
 
 from strata import _strata
 
@@ -38,7 +39,26 @@ class RuntimeSettings:
                              zero.get("param_persistence_threshold", 100000))
         self.threshold = threshold if isinstance(threshold, (int, float)) else 100000
         self.dtype = config.dtype
+        self._read_ahead_where_held(runtime, config)
         self.runtime_json = json.dumps(runtime, sort_keys=True)
+
+    def _read_ahead_where_held(self, runtime, config):
+        """strata.optimizer_read_ahead_bytes "auto" (unset) takes no room where the engine never
+        holds a step (step.py: _may_hold): the state in host memory, several processes, or a
+        step nothing decides after backward (no gradient_clipping, and optimizer_commit
+        "partition" only where it steps during backward: optimizer_during_backward, not fp16)."""
+        block = runtime.get("strata", {})
+        if not isinstance(block, dict) or block.get("optimizer_read_ahead_bytes", "auto") != "auto":
+            return
+        during = block.get("optimizer_during_backward", "auto")
+        if during == "auto":
+            during = block.get("device", "emulated") == "cuda"
+        partition = block.get("optimizer_commit") == "partition"
+        held = config.clipping > 0 or (partition and not (during is True and
+                                                          config.dtype != "float16"))
+        several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+        if self.optimizer_device != "nvme" or several or not held:
+            runtime.setdefault("strata", {})["optimizer_read_ahead_bytes"] = 0
 
 
 def make_runtime(settings, on_warning):

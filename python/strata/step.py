@@ -32,7 +32,7 @@ class _Staged:
         self.entries = []  # staged _Param entries, their targets pinned in the host tier
         self.early = early  # host-resident partitions step in place as they are staged
         # Held: the NVMe state is read ahead as staged, and nothing steps until the gradients'
-        # scale is known after backward (_finish_held).
+        # scale is known after backward (_finish_staged).
         self.held = held
 
 

@@ -243,6 +243,54 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, clipping):
     assert not torch.equal(engine_weights(engine)[0], before)
 
 
+def test_fp16_held_steps_are_the_steps_after_backward_and_an_overflow_skips_one(tmp_path):
+    # fp16 with the state on NVMe and clipping under every norm: after the first step every step
+    # is held (its state read during backward, released at clip / loss scale, which is not the
+    # 1 / loss scale it was staged with), and each is the step taken after backward with no
+    # read-ahead room, bit for bit; an overflowing step is skipped in both, the scale halved.
+    results = []
+    for read_ahead in ("auto", 0):
+        config = make_config(tmp_path / str(read_ahead), 3, "nvme", "fp16", accumulation=1,
+                             clipping=1e-3)
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+        config["strata"]["optimizer_read_ahead_bytes"] = read_ahead
+        engine, _, _, _ = strata.initialize(model=Scale(), config=config)
+        held, scales = [], []
+        for i, factor in enumerate((1.0, 0.5, 1e3, 0.25, 2.0)):  # the third overflows
+            x = torch.full((256,), 0.5 + i / 8, dtype=torch.float16)
+            engine.backward(engine(x) * factor)
+            engine.step()
+            held.append(engine.last_step_stats["optimizer"].get("held", False))
+            scales.append(engine.loss_scale)
+        assert engine.skipped_steps == 1
+        results.append((held, scales, engine_weights(engine)[0].clone()))
+    (held_a, scales_a, weights_a), (held_b, scales_b, weights_b) = results
+    assert held_a == [False, True, False, True, True]  # (the overflow's report has no flags)
+    assert held_b == [False] * 5
+    assert scales_a == scales_b == [256, 256, 128, 128, 128]
+    assert torch.equal(weights_a, weights_b)
+
+
+def test_the_read_ahead_room_is_taken_only_where_a_step_can_be_held(tmp_path):
+    # "auto": an eighth of the host budget (capped at the state) with the state on NVMe and
+    # clipping, or optimizer_commit "partition" stepping after backward; none without clipping,
+    # with the state in host memory; a size given is taken as given.
+    for offload, clipping, block, room in (
+            ("nvme", 1.0, {}, True), ("nvme", 0.0, {}, False), ("cpu", 1.0, {}, False),
+            ("nvme", 0.0, {"optimizer_commit": "partition"}, True),
+            ("nvme", 0.0, {"optimizer_read_ahead_bytes": 8192}, True)):
+        path = tmp_path / f"{offload}{clipping}{len(block)}{room}"
+        config = make_config(path, 3, offload, "fp32", accumulation=1, clipping=clipping)
+        config["strata"].update(block)
+        engine, _, _, _ = strata.initialize(model=Net(), config=config)
+        got = engine.runtime.optimizer_read_ahead_bytes
+        assert (got > 0) == room, (offload, clipping, block)
+        if "optimizer_read_ahead_bytes" in block:
+            assert got == 8192
+        engine.close()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("accum", [None, "fp32", "bf16"])
 def test_bf16_gradients_are_summed_in_grad_accum_dtype_fp32_by_default(tmp_path, stage, accum):

@@ -273,9 +273,9 @@ TEST(PlanMemoryTest, BytesPerTierAtEachStageAndOffloadChoiceMatchTheFormulas) {
        2 * small,  // the step's new weights of the small unpartitioned ones (the rest: below)
        4 * 2 * largest,
        0,
-       // The staging pool, the optimizer's ring, and its read-ahead room ("auto": an eighth of
-       // strata.host_budget_bytes' default 4 GiB, less than the state).
-       5 * 1e8 + 4 * 12 * largest + (1 << 29),
+       // The staging pool and the optimizer's ring; no read-ahead room ("auto": none where
+       // nothing decides the step after backward, no clipping here).
+       5 * 1e8 + 4 * 12 * largest,
        2 * psi,
        2 * 12 * psi},  // the crash-consistent second copy
   };
@@ -329,7 +329,8 @@ TEST(PlanMemoryTest, CommittingEachPartitionNeedsTheStateOnceAndOnePartitionOnNv
   EXPECT_DOUBLE_EQ(nvme_state("step", 1.0).first, 2 * 12 * psi);
   // The parameters' host copies (offload_param cpu) and the step's staged new weights.
   EXPECT_DOUBLE_EQ(host.params, 2 * psi + 2 * psi);
-  constexpr double kReadAhead = 1 << 29;  // "auto": an eighth of the default host budget
+  // "auto": an eighth of the default host budget, with clipping to decide after backward.
+  constexpr double kReadAhead = 1 << 29;
   EXPECT_DOUBLE_EQ(host.staging, 4 * 12 * largest + kReadAhead);
   EXPECT_DOUBLE_EQ(nvme_state("partition", 1.0).first, 12 * (psi + largest));
   // No staged copies: each goes out from the ring's copy buffer (fp32-sized) as it lands.

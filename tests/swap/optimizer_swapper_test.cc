@@ -1634,8 +1634,11 @@ TEST(SwapperHeldTest, AHeldStepReadsAheadStepsNothingBeforeReleaseAndIsTheStepAt
       const auto copies_before = f.copies;
       ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
       const size_t half = in.size() / 2;
-      ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half)).ok());
-      ASSERT_TRUE(f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(half)).ok());
+      // Staged at a scale Release replaces (not multiplies).
+      ASSERT_TRUE(
+          f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half), {.grad_scale = 0.5f}).ok());
+      ASSERT_TRUE(
+          f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(half), {.grad_scale = 0.5f}).ok());
       for (const auto& [id, n] : f.parts) {
         if (!f.swapper->on_nvme(id)) continue;
         f.trace->WaitUntil(
@@ -1693,6 +1696,37 @@ TEST(SwapperHeldTest, WhatTheRoomDoesNotHoldIsReadAfterRelease) {
     EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, id))
         << "partition " << id << " read ahead without room";
   }
+  ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+  auto r = f.swapper->Commit();
+  ASSERT_TRUE(r.ok()) << r.status();
+  f.StepReference(1);
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+}
+
+// A sub-group the room cannot hold is left to the ring and a later one that fits is still read
+// ahead: the room holds 13 and 16, not 15 (12, the first, and 13 are read as the step begins).
+TEST(SwapperHeldTest, ASubGroupTooLargeForTheRoomIsLeftToTheRingAndLaterOnesReadAhead) {
+  auto slot = [](uint64_t n) { return (n * 12 + 4095) / 4096 * 4096; };
+  Fixture f(ReadAhead({true, true, 220000}, slot(40000) + slot(20000)), {{10, 1000 + 7},
+                                                                         {11, 16384 + 1},
+                                                                         {12, 65536 * 3 + 5},
+                                                                         {13, 40000},
+                                                                         {15, 30000},
+                                                                         {16, 20000},
+                                                                         {14, 3}});
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
+  ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+  for (tiering::PartitionId id : {12, 13, 16}) {
+    f.trace->WaitUntil(
+        [id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
+        absl::StrCat("partition ", id, " read before Release"));
+  }
+  EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, 15))
+      << "15 does not fit the room: read after Release, through the ring";
   ASSERT_TRUE(f.swapper->Release(1.0f).ok());
   auto r = f.swapper->Commit();
   ASSERT_TRUE(r.ok()) << r.status();
