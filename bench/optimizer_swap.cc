@@ -4,12 +4,17 @@
 // write per partition), against the
 // bound max(I/O time at the disk bandwidth fio measures on the same directory in the same round,
 // the optimizer's time on the same data in memory). The I/O time is bytes read / fio's read
-// GB/s + bytes written / fio's write GB/s: reads and writes share one disk. See shared BENCH.md.
+// GB/s + bytes written / fio's write GB/s: reads and writes share one disk. And a held step (a
+// trainer's under gradient clipping: its state read ahead while backward runs, stepped once the
+// clipping is known): staged, then a wait standing for backward (the reads' time at fio's rate
+// and half as much again), then Release and Commit, timed from the Release against
+// max(bytes written / fio's write GB/s, Adam in memory). See shared BENCH.md.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <random>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_cat.h"
@@ -59,7 +64,7 @@ int Main() {
   auto engine = aio::Engine::Create(ac);
   if (!engine.ok()) return 1;
   tiering::NvmeStoreOptions so;
-  so.capacity_bytes = state_bytes * 6 + (256 << 20);  // three swappers, copy on write each
+  so.capacity_bytes = state_bytes * 8 + (256 << 20);  // four swappers, copy on write each
   so.verify_on_get = absl::GetFlag(FLAGS_verify);
   auto store = tiering::NvmeStore::Open(swap_dir, so, engine->get());
   if (!store.ok()) {
@@ -70,14 +75,17 @@ int Main() {
   adam_config.weight_decay = 0.01f;
   auto adam = optim_cpu::CpuAdam::Create(adam_config);
   tiering::PinnedHostResource pinned;
-  tiering::PoolingResource host(&pinned, 1ull << 30);
+  // The rings, and the held swapper's read-ahead room (the whole state).
+  tiering::PoolingResource host(&pinned, (1ull << 30) + state_bytes + (64 << 20));
 
-  std::vector<std::pair<tiering::PartitionId, uint64_t>> pipelined_parts, serial_parts, cut_parts;
+  std::vector<std::pair<tiering::PartitionId, uint64_t>> pipelined_parts, serial_parts, cut_parts,
+      held_parts;
   for (uint64_t k = 0; k < n_parts; ++k) {
     const uint64_t n = std::min(per, params - k * per);
     pipelined_parts.emplace_back(k, n);
     serial_parts.emplace_back(100000 + k, n);
     cut_parts.emplace_back(200000 + k, n);
+    held_parts.emplace_back(300000 + k, n);
   }
   const uint64_t group = absl::GetFlag(FLAGS_sub_group_params);
   auto pipelined = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host,
@@ -88,7 +96,11 @@ int Main() {
   cut_config.sub_group_elements = group;
   auto cut = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host, cut_config,
                                                      cut_parts);
-  if (!pipelined.ok() || !serial.ok() || !cut.ok()) return 1;
+  swap::OptimizerSwapperConfig held_config{true, true, 0};
+  held_config.read_ahead_bytes = state_bytes + n_parts * 4096;  // every partition, whole pages
+  auto held = swap::PipelinedOptimizerSwapper::Create(store->get(), adam->get(), &host, held_config,
+                                                      held_parts);
+  if (!pipelined.ok() || !serial.ok() || !cut.ok() || !held.ok()) return 1;
 
   // State and gradients; the in-memory copy for the optimizer-time bound.
   std::printf("initializing %llu partitions (%.2f GiB of optimizer state on NVMe, thrice) ...\n",
@@ -105,7 +117,8 @@ int Main() {
     for (float& x : grads[k]) x = 0.1f * d(rng);
     if (!(*pipelined)->Initialize(k, master).ok() ||
         !(*serial)->Initialize(100000 + k, master).ok() ||
-        !(*cut)->Initialize(200000 + k, master).ok()) {
+        !(*cut)->Initialize(200000 + k, master).ok() ||
+        !(*held)->Initialize(300000 + k, master).ok()) {
       std::fprintf(stderr, "initialize failed\n");
       return 1;
     }
@@ -142,7 +155,7 @@ int Main() {
   }
 
   std::vector<double> pipe_s, serial_s, cut_s, bound_s, io_s, adam_s, ratio, serial_ratio,
-      cut_ratio;
+      cut_ratio, held_s, held_bound_s, held_ratio;
   for (int round = 0; round <= rounds; ++round) {
     const int64_t t = round + 1;
     // The bound's parts, measured in this round.
@@ -179,6 +192,29 @@ int Main() {
       if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
       rs = r.ok() ? *r : swap::StepReport();
     };
+    // Held: staged, a wait standing for backward while the state is read ahead, then timed from
+    // the Release to the end of the Commit.
+    double held_after = 0;
+    auto run_h = [&] {
+      held_after = 0;
+      const auto in = inputs(300000);
+      if (!(*held)->Begin(0, false, true).ok() || !(*held)->Stage(t, in).ok()) {
+        std::fprintf(stderr, "held step: staging failed\n");
+        (*held)->Abort();
+        return;
+      }
+      const double gbps = read_gbps > 0 ? read_gbps : 1.0;
+      std::this_thread::sleep_for(std::chrono::duration<double>(1.5 * state_bytes / 1e9 / gbps));
+      const auto h0 = Clock::now();
+      absl::StatusOr<swap::StepReport> r =
+          (*held)->Release(1.0f).ok() ? (*held)->Commit() : absl::InternalError("release failed");
+      held_after = Since(h0);
+      if (!r.ok()) {
+        std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
+        (*held)->Abort();
+        held_after = 0;
+      }
+    };
     auto run_c = [&] {
       auto r = (*cut)->Step(t, inputs(200000));
       if (!r.ok()) std::fprintf(stderr, "%s\n", r.status().ToString().c_str());
@@ -188,7 +224,9 @@ int Main() {
       run_p();
       run_c();
       run_s();
+      run_h();
     } else {
+      run_h();
       run_s();
       run_c();
       run_p();
@@ -208,6 +246,13 @@ int Main() {
     bound_s.push_back(bound);
     io_s.push_back(io_time);
     adam_s.push_back(adam_time);
+    const double write_time = write_gbps > 0 ? state_bytes / 1e9 / write_gbps : 0;
+    const double held_bound = std::max(write_time, adam_time);
+    if (held_after > 0) {
+      held_s.push_back(held_after);
+      held_bound_s.push_back(held_bound);
+      if (held_bound > 0) held_ratio.push_back(held_after / held_bound);
+    }
     if (bound > 0) {
       ratio.push_back(rp.seconds / bound);
       serial_ratio.push_back(rs.seconds / bound);
@@ -216,9 +261,9 @@ int Main() {
     std::printf(
         "round %d: pipelined %.3f s (reads %.3f, writes %.3f, Adam %.3f summed), in sub-groups "
         "%.3f s, serial %.3f s, bound %.3f s (I/O %.3f s at %.2f/%.2f GB/s read/write, Adam in "
-        "memory %.3f s)\n",
+        "memory %.3f s); held, after its Release %.3f s (bound %.3f s)\n",
         round, rp.seconds, rp.read_seconds, rp.write_seconds, rp.compute_seconds, rc.seconds,
-        rs.seconds, bound, io_time, read_gbps, write_gbps, adam_time);
+        rs.seconds, bound, io_time, read_gbps, write_gbps, adam_time, held_after, held_bound);
     std::fflush(stdout);
   }
   std::filesystem::remove(fio_file, ec);
@@ -240,12 +285,13 @@ int Main() {
       "memory), same round";
   // Each step against the same bound, measured in its round.
   auto figure = [&](const char* name, const std::vector<double>& seconds,
-                    const std::vector<double>& ratios) {
+                    const std::vector<double>& ratios, const std::vector<double>& bounds = {},
+                    const std::string& bound_source = "") {
     Figure f{.name = name,
              .unit = "s",
              .value = Summary::Of(seconds),
-             .ceiling = Summary::Of(bound_s),
-             .ceiling_source = source,
+             .ceiling = Summary::Of(bounds.empty() ? bound_s : bounds),
+             .ceiling_source = bound_source.empty() ? source : bound_source,
              .ratio = Summary::Of(ratios),
              .lower_is_better = true,
              .config = config};
@@ -255,6 +301,9 @@ int Main() {
   figure("pipelined_step", pipe_s, ratio);
   figure("sub_grouped_step", cut_s, cut_ratio);
   figure("serial_step", serial_s, serial_ratio);
+  figure("held_step_after_release", held_s, held_ratio, held_bound_s,
+         "max(bytes written / fio write GB/s, Adam on the same data in memory), same round: the "
+         "state read ahead before the Release");
   std::printf("\nI/O bound %.3f s, Adam in memory %.3f s (medians)\n", Summary::Of(io_s).median,
               Summary::Of(adam_s).median);
   report.PrintClosingLines();
@@ -262,6 +311,7 @@ int Main() {
   pipelined->reset();
   serial->reset();
   cut->reset();
+  held->reset();
   store->reset();
   std::filesystem::remove_all(swap_dir, ec);
   return 0;
