@@ -150,9 +150,13 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     // and a step decided after backward, by clipping or by "partition" stepping after backward
     // (runtime_settings.py)), at most its share of the state (with "partition", a copy buffer's
     // room beside each sub-group's).
-    const bool during = rc.optimizer_during_backward.value_or(true);  // "auto" on a GPU
-    const bool held = n == 1 && (t.gradient_clipping > 0 || (each && !(during && !t.fp16)));
-    const double ahead_most = (opt_per_param + (each ? 4 : 0)) * psi / n;
+    // (optimizer_during_backward "auto" is on for the GPU the planner plans for, as plan_time.cc
+    // models it; nothing is staged during backward below stage 3.)
+    const bool during = rc.optimizer_during_backward.value_or(true);
+    const bool held =
+        n == 1 && rc.zero_stage == 3 && (t.gradient_clipping > 0 || (each && !(during && !t.fp16)));
+    // As the Runtime sizes it: 12 bytes an element of state whatever the dtype.
+    const double ahead_most = (12 + (each ? 4 : 0)) * psi / n;
     const double ahead = rc.optimizer_read_ahead_bytes.has_value()
                              ? static_cast<double>(*rc.optimizer_read_ahead_bytes)
                          : held ? static_cast<double>(rc.host_budget_bytes) / 8

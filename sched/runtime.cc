@@ -1185,7 +1185,7 @@ absl::Status Runtime::CreateOptimizer(
   uint64_t largest = 0, copy_elements = 0, most_elements = 0;
   // What every NVMe sub-group would take in the read-ahead room at once (swap/optimizer_swapper.h:
   // its state, and a copy buffer with optimizer_commit "partition", each in whole pages).
-  uint64_t ahead_most = 0;
+  uint64_t ahead_most = 0, ahead_least = UINT64_MAX;  // every sub-group's room; the smallest
   auto ahead_slot = [this](uint64_t g) {
     return Pages(g * 12) + (config_.optimizer_commit_each ? Pages(g * 4) : 0);
   };
@@ -1218,6 +1218,7 @@ absl::Status Runtime::CreateOptimizer(
       need[I(Tier::kNvme)] += (config_.optimizer_commit_each ? 1 : 2) * stored;
       ahead_most +=
           (elements / g) * ahead_slot(g) + (elements % g > 0 ? ahead_slot(elements % g) : 0);
+      ahead_least = std::min(ahead_least, ahead_slot(elements % g > 0 ? elements % g : g));
     } else {
       need[I(Tier::kHost)] += Pages(elements * 12);
     }
@@ -1245,6 +1246,10 @@ absl::Status Runtime::CreateOptimizer(
     ahead = std::min(ahead_most, Pages(ahead_auto ? config_.host_budget_bytes / 8
                                                   : *config_.optimizer_read_ahead_bytes));
   }
+  // "auto": none where no sub-group would fit in it.
+  auto too_small = [&](uint64_t bytes) { return ahead_auto && bytes < ahead_least; };
+  if (too_small(ahead)) ahead = 0;
+  const uint64_t ahead_wanted = ahead;
   need[I(Tier::kHost)] += ahead;
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ != nullptr) {
@@ -1257,17 +1262,10 @@ absl::Status Runtime::CreateOptimizer(
       if (s.ok()) continue;
       table_->GiveBack(Tier::kHost, t == Tier::kNvme ? need[I(Tier::kHost)] : 0);
       if (t == Tier::kHost && ahead_auto && ahead > 0) {
-        // "auto" gives way: half as much, down to none.
+        // "auto" gives way: half as much, down to none (said below, once the rest fits).
         const uint64_t was = ahead;
-        ahead = ahead / 2 >= (1 << 20) ? Pages(ahead / 2) : 0;
+        ahead = ahead / 2 >= (1 << 20) && !too_small(Pages(ahead / 2)) ? Pages(ahead / 2) : 0;
         need[I(Tier::kHost)] -= was - ahead;
-        if (ahead == 0) {
-          Warn(
-              absl::StrCat("create optimizer: its read-ahead room (strata."
-                           "optimizer_read_ahead_bytes \"auto\") does not fit in the host tier "
-                           "beside its other buffers; none is taken: a step decided after "
-                           "backward (clipping) reads its NVMe state after backward"));
-        }
         again = true;
         break;
       }
@@ -1299,12 +1297,16 @@ absl::Status Runtime::CreateOptimizer(
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
   sc.read_ahead_bytes = ahead;
-  if (ahead_auto && on_nvme && ahead < std::min(ahead_most, Pages(config_.host_budget_bytes / 8)) &&
-      ahead > 0) {
-    Warn(
-        absl::StrCat("create optimizer: its read-ahead room (strata.optimizer_read_ahead_bytes "
-                     "\"auto\") is ",
-                     ahead, " bytes, what the host tier had room for beside its other buffers"));
+  if (ahead < ahead_wanted) {
+    Warn(ahead == 0
+             ? std::string("create optimizer: its read-ahead room (strata.optimizer_read_ahead_"
+                           "bytes \"auto\") does not fit in the host tier beside its other "
+                           "buffers; none is taken: a step decided after backward (clipping) "
+                           "reads its NVMe state after backward")
+             : absl::StrCat("create optimizer: its read-ahead room (strata.optimizer_read_ahead_"
+                            "bytes \"auto\") is ",
+                            ahead, " bytes of the ", ahead_wanted,
+                            " wanted, what the host tier had room for beside its other buffers"));
   }
   sc.sub_group_elements = static_cast<uint64_t>(std::max<int64_t>(0, config_.sub_group_size));
   sc.store_key_bits = kOptimizerKey;

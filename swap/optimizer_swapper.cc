@@ -709,7 +709,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   };
   auto started = [&](size_t k) { return k < reads.size() && reads[k].valid(); };
   // Item k's state and (commit_each) copy buffer: a ring buffer's, or its room in the read-ahead
-  // memory (a held step's, given in the order staged until one does not fit).
+  // memory (a held step's, given in the order staged while it lasts; one that does not fit goes
+  // through the ring).
   std::vector<float*> state_of;
   std::vector<std::byte*> copy_of;
   constexpr size_t kNone = std::numeric_limits<size_t>::max();

@@ -49,7 +49,8 @@
 // order staged, into the read-ahead room (read_ahead_bytes of pinned host memory, taken at Create;
 // each sub-group's state there in whole pages until the transaction ends, and a copy buffer's room
 // beside it with commit_each) while it lasts (a sub-group that does not fit is left to the ring;
-// at most eight reads at a time; pipeline_read or not), but steps nothing until
+// at most eight reads ahead at a time beside the ring's first two; pipeline_read or not), but
+// steps nothing until
 // Release(grad_scale) gives the scale, which replaces every staged input's grad_scale (those
 // staged after it too). Then it goes on as any transaction: the rest through the ring, pipelined.
 // Nothing is stepped, written or landed before Release, so an Abort before it changes nothing

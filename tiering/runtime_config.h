@@ -139,12 +139,13 @@ struct RuntimeConfig {
   // it is taken again.
   bool optimizer_commit_each = false;
   // Pinned host memory for reading the NVMe optimizer state ahead while backward runs, when the
-  // step waits for what is learnt after backward (gradient clipping's global norm, a changed
-  // loss scale): the trainer stages each partition as its gradient is final, its state is read
-  // into this room, and the step after backward steps it from there (swap/optimizer_swapper.h's
-  // held step). "optimizer_read_ahead_bytes": bytes (0: none), or "auto" (unset here, the
-  // default): an eighth of host_budget_bytes, at most the NVMe state itself. Set aside in the
-  // host tier with the optimizer's other buffers; "auto" gives way (none, said in a warning)
+  // step waits for what is learnt after backward (gradient clipping's global norm): the trainer
+  // stages each partition as its gradient is final, its state is read into this room, and the
+  // step after backward steps it from there (swap/optimizer_swapper.h's held step).
+  // "optimizer_read_ahead_bytes": bytes (0: none), or "auto" (unset here, the default): an eighth
+  // of host_budget_bytes, at most the NVMe state itself, none where it would hold no sub-group
+  // (the Python front sets 0 where it never holds a step). Set aside in the host tier with the
+  // optimizer's other buffers; "auto" gives way by halves, down to none, said in a warning,
   // where they do not fit beside it.
   std::optional<uint64_t> optimizer_read_ahead_bytes;
 

@@ -340,7 +340,7 @@ class Engine(Lending, Gradients, Step):
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
         if ranks is not None:
             self._check_ranks(runtime_blocks)
-        if built is not None and built.settings.runtime_json != settings.runtime_json:
+        if built is not None and built.settings.blocks_json != settings.blocks_json:
             raise ValueError("strata.initialize: the model was built under strata.init with "
                              "another config; accepted: the same zero_optimization and strata "
                              "blocks")

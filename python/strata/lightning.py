@@ -1040,7 +1040,7 @@ class _StrategyMixin:
 
     def _runtime_json(self, config):
         parsed = TrainConfig.parse(config, world_size=self.world_size)
-        return RuntimeSettings(parsed).runtime_json
+        return RuntimeSettings(parsed).blocks_json
 
     # --- building the model ---
 
@@ -1115,6 +1115,11 @@ class _StrategyMixin:
         configure_optimizers', else (evaluation) with an optimizer that never steps."""
         import strata
         config = self._trainer_config(trainer, training)
+        held_json = self._runtime_json(config)
+        if not training:  # its optimizer never steps: no read-ahead room unless asked for
+            block = config.setdefault("strata", {})
+            if isinstance(block, dict):
+                block.setdefault("optimizer_read_ahead_bytes", 0)
         flavor = self._flavor
         optimizer, scheduler_config, scheduler = None, None, None
         if not training:
@@ -1152,7 +1157,7 @@ class _StrategyMixin:
             engine, _, _, _ = strata.initialize(model=module, optimizer=optimizer,
                                                 lr_scheduler=scheduler, config=config)
         _ENGINES.add(engine)
-        module.__dict__["_strata_engine"] = _Held(engine, self._runtime_json(config))
+        module.__dict__["_strata_engine"] = _Held(engine, held_json)
         # Lightning's modules track their device (self.device) through .to(); the engine placed
         # the parameters itself.
         for sub in module.modules():

@@ -39,14 +39,18 @@ class RuntimeSettings:
                              zero.get("param_persistence_threshold", 100000))
         self.threshold = threshold if isinstance(threshold, (int, float)) else 100000
         self.dtype = config.dtype
+        # The config's own blocks (what strata.init and an engine must agree on), then the
+        # Runtime's JSON with what "auto" decides from the rest of the config.
+        self.blocks_json = json.dumps(runtime, sort_keys=True)
         self._read_ahead_where_held(runtime, config)
         self.runtime_json = json.dumps(runtime, sort_keys=True)
 
     def _read_ahead_where_held(self, runtime, config):
         """strata.optimizer_read_ahead_bytes "auto" (unset) takes no room where the engine never
-        holds a step (step.py: _may_hold): the state in host memory, several processes, or a
-        step nothing decides after backward (no gradient_clipping, and optimizer_commit
-        "partition" only where it steps during backward: optimizer_during_backward, not fp16)."""
+        holds a step (step.py: _may_hold): below stage 3 (nothing is staged during backward), the
+        state in host memory, several processes, or a step nothing decides after backward (no
+        gradient_clipping, and optimizer_commit "partition" only where it steps during backward:
+        optimizer_during_backward, not fp16)."""
         block = runtime.get("strata", {})
         if not isinstance(block, dict) or block.get("optimizer_read_ahead_bytes", "auto") != "auto":
             return
@@ -57,7 +61,7 @@ class RuntimeSettings:
         held = config.clipping > 0 or (partition and not (during is True and
                                                           config.dtype != "float16"))
         several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        if self.optimizer_device != "nvme" or several or not held:
+        if self.stage != 3 or self.optimizer_device != "nvme" or several or not held:
             runtime.setdefault("strata", {})["optimizer_read_ahead_bytes"] = 0
 
 

@@ -276,16 +276,17 @@ def test_the_read_ahead_room_is_taken_only_where_a_step_can_be_held(tmp_path):
     # "auto": an eighth of the host budget (capped at the state) with the state on NVMe and
     # clipping, or optimizer_commit "partition" stepping after backward; none without clipping,
     # with the state in host memory; a size given is taken as given.
-    for offload, clipping, block, room in (
-            ("nvme", 1.0, {}, True), ("nvme", 0.0, {}, False), ("cpu", 1.0, {}, False),
-            ("nvme", 0.0, {"optimizer_commit": "partition"}, True),
-            ("nvme", 0.0, {"optimizer_read_ahead_bytes": 8192}, True)):
-        path = tmp_path / f"{offload}{clipping}{len(block)}{room}"
-        config = make_config(path, 3, offload, "fp32", accumulation=1, clipping=clipping)
+    for stage, offload, clipping, block, room in (
+            (3, "nvme", 1.0, {}, True), (3, "nvme", 0.0, {}, False), (3, "cpu", 1.0, {}, False),
+            (2, "nvme", 1.0, {}, False),  # nothing is staged during backward below stage 3
+            (3, "nvme", 0.0, {"optimizer_commit": "partition"}, True),
+            (3, "nvme", 0.0, {"optimizer_read_ahead_bytes": 8192}, True)):
+        path = tmp_path / f"{stage}{offload}{clipping}{len(block)}{room}"
+        config = make_config(path, stage, offload, "fp32", accumulation=1, clipping=clipping)
         config["strata"].update(block)
         engine, _, _, _ = strata.initialize(model=Net(), config=config)
         got = engine.runtime.optimizer_read_ahead_bytes
-        assert (got > 0) == room, (offload, clipping, block)
+        assert (got > 0) == room, (stage, offload, clipping, block)
         if "optimizer_read_ahead_bytes" in block:
             assert got == 8192
         engine.close()

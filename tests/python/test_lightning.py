@@ -385,6 +385,21 @@ def test_validate_test_predict_after_fit_and_from_a_checkpoint_folder(tmp_path):
         assert torch.equal(predictions[0], reference(batch[0]).argmax(-1))
 
 
+def test_only_a_training_engine_takes_a_read_ahead_room(tmp_path):
+    # The optimizer state on NVMe with clipping: a fit's engine takes the read-ahead room that
+    # lets its clipped steps read their state during backward; an evaluation engine, whose
+    # optimizer never steps, takes none.
+    def strategy(where):
+        return StrataStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="nvme",
+                              nvme_path=str(tmp_path / where), config=THRESHOLD)
+    _, fitted, _ = fit(strategy("fit"), max_epochs=1, gradient_clip_val=1.0)
+    assert fitted.strategy.engine.runtime.optimizer_read_ahead_bytes > 0
+    torch.manual_seed(0)
+    evaluator = trainer(strategy("eval"), gradient_clip_val=1.0)
+    evaluator.validate(Net(), loader(16, seed=1), verbose=False)
+    assert evaluator.strategy.engine.runtime.optimizer_read_ahead_bytes == 0
+
+
 def test_release_gives_the_weights_back_and_a_second_fit_starts_afresh():
     model, t, _ = fit(StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD),
                       max_epochs=1)

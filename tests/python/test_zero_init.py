@@ -91,6 +91,22 @@ def test_a_model_on_the_meta_device_is_refused_by_name(tmp_path):
         strata.initialize(model=OnMeta(), config=config_for(tmp_path, "cpu"))
 
 
+def test_a_model_built_under_init_is_adopted_by_a_config_that_differs_only_in_clipping(tmp_path):
+    # strata.init and initialize agree on the zero_optimization and strata blocks; what "auto"
+    # decides from the rest (strata.optimizer_read_ahead_bytes, from gradient_clipping) does not
+    # make them differ. The Runtime is init's: made without clipping, it holds no read-ahead room.
+    config = config_for(tmp_path)
+    with strata.init(config=config):
+        model = Net()
+    clipped = config_for(tmp_path)
+    clipped["gradient_clipping"] = 1.0
+    engine, _, _, _ = strata.initialize(model=model, config=clipped)
+    assert engine.runtime.optimizer_read_ahead_bytes == 0
+    x, y = next(iter(batches(1)))
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+
+
 def test_misuse_is_named(tmp_path):
     config = config_for(tmp_path)
     with strata.init(config=config):
