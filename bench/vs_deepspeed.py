@@ -42,7 +42,8 @@ alternating. Each row reports: the step time (median of the rounds' medians, and
 every timed step), peak resident memory (VmHWM), peak locked memory (VmLck, sampled every 5 ms),
 the bytes the process read from and wrote to storage per step (/proc/self/io: under the NVMe
 folder, as nothing else is read or written during the steps), and both systems' losses, which
-must agree within --tolerance (else the row's comparison is void and says so). A row DeepSpeed
+must agree within --tolerance (else the row's comparison is void and says so), and how each of
+strata's timed optimizer steps was taken (held, staged during backward, or after it). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
 fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
@@ -207,7 +208,7 @@ def child(spec):
         import strata
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
     gen = torch.Generator().manual_seed(1)
-    losses, times = [], []
+    losses, times, how = [], [], []
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -227,6 +228,10 @@ def child(spec):
         losses.append(loss.item())
         if step >= spec["warmup"]:
             times.append(elapsed)
+            if system == "strata":  # how its optimizer step was taken (docs/engine.md)
+                taken = engine.last_step_stats["optimizer"] or {}
+                how.append("held" if taken.get("held") else
+                           "staged" if taken.get("staged") else "after backward")
         if cuda:
             free, total = torch.cuda.mem_get_info()
             gpu_used = max(gpu_used, total - free)
@@ -247,6 +252,7 @@ def child(spec):
         report["versions"]["deepspeed"] = deepspeed.__version__
     else:
         import strata
+        report["optimizer_steps"] = how
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
         if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
@@ -303,6 +309,9 @@ def summarize(runs):
             "read_bytes_per_step": statistics.median(r["read_bytes_per_step"] for r in ok),
             "write_bytes_per_step": statistics.median(r["write_bytes_per_step"] for r in ok),
             "losses": ok[0]["losses"], "rounds": len(ok),
+            "optimizer_steps": {how: sum(r.get("optimizer_steps", []).count(how) for r in ok)
+                                for how in ("held", "staged", "after backward")
+                                if any(how in r.get("optimizer_steps", []) for r in ok)},
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
@@ -524,6 +533,11 @@ def main():
                   f"{e['strata']['disk_floor_s']:.3f} s ({e['strata']['disk_floor_s'] / e['strata']['step_s']:.2f} "
                   f"of its step), DeepSpeed {e['deepspeed']['disk_floor_s']:.3f} s "
                   f"({e['deepspeed']['disk_floor_s'] / e['deepspeed']['step_s']:.2f} of its step)")
+        if e.get("strata", {}).get("optimizer_steps"):
+            print(f"vs_deepspeed/{e['row']}: strata's timed optimizer steps: " + ", ".join(
+                f"{n} {how}" for how, n in e["strata"]["optimizer_steps"].items()) +
+                " (held: its NVMe state read during backward, stepped after it; staged: "
+                "speculated during backward and committed)")
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")
