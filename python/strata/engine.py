@@ -164,7 +164,7 @@ class _Param:
 
     __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights")
+                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights", "grad_norm")
 
     def __init__(self, name, param, pid, shard=None, frozen=False):
         self.name = name
@@ -190,6 +190,11 @@ class _Param:
         self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
         self.sent_down = False  # GradientReady told for this step's gradient
         self.staged = None  # (lr, param copy target) once its step is staged (_Staged)
+        # Its gradient's 2-norm (fp32, a tensor where the gradient was: on a GPU, not waited
+        # for), taken in the gradient hook when that gradient is the window's whole one (one
+        # micro-batch a step, one process, its first in the window): _grad_norm reads it instead
+        # of the gradient's host copy. None otherwise.
+        self.grad_norm = None
         # A frozen parameter partitioned at stage 3: lent around its modules as any other, with no
         # gradient, no optimizer state (gid unused), never written back.
         self.frozen = frozen

@@ -40,9 +40,16 @@ class Gradients:
                     # it): a step staged from the first cannot stand, and its hold on the gradient
                     # goes before the gradient is added to.
                     self._second_gradient = True
+                    e.grad_norm = None  # the sum's is taken after backward
                     if e.staged is not None:
                         self._drop_staged(f"the gradient of {e.name} changed after its step was "
                                           "staged")
+                elif self._accumulation == 1 and self.ranks is None and \
+                        (e.partitioned or self.stage == 2 or self._sum_apart):
+                    # The window's whole gradient: its norm now, where it is (on a GPU, queued on
+                    # torch's stream), not from its host copy after backward (_grad_norm).
+                    with torch.no_grad():
+                        e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
                 self._fired.add(e)
             if e.partitioned:
                 e.param.grad = None
@@ -212,6 +219,7 @@ class Gradients:
         for e in self._params:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)
+            e.grad_norm = None
             e.has_grad = False
             e.sent_down = False
             e.host_grad = None

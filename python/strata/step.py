@@ -235,9 +235,12 @@ class Step:
     def _grad_norm(self, scale):
         """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
         unscaled gradients (inf when one is not finite); a partition's gradient is read from the
-        host tier one at a time."""
+        host tier one at a time, unless the gradient hook took its norm already."""
         norms = []
         for e in self._params:
+            if e.grad_norm is not None and (e.has_grad or e.host_grad is not None):
+                norms.append(e.grad_norm)  # taken in the gradient hook (gradients.py)
+                continue
             if e.partitioned:
                 if not e.has_grad:
                     continue

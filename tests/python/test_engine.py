@@ -1172,6 +1172,38 @@ def test_a_held_step_whose_learning_rate_changed_after_backward_is_taken_anew(tm
     assert "learning rate" in engine.last_redo_reason
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_gradient_hook_takes_the_norm_of_a_window_of_one(tmp_path, stage):
+    # One micro-batch a step: each gradient's norm is taken in its hook, where the gradient is
+    # (on a GPU, without waiting), and the global norm from them is the one the host copies give;
+    # with two micro-batches, or a second backward in the window, it is taken from the host
+    # copies after backward (each hook sees one micro-batch's gradient, not the sum).
+    torch.manual_seed(0)
+    for accumulation, twice in ((1, False), (2, False), (1, True)):
+        path = tmp_path / f"{accumulation}{twice}"
+        engine, _, _, _ = strata.initialize(
+            model=Net(), config=make_config(path, stage, "nvme", "fp32", accumulation, 1.0))
+        for i, (x, y) in enumerate(batches(accumulation)):
+            engine.backward(loss_of(engine(x), y))
+            if twice:
+                engine.backward(loss_of(engine(x), y) * 0.5)
+            if i + 1 < accumulation:
+                engine.step()
+        taken = [e.grad_norm for e in engine._params if e.grad_norm is not None]
+        with_grads = [e for e in engine._params if e.has_grad or e.host_grad is not None]
+        if accumulation == 1 and not twice:
+            assert len(taken) == len(with_grads) > 0
+            hooked = engine._grad_norm(engine.loss_scale)
+            for e in engine._params:
+                e.grad_norm = None
+            assert hooked == pytest.approx(engine._grad_norm(engine.loss_scale), rel=1e-6)
+        else:
+            assert not taken
+        engine.step()
+        assert all(e.grad_norm is None for e in engine._params)  # taken anew each step
+        engine.close()
+
+
 def test_a_second_backward_before_the_step_sums_the_gradients(tmp_path):
     # Two backward passes in the boundary micro-batch: the second changes gradients whose step
     # was staged; that step is dropped and the step takes the sum, as torch's would. Staging then
@@ -1238,14 +1270,15 @@ def assert_nothing_held(engine):
 def test_a_step_that_fails_part_way_raises_its_own_error_and_holds_nothing(tmp_path):
     # The third host gradient read for the clipping norm cannot be had: the step raises that
     # error (not one of the clean-up's), holds no pin, keeps no gradient, and training goes on.
+    # (Two micro-batches a step: the norm is taken from the host copies, not in the hooks.)
     torch.manual_seed(0)
     engine, _, _, _ = strata.initialize(
-        model=Net(), config=make_config(tmp_path, 3, "nvme", "fp32", 1, clipping=1e-3))
+        model=Net(), config=make_config(tmp_path, 3, "nvme", "fp32", 2, clipping=1e-3))
     real = engine.runtime
-    data = list(batches(3))
+    data = list(batches(6))
     for i, (x, y) in enumerate(data):
         engine.backward(loss_of(engine(x), y))
-        if i == 1:
+        if i == 3:
             grads = {e.gid for e in engine._params if e.partitioned}
             engine.runtime = FailingRuntime(real, lambda id, tier, traced: id in grads and
                                             tier == "host" and not traced, 3,
