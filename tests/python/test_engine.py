@@ -1143,14 +1143,18 @@ def test_a_step_that_clipping_scales_is_taken_anew_and_then_held(tmp_path, offlo
     assert engine.last_redo_reason == "gradient clipping scales this step"
 
 
+def change_lr_before_step_3(engine, reference, i):
+    """A staged_run hook: both optimizers' learning rate set to 5e-3 between the fourth
+    backward and its step."""
+    if i == 3:
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 5e-3
+        for group in reference.opt.param_groups:
+            group["lr"] = 5e-3
+
+
 def test_a_learning_rate_changed_after_backward_is_the_one_stepped(tmp_path):
-    def change_lr(engine, reference, i):
-        if i == 3:
-            for group in engine.optimizer.param_groups:
-                group["lr"] = 5e-3
-            for group in reference.opt.param_groups:
-                group["lr"] = 5e-3
-    engine, staged = staged_run(tmp_path, clipping=0.0, hook=change_lr)
+    engine, staged = staged_run(tmp_path, clipping=0.0, hook=change_lr_before_step_3)
     assert staged == [True, True, True, False, True, True, True, True]
     assert engine.redone_steps == 1
     assert "learning rate" in engine.last_redo_reason
@@ -1159,14 +1163,8 @@ def test_a_learning_rate_changed_after_backward_is_the_one_stepped(tmp_path):
 def test_a_held_step_whose_learning_rate_changed_after_backward_is_taken_anew(tmp_path):
     # Held steps (clipping under every norm, the state on NVMe): nothing has stepped when the
     # change is seen, so the held step is dropped whole and taken anew at the new rate.
-    def change_lr(engine, reference, i):
-        if i == 3:
-            for group in engine.optimizer.param_groups:
-                group["lr"] = 5e-3
-            for group in reference.opt.param_groups:
-                group["lr"] = 5e-3
     held = []
-    engine, staged = staged_run(tmp_path, clipping=1e-3, hook=change_lr, held=held)
+    engine, staged = staged_run(tmp_path, clipping=1e-3, hook=change_lr_before_step_3, held=held)
     assert held == [False, True, True, False, True, True, True, True]
     assert engine.redone_steps == 2
     assert "learning rate" in engine.last_redo_reason

@@ -742,16 +742,23 @@ TEST(RuntimeOptimizerTest, SubGroupSizeZeroIsWholeAndTheCommitRoomHoldsAParamete
   EXPECT_EQ(again, set_aside);
 }
 
+// NVMe state committed a partition at a time (the CopySink's mode), with room for the
+// parameters' partitions in the host and device tiers.
+RuntimeConfig SinkConfig(const ScratchDir& dir) {
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.host_budget_bytes += 64 * kSlot;
+  config.device_budget_bytes += 64 * kSlot;
+  return config;
+}
+
 // A parameter still lent to the device (pinned there) when its state lands: writing its host copy
 // could not make the device copy stale under its holder, so the sink leaves it alone (not in
 // TakeCopiedPartitions, for the caller to write later); no pin is left behind and every current
 // copy keeps the old bytes.
 TEST(RuntimeOptimizerTest, ASinkPartitionLentToTheDeviceIsLeftForTheCallerWithNoPinBehind) {
   ScratchDir dir;
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
-  config.optimizer_commit_each = true;
-  config.host_budget_bytes += 64 * kSlot;
-  config.device_budget_bytes += 64 * kSlot;
+  const RuntimeConfig config = SinkConfig(dir);
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   Reference ref;
@@ -776,10 +783,7 @@ TEST(RuntimeOptimizerTest, ASinkPartitionLentToTheDeviceIsLeftForTheCallerWithNo
 // left behind for good before: the partition could not even be unregistered).
 TEST(RuntimeOptimizerTest, ASinkPartitionLentWhileItIsWrittenLeavesNoPinBehind) {
   ScratchDir dir;
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
-  config.optimizer_commit_each = true;
-  config.host_budget_bytes += 64 * kSlot;
-  config.device_budget_bytes += 64 * kSlot;
+  const RuntimeConfig config = SinkConfig(dir);
   RuntimeOptions options = Quiet();
   Runtime* runtime = nullptr;
   std::atomic<bool> lent{false};

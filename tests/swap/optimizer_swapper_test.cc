@@ -1666,33 +1666,29 @@ TEST(SwapperHeldTest, AHeldStepReadsAheadStepsNothingBeforeReleaseAndIsTheStepAt
   }
 }
 
-// The read-ahead room holds the first two NVMe-resident partitions: those are read before
-// Release, the others after it, through the ring; the step is the same.
-TEST(SwapperHeldTest, WhatTheRoomDoesNotHoldIsReadAfterRelease) {
-  // 12 (196613 elements) and 13 (40000) are NVMe-resident past 220000 bytes in host memory.
-  const uint64_t room =
-      (65536 * 3 + 5) * 12 / 4096 * 4096 + 4096 + (40000 * 12 + 4095) / 4096 * 4096;
-  Fixture f(ReadAhead({true, true, 220000}, room), {{10, 1000 + 7},
-                                                    {11, 16384 + 1},
-                                                    {12, 65536 * 3 + 5},
-                                                    {13, 40000},
-                                                    {15, 30000},
-                                                    {16, 20000},
-                                                    {14, 3}});
-  ASSERT_TRUE(f.swapper->on_nvme(15) && f.swapper->on_nvme(16));
-  EXPECT_EQ(f.swapper->read_ahead_bytes(), room);
+// Partitions 12, 13, 15 and 16 NVMe-resident (past 220000 bytes of host memory), with a read-ahead
+// room of `room` bytes.
+const Parts kHeldParts = {{10, 1000 + 7}, {11, 16384 + 1}, {12, 65536 * 3 + 5},
+                          {13, 40000},    {15, 30000},     {16, 20000},
+                          {14, 3}};
+uint64_t StateSlot(uint64_t n) { return (n * 12 + 4095) / 4096 * 4096; }
+
+// A held step 1 over every partition: the reads of `ahead` start before Release, those of `after`
+// do not (a worker that read them ahead would have started them within 200 ms); then it is
+// released at scale 1 and is the step in memory.
+void ExpectReadAheadThenTheStep(Fixture& f, std::vector<tiering::PartitionId> ahead,
+                                std::vector<tiering::PartitionId> after) {
   f.NewGrads(1);
   ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
   ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
-  for (tiering::PartitionId id : {12, 13}) {
+  for (tiering::PartitionId id : ahead) {
     f.trace->WaitUntil(
         [id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
-        absl::StrCat("partition ", id, " read ahead"));
+        absl::StrCat("partition ", id, " read before Release"));
   }
   EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
-  // A worker that read past its room would have started 15's read by now.
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  for (tiering::PartitionId id : {15, 16}) {
+  for (tiering::PartitionId id : after) {
     EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, id))
         << "partition " << id << " read ahead without room";
   }
@@ -1704,35 +1700,21 @@ TEST(SwapperHeldTest, WhatTheRoomDoesNotHoldIsReadAfterRelease) {
   f.ExpectCopiesMatchReference();
 }
 
+// The read-ahead room holds the first two NVMe-resident partitions: those are read before
+// Release, the others after it, through the ring; the step is the same.
+TEST(SwapperHeldTest, WhatTheRoomDoesNotHoldIsReadAfterRelease) {
+  const uint64_t room = StateSlot(65536 * 3 + 5) + StateSlot(40000);
+  Fixture f(ReadAhead({true, true, 220000}, room), kHeldParts);
+  ASSERT_TRUE(f.swapper->on_nvme(15) && f.swapper->on_nvme(16));
+  EXPECT_EQ(f.swapper->read_ahead_bytes(), room);
+  ExpectReadAheadThenTheStep(f, {12, 13}, {15, 16});
+}
+
 // A sub-group the room cannot hold is left to the ring and a later one that fits is still read
 // ahead: the room holds 13 and 16, not 15 (12, the first, and 13 are read as the step begins).
 TEST(SwapperHeldTest, ASubGroupTooLargeForTheRoomIsLeftToTheRingAndLaterOnesReadAhead) {
-  auto slot = [](uint64_t n) { return (n * 12 + 4095) / 4096 * 4096; };
-  Fixture f(ReadAhead({true, true, 220000}, slot(40000) + slot(20000)), {{10, 1000 + 7},
-                                                                         {11, 16384 + 1},
-                                                                         {12, 65536 * 3 + 5},
-                                                                         {13, 40000},
-                                                                         {15, 30000},
-                                                                         {16, 20000},
-                                                                         {14, 3}});
-  f.NewGrads(1);
-  ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, true).ok());
-  ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
-  for (tiering::PartitionId id : {12, 13, 16}) {
-    f.trace->WaitUntil(
-        [id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
-        absl::StrCat("partition ", id, " read before Release"));
-  }
-  EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, 15))
-      << "15 does not fit the room: read after Release, through the ring";
-  ASSERT_TRUE(f.swapper->Release(1.0f).ok());
-  auto r = f.swapper->Commit();
-  ASSERT_TRUE(r.ok()) << r.status();
-  f.StepReference(1);
-  f.ExpectMatchesReference();
-  f.ExpectCopiesMatchReference();
+  Fixture f(ReadAhead({true, true, 220000}, StateSlot(40000) + StateSlot(20000)), kHeldParts);
+  ExpectReadAheadThenTheStep(f, {12, 13, 16}, {15});
 }
 
 // Abort before Release changes nothing (commit_each too: nothing has landed); a read that fails
