@@ -1001,16 +1001,12 @@ absl::Status NvmeStore::SyncFiles(const std::vector<StoreExtent>& extents) {
 
 absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>& puts,
                                      const std::vector<PartitionId>& erases,
-                                     const std::string& context) {
+                                     const std::string& context, bool* maybe_logged) {
   MutexLock commit(&commit_mu_);
   Hook("commit:data-synced");
   if (log_poisoned_) {
     // A failed append left the log's tail unknown: replace the log before appending to it.
-    if (absl::Status c = Compact(); !c.ok()) {
-      MutexLock lock(&mu_);
-      for (const auto& [id, st] : puts) FreeLocked(st.extents);
-      return Annotate(c, context);
-    }
+    if (absl::Status c = Compact(); !c.ok()) return Annotate(c, context);
   }
   uint64_t g = 0;
   std::vector<PartitionRecord> records;
@@ -1053,12 +1049,10 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
     // The record may have reached the disk in part or whole: the staged extents must not be
     // reused until a compaction has replaced this log (tried now, and before the next commit).
     log_poisoned_ = true;
-    for (const auto& [id, st] : puts) {
-      quarantined_.insert(quarantined_.end(), st.extents.begin(), st.extents.end());
-    }
     if (absl::Status c = Compact(); !c.ok()) {
       Warn(absl::StrCat(c.message(), " (retried before the next commit)"));
     }
+    if (maybe_logged != nullptr) *maybe_logged = log_poisoned_;
     return s;
   }
   Hook("commit:log-synced");
@@ -1102,6 +1096,20 @@ std::unique_ptr<NvmeStore::Batch> NvmeStore::NewBatch() {
 NvmeStore::Batch::~Batch() { Abort(); }
 
 void NvmeStore::Batch::Abort() {
+  if (staged_.empty()) return;
+  if (maybe_logged_) {
+    // A record naming these extents may be in the log until it is replaced: they stay allocated
+    // until then (Compact frees them).
+    MutexLock commit(&store_->commit_mu_);
+    if (store_->log_poisoned_) {
+      for (const auto& [id, st] : staged_) {
+        store_->quarantined_.insert(store_->quarantined_.end(), st.extents.begin(),
+                                    st.extents.end());
+      }
+      staged_.clear();
+      return;
+    }
+  }
   MutexLock lock(&store_->mu_);
   for (const auto& [id, st] : staged_) store_->FreeLocked(st.extents);
   staged_.clear();
@@ -1226,9 +1234,15 @@ absl::Status NvmeStore::Batch::Commit() {
   for (Mutex* m : partition_locks) m->Lock();
   const std::string context = absl::StrCat("nvme store: put partition ", staged_.begin()->first,
                                            staged_.size() > 1 ? " and others" : "");
-  // On failure CommitRecord has freed the staged extents, or kept them until the log is replaced.
-  absl::Status result = store_->CommitRecord(staged_, {}, context);
-  staged_.clear();
+  // On failure the staged extents stay staged: for a Commit again, or Abort.
+  bool maybe_logged = false;
+  absl::Status result = store_->CommitRecord(staged_, {}, context, &maybe_logged);
+  if (result.ok()) {
+    staged_.clear();
+    maybe_logged_ = false;
+  } else {
+    maybe_logged_ = maybe_logged_ || maybe_logged;
+  }
   for (auto it = partition_locks.rbegin(); it != partition_locks.rend(); ++it) (*it)->Unlock();
   return result;
 }

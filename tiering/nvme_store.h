@@ -177,7 +177,11 @@ class NvmeStore {
   // Several partitions written as one: Stage writes (and syncs) new bytes into fresh extents
   // while the previous copies stay in force; Commit makes all of them current in one manifest
   // record (all or none); Abort, or destroying an uncommitted Batch, frees what was staged. A
-  // Batch is used by one thread at a time; several Batches may be open at once.
+  // Commit that fails keeps what was staged (nothing is current yet): Commit may be called again
+  // (the log replaced first where the failed record may have reached it in part), or the Batch
+  // aborted (where that record may have reached the log, its extents stay allocated until the log
+  // is replaced, as after a failed Put). A Batch is used by one thread at a time; several Batches
+  // may be open at once.
   class Batch {
    public:
     ~Batch();
@@ -207,6 +211,9 @@ class NvmeStore {
                       uint64_t checksum, absl::Status written, const std::string& context);
     NvmeStore* const store_;
     std::map<PartitionId, Staged> staged_;
+    // A Commit failed writing its record: one naming staged_ may be in the log until it is
+    // replaced (log_poisoned_).
+    bool maybe_logged_ = false;
   };
   std::unique_ptr<Batch> NewBatch();
   // Reads partition `id` into `out`, which must be exactly its length. NotFound when absent;
@@ -268,9 +275,12 @@ class NvmeStore {
   void RemoveFiles();
   absl::Status Carve(const PartitionRecord& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Appends one record (puts and erases) to the log and makes it durable, then applies it.
-  // Requires commit_mu_, not mu_.
+  // Requires commit_mu_, not mu_. On failure the puts' extents stay the caller's, and
+  // `*maybe_logged` (when set) says the record may have reached the log, which is not yet
+  // replaced (they must not be reused until it is).
   absl::Status CommitRecord(const std::map<PartitionId, Batch::Staged>& puts,
-                            const std::vector<PartitionId>& erases, const std::string& context);
+                            const std::vector<PartitionId>& erases, const std::string& context,
+                            bool* maybe_logged = nullptr);
   // Writes a new snapshot of the committed state naming a new, empty log (see above).
   absl::Status Compact() ABSL_EXCLUSIVE_LOCKS_REQUIRED(commit_mu_);
   // Writes manifest.json naming journal-<log_seq>.log; `*sizes` receives the file sizes it records.
