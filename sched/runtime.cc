@@ -281,7 +281,12 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 }
 
 Runtime::~Runtime() {
-  AbortOptimizerStep();                 // its thread may be acquiring gradients
+  AbortOptimizerStep();  // its thread may be acquiring gradients
+  if (absl::Status s = FlushOptimizer(); !s.ok()) {
+    Warn(absl::StrCat("the last optimizer step's state was not written to NVMe when the Runtime "
+                      "was destroyed; it is lost: ",
+                      s.message()));
+  }
   if (pool_ != nullptr) pool_->Stop();  // the jobs still queued are cancelled (none: Create failed)
   if (store_ != nullptr) {
     {
@@ -1297,6 +1302,7 @@ absl::Status Runtime::CreateOptimizer(
   sc.ring_buffers = ring;
   sc.commit_each = config_.optimizer_commit_each;
   sc.read_ahead_bytes = ahead;
+  sc.write_behind = on_nvme && config_.OptimizerWriteBehind();
   if (ahead < ahead_wanted) {
     Warn(ahead == 0
              ? std::string("create optimizer: its read-ahead room (strata.optimizer_read_ahead_"
@@ -1574,6 +1580,11 @@ absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
   absl::StatusOr<swap::StepReport> r = optimizer_->Commit();
   ReleaseStagedGradients();
   return r;
+}
+
+absl::Status Runtime::FlushOptimizer() {
+  MutexLock lock(&optimizer_mu_);
+  return optimizer_ != nullptr ? optimizer_->Flush() : absl::OkStatus();
 }
 
 void Runtime::WaitForEarlySteps() {

@@ -337,6 +337,11 @@ class Runtime {
   // optimizer_commit "partition": a step that failed inside them), until they are stepped again
   // at that step (swap/optimizer_swapper.h's PartlyStepped).
   std::vector<PartitionId> PartlySteppedOptimizerPartitions();
+  // strata.optimizer_write_behind: waits until the last step's optimizer state, written behind
+  // it, is on NVMe (writing again what failed); its error while that fails (the state kept in
+  // host memory). Every call that reads or steps the state does it first; a trainer calls it
+  // where it wants the step durable. OK at once otherwise.
+  absl::Status FlushOptimizer();
   // With a host_early step open, waits until the host-resident partitions staged so far have
   // stepped (their state and param copies are then read whole); at once otherwise.
   void WaitForEarlySteps();

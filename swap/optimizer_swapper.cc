@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -81,6 +82,11 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
         absl::StrCat("optimizer swapper: ring_buffers is ", config.ring_buffers,
                      "; accepted: 0 (the default), or ", pipelined ? "3" : "1",
                      "..64 (pipelined steps need 3)"));
+  }
+  if (config.write_behind && config.commit_each) {
+    return absl::InvalidArgumentError(
+        "optimizer swapper: write_behind with commit_each (each partition's state lands as it is "
+        "written already); accepted: one of them");
   }
   auto s = std::unique_ptr<PipelinedOptimizerSwapper>(new PipelinedOptimizerSwapper());
   s->store_ = store;
@@ -161,6 +167,10 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
   Abort();
   AbortLoad();
+  // A step's writes behind it finish (or fail: its state is then lost with the swapper) before
+  // the buffers they write from go.
+  (void)Settle();
+  behind_.reset();
   if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
   for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
   for (std::byte* b : copy_buffers_) host_->Deallocate(b, copy_buffer_bytes_);
@@ -203,6 +213,7 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
     return absl::FailedPreconditionError(
         "optimizer swapper: a step is being staged (Commit or Abort it first)");
   }
+  STRATA_RETURN_IF_ERROR(Settle());
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   if (master.size() != part->elements) {
     return absl::InvalidArgumentError(absl::StrCat("optimizer swapper: partition ", id, " has ",
@@ -244,6 +255,7 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
   WaitForEarlySteps();  // no host-resident state is read while it steps
+  STRATA_RETURN_IF_ERROR(Settle());  // the committed state: the last step's, written
   if (auto p = partial_.find(id); p != partial_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "optimizer swapper: partition ", id, ": ", PartlyStepped(p->second),
@@ -358,6 +370,19 @@ struct PipelinedOptimizerSwapper::Txn {
   absl::Status early_failure;
   double early_compute_s = 0;
   std::thread early_worker;
+  // write_behind: the worker's loop is over (every item stepped, or it stopped; `failure`,
+  // `overflow` and `report` are then final), and what Commit made of it: commit the batch once
+  // the writes are done, or drop it. Both under mu, signalled on `progress`.
+  enum class Tail { kUndecided, kCommit, kDrop };
+  bool loop_done ABSL_GUARDED_BY(mu) = false;
+  Tail tail ABSL_GUARDED_BY(mu) = Tail::kUndecided;
+  CondVar progress;
+  // The worker's after its loop, until joined: the items whose write failed then (each with the
+  // buffer that still holds its new state), the tail's outcome and its writes.
+  std::vector<std::pair<const Item*, float*>> unwritten;
+  absl::Status tail_status;
+  double tail_write_s = 0;
+  uint64_t tail_bytes = 0;
 };
 
 namespace {
@@ -476,6 +501,11 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
     return absl::FailedPreconditionError(
         "optimizer swapper: a state is being loaded (CommitLoad or AbortLoad it first)");
   }
+  // The last step's writes behind it end first: the ring and the read-ahead room are theirs.
+  const auto b0 = Clock::now();
+  const bool was_behind = behind_ != nullptr;
+  STRATA_RETURN_IF_ERROR(Settle());
+  const double behind_wait_s = was_behind ? Since(b0) : 0;
   if (absl::Status s = ReserveCopyStaging(copy_staging_bytes); !s.ok()) {
     return Annotate(s, absl::StrCat("staging the param copies of the NVMe-resident partitions "
                                     "needs ",
@@ -492,6 +522,8 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
   txn_->t0 = Clock::now();
   txn_->host_early = host_early;
   txn_->held = hold;
+  txn_->report.behind_wait_seconds = behind_wait_s;
+  txn_->report.behind_bytes_written = std::exchange(behind_bytes_written_, 0);
   if (!buffers_.empty()) {
     if (!config_.commit_each) txn_->batch = store_->NewBatch();
     txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
@@ -962,6 +994,16 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     start_write(k, *it);
   }
   let_go();
+  // write_behind: Commit may go on now (the step is in memory); the writes still in flight are
+  // the tail's, and their figures too.
+  const bool behind = config_.write_behind;
+  if (behind) {
+    MutexLock lock(&x->mu);
+    x->loop_done = true;
+    x->progress.SignalAll();
+  }
+  double* write_s = behind ? &x->tail_write_s : &report.write_seconds;
+  uint64_t* written = behind ? &x->tail_bytes : &report.bytes_written;
   // Wait for everything in flight before deciding (no I/O may outlive the transaction).
   for (size_t j = 0; j < std::max(reads.size(), writes.size()); ++j) {
     // A deferred read that was never needed is not run.
@@ -972,12 +1014,16 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     if (j < writes.size() && writes[j].valid()) {
       const Result& w = await_write(j);
-      report.write_seconds += w.second;
+      *write_s += w.second;
       if (w.first.ok()) {
         if (!items[j]->copy_only) {
-          report.bytes_written += StateBytes(items[j]->count);
+          *written += StateBytes(items[j]->count);
           if (config_.commit_each) x->landed_groups.push_back(items[j]);
         }
+      } else if (behind) {
+        // Its new state is still in its buffer (the loop is over: none is reused).
+        if (x->tail_status.ok()) x->tail_status = w.first;
+        x->unwritten.emplace_back(items[j], state_of[j]);
       } else if (x->failure.ok()) {
         x->failure = w.first;
       }
@@ -991,6 +1037,19 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       if (it->sink->done) {
         it->sink->done(it->in.id, it->in.sink_target, it->hold->placed == it->part->groups);
       }
+    }
+  }
+  if (behind) {  // commit the batch once Commit says so (it has landed the step), unless dropped
+    Txn::Tail tail;
+    {
+      MutexLock lock(&x->mu);
+      while (x->tail == Txn::Tail::kUndecided) x->progress.Wait(&x->mu);
+      tail = x->tail;
+    }
+    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) {
+      const auto w0 = Clock::now();
+      x->tail_status = x->batch->Commit();
+      x->tail_write_s += Since(w0);
     }
   }
 }
@@ -1032,6 +1091,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   {
     MutexLock lock(&txn_->mu);
     txn_->closed = txn_->cancelled = true;
+    txn_->tail = Txn::Tail::kDrop;
     txn_->staged.SignalAll();
   }
   if (txn_->worker.joinable()) txn_->worker.join();
@@ -1061,9 +1121,29 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     txn_->closed = true;
     txn_->staged.SignalAll();
   }
-  if (txn_->worker.joinable()) txn_->worker.join();
+  // write_behind: the step goes on once every partition has stepped; its writes still in flight
+  // end behind it (the worker commits them once told to, below).
+  const bool behind = config_.write_behind && txn_->worker.joinable();
+  if (behind) {
+    MutexLock lock(&txn_->mu);
+    while (!txn_->loop_done) txn_->progress.Wait(&txn_->mu);
+  } else if (txn_->worker.joinable()) {
+    txn_->worker.join();
+  }
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
   std::unique_ptr<Txn> x = std::move(txn_);
+  // write_behind: the tail is dropped (its worker joined) unless this step committed it.
+  auto decide = [&x](Txn::Tail tail) {
+    {
+      MutexLock lock(&x->mu);
+      if (x->tail == Txn::Tail::kUndecided) x->tail = tail;
+      x->progress.SignalAll();
+    }
+    if (tail == Txn::Tail::kDrop && x->worker.joinable()) x->worker.join();
+  };
+  absl::Cleanup undecided = [&] {
+    if (x != nullptr && behind) decide(Txn::Tail::kDrop);
+  };
   SettleLanded(x.get());
   const int64_t t = x->first_t;
   x->report.compute_seconds += x->early_compute_s;
@@ -1098,6 +1178,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
                               ", the others had not");
   failed_early_ = stepped;  // until the step commits, below
   auto abort = [&] {
+    if (behind) decide(Txn::Tail::kDrop);
     if (x->batch) x->batch->Abort();
   };
   StepReport& report = x->report;
@@ -1148,7 +1229,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     report.overflow = true;
     return finish();
   }
-  if (x->batch) {
+  if (behind) {
+    decide(Txn::Tail::kCommit);  // from here on the step stands; its record follows its writes
+  } else if (x->batch) {
     const auto w0 = Clock::now();
     absl::Status committed = x->batch->Commit();
     report.write_seconds += Since(w0);
@@ -1180,7 +1263,49 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
           it.in.id, " failed after validation: ", s.message()));
     }
   }
-  return finish();
+  StepReport done = finish();
+  if (behind) {
+    done.written_behind = true;
+    behind_ = std::move(x);
+  }
+  return done;
+}
+
+absl::Status PipelinedOptimizerSwapper::Settle() {
+  if (behind_ == nullptr) return absl::OkStatus();
+  Txn* x = behind_.get();
+  if (x->worker.joinable()) x->worker.join();
+  if (!x->tail_status.ok()) {
+    // Again: the writes that failed, from the buffers that still hold their new state, then the
+    // record (a batch whose commit failed keeps what it staged).
+    absl::Status s;
+    std::vector<std::pair<const Txn::Item*, float*>> still;
+    for (const auto& [it, state] : x->unwritten) {
+      const auto w0 = Clock::now();
+      absl::Status w = x->batch->Stage(StoreKey(it->in.id, it->group), Bytes(state, it->count));
+      x->tail_write_s += Since(w0);
+      if (w.ok()) {
+        x->tail_bytes += StateBytes(it->count);
+      } else {
+        s.Update(w);
+        still.emplace_back(it, state);
+      }
+    }
+    x->unwritten = std::move(still);
+    if (s.ok()) s = x->batch->Commit();
+    x->tail_status = s;
+    if (!s.ok()) {
+      return Annotate(
+          s, absl::StrCat("optimizer step ", x->first_t,
+                          ": its new state, written behind the step (write_behind), is not "
+                          "stored yet; the step stands (its new weights are out) and that state "
+                          "is kept in host memory, written again at the next call (Begin, Step, "
+                          "ReadState, Initialize, BeginLoad or Flush), which fails until it is"));
+    }
+  }
+  behind_bytes_written_ = x->tail_bytes;
+  behind_.reset();
+  return absl::OkStatus();
 }
 
 absl::Status PipelinedOptimizerSwapper::BeginLoad() {
@@ -1189,6 +1314,7 @@ absl::Status PipelinedOptimizerSwapper::BeginLoad() {
         absl::StrCat("optimizer swapper: load: a ",
                      txn_ != nullptr ? "step is being staged" : "load is open", " (end it first)"));
   }
+  STRATA_RETURN_IF_ERROR(Settle());
   loading_ = std::make_unique<Loading>();
   if (store_ != nullptr && !config_.commit_each) loading_->batch = store_->NewBatch();
   return absl::OkStatus();

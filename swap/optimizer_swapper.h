@@ -141,6 +141,16 @@ struct OptimizerSwapperConfig {
   // NVMe-resident partitions' sub-groups would take there all at once (in whole pages, with a
   // copy buffer's room each with commit_each). 0: none (a held step reads as the ring allows).
   uint64_t read_ahead_bytes = 0;
+  // Commit returns once every partition has stepped and its param copy is out, the writes of the
+  // new NVMe state still in flight then (and the manifest record after them) finishing behind it,
+  // on the transaction's thread, while the caller goes on (the next forward). The step stands
+  // from Commit: should a write or the record fail after it, the new state is not dropped: the
+  // buffers it was written from (ring buffers, the read-ahead room) stay its own, and the next
+  // call that needs them (Begin, Step, ReadState, Initialize, BeginLoad, Flush) first waits for
+  // the writes, writes again what failed and commits, and fails, saying so, while that fails (the
+  // state kept in memory meanwhile). NVMe holds the previous step's state, whole, until then. Not
+  // with commit_each. Default off: a step changes nothing until it is on NVMe, as above.
+  bool write_behind = false;
   // Test seam: called at each StepEvent of an NVMe-resident partition (and kStepStarted and
   // kStepFinished of a host-resident one stepping early: Begin's host_early), on the thread where
   // it happens, so a test can see how reads, steps and writes interleave. It may block to hold a
@@ -171,6 +181,13 @@ struct StepReport {
   double write_seconds = 0;    // summed time of the writes, commit included
   double compute_seconds = 0;  // summed optimizer time
   uint64_t bytes_read = 0, bytes_written = 0;
+  // write_behind: the step's writes still in flight at Commit went on behind it (bytes_written
+  // and write_seconds count only those done before it returned).
+  bool written_behind = false;
+  // write_behind: what the last step's writes behind it came to (its bytes, all told), and how
+  // long Begin waited for them to end (0: they had).
+  uint64_t behind_bytes_written = 0;
+  double behind_wait_seconds = 0;
 };
 
 class PipelinedOptimizerSwapper {
@@ -253,6 +270,11 @@ class PipelinedOptimizerSwapper {
   // read. Returns at once otherwise.
   void WaitForEarlySteps();
   bool staging() const { return txn_ != nullptr; }
+  // write_behind: waits until the last step's writes behind it are committed (writing again,
+  // then, what failed); its error, and the state kept in memory, while that fails. OK at once
+  // when none are pending.
+  absl::Status Flush() { return Settle(); }
+  bool writing_behind() const { return behind_ != nullptr; }
   // Replaces the state of any of the partitions, all or none (loading a checkpoint): BeginLoad,
   // then Load each partition's master weights and moments (an NVMe-resident one is written to
   // fresh extents at once, through the ring; a host-resident one is kept aside in memory from
@@ -328,6 +350,8 @@ class PipelinedOptimizerSwapper {
   // partial_, and the partitions now whole at their step added to the transaction's `landed`.
   void SettleLanded(Txn* x);
   void Emit(StepEvent event, tiering::PartitionId id) const;
+  // Flush (above): the caller's calls that need the ring, or the committed state, start with it.
+  absl::Status Settle();
   // Makes the param-copy staging buffer at least `bytes` long.
   absl::Status ReserveCopyStaging(uint64_t bytes);
 
@@ -347,6 +371,10 @@ class PipelinedOptimizerSwapper {
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;
+  // write_behind: the last committed step while its writes are behind it (its worker running, or
+  // joined with writes to do again), and what they came to once settled (for the next report).
+  std::unique_ptr<Txn> behind_;
+  uint64_t behind_bytes_written_ = 0;
   // The partitions a host_early or commit_each step had stepped when its Commit failed, for the
   // next Abort.
   std::vector<tiering::PartitionId> failed_early_;

@@ -322,7 +322,8 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
          "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
-         "optimizer_during_backward", "optimizer_commit", "optimizer_read_ahead_bytes"}));
+         "optimizer_during_backward", "optimizer_commit", "optimizer_read_ahead_bytes",
+         "optimizer_write_behind"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -368,6 +369,16 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         c.optimizer_read_ahead_bytes = bytes;
       }
     }
+    if (auto w = s->find("optimizer_write_behind"); w != s->end()) {
+      if (w->is_boolean()) {
+        c.optimizer_write_behind = w->get<bool>();
+      } else if (!w->is_string() || w->get<std::string>() != "auto") {
+        return Bad(p + "optimizer_write_behind",
+                   absl::StrCat(w->dump(),
+                                ": accepted: true, false, \"auto\" (the default: true with "
+                                "optimizer_commit \"step\")"));
+      }
+    }
     std::string commit = "step";
     if (auto it = s->find("optimizer_commit"); it != s->end()) {
       commit = it->is_string() ? it->get<std::string>() : it->dump();
@@ -380,6 +391,11 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                               "written)"));
     }
     c.optimizer_commit_each = commit == "partition";
+    if (c.optimizer_commit_each && c.optimizer_write_behind.value_or(false)) {
+      return Bad(p + "optimizer_write_behind",
+                 "true with optimizer_commit \"partition\" (which lands each partition's state as "
+                 "it is written); accepted there: false or \"auto\"");
+    }
     if (c.optimizer_commit_each && c.offload_optimizer.device != OffloadDevice::kNvme) {
       warn(absl::StrCat(p,
                         "optimizer_commit: \"partition\" is for optimizer state on NVMe "

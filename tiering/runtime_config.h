@@ -148,6 +148,18 @@ struct RuntimeConfig {
   // optimizer's other buffers; "auto" gives way by halves, down to none, said in a warning,
   // where they do not fit beside it.
   std::optional<uint64_t> optimizer_read_ahead_bytes;
+  // Whether a step's NVMe optimizer state is written behind it ("optimizer_write_behind"): the
+  // step returns once every partition has stepped and its new weights are out, the state's
+  // writes and their record finishing while the trainer goes on (the next forward); the next step
+  // (or a read of the state: a checkpoint) waits for them first. A write that fails behind a step
+  // keeps that state in host memory, is written again by the next call that needs it, and fails
+  // that call, saying so, until the disk takes it (swap/optimizer_swapper.h's write_behind).
+  // true, false, or "auto" (unset here, the default): with optimizer_commit "step" (it is not
+  // taken with "partition", which lands each partition as it is written).
+  std::optional<bool> optimizer_write_behind;
+  bool OptimizerWriteBehind() const {
+    return !optimizer_commit_each && optimizer_write_behind.value_or(true);
+  }
 
   // Whether host-resident optimizer state may step during backward: the setting, or "auto"'s
   // answer for this device.

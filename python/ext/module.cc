@@ -353,6 +353,9 @@ py::dict ReportDict(const swap::StepReport& report) {
   d["compute_seconds"] = report.compute_seconds;
   d["bytes_read"] = report.bytes_read;
   d["bytes_written"] = report.bytes_written;
+  d["written_behind"] = report.written_behind;
+  d["behind_bytes_written"] = report.behind_bytes_written;
+  d["behind_wait_seconds"] = report.behind_wait_seconds;
   return d;
 }
 
@@ -750,6 +753,15 @@ class PyRuntime {
     runtime_->WaitForEarlySteps();
   }
 
+  void FlushOptimizer() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->FlushOptimizer();
+    }
+    Check(s);
+  }
+
   // The optimizer partitions whose new weights went into their partition (a partition id given
   // as the param copy) since the last call.
   std::vector<uint64_t> TakeCopiedPartitions() { return runtime_->TakeCopiedPartitions(); }
@@ -1079,6 +1091,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("take_copied_partitions", &PyRuntime::TakeCopiedPartitions)
       .def("partly_stepped_optimizer_partitions", &PyRuntime::PartlySteppedOptimizerPartitions)
       .def("wait_for_early_steps", &PyRuntime::WaitForEarlySteps)
+      .def("flush_optimizer", &PyRuntime::FlushOptimizer)
       .def("begin_load_optimizer_state", &PyRuntime::BeginLoadOptimizerState)
       .def("load_optimizer_state", &PyRuntime::LoadOptimizerState, py::arg("id"), py::arg("master"),
            py::arg("exp_avg"), py::arg("exp_avg_sq"))

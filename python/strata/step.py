@@ -65,7 +65,16 @@ class Step:
                         return
                     hold = True  # its state read ahead; stepped once the scale is known
             early = not always and not hold and self._host_early()
-            self.runtime.begin_optimizer_step(host_early=early, hold=hold)
+            try:
+                self.runtime.begin_optimizer_step(host_early=early, hold=hold)
+            except _strata.Error as error:
+                if always:
+                    raise
+                # The last step's state written behind it could not be stored, say: nothing is
+                # staged during this backward; the step after it begins again and raises.
+                self.redone_steps += 1
+                self.last_redo_reason = self._redo_reason = f"beginning the step failed: {error}"
+                return
             staged = self._staged = _Staged(self.loss_scale, early, hold)
         lr, weight_decay = self._hyper_of(e)
         try:
@@ -372,13 +381,15 @@ class Step:
             except _strata.Error as error:  # raised by step() once its bookkeeping is done
                 self._refresh_error = error
         self._optimizer_read += r["bytes_read"]
-        self._optimizer_written += r["bytes_written"]
+        # Bytes written behind a step (strata.optimizer_write_behind) are counted with the next.
+        self._optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
         if self._dynamic_scale:
             self._update_scale(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "staged": staged,
-                      "host_early": early, "held": held}
+                      "host_early": early, "held": held, "written_behind": r["written_behind"],
+                      "behind_wait_seconds": r["behind_wait_seconds"]}
 
     def _refresh_weights(self, entries):
         """Parameters homed on NVMe: their new weights are their committed master weights in the

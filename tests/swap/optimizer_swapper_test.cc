@@ -50,13 +50,15 @@ struct Entry {
 };
 
 // The shared record of a run, and the one fault it may inject: `fault` sees each op (and what
-// came before it) as it is submitted and returns an errno to fail it with, or 0; it fires once.
+// came before it) as it is submitted and returns an errno to fail it with, or 0; it fires once
+// (`once`), or until it is replaced.
 class Trace {
  public:
   using Fault = std::function<int(const Entry& op, const std::vector<Entry>& before)>;
-  void SetFault(Fault f) {
+  void SetFault(Fault f, bool once = true) {
     MutexLock lock(&mu_);
     fault_ = std::move(f);
+    once_ = once;
   }
   // Records `e`; for an op, returns the errno to fail it with (0: none).
   int Add(const Entry& e) {
@@ -64,7 +66,7 @@ class Trace {
     int error = 0;
     if (e.io && fault_) {
       error = fault_(e, entries_);
-      if (error != 0) fault_ = nullptr;
+      if (error != 0 && once_) fault_ = nullptr;
     }
     entries_.push_back(e);
     cv_.SignalAll();
@@ -102,6 +104,7 @@ class Trace {
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> stuck_ ABSL_GUARDED_BY(mu_);
   Fault fault_ ABSL_GUARDED_BY(mu_);
+  bool once_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 bool Any(const std::vector<Entry>& entries, StepEvent e, tiering::PartitionId id) {
@@ -1890,6 +1893,199 @@ TEST(SwapperLoadTest, BadLoadsAreNamed) {
   EXPECT_THAT(s.message(), HasSubstr("given 1007, 3 and 1007"));
   EXPECT_EQ(f.swapper->Load(99, x, x, x).code(), absl::StatusCode::kNotFound);
   f.swapper->AbortLoad();
+}
+
+OptimizerSwapperConfig WriteBehind(OptimizerSwapperConfig c) {
+  c.write_behind = true;
+  return c;
+}
+
+// Write-behind: every step, plain or held (its state read ahead), is bitwise the step in memory
+// (the state as ReadState gives it once the writes behind are in, and the param copies as Commit
+// returns), in every mode that takes it; the writes are reported behind the step, their bytes in
+// the next step's report.
+TEST(SwapperWriteBehindTest, StepsWrittenBehindAreBitwiseTheStepInMemory) {
+  for (OptimizerSwapperConfig config :
+       {WriteBehind({true, true, 0}), WriteBehind({false, false, 0}),
+        WriteBehind({true, true, 220000}), WriteBehind({true, true, 0, 5}),
+        WriteBehind(SubGroups({true, true, 0})), WriteBehind(ReadAhead({true, true, 220000}))}) {
+    SCOPED_TRACE(absl::StrCat(config.pipeline_read, " ", config.max_in_cpu_bytes, " ",
+                              config.ring_buffers, " ", config.sub_group_elements, " ",
+                              config.read_ahead_bytes));
+    Fixture f(config);
+    uint64_t nvme_bytes = 0;
+    for (const auto& [id, n] : f.parts) nvme_bytes += f.swapper->on_nvme(id) ? n * 12 : 0;
+    for (int64_t t = 1; t <= 3; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      const std::vector<StepInput> in = f.Inputs();
+      const bool held = config.read_ahead_bytes > 0;
+      ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, held).ok());
+      ASSERT_TRUE(f.swapper->Stage(t, in).ok());
+      if (held) ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->written_behind);
+      EXPECT_EQ(r->behind_bytes_written, t == 1 ? 0 : nvme_bytes);  // the last step's
+      f.StepReference(t);
+      f.ExpectCopiesMatchReference();  // as Commit returns
+      f.ExpectMatchesReference();      // ReadState: once the writes behind are in
+      EXPECT_FALSE(f.swapper->writing_behind());
+    }
+  }
+}
+
+// A hook that holds partition `id`'s write (its kWriteStarted) until `go` is set, at most 20 s.
+struct HeldWrite {
+  tiering::PartitionId id;
+  Mutex mu;
+  CondVar cv;
+  bool go ABSL_GUARDED_BY(mu) = false;
+  bool waited_out ABSL_GUARDED_BY(mu) = false;  // the hook gave up waiting
+  void operator()(StepEvent e, tiering::PartitionId p) {
+    if (e != StepEvent::kWriteStarted || p != id) return;
+    MutexLock lock(&mu);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!go) {
+      if (!cv.WaitFor(&mu, deadline - std::chrono::steady_clock::now())) {
+        waited_out = true;
+        return;
+      }
+    }
+  }
+  void Go() {
+    MutexLock lock(&mu);
+    go = true;
+    cv.SignalAll();
+  }
+  bool WaitedOut() {
+    MutexLock lock(&mu);
+    return waited_out;
+  }
+};
+
+OptimizerSwapperConfig Holding(OptimizerSwapperConfig c, const std::shared_ptr<HeldWrite>& h) {
+  c.on_event = [h](StepEvent e, tiering::PartitionId p) { (*h)(e, p); };
+  return c;
+}
+
+// Commit returns while the last partitions' writes have not started (a swapper that waited for
+// them would sit out the hook's 20 s); the store keeps the last step's state until they are in.
+TEST(SwapperWriteBehindTest, CommitReturnsBeforeTheWritesAndTheStoreKeepsTheLastStepUntilThen) {
+  auto hold = std::make_shared<HeldWrite>();
+  hold->id = 13;
+  Fixture f(Holding(WriteBehind({true, true, 0}), hold));
+  f.NewGrads(1);
+  const uint64_t generation = f.store->generation();
+  auto r = f.swapper->Step(1, f.Inputs());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(hold->WaitedOut()) << "Commit waited for the held write";
+  EXPECT_TRUE(f.swapper->writing_behind());
+  EXPECT_EQ(f.store->generation(), generation);  // no record yet
+  f.StepReference(1);
+  f.ExpectCopiesMatchReference();
+  hold->Go();
+  ASSERT_TRUE(f.swapper->Flush().ok());
+  EXPECT_EQ(f.store->generation(), generation + 1);
+  f.ExpectMatchesReference();
+}
+
+// A write, or the record, that fails behind a committed step drops nothing: every call that needs
+// the state fails, naming it, while writing it again fails, and the store keeps the last step's
+// state; once the disk takes it, the state is the step's, bit for bit, and training goes on.
+TEST(SwapperWriteBehindTest, AFailureBehindTheStepKeepsItsStateUntilItIsWritten) {
+  for (bool data : {true, false}) {
+    SCOPED_TRACE(data ? "a data write fails" : "the record fails");
+    auto hold = std::make_shared<HeldWrite>();
+    hold->id = 13;
+    Fixture f(Holding(WriteBehind({true, true, 0}), hold));
+    f.NewGrads(1);
+    const uint64_t generation = f.store->generation();
+    const std::vector<float> master_before = f.ref.p[3];
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    // Behind the step, every data write (or every write to the manifest: the record and the
+    // compactions that would replace the log) fails, until the fault is cleared.
+    f.trace->SetFault(
+        [data](const Entry& op, const std::vector<Entry>&) {
+          return op.kind == aio::OpKind::kWrite && op.data_file == data ? EIO : 0;
+        },
+        /*once=*/false);
+    hold->Go();
+    for (int i = 0; i < 2; ++i) {
+      absl::Status s = f.swapper->Flush();
+      EXPECT_EQ(StatusErrno(s), EIO) << s;
+      EXPECT_THAT(s.message(), HasSubstr("optimizer step 1: its new state, written behind"));
+      EXPECT_THAT(s.message(), HasSubstr("kept in host memory"));
+    }
+    EXPECT_TRUE(f.swapper->writing_behind());
+    EXPECT_EQ(StatusErrno(f.swapper->Begin(0)), EIO);
+    std::vector<float> x(f.parts[3].second), m(x.size()), v(x.size());
+    EXPECT_EQ(StatusErrno(f.swapper->ReadState(13, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v))), EIO);
+    EXPECT_EQ(f.store->generation(), generation);
+    ASSERT_TRUE(f.store->Find(13).ok());
+    {
+      std::vector<float> old(3 * x.size());
+      ASSERT_TRUE(
+          f.store->Get(13, absl::MakeSpan(reinterpret_cast<std::byte*>(old.data()), old.size() * 4))
+              .ok());
+      EXPECT_EQ(0, std::memcmp(old.data(), master_before.data(), x.size() * 4));
+    }
+    f.trace->SetFault(nullptr);
+    ASSERT_TRUE(f.swapper->Flush().ok());
+    EXPECT_FALSE(f.swapper->writing_behind());
+    f.ExpectMatchesReference();
+    f.NewGrads(2);
+    ASSERT_TRUE(f.swapper->Step(2, f.Inputs()).ok());
+    f.StepReference(2);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// A step that fails before Commit returns is dropped whole, writes behind or not: a read that
+// fails, or an overflow, changes nothing (the writes already made are not committed).
+TEST(SwapperWriteBehindTest, AStepThatFailsBeforeCommitReturnsChangesNothing) {
+  Fixture f(WriteBehind({true, true, 0}));
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  ASSERT_TRUE(f.swapper->Flush().ok());
+  const uint64_t generation = f.store->generation();
+  const auto copies = f.copies;
+  f.NewGrads(2);
+  // The last partition's read fails: every other one has stepped and been written by then.
+  f.trace->SetFault([](const Entry& op, const std::vector<Entry>& before) {
+    return op.kind == aio::OpKind::kRead && op.data_file && Any(before, StepEvent::kReadStarted, 14)
+               ? EIO
+               : 0;
+  });
+  auto failed = f.swapper->Step(2, f.Inputs());
+  ASSERT_FALSE(failed.ok());
+  EXPECT_THAT(failed.status().message(), HasSubstr("nothing was changed"));
+  EXPECT_FALSE(f.swapper->writing_behind());
+  EXPECT_EQ(f.store->generation(), generation);
+  EXPECT_EQ(f.copies, copies);
+  f.ExpectMatchesReference();
+  f.grads[1][5] = std::numeric_limits<float>::infinity();
+  auto overflow = f.swapper->Step(2, f.Inputs(), {.check_overflow = true});
+  ASSERT_TRUE(overflow.ok());
+  EXPECT_TRUE(overflow->overflow);
+  EXPECT_EQ(f.store->generation(), generation);
+  f.ExpectMatchesReference();
+}
+
+TEST(SwapperWriteBehindTest, NotWithCommitEach) {
+  ScratchDir dir;
+  auto engine = *aio::Engine::Create({}, {});
+  tiering::NvmeStoreOptions so;
+  so.capacity_bytes = 1 << 20;
+  auto store = *tiering::NvmeStore::Open(dir.File("s"), so, engine.get());
+  auto adam = *optim_cpu::CpuAdam::Create({});
+  tiering::HostMemoryResource host;
+  auto s = PipelinedOptimizerSwapper::Create(store.get(), adam.get(), &host,
+                                             WriteBehind(CommitEach(true, 0)), {{1, 100}});
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("write_behind with commit_each"));
 }
 
 }  // namespace

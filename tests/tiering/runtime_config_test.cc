@@ -278,6 +278,38 @@ TEST(RuntimeConfigTest, OptimizerReadAheadIsBytesOrAuto) {
   }
 }
 
+TEST(RuntimeConfigTest, OptimizerWriteBehindIsABoolOrAutoAndNotWithPartitionCommits) {
+  EXPECT_TRUE(RuntimeConfig().OptimizerWriteBehind());  // "auto" with commit "step": on
+  const char* nvme =
+      R"("zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+          "nvme_path": "/tmp"}})";
+  for (const auto& [strata, want] : std::vector<std::pair<std::string, bool>>{
+           {R"("optimizer_write_behind": "auto")", true},
+           {R"("optimizer_write_behind": true)", true},
+           {R"("optimizer_write_behind": false)", false},
+           {R"("optimizer_commit": "partition")", false},
+           {R"("optimizer_commit": "partition", "optimizer_write_behind": "auto")", false},
+           {R"("optimizer_commit": "partition", "optimizer_write_behind": false)", false}}) {
+    const std::string text = absl::StrCat("{", nvme, R"(, "strata": {)", strata, "}}");
+    auto c = RuntimeConfigFromJsonText(text);
+    ASSERT_TRUE(c.ok()) << c.status() << text;
+    EXPECT_EQ(c->OptimizerWriteBehind(), want) << text;
+  }
+  for (const char* bad : {R"("optimizer_write_behind": "yes")", R"("optimizer_write_behind": 1)"}) {
+    const std::string text = absl::StrCat("{", nvme, R"(, "strata": {)", bad, "}}");
+    EXPECT_THAT(RuntimeConfigFromJsonText(text).status().message(),
+                AllOf(HasSubstr("strata.optimizer_write_behind"),
+                      HasSubstr("accepted: true, false, \"auto\"")))
+        << text;
+  }
+  const std::string both = absl::StrCat(
+      "{", nvme,
+      R"(, "strata": {"optimizer_commit": "partition", "optimizer_write_behind": true}})");
+  EXPECT_THAT(RuntimeConfigFromJsonText(both).status().message(),
+              AllOf(HasSubstr("strata.optimizer_write_behind"),
+                    HasSubstr("accepted there: false or \"auto\"")));
+}
+
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
   EXPECT_EQ(RuntimeConfig().optimizer_threads, 0);  // one per core
   EXPECT_EQ(RuntimeConfig().copy_streams, 1);
