@@ -17,9 +17,9 @@
 // is written while k steps, through a ring of pinned buffers (three by default, one without
 // pipelining); the gradients come from the caller's host memory.
 //
-// A step changes nothing until it commits (unless commit_each, below). The new NVMe state is staged
-// in fresh extents and
-// committed in one manifest record at the end of the step; the param copies of the NVMe-resident
+// A step changes nothing until it commits (unless commit_each or write_behind, below). The new
+// NVMe state is staged in fresh extents and committed in one manifest record at the end of the
+// step; the param copies of the NVMe-resident
 // partitions are computed into a staging buffer meanwhile. Only after the commit are the staged
 // copies copied to the callers' `param_copy` and the host-resident partitions stepped (their
 // inputs being valid, neither can fail). So a step that fails (a read, a write, the commit, the
@@ -58,8 +58,14 @@
 // (FailedPrecondition, the transaction left open). Host-resident partitions read nothing ahead and
 // step at Commit.
 //
+// With write_behind (below) a step stands from Commit, which returns once every partition has
+// stepped and its param copy is out; the writes still in flight, then the record, finish behind
+// it on the transaction's thread; the next call that needs the ring or the committed state waits
+// for them first (Flush), writes again what failed, and fails while that fails, the new state
+// kept in its buffers meanwhile: never dropped before it is on NVMe.
+//
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
-// time), Initialize or ReadState at a time; ReadState may be called while a step is staged (from
+// time), Initialize, ReadState or Flush at a time; ReadState may be called while a step is staged (from
 // the thread that stages it) and reads the committed state (with host_early, a host-resident
 // partition reads stepped once it has: ReadState first waits for the early steps staged so far,
 // as WaitForEarlySteps). The store, the optimizer and the host
@@ -181,8 +187,8 @@ struct StepReport {
   double write_seconds = 0;    // summed time of the writes, commit included
   double compute_seconds = 0;  // summed optimizer time
   uint64_t bytes_read = 0, bytes_written = 0;
-  // write_behind: the step's writes still in flight at Commit went on behind it (bytes_written
-  // and write_seconds count only those done before it returned).
+  // write_behind: the step's writes went on behind it (bytes_written and write_seconds are 0
+  // then: the next Begin's report gives the bytes, as behind_bytes_written).
   bool written_behind = false;
   // write_behind: what the last step's writes behind it came to (its bytes, all told), and how
   // long Begin waited for them to end (0: they had).

@@ -1099,7 +1099,8 @@ class Engine(Lending, Gradients, Step):
     def stats(self):
         """The Runtime's statistics since the engine was made (waits, bytes per tier pair), the
         optimizer's NVMe traffic included in bytes_moved (its state read into the host and
-        written back: nvme_to_host, host_to_nvme)."""
+        written back: nvme_to_host, host_to_nvme; a step's state written behind it,
+        strata.optimizer_write_behind, is counted once the next step has begun)."""
         s = self.runtime.stats()
         s["device"] = self.device_kind
         moved = s["bytes_moved"]
