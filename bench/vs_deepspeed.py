@@ -43,7 +43,10 @@ every timed step), peak resident memory (VmHWM), peak locked memory (VmLck, samp
 the bytes the process read from and wrote to storage per step (/proc/self/io: under the NVMe
 folder, as nothing else is read or written during the steps), and both systems' losses, which
 must agree within --tolerance (else the row's comparison is void and says so), and how each of
-strata's timed optimizer steps was taken (held, staged during backward, or after it). A row DeepSpeed
+strata's timed optimizer steps was taken (held, staged during backward, or after it; and written
+behind it, strata.optimizer_write_behind, with how long the next step waited for those writes; the
+window of /proc/self/io then holds the writes behind the last warm-up step and not those behind
+the last timed one: the same bytes in a steady run). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
 fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
@@ -208,7 +211,7 @@ def child(spec):
         import strata
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
     gen = torch.Generator().manual_seed(1)
-    losses, times, how = [], [], []
+    losses, times, how, behind_waits = [], [], [], []
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -232,6 +235,9 @@ def child(spec):
                 taken = engine.last_step_stats["optimizer"] or {}
                 how.append("held" if taken.get("held") else
                            "staged" if taken.get("staged") else "after backward")
+                if taken.get("written_behind"):  # strata.optimizer_write_behind
+                    how[-1] += ", written behind"
+                    behind_waits.append(taken.get("behind_wait_seconds", 0.0))
         if cuda:
             free, total = torch.cuda.mem_get_info()
             gpu_used = max(gpu_used, total - free)
@@ -253,6 +259,7 @@ def child(spec):
     else:
         import strata
         report["optimizer_steps"] = how
+        report["behind_wait_s"] = behind_waits
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
         if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
@@ -310,8 +317,9 @@ def summarize(runs):
             "write_bytes_per_step": statistics.median(r["write_bytes_per_step"] for r in ok),
             "losses": ok[0]["losses"], "rounds": len(ok),
             "optimizer_steps": {how: sum(r.get("optimizer_steps", []).count(how) for r in ok)
-                                for how in ("held", "staged", "after backward")
-                                if any(how in r.get("optimizer_steps", []) for r in ok)},
+                                for how in sorted({h for r in ok
+                                                   for h in r.get("optimizer_steps", [])})},
+            "behind_wait_s": [w for r in ok for w in r.get("behind_wait_s", [])],
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
@@ -537,7 +545,13 @@ def main():
             print(f"vs_deepspeed/{e['row']}: strata's timed optimizer steps: " + ", ".join(
                 f"{n} {how}" for how, n in e["strata"]["optimizer_steps"].items()) +
                 " (held: its NVMe state read during backward, stepped after it; staged: "
-                "speculated during backward and committed)")
+                "speculated during backward and committed; written behind: its state's writes "
+                "finished under the next forward)")
+            waits = e["strata"].get("behind_wait_s")
+            if waits:
+                print(f"vs_deepspeed/{e['row']}: strata's next step waited for the writes behind "
+                      f"the last one: median {statistics.median(waits):.3f} s, at most "
+                      f"{max(waits):.3f} s")
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")

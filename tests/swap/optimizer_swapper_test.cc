@@ -1921,7 +1921,9 @@ TEST(SwapperWriteBehindTest, StepsWrittenBehindAreBitwiseTheStepInMemory) {
       const bool held = config.read_ahead_bytes > 0;
       ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, held).ok());
       ASSERT_TRUE(f.swapper->Stage(t, in).ok());
-      if (held) ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+      if (held) {
+        ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+      }
       auto r = f.swapper->Commit();
       ASSERT_TRUE(r.ok()) << r.status();
       EXPECT_TRUE(r->written_behind);
