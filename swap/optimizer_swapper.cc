@@ -164,22 +164,6 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   return s;
 }
 
-PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
-  Abort();
-  AbortLoad();
-  // A step's writes behind it finish (or fail: its state is then lost with the swapper) before
-  // the buffers they write from go.
-  (void)Settle();
-  behind_.reset();
-  if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
-  for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
-  for (std::byte* b : copy_buffers_) host_->Deallocate(b, copy_buffer_bytes_);
-  if (read_ahead_ != nullptr) host_->Deallocate(read_ahead_, read_ahead_bytes_);
-  for (auto& [id, part] : parts_) {
-    if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
-  }
-}
-
 absl::StatusOr<const PipelinedOptimizerSwapper::Part*> PipelinedOptimizerSwapper::Find(
     tiering::PartitionId id) const {
   auto it = parts_.find(id);
@@ -385,6 +369,22 @@ struct PipelinedOptimizerSwapper::Txn {
   uint64_t tail_bytes = 0;
 };
 
+PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
+  Abort();
+  AbortLoad();
+  // A step's writes behind it finish before the buffers they write from go; what failed is not
+  // written again here (Flush first: the Runtime does, and warns), and goes with the swapper.
+  if (behind_ != nullptr && behind_->worker.joinable()) behind_->worker.join();
+  behind_.reset();
+  if (copy_staging_ != nullptr) host_->Deallocate(copy_staging_, copy_staging_bytes_);
+  for (float* b : buffers_) host_->Deallocate(b, buffer_bytes_);
+  for (std::byte* b : copy_buffers_) host_->Deallocate(b, copy_buffer_bytes_);
+  if (read_ahead_ != nullptr) host_->Deallocate(read_ahead_, read_ahead_bytes_);
+  for (auto& [id, part] : parts_) {
+    if (part.host_state != nullptr) host_->Deallocate(part.host_state, StateBytes(part.elements));
+  }
+}
+
 namespace {
 
 // Steps host-resident partition `it` in place with gradient `grad` (validated when staged).
@@ -502,10 +502,7 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
         "optimizer swapper: a state is being loaded (CommitLoad or AbortLoad it first)");
   }
   // The last step's writes behind it end first: the ring and the read-ahead room are theirs.
-  const auto b0 = Clock::now();
-  const bool was_behind = behind_ != nullptr;
   STRATA_RETURN_IF_ERROR(Settle());
-  const double behind_wait_s = was_behind ? Since(b0) : 0;
   if (absl::Status s = ReserveCopyStaging(copy_staging_bytes); !s.ok()) {
     return Annotate(s, absl::StrCat("staging the param copies of the NVMe-resident partitions "
                                     "needs ",
@@ -522,8 +519,6 @@ absl::Status PipelinedOptimizerSwapper::Begin(uint64_t copy_staging_bytes, bool 
   txn_->t0 = Clock::now();
   txn_->host_early = host_early;
   txn_->held = hold;
-  txn_->report.behind_wait_seconds = behind_wait_s;
-  txn_->report.behind_bytes_written = std::exchange(behind_bytes_written_, 0);
   if (!buffers_.empty()) {
     if (!config_.commit_each) txn_->batch = store_->NewBatch();
     txn_->worker = std::thread([this, x = txn_.get()] { RunStaged(x); });
@@ -1093,6 +1088,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
     txn_->closed = txn_->cancelled = true;
     txn_->tail = Txn::Tail::kDrop;
     txn_->staged.SignalAll();
+    txn_->progress.SignalAll();  // a worker that stopped early waits there for the decision
   }
   if (txn_->worker.joinable()) txn_->worker.join();
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
@@ -1258,12 +1254,16 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
                                  it.part->elements, host_grads[i]);
     report.compute_seconds += Since(s0);
     if (!s.ok()) {
+      if (behind) behind_ = std::move(x);  // its NVMe part stands, written behind
       return absl::InternalError(absl::StrCat(
-          "optimizer step ", it.t, ": the NVMe state was committed but host-resident partition ",
+          "optimizer step ", it.t, ": the NVMe state ",
+          behind ? "stands (written behind)" : "was committed", " but host-resident partition ",
           it.in.id, " failed after validation: ", s.message()));
     }
   }
   StepReport done = finish();
+  done.behind_bytes_written = std::exchange(behind_bytes_written_, 0);
+  done.behind_wait_seconds = std::exchange(behind_wait_s_, 0);
   if (behind) {
     done.written_behind = true;
     behind_ = std::move(x);
@@ -1274,7 +1274,9 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
 absl::Status PipelinedOptimizerSwapper::Settle() {
   if (behind_ == nullptr) return absl::OkStatus();
   Txn* x = behind_.get();
+  const auto w0 = Clock::now();
   if (x->worker.joinable()) x->worker.join();
+  behind_wait_s_ += Since(w0);
   if (!x->tail_status.ok()) {
     // Again: the writes that failed, from the buffers that still hold their new state, then the
     // record (a batch whose commit failed keeps what it staged).
@@ -1303,7 +1305,7 @@ absl::Status PipelinedOptimizerSwapper::Settle() {
                           "ReadState, Initialize, BeginLoad or Flush), which fails until it is"));
     }
   }
-  behind_bytes_written_ = x->tail_bytes;
+  behind_bytes_written_ += x->tail_bytes;
   behind_.reset();
   return absl::OkStatus();
 }

@@ -62,7 +62,8 @@
 // stepped and its param copy is out; the writes still in flight, then the record, finish behind
 // it on the transaction's thread; the next call that needs the ring or the committed state waits
 // for them first (Flush), writes again what failed, and fails while that fails, the new state
-// kept in its buffers meanwhile: never dropped before it is on NVMe.
+// kept in its buffers meanwhile: never dropped before it is on NVMe, but by the destructor (it
+// waits for the writes; what failed goes with it: Flush first).
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
 // time), Initialize, ReadState or Flush at a time; ReadState may be called while a step is staged (from
@@ -188,10 +189,11 @@ struct StepReport {
   double compute_seconds = 0;  // summed optimizer time
   uint64_t bytes_read = 0, bytes_written = 0;
   // write_behind: the step's writes went on behind it (bytes_written and write_seconds are 0
-  // then: the next Begin's report gives the bytes, as behind_bytes_written).
+  // then: the bytes come in a later report, as behind_bytes_written).
   bool written_behind = false;
-  // write_behind: what the last step's writes behind it came to (its bytes, all told), and how
-  // long Begin waited for them to end (0: they had).
+  // write_behind, in the report of a step that commits: the bytes written behind the steps before
+  // it since the last such report, and how long the calls since then waited for those writes
+  // (Begin, ReadState, Flush...; 0: they were done when asked for).
   uint64_t behind_bytes_written = 0;
   double behind_wait_seconds = 0;
 };
@@ -381,6 +383,7 @@ class PipelinedOptimizerSwapper {
   // joined with writes to do again), and what they came to once settled (for the next report).
   std::unique_ptr<Txn> behind_;
   uint64_t behind_bytes_written_ = 0;
+  double behind_wait_s_ = 0;
   // The partitions a host_early or commit_each step had stepped when its Commit failed, for the
   // next Abort.
   std::vector<tiering::PartitionId> failed_early_;

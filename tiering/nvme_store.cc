@@ -1167,13 +1167,30 @@ absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId 
 absl::Status NvmeStore::Batch::Keep(PartitionId id, std::vector<StoreExtent> extents,
                                     uint64_t length, uint64_t checksum, absl::Status written,
                                     const std::string& context) {
-  MutexLock lock(&store_->mu_);
   if (!written.ok()) {
+    MutexLock lock(&store_->mu_);
     store_->FreeLocked(extents);
     return Annotate(written, context);
   }
-  if (auto it = staged_.find(id); it != staged_.end()) store_->FreeLocked(it->second.extents);
-  staged_[id] = Staged{std::move(extents), length, checksum};
+  auto it = staged_.find(id);
+  if (it != staged_.end() && maybe_logged_) {
+    // The copy it replaces may be named by a failed record still in the log: it stays allocated
+    // until the log is replaced.
+    MutexLock commit(&store_->commit_mu_);
+    if (store_->log_poisoned_) {
+      store_->quarantined_.insert(store_->quarantined_.end(), it->second.extents.begin(),
+                                  it->second.extents.end());
+      it->second = Staged{std::move(extents), length, checksum};
+      return absl::OkStatus();
+    }
+  }
+  MutexLock lock(&store_->mu_);
+  if (it != staged_.end()) {
+    store_->FreeLocked(it->second.extents);
+    it->second = Staged{std::move(extents), length, checksum};
+  } else {
+    staged_[id] = Staged{std::move(extents), length, checksum};
+  }
   return absl::OkStatus();
 }
 

@@ -391,6 +391,13 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                               "written)"));
     }
     c.optimizer_commit_each = commit == "partition";
+    if (c.optimizer_write_behind.value_or(false) &&
+        c.offload_optimizer.device != OffloadDevice::kNvme) {
+      warn(absl::StrCat(p,
+                        "optimizer_write_behind: true is for optimizer state on NVMe "
+                        "(offload_optimizer.device \"nvme\"); host-resident state is written "
+                        "nowhere, so it does nothing here"));
+    }
     if (c.optimizer_commit_each && c.optimizer_write_behind.value_or(false)) {
       return Bad(p + "optimizer_write_behind",
                  "true with optimizer_commit \"partition\" (which lands each partition's state as "

@@ -1100,7 +1100,7 @@ class Engine(Lending, Gradients, Step):
         """The Runtime's statistics since the engine was made (waits, bytes per tier pair), the
         optimizer's NVMe traffic included in bytes_moved (its state read into the host and
         written back: nvme_to_host, host_to_nvme; a step's state written behind it,
-        strata.optimizer_write_behind, is counted once the next step has begun)."""
+        strata.optimizer_write_behind, is counted with the next step that commits)."""
         s = self.runtime.stats()
         s["device"] = self.device_kind
         moved = s["bytes_moved"]

@@ -71,9 +71,8 @@ class Step:
                 if always:
                     raise
                 # The last step's state written behind it could not be stored, say: nothing is
-                # staged during this backward; the step after it begins again and raises.
-                self.redone_steps += 1
-                self.last_redo_reason = self._redo_reason = f"beginning the step failed: {error}"
+                # staged during this backward; step() begins again and raises it.
+                self._redo_reason = f"beginning the step failed: {error}"
                 return
             staged = self._staged = _Staged(self.loss_scale, early, hold)
         lr, weight_decay = self._hyper_of(e)

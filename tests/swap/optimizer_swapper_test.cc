@@ -1995,15 +1995,25 @@ TEST(SwapperWriteBehindTest, CommitReturnsBeforeTheWritesAndTheStoreKeepsTheLast
 // the state fails, naming it, while writing it again fails, and the store keeps the last step's
 // state; once the disk takes it, the state is the step's, bit for bit, and training goes on.
 TEST(SwapperWriteBehindTest, AFailureBehindTheStepKeepsItsStateUntilItIsWritten) {
-  for (bool data : {true, false}) {
-    SCOPED_TRACE(data ? "a data write fails" : "the record fails");
+  for (int how = 0; how < 3; ++how) {
+    const bool data = how != 1, held = how == 2;
+    SCOPED_TRACE(held   ? "a data write from the read-ahead room fails"
+                 : data ? "a data write fails"
+                        : "the record fails");
     auto hold = std::make_shared<HeldWrite>();
     hold->id = 13;
-    Fixture f(Holding(WriteBehind({true, true, 0}), hold));
+    OptimizerSwapperConfig config = WriteBehind({true, true, 0});
+    if (held) config = ReadAhead(config);
+    Fixture f(Holding(config, hold));
     f.NewGrads(1);
     const uint64_t generation = f.store->generation();
     const std::vector<float> master_before = f.ref.p[3];
-    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, held).ok());
+    ASSERT_TRUE(f.swapper->Stage(1, f.Inputs()).ok());
+    if (held) {
+      ASSERT_TRUE(f.swapper->Release(1.0f).ok());
+    }
+    ASSERT_TRUE(f.swapper->Commit().ok());
     f.StepReference(1);
     // Behind the step, every data write (or every write to the manifest: the record and the
     // compactions that would replace the log) fails, until the fault is cleared.
@@ -2022,7 +2032,11 @@ TEST(SwapperWriteBehindTest, AFailureBehindTheStepKeepsItsStateUntilItIsWritten)
     EXPECT_TRUE(f.swapper->writing_behind());
     EXPECT_EQ(StatusErrno(f.swapper->Begin(0)), EIO);
     std::vector<float> x(f.parts[3].second), m(x.size()), v(x.size());
-    EXPECT_EQ(StatusErrno(f.swapper->ReadState(13, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v))), EIO);
+    EXPECT_EQ(StatusErrno(f.swapper->ReadState(13, absl::MakeSpan(x), absl::MakeSpan(m),
+                                               absl::MakeSpan(v))),
+              EIO);
+    EXPECT_EQ(StatusErrno(f.swapper->Initialize(13, x)), EIO);
+    EXPECT_EQ(StatusErrno(f.swapper->BeginLoad()), EIO);
     EXPECT_EQ(f.store->generation(), generation);
     ASSERT_TRUE(f.store->Find(13).ok());
     {
@@ -2073,6 +2087,68 @@ TEST(SwapperWriteBehindTest, AStepThatFailsBeforeCommitReturnsChangesNothing) {
   ASSERT_TRUE(overflow.ok());
   EXPECT_TRUE(overflow->overflow);
   EXPECT_EQ(f.store->generation(), generation);
+  f.ExpectMatchesReference();
+}
+
+// The worker stops on its own (an overflow found as a partition is about to step): Abort, or
+// Commit, ends the step with nothing changed (neither waits forever for the worker, which waits
+// for the step's decision).
+TEST(SwapperWriteBehindTest, AStepTheWorkerStoppedEndsByAbortOrCommit) {
+  for (bool commit : {false, true}) {
+    SCOPED_TRACE(commit ? "Commit" : "Abort");
+    Fixture f(WriteBehind({true, true, 0}));
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    ASSERT_TRUE(f.swapper->Flush().ok());
+    const uint64_t generation = f.store->generation();
+    f.NewGrads(2);
+    f.grads[1][5] = std::numeric_limits<float>::infinity();
+    f.trace->Clear();
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());
+    ASSERT_TRUE(f.swapper->Stage(2, f.Inputs(), {.check_overflow = true}).ok());
+    f.trace->WaitUntil(
+        [](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadAwaited, 11); },
+        "partition 11's read awaited");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the worker has stopped
+    if (commit) {
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->overflow);
+    } else {
+      EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+    }
+    EXPECT_FALSE(f.swapper->writing_behind());
+    EXPECT_EQ(f.store->generation(), generation);
+    f.ExpectMatchesReference();
+  }
+}
+
+// The next step begins while the last one's writes are still behind it: Begin waits for them
+// (the report of the next step that commits says how long), and both steps are the steps in
+// memory.
+TEST(SwapperWriteBehindTest, TheNextStepWaitsForTheWritesBehindTheLast) {
+  auto hold = std::make_shared<HeldWrite>();
+  hold->id = 13;
+  Fixture f(Holding(WriteBehind({true, true, 0}), hold));
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  std::thread later([hold] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    hold->Go();
+  });
+  f.NewGrads(2);
+  auto r = f.swapper->Step(2, f.Inputs());
+  later.join();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(hold->WaitedOut());
+  EXPECT_GE(r->behind_wait_seconds, 0.2);
+  uint64_t nvme_bytes = 0;
+  for (const auto& [id, n] : f.parts) nvme_bytes += n * 12;
+  EXPECT_EQ(r->behind_bytes_written, nvme_bytes);
+  f.StepReference(2);
+  f.ExpectCopiesMatchReference();
   f.ExpectMatchesReference();
 }
 

@@ -689,13 +689,14 @@ TEST(NvmeStoreTest, ABatchWhoseCommitFailedCommitsWhenCalledAgain) {
   // The record (offset 0 of the empty log) fails, and so does the compaction after it (its new
   // log's first write, offset 0 too): the log stays poisoned.
   // `skip`: writes at offset 0 let through first (a data write into space freed there).
-  auto poisoned_engine = [](uint64_t skip) {
+  // `hits` 1: only the record fails, and the compaction after it replaces the log at once.
+  auto poisoned_engine = [](uint64_t skip, uint64_t hits = 2) {
     aio::FaultRule eio = aio::FaultRule::Error(EIO);
     eio.skip = skip;
     eio.only = aio::OpKind::kWrite;
     eio.offset_begin = 0;
     eio.offset_end = 1;
-    eio.max_hits = 2;
+    eio.max_hits = hits;
     return MakeEngine({eio});
   };
   NvmeStoreOptions quiet;
@@ -712,6 +713,9 @@ TEST(NvmeStoreTest, ABatchWhoseCommitFailedCommitsWhenCalledAgain) {
     EXPECT_EQ(batch->staged(), 2u);
     EXPECT_EQ(GetAll(**store, 1), a1);
     EXPECT_EQ((*store)->used_bytes(), used + 2 * 73728);
+    // Staged again while the failed record may be in the log: the copy it replaces stays taken.
+    ASSERT_TRUE(batch->Stage(1, a2).ok());
+    EXPECT_EQ((*store)->used_bytes(), used + 3 * 73728);
     // Again: the log is replaced first, then the record lands.
     ASSERT_TRUE(batch->Commit().ok());
     EXPECT_EQ(batch->staged(), 0u);
@@ -742,6 +746,19 @@ TEST(NvmeStoreTest, ABatchWhoseCommitFailedCommitsWhenCalledAgain) {
     EXPECT_EQ((*store)->used_bytes(), used);
     EXPECT_EQ(GetAll(**store, 1), a2);
     EXPECT_EQ(GetAll(**store, 2), b1);
+  }
+  {
+    // The compaction after the failed record replaces the log: aborted, its space comes back.
+    auto engine = poisoned_engine(1, /*hits=*/1);
+    auto store = NvmeStore::Open(path, quiet, engine.get());
+    ASSERT_TRUE(store.ok()) << store.status();
+    const uint64_t used = (*store)->used_bytes();
+    auto batch = (*store)->NewBatch();
+    ASSERT_TRUE(batch->Stage(1, a1).ok());
+    EXPECT_FALSE(batch->Commit().ok());
+    batch->Abort();
+    EXPECT_EQ((*store)->used_bytes(), used);
+    EXPECT_EQ(GetAll(**store, 1), a2);
   }
 }
 

@@ -308,6 +308,13 @@ TEST(RuntimeConfigTest, OptimizerWriteBehindIsABoolOrAutoAndNotWithPartitionComm
   EXPECT_THAT(RuntimeConfigFromJsonText(both).status().message(),
               AllOf(HasSubstr("strata.optimizer_write_behind"),
                     HasSubstr("accepted there: false or \"auto\"")));
+  std::vector<std::string> warnings;
+  auto on_cpu = RuntimeConfigFromJsonText(
+      R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+          "strata": {"optimizer_write_behind": true}})",
+      &warnings);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("optimizer_write_behind: true is for")));
 }
 
 TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndChecked) {
