@@ -180,8 +180,9 @@ class NvmeStore {
   // Commit that fails keeps what was staged (nothing is current yet): Commit may be called again
   // (the log replaced first where the failed record may have reached it in part), or the Batch
   // aborted (where that record may have reached the log, its extents stay allocated until the log
-  // is replaced, as after a failed Put). A Batch is used by one thread at a time; several Batches
-  // may be open at once.
+  // is replaced, as after a failed Put; so do those of a partition staged again meanwhile, which
+  // the new copy replaces). A Batch is used by one thread at a time; several Batches may be open
+  // at once.
   class Batch {
    public:
     ~Batch();
@@ -206,7 +207,9 @@ class NvmeStore {
     // Allocates room for `length` bytes of `id` (the reserve rule above) and records it staged.
     absl::StatusOr<std::vector<StoreExtent>> Allocate(PartitionId id, uint64_t length,
                                                       const std::string& context);
-    // Keeps what was written (replacing an earlier staged copy of `id`), or frees it on error.
+    // Keeps what was written (replacing an earlier staged copy of `id`: freed, or kept allocated
+    // until the log is replaced where a failed record naming it may be there), or frees it on
+    // error.
     absl::Status Keep(PartitionId id, std::vector<StoreExtent> extents, uint64_t length,
                       uint64_t checksum, absl::Status written, const std::string& context);
     NvmeStore* const store_;

@@ -388,6 +388,7 @@ class Step:
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "staged": staged,
                       "host_early": early, "held": held, "written_behind": r["written_behind"],
+                      "behind_bytes_written": r["behind_bytes_written"],
                       "behind_wait_seconds": r["behind_wait_seconds"]}
 
     def _refresh_weights(self, entries):

@@ -594,6 +594,7 @@ def test_a_write_that_fails_behind_a_step_keeps_its_state_until_the_disk_takes_i
                 assert "optimizer step 3: its new state, written behind" in str(error), error
                 assert "kept in host memory" in str(error)
                 assert "No space left on device" in str(error)
+            assert engine.redone_steps == 0  # no step was dropped: it was never begun
             with pytest.raises(strata.Error, match="kept in host memory"):
                 engine.runtime.flush_optimizer()
             made[-1].arm_faults(False)

@@ -2152,6 +2152,25 @@ TEST(SwapperWriteBehindTest, TheNextStepWaitsForTheWritesBehindTheLast) {
   f.ExpectMatchesReference();
 }
 
+// The figures of writes behind a step are not lost with a step begun after it and dropped: the
+// next step that commits reports them.
+TEST(SwapperWriteBehindTest, TheWritesBehindAreReportedByTheNextStepThatCommits) {
+  Fixture f(WriteBehind({true, true, 0}));
+  uint64_t nvme_bytes = 0;
+  for (const auto& [id, n] : f.parts) nvme_bytes += n * 12;
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());  // waits for them
+  f.swapper->Abort();
+  f.NewGrads(2);
+  auto r = f.swapper->Step(2, f.Inputs());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->behind_bytes_written, nvme_bytes);
+  f.StepReference(2);
+  f.ExpectMatchesReference();
+}
+
 TEST(SwapperWriteBehindTest, NotWithCommitEach) {
   ScratchDir dir;
   auto engine = *aio::Engine::Create({}, {});
