@@ -283,9 +283,10 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
 Runtime::~Runtime() {
   AbortOptimizerStep();  // its thread may be acquiring gradients
   if (absl::Status s = FlushOptimizer(); !s.ok()) {
-    Warn(absl::StrCat("the last optimizer step's state was not written to NVMe when the Runtime "
-                      "was destroyed; it is lost: ",
-                      s.message()));
+    Warn(
+        absl::StrCat("the last optimizer step's state was not written to NVMe when the Runtime "
+                     "was destroyed; it is lost: ",
+                     s.message()));
   }
   if (pool_ != nullptr) pool_->Stop();  // the jobs still queued are cancelled (none: Create failed)
   if (store_ != nullptr) {

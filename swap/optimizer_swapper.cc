@@ -238,8 +238,10 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer swapper: partition ", id, " has ", n, " elements"));
   }
-  WaitForEarlySteps();  // no host-resident state is read while it steps
-  STRATA_RETURN_IF_ERROR(Settle());  // the committed state: the last step's, written
+  // No host-resident state is read while it steps, and the committed state is the last step's,
+  // written.
+  WaitForEarlySteps();
+  STRATA_RETURN_IF_ERROR(Settle());
   if (auto p = partial_.find(id); p != partial_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "optimizer swapper: partition ", id, ": ", PartlyStepped(p->second),
@@ -1255,10 +1257,10 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     report.compute_seconds += Since(s0);
     if (!s.ok()) {
       if (behind) behind_ = std::move(x);  // its NVMe part stands, written behind
-      return absl::InternalError(absl::StrCat(
-          "optimizer step ", it.t, ": the NVMe state ",
-          behind ? "stands (written behind)" : "was committed", " but host-resident partition ",
-          it.in.id, " failed after validation: ", s.message()));
+      return absl::InternalError(absl::StrCat("optimizer step ", it.t, ": the NVMe state ",
+                                              behind ? "stands (written behind)" : "was committed",
+                                              " but host-resident partition ", it.in.id,
+                                              " failed after validation: ", s.message()));
     }
   }
   StepReport done = finish();

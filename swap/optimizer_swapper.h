@@ -66,8 +66,8 @@
 // waits for the writes; what failed goes with it: Flush first).
 //
 // Thread safety: one Step, transaction (Begin .. Commit or Abort, its calls from one thread at a
-// time), Initialize, ReadState or Flush at a time; ReadState may be called while a step is staged (from
-// the thread that stages it) and reads the committed state (with host_early, a host-resident
+// time), Initialize, ReadState or Flush at a time; ReadState may be called while a step is staged
+// (from the thread that stages it) and reads the committed state (with host_early, a host-resident
 // partition reads stepped once it has: ReadState first waits for the early steps staged so far,
 // as WaitForEarlySteps). The store, the optimizer and the host
 // memory resource are borrowed and must outlive the swapper.
