@@ -198,6 +198,19 @@ absl::Status ReadBool(const Json& block, absl::string_view prefix, const char* k
   return absl::OkStatus();
 }
 
+absl::Status ReadBoolOrAuto(const Json& block, absl::string_view prefix, const char* key,
+                            absl::string_view auto_is, std::optional<bool>* out) {
+  auto it = block.find(key);
+  if (it == block.end() || IsAuto(*it)) return absl::OkStatus();
+  if (!it->is_boolean()) {
+    return Bad(
+        absl::StrCat(prefix, key),
+        absl::StrCat(it->dump(), ": accepted: true, false, \"auto\" (the default: ", auto_is, ")"));
+  }
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
 absl::Status ReadString(const Json& block, absl::string_view prefix, const char* key,
                         std::string* out) {
   auto it = block.find(key);

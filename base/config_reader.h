@@ -58,6 +58,10 @@ absl::Status ReadInt(const Json& block, absl::string_view prefix, const char* ke
   return absl::OkStatus();
 }
 absl::Status ReadBool(const Json& block, absl::string_view prefix, const char* key, bool* out);
+// A strata setting that is true, false or "auto" (leaves `out` unset: the setting decides);
+// `auto_is` says what "auto" does, in the error for anything else.
+absl::Status ReadBoolOrAuto(const Json& block, absl::string_view prefix, const char* key,
+                            absl::string_view auto_is, std::optional<bool>* out);
 absl::Status ReadString(const Json& block, absl::string_view prefix, const char* key,
                         std::string* out);
 // A number in [lo, hi], e.g. a ratio.

@@ -15,6 +15,7 @@ namespace {
 using Json = nlohmann::json;
 using config::Bad;
 using config::ReadBool;
+using config::ReadBoolOrAuto;
 using config::ReadInt;
 using config::ReadString;
 
@@ -345,16 +346,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
-    if (auto d = s->find("optimizer_during_backward"); d != s->end()) {
-      if (d->is_boolean()) {
-        c.optimizer_during_backward = d->get<bool>();
-      } else if (!d->is_string() || d->get<std::string>() != "auto") {
-        return Bad(p + "optimizer_during_backward",
-                   absl::StrCat(d->dump(),
-                                ": accepted: true, false, \"auto\" (the default: true "
-                                "where strata.device is \"cuda\")"));
-      }
-    }
+    STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(*s, p, "optimizer_during_backward",
+                                          "true where strata.device is \"cuda\"",
+                                          &c.optimizer_during_backward));
     if (auto r = s->find("optimizer_read_ahead_bytes"); r != s->end()) {
       if (!r->is_string() || r->get<std::string>() != "auto") {
         uint64_t bytes = 0;
@@ -369,16 +363,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         c.optimizer_read_ahead_bytes = bytes;
       }
     }
-    if (auto w = s->find("optimizer_write_behind"); w != s->end()) {
-      if (w->is_boolean()) {
-        c.optimizer_write_behind = w->get<bool>();
-      } else if (!w->is_string() || w->get<std::string>() != "auto") {
-        return Bad(p + "optimizer_write_behind",
-                   absl::StrCat(w->dump(),
-                                ": accepted: true, false, \"auto\" (the default: true with "
-                                "optimizer_commit \"step\")"));
-      }
-    }
+    STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(*s, p, "optimizer_write_behind",
+                                          "true with optimizer_commit \"step\"",
+                                          &c.optimizer_write_behind));
     std::string commit = "step";
     if (auto it = s->find("optimizer_commit"); it != s->end()) {
       commit = it->is_string() ? it->get<std::string>() : it->dump();
