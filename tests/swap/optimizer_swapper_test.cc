@@ -2058,17 +2058,22 @@ TEST(SwapperWriteBehindTest, AFailureBehindTheStepKeepsItsStateUntilItIsWritten)
   }
 }
 
+// Step 1, its writes behind it waited for; step 2's gradients. Returns the store's generation.
+uint64_t StepOneWrittenThenGradsOfTwo(Fixture& f) {
+  f.NewGrads(1);
+  EXPECT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  EXPECT_TRUE(f.swapper->Flush().ok());
+  f.NewGrads(2);
+  return f.store->generation();
+}
+
 // A step that fails before Commit returns is dropped whole, writes behind or not: a read that
 // fails, or an overflow, changes nothing (the writes already made are not committed).
 TEST(SwapperWriteBehindTest, AStepThatFailsBeforeCommitReturnsChangesNothing) {
   Fixture f(WriteBehind({true, true, 0}));
-  f.NewGrads(1);
-  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-  f.StepReference(1);
-  ASSERT_TRUE(f.swapper->Flush().ok());
-  const uint64_t generation = f.store->generation();
+  const uint64_t generation = StepOneWrittenThenGradsOfTwo(f);
   const auto copies = f.copies;
-  f.NewGrads(2);
   // The last partition's read fails: every other one has stepped and been written by then.
   f.trace->SetFault([](const Entry& op, const std::vector<Entry>& before) {
     return op.kind == aio::OpKind::kRead && op.data_file && Any(before, StepEvent::kReadStarted, 14)
@@ -2097,12 +2102,7 @@ TEST(SwapperWriteBehindTest, AStepTheWorkerStoppedEndsByAbortOrCommit) {
   for (bool commit : {false, true}) {
     SCOPED_TRACE(commit ? "Commit" : "Abort");
     Fixture f(WriteBehind({true, true, 0}));
-    f.NewGrads(1);
-    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-    f.StepReference(1);
-    ASSERT_TRUE(f.swapper->Flush().ok());
-    const uint64_t generation = f.store->generation();
-    f.NewGrads(2);
+    const uint64_t generation = StepOneWrittenThenGradsOfTwo(f);
     f.grads[1][5] = std::numeric_limits<float>::infinity();
     f.trace->Clear();
     ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());

@@ -606,6 +606,15 @@ TEST(NvmeStoreTest, AManifestWriteThatFailsOrIsCutShortLeavesThePreviousGenerati
   EXPECT_EQ(GetAll(**store, 1), v2);
 }
 
+// Reopens the store at `path` (then closes it): reopening compacts the log, so the next session
+// starts with an empty one.
+void ReopenToEmptyTheLog(const std::string& path) {
+  auto engine = MakeEngine();
+  auto store = NvmeStore::Open(path, {}, engine.get());
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->log_bytes(), 0u);
+}
+
 TEST(NvmeStoreTest, ABatchCommitsAllOrNothing) {
   ScratchDir dir;
   const std::string path = dir.File("s");
@@ -626,13 +635,7 @@ TEST(NvmeStoreTest, ABatchCommitsAllOrNothing) {
     EXPECT_EQ((*store)->used_bytes(), used);
     EXPECT_EQ(GetAll(**store, 1), a1);
   }
-  {
-    // Reopening compacts the log: the next session starts with an empty one.
-    auto engine = MakeEngine();
-    auto store = NvmeStore::Open(path, {}, engine.get());
-    ASSERT_TRUE(store.ok());
-    EXPECT_EQ((*store)->log_bytes(), 0u);
-  }
+  ASSERT_NO_FATAL_FAILURE(ReopenToEmptyTheLog(path));
   // The commit's log record fails (it is written at offset 0 of the empty log; the extents here
   // are not), and so does the compaction that replaces the log after it (the new snapshot is also
   // written at offset 0): neither partition changes, on disk or in memory.
@@ -682,10 +685,7 @@ TEST(NvmeStoreTest, ABatchWhoseCommitFailedCommitsWhenCalledAgain) {
     ASSERT_TRUE((*store)->Put(1, a1).ok());
     ASSERT_TRUE((*store)->Put(2, b1).ok());
   }
-  {
-    auto engine = MakeEngine();  // reopening compacts: the log is empty after it
-    ASSERT_TRUE(NvmeStore::Open(path, {}, engine.get()).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(ReopenToEmptyTheLog(path));
   // The record (offset 0 of the empty log) fails, and so does the compaction after it (its new
   // log's first write, offset 0 too): the log stays poisoned.
   // `skip`: writes at offset 0 let through first (a data write into space freed there).
@@ -747,10 +747,7 @@ TEST(NvmeStoreTest, ABatchWhoseCommitFailedCommitsWhenCalledAgain) {
     EXPECT_EQ(GetAll(**store, 1), a2);
     EXPECT_EQ(GetAll(**store, 2), b1);
   }
-  {
-    auto engine = MakeEngine();  // reopening compacts the log the Put above appended to
-    ASSERT_TRUE(NvmeStore::Open(path, {}, engine.get()).ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(ReopenToEmptyTheLog(path));  // the Put above appended to it
   {
     // The compaction after the failed record replaces the log: aborted, its space comes back.
     auto engine = poisoned_engine(1, /*hits=*/1);
