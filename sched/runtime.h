@@ -298,7 +298,9 @@ class Runtime {
   // One optimizer step t over `inputs` (swap/optimizer_swapper.h: every input validated first;
   // a step that fails changes nothing). The partitions are stepped, and their NVMe state read
   // ahead, in the order their gradients were released dirty in the recorded trace (backward's
-  // order), the rest after them in the order given.
+  // order), the rest after them in the order given. With strata.optimizer_write_behind (on by
+  // default with the state on NVMe) the step stands once it returns, its NVMe writes finishing
+  // behind it (FlushOptimizer, below: a write that fails then is written again, not undone).
   absl::StatusOr<swap::StepReport> OptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
                                                  const optim_cpu::StepOptions& options = {});
   // The step in parts (swap/optimizer_swapper.h's transaction), for a trainer that steps each

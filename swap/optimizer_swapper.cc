@@ -364,10 +364,9 @@ struct PipelinedOptimizerSwapper::Txn {
   Tail tail ABSL_GUARDED_BY(mu) = Tail::kUndecided;
   CondVar progress;
   // The worker's after its loop, until joined: the items whose write failed then (each with the
-  // buffer that still holds its new state), the tail's outcome and its writes.
+  // buffer that still holds its new state), the tail's outcome and the bytes it wrote.
   std::vector<std::pair<const Item*, float*>> unwritten;
   absl::Status tail_status;
-  double tail_write_s = 0;
   uint64_t tail_bytes = 0;
 };
 
@@ -999,7 +998,6 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     x->loop_done = true;
     x->progress.SignalAll();
   }
-  double* write_s = behind ? &x->tail_write_s : &report.write_seconds;
   uint64_t* written = behind ? &x->tail_bytes : &report.bytes_written;
   // Wait for everything in flight before deciding (no I/O may outlive the transaction).
   for (size_t j = 0; j < std::max(reads.size(), writes.size()); ++j) {
@@ -1011,7 +1009,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     }
     if (j < writes.size() && writes[j].valid()) {
       const Result& w = await_write(j);
-      *write_s += w.second;
+      if (!behind) report.write_seconds += w.second;
       if (w.first.ok()) {
         if (!items[j]->copy_only) {
           *written += StateBytes(items[j]->count);
@@ -1043,11 +1041,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       while (x->tail == Txn::Tail::kUndecided) x->progress.Wait(&x->mu);
       tail = x->tail;
     }
-    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) {
-      const auto w0 = Clock::now();
-      x->tail_status = x->batch->Commit();
-      x->tail_write_s += Since(w0);
-    }
+    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) x->tail_status = x->batch->Commit();
   }
 }
 
@@ -1285,9 +1279,7 @@ absl::Status PipelinedOptimizerSwapper::Settle() {
     absl::Status s;
     std::vector<std::pair<const Txn::Item*, float*>> still;
     for (const auto& [it, state] : x->unwritten) {
-      const auto w0 = Clock::now();
       absl::Status w = x->batch->Stage(StoreKey(it->in.id, it->group), Bytes(state, it->count));
-      x->tail_write_s += Since(w0);
       if (w.ok()) {
         x->tail_bytes += StateBytes(it->count);
       } else {
