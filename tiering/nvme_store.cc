@@ -1096,23 +1096,22 @@ std::unique_ptr<NvmeStore::Batch> NvmeStore::NewBatch() {
 NvmeStore::Batch::~Batch() { Abort(); }
 
 void NvmeStore::Batch::Abort() {
-  if (staged_.empty()) return;
+  for (const auto& [id, st] : staged_) LetGo(st.extents);
+  staged_.clear();
+}
+
+void NvmeStore::Batch::LetGo(const std::vector<StoreExtent>& extents) {
   if (maybe_logged_) {
-    // A record naming these extents may be in the log until it is replaced: they stay allocated
+    // A failed record naming them may be in the log until it is replaced: they stay allocated
     // until then (Compact frees them).
     MutexLock commit(&store_->commit_mu_);
     if (store_->log_poisoned_) {
-      for (const auto& [id, st] : staged_) {
-        store_->quarantined_.insert(store_->quarantined_.end(), st.extents.begin(),
-                                    st.extents.end());
-      }
-      staged_.clear();
+      store_->quarantined_.insert(store_->quarantined_.end(), extents.begin(), extents.end());
       return;
     }
   }
   MutexLock lock(&store_->mu_);
-  for (const auto& [id, st] : staged_) store_->FreeLocked(st.extents);
-  staged_.clear();
+  store_->FreeLocked(extents);
 }
 
 absl::StatusOr<std::vector<StoreExtent>> NvmeStore::Batch::Allocate(PartitionId id, uint64_t length,
@@ -1172,25 +1171,9 @@ absl::Status NvmeStore::Batch::Keep(PartitionId id, std::vector<StoreExtent> ext
     store_->FreeLocked(extents);
     return Annotate(written, context);
   }
-  auto it = staged_.find(id);
-  if (it != staged_.end() && maybe_logged_) {
-    // The copy it replaces may be named by a failed record still in the log: it stays allocated
-    // until the log is replaced.
-    MutexLock commit(&store_->commit_mu_);
-    if (store_->log_poisoned_) {
-      store_->quarantined_.insert(store_->quarantined_.end(), it->second.extents.begin(),
-                                  it->second.extents.end());
-      it->second = Staged{std::move(extents), length, checksum};
-      return absl::OkStatus();
-    }
-  }
-  MutexLock lock(&store_->mu_);
-  if (it != staged_.end()) {
-    store_->FreeLocked(it->second.extents);
-    it->second = Staged{std::move(extents), length, checksum};
-  } else {
-    staged_[id] = Staged{std::move(extents), length, checksum};
-  }
+  auto [it, added] = staged_.try_emplace(id);
+  if (!added) LetGo(it->second.extents);  // the copy it replaces
+  it->second = Staged{std::move(extents), length, checksum};
   return absl::OkStatus();
 }
 

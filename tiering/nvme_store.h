@@ -212,6 +212,9 @@ class NvmeStore {
     // error.
     absl::Status Keep(PartitionId id, std::vector<StoreExtent> extents, uint64_t length,
                       uint64_t checksum, absl::Status written, const std::string& context);
+    // Lets staged extents go: freed, or kept allocated until the log is replaced where a failed
+    // record naming them may be there (maybe_logged_).
+    void LetGo(const std::vector<StoreExtent>& extents);
     NvmeStore* const store_;
     std::map<PartitionId, Staged> staged_;
     // A Commit failed writing its record: one naming staged_ may be in the log until it is
