@@ -46,7 +46,8 @@ must agree within --tolerance (else the row's comparison is void and says so), a
 strata's timed optimizer steps was taken (held, staged during backward, or after it; and written
 behind it, strata.optimizer_write_behind, with how long the next step waited for those writes; the
 window of /proc/self/io then holds the writes behind the last warm-up step and not those behind
-the last timed one: the same bytes in a steady run). A row DeepSpeed
+the last timed one: the same bytes in a steady run; and the bytes of optimizer state a step found
+in strata's read-ahead room as the step before committed it, and did not read). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
 fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
@@ -55,6 +56,10 @@ device tier beside it (engine.stats() peak_bytes["device"], a CUDA memory pool o
 torch does not count), and the whole GPU's in use (total less free, cudaMemGetInfo, after each
 step: the CUDA context, torch's cache and strata's pool included); the report and the table name
 the GPU (torch.cuda.get_device_name).
+Where a row's step goes: --phases N takes N more steps after the timed ones, each split into
+forward, backward and the step after backward, each waited for (the GPU synchronized) before the
+next starts; --profile one more step under torch.profiler (the top ops by self time on the host,
+and on cuda on the GPU, with how long the GPU was busy). Neither touches the timed figures.
 
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
@@ -187,6 +192,83 @@ def io_bytes():
     return out["read_bytes"], out["write_bytes"]
 
 
+def split_phases(engine, spec, gen, cuda):
+    """After the timed steps, spec["phases"] more, each split into forward, backward and step
+    (the engine's call after backward), the GPU synchronized before each clock reading, so that a
+    phase is what it runs until its work is done: {phase: [seconds a step]}. Not the timed steps:
+    waiting between phases takes away what one phase would overlap with the next (write-behind's
+    writes still overlap the forward: they run on strata's own threads)."""
+    import torch
+    from llama import loss_of
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    split = {"forward": [], "backward": [], "step": []}
+    for _ in range(spec["phases"]):
+        x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+        if cuda:
+            x = x.cuda()
+        t0 = now()
+        loss = loss_of(engine, x, torch.roll(x, -1, 1))
+        t1 = now()
+        engine.backward(loss)
+        t2 = now()
+        engine.step()
+        t3 = now()
+        for key, seconds in zip(split, (t1 - t0, t2 - t1, t3 - t2)):
+            split[key].append(seconds)
+    return split
+
+
+def profile_step(engine, spec, gen, cuda, top=15):
+    """One more step under torch.profiler (the CPU's ops, and the GPU's kernels and copies on
+    cuda): the `top` ops by self time on the host and on the device, and on cuda how long the GPU
+    was busy (the union of its kernels' and copies' spans) against the step's wall time. The
+    profiler sees torch's ops on every thread that runs them, not strata's C++ threads (its
+    optimizer, copy engine and I/O), nor DeepSpeed's C++ ops' inner threads."""
+    import torch
+    from llama import loss_of
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+    if cuda:
+        x = x.cuda()
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        loss = loss_of(engine, x, torch.roll(x, -1, 1))
+        engine.backward(loss)
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+
+    def ranked(key):
+        rows = sorted(averages, key=lambda a: getattr(a, key), reverse=True)[:top]
+        return [{"op": a.key, "calls": a.count, "self_ms": getattr(a, key) / 1e3}
+                for a in rows if getattr(a, key) > 0]
+    out = {"wall_s": wall, "host_ops": ranked("self_cpu_time_total")}
+    if cuda:
+        out["device_ops"] = ranked("self_device_time_total")
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, end = 0.0, None
+        for start, stop in spans:  # microseconds; overlapping spans counted once
+            if end is None or start > end:
+                busy += stop - start
+                end = stop
+            elif stop > end:
+                busy += stop - end
+                end = stop
+        out["gpu_busy_s"] = busy / 1e6
+    return out
+
+
 def child(spec):
     locked = LockedPeak()
     system = spec["system"]
@@ -211,7 +293,7 @@ def child(spec):
         import strata
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
     gen = torch.Generator().manual_seed(1)
-    losses, times, how, behind_waits = [], [], [], []
+    losses, times, how, behind_waits, reused = [], [], [], [], []
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -238,10 +320,13 @@ def child(spec):
                 if taken.get("written_behind"):  # strata.optimizer_write_behind
                     how[-1] += ", written behind"
                     behind_waits.append(taken.get("behind_wait_seconds", 0.0))
+                reused.append(taken.get("bytes_reused", 0))
         if cuda:
             free, total = torch.cuda.mem_get_info()
             gpu_used = max(gpu_used, total - free)
     end_io = io_bytes()
+    phases = split_phases(engine, spec, gen, cuda) if spec.get("phases") else None
+    profile = profile_step(engine, spec, gen, cuda) if spec.get("profile") else None
     report = {"losses": losses, "step_s": times,
               "read_bytes_per_step": (end_io[0] - start_io[0]) / spec["steps"],
               "write_bytes_per_step": (end_io[1] - start_io[1]) / spec["steps"],
@@ -253,6 +338,10 @@ def child(spec):
                       gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                       gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
                       gpu_peak_used_bytes=gpu_used)
+    if phases is not None:
+        report["phases"] = phases
+    if profile is not None:
+        report["profile"] = profile
     if system == "deepspeed":
         import deepspeed
         report["versions"]["deepspeed"] = deepspeed.__version__
@@ -260,6 +349,7 @@ def child(spec):
         import strata
         report["optimizer_steps"] = how
         report["behind_wait_s"] = behind_waits
+        report["reused_bytes_per_step"] = sum(reused) / max(len(reused), 1)
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
         if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
@@ -284,6 +374,7 @@ def run_one(system, row, config, args, round_index, scratch):
     spec = {"system": system, "config": config, "layers": args.layers, "width": args.width,
             "heads": args.heads, "context": args.context, "batch": args.batch,
             "device": args.device, "warmup": 2, "steps": args.steps, "out": out,
+            "phases": args.phases, "profile": args.profile,
             "port": 29500 + round_index}
     spec_path = out + ".spec"
     with open(spec_path, "w", encoding="utf-8") as f:
@@ -307,10 +398,16 @@ def summarize(runs):
         return {"error": runs[0]["error"]}
     medians = [statistics.median(r["step_s"]) for r in ok]
     every = [t for r in ok for t in r["step_s"]]
-    gpu = {k: max(r.get(k, 0) for r in ok) for k in GPU_KEYS if k in ok[0]}
-    if gpu:
-        gpu["device_name"] = ok[0]["device_name"]
-    return {**gpu, "step_s": statistics.median(medians), "min_s": min(every), "max_s": max(every),
+    extra = {k: max(r.get(k, 0) for r in ok) for k in GPU_KEYS if k in ok[0]}
+    if extra:
+        extra["device_name"] = ok[0]["device_name"]
+    if "phases" in ok[0]:  # the median of every split step's, phase by phase, over the rounds
+        extra["phases_s"] = {k: statistics.median(t for r in ok for t in r["phases"][k])
+                             for k in ok[0]["phases"]}
+    if "profile" in ok[0]:
+        extra["profiles"] = [r["profile"] for r in ok]
+    return {**extra, "step_s": statistics.median(medians), "min_s": min(every),
+            "max_s": max(every),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
             "peak_locked_bytes": max(r["peak_locked_bytes"] for r in ok),
             "read_bytes_per_step": statistics.median(r["read_bytes_per_step"] for r in ok),
@@ -320,6 +417,8 @@ def summarize(runs):
                                 for how in sorted({h for r in ok
                                                    for h in r.get("optimizer_steps", [])})},
             "behind_wait_s": [w for r in ok for w in r.get("behind_wait_s", [])],
+            "reused_bytes_per_step": statistics.median(r.get("reused_bytes_per_step", 0)
+                                                       for r in ok),
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
@@ -384,6 +483,13 @@ def main():
     parser.add_argument("--nvme-buffer-elements", type=int, default=1 << 24,
                         help="offload_param.buffer_size of the NVMe row (elements)")
     parser.add_argument("--child-timeout", type=int, default=1800)
+    parser.add_argument("--phases", type=int, default=0,
+                        help="after the timed steps, this many more split into forward, "
+                             "backward and step, each waited for (a profile, not the timed "
+                             "figure)")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step under torch.profiler: the top ops by self time "
+                             "(host, and on cuda the GPU's) and on cuda how long the GPU was busy")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both compute: the CPU (DeepSpeed's cpu accelerator, strata's "
                              "host-emulated device tier) or GPU 0 (DeepSpeed's CUDA accelerator, "
@@ -395,6 +501,8 @@ def main():
         sys.exit(f"vs_deepspeed: --rows {args.rows}: unknown {bad}; accepted: {', '.join(ROWS)}")
     if args.rounds < 1 or args.steps < 1:
         sys.exit("vs_deepspeed: --rounds and --steps must be at least 1")
+    if args.phases < 0:
+        sys.exit(f"vs_deepspeed: --phases {args.phases}: accepted: 0 (no split) or more steps")
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit(f"vs_deepspeed: --device cuda: torch {torch.__version__} (built for CUDA "
@@ -547,11 +655,33 @@ def main():
                 " (held: its NVMe state read during backward, stepped after it; staged: "
                 "speculated during backward and committed; written behind: its state's writes "
                 "finished under the next forward)")
+            if e["strata"].get("reused_bytes_per_step"):
+                print(f"vs_deepspeed/{e['row']}: strata's optimizer state found in its read-ahead "
+                      "room as the step before committed it, and not read again: "
+                      f"{fmt_bytes(e['strata']['reused_bytes_per_step'])} a step (beside the "
+                      f"{fmt_bytes(e['strata']['read_bytes_per_step'])} it read)")
             waits = e["strata"].get("behind_wait_s")
             if waits:
                 print(f"vs_deepspeed/{e['row']}: strata's next step waited for the writes behind "
                       f"the last one: median {statistics.median(waits):.3f} s, at most "
                       f"{max(waits):.3f} s")
+        for system in ("strata", "deepspeed"):
+            side = e[system]
+            if "phases_s" in side:
+                print(f"vs_deepspeed/{e['row']}: {system}'s step split (--phases, each phase "
+                      "waited for; medians): " + ", ".join(
+                          f"{k} {v:.3f} s" for k, v in side["phases_s"].items()))
+            for p in side.get("profiles", [])[:1]:  # the first round's
+                busy = (f", the GPU busy {p['gpu_busy_s']:.3f} s of it"
+                        if "gpu_busy_s" in p else "")
+                print(f"vs_deepspeed/{e['row']}: {system}'s profiled step {p['wall_s']:.3f} s"
+                      f"{busy}; top ops by self time on the host: " + "; ".join(
+                          f"{o['op']} {o['self_ms']:.1f} ms ({o['calls']})"
+                          for o in p["host_ops"][:8]))
+                if "device_ops" in p:
+                    print(f"vs_deepspeed/{e['row']}: {system}'s top ops on the GPU: " + "; ".join(
+                        f"{o['op']} {o['self_ms']:.1f} ms ({o['calls']})"
+                        for o in p["device_ops"][:8]))
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")

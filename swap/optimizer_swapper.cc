@@ -8,6 +8,7 @@
 #include <future>
 #include <limits>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -368,6 +369,9 @@ struct PipelinedOptimizerSwapper::Txn {
   std::vector<std::pair<const Item*, float*>> unwritten;
   absl::Status tail_status;
   uint64_t tail_bytes = 0;
+  // The worker's until joined: the sub-groups written from the read-ahead room (offset in it,
+  // store key, bytes), for KeepRoomCopies once the record is committed.
+  std::vector<std::tuple<uint64_t, tiering::PartitionId, uint64_t>> room_written;
 };
 
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
@@ -737,15 +741,34 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   };
   auto started = [&](size_t k) { return k < reads.size() && reads[k].valid(); };
   // Item k's state and (commit_each) copy buffer: a ring buffer's, or its room in the read-ahead
-  // memory (a held step's, given in the order staged while it lasts; one that does not fit goes
-  // through the ring).
+  // memory (a held step's, and any step's without commit_each, given in the order staged while
+  // it lasts; one that does not fit goes through the ring).
   std::vector<float*> state_of;
   std::vector<std::byte*> copy_of;
   constexpr size_t kNone = std::numeric_limits<size_t>::max();
   std::vector<size_t> ring_user(ring, kNone);  // the item that used each ring buffer last
   size_t ring_next = 0;
   uint64_t ahead_used = 0;
-  bool ahead_open = x->held && read_ahead_ != nullptr;
+  // The room holds a held step's state as it is read ahead, and any step's with commit "step":
+  // what a step leaves there committed is not read again (KeepRoomCopies).
+  bool ahead_open = read_ahead_ != nullptr && (x->held || !config_.commit_each);
+  // What the room holds as the last held step committed it; from here on it is this step's.
+  const absl::flat_hash_map<uint64_t, RoomCopy> kept = std::exchange(room_copies_, {});
+  std::vector<bool> reused;  // item k's state is in its room as committed: not read
+  auto in_room = [this](const float* buf) {
+    const auto* b = reinterpret_cast<const std::byte*>(buf);
+    return read_ahead_ != nullptr && b >= read_ahead_ && b < read_ahead_ + read_ahead_bytes_;
+  };
+  // Whether item k, placed at `offset` in the room, finds its committed state there.
+  auto committed_there = [&](uint64_t offset, const Txn::Item& it) {
+    auto c = kept.find(offset);
+    if (config_.commit_each || c == kept.end()) return false;
+    const tiering::PartitionId key = StoreKey(it.in.id, it.group);
+    const uint64_t bytes = StateBytes(it.count);
+    if (c->second.key != key || c->second.bytes != bytes) return false;
+    auto record = store_->Find(key);
+    return record.ok() && record->length == bytes && record->checksum == c->second.checksum;
+  };
   auto take_ahead = [&](size_t k, const Txn::Item& it) {
     const uint64_t slot = ReadAheadSlot(it.count, config_.commit_each);
     // One that does not fit goes through the ring; a later, smaller one may still fit.
@@ -756,6 +779,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     state_of[k] = reinterpret_cast<float*>(read_ahead_ + ahead_used);
     const uint64_t state = WholePages(StateBytes(it.count));
     copy_of[k] = config_.commit_each ? read_ahead_ + ahead_used + state : nullptr;
+    if (reused.size() <= k) reused.resize(k + 1);
+    reused[k] = committed_there(ahead_used, it);
     ahead_used += slot;
     return true;
   };
@@ -771,9 +796,15 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       absl::Status s = store_->Get(key, MutableBytes(buf, n));
       return Result(s, Since(r0));
     };
+    if (k < reused.size() && reused[k]) {  // its committed state is in its room already
+      Emit(StepEvent::kReadReused, id);
+      std::promise<Result> there;
+      there.set_value(Result(absl::OkStatus(), 0.0));
+      reads[k] = there.get_future();
+      return;
+    }
     // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
-    const bool ahead = read_ahead_ != nullptr && reinterpret_cast<std::byte*>(buf) >= read_ahead_ &&
-                       reinterpret_cast<std::byte*>(buf) < read_ahead_ + read_ahead_bytes_;
+    const bool ahead = in_room(buf);
     if (config_.pipeline_read || ahead) {
       reads[k] = std::async(std::launch::async, work);
       Emit(StepEvent::kReadLaunched, id);
@@ -923,7 +954,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       x->failure = read_status;
       break;
     }
-    report.bytes_read += StateBytes(it->count);
+    (k < reused.size() && reused[k] ? report.bytes_reused : report.bytes_read) +=
+        StateBytes(it->count);
     float* state = state_of[k];
     const uint64_t n = it->count;
     optim_cpu::AdamChunk c;
@@ -1014,6 +1046,11 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
         if (!items[j]->copy_only) {
           *written += StateBytes(items[j]->count);
           if (config_.commit_each) x->landed_groups.push_back(items[j]);
+          if (in_room(state_of[j])) {
+            x->room_written.emplace_back(reinterpret_cast<std::byte*>(state_of[j]) - read_ahead_,
+                                         StoreKey(items[j]->in.id, items[j]->group),
+                                         StateBytes(items[j]->count));
+          }
         }
       } else if (behind) {
         // Its new state is still in its buffer (the loop is over: none is reused).
@@ -1041,7 +1078,20 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       while (x->tail == Txn::Tail::kUndecided) x->progress.Wait(&x->mu);
       tail = x->tail;
     }
-    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) x->tail_status = x->batch->Commit();
+    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) {
+      x->tail_status = x->batch->Commit();
+      if (x->tail_status.ok()) KeepRoomCopies(*x);
+    }
+  }
+}
+
+void PipelinedOptimizerSwapper::KeepRoomCopies(const Txn& x) {
+  if (config_.commit_each) return;
+  for (const auto& [offset, key, bytes] : x.room_written) {
+    // The record committed names what was written from the room.
+    if (auto record = store_->Find(key); record.ok() && record->length == bytes) {
+      room_copies_[offset] = RoomCopy{key, bytes, record->checksum};
+    }
   }
 }
 
@@ -1228,6 +1278,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
     absl::Status committed = x->batch->Commit();
     report.write_seconds += Since(w0);
     if (!committed.ok()) return Annotate(committed, unchanged);
+    KeepRoomCopies(*x);
   }
   failed_early_.clear();  // committed
   // Committed: what the caller sees changes now, by steps that cannot fail. The staged param

@@ -57,6 +57,17 @@
 // (commit_each too) and drops what was read ahead. Commit before Release is refused
 // (FailedPrecondition, the transaction left open). Host-resident partitions read nothing ahead and
 // step at Commit.
+// Without commit_each every step, held or not, takes its sub-groups' state into the room in the
+// order staged while it lasts (the rest through the ring), and the room keeps what a step left
+// there: once the step's record is committed, each sub-group it stepped and wrote from the room
+// is, in the room, the committed state. The next step that gives a sub-group the same place in
+// the room (the same order of staging: a trainer's backward) does not read it again when the
+// store's record of it is still the one committed then (its checksum: a load or a step since
+// would have changed it); StepReport::bytes_reused counts those bytes. So a room as large as the
+// NVMe-resident state turns a step's disk traffic into writes alone. Each transaction forgets
+// what the room held as it starts, and only a step whose record commits (written behind, its
+// tail's) fills it again: a step that fails or is aborted, with anything of it stepped in the
+// room or not, leaves nothing known there. Not with commit_each (its copy buffers are there).
 //
 // With write_behind (below) a step stands from Commit, which returns once every partition has
 // stepped and its param copy is out; the writes still in flight, then the record, finish behind
@@ -99,6 +110,7 @@ enum class StepEvent : uint8_t {
   kReadLaunched,   // its read was handed to an I/O thread (pipeline_read, or read ahead)
   kReadStarted,    // its read begins, on whichever thread runs it
   kReadAwaited,    // the step's thread waits for its read (or, without pipeline_read, runs it)
+  kReadReused,     // a held step found its committed state in the read-ahead room: no read
   kStepStarted,    // CpuAdam begins on it (the step's thread)
   kStepFinished,   // CpuAdam is done with it
   kWriteLaunched,  // its write was handed to an I/O thread (pipeline_write only)
@@ -146,7 +158,9 @@ struct OptimizerSwapperConfig {
   uint64_t sub_group_elements = 0;
   // Pinned host memory for a held step's read-ahead (above), taken at Create: at most what the
   // NVMe-resident partitions' sub-groups would take there all at once (in whole pages, with a
-  // copy buffer's room each with commit_each). 0: none (a held step reads as the ring allows).
+  // copy buffer's room each with commit_each). Without commit_each every step's state goes
+  // there while it lasts, and what a step left there committed is not read again (above).
+  // 0: none (a held step reads as the ring allows).
   uint64_t read_ahead_bytes = 0;
   // Commit returns once every partition has stepped and its param copy is out, the writes of the
   // new NVMe state still in flight then (and the manifest record after them) finishing behind it,
@@ -188,6 +202,9 @@ struct StepReport {
   double write_seconds = 0;    // summed time of the writes, commit included
   double compute_seconds = 0;  // summed optimizer time
   uint64_t bytes_read = 0, bytes_written = 0;
+  // A held step's state found in the read-ahead room as the last step committed it (see above),
+  // and so not read.
+  uint64_t bytes_reused = 0;
   // write_behind: the step's writes went on behind it (bytes_written and write_seconds are 0
   // then: the bytes come in a later report, as behind_bytes_written).
   bool written_behind = false;
@@ -362,6 +379,9 @@ class PipelinedOptimizerSwapper {
   absl::Status Settle();
   // Makes the param-copy staging buffer at least `bytes` long.
   absl::Status ReserveCopyStaging(uint64_t bytes);
+  // Once x's record is committed: the state its held step wrote from the read-ahead room is what
+  // the room holds (room_copies_).
+  void KeepRoomCopies(const Txn& x);
 
   tiering::NvmeStore* store_ = nullptr;
   optim_cpu::ChunkOptimizer* optimizer_ = nullptr;
@@ -376,6 +396,15 @@ class PipelinedOptimizerSwapper {
   uint64_t copy_buffer_bytes_ = 0;
   std::byte* read_ahead_ = nullptr;
   uint64_t read_ahead_bytes_ = 0;
+  // What the read-ahead room holds as committed: by offset in the room, the sub-group's store key,
+  // its bytes and the checksum of the record that committed them. Set once a held step's record
+  // is committed (by that transaction's thread), taken and emptied by the next transaction's
+  // worker as it starts (the one before it joined by then).
+  struct RoomCopy {
+    tiering::PartitionId key = 0;
+    uint64_t bytes = 0, checksum = 0;
+  };
+  absl::flat_hash_map<uint64_t, RoomCopy> room_copies_;
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::unique_ptr<Txn> txn_;

@@ -353,6 +353,7 @@ py::dict ReportDict(const swap::StepReport& report) {
   d["compute_seconds"] = report.compute_seconds;
   d["bytes_read"] = report.bytes_read;
   d["bytes_written"] = report.bytes_written;
+  d["bytes_reused"] = report.bytes_reused;
   d["written_behind"] = report.written_behind;
   d["behind_bytes_written"] = report.behind_bytes_written;
   d["behind_wait_seconds"] = report.behind_wait_seconds;

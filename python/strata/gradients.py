@@ -50,6 +50,8 @@ class Gradients:
                     # torch's stream), not from its host copy after backward (_grad_norm).
                     with torch.no_grad():
                         e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
+                if e not in self._fired:
+                    self._fired_order.append(e)
                 self._fired.add(e)
             if e.partitioned:
                 e.param.grad = None
@@ -216,6 +218,7 @@ class Gradients:
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
         self._fired.clear()
+        self._fired_order.clear()
         for e in self._params:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)

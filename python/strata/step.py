@@ -224,8 +224,9 @@ class Step:
 
     def _unstaged(self):
         """(entry, host gradient or None: its partition's) for each parameter with a gradient
-        whose step is not staged."""
-        for e in self._params:
+        whose step is not staged: in the order backward made them final, then the others."""
+        fired = set(self._fired_order)
+        for e in self._fired_order + [e for e in self._params if e not in fired]:
             if e.staged is not None or e in self._stepped_early:
                 continue
             if e.partitioned:
@@ -339,7 +340,7 @@ class Step:
             self._stage(e, g, clip=clip, always=True)
         if self._staged is None:
             return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
-                          "bytes_written": 0}
+                          "bytes_written": 0, "bytes_reused": 0}
         return self._commit(norm, staged=False)
 
     def _norm_and_clip(self, scale):
@@ -386,7 +387,8 @@ class Step:
             self._update_scale(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
-                      "bytes_written": r["bytes_written"], "staged": staged,
+                      "bytes_written": r["bytes_written"], "bytes_reused": r["bytes_reused"],
+                      "staged": staged,
                       "host_early": early, "held": held, "written_behind": r["written_behind"],
                       "behind_bytes_written": r["behind_bytes_written"],
                       "behind_wait_seconds": r["behind_wait_seconds"]}

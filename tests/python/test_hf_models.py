@@ -312,10 +312,11 @@ def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
         assert torch.equal(ours[name], value), name  # never written back
     stats = engine.stats()
     assert stats["peak_bytes"]["device"] <= config["strata"]["device_budget_bytes"]
-    # Frozen weights are read from NVMe and never written back to it: what goes down is the
-    # adapters' optimizer state.
+    # The frozen base is homed on NVMe (the device tier holds under half of it): it is read from
+    # there, and never written back (above). (The adapters' optimizer state is read by the first
+    # step only: the later ones find it in the read-ahead room.)
     assert stats["bytes_moved"].get("nvme_to_device", 0) + \
-        stats["bytes_moved"].get("nvme_to_host", 0) >= STEPS * model_bytes // 2
+        stats["bytes_moved"].get("nvme_to_host", 0) >= model_bytes // 2
 
 
 def test_lora_on_a_model_built_under_strata_init_computes_with_its_weights(tmp_path):

@@ -1642,11 +1642,15 @@ TEST(SwapperHeldTest, AHeldStepReadsAheadStepsNothingBeforeReleaseAndIsTheStepAt
           f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(0, half), {.grad_scale = 0.5f}).ok());
       ASSERT_TRUE(
           f.swapper->Stage(t, absl::MakeConstSpan(in).subspan(half), {.grad_scale = 0.5f}).ok());
+      // From step 2 on (not with commit_each) the room holds the state step t-1 committed: read
+      // again nothing.
+      const bool reuse = t > 1 && !config.commit_each;
       for (const auto& [id, n] : f.parts) {
         if (!f.swapper->on_nvme(id)) continue;
+        const StepEvent event = reuse ? StepEvent::kReadReused : StepEvent::kReadStarted;
         f.trace->WaitUntil(
-            [id = id](const std::vector<Entry>& x) { return Any(x, StepEvent::kReadStarted, id); },
-            absl::StrCat("partition ", id, " read before Release"));
+            [id = id, event](const std::vector<Entry>& x) { return Any(x, event, id); },
+            absl::StrCat("partition ", id, reuse ? " reused" : " read", " before Release"));
       }
       EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
       for (const Entry& e : f.trace->entries()) {
@@ -1661,7 +1665,17 @@ TEST(SwapperHeldTest, AHeldStepReadsAheadStepsNothingBeforeReleaseAndIsTheStepAt
       ASSERT_TRUE(f.swapper->Release(scale).ok());
       auto r = f.swapper->Commit();
       ASSERT_TRUE(r.ok()) << r.status();
-      EXPECT_GT(r->bytes_read, 0u);
+      if (reuse) {
+        EXPECT_EQ(r->bytes_read, 0u);
+        EXPECT_GT(r->bytes_reused, 0u);
+        for (const auto& [id, n] : f.parts) {
+          EXPECT_FALSE(Any(f.trace->entries(), StepEvent::kReadStarted, id))
+              << "partition " << id << " read again";
+        }
+      } else {
+        EXPECT_GT(r->bytes_read, 0u);
+        EXPECT_EQ(r->bytes_reused, 0u);
+      }
       f.StepReference(t, {.grad_scale = scale});
       f.ExpectMatchesReference();
       f.ExpectCopiesMatchReference();
@@ -2183,6 +2197,172 @@ TEST(SwapperWriteBehindTest, NotWithCommitEach) {
                                              WriteBehind(CommitEach(true, 0)), {{1, 100}});
   EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.status().message(), HasSubstr("write_behind with commit_each"));
+}
+
+// ---- The read-ahead room keeps what a step committed there ----
+
+uint64_t NvmeStateBytes(Fixture& f) {
+  uint64_t bytes = 0;
+  for (const auto& [id, n] : f.parts) bytes += f.swapper->on_nvme(id) ? n * 12 : 0;
+  return bytes;
+}
+
+// Step t (held when `held`) over every partition in `in`, at scale 1.
+absl::StatusOr<StepReport> StepThrough(Fixture& f, int64_t t, const std::vector<StepInput>& in,
+                                       bool held) {
+  STRATA_RETURN_IF_ERROR(
+      f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false, held));
+  STRATA_RETURN_IF_ERROR(f.swapper->Stage(t, in));
+  if (held) STRATA_RETURN_IF_ERROR(f.swapper->Release(1.0f));
+  return f.swapper->Commit();
+}
+
+// With a room as large as the NVMe-resident state, each step finds there the state the last one
+// committed and reads none of it: from step 2 on no partition's state is read (its bytes counted
+// reused), and every step is the step in memory, bit for bit, param copies too; plain steps and
+// held ones alternating, pipelined or not, host-resident partitions beside, in sub-groups, written
+// behind.
+TEST(SwapperRoomTest, AStepFindsTheStateTheLastCommittedInTheRoomAndReadsNone) {
+  for (OptimizerSwapperConfig config :
+       {ReadAhead({true, true, 0}), ReadAhead({false, false, 0}), ReadAhead({true, true, 220000}),
+        ReadAhead(SubGroups({true, true, 0})), WriteBehind(ReadAhead({true, true, 0}))}) {
+    SCOPED_TRACE(absl::StrCat(config.pipeline_read, " ", config.max_in_cpu_bytes, " ",
+                              config.sub_group_elements, " ", config.write_behind));
+    Fixture f(config);
+    const uint64_t nvme = NvmeStateBytes(f);
+    ASSERT_GT(nvme, 0u);
+    for (int64_t t = 1; t <= 4; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      f.trace->Clear();
+      auto r = StepThrough(f, t, f.Inputs(), /*held=*/t % 2 == 0);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(r->bytes_read, t == 1 ? nvme : 0) << "step " << t;
+      EXPECT_EQ(r->bytes_reused, t == 1 ? 0 : nvme) << "step " << t;
+      for (const auto& [id, n] : f.parts) {
+        if (!f.swapper->on_nvme(id)) continue;
+        EXPECT_EQ(Any(f.trace->entries(), StepEvent::kReadStarted, id), t == 1)
+            << "partition " << id << " at step " << t;
+        EXPECT_EQ(Any(f.trace->entries(), StepEvent::kReadReused, id), t > 1)
+            << "partition " << id << " at step " << t;
+      }
+      f.StepReference(t);
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+  }
+}
+
+// A partition whose record changed since the last step (given new master weights here; a load
+// alike) is read again, the others still found in the room; the step is the step in memory from
+// the new state.
+TEST(SwapperRoomTest, AStateChangedSinceTheLastStepIsReadAgain) {
+  Fixture f(ReadAhead({true, true, 0}));
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  const size_t i = 3;  // partition 13
+  ASSERT_EQ(f.parts[i].first, 13u);
+  std::vector<float> master(f.parts[i].second, 0.25f);
+  ASSERT_TRUE(f.swapper->Initialize(13, master).ok());
+  f.ref.p[i] = master;
+  std::fill(f.ref.m[i].begin(), f.ref.m[i].end(), 0.0f);
+  std::fill(f.ref.v[i].begin(), f.ref.v[i].end(), 0.0f);
+  f.NewGrads(2);
+  f.trace->Clear();
+  auto r = f.swapper->Step(2, f.Inputs());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kReadStarted, 13));
+  EXPECT_EQ(r->bytes_read, f.parts[i].second * 12);
+  EXPECT_EQ(r->bytes_reused, NvmeStateBytes(f) - f.parts[i].second * 12);
+  f.StepReference(2);
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+}
+
+// A step that stepped partitions in the room and then failed (a write) or was aborted leaves
+// nothing known there: the room holds state that was never committed, so the next step reads
+// every partition again, and is the step that never failed.
+TEST(SwapperRoomTest, AStepThatFailsOrIsAbortedLeavesNothingKnownInTheRoom) {
+  for (bool abort : {false, true}) {
+    SCOPED_TRACE(abort ? "aborted" : "a write failed");
+    Fixture f(ReadAhead({true, true, 0}));
+    const uint64_t nvme = NvmeStateBytes(f);
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    f.NewGrads(2);
+    f.trace->Clear();
+    if (abort) {
+      ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false).ok());
+      ASSERT_TRUE(f.swapper->Stage(2, f.Inputs()).ok());
+      f.trace->WaitUntil(
+          [](const std::vector<Entry>& x) { return Any(x, StepEvent::kStepFinished, 13); },
+          "partition 13 stepped");
+      EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+      EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+    } else {
+      f.trace->SetFault([](const Entry& op, const std::vector<Entry>& before) {
+        return op.kind == aio::OpKind::kWrite && op.data_file &&
+                       Any(before, StepEvent::kWriteStarted, 13)
+                   ? EIO
+                   : 0;
+      });
+      auto failed = f.swapper->Step(2, f.Inputs());
+      ASSERT_FALSE(failed.ok());
+      EXPECT_EQ(StatusErrno(failed.status()), EIO) << failed.status();
+    }
+    EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kStepFinished, 12));  // stepped in the room
+    f.ExpectMatchesReference();                                          // step 1's
+    f.trace->Clear();
+    auto r = f.swapper->Step(2, f.Inputs());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_read, nvme);
+    EXPECT_EQ(r->bytes_reused, 0u);
+    f.StepReference(2);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// The room is given in the order staged: a step staging the partitions in another order finds
+// none where the last step left it and reads them (nothing taken from the wrong place); staged
+// in that order again, it finds them.
+TEST(SwapperRoomTest, PartitionsStagedInAnotherOrderAreReadAgain) {
+  Fixture f(ReadAhead({true, true, 0}));
+  const uint64_t nvme = NvmeStateBytes(f);
+  f.NewGrads(1);
+  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+  f.StepReference(1);
+  for (int64_t t = 2; t <= 3; ++t) {
+    f.NewGrads(static_cast<int>(t));
+    std::vector<StepInput> in = f.Inputs();
+    std::reverse(in.begin(), in.end());
+    auto r = f.swapper->Step(t, in);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_read, t == 2 ? nvme : 0) << "step " << t;
+    EXPECT_EQ(r->bytes_reused, t == 2 ? 0 : nvme) << "step " << t;
+    f.StepReference(t);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// A room smaller than the state holds what fits (12 here): that is reused, the rest read through
+// the ring each step.
+TEST(SwapperRoomTest, ARoomSmallerThanTheStateReusesWhatItHolds) {
+  Fixture f(ReadAhead({true, true, 220000}, StateSlot(65536 * 3 + 5)), kHeldParts);
+  const uint64_t nvme = NvmeStateBytes(f);
+  const uint64_t held = (65536 * 3 + 5) * 12;
+  for (int64_t t = 1; t <= 3; ++t) {
+    f.NewGrads(static_cast<int>(t));
+    auto r = StepThrough(f, t, f.Inputs(), /*held=*/t == 2);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_reused, t == 1 ? 0 : held) << "step " << t;
+    EXPECT_EQ(r->bytes_read, t == 1 ? nvme : nvme - held) << "step " << t;
+    f.StepReference(t);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
 }
 
 }  // namespace
