@@ -8,7 +8,6 @@
 #include <future>
 #include <limits>
 #include <thread>
-#include <tuple>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -370,8 +369,14 @@ struct PipelinedOptimizerSwapper::Txn {
   absl::Status tail_status;
   uint64_t tail_bytes = 0;
   // The worker's until joined: the sub-groups written from the read-ahead room (offset in it,
-  // store key, bytes), for KeepRoomCopies once the record is committed.
-  std::vector<std::tuple<uint64_t, tiering::PartitionId, uint64_t>> room_written;
+  // store key, bytes, and the checksum of the bytes written), for KeepRoomCopies once the record
+  // naming them is committed.
+  struct RoomWrite {
+    uint64_t offset = 0;
+    tiering::PartitionId key = 0;
+    uint64_t bytes = 0, checksum = 0;
+  };
+  std::vector<RoomWrite> room_written;
 };
 
 PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
@@ -726,6 +731,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   const size_t ring = buffers_.size();
   std::vector<std::future<Result>> reads;
   std::vector<std::shared_future<Result>> writes;
+  std::deque<uint64_t> written_sum;  // the checksum of what each write staged
   // The items seen so far (a deque's elements stay put; indexing it would race with Stage). An
   // item is one sub-group of a partition (the whole of one not cut), a partition's in a row.
   std::vector<const Txn::Item*> items;
@@ -749,10 +755,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   std::vector<size_t> ring_user(ring, kNone);  // the item that used each ring buffer last
   size_t ring_next = 0;
   uint64_t ahead_used = 0;
-  // The room holds a held step's state as it is read ahead, and any step's with commit "step":
+  // The room holds a held step's state as it is read ahead, and any step's without commit_each:
   // what a step leaves there committed is not read again (KeepRoomCopies).
   bool ahead_open = read_ahead_ != nullptr && (x->held || !config_.commit_each);
-  // What the room holds as the last held step committed it; from here on it is this step's.
+  // What the room holds as the last step committed it; from here on it is this step's.
   const absl::flat_hash_map<uint64_t, RoomCopy> kept = std::exchange(room_copies_, {});
   std::vector<bool> reused;  // item k's state is in its room as committed: not read
   auto in_room = [this](const float* buf) {
@@ -818,6 +824,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   };
   auto start_write = [&](size_t k, const Txn::Item& it) {
     if (writes.size() <= k) writes.resize(k + 1);
+    if (written_sum.size() <= k) written_sum.resize(k + 1);  // (a deque: elements stay put)
+    uint64_t* sum = &written_sum[k];
     float* buf = state_of[k];
     std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
     // With commit_each, the param copy computed into this slot's copy buffer goes out once the
@@ -826,14 +834,14 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
     // Writes are staged one after another (a Batch is used by one thread at a time; with
     // commit_each, one Put at a time needs the store's room for one sub-group's second copy).
-    auto work = [this, buf, &it, prev, b = x->batch.get(), copy, copy_bytes] {
+    auto work = [this, buf, &it, prev, b = x->batch.get(), copy, copy_bytes, sum] {
       if (prev.valid()) prev.wait();
       const tiering::PartitionId id = it.in.id;
       const auto w0 = Clock::now();
       absl::Status s;
       if (!it.copy_only) {
         Emit(StepEvent::kWriteStarted, id);
-        s = b != nullptr ? b->Stage(StoreKey(id, it.group), Bytes(buf, it.count))
+        s = b != nullptr ? b->Stage(StoreKey(id, it.group), Bytes(buf, it.count), sum)
                          : store_->Put(StoreKey(id, it.group), Bytes(buf, it.count));
       }
       if (!s.ok() || copy == nullptr) return Result(s, Since(w0));
@@ -1047,9 +1055,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
           *written += StateBytes(items[j]->count);
           if (config_.commit_each) x->landed_groups.push_back(items[j]);
           if (in_room(state_of[j])) {
-            x->room_written.emplace_back(reinterpret_cast<std::byte*>(state_of[j]) - read_ahead_,
-                                         StoreKey(items[j]->in.id, items[j]->group),
-                                         StateBytes(items[j]->count));
+            const auto at = reinterpret_cast<std::byte*>(state_of[j]) - read_ahead_;
+            x->room_written.push_back({static_cast<uint64_t>(at),
+                                       StoreKey(items[j]->in.id, items[j]->group),
+                                       StateBytes(items[j]->count), written_sum[j]});
           }
         }
       } else if (behind) {
@@ -1087,11 +1096,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
 
 void PipelinedOptimizerSwapper::KeepRoomCopies(const Txn& x) {
   if (config_.commit_each) return;
-  for (const auto& [offset, key, bytes] : x.room_written) {
-    // The record committed names what was written from the room.
-    if (auto record = store_->Find(key); record.ok() && record->length == bytes) {
-      room_copies_[offset] = RoomCopy{key, bytes, record->checksum};
-    }
+  // The checksum of the bytes written from the room, not the store's record of them: a later step
+  // finds them only while the store's record of its sub-group says exactly those bytes.
+  for (const Txn::RoomWrite& w : x.room_written) {
+    room_copies_[w.offset] = RoomCopy{w.key, w.bytes, w.checksum};
   }
 }
 

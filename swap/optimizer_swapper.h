@@ -110,7 +110,7 @@ enum class StepEvent : uint8_t {
   kReadLaunched,   // its read was handed to an I/O thread (pipeline_read, or read ahead)
   kReadStarted,    // its read begins, on whichever thread runs it
   kReadAwaited,    // the step's thread waits for its read (or, without pipeline_read, runs it)
-  kReadReused,     // a held step found its committed state in the read-ahead room: no read
+  kReadReused,     // its committed state was found in the read-ahead room: no read
   kStepStarted,    // CpuAdam begins on it (the step's thread)
   kStepFinished,   // CpuAdam is done with it
   kWriteLaunched,  // its write was handed to an I/O thread (pipeline_write only)
@@ -202,8 +202,8 @@ struct StepReport {
   double write_seconds = 0;    // summed time of the writes, commit included
   double compute_seconds = 0;  // summed optimizer time
   uint64_t bytes_read = 0, bytes_written = 0;
-  // A held step's state found in the read-ahead room as the last step committed it (see above),
-  // and so not read.
+  // State found in the read-ahead room as the last step committed it (see above), and so not
+  // read.
   uint64_t bytes_reused = 0;
   // write_behind: the step's writes went on behind it (bytes_written and write_seconds are 0
   // then: the bytes come in a later report, as behind_bytes_written).
@@ -326,7 +326,7 @@ class PipelinedOptimizerSwapper {
   size_t buffer_count() const { return buffers_.size(); }
   // Bytes of host memory held for staging param copies (see above).
   uint64_t copy_staging_bytes() const { return copy_staging_bytes_; }
-  // Bytes of pinned host memory held for a held step's read-ahead (read_ahead_bytes, capped).
+  // Bytes of pinned host memory held for the read-ahead room (read_ahead_bytes, capped).
   uint64_t read_ahead_bytes() const { return read_ahead_bytes_; }
 
  private:
@@ -379,8 +379,8 @@ class PipelinedOptimizerSwapper {
   absl::Status Settle();
   // Makes the param-copy staging buffer at least `bytes` long.
   absl::Status ReserveCopyStaging(uint64_t bytes);
-  // Once x's record is committed: the state its held step wrote from the read-ahead room is what
-  // the room holds (room_copies_).
+  // Once x's record is committed: the state it wrote from the read-ahead room is what the room
+  // holds (room_copies_).
   void KeepRoomCopies(const Txn& x);
 
   tiering::NvmeStore* store_ = nullptr;
@@ -397,9 +397,10 @@ class PipelinedOptimizerSwapper {
   std::byte* read_ahead_ = nullptr;
   uint64_t read_ahead_bytes_ = 0;
   // What the read-ahead room holds as committed: by offset in the room, the sub-group's store key,
-  // its bytes and the checksum of the record that committed them. Set once a held step's record
-  // is committed (by that transaction's thread), taken and emptied by the next transaction's
-  // worker as it starts (the one before it joined by then).
+  // its bytes and the checksum of the bytes written from there. Set once a step's record is
+  // committed (by Commit's caller, or by the transaction's worker for a step written behind),
+  // taken and emptied by the next transaction's worker as it starts (Begin joined the one
+  // before it by then).
   struct RoomCopy {
     tiering::PartitionId key = 0;
     uint64_t bytes = 0, checksum = 0;

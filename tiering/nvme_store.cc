@@ -1177,7 +1177,8 @@ absl::Status NvmeStore::Batch::Keep(PartitionId id, std::vector<StoreExtent> ext
   return absl::OkStatus();
 }
 
-absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte> bytes) {
+absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte> bytes,
+                                     uint64_t* checksum) {
   const std::string context = absl::StrCat("nvme store: put partition ", id);
   if (bytes.empty()) return absl::InvalidArgumentError(absl::StrCat(context, ": no bytes"));
   STRATA_ASSIGN_OR_RETURN(std::vector<StoreExtent> extents, Allocate(id, bytes.size(), context));
@@ -1186,6 +1187,7 @@ absl::Status NvmeStore::Batch::Stage(PartitionId id, absl::Span<const std::byte>
   const uint64_t sum = Checksum(bytes);
   absl::Status s = written.Wait();
   if (s.ok()) s = store_->SyncFiles(extents);
+  if (checksum != nullptr) *checksum = sum;
   return Keep(id, std::move(extents), bytes.size(), sum, s, context);
 }
 

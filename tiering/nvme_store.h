@@ -186,7 +186,9 @@ class NvmeStore {
   class Batch {
    public:
     ~Batch();
-    absl::Status Stage(PartitionId id, absl::Span<const std::byte> bytes);
+    // `checksum`, when given, receives the staged bytes' checksum (what their record will say).
+    absl::Status Stage(PartitionId id, absl::Span<const std::byte> bytes,
+                       uint64_t* checksum = nullptr);
     // Stages `length` bytes produced chunk by chunk: produce(offset, chunk) fills chunk i into one
     // of the two buffers while chunk i-1 is written from the other. The buffers are of one size,
     // a multiple of the alignment.

@@ -527,10 +527,12 @@ class Engine(Lending, Gradients, Step):
         self._half_loaded = None
         self._early_held = []  # their host copies, released written after backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
-        # The same, in the order their gradients were final (the order a step after backward
-        # stages them in, as backward's staging did: the optimizer's read-ahead room is laid out
-        # in that order, and a step finds there what the last one left only at the same place).
-        self._fired_order = []
+        # The parameters whose step the gradient hook stages in the boundary micro-batch (or
+        # would, were staging paused), in that order, as dict keys: a step after backward stages
+        # them first, in that order, as backward's staging would have (the optimizer's read-ahead
+        # room is laid out in the order staged, and a step finds there what the last one left
+        # only at the same place).
+        self._hook_order = {}
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
         self.redone_steps = 0  # staged steps dropped and taken anew
         self.last_redo_reason = None

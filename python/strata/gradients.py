@@ -50,8 +50,6 @@ class Gradients:
                     # torch's stream), not from its host copy after backward (_grad_norm).
                     with torch.no_grad():
                         e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
-                if e not in self._fired:
-                    self._fired_order.append(e)
                 self._fired.add(e)
             if e.partitioned:
                 e.param.grad = None
@@ -64,6 +62,7 @@ class Gradients:
                     return
                 self._add_to_gradient_partition(e, grad.reshape(-1), boundary)
                 if boundary:  # its optimizer step is staged
+                    self._hook_order[e] = None
                     self._stage(e)
             elif self.stage == 2 and self.ranks is not None:
                 # Reduce-scattered as it is made: this rank keeps only its shard's mean.
@@ -85,6 +84,7 @@ class Gradients:
                 # copy: a second backward would add to .grad while the optimizer reads it). On a
                 # GPU the copy to the host would make the host wait for the device in the middle
                 # of backward: those are staged after backward instead.
+                self._hook_order[e] = None
                 self._stage(e, grad.detach().reshape(-1).clone())
         return hook
 
@@ -218,7 +218,7 @@ class Gradients:
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
         self._fired.clear()
-        self._fired_order.clear()
+        self._hook_order.clear()
         for e in self._params:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)

@@ -224,9 +224,12 @@ class Step:
 
     def _unstaged(self):
         """(entry, host gradient or None: its partition's) for each parameter with a gradient
-        whose step is not staged: in the order backward made them final, then the others."""
-        fired = set(self._fired_order)
-        for e in self._fired_order + [e for e in self._params if e not in fired]:
+        whose step is not staged: those the gradient hook stages first, in the order it met them
+        (in one process: across ranks every rank keeps the parameters' own order), then the
+        others."""
+        first = list(self._hook_order) if self.ranks is None else []
+        rest = [e for e in self._params if e not in self._hook_order] if first else self._params
+        for e in first + rest:
             if e.staged is not None or e in self._stepped_early:
                 continue
             if e.partitioned:

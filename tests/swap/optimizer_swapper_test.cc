@@ -2365,5 +2365,97 @@ TEST(SwapperRoomTest, ARoomSmallerThanTheStateReusesWhatItHolds) {
   }
 }
 
+// A step whose record fails (written behind or not) leaves nothing known in the room, though
+// what it stepped there is what a retry writes: the record the room's bytes are known by is the
+// one committed, and a retried record is not looked at. The next step reads everything and is the
+// step in memory.
+TEST(SwapperRoomTest, AStepWhoseRecordFailedLeavesNothingKnownInTheRoom) {
+  for (bool behind : {false, true}) {
+    SCOPED_TRACE(behind ? "written behind" : "not behind");
+    OptimizerSwapperConfig config = ReadAhead({true, true, 0});
+    if (behind) config = WriteBehind(config);
+    Fixture f(config);
+    const uint64_t nvme = NvmeStateBytes(f);
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    ASSERT_TRUE(f.swapper->Flush().ok());
+    f.NewGrads(2);
+    f.trace->SetFault(
+        [](const Entry& op, const std::vector<Entry>&) {
+          return op.kind == aio::OpKind::kWrite && !op.data_file ? EIO : 0;
+        },
+        /*once=*/false);
+    auto failed = f.swapper->Step(2, f.Inputs());
+    int64_t t = 2;
+    if (behind) {  // it stands; its record is written again until the disk takes it
+      ASSERT_TRUE(failed.ok()) << failed.status();
+      EXPECT_FALSE(f.swapper->Flush().ok());
+      f.trace->SetFault(nullptr);
+      ASSERT_TRUE(f.swapper->Flush().ok());
+      f.StepReference(2);
+      f.NewGrads(3);
+      t = 3;
+    } else {
+      ASSERT_FALSE(failed.ok());
+      f.trace->SetFault(nullptr);
+      f.ExpectMatchesReference();  // step 1's
+    }
+    auto r = f.swapper->Step(t, f.Inputs());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_read, nvme);
+    EXPECT_EQ(r->bytes_reused, 0u);
+    f.StepReference(t);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
+// A step written behind that is dropped after partitions stepped in the room (an overflow found
+// in the last one staged, or Abort) leaves nothing known there: the step again reads everything
+// and is the step in memory.
+TEST(SwapperRoomTest, ADroppedStepWrittenBehindLeavesNothingKnownInTheRoom) {
+  for (bool overflow : {true, false}) {
+    SCOPED_TRACE(overflow ? "overflow" : "aborted");
+    Fixture f(WriteBehind(ReadAhead({true, true, 0})));
+    const uint64_t nvme = NvmeStateBytes(f);
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    ASSERT_TRUE(f.swapper->Flush().ok());
+    f.NewGrads(2);
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false).ok());
+    if (overflow) {  // 13's gradient not finite, 13 staged last: 12 stepped in the room by then
+      const auto clean = f.grads;
+      f.grads[3][0] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<StepInput> in = f.Inputs();
+      ASSERT_EQ(in[3].id, 13u);
+      std::swap(in[3], in.back());
+      ASSERT_TRUE(f.swapper->Stage(2, in, {.check_overflow = true}).ok());
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_TRUE(r->overflow);
+      f.grads = clean;
+    } else {
+      ASSERT_TRUE(f.swapper->Stage(2, f.Inputs()).ok());
+      f.trace->WaitUntil(
+          [](const std::vector<Entry>& x) { return Any(x, StepEvent::kStepFinished, 13); },
+          "partition 13 stepped");
+      EXPECT_THAT(f.trace->stuck(), ::testing::IsEmpty());
+      EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+    }
+    EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kStepFinished, 12));
+    ASSERT_TRUE(f.swapper->Flush().ok());
+    f.ExpectMatchesReference();  // step 1's
+    auto r = f.swapper->Step(2, f.Inputs());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->bytes_read, nvme);
+    EXPECT_EQ(r->bytes_reused, 0u);
+    f.StepReference(2);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
+}
+
 }  // namespace
 }  // namespace strata::swap
