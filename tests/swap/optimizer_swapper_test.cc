@@ -2252,31 +2252,41 @@ TEST(SwapperRoomTest, AStepFindsTheStateTheLastCommittedInTheRoomAndReadsNone) {
   }
 }
 
-// A partition whose record changed since the last step (given new master weights here; a load
-// alike) is read again, the others still found in the room; the step is the step in memory from
+// A partition whose record changed since the last step (given new master weights, or a loaded
+// state) is read again, the others still found in the room; the step is the step in memory from
 // the new state.
 TEST(SwapperRoomTest, AStateChangedSinceTheLastStepIsReadAgain) {
-  Fixture f(ReadAhead({true, true, 0}));
-  f.NewGrads(1);
-  ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-  f.StepReference(1);
-  const size_t i = 3;  // partition 13
-  ASSERT_EQ(f.parts[i].first, 13u);
-  std::vector<float> master(f.parts[i].second, 0.25f);
-  ASSERT_TRUE(f.swapper->Initialize(13, master).ok());
-  f.ref.p[i] = master;
-  std::fill(f.ref.m[i].begin(), f.ref.m[i].end(), 0.0f);
-  std::fill(f.ref.v[i].begin(), f.ref.v[i].end(), 0.0f);
-  f.NewGrads(2);
-  f.trace->Clear();
-  auto r = f.swapper->Step(2, f.Inputs());
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kReadStarted, 13));
-  EXPECT_EQ(r->bytes_read, f.parts[i].second * 12);
-  EXPECT_EQ(r->bytes_reused, NvmeStateBytes(f) - f.parts[i].second * 12);
-  f.StepReference(2);
-  f.ExpectMatchesReference();
-  f.ExpectCopiesMatchReference();
+  for (bool load : {false, true}) {
+    SCOPED_TRACE(load ? "loaded" : "initialized");
+    Fixture f(ReadAhead({true, true, 0}));
+    f.NewGrads(1);
+    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
+    f.StepReference(1);
+    const size_t i = 3;  // partition 13
+    ASSERT_EQ(f.parts[i].first, 13u);
+    const uint64_t n = f.parts[i].second;
+    std::vector<float> master(n, 0.25f), m(n, load ? 0.125f : 0.0f), v(n, load ? 0.5f : 0.0f);
+    if (load) {
+      ASSERT_TRUE(f.swapper->BeginLoad().ok());
+      ASSERT_TRUE(f.swapper->Load(13, master, m, v).ok());
+      ASSERT_TRUE(f.swapper->CommitLoad().ok());
+    } else {
+      ASSERT_TRUE(f.swapper->Initialize(13, master).ok());
+    }
+    f.ref.p[i] = master;
+    f.ref.m[i] = m;
+    f.ref.v[i] = v;
+    f.NewGrads(2);
+    f.trace->Clear();
+    auto r = f.swapper->Step(2, f.Inputs());
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kReadStarted, 13));
+    EXPECT_EQ(r->bytes_read, f.parts[i].second * 12);
+    EXPECT_EQ(r->bytes_reused, NvmeStateBytes(f) - f.parts[i].second * 12);
+    f.StepReference(2);
+    f.ExpectMatchesReference();
+    f.ExpectCopiesMatchReference();
+  }
 }
 
 // A step that stepped partitions in the room and then failed (a write) or was aborted leaves
