@@ -313,8 +313,8 @@ def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
     stats = engine.stats()
     assert stats["peak_bytes"]["device"] <= config["strata"]["device_budget_bytes"]
     # The frozen base is homed on NVMe (the device tier holds under half of it): it is read from
-    # there, and never written back (above). (The adapters' optimizer state is read by the first
-    # step only: the later ones find it in the read-ahead room.)
+    # there, and never written back (above). (The adapters' optimizer state is read only where a
+    # step does not find it in the read-ahead room, as the step before committed it.)
     assert stats["bytes_moved"].get("nvme_to_device", 0) + \
         stats["bytes_moved"].get("nvme_to_host", 0) >= model_bytes // 2
 
