@@ -192,6 +192,26 @@ def io_bytes():
     return out["read_bytes"], out["write_bytes"]
 
 
+def next_batch(spec, gen, cuda):
+    """The next batch of token ids from `gen`, on the GPU (synchronized) with cuda."""
+    import torch
+    x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+    if cuda:
+        x = x.cuda()
+        torch.cuda.synchronize()
+    return x
+
+
+def train_step(engine, x):
+    """One training step of `engine` on batch `x`: its loss."""
+    import torch
+    from llama import loss_of
+    loss = loss_of(engine, x, torch.roll(x, -1, 1))
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
 def split_phases(engine, spec, gen, cuda):
     """After the timed steps, spec["phases"] more, each split into forward, backward and step
     (the engine's call after backward), the GPU synchronized before each clock reading, so that a
@@ -208,9 +228,7 @@ def split_phases(engine, spec, gen, cuda):
 
     split = {"forward": [], "backward": [], "step": []}
     for _ in range(spec["phases"]):
-        x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
-        if cuda:
-            x = x.cuda()
+        x = next_batch(spec, gen, cuda)
         t0 = now()
         loss = loss_of(engine, x, torch.roll(x, -1, 1))
         t1 = now()
@@ -230,19 +248,13 @@ def profile_step(engine, spec, gen, cuda, top=15):
     profiler sees torch's ops on every thread that runs them, not strata's C++ threads (its
     optimizer, copy engine and I/O), nor DeepSpeed's C++ ops' inner threads."""
     import torch
-    from llama import loss_of
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
-    if cuda:
-        x = x.cuda()
-        torch.cuda.synchronize()
+    x = next_batch(spec, gen, cuda)
     with torch.profiler.profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        loss = loss_of(engine, x, torch.roll(x, -1, 1))
-        engine.backward(loss)
-        engine.step()
+        train_step(engine, x)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -282,7 +294,7 @@ def child(spec):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import torch
-    from llama import llama, loss_of
+    from llama import llama
     torch.manual_seed(0)
     model = llama(spec["layers"], spec["width"], spec["heads"], spec["context"])
     if system == "deepspeed":
@@ -299,14 +311,9 @@ def child(spec):
     for step in range(spec["warmup"] + spec["steps"]):
         if step == spec["warmup"]:
             start_io = io_bytes()
-        x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
-        if cuda:
-            x = x.cuda()
-            torch.cuda.synchronize()
+        x = next_batch(spec, gen, cuda)
         t0 = time.perf_counter()
-        loss = loss_of(engine, x, torch.roll(x, -1, 1))
-        engine.backward(loss)
-        engine.step()
+        loss = train_step(engine, x)
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0

@@ -287,6 +287,8 @@ DIVERGE = r"""
 import os, sys, torch
 import strata
 stage = int(sys.argv[1])
+# "sum": the same model on every rank, only the order its backward makes gradients final differs.
+same_sum = sys.argv[2:] == ["sum"]
 rank = int(os.environ["RANK"])
 
 class Net(torch.nn.Module):
@@ -296,6 +298,8 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Linear(16, 16)
 
     def forward(self, x, step):
+        if same_sum:  # the sum's terms made in another order on rank 1
+            return self.a(x) + self.b(x) if rank == 0 else self.b(x) + self.a(x)
         # From the second step rank 1 runs its layers the other way round (stage 3), or leaves
         # one out (an expert no token was routed to, at stage 2).
         if rank == 1 and step >= 1:
@@ -303,9 +307,12 @@ class Net(torch.nn.Module):
         return self.b(self.a(x))
 
 torch.manual_seed(0)
+# With "sum" the layers stay whole on every rank (under the persistence threshold): their
+# optimizer steps shards, all-gathered after the step.
 config = {"train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10,
+          "zero_optimization": {"stage": stage,
+                                "stage3_param_persistence_threshold": 1000 if same_sum else 10,
                                 "reduce_bucket_size": 1},
           "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
                      "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
@@ -313,7 +320,7 @@ engine, _, _, _ = strata.initialize(model=Net(), config=config)
 for step in range(3):
     engine.backward(engine(torch.randn(2, 16), step).square().mean())
     engine.step()
-print("done")
+print("done", float(sum(p.double().sum() for p in engine.module_state_dict().values())))
 """
 
 
@@ -334,43 +341,10 @@ def test_a_rank_whose_order_differs_is_named_on_every_rank_without_a_hang(stage)
     assert time.monotonic() - start < 50  # at once, not at the 60 s timeout
 
 
-SUM_ORDER = r"""
-import os, torch
-import strata
-rank = int(os.environ["RANK"])
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(16, 16)
-        self.b = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        # The same sum on both ranks, its terms made in another order on rank 1: its backward
-        # makes the two gradients final in the other order.
-        return self.a(x) + self.b(x) if rank == 0 else self.b(x) + self.a(x)
-
-torch.manual_seed(0)
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-          # Stage 3's parameters kept whole on every rank (under the persistence threshold): their
-          # optimizer steps shards, all-gathered after the step.
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000},
-          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
-                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
-engine, _, _, _ = strata.initialize(model=Net(), config=config)
-gen = torch.Generator().manual_seed(rank)
-for step in range(3):
-    engine.backward(engine(torch.randn(2, 16, generator=gen)).square().mean())
-    engine.step()
-print("done", float(sum(p.double().sum() for p in engine.module_state_dict().values())))
-"""
-
-
 def test_ranks_whose_backward_orders_gradients_differently_step_alike():
     # The step after backward stages the parameters in each rank's own order of gradients only in
     # one process: across ranks, in the parameters' order (the new weights' all-gathers follow it).
-    procs = start_ranks(2, SUM_ORDER)
+    procs = start_ranks(2, DIVERGE, (3, "sum"))
     weights = []
     for p in procs:
         out, err = p.communicate(timeout=120)

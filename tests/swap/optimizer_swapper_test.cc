@@ -2207,6 +2207,18 @@ uint64_t NvmeStateBytes(Fixture& f) {
   return bytes;
 }
 
+// Step t over every partition, after one that left nothing known in the room: it reads every
+// partition's state and is the step in memory.
+void ExpectTheStepReadsEverything(Fixture& f, int64_t t) {
+  auto r = f.swapper->Step(t, f.Inputs());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_read, NvmeStateBytes(f));
+  EXPECT_EQ(r->bytes_reused, 0u);
+  f.StepReference(t);
+  f.ExpectMatchesReference();
+  f.ExpectCopiesMatchReference();
+}
+
 // Step t (held when `held`) over every partition in `in`, at scale 1.
 absl::StatusOr<StepReport> StepThrough(Fixture& f, int64_t t, const std::vector<StepInput>& in,
                                        bool held) {
@@ -2296,11 +2308,7 @@ TEST(SwapperRoomTest, AStepThatFailsOrIsAbortedLeavesNothingKnownInTheRoom) {
   for (bool abort : {false, true}) {
     SCOPED_TRACE(abort ? "aborted" : "a write failed");
     Fixture f(ReadAhead({true, true, 0}));
-    const uint64_t nvme = NvmeStateBytes(f);
-    f.NewGrads(1);
-    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-    f.StepReference(1);
-    f.NewGrads(2);
+    StepOneWrittenThenGradsOfTwo(f);
     f.trace->Clear();
     if (abort) {
       ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false).ok());
@@ -2323,14 +2331,7 @@ TEST(SwapperRoomTest, AStepThatFailsOrIsAbortedLeavesNothingKnownInTheRoom) {
     }
     EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kStepFinished, 12));  // stepped in the room
     f.ExpectMatchesReference();                                          // step 1's
-    f.trace->Clear();
-    auto r = f.swapper->Step(2, f.Inputs());
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->bytes_read, nvme);
-    EXPECT_EQ(r->bytes_reused, 0u);
-    f.StepReference(2);
-    f.ExpectMatchesReference();
-    f.ExpectCopiesMatchReference();
+    ExpectTheStepReadsEverything(f, 2);
   }
 }
 
@@ -2385,12 +2386,7 @@ TEST(SwapperRoomTest, AStepWhoseRecordFailedLeavesNothingKnownInTheRoom) {
     OptimizerSwapperConfig config = ReadAhead({true, true, 0});
     if (behind) config = WriteBehind(config);
     Fixture f(config);
-    const uint64_t nvme = NvmeStateBytes(f);
-    f.NewGrads(1);
-    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-    f.StepReference(1);
-    ASSERT_TRUE(f.swapper->Flush().ok());
-    f.NewGrads(2);
+    StepOneWrittenThenGradsOfTwo(f);
     f.trace->SetFault(
         [](const Entry& op, const std::vector<Entry>&) {
           return op.kind == aio::OpKind::kWrite && !op.data_file ? EIO : 0;
@@ -2411,13 +2407,7 @@ TEST(SwapperRoomTest, AStepWhoseRecordFailedLeavesNothingKnownInTheRoom) {
       f.trace->SetFault(nullptr);
       f.ExpectMatchesReference();  // step 1's
     }
-    auto r = f.swapper->Step(t, f.Inputs());
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->bytes_read, nvme);
-    EXPECT_EQ(r->bytes_reused, 0u);
-    f.StepReference(t);
-    f.ExpectMatchesReference();
-    f.ExpectCopiesMatchReference();
+    ExpectTheStepReadsEverything(f, t);
   }
 }
 
@@ -2428,12 +2418,7 @@ TEST(SwapperRoomTest, ADroppedStepWrittenBehindLeavesNothingKnownInTheRoom) {
   for (bool overflow : {true, false}) {
     SCOPED_TRACE(overflow ? "overflow" : "aborted");
     Fixture f(WriteBehind(ReadAhead({true, true, 0})));
-    const uint64_t nvme = NvmeStateBytes(f);
-    f.NewGrads(1);
-    ASSERT_TRUE(f.swapper->Step(1, f.Inputs()).ok());
-    f.StepReference(1);
-    ASSERT_TRUE(f.swapper->Flush().ok());
-    f.NewGrads(2);
+    StepOneWrittenThenGradsOfTwo(f);
     ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes() + (1 << 20), false).ok());
     if (overflow) {  // 13's gradient not finite, 13 staged last: 12 stepped in the room by then
       const auto clean = f.grads;
@@ -2457,13 +2442,7 @@ TEST(SwapperRoomTest, ADroppedStepWrittenBehindLeavesNothingKnownInTheRoom) {
     EXPECT_TRUE(Any(f.trace->entries(), StepEvent::kStepFinished, 12));
     ASSERT_TRUE(f.swapper->Flush().ok());
     f.ExpectMatchesReference();  // step 1's
-    auto r = f.swapper->Step(2, f.Inputs());
-    ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->bytes_read, nvme);
-    EXPECT_EQ(r->bytes_reused, 0u);
-    f.StepReference(2);
-    f.ExpectMatchesReference();
-    f.ExpectCopiesMatchReference();
+    ExpectTheStepReadsEverything(f, 2);
   }
 }
 
