@@ -74,9 +74,12 @@ class Gradients:
                 e.param.grad = None
                 if grad.device.type == "cuda":
                     self._send_to_host(e, grad.reshape(-1))
+                elif e.host_grad is None:
+                    # The window's first is autograd's own tensor, kept (nothing else holds it
+                    # once .grad is cleared: autograd gave .grad a tensor of its own), cast only
+                    # where grad_accum_dtype differs.
+                    e.host_grad = grad.reshape(-1).to(dtype=self.grad_accum_dtype)
                 else:
-                    if e.host_grad is None:
-                        e.host_grad = torch.zeros(e.numel, dtype=self.grad_accum_dtype)
                     e.host_grad.add_(grad.reshape(-1).to(dtype=self.grad_accum_dtype))
                 e.has_grad = True
             elif boundary and grad.device.type == "cpu":

@@ -1592,6 +1592,36 @@ def test_deepspeeds_engine_api_as_trainers_call_it(tmp_path):
                load_file(tmp_path / "out" / "model.safetensors").items())
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_gradient_a_hook_keeps_is_not_summed_into(tmp_path, stage):
+    # Stage 2 on the host keeps autograd's gradient tensor as its sum (no copy); a tensor hook
+    # that holds the gradient it saw must keep it as it was when a second backward adds to the
+    # sum, and the step must be plain torch's on the sum of both.
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    seen = []
+    model.l1.weight.register_hook(lambda g: seen.append((g, g.clone())) or g)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    # No clipping, two steps: neither clipping nor Adam's first step sees the gradient's scale.
+    for i, (x, y) in enumerate(batches(2)):
+        loss = loss_of(engine(x), y)
+        if i == 0:
+            engine.backward(loss, retain_graph=True)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = loss_of(reference(x), y)
+        ((2 if i == 0 else 1) * ref_loss).backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    assert len(seen) == 3 and all(torch.equal(g, kept) for g, kept in seen)
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_backward_without_scaling_by_the_accumulation_steps(tmp_path):
     config = make_config(tmp_path, 0, "cpu", "fp32", accumulation=2, clipping=1e6)
     engine, _, _, _ = strata.initialize(model=Scale(), config=config)
