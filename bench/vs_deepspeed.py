@@ -61,6 +61,15 @@ forward, backward and the step after backward, each waited for (the GPU synchron
 next starts; --profile one more step under torch.profiler (the top ops by self time on the host,
 and on cuda on the GPU, with how long the GPU was busy). Neither touches the timed figures.
 
+The floor: plain PyTorch on the same model, batches and optimizer (torch's AdamW with the
+config's lr, weight decay and betas, clip_grad_norm_ as gradient_clipping, bf16 weights with
+--bf16), everything on the compute device and nothing offloaded, run once a round in a process of
+its own beside the rows (--no-floor leaves it out). No offloading system can be faster than it but
+by a faster optimizer step (both systems' CPU Adam against torch's AdamW): where a row's figures
+sit near it, that row is at the model's own compute on this machine, and its ratio between the
+two systems is bounded by how far the slower one is from the floor. Printed beside each row as
+each system's step rate / the floor's, with its split under --phases.
+
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
 import argparse
@@ -281,6 +290,32 @@ def profile_step(engine, spec, gen, cuda, top=15):
     return out
 
 
+class PlainTorch:
+    """The floor (the module's docstring): `model` in plain PyTorch on `device`, nothing offloaded,
+    called as the engines are (engine(x), engine.backward(loss), engine.step())."""
+
+    def __init__(self, model, config, device):
+        import torch
+        dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else None
+        self.model = model.to(device=device, dtype=dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(),
+                                           **config["optimizer"]["params"])
+        self.clipping = config.get("gradient_clipping", 0.0)
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        import torch
+        if self.clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clipping)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def child(spec):
     locked = LockedPeak()
     system = spec["system"]
@@ -301,6 +336,8 @@ def child(spec):
         import deepspeed
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=spec["config"])
+    elif system == "torch":
+        engine = PlainTorch(model, spec["config"], "cuda" if cuda else "cpu")
     else:
         import strata
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
@@ -357,7 +394,7 @@ def child(spec):
     if system == "deepspeed":
         import deepspeed
         report["versions"]["deepspeed"] = deepspeed.__version__
-    else:
+    elif system == "strata":
         import strata
         report["optimizer_steps"] = how
         report["behind_wait_s"] = behind_waits
@@ -442,7 +479,7 @@ def ratio(a, b):
     return a / b if b else float("inf") if a else 1.0
 
 
-def chart(rows, path):
+def chart(rows, path, floor=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -458,6 +495,9 @@ def chart(rows, path):
                   for n in names]
         ax.bar([x - width / 2 for x in xs], ours, width, label="strata")
         ax.bar([x + width / 2 for x in xs], theirs, width, label="DeepSpeed 0.19.8")
+        if floor is not None and "error" not in floor:
+            ax.axhline(floor[key] / scale, color="gray", linestyle="--",
+                       label="plain PyTorch, nothing offloaded")
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names, rotation=20)
         ax.set_title(label)
@@ -502,6 +542,9 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="one more step under torch.profiler: the top ops by self time "
                              "(host, and on cuda the GPU's) and on cuda how long the GPU was busy")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="leave out the floor (plain PyTorch, nothing offloaded, once a "
+                             "round)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where both compute: the CPU (DeepSpeed's cpu accelerator, strata's "
                              "host-emulated device tier) or GPU 0 (DeepSpeed's CUDA accelerator, "
@@ -540,8 +583,19 @@ def main():
     args.nvme_placeholder = "@NVME@"
 
     runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
+    floor_runs = []  # plain PyTorch's, once a round: first in even rounds, last in odd ones
     disk = []  # (read, write) bytes/s by fio in the scratch folder, once a round (the NVMe row)
+    def run_floor(round_index):
+        report = run_one("torch", "floor", row_config(rows[0], args, args.nvme_placeholder)[0],
+                         args, round_index, scratch)
+        floor_runs.append(report)
+        what = report.get("error", "").splitlines()[-1:] or \
+            [f"{statistics.median(report['step_s']):.3f} s a step"]
+        print(f"round {round_index} {'floor':>13} {'torch':>9}: {what[0]}", flush=True)
+
     for round_index in range(args.rounds):
+        if args.floor and round_index % 2 == 0:
+            run_floor(round_index)
         if "zero3_nvme" in rows:
             bw = (fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True))
             fio_file = os.path.join(args.dir, "fio.bin")
@@ -566,7 +620,10 @@ def main():
                 what = report.get("error", "").splitlines()[-1:] or \
                     [f"{statistics.median(report['step_s']):.3f} s a step"]
                 print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
+        if args.floor and round_index % 2 == 1:
+            run_floor(round_index)
     shutil.rmtree(scratch, ignore_errors=True)
+    floor = summarize(floor_runs) if floor_runs else None
 
     cuda = args.device == "cuda"
     table = []
@@ -581,6 +638,11 @@ def main():
             entry["loss_difference"] = worst
             entry["void"] = row not in APPROXIMATE and worst > args.tolerance
             entry["speedup"] = theirs["step_s"] / ours["step_s"]
+        if floor is not None and "error" not in floor:
+            # Each system's step rate as a fraction of the floor's (1: at the model's compute).
+            for side in (ours, theirs):
+                if "error" not in side:
+                    side["rate_of_floor"] = floor["step_s"] / side["step_s"]
             if row == "zero3_nvme" and disk:
                 # The disk's floor for each system: its own bytes read and written a step at fio's
                 # rates (the median of the rounds'), reads and writes one after the other.
@@ -637,6 +699,16 @@ def main():
               f"{pair('write_bytes_per_step'):>19} "
               + (f"{pair('gpu_peak_bytes'):>19} {pair('gpu_peak_used_bytes'):>19} "
                  if cuda else "") + f"{losses:>14}")
+    if floor is not None:
+        if "error" in floor:
+            print(f"vs_deepspeed: the floor (plain PyTorch) failed: {floor['error']}")
+        else:
+            split = (" (split: " + ", ".join(f"{k} {v:.3f} s" for k, v in
+                                             floor["phases_s"].items()) + ")"
+                     if "phases_s" in floor else "")
+            print(f"vs_deepspeed: the floor, plain PyTorch with nothing offloaded: "
+                  f"{floor['step_s']:.3f} s a step [{floor['min_s']:.3f}, {floor['max_s']:.3f}]"
+                  f"{split}, peak RSS {fmt_bytes(floor['peak_rss_bytes'])}")
     for e in table:
         if "speedup" in e and not e["void"]:
             print(f"vs_deepspeed/{e['row']}: strata {e['speedup']:.2f}x DeepSpeed's step rate "
@@ -698,11 +770,19 @@ def main():
                     print(f"vs_deepspeed/{e['row']}: {system}'s top ops on the GPU: " + "; ".join(
                         f"{o['op']} {o['self_ms']:.1f} ms ({o['calls']})"
                         for o in p["device_ops"][:8]))
+        if floor is not None and "rate_of_floor" in e["strata"]:
+            theirs = (f", DeepSpeed at {e['deepspeed']['rate_of_floor']:.2f}x"
+                      if "rate_of_floor" in e["deepspeed"] else "")
+            drift = max(abs(a - b) / max(abs(b), 1e-12)
+                        for a, b in zip(e["strata"]["losses"], floor["losses"]))
+            print(f"vs_deepspeed/{e['row']}: the floor (plain PyTorch, nothing offloaded) "
+                  f"{floor['step_s']:.3f} s a step: strata at {e['strata']['rate_of_floor']:.2f}x "
+                  f"its step rate{theirs}; strata's losses differ from its by {drift:.1e}")
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")
     if args.png:
-        chart(table, args.png)
+        chart(table, args.png, floor)
     figures = []
     for e in table:
         if "speedup" not in e:
@@ -714,11 +794,15 @@ def main():
                         "loss_difference": e["loss_difference"],
                         "peak_rss_ratio": ratio(ours["peak_rss_bytes"], theirs["peak_rss_bytes"]),
                         "strata_step_s": ours["step_s"], "deepspeed_step_s": theirs["step_s"]})
+        for side, key in ((ours, "strata_rate_of_floor"), (theirs, "deepspeed_rate_of_floor")):
+            if "rate_of_floor" in side:
+                figures[-1][key] = side["rate_of_floor"]
         if cuda:
             figures[-1]["peak_gpu_ratio"] = ratio(ours["gpu_peak_bytes"], theirs["gpu_peak_bytes"])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"bench": "vs_deepspeed", "figures": figures, "rows": table, "config": {
+            json.dump({"bench": "vs_deepspeed", "figures": figures, "rows": table,
+                       "floor": floor, "config": {
                 k: v for k, v in vars(args).items() if k not in ("nvme_placeholder",)},
                 "machine": {"cpu": platform.processor() or platform.machine(),
                             "cores": os.cpu_count(), "torch": torch.__version__,
