@@ -66,10 +66,12 @@ config's lr, weight decay and betas, clip_grad_norm_ as gradient_clipping, bf16 
 --bf16), everything on the compute device and nothing offloaded, run once a round in a process of
 its own beside the rows (--no-floor leaves it out), after four warm-up steps rather than two
 (torch's AdamW and allocator take three or four steps to settle here). An offloading system can
-come in under it only by a faster optimizer step (both systems' CPU Adam against torch's AdamW):
-where a row's figures sit near it, that row is at the model's own compute on this machine, and
-its ratio between the two systems is bounded by how far the slower one is from the floor. Printed
-beside each row as each system's step rate / the floor's, with its split under --phases.
+come in under it by a faster optimizer step (both systems' CPU Adam against torch's AdamW) and by
+this machine's spread: where a row's figures sit near it, that row is at the model's own compute
+here, and the ratio between the two systems there is about how far the slower one is from the
+floor. Printed beside each row as each system's step rate / the floor's, and once with its own
+split under --phases. With --bf16 the floor's weights are bf16 (no fp32 master weights): its
+losses are not compared then.
 
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
@@ -457,7 +459,8 @@ def summarize(runs):
                              for k in ok[0]["phases"]}
     if "profile" in ok[0]:
         extra["profiles"] = [r["profile"] for r in ok]
-    return {**extra, "step_s": statistics.median(medians), "min_s": min(every),
+    return {**extra, "step_s": statistics.median(medians), "round_step_s": medians,
+            "min_s": min(every),
             "max_s": max(every),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
             "peak_locked_bytes": max(r["peak_locked_bytes"] for r in ok),
@@ -640,11 +643,9 @@ def main():
             entry["loss_difference"] = worst
             entry["void"] = row not in APPROXIMATE and worst > args.tolerance
             entry["speedup"] = theirs["step_s"] / ours["step_s"]
-        if floor is not None and "error" not in floor:
-            # Each system's step rate as a fraction of the floor's (1: at the model's compute).
-            for side in (ours, theirs):
-                if "error" not in side:
-                    side["rate_of_floor"] = floor["step_s"] / side["step_s"]
+            if len(ours["round_step_s"]) == len(theirs["round_step_s"]):  # no round failed
+                entry["round_speedups"] = [t / o for o, t in zip(ours["round_step_s"],
+                                                                  theirs["round_step_s"])]
             if row == "zero3_nvme" and disk:
                 # The disk's floor for each system: its own bytes read and written a step at fio's
                 # rates (the median of the rounds'), reads and writes one after the other.
@@ -654,6 +655,11 @@ def main():
                     side["disk_floor_s"] = side["read_bytes_per_step"] / read_bps + \
                         side["write_bytes_per_step"] / write_bps
                 entry["fio_gbs"] = [read_bps / 1e9, write_bps / 1e9]
+        if floor is not None and "error" not in floor:
+            # Each system's step rate as a fraction of the floor's (1: at the model's compute).
+            for side in (ours, theirs):
+                if "error" not in side:
+                    side["rate_of_floor"] = floor["step_s"] / side["step_s"]
         table.append(entry)
 
     # The GPU's name, asked once the children are done (a CUDA context here would hold memory of
@@ -668,7 +674,7 @@ def main():
     print(f"model: transformers LlamaForCausalLM {args.layers} layers x {args.width} "
           f"({args.model_params / 1e6:.1f}M parameters), batch {args.batch} x {args.context}, "
           f"{'bf16' if args.bf16 else 'fp32'}, {where}; {args.rounds} rounds of 2 + "
-          f"{args.steps} steps")
+          f"{args.steps} steps" + (f" (the floor 4 + {args.steps})" if args.floor else ""))
     if cuda:
         element = 2 if args.bf16 else 4
         for e in table:
@@ -716,7 +722,9 @@ def main():
             print(f"vs_deepspeed/{e['row']}: strata {e['speedup']:.2f}x DeepSpeed's step rate "
                   f"(step {e['strata']['step_s']:.3f} s [{e['strata']['min_s']:.3f}, "
                   f"{e['strata']['max_s']:.3f}] vs {e['deepspeed']['step_s']:.3f} s "
-                  f"[{e['deepspeed']['min_s']:.3f}, {e['deepspeed']['max_s']:.3f}]); peak RSS "
+                  f"[{e['deepspeed']['min_s']:.3f}, {e['deepspeed']['max_s']:.3f}]"
+                  + (", round by round " + ", ".join(f"{x:.2f}x" for x in e["round_speedups"])
+                     if "round_speedups" in e else "") + "); peak RSS "
                   f"{ratio(e['strata']['peak_rss_bytes'], e['deepspeed']['peak_rss_bytes']):.2f}"
                   "x DeepSpeed's")
         if "speedup" in e and cuda:
@@ -775,11 +783,12 @@ def main():
         if floor is not None and "rate_of_floor" in e["strata"]:
             theirs = (f", DeepSpeed at {e['deepspeed']['rate_of_floor']:.2f}x"
                       if "rate_of_floor" in e["deepspeed"] else "")
-            drift = max(abs(a - b) / max(abs(b), 1e-12)
-                        for a, b in zip(e["strata"]["losses"], floor["losses"]))
+            drift = "" if args.bf16 else "; strata's losses differ from its by {:.1e}".format(
+                max(abs(a - b) / max(abs(b), 1e-12)
+                    for a, b in zip(e["strata"]["losses"], floor["losses"])))
             print(f"vs_deepspeed/{e['row']}: the floor (plain PyTorch, nothing offloaded) "
                   f"{floor['step_s']:.3f} s a step: strata at {e['strata']['rate_of_floor']:.2f}x "
-                  f"its step rate{theirs}; strata's losses differ from its by {drift:.1e}")
+                  f"its step rate{theirs}{drift}")
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")

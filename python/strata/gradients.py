@@ -75,9 +75,10 @@ class Gradients:
                 if grad.device.type == "cuda":
                     self._send_to_host(e, grad.reshape(-1))
                 elif e.host_grad is None:
-                    # The window's first is autograd's own tensor, kept (nothing else holds it
-                    # once .grad is cleared: autograd gave .grad a tensor of its own), cast only
-                    # where grad_accum_dtype differs.
+                    # The window's first is autograd's own tensor, kept, as plain torch keeps
+                    # it in .grad (autograd gives .grad a tensor of its own: one a tensor hook
+                    # kept is copied first); a later micro-batch's is added to it in place, as
+                    # torch adds to .grad. Cast only where grad_accum_dtype differs.
                     e.host_grad = grad.reshape(-1).to(dtype=self.grad_accum_dtype)
                 else:
                     e.host_grad.add_(grad.reshape(-1).to(dtype=self.grad_accum_dtype))

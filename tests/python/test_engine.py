@@ -1593,10 +1593,12 @@ def test_deepspeeds_engine_api_as_trainers_call_it(tmp_path):
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_a_gradient_a_hook_keeps_is_not_summed_into(tmp_path, stage):
-    # Stage 2 on the host keeps autograd's gradient tensor as its sum (no copy); a tensor hook
-    # that holds the gradient it saw must keep it as it was when a second backward adds to the
-    # sum, and the step must be plain torch's on the sum of both.
+def test_a_second_backward_sums_into_the_kept_gradient_not_into_one_a_hook_kept(tmp_path,
+                                                                                stage):
+    # Stage 2 on the host keeps autograd's gradient tensor as its sum (no copy) and adds a second
+    # backward's to it: the step must be plain torch's on the sum of both; and a tensor hook that
+    # holds the gradient it saw must find it as it was (strata relies on autograd giving .grad a
+    # copy of a gradient someone else holds).
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
