@@ -159,7 +159,8 @@ struct StepReport {
   uint64_t prefetch_hits = 0;    // of the hits, brought by a prefetch
   uint64_t late_prefetches = 0;  // a prefetch was still moving it: the Acquire joined
   uint64_t misses = 0;           // the Acquire moved it itself
-  uint64_t zero_fills = 0;       // acquires that made zeros for a discarded partition, nothing read
+  // acquires of a discarded partition, nothing read: zeros made, or (an overwrite) its room alone
+  uint64_t zero_fills = 0;
   // (acquires = hits + zero_fills + late_prefetches + misses)
   uint64_t prefetches = 0, prefetch_failures = 0, prefetches_blocked = 0;  // blocked: no room
   uint64_t evictions = 0, write_backs = 0;
