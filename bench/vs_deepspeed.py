@@ -590,6 +590,7 @@ def main():
     runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
     floor_runs = []  # plain PyTorch's, once a round: first in even rounds, last in odd ones
     disk = []  # (read, write) bytes/s by fio in the scratch folder, once a round (the NVMe row)
+
     def run_floor(round_index):
         report = run_one("torch", "floor", row_config(rows[0], args, args.nvme_placeholder)[0],
                          args, round_index, scratch)
