@@ -46,8 +46,10 @@ must agree within --tolerance (else the row's comparison is void and says so), a
 strata's timed optimizer steps was taken (held, staged during backward, or after it; and written
 behind it, strata.optimizer_write_behind, with how long the next step waited for those writes; the
 window of /proc/self/io then holds the writes behind the last warm-up step and not those behind
-the last timed one: the same bytes in a steady run; and the bytes of optimizer state a step found
-in strata's read-ahead room as the step before committed it, and did not read). A row DeepSpeed
+the last timed one: the same bytes in a steady run; the bytes of optimizer state a step found
+in strata's read-ahead room as the step before committed it, and did not read; and how long
+strata's step() after backward took, and of it how long it waited for the gradients' copies to the
+host and for the optimizer's commit: engine.last_step_stats). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
 fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
@@ -346,6 +348,7 @@ def child(spec):
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
     gen = torch.Generator().manual_seed(1)
     losses, times, how, behind_waits, reused = [], [], [], [], []
+    step_calls = []  # strata: (step() s, waiting for the gradients' landing s, for the commit s)
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -368,6 +371,9 @@ def child(spec):
                     how[-1] += ", written behind"
                     behind_waits.append(taken.get("behind_wait_seconds", 0.0))
                 reused.append(taken.get("bytes_reused", 0))
+                stats = engine.last_step_stats
+                step_calls.append((stats["step_seconds"], stats["gradients_landed_seconds"],
+                                   taken.get("seconds", 0.0)))
         if cuda:
             free, total = torch.cuda.mem_get_info()
             gpu_used = max(gpu_used, total - free)
@@ -402,6 +408,7 @@ def child(spec):
         report["optimizer_steps"] = how
         report["behind_wait_s"] = behind_waits
         report["reused_bytes_per_step"] = sum(reused) / max(len(reused), 1)
+        report["step_calls"] = step_calls
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
         if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
@@ -459,6 +466,10 @@ def summarize(runs):
                              for k in ok[0]["phases"]}
     if "profile" in ok[0]:
         extra["profiles"] = [r["profile"] for r in ok]
+    if ok[0].get("step_calls"):  # strata's step() and its waits, medians over every timed step
+        calls = [c for r in ok for c in r["step_calls"]]
+        extra["step_call_s"] = {k: statistics.median(c[i] for c in calls) for i, k in
+                                enumerate(("step", "gradients_landed", "optimizer_commit"))}
     return {**extra, "step_s": statistics.median(medians), "round_step_s": medians,
             "min_s": min(every),
             "max_s": max(every),
@@ -755,6 +766,12 @@ def main():
                       "room as the step before committed it, and not read again: "
                       f"{fmt_bytes(e['strata']['reused_bytes_per_step'])} a step (beside the "
                       f"{fmt_bytes(e['strata']['read_bytes_per_step'])} it read)")
+            call = e["strata"].get("step_call_s")
+            if call:
+                print(f"vs_deepspeed/{e['row']}: strata's step() after backward (medians): "
+                      f"{call['step']:.3f} s, of which waiting for the gradients' copies to the "
+                      f"host {call['gradients_landed']:.3f} s and for the optimizer's commit "
+                      f"{call['optimizer_commit']:.3f} s")
             waits = e["strata"].get("behind_wait_s")
             if waits:
                 print(f"vs_deepspeed/{e['row']}: strata's next step waited for the writes behind "

@@ -911,6 +911,7 @@ class Engine(Lending, Gradients, Step):
             return
         start = time.perf_counter()
         self._land_host_gradients()
+        landed = time.perf_counter() - start  # waiting for the gradients' copies to the host
         if self.stage == 3:
             for e in self._params:
                 if e.partitioned and e.has_grad and not e.sent_down:
@@ -940,7 +941,7 @@ class Engine(Lending, Gradients, Step):
         self.last_step_stats = {
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
-            "step_seconds": time.perf_counter() - start}
+            "step_seconds": time.perf_counter() - start, "gradients_landed_seconds": landed}
         if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
                               for k, v in runtime_report["wait_by_cause"].items() if v > 0)
