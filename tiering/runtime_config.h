@@ -125,7 +125,8 @@ struct RuntimeConfig {
   // one process). The trainer's front decides; this says whether it may. Unset ("auto", the
   // default): where the trainer computes on a GPU (strata.device "cuda"), not where it computes
   // on the host's cores (the emulated device), whose threads the optimizer's would take while
-  // backward runs. Measured in docs/performance.md.
+  // backward runs. Measured in docs/performance.md. (The Python front takes "auto" as off below
+  // ZeRO stage 3, where nothing steps during backward: the pool then has every core.)
   std::optional<bool> optimizer_during_backward;
 
   // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" (the
