@@ -130,6 +130,9 @@ def row_config(row, args, nvme):
     ours = json.loads(json.dumps(config))
     if args.device == "cuda":
         ours["strata"] = strata_block(zero["stage"], place, args)
+    extra = getattr(args, "strata_extra", None)
+    if extra:  # --strata: strata's copy alone, said in the report
+        ours.setdefault("strata", {}).update(extra)
     if row == "zenflow":
         config["zero_optimization"]["zenflow"] = {
             "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
@@ -558,6 +561,10 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="one more step under torch.profiler: the top ops by self time "
                              "(host, and on cuda the GPU's) and on cuda how long the GPU was busy")
+    parser.add_argument("--strata", dest="strata_extra", default=None, metavar="JSON",
+                        help="keys added to strata's copy of the config's strata block (an A/B "
+                             "of one of its settings, e.g. '{\"optimizer_threads\": 14}'); the "
+                             "rows then differ from DeepSpeed's config by these, and say so")
     parser.add_argument("--no-floor", dest="floor", action="store_false",
                         help="leave out the floor (plain PyTorch, nothing offloaded, once a "
                              "round)")
@@ -572,6 +579,15 @@ def main():
         sys.exit(f"vs_deepspeed: --rows {args.rows}: unknown {bad}; accepted: {', '.join(ROWS)}")
     if args.rounds < 1 or args.steps < 1:
         sys.exit("vs_deepspeed: --rounds and --steps must be at least 1")
+    if args.strata_extra is not None:
+        try:
+            args.strata_extra = json.loads(args.strata_extra)
+        except ValueError as error:
+            sys.exit(f"vs_deepspeed: --strata {args.strata_extra!r}: not JSON ({error}); "
+                     "accepted: a JSON object of strata block keys")
+        if not isinstance(args.strata_extra, dict):
+            sys.exit(f"vs_deepspeed: --strata: {args.strata_extra!r}; accepted: a JSON object "
+                     "of strata block keys")
     if args.phases < 0:
         sys.exit(f"vs_deepspeed: --phases {args.phases}: accepted: 0 (no split) or more steps")
     import torch
@@ -687,6 +703,9 @@ def main():
           f"({args.model_params / 1e6:.1f}M parameters), batch {args.batch} x {args.context}, "
           f"{'bf16' if args.bf16 else 'fp32'}, {where}; {args.rounds} rounds of 2 + "
           f"{args.steps} steps" + (f" (the floor 4 + {args.steps})" if args.floor else ""))
+    if args.strata_extra:
+        print(f"strata's config differs from DeepSpeed's by --strata: "
+              f"{json.dumps(args.strata_extra)} in its strata block")
     if cuda:
         element = 2 if args.bf16 else 4
         for e in table:

@@ -117,11 +117,14 @@ for i in json.load(open(sys.argv[1]))["install"]:
 
 # bench/vs_deepspeed on the GPU: the ZeRO-2 and ZeRO-3 cpu-offload rows, each system's step
 # split into its phases and one step profiled (the GPU's kernels, and how long it was busy).
+# VS_ROWS, VS_ROUNDS; VS_STRATA: a JSON object of strata block keys for strata's copy alone (an
+# A/B, e.g. '{"optimizer_threads": 14}').
 vs_deepspeed() {
   ds_env
   "$python" bench/vs_deepspeed.py --device cuda --dir "$scratch/vsds" \
     --rows "${VS_ROWS:-zero2_cpu,zero3_cpu}" --bf16 --layers 8 --width 2048 --heads 16 \
     --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 --phases 3 --profile \
+    ${VS_STRATA:+--strata "$VS_STRATA"} \
     --child-timeout 150 \
     --json "$logs/vs_deepspeed_cuda.json" --png "$logs/vs_deepspeed_cuda.png"
 }

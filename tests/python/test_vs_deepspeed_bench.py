@@ -15,7 +15,7 @@ BENCH = os.path.join(ROOT, "bench", "vs_deepspeed.py")
 
 def run_bench(tmp_path, *flags):
     hidden = tmp_path / "hidden"
-    (hidden / "deepspeed").mkdir(parents=True)
+    (hidden / "deepspeed").mkdir(parents=True, exist_ok=True)
     (hidden / "deepspeed" / "__init__.py").write_text(
         "raise ImportError('deepspeed hidden by the test')\n")
     env = dict(os.environ)
@@ -55,3 +55,23 @@ def test_without_deepspeed_the_nvme_row_and_the_floor_are_still_reported(tmp_pat
     # strata's ZeRO-Infinity steps are plain torch's arithmetic: the same losses, step by step.
     assert ours["losses"] == pytest.approx(plain["losses"][:3], rel=1e-5)
     assert "the floor (plain PyTorch, nothing offloaded)" in stdout
+
+
+def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said(tmp_path):
+    report, stdout = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
+                               '{"optimizer_threads": 1}')
+    assert report["config"]["strata_extra"] == {"optimizer_threads": 1}
+    assert "differs from DeepSpeed's by --strata" in stdout
+    assert "error" not in report["rows"][0]["strata"]
+    # It reaches strata's engine: a value strata refuses fails strata's row, saying why.
+    report, _ = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
+                          '{"optimizer_threads": -3}')
+    assert "optimizer_threads" in report["rows"][0]["strata"]["error"]
+
+
+@pytest.mark.parametrize("given", ["{nope", "[1]"])
+def test_a_strata_setting_that_is_not_a_json_object_is_refused(tmp_path, given):
+    proc = subprocess.run([sys.executable, BENCH, "--dir", str(tmp_path), "--strata", given],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "accepted: a JSON object of strata block keys" in proc.stderr
