@@ -125,8 +125,8 @@ struct RuntimeConfig {
   // one process). The trainer's front decides; this says whether it may. Unset ("auto", the
   // default): where the trainer computes on a GPU (strata.device "cuda"), not where it computes
   // on the host's cores (the emulated device), whose threads the optimizer's would take while
-  // backward runs. Measured in docs/performance.md. (The Python front takes "auto" as off below
-  // ZeRO stage 3, where nothing steps during backward: the pool then has every core.)
+  // backward runs. Measured in docs/performance.md. Below ZeRO stage 3 (zero_stage) nothing steps
+  // or is staged during backward, and "auto" is off: the step after backward gets every core.
   std::optional<bool> optimizer_during_backward;
 
   // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" (the
@@ -163,9 +163,9 @@ struct RuntimeConfig {
   }
 
   // Whether host-resident optimizer state may step during backward: the setting, or "auto"'s
-  // answer for this device.
+  // answer for this device and stage.
   bool OptimizerDuringBackward() const {
-    return optimizer_during_backward.value_or(!emulated_device);
+    return optimizer_during_backward.value_or(!emulated_device && zero_stage == 3);
   }
   // The CPU optimizer's threads for a machine of `cores` cores: optimizer_threads, or when that
   // is 0, one per core, all but two (left to the trainer's and the copies' threads, at least one)

@@ -43,19 +43,7 @@ class RuntimeSettings:
         # Runtime's JSON with what "auto" decides from the rest of the config.
         self.blocks_json = json.dumps(runtime, sort_keys=True)
         self._read_ahead_where_held(runtime, config)
-        self._all_cores_below_stage_3(runtime)
         self.runtime_json = json.dumps(runtime, sort_keys=True)
-
-    def _all_cores_below_stage_3(self, runtime):
-        """strata.optimizer_during_backward "auto" (unset) on a GPU is on, and the optimizer's
-        pool then leaves two cores to the trainer's and the copies' threads (runtime_config.h:
-        OptimizerThreads). Below stage 3 on a GPU nothing steps or is staged during backward (the
-        gradients go to the host, or stay on the GPU, until step()): the step after backward
-        gets every core, as "auto" off gives."""
-        block = runtime.get("strata", {})
-        if isinstance(block, dict) and self.stage != 3 and block.get("device") == "cuda" and \
-                block.get("optimizer_during_backward", "auto") == "auto":
-            runtime.setdefault("strata", {})["optimizer_during_backward"] = False
 
     def _read_ahead_where_held(self, runtime, config):
         """strata.optimizer_read_ahead_bytes "auto" (unset) takes no room where the engine never

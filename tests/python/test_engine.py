@@ -296,33 +296,6 @@ def test_the_read_ahead_room_is_taken_only_where_a_step_can_be_held(tmp_path):
         engine.close()
 
 
-def test_on_a_gpu_below_stage_3_the_optimizer_gets_every_core(tmp_path):
-    # strata.optimizer_during_backward "auto" is on with device "cuda", and the optimizer's pool
-    # then leaves two cores to the trainer; below stage 3 nothing steps during backward, so
-    # "auto" is taken as off there (every core for the step after backward). Read off the
-    # Runtime's JSON the engine would make: no GPU is needed to check it.
-    from strata.config import TrainConfig
-    from strata.runtime_settings import RuntimeSettings
-
-    def during(stage, block):
-        config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1)
-        config["strata"].update(device="cuda", **block)
-        settings = RuntimeSettings(TrainConfig.parse(TrainConfig.load(config)))
-        return json.loads(settings.runtime_json)["strata"].get("optimizer_during_backward",
-                                                                "auto")
-
-    for stage in (0, 1, 2):
-        assert during(stage, {}) is False
-        assert during(stage, {"optimizer_during_backward": "auto"}) is False
-        assert during(stage, {"optimizer_during_backward": True}) is True  # as given
-    assert during(3, {}) == "auto"  # on: stage 3's partitions step or stage during backward
-    assert during(3, {"optimizer_during_backward": False}) is False
-    # On the emulated device "auto" is off already and left as it is.
-    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
-    settings = RuntimeSettings(TrainConfig.parse(TrainConfig.load(config)))
-    assert "optimizer_during_backward" not in json.loads(settings.runtime_json)["strata"]
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("accum", [None, "fp32", "bf16"])
 def test_bf16_gradients_are_summed_in_grad_accum_dtype_fp32_by_default(tmp_path, stage, accum):

@@ -323,13 +323,28 @@ TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndCh
   EXPECT_FALSE(RuntimeConfig().optimizer_during_backward.has_value());  // "auto"
   EXPECT_FALSE(RuntimeConfig().OptimizerDuringBackward());  // auto on the emulated device: off
   for (const char* auto_on_cuda :
-       {R"({"strata": {"device": "cuda"}})",
-        R"({"strata": {"device": "cuda", "optimizer_during_backward": "auto"}})"}) {
+       {R"({"zero_optimization": {"stage": 3}, "strata": {"device": "cuda"}})",
+        R"({"zero_optimization": {"stage": 3},
+            "strata": {"device": "cuda", "optimizer_during_backward": "auto"}})"}) {
     auto a = RuntimeConfigFromJsonText(auto_on_cuda);
     ASSERT_TRUE(a.ok()) << a.status();
     EXPECT_TRUE(a->OptimizerDuringBackward()) << auto_on_cuda;
     EXPECT_EQ(a->OptimizerThreads(16), 14) << "all but two cores while it steps during backward";
     EXPECT_EQ(a->OptimizerThreads(2), 1);
+  }
+  // Below stage 3 nothing steps during backward: "auto" is off on cuda too, every core steps
+  // after backward; asked for, it is on (two cores left all the same).
+  for (int stage : {0, 1, 2}) {
+    auto below = RuntimeConfigFromJsonText(absl::StrCat(
+        R"({"zero_optimization": {"stage": )", stage, R"(}, "strata": {"device": "cuda"}})"));
+    ASSERT_TRUE(below.ok()) << below.status();
+    EXPECT_FALSE(below->OptimizerDuringBackward()) << "stage " << stage;
+    EXPECT_EQ(below->OptimizerThreads(16), 16) << "stage " << stage;
+    auto asked = RuntimeConfigFromJsonText(
+        absl::StrCat(R"({"zero_optimization": {"stage": )", stage,
+                     R"(}, "strata": {"device": "cuda", "optimizer_during_backward": true}})"));
+    ASSERT_TRUE(asked.ok()) << asked.status();
+    EXPECT_TRUE(asked->OptimizerDuringBackward()) << "stage " << stage;
   }
   auto off = RuntimeConfigFromJsonText(
       R"({"strata": {"device": "cuda", "optimizer_during_backward": false}})");
