@@ -48,8 +48,9 @@ behind it, strata.optimizer_write_behind, with how long the next step waited for
 window of /proc/self/io then holds the writes behind the last warm-up step and not those behind
 the last timed one: the same bytes in a steady run; the bytes of optimizer state a step found
 in strata's read-ahead room as the step before committed it, and did not read; and how long
-strata's step() after backward took, and of it how long it waited for the gradients' copies to the
-host and for the optimizer's commit: engine.last_step_stats). A row DeepSpeed
+strata's step() after backward took, and of it how long it waited for the device (on a GPU below
+stage 3: backward's queued work and the gradients' copies to the host) and for the optimizer's
+commit: engine.last_step_stats). A row DeepSpeed
 cannot run is kept with its exact error. The NVMe row also gives each system's disk floor: its own
 bytes read and written a step at fio's read and write rates in the scratch folder (bench/
 fio_ceiling.py, measured once a round; left out where fio is missing). On cuda each row also
@@ -351,7 +352,7 @@ def child(spec):
         engine, _, _, _ = strata.initialize(model=model, config=spec["config"])
     gen = torch.Generator().manual_seed(1)
     losses, times, how, behind_waits, reused = [], [], [], [], []
-    step_calls = []  # strata: (step() s, waiting for the gradients' landing s, for the commit s)
+    step_calls = []  # strata: (step() s, of it waiting for the device s, for the commit s)
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -375,7 +376,7 @@ def child(spec):
                     behind_waits.append(taken.get("behind_wait_seconds", 0.0))
                 reused.append(taken.get("bytes_reused", 0))
                 stats = engine.last_step_stats
-                step_calls.append((stats["step_seconds"], stats["gradients_landed_seconds"],
+                step_calls.append((stats["step_seconds"], stats["device_wait_seconds"],
                                    taken.get("seconds", 0.0)))
         if cuda:
             free, total = torch.cuda.mem_get_info()
@@ -472,7 +473,7 @@ def summarize(runs):
     if ok[0].get("step_calls"):  # strata's step() and its waits, medians over every timed step
         calls = [c for r in ok for c in r["step_calls"]]
         extra["step_call_s"] = {k: statistics.median(c[i] for c in calls) for i, k in
-                                enumerate(("step", "gradients_landed", "optimizer_commit"))}
+                                enumerate(("step", "device_wait", "optimizer_commit"))}
     return {**extra, "step_s": statistics.median(medians), "round_step_s": medians,
             "min_s": min(every),
             "max_s": max(every),
@@ -787,10 +788,11 @@ def main():
                       f"{fmt_bytes(e['strata']['read_bytes_per_step'])} it read)")
             call = e["strata"].get("step_call_s")
             if call:
-                print(f"vs_deepspeed/{e['row']}: strata's step() after backward (medians): "
-                      f"{call['step']:.3f} s, of which waiting for the gradients' copies to the "
-                      f"host {call['gradients_landed']:.3f} s and for the optimizer's commit "
-                      f"{call['optimizer_commit']:.3f} s")
+                print(f"vs_deepspeed/{e['row']}: strata's step() after backward: "
+                      f"{call['step']:.3f} s; in it, waiting for the device (backward's queued "
+                      f"work and the gradients' copies to the host) {call['device_wait']:.3f} s, "
+                      f"for the optimizer's commit {call['optimizer_commit']:.3f} s (each the "
+                      "median over the timed steps: the parts need not add up)")
             waits = e["strata"].get("behind_wait_s")
             if waits:
                 print(f"vs_deepspeed/{e['row']}: strata's next step waited for the writes behind "

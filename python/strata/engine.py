@@ -911,7 +911,10 @@ class Engine(Lending, Gradients, Step):
             return
         start = time.perf_counter()
         self._land_host_gradients()
-        landed = time.perf_counter() - start  # waiting for the gradients' copies to the host
+        # Waiting for the device: on a GPU below stage 3, backward's queued work and the
+        # gradients' copies to the host (stage 3's reach the host through the Runtime, in the
+        # commit); nothing on the host.
+        device_wait = time.perf_counter() - start
         if self.stage == 3:
             for e in self._params:
                 if e.partitioned and e.has_grad and not e.sent_down:
@@ -941,7 +944,7 @@ class Engine(Lending, Gradients, Step):
         self.last_step_stats = {
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
-            "step_seconds": time.perf_counter() - start, "gradients_landed_seconds": landed}
+            "step_seconds": time.perf_counter() - start, "device_wait_seconds": device_wait}
         if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
                               for k, v in runtime_report["wait_by_cause"].items() if v > 0)

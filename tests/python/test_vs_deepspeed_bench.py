@@ -43,9 +43,9 @@ def test_without_deepspeed_the_nvme_row_and_the_floor_are_still_reported(tmp_pat
     assert "error" not in ours and ours["step_s"] > 0 and len(ours["losses"]) == 3
     assert (tmp_path / "chart.png").stat().st_size > 0
     call = ours["step_call_s"]
-    assert 0 <= call["gradients_landed"] <= call["step"]
+    assert 0 <= call["device_wait"] <= call["step"]
     assert 0 <= call["optimizer_commit"] <= call["step"]
-    assert "strata's step() after backward (medians)" in stdout
+    assert "strata's step() after backward:" in stdout
     if not floor:
         assert report["floor"] is None and "rate_of_floor" not in ours
         return
