@@ -456,6 +456,13 @@ def run_one(system, row, config, args, round_index, scratch):
         return json.load(f)
 
 
+def say_round(round_index, row, system, report):
+    """One run's line as the rounds go: its median step, or the last line of its error."""
+    what = report.get("error", "").splitlines()[-1:] or \
+        [f"{statistics.median(report['step_s']):.3f} s a step"]
+    print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
+
+
 def summarize(runs):
     ok = [r for r in runs if "error" not in r]
     if not ok:
@@ -623,9 +630,7 @@ def main():
         report = run_one("torch", "floor", row_config(rows[0], args, args.nvme_placeholder)[0],
                          args, round_index, scratch)
         floor_runs.append(report)
-        what = report.get("error", "").splitlines()[-1:] or \
-            [f"{statistics.median(report['step_s']):.3f} s a step"]
-        print(f"round {round_index} {'floor':>13} {'torch':>9}: {what[0]}", flush=True)
+        say_round(round_index, "floor", "torch", report)
 
     for round_index in range(args.rounds):
         if args.floor and round_index % 2 == 0:
@@ -651,9 +656,7 @@ def main():
                 report = run_one(system, row, ds_config if system == "deepspeed" else our_config,
                                  args, round_index, scratch)
                 runs[(row, system)].append(report)
-                what = report.get("error", "").splitlines()[-1:] or \
-                    [f"{statistics.median(report['step_s']):.3f} s a step"]
-                print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
+                say_round(round_index, row, system, report)
         if args.floor and round_index % 2 == 1:
             run_floor(round_index)
     shutil.rmtree(scratch, ignore_errors=True)
