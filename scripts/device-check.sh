@@ -118,12 +118,15 @@ for i in json.load(open(sys.argv[1]))["install"]:
 # bench/vs_deepspeed on the GPU: the ZeRO-2 and ZeRO-3 cpu-offload rows, each system's step
 # split into its phases and one step profiled (the GPU's kernels, and how long it was busy).
 # VS_ROWS, VS_ROUNDS; VS_STRATA: a JSON object of strata block keys for strata's copy alone (an
-# A/B, e.g. '{"optimizer_threads": 14}').
+# A/B, e.g. '{"optimizer_threads": 14}'); VS_ARGS: more of the bench's arguments (default
+# "--phases 3 --profile"; empty: the timed steps alone, each child shorter). DeepSpeed's async
+# I/O op (the zero3_nvme row) is built there with libaio's headers and library from the prefix.
 vs_deepspeed() {
   ds_env
+  export CPATH=/tmp/strata-deps/usr/include LIBRARY_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu
   "$python" bench/vs_deepspeed.py --device cuda --dir "$scratch/vsds" \
     --rows "${VS_ROWS:-zero2_cpu,zero3_cpu}" --bf16 --layers 8 --width 2048 --heads 16 \
-    --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 --phases 3 --profile \
+    --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 ${VS_ARGS---phases 3 --profile} \
     ${VS_STRATA:+--strata "$VS_STRATA"} \
     --child-timeout 150 \
     --json "$logs/vs_deepspeed_cuda.json" --png "$logs/vs_deepspeed_cuda.png"
