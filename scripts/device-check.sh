@@ -58,6 +58,7 @@ environment() {
   date -u
   pwd
   nvidia-smi || echo "no nvidia-smi: no GPU here"
+  echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-unset}"
   "$python" -c "import sys, sysconfig, os, torch; print(sys.version, sys.executable); \
 inc = sysconfig.get_paths()['include']; print('Python.h', inc, os.path.exists(inc + '/Python.h')); \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', \
@@ -89,7 +90,15 @@ unpack() {
 # DeepSpeed for bench/vs_deepspeed (issue 32), installed offline from $deps/wheels (its source
 # package and the wheels of what it needs) into a folder of its own: only what the interpreter's
 # environment lacks, so that nothing of the environment is shadowed.
+# DeepSpeed 0.19.8's JIT builder reads each TORCH_CUDA_ARCH_LIST entry as numbers and fails on an
+# arch-specific one ("9.0a": ValueError: invalid literal for int() with base 10: '0a'; the lent
+# machine's list had one on 2026-11-27, so its async I/O op, a CUDA op there, was never built):
+# its builds get the list without those suffixes.
 ds_env() {
+  if [ -n "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9]+\.[0-9]+)[a-z]/\1/g' <<<"$TORCH_CUDA_ARCH_LIST")
+    export TORCH_CUDA_ARCH_LIST
+  fi
   export PYTHONPATH=/tmp/strata-ds${PYTHONPATH:+:$PYTHONPATH}
   export PATH=/tmp/strata-ds/bin:$(dirname "$("$python" -c 'import sys; print(sys.executable)')"):$PATH
   export TORCH_EXTENSIONS_DIR=/tmp/strata-ds/torch_extensions
