@@ -82,6 +82,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -448,19 +449,40 @@ def run_one(system, row, config, args, round_index, scratch):
                           capture_output=True, text=True, env=env, timeout=args.child_timeout)
     shutil.rmtree(nvme, ignore_errors=True)
     if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        # The exception's last lines: the exact error, as the system gave it.
-        error = "\n".join(tail[-6:]) if tail else f"exit {proc.returncode}"
-        return {"error": error, "returncode": proc.returncode}
+        return {"error": child_error(proc.stderr or proc.stdout, proc.returncode),
+                "returncode": proc.returncode}
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
 
+# A line that names an exception ("ValueError: ...", "[rank0]: torch.OutOfMemoryError: ...").
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*)?"
+                            r"(Error|Exception|Interrupt|Exit)\b")
+
+
+def child_error(output, returncode):
+    """The exact error of a child that failed, as the system gave it: its output from the last
+    traceback on (at most the last 40 lines of it), else its last 6 lines."""
+    lines = output.strip().splitlines()
+    if not lines:
+        return f"exit {returncode}"
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    return "\n".join(lines[starts[-1]:][-40:] if starts else lines[-6:])
+
+
+def error_line(error):
+    """The line of `error` that names the exception (the last such line; what a process printed
+    after it, such as NCCL's warnings at exit, is not the error), else its last line."""
+    lines = error.strip().splitlines() or [error]
+    return next((line.strip() for line in reversed(lines) if EXCEPTION_LINE.match(line)),
+                lines[-1].strip())
+
+
 def say_round(round_index, row, system, report):
-    """One run's line as the rounds go: its median step, or the last line of its error."""
-    what = report.get("error", "").splitlines()[-1:] or \
-        [f"{statistics.median(report['step_s']):.3f} s a step"]
-    print(f"round {round_index} {row:>13} {system:>9}: {what[0]}", flush=True)
+    """One run's line as the rounds go: its median step, or its error's line."""
+    what = error_line(report["error"]) if "error" in report else \
+        f"{statistics.median(report['step_s']):.3f} s a step"
+    print(f"round {round_index} {row:>13} {system:>9}: {what}", flush=True)
 
 
 def summarize(runs):
@@ -729,7 +751,7 @@ def main():
             continue
         if "error" in theirs:
             print(f"{e['row']:>13} {ours['step_s']:>14.3f}  DeepSpeed failed here: "
-                  f"{theirs['error'].splitlines()[-1]}")
+                  f"{error_line(theirs['error'])}")
             continue
 
         def pair(key):

@@ -13,11 +13,23 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BENCH = os.path.join(ROOT, "bench", "vs_deepspeed.py")
 
 
-def run_bench(tmp_path, *flags):
+HIDDEN = "raise ImportError('deepspeed hidden by the test')\n"
+# A DeepSpeed that imports but fails in deepspeed.initialize, then prints more at exit (as
+# torch.distributed's NCCL warns when its process group was not destroyed): the error a lent GPU
+# gave on 2026-11-27, its JIT builder failing on TORCH_CUDA_ARCH_LIST "9.0a".
+FAILING = """import atexit, sys
+atexit.register(lambda: print("[rank0]:[W1127 13:13:52.455578133 ProcessGroupNCCL.cpp:1575] "
+                              "Warning: WARNING: destroy_process_group() was not called",
+                              file=sys.stderr))
+def initialize(**kwargs):
+    raise ValueError("invalid literal for int() with base 10: '0a'")
+"""
+
+
+def run_bench(tmp_path, *flags, deepspeed=HIDDEN):
     hidden = tmp_path / "hidden"
     (hidden / "deepspeed").mkdir(parents=True, exist_ok=True)
-    (hidden / "deepspeed" / "__init__.py").write_text(
-        "raise ImportError('deepspeed hidden by the test')\n")
+    (hidden / "deepspeed" / "__init__.py").write_text(deepspeed)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(hidden)] + [p for p in
                                                          [env.get("PYTHONPATH")] if p])
@@ -55,6 +67,19 @@ def test_without_deepspeed_the_nvme_row_and_the_floor_are_still_reported(tmp_pat
     # strata's ZeRO-Infinity steps are plain torch's arithmetic: the same losses, step by step.
     assert ours["losses"] == pytest.approx(plain["losses"][:3], rel=1e-5)
     assert "the floor (plain PyTorch, nothing offloaded)" in stdout
+
+
+def test_deepspeeds_failure_is_reported_by_its_exception_not_by_what_it_printed_after(tmp_path):
+    report, stdout = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor",
+                               deepspeed=FAILING)
+    error = report["rows"][0]["deepspeed"]["error"]
+    assert error.startswith("Traceback (most recent call last)")
+    assert "ValueError: invalid literal for int() with base 10: '0a'" in error
+    said = [line for line in stdout.splitlines()
+            if "zero2_cpu deepspeed:" in line or "DeepSpeed failed here:" in line]
+    assert len(said) == 2, stdout
+    for line in said:
+        assert line.endswith("ValueError: invalid literal for int() with base 10: '0a'"), line
 
 
 def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said(tmp_path):
