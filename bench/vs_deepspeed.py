@@ -478,6 +478,23 @@ def error_line(error):
                 lines[-1].strip())
 
 
+def check_strata_configs(rows, args):
+    """strata's copy of each row's config read as strata.initialize reads it, before any round: a
+    key strata refuses (a misspelt --strata one) stops the run here, not in every strata row after
+    its model is built."""
+    try:
+        import strata
+    except ImportError as error:
+        sys.exit(f"vs_deepspeed: strata cannot be imported ({error}); accepted: strata built "
+                 "(make build) with build/release/python on PYTHONPATH")
+    for row in rows:
+        try:
+            strata.check_config(row_config(row, args, args.nvme_placeholder)[1])
+        except ValueError as error:
+            given = " (with --strata's keys)" if args.strata_extra else ""
+            sys.exit(f"vs_deepspeed: strata refuses the {row} row's config{given}: {error}")
+
+
 def say_round(round_index, row, system, report):
     """One run's line as the rounds go: its median step, or its error's line."""
     what = error_line(report["error"]) if "error" in report else \
@@ -594,7 +611,9 @@ def main():
     parser.add_argument("--strata", dest="strata_extra", default=None, metavar="JSON",
                         help="keys added to strata's copy of the config's strata block (an A/B "
                              "of one of its settings, e.g. '{\"optimizer_threads\": 14}'); the "
-                             "rows then differ from DeepSpeed's config by these, and say so")
+                             "rows then differ from DeepSpeed's config by these, and say so; "
+                             "each row's config is checked with them (strata.check_config) "
+                             "before the first round")
     parser.add_argument("--no-floor", dest="floor", action="store_false",
                         help="leave out the floor (plain PyTorch, nothing offloaded, once a "
                              "round)")
@@ -640,9 +659,10 @@ def main():
     if args.aio_block:
         with open(args.aio_block, encoding="utf-8") as f:
             args.aio = json.load(f).get("aio", args.aio)
+    args.nvme_placeholder = "@NVME@"
+    check_strata_configs(rows, args)
     os.makedirs(args.dir, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="vs_deepspeed.", dir=args.dir)
-    args.nvme_placeholder = "@NVME@"
 
     runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
     floor_runs = []  # plain PyTorch's, once a round: first in even rounds, last in odd ones

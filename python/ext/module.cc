@@ -4,6 +4,7 @@
 // (dlpack_tensor.h), never copied, and the extension does not link libtorch. What is here:
 //   Optimizer   Adam, Adagrad or Lion (optim_cpu/chunk_optimizer.h, made by Adam(), Adagrad(),
 //               Lion()) stepping tensors in place: strata.optim's optimizers
+//   check_runtime_config  a config read as a Runtime reads it, nothing made (strata.check_config)
 //   Runtime     sched::Runtime (sched/runtime.h: partitions, tiers, the scheduler, the optimizer
 //               over host or NVMe state): what strata.initialize's engine drives. Tiers are
 //               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
@@ -341,6 +342,14 @@ std::string Digest(py::handle tensor) {
     h = XXH3_128bits(v.data, bytes);
   }
   return absl::StrFormat("%016x%016x", h.high64, h.low64);
+}
+
+// A DeepSpeed config's text read as a Runtime reads it (tiering::RuntimeConfigFromJsonText),
+// nothing made: the reader's warnings; a bad key or value raises, naming it and what is accepted.
+std::vector<std::string> CheckRuntimeConfig(const std::string& config_json) {
+  std::vector<std::string> warnings;
+  Take(tiering::RuntimeConfigFromJsonText(config_json, &warnings));
+  return warnings;
 }
 
 py::dict ReportDict(const swap::StepReport& report) {
@@ -1030,6 +1039,10 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("param_copy") = py::none())
       .def("has_non_finite", &Optimizer::HasNonFinite, py::arg("grad"))
       .def_property_readonly("isa", &Optimizer::Isa);
+  m.def("check_runtime_config", &CheckRuntimeConfig,
+        "a DeepSpeed config's JSON text read as a Runtime reads it, nothing made: its warnings "
+        "(a list of str); a bad key or value raises InvalidArgumentError",
+        py::arg("config_json"));
   m.def("digest", &Digest,
         "XXH3-128 of a contiguous CPU tensor's bytes (float32, bfloat16 or float16), in hex",
         py::arg("tensor"));

@@ -5,6 +5,7 @@ The package is strata's front for PyTorch. What is here today:
 * ``strata.initialize(model=..., config=...)``: DeepSpeed's shape, returning (engine, optimizer,
   dataloader, lr_scheduler); the engine runs ZeRO stages 0-3 on one process over strata's Runtime
   (strata.engine says how), with DeepSpeed's config keys (strata.config says which).
+  ``strata.check_config(config)`` checks a config as initialize reads it, before a model is built.
 
 * ``strata.init(config)``: a context that builds a model without materializing it (each large
   parameter a partition as it is made), as DeepSpeed's zero.Init (strata.zero_init says how);
@@ -43,12 +44,13 @@ from strata import checkpointing
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
-from strata.engine import Engine, StrataWarning, initialize, register_external_parameter
+from strata.engine import (Engine, StrataWarning, check_config, initialize,
+                           register_external_parameter)
 from strata.pretrained import from_pretrained
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 
-__all__ = ["checkpointing", "ConfigError", "Engine", "Error", "from_pretrained",
+__all__ = ["check_config", "checkpointing", "ConfigError", "Engine", "Error", "from_pretrained",
            "InvalidArgumentError", "init",
            "initialize", "lr_schedules", "optim", "register_external_parameter",
            "StrataWarning", "TiledLinear", "tile_linears"]

@@ -109,6 +109,33 @@ _ENGINE_KEYS = tuple(f"zero_optimization.{k}:" for k in (
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"))
 
 
+def _as_engine_says(message):
+    """A warning of the Runtime's config reader as the engine gives it, or None for the keys the
+    engine itself acts on (the bucket keys across ranks: strata/ranks.py)."""
+    if message.endswith(_TRAINER_WARNING):
+        message = message[:-len(_TRAINER_WARNING)] + "(DeepSpeed's; not supported by strata: " \
+                                                     "ignored)"
+    return None if message.startswith(_ENGINE_KEYS) else message
+
+
+def check_config(config):
+    """A DeepSpeed config (a dict or the path of a JSON file) checked as ``strata.initialize``
+    reads it, without a model, a Runtime or a device: its keys and values, the strata block's
+    included, in one process (``WORLD_SIZE`` when set divides train_batch_size, as across ranks).
+    Returns the warnings the reading gives (keys strata does not act on, values it takes
+    otherwise: each a str); a bad key or value raises strata.ConfigError or
+    strata.InvalidArgumentError (both ValueErrors) naming it and what is accepted. Not checked:
+    what depends on the model or the machine (budgets against the model's sizes, the NVMe folder,
+    the GPU), which initialize checks when it has them."""
+    raw = TrainConfig.load(config)
+    parsed = TrainConfig.parse(raw, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    settings = _RuntimeSettings(parsed)
+    runtime_blocks = json.loads(settings.runtime_json)
+    ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), settings.stage)
+    said = (_as_engine_says(w) for w in _strata.check_runtime_config(settings.runtime_json))
+    return settings.warnings + [w for w in said if w is not None]
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, config_params=None):
@@ -555,12 +582,9 @@ class Engine(Lending, Gradients, Step):
                 warnings.warn(f"strata: {message}", StrataWarning, stacklevel=2)
 
     def _runtime_warning(self, message):
-        if message.endswith(_TRAINER_WARNING):
-            message = message[:-len(_TRAINER_WARNING)] + "(DeepSpeed's; not supported by strata: " \
-                                                         "ignored)"
-        if message.startswith(_ENGINE_KEYS):
-            return  # the engine acts on these (the bucket keys across ranks: strata/ranks.py)
-        self._warn(message)
+        message = _as_engine_says(message)
+        if message is not None:
+            self._warn(message)
 
     @staticmethod
     def _hyper_parameters(config, optimizer):

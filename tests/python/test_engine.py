@@ -434,7 +434,7 @@ def test_a_misspelt_top_level_key_is_called_unknown_with_the_close_match(tmp_pat
         strata.initialize(model=Net(), config=config)
 
 
-@pytest.mark.parametrize("key, value, message", [
+BAD_TRAINER_KEYS = [
     ("gradient_clipping", -1, "gradient_clipping: -1 is out of range"),
     ("gradient_accumulation_steps", 0, "gradient_accumulation_steps: 0 is out of range"),
     ("train_micro_batch_size_per_gpu", "4", "train_micro_batch_size_per_gpu: '4' is not a number"),
@@ -445,12 +445,67 @@ def test_a_misspelt_top_level_key_is_called_unknown_with_the_close_match(tmp_pat
     ("scheduler", {"type": "OneCycle"}, "scheduler.type: 'OneCycle' is not supported"),
     ("bf16", {"enabled": "yes"}, "bf16.enabled: 'yes' is not accepted"),
     ("fp16", {"enabled": True, "loss_scale_windw": 10}, "fp16.loss_scale_windw: unknown key"),
-])
+]
+
+
+@pytest.mark.parametrize("key, value, message", BAD_TRAINER_KEYS)
 def test_bad_trainer_keys_are_refused_naming_them(tmp_path, key, value, message):
     config = make_config(tmp_path, 3, "cpu", "fp32")
     config[key] = value
     with pytest.raises(strata.ConfigError, match=message):
         strata.initialize(model=Net(), config=config)
+
+
+@pytest.mark.parametrize("key, value, message", BAD_TRAINER_KEYS)
+def test_check_config_refuses_what_initialize_refuses_without_a_model(tmp_path, key, value,
+                                                                      message):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    strata.check_config(config)  # accepted as made
+    config[key] = value
+    with pytest.raises(strata.ConfigError, match=message):
+        strata.check_config(config)
+
+
+@pytest.mark.parametrize("block, key, value, message", [
+    ("strata", "optimizer_thread", 2, "strata.optimizer_thread: unknown key .did you mean "
+                                      "optimizer_threads"),
+    ("strata", "optimizer_threads", -3, "strata.optimizer_threads: must be an integer in "
+                                        r"\[0, 1024\], got -3"),
+    ("strata", "device", "tpu", 'strata.device: "tpu": accepted: emulated, cuda'),
+    ("zero_optimization", "stage", 7, r"zero_optimization.stage: must be an integer in \[0, 3\]"),
+    (None, "zero_optimisation", {}, "zero_optimisation: unknown key.*did you mean "
+                                    "zero_optimization"),
+])
+def test_check_config_reads_the_runtimes_blocks_as_the_runtime_does(tmp_path, block, key, value,
+                                                                    message):
+    config = make_config(tmp_path, 3, "nvme", "fp32")
+    (config[block] if block else config)[key] = value
+    with pytest.raises(strata.InvalidArgumentError, match=message):
+        strata.check_config(config)
+    with pytest.raises(strata.InvalidArgumentError, match=message):
+        strata.initialize(model=Net(), config=config)
+    # Nothing was made: the NVMe folder the config names is not there.
+    assert not (tmp_path / "nvme").exists()
+
+
+def test_check_config_warns_as_initialize_does_and_reads_a_json_file(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config["wall_clock_breakdown"] = True
+    config["zero_optimization"]["contiguous_gradients"] = True
+    config["zero_optimization"]["overlap_comm"] = True  # acted on across ranks: not said
+    config["zero_optimization"]["offload_optimizer"]["device"] = "none"
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    said = strata.check_config(str(path))
+    for start in ("wall_clock_breakdown: not used", "zero_optimization.contiguous_gradients: ",
+                  'zero_optimization.offload_optimizer.device is "none"'):
+        assert sum(w.startswith(start) for w in said) == 1, (start, said)
+    assert not any("overlap_comm" in w for w in said)
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    assert set(said) <= set(engine.warnings)
+    with pytest.raises(strata.ConfigError, match="is not JSON"):
+        path.write_text("{")
+        strata.check_config(str(path))
 
 
 def test_deepspeed_keys_strata_does_not_act_on_are_named_once(tmp_path, capsys):

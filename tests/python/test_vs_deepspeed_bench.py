@@ -88,10 +88,22 @@ def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said
     assert report["config"]["strata_extra"] == {"optimizer_threads": 1}
     assert "differs from DeepSpeed's by --strata" in stdout
     assert "error" not in report["rows"][0]["strata"]
-    # It reaches strata's engine: a value strata refuses fails strata's row, saying why.
-    report, _ = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
-                          '{"optimizer_threads": -3}')
-    assert "optimizer_threads" in report["rows"][0]["strata"]["error"]
+
+
+
+@pytest.mark.parametrize("given, said", [
+    ('{"optimizer_threads": -3}', "strata.optimizer_threads: must be an integer in [0, 1024]"),
+    ('{"optimizer_thread": 2}', "strata.optimizer_thread: unknown key (did you mean "
+                                "optimizer_threads?)"),
+])
+def test_a_strata_setting_strata_refuses_stops_the_run_before_any_round(tmp_path, given, said):
+    proc = subprocess.run([sys.executable, BENCH, "--dir", str(tmp_path / "scratch"), "--rows",
+                           "zero2_cpu,zero3_nvme", "--no-floor", "--strata", given],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "strata refuses the zero2_cpu row's config (with --strata's keys)" in proc.stderr
+    assert said in proc.stderr
+    assert "round 0" not in proc.stdout  # no row ran
 
 
 @pytest.mark.parametrize("given", ["{nope", "[1]"])
