@@ -415,7 +415,11 @@ class PyRuntime {
       callback_ = std::move(callback);
       for (const std::string& w : warnings) options.on_warning(w);
     } else {
-      for (const std::string& w : warnings) py::print("strata: warning:", w);
+      // No callback: the config's warnings through Python's warnings (never on stdout); the
+      // Runtime's later ones go to its default, stderr (sched::RuntimeOptions::on_warning).
+      for (const std::string& w : warnings) {
+        if (PyErr_WarnEx(PyExc_UserWarning, w.c_str(), 1) != 0) throw py::error_already_set();
+      }
     }
     absl::StatusOr<std::unique_ptr<sched::Runtime>> made;
     {

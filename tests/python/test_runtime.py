@@ -52,6 +52,13 @@ def test_bytes_go_down_and_come_back_through_every_tier(tmp_path, max_in_cpu):
     assert rt.stats()["steps"] == 1
 
 
+def test_without_a_callback_the_configs_warnings_are_python_warnings_not_stdout(tmp_path,
+                                                                             capfd):
+    with pytest.warns(UserWarning, match="zero_optimization.stage: accepted but not yet used"):
+        _strata.Runtime(config(tmp_path))
+    assert capfd.readouterr().out == ""
+
+
 def test_a_discarded_gradient_comes_back_as_zeros(tmp_path):
     rt = _strata.Runtime(config(tmp_path))
     rt.register(1, "grad", "float32", 100, 0, "device", torch.ones(100))
