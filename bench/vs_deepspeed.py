@@ -455,27 +455,55 @@ def run_one(system, row, config, args, round_index, scratch):
         return json.load(f)
 
 
-# A line that names an exception ("ValueError: ...", "[rank0]: torch.OutOfMemoryError: ...").
-EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*)?"
-                            r"(Error|Exception|Interrupt|Exit)\b")
+# "[rank0]: " before each line a torch.distributed process prints.
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+# A line that names an exception ("ValueError: ...", "torch.OutOfMemoryError: ..."), for output
+# without a traceback.
+EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt|Exit)\b")
+
+
+def _bare(line):
+    return RANK_PREFIX.sub("", line)
+
+
+def _raised(lines):
+    """The indices of the tracebacks in `lines` of exceptions that were raised: not those Python
+    prints at exit after "Exception ignored in: ..." (a destructor's), which come after the
+    error."""
+    return [i for i, line in enumerate(lines)
+            if _bare(line).startswith("Traceback (most recent call last)") and
+            not (i > 0 and _bare(lines[i - 1]).startswith("Exception ignored"))]
 
 
 def child_error(output, returncode):
     """The exact error of a child that failed, as the system gave it: its output from the last
-    traceback on (at most the last 40 lines of it), else its last 6 lines."""
+    raised exception's traceback on (its first line and its last 39 where longer), else its
+    last 6 lines."""
     lines = output.strip().splitlines()
     if not lines:
         return f"exit {returncode}"
-    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
-    return "\n".join(lines[starts[-1]:][-40:] if starts else lines[-6:])
+    raised = _raised(lines)
+    if not raised:
+        return "\n".join(lines[-6:])
+    kept = lines[raised[-1]:]
+    return "\n".join(kept if len(kept) <= 40 else kept[:1] + kept[-39:])
 
 
 def error_line(error):
-    """The line of `error` that names the exception (the last such line; what a process printed
-    after it, such as NCCL's warnings at exit, is not the error), else its last line."""
+    """The line of `error` that names the exception: the first line after the last raised
+    exception's traceback that is not part of it (what a process printed after it, NCCL's
+    warnings at exit or a destructor's exception, is not the error); without a traceback the
+    last line naming an exception, else the last line."""
     lines = error.strip().splitlines() or [error]
-    return next((line.strip() for line in reversed(lines) if EXCEPTION_LINE.match(line)),
-                lines[-1].strip())
+    raised = _raised(lines)
+    if raised:
+        for line in lines[raised[-1] + 1:]:
+            bare = _bare(line)
+            if bare.strip() and not bare[0].isspace():
+                return line.strip()
+    return next((line.strip() for line in reversed(lines)
+                 if EXCEPTION_LINE.match(_bare(line)) and
+                 not _bare(line).startswith("Exception ignored")), lines[-1].strip())
 
 
 def check_strata_configs(rows, args):
@@ -767,7 +795,7 @@ def main():
     for e in table:
         ours, theirs = e["strata"], e["deepspeed"]
         if "error" in ours:
-            print(f"{e['row']:>13} strata failed: {ours['error']}")
+            print(f"{e['row']:>13} strata failed: {error_line(ours['error'])}")
             continue
         if "error" in theirs:
             print(f"{e['row']:>13} {ours['step_s']:>14.3f}  DeepSpeed failed here: "
@@ -786,7 +814,7 @@ def main():
                  if cuda else "") + f"{losses:>14}")
     if floor is not None:
         if "error" in floor:
-            print(f"vs_deepspeed: the floor (plain PyTorch) failed: {floor['error']}")
+            print(f"vs_deepspeed: the floor (plain PyTorch) failed: {error_line(floor['error'])}")
         else:
             split = (" (split: " + ", ".join(f"{k} {v:.3f} s" for k, v in
                                              floor["phases_s"].items()) + ")"

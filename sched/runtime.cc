@@ -1276,11 +1276,14 @@ absl::Status Runtime::CreateOptimizer(
         break;
       }
       return Annotate(
-          s, absl::StrCat("create optimizer: its state and buffers (offload_optimizer."
-                          "device \"",
-                          on_nvme ? "nvme" : "cpu", "\", buffer_count ", oc.buffer_count,
-                          on_nvme ? absl::StrCat(", read-ahead ", ahead, " bytes") : "", ") need ",
-                          need[I(t)], " bytes of the ", TierName(t), " tier"));
+          s,
+          absl::StrCat("create optimizer: its state and buffers (offload_optimizer."
+                       "device \"",
+                       on_nvme ? "nvme" : "cpu", "\", buffer_count ", oc.buffer_count,
+                       on_nvme ? absl::StrCat(", read-ahead ", ahead, " bytes") : "", ") need ",
+                       need[I(t)], " bytes of the ", TierName(t), " tier; accepted: ",
+                       t == Tier::kHost ? "strata.host_budget_bytes" : "strata.nvme_capacity_bytes",
+                       " with room for them beside the rest"));
     }
   }
   auto give_back = [&] {

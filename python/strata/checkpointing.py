@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-__all__ = ["checkpoint", "configure", "is_configured", "reset", "use_host_store"]
+__all__ = ["checkpoint", "configure", "is_configured", "read_config", "reset", "use_host_store"]
 
 _KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
          "number_checkpoints", "synchronize_checkpoint_boundary", "profile")
@@ -51,6 +51,29 @@ def host_store_of(engine):
     return store is not None and store.engine() is engine
 
 
+def read_config(deepspeed_config):
+    """A config's activation_checkpointing block read, nothing set: (cpu_checkpointing, what is
+    said of the keys strata does not act on). A bad block raises ValueError naming it."""
+    if not isinstance(deepspeed_config, dict):
+        raise ValueError("checkpointing.configure: deepspeed_config: accepted: a dict")
+    block = deepspeed_config.get("activation_checkpointing", {})
+    if not isinstance(block, dict):
+        raise ValueError("config: activation_checkpointing: accepted: a JSON object")
+    for key in block:
+        if key not in _KEYS:
+            raise ValueError(f"config: activation_checkpointing.{key}: unknown key; accepted "
+                             f"here: {', '.join(_KEYS)}")
+    cpu = block.get("cpu_checkpointing", False)
+    if not isinstance(cpu, bool):
+        raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
+                         "true or false")
+    said = [f"activation_checkpointing.{key}: not supported by strata (one process): ignored"
+            for key in ("partition_activations", "contiguous_memory_optimization",
+                        "synchronize_checkpoint_boundary", "profile", "number_checkpoints")
+            if block.get(key)]
+    return cpu, said
+
+
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
               contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
               synchronize=None, profile=None, cpu_checkpointing=None):
@@ -58,29 +81,17 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
     activation_checkpointing block is read) or None."""
     if mpu_ is not None:
         raise ValueError("checkpointing.configure: mpu (model parallelism) is not supported")
-    block = {}
+    cpu, said = False, []
     if deepspeed_config is not None:
-        if not isinstance(deepspeed_config, dict):
-            raise ValueError("checkpointing.configure: deepspeed_config: accepted: a dict")
-        block = deepspeed_config.get("activation_checkpointing", {})
-        if not isinstance(block, dict):
-            raise ValueError("config: activation_checkpointing: accepted: a JSON object")
-        for key in block:
-            if key not in _KEYS:
-                raise ValueError(f"config: activation_checkpointing.{key}: unknown key; accepted "
-                                 f"here: {', '.join(_KEYS)}")
-    cpu = block.get("cpu_checkpointing", False)
+        cpu, said = read_config(deepspeed_config)
     for value in (checkpoint_in_cpu, cpu_checkpointing):
         if value is not None:
             cpu = value
     if not isinstance(cpu, bool):
         raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
                          "true or false")
-    for key in ("partition_activations", "contiguous_memory_optimization",
-                "synchronize_checkpoint_boundary", "profile", "number_checkpoints"):
-        if block.get(key):
-            warnings.warn(f"activation_checkpointing.{key}: not supported by strata (one "
-                          "process): ignored", stacklevel=2)
+    for message in said:
+        warnings.warn(message, stacklevel=2)
     for name, value in (("partition_activations", partition_activations),
                         ("contiguous_checkpointing", contiguous_checkpointing),
                         ("num_checkpoints", num_checkpoints),

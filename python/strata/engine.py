@@ -91,7 +91,7 @@ from strata.lending import Lending, register_external_parameter
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.step import Step
 
-__all__ = ["initialize", "Engine", "register_external_parameter", "StrataWarning"]
+__all__ = ["check_config", "initialize", "Engine", "register_external_parameter", "StrataWarning"]
 
 # The engine's messages: warnings through `warnings` (StrataWarning), the step lines
 # (steps_per_print) through this logger at INFO; nothing is printed.
@@ -120,20 +120,27 @@ def _as_engine_says(message):
 
 def check_config(config):
     """A DeepSpeed config (a dict or the path of a JSON file) checked as ``strata.initialize``
-    reads it, without a model, a Runtime or a device: its keys and values, the strata block's
-    included, in one process (``WORLD_SIZE`` when set divides train_batch_size, as across ranks).
-    Returns the warnings the reading gives (keys strata does not act on, values it takes
-    otherwise: each a str); a bad key or value raises strata.ConfigError or
-    strata.InvalidArgumentError (both ValueErrors) naming it and what is accepted. Not checked:
-    what depends on the model or the machine (budgets against the model's sizes, the NVMe folder,
-    the GPU), which initialize checks when it has them."""
-    raw = TrainConfig.load(config)
-    parsed = TrainConfig.parse(raw, world_size=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    reads it for one process, without a model, a Runtime or a device (nothing is made): its keys
+    and values, the strata block's, the scheduler's and activation_checkpointing's included.
+    Returns what initialize says of the config itself (keys strata does not act on, values it
+    takes otherwise: each a str); a bad key or value raises a ValueError (most often
+    strata.ConfigError or strata.InvalidArgumentError) naming it and what is accepted. Not
+    checked: what depends on the model or the machine (budgets against the model's sizes, the
+    NVMe folder, the GPU), nor, across ranks, train_batch_size over them and what ZeRO across
+    ranks accepts: initialize checks those when it has them."""
+    parsed = TrainConfig.parse(TrainConfig.load(config))
     settings = _RuntimeSettings(parsed)
     runtime_blocks = json.loads(settings.runtime_json)
     ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), settings.stage)
-    said = (_as_engine_says(w) for w in _strata.check_runtime_config(settings.runtime_json))
-    return settings.warnings + [w for w in said if w is not None]
+    said = [w for w in (_as_engine_says(w) for w in
+                        _strata.check_runtime_config(settings.runtime_json)) if w is not None]
+    if parsed.activation_checkpointing is not None:
+        said += checkpointing.read_config(parsed.activation_checkpointing)[1]
+    if parsed.scheduler is not None:  # its parameters, on a stand-in optimizer
+        lr = ((parsed.optimizer or {}).get("params") or {}).get("lr", 1e-3)
+        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+        lr_schedules.make(parsed.scheduler, stand_in)
+    return settings.warnings + said
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

@@ -488,24 +488,50 @@ def test_check_config_reads_the_runtimes_blocks_as_the_runtime_does(tmp_path, bl
     assert not (tmp_path / "nvme").exists()
 
 
-def test_check_config_warns_as_initialize_does_and_reads_a_json_file(tmp_path):
+def test_check_config_says_what_initialize_says_of_the_config(tmp_path):
     config = make_config(tmp_path, 3, "cpu", "fp32")
     config["wall_clock_breakdown"] = True
     config["zero_optimization"]["contiguous_gradients"] = True
     config["zero_optimization"]["overlap_comm"] = True  # acted on across ranks: not said
     config["zero_optimization"]["offload_optimizer"]["device"] = "none"
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(config))
-    said = strata.check_config(str(path))
+    config["activation_checkpointing"] = {"partition_activations": True}
+    said = strata.check_config(config)
     for start in ("wall_clock_breakdown: not used", "zero_optimization.contiguous_gradients: ",
-                  'zero_optimization.offload_optimizer.device is "none"'):
+                  'zero_optimization.offload_optimizer.device is "none"',
+                  "activation_checkpointing.partition_activations: not supported"):
         assert sum(w.startswith(start) for w in said) == 1, (start, said)
     assert not any("overlap_comm" in w for w in said)
-    engine, _, _, _ = strata.initialize(model=Net(), config=config)
-    assert set(said) <= set(engine.warnings)
+    with pytest.warns(UserWarning) as told:
+        engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    assert set(said) <= set(engine.warnings) | {str(w.message) for w in told}
+
+
+def test_check_config_reads_a_json_file_and_refuses_one_that_is_not_json(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(make_config(tmp_path, 3, "nvme", "fp32")))
+    strata.check_config(str(path))
+    assert not (tmp_path / "nvme").exists()  # an NVMe config accepted, its folder not made
+    path.write_text("{")
     with pytest.raises(strata.ConfigError, match="is not JSON"):
-        path.write_text("{")
         strata.check_config(str(path))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("scheduler", {"type": "WarmupLR", "params": {"warmup_num_step": 10}},
+     r"scheduler.params \(WarmupLR\):.*warmup_num_step"),
+    ("activation_checkpointing", {"cpu_checkpointin": True},
+     "activation_checkpointing.cpu_checkpointin: unknown key"),
+    ("activation_checkpointing", {"cpu_checkpointing": "yes"},
+     "activation_checkpointing.cpu_checkpointing: 'yes'; accepted: true or false"),
+])
+def test_check_config_reads_the_scheduler_and_activation_checkpointing(tmp_path, key, value,
+                                                                       message):
+    config = make_config(tmp_path, 3, "cpu", "fp32")
+    config[key] = value
+    with pytest.raises(ValueError, match=message):
+        strata.check_config(config)
+    with pytest.raises(ValueError, match=message):
+        strata.initialize(model=Net(), config=config)
 
 
 def test_deepspeed_keys_strata_does_not_act_on_are_named_once(tmp_path, capsys):

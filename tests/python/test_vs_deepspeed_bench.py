@@ -2,6 +2,7 @@
 installed (strata's rows and the floor still measured, DeepSpeed's row kept with why), as a user
 without DeepSpeed runs it. DeepSpeed is hidden by a package of that name that fails to import."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -82,13 +83,74 @@ def test_deepspeeds_failure_is_reported_by_its_exception_not_by_what_it_printed_
         assert line.endswith("ValueError: invalid literal for int() with base 10: '0a'"), line
 
 
+def bench_module():
+    spec = importlib.util.spec_from_file_location("vs_deepspeed", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NCCL_AT_EXIT = ("[rank0]:[W1127 13:13:52.455578133 ProcessGroupNCCL.cpp:1575] Warning: WARNING: "
+                "destroy_process_group() was not called before program exit")
+# What a failed child printed: (its output, the line naming its error, its traceback's first line).
+OUTPUTS = {
+    "then NCCL's warning": (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "ValueError: bad\n" + NCCL_AT_EXIT, "ValueError: bad"),
+    "each line of rank 0's, as on the H100": (
+        "[rank0]: Traceback (most recent call last):\n[rank0]:   File \"b.py\", line 710, in f\n"
+        "[rank0]:     ccs = sorted(ccs)\n[rank0]:           ^^^^^^\n"
+        "[rank0]: ValueError: invalid literal for int() with base 10: '0a'\n" + NCCL_AT_EXIT,
+        "[rank0]: ValueError: invalid literal for int() with base 10: '0a'"),
+    "then a destructor's at exit": (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "torch.OutOfMemoryError: CUDA out of memory\n"
+        "Exception ignored in: <function Engine.__del__ at 0x7f>\n"
+        "Traceback (most recent call last):\n  File \"e.py\", line 9, in __del__\n"
+        "AttributeError: 'Engine' object has no attribute 'runtime'",
+        "torch.OutOfMemoryError: CUDA out of memory"),
+    "named otherwise than an Error": (
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "torch._dynamo.exc.Unsupported: call_function\n" + NCCL_AT_EXIT,
+        "torch._dynamo.exc.Unsupported: call_function"),
+    "without a traceback": ("RuntimeError: no GPU\n" + NCCL_AT_EXIT, "RuntimeError: no GPU"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUTS))
+def test_a_failed_childs_error_is_its_exception(case):
+    bench = bench_module()
+    output, said = OUTPUTS[case]
+    error = bench.child_error(output, 1)
+    assert said in error
+    assert bench.error_line(error) == said
+    if "Traceback" in output:
+        # From the raised exception's traceback on (what was printed after it stays).
+        assert error.splitlines()[0].endswith("Traceback (most recent call last):")
+
+
+def test_a_long_traceback_keeps_its_first_line_and_its_end():
+    bench = bench_module()
+    frames = [f'  File "f{i}.py", line {i}, in f' for i in range(60)]
+    output = "\n".join(["Traceback (most recent call last):"] + frames + ["KeyError: 'x'"])
+    error = bench.child_error(output, 1).splitlines()
+    assert len(error) == 40
+    assert error[0] == "Traceback (most recent call last):" and error[-1] == "KeyError: 'x'"
+    assert bench.error_line("\n".join(error)) == "KeyError: 'x'"
+    assert bench.child_error("", 3) == "exit 3"
+
+
 def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said(tmp_path):
     report, stdout = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
                                '{"optimizer_threads": 1}')
     assert report["config"]["strata_extra"] == {"optimizer_threads": 1}
     assert "differs from DeepSpeed's by --strata" in stdout
     assert "error" not in report["rows"][0]["strata"]
-
+    # It reaches strata's engine in the child: a host budget the config reader takes but no
+    # model fits fails strata's row there, naming the budget.
+    report, _ = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
+                          '{"host_budget_bytes": 4096}')
+    assert "host_budget_bytes" in report["rows"][0]["strata"]["error"]
 
 
 @pytest.mark.parametrize("given, said", [
@@ -104,6 +166,7 @@ def test_a_strata_setting_strata_refuses_stops_the_run_before_any_round(tmp_path
     assert "strata refuses the zero2_cpu row's config (with --strata's keys)" in proc.stderr
     assert said in proc.stderr
     assert "round 0" not in proc.stdout  # no row ran
+    assert not (tmp_path / "scratch").exists()  # checked before anything was made
 
 
 @pytest.mark.parametrize("given", ["{nope", "[1]"])

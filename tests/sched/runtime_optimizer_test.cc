@@ -896,7 +896,8 @@ TEST(RuntimeOptimizerTest, BadUsesAreNamed) {
   ASSERT_TRUE(tight.ok()) << tight.status();
   s = (*tight)->CreateOptimizer(Adam(), {{1, 1 << 20}});  // 12 MiB of state
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
-  EXPECT_THAT(s.message(), HasSubstr("need 12582912 bytes of the host tier"));
+  EXPECT_THAT(s.message(), HasSubstr("need 12582912 bytes of the host tier; accepted: "
+                                     "strata.host_budget_bytes with room for them"));
   EXPECT_EQ((*tight)->residency().set_aside_bytes(Tier::kHost), 0u);
   ASSERT_TRUE((*tight)->CreateOptimizer(Adam(), {{1, 1000}, {2, 1000}}).ok());
   EXPECT_THAT((*tight)->CreateOptimizer(Adam(), {{3, 1000}}).message(),
