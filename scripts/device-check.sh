@@ -129,10 +129,14 @@ for i in json.load(open(sys.argv[1]))["install"]:
 # VS_ROWS, VS_ROUNDS; VS_STRATA: a JSON object of strata block keys for strata's copy alone (an
 # A/B, e.g. '{"optimizer_threads": 14}'); VS_ARGS: more of the bench's arguments (default
 # "--phases 3 --profile"; empty: the timed steps alone, each child shorter). DeepSpeed's async
-# I/O op (the zero3_nvme row) is built there with libaio's headers and library from the prefix.
+# I/O op (the zero3_nvme row) is built there with libaio's header (alone in a folder: CPATH comes
+# before the -isystem folders, and the prefix's other headers, pybind11's among them, must not
+# shadow torch's) and library from the prefix.
 vs_deepspeed() {
   ds_env
-  export CPATH=/tmp/strata-deps/usr/include LIBRARY_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu
+  mkdir -p /tmp/strata-aio-include
+  cp /tmp/strata-deps/usr/include/libaio.h /tmp/strata-aio-include/ || return 1
+  export CPATH=/tmp/strata-aio-include LIBRARY_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu
   "$python" bench/vs_deepspeed.py --device cuda --dir "$scratch/vsds" \
     --rows "${VS_ROWS:-zero2_cpu,zero3_cpu}" --bf16 --layers 8 --width 2048 --heads 16 \
     --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 ${VS_ARGS---phases 3 --profile} \
