@@ -84,6 +84,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -445,9 +446,18 @@ def run_one(system, row, config, args, round_index, scratch):
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec_path],
-                          capture_output=True, text=True, env=env, timeout=args.child_timeout)
-    shutil.rmtree(nvme, ignore_errors=True)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec_path],
+                              capture_output=True, text=True, env=env,
+                              timeout=args.child_timeout)
+    except subprocess.TimeoutExpired as expired:  # the row is kept, saying so; the run goes on
+        output = expired.stderr or expired.stdout or ""
+        if isinstance(output, bytes):
+            output = output.decode(errors="replace")
+        return {"error": stopped(f"ran past --child-timeout {args.child_timeout:g} s and was "
+                                 "killed", output), "returncode": None}
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
     if proc.returncode != 0 or not os.path.exists(out):
         return {"error": child_error(proc.stderr or proc.stdout, proc.returncode),
                 "returncode": proc.returncode}
@@ -475,10 +485,35 @@ def _raised(lines):
             not (i > 0 and _bare(lines[i - 1]).startswith("Exception ignored"))]
 
 
+def _exception_at(lines, header):
+    """The index of the line naming the exception of the traceback starting at `header`: the
+    first line after it that is not one of its frames (indented), or None."""
+    return next((i for i in range(header + 1, len(lines))
+                 if _bare(lines[i]).strip() and not _bare(lines[i])[0].isspace()), None)
+
+
+# The first line of the error of a child stopped from outside (a signal, --child-timeout).
+STOPPED = "the child was stopped: "
+
+
+def stopped(why, output):
+    """The error of a child stopped from outside: why, then the last lines it printed (not the
+    cause: it was stopped where it was)."""
+    return "\n".join([STOPPED + why + "; the last lines it printed:"] +
+                      output.strip().splitlines()[-6:])
+
+
 def child_error(output, returncode):
     """The exact error of a child that failed, as the system gave it: its output from the last
-    raised exception's traceback on (its first line and its last 39 where longer), else its
-    last 6 lines."""
+    raised exception's traceback on (where longer than 40 lines: its first line, the 9 frames
+    before the exception, and the exception's line with the 29 after it, a long message's), else
+    its last 6 lines; a child a signal killed says which."""
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return stopped(f"killed by {name}", output)
     lines = output.strip().splitlines()
     if not lines:
         return f"exit {returncode}"
@@ -486,21 +521,24 @@ def child_error(output, returncode):
     if not raised:
         return "\n".join(lines[-6:])
     kept = lines[raised[-1]:]
-    return "\n".join(kept if len(kept) <= 40 else kept[:1] + kept[-39:])
+    if len(kept) > 40:
+        at = _exception_at(kept, 0)
+        kept = kept[:1] + (kept[-39:] if at is None else kept[max(1, at - 9):at + 30])
+    return "\n".join(kept)
 
 
 def error_line(error):
-    """The line of `error` that names the exception: the first line after the last raised
-    exception's traceback that is not part of it (what a process printed after it, NCCL's
-    warnings at exit or a destructor's exception, is not the error); without a traceback the
-    last line naming an exception, else the last line."""
+    """The line of `error` that names the exception: the first after the last raised exception's
+    traceback that is not one of its frames (what a process printed after it, NCCL's warnings at
+    exit or a destructor's exception, is not the error); a stopped child's first line; without a
+    traceback the last line naming an exception, else the last line."""
     lines = error.strip().splitlines() or [error]
+    if lines[0].startswith(STOPPED):
+        return lines[0]
     raised = _raised(lines)
-    if raised:
-        for line in lines[raised[-1] + 1:]:
-            bare = _bare(line)
-            if bare.strip() and not bare[0].isspace():
-                return line.strip()
+    at = _exception_at(lines, raised[-1]) if raised else None
+    if at is not None:
+        return lines[at].strip()
     return next((line.strip() for line in reversed(lines)
                  if EXCEPTION_LINE.match(_bare(line)) and
                  not _bare(line).startswith("Exception ignored")), lines[-1].strip())

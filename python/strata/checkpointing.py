@@ -51,9 +51,10 @@ def host_store_of(engine):
     return store is not None and store.engine() is engine
 
 
-def read_config(deepspeed_config):
+def read_config(deepspeed_config, cpu_override=None):
     """A config's activation_checkpointing block read, nothing set: (cpu_checkpointing, what is
-    said of the keys strata does not act on). A bad block raises ValueError naming it."""
+    said of the keys strata does not act on). `cpu_override` (configure's keyword arguments), when
+    not None, stands for the block's cpu_checkpointing. A bad block raises ValueError naming it."""
     if not isinstance(deepspeed_config, dict):
         raise ValueError("checkpointing.configure: deepspeed_config: accepted: a dict")
     block = deepspeed_config.get("activation_checkpointing", {})
@@ -63,7 +64,7 @@ def read_config(deepspeed_config):
         if key not in _KEYS:
             raise ValueError(f"config: activation_checkpointing.{key}: unknown key; accepted "
                              f"here: {', '.join(_KEYS)}")
-    cpu = block.get("cpu_checkpointing", False)
+    cpu = block.get("cpu_checkpointing", False) if cpu_override is None else cpu_override
     if not isinstance(cpu, bool):
         raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
                          "true or false")
@@ -81,15 +82,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
     activation_checkpointing block is read) or None."""
     if mpu_ is not None:
         raise ValueError("checkpointing.configure: mpu (model parallelism) is not supported")
-    cpu, said = False, []
-    if deepspeed_config is not None:
-        cpu, said = read_config(deepspeed_config)
-    for value in (checkpoint_in_cpu, cpu_checkpointing):
-        if value is not None:
-            cpu = value
-    if not isinstance(cpu, bool):
-        raise ValueError(f"config: activation_checkpointing.cpu_checkpointing: {cpu!r}; accepted: "
-                         "true or false")
+    override = cpu_checkpointing if cpu_checkpointing is not None else checkpoint_in_cpu
+    cpu, said = read_config({} if deepspeed_config is None else deepspeed_config, override)
     for message in said:
         warnings.warn(message, stacklevel=2)
     for name, value in (("partition_activations", partition_activations),

@@ -108,7 +108,7 @@ class TrainConfig:
         self.hysteresis = 2
         self.min_loss_scale = 1.0
         self.consecutive_hysteresis = False
-        self.optimizer = None  # {"type": "Adam"|"AdamW", "params": {...}} or None
+        self.optimizer = None  # {"kind", "lr", "betas", ...}: the optimizer block read, or None
         self.scheduler = None  # {"type": ..., "params": {...}} or None
         self.steps_per_print = 10
         self.activation_checkpointing = None  # the block, for strata.checkpointing

@@ -120,15 +120,17 @@ def _as_engine_says(message):
 
 def check_config(config):
     """A DeepSpeed config (a dict or the path of a JSON file) checked as ``strata.initialize``
-    reads it for one process, without a model, a Runtime or a device (nothing is made): its keys
-    and values, the strata block's, the scheduler's and activation_checkpointing's included.
-    Returns what initialize says of the config itself (keys strata does not act on, values it
-    takes otherwise: each a str); a bad key or value raises a ValueError (most often
+    reads it in this process, without a model, a Runtime or a device (nothing is made): its keys
+    and values, the strata block's, the scheduler's and activation_checkpointing's included
+    (``WORLD_SIZE``, where torchrun sets it, the ranks train_batch_size is divided over). Returns
+    what initialize says of the config itself (keys strata does not act on, values it takes
+    otherwise: each a str); a bad key or value raises a ValueError (most often
     strata.ConfigError or strata.InvalidArgumentError) naming it and what is accepted. Not
     checked: what depends on the model or the machine (budgets against the model's sizes, the
-    NVMe folder, the GPU), nor, across ranks, train_batch_size over them and what ZeRO across
-    ranks accepts: initialize checks those when it has them."""
-    parsed = TrainConfig.parse(TrainConfig.load(config))
+    NVMe folder, the GPU) nor what ZeRO across ranks accepts, which initialize checks when it has
+    them. The scheduler block is read even where initialize will be given a client lr_scheduler
+    (and then ignore it)."""
+    parsed = TrainConfig.parse(TrainConfig.load(config), world_size=_world_size())
     settings = _RuntimeSettings(parsed)
     runtime_blocks = json.loads(settings.runtime_json)
     ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), settings.stage)
@@ -136,11 +138,25 @@ def check_config(config):
                         _strata.check_runtime_config(settings.runtime_json)) if w is not None]
     if parsed.activation_checkpointing is not None:
         said += checkpointing.read_config(parsed.activation_checkpointing)[1]
-    if parsed.scheduler is not None:  # its parameters, on a stand-in optimizer
-        lr = ((parsed.optimizer or {}).get("params") or {}).get("lr", 1e-3)
-        stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
-        lr_schedules.make(parsed.scheduler, stand_in)
+    if parsed.scheduler is not None:
+        # Its parameters, on a stand-in optimizer with a group for each value a per-group list
+        # gives (the model's groups are not known here).
+        lists = [v for v in (parsed.scheduler.get("params") or {}).values()
+                 if isinstance(v, (list, tuple))]
+        groups = [{"params": [torch.zeros(1, requires_grad=True)]}
+                  for _ in range(max([len(v) for v in lists] + [1]))]
+        lr = (parsed.optimizer or {}).get("lr", 1e-3)
+        lr_schedules.make(parsed.scheduler, torch.optim.SGD(groups, lr=lr))
     return settings.warnings + said
+
+
+def _world_size():
+    """The job's ranks as torchrun says (WORLD_SIZE), 1 where it is unset."""
+    given = os.environ.get("WORLD_SIZE", "") or "1"
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"WORLD_SIZE {given!r} (the environment's): accepted: a whole number of "
+                         "ranks, 1 or more")
+    return int(given)
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,

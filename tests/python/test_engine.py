@@ -495,7 +495,9 @@ def test_check_config_says_what_initialize_says_of_the_config(tmp_path):
     config["zero_optimization"]["overlap_comm"] = True  # acted on across ranks: not said
     config["zero_optimization"]["offload_optimizer"]["device"] = "none"
     config["activation_checkpointing"] = {"partition_activations": True}
+    strata.checkpointing.reset()
     said = strata.check_config(config)
+    assert not strata.checkpointing.is_configured()  # read, nothing set
     for start in ("wall_clock_breakdown: not used", "zero_optimization.contiguous_gradients: ",
                   'zero_optimization.offload_optimizer.device is "none"',
                   "activation_checkpointing.partition_activations: not supported"):
@@ -503,7 +505,42 @@ def test_check_config_says_what_initialize_says_of_the_config(tmp_path):
     assert not any("overlap_comm" in w for w in said)
     with pytest.warns(UserWarning) as told:
         engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    strata.checkpointing.reset()
     assert set(said) <= set(engine.warnings) | {str(w.message) for w in told}
+
+
+def test_check_config_divides_train_batch_size_over_the_ranks_torchrun_gives(tmp_path,
+                                                                             monkeypatch):
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+              "gradient_accumulation_steps": 2}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    strata.check_config(config)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(strata.ConfigError, match="train_batch_size: 16 is not a multiple of the "
+                                                 "job's 3 ranks"):
+        strata.check_config(config)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE 'two' .the environment's.: accepted: a "
+                                         "whole number of ranks"):
+        strata.check_config(config)
+
+
+def test_check_config_reads_a_per_group_schedule():
+    config = {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, 2e-3]}}}
+    strata.check_config(config)
+
+
+def test_configures_keyword_arguments_stand_for_the_blocks_cpu_checkpointing():
+    try:
+        strata.checkpointing.configure(
+            deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": "yes"}},
+            cpu_checkpointing=True)
+        assert strata.checkpointing.is_configured()
+        with pytest.raises(ValueError, match="cpu_checkpointing: 'yes'; accepted: true or false"):
+            strata.checkpointing.configure(
+                deepspeed_config={"activation_checkpointing": {"cpu_checkpointing": "yes"}})
+    finally:
+        strata.checkpointing.reset()
 
 
 def test_check_config_reads_a_json_file_and_refuses_one_that_is_not_json(tmp_path):

@@ -129,15 +129,43 @@ def test_a_failed_childs_error_is_its_exception(case):
         assert error.splitlines()[0].endswith("Traceback (most recent call last):")
 
 
-def test_a_long_traceback_keeps_its_first_line_and_its_end():
+def test_a_long_traceback_keeps_its_first_line_its_last_frames_and_the_exception():
     bench = bench_module()
     frames = [f'  File "f{i}.py", line {i}, in f' for i in range(60)]
     output = "\n".join(["Traceback (most recent call last):"] + frames + ["KeyError: 'x'"])
     error = bench.child_error(output, 1).splitlines()
-    assert len(error) == 40
-    assert error[0] == "Traceback (most recent call last):" and error[-1] == "KeyError: 'x'"
+    assert error == ["Traceback (most recent call last):"] + frames[-9:] + ["KeyError: 'x'"]
     assert bench.error_line("\n".join(error)) == "KeyError: 'x'"
     assert bench.child_error("", 3) == "exit 3"
+
+
+def test_a_long_message_keeps_the_line_naming_the_exception():
+    # As torch reports a JIT build that failed: the compiler's whole output in the message.
+    bench = bench_module()
+    frames = [f'  File "f{i}.py", line {i}, in f' for i in range(20)]
+    said = "RuntimeError: Error building extension 'async_io'"
+    output = "\n".join(["Traceback (most recent call last):"] + frames + [said] +
+                       [f"deepspeed_aio_common.cpp:{i}: error: x" for i in range(80)])
+    error = bench.child_error(output, 1)
+    assert len(error.splitlines()) == 40 and said in error
+    assert bench.error_line(error) == said
+
+
+def test_a_child_killed_by_a_signal_says_so_not_its_last_line():
+    bench = bench_module()
+    output = "Traceback (most recent call last):\n  File \"x.py\"\nValueError: caught, logged\n" \
+             "[INFO] step 3"
+    error = bench.child_error(output, -9)
+    assert bench.error_line(error).startswith("the child was stopped: killed by SIGKILL")
+    assert error.splitlines()[-1] == "[INFO] step 3"
+
+
+def test_a_child_past_its_time_limit_is_kept_as_the_rows_error_and_the_run_goes_on(tmp_path):
+    report, stdout = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor",
+                               "--child-timeout", "1")
+    error = report["rows"][0]["strata"]["error"]
+    assert error.startswith("the child was stopped: ran past --child-timeout 1 s and was killed")
+    assert "strata failed: the child was stopped: ran past --child-timeout 1 s" in stdout
 
 
 def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said(tmp_path):
@@ -150,7 +178,8 @@ def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said
     # model fits fails strata's row there, naming the budget.
     report, _ = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
                           '{"host_budget_bytes": 4096}')
-    assert "host_budget_bytes" in report["rows"][0]["strata"]["error"]
+    assert "bytes of the host tier; accepted: strata.host_budget_bytes" in \
+        report["rows"][0]["strata"]["error"]
 
 
 @pytest.mark.parametrize("given, said", [
