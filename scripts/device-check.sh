@@ -8,10 +8,11 @@
 #   $OUT/summary.txt     one line a part: name, exit code (124: out of time), seconds
 #   $OUT/logs.tar.gz     each part's whole output (NAME.log) and its JSON reports, packed again
 #                        after every part, so whatever ran comes back even if the call is cut
-# DEPS_DIR holds what the machine lacks, fetched here beforehand into the git-ignored .device-deps:
-# Debian's .deb files for the C++ build (`apt-get download` of the -dev packages
-# scripts/install-deps.sh lists, and their library packages) and, under wheels/, DeepSpeed's
-# source package and the wheels of its dependencies (cp312, manylinux) for bench/vs_deepspeed.
+# DEPS_DIR holds what the machine lacks, fetched here beforehand into the git-ignored .device-deps
+# by scripts/device-deps.sh: Debian's .deb files for the C++ build (`apt-get download` of the -dev
+# packages scripts/install-deps.sh lists, and their library packages) and, under wheels/,
+# DeepSpeed's source package and the wheels of its dependencies (cp312, manylinux) for
+# bench/vs_deepspeed.
 # On a machine without a GPU the CUDA parts fail (and say why) and
 # the others run: that is how this script is tried here.
 # Time: CHECK_SECONDS (default 480) bounds the whole run; each part gets its own limit, cut to

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (no Debian -dev packages, no registry): unpacks the Debian packages the
-# build needs from DEPS_DIR (fetched beforehand with `apt-get download` into a git-ignored folder
+# build needs from DEPS_DIR (fetched beforehand by scripts/device-deps.sh into a git-ignored folder
 # and carried over) into a prefix of their own, builds strata with CUDA, and runs the test suite
 # there (the CUDA tests run instead of skipping). Output and a JUnit report go to $OUT when set.
 #   DEPS_DIR=.device-deps bash scripts/device-test.sh [ctest -R regex]
