@@ -243,22 +243,11 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
                                                                 config.host_budget_bytes);
   // The staging pool (offload_param.buffer_count buffers of buffer_size, in pairs) comes out of
   // the host budget: set aside now, allocated (from the same pool) at its first use.
-  const uint64_t buffer_bytes = (static_cast<uint64_t>(std::max<int64_t>(
-                                     config.offload_param.buffer_size, tiering::kMinBufferSize)) +
-                                 tiering::kPageBytes - 1) /
-                                tiering::kPageBytes * tiering::kPageBytes;
-  const int pairs = static_cast<int>(std::max<int64_t>(1, config.offload_param.buffer_count / 2));
-  rt->staging_ = std::make_unique<swap::StagingPool>(rt->host_memory_.get(), buffer_bytes, pairs);
+  rt->staging_ = std::make_unique<swap::StagingPool>(
+      rt->host_memory_.get(), config.StagingBufferBytes(), config.StagingPairs());
   uint64_t host_for_partitions = config.host_budget_bytes;
   if (rt->store_ != nullptr) {
-    if (rt->staging_->total_bytes() > config.host_budget_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config: the staging buffers (", 2 * pairs, " of offload_param.buffer_size: ",
-          rt->staging_->total_bytes(), " bytes; buffer_count ", config.offload_param.buffer_count,
-          " gives ", pairs, " pair(s), at least one) do not fit in strata.host_budget_bytes (",
-          config.host_budget_bytes,
-          "); lower buffer_size or buffer_count, or raise the host budget"));
-    }
+    STRATA_RETURN_IF_ERROR(config.CheckStagingFits());
     host_for_partitions -= rt->staging_->total_bytes();
   }
   rt->table_ = std::make_unique<tiering::ResidencyTable>(

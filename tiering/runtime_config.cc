@@ -8,6 +8,7 @@
 #include "base/config_reader.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
+#include "tiering/residency.h"
 
 namespace strata::tiering {
 namespace {
@@ -268,6 +269,25 @@ std::string RuntimeConfig::SwapPath() const {
   return "";
 }
 
+int RuntimeConfig::StagingPairs() const {
+  return static_cast<int>(std::max<int64_t>(1, offload_param.buffer_count / 2));
+}
+
+uint64_t RuntimeConfig::StagingBufferBytes() const {
+  const uint64_t size = static_cast<uint64_t>(std::max(offload_param.buffer_size, kMinBufferSize));
+  return (size + kPageBytes - 1) / kPageBytes * kPageBytes;
+}
+
+absl::Status RuntimeConfig::CheckStagingFits() const {
+  const uint64_t staging = 2 * static_cast<uint64_t>(StagingPairs()) * StagingBufferBytes();
+  if (SwapPath().empty() || staging <= host_budget_bytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "config: the staging buffers (", 2 * StagingPairs(), " of offload_param.buffer_size: ",
+      staging, " bytes; buffer_count ", offload_param.buffer_count, " gives ", StagingPairs(),
+      " pair(s), at least one) do not fit in strata.host_budget_bytes (", host_budget_bytes,
+      "); lower buffer_size or buffer_count, or raise the host budget"));
+}
+
 absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                                                     std::vector<std::string>* warnings) {
   auto warn = [&](std::string w) {
@@ -426,6 +446,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
                         chosen_by, ")"));
     }
   }
+  STRATA_RETURN_IF_ERROR(c.CheckStagingFits());
   return c;
 }
 

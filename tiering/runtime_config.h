@@ -46,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "aio/config.h"
@@ -175,6 +176,14 @@ struct RuntimeConfig {
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).
   std::string SwapPath() const;
+
+  // The staging buffers an NVMe store reads and writes through: pairs of buffers (buffer_count /
+  // 2, at least one) of offload_param.buffer_size bytes (at least kMinBufferSize) in whole pages.
+  int StagingPairs() const;
+  uint64_t StagingBufferBytes() const;
+  // OK, or InvalidArgument naming the keys where there is an NVMe store (SwapPath() not empty)
+  // and its staging buffers do not fit in host_budget_bytes, which holds them.
+  absl::Status CheckStagingFits() const;
 };
 
 absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const nlohmann::json& root,

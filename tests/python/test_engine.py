@@ -475,6 +475,9 @@ def test_check_config_refuses_what_initialize_refuses_without_a_model(tmp_path, 
     ("zero_optimization", "stage", 7, r"zero_optimization.stage: must be an integer in \[0, 3\]"),
     (None, "zero_optimisation", {}, "zero_optimisation: unknown key.*did you mean "
                                     "zero_optimization"),
+    # One pair of 64 KiB staging buffers (buffer_count 2) is more than a 64 KiB host budget.
+    ("strata", "host_budget_bytes", 65536, r"the staging buffers \(2 of offload_param.buffer_size: "
+                                          r"131072 bytes.*do not fit in strata.host_budget_bytes"),
 ])
 def test_check_config_reads_the_runtimes_blocks_as_the_runtime_does(tmp_path, block, key, value,
                                                                     message):

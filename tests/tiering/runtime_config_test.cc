@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -81,6 +82,34 @@ TEST(RuntimeConfigTest, IntegersAreReadExactlyAndDeepSpeedsFloatsWhenWhole) {
   EXPECT_EQ(c->host_budget_bytes, 4000000000u);
   auto fraction = RuntimeConfigFromJsonText(R"({"strata": {"host_budget_bytes": 1e9.5}})");
   EXPECT_FALSE(fraction.ok());
+}
+
+TEST(RuntimeConfigTest, StagingBuffersBeyondTheHostBudgetAreRefusedWhereThereIsAStore) {
+  // buffer_count 5: two pairs of 1 MiB buffers, 4 MiB, in a host budget of 2 MiB.
+  const std::string staged = R"({"zero_optimization": {"stage": 3, "offload_param": {
+      "device": "nvme", "nvme_path": "/nvme0", "buffer_count": 5, "buffer_size": 1048576}},
+      "strata": {"host_budget_bytes": 2097152}})";
+  auto bad = RuntimeConfigFromJsonText(staged);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(),
+              HasSubstr("the staging buffers (4 of offload_param.buffer_size: 4194304 bytes; "
+                        "buffer_count 5 gives 2 pair(s), at least one) do not fit in "
+                        "strata.host_budget_bytes (2097152)"));
+  // One pair fits; without an NVMe store nothing is staged.
+  auto pair = RuntimeConfigFromJsonText(
+      absl::StrReplaceAll(staged, {{"\"buffer_count\": 5", "\"buffer_count\": 2"}}));
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  EXPECT_EQ(pair->StagingPairs(), 1);
+  EXPECT_EQ(pair->StagingBufferBytes(), 1048576u);
+  auto no_store = RuntimeConfigFromJsonText(
+      absl::StrReplaceAll(staged, {{"\"device\": \"nvme\", \"nvme_path\": \"/nvme0\", ", ""}}));
+  EXPECT_TRUE(no_store.ok()) << no_store.status();
+  // A buffer below kMinBufferSize is one of kMinBufferSize; sizes round up to whole pages.
+  RuntimeConfig c;
+  c.offload_param.buffer_size = 100;
+  EXPECT_EQ(c.StagingBufferBytes(), 4096u);
+  c.offload_param.buffer_size = 4097;
+  EXPECT_EQ(c.StagingBufferBytes(), 8192u);
 }
 
 TEST(RuntimeConfigTest, TwoNvmePathsAreReportedWithTheOneUsed) {
