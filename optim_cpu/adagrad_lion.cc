@@ -41,7 +41,7 @@ absl::StatusOr<StepResult> RunStep(absl::string_view who, internal::Core& core, 
   if (o.check_overflow && core.HasNonFinite(c.grad, c.grad_dtype, c.size)) {
     return StepResult{.overflow = true};
   }
-  core.Run(a, c.size);
+  core.Run(a, c.size, o.threads);
   return StepResult{};
 }
 

@@ -85,7 +85,7 @@ absl::StatusOr<StepResult> CpuAdam::Step(int64_t t, const AdamChunk& c,
   a.l2 = config_.adamw ? 0.0f : weight_decay;
   a.decoupled = config_.adamw && weight_decay != 0.0f;
   a.decay = static_cast<float>(1.0 - double{lr} * weight_decay);
-  core_->Run(a, c.size);
+  core_->Run(a, c.size, options.threads);
   return StepResult{};
 }
 

@@ -96,6 +96,7 @@ void ThreadPool::WorkerLoop(int index) {
   while (true) {
     const std::function<void(size_t, size_t, int)>* fn;
     size_t n, granule;
+    int workers;
     {
       MutexLock lock(&mu_);
       while (generation_ == seen && !stop_) work_cv_.Wait(&mu_);
@@ -104,16 +105,19 @@ void ThreadPool::WorkerLoop(int index) {
       fn = fn_;
       n = n_;
       granule = granule_;
+      workers = workers_;
     }
-    const auto [begin, end] = RangeOf(n, granule, size_, index);
-    if (begin < end) (*fn)(begin, end, index);
+    if (index < workers) {
+      const auto [begin, end] = RangeOf(n, granule, workers, index);
+      if (begin < end) (*fn)(begin, end, index);
+    }
     MutexLock lock(&mu_);
     if (--pending_ == 0) done_cv_.SignalAll();
   }
 }
 
 void ThreadPool::ParallelFor(size_t n, size_t granule,
-                             const std::function<void(size_t, size_t, int)>& fn) {
+                             const std::function<void(size_t, size_t, int)>& fn, int workers) {
   if (n == 0) return;
   if (granule == 0) granule = 1;
   if (threads_.empty()) {
@@ -125,6 +129,7 @@ void ThreadPool::ParallelFor(size_t n, size_t granule,
   fn_ = &fn;
   n_ = n;
   granule_ = granule;
+  workers_ = workers <= 0 || workers > size_ ? size_ : workers;
   pending_ = size_;
   ++generation_;
   work_cv_.SignalAll();

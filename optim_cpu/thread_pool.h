@@ -37,9 +37,11 @@ class ThreadPool {
   bool bound() const { return bound_; }
   const std::string& placement() const { return placement_; }  // e.g. "bound to cores 0,1"
 
-  // Runs fn(begin, end, worker) over `n` items split into size() contiguous ranges whose
-  // boundaries are multiples of `granule` (so vector kernels see whole vectors except at n).
-  void ParallelFor(size_t n, size_t granule, const std::function<void(size_t, size_t, int)>& fn);
+  // Runs fn(begin, end, worker) over `n` items split into contiguous ranges whose boundaries are
+  // multiples of `granule` (so vector kernels see whole vectors except at n), one range for each
+  // of the first `workers` threads (0, or more than size(): all of them); the others stay idle.
+  void ParallelFor(size_t n, size_t granule, const std::function<void(size_t, size_t, int)>& fn,
+                   int workers = 0);
 
  private:
   ThreadPool() = default;
@@ -60,6 +62,7 @@ class ThreadPool {
   const std::function<void(size_t, size_t, int)>* fn_ ABSL_GUARDED_BY(mu_) = nullptr;
   size_t n_ ABSL_GUARDED_BY(mu_) = 0;
   size_t granule_ ABSL_GUARDED_BY(mu_) = 1;
+  int workers_ ABSL_GUARDED_BY(mu_) = 1;  // the call's: threads from index workers_ on sit out
 };
 
 }  // namespace strata::optim_cpu

@@ -1289,6 +1289,11 @@ absl::Status Runtime::CreateOptimizer(
     return Annotate(created.status(), "create optimizer");
   }
   swap::OptimizerSwapperConfig sc;
+  // While backward runs, the config's share of the pool, unless the caller sized the optimizer's.
+  if (optimizer.adam.threads == 0 && optimizer.adagrad.threads == 0 &&
+      optimizer.lion.threads == 0) {
+    sc.threads_while_staging = config_.OptimizerThreadsWhileStaging(optim_cpu::ThreadPool::Cores());
+  }
   sc.pipeline_read = oc.pipeline_read;
   sc.pipeline_write = oc.pipeline_write;
   sc.max_in_cpu_bytes = on_nvme ? 0 : UINT64_MAX;
@@ -1443,13 +1448,24 @@ absl::StatusOr<optim_cpu::DType> Runtime::StepPartitionDtype(PartitionId partiti
 }
 
 absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
-                                         const optim_cpu::StepOptions& options) {
+                                         const optim_cpu::StepOptions& options,
+                                         tiering::StreamHandle grad_stream) {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
   if (!optimizer_->staging()) {
     return absl::FailedPreconditionError("optimizer step: Stage before Begin");
+  }
+  if (grad_stream != nullptr) {
+    absl::StatusOr<std::shared_ptr<tiering::Fence>> fence = copy_->RecordFence(grad_stream);
+    if (!fence.ok()) {
+      return Annotate(fence.status(), absl::StrCat("optimizer step ", t,
+                                                   ": the gradients' stream (nothing staged)"));
+    }
+    for (swap::StepInput& in : inputs) {
+      if (in.grad != nullptr) in.grad_ready = *fence;
+    }
   }
   // A gradient to be taken from its partition: its dtype is the partition's, its size the
   // optimizer partition's (checked here, before anything is staged).

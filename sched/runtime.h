@@ -331,8 +331,13 @@ class Runtime {
   absl::Status ReleaseOptimizerStep(float grad_scale);
   // The read-ahead room the optimizer holds (0: none, or no optimizer).
   uint64_t OptimizerReadAheadBytes();
+  // `grad_stream` (device tier, CUDA; as Release's `stream`): the stream where the inputs' given
+  // gradients are still being copied into host memory. A fence is recorded there and whichever
+  // thread steps an input waits for it before reading its gradient, so a trainer stages each
+  // gradient as its copy is queued, without waiting for the device. Null: they are in place.
   absl::Status StageOptimizerStep(int64_t t, std::vector<swap::StepInput> inputs,
-                                  const optim_cpu::StepOptions& options = {});
+                                  const optim_cpu::StepOptions& options = {},
+                                  tiering::StreamHandle grad_stream = nullptr);
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
   std::vector<PartitionId> AbortOptimizerStep();
   std::vector<PartitionId> TakeCopiedPartitions();

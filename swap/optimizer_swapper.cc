@@ -397,6 +397,13 @@ PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
 
 namespace {
 
+// Waits until `in`'s gradient has landed (StepInput::grad_ready), on the thread about to read it.
+absl::Status GradLanded(const StepInput& in) {
+  if (in.grad_ready == nullptr) return absl::OkStatus();
+  return Annotate(in.grad_ready->Wait(),
+                  absl::StrCat("the gradient of partition ", in.id, " on its way to host memory"));
+}
+
 // Steps host-resident partition `it` in place with gradient `grad` (validated when staged).
 absl::Status StepInPlace(optim_cpu::ChunkOptimizer* optimizer, const StepInput& in, int64_t t,
                          const optim_cpu::StepOptions& given, float* state, uint64_t n,
@@ -465,6 +472,11 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Step(int64_t t,
   absl::flat_hash_set<tiering::PartitionId> seen;
   STRATA_ASSIGN_OR_RETURN(std::vector<const Part*> parts,
                           ValidateInputs(t, inputs, options, false, &seen));
+  for (const StepInput& in : inputs) {
+    if (absl::Status s = GradLanded(in); !s.ok()) {
+      return Annotate(s, absl::StrCat("optimizer step ", t, ": nothing was changed"));
+    }
+  }
   if (options.check_overflow) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       if (optimizer_->HasNonFinite(inputs[i].grad, inputs[i].grad_dtype, parts[i]->elements)) {
@@ -690,6 +702,7 @@ void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
   } stopped{x};
   for (size_t k = 0;; ++k) {
     const Txn::Item* it = nullptr;
+    bool open = false;  // staging goes on: the trainer still computes
     {
       MutexLock lock(&x->mu);
       x->early_done = k;
@@ -697,8 +710,13 @@ void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
       while (!x->closed && !x->cancelled && x->early.size() <= k) x->staged.Wait(&x->mu);
       if (x->cancelled || x->early.size() <= k) return;
       it = &x->early[k];  // a deque's elements stay put while more are staged
+      open = !x->closed;
     }
     const void* grad = it->in.grad;
+    if (absl::Status landed = GradLanded(it->in); !landed.ok()) {
+      x->early_failure = landed;
+      return;
+    }
     if (grad == nullptr) {
       absl::StatusOr<const void*> got = it->source->get(it->in.id);
       if (!got.ok() || *got == nullptr) {
@@ -712,7 +730,9 @@ void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
     }
     Emit(StepEvent::kStepStarted, it->in.id);
     const auto c0 = Clock::now();
-    absl::Status s = StepInPlace(optimizer_, it->in, it->t, it->options, it->part->host_state,
+    optim_cpu::StepOptions options = it->options;
+    if (open) options.threads = config_.threads_while_staging;
+    absl::Status s = StepInPlace(optimizer_, it->in, it->t, options, it->part->host_state,
                                  it->part->elements, grad);
     x->early_compute_s += Since(c0);
     if (it->in.grad == nullptr && it->source->done) it->source->done(it->in.id);
@@ -974,6 +994,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     optim_cpu::StepOptions options = it->options;
     options.check_overflow = false;
     if (held_scale.has_value()) options.grad_scale = *held_scale;
+    {
+      MutexLock lock(&x->mu);
+      if (!x->closed) options.threads = config_.threads_while_staging;  // backward still runs
+    }
     if (it->copy_only) {
       // Its master weights as they are, copied by the optimizer's own conversion: a step of
       // rate 0 and no decay over a zero gradient (the second moment's slot, zeroed: the moments
@@ -986,6 +1010,10 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       options.grad_scale = 1;
     } else {
       if (it->in.grad != nullptr) {
+        if (absl::Status landed = GradLanded(it->in); !landed.ok()) {
+          x->failure = landed;
+          break;
+        }
         c.grad = it->in.grad;
       } else {
         if (held == nullptr || held_id != it->in.id) {
@@ -1256,6 +1284,10 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   } let_go;
   for (const Txn::Item& it : x->host) {
     const void* grad = it.in.grad;
+    if (absl::Status landed = GradLanded(it.in); !landed.ok()) {
+      abort();
+      return Annotate(landed, unchanged);
+    }
     if (grad == nullptr) {
       absl::StatusOr<const void*> got = it.source->get(it.in.id);
       if (got.ok() && *got != nullptr) let_go.held.emplace_back(it.source.get(), it.in.id);

@@ -100,6 +100,7 @@
 #include "absl/types/span.h"
 #include "optim_cpu/adam.h"
 #include "optim_cpu/chunk_optimizer.h"
+#include "tiering/copy_engine.h"
 #include "tiering/memory_resource.h"
 #include "tiering/nvme_store.h"
 
@@ -179,6 +180,11 @@ struct OptimizerSwapperConfig {
   // *Awaited event first, so a hook that holds an I/O thread until the step moves on, or until
   // that event, cannot deadlock. Default: none.
   std::function<void(StepEvent, tiering::PartitionId)> on_event;
+  // StepOptions::threads for the partitions stepped while a transaction is still open for
+  // staging (Begin to Commit or Abort: the trainer's backward still runs), by the early worker
+  // (host_early) or the NVMe worker; what steps once Commit waits for it gets the whole pool.
+  // 0: the whole pool always.
+  int threads_while_staging = 0;
 };
 
 // What one partition's step needs besides its state.
@@ -192,6 +198,11 @@ struct StepInput {
   // partition's state has landed; `sink_target` is passed to the sink as it is.
   bool copy_to_sink = false;
   tiering::PartitionId sink_target = 0;
+  // Set: `grad` is still being written by a copy queued on a device stream (a GPU's gradient on
+  // its way to pinned host memory while backward goes on). Whichever thread reads `grad` waits for
+  // the fence first (the worker, the early worker, or Commit), so the caller stages it without
+  // waiting for the device; a fence that fails to pass fails the step as a failed read would.
+  std::shared_ptr<tiering::Fence> grad_ready;
 };
 
 struct StepReport {

@@ -258,8 +258,12 @@ bool Present(const Json& root, absl::string_view dotted) {
 }  // namespace
 
 int RuntimeConfig::OptimizerThreads(int cores) const {
-  if (optimizer_threads != 0) return static_cast<int>(optimizer_threads);
-  return OptimizerDuringBackward() ? std::max(1, cores - 2) : cores;
+  return optimizer_threads != 0 ? static_cast<int>(optimizer_threads) : cores;
+}
+
+int RuntimeConfig::OptimizerThreadsWhileStaging(int cores) const {
+  if (optimizer_threads != 0 || !OptimizerDuringBackward()) return 0;
+  return std::max(1, cores - 2);
 }
 
 std::string RuntimeConfig::SwapPath() const {
@@ -367,7 +371,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
     STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(*s, p, "optimizer_during_backward",
-                                          "true where strata.device is \"cuda\" at ZeRO stage 3",
+                                          "true where strata.device is \"cuda\" at ZeRO stage 2 or 3",
                                           &c.optimizer_during_backward));
     if (auto r = s->find("optimizer_read_ahead_bytes"); r != s->end()) {
       if (!r->is_string() || r->get<std::string>() != "auto") {

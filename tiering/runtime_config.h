@@ -110,11 +110,12 @@ struct RuntimeConfig {
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;
-  // The CPU optimizer's threads (0: one per core, each bound to its core; all but two cores when
-  // optimizer_during_backward is on, whether or not a given step then overlaps backward (the
-  // pool is made once): OptimizerThreads()). On a GPU the trainer's thread queues
-  // the kernels and the Runtime's workers queue the copies: an optimizer on every core competes
-  // with both while it steps during backward.
+  // The CPU optimizer's threads (0: one per core, each bound to its core: OptimizerThreads();
+  // while backward still runs, with optimizer_during_backward on, only the first all but two of
+  // them step: OptimizerThreadsWhileStaging()). On a GPU the trainer's thread queues the kernels
+  // and the Runtime's workers queue the copies: an optimizer on every core competes with both
+  // while it steps during backward; the step after backward, which the trainer waits for, gets
+  // every core. Set, the pool is that many threads and all of them step, always.
   int64_t optimizer_threads = 0;
   // The CUDA copy engine's streams: 1 (both directions on one, in submission order) or 2 (one per
   // direction: a gradient going to the host need not wait behind a weight coming to the device).
@@ -126,8 +127,8 @@ struct RuntimeConfig {
   // one process). The trainer's front decides; this says whether it may. Unset ("auto", the
   // default): where the trainer computes on a GPU (strata.device "cuda"), not where it computes
   // on the host's cores (the emulated device), whose threads the optimizer's would take while
-  // backward runs. Measured in docs/performance.md. Below ZeRO stage 3 (zero_stage) nothing steps
-  // or is staged during backward, and "auto" is off: the step after backward gets every core.
+  // backward runs. Measured in docs/performance.md. Below ZeRO stage 2 (zero_stage) nothing steps
+  // or is staged during backward, and "auto" is off.
   std::optional<bool> optimizer_during_backward;
 
   // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" (the
@@ -166,12 +167,16 @@ struct RuntimeConfig {
   // Whether host-resident optimizer state may step during backward: the setting, or "auto"'s
   // answer for this device and stage.
   bool OptimizerDuringBackward() const {
-    return optimizer_during_backward.value_or(!emulated_device && zero_stage == 3);
+    return optimizer_during_backward.value_or(!emulated_device && zero_stage >= 2);
   }
-  // The CPU optimizer's threads for a machine of `cores` cores: optimizer_threads, or when that
-  // is 0, one per core, all but two (left to the trainer's and the copies' threads, at least one)
-  // where OptimizerDuringBackward() says the optimizer may step during backward.
+  // The CPU optimizer's pool for a machine of `cores` cores: optimizer_threads, or when that is
+  // 0, one thread per core.
   int OptimizerThreads(int cores) const;
+  // How many of the pool's threads step while backward still runs (swap/optimizer_swapper.h's
+  // threads_while_staging; 0: all): all but two cores (left to the trainer's and the copies'
+  // threads, at least one) where OptimizerDuringBackward() says the optimizer may step then and
+  // optimizer_threads is 0; else 0.
+  int OptimizerThreadsWhileStaging(int cores) const;
 
   RuntimeConfig() { offload_optimizer.buffer_count = 4; }
   // Where NVMe swap lives ("" when nothing is offloaded to NVMe).

@@ -23,7 +23,8 @@ class Core {
   Isa isa() const { return isa_; }
   ThreadPool& pool() { return *pool_; }
   bool HasNonFinite(const void* grad, DType dtype, size_t n);
-  void Run(const UpdateArgs& args, size_t n);
+  // `threads`: StepOptions::threads (0: the whole pool).
+  void Run(const UpdateArgs& args, size_t n, int threads = 0);
 
  private:
   Isa isa_ = Isa::kScalar;

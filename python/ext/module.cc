@@ -737,8 +737,11 @@ class PyRuntime {
   // (id, grad or None, param_copy or None or a partition id) triples; a None grad is the gradient
   // partition `id`, taken from the host tier by the optimizer's thread; a partition id takes the
   // new weights once the state has landed (optimizer_commit "partition").
+  // grad_stream: the stream (an int handle, as release's) where the given gradients are still
+  // being copied to host memory (sched::Runtime::StageOptimizerStep); None: they are in place.
   void StageOptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
-                          bool check_overflow, float weight_decay) {
+                          bool check_overflow, float weight_decay,
+                          std::optional<uintptr_t> grad_stream) {
     std::vector<TensorView> keep;
     std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/true, &keep);
     const optim_cpu::StepOptions options =
@@ -746,7 +749,7 @@ class PyRuntime {
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
-      s = runtime_->StageOptimizerStep(t, std::move(in), options);
+      s = runtime_->StageOptimizerStep(t, std::move(in), options, StreamOf(grad_stream));
     }
     Check(s);
     for (TensorView& v : keep) staged_.push_back(std::move(v));
@@ -1103,7 +1106,7 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("optimizer_read_ahead_bytes", &PyRuntime::OptimizerReadAheadBytes)
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
-           py::arg("weight_decay") = -1.0f)
+           py::arg("weight_decay") = -1.0f, py::arg("grad_stream") = py::none())
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
       .def("take_copied_partitions", &PyRuntime::TakeCopiedPartitions)

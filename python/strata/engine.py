@@ -362,6 +362,7 @@ class Engine(Lending, Gradients, Step):
         # (gradients.py).
         self._grads_in_flight = []
         self._grads_landing = []
+        self._grad_stream = None  # the gradients' copies to the host (gradients.py), made on use
         self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self._step_applied = False  # the last boundary's step changed the weights
         self._global_grad_norm = None  # the last step's, when it computed one

@@ -73,7 +73,15 @@ class Gradients:
                 # stages when that is not the training dtype).
                 e.param.grad = None
                 if grad.device.type == "cuda":
-                    self._send_to_host(e, grad.reshape(-1))
+                    whole = self._send_to_host(e, grad.reshape(-1))
+                    e.has_grad = True
+                    if boundary and whole and self.ranks is None:
+                        # The window's whole gradient, on its way to the host: its step is staged
+                        # now, the optimizer's thread reading it once its copy has landed (a fence
+                        # on the gradients' stream), while backward goes on.
+                        self._hook_order[e] = None
+                        self._stage(e, e.host_grad, grad_stream=self._gradient_stream())
+                    return
                 elif e.host_grad is None:
                     # The window's first is autograd's own tensor, kept, as plain torch keeps
                     # it in .grad (autograd gives .grad a tensor of its own: one a tensor hook
@@ -92,48 +100,64 @@ class Gradients:
                 self._stage(e, grad.detach().reshape(-1).clone())
         return hook
 
+    def _gradient_stream(self):
+        """The CUDA stream the gradients' copies to the host run on, made once: a stream of its
+        own, so that they overlap backward's kernels rather than queue between them."""
+        if self._grad_stream is None:
+            self._grad_stream = torch.cuda.Stream(self.device)
+        return self._grad_stream
+
     def _send_to_host(self, e, grad):
-        """A GPU's gradient to the host without the host waiting for the GPU: copied on torch's
-        stream into pinned memory (the window's first straight into e.host_grad, a later one
-        into e.incoming, added once it has landed). The copies of one backward are marked by an
-        event after it (engine.backward) and waited for before the host reads them
-        (_land_host_gradients)."""
+        """A GPU's gradient to the host without the host waiting for the GPU: copied into pinned
+        memory on the gradients' stream (_gradient_stream), after the work queued on torch's
+        stream so far (which made it), while backward goes on there: the window's first straight
+        into e.host_grad (returns True: e.host_grad will be the whole gradient once the copy has
+        landed), a later one into e.incoming, added once it has landed (returns False). The copies
+        of one backward are marked by an event after it (engine.backward) and waited for before
+        the host reads them (_land_host_gradients); a step staged from e.host_grad waits for a
+        fence on that stream instead."""
         if e.incoming is not None:  # an earlier micro-batch's, long landed: summed now
             self._land_host_gradients(finished_only=True)
         values = grad.to(self.grad_accum_dtype)
         if e.pinned_grad is None:
             e.pinned_grad = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
         incoming = None
-        if e.host_grad is None:
-            e.host_grad = e.pinned_grad
-            e.host_grad.copy_(values, non_blocking=True)
-        else:
-            if e.incoming is not None:  # a second gradient in this backward (a shared use)
-                self._land_host_gradients()
-            incoming = e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype,
-                                                pin_memory=True)
-            incoming.copy_(values, non_blocking=True)
-        # The copy reads `values` after this returns: torch's caching allocator keeps its memory
-        # from other streams' use, and this stream's later work comes after the copy. The copy
-        # belongs to this backward's batch: summed only once that batch's event has passed.
+        stream = self._gradient_stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if e.host_grad is None:
+                e.host_grad = e.pinned_grad
+                e.host_grad.copy_(values, non_blocking=True)
+            else:
+                if e.incoming is not None:  # a second gradient in this backward (a shared use)
+                    self._land_host_gradients()
+                incoming = e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype,
+                                                    pin_memory=True)
+                incoming.copy_(values, non_blocking=True)
+        # The copy reads `values` after this returns, on another stream than the one that made
+        # it: torch's caching allocator keeps its memory from reuse until that stream's work
+        # queued so far has run. The copy belongs to this backward's batch: summed only once that
+        # batch's event has passed.
+        values.record_stream(stream)
         self._grads_in_flight.append((e, incoming))
+        return incoming is None
 
     def _end_backward_copies(self):
-        """After a backward: its gradients' copies to the host, marked by an event on torch's
-        stream."""
+        """After a backward: its gradients' copies to the host, marked by an event on the
+        gradients' stream."""
         if self._grads_in_flight:
-            event = torch.cuda.current_stream(self.device).record_event()
+            event = self._gradient_stream().record_event()
             self._grads_landing.append((event, self._grads_in_flight))
             self._grads_in_flight = []
 
     def _land_host_gradients(self, finished_only=False):
         """Waits for the gradients' copies to the host (those of the backwards that ended, each
         marked by its event; with not `finished_only`, also those of a backward still running or
-        that failed, by waiting for the stream) and sums each later micro-batch's into its
-        host_grad."""
+        that failed, by waiting for the gradients' stream) and sums each later micro-batch's into
+        its host_grad."""
         batches, self._grads_landing = self._grads_landing, []
         if not finished_only and self._grads_in_flight:
-            torch.cuda.current_stream(self.device).synchronize()
+            self._gradient_stream().synchronize()
             batches.append((None, self._grads_in_flight))
             self._grads_in_flight = []
         for event, copies in batches:

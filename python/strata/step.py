@@ -39,7 +39,7 @@ class _Staged:
 class Step:
     """The engine's optimizer step (see the module's docstring)."""
 
-    def _stage(self, e, grad=None, clip=1.0, always=False):
+    def _stage(self, e, grad=None, clip=1.0, always=False, grad_stream=None):
         """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
         the Runtime's optimizer thread reads its NVMe state, steps it and writes it to fresh
         extents (during backward, when staged from the gradient hook); the new weights reach the
@@ -47,7 +47,9 @@ class Step:
         partition (taken from the host tier by that thread, one at a time) and its new weights go
         into its host copy, pinned until then (with parameters homed on NVMe, they are read back
         from the committed master weights instead, one at a time: _refresh_weights); another's are
-        given (`grad`). Without `always`, nothing is staged while staging is paused."""
+        given (`grad`; with `grad_stream`, a CUDA stream where its copy into it is still queued:
+        the optimizer's thread reads it once that copy has run). Without `always`, nothing is
+        staged while staging is paused."""
         if e in self._stepped_early:  # it stepped during a backward whose step was dropped
             return
         if self._half_loaded is not None:  # step() refuses; nothing may land meanwhile
@@ -93,7 +95,8 @@ class Step:
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
                 check_overflow=self.dtype == torch.float16 and not self._commit_each,
-                weight_decay=weight_decay)
+                weight_decay=weight_decay,
+                grad_stream=None if grad_stream is None else grad_stream.cuda_stream)
         except _strata.Error as error:
             if always:
                 raise

@@ -3,11 +3,15 @@
 // chunkings; overflow skip; bad input.
 #include "optim_cpu/adam.h"
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <set>
 #include <vector>
 
+#include "base/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "optim_cpu/adagrad.h"
@@ -499,6 +503,57 @@ TEST(ThreadPoolTest, RangesCoverEverythingOnceAtGranuleBoundaries) {
   for (auto& h : hits) ASSERT_EQ(h.load(), 1);
   EXPECT_EQ(misaligned.load(), 0);
   EXPECT_FALSE((*pool)->placement().empty());
+}
+
+// A call limited to the first k workers (StepOptions::threads: the optimizer stepping while the
+// trainer still computes) covers everything once on those workers alone.
+TEST(ThreadPoolTest, ACallLimitedToKWorkersRunsOnTheFirstKAlone) {
+  auto pool = ThreadPool::Create(4);
+  ASSERT_TRUE(pool.ok());
+  for (int k : {1, 2, 3, 4, 0, 9}) {
+    std::vector<std::atomic<int>> hits(1000);
+    std::set<int> workers;
+    Mutex mu;
+    (*pool)->ParallelFor(
+        1000, 64,
+        [&](size_t b, size_t e, int worker) {
+          for (size_t i = b; i < e; ++i) ++hits[i];
+          MutexLock lock(&mu);
+          workers.insert(worker);
+        },
+        k);
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1) << "k " << k;
+    const int used = k <= 0 || k > 4 ? 4 : k;
+    EXPECT_EQ(workers.size(), static_cast<size_t>(used)) << "k " << k;
+    EXPECT_LT(*workers.rbegin(), used) << "k " << k << ": only the first ones work";
+  }
+}
+
+// A step asked for fewer threads gives the same bits as one on the whole pool.
+TEST(CpuAdamTest, AStepOnFewerThreadsIsBitwiseTheSame) {
+  auto adam = CpuAdam::Create(AdamConfig{.threads = 4});
+  ASSERT_TRUE(adam.ok());
+  const size_t n = 10007;
+  std::vector<float> g(n);
+  for (size_t i = 0; i < n; ++i) g[i] = std::sin(0.01f * i);
+  std::array<std::vector<float>, 2> p, m, v;
+  for (int run = 0; run < 2; ++run) {
+    p[run].assign(n, 0.5f);
+    m[run].assign(n, 0.0f);
+    v[run].assign(n, 0.0f);
+    AdamChunk c;
+    c.param = p[run].data();
+    c.grad = g.data();
+    c.exp_avg = m[run].data();
+    c.exp_avg_sq = v[run].data();
+    c.size = n;
+    StepOptions o;
+    o.threads = run == 0 ? 0 : 1;
+    ASSERT_TRUE((*adam)->Step(1, c, o).ok());
+  }
+  EXPECT_EQ(p[0], p[1]);
+  EXPECT_EQ(m[0], m[1]);
+  EXPECT_EQ(v[0], v[1]);
 }
 
 }  // namespace

@@ -226,7 +226,7 @@ def test_a_checkpoint_on_cuda_resumes_bit_for_bit(tmp_path):
     assert resumed == whole[3:]
 
 
-@pytest.mark.parametrize("stage,accumulation", [(3, 1), (2, 2)])
+@pytest.mark.parametrize("stage,accumulation", [(3, 1), (2, 2), (2, 1)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path, dtype, stage,
                                                                        accumulation):
@@ -236,8 +236,11 @@ def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path
     gradient partition, well before the GPU has run it. Released without the stream, the Runtime
     would reuse a weight's device memory for the next prefetch, or copy a gradient to the host,
     before the kernels that read or write them; at stage 2 the gradients go to pinned host memory
-    on that stream, and a host reading them before they land would sum stale values: the losses
-    and weights would part from plain torch's."""
+    on the gradients' stream, and a host reading them before they land would sum stale values;
+    with one micro-batch a step, each is staged as its copy is queued and the optimizer steps it
+    during backward (no clipping: in place, for good) once a fence on that stream has passed: a
+    step that read it early would step on what the pinned buffer held before. The losses and
+    weights would part from plain torch's."""
     torch.manual_seed(0)
     model = Net()
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -267,10 +270,44 @@ def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path
         if (i + 1) % accumulation == 0:
             reference.step()
         losses.append((loss.detach(), ref.detach()))
+        if stage == 2 and accumulation == 1 and i > 0:  # the path this case is for
+            taken = engine.last_step_stats["optimizer"]
+            assert taken["staged"] and taken["host_early"], taken
     for ours, theirs in losses:
         assert ours.item() == pytest.approx(theirs.item(), rel=tolerance, abs=tolerance)
     state = engine.module_state_dict()
     for name, theirs in reference.master.state_dict().items():
         torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
                                    rtol=tolerance, atol=tolerance if dtype == "fp32" else 2e-2)
+    engine.close()
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_stage_2_steps_staged_during_backward_match_plain_torch_with_clipping(tmp_path, offload):
+    """Stage 2, one micro-batch a step, gradient clipping: each gradient is staged as its copy to
+    the host is queued (speculatively: the clipping is known only after backward). A step that
+    clipping scales is dropped and taken anew, and the next one is not speculated; either way the
+    result is plain torch's, step by step."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = MixedPrecisionAdamW(copy.deepcopy(model).cuda(), torch.float32, clipping=0.5,
+                                    lr=1e-3)
+    config = make_config(tmp_path, 2, offload, "fp32", 64 << 20, accumulation=1)
+    config["gradient_clipping"] = 0.5
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    staged = 0
+    for x, y in batches(8):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        staged += bool((engine.last_step_stats["optimizer"] or {}).get("staged"))
+        ref = loss_of(reference.model(x), y)
+        reference.backward(ref, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-4, abs=1e-4)
+    assert staged + engine.redone_steps > 0, "nothing was staged during backward"
+    state = engine.module_state_dict()
+    for name, theirs in reference.master.state_dict().items():
+        torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
+                                   rtol=1e-4, atol=1e-4)
     engine.close()

@@ -1032,6 +1032,175 @@ TEST(SwapperTransactionTest, HostEarlyAbortAndFailureSayWhatHadStepped) {
   EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
 }
 
+// A gradient's copy to host memory still in flight when it is staged (StepInput::grad_ready):
+// here the copy "lands" inside the fence's Wait, so a step that read the gradient before waiting
+// would read the NaNs left in its place and fail to match the reference, whichever thread steps
+// it: the early worker (host_early), Commit (host-resident), the NVMe worker.
+class LandingFence : public tiering::Fence {
+ public:
+  LandingFence(std::vector<std::pair<float*, std::vector<float>>> lands, absl::Status result)
+      : lands_(std::move(lands)), result_(std::move(result)) {}
+  absl::Status Wait() override {
+    MutexLock lock(&mu_);
+    if (!landed_) {
+      for (auto& [into, values] : lands_) std::copy(values.begin(), values.end(), into);
+      landed_ = true;
+    }
+    ++waits_;
+    return result_;
+  }
+  bool Passed() override {
+    MutexLock lock(&mu_);
+    return landed_;
+  }
+  int waits() {
+    MutexLock lock(&mu_);
+    return waits_;
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<std::pair<float*, std::vector<float>>> lands_ ABSL_GUARDED_BY(mu_);
+  bool landed_ ABSL_GUARDED_BY(mu_) = false;
+  int waits_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status result_;
+};
+
+// Every gradient of `f` replaced by NaNs, its values landing when the fence returned is waited.
+std::shared_ptr<LandingFence> GradientsInFlight(Fixture& f, absl::Status result = {}) {
+  std::vector<std::pair<float*, std::vector<float>>> lands;
+  for (auto& g : f.grads) {
+    lands.emplace_back(g.data(), g);
+    std::fill(g.begin(), g.end(), std::numeric_limits<float>::quiet_NaN());
+  }
+  return std::make_shared<LandingFence>(std::move(lands), std::move(result));
+}
+
+TEST(SwapperTransactionTest, AGradientInFlightIsReadOnlyOnceItsFenceHasPassed) {
+  struct Mode {
+    const char* name;
+    uint64_t max_in_cpu;
+    bool host_early;
+  };
+  for (const Mode& mode : {Mode{"host-resident, early", 1 << 30, true},
+                           Mode{"host-resident, at Commit", 1 << 30, false},
+                           Mode{"NVMe-resident", 0, false}}) {
+    SCOPED_TRACE(mode.name);
+    Fixture f({true, true, mode.max_in_cpu});
+    for (int64_t t = 1; t <= 2; ++t) {
+      f.NewGrads(static_cast<int>(t));
+      f.StepReference(t);
+      auto fence = GradientsInFlight(f);
+      ASSERT_TRUE(f.swapper->Begin(1 << 20, mode.host_early).ok());
+      std::vector<StepInput> in = f.Inputs();
+      for (StepInput& s : in) s.grad_ready = fence;
+      ASSERT_TRUE(f.swapper->Stage(t, in).ok());
+      auto r = f.swapper->Commit();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_FALSE(r->overflow);
+      EXPECT_GE(fence->waits(), static_cast<int>(in.size()));
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+  }
+}
+
+// A fence that fails (the copy to host memory failed) fails the step, naming the partition, with
+// nothing changed; Step alike.
+TEST(SwapperTransactionTest, AGradientWhoseCopyFailedFailsTheStepChangingNothing) {
+  for (uint64_t max_in_cpu : {uint64_t{1} << 30, uint64_t{0}}) {
+    Fixture f({true, true, max_in_cpu});
+    f.NewGrads(1);
+    const Reference before = f.ref;
+    auto fence = GradientsInFlight(f, absl::InternalError("cudaEventSynchronize: an illegal "
+                                                          "memory access"));
+    ASSERT_TRUE(f.swapper->Begin(1 << 20).ok());
+    std::vector<StepInput> in = f.Inputs();
+    for (StepInput& s : in) s.grad_ready = fence;
+    ASSERT_TRUE(f.swapper->Stage(1, in).ok());
+    auto r = f.swapper->Commit();
+    ASSERT_FALSE(r.ok());
+    EXPECT_THAT(r.status().message(), HasSubstr("an illegal memory access"));
+    EXPECT_THAT(r.status().message(), HasSubstr("on its way to host memory"));
+    f.ExpectMastersStepped(0, before);
+    auto step = f.swapper->Step(1, in);
+    ASSERT_FALSE(step.ok());
+    EXPECT_THAT(step.status().message(), HasSubstr("nothing was changed"));
+    f.ExpectMastersStepped(0, before);
+  }
+}
+
+// What steps while the transaction is open (the trainer's backward still runs) takes
+// threads_while_staging of the pool; what steps once Commit waits for it, the whole pool.
+class ThreadsRecorder : public optim_cpu::ChunkOptimizer {
+ public:
+  explicit ThreadsRecorder(optim_cpu::CpuAdam* adam) : inner_(optim_cpu::BorrowAdam(adam)) {}
+  absl::Status Validate(int64_t t, const optim_cpu::AdamChunk& chunk,
+                        const optim_cpu::StepOptions& options) const override {
+    return inner_->Validate(t, chunk, options);
+  }
+  absl::StatusOr<optim_cpu::StepResult> Step(int64_t t, const optim_cpu::AdamChunk& chunk,
+                                             const optim_cpu::StepOptions& options) override {
+    {
+      MutexLock lock(&mu_);
+      threads_.push_back(options.threads);
+    }
+    return inner_->Step(t, chunk, options);
+  }
+  bool HasNonFinite(const void* grad, optim_cpu::DType dtype, size_t n) override {
+    return inner_->HasNonFinite(grad, dtype, n);
+  }
+  optim_cpu::OptimizerKind kind() const override { return inner_->kind(); }
+  optim_cpu::Isa isa() const override { return inner_->isa(); }
+  std::vector<int> Take() {
+    MutexLock lock(&mu_);
+    return std::exchange(threads_, {});
+  }
+
+ private:
+  std::unique_ptr<optim_cpu::ChunkOptimizer> inner_;
+  Mutex mu_;
+  std::vector<int> threads_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST(SwapperTransactionTest, WhatStepsDuringStagingTakesItsShareOfThePoolAndTheRestAll) {
+  Fixture f({true, true, 1 << 30});
+  ThreadsRecorder recorder(f.adam.get());
+  OptimizerSwapperConfig config{true, true, 1 << 30};
+  config.threads_while_staging = 1;
+  config.on_event = [t = f.trace](StepEvent event, tiering::PartitionId id) {
+    Entry e;
+    e.event = event;
+    e.id = id;
+    t->Add(e);
+  };
+  auto s = PipelinedOptimizerSwapper::Create(f.store.get(), &recorder, &f.host, config, f.parts);
+  ASSERT_TRUE(s.ok()) << s.status();
+  auto& swapper = *s;
+  for (const auto& [id, n] : f.parts) {
+    ASSERT_TRUE(swapper->Initialize(id, std::vector<float>(n, 1.0f)).ok());
+  }
+  f.NewGrads(1);
+  std::vector<StepInput> in = f.Inputs();
+  // Early: staged and stepped before Commit, on its share.
+  ASSERT_TRUE(swapper->Begin(0, /*host_early=*/true).ok());
+  ASSERT_TRUE(swapper->Stage(1, absl::MakeConstSpan(in).subspan(0, 2)).ok());
+  f.trace->WaitUntil(
+      [&](const std::vector<Entry>& x) {
+        return Any(x, StepEvent::kStepFinished, in[0].id) &&
+               Any(x, StepEvent::kStepFinished, in[1].id);
+      },
+      "the first two stepped");
+  EXPECT_THAT(recorder.Take(), ::testing::ElementsAre(1, 1));
+  ASSERT_TRUE(swapper->Commit().ok());
+  recorder.Take();
+  // Not early: the host-resident partitions step in Commit, on the whole pool.
+  ASSERT_TRUE(swapper->Begin(0).ok());
+  ASSERT_TRUE(swapper->Stage(2, in).ok());
+  ASSERT_TRUE(swapper->Commit().ok());
+  EXPECT_THAT(recorder.Take(), ::testing::Each(0));
+}
+
 // ReadState (and WaitForEarlySteps) wait for the early steps staged so far: the state read is
 // the stepped one, never one being written.
 TEST(SwapperTransactionTest, HostEarlyStateIsReadOnlyOnceItHasStepped) {

@@ -353,22 +353,26 @@ TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndCh
   EXPECT_FALSE(RuntimeConfig().OptimizerDuringBackward());  // auto on the emulated device: off
   for (const char* auto_on_cuda :
        {R"({"zero_optimization": {"stage": 3}, "strata": {"device": "cuda"}})",
+        R"({"zero_optimization": {"stage": 2}, "strata": {"device": "cuda"}})",
         R"({"zero_optimization": {"stage": 3},
             "strata": {"device": "cuda", "optimizer_during_backward": "auto"}})"}) {
     auto a = RuntimeConfigFromJsonText(auto_on_cuda);
     ASSERT_TRUE(a.ok()) << a.status();
     EXPECT_TRUE(a->OptimizerDuringBackward()) << auto_on_cuda;
-    EXPECT_EQ(a->OptimizerThreads(16), 14) << "all but two cores while it steps during backward";
-    EXPECT_EQ(a->OptimizerThreads(2), 1);
+    EXPECT_EQ(a->OptimizerThreads(16), 16) << "the pool: one thread per core";
+    EXPECT_EQ(a->OptimizerThreadsWhileStaging(16), 14)
+        << "all but two cores while it steps during backward";
+    EXPECT_EQ(a->OptimizerThreadsWhileStaging(2), 1);
   }
-  // Below stage 3 nothing steps during backward: "auto" is off on cuda too, every core steps
-  // after backward; asked for, it is on (two cores left all the same).
-  for (int stage : {0, 1, 2}) {
+  // Below stage 2 nothing steps during backward: "auto" is off on cuda too, every core steps
+  // after backward; asked for, it is on (two cores left all the same while backward runs).
+  for (int stage : {0, 1}) {
     auto below = RuntimeConfigFromJsonText(absl::StrCat(
         R"({"zero_optimization": {"stage": )", stage, R"(}, "strata": {"device": "cuda"}})"));
     ASSERT_TRUE(below.ok()) << below.status();
     EXPECT_FALSE(below->OptimizerDuringBackward()) << "stage " << stage;
     EXPECT_EQ(below->OptimizerThreads(16), 16) << "stage " << stage;
+    EXPECT_EQ(below->OptimizerThreadsWhileStaging(16), 0) << "stage " << stage;
     auto asked = RuntimeConfigFromJsonText(
         absl::StrCat(R"({"zero_optimization": {"stage": )", stage,
                      R"(}, "strata": {"device": "cuda", "optimizer_during_backward": true}})"));
@@ -380,6 +384,7 @@ TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndCh
   ASSERT_TRUE(off.ok()) << off.status();
   EXPECT_FALSE(off->OptimizerDuringBackward());
   EXPECT_EQ(off->OptimizerThreads(16), 16) << "one per core";
+  EXPECT_EQ(off->OptimizerThreadsWhileStaging(16), 0) << "the whole pool";
   auto c = RuntimeConfigFromJsonText(
       R"({"strata": {"optimizer_threads": 14, "copy_streams": 2,
                      "optimizer_during_backward": true}})");
@@ -388,6 +393,7 @@ TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndCh
   EXPECT_EQ(c->copy_streams, 2);
   EXPECT_TRUE(c->OptimizerDuringBackward());  // on the emulated device too, when asked
   EXPECT_EQ(c->OptimizerThreads(16), 14) << "the configured count";
+  EXPECT_EQ(c->OptimizerThreadsWhileStaging(16), 0) << "the configured pool, always whole";
   for (const char* bad : {R"({"strata": {"optimizer_during_backward": "yes"}})",
                           R"({"strata": {"optimizer_during_backward": 1}})"}) {
     EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
