@@ -76,6 +76,18 @@ floor. Printed beside each row as each system's step rate / the floor's, and onc
 split under --phases. With --bf16 the floor's weights are bf16 (no fp32 master weights): its
 losses are not compared then.
 
+The bound (with the floor): each row's step cannot be shorter than max(the forward + backward
+of plain PyTorch on the compute device; strata's CPU Adam stepping the model's fp32 master weights
+and moments in one chunk on every core; on cuda, the host link's bytes a step at its measured
+rates: the gradients down and the new weights up in the training dtype, at stage 3 the weights up
+once more for backward but for what the row's device budget keeps; on the NVMe row, the optimizer
+state read and written once at the disk's rates), each part measured in the floor's process of
+each round after its timed steps (bound_parts). Printed beside each row as each system's step over
+the bound (1 is at it). The NVMe row's disk rates are fio's where fio is installed, else
+strata's aio_bench at the row's aio block (--aio-bench: its path), and say which. --clipping sets
+the config's gradient_clipping (default 1.0; 0: none, where strata can step its optimizer during
+backward exactly).
+
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
 import argparse
@@ -94,7 +106,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from fio_ceiling import fio_bandwidth  # noqa: E402
+from fio_ceiling import disk_bandwidth  # noqa: E402
 ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload"]
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
 APPROXIMATE = {"zenflow"}
@@ -109,7 +121,7 @@ def row_config(row, args, nvme):
     """The DeepSpeed JSON config of `row`: (DeepSpeed's, strata's). Verbatim the same but for the
     zenflow and super_offload rows, where strata gets the config without DeepSpeed's option (its
     default for it), and on cuda, where strata's copy alone gets a strata block (strata_block)."""
-    zero = {"stage": 2 if row in ("zero2_cpu", "zenflow") else 3,
+    zero = {"stage": row_stage(row),
             "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
     place = "nvme" if row == "zero3_nvme" else "cpu"
@@ -123,7 +135,8 @@ def row_config(row, args, nvme):
         zero["offload_param"].update(nvme_path=nvme, buffer_count=5,
                                      buffer_size=args.nvme_buffer_elements)
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "steps_per_print": 1 << 30, "wall_clock_breakdown": False,
+              "gradient_clipping": args.clipping, "steps_per_print": 1 << 30,
+              "wall_clock_breakdown": False,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "zero_optimization": zero}
     if args.bf16:
@@ -301,6 +314,95 @@ def profile_step(engine, spec, gen, cuda, top=15):
     return out
 
 
+def bound_parts(engine, spec, gen, cuda):
+    """The floor's child measures the parts of each row's bound (the module's docstring), after
+    its timed steps and its report's peaks: plain PyTorch's forward + backward on the compute
+    device (the median of three, each waited for; a step after each, not timed); strata's CPU
+    Adam (optim_cpu, one thread per core) stepping the model's parameters in one flat chunk of
+    fp32 master weights and moments, with the training dtype's gradient and (bf16) new weights'
+    copy, the median of three after one; and on cuda the host link's rates, pinned host memory to
+    and from the GPU at the size of the parameters in the training dtype (the median of three
+    copies each way, after one)."""
+    import torch
+    from llama import loss_of
+    from strata import _strata
+
+    def now():
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    fb = []
+    for _ in range(3):
+        x = next_batch(spec, gen, cuda)
+        t0 = now()
+        loss = loss_of(engine, x, torch.roll(x, -1, 1))
+        engine.backward(loss)
+        fb.append(now() - t0)
+        engine.step()
+    params = sum(p.numel() for p in engine.model.parameters())
+    dtype = next(engine.model.parameters()).dtype
+    half = dtype != torch.float32
+    engine.model.to("cpu")  # the optimizer's arrays beside the model's, not both on the GPU
+    del engine
+    opt = spec["config"]["optimizer"]["params"]
+    adam = _strata.Adam(lr=opt["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=opt.get("weight_decay", 0.0), adamw=True,
+                        bias_correction=True)
+    master = torch.randn(params) * 0.02
+    moments = torch.zeros(2, params)
+    grad = (torch.randn(params) * 1e-3).to(dtype)
+    copy = torch.empty(params, dtype=dtype) if half else None
+    adam_s = []
+    for t in range(1, 5):
+        t0 = time.perf_counter()
+        adam.step(t, master, grad, moments[0], moments[1], opt["lr"], 1.0, False, copy)
+        if t > 1:
+            adam_s.append(time.perf_counter() - t0)
+    parts = {"params": params, "element_bytes": grad.element_size(),
+             "forward_backward_s": statistics.median(fb),
+             "cpu_adam_s": statistics.median(adam_s)}
+    del master, moments, grad, copy
+    if cuda:
+        host = torch.empty(params, dtype=dtype, pin_memory=True)
+        device = torch.empty(params, dtype=dtype, device="cuda")
+        for key, (dst, src) in (("h2d_bytes_per_s", (device, host)),
+                                ("d2h_bytes_per_s", (host, device))):
+            took = []
+            for i in range(4):
+                t0 = now()
+                dst.copy_(src, non_blocking=True)
+                if i:
+                    took.append(now() - t0)
+            parts[key] = host.numel() * host.element_size() / statistics.median(took)
+    return parts
+
+
+def bound_of(row, parts, block, disk_bps=None):
+    """Row `row`'s bound a step from the floor's `parts` (bound_parts) and strata's `block` on cuda
+    (its device budget): max(the GPU's forward + backward, the CPU Adam over the state, the host
+    link's bytes at its measured rates[, the NVMe row's optimizer state read and written at the
+    disk's rates]). The link's bytes: the gradients down and the new weights up (the parameters in
+    the training dtype each); at stage 3 the weights come up for forward and again for backward,
+    less what the device budget keeps between them. Returns {"bound_s", and each part's s}."""
+    n, b = parts["params"], parts["element_bytes"]
+    out = {"forward_backward_s": parts["forward_backward_s"], "cpu_adam_s": parts["cpu_adam_s"]}
+    if "h2d_bytes_per_s" in parts:
+        up = n * b
+        if row_stage(row) == 3:
+            up += max(0, n * b - (block or {}).get("device_budget_bytes", 0))
+        out["host_link_s"] = n * b / parts["d2h_bytes_per_s"] + up / parts["h2d_bytes_per_s"]
+    if row == "zero3_nvme" and disk_bps:
+        state = 12 * n  # fp32 master weights and both moments, read and written once a step
+        out["disk_s"] = state / disk_bps[0] + state / disk_bps[1]
+    out["bound_s"] = max(out.values())
+    return out
+
+
+def row_stage(row):
+    return 2 if row in ("zero2_cpu", "zenflow") else 3
+
+
 class PlainTorch:
     """The floor (the module's docstring): `model` in plain PyTorch on `device`, nothing offloaded,
     called as the engines are (engine(x), engine.backward(loss), engine.step())."""
@@ -409,6 +511,8 @@ def child(spec):
     if system == "deepspeed":
         import deepspeed
         report["versions"]["deepspeed"] = deepspeed.__version__
+    elif system == "torch":
+        report["bound_parts"] = bound_parts(engine, spec, gen, cuda)
     elif system == "strata":
         import strata
         report["optimizer_steps"] = how
@@ -582,6 +686,9 @@ def summarize(runs):
                              for k in ok[0]["phases"]}
     if "profile" in ok[0]:
         extra["profiles"] = [r["profile"] for r in ok]
+    if "bound_parts" in ok[0]:  # the floor's: each part's median over the rounds
+        extra["bound_parts"] = {k: statistics.median(r["bound_parts"][k] for r in ok)
+                                for k in ok[0]["bound_parts"]}
     if ok[0].get("step_calls"):  # strata's step() and its waits, medians over every timed step
         calls = [c for r in ok for c in r["step_calls"]]
         extra["step_call_s"] = {k: statistics.median(c[i] for c in calls) for i, k in
@@ -661,6 +768,12 @@ def main():
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--bf16", action="store_true", help="both in bf16 (default fp32)")
+    parser.add_argument("--clipping", type=float, default=1.0,
+                        help="the config's gradient_clipping (0: none), both systems' and the "
+                             "floor's")
+    parser.add_argument("--aio-bench", default=None,
+                        help="strata's aio_bench binary: the NVMe row's disk rates where fio is "
+                             "missing, at the row's aio block")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="the losses' agreement, relative (default 1e-4 fp32, 2e-2 bf16)")
     parser.add_argument("--aio-block", help="aio_bench_perf_sweep's best.json: its aio block")
@@ -732,7 +845,8 @@ def main():
 
     runs = {(row, s): [] for row in rows for s in ("strata", "deepspeed")}
     floor_runs = []  # plain PyTorch's, once a round: first in even rounds, last in odd ones
-    disk = []  # (read, write) bytes/s by fio in the scratch folder, once a round (the NVMe row)
+    disk = []  # (read, write) bytes/s in the scratch folder, once a round (the NVMe row)
+    disk_tool = None  # what measured them: fio, else aio_bench
 
     def run_floor(round_index):
         report = run_one("torch", "floor", row_config(rows[0], args, args.nvme_placeholder)[0],
@@ -744,12 +858,14 @@ def main():
         if args.floor and round_index % 2 == 0:
             run_floor(round_index)
         if "zero3_nvme" in rows:
-            bw = (fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True))
+            (read_bps, tool), (write_bps, _) = (
+                disk_bandwidth(args.dir, write, args.aio_bench, args.aio) for write in (False, True))
             fio_file = os.path.join(args.dir, "fio.bin")
             if os.path.exists(fio_file):
                 os.remove(fio_file)
-            if None not in bw:
-                disk.append(bw)
+            if read_bps is not None and write_bps is not None:
+                disk.append((read_bps, write_bps))
+                disk_tool = tool
         for row in rows:
             ds_config, our_config = row_config(row, args, args.nvme_placeholder)
             order = ("strata", "deepspeed") if round_index % 2 == 0 else ("deepspeed", "strata")
@@ -795,11 +911,22 @@ def main():
                     side["disk_floor_s"] = side["read_bytes_per_step"] / read_bps + \
                         side["write_bytes_per_step"] / write_bps
                 entry["fio_gbs"] = [read_bps / 1e9, write_bps / 1e9]
+                entry["disk_tool"] = disk_tool
         if floor is not None and "error" not in floor:
             # Each system's step rate as a fraction of the floor's (1: at the model's compute).
             for side in (ours, theirs):
                 if "error" not in side:
                     side["rate_of_floor"] = floor["step_s"] / side["step_s"]
+            if "bound_parts" in floor:
+                disk_bps = (statistics.median(d[0] for d in disk),
+                            statistics.median(d[1] for d in disk)) if disk else None
+                entry["bound"] = bound_of(row, floor["bound_parts"], entry.get("strata_block"),
+                                          disk_bps)
+                if row == "zero3_nvme" and disk_bps:
+                    entry["bound_disk"] = {"gbs": [r / 1e9 for r in disk_bps], "tool": disk_tool}
+                for side in (ours, theirs):
+                    if "error" not in side:
+                        side["of_bound"] = side["step_s"] / entry["bound"]["bound_s"]
         table.append(entry)
 
     # The GPU's name, asked once the children are done (a CUDA context here would hold memory of
@@ -881,7 +1008,8 @@ def main():
                   f"in use {fmt_bytes(ours['gpu_peak_used_bytes'])} / "
                   f"{fmt_bytes(theirs['gpu_peak_used_bytes'])}")
         if "fio_gbs" in e:
-            print(f"vs_deepspeed/{e['row']}: the disk's floor (its bytes a step at fio's "
+            print(f"vs_deepspeed/{e['row']}: the disk's floor (its bytes a step at "
+                  f"{e.get('disk_tool') or 'fio'}'s "
                   f"{e['fio_gbs'][0]:.2f} GB/s read, {e['fio_gbs'][1]:.2f} GB/s write): strata "
                   f"{e['strata']['disk_floor_s']:.3f} s ({e['strata']['disk_floor_s'] / e['strata']['step_s']:.2f} "
                   f"of its step), DeepSpeed {e['deepspeed']['disk_floor_s']:.3f} s "
@@ -939,6 +1067,21 @@ def main():
             print(f"vs_deepspeed/{e['row']}: the floor (plain PyTorch, nothing offloaded) "
                   f"{floor['step_s']:.3f} s a step: strata at {e['strata']['rate_of_floor']:.2f}x "
                   f"its step rate{theirs}{drift}")
+        if "bound" in e:
+            b = e["bound"]
+            names = {"forward_backward_s": "the GPU's forward + backward" if cuda else
+                     "forward + backward", "cpu_adam_s": "strata's CPU Adam over the state",
+                     "host_link_s": "the host link's bytes", "disk_s": "the optimizer state "
+                     "read and written at the disk's rates"}
+            sides = "; ".join(f"{system} {e[system]['step_s']:.3f} s = "
+                              f"{e[system]['of_bound']:.2f}x the bound"
+                              for system in ("strata", "deepspeed") if "of_bound" in e[system])
+            print(f"vs_deepspeed/{e['row']}: the bound {b['bound_s']:.3f} s a step = max(" +
+                  ", ".join(f"{names[k]} {v:.4f} s" for k, v in b.items() if k != "bound_s") +
+                  f"): {sides}" + (f" (the disk at {e['bound_disk']['tool']}'s "
+                                   f"{e['bound_disk']['gbs'][0]:.2f} GB/s read, "
+                                   f"{e['bound_disk']['gbs'][1]:.2f} GB/s write)"
+                                   if "bound_disk" in e else ""))
         if e.get("void"):
             print(f"vs_deepspeed/{e['row']}: VOID: the losses differ by "
                   f"{e['loss_difference']:.1e} (tolerance {args.tolerance:.0e})")
@@ -960,6 +1103,10 @@ def main():
                 figures[-1][key] = side["rate_of_floor"]
         if cuda:
             figures[-1]["peak_gpu_ratio"] = ratio(ours["gpu_peak_bytes"], theirs["gpu_peak_bytes"])
+        if "bound" in e:  # each system's step over the bound: 1 is at it (lower is better)
+            figures[-1].update(bound_s=e["bound"]["bound_s"],
+                               strata_of_bound=ours.get("of_bound"),
+                               deepspeed_of_bound=theirs.get("of_bound"))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"bench": "vs_deepspeed", "figures": figures, "rows": table,

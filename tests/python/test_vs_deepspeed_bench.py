@@ -68,6 +68,35 @@ def test_without_deepspeed_the_nvme_row_and_the_floor_are_still_reported(tmp_pat
     # strata's ZeRO-Infinity steps are plain torch's arithmetic: the same losses, step by step.
     assert ours["losses"] == pytest.approx(plain["losses"][:3], rel=1e-5)
     assert "the floor (plain PyTorch, nothing offloaded)" in stdout
+    # The bound: its parts measured in the floor's process, the disk's beside them on this row.
+    parts = plain["bound_parts"]
+    assert parts["params"] > 0 and parts["forward_backward_s"] > 0 and parts["cpu_adam_s"] > 0
+    bound = row["bound"]
+    assert set(bound) == {"forward_backward_s", "cpu_adam_s", "disk_s", "bound_s"}, bound
+    assert bound["bound_s"] == max(v for k, v in bound.items() if k != "bound_s")
+    assert bound["disk_s"] == pytest.approx(
+        12 * parts["params"] * (1e-9 / row["bound_disk"]["gbs"][0] +
+                                1e-9 / row["bound_disk"]["gbs"][1]))
+    assert row["bound_disk"]["tool"] == "fio io_uring bs=1M qd=8"
+    assert ours["of_bound"] == pytest.approx(ours["step_s"] / bound["bound_s"])
+    assert f"vs_deepspeed/zero3_nvme: the bound {bound['bound_s']:.3f} s a step = max(" in stdout
+
+
+def test_the_disk_rates_come_from_aio_bench_where_fio_is_missing(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import fio_ceiling
+    import strata
+    build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(strata.__file__))))
+    aio_bench = os.path.join(build, "tools", "aio_bench", "aio_bench")
+    monkeypatch.setattr(fio_ceiling.shutil, "which", lambda name: None)  # no fio here
+    bps, tool = fio_ceiling.disk_bandwidth(str(tmp_path), False, aio_bench,
+                                           {"block_size": 1 << 19, "queue_depth": 4},
+                                           size_bytes=32 << 20)
+    assert bps > 0 and tool == "aio_bench io_uring bs=512K qd=4"
+    assert os.listdir(tmp_path) == []  # its test file went with it
+    assert fio_ceiling.disk_bandwidth(str(tmp_path), True, None) == (None, None)
+    assert fio_ceiling.disk_bandwidth(str(tmp_path), True,
+                                      str(tmp_path / "no_aio_bench")) == (None, None)
 
 
 def test_deepspeeds_failure_is_reported_by_its_exception_not_by_what_it_printed_after(tmp_path):
