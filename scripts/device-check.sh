@@ -133,18 +133,25 @@ for i in json.load(open(sys.argv[1]))["install"]:
 # I/O op (the zero3_nvme row) is built there with libaio's header (alone in a folder: CPATH comes
 # before the -isystem folders, and the prefix's other headers, pybind11's among them, must not
 # shadow torch's) and library from the prefix.
+# Each row's bound is printed beside both systems where the floor runs (not with --no-floor);
+# the NVMe row's disk rates come from fio, else strata's aio_bench (built here). vs_deepspeed
+# [NAME ROWS ARGS...]: the report as vs_deepspeed_NAME.json, those rows, those arguments in place
+# of VS_ARGS (the parts below: vs_noclip, vs_nvme).
 vs_deepspeed() {
+  local name=${1:-cuda} rows=${2:-${VS_ROWS:-zero2_cpu,zero3_cpu}}
+  local args=(${VS_ARGS---phases 3 --profile})
+  (($# > 2)) && args=("${@:3}")
   ds_env
   mkdir -p /tmp/strata-aio-include
   cp /tmp/strata-deps/usr/include/libaio.h /tmp/strata-aio-include/ ||
     echo "device-check: no libaio.h in the prefix: DeepSpeed's async I/O op will not build"
   export CPATH=/tmp/strata-aio-include LIBRARY_PATH=/tmp/strata-deps/usr/lib/x86_64-linux-gnu
   "$python" bench/vs_deepspeed.py --device cuda --dir "$scratch/vsds" \
-    --rows "${VS_ROWS:-zero2_cpu,zero3_cpu}" --bf16 --layers 8 --width 2048 --heads 16 \
-    --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 ${VS_ARGS---phases 3 --profile} \
-    ${VS_STRATA:+--strata "$VS_STRATA"} \
+    --rows "$rows" --bf16 --layers 8 --width 2048 --heads 16 \
+    --context 1024 --batch 4 --rounds "${VS_ROUNDS:-1}" --steps 4 "${args[@]}" \
+    ${VS_STRATA:+--strata "$VS_STRATA"} --aio-bench "$build/tools/aio_bench/aio_bench" \
     --child-timeout 150 \
-    --json "$logs/vs_deepspeed_cuda.json" --png "$logs/vs_deepspeed_cuda.png"
+    --json "$logs/vs_deepspeed_$name.json" --png "$logs/vs_deepspeed_$name.png"
 }
 
 configure_and_build() {
@@ -171,9 +178,10 @@ cpp_suite() {
 }
 
 # The Python cases on the CUDA tier (tests/python/test_cuda.py); a skip counts as a failure.
+# CUDA_K: pytest's -k expression to run some cases alone (default: all).
 cuda_pytest() {
   (cd tests/python && "$python" -m pytest -q -rs -p no:cacheprovider test_cuda.py \
-    --junitxml "$logs/cuda_pytest.xml")
+    ${CUDA_K:+-k "$CUDA_K"} --junitxml "$logs/cuda_pytest.xml")
   local rc=$?
   if grep -qE "[0-9]+ skipped" "$logs/cuda_pytest.log"; then
     echo "device-check: a CUDA case skipped"
@@ -266,6 +274,10 @@ part sched_step 90 sched_step
 part cpp_cuda 60 cpp_cuda
 part deepspeed_install 120 deepspeed_install
 part vs_deepspeed 300 vs_deepspeed
+# The ZeRO-2 row without gradient clipping (the optimizer steps during backward there, exactly).
+part vs_noclip 150 vs_deepspeed noclip zero2_cpu --clipping 0 --no-floor
+# ZeRO-Infinity and ZenFlow beside DeepSpeed, the NVMe row's bound with the disk's rates.
+part vs_nvme 240 vs_deepspeed nvme zero3_nvme,zenflow
 part demo 100 demo
 part cpp_suite 150 cpp_suite
 part train_step_nvme 120 train_step nvme
