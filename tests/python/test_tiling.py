@@ -21,8 +21,9 @@ def test_a_tiled_linear_computes_the_linears_product_and_gradients(in_splits, ou
     x = torch.randn(4, 7, 12, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
     y, y2 = linear(x), tiled(x2)
-    if in_splits == 1:  # whole input rows: the same sums, bit for bit
-        assert torch.equal(y, y2)
+    # Not bit for bit even with whole input rows: the BLAS picks its kernel (and so its order of
+    # summing) by the product's shape, and a tile's is narrower (seen on an AMD EPYC, 2026-11-27:
+    # 1.2e-7 apart at in_splits 1, out_splits 3).
     torch.testing.assert_close(y, y2)
     y.square().sum().backward()
     y2.square().sum().backward()
