@@ -10,7 +10,8 @@ Each round measures, side by side:
     whole step with torch.optim.AdamW (the reference, not a target);
   * the optimizer's own floor: strata.optim.CpuAdam stepping as many parameters in memory
     (adam_s), and the disk moving the optimizer state once each way (the state on NVMe is read and
-    written every step) at fio's read and write bandwidth (io_s; fio at 1 MiB, depth 8, O_DIRECT);
+    written every step) at fio's read and write bandwidth (io_s; fio at 1 MiB, depth 8, O_DIRECT;
+    where fio is missing, strata's aio_bench at the same point: --aio-bench, its path);
   * strata: the engine's step (ZeRO stage 3, parameters offloaded to the host, the optimizer on
     NVMe, the device budget under the model's state), the median of --steps after two warm-ups.
 With --variants, more strata configurations (optimizer threads / copy streams) are measured in
@@ -63,7 +64,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from llama import llama, loss_of  # noqa: E402
-from fio_ceiling import fio_bandwidth  # noqa: E402
+from fio_ceiling import disk_bandwidth  # noqa: E402
 
 import strata  # noqa: E402
 
@@ -216,6 +217,8 @@ def main():
                              "first, comma-separated THREADS/STREAMS[/DURING] (optimizer "
                              "threads, copy streams, DURING 1 or 0: optimizer_during_backward "
                              "on or off, left out: auto), e.g. 14/1,14/2/1")
+    parser.add_argument("--aio-bench", default=None,
+                        help="strata's aio_bench: the disk's rates where fio is missing")
     parser.add_argument("--plan", help="strata_plan's path: print its prediction of this run "
                                        "(--calibrate on this machine) beside the measure")
     parser.add_argument("--adam-params", type=int, default=1 << 26)
@@ -296,8 +299,9 @@ def main():
         adam.step()
         adam_s = median_time(adam.step, args.steps)
         del adam, flat
-        read_gbs, write_gbs = (None if b is None else b / 1e9 for b in (
-            fio_bandwidth(args.dir, write=False), fio_bandwidth(args.dir, write=True))) \
+        read_gbs, write_gbs = (
+            None if b is None else b / 1e9 for b, _ in (
+                disk_bandwidth(args.dir, write, args.aio_bench) for write in (False, True))) \
             if args.optimizer == "nvme" else (None, None)
         if os.path.exists(os.path.join(args.dir, "fio.bin")):
             os.remove(os.path.join(args.dir, "fio.bin"))
@@ -406,8 +410,8 @@ def main():
     no_fio = args.optimizer == "nvme" and any(r["read_gbs"] is None for r in rows)
     print()
     if no_fio:
-        print("train_step: fio is missing: the disk term is left out of the bound (apt-get "
-              "install fio)")
+        print("train_step: fio is missing and no --aio-bench was given (or it failed): the disk "
+              "term is left out of the bound (apt-get install fio)")
     if training_state <= budget:
         print("train_step: warning: the model's state fits the device budget: strata moves "
               "little; raise the model or lower --device-budget-mb")

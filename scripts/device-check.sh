@@ -230,6 +230,7 @@ train_step() {
     --batch 8 --rounds "${TS_ROUNDS:-2}" --steps 3 --dir "$scratch/train_step" \
     --variants "${TS_VARIANTS:-0/1/0,$n/1/1,$((n / 2))/1/1,0/2/1}" \
     --plan "$build/tools/strata_plan/strata_plan" --json "$logs/train_step_${1:-cpu}.json" \
+    --aio-bench "$build/tools/aio_bench/aio_bench" \
     --profile "$logs/train_step_${1:-cpu}_profile.txt" ${TS_EXTRA:-}
 }
 
