@@ -434,6 +434,10 @@ class Engine(Lending, Gradients, Step):
         hyper = self._hyper_parameters(config, optimizer)
         self._params = []
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # Frozen when the optimizer was made: one unfrozen later has no optimizer state and would
+        # never be trained (step() refuses it by name).
+        self._frozen_at_start = [(n, p) for n, p in model.named_parameters()
+                                 if not p.requires_grad]
         if model_parameters is not None:  # (a generator is read twice below)
             model_parameters = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g
                                 for g in (model_parameters if not torch.is_tensor(model_parameters)
@@ -535,6 +539,9 @@ class Engine(Lending, Gradients, Step):
             self.lr_scheduler = self.lr_scheduler(self.optimizer)
         elif self.lr_scheduler is not None:
             self._adopt_schedule(self.lr_scheduler, optimizer)
+        # The betas the Runtime's optimizer was made with: it keeps them (_check_betas).
+        self._betas = tuple(float(b) for b in hyper["betas"]) if hyper["kind"] != "adagrad" else None
+        self._check_betas("strata.initialize", ValueError)
 
         self.loss_scale = 1.0
         self._dynamic_scale = False
@@ -704,7 +711,28 @@ class Engine(Lending, Gradients, Step):
                              "given, of the engine's optimizer (a callable taking it), or none")
         for ours, theirs in zip(self.optimizer.param_groups, client.param_groups):
             ours.update({k: v for k, v in theirs.items() if k != "params"})
-        schedule.optimizer = self.optimizer
+
+        def rebind(s):  # SequentialLR and ChainedScheduler step schedules of their own
+            if getattr(s, "optimizer", None) is client:
+                s.optimizer = self.optimizer
+            for inner in getattr(s, "_schedulers", ()):
+                rebind(inner)
+        rebind(schedule)
+
+    def _check_betas(self, where, error=RuntimeError):
+        """Refuses betas in a param group other than those the Runtime's optimizer was made with
+        (a schedule that cycles momentum, OneCycleLR's cycle_momentum, sets them): it keeps its
+        own, and would step with them silently."""
+        if self._betas is None:
+            return
+        for index, group in enumerate(self.optimizer.param_groups):
+            if "betas" in group and tuple(float(b) for b in group["betas"]) != self._betas:
+                raise error(
+                    f"{where}: param group {index}'s betas are {tuple(group['betas'])} where the "
+                    f"optimizer was made with {self._betas} (a schedule cycling momentum sets "
+                    "them: OneCycleLR's cycle_momentum); strata's optimizer keeps the betas it "
+                    "was made with, so nothing was stepped; accepted: OneCycleLR(..., "
+                    "cycle_momentum=False), or the betas left as made")
 
     def _hyper_of(self, e):
         """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
@@ -943,15 +971,29 @@ class Engine(Lending, Gradients, Step):
     def get_lr(self):
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def step(self):
+    def step(self, lr_kwargs=None):
         """Ends a micro-batch; at an accumulation boundary, the optimizer step (see the module's
-        docstring) and the learning-rate schedule's step. Refused, counting nothing, when no
-        backward ran since the last step()."""
+        docstring) and the learning-rate schedule's step, given `lr_kwargs` as DeepSpeed's engine
+        gives them (lr_scheduler.step(**lr_kwargs)). A ReduceLROnPlateau steps on a metric: the
+        engine steps it only with lr_kwargs (``engine.step(lr_kwargs={"metrics": loss})``); else
+        it is the user's to step, as in plain torch (``scheduler.step(val_loss)``). Refused,
+        counting nothing, when no backward ran since the last step()."""
         if self._half_loaded is not None:
             raise RuntimeError(f"step: {self._half_loaded}")
         if not self._backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
+        unfrozen = [n for n, p in self._frozen_at_start if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"step: {', '.join(unfrozen[:5])}{' and more' if len(unfrozen) > 5 else ''} "
+                f"({len(unfrozen)} parameters) were frozen (requires_grad False) when "
+                "strata.initialize made the optimizer, and require gradients now: the optimizer "
+                "has no state for them and would never train them (plain torch's would, had it "
+                "been given them); nothing was stepped. Accepted: set requires_grad before "
+                "strata.initialize, or freeze them again; to unfreeze part way through training, "
+                "make a new engine with them trainable from engine.module_state_dict()")
+        self._check_betas("step")
         self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -984,7 +1026,11 @@ class Engine(Lending, Gradients, Step):
                     # torch's schedules look for their optimizer's step() having run first: the
                     # engine's ran, within this step(), and the schedule follows it.
                     warnings.filterwarnings("ignore", r".*`optimizer\.step\(\)`", UserWarning)
-                    self.lr_scheduler.step()
+                    if lr_kwargs is not None:
+                        self.lr_scheduler.step(**lr_kwargs)
+                    elif not isinstance(self.lr_scheduler,
+                                        torch.optim.lr_scheduler.ReduceLROnPlateau):
+                        self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         runtime_report = self.runtime.end_step()
@@ -1060,23 +1106,44 @@ class Engine(Lending, Gradients, Step):
         frozen = {id(e.param): e for e in self._frozen}
         out, done = {}, {}
         for name, value in self.module.state_dict(keep_vars=True).items():
-            e = by_param.get(id(value))
-            if id(value) in frozen:
-                out[name] = self._read_frozen(frozen[id(value)])
-            elif e is None:
+            e = by_param.get(id(value), frozen.get(id(value)))
+            if e is None:
                 out[name] = value.detach().to("cpu").clone()
             elif e.pid in done:  # a tied parameter: the same tensor under both names
                 out[name] = done[e.pid]
             else:
-                master = torch.empty(e.shard)
-                self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
-                                                  torch.empty(e.shard))
-                if self.ranks is not None:  # every rank's shard (every rank must call this)
-                    whole = []
-                    self.ranks.gather([(e, master, whole.append)])
-                    master = whole[0].clone()
-                out[name] = done[e.pid] = master.to(self.dtype).view(e.shape)
+                out[name] = done[e.pid] = self._whole_weights(e)
         return out
+
+    def _whole_weights(self, e):
+        """A partitioned parameter's weights whole, in the training dtype on the CPU: a trained
+        one's read from its fp32 master weights (across ranks, every rank's shard: every rank
+        must call this), a frozen one's from its partition."""
+        if e.frozen:
+            return self._read_frozen(e)
+        master = torch.empty(e.shard)
+        self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
+                                          torch.empty(e.shard))
+        if self.ranks is not None:  # every rank's shard (every rank must call this)
+            whole = []
+            self.ranks.gather([(e, master, whole.append)])
+            master = whole[0].clone()
+        return master.to(self.dtype).view(e.shape)
+
+    def _whole_in_state_dict(self, module, state_dict, prefix, local_metadata):
+        """A post-hook of module.state_dict() on each module that owns partitioned parameters
+        (stage 3): their entries, placeholders without their bytes, become their weights whole
+        (_whole_weights), so that state_dict() gives what plain torch's does and whatever saves
+        from it (transformers' save_pretrained, peft's adapter save) writes the weights, not
+        empty tensors. With keep_vars=True (the entry is the parameter itself) they are left as
+        they are. Across ranks every rank must call state_dict() alike."""
+        self.runtime.wait_for_early_steps()
+        for name, p in module._parameters.items():
+            e = self._partitioned_by_id.get(id(p)) if p is not None else None
+            key = prefix + name
+            if e is None or key not in state_dict or state_dict[key] is p:
+                continue
+            state_dict[key] = self._whole_weights(e)
 
     def _read_frozen(self, e):
         """A frozen partitioned parameter's weights (its partition's host copy, copied)."""

@@ -47,6 +47,10 @@ class Lending:
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._lend_around(module, own)
+            if any(p is not None and id(p) in partitioned for p in module._parameters.values()):
+                # state_dict() gives their weights whole, as plain torch's does.
+                self._hook_handles.append(module.register_state_dict_post_hook(
+                    _weakly(self._whole_in_state_dict)))
         if self.stage == 3:
             # torch.compile of the model would run a graph that bypasses the lending (silently
             # wrong from its second step): dynamo is told to leave the model's forward eager.

@@ -626,9 +626,12 @@ def test_a_tied_weight_used_outside_its_module_trains_once_registered(tmp_path):
 
 def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
     engine, reference, _ = train_both(tmp_path, 3, "cpu", "fp32", steps=4)
-    assert all(v.numel() == 0 for k, v in engine.module.state_dict().items() if "weight" in k
-               and k != "ln.weight")  # the module's own: placeholders
+    assert all(v.numel() == 0 for k, v in engine.module.named_parameters() if "weight" in k
+               and k != "ln.weight")  # the parameters themselves: placeholders between uses
     whole = engine.module_state_dict()
+    # The module's own state_dict() gives them whole too, as plain torch's.
+    for name, value in engine.module.state_dict().items():
+        assert torch.equal(value.cpu(), whole[name]), name
     for (name, ours), theirs in zip(whole.items(), reference.model.state_dict().values()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
     # It loads into a fresh model of the same shape.
@@ -2121,3 +2124,120 @@ def test_an_evaluation_between_steps_leaves_the_training_trace_alone(tmp_path):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     differs = [str(w.message) for w in caught if "differs from the recorded trace" in str(w.message)]
     assert not differs, differs
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_parameter_unfrozen_after_initialize_is_refused_by_name(tmp_path, stage):
+    """Gradual unfreezing: a parameter frozen when strata.initialize made the optimizer has no
+    optimizer state; unfrozen later, it would get gradients and never be trained, where plain
+    torch (its optimizer given every parameter) trains it. step() refuses it, naming it, and
+    steps nothing; frozen again, training goes on."""
+    torch.manual_seed(0)
+    model = Net()
+    model.l1.weight.requires_grad_(False)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1))
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    before = engine.module_state_dict()
+    model.l1.weight.requires_grad_(True)
+    engine.backward(loss_of(engine(x2), y2))
+    with pytest.raises(RuntimeError, match=r"step: l1\.weight \(1 parameters\) were frozen"):
+        engine.step()
+    assert engine.global_steps == 1
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, before[name]), name
+    model.l1.weight.requires_grad_(False)
+    engine.step()  # the same micro-batch's gradients, the others' step
+    assert engine.global_steps == 2
+
+
+def _client_and_reference(tmp_path, make_schedule):
+    """An engine given a client AdamW and `make_schedule(optimizer)` built on it before
+    initialize, and plain torch with the same schedule on its own AdamW."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    schedule = make_schedule(client)
+    engine, _, _, returned = strata.initialize(model=model, optimizer=client, config=config,
+                                               lr_scheduler=schedule)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    return engine, returned, reference, torch_adamw, make_schedule(torch_adamw)
+
+
+@pytest.mark.parametrize("kind", ["SequentialLR", "ChainedScheduler"])
+def test_a_schedule_of_schedules_drives_the_rate_as_in_plain_torch(tmp_path, kind):
+    """SequentialLR and ChainedScheduler step schedules of their own, each bound to the client's
+    optimizer: every one of them sets the engine's rates, step by step as plain torch's."""
+    lr = torch.optim.lr_scheduler
+
+    def make(opt):
+        warmup = lr.LinearLR(opt, start_factor=0.1, total_iters=2)
+        decay = lr.ExponentialLR(opt, gamma=0.7)
+        if kind == "SequentialLR":
+            return lr.SequentialLR(opt, [warmup, decay], milestones=[2])
+        return lr.ChainedScheduler([warmup, decay])
+
+    engine, schedule, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path,
+                                                                                     make)
+    for x, y in batches(5):
+        step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
+        assert engine.get_lr() == pytest.approx(torch_schedule.get_last_lr())
+    assert engine.get_lr()[0] < 0.5e-2
+
+
+def test_a_schedule_cycling_the_betas_is_refused_and_without_it_trains(tmp_path):
+    """OneCycleLR cycles Adam's betas (cycle_momentum, its default): strata's optimizer keeps the
+    betas it was made with (the client's as the schedule set them before initialize), so the
+    first step() after the schedule changed them refuses it by name, having stepped nothing
+    with other betas than plain torch's; without cycling it trains as plain torch's."""
+    def cycling(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+
+    engine, _, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path, cycling)
+    (x, y), (x2, y2) = batches(2)
+    step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
+    engine.backward(loss_of(engine(x2), y2))
+    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(0\.[0-9]+, "
+                                           r"0\.999\) where the optimizer was made with "
+                                           r"\(0\.95, 0\.999\).*cycle_momentum=False"):
+        engine.step()
+
+    def fixed(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
+                                                   cycle_momentum=False)
+    engine, _, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path, fixed)
+    for x, y in batches(4):
+        step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
+        assert engine.get_lr() == pytest.approx(torch_schedule.get_last_lr())
+    engine.optimizer.param_groups[0]["betas"] = (0.8, 0.999)  # set later, by hand
+    (x, y), = batches(1, seed=3)
+    engine.backward(loss_of(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(0\.8, 0\.999\)"):
+        engine.step()
+
+
+def test_reduce_lr_on_plateau_steps_on_its_metric(tmp_path):
+    """ReduceLROnPlateau steps on a metric: engine.step() leaves it to the user (plain torch's
+    scheduler.step(val_loss), which sets the engine's rate), or steps it with lr_kwargs, as
+    DeepSpeed's engine.step(lr_kwargs=...)."""
+    def make(opt):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+
+    engine, schedule, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path,
+                                                                                     make)
+    (x, y), (x2, y2), (x3, y3) = batches(3)
+    step_both(engine, reference, torch_adamw, x, y)
+    schedule.step(1.0)
+    schedule.step(2.0)  # worse: the rate halves
+    torch_schedule.step(1.0)
+    torch_schedule.step(2.0)
+    assert engine.get_lr() == pytest.approx([5e-3])
+    step_both(engine, reference, torch_adamw, x2, y2)
+    engine.backward(loss_of(engine(x3), y3))
+    engine.step(lr_kwargs={"metrics": 3.0})  # worse again
+    assert engine.get_lr() == pytest.approx([2.5e-3])

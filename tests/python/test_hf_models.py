@@ -428,3 +428,55 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_save_pretrained_at_stage_3_writes_the_weights_whole(tmp_path):
+    """transformers' save_pretrained on the engine's module at stage 3 (as a Trainer's save does):
+    module.state_dict() gives the partitioned parameters whole, as plain torch's does, so the
+    saved model loads back with the trained weights (not placeholders without their bytes) and
+    computes what the engine computes."""
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, model, 3, "nvme", "fp32"))
+    assert any(e.partitioned for e in engine._params)
+    for kwargs in batches("llama", 2 * ACCUMULATION):
+        engine.backward(engine(**kwargs).loss)
+        engine.step()
+    whole = engine.module_state_dict()
+    state = engine.module.state_dict()
+    assert state.keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(state[name].cpu(), value), name
+    raw = engine.module.state_dict(keep_vars=True)  # the parameters themselves, as torch's
+    assert all(raw[e.name] is e.param for e in engine._params)
+    engine.module.save_pretrained(tmp_path / "saved")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+    (kwargs,) = batches("llama", 1, seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kwargs).logits, engine(**kwargs).logits)
+
+
+def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path):
+    """peft's save_pretrained of an adapter trained at stage 3 (its A and B matrices partitions):
+    the adapter file holds them whole, and loads onto a fresh base to the engine's outputs."""
+    import peft
+    torch.manual_seed(0)
+    base = ARCHITECTURES["llama"]()
+    fresh_base = copy.deepcopy(base)
+    engine, _, _, _ = strata.initialize(model=_lora(base), config=_lora_config(tmp_path))
+    assert any(e.partitioned for e in engine._params)
+    for kwargs in batches("llama", 2 * ACCUMULATION):
+        engine.backward(engine(**kwargs).loss)
+        engine.step()
+    whole = engine.module_state_dict()
+    engine.module.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(fresh_base, tmp_path / "adapter")
+    for name, value in loaded.state_dict().items():
+        if "lora_" in name:
+            assert torch.equal(value, whole[name]), name
+    (kwargs,) = batches("llama", 1, seed=7)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**kwargs).logits, engine(**kwargs).logits)
