@@ -336,6 +336,58 @@ class _Optimizer(torch.optim.Optimizer):
         self._engine_or_raise().zero_grad()
 
 
+
+
+# The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
+_LIVE = weakref.WeakSet()
+_TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
+
+
+def _route_clip_grad_norm():
+    """Puts a stand-in for torch.nn.utils.clip_grad_norm_ (what Trainer, Accelerate, Lightning
+    and plain loops call between backward and step): over the parameters of an engine not closed
+    it is that engine's (Step._clip_by_user: the norm of its gradients, wherever they are, and
+    the step clipped by it, plain torch's arithmetic), anything else torch's own. Once."""
+    if getattr(torch.nn.utils.clip_grad_norm_, "_strata", False):
+        return
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                        foreach=None):
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        for engine in list(_LIVE):
+            if engine._runtime is not None and engine._owns_any(params):
+                return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
+        return _TORCH_CLIP_GRAD_NORM(params, max_norm, norm_type=norm_type,
+                                     error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+
+    clip_grad_norm_._strata = True
+    clip_grad_norm_.__doc__ = _TORCH_CLIP_GRAD_NORM.__doc__
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def _check_model_dtype(model, dtype):
+    """Refuses a model in a half precision other than the config's training dtype: strata would
+    cast it to `dtype` and train it so (a bf16 model under an fp32 config trains in fp32), where
+    plain torch trains it in its own dtype. An fp32 model takes any training dtype (DeepSpeed's
+    bf16 and fp16 cast it, with fp32 master weights)."""
+    found = {}
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype not in (torch.float32, dtype):
+            found.setdefault(p.dtype, name)
+    if found:
+        (half, name), = list(found.items())[:1]
+        key = {torch.bfloat16: '"bf16": {"enabled": true}',
+               torch.float16: '"fp16": {"enabled": true}'}.get(half, "a block for it")
+        trains = {torch.float32: "float32 (no bf16 or fp16 block)"}.get(dtype, str(dtype))
+        raise ValueError(
+            f"strata.initialize: the model's parameters are {half} ({name}, ...) and the config "
+            f"trains in {trains}: strata would cast the model and train it in that dtype, where "
+            f"plain torch trains it in {half}; accepted: {key} in the config (mixed precision: "
+            f"{half} compute, fp32 master weights, as DeepSpeed's), or the model cast to the "
+            "config's dtype before strata.initialize (model.float())")
+
+
 class Engine(Lending, Gradients, Step):
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
@@ -349,6 +401,7 @@ class Engine(Lending, Gradients, Step):
         self.world_size = ranks.size if ranks is not None else 1
         self.local_rank = ranks.job.local_rank if ranks is not None else 0
         self.dtype = _DTYPES[config.dtype]
+        _check_model_dtype(model, self.dtype)
         # What micro-batches' gradients are summed in (data_types.grad_accum_dtype, fp32 by
         # default), at every stage: partitioned ones in their gradient partition, the others in
         # a host sum (e.host_grad) when it differs from the training dtype.
@@ -594,6 +647,13 @@ class Engine(Lending, Gradients, Step):
         self._second_gradient = False  # one of them ran twice: staging pauses for a step
         self.redone_steps = 0  # staged steps dropped and taken anew
         self.last_redo_reason = None
+        # torch.nn.utils.clip_grad_norm_ called by the user between backward and step (step.py:
+        # _clip_by_user): this step's coefficient, and whether the user clips at all (then no
+        # partition steps for good during backward: the coefficient comes after it).
+        self._user_clip = None
+        self._user_clips = False
+        _LIVE.add(self)
+        _route_clip_grad_norm()
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -1189,6 +1249,7 @@ class Engine(Lending, Gradients, Step):
         end of the block."""
         if self._runtime is None:
             return
+        _LIVE.discard(self)
         try:
             self._end_staged(committed=False, reason="the engine closed")
         finally:

@@ -245,6 +245,7 @@ class Gradients:
         self._speculate = self._speculate and not self._second_gradient
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
+        self._user_clip = None  # the user's clip_grad_norm_ of this step (step.py)
         self._fired.clear()
         self._hook_order.clear()
         for e in self._params:

@@ -124,6 +124,61 @@ class Step:
             return e.pinned_weights
         return torch.empty(e.numel, dtype=self.dtype)
 
+    def _owns_any(self, params):
+        """Whether any of `params` is one of the engine's trained parameters."""
+        if not hasattr(self, "_trained_ids"):
+            self._trained_ids = {id(e.param) for e in self._params}
+        return any(id(p) in self._trained_ids for p in params)
+
+    def _clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite):
+        """torch.nn.utils.clip_grad_norm_(params, max_norm) called by the user over the engine's
+        parameters (engine._route_clip_grad_norm): the gradients are in the engine (partitions,
+        host sums), not in .grad, where torch's would find none and clip nothing. Returns the
+        total norm of the unscaled gradients, as torch's (a 0-d fp32 tensor), and the step that
+        follows is clipped by max_norm / (norm + 1e-6) when that is under 1 (then by the config's
+        gradient_clipping too, on the norm so clipped), plain torch's arithmetic; .grad is not
+        touched. Refused: a norm other than 2, a part of the engine's parameters, a micro-batch
+        before the accumulation boundary (it would clip a partial sum), no backward since the
+        step. From the first such call on nothing steps for good during backward (the
+        coefficient comes after it)."""
+        where = "torch.nn.utils.clip_grad_norm_ over the engine's parameters"
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{where}: norm_type {norm_type}: accepted: 2.0 (strata's clipping "
+                             "is by the global L2 norm, as DeepSpeed's gradient_clipping)")
+        given = {id(p) for p in params}
+        missing = [e.name for e in self._params if id(e.param) not in given]
+        if missing:
+            raise ValueError(f"{where}: {len(missing)} of its trained parameters are not among "
+                             f"those given ({', '.join(missing[:3])}...): it clips by the norm of "
+                             "all of them; accepted: every trained parameter (model.parameters()),"
+                             " or gradient_clipping in the config")
+        if not self._backward_since_step:
+            raise RuntimeError(f"{where}: no backward() since the last step(): the gradients "
+                               "were dropped with it; accepted: after backward, before step()")
+        if not self.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                f"{where} before the last micro-batch of the accumulation window (micro-step "
+                f"{self.micro_steps + 1} of {self._accumulation}): it would clip a partial sum; "
+                "accepted: once, after the window's last backward (as plain torch users clip "
+                "before optimizer.step())")
+        early = self._stepped_early or (self._staged is not None and self._staged.early)
+        self._user_clips = True  # from the next step on, nothing steps for good in backward
+        if early:
+            raise RuntimeError(
+                f"{where}: parameters may have stepped for good during this backward "
+                "(strata.optimizer_during_backward: no clipping was known when it began), "
+                "unclipped; from the next step on they wait for it; accepted: call it from the "
+                "first step on, or gradient_clipping in the config")
+        self._land_host_gradients()
+        norm = self._grad_norm(self.loss_scale)
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To disable "
+                               "this error and scale the gradients by the non-finite norm "
+                               "anyway, set `error_if_nonfinite=False`")
+        self._user_clip = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        return torch.tensor(norm, dtype=torch.float32, device=self.device)
+
     def _may_step_early(self):
         """Whether partitions may step for good as backward makes their gradients final: when
         strata.optimizer_during_backward says they may and nothing learnt after backward can
@@ -131,6 +186,7 @@ class Step:
         step on (the first shows whether the boundary micro-batch takes one backward). Dropping
         such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
+                and not self._user_clips
                 and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
 
     def _may_hold(self):
@@ -316,6 +372,9 @@ class Step:
             self._speculate = clip == 1.0 and self.ranks is None
             self.runtime.release_optimizer_step(clip / staged.scale)
             return self._commit(norm, staged=True)
+        if reason is None and self._user_clip is not None and self._user_clip < 1.0:
+            reason = "torch.nn.utils.clip_grad_norm_ scales this step"
+            self._speculate = False  # likely again next step: not staged then
         norm = None
         if reason is None and self.config.clipping > 0:
             norm = self._grad_norm(staged.scale)
@@ -362,8 +421,10 @@ class Step:
             if not math.isfinite(norm):
                 return norm, None
         clip = 1.0
+        if self._user_clip is not None:  # the user's clip_grad_norm_, then the config's on it
+            clip = self._user_clip
         if norm is not None and self.config.clipping > 0:
-            clip = min(1.0, self.config.clipping / (norm + 1e-6))
+            clip *= min(1.0, self.config.clipping / (norm * clip + 1e-6))
         return norm, clip
 
     def _commit(self, norm, staged):

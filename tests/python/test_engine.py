@@ -2241,3 +2241,69 @@ def test_reduce_lr_on_plateau_steps_on_its_metric(tmp_path):
     engine.backward(loss_of(engine(x3), y3))
     engine.step(lr_kwargs={"metrics": 3.0})  # worse again
     assert engine.get_lr() == pytest.approx([2.5e-3])
+
+
+def test_a_half_precision_model_under_another_training_dtype_is_refused(tmp_path):
+    """A bf16 model under an fp32 config would be cast to fp32 and trained so, where plain torch
+    trains it in bf16: refused, naming both dtypes and the two ways out; a bf16 config takes it
+    (mixed precision), and an fp32 model takes either."""
+    config = make_config(tmp_path, 2, "cpu", "fp32")
+    with pytest.raises(ValueError, match=r"parameters are torch.bfloat16 \(emb.weight, \.\.\.\) "
+                                         r"and the config trains in float32.*\"bf16\": "
+                                         r"\{\"enabled\": true\}.*model.float\(\)"):
+        strata.initialize(model=Net().to(torch.bfloat16), config=config)
+    with pytest.raises(ValueError, match=r"torch.float16 .* trains in torch.bfloat16"):
+        strata.initialize(model=Net().to(torch.float16),
+                          config=make_config(tmp_path, 2, "cpu", "bf16"))
+    engine, _, _, _ = strata.initialize(model=Net().to(torch.bfloat16),
+                                        config=make_config(tmp_path, 2, "cpu", "bf16"))
+    engine.close()
+    engine, _, _, _ = strata.initialize(model=Net(), config=make_config(tmp_path, 2, "cpu", "bf16"))
+    engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_clip_grad_norm_between_backward_and_step_clips_as_plain_torch(tmp_path, stage):
+    """torch.nn.utils.clip_grad_norm_ called by the user between backward and step (as Trainer,
+    Accelerate and plain loops do): the gradients are in the engine, not in .grad, where torch's
+    would find none and clip nothing. It returns plain torch's norm and the step is clipped by it,
+    step by step as plain torch's; over other parameters it is torch's own."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(4):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.5)
+        engine.step()
+        ref = loss_of(reference(x), y)
+        ref.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        assert ref_norm.item() > 0.5  # it clipped
+        assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-4)
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    ours = engine.module_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
+    engine, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path, 2, "cpu", "fp32", accumulation=2,
+                                        clipping=0.0))
+    (x, y), = batches(1)
+    with pytest.raises(RuntimeError, match="no backward"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+    engine.backward(loss_of(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"before the last micro-batch .* \(micro-step 1 of 2\)"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+    with pytest.raises(ValueError, match=r"norm_type 1: accepted: 2.0"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0, norm_type=1)
+    with pytest.raises(ValueError, match=r"of its trained parameters are not among those given"):
+        torch.nn.utils.clip_grad_norm_(engine.module.l1.parameters(), 1.0)
