@@ -66,6 +66,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 import types
 import warnings
@@ -575,12 +576,14 @@ class Engine(Lending, Gradients, Step):
                 if b is not None:
                     b.data = b.data.to(device=self.device, dtype=self.dtype
                                        if own and b.is_floating_point() else b.dtype)
-        self._hook_handles, self._patched_forward = [], []  # what close() takes off
+        # What close() takes off: hooks, forwards and other methods set on module instances.
+        self._hook_handles, self._patched_forward, self._patched_methods = [], [], []
         self._place_parameters(model)
         self._install_module_hooks(model)
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
         # master weights overwrite at the next step: it loads through the engine instead.
         model.load_state_dict = types.MethodType(_load_state_dict_through(engine), model)
+        self._count_real_sizes(model)
 
         self.optimizer = _Optimizer(self, groups, dict(lr=hyper["lr"], betas=hyper["betas"],
                                                        eps=hyper["eps"],
@@ -656,6 +659,22 @@ class Engine(Lending, Gradients, Step):
         _route_clip_grad_norm()
 
     # --- set-up -------------------------------------------------------------------------------
+
+    def _count_real_sizes(self, model):
+        """Counts of parameters see a partitioned one's real size, not its placeholder's 0: it
+        carries ds_numel, as DeepSpeed's ZeRO-3 parameters do (peft's trainable count and
+        Trainer's read it), and a transformers model's num_parameters() counts by it (the
+        module's own, patched on the instance; close() takes it off)."""
+        for e in self._params + self._frozen:
+            if e.partitioned:
+                e.param.ds_numel = e.numel
+        hf = sys.modules.get("transformers")
+        if hf is None or not any(e.partitioned for e in self._params + self._frozen):
+            return
+        for module in model.modules():
+            if isinstance(module, hf.PreTrainedModel):
+                module.num_parameters = types.MethodType(_num_parameters, module)
+                self._patched_methods.append((module, "num_parameters"))
 
     def _stream(self):
         """Where the model's kernels are queued: on the CUDA tier torch's current stream (the
@@ -963,6 +982,8 @@ class Engine(Lending, Gradients, Step):
     def bf16_enabled(self):
         return self.dtype == torch.bfloat16
 
+    bfloat16_enabled = bf16_enabled  # DeepSpeed's engine has both names
+
     def fp16_enabled(self):
         return self.dtype == torch.float16
 
@@ -1261,8 +1282,11 @@ class Engine(Lending, Gradients, Step):
                         .expand(e.shape)
             for handle in self._hook_handles:
                 handle.remove()
-            for e in self._params:
+            for e in self._params + self._frozen:
                 e.param.__dict__.pop("_strata_node", None)
+                e.param.__dict__.pop("ds_numel", None)
+            for module, name in self._patched_methods:
+                module.__dict__.pop(name, None)
             for module, own in self._patched_forward:
                 module.__dict__.pop("forward", None)
                 if own is not None:
@@ -1295,6 +1319,15 @@ class Engine(Lending, Gradients, Step):
             if count:
                 moved[key] = moved.get(key, 0) + count
         return s
+
+
+def _num_parameters(module, only_trainable=False, exclude_embeddings=False):
+    """transformers' PreTrainedModel.num_parameters, a partitioned parameter counted by its real
+    size (ds_numel) rather than its placeholder's."""
+    embeddings = {f"{name}.weight" for name, m in module.named_modules()
+                  if isinstance(m, torch.nn.Embedding)} if exclude_embeddings else set()
+    return sum(getattr(p, "ds_numel", p.numel()) for name, p in module.named_parameters()
+               if name not in embeddings and (p.requires_grad or not only_trainable))
 
 
 def _load_state_dict_through(engine_ref):

@@ -320,8 +320,8 @@ class _Zero3Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _zero3_linear_forward(module, x):
-    return _Zero3Linear.apply(x, module.weight, module.bias)
+def _zero3_linear_forward(module, input):  # noqa: A002 - nn.Linear.forward's name for it
+    return _Zero3Linear.apply(input, module.weight, module.bias)
 
 
 # What a placeholder answers as its parameter would (a parent reading self.dtype is no use of the

@@ -62,8 +62,8 @@ class WarmupLR:
         return _warmup_gamma(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
 
     def get_lr(self):
-        if self.last_batch_iteration < 0:
-            return [0.0] * len(self.min_lrs)
+        if self.last_batch_iteration < 0:  # before its first step: the minimum, as DeepSpeed's
+            return list(self.min_lrs)
         gamma = self._gamma()
         return [small + delta * gamma for small, delta in zip(self.min_lrs, self.delta_lrs)]
 

@@ -211,6 +211,22 @@ def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path):
     assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
 
 
+def test_a_warmup_schedule_starts_at_its_minimum_as_deepspeeds(tmp_path):
+    """DeepSpeed 0.19.8's WarmupLR gives warmup_min_lr before its first step, not 0: the first
+    optimizer step takes the minimum."""
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.001, "warmup_max_lr": 0.005, "warmup_num_steps": 4,
+        "warmup_type": "linear"}}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    seen = []
+    for x, y in batches(4):
+        seen.append(engine.get_lr()[0])
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert seen == pytest.approx([0.001, 0.001, 0.002, 0.003])
+
+
 class Scale(torch.nn.Module):
     """y = x * w: computes in fp16 on a CPU (torch 1.13's CPU has no fp16 matmul)."""
 
@@ -2307,3 +2323,21 @@ def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
         torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0, norm_type=1)
     with pytest.raises(ValueError, match=r"of its trained parameters are not among those given"):
         torch.nn.utils.clip_grad_norm_(engine.module.l1.parameters(), 1.0)
+
+
+def test_a_linear_called_with_its_keyword_computes_at_stage_3(tmp_path):
+    """nn.Linear's forward takes `input`; called so (self.l1(input=h)) at stage 3, where the
+    engine lends its weight around its own forward, it computes as plain torch's."""
+    class ByKeyword(Net):
+        def forward(self, x):
+            return self.l2(input=self.ln(torch.relu(self.l1(input=self.emb(x)))))
+
+    torch.manual_seed(0)
+    model = ByKeyword()
+    reference = copy.deepcopy(model)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(2):
+        step_both(engine, reference, torch_adamw, x, y)

@@ -480,3 +480,25 @@ def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path):
     (kwargs,) = batches("llama", 1, seed=7)
     with torch.no_grad():
         torch.testing.assert_close(loaded(**kwargs).logits, engine(**kwargs).logits)
+
+
+def test_parameter_counts_at_stage_3_are_the_models(tmp_path):
+    """transformers' num_parameters() and peft's trainable count see a partitioned parameter's
+    real size (placeholders hold none of it), as without strata."""
+    torch.manual_seed(0)
+    plain = ARCHITECTURES["llama"]()
+    model = copy.deepcopy(plain)
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, model, 3, "cpu", "fp32"))
+    assert any(e.partitioned for e in engine._params)
+    for kwargs in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
+        assert engine.module.num_parameters(**kwargs) == plain.num_parameters(**kwargs), kwargs
+    engine.close()
+    assert "num_parameters" not in model.__dict__  # taken off with the engine
+    base = ARCHITECTURES["llama"]()
+    plain_lora = _lora(copy.deepcopy(base))
+    engine, _, _, _ = strata.initialize(model=_lora(base), config=_lora_config(tmp_path))
+    assert any(e.partitioned for e in engine._frozen)
+    assert engine.module.get_nb_trainable_parameters() == \
+        plain_lora.get_nb_trainable_parameters()
+    assert engine.bfloat16_enabled() is False and engine.bf16_enabled() is False
