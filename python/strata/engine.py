@@ -337,8 +337,6 @@ class _Optimizer(torch.optim.Optimizer):
         self._engine_or_raise().zero_grad()
 
 
-
-
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
 _LIVE = weakref.WeakSet()
 _TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
@@ -928,6 +926,12 @@ class Engine(Lending, Gradients, Step):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self._prepare_forward()
+        return self.module(*args, **kwargs)
+
+    def _prepare_forward(self):
+        """What a forward of the module needs first (engine.forward; a trainer that calls the
+        module itself calls this before: strata.hf)."""
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
         if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
             self._refresh_weights(list(self._pending_refresh))
@@ -936,7 +940,6 @@ class Engine(Lending, Gradients, Step):
             self._cursor = 0
             if self._gather_order is None:  # recorded from the forward whose backward comes
                 self._recording = []
-        return self.module(*args, **kwargs)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
@@ -1038,6 +1041,22 @@ class Engine(Lending, Gradients, Step):
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self._accumulation == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's: whether the micro-batch about to run ends the accumulation window, for a
+        trainer that ends one early (a short last window of an epoch: Lightning's, transformers'
+        Trainer's): the window's count moves to its last micro-batch. Called before the
+        micro-batch's forward. Refused when the trainer says a window goes on past its length
+        (the two disagree)."""
+        accumulation = self._accumulation
+        position = self.micro_steps % accumulation
+        if is_boundary and position != accumulation - 1:
+            self.micro_steps += accumulation - 1 - position
+        elif not is_boundary and position == accumulation - 1 and accumulation > 1:
+            raise RuntimeError(f"set_gradient_accumulation_boundary: the engine's accumulation "
+                               f"window (micro-batch {position + 1} of {accumulation}) ends here "
+                               "and the trainer's does not: the two disagree; accepted: "
+                               "gradient_accumulation_steps the same in both")
 
     def zero_grad(self):
         """Gradients are dropped at each optimizer step; between steps they accumulate."""

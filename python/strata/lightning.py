@@ -654,7 +654,7 @@ class _PrecisionMixin:
         accumulation window: the engine's step() counts it at once."""
         engine = self._engine()
         automatic = model.automatic_optimization
-        _align_window(engine, end=self._stepping or not automatic)
+        engine.set_gradient_accumulation_boundary(self._stepping or not automatic)
         engine.backward(tensor, *args, scale_wrt_gas=False, **kwargs)
         self._backwards += 1
         if automatic and not self._stepping:
@@ -688,18 +688,6 @@ class _PrecisionMixin:
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
         """The engine clips by the global norm (gradient_clip_val, in its config)."""
-
-
-def _align_window(engine, end):
-    """Makes the engine's accumulation window agree with Lightning's: the backward about to run
-    ends a window (end) or does not. Lightning ends one early at the end of an epoch."""
-    accumulation = engine.gradient_accumulation_steps()
-    position = engine.micro_steps % accumulation
-    if end and position != accumulation - 1:
-        engine.micro_steps += accumulation - 1 - position
-    elif not end and position == accumulation - 1 and accumulation > 1:
-        raise RuntimeError(f"StrataStrategy: the engine's accumulation window (micro-batch "
-                           f"{position + 1} of {accumulation}) and the Trainer's disagree")
 
 
 def _check_precision(precision):
@@ -826,7 +814,7 @@ class _StrategyMixin:
     @property
     def handles_gradient_accumulation(self):
         # Lightning decides where a window ends (the end of an epoch ends one); the engine is
-        # told so before each backward (_align_window).
+        # told so before each backward (engine.set_gradient_accumulation_boundary).
         return False
 
     @property

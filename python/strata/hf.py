@@ -1,0 +1,235 @@
+"""strata under transformers' Trainer (and the trainers built on it, TRL's SFTTrainer among them).
+
+    from strata.hf import Trainer          # transformers.Trainer, trained through strata
+    trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=...,
+                      strata_config="ds_config.json")   # a DeepSpeed config, "auto" values too
+    trainer.train()
+
+or, for another Trainer subclass, ``strata.hf.with_strata(SFTTrainer)(..., strata_config=...)``.
+
+The user's TrainingArguments stay as they are; strata takes the places DeepSpeed takes in
+transformers' integration:
+  - "auto" values in the config are filled from the arguments as transformers fills DeepSpeed's
+    (micro batch, accumulation, the optimizer block's lr / betas / eps / weight decay, the
+    scheduler block's warmup and total steps, bf16, the bucket sizes from the model's hidden
+    size); a value set in the config that disagrees with the arguments is refused by name;
+  - the engine is made when training starts (create_optimizer): over the optimizer Trainer
+    makes from its arguments (its groups: no weight decay for biases and norms), unless the
+    config has an optimizer block, which strata makes as DeepSpeed would;
+  - each micro-batch's backward is the engine's (the loss normalized as Trainer normalizes it),
+    the window's end set from Trainer's (a short last window of an epoch too); Trainer's clipping
+    (max_grad_norm: torch.nn.utils.clip_grad_norm_, which the engine answers) and its
+    optimizer.step() and schedule are Trainer's own, so the config's gradient_clipping must be
+    "auto" (or agree: then Trainer clips alone);
+  - save_model writes the weights whole at every stage (module.state_dict() gathers), peft
+    adapters as adapters; checkpoints keep the engine's whole training state (its own checkpoint
+    under the checkpoint folder, "strata") and resume bit for bit.
+Refused, saying what to do instead: fp16 (Trainer's GradScaler would step around the engine;
+bf16 or fp32), several processes (one process here; strata.initialize across ranks otherwise).
+
+Thread safety: the Trainer's (one thread).
+"""
+
+import copy
+import json
+import os
+
+import torch
+import transformers
+
+import strata
+from strata import lr_schedules
+
+__all__ = ["Trainer", "StrataTrainerMixin", "with_strata", "fill_auto"]
+
+ENGINE_TAG = "strata"  # the engine's checkpoint inside Trainer's checkpoint folder
+SCHEDULER_NAME = "scheduler.pt"
+
+
+def _config_of(config):
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    if not isinstance(config, dict):
+        raise TypeError(f"strata.hf: strata_config is a {type(config).__name__}; accepted: a "
+                        "DeepSpeed config as a dict or the path of its JSON file")
+    return copy.deepcopy(config)
+
+
+def fill_auto(config, args, model=None, num_training_steps=None):
+    """`config` (a DeepSpeed config dict, copied) with its "auto" values filled from `args` (a
+    TrainingArguments), as transformers fills DeepSpeed's; values set that disagree with the
+    arguments are refused, naming both. The scheduler block's steps need num_training_steps
+    (left "auto" without it). Trainer clips by max_grad_norm itself, so gradient_clipping ends 0."""
+    c = copy.deepcopy(config)
+
+    def fill(block, key, value, path):
+        if key not in block:
+            return
+        if block[key] == "auto":
+            block[key] = value
+        elif value is not None and block[key] != value:
+            raise ValueError(f"strata.hf: the config's {path}{key} is {block[key]!r} and the "
+                             f"TrainingArguments give {value!r}; accepted: \"auto\" (filled "
+                             "from them), or the same value in both")
+
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fill(c, "train_micro_batch_size_per_gpu", micro, "")
+    fill(c, "gradient_accumulation_steps", accumulation, "")
+    fill(c, "train_batch_size", micro * accumulation * args.world_size, "")
+    c.setdefault("train_micro_batch_size_per_gpu", micro)
+    c.setdefault("gradient_accumulation_steps", accumulation)
+    if c.get("gradient_clipping") not in (None, "auto", 0, 0.0, args.max_grad_norm):
+        fill(c, "gradient_clipping", args.max_grad_norm, "")
+    c["gradient_clipping"] = 0.0  # Trainer clips, through clip_grad_norm_ (module docstring)
+    for key, on in (("bf16", args.bf16), ("fp16", args.fp16)):
+        block = c.get(key)
+        if block is not None:
+            fill(block, "enabled", bool(on), f"{key}.")
+        elif on:
+            c[key] = {"enabled": True}
+    optimizer = c.get("optimizer", {}).get("params")
+    if optimizer is not None:
+        for key, value in (("lr", args.learning_rate), ("eps", args.adam_epsilon),
+                           ("weight_decay", args.weight_decay),
+                           ("betas", [args.adam_beta1, args.adam_beta2])):
+            fill(optimizer, key, value, "optimizer.params.")
+    scheduler = c.get("scheduler", {}).get("params")
+    if scheduler is not None and num_training_steps is not None:
+        for key, value in (("warmup_min_lr", 0.0), ("warmup_max_lr", args.learning_rate),
+                           ("warmup_num_steps", args.get_warmup_steps(num_training_steps)),
+                           ("total_num_steps", num_training_steps)):
+            if scheduler.get(key) == "auto":
+                scheduler[key] = value
+    zero = c.get("zero_optimization", {})
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    for key, size in (("reduce_bucket_size", lambda h: h * h),
+                      ("stage3_prefetch_bucket_size", lambda h: int(0.9 * h * h)),
+                      ("stage3_param_persistence_threshold", lambda h: 10 * h)):
+        if zero.get(key) == "auto":
+            if hidden is None:
+                del zero[key]  # strata's default
+            else:
+                zero[key] = size(hidden)
+    left = [path for path in _autos(c) if not path.startswith("scheduler.")
+            or num_training_steps is not None]
+    if left:
+        raise ValueError(f"strata.hf: {', '.join(left)} is \"auto\" and nothing in the "
+                         "TrainingArguments fills it; accepted: a value")
+    return c
+
+
+def _autos(value, path=""):
+    if value == "auto":
+        yield path.rstrip(".")
+    elif isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _autos(inner, f"{path}{key}.")
+
+
+class StrataTrainerMixin:
+    """The Trainer methods strata takes over (the module's docstring); mix it in before a
+    transformers.Trainer subclass. ``strata_engine`` is the engine once training has started."""
+
+    def __init__(self, *args, strata_config=None, **kwargs):
+        if strata_config is None:
+            raise ValueError("strata.hf: strata_config is missing; accepted: a DeepSpeed config "
+                             "(a dict or the path of its JSON file) for strata")
+        self.strata_config = _config_of(strata_config)
+        self.strata_engine = None
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:  # checked before Trainer sets up its accelerator
+            if training_args.fp16:
+                raise ValueError("strata.hf: fp16 (TrainingArguments.fp16): Trainer's gradient "
+                                 "scaler would step the optimizer around the engine; accepted: "
+                                 "bf16=True, or fp32")
+            if training_args.world_size > 1:
+                raise ValueError(f"strata.hf: {training_args.world_size} processes: the Trainer "
+                                 "integration runs in one process; accepted: one process, or "
+                                 "strata.initialize across ranks in a loop of your own")
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model=None):
+        """The engine, made over the model and the optimizer Trainer makes from its arguments
+        (or the config's optimizer block); self.optimizer becomes the engine's."""
+        if self.strata_engine is not None:
+            self.optimizer = self.strata_engine.optimizer
+            return self.optimizer
+        config = fill_auto(self.strata_config, self.args, self.model)
+        config.pop("scheduler", None)  # made by create_scheduler, stepped by Trainer
+        client = None
+        if "optimizer" not in config:
+            client = super().create_optimizer(model)
+        engine, _, _, _ = strata.initialize(model=self.model, optimizer=client, config=config)
+        self.strata_engine = engine
+        self.optimizer = engine.optimizer
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps, optimizer=None):
+        """The config's scheduler block (its "auto" steps filled) when it has one, else
+        Trainer's from its arguments; either on the engine's optimizer, stepped by Trainer after
+        each optimizer step, as DeepSpeed steps its own."""
+        if self.lr_scheduler is None and "scheduler" in self.strata_config:
+            filled = fill_auto(self.strata_config, self.args, self.model, num_training_steps)
+            self.lr_scheduler = lr_schedules.make(filled["scheduler"], self.optimizer)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's training step through the engine: the window's end from Trainer's, the
+        loss Trainer's (normalized as it normalizes it), the engine's backward; a micro-batch
+        that does not end the window ends here (the window's step is Trainer's
+        optimizer.step())."""
+        engine = self.strata_engine
+        engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        engine._prepare_forward()
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and \
+                self.compute_loss_func is None:
+            loss = loss / self.current_gradient_accumulation_steps
+        engine.backward(loss, scale_wrt_gas=False)
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()
+        return loss.detach()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.strata_engine is not None:
+            self.strata_engine._prepare_forward()
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        """The engine's whole training state (its checkpoint, under output_dir/strata) and the
+        schedule's."""
+        self.strata_engine.save_checkpoint(output_dir, tag=ENGINE_TAG, save_latest=False)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        if not os.path.isdir(os.path.join(checkpoint, ENGINE_TAG)):
+            raise FileNotFoundError(
+                f"strata.hf: {checkpoint} holds no strata checkpoint ({ENGINE_TAG}/): it was not "
+                "saved by a Trainer training through strata; accepted: such a checkpoint, or "
+                "the model's weights alone (from_pretrained) and a fresh optimizer")
+        self.strata_engine.load_checkpoint(checkpoint, tag=ENGINE_TAG,
+                                           load_lr_scheduler_states=False)
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+
+def with_strata(trainer_class):
+    """`trainer_class` (transformers.Trainer or a subclass: TRL's SFTTrainer...) trained through
+    strata: a subclass taking strata_config=."""
+    return type(f"Strata{trainer_class.__name__}", (StrataTrainerMixin, trainer_class), {
+        "__doc__": f"{trainer_class.__name__} trained through strata (strata.hf)."})
+
+
+class Trainer(StrataTrainerMixin, transformers.Trainer):
+    """transformers.Trainer trained through strata (the module's docstring)."""

@@ -1,0 +1,210 @@
+"""strata.hf: transformers' Trainer trained through strata, against the same Trainer without it
+(the same TrainingArguments, model, data and seed), on the host-emulated device tier."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+import transformers
+
+import strata
+import strata.hf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf_models import ARCHITECTURES, _lora, batches  # noqa: E402
+
+# Ten samples a epoch at two a micro-batch and two micro-batches a step: windows of 2, 2 and 1
+# (Trainer ends an epoch's last window early).
+SAMPLES, STEPS = 10, 3
+
+
+def data():
+    rows = []
+    for b in batches("llama", SAMPLES // 2, seed=3):
+        for i in range(2):
+            rows.append({k: v[i] for k, v in b.items()})
+    return rows
+
+
+def args_of(tmp_path, name, **more):
+    kwargs = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                  gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3,
+                  max_grad_norm=0.5, warmup_steps=1, lr_scheduler_type="linear",
+                  weight_decay=0.01, logging_steps=1, save_strategy="no", report_to="none",
+                  use_cpu=True, seed=0, disable_tqdm=True)
+    kwargs.update(more)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def strata_config(stage, offload, tmp_path):
+    nvme = str(tmp_path / "nvme")
+    zero = {"stage": stage, "offload_optimizer": {"device": offload},
+            "stage3_param_persistence_threshold": 100, "reduce_bucket_size": "auto"}
+    if offload == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = nvme
+        zero["offload_param"] = {"buffer_count": 2, "buffer_size": 1 << 16}
+    if stage == 3:
+        zero.setdefault("offload_param", {}).update(device=offload)
+        if offload == "nvme":
+            zero["offload_param"]["nvme_path"] = nvme
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "zero_optimization": zero,
+            "strata": {"device": "emulated", "device_budget_bytes": 96 << 10,
+                       "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20}}
+
+
+def logged(trainer):
+    return [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history
+            if "loss" in h]
+
+
+def plain_run(tmp_path, model, **more):
+    trainer = transformers.Trainer(model=model, args=args_of(tmp_path, "plain", **more),
+                                   train_dataset=data())
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
+def test_trainer_trains_through_strata_as_without_it(tmp_path, stage, offload):
+    """Accumulation with a short last window, max_grad_norm (Trainer's clip_grad_norm_, which
+    the engine answers), the linear schedule with warmup, the no-decay group of Trainer's
+    optimizer: the same losses, gradient norms and rates, step by step; save_model writes the
+    trained weights whole, which load back."""
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    plain = plain_run(tmp_path, copy.deepcopy(model))
+    trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata"),
+                                train_dataset=data(),
+                                strata_config=strata_config(stage, offload, tmp_path))
+    trainer.train()
+    engine = trainer.strata_engine
+    assert engine.stage == stage and engine._accumulation == 2
+    if stage == 3:
+        assert any(e.partitioned for e in engine._params)
+    ours, theirs = logged(trainer), logged(plain)
+    assert len(ours) == len(theirs) == STEPS
+    for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(ours, theirs):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
+        assert lr == pytest.approx(ref_lr)
+    assert theirs[0][1] > 0.5  # max_grad_norm clipped
+    whole = engine.module_state_dict()
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(whole[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    trainer.save_model(tmp_path / "saved")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, whole[name]), name
+
+
+def test_a_checkpoint_resumes_bit_for_bit(tmp_path):
+    """save_steps: Trainer's checkpoint holds the engine's whole training state (strata/) beside
+    the weights; a new Trainer resuming from it ends where the uninterrupted run ends, bit for
+    bit."""
+    def run(name, resume=None):
+        torch.manual_seed(0)
+        trainer = strata.hf.Trainer(
+            model=ARCHITECTURES["llama"](),
+            args=args_of(tmp_path, name, save_strategy="steps", save_steps=2),
+            train_dataset=data(), strata_config=strata_config(3, "nvme", tmp_path / name))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    whole = run("whole")
+    assert os.path.isdir(tmp_path / "whole" / "checkpoint-2" / "strata")
+    resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-2"))
+    ours = resumed.strata_engine.module_state_dict()
+    for name, value in whole.strata_engine.module_state_dict().items():
+        assert torch.equal(ours[name], value), name
+    assert logged(resumed)[-1] == logged(whole)[-1]
+
+
+def test_a_peft_adapter_trains_and_saves_as_an_adapter(tmp_path):
+    """A LoRA model under Trainer at stage 3 (the frozen base offloaded): the losses of the
+    Trainer without strata; save_model writes the adapter alone, with its trained weights."""
+    torch.manual_seed(0)
+    model = _lora(ARCHITECTURES["llama"]())  # (its adapters' A drawn once, for both)
+    plain = plain_run(tmp_path, copy.deepcopy(model))
+    trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata"),
+                                train_dataset=data(),
+                                strata_config=strata_config(3, "cpu", tmp_path))
+    trainer.train()
+    for (loss, norm, _), (ref_loss, ref_norm, _) in zip(logged(trainer), logged(plain)):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
+    trainer.save_model(tmp_path / "adapter")
+    saved = os.listdir(tmp_path / "adapter")
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
+    from safetensors.torch import load_file
+    adapter = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    whole = trainer.strata_engine.module_state_dict()
+    assert adapter and all(v.numel() > 0 for v in adapter.values())
+    for key, value in adapter.items():
+        (name,) = [n for n in whole if n.replace(".default", "") == key]
+        assert torch.equal(value, whole[name]), key
+
+
+def test_auto_values_are_filled_and_disagreements_named(tmp_path):
+    args = args_of(tmp_path, "x")
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto",
+                                                        "eps": "auto", "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {
+                  "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
+                  "total_num_steps": "auto"}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    filled = strata.hf.fill_auto(config, args, ARCHITECTURES["llama"](), num_training_steps=30)
+    assert filled["train_micro_batch_size_per_gpu"] == 2
+    assert filled["gradient_accumulation_steps"] == 2 and filled["train_batch_size"] == 4
+    assert filled["gradient_clipping"] == 0.0  # Trainer clips, by max_grad_norm
+    assert filled["optimizer"]["params"] == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                             "weight_decay": 0.01}
+    assert filled["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                             "warmup_num_steps": 1, "total_num_steps": 30}
+    assert filled["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    strata.check_config(filled)  # strata reads what it fills
+    for key, value, said in (
+            ("train_micro_batch_size_per_gpu", 8, r"train_micro_batch_size_per_gpu is 8 and "
+                                                  r"the TrainingArguments give 2"),
+            ("gradient_clipping", 2.0, r"gradient_clipping is 2.0 .* give 0.5"),
+            ("fp16", {"enabled": True}, r"fp16.enabled is True .* give False")):
+        with pytest.raises(ValueError, match=said):
+            strata.hf.fill_auto(dict(config, **{key: value}), args)
+    with pytest.raises(ValueError, match=r"strata.hf: strata.device_budget_bytes is \"auto\""):
+        strata.hf.fill_auto({"strata": {"device_budget_bytes": "auto"}}, args)
+    with pytest.raises(ValueError, match=r"fp16 .*accepted: bf16=True, or fp32"):
+        strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args_of(tmp_path, "y", fp16=True),
+                          strata_config={})
+    with pytest.raises(ValueError, match="strata_config is missing"):
+        strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(strata_config(2, "cpu", tmp_path)))
+    trainer = strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, train_dataset=data(),
+                                strata_config=str(path))
+    assert trainer.strata_config["zero_optimization"]["stage"] == 2
+
+
+def test_bf16_trains_within_the_tolerance_of_trainers_mixed_precision(tmp_path):
+    """bf16=True: Trainer without strata computes under autocast over fp32 weights; through
+    strata the weights are bf16 with fp32 master weights (DeepSpeed's bf16): the losses agree
+    within the project's bf16 tolerance."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)  # this process's accelerator was made without bf16
+    try:
+        torch.manual_seed(0)
+        model = ARCHITECTURES["llama"]()
+        plain = plain_run(tmp_path, copy.deepcopy(model), bf16=True)
+        trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata", bf16=True),
+                                    train_dataset=data(),
+                                    strata_config=strata_config(2, "cpu", tmp_path))
+        trainer.train()
+        assert trainer.strata_engine.bf16_enabled()
+        for (loss, _, _), (ref_loss, _, _) in zip(logged(trainer), logged(plain)):
+            assert loss == pytest.approx(ref_loss, rel=2e-2)
+    finally:
+        AcceleratorState._reset_state(True)
