@@ -290,6 +290,14 @@ class _Zero3Linear(torch.autograd.Function):
         device = x.device.type
         cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.cast = cast
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside backward: gradient checkpointing's recomputation. torch keeps a
+            # saved tensor that needs no gradient (a frozen weight) as the tensor itself and
+            # checks its shape once the block is recomputed, after the module has given the
+            # weight back: a frozen one is saved as the lent copy it computed with (held until
+            # its backward, as checkpointing holds a block's weights at once).
+            weight = weight.detach() if not weight.requires_grad else weight
+            bias = bias.detach() if bias is not None and not bias.requires_grad else bias
         ctx.save_for_backward(x, weight, bias)
         with torch.autocast(device, enabled=False):
             if cast is not None:

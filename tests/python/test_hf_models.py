@@ -502,3 +502,37 @@ def test_parameter_counts_at_stage_3_are_the_models(tmp_path):
     assert engine.module.get_nb_trainable_parameters() == \
         plain_lora.get_nb_trainable_parameters()
     assert engine.bfloat16_enabled() is False and engine.bf16_enabled() is False
+
+
+def test_gradient_checkpointing_of_a_lora_model_trains_as_plain_torch(tmp_path):
+    """TRL's default: gradient checkpointing (without reentrance) of a LoRA model, its frozen
+    base partitioned at stage 3. torch keeps a saved frozen weight as the tensor itself and checks
+    its shape after recomputing the block, when the module has given it back: the recomputation
+    saves the lent copy instead, and the steps are plain torch's."""
+    torch.manual_seed(0)
+    base = ARCHITECTURES["llama"]()
+    base.gradient_checkpointing_enable()
+    base.enable_input_require_grads()
+    model = _lora(base)
+    plain = copy.deepcopy(model)
+    config = _lora_config(tmp_path)
+    config["strata"]["device_budget_bytes"] = 120000  # a recomputed block's weights at once
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert any(e.partitioned for e in engine._frozen)
+    torch_adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR,
+                                    weight_decay=0.01)
+    for i, kwargs in enumerate(batches("llama", 2 * ACCUMULATION)):
+        loss = engine(**kwargs).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = plain(**kwargs).loss
+        (ref_loss / ACCUMULATION).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            torch_adamw.step()
+            torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    ours = engine.module_state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")

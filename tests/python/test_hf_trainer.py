@@ -208,3 +208,52 @@ def test_bf16_trains_within_the_tolerance_of_trainers_mixed_precision(tmp_path):
             assert loss == pytest.approx(ref_loss, rel=2e-2)
     finally:
         AcceleratorState._reset_state(True)
+
+
+def _word_tokenizer():
+    """A tokenizer made here (nothing is downloaded): the words w0..w99, whitespace apart."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{f"w{i}": i + 3 for i in range(100)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]",
+                                                pad_token="[PAD]", eos_token="[EOS]")
+
+
+def test_trls_sft_trainer_with_lora_trains_through_strata_as_without_it(tmp_path):
+    """TRL's SFTTrainer (a Trainer) with a peft LoRA config, on text it tokenizes itself,
+    gradient checkpointing on (its default): strata.hf.with_strata(SFTTrainer) gives its losses
+    and gradient norms, step by step."""
+    import datasets
+    import peft
+    from trl import SFTConfig, SFTTrainer
+    gen = torch.Generator().manual_seed(5)
+    texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, 100, (12,), generator=gen))
+             for _ in range(SAMPLES)]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                           target_modules=["q_proj", "v_proj", "gate_proj"])
+
+    def run(cls, name, model, **kwargs):
+        args = SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3,
+                         max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True,
+                         seed=0, max_length=16, save_strategy="no", disable_tqdm=True,
+                         bf16=False)  # (gradient checkpointing left on: TRL's default)
+        torch.manual_seed(1)  # the adapters' A, drawn in the trainer's get_peft_model
+        trainer = cls(model=model, args=args, processing_class=_word_tokenizer(),
+                      train_dataset=datasets.Dataset.from_dict({"text": texts}),
+                      peft_config=lora, **kwargs)
+        trainer.train()
+        return trainer
+
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    plain = run(SFTTrainer, "plain", copy.deepcopy(model))
+    ours = run(strata.hf.with_strata(SFTTrainer), "strata", model,
+               strata_config=strata_config(3, "cpu", tmp_path))
+    assert isinstance(ours.model, peft.PeftModel) and ours.strata_engine is not None
+    assert ours.args.gradient_checkpointing
+    assert len(logged(ours)) == len(logged(plain)) == STEPS
+    for (loss, norm, _), (ref_loss, ref_norm, _) in zip(logged(ours), logged(plain)):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
