@@ -409,6 +409,7 @@ class Engine(Lending, Gradients, Step):
         self.micro_batch_size = config.micro_batch
         self._accumulation = config.accumulation
         self._backward_since_step = False  # step() without a backward is refused
+        self._grads_since_step = False  # a gradient hook ran (engine.backward's, or the user's)
         # On a GPU (stage 2, or sums apart): gradients on their way to pinned host memory, of
         # the backward running, and of those that ended, each with the event after its copies
         # (gradients.py).
@@ -974,6 +975,27 @@ class Engine(Lending, Gradients, Step):
         self._raise_deferred()
         return loss
 
+    def _adopt_backward(self, where):
+        """A backward the user ran without the engine (loss.backward(), as a plain torch loop
+        does) made gradients since the last step: it is taken as the engine's own, its loss
+        unscaled (the engine divides nothing it did not see, as plain torch's), backwards before
+        one step summing, as plain torch's do. Refused where the engine must scale the loss
+        (fp16) or the ranks must finish the gradients together."""
+        if self._backward_since_step:
+            return
+        if not self._grads_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
+                e.param.grad is not None for e in self._params if not e.partitioned):
+            return
+        if self.dtype == torch.float16 or self.ranks is not None:
+            why = "fp16 (the engine scales the loss)" if self.dtype == torch.float16 else \
+                f"across {self.world_size} ranks (the ranks finish the gradients together)"
+            raise RuntimeError(f"{where}: gradients came from a backward the engine did not run "
+                               f"(loss.backward()), which is not taken under {why}; accepted: "
+                               "engine.backward(loss)")
+        self._end_backward_copies()
+        self._drop_all()
+        self._backward_since_step = True
+
     # --- DeepSpeed's engine API, as trainers call it ------------------------------------------
 
     def gradient_accumulation_steps(self):
@@ -1080,6 +1102,7 @@ class Engine(Lending, Gradients, Step):
         counting nothing, when no backward ran since the last step()."""
         if self._half_loaded is not None:
             raise RuntimeError(f"step: {self._half_loaded}")
+        self._adopt_backward("step")
         if not self._backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
@@ -1095,6 +1118,7 @@ class Engine(Lending, Gradients, Step):
                 "make a new engine with them trainable from engine.module_state_dict()")
         self._check_betas("step")
         self._backward_since_step = False
+        self._grads_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:

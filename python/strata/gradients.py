@@ -33,6 +33,7 @@ class Gradients:
             grad = e.param.grad
             if grad is None:
                 return
+            self._grads_since_step = True  # (a backward of the user's own: engine._adopt_backward)
             boundary = self.is_gradient_accumulation_boundary()
             if boundary:
                 if e.staged is not None or e in self._fired:

@@ -145,6 +145,7 @@ class Step:
         if float(norm_type) != 2.0:
             raise ValueError(f"{where}: norm_type {norm_type}: accepted: 2.0 (strata's clipping "
                              "is by the global L2 norm, as DeepSpeed's gradient_clipping)")
+        self._adopt_backward(where)
         given = {id(p) for p in params}
         missing = [e.name for e in self._params if id(e.param) not in given]
         if missing:

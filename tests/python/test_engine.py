@@ -2341,3 +2341,33 @@ def test_a_linear_called_with_its_keyword_computes_at_stage_3(tmp_path):
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     for x, y in batches(2):
         step_both(engine, reference, torch_adamw, x, y)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_plain_torch_loop_trains_through_the_engine_as_plain_torch(tmp_path, stage):
+    """The loop people write: loss.backward() (two micro-batches summed, the loss divided by the
+    user), torch.nn.utils.clip_grad_norm_, optimizer.step(), optimizer.zero_grad(), over the
+    engine's module and optimizer: the engine takes the backward it did not run as its own (the
+    loss as the user scaled it) and the step is plain torch's."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    data = list(batches(6))
+    for first, second in zip(data[::2], data[1::2]):
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            for x, y in (first, second):
+                (loss_of(net(x), y) / 2).backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            if net is reference:
+                assert ours_norm.item() == pytest.approx(norm.item(), rel=1e-4)
+            ours_norm = norm
+    ours = engine.module_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert engine.global_steps == 3
