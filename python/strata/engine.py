@@ -315,8 +315,8 @@ class _HeldActivation:
 
 class _Optimizer(torch.optim.Optimizer):
     """The optimizer the engine returns: torch's surface (param_groups with their lr, for
-    schedulers; zero_grad; state_dict of the hyper-parameters) over the Runtime's optimizer.
-    ``step()`` is the engine's."""
+    schedulers; zero_grad; state_dict and load_state_dict in torch's layout) over the Runtime's
+    optimizer. ``step()`` is the engine's."""
 
     def __init__(self, engine, groups, defaults):
         self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
@@ -335,6 +335,90 @@ class _Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         self._engine_or_raise().zero_grad()
+
+    # The state's tensors by optimizer, in torch's names (the Runtime keeps one state or two).
+    _STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
+
+    def state_dict(self):
+        """torch's layout ({"state": {index: {...}}, "param_groups": [...]}, parameters numbered
+        in the groups' order), read from the Runtime's optimizer: each parameter's step count,
+        its state in torch's names (exp_avg and exp_avg_sq for Adam), and its fp32 master
+        weights ("master": the training dtype's weights are their rounding), all on the CPU, so
+        that torch.save(optimizer.state_dict()) and load_state_dict() resume bit for bit (as
+        accelerate's save_state and load_state do). Across ranks: engine.save_checkpoint."""
+        engine = self._engine_or_raise()
+        if engine.ranks is not None:
+            raise RuntimeError("optimizer.state_dict() across ranks: each rank holds a shard; "
+                               "accepted: engine.save_checkpoint (every rank calls it)")
+        engine.runtime.wait_for_early_steps()
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        names = self._STATE_NAMES[engine.optimizer_kind]
+        state = {}
+        for e in engine._params:
+            master, first, second = (torch.empty(e.shard) for _ in range(3))
+            engine.runtime.read_optimizer_state(e.gid, master, first, second)
+            entry = {"step": torch.tensor(float(e.steps)), "master": master.view(e.shape)}
+            for name, values in zip(names, (first, second)):
+                entry[name] = values.view(e.shape)
+            state[index[id(e.param)]] = entry
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=[index[id(p)] for p in g["params"]]) for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Loads state_dict()'s layout, or a torch optimizer's of the same kind over the same
+        parameters (its state without master weights: they are then the parameters' weights as
+        they are), all or none: every group's size, every state's names and shapes checked
+        first, named when wrong. The groups' hyper-parameters (lr, weight_decay) are taken."""
+        from strata import engine_state
+        engine = self._engine_or_raise()
+        if engine.ranks is not None:
+            raise RuntimeError("optimizer.load_state_dict() across ranks: accepted: "
+                               "engine.load_checkpoint")
+        saved_groups = state_dict.get("param_groups", [])
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in saved_groups] != sizes:
+            raise ValueError(f"optimizer.load_state_dict: the state's groups hold "
+                             f"{[len(g['params']) for g in saved_groups]} parameters, this "
+                             f"optimizer's {sizes}; accepted: a state of the same parameters")
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        names = self._STATE_NAMES[engine.optimizer_kind]
+        state = {int(k): v for k, v in state_dict.get("state", {}).items()}
+        for e in engine._params:
+            entry = state.get(index[id(e.param)])
+            if entry is None:
+                continue
+            for name in names + (("master",) if "master" in entry else ()):
+                value = entry.get(name)
+                if value is None or tuple(value.shape) != tuple(e.shape):
+                    raise ValueError(
+                        f"optimizer.load_state_dict: {e.name}'s {name} is "
+                        f"{'missing' if value is None else tuple(value.shape)}; accepted: "
+                        f"{tuple(e.shape)} ({engine.optimizer_kind}: {', '.join(names)})")
+        with engine_state.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
+            for e in engine._params:
+                entry = state.get(index[id(e.param)])
+                master = torch.empty(e.shard)
+                moments = [torch.zeros(e.shard), torch.zeros(e.shard)]
+                engine.runtime.read_optimizer_state(e.gid, master, *moments)
+                if entry is not None:
+                    if "master" in entry:
+                        master = entry["master"].detach().reshape(-1).float().cpu()
+                    for i, name in enumerate(names):
+                        moments[i] = entry[name].detach().reshape(-1).float().cpu()
+                else:  # never stepped: a fresh optimizer's state
+                    moments = [torch.full((e.shard,), float(engine._initial_state)),
+                               torch.zeros(e.shard)]
+                engine.runtime.load_optimizer_state(e.gid, master.contiguous(),
+                                                    moments[0].contiguous(),
+                                                    moments[1].contiguous())
+        for e in engine._params:
+            entry = state.get(index[id(e.param)])
+            e.steps = int(entry["step"]) if entry is not None else 0
+            if entry is not None and "master" in entry:
+                engine_state._set_weights(engine, e, entry["master"].reshape(-1).float())
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.

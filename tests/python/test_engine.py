@@ -2371,3 +2371,59 @@ def test_a_plain_torch_loop_trains_through_the_engine_as_plain_torch(tmp_path, s
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert engine.global_steps == 3
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_optimizer_state_dict_resumes_bit_for_bit(tmp_path, stage):
+    """torch.save(optimizer.state_dict()) and load_state_dict() (a plain loop's checkpoint,
+    accelerate's save_state): torch's layout with the engine's moments, step counts and fp32
+    master weights, so a new engine loading them (beside module.load_state_dict) steps on bit for
+    bit; a torch AdamW's state over the same parameters loads too, and steps as torch's."""
+    def make(subdir, model):
+        config = make_config(tmp_path / subdir, stage, "cpu", "bf16", accumulation=1,
+                             clipping=0.0)
+        return strata.initialize(model=model, config=config)[:2]
+
+    torch.manual_seed(0)
+    engine, optimizer = make("a", Net())
+    data = list(batches(4))
+    for x, y in data[:2]:
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    weights, state = engine.module.state_dict(), optimizer.state_dict()
+    assert set(state["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert state["state"][0]["step"].item() == 2
+    torch.manual_seed(5)
+    resumed, resumed_optimizer = make("b", Net())
+    resumed.module.load_state_dict(weights)
+    resumed_optimizer.load_state_dict(state)
+    for x, y in data[2:]:
+        for e in (engine, resumed):
+            e.backward(loss_of(e(x), y))
+            e.step()
+    ours = resumed.module_state_dict()
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(ours[name], value), name
+    bad = dict(state, state={0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3)}})
+    with pytest.raises(ValueError, match=r"emb.weight's exp_avg is \(3,\); accepted: "):
+        resumed_optimizer.load_state_dict(bad)
+
+
+def test_a_torch_adamw_state_loads_and_steps_as_torch(tmp_path):
+    torch.manual_seed(0)
+    reference = Net()
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    data = list(batches(4))
+    for x, y in data[:2]:
+        loss_of(reference(x), y).backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    engine, optimizer, _, _ = strata.initialize(
+        model=copy.deepcopy(reference),
+        config=make_config(tmp_path, 2, "cpu", "fp32", accumulation=1, clipping=0.0))
+    optimizer.load_state_dict(torch_adamw.state_dict())
+    for x, y in data[2:]:
+        step_both(engine, reference, torch_adamw, x, y)
+    ours = engine.module_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
