@@ -257,3 +257,65 @@ def test_trls_sft_trainer_with_lora_trains_through_strata_as_without_it(tmp_path
     for (loss, norm, _), (ref_loss, ref_norm, _) in zip(logged(ours), logged(plain)):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
+    """Accelerate's loop over the engine's module and optimizer: prepare, accelerator.backward,
+    clip_grad_norm_, optimizer.step, save_state / load_state (a new engine resuming bit for bit)
+    and get_state_dict (the weights whole at stage 3), against the same loop in plain torch."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(cpu=True)
+    rows = [transformers.default_data_collator(data()[i:i + 2]) for i in range(0, SAMPLES, 2)]
+
+    def engine_of(name, model):
+        config = fill_config(strata_config(3, "nvme", tmp_path / name))
+        engine, optimizer, _, _ = strata.initialize(model=model, config=config)
+        return engine, accelerator.prepare(engine.module, optimizer)
+
+    def train(model, optimizer, batches, accelerator=accelerator):
+        norms = []
+        for batch in batches:
+            accelerator.backward(model(**batch).loss)
+            norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+        return norms
+
+    torch.manual_seed(0)
+    base = ARCHITECTURES["llama"]()
+    plain = copy.deepcopy(base)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01)
+    plain_accelerator = Accelerator(cpu=True)  # its own models and optimizers to save
+    plain_model, plain_optimizer = plain_accelerator.prepare(plain, plain_optimizer)
+    engine, (model, optimizer) = engine_of("a", base)
+    ours = train(model, optimizer, rows[:3])
+    assert ours == pytest.approx(
+        train(plain_model, plain_optimizer, rows[:3], plain_accelerator), rel=1e-4)
+    accelerator.save_state(tmp_path / "state")
+    whole = accelerator.get_state_dict(model)
+    for name, value in plain_model.state_dict().items():
+        torch.testing.assert_close(whole[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    train(model, optimizer, rows[3:])
+    accelerator._models.clear()
+    accelerator._optimizers.clear()
+    torch.manual_seed(1)
+    resumed, (resumed_model, resumed_optimizer) = engine_of("b", ARCHITECTURES["llama"]())
+    accelerator.load_state(tmp_path / "state")
+    train(resumed_model, resumed_optimizer, rows[3:])
+    ours = resumed.module_state_dict()
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(ours[name], value), name
+    AcceleratorState._reset_state(True)
+
+
+def fill_config(config):
+    """A strata config for a loop of one's own (no Trainer to fill its "auto" values)."""
+    config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                  gradient_clipping=0.0, optimizer={"type": "AdamW", "params": {
+                      "lr": 1e-3, "weight_decay": 0.01}})
+    for key in ("train_batch_size", "bf16"):
+        config.pop(key)
+    config["zero_optimization"]["reduce_bucket_size"] = 1 << 20
+    return config
