@@ -1178,6 +1178,12 @@ class _StrategyMixin:
 
     # --- checkpoints ---
 
+    def optimizer_state(self, optimizer):
+        """Nothing for Lightning's checkpoint dict: the engine's checkpoint holds the optimizer's
+        whole state (save_checkpoint), which optimizer.state_dict() would read again (and across
+        ranks refuses: each rank holds a shard)."""
+        return {}
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
         """Strata's checkpoint folder at `filepath` (the engine's save_checkpoint under the tag
         "checkpoint"), Lightning's state inside it; every rank takes part."""
