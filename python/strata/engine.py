@@ -1426,6 +1426,20 @@ class Engine(Lending, Gradients, Step):
                 built.release()
             self._runtime = None
 
+    def release(self):
+        """Closes the engine and gives the module its weights back whole in its own parameters
+        (plain tensors on the engine's device, in the training dtype; tied ones stay tied): a
+        plain torch module again, for what the engine does not lend (peft's merge_and_unload at
+        stage 3, weights edited in place). Across ranks every rank must call it. Returns the
+        module."""
+        state = self.module_state_dict()
+        model = self.module
+        self.close()
+        with torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                p.data = state[name].to(self.device).view(p.shape).clone()
+        return model
+
     def __enter__(self):
         return self
 

@@ -588,13 +588,8 @@ def release(model):
     held = _held(model)
     if held is None:
         return model
-    engine = held.engine
-    state = engine.module_state_dict()
-    engine.close()
+    held.engine.release()
     model.__dict__.pop("_strata_engine", None)
-    with torch.no_grad():
-        for name, p in model.named_parameters(remove_duplicate=False):
-            p.data = state[name].to(engine.device).view(p.shape).clone()
     return model
 
 

@@ -536,3 +536,23 @@ def test_gradient_checkpointing_of_a_lora_model_trains_as_plain_torch(tmp_path):
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def test_a_lora_model_released_after_stage_3_merges_as_plain_peft(tmp_path):
+    """peft's merge_and_unload edits the base weights, which stage 3 keeps as partitions:
+    engine.release() gives the module its trained weights back (a plain torch module again),
+    and the merged model computes what the engine computed."""
+    torch.manual_seed(0)
+    engine, _, _, _ = strata.initialize(model=_lora(ARCHITECTURES["llama"]()),
+                                        config=_lora_config(tmp_path))
+    for kwargs in batches("llama", 2 * ACCUMULATION):
+        engine.backward(engine(**kwargs).loss)
+        engine.step()
+    (kwargs,) = batches("llama", 1, seed=7)
+    with torch.no_grad():
+        expected = engine(**kwargs).logits
+    model = engine.release()
+    assert all(p.numel() > 0 for p in model.parameters())
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**kwargs).logits, expected, rtol=1e-4, atol=1e-5)
