@@ -84,6 +84,7 @@ from strata import checkpointing
 from strata import engine_state
 from strata import zero_init as init_module
 from strata import pretrained
+from strata import tiling
 from strata import lr_schedules
 from strata import ranks as ranks_module
 from strata.config import TrainConfig
@@ -1321,6 +1322,9 @@ class Engine(Lending, Gradients, Step):
                 out[name] = done[e.pid]
             else:
                 out[name] = done[e.pid] = self._whole_weights(e)
+        for name, child in self.module.named_modules():  # a TiledLinear's: its Linear's
+            if isinstance(child, tiling.TiledLinear):
+                tiling.join_tiles(child, out, f"{name}." if name else "")
         return out
 
     def _whole_weights(self, e):
@@ -1484,7 +1488,11 @@ def _load_state_dict_through(engine_ref):
             raise ValueError("load_state_dict: assign=True is not supported for a module an "
                              "engine trains (its parameters are the engine's partitions); "
                              "accepted: assign=False")
-        missing, unexpected = pretrained.load(engine, dict(state_dict), strict)
+        state_dict = dict(state_dict)
+        for name, child in module.named_modules():  # a TiledLinear's weight whole, cut
+            if isinstance(child, tiling.TiledLinear):
+                tiling.cut_whole(child, state_dict, f"{name}." if name else "")
+        missing, unexpected = pretrained.load(engine, state_dict, strict)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
 

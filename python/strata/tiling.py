@@ -23,8 +23,10 @@ tiles that do it, cut along the output features first; a weight tied to another 
 language model's head to its embeddings, is left whole), and returns how many it replaced.
 ``module.weight_whole()`` (or ``module.weight``, for code that reads a Linear's weight: made on
 each access, differentiable) gives the matrix back. A frozen Linear's tiles stay frozen. A tiled
-module's state dict names its tiles (``tiles.O.I.weight``), not ``weight``: tile after loading
-pretrained weights, and before applying peft (a peft adapter layer's Linears are refused). A
+module's state dict holds ``weight`` and ``bias`` whole, as the Linear it stands for saves them
+(so save_pretrained writes what the untiled model loads), and loading one cuts them into its tiles
+(with ``keep_vars=True`` the tiles' parameters are given, as they are). Tile before applying peft
+(a peft adapter layer's Linears are refused). A
 Linear whose weights are placeholders (built under strata.init) or on the meta device is refused:
 build such a model with TiledLinear. Forward hooks on a replaced Linear, and references to it
 held outside the module tree, are not carried over to its TiledLinear.
@@ -83,6 +85,9 @@ class TiledLinear(torch.nn.Module):
                 _Tile(i, o, bool(bias) and k == 0, in_features, device=device, dtype=dtype)
                 for k, i in enumerate(self.in_parts))
             for o in self.out_parts)
+        # Its state dict is the Linear's (weight and bias whole): the module's docstring.
+        self._register_state_dict_hook(_whole_in_state_dict)
+        self._register_load_state_dict_pre_hook(_cut_in_state_dict, with_module=True)
 
     def forward(self, x):
         xs = x.split(self.in_parts, dim=-1) if len(self.in_parts) > 1 else (x,)
@@ -138,6 +143,47 @@ class TiledLinear(torch.nn.Module):
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"tiles={len(self.out_parts)}x{len(self.in_parts)}")
+
+
+def _whole_in_state_dict(module, state_dict, prefix, local_metadata):
+    """state_dict() post-hook: the tiles' entries made into the Linear's weight and bias, unless
+    they are the parameters themselves (keep_vars=True)."""
+    first = f"{prefix}tiles.0.0.weight"
+    if first in state_dict and not isinstance(state_dict[first], torch.nn.Parameter):
+        join_tiles(module, state_dict, prefix)
+
+
+def join_tiles(module, state_dict, prefix=""):
+    """`state_dict`'s entries of TiledLinear `module`'s tiles (under `prefix`) replaced by the
+    whole weight and bias they make, in place."""
+    if f"{prefix}tiles.0.0.weight" not in state_dict:
+        return
+    rows = range(len(module.out_parts))
+    state_dict[prefix + "weight"] = torch.cat([torch.cat(
+        [state_dict.pop(f"{prefix}tiles.{o}.{i}.weight") for i in range(len(module.in_parts))],
+        dim=1) for o in rows], dim=0)
+    if f"{prefix}tiles.0.0.bias" in state_dict:
+        state_dict[prefix + "bias"] = torch.cat(
+            [state_dict.pop(f"{prefix}tiles.{o}.0.bias") for o in rows])
+
+
+def _cut_in_state_dict(module, state_dict, prefix, *unused):
+    """load_state_dict pre-hook: a whole weight (and bias) cut into the tiles' entries."""
+    cut_whole(module, state_dict, prefix)
+
+
+def cut_whole(module, state_dict, prefix=""):
+    """`state_dict`'s whole weight and bias of TiledLinear `module` (under `prefix`), when it
+    holds them, replaced by its tiles' entries, in place."""
+    weight = state_dict.pop(prefix + "weight", None)
+    if weight is not None:
+        for o, row in enumerate(weight.split(module.out_parts, dim=0)):
+            for i, piece in enumerate(row.split(module.in_parts, dim=1)):
+                state_dict[f"{prefix}tiles.{o}.{i}.weight"] = piece
+    bias = state_dict.pop(prefix + "bias", None)
+    if bias is not None:
+        for o, piece in enumerate(bias.split(module.out_parts)):
+            state_dict[f"{prefix}tiles.{o}.0.bias"] = piece
 
 
 def _check_materialized(linear):

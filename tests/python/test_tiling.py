@@ -192,3 +192,35 @@ def test_a_wrapper_set_on_a_linears_forward_is_kept_at_stage3_and_after_close(tm
     torch.testing.assert_close(engine(x), reference(x))
     engine.close()  # (the partitioned weights are left placeholders: the wrapper is what stays)
     assert model[0].__dict__.get("forward") is wrapper
+
+
+def test_a_tiled_model_saves_and_loads_the_weights_of_its_linears(tmp_path):
+    """A tiled module's state dict is its Linear's (weight and bias whole): a tiled model trained
+    at stage 3 and saved with save_pretrained loads into the untiled model (nothing missing) and
+    computes what it computed; its weights load back into the tiled engine's module, cut into the
+    tiles; keep_vars=True still gives the tiles' parameters."""
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _llama(32)
+    assert tile_linears(model, 2048) == 10
+    assert all("tiles" not in k for k in model.state_dict())
+    assert any("tiles" in k for k in model.state_dict(keep_vars=True))
+    engine, _, _, _ = strata.initialize(model=model, config=_config(tmp_path, 48 << 10))
+    for _ in range(2):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    with torch.no_grad():
+        expected = engine(input_ids=ids).logits
+    engine.module.save_pretrained(tmp_path / "saved")
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved",
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-6)
+    plain = copy.deepcopy(loaded)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    engine.module.load_state_dict(plain.state_dict())  # cut into the tiles, through the engine
+    with torch.no_grad():
+        torch.testing.assert_close(engine(input_ids=ids).logits, plain(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-6)
