@@ -377,6 +377,7 @@ class _Optimizer(torch.optim.Optimizer):
             raise RuntimeError("optimizer.load_state_dict() across ranks: accepted: "
                                "engine.load_checkpoint")
         saved_groups = state_dict.get("param_groups", [])
+        engine._check_betas("optimizer.load_state_dict", ValueError, saved_groups)
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved_groups] != sizes:
             raise ValueError(f"optimizer.load_state_dict: the state's groups hold "
@@ -424,30 +425,68 @@ class _Optimizer(torch.optim.Optimizer):
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
 _LIVE = weakref.WeakSet()
-_TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
+_TORCH_CLIP = {name: getattr(torch.nn.utils, name) for name in
+               ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+               if hasattr(torch.nn.utils, name)}
+
+
+def _engine_of(params, what):
+    """The engine not closed whose trained parameters are among `params` (None: no engine's);
+    refused: two engines' parameters in one call."""
+    found = [engine for engine in list(_LIVE)
+             if engine._runtime is not None and engine._owns_any(params)]
+    if len(found) > 1:
+        raise ValueError(f"{what} over the parameters of {len(found)} strata engines at once: "
+                         "each engine's gradients are its own; accepted: one engine's "
+                         "parameters a call")
+    return found[0] if found else None
 
 
 def _route_clip_grad_norm():
-    """Puts a stand-in for torch.nn.utils.clip_grad_norm_ (what Trainer, Accelerate, Lightning
-    and plain loops call between backward and step): over the parameters of an engine not closed
-    it is that engine's (Step._clip_by_user: the norm of its gradients, wherever they are, and
-    the step clipped by it, plain torch's arithmetic), anything else torch's own. Once."""
+    """Puts stand-ins for torch.nn.utils' clipping (what Trainer, Accelerate, Lightning and plain
+    loops call between backward and step), once, when strata is imported: clip_grad_norm_ over
+    an engine's parameters is the engine's (Step._clip_by_user: the norm of its gradients
+    wherever they are, with any other parameters' gradients given, and the step clipped by it,
+    plain torch's arithmetic; a second call sees the first's clipping, as torch's does);
+    clip_grad_value_ and clip_grads_with_norm_ over an engine's parameters are refused by name
+    (its gradients are not in .grad); over other parameters each is torch's own. A function
+    imported from torch before strata was is torch's and sees no gradient of the engine's at
+    stages 2 and 3."""
     if getattr(torch.nn.utils.clip_grad_norm_, "_strata", False):
         return
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
                         foreach=None):
         params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        for engine in list(_LIVE):
-            if engine._runtime is not None and engine._owns_any(params):
-                return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
-        return _TORCH_CLIP_GRAD_NORM(params, max_norm, norm_type=norm_type,
-                                     error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        engine = _engine_of(params, "torch.nn.utils.clip_grad_norm_")
+        if engine is not None:
+            return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
+        return _TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite,
+                                              foreach=foreach)
 
-    clip_grad_norm_._strata = True
-    clip_grad_norm_.__doc__ = _TORCH_CLIP_GRAD_NORM.__doc__
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    def refused(name):
+        def clip(parameters, *args, **kwargs):
+            params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+            if _engine_of(params, f"torch.nn.utils.{name}") is not None:
+                raise ValueError(
+                    f"torch.nn.utils.{name} over a strata engine's parameters: their gradients "
+                    "are the engine's, not in .grad, and it would clip nothing; accepted: "
+                    "torch.nn.utils.clip_grad_norm_, or gradient_clipping in the config")
+            return _TORCH_CLIP[name](params, *args, **kwargs)
+        clip.__doc__ = _TORCH_CLIP[name].__doc__
+        return clip
+
+    stand_ins = {"clip_grad_norm_": clip_grad_norm_}
+    stand_ins.update({name: refused(name) for name in _TORCH_CLIP if name != "clip_grad_norm_"})
+    for name, fn in stand_ins.items():
+        fn._strata = True
+        fn.__doc__ = fn.__doc__ or _TORCH_CLIP[name].__doc__
+        setattr(torch.nn.utils, name, fn)
+        setattr(torch.nn.utils.clip_grad, name, fn)
+
+
+_route_clip_grad_norm()
 
 
 def _check_model_dtype(model, dtype):
@@ -462,14 +501,15 @@ def _check_model_dtype(model, dtype):
     if found:
         (half, name), = list(found.items())[:1]
         key = {torch.bfloat16: '"bf16": {"enabled": true}',
-               torch.float16: '"fp16": {"enabled": true}'}.get(half, "a block for it")
+               torch.float16: '"fp16": {"enabled": true}'}.get(half)
         trains = {torch.float32: "float32 (no bf16 or fp16 block)"}.get(dtype, str(dtype))
+        mixed = (f"{key} in the config (mixed precision: {half} compute, fp32 master weights, "
+                 "as DeepSpeed's), or " if key else "")
         raise ValueError(
             f"strata.initialize: the model's parameters are {half} ({name}, ...) and the config "
             f"trains in {trains}: strata would cast the model and train it in that dtype, where "
-            f"plain torch trains it in {half}; accepted: {key} in the config (mixed precision: "
-            f"{half} compute, fp32 master weights, as DeepSpeed's), or the model cast to the "
-            "config's dtype before strata.initialize (model.float())")
+            f"plain torch trains it in {half}; accepted: {mixed}the model cast to the config's "
+            "dtype before strata.initialize (model.float(), model.bfloat16())")
 
 
 class Engine(Lending, Gradients, Step):
@@ -681,6 +721,8 @@ class Engine(Lending, Gradients, Step):
             self._adopt_schedule(self.lr_scheduler, optimizer)
         # The betas the Runtime's optimizer was made with: it keeps them (_check_betas).
         self._betas = tuple(float(b) for b in hyper["betas"]) if hyper["kind"] != "adagrad" else None
+        self._eps = float(hyper["eps"]) if hyper["kind"] != "lion" else None
+        self._adamw = bool(hyper["adamw"]) if hyper["kind"] == "adam" else None
         self._check_betas("strata.initialize", ValueError)
 
         self.loss_scale = 1.0
@@ -739,8 +781,8 @@ class Engine(Lending, Gradients, Step):
         # partition steps for good during backward: the coefficient comes after it).
         self._user_clip = None
         self._user_clips = False
+        self._trained_ids = {id(e.param) for e in self._params}
         _LIVE.add(self)
-        _route_clip_grad_norm()
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -882,20 +924,34 @@ class Engine(Lending, Gradients, Step):
                 rebind(inner)
         rebind(schedule)
 
-    def _check_betas(self, where, error=RuntimeError):
-        """Refuses betas in a param group other than those the Runtime's optimizer was made with
-        (a schedule that cycles momentum, OneCycleLR's cycle_momentum, sets them): it keeps its
-        own, and would step with them silently."""
-        if self._betas is None:
-            return
-        for index, group in enumerate(self.optimizer.param_groups):
-            if "betas" in group and tuple(float(b) for b in group["betas"]) != self._betas:
+    def _check_betas(self, where, error=RuntimeError, groups=None):
+        """Refuses, in the param groups (the optimizer's, or `groups` about to be loaded), what the
+        Runtime's optimizer would not step with: betas or eps other than it was made with (a
+        schedule that cycles momentum, OneCycleLR's cycle_momentum, sets betas), amsgrad or
+        maximize, L2 weight decay where it decouples it (torch's Adam) or the other way round.
+        It keeps its own, and would step with them silently."""
+        for index, group in enumerate(self.optimizer.param_groups if groups is None else groups):
+            if self._betas is not None and "betas" in group and \
+                    tuple(float(b) for b in group["betas"]) != self._betas:
                 raise error(
                     f"{where}: param group {index}'s betas are {tuple(group['betas'])} where the "
                     f"optimizer was made with {self._betas} (a schedule cycling momentum sets "
                     "them: OneCycleLR's cycle_momentum); strata's optimizer keeps the betas it "
                     "was made with, so nothing was stepped; accepted: OneCycleLR(..., "
                     "cycle_momentum=False), or the betas left as made")
+            wrong = [f"eps {group['eps']} (made with {self._eps})" if "eps" in group and
+                     self._eps is not None and float(group["eps"]) != self._eps else None,
+                     "amsgrad" if group.get("amsgrad") else None,
+                     "maximize" if group.get("maximize") else None,
+                     f"decoupled_weight_decay {group['decoupled_weight_decay']} (made with "
+                     f"{self._adamw})" if "decoupled_weight_decay" in group and
+                     self._adamw is not None and
+                     bool(group["decoupled_weight_decay"]) != self._adamw else None]
+            wrong = [w for w in wrong if w]
+            if wrong:
+                raise error(f"{where}: param group {index} has {', '.join(wrong)}, which strata's "
+                            "optimizer does not step with (it keeps what it was made with); "
+                            "nothing was changed; accepted: the optimizer's own values")
 
     def _hyper_of(self, e):
         """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
@@ -1071,9 +1127,13 @@ class Engine(Lending, Gradients, Step):
         if not self._grads_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
                 e.param.grad is not None for e in self._params if not e.partitioned):
             return
-        if self.dtype == torch.float16 or self.ranks is not None:
+        if self.dtype == torch.float16 or self.ranks is not None or self._accumulation > 1:
             why = "fp16 (the engine scales the loss)" if self.dtype == torch.float16 else \
-                f"across {self.world_size} ranks (the ranks finish the gradients together)"
+                f"across {self.world_size} ranks (the ranks finish the gradients together)" \
+                if self.ranks is not None else \
+                (f"gradient_accumulation_steps {self._accumulation} (the engine counts a window's "
+                 "micro-batches by its step(), where a loop of one's own steps once a window: "
+                 "set it to 1 and accumulate in the loop)")
             raise RuntimeError(f"{where}: gradients came from a backward the engine did not run "
                                f"(loss.backward()), which is not taken under {why}; accepted: "
                                "engine.backward(loss)")

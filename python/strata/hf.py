@@ -79,7 +79,7 @@ def fill_auto(config, args, model=None, num_training_steps=None):
     fill(c, "train_batch_size", micro * accumulation * args.world_size, "")
     c.setdefault("train_micro_batch_size_per_gpu", micro)
     c.setdefault("gradient_accumulation_steps", accumulation)
-    if c.get("gradient_clipping") not in (None, "auto", 0, 0.0, args.max_grad_norm):
+    if c.get("gradient_clipping") not in (None, "auto", args.max_grad_norm):
         fill(c, "gradient_clipping", args.max_grad_norm, "")
     c["gradient_clipping"] = 0.0  # Trainer clips, through clip_grad_norm_ (module docstring)
     for key, on in (("bf16", args.bf16), ("fp16", args.fp16)):

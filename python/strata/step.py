@@ -126,8 +126,6 @@ class Step:
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters."""
-        if not hasattr(self, "_trained_ids"):
-            self._trained_ids = {id(e.param) for e in self._params}
         return any(id(p) in self._trained_ids for p in params)
 
     def _clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite):
@@ -136,11 +134,13 @@ class Step:
         host sums), not in .grad, where torch's would find none and clip nothing. Returns the
         total norm of the unscaled gradients, as torch's (a 0-d fp32 tensor), and the step that
         follows is clipped by max_norm / (norm + 1e-6) when that is under 1 (then by the config's
-        gradient_clipping too, on the norm so clipped), plain torch's arithmetic; .grad is not
-        touched. Refused: a norm other than 2, a part of the engine's parameters, a micro-batch
-        before the accumulation boundary (it would clip a partial sum), no backward since the
-        step. From the first such call on nothing steps for good during backward (the
-        coefficient comes after it)."""
+        gradient_clipping too, on the norm so clipped), plain torch's arithmetic. Other
+        parameters given (not the engine's) count in the norm with their .grad, clipped in place
+        as torch's; the engine's .grad is not touched. A second call in the step sees the first's
+        clipping, as torch's does. Refused: a norm other than 2, a part of the engine's
+        parameters, a micro-batch before the accumulation boundary (it would clip a partial sum),
+        no backward since the step. From the first such call on nothing steps for good during
+        backward (the coefficient comes after it)."""
         where = "torch.nn.utils.clip_grad_norm_ over the engine's parameters"
         if float(norm_type) != 2.0:
             raise ValueError(f"{where}: norm_type {norm_type}: accepted: 2.0 (strata's clipping "
@@ -171,13 +171,25 @@ class Step:
                 "unclipped; from the next step on they wait for it; accepted: call it from the "
                 "first step on, or gradient_clipping in the config")
         self._land_host_gradients()
-        norm = self._grad_norm(self.loss_scale)
+        clipped = 1.0 if self._user_clip is None else self._user_clip  # an earlier call's
+        norm = self._grad_norm(self.loss_scale) * clipped
+        others = [p for p in params if id(p) not in self._trained_ids and p.grad is not None]
+        if others:
+            rest = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).cpu()
+                 for p in others]), 2).item()
+            norm = math.sqrt(norm * norm + rest * rest)
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from "
                                "`parameters` is non-finite, so it cannot be clipped. To disable "
                                "this error and scale the gradients by the non-finite norm "
                                "anyway, set `error_if_nonfinite=False`")
-        self._user_clip = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        coefficient = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        self._user_clip = clipped * coefficient
+        if coefficient < 1.0:
+            with torch.no_grad():
+                for p in others:
+                    p.grad.mul_(coefficient)
         return torch.tensor(norm, dtype=torch.float32, device=self.device)
 
     def _may_step_early(self):

@@ -2427,3 +2427,73 @@ def test_a_torch_adamw_state_loads_and_steps_as_torch(tmp_path):
     ours = engine.module_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_clip_grad_norm_called_twice_or_with_other_parameters_is_plain_torchs(tmp_path):
+    """A second clip_grad_norm_ in a step sees the first's clipping (torch clips .grad in place:
+    a logging call with max_norm inf after the clip returns the clipped norm); parameters that are
+    not the engine's count in the norm and are clipped in place, as torch's; two engines'
+    parameters in one call, torch's other clipping functions over an engine's parameters and a
+    backward of one's own with gradient_accumulation_steps > 1 are refused by name."""
+    assert torch.nn.utils.clip_grad_norm_._strata  # in place once strata is imported
+    torch.manual_seed(0)
+    model, extra = Net(), torch.nn.Linear(VOCAB, VOCAB)
+    reference, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for (x, y) in batches(3):
+        norms, grads = [], []
+        for net, head, opt in ((engine.module, extra, optimizer),
+                               (reference, ref_extra, torch_adamw)):
+            loss_of(head(net(x)), y).backward()
+            params = list(net.parameters()) + list(head.parameters())
+            norms.append((torch.nn.utils.clip_grad_norm_(params, 0.5).item(),
+                          torch.nn.utils.clip_grad_norm_(params, float("inf")).item()))
+            opt.step()
+            opt.zero_grad()
+            grads.append(head.weight.grad.clone())  # the head's, clipped in place
+            head.zero_grad()
+        assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+        assert norms[0][1] == pytest.approx(0.5, rel=1e-4) and norms[0][0] > 0.5
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+    ours = engine.module_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    other, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path / "b", 2, "cpu", "fp32", accumulation=1))
+    with pytest.raises(ValueError, match="parameters of 2 strata engines at once"):
+        torch.nn.utils.clip_grad_norm_(list(engine.module.parameters()) +
+                                       list(other.module.parameters()), 1.0)
+    for name, args in (("clip_grad_value_", (1.0,)),
+                       ("clip_grads_with_norm_", (1.0, torch.tensor(2.0)))):
+        with pytest.raises(ValueError, match=f"torch.nn.utils.{name} over a strata engine's"):
+            getattr(torch.nn.utils, name)(engine.module.parameters(), *args)
+    windowed, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path / "c", 2, "cpu", "fp32", accumulation=2))
+    (x, y), = batches(1)
+    loss_of(windowed.module(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"not taken under gradient_accumulation_steps 2"):
+        windowed.step()
+
+
+def test_optimizer_settings_it_cannot_step_with_are_refused(tmp_path):
+    """eps changed in a group, and a loaded state whose groups have another eps, amsgrad,
+    maximize or L2 decay where the engine decouples it: refused by name, nothing changed."""
+    engine, optimizer, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path, 2, "cpu", "fp32", accumulation=1))
+    (x, y), = batches(1)
+    state = optimizer.state_dict()
+    for group_change, said in (({"eps": 1e-3}, r"eps 0.001 \(made with 1e-08\)"),
+                               ({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize"),
+                               ({"decoupled_weight_decay": False},
+                                r"decoupled_weight_decay False \(made with True\)")):
+        changed = dict(state, param_groups=[dict(g, **group_change)
+                                            for g in state["param_groups"]])
+        with pytest.raises(ValueError, match=f"param group 0 has {said}"):
+            optimizer.load_state_dict(changed)
+    optimizer.param_groups[0]["eps"] = 1e-2
+    engine.backward(loss_of(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"step: param group 0 has eps 0.01"):
+        engine.step()

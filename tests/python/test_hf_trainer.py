@@ -133,6 +133,7 @@ def test_a_peft_adapter_trains_and_saves_as_an_adapter(tmp_path):
                                 train_dataset=data(),
                                 strata_config=strata_config(3, "cpu", tmp_path))
     trainer.train()
+    assert len(logged(trainer)) == len(logged(plain)) == STEPS
     for (loss, norm, _), (ref_loss, ref_norm, _) in zip(logged(trainer), logged(plain)):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-4)
@@ -198,14 +199,25 @@ def test_bf16_trains_within_the_tolerance_of_trainers_mixed_precision(tmp_path):
     try:
         torch.manual_seed(0)
         model = ARCHITECTURES["llama"]()
+        model_start = {k: v.clone() for k, v in model.state_dict().items()}
         plain = plain_run(tmp_path, copy.deepcopy(model), bf16=True)
         trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata", bf16=True),
                                     train_dataset=data(),
                                     strata_config=strata_config(2, "cpu", tmp_path))
         trainer.train()
         assert trainer.strata_engine.bf16_enabled()
+        assert len(logged(trainer)) == len(logged(plain)) == STEPS
         for (loss, _, _), (ref_loss, _, _) in zip(logged(trainer), logged(plain)):
             assert loss == pytest.approx(ref_loss, rel=2e-2)
+        # The weights moved as plain Trainer's did: over the model, far closer to where plain
+        # Trainer's went than to where they started (bf16 weights near 1, the norms', round away
+        # a step's change: compared over every weight at once).
+        ours = trainer.strata_engine.module_state_dict()
+        moved = apart = 0.0
+        for name, value in plain.model.state_dict().items():
+            moved += (value.float() - model_start[name].float()).square().sum().item()
+            apart += (ours[name].float() - value.float()).square().sum().item()
+        assert moved > 0 and apart < 0.25 * moved, (apart, moved)
     finally:
         AcceleratorState._reset_state(True)
 
