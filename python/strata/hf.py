@@ -21,6 +21,9 @@ transformers' integration:
     (max_grad_norm: torch.nn.utils.clip_grad_norm_, which the engine answers) and its
     optimizer.step() and schedule are Trainer's own, so the config's gradient_clipping must be
     "auto" (or agree: then Trainer clips alone);
+  - the model is not moved to the device by Trainer (the engine places it: a model larger than
+    the GPU is never whole there), so evaluating before training starts is refused by the
+    device mismatch it meets;
   - save_model writes the weights whole at every stage (module.state_dict() gathers), peft
     adapters as adapters; checkpoints keep the engine's whole training state (its own checkpoint
     under the checkpoint folder, "strata") and resume bit for bit.
@@ -148,6 +151,12 @@ class StrataTrainerMixin:
                                  "integration runs in one process; accepted: one process, or "
                                  "strata.initialize across ranks in a loop of your own")
         super().__init__(*args, **kwargs)
+
+    def _move_model_to_device(self, model, device):
+        """Not moved: the engine places the model when training starts (strata.initialize: at
+        stage 3 its parameters go to their partitions, never whole on the GPU), as Trainer
+        leaves DeepSpeed's to DeepSpeed. Trainer's move of the whole model to the GPU first is
+        what offloading a model larger than the GPU must not do."""
 
     def create_optimizer(self, model=None):
         """The engine, made over the model and the optimizer Trainer makes from its arguments

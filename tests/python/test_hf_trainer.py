@@ -331,3 +331,19 @@ def fill_config(config):
         config.pop(key)
     config["zero_optimization"]["reduce_bucket_size"] = 1 << 20
     return config
+
+
+def test_trainer_leaves_placing_the_model_to_the_engine(tmp_path):
+    """Trainer moves the whole model to its device when it is made, which offloading a model
+    larger than the GPU must not do: strata's Trainer leaves it where it is (the engine places
+    it when training starts)."""
+    model = ARCHITECTURES["llama"]()
+
+    def moved(*args, **kwargs):
+        raise AssertionError(f"the model was moved: .to{args}")
+
+    model.to = moved
+    strata.hf.Trainer(model=model, args=args_of(tmp_path, "x"), train_dataset=data(),
+                      strata_config=strata_config(3, "cpu", tmp_path))
+    with pytest.raises(AssertionError, match="the model was moved"):
+        transformers.Trainer(model=model, args=args_of(tmp_path, "y"), train_dataset=data())

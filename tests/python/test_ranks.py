@@ -571,8 +571,10 @@ def config(stage, **zero):
                        "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 30}}
 
 out = {}
-# A float64 model: rank 0's weights (and int64 buffer) reach every rank before the cast.
-model = Net().double()
+# Rank 0's weights and buffers, of every dtype (a float64 one beside the int64 one), reach every
+# rank. (A float64 model under this fp32 config is refused: it would train in fp32.)
+model = Net()
+model.register_buffer("scale", torch.randn(3, dtype=torch.float64))
 a, _, loader, _ = strata.initialize(model=model, config=config(2, reduce_bucket_size=100),
                                     training_data=list(range(16)))
 out["weights"] = {k: v.double().sum().item() for k, v in a.module_state_dict().items()}
@@ -584,7 +586,7 @@ b, _, _, _ = strata.initialize(model=Net(), config=config(3, reduce_bucket_size=
 out["buckets"] = [a.ranks.reduce_bucket, a.ranks.overlap, b.ranks.reduce_bucket, b.ranks.overlap]
 for engine in (a, b):
     for _ in range(2):
-        x = torch.randn(2, 6)  # (the engine trains in fp32: the float64 model was cast)
+        x = torch.randn(2, 6)
         engine.backward(engine(x).square().mean())
         engine.step()
 out["trained"] = [a.global_steps, b.global_steps]
@@ -599,7 +601,7 @@ def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_resh
         stdout, stderr = p.communicate(timeout=180)
         assert p.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    assert outs[0]["weights"] == outs[1]["weights"]  # the float64 weights and the int buffer
+    assert outs[0]["weights"] == outs[1]["weights"]  # the weights, the float64 and int buffers
     assert [o["place"] for o in outs] == [[0, 2, 0, 4], [1, 2, 1, 4]]
     for o in outs:
         assert o["buckets"] == [100, False, 7777, True]
