@@ -195,36 +195,24 @@ def test_config_from_a_json_file_and_train_batch_size(tmp_path):
     assert optimizer.param_groups[0]["lr"] == 1e-2
 
 
-def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path):
+@pytest.mark.parametrize("low,high,seen", [
+    # DeepSpeed's: made at iteration -1, stepped after each optimizer step.
+    (0.0, 0.01, [0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01]),
+    # DeepSpeed 0.19.8's WarmupLR gives warmup_min_lr before its first step, not 0.
+    (0.001, 0.005, [0.001, 0.001, 0.002, 0.003, 0.004, 0.005])])
+def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path, low, high, seen):
     config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
     config["scheduler"] = {"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4,
+        "warmup_min_lr": low, "warmup_max_lr": high, "warmup_num_steps": 4,
         "warmup_type": "linear"}}
     engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
-    seen = []
+    rates = []
     for x, y in batches(6):
-        seen.append(engine.get_lr()[0])
+        rates.append(engine.get_lr()[0])
         engine.backward(loss_of(engine(x), y))
         engine.step()
-    # DeepSpeed's: made at iteration -1 (rate 0), stepped after each optimizer step.
-    assert seen == pytest.approx([0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])
+    assert rates == pytest.approx(seen)
     assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
-
-
-def test_a_warmup_schedule_starts_at_its_minimum_as_deepspeeds(tmp_path):
-    """DeepSpeed 0.19.8's WarmupLR gives warmup_min_lr before its first step, not 0: the first
-    optimizer step takes the minimum."""
-    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
-    config["scheduler"] = {"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.001, "warmup_max_lr": 0.005, "warmup_num_steps": 4,
-        "warmup_type": "linear"}}
-    engine, _, _, _ = strata.initialize(model=Net(), config=config)
-    seen = []
-    for x, y in batches(4):
-        seen.append(engine.get_lr()[0])
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
-    assert seen == pytest.approx([0.001, 0.001, 0.002, 0.003])
 
 
 class Scale(torch.nn.Module):
@@ -2278,19 +2266,26 @@ def test_a_half_precision_model_under_another_training_dtype_is_refused(tmp_path
     engine.close()
 
 
+def _beside_plain_torch(tmp_path, stage):
+    """An engine over Net at `stage` (one micro-batch a step, no config clipping) and plain
+    torch's copy of the same model with its AdamW: (engine, its optimizer, model, AdamW)."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    return engine, optimizer, reference, torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                                           weight_decay=0.01)
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_clip_grad_norm_between_backward_and_step_clips_as_plain_torch(tmp_path, stage):
     """torch.nn.utils.clip_grad_norm_ called by the user between backward and step (as Trainer,
     Accelerate and plain loops do): the gradients are in the engine, not in .grad, where torch's
     would find none and clip nothing. It returns plain torch's norm and the step is clipped by it,
     step by step as plain torch's; over other parameters it is torch's own."""
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
-                                        clipping=0.0))
-    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
     for x, y in batches(4):
         loss = loss_of(engine(x), y)
         engine.backward(loss)
@@ -2349,13 +2344,7 @@ def test_a_plain_torch_loop_trains_through_the_engine_as_plain_torch(tmp_path, s
     user), torch.nn.utils.clip_grad_norm_, optimizer.step(), optimizer.zero_grad(), over the
     engine's module and optimizer: the engine takes the backward it did not run as its own (the
     loss as the user scaled it) and the step is plain torch's."""
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    engine, optimizer, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
-                                        clipping=0.0))
-    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
     data = list(batches(6))
     for first, second in zip(data[::2], data[1::2]):
         for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):

@@ -275,6 +275,30 @@ def _lora_config(tmp_path):
     return make_config(tmp_path, ARCHITECTURES["llama"](), 3, "nvme", "fp32")
 
 
+def _train_lora_beside_plain(engine, plain, steps):
+    """`steps` optimizer steps of `engine` and of `plain` (a copy of its LoRA model, plain torch:
+    AdamW on the trained parameters, clip_grad_norm_ by 1.0) on the same micro-batches, the
+    losses and at the end the weights agreeing; returns the engine's weights."""
+    torch_adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR,
+                                    weight_decay=0.01)
+    for i, kwargs in enumerate(batches("llama", steps * ACCUMULATION)):
+        loss = engine(**kwargs).loss
+        engine.backward(loss)
+        engine.step()
+        ref_loss = plain(**kwargs).loss
+        (ref_loss / ACCUMULATION).backward()
+        if (i + 1) % ACCUMULATION == 0:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            torch_adamw.step()
+            torch_adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    ours = engine.module_state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    return ours
+
+
 def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
     torch.manual_seed(0)
     base = ARCHITECTURES["llama"]()
@@ -291,23 +315,7 @@ def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
                                                  if p.numel() >= 100}
     assert all(e.name.endswith(("lora_A.default.weight", "lora_B.default.weight"))
                for e in engine._params)
-    torch_adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR,
-                                    weight_decay=0.01)
-    for i, kwargs in enumerate(batches("llama", STEPS * ACCUMULATION)):
-        loss = engine(**kwargs).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = plain(**kwargs).loss
-        (ref_loss / ACCUMULATION).backward()
-        if (i + 1) % ACCUMULATION == 0:
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-            torch_adamw.step()
-            torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    ours = engine.module_state_dict()
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+    ours = _train_lora_beside_plain(engine, plain, STEPS)
     for name, value in frozen_before.items():
         assert torch.equal(ours[name], value), name  # never written back
     stats = engine.stats()
@@ -519,23 +527,7 @@ def test_gradient_checkpointing_of_a_lora_model_trains_as_plain_torch(tmp_path):
     config["strata"]["device_budget_bytes"] = 120000  # a recomputed block's weights at once
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert any(e.partitioned for e in engine._frozen)
-    torch_adamw = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=LR,
-                                    weight_decay=0.01)
-    for i, kwargs in enumerate(batches("llama", 2 * ACCUMULATION)):
-        loss = engine(**kwargs).loss
-        engine.backward(loss)
-        engine.step()
-        ref_loss = plain(**kwargs).loss
-        (ref_loss / ACCUMULATION).backward()
-        if (i + 1) % ACCUMULATION == 0:
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-            torch_adamw.step()
-            torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    ours = engine.module_state_dict()
-    for name, value in plain.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+    _train_lora_beside_plain(engine, plain, 2)
 
 
 def test_a_lora_model_released_after_stage_3_merges_as_plain_peft(tmp_path):
