@@ -5,6 +5,7 @@ parameters live and the persistence threshold; and making the Runtime itself.
 Thread safety: none needed (values made once).
 """
 
+import gc
 import json
 import os
 
@@ -67,8 +68,16 @@ class RuntimeSettings:
 
 def make_runtime(settings, on_warning):
     """(a Runtime for `settings`, a warning or None). The NVMe folder is swap space, not a
-    checkpoint: what an earlier run left there is dropped, and said."""
-    runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
+    checkpoint: what an earlier run left there is dropped, and said. A folder still held by an
+    engine nothing reaches any more (a reference cycle, as a Lightning module and its engine make,
+    not yet collected: a second fit in a notebook) is freed by a collection, and tried again."""
+    try:
+        runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
+    except _strata.Error as error:
+        if "in use by another strata store of this process" not in str(error):
+            raise
+        gc.collect()  # the engine holding it closes if nothing reaches it (its finalizer)
+        runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
     stale = runtime.stored_partitions()
     for pid in stale:
         runtime.unregister(pid)

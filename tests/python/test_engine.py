@@ -6,8 +6,9 @@ torch: torch.optim.AdamW with clip_grad_norm_, on an fp32 model; for bf16, the s
 recipe written out by hand (a bf16 model computes, fp32 master weights step, the bf16 copy is the
 rounded master)."""
 import copy
-import time
+import gc
 import json
+import time
 
 import re
 
@@ -2486,3 +2487,24 @@ def test_optimizer_settings_it_cannot_step_with_are_refused(tmp_path):
     engine.backward(loss_of(engine(x), y))
     with pytest.raises(RuntimeError, match=r"step: param group 0 has eps 0.01"):
         engine.step()
+
+
+def test_an_nvme_folder_held_by_an_engine_nothing_reaches_is_taken(tmp_path):
+    """An engine in a reference cycle (a Lightning module and its engine make one) still holds its
+    NVMe folder after the last reference to it is dropped, until the cycle collector runs: a new
+    engine on the same folder (a second fit in a notebook) collects it rather than being
+    refused; one that is still reached is refused, as before."""
+    config = make_config(tmp_path, 3, "nvme", "fp32")
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    collecting = gc.isenabled()
+    gc.disable()  # (so that only strata collects)
+    try:
+        engine.module.held_by = engine  # the cycle
+        del engine
+        second, _, _, _ = strata.initialize(model=Net(), config=config)
+        with pytest.raises(strata.Error, match="in use by another strata store"):
+            strata.initialize(model=Net(), config=config)
+        second.close()
+    finally:
+        if collecting:
+            gc.enable()
