@@ -624,6 +624,15 @@ class Engine(Lending, Gradients, Step):
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
+        changed = init_module.reshaped(model)
+        if changed:
+            name, made, now = changed[0]
+            raise ValueError(
+                f"strata.initialize: {name} was built under strata.init as a partition of shape "
+                f"{made} and has shape {now} now (resize_token_embeddings, or another change of "
+                "its size after the build, which read the partition's placeholder, not its "
+                "weights); accepted: the model built with its final sizes under strata.init "
+                "(e.g. the config's vocab_size set before), or resized before it is partitioned")
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             raise ValueError("strata.initialize: the model is torch.compile'd; accepted: the "
                              "module itself (model._orig_mod): the engine lends parameters "

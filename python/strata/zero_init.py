@@ -75,6 +75,15 @@ def partition_of(param):
     return made[1] if made is not None else None
 
 
+def reshaped(model):
+    """(name, its partition's shape, its shape now) of each parameter built under strata.init
+    whose shape changed since (resize_token_embeddings after the build reads the placeholder's
+    zeros and gives the parameter a size its partition does not have)."""
+    return [(name, p._strata_init[2], tuple(p.shape)) for name, p in model.named_parameters()
+            if getattr(p, "_strata_init", None) is not None and
+            tuple(p.shape) != p._strata_init[2]]
+
+
 def built_under(model):
     """The strata.init a model's parameters were partitioned by (None: none). Parameters of two
     contexts in one model are refused."""
@@ -267,7 +276,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                                       self.settings.param_tier, initial)
                 del initial
                 p.data = self._placeholder(p.shape)
-            p._strata_init = (self, pid)
+            p._strata_init = (self, pid, tuple(p.shape))
             # A parameter replaced while the model is built (a tied weight: head.weight =
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.

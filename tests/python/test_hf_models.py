@@ -548,3 +548,18 @@ def test_a_lora_model_released_after_stage_3_merges_as_plain_peft(tmp_path):
     merged = model.merge_and_unload()
     with torch.no_grad():
         torch.testing.assert_close(merged(**kwargs).logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_resizing_a_model_built_under_strata_init_is_refused_by_name(tmp_path):
+    """resize_token_embeddings on a model built under strata.init reads the partitions'
+    placeholders (zeros), not their weights, and gives the parameters sizes their partitions do
+    not have: strata.initialize names the parameter and both shapes (it crashed on the sizes)."""
+    model = ARCHITECTURES["llama"]()
+    config = make_config(tmp_path, model, 3, "cpu", "fp32")
+    with strata.init(config=config):
+        built = ARCHITECTURES["llama"]()
+    built.resize_token_embeddings(200, mean_resizing=False)
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight was built under strata.init "
+                                         r"as a partition of shape \(128, 32\) and has shape "
+                                         r"\(200, 32\)"):
+        strata.initialize(model=built, config=config)
