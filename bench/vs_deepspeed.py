@@ -36,6 +36,12 @@ config, handed verbatim to `deepspeed.initialize` and to `strata.initialize`, fo
                  losses are not the same arithmetic and are not held to the tolerance)
   super_offload  DeepSpeed's asynchronous CPU-offload optimizer (ZeRO-3, super_offload) beside
                  strata's default (the same arithmetic: held to the tolerance)
+  trainer        transformers' Trainer, the same TrainingArguments (max_grad_norm the config's
+                 clipping, a WarmupLR block, "auto" values as Trainer users write them):
+                 TrainingArguments(deepspeed=config) beside strata.hf.Trainer(strata_config=
+                 config); ZeRO-2, offload_optimizer cpu. Its step is Trainer's, timed by a
+                 callback (on_step_begin to on_step_end); the loss is the model's own (labels the
+                 inputs), not the other rows'.
 Each system runs in a process of its own (its memory measured alone), two warm-up steps and then
 --steps timed ones; the rows and the two systems interleave round by round, the order of the two
 alternating. Each row reports: the step time (median of the rounds' medians, and the spread of
@@ -107,7 +113,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fio_ceiling import disk_bandwidth  # noqa: E402
-ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload"]
+ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload", "trainer"]
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
 APPROXIMATE = {"zenflow"}
 # On cuda, each child's peak GPU memory (the module docstring says what each counts).
@@ -149,6 +155,16 @@ def row_config(row, args, nvme):
     extra = getattr(args, "strata_extra", None)
     if extra:  # --strata: strata's copy alone, said in the report
         ours.setdefault("strata", {}).update(extra)
+    if row == "trainer":  # as a Trainer user writes it: Trainer fills the "auto" values
+        for c in (config, ours):
+            c.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
+                     gradient_clipping="auto")
+            c["optimizer"]["params"] = {k: "auto" for k in ("lr", "betas", "eps",
+                                                             "weight_decay")}
+            c["scheduler"] = {"type": "WarmupLR", "params": {
+                "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}
+            if args.bf16:
+                c["bf16"] = {"enabled": "auto"}
     if row == "zenflow":
         config["zero_optimization"]["zenflow"] = {
             "topk_ratio": 0.1, "update_interval": 4, "select_strategy": "step",
@@ -400,7 +416,7 @@ def bound_of(row, parts, block, disk_bps=None):
 
 
 def row_stage(row):
-    return 2 if row in ("zero2_cpu", "zenflow") else 3
+    return 2 if row in ("zero2_cpu", "zenflow", "trainer") else 3
 
 
 class PlainTorch:
@@ -429,6 +445,87 @@ class PlainTorch:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def trainer_arguments(spec, output_dir, deepspeed=None):
+    """The trainer row's TrainingArguments: as the other rows (batch, lr, weight decay, the
+    config's clipping as max_grad_norm, bf16), one micro-batch a step, a log line a step."""
+    import transformers
+    return transformers.TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=1, max_steps=spec["warmup"] + spec["steps"],
+        learning_rate=1e-3, weight_decay=0.01, max_grad_norm=spec["clipping"],
+        warmup_steps=1, bf16=spec["bf16"], logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=spec["device"] != "cuda", seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, deepspeed=deepspeed)
+
+
+def trainer_child(spec, model, system, cuda):
+    """The trainer row (the module's docstring): (losses, timed step seconds, the /proc/self/io
+    window's start and end)."""
+    import torch
+    import transformers
+    gen = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": ids, "labels": ids} for _ in range(spec["warmup"] + spec["steps"])
+            for ids in torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)]
+    times, window = [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            if state.global_step == spec["warmup"]:
+                window.append(io_bytes())
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+            if state.global_step > spec["warmup"]:
+                times.append(time.perf_counter() - self.t0)
+
+    output = tempfile.mkdtemp(prefix="trainer_row.")
+    if system == "deepspeed":
+        trainer = transformers.Trainer(
+            model=model, args=trainer_arguments(spec, output, deepspeed=spec["config"]),
+            train_dataset=rows, callbacks=[Clock()])
+    else:
+        import strata.hf
+        trainer = strata.hf.Trainer(model=model, args=trainer_arguments(spec, output),
+                                    train_dataset=rows, callbacks=[Clock()],
+                                    strata_config=spec["config"])
+    trainer.train()
+    window.append(io_bytes())
+    shutil.rmtree(output, ignore_errors=True)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses, times, window
+
+
+def trainer_report(spec, model, system, cuda, locked):
+    """The trainer row's child: trains through Trainer (trainer_child) and writes the report the
+    other rows write (their fields; strata's engine stats aside)."""
+    import torch
+    import transformers
+    trainer, losses, times, window = trainer_child(spec, model, system, cuda)
+    report = {"losses": losses, "step_s": times,
+              "read_bytes_per_step": (window[-1][0] - window[0][0]) / spec["steps"],
+              "write_bytes_per_step": (window[-1][1] - window[0][1]) / spec["steps"],
+              "peak_rss_bytes": status_kib("VmHWM") * 1024,
+              "peak_locked_bytes": locked.stop() * 1024,
+              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        tier = trainer.strata_engine.stats()["peak_bytes"].get("device", 0) \
+            if system == "strata" else 0
+        report.update(device_name=torch.cuda.get_device_name(),
+                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+                      gpu_peak_used_bytes=total - free, gpu_strata_tier_peak_bytes=tier,
+                      gpu_peak_bytes=torch.cuda.max_memory_allocated() + tier)
+    if system == "strata":
+        trainer.strata_engine.close()
+    with open(spec["out"], "w", encoding="utf-8") as f:
+        json.dump(report, f)
+
+
 def child(spec):
     locked = LockedPeak()
     system = spec["system"]
@@ -445,6 +542,9 @@ def child(spec):
     from llama import llama
     torch.manual_seed(0)
     model = llama(spec["layers"], spec["width"], spec["heads"], spec["context"])
+    if spec.get("row") == "trainer":
+        trainer_report(spec, model, system, cuda, locked)
+        return
     if system == "deepspeed":
         import deepspeed
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -545,7 +645,8 @@ def run_one(system, row, config, args, round_index, scratch):
             "device": args.device, "warmup": 4 if system == "torch" else 2,
             "steps": args.steps, "out": out,
             "phases": args.phases, "profile": args.profile,
-            "port": 29500 + round_index}
+            "port": 29500 + round_index, "row": row, "clipping": args.clipping,
+            "bf16": args.bf16}
     spec_path = out + ".spec"
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
@@ -659,7 +760,14 @@ def check_strata_configs(rows, args):
                  "(make build) with build/release/python on PYTHONPATH")
     for row in rows:
         try:
-            strata.check_config(row_config(row, args, args.nvme_placeholder)[1])
+            ours = row_config(row, args, args.nvme_placeholder)[1]
+            if row == "trainer":  # its "auto" values as strata.hf fills them
+                import strata.hf
+                ours = strata.hf.fill_auto(ours, trainer_arguments(
+                    {"batch": args.batch, "warmup": 2, "steps": args.steps, "bf16": args.bf16,
+                     "clipping": args.clipping, "device": args.device},
+                    tempfile.gettempdir()), num_training_steps=2 + args.steps)
+            strata.check_config(ours)
         except ValueError as error:
             given = " (with --strata's keys)" if args.strata_extra else ""
             sys.exit(f"vs_deepspeed: strata refuses the {row} row's config{given}: {error}")
@@ -849,7 +957,9 @@ def main():
     disk_tool = None  # what measured them: fio, else aio_bench
 
     def run_floor(round_index):
-        report = run_one("torch", "floor", row_config(rows[0], args, args.nvme_placeholder)[0],
+        # (the trainer row's config leaves its values to Trainer: the floor takes another's)
+        plain = next((r for r in rows if r != "trainer"), "zero2_cpu")
+        report = run_one("torch", "floor", row_config(plain, args, args.nvme_placeholder)[0],
                          args, round_index, scratch)
         floor_runs.append(report)
         say_round(round_index, "floor", "torch", report)
@@ -1061,7 +1171,9 @@ def main():
         if floor is not None and "rate_of_floor" in e["strata"]:
             theirs = (f", DeepSpeed at {e['deepspeed']['rate_of_floor']:.2f}x"
                       if "rate_of_floor" in e["deepspeed"] else "")
-            drift = "" if args.bf16 else "; strata's losses differ from its by {:.1e}".format(
+            # (the trainer row's loss is the model's own, not the floor's: not compared)
+            drift = "" if args.bf16 or e["row"] == "trainer" else \
+                "; strata's losses differ from its by {:.1e}".format(
                 max(abs(a - b) / max(abs(b), 1e-12)
                     for a, b in zip(e["strata"]["losses"], floor["losses"])))
             print(f"vs_deepspeed/{e['row']}: the floor (plain PyTorch, nothing offloaded) "
