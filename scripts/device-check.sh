@@ -279,6 +279,8 @@ part vs_deepspeed 300 vs_deepspeed
 part vs_noclip 150 vs_deepspeed noclip zero2_cpu --clipping 0 --no-floor
 # ZeRO-Infinity and ZenFlow beside DeepSpeed, the NVMe row's bound with the disk's rates.
 part vs_nvme 240 vs_deepspeed nvme zero3_nvme,zenflow --steps 2
+# transformers' Trainer: deepspeed= beside strata.hf.Trainer, the same TrainingArguments.
+part vs_trainer 150 vs_deepspeed trainer trainer --no-floor
 part demo 100 demo
 part cpp_suite 150 cpp_suite
 part train_step_nvme 120 train_step nvme
