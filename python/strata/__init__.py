@@ -21,6 +21,13 @@ The package is strata's front for PyTorch. What is here today:
 * ``strata.TiledLinear`` and ``strata.tile_linears``: memory-centric tiling (strata.tiling), a
   linear layer cut into tiles lent one at a time, so the device needs a tile, not a layer.
 
+* ``strata.hf`` (imported on its own: it imports transformers): ``strata.hf.Trainer`` and
+  ``with_strata(cls)``, transformers' Trainer (TRL's SFTTrainer too) trained through strata.
+
+Importing strata puts stand-ins for torch.nn.utils' clipping functions in place: over an
+engine's parameters ``clip_grad_norm_`` is the engine's (its gradients are not in ``.grad``), over
+any others each is torch's own.
+
 Messages: warnings through Python's ``warnings`` (``strata.StrataWarning``), the engine's step
 lines through the ``strata`` logger (``logging.getLogger("strata")``, INFO); nothing is printed on
 stdout.
