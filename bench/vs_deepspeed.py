@@ -969,7 +969,8 @@ def main():
             run_floor(round_index)
         if "zero3_nvme" in rows:
             (read_bps, tool), (write_bps, _) = (
-                disk_bandwidth(args.dir, write, args.aio_bench, args.aio) for write in (False, True))
+                disk_bandwidth(args.dir, write, args.aio_bench, args.aio)
+                for write in (False, True))
             fio_file = os.path.join(args.dir, "fio.bin")
             if os.path.exists(fio_file):
                 os.remove(fio_file)

@@ -729,7 +729,8 @@ class Engine(Lending, Gradients, Step):
         elif self.lr_scheduler is not None:
             self._adopt_schedule(self.lr_scheduler, optimizer)
         # The betas the Runtime's optimizer was made with: it keeps them (_check_betas).
-        self._betas = tuple(float(b) for b in hyper["betas"]) if hyper["kind"] != "adagrad" else None
+        self._betas = tuple(float(b) for b in hyper["betas"]) \
+            if hyper["kind"] != "adagrad" else None
         self._eps = float(hyper["eps"]) if hyper["kind"] != "lion" else None
         self._adamw = bool(hyper["adamw"]) if hyper["kind"] == "adam" else None
         self._check_betas("strata.initialize", ValueError)
