@@ -51,13 +51,14 @@ from strata import checkpointing
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
-from strata.engine import (Engine, StrataWarning, check_config, initialize,
-                           register_external_parameter)
+from strata.engine import (Engine, GatheredParameters, StrataWarning, check_config,
+                           initialize, register_external_parameter)
 from strata.pretrained import from_pretrained
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 
 __all__ = ["check_config", "checkpointing", "ConfigError", "Engine", "Error", "from_pretrained",
+           "GatheredParameters",
            "InvalidArgumentError", "init",
            "initialize", "lr_schedules", "optim", "register_external_parameter",
            "StrataWarning", "TiledLinear", "tile_linears"]

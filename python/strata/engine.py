@@ -93,7 +93,8 @@ from strata.lending import Lending, register_external_parameter
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.step import Step
 
-__all__ = ["check_config", "initialize", "Engine", "register_external_parameter", "StrataWarning"]
+__all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
+           "register_external_parameter", "StrataWarning"]
 
 # The engine's messages: warnings through `warnings` (StrataWarning), the step lines
 # (steps_per_print) through this logger at INFO; nothing is printed.
@@ -487,6 +488,66 @@ def _route_clip_grad_norm():
 
 
 _route_clip_grad_norm()
+
+
+class GatheredParameters:
+    """DeepSpeed's deepspeed.zero.GatheredParameters: within the block, the given parameters that
+    an engine not closed keeps as partitions (stage 3) hold their weights whole (a copy, on the
+    compute device, in the training dtype), for code that reads them outside their module's
+    forward, where they are placeholders with no bytes (a logged norm, a weight inspected or
+    edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
+    their weights (and a trained one's fp32 master weights, its moments kept) when it ends; else
+    writes are dropped. Other parameters pass as they are. Not for autograd: a loss computed in the
+    block from them would save what backward cannot find after it (the weights are given back at
+    its end); compute such a loss inside the module's forward."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        del fwd_module  # DeepSpeed's: where it registers external parameters (not needed here)
+        params = [params] if torch.is_tensor(params) else list(params)
+        self.modify = modifier_rank is not None
+        self.enabled = enabled
+        self.held = []  # (engine, entry)
+        if not enabled:
+            return
+        for p in params:
+            for engine in list(_LIVE):
+                e = engine._runtime is not None and engine.stage == 3 and \
+                    engine._partitioned_by_id.get(id(p))
+                if e:
+                    self.held.append((engine, e))
+                    break
+
+    def __enter__(self):
+        with torch.no_grad():
+            for engine, e in self.held:
+                if e.param.data.numel() != 0:
+                    raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
+                                       "(inside its forward or backward); accepted: outside "
+                                       "them")
+                engine.runtime.wait_for_early_steps()
+                e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
+        return self
+
+    def __exit__(self, *exc):
+        from strata import engine_state
+        try:
+            if self.modify and exc[0] is None:
+                for engine, e in self.held:
+                    values = e.param.data.detach().reshape(-1)
+                    if e.frozen:
+                        engine._write_frozen(e, values.cpu())
+                        continue
+                    master = values.to(device="cpu", dtype=torch.float32).contiguous()
+                    moments = [torch.empty(e.shard), torch.empty(e.shard)]
+                    engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
+                    with engine_state.loading_optimizer_state(engine, "GatheredParameters",
+                                                              whole=True):
+                        engine.runtime.load_optimizer_state(e.gid, master, *moments)
+                    engine_state._set_weights(engine, e, master)
+        finally:
+            for engine, e in self.held:
+                e.param.data = engine._empty
+        return False
 
 
 def _check_model_dtype(model, dtype):
