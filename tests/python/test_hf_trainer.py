@@ -20,9 +20,9 @@ from test_hf_models import ARCHITECTURES, _lora, batches  # noqa: E402
 SAMPLES, STEPS = 10, 3
 
 
-def data():
+def data(name="llama"):
     rows = []
-    for b in batches("llama", SAMPLES // 2, seed=3):
+    for b in batches(name, SAMPLES // 2, seed=3):
         for i in range(2):
             rows.append({k: v[i] for k, v in b.items()})
     return rows
@@ -61,24 +61,26 @@ def logged(trainer):
             if "loss" in h]
 
 
-def plain_run(tmp_path, model, **more):
+def plain_run(tmp_path, model, name="llama", **more):
     trainer = transformers.Trainer(model=model, args=args_of(tmp_path, "plain", **more),
-                                   train_dataset=data())
+                                   train_dataset=data(name))
     trainer.train()
     return trainer
 
 
-@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
-def test_trainer_trains_through_strata_as_without_it(tmp_path, stage, offload):
+@pytest.mark.parametrize("name,stage,offload", [("llama", 2, "cpu"), ("llama", 3, "nvme"),
+                                               ("t5", 3, "nvme")])
+def test_trainer_trains_through_strata_as_without_it(tmp_path, name, stage, offload):
     """Accumulation with a short last window, max_grad_norm (Trainer's clip_grad_norm_, which
     the engine answers), the linear schedule with warmup, the no-decay group of Trainer's
     optimizer: the same losses, gradient norms and rates, step by step; save_model writes the
-    trained weights whole, which load back."""
+    trained weights whole, which load back (a decoder, and an encoder-decoder whose embedding
+    the encoder, the decoder and the head share)."""
     torch.manual_seed(0)
-    model = ARCHITECTURES["llama"]()
-    plain = plain_run(tmp_path, copy.deepcopy(model))
+    model = ARCHITECTURES[name]()
+    plain = plain_run(tmp_path, copy.deepcopy(model), name)
     trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata"),
-                                train_dataset=data(),
+                                train_dataset=data(name),
                                 strata_config=strata_config(stage, offload, tmp_path))
     trainer.train()
     engine = trainer.strata_engine
@@ -93,12 +95,12 @@ def test_trainer_trains_through_strata_as_without_it(tmp_path, stage, offload):
         assert lr == pytest.approx(ref_lr)
     assert theirs[0][1] > 0.5  # max_grad_norm clipped
     whole = engine.module_state_dict()
-    for name, value in plain.model.state_dict().items():
-        torch.testing.assert_close(whole[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    for key, value in plain.model.state_dict().items():
+        torch.testing.assert_close(whole[key], value, rtol=1e-4, atol=1e-5, msg=key)
     trainer.save_model(tmp_path / "saved")
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
-    for name, value in loaded.state_dict().items():
-        assert torch.equal(value, whole[name]), name
+    loaded = type(model).from_pretrained(tmp_path / "saved")
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, whole[key]), key
 
 
 def test_a_checkpoint_resumes_bit_for_bit(tmp_path):
