@@ -115,7 +115,8 @@ bool Core::HasNonFinite(const void* grad, DType dtype, size_t n) {
 
 void Core::Run(const UpdateArgs& args, size_t n, int threads) {
   const UpdateKernel k = kernels_.update;
-  pool_->ParallelFor(n, kGranule, [&](size_t b, size_t e, int) { k(args, b, e); }, threads);
+  pool_->ParallelFor(
+      n, kGranule, [&](size_t b, size_t e, int) { k(args, b, e); }, threads);
 }
 
 absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, const void* grad,

@@ -370,9 +370,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
-    STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(*s, p, "optimizer_during_backward",
-                                          "true where strata.device is \"cuda\" at ZeRO stage 2 or 3",
-                                          &c.optimizer_during_backward));
+    STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(
+        *s, p, "optimizer_during_backward",
+        "true where strata.device is \"cuda\" at ZeRO stage 2 or 3", &c.optimizer_during_backward));
     if (auto r = s->find("optimizer_read_ahead_bytes"); r != s->end()) {
       if (!r->is_string() || r->get<std::string>() != "auto") {
         uint64_t bytes = 0;

@@ -1082,9 +1082,9 @@ TEST(SwapperTransactionTest, AGradientInFlightIsReadOnlyOnceItsFenceHasPassed) {
     uint64_t max_in_cpu;
     bool host_early;
   };
-  for (const Mode& mode : {Mode{"host-resident, early", 1 << 30, true},
-                           Mode{"host-resident, at Commit", 1 << 30, false},
-                           Mode{"NVMe-resident", 0, false}}) {
+  for (const Mode& mode :
+       {Mode{"host-resident, early", 1 << 30, true},
+        Mode{"host-resident, at Commit", 1 << 30, false}, Mode{"NVMe-resident", 0, false}}) {
     SCOPED_TRACE(mode.name);
     Fixture f({true, true, mode.max_in_cpu});
     for (int64_t t = 1; t <= 2; ++t) {
