@@ -1732,15 +1732,9 @@ def test_a_second_backward_sums_into_the_kept_gradient_not_into_one_a_hook_kept(
     # backward's to it: the step must be plain torch's on the sum of both; and a tensor hook that
     # holds the gradient it saw must find it as it was (strata relies on autograd giving .grad a
     # copy of a gradient someone else holds).
-    torch.manual_seed(0)
-    model = Net()
-    reference = copy.deepcopy(model)
-    engine, _, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
-                                        clipping=0.0))
+    engine, _, reference, torch_optimizer = _beside_plain_torch(tmp_path, stage)
     seen = []
-    model.l1.weight.register_hook(lambda g: seen.append((g, g.clone())) or g)
-    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine.module.l1.weight.register_hook(lambda g: seen.append((g, g.clone())) or g)
     # No clipping, two steps: neither clipping nor Adam's first step sees the gradient's scale.
     for i, (x, y) in enumerate(batches(2)):
         loss = loss_of(engine(x), y)
