@@ -372,11 +372,14 @@ class _Optimizer(torch.optim.Optimizer):
         parameters (its state without master weights: they are then the parameters' weights as
         they are), all or none: every group's size, every state's names and shapes checked
         first, named when wrong. The groups' hyper-parameters (lr, weight_decay) are taken."""
-        from strata import engine_state
         engine = self._engine_or_raise()
         if engine.ranks is not None:
             raise RuntimeError("optimizer.load_state_dict() across ranks: accepted: "
                                "engine.load_checkpoint")
+        if engine._backward_since_step:
+            raise RuntimeError("optimizer.load_state_dict() between backward and step (the "
+                               "gradients are stepped from the state before it); accepted: "
+                               "after step()")
         saved_groups = state_dict.get("param_groups", [])
         engine._check_betas("optimizer.load_state_dict", ValueError, saved_groups)
         sizes = [len(g["params"]) for g in self.param_groups]
@@ -391,9 +394,9 @@ class _Optimizer(torch.optim.Optimizer):
             entry = state.get(index[id(e.param)])
             if entry is None:
                 continue
-            for name in names + (("master",) if "master" in entry else ()):
+            for name in ("step",) + names + (("master",) if "master" in entry else ()):
                 value = entry.get(name)
-                if value is None or tuple(value.shape) != tuple(e.shape):
+                if value is None or (name != "step" and tuple(value.shape) != tuple(e.shape)):
                     raise ValueError(
                         f"optimizer.load_state_dict: {e.name}'s {name} is "
                         f"{'missing' if value is None else tuple(value.shape)}; accepted: "
@@ -401,12 +404,14 @@ class _Optimizer(torch.optim.Optimizer):
         with engine_state.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
             for e in engine._params:
                 entry = state.get(index[id(e.param)])
-                master = torch.empty(e.shard)
-                moments = [torch.zeros(e.shard), torch.zeros(e.shard)]
-                engine.runtime.read_optimizer_state(e.gid, master, *moments)
+                if entry is not None and "master" in entry:
+                    master = entry["master"].detach().reshape(-1).float().cpu()
+                else:  # the master weights as they are (read only where not given)
+                    master = torch.empty(e.shard)
+                    engine.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
+                                                        torch.empty(e.shard))
                 if entry is not None:
-                    if "master" in entry:
-                        master = entry["master"].detach().reshape(-1).float().cpu()
+                    moments = [torch.zeros(e.shard), torch.zeros(e.shard)]
                     for i, name in enumerate(names):
                         moments[i] = entry[name].detach().reshape(-1).float().cpu()
                 else:  # never stepped: a fresh optimizer's state
@@ -514,40 +519,54 @@ class GatheredParameters:
                 e = engine._runtime is not None and engine.stage == 3 and \
                     engine._partitioned_by_id.get(id(p))
                 if e:
+                    if self.modify and engine.ranks is not None:
+                        raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
+                                         "not supported yet (each rank holds a shard of the "
+                                         "master weights); accepted: modifier_rank=None, or one "
+                                         "process")
                     self.held.append((engine, e))
                     break
 
     def __enter__(self):
+        for engine, e in self.held:  # all checked before any changes
+            if e.param.data.numel() != 0:
+                raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
+                                   "(inside its forward or backward); accepted: outside them")
         with torch.no_grad():
             for engine, e in self.held:
-                if e.param.data.numel() != 0:
-                    raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
-                                       "(inside its forward or backward); accepted: outside "
-                                       "them")
                 engine.runtime.wait_for_early_steps()
                 e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
         return self
 
     def __exit__(self, *exc):
-        from strata import engine_state
         try:
             if self.modify and exc[0] is None:
-                for engine, e in self.held:
-                    values = e.param.data.detach().reshape(-1)
-                    if e.frozen:
-                        engine._write_frozen(e, values.cpu())
-                        continue
-                    master = values.to(device="cpu", dtype=torch.float32).contiguous()
-                    moments = [torch.empty(e.shard), torch.empty(e.shard)]
-                    engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
-                    with engine_state.loading_optimizer_state(engine, "GatheredParameters",
-                                                              whole=True):
-                        engine.runtime.load_optimizer_state(e.gid, master, *moments)
-                    engine_state._set_weights(engine, e, master)
+                for engine in {id(engine): engine for engine, _ in self.held}.values():
+                    self._write_back(engine, [e for owner, e in self.held if owner is engine])
         finally:
             for engine, e in self.held:
                 e.param.data = engine._empty
         return False
+
+    @staticmethod
+    def _write_back(engine, entries):
+        """The block's writes into `entries` (one process): a frozen one's partition; a trained
+        one's master weights (its moments kept, in one load of the optimizer's state) and
+        weights."""
+        trained = []
+        for e in entries:
+            values = e.param.data.detach().reshape(-1)
+            if e.frozen:
+                engine._write_frozen(e, values.cpu())
+            else:
+                trained.append((e, values.to(device="cpu", dtype=torch.float32).contiguous()))
+        with engine_state.loading_optimizer_state(engine, "GatheredParameters", whole=False):
+            for e, master in trained:
+                moments = [torch.empty(e.shard), torch.empty(e.shard)]
+                engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
+                engine.runtime.load_optimizer_state(e.gid, master, *moments)
+        for e, master in trained:
+            engine_state._set_weights(engine, e, master)
 
 
 def _check_model_dtype(model, dtype):
@@ -853,6 +872,8 @@ class Engine(Lending, Gradients, Step):
         self._user_clip = None
         self._user_clips = False
         self._trained_ids = {id(e.param) for e in self._params}
+        # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
+        self._whole_read = (lambda: None, None)
         _LIVE.add(self)
 
     # --- set-up -------------------------------------------------------------------------------
@@ -1192,7 +1213,8 @@ class Engine(Lending, Gradients, Step):
         does) made gradients since the last step: it is taken as the engine's own, its loss
         unscaled (the engine divides nothing it did not see, as plain torch's), backwards before
         one step summing, as plain torch's do. Refused where the engine must scale the loss
-        (fp16) or the ranks must finish the gradients together."""
+        (fp16), the ranks must finish the gradients together, or the engine counts a window's
+        micro-batches by its step() (gradient_accumulation_steps above 1)."""
         if self._backward_since_step:
             return
         if not self._grads_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
@@ -1322,7 +1344,9 @@ class Engine(Lending, Gradients, Step):
         if not self._backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
-        unfrozen = [n for n, p in self._frozen_at_start if p.requires_grad]
+        boundary = self.is_gradient_accumulation_boundary()
+        # (checked where the window steps: nothing is stepped before)
+        unfrozen = [n for n, p in self._frozen_at_start if p.requires_grad] if boundary else []
         if unfrozen:
             raise RuntimeError(
                 f"step: {', '.join(unfrozen[:5])}{' and more' if len(unfrozen) > 5 else ''} "
@@ -1332,10 +1356,10 @@ class Engine(Lending, Gradients, Step):
                 "been given them); nothing was stepped. Accepted: set requires_grad before "
                 "strata.initialize, or freeze them again; to unfreeze part way through training, "
                 "make a new engine with them trainable from engine.module_state_dict()")
-        self._check_betas("step")
+        if boundary:
+            self._check_betas("step")
         self._backward_since_step = False
         self._grads_since_step = False
-        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
@@ -1479,14 +1503,24 @@ class Engine(Lending, Gradients, Step):
         (_whole_weights), so that state_dict() gives what plain torch's does and whatever saves
         from it (transformers' save_pretrained, peft's adapter save) writes the weights, not
         empty tensors. With keep_vars=True (the entry is the parameter itself) they are left as
-        they are. Across ranks every rank must call state_dict() alike."""
-        self.runtime.wait_for_early_steps()
+        they are. A tied parameter is read once a state_dict() call (the weights read for the
+        dict being filled, kept while it is)."""
+        read = None
         for name, p in module._parameters.items():
             e = self._partitioned_by_id.get(id(p)) if p is not None else None
             key = prefix + name
             if e is None or key not in state_dict or state_dict[key] is p:
                 continue
-            state_dict[key] = self._whole_weights(e)
+            if read is None:
+                filling, read = self._whole_read
+                if filling() is not state_dict:
+                    self.runtime.wait_for_early_steps()
+                    read = weakref.WeakValueDictionary()  # (the dict holds the tensors)
+                    self._whole_read = (weakref.ref(state_dict), read)
+            whole = read.get(e.pid)
+            if whole is None:
+                whole = read[e.pid] = self._whole_weights(e)
+            state_dict[key] = whole
 
     def _read_frozen(self, e):
         """A frozen partitioned parameter's weights (its partition's host copy, copied)."""
@@ -1569,6 +1603,9 @@ class Engine(Lending, Gradients, Step):
         module."""
         state = self.module_state_dict()
         model = self.module
+        for name, child in model.named_modules():  # a TiledLinear's weight whole: its tiles'
+            if isinstance(child, tiling.TiledLinear):
+                tiling.cut_whole(child, state, f"{name}." if name else "")
         self.close()
         with torch.no_grad():
             for name, p in model.named_parameters(remove_duplicate=False):

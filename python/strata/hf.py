@@ -62,7 +62,8 @@ def _config_of(config):
 def fill_auto(config, args, model=None, num_training_steps=None):
     """`config` (a DeepSpeed config dict, copied) with its "auto" values filled from `args` (a
     TrainingArguments), as transformers fills DeepSpeed's; values set that disagree with the
-    arguments are refused, naming both. The scheduler block's steps need num_training_steps
+    arguments are refused, naming both (the scheduler block's values set are its own: not
+    compared). The scheduler block's steps need num_training_steps
     (left "auto" without it). Trainer clips by max_grad_norm itself, so gradient_clipping ends 0."""
     c = copy.deepcopy(config)
 
@@ -82,8 +83,7 @@ def fill_auto(config, args, model=None, num_training_steps=None):
     fill(c, "train_batch_size", micro * accumulation * args.world_size, "")
     c.setdefault("train_micro_batch_size_per_gpu", micro)
     c.setdefault("gradient_accumulation_steps", accumulation)
-    if c.get("gradient_clipping") not in (None, "auto", args.max_grad_norm):
-        fill(c, "gradient_clipping", args.max_grad_norm, "")
+    fill(c, "gradient_clipping", args.max_grad_norm, "")  # (refuses a value that disagrees)
     c["gradient_clipping"] = 0.0  # Trainer clips, through clip_grad_norm_ (module docstring)
     for key, on in (("bf16", args.bf16), ("fp16", args.fp16)):
         block = c.get(key)

@@ -3,7 +3,6 @@
 // chunkings; overflow skip; bad input.
 #include "optim_cpu/adam.h"
 
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -527,33 +526,6 @@ TEST(ThreadPoolTest, ACallLimitedToKWorkersRunsOnTheFirstKAlone) {
     EXPECT_EQ(workers.size(), static_cast<size_t>(used)) << "k " << k;
     EXPECT_LT(*workers.rbegin(), used) << "k " << k << ": only the first ones work";
   }
-}
-
-// A step asked for fewer threads gives the same bits as one on the whole pool.
-TEST(CpuAdamTest, AStepOnFewerThreadsIsBitwiseTheSame) {
-  auto adam = CpuAdam::Create(AdamConfig{.threads = 4});
-  ASSERT_TRUE(adam.ok());
-  const size_t n = 10007;
-  std::vector<float> g(n);
-  for (size_t i = 0; i < n; ++i) g[i] = std::sin(0.01f * i);
-  std::array<std::vector<float>, 2> p, m, v;
-  for (int run = 0; run < 2; ++run) {
-    p[run].assign(n, 0.5f);
-    m[run].assign(n, 0.0f);
-    v[run].assign(n, 0.0f);
-    AdamChunk c;
-    c.param = p[run].data();
-    c.grad = g.data();
-    c.exp_avg = m[run].data();
-    c.exp_avg_sq = v[run].data();
-    c.size = n;
-    StepOptions o;
-    o.threads = run == 0 ? 0 : 1;
-    ASSERT_TRUE((*adam)->Step(1, c, o).ok());
-  }
-  EXPECT_EQ(p[0], p[1]);
-  EXPECT_EQ(m[0], m[1]);
-  EXPECT_EQ(v[0], v[1]);
 }
 
 }  // namespace

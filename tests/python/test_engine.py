@@ -2528,3 +2528,44 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
     ours = engine.module_state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
+    """optimizer.load_state_dict between backward and step, a state entry without its step, a
+    non-finite norm with error_if_nonfinite, a window end the trainer and the engine disagree
+    on, and a GatheredParameters over a parameter lent to its module: each refused by name."""
+    engine, optimizer, _, _ = _beside_plain_torch(tmp_path, 3)
+    (x, y), = batches(1)
+    engine.backward(loss_of(engine(x), y))
+    state = optimizer.state_dict()
+    with pytest.raises(RuntimeError, match="load_state_dict.. between backward and step"):
+        optimizer.load_state_dict(state)
+    engine.step()
+    stepless = dict(state, state={0: {k: v for k, v in state["state"][0].items()
+                                      if k != "step"}})
+    with pytest.raises(ValueError, match=r"emb.weight's step is missing"):
+        optimizer.load_state_dict(stepless)
+    loss = loss_of(engine(x), y)
+    engine.backward(loss * float("inf"))
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0, error_if_nonfinite=True)
+    engine.step()  # (the step skips nothing in fp32: the weights go non-finite, as torch's)
+    windowed, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path / "w", 2, "cpu", "fp32", accumulation=2))
+    windowed.backward(loss_of(windowed(x), y))
+    windowed.step()
+    with pytest.raises(RuntimeError, match=r"window \(micro-batch 2 of 2\) ends here and the "
+                                           r"trainer's does not"):
+        windowed.set_gradient_accumulation_boundary(False)
+    lent = []
+
+    def inside(module, args):
+        with pytest.raises(RuntimeError, match="GatheredParameters: l1.weight is lent"):
+            with strata.GatheredParameters([module.weight]):
+                pass
+        lent.append(True)
+
+    handle = engine.module.l1.register_forward_pre_hook(inside)
+    engine(x)
+    handle.remove()
+    assert lent

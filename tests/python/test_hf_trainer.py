@@ -349,3 +349,15 @@ def test_trainer_leaves_placing_the_model_to_the_engine(tmp_path):
                       strata_config=strata_config(3, "cpu", tmp_path))
     with pytest.raises(AssertionError, match="the model was moved"):
         transformers.Trainer(model=model, args=args_of(tmp_path, "y"), train_dataset=data())
+
+
+def test_resuming_from_a_checkpoint_strata_did_not_save_is_refused(tmp_path):
+    """A checkpoint of a Trainer without strata has no engine state to resume (its optimizer.pt
+    is torch's): resuming strata's Trainer from it is refused by name, not begun afresh."""
+    torch.manual_seed(0)
+    plain_run(tmp_path, ARCHITECTURES["llama"](), save_strategy="steps", save_steps=2)
+    trainer = strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args_of(tmp_path, "ours"),
+                                train_dataset=data(),
+                                strata_config=strata_config(2, "cpu", tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"holds no strata checkpoint \(strata/\)"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))

@@ -224,3 +224,19 @@ def test_a_tiled_model_saves_and_loads_the_weights_of_its_linears(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(engine(input_ids=ids).logits, plain(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_a_tiled_model_is_released_with_its_tiles_weights(tmp_path):
+    """engine.release() gives each tile its weights (module_state_dict joins them into their
+    Linear's: release cuts them again) and the module computes as the engine did."""
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _llama(32)
+    tile_linears(model, 2048)
+    engine, _, _, _ = strata.initialize(model=model, config=_config(tmp_path, 48 << 10))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    with torch.no_grad():
+        expected = engine(input_ids=ids).logits
+    released = engine.release()
+    with torch.no_grad():
+        torch.testing.assert_close(released(input_ids=ids).logits, expected)
