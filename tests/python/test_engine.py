@@ -2261,6 +2261,13 @@ def test_a_half_precision_model_under_another_training_dtype_is_refused(tmp_path
     engine.close()
 
 
+def _assert_weights_as(engine, reference):
+    """The engine's weights are plain torch's `reference` model's (fp32 rounding apart)."""
+    ours = engine.module_state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _beside_plain_torch(tmp_path, stage):
     """An engine over Net at `stage` (one micro-batch a step, no config clipping) and plain
     torch's copy of the same model with its AdamW: (engine, its optimizer, model, AdamW)."""
@@ -2294,9 +2301,7 @@ def test_clip_grad_norm_between_backward_and_step_clips_as_plain_torch(tmp_path,
         assert ref_norm.item() > 0.5  # it clipped
         assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-4)
         assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
-    ours = engine.module_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_as(engine, reference)
 
 
 def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
@@ -2351,9 +2356,7 @@ def test_a_plain_torch_loop_trains_through_the_engine_as_plain_torch(tmp_path, s
             if net is reference:
                 assert ours_norm.item() == pytest.approx(norm.item(), rel=1e-4)
             ours_norm = norm
-    ours = engine.module_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_as(engine, reference)
     assert engine.global_steps == 3
 
 
@@ -2408,9 +2411,7 @@ def test_a_torch_adamw_state_loads_and_steps_as_torch(tmp_path):
     optimizer.load_state_dict(torch_adamw.state_dict())
     for x, y in data[2:]:
         step_both(engine, reference, torch_adamw, x, y)
-    ours = engine.module_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_as(engine, reference)
 
 
 def test_clip_grad_norm_called_twice_or_with_other_parameters_is_plain_torchs(tmp_path):
@@ -2442,9 +2443,7 @@ def test_clip_grad_norm_called_twice_or_with_other_parameters_is_plain_torchs(tm
         assert norms[0] == pytest.approx(norms[1], rel=1e-4)
         assert norms[0][1] == pytest.approx(0.5, rel=1e-4) and norms[0][0] > 0.5
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
-    ours = engine.module_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_as(engine, reference)
     other, _, _, _ = strata.initialize(
         model=Net(), config=make_config(tmp_path / "b", 2, "cpu", "fp32", accumulation=1))
     with pytest.raises(ValueError, match="parameters of 2 strata engines at once"):
@@ -2525,9 +2524,7 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
         reference.l1.weight.mul_(0.5)
     for x, y in data[2:]:
         step_both(engine, reference, torch_adamw, x, y)
-    ours = engine.module_state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_weights_as(engine, reference)
 
 
 def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
