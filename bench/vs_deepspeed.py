@@ -499,27 +499,43 @@ def trainer_child(spec, model, system, cuda):
     return trainer, losses, times, window
 
 
+def run_report(spec, losses, times, io_window, locked, cuda, gpu_used):
+    """A child's report: its losses, timed steps, the storage bytes a timed step read and wrote
+    (/proc/self/io at the window's start and end), peak resident and locked memory, versions,
+    and on cuda the GPU's name and peaks (gpu_used: the whole GPU's bytes in use at the most)."""
+    import torch
+    (start, end), steps = io_window, spec["steps"]
+    report = {"losses": losses, "step_s": times,
+              "read_bytes_per_step": (end[0] - start[0]) / steps,
+              "write_bytes_per_step": (end[1] - start[1]) / steps,
+              "peak_rss_bytes": status_kib("VmHWM") * 1024,
+              "peak_locked_bytes": locked.stop() * 1024,
+              "versions": {"torch": torch.__version__}}
+    if cuda:
+        report.update(device_name=torch.cuda.get_device_name(),
+                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
+                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+                      gpu_peak_used_bytes=gpu_used)
+    return report
+
+
 def trainer_report(spec, model, system, cuda, locked):
     """The trainer row's child: trains through Trainer (trainer_child) and writes the report the
     other rows write (their fields; strata's engine stats aside)."""
     import torch
     import transformers
     trainer, losses, times, window = trainer_child(spec, model, system, cuda)
-    report = {"losses": losses, "step_s": times,
-              "read_bytes_per_step": (window[-1][0] - window[0][0]) / spec["steps"],
-              "write_bytes_per_step": (window[-1][1] - window[0][1]) / spec["steps"],
-              "peak_rss_bytes": status_kib("VmHWM") * 1024,
-              "peak_locked_bytes": locked.stop() * 1024,
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    gpu_used = 0
     if cuda:
         free, total = torch.cuda.mem_get_info()
+        gpu_used = total - free
+    report = run_report(spec, losses, times, window, locked, cuda, gpu_used)
+    report["versions"]["transformers"] = transformers.__version__
+    if cuda:
         tier = trainer.strata_engine.stats()["peak_bytes"].get("device", 0) \
             if system == "strata" else 0
-        report.update(device_name=torch.cuda.get_device_name(),
-                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-                      gpu_peak_used_bytes=total - free, gpu_strata_tier_peak_bytes=tier,
-                      gpu_peak_bytes=torch.cuda.max_memory_allocated() + tier)
+        report.update(gpu_strata_tier_peak_bytes=tier,
+                      gpu_peak_bytes=report["gpu_peak_allocated_bytes"] + tier)
     if system == "strata":
         trainer.strata_engine.close()
     with open(spec["out"], "w", encoding="utf-8") as f:
@@ -593,17 +609,7 @@ def child(spec):
             profile = profile_step(engine, spec, gen, cuda)
         except Exception as error:  # noqa: BLE001 (said in the report)
             profile = {"error": f"{type(error).__name__}: {error}"}
-    report = {"losses": losses, "step_s": times,
-              "read_bytes_per_step": (end_io[0] - start_io[0]) / spec["steps"],
-              "write_bytes_per_step": (end_io[1] - start_io[1]) / spec["steps"],
-              "peak_rss_bytes": status_kib("VmHWM") * 1024,
-              "peak_locked_bytes": locked.stop() * 1024,
-              "versions": {"torch": torch.__version__}}
-    if cuda:
-        report.update(device_name=torch.cuda.get_device_name(),
-                      gpu_peak_allocated_bytes=torch.cuda.max_memory_allocated(),
-                      gpu_peak_reserved_bytes=torch.cuda.max_memory_reserved(),
-                      gpu_peak_used_bytes=gpu_used)
+    report = run_report(spec, losses, times, (start_io, end_io), locked, cuda, gpu_used)
     if phases is not None:
         report["phases"] = phases
     if profile is not None:
