@@ -63,6 +63,7 @@ Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -431,9 +432,7 @@ class _Optimizer(torch.optim.Optimizer):
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
 _LIVE = weakref.WeakSet()
-_TORCH_CLIP = {name: getattr(torch.nn.utils, name) for name in
-               ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
-               if hasattr(torch.nn.utils, name)}
+_CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 
 def _engine_of(params, what):
@@ -449,47 +448,58 @@ def _engine_of(params, what):
 
 
 def _route_clip_grad_norm():
-    """Puts stand-ins for torch.nn.utils' clipping (what Trainer, Accelerate, Lightning and plain
-    loops call between backward and step), once, when strata is imported: clip_grad_norm_ over
-    an engine's parameters is the engine's (Step._clip_by_user: the norm of its gradients
-    wherever they are, with any other parameters' gradients given, and the step clipped by it,
-    plain torch's arithmetic; a second call sees the first's clipping, as torch's does);
-    clip_grad_value_ and clip_grads_with_norm_ over an engine's parameters are refused by name
-    (its gradients are not in .grad); over other parameters each is torch's own. A function
-    imported from torch before strata was is torch's and sees no gradient of the engine's at
-    stages 2 and 3."""
-    if getattr(torch.nn.utils.clip_grad_norm_, "_strata", False):
-        return
+    """Routes torch.nn.utils' clipping (what Trainer, Accelerate, Lightning and plain loops call
+    between backward and step), once, when strata is imported: clip_grad_norm_ over an engine's
+    parameters is the engine's (Step._clip_by_user: the norm of its gradients wherever they are,
+    with any other parameters' gradients given, and the step clipped by it, plain torch's
+    arithmetic; a second call sees the first's clipping, as torch's does); clip_grad_value_ and
+    clip_grads_with_norm_ over an engine's parameters are refused by name (its gradients are not
+    in .grad); over other parameters each is torch's own.
 
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None):
-        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        engine = _engine_of(params, "torch.nn.utils.clip_grad_norm_")
-        if engine is not None:
-            return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
-        return _TORCH_CLIP["clip_grad_norm_"](params, max_norm, norm_type=norm_type,
-                                              error_if_nonfinite=error_if_nonfinite,
-                                              foreach=foreach)
-
-    def refused(name):
-        def clip(parameters, *args, **kwargs):
+    torch wraps each of these in a no_grad wrapper that calls the function in its closure; the
+    routing takes that function's place there, so the wrapper torch exposes stays the same
+    object and a name imported from torch before strata was is routed too (a script that does
+    `from torch.nn.utils import clip_grad_norm_` first would otherwise clip nothing at stages 2
+    and 3, with no error)."""
+    def clip_grad_norm_(torchs):
+        def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
             params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-            if _engine_of(params, f"torch.nn.utils.{name}") is not None:
-                raise ValueError(
-                    f"torch.nn.utils.{name} over a strata engine's parameters: their gradients "
-                    "are the engine's, not in .grad, and it would clip nothing; accepted: "
-                    "torch.nn.utils.clip_grad_norm_, or gradient_clipping in the config")
-            return _TORCH_CLIP[name](params, *args, **kwargs)
-        clip.__doc__ = _TORCH_CLIP[name].__doc__
+            engine = _engine_of(params, "torch.nn.utils.clip_grad_norm_")
+            if engine is not None:
+                return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
+            return torchs(params, max_norm, norm_type=norm_type,
+                          error_if_nonfinite=error_if_nonfinite, foreach=foreach)
         return clip
 
-    stand_ins = {"clip_grad_norm_": clip_grad_norm_}
-    stand_ins.update({name: refused(name) for name in _TORCH_CLIP if name != "clip_grad_norm_"})
-    for name, fn in stand_ins.items():
-        fn._strata = True
-        fn.__doc__ = fn.__doc__ or _TORCH_CLIP[name].__doc__
-        setattr(torch.nn.utils, name, fn)
-        setattr(torch.nn.utils.clip_grad, name, fn)
+    def refused(name):
+        def route(torchs):
+            def clip(parameters, *args, **kwargs):
+                params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+                if _engine_of(params, f"torch.nn.utils.{name}") is not None:
+                    raise ValueError(
+                        f"torch.nn.utils.{name} over a strata engine's parameters: their "
+                        "gradients are the engine's, not in .grad, and it would clip nothing; "
+                        "accepted: torch.nn.utils.clip_grad_norm_, or gradient_clipping in the "
+                        "config")
+                return torchs(params, *args, **kwargs)
+            return clip
+        return route
+
+    for name in _CLIPPING:
+        exposed = getattr(torch.nn.utils, name, None)
+        if exposed is None:
+            continue
+        route = clip_grad_norm_ if name == "clip_grad_norm_" else refused(name)
+        cells = dict(zip(exposed.__code__.co_freevars, exposed.__closure__ or ()))
+        if "func" in cells:  # torch's no_grad wrapper (torch.nn.utils.clip_grad._no_grad)
+            if not getattr(cells["func"].cell_contents, "_strata", False):
+                cells["func"].cell_contents = route(cells["func"].cell_contents)
+                cells["func"].cell_contents._strata = True
+        elif not getattr(exposed, "_strata", False):  # another torch: its name replaced
+            stand_in = functools.wraps(exposed)(route(exposed))
+            stand_in._strata = True
+            setattr(torch.nn.utils, name, stand_in)
+            setattr(torch.nn.utils.clip_grad, name, stand_in)
 
 
 _route_clip_grad_norm()

@@ -8,6 +8,9 @@ rounded master)."""
 import copy
 import gc
 import json
+import subprocess
+import sys
+import textwrap
 import time
 
 import re
@@ -2414,13 +2417,32 @@ def test_a_torch_adamw_state_loads_and_steps_as_torch(tmp_path):
     _assert_weights_as(engine, reference)
 
 
+def test_clip_grad_norm_imported_before_strata_comes_to_the_engine(tmp_path):
+    """A script that binds torch's clip_grad_norm_ before importing strata (from torch.nn.utils
+    import clip_grad_norm_, then import strata) holds torch's function object; at stage 2 it
+    returns the engine's norm and clips the step, where it would find no .grad and return 0."""
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1, clipping=0.0)
+    script = textwrap.dedent(f"""
+        import torch
+        from torch.nn.utils import clip_grad_norm_
+        import strata
+        engine, _, _, _ = strata.initialize(model=torch.nn.Linear(8, 8), config={config!r})
+        engine.backward(engine(torch.ones(2, 8)).square().sum())
+        print(float(clip_grad_norm_(engine.module.parameters(), 1e-3)))
+        engine.close()
+        """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split()[-1]) > 1.0
+
+
 def test_clip_grad_norm_called_twice_or_with_other_parameters_is_plain_torchs(tmp_path):
     """A second clip_grad_norm_ in a step sees the first's clipping (torch clips .grad in place:
     a logging call with max_norm inf after the clip returns the clipped norm); parameters that are
     not the engine's count in the norm and are clipped in place, as torch's; two engines'
     parameters in one call, torch's other clipping functions over an engine's parameters and a
     backward of one's own with gradient_accumulation_steps > 1 are refused by name."""
-    assert torch.nn.utils.clip_grad_norm_._strata  # in place once strata is imported
     torch.manual_seed(0)
     model, extra = Net(), torch.nn.Linear(VOCAB, VOCAB)
     reference, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
