@@ -649,6 +649,12 @@ class Engine(Lending, Gradients, Step):
                 f"and hold no values ({', '.join(on_meta[:5])}{', ...' if len(on_meta) > 5 else ''})"
                 "; accepted: a model built on the CPU, or under strata.init (which partitions "
                 "each parameter as it is made); load pretrained weights after initialize")
+        left = _left_placeholders(model, recurse=True)
+        if left:
+            raise ValueError(f"strata.initialize: {len(left)} parameters of the model "
+                             f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): "
+                             f"{_PLACEHOLDERS_LEFT}")
+        _unguard(model)
         settings = _RuntimeSettings(config)
         for message in settings.warnings:
             self._warn(message)
@@ -1569,10 +1575,10 @@ class Engine(Lending, Gradients, Step):
         its tiers, its NVMe store, whose swap files are removed unless strata.nvme_keep_files),
         the hooks on the module, the module's patched methods. Idempotent. A step staged and not
         committed is dropped; the module's partitioned parameters are left placeholders of their
-        shape without their bytes (take
+        shape without their bytes, and its forward and state_dict() refuse them by name (take
         module_state_dict() or save a checkpoint first: ``module.load_state_dict(state,
-        assign=True)`` then gives the plain module its weights back). The last reference to an engine closes
-        it as well (nothing holds an engine but its user); ``with engine:`` closes it at the
+        assign=True)`` then gives the plain module its weights back; release() closes and gives
+        them back whole). The last reference to an engine closes it as well (nothing holds an engine but its user); ``with engine:`` closes it at the
         end of the block."""
         if self._runtime is None:
             return
@@ -1588,6 +1594,8 @@ class Engine(Lending, Gradients, Step):
                         .expand(e.shape)
             for handle in self._hook_handles:
                 handle.remove()
+            _refuse_placeholders(self.module,
+                                 [e.param for e in self._params + self._frozen if e.partitioned])
             for e in self._params + self._frozen:
                 e.param.__dict__.pop("_strata_node", None)
                 e.param.__dict__.pop("ds_numel", None)
@@ -1620,6 +1628,7 @@ class Engine(Lending, Gradients, Step):
         with torch.no_grad():
             for name, p in model.named_parameters(remove_duplicate=False):
                 p.data = state[name].to(self.device).view(p.shape).clone()
+        _unguard(model)
         return model
 
     def __enter__(self):
@@ -1642,6 +1651,63 @@ class Engine(Lending, Gradients, Step):
             if count:
                 moved[key] = moved.get(key, 0) + count
         return s
+
+
+# The parameters that closed engines left placeholders (their shape, no bytes): id(parameter)
+# -> (a weak reference to it, the placeholder's data_ptr); and the modules holding one, with the
+# hooks that refuse them.
+_CLOSED_PLACEHOLDERS = {}
+_GUARDED = weakref.WeakKeyDictionary()
+
+
+def _left_placeholders(module, recurse=False):
+    """The names of `module`'s parameters that are still a closed engine's placeholders (not
+    given their weights since: p.data = ..., load_state_dict(..., assign=True))."""
+    found = []
+    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        ref, ptr = _CLOSED_PLACEHOLDERS.get(id(p), (lambda: None, None))
+        if ref() is p and p.data_ptr() == ptr:
+            found.append(name)
+    return found
+
+
+def _refuse_placeholders(model, params):
+    """After close: `params` (the engine's partitioned ones) are placeholders of their shape
+    without their bytes; a module holding one refuses forward and state_dict() by name, where
+    it would compute with zeros and save zeros (save_pretrained after the engine's last
+    reference was dropped), and strata.initialize refuses it (_check_no_placeholders)."""
+    for key in [k for k, (ref, _) in _CLOSED_PLACEHOLDERS.items() if ref() is None]:
+        del _CLOSED_PLACEHOLDERS[key]
+    for p in params:
+        _CLOSED_PLACEHOLDERS[id(p)] = (weakref.ref(p), p.data_ptr())
+
+    def refuse(module, what):
+        held = _left_placeholders(module)
+        if held:
+            raise RuntimeError(f"{what} of {type(module).__name__} ({', '.join(held[:3])}): "
+                               f"{_PLACEHOLDERS_LEFT}")
+
+    for module in model.modules():
+        if module not in _GUARDED and _left_placeholders(module):
+            _GUARDED[module] = (
+                module.register_forward_pre_hook(lambda m, args: refuse(m, "forward")),
+                module.register_state_dict_pre_hook(
+                    lambda m, prefix, keep_vars: refuse(m, "state_dict()")))
+
+
+_PLACEHOLDERS_LEFT = (
+    "its weights were partitioned by a strata engine that is closed (engine.close(), or its "
+    "last reference dropped), and only placeholders without their bytes are left; accepted: "
+    "engine.release() (closes the engine and gives the module its weights back whole), or "
+    "engine.module_state_dict() / save_checkpoint before closing, then "
+    "module.load_state_dict(state, assign=True)")
+
+
+def _unguard(model):
+    """Removes close's refusing hooks from `model`'s modules (their weights are given back)."""
+    for module in model.modules():
+        for handle in _GUARDED.pop(module, ()):
+            handle.remove()
 
 
 def _num_parameters(module, only_trainable=False, exclude_embeddings=False):

@@ -1804,13 +1804,24 @@ def test_close_gives_back_the_runtime_and_the_modules_hooks(tmp_path):
     assert runtime_ref() is None
     # Its NVMe store went with it (strata.nvme_keep_files is false by default).
     assert not list((tmp_path / "nvme").rglob("swap-*")), list((tmp_path / "nvme").rglob("*"))
-    assert not model.l1._forward_pre_hooks and not model.l1._forward_hooks
+    # Its hooks are gone; one is left that refuses the placeholders (their shape, no bytes),
+    # where forward would compute with zeros and state_dict() (save_pretrained) save zeros.
+    assert len(model.l1._forward_pre_hooks) == 1 and not model.l1._forward_hooks
     assert "forward" not in model.l1.__dict__ and "load_state_dict" not in model.__dict__
+    (x, _), = batches(1)
+    with pytest.raises(RuntimeError, match=r"forward of Embedding \(weight\): its weights were "
+                                           "partitioned by a strata engine that is closed"):
+        model(x)
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) of .*engine.release\(\)"):
+        model.state_dict()
+    with pytest.raises(ValueError, match=r"initialize: 3 parameters of the model \(emb.weight"):
+        strata.initialize(model=model, config=config)
     with pytest.raises(RuntimeError, match="the engine is closed"):
         _one_step(engine)
     engine.close()  # again: nothing
     # The module takes its weights back as a plain module, and a new engine the same folder.
     model.load_state_dict(state, assign=True)
+    torch.testing.assert_close(model.state_dict(), state)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     _one_step(engine)
 
