@@ -5,10 +5,12 @@ A partitioned parameter's ``.data`` is an empty placeholder until a module that 
 forward pre-hook on each such module (registered first, so the module's own pre-hooks see the
 weights) lends it from the Runtime into the device tier, a forward hook gives it back, and a hook
 on the forward's outputs lends it again before the module's backward (a module pre-backward hook
-does not exist in every torch). A lent tensor is released when torch frees it, so a view autograd
-saved for backward keeps its partition pinned rather than pointing at reused memory. An
-nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which saves the weight itself,
-not a view. A frozen parameter has no
+does not exist in every torch). A lent tensor is released when torch frees it, so a view that
+autograd holds keeps its partition pinned rather than pointing at reused memory; the views it saves
+during the model's forward are kept as their place in the parameter and taken anew in backward
+(_SavedViews: a mixture of experts' slices), so that they do not pin every layer's weights at once.
+An nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which saves the weight
+itself, not a view. A frozen parameter has no
 gradient hook to give it back in backward: it goes back once the module's input gradient is made.
 The model's first forward finds parameters used outside their owner's forward (_ExternalUses).
 Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py).
@@ -62,6 +64,11 @@ class Lending:
             self._hook_handles += [
                 model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
                 model.register_forward_hook(_weakly(self._end_discovery), always_call=True)]
+            # Views of lent weights that autograd saves, kept as where they are (_SavedViews).
+            self._saved_views = _SavedViews(self)
+            self._hook_handles += [
+                model.register_forward_pre_hook(_weakly(self._saved_views.enter)),
+                model.register_forward_hook(_weakly(self._saved_views.leave), always_call=True)]
 
     def _begin_discovery(self, module, args):
         """The model's first forward finds the partitioned parameters a module uses that it does
@@ -114,6 +121,11 @@ class Lending:
         e = self._partitioned_by_id[id(param)]
         register_external_parameter(module, param)
         self._lend_around(module, [e])
+        self._lend_now(e)
+
+    def _lend_now(self, e):
+        """Lends `e` (one process) and holds it once more: its module's _drop, or its gradient
+        hook, gives it back."""
         self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
         if e.param.data.numel() == 0:
             lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
@@ -260,6 +272,72 @@ class Lending:
 
     def _before_backward(self, module):
         self._fetch(module)
+
+
+class _SavedViews:
+    """While the model's forward runs at stage 3: a view of a lent partitioned parameter that
+    autograd saves for backward (an expert's slice of a mixture of experts' 3-D weight, as
+    transformers 5 computes ``F.linear(x, self.gate_up_proj[i])``) is kept as where it lies in
+    its parameter (shape, strides, offset), not as the tensor: the tensor would keep the lent
+    partition pinned from forward to backward, every layer's experts at once, where the
+    parameter is lent again before its module's backward (its output's hook) and the view is
+    taken anew from it there. The parameter itself, saved whole (_Zero3Linear, a LayerNorm's
+    weight), needs nothing: its data is swapped, not its tensor. Applied only where no other
+    saved-tensor hooks are in force when the forward begins (torch.utils.checkpoint's, a user's
+    torch.autograd.graph.save_on_cpu): those are left to do as they do; inside a checkpointed
+    region checkpointing's own hooks apply."""
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+        self._hooks = None
+        self._depth = 0
+
+    def enter(self, module, args):
+        self._depth += 1
+        if self._depth == 1 and \
+                torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
+
+    def leave(self, module, args, output):
+        self._depth -= 1
+        if self._depth == 0 and self._hooks is not None:
+            hooks, self._hooks = self._hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _pack(self, t):
+        base = t._base
+        engine = self._engine()
+        if base is None or engine is None:
+            return t
+        e = engine._partitioned_by_id.get(id(base))
+        if e is None or t.dtype != e.param.dtype or e.param.data.numel() == 0 or \
+                t.untyped_storage().data_ptr() != e.param.untyped_storage().data_ptr():
+            return t
+        return _LentView(e, t.size(), t.stride(), t.storage_offset() - e.param.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _LentView):
+            return saved
+        e = saved.entry
+        if e.param.data.numel() == 0:  # not lent again by its module's backward: lent now
+            engine = self._engine()
+            if engine is None or engine.ranks is not None:
+                raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
+                                   "forward, and its parameter is not lent (its engine is "
+                                   "closed, or across ranks outside its module's backward)")
+            with engine._internal():
+                engine._lend_now(e)
+        data = e.param.data
+        return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
+
+
+class _LentView:
+    """What _SavedViews keeps of a saved view of a lent parameter: its entry and its place."""
+    __slots__ = ("entry", "size", "stride", "offset")
+
+    def __init__(self, entry, size, stride, offset):
+        self.entry, self.size, self.stride, self.offset = entry, size, stride, offset
 
 
 def register_external_parameter(module, parameter):

@@ -29,9 +29,10 @@ LR = 1e-3
 
 def _decoder(cls_name, config_name, **extra):
     def build():
-        config = getattr(transformers, config_name)(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=64, **extra)
+        config = getattr(transformers, config_name)(**{
+            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
+            **extra})
         return getattr(transformers, cls_name)(config)
     return build
 
@@ -44,6 +45,10 @@ ARCHITECTURES = {
     "gemma": _decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_dim=8),
     "phi": _decoder("PhiForCausalLM", "PhiConfig", resid_pdrop=0.0, embd_pdrop=0.0,
                     attention_dropout=0.0),
+    # A mixture of experts: each layer's experts in two 3-D parameters, an expert's slice taken
+    # in forward (a view autograd saves); at stage 3 the budget holds about one layer's experts.
+    "mixtral": _decoder("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2,
+                        num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2),
     # Conv1D layers (not nn.Linear), the head tied to the embedding.
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,

@@ -151,7 +151,7 @@ def test_a_peft_adapter_trains_and_saves_as_an_adapter(tmp_path):
         assert torch.equal(value, whole[name]), key
 
 
-def test_auto_values_are_filled_and_disagreements_named(tmp_path):
+def test_auto_values_are_filled_and_disagreements_named(tmp_path, monkeypatch):
     args = args_of(tmp_path, "x")
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": "auto",
@@ -185,6 +185,11 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path):
                           strata_config={})
     with pytest.raises(ValueError, match="strata_config is missing"):
         strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args)
+    # Launched in two processes (torchrun): what TrainingArguments reads from the launch.
+    with monkeypatch.context() as m:
+        m.setattr(type(args), "world_size", property(lambda self: 2))
+        with pytest.raises(ValueError, match=r"strata.hf: 2 processes: .* runs in one process"):
+            strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, strata_config={})
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(strata_config(2, "cpu", tmp_path)))
     trainer = strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, train_dataset=data(),
