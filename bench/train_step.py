@@ -8,8 +8,8 @@ plain PyTorch; and strata.optim.CpuAdam against torch.optim.AdamW from Python (B
 Each round measures, side by side:
   * plain PyTorch: forward + backward of the batch with everything in memory (compute_s), and its
     whole step with torch.optim.AdamW (the reference, not a target);
-  * the optimizer's own floor: strata.optim.CpuAdam stepping as many parameters in memory
-    (adam_s), and the disk moving the optimizer state once each way (the state on NVMe is read and
+  * the optimizer's own floor: strata's CPU Adam stepping as many parameters in memory
+    (adam_s, bench/ceilings.py), and the disk moving the optimizer state once each way (the state on NVMe is read and
     written every step) at fio's read and write bandwidth (io_s; fio at 1 MiB, depth 8, O_DIRECT;
     where fio is missing, strata's aio_bench at the same point: --aio-bench, its path);
   * strata: the engine's step (ZeRO stage 3, parameters offloaded to the host, the optimizer on
@@ -64,6 +64,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from llama import llama, loss_of  # noqa: E402
+from ceilings import cpu_adam_seconds, link_rates  # noqa: E402
 from fio_ceiling import disk_bandwidth  # noqa: E402
 
 import strata  # noqa: E402
@@ -89,15 +90,6 @@ def median_time(fn, steps):
         _sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def link_bandwidths(nbytes=256 << 20, repeats=5):
-    """Pinned host <-> GPU copy rates (bytes/s) measured with torch: (to the device, to host)."""
-    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), repeats)
-    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), repeats)
-    return nbytes / h2d, nbytes / d2h
 
 
 def phases(engine, x, y, steps):
@@ -263,7 +255,7 @@ def main():
         int(args.device_budget_mb * (1 << 20))
     tokens = args.batch * args.context
     flops = 6 * params * tokens  # forward and backward, the attention scores left out
-    link = link_bandwidths() if cuda else None
+    link = link_rates(256 << 20) if cuda else None
     gen = torch.Generator().manual_seed(1)
     rows = []
     prediction = None
@@ -292,13 +284,9 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
 
-        # the optimizer's floor: CpuAdam in memory, and the disk moving the state
-        flat = torch.zeros(params)
-        adam = strata.optim.CpuAdam([torch.nn.Parameter(flat)], lr=1e-3)
-        adam.param_groups[0]["params"][0].grad = torch.ones(params)
-        adam.step()
-        adam_s = median_time(adam.step, args.steps)
-        del adam, flat
+        # the optimizer's floor: the CPU Adam in memory, and the disk moving the state
+        adam_s = cpu_adam_seconds(params, torch.bfloat16 if cuda else torch.float32,
+                                  repeats=args.steps)
         read_gbs, write_gbs = (
             None if b is None else b / 1e9 for b, _ in (
                 disk_bandwidth(args.dir, write, args.aio_bench) for write in (False, True))) \

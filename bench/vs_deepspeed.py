@@ -340,8 +340,8 @@ def bound_parts(engine, spec, gen, cuda):
     and from the GPU at the size of the parameters in the training dtype (the median of three
     copies each way, after one)."""
     import torch
+    from ceilings import cpu_adam_seconds, link_rates
     from llama import loss_of
-    from strata import _strata
 
     def now():
         if cuda:
@@ -358,39 +358,15 @@ def bound_parts(engine, spec, gen, cuda):
         engine.step()
     params = sum(p.numel() for p in engine.model.parameters())
     dtype = next(engine.model.parameters()).dtype
-    half = dtype != torch.float32
     engine.model.to("cpu")  # the optimizer's arrays beside the model's, not both on the GPU
     del engine
     opt = spec["config"]["optimizer"]["params"]
-    adam = _strata.Adam(lr=opt["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=opt.get("weight_decay", 0.0), adamw=True,
-                        bias_correction=True)
-    master = torch.randn(params) * 0.02
-    moments = torch.zeros(2, params)
-    grad = (torch.randn(params) * 1e-3).to(dtype)
-    copy = torch.empty(params, dtype=dtype) if half else None
-    adam_s = []
-    for t in range(1, 5):
-        t0 = time.perf_counter()
-        adam.step(t, master, grad, moments[0], moments[1], opt["lr"], 1.0, False, copy)
-        if t > 1:
-            adam_s.append(time.perf_counter() - t0)
-    parts = {"params": params, "element_bytes": grad.element_size(),
+    parts = {"params": params, "element_bytes": torch.tensor([], dtype=dtype).element_size(),
              "forward_backward_s": statistics.median(fb),
-             "cpu_adam_s": statistics.median(adam_s)}
-    del master, moments, grad, copy
+             "cpu_adam_s": cpu_adam_seconds(params, dtype, opt["lr"],
+                                            opt.get("weight_decay", 0.0))}
     if cuda:
-        host = torch.empty(params, dtype=dtype, pin_memory=True)
-        device = torch.empty(params, dtype=dtype, device="cuda")
-        for key, (dst, src) in (("h2d_bytes_per_s", (device, host)),
-                                ("d2h_bytes_per_s", (host, device))):
-            took = []
-            for i in range(4):
-                t0 = now()
-                dst.copy_(src, non_blocking=True)
-                if i:
-                    took.append(now() - t0)
-            parts[key] = host.numel() * host.element_size() / statistics.median(took)
+        parts["h2d_bytes_per_s"], parts["d2h_bytes_per_s"] = link_rates(params, dtype)
     return parts
 
 
