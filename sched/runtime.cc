@@ -115,6 +115,14 @@ std::string StepReport::ToJson() const {
     }
   }
   if (!j.contains("bytes_moved")) j["bytes_moved"] = nlohmann::ordered_json::object();
+  j["nvme_read_by_role"] = nlohmann::ordered_json::object();
+  j["nvme_written_by_role"] = nlohmann::ordered_json::object();
+  for (int r = 0; r < tiering::kRoleCount; ++r) {
+    const std::string role(tiering::RoleName(static_cast<tiering::Role>(r)));
+    if (nvme_by_role[r][0] > 0) j["nvme_read_by_role"][role] = nvme_by_role[r][0];
+    if (nvme_by_role[r][1] > 0) j["nvme_written_by_role"][role] = nvme_by_role[r][1];
+  }
+  j["optimizer_state_read_bytes"] = optimizer_state_read_bytes;
   j["acquires"] = acquires;
   j["hits"] = hits;
   j["prefetch_hits"] = prefetch_hits;
@@ -1141,9 +1149,19 @@ StepReport Runtime::EndStepLocked() {
       report.bytes_moved[f][t] = now[f][t] - step_.moved_at_start[f][t];
     }
   }
+  const swap::RoleNvmeBytes by_role = mover_->nvme_bytes_by_role();
+  for (int r = 0; r < tiering::kRoleCount; ++r) {
+    for (int w = 0; w < 2; ++w) {
+      report.nvme_by_role[r][w] = by_role[r][w] - step_.nvme_by_role_at_start[r][w];
+    }
+  }
+  const uint64_t state_read = state_read_bytes_.load(std::memory_order_relaxed);
+  report.optimizer_state_read_bytes = state_read - step_.state_read_at_start;
   report.lookahead = scheduler_->lookahead();
   step_ = StepCounters{};
   step_.moved_at_start = now;
+  step_.nvme_by_role_at_start = by_role;
+  step_.state_read_at_start = state_read;
   step_start_ = Clock::now();
   PlanPrefetchesLocked();  // the next step's first accesses
   return report;
@@ -1374,7 +1392,10 @@ absl::Status Runtime::ReadOptimizerState(PartitionId id, absl::Span<float> maste
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
   }
-  return optimizer_->ReadState(id, master, exp_avg, exp_avg_sq);
+  const uint64_t before = optimizer_->read_state_bytes();
+  absl::Status read = optimizer_->ReadState(id, master, exp_avg, exp_avg_sq);
+  state_read_bytes_.fetch_add(optimizer_->read_state_bytes() - before, std::memory_order_relaxed);
+  return read;
 }
 
 absl::StatusOr<swap::StepReport> Runtime::OptimizerStep(int64_t t,

@@ -79,6 +79,7 @@
 #define STRATA_SCHED_RUNTIME_H_
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -154,6 +155,11 @@ struct StepReport {
   double wait_seconds = 0;  // the trainer's Acquires, waiting for bytes
   std::array<double, kWaitCauseCount> wait_by_cause{};
   swap::TierMatrix bytes_moved{};  // [from][to], this step, prefetches and write-backs included
+  // The partitions' bytes read from and written to NVMe this step by their role (param, grad,
+  // other...): [role][0: read, 1: written]. The optimizer's own state is not among them: its
+  // step reports it (swap::StepReport), and ReadOptimizerState's reads are below.
+  swap::RoleNvmeBytes nvme_by_role{};
+  uint64_t optimizer_state_read_bytes = 0;  // NVMe state read by ReadOptimizerState this step
   uint64_t acquires = 0;
   uint64_t hits = 0;             // current in the tier when asked for
   uint64_t prefetch_hits = 0;    // of the hits, brought by a prefetch
@@ -403,6 +409,8 @@ class Runtime {
   struct StepCounters {
     StepReport r;
     swap::TierMatrix moved_at_start{};
+    swap::RoleNvmeBytes nvme_by_role_at_start{};
+    uint64_t state_read_at_start = 0;
   };
 
   Runtime() = default;
@@ -485,6 +493,8 @@ class Runtime {
   std::array<uint64_t, tiering::kTierCount> optimizer_set_aside_ ABSL_GUARDED_BY(optimizer_mu_){};
   // The host room set aside for the staged param copies (what a staged step's Begin asks for).
   uint64_t copy_staging_room_ ABSL_GUARDED_BY(optimizer_mu_) = 0;
+  // NVMe state read by ReadOptimizerState since Create (any thread).
+  std::atomic<uint64_t> state_read_bytes_{0};
   // Gradient partitions the optimizer's thread pinned in the host tier for the staged step.
   Mutex staged_mu_;
   std::vector<PartitionId> staged_gradients_ ABSL_GUARDED_BY(staged_mu_);

@@ -103,6 +103,11 @@ std::byte* Mover::Address(PartitionId id, Tier tier) const {
   return it == copies_.end() ? nullptr : it->second.at[I(tier)];
 }
 
+RoleNvmeBytes Mover::nvme_bytes_by_role() const {
+  MutexLock lock(&mu_);
+  return nvme_by_role_;
+}
+
 TierMatrix Mover::bytes_moved() const {
   MutexLock lock(&mu_);
   return bytes_moved_;
@@ -239,7 +244,12 @@ absl::Status Mover::Carry(PartitionId id, Tier from, Tier to, bool zeros) {
       c.at[I(to)] = dst;
       c.bytes = bytes;
     }
-    if (!fill) bytes_moved_[I(from)][I(to)] += bytes;
+    if (!fill) {
+      bytes_moved_[I(from)][I(to)] += bytes;
+      if (from == Tier::kNvme || to == Tier::kNvme) {
+        nvme_by_role_[static_cast<int>(r.desc.role)][to == Tier::kNvme ? 1 : 0] += bytes;
+      }
+    }
   }
   return parts_.table->EndMove(id, true);
 }

@@ -56,6 +56,9 @@ struct MoverParts {
 };
 
 using TierMatrix = std::array<std::array<uint64_t, tiering::kTierCount>, tiering::kTierCount>;
+// Bytes read from and written to the NVMe tier by the partitions' role: [role][0: read, 1:
+// written].
+using RoleNvmeBytes = std::array<std::array<uint64_t, 2>, tiering::kRoleCount>;
 
 class Mover {
  public:
@@ -102,6 +105,8 @@ class Mover {
 
   // Bytes moved so far, [from][to].
   TierMatrix bytes_moved() const;
+  // Bytes read from and written to NVMe so far, by the partitions' role.
+  RoleNvmeBytes nvme_bytes_by_role() const;
 
  private:
   tiering::MemoryResource& ResourceFor(Tier t) const;
@@ -134,6 +139,7 @@ class Mover {
   absl::flat_hash_map<PartitionId, Copies> copies_ ABSL_GUARDED_BY(mu_);
   std::vector<HeldAside> held_aside_ ABSL_GUARDED_BY(mu_);
   TierMatrix bytes_moved_ ABSL_GUARDED_BY(mu_){};
+  RoleNvmeBytes nvme_by_role_ ABSL_GUARDED_BY(mu_){};
 };
 
 }  // namespace strata::swap

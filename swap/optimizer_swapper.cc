@@ -269,6 +269,7 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
   for (uint32_t j = 0; j < part->groups; ++j) {
     const uint64_t count = part->GroupSize(j);
     STRATA_RETURN_IF_ERROR(store_->Get(StoreKey(id, j), MutableBytes(into, count)));
+    read_state_bytes_.fetch_add(3 * count * sizeof(float), std::memory_order_relaxed);
     out(into, part->GroupOffset(j), count);
   }
   return absl::OkStatus();

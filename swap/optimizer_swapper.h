@@ -86,6 +86,7 @@
 #define STRATA_SWAP_OPTIMIZER_SWAPPER_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -327,6 +328,8 @@ class PipelinedOptimizerSwapper {
   // Copies a partition's committed state out (tests, checkpoints).
   absl::Status ReadState(tiering::PartitionId id, absl::Span<float> master,
                          absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
+  // Bytes of NVMe-resident state ReadState has read so far (any thread).
+  uint64_t read_state_bytes() const { return read_state_bytes_.load(std::memory_order_relaxed); }
 
   bool on_nvme(tiering::PartitionId id) const;
   // The partitions some of whose sub-groups have stepped and the others not (commit_each: a step
@@ -419,6 +422,7 @@ class PipelinedOptimizerSwapper {
   absl::flat_hash_map<uint64_t, RoomCopy> room_copies_;
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
+  std::atomic<uint64_t> read_state_bytes_{0};  // ReadState's NVMe reads
   std::unique_ptr<Txn> txn_;
   // write_behind: the last committed step while its writes are behind it (its worker running, or
   // joined with writes to do again), and what they came to once settled (for the next report).

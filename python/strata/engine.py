@@ -1415,9 +1415,11 @@ class Engine(Lending, Gradients, Step):
             self.skipped_steps += 1
         runtime_report = self.runtime.end_step()
         self._raise_deferred()
+        self._optimizer_read += runtime_report["optimizer_state_read_bytes"]
         self.last_step_stats = {
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
+            "nvme": _nvme_by_cause(report, runtime_report),
             "step_seconds": time.perf_counter() - start, "device_wait_seconds": device_wait}
         if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
             waits = ", ".join(f"{k} {v * 1e3:.0f} ms"
@@ -1669,6 +1671,27 @@ def _left_placeholders(module, recurse=False):
         if ref() is p and p.data_ptr() == ptr:
             found.append(name)
     return found
+
+
+def _nvme_by_cause(report, runtime_report):
+    """The step's NVMe bytes by cause, {"read": {...}, "written": {...}}, each byte in one:
+    optimizer_state (the step's reads and writes of the NVMe-resident optimizer state; writes
+    behind a step counted with the next), state_again (the state read outside the step: the new
+    weights of parameters homed on NVMe read back from their master weights, a checkpoint's),
+    weights (the parameters' partitions: lent for forward and backward, and written back),
+    gradients (gradient partitions evicted to NVMe during backward and read back for the step),
+    other (anything else the Runtime holds: activations kept by cpu_checkpointing)."""
+    report = report or {}
+    read = {"optimizer_state": report.get("bytes_read", 0),
+            "state_again": runtime_report["optimizer_state_read_bytes"]}
+    written = {"optimizer_state": report.get("bytes_written", 0) +
+               report.get("behind_bytes_written", 0)}
+    for side, by_role in ((read, runtime_report["nvme_read_by_role"]),
+                          (written, runtime_report["nvme_written_by_role"])):
+        side["weights"] = by_role.get("param", 0)
+        side["gradients"] = by_role.get("grad", 0)
+        side["other"] = sum(v for k, v in by_role.items() if k not in ("param", "grad"))
+    return {"read": read, "written": written}
 
 
 def _refuse_placeholders(model, params):

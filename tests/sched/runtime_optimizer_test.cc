@@ -182,6 +182,13 @@ TEST_P(RuntimeOptimizerTest, StepsMatchCpuAdamInMemoryWithinTheRuntimesBudgets) 
   EXPECT_EQ(0, std::memcmp(*p, RandomBytes(kBytes, 11).data(), kBytes));
   ASSERT_TRUE((*rt)->Release(11, Tier::kHost, false).ok());
   ASSERT_EQ((*rt)->StoredPartitions().size(), 1u);  // the optimizer's state is not a partition
+  // The step's report names what was read from NVMe: the state ExpectState read back (none when
+  // it is in host memory) apart from the partition's bytes, counted by its role.
+  const StepReport report = (*rt)->EndStep();
+  EXPECT_EQ(report.optimizer_state_read_bytes, nvme ? state_bytes : 0u);
+  EXPECT_EQ(report.nvme_by_role[static_cast<int>(tiering::Role::kParam)][0], kBytes);
+  EXPECT_EQ(report.nvme_by_role[static_cast<int>(tiering::Role::kGrad)][0], 0u);
+  EXPECT_EQ((*rt)->EndStep().optimizer_state_read_bytes, 0u);  // counted in its step alone
 }
 
 // The host room set aside for the staged param copies of NVMe-resident partitions is counted in
