@@ -135,7 +135,11 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     // partition, and no staged copies but an fp32 copy buffer beside each ring buffer.
     // The ring's buffers and the commit's room beyond the state hold a sub-group
     // (zero_optimization.sub_group_size) when the largest parameter is larger.
-    const bool each = rc.optimizer_commit_each;
+    tiering::RuntimeConfig process = rc;  // CommitEach against one process's host budget
+    process.host_budget_bytes =
+        static_cast<uint64_t>(t.host_budget ? host_budget : host_budget / n);
+    const bool each = process.CommitEach(static_cast<uint64_t>(opt_per_param * psi / n));
+    p.commit_each = each;
     const double group =
         rc.sub_group_size > 0 ? std::min(largest, static_cast<double>(rc.sub_group_size)) : largest;
     // With "partition", room beside the state for the store's copy on write of its largest blob:

@@ -81,6 +81,10 @@ struct MemoryPlan {
   // commit the trainer's front reads each one's committed master weights back (its whole
   // optimizer state) and writes its partition (python/strata/engine.py, _refresh_weights).
   bool weights_from_master = false;
+  // strata.optimizer_commit "partition" as the Runtime takes it: the config's, or its "auto"
+  // answered for this model (RuntimeConfig::CommitEach: the NVMe state beyond a process's host
+  // budget).
+  bool commit_each = false;
 };
 
 // InvalidArgument when the config offloads to a tier the hardware lacks (NVMe).

@@ -46,16 +46,15 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   // NVMe state too steps during backward only where host-resident state would.
   const bool may_step_early =
       rc.optimizer_during_backward.value_or(true) && t.gradient_clipping <= 0 && !t.fp16;
-  const bool during_backward =
-      rc.zero_stage == 3 && n == 1 &&
-      ((s_home == Tier::kNvme && (!rc.optimizer_commit_each || may_step_early)) ||
-       (s_home == Tier::kHost && may_step_early));
+  const bool during_backward = rc.zero_stage == 3 && n == 1 &&
+                               ((s_home == Tier::kNvme && (!mem.commit_each || may_step_early)) ||
+                                (s_home == Tier::kHost && may_step_early));
 
   // Parameters with no host copy (mem.weights_from_master) take their new weights from the
   // committed master weights, read back after the step; with strata.optimizer_commit "partition"
   // the optimizer's thread writes them into their partitions as each state lands instead (the
   // front's CopySink, during backward or after it), reading nothing back.
-  const bool read_back = mem.weights_from_master && !rc.optimizer_commit_each;
+  const bool read_back = mem.weights_from_master && !mem.commit_each;
 
   StepModel out;
   // Budgets.
@@ -275,7 +274,10 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
               const bool also_each =
                   opt == OffloadDevice::kNvme && !base.runtime.optimizer_commit_each;
               for (int each = 0; each <= (also_each ? 1 : 0); ++each) {
-                if (each == 1) t.runtime.optimizer_commit_each = true;
+                if (each == 1) {
+                  t.runtime.optimizer_commit_auto = false;
+                  t.runtime.optimizer_commit_each = true;
+                }
                 ++tried;
                 auto mem = PlanMemory(m, hw, t);
                 if (!mem.ok() || mem->overflow) continue;
@@ -285,7 +287,10 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
                 // Candidates come lightest first (lower stages, less offloaded): a heavier one
                 // must be 2% faster to replace it.
                 if (!best || time->tokens_per_s > 1.02 * best->time.tokens_per_s) {
-                  best = Suggestion{t, m, *mem, *std::move(time)};
+                  Training chosen = t;  // optimizer_commit "auto" answered, as it ran
+                  chosen.runtime.optimizer_commit_auto = false;
+                  chosen.runtime.optimizer_commit_each = mem->commit_each;
+                  best = Suggestion{chosen, m, *mem, *std::move(time)};
                 }
               }
             }
@@ -342,7 +347,8 @@ nlohmann::json SuggestionConfig(const Suggestion& s) {
                {{"device", "cuda"},  // the planner's machine has GPUs
                 {"device_budget_bytes", s.time.model.budgets.device},
                 {"host_budget_bytes", s.time.model.budgets.host}}}};
-  if (rc.optimizer_commit_each) out["strata"]["optimizer_commit"] = "partition";
+  if (!rc.optimizer_commit_auto && rc.optimizer_commit_each)
+    out["strata"]["optimizer_commit"] = "partition";
   if (s.training.dtype_bytes == 2) out[s.training.fp16 ? "fp16" : "bf16"] = {{"enabled", true}};
   return out;
 }

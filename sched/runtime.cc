@@ -1191,6 +1191,27 @@ absl::Status Runtime::CreateOptimizer(
         "create optimizer: offload_optimizer.device is \"nvme\" but there is no NVMe tier");
   }
   const bool on_nvme = oc.device == tiering::OffloadDevice::kNvme;
+  if (config_.optimizer_commit_auto) {
+    // optimizer_commit "auto": "partition" where the NVMe state is beyond the host's room.
+    uint64_t state = 0;
+    for (const auto& [id, elements] : partitions) {
+      state += std::min<uint64_t>(elements, tiering::kMaxPartitionBytes / 12) * 12;
+    }
+    config_.optimizer_commit_each = config_.CommitEach(on_nvme ? state : 0);
+    if (config_.optimizer_commit_each) {
+      Warn(absl::StrCat(
+          "create optimizer: the optimizer state on NVMe (", state,
+          " bytes) is larger than "
+          "strata.host_budget_bytes (",
+          config_.host_budget_bytes,
+          "): each partition's new "
+          "state commits as it is written (optimizer_commit \"auto\" takes \"partition\" "
+          "here, as DeepSpeed writes each sub-group back), so that a step reads the state once "
+          "and the new weights go into their partitions as each lands; a step once begun is not "
+          "dropped. optimizer_commit \"step\" commits a step whole, at the price of reading "
+          "the state of parameters homed on NVMe again to give them their new weights"));
+    }
+  }
   const bool pipelined = oc.pipeline_read || oc.pipeline_write;
   const int ring = pipelined ? static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 3, 64))
                              : static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 1, 64));

@@ -390,17 +390,19 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(*s, p, "optimizer_write_behind",
                                           "true with optimizer_commit \"step\"",
                                           &c.optimizer_write_behind));
-    std::string commit = "step";
+    std::string commit = "auto";
     if (auto it = s->find("optimizer_commit"); it != s->end()) {
       commit = it->is_string() ? it->get<std::string>() : it->dump();
     }
-    if (commit != "step" && commit != "partition") {
+    if (commit != "step" && commit != "partition" && commit != "auto") {
       return Bad(p + "optimizer_commit",
                  absl::StrCat("\"", commit,
                               "\": accepted: step (a second copy of the NVMe state while a step "
                               "commits), partition (each partition's state replaced as it is "
-                              "written)"));
+                              "written), auto (partition where the NVMe state is larger than "
+                              "host_budget_bytes, else step)"));
     }
+    c.optimizer_commit_auto = commit == "auto";
     c.optimizer_commit_each = commit == "partition";
     if (c.optimizer_write_behind.value_or(false) &&
         c.offload_optimizer.device != OffloadDevice::kNvme) {

@@ -131,16 +131,30 @@ struct RuntimeConfig {
   // or is staged during backward, and "auto" is off.
   std::optional<bool> optimizer_during_backward;
 
-  // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" (the
-  // default) writes all of it to fresh extents and commits it in one record after backward, so a
+  // How a step's new optimizer state on NVMe replaces the old ("optimizer_commit"): "step" writes
+  // all of it to fresh extents and commits it in one record after backward, so a
   // step can be dropped (clipping, an overflow, a second backward) or fail with nothing changed,
   // at the price of NVMe room for a second copy of the whole state; "partition" (true here)
   // commits each partition as soon as it is written, so NVMe holds the state once plus one
   // partition, and a step, once begun, is not dropped: it is taken during backward only where
   // host-resident state would step then (OptimizerDuringBackward() and its conditions), else
   // after backward, and one that fails part way keeps what had stepped and steps the rest when
-  // it is taken again.
+  // it is taken again. "auto" (optimizer_commit_auto; unset, the default): CommitEach picks one
+  // once the optimizer's partitions are known (Runtime::CreateOptimizer, the planner).
   bool optimizer_commit_each = false;
+  bool optimizer_commit_auto = true;
+  // "auto"'s answer for an optimizer whose NVMe-resident state is `nvme_state_bytes`: "partition"
+  // where that state is larger than host_budget_bytes (the state beyond the host's room, where a
+  // step after backward cannot keep its new weights in host memory until one record commits them
+  // all: "step" would read the state of parameters homed on NVMe a second time to give them their
+  // new weights), unless optimizer_write_behind is true (a "step" option); "step" elsewhere. A
+  // given optimizer_commit is that (optimizer_commit_each set true is "partition" whatever
+  // optimizer_commit_auto says).
+  bool CommitEach(uint64_t nvme_state_bytes) const {
+    if (!optimizer_commit_auto || optimizer_commit_each) return optimizer_commit_each;
+    return offload_optimizer.device == OffloadDevice::kNvme &&
+           !optimizer_write_behind.value_or(false) && nvme_state_bytes > host_budget_bytes;
+  }
   // Pinned host memory for reading the NVMe optimizer state ahead while backward runs, when the
   // step waits for what is learnt after backward (gradient clipping's global norm): the trainer
   // stages each partition as its gradient is final, its state is read into this room, and the

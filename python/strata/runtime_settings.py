@@ -44,6 +44,12 @@ class RuntimeSettings:
         # Runtime's JSON with what "auto" decides from the rest of the config.
         self.blocks_json = json.dumps(runtime, sort_keys=True)
         self._read_ahead_where_held(runtime, config)
+        block = runtime.get("strata")
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and \
+                (not isinstance(block, dict) or block.get("optimizer_commit", "auto") == "auto"):
+            # optimizer_commit "auto" is "step" across ranks: "partition" is one process's (a
+            # step failing part way on one rank would leave the ranks' shards apart).
+            runtime.setdefault("strata", {})["optimizer_commit"] = "step"
         self.runtime_json = json.dumps(runtime, sort_keys=True)
 
     def _read_ahead_where_held(self, runtime, config):
