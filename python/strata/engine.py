@@ -64,6 +64,7 @@ Thread safety: an engine is driven by one thread, as DeepSpeed's.
 
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -324,6 +325,33 @@ class _Optimizer(torch.optim.Optimizer):
     def __init__(self, engine, groups, defaults):
         self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
         super().__init__(groups, defaults)
+        self._built = True
+
+    def add_param_group(self, param_group):
+        """torch's, while the engine builds its groups; after, refused: the Runtime's optimizer
+        was made over the engine's partitions, and a group added would never step."""
+        if getattr(self, "_built", False):
+            raise ValueError("optimizer.add_param_group after strata.initialize: the engine's "
+                             "optimizer steps the parameters it was made with, and a group "
+                             "added would never step; accepted: every parameter to train given "
+                             "to initialize (in the optimizer's groups or model_parameters)")
+        super().add_param_group(param_group)
+
+    def step(self, closure=None):
+        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (below)
+            raise RuntimeError(
+                "torch.amp.GradScaler.step over strata's optimizer: the engine's gradients are "
+                "not all in .grad, where the scaler would unscale them and check them for "
+                "overflow; accepted: fp16 in the config (the engine's own dynamic loss scaling) "
+                "with engine.backward(loss), or bf16")
+        loss = closure() if closure is not None else None
+        self._engine_or_raise().step()
+        return loss
+
+    # torch.amp.GradScaler.step, over an optimizer that says it scales by itself, sets its
+    # grad_scale and found_inf on it and calls step() without its own unscaling and checks (which
+    # would find no gradient in .grad at stages 2 and 3): a scaler is refused by name there.
+    _step_supports_amp_scaling = True
 
     def _engine_or_raise(self):
         engine = self._engine()
@@ -331,13 +359,8 @@ class _Optimizer(torch.optim.Optimizer):
             raise RuntimeError("the engine this optimizer steps is gone (closed or deleted)")
         return engine
 
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        self._engine_or_raise().step()
-        return loss
-
     def zero_grad(self, set_to_none=True):
-        self._engine_or_raise().zero_grad()
+        self._engine_or_raise().zero_grad(set_to_none)
 
     # The state's tensors by optimizer, in torch's names (the Runtime keeps one state or two).
     _STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
@@ -609,6 +632,7 @@ class Engine(Lending, Gradients, Step):
                  ranks=None):
         self.module = model
         self.config = config
+        self._made_at = time.strftime("%H:%M:%S")  # named where a second engine is refused
         self.ranks = ranks  # strata/ranks.py: None in a job of one process
         # DeepSpeed's engine's: this process's place in the job.
         self.global_rank = ranks.rank if ranks is not None else 0
@@ -649,7 +673,17 @@ class Engine(Lending, Gradients, Step):
                 f"and hold no values ({', '.join(on_meta[:5])}{', ...' if len(on_meta) > 5 else ''})"
                 "; accepted: a model built on the CPU, or under strata.init (which partitions "
                 "each parameter as it is made); load pretrained weights after initialize")
-        left = _left_placeholders(model, recurse=True)
+        holder = _engine_holding(model)
+        if holder is not None:
+            raise ValueError(
+                "strata.initialize: the model's parameters are held by a strata engine not "
+                f"closed (made {holder._made_at}); two engines would each step them and lend "
+                "them apart; accepted: that engine's close() first (or its release(), which "
+                "gives the module its weights back whole), then initialize again")
+        # (A model built under strata.init keeps its partitions in what built it, which names
+        # a second engine itself.)
+        left = _left_placeholders(model, recurse=True) \
+            if init_module.built_under(model) is None else []
         if left:
             raise ValueError(f"strata.initialize: {len(left)} parameters of the model "
                              f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): "
@@ -812,11 +846,16 @@ class Engine(Lending, Gradients, Step):
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
         # master weights overwrite at the next step: it loads through the engine instead.
         model.load_state_dict = types.MethodType(_load_state_dict_through(engine), model)
+        # model.zero_grad() (Trainer's, a plain loop's) drops the engine's gradients too.
+        model.zero_grad = types.MethodType(_zero_grad_through(engine), model)
+        self._patched_methods.append((model, "zero_grad"))
         self._count_real_sizes(model)
 
         self.optimizer = _Optimizer(self, groups, dict(lr=hyper["lr"], betas=hyper["betas"],
                                                        eps=hyper["eps"],
                                                        weight_decay=hyper["weight_decay"]))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._take_over(optimizer)
         self.lr_scheduler = lr_scheduler
         if self.lr_scheduler is None and config.scheduler is not None:
             self.lr_scheduler = lr_schedules.make(config.scheduler, self.optimizer)
@@ -891,6 +930,15 @@ class Engine(Lending, Gradients, Step):
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
         _LIVE.add(self)
+        # An engine whose last reference is dropped (never closed) leaves what close() leaves:
+        # placeholders of the partitioned parameters' shapes, refused by the module by name.
+        # (The model held weakly: a module holding its engine, as a Lightning module does, must
+        # not be kept alive by this, nor its engine with it.)
+        self._dropped = weakref.finalize(
+            self, _leave_placeholders, weakref.ref(model),
+            [(e.param, e.shape) for e in self._params + self._frozen if e.partitioned],
+            self.dtype, self.device)
+        self._dropped.atexit = False
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -1008,6 +1056,24 @@ class Engine(Lending, Gradients, Step):
             raise ValueError(f"strata.initialize: trainable parameters not in the optimizer: "
                              f"{', '.join(missing[:5])}")
         return groups
+
+    def _take_over(self, client):
+        """The optimizer given to initialize is the engine's from then on, as DeepSpeed's wraps
+        it: its param groups become the engine's optimizer's (each keeping the client's other
+        keys: a schedule's initial_lr), so a schedule built on it before initialize and stepped
+        by the user sets the rates the engine steps with; and its own step() is refused by name
+        (it would step the parameters apart from the engine, or nothing)."""
+        for index, (ours, theirs) in enumerate(zip(self.optimizer.param_groups,
+                                                   client.param_groups)):
+            ours.update({k: v for k, v in theirs.items() if k != "params" and k not in ours})
+            client.param_groups[index] = ours
+
+        def step(*args, **kwargs):
+            raise RuntimeError(
+                f"{type(client).__name__}.step() of the optimizer given to strata.initialize: "
+                "the engine steps it now; accepted: the optimizer initialize returned "
+                "(optimizer.step()), or engine.step()")
+        client.step = step
 
     def _adopt_schedule(self, schedule, client):
         """A schedule built on the client's optimizer (transformers'
@@ -1334,8 +1400,26 @@ class Engine(Lending, Gradients, Step):
                                "and the trainer's does not: the two disagree; accepted: "
                                "gradient_accumulation_steps the same in both")
 
-    def zero_grad(self):
-        """Gradients are dropped at each optimizer step; between steps they accumulate."""
+    def zero_grad(self, set_to_none=True):
+        """As torch's: the gradients made since the last step() are dropped (a batch skipped
+        after its backward), and the accumulation window starts again; after step() there are
+        none (each step() drops what it stepped with). The module's own zero_grad() and the
+        optimizer's come here. Refused where some parameters stepped for good during this
+        backward with them (strata.optimizer_during_backward): that cannot be undone."""
+        self._adopt_backward("zero_grad")
+        if not self._backward_since_step and not self._grads_since_step:
+            return
+        if self._stepped_early or (self._staged is not None and self._staged.early):
+            raise RuntimeError(
+                "zero_grad after backward: parameters stepped for good during this backward "
+                "with the gradients it would drop (strata.optimizer_during_backward); accepted: "
+                "zero_grad after step() or before backward, or strata.optimizer_during_backward "
+                "false to drop a micro-batch's gradients")
+        self._end_gradients(failed=False)
+        for e in self._params:
+            e.param.grad = None
+        self._backward_since_step = self._grads_since_step = False
+        self.micro_steps -= self.micro_steps % self._accumulation
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -1585,19 +1669,17 @@ class Engine(Lending, Gradients, Step):
         if self._runtime is None:
             return
         _LIVE.discard(self)
+        self._dropped.detach()
         try:
             self._end_staged(committed=False, reason="the engine closed")
         finally:
             self._drop_all()
             self._release_early_held(self._attempt_quietly)
-            for e in self._params + self._frozen:  # each its shape again, without its bytes
-                if e.partitioned:
-                    e.param.data = torch.zeros((), dtype=self.dtype, device=self.device) \
-                        .expand(e.shape)
             for handle in self._hook_handles:
                 handle.remove()
-            _refuse_placeholders(self.module,
-                                 [e.param for e in self._params + self._frozen if e.partitioned])
+            _leave_placeholders(
+                weakref.ref(self.module), [(e.param, e.shape) for e in self._params + self._frozen
+                              if e.partitioned], self.dtype, self.device)
             for e in self._params + self._frozen:
                 e.param.__dict__.pop("_strata_node", None)
                 e.param.__dict__.pop("ds_numel", None)
@@ -1694,6 +1776,33 @@ def _nvme_by_cause(report, runtime_report):
     return {"read": read, "written": written}
 
 
+def _engine_holding(model):
+    """The engine not closed that holds any of `model`'s parameters (None: none does). One that
+    nothing reaches any more (a reference cycle: a notebook's cell run again over the same
+    model) is collected first."""
+    ids = {id(p) for p in model.parameters()}
+
+    def holding():
+        return next((engine for engine in list(_LIVE) if engine._runtime is not None and any(
+            id(e.param) in ids for e in engine._params + engine._frozen)), None)
+    if holding() is None:
+        return None
+    gc.collect()
+    return holding()
+
+
+def _leave_placeholders(model_ref, params, dtype, device):
+    """What a closed engine (or one dropped without close) leaves of its partitioned `params`
+    ((parameter, shape) pairs): each its shape again without its bytes (one element, expanded),
+    and the module (`model_ref`, a weak reference) refusing them by name
+    (_refuse_placeholders)."""
+    for p, shape in params:
+        p.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
+    model = model_ref()
+    if model is not None:
+        _refuse_placeholders(model, [p for p, _ in params])
+
+
 def _refuse_placeholders(model, params):
     """After close: `params` (the engine's partitioned ones) are placeholders of their shape
     without their bytes; a module holding one refuses forward and state_dict() by name, where
@@ -1746,8 +1855,9 @@ def _load_state_dict_through(engine_ref):
     def load_state_dict(module, state_dict, strict=True, assign=False):
         """As torch's, for a module an engine trains: the weights stream into its partitions and
         the optimizer's master weights (engine.load_pretrained's rules: every missing,
-        unexpected or wrongly shaped tensor named before anything changes; the optimizer starts
-        afresh over the loaded weights)."""
+        unexpected or wrongly shaped tensor named before anything changes), and the optimizer
+        keeps its state (moments, step counts), as torch's module.load_state_dict leaves its
+        optimizer's (engine.load_pretrained starts it afresh)."""
         engine = engine_ref()
         if engine is None:
             raise RuntimeError("load_state_dict: the engine training this module is gone")
@@ -1759,9 +1869,20 @@ def _load_state_dict_through(engine_ref):
         for name, child in module.named_modules():  # a TiledLinear's weight whole, cut
             if isinstance(child, tiling.TiledLinear):
                 tiling.cut_whole(child, state_dict, f"{name}." if name else "")
-        missing, unexpected = pretrained.load(engine, state_dict, strict)
+        missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
+
+
+def _zero_grad_through(engine_ref):
+    def zero_grad(module, set_to_none=True):
+        """As torch's, for a module an engine trains: its gradients are the engine's
+        (Engine.zero_grad drops them), and any other parameter's .grad is torch's to zero."""
+        engine = engine_ref()
+        if engine is not None and engine._runtime is not None:
+            engine.zero_grad(set_to_none)
+        torch.nn.Module.zero_grad(module, set_to_none)
+    return zero_grad
 
 
 def _flatten_params(params):

@@ -41,6 +41,7 @@ import torch
 import transformers
 
 import strata
+from strata import config as config_module
 from strata import lr_schedules
 
 __all__ = ["Trainer", "StrataTrainerMixin", "with_strata", "fill_auto"]
@@ -139,6 +140,11 @@ class StrataTrainerMixin:
             raise ValueError("strata.hf: strata_config is missing; accepted: a DeepSpeed config "
                              "(a dict or the path of its JSON file) for strata")
         self.strata_config = _config_of(strata_config)
+        scheduler = self.strata_config.get("scheduler")
+        if isinstance(scheduler, dict) and scheduler.get("type") not in config_module.SCHEDULERS:
+            raise ValueError(f"strata.hf: scheduler.type {scheduler.get('type')!r} is not "
+                             f"supported; accepted: {', '.join(config_module.SCHEDULERS)}, or no "
+                             "scheduler block (TrainingArguments' lr_scheduler_type then)")
         self.strata_engine = None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:  # checked before Trainer sets up its accelerator

@@ -247,9 +247,12 @@ def _entries(source):
     return out
 
 
-def load(engine, source, strict=True):
+def load(engine, source, strict=True, keep_state=False):
     """Streams the state dict at `source` into the engine (see the module's docstring). Returns
-    (missing names, unexpected names), both empty when strict."""
+    (missing names, unexpected names), both empty when strict. `keep_state`: the loaded
+    parameters' optimizer state (moments, step counts) is kept, their master weights alone
+    replaced, as torch's module.load_state_dict leaves its optimizer's state; else it starts
+    afresh."""
     if engine._staged is not None:
         raise RuntimeError("load_pretrained: between backward and step; load after step()")
     entries, aliases, rest, missing, unexpected = engine_state.checked_everywhere(
@@ -273,12 +276,19 @@ def load(engine, source, strict=True):
         for e in loaded:
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
                           .contiguous())
-            first = torch.full_like(master, engine._initial_state)
-            engine.runtime.load_optimizer_state(e.gid, master, first, torch.zeros_like(master))
+            if keep_state:
+                first, second = torch.empty_like(master), torch.empty_like(master)
+                engine.runtime.read_optimizer_state(e.gid, torch.empty_like(master), first,
+                                                    second)
+            else:
+                first = torch.full_like(master, engine._initial_state)
+                second = torch.zeros_like(master)
+            engine.runtime.load_optimizer_state(e.gid, master, first, second)
     for e in loaded:
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
         engine_state._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
-        e.steps = 0
+        if not keep_state:
+            e.steps = 0
     for name, value in rest.items():
         if name in entries:
             value.write(entries[name].read())

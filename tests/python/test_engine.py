@@ -2003,14 +2003,7 @@ def test_torch_compile_of_the_module_trains_as_plain_torch_and_a_compiled_model_
     compiled = torch.compile(engine.module, backend="eager")  # left eager at stage 3
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     for x, y in batches(3):
-        loss = loss_of(compiled(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = loss_of(reference(x), y)
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        _step_beside(engine, reference, torch_adamw, x, y, forward=compiled)
     with pytest.raises(ValueError, match="the model is torch.compile'd; accepted: the module "
                                          r"itself \(model._orig_mod\)"):
         strata.initialize(model=torch.compile(Net()), config=make_config(tmp_path / "b", 3,
@@ -2303,6 +2296,66 @@ def _beside_plain_torch(tmp_path, stage):
                                                            weight_decay=0.01)
 
 
+def _step_beside(engine, reference, torch_adamw, x, y, forward=None):
+    """One step of the engine and one of plain torch on (x, y), their losses held equal."""
+    loss = loss_of((engine if forward is None else forward)(x), y)
+    engine.backward(loss)
+    engine.step()
+    ref = loss_of(reference(x), y)
+    ref.backward()
+    torch_adamw.step()
+    torch_adamw.zero_grad()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_grad_after_backward_drops_its_gradients_as_plain_torch(tmp_path, stage):
+    """A plain loop that skips a batch after its backward (optimizer.zero_grad() or
+    model.zero_grad() in place of the step) trains as plain torch's: the skipped batch's
+    gradients are dropped, not summed into the next step's."""
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    for i, (x, y) in enumerate(batches(5)):
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            loss_of(net(x), y).backward()
+            if i % 2:  # skipped
+                (opt if i == 1 else net).zero_grad()
+            else:
+                opt.step()
+                opt.zero_grad()
+    _assert_weights_as(engine, reference)
+
+
+def test_zero_grad_after_parameters_stepped_during_backward_is_refused(tmp_path):
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["strata"]["optimizer_during_backward"] = True
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    data = list(batches(2))
+    x, y = data[0]  # from the second step on, partitions step during backward
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    x, y = data[1]
+    engine.backward(loss_of(engine(x), y))
+    engine.runtime.wait_for_early_steps()
+    with pytest.raises(RuntimeError, match="zero_grad after backward: parameters stepped"):
+        engine.zero_grad()
+    engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_load_state_dict_mid_training_keeps_the_optimizers_state(tmp_path, stage):
+    """module.load_state_dict between steps (a weight reset, an EMA swapped in) changes the
+    weights and leaves the optimizer's moments and step counts, as in plain torch: the steps
+    after it are plain torch's (they restarted Adam over the loaded weights)."""
+    engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    for i, (x, y) in enumerate(batches(4)):
+        if i == 2:
+            loaded = {"l1.weight": torch.full_like(reference.l1.weight, 0.01)}
+            engine.module.load_state_dict(loaded, strict=False)
+            reference.load_state_dict(loaded, strict=False)
+        _step_beside(engine, reference, torch_adamw, x, y)
+    _assert_weights_as(engine, reference)
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_clip_grad_norm_between_backward_and_step_clips_as_plain_torch(tmp_path, stage):
     """torch.nn.utils.clip_grad_norm_ called by the user between backward and step (as Trainer,
@@ -2434,6 +2487,76 @@ def test_a_torch_adamw_state_loads_and_steps_as_torch(tmp_path):
     for x, y in data[2:]:
         step_both(engine, reference, torch_adamw, x, y)
     _assert_weights_as(engine, reference)
+
+
+def test_an_engine_dropped_unclosed_leaves_the_module_refusing_its_placeholders(tmp_path):
+    """The last reference to an engine dropped without close() (a Trainer deleted, a notebook's
+    variable rebound): the module's partitioned parameters are placeholders, and its forward and
+    state_dict() (save_pretrained) refuse them by name, where they wrote empty tensors."""
+    model = Net()
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", accumulation=1))
+    _one_step(engine)
+    del engine, optimizer
+    gc.collect()
+    assert model.l1.weight.shape == (2 * WIDTH, WIDTH)  # its shape, not its bytes
+    with pytest.raises(RuntimeError, match="strata engine that is closed .*engine.release"):
+        model.state_dict()
+    (x, _), = batches(1)
+    with pytest.raises(RuntimeError, match="forward of Embedding"):
+        model(x)
+
+
+def test_a_second_engine_over_a_held_model_is_refused_by_name(tmp_path):
+    model = Net()
+    engine, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, 3, "cpu", "fp32", accumulation=1))
+    with pytest.raises(ValueError, match=r"held by a strata engine not closed .*close\(\) first"):
+        strata.initialize(model=model, config=make_config(tmp_path / "b", 2, "cpu", "fp32"))
+    engine.release()
+    strata.initialize(model=model, config=make_config(tmp_path / "c", 2, "cpu", "fp32"))
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_optimizer_given_to_initialize_is_the_engines(tmp_path, stage):
+    """A schedule built on the optimizer given to initialize (transformers'
+    get_linear_schedule_with_warmup before initialize) and stepped by the user sets the rates the
+    engine steps with, as plain torch's (it left them at its first rate); that optimizer's own
+    step(), add_param_group on the engine's and torch.amp.GradScaler over it are refused by
+    name."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(client, lambda s: (s + 1) / 3)
+    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    engine, optimizer, _, _ = strata.initialize(model=model, optimizer=client, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    torch_schedule = torch.optim.lr_scheduler.LambdaLR(torch_adamw, lambda s: (s + 1) / 3)
+    for x, y in batches(3):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        schedule.step()
+        ref = loss_of(reference(x), y)
+        ref.backward()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        torch_schedule.step()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert engine.get_lr() == pytest.approx([1e-2 * 4 / 3])
+    _assert_weights_as(engine, reference)
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) of the optimizer given to "
+                                           r"strata.initialize"):
+        client.step()
+    with pytest.raises(ValueError, match="add_param_group after strata.initialize"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    scaler = torch.amp.GradScaler("cpu")
+    (x, y), = batches(1)
+    scaler.scale(loss_of(engine(x), y)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler.step over strata's optimizer"):
+        scaler.step(optimizer)
 
 
 def test_clip_grad_norm_imported_before_strata_comes_to_the_engine(tmp_path):

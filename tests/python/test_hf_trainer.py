@@ -185,6 +185,10 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path, monkeypatch):
                           strata_config={})
     with pytest.raises(ValueError, match="strata_config is missing"):
         strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args)
+    with pytest.raises(ValueError, match=r"scheduler.type 'OneCycle' is not supported; accepted: "
+                                         r"WarmupLR, WarmupDecayLR, WarmupCosineLR"):
+        strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args,
+                          strata_config={"scheduler": {"type": "OneCycle", "params": {}}})
     # Launched in two processes (torchrun): what TrainingArguments reads from the launch.
     with monkeypatch.context() as m:
         m.setattr(type(args), "world_size", property(lambda self: 2))
