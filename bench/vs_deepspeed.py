@@ -31,6 +31,13 @@ config, handed verbatim to `deepspeed.initialize` and to `strata.initialize`, fo
   zero3_cpu      ZeRO-3, offload_param and offload_optimizer cpu
   zero3_nvme     ZeRO-3, both on NVMe (ZeRO-Infinity), one aio block for both (--aio-block: the
                  sweep's best.json; else the one below)
+  zero3_nvme_half, zero3_nvme_quarter
+                 the same with strata's host_budget_bytes a half (a quarter) of the fp32
+                 optimizer state, so that the state is read from NVMe every step, and the
+                 parameters' staging buffers (offload_param.buffer_size, both systems) the
+                 largest parameter's elements; DeepSpeed has no host budget: its memory is what it
+                 takes, measured beside. Each system's bytes read and written a step, beside the
+                 state's size
   zenflow        DeepSpeed's ZenFlow (ZeRO-2 + cpu offload, overlap_step) beside strata's default
                  for that config (ZenFlow updates the unimportant gradients' columns late: its
                  losses are not the same arithmetic and are not held to the tolerance)
@@ -113,7 +120,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fio_ceiling import disk_bandwidth  # noqa: E402
-ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zenflow", "super_offload", "trainer"]
+ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zero3_nvme_half", "zero3_nvme_quarter",
+        "zenflow", "super_offload", "trainer"]
+# ZeRO-Infinity with strata's host budget below the optimizer state: that share of it.
+STATE_SHARE = {"zero3_nvme_half": 0.5, "zero3_nvme_quarter": 0.25}
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
 APPROXIMATE = {"zenflow"}
 # On cuda, each child's peak GPU memory (the module docstring says what each counts).
@@ -130,7 +140,7 @@ def row_config(row, args, nvme):
     zero = {"stage": row_stage(row),
             "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
-    place = "nvme" if row == "zero3_nvme" else "cpu"
+    place = "nvme" if row.startswith("zero3_nvme") else "cpu"
     zero["offload_optimizer"] = {"device": place, "pin_memory": True}
     if zero["stage"] == 3:
         zero["offload_param"] = {"device": place, "pin_memory": True}
@@ -138,8 +148,11 @@ def row_config(row, args, nvme):
         zero["stage3_param_persistence_threshold"] = 10_000
     if place == "nvme":
         zero["offload_optimizer"].update(nvme_path=nvme, pipeline_read=True, pipeline_write=True)
-        zero["offload_param"].update(nvme_path=nvme, buffer_count=5,
-                                     buffer_size=args.nvme_buffer_elements)
+        # (Below the state, buffers of the largest parameter: DeepSpeed's parameter swapper
+        # needs one to hold it, and strata's host budget holds them.)
+        zero["offload_param"].update(
+            nvme_path=nvme, buffer_count=5,
+            buffer_size=args.model_largest if row in STATE_SHARE else args.nvme_buffer_elements)
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": args.clipping, "steps_per_print": 1 << 30,
               "wall_clock_breakdown": False,
@@ -152,6 +165,9 @@ def row_config(row, args, nvme):
     ours = json.loads(json.dumps(config))
     if args.device == "cuda":
         ours["strata"] = strata_block(zero["stage"], place, args)
+    if row in STATE_SHARE:  # strata's host budget: that share of the fp32 optimizer state
+        ours.setdefault("strata", {})["host_budget_bytes"] = \
+            int(STATE_SHARE[row] * 12 * args.model_params)
     extra = getattr(args, "strata_extra", None)
     if extra:  # --strata: strata's copy alone, said in the report
         ours.setdefault("strata", {}).update(extra)
@@ -384,7 +400,7 @@ def bound_of(row, parts, block, disk_bps=None):
         if row_stage(row) == 3:
             up += max(0, n * b - (block or {}).get("device_budget_bytes", 0))
         out["host_link_s"] = n * b / parts["d2h_bytes_per_s"] + up / parts["h2d_bytes_per_s"]
-    if row == "zero3_nvme" and disk_bps:
+    if row.startswith("zero3_nvme") and disk_bps:
         state = 12 * n  # fp32 master weights and both moments, read and written once a step
         out["disk_s"] = state / disk_bps[0] + state / disk_bps[1]
     out["bound_s"] = max(out.values())
@@ -549,6 +565,7 @@ def child(spec):
     gen = torch.Generator().manual_seed(1)
     losses, times, how, behind_waits, reused = [], [], [], [], []
     step_calls = []  # strata: (step() s, of it waiting for the device s, for the commit s)
+    by_cause = []  # strata: its NVMe bytes read a step by cause (last_step_stats["nvme"])
     start_io = None
     gpu_used = 0  # the whole GPU's bytes in use, after each step (cudaMemGetInfo: total - free)
     for step in range(spec["warmup"] + spec["steps"]):
@@ -572,6 +589,7 @@ def child(spec):
                     behind_waits.append(taken.get("behind_wait_seconds", 0.0))
                 reused.append(taken.get("bytes_reused", 0))
                 stats = engine.last_step_stats
+                by_cause.append(stats["nvme"]["read"])
                 step_calls.append((stats["step_seconds"], stats["device_wait_seconds"],
                                    taken.get("seconds", 0.0)))
         if cuda:
@@ -600,6 +618,8 @@ def child(spec):
         report["optimizer_steps"] = how
         report["behind_wait_s"] = behind_waits
         report["reused_bytes_per_step"] = sum(reused) / max(len(reused), 1)
+        report["read_by_cause"] = {k: statistics.median(c[k] for c in by_cause)
+                                   for k in (by_cause[0] if by_cause else {})}
         report["step_calls"] = step_calls
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
@@ -797,6 +817,7 @@ def summarize(runs):
             "behind_wait_s": [w for r in ok for w in r.get("behind_wait_s", [])],
             "reused_bytes_per_step": statistics.median(r.get("reused_bytes_per_step", 0)
                                                        for r in ok),
+            "read_by_cause": ok[0].get("read_by_cause", {}),
             "errors": [r["error"] for r in runs if "error" in r]}
 
 
@@ -949,7 +970,7 @@ def main():
     for round_index in range(args.rounds):
         if args.floor and round_index % 2 == 0:
             run_floor(round_index)
-        if "zero3_nvme" in rows:
+        if any(r.startswith("zero3_nvme") for r in rows):
             (read_bps, tool), (write_bps, _) = (
                 disk_bandwidth(args.dir, write, args.aio_bench, args.aio)
                 for write in (False, True))
@@ -995,7 +1016,7 @@ def main():
             if len(ours["round_step_s"]) == len(theirs["round_step_s"]):  # no round failed
                 entry["round_speedups"] = [t / o for o, t in zip(ours["round_step_s"],
                                                                   theirs["round_step_s"])]
-            if row == "zero3_nvme" and disk:
+            if row.startswith("zero3_nvme") and disk:
                 # The disk's floor for each system: its own bytes read and written a step at fio's
                 # rates (the median of the rounds'), reads and writes one after the other.
                 read_bps = statistics.median(d[0] for d in disk)
@@ -1015,7 +1036,7 @@ def main():
                             statistics.median(d[1] for d in disk)) if disk else None
                 entry["bound"] = bound_of(row, floor["bound_parts"], entry.get("strata_block"),
                                           disk_bps)
-                if row == "zero3_nvme" and disk_bps:
+                if row.startswith("zero3_nvme") and disk_bps:
                     entry["bound_disk"] = {"gbs": [r / 1e9 for r in disk_bps], "tool": disk_tool}
                 for side in (ours, theirs):
                     if "error" not in side:
@@ -1107,6 +1128,18 @@ def main():
                   f"{e['strata']['disk_floor_s']:.3f} s ({e['strata']['disk_floor_s'] / e['strata']['step_s']:.2f} "
                   f"of its step), DeepSpeed {e['deepspeed']['disk_floor_s']:.3f} s "
                   f"({e['deepspeed']['disk_floor_s'] / e['deepspeed']['step_s']:.2f} of its step)")
+        if e["row"].startswith("zero3_nvme") and "error" not in e["strata"] and \
+                "error" not in e["deepspeed"]:
+            state = 12 * args.model_params
+            print(f"vs_deepspeed/{e['row']}: the fp32 optimizer state is {fmt_bytes(state)}"
+                  + (f", strata's host budget {fmt_bytes(STATE_SHARE[e['row']] * state)}"
+                     if e["row"] in STATE_SHARE else "") + ": read a step strata "
+                  f"{e['strata']['read_bytes_per_step'] / state:.2f}x it, DeepSpeed "
+                  f"{e['deepspeed']['read_bytes_per_step'] / state:.2f}x; written strata "
+                  f"{e['strata']['write_bytes_per_step'] / state:.2f}x, DeepSpeed "
+                  f"{e['deepspeed']['write_bytes_per_step'] / state:.2f}x; strata's reads by "
+                  "cause (its report, the first round's median): " + ", ".join(
+                      f"{k} {fmt_bytes(v)}" for k, v in e["strata"]["read_by_cause"].items()))
         if e.get("strata", {}).get("optimizer_steps"):
             print(f"vs_deepspeed/{e['row']}: strata's timed optimizer steps: " + ", ".join(
                 f"{n} {how}" for how, n in e["strata"]["optimizer_steps"].items()) +

@@ -207,6 +207,21 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   p.device.activations =
       t.activation_checkpointing ? p.activations_checkpointed : p.activations_full;
 
+  // The smallest host budget of a process: the staging buffers, the optimizer's room at its
+  // smallest and, at stage 3, the largest gradient partition (fp32) with its parameter's (each
+  // process's shard of them), as the front gives them to RuntimeConfig::MinimumHost.
+  {
+    tiering::RuntimeConfig process = rc;
+    process.host_budget_bytes =
+        static_cast<uint64_t>(t.host_budget ? host_budget : host_budget / n);
+    const double shard = rc.zero_stage >= 1 ? n : 1;
+    const double grad = rc.zero_stage == 3 ? 4 * largest / n : 0;
+    p.host_minimum = process.MinimumHost(
+        static_cast<uint64_t>(psi / shard), static_cast<uint64_t>(largest / shard),
+        static_cast<uint64_t>(grad), static_cast<uint64_t>(d * psi / shard),
+        static_cast<uint64_t>(grad / 4 * d));
+  }
+
   const struct {
     const char* tier;
     double need, have;

@@ -85,6 +85,10 @@ struct MemoryPlan {
   // answered for this model (RuntimeConfig::CommitEach: the NVMe state beyond a process's host
   // budget).
   bool commit_each = false;
+  // The smallest strata.host_budget_bytes of each process for this model and config
+  // (tiering::RuntimeConfig::MinimumHost, from the model's sizes: what strata.check_config says
+  // with the model and strata.initialize refuses below).
+  tiering::RuntimeConfig::HostMinimum host_minimum;
 };
 
 // InvalidArgument when the config offloads to a tier the hardware lacks (NVMe).

@@ -1191,12 +1191,13 @@ absl::Status Runtime::CreateOptimizer(
         "create optimizer: offload_optimizer.device is \"nvme\" but there is no NVMe tier");
   }
   const bool on_nvme = oc.device == tiering::OffloadDevice::kNvme;
+  uint64_t state = 0, widest = 0;  // the NVMe state's bytes; the largest partition's elements
+  for (const auto& [id, elements] : partitions) {
+    state += std::min<uint64_t>(elements, tiering::kMaxPartitionBytes / 12) * 12;
+    widest = std::max(widest, elements);
+  }
   if (config_.optimizer_commit_auto) {
     // optimizer_commit "auto": "partition" where the NVMe state is beyond the host's room.
-    uint64_t state = 0;
-    for (const auto& [id, elements] : partitions) {
-      state += std::min<uint64_t>(elements, tiering::kMaxPartitionBytes / 12) * 12;
-    }
     config_.optimizer_commit_each = config_.CommitEach(on_nvme ? state : 0);
     if (config_.optimizer_commit_each) {
       Warn(absl::StrCat(
@@ -1215,6 +1216,36 @@ absl::Status Runtime::CreateOptimizer(
   const bool pipelined = oc.pipeline_read || oc.pipeline_write;
   const int ring = pipelined ? static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 3, 64))
                              : static_cast<int>(std::clamp<int64_t>(oc.buffer_count, 1, 64));
+  if (on_nvme && widest > 0) {
+    // The sub-groups: zero_optimization.sub_group_size at most, smaller where the ring's buffers
+    // for it would take more than a quarter of the host room left (RuntimeConfig::SubGroupFor).
+    const uint64_t budget = table_->budget_bytes(Tier::kHost);  // the staging buffers' taken
+    // Beside what is set aside already and, under "step", the staged copies.
+    uint64_t copies = 0;
+    if (!config_.optimizer_commit_each) {
+      uint64_t elements = 0;
+      for (const auto& [id, n] : partitions) elements += n;
+      if (copy_elements_wanted.has_value()) elements = std::min(elements, *copy_elements_wanted);
+      copies = Pages(elements * (copy_dtype == optim_cpu::DType::kF32 ? 4 : 2));
+    }
+    const uint64_t aside = table_->set_aside_bytes(Tier::kHost) + copies;
+    const uint64_t group = config_.SubGroupFor(widest, ring, config_.optimizer_commit_each,
+                                               budget > aside ? budget - aside : 0);
+    const uint64_t asked = config_.sub_group_size > 0
+                               ? std::min(widest, static_cast<uint64_t>(config_.sub_group_size))
+                               : widest;
+    if (group < asked) {
+      Warn(absl::StrCat("create optimizer: sub-groups of ", group, " elements, not ", asked,
+                        " (zero_optimization.sub_group_size ", config_.sub_group_size,
+                        "): the ring's ", ring,
+                        " buffers for those would take more than a "
+                        "quarter of the ",
+                        budget > aside ? budget - aside : 0,
+                        " bytes of strata.host_budget_bytes left beside the staging buffers and "
+                        "the staged copies; the steps are the same bits"));
+      config_.sub_group_size = static_cast<int64_t>(group);
+    }
+  }
   std::array<uint64_t, tiering::kTierCount> need{};
   uint64_t largest = 0, copy_elements = 0, most_elements = 0;
   // What every NVMe sub-group would take in the read-ahead room at once (swap/optimizer_swapper.h:

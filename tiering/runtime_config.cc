@@ -282,6 +282,44 @@ uint64_t RuntimeConfig::StagingBufferBytes() const {
   return (size + kPageBytes - 1) / kPageBytes * kPageBytes;
 }
 
+RuntimeConfig::HostMinimum RuntimeConfig::MinimumHost(uint64_t optimizer_elements, uint64_t widest,
+                                                      uint64_t largest_partition_bytes,
+                                                      uint64_t staged_copy_bytes,
+                                                      uint64_t largest_param_bytes) const {
+  auto pages = [](uint64_t bytes) { return (bytes + kPageBytes - 1) / kPageBytes * kPageBytes; };
+  HostMinimum m;
+  if (!SwapPath().empty())
+    m.staging = 2 * static_cast<uint64_t>(StagingPairs()) * StagingBufferBytes();
+  if (offload_optimizer.device == OffloadDevice::kCpu) {
+    m.optimizer = pages(12 * optimizer_elements);
+  }
+  m.partition = pages(largest_partition_bytes);
+  if (offload_optimizer.device == OffloadDevice::kNvme && widest > 0) {
+    const bool pipelined = offload_optimizer.pipeline_read || offload_optimizer.pipeline_write;
+    const int ring = static_cast<int>(
+        std::clamp<int64_t>(offload_optimizer.buffer_count, pipelined ? 3 : 1, 64));
+    RuntimeConfig at = *this;  // "auto"'s commit at a budget this small
+    at.host_budget_bytes = m.staging + m.partition;
+    const bool each = at.CommitEach(12 * optimizer_elements);
+    const uint64_t copies = each ? 0 : pages(staged_copy_bytes);
+    if (each) m.partition += pages(largest_param_bytes);
+    // The ring at the sub-groups the Runtime takes for the room left beside the staging buffers
+    // (SubGroupFor: at most a quarter of it, at least 1024 elements): the smallest room that
+    // holds that ring, the copies and the partition.
+    auto ring_bytes = [&](uint64_t room) {
+      const uint64_t g = SubGroupFor(widest, ring, each, room > copies ? room - copies : 0);
+      return static_cast<uint64_t>(ring) * (pages(12 * g) + (each ? pages(4 * g) : 0));
+    };
+    uint64_t room = ring_bytes(0) + copies + m.partition;
+    for (int i = 0; i < 64 && ring_bytes(room) + copies + m.partition > room; ++i) {
+      room = ring_bytes(room) + copies + m.partition;
+    }
+    room = std::max(room, ring_bytes(room) + copies + m.partition);
+    m.optimizer = room - m.partition;
+  }
+  return m;
+}
+
 absl::Status RuntimeConfig::CheckStagingFits() const {
   const uint64_t staging = 2 * static_cast<uint64_t>(StagingPairs()) * StagingBufferBytes();
   if (SwapPath().empty() || staging <= host_budget_bytes) return absl::OkStatus();

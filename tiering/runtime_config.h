@@ -41,6 +41,7 @@
 #ifndef STRATA_TIERING_RUNTIME_CONFIG_H_
 #define STRATA_TIERING_RUNTIME_CONFIG_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -88,8 +89,23 @@ struct RuntimeConfig {
   // zero_optimization.sub_group_size: a parameter's optimizer state on NVMe is read, stepped and
   // written in sub-groups of at most this many elements (DeepSpeed's; its default, 1e9), so the
   // optimizer's buffers hold a sub-group, not the largest parameter. Smaller parameters are not
-  // merged: each is stepped as one.
+  // merged: each is stepped as one. A ceiling: where the ring's buffers for sub-groups of this size
+  // would take more than a quarter of the host room left to the optimizer, smaller ones are taken
+  // (SubGroupFor; the bits are the same whatever the size).
   int64_t sub_group_size = 1000000000;
+  // The elements of the optimizer's sub-groups on NVMe for a largest partition of `largest`
+  // elements, `ring` buffers (12 bytes an element of state, 16 with optimizer_commit
+  // "partition"'s copy buffers) and `room` bytes of host memory left to the optimizer:
+  // sub_group_size (at most `largest`), or the most that keeps the ring within a quarter of `room`
+  // where that is less, in multiples of 1024 elements (whole pages), at least 1024.
+  uint64_t SubGroupFor(uint64_t largest, int ring, bool commit_each, uint64_t room) const {
+    uint64_t g =
+        sub_group_size > 0 ? std::min(largest, static_cast<uint64_t>(sub_group_size)) : largest;
+    const uint64_t per_element = static_cast<uint64_t>(ring) * (commit_each ? 16 : 12);
+    const uint64_t fit = room / 4 / std::max<uint64_t>(per_element, 1) / 1024 * 1024;
+    if (g > fit) g = std::max<uint64_t>(fit, 1024);
+    return std::min(g, largest);
+  }
   // strata's own
   bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
   uint64_t device_budget_bytes = 1ull << 30;
@@ -200,6 +216,23 @@ struct RuntimeConfig {
   // 2, at least one) of offload_param.buffer_size bytes (at least kMinBufferSize) in whole pages.
   int StagingPairs() const;
   uint64_t StagingBufferBytes() const;
+  // The smallest host_budget_bytes a run can take, in its parts: the staging buffers (where there
+  // is an NVMe store), the optimizer's host room at its smallest (offload_optimizer "cpu": its
+  // state, 12 bytes an element; "nvme": its ring at 1024-element sub-groups, with
+  // optimizer_commit "partition"'s copy buffers where that is taken, and `staged_copy_bytes`
+  // under "step", no read-ahead room), and `largest_partition_bytes`, the largest partition the
+  // host tier must hold beside them (a gradient on its way to the optimizer), with under
+  // "partition" `largest_param_bytes` beside it (the parameter partition its new weights are
+  // written into as its state lands). The optimizer steps `optimizer_elements` elements, `widest`
+  // in its largest partition. Below it something is refused: the room set aside, or a
+  // partition's move.
+  struct HostMinimum {
+    uint64_t staging = 0, optimizer = 0, partition = 0;
+    uint64_t total() const { return staging + optimizer + partition; }
+  };
+  HostMinimum MinimumHost(uint64_t optimizer_elements, uint64_t widest,
+                          uint64_t largest_partition_bytes, uint64_t staged_copy_bytes,
+                          uint64_t largest_param_bytes = 0) const;
   // OK, or InvalidArgument naming the keys where there is an NVMe store (SwapPath() not empty)
   // and its staging buffers do not fit in host_budget_bytes, which holds them.
   absl::Status CheckStagingFits() const;

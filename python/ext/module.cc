@@ -5,6 +5,7 @@
 //   Optimizer   Adam, Adagrad or Lion (optim_cpu/chunk_optimizer.h, made by Adam(), Adagrad(),
 //               Lion()) stepping tensors in place: strata.optim's optimizers
 //   check_runtime_config  a config read as a Runtime reads it, nothing made (strata.check_config)
+//   minimum_host_budget   the smallest host budget a config and a model's sizes take
 //   Runtime     sched::Runtime (sched/runtime.h: partitions, tiers, the scheduler, the optimizer
 //               over host or NVMe state): what strata.initialize's engine drives. Tiers are
 //               "device", "host", "nvme"; dtypes "float32", "bfloat16", "float16"; roles "param",
@@ -42,6 +43,7 @@
 #include "base/mutex.h"
 #include "base/status.h"
 #include "comm/job.h"
+#include "nlohmann/json.hpp"
 #include "optim_cpu/adam.h"
 #include "optim_cpu/chunk_optimizer.h"
 #include "pybind11/pybind11.h"
@@ -350,6 +352,33 @@ std::vector<std::string> CheckRuntimeConfig(const std::string& config_json) {
   std::vector<std::string> warnings;
   Take(tiering::RuntimeConfigFromJsonText(config_json, &warnings));
   return warnings;
+}
+
+py::dict MinimumHostBudget(const std::string& config_json, uint64_t optimizer_elements,
+                           uint64_t widest, uint64_t largest_partition_bytes,
+                           uint64_t staged_copy_bytes, uint64_t largest_param_bytes) {
+  // Read with room for its staging buffers (a budget below them is what is asked about here),
+  // then given its own budget back.
+  nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) Take(tiering::RuntimeConfigFromJsonText(config_json));  // names the error
+  uint64_t budget = tiering::RuntimeConfig{}.host_budget_bytes;
+  nlohmann::json& block = j["strata"];
+  if (!block.is_object()) block = nlohmann::json::object();
+  if (block.contains("host_budget_bytes") && block["host_budget_bytes"].is_number_unsigned()) {
+    budget = block["host_budget_bytes"].get<uint64_t>();
+  }
+  block["host_budget_bytes"] = uint64_t{1} << 50;
+  tiering::RuntimeConfig c = Take(tiering::RuntimeConfigFromJson(j));
+  c.host_budget_bytes = budget;
+  const tiering::RuntimeConfig::HostMinimum m = c.MinimumHost(
+      optimizer_elements, widest, largest_partition_bytes, staged_copy_bytes, largest_param_bytes);
+  py::dict d;
+  d["staging"] = m.staging;
+  d["optimizer"] = m.optimizer;
+  d["partition"] = m.partition;
+  d["total"] = m.total();
+  d["budget"] = c.host_budget_bytes;  // the config's strata.host_budget_bytes
+  return d;
 }
 
 py::dict ReportDict(const swap::StepReport& report) {
@@ -1050,6 +1079,13 @@ PYBIND11_MODULE(_strata, m) {
         "a DeepSpeed config's JSON text read as a Runtime reads it, nothing made: its warnings "
         "(a list of str); a bad key or value raises InvalidArgumentError",
         py::arg("config_json"));
+  m.def("minimum_host_budget", &MinimumHostBudget,
+        "tiering::RuntimeConfig::MinimumHost for a config's JSON text: the smallest "
+        "strata.host_budget_bytes a run takes, {staging, optimizer, partition, total}, and the "
+        "config's (budget)",
+        py::arg("config_json"), py::arg("optimizer_elements"), py::arg("widest"),
+        py::arg("largest_partition_bytes"), py::arg("staged_copy_bytes") = 0,
+        py::arg("largest_param_bytes") = 0);
   m.def("digest", &Digest,
         "XXH3-128 of a contiguous CPU tensor's bytes (float32, bfloat16 or float16), in hex",
         py::arg("tensor"));

@@ -123,9 +123,9 @@ def _as_engine_says(message):
     return None if message.startswith(_ENGINE_KEYS) else message
 
 
-def check_config(config):
+def check_config(config, model=None):
     """A DeepSpeed config (a dict or the path of a JSON file) checked as ``strata.initialize``
-    reads it in this process, without a model, a Runtime or a device (nothing is made): its keys
+    reads it in this process, without a Runtime or a device (nothing is made): its keys
     and values, the strata block's, the scheduler's and activation_checkpointing's included
     (``WORLD_SIZE``, where torchrun sets it, the ranks train_batch_size is divided over). Returns
     what initialize says of the config itself (keys strata does not act on, values it takes
@@ -134,9 +134,13 @@ def check_config(config):
     checked: what depends on the model or the machine (budgets against the model's sizes, the
     NVMe folder, the GPU) nor what ZeRO across ranks accepts, which initialize checks when it has
     them. The scheduler block is read even where initialize will be given a client lr_scheduler
-    (and then ignore it)."""
+    (and then ignore it). With `model` (its parameters may be on torch's meta device: nothing of
+    it is read but its sizes), the smallest strata.host_budget_bytes the config takes with it
+    is said (host_minimum: the staging buffers, the optimizer's room at its smallest, the
+    largest gradient partition), and a budget below it refused, naming each part."""
     parsed = TrainConfig.parse(TrainConfig.load(config), world_size=_world_size())
     settings = _RuntimeSettings(parsed)
+    need = host_minimum(parsed, model) if model is not None else None  # (before the staging's)
     runtime_blocks = json.loads(settings.runtime_json)
     ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), settings.stage)
     said = [w for w in (_as_engine_says(w) for w in
@@ -152,6 +156,11 @@ def check_config(config):
                   for _ in range(max([len(v) for v in lists] + [1]))]
         lr = (parsed.optimizer or {}).get("lr", 1e-3)
         lr_schedules.make(parsed.scheduler, torch.optim.SGD(groups, lr=lr))
+    if need is not None:
+        said.append(f"strata.host_budget_bytes: this model takes at least {need['total']} bytes "
+                    f"of it (the staging buffers {need['staging']}, the optimizer's room at its "
+                    f"smallest {need['optimizer']}, the largest gradient partition and what goes "
+                    f"beside it {need['partition']}); the config gives {need['budget']}")
     return settings.warnings + said
 
 
@@ -692,6 +701,8 @@ class Engine(Lending, Gradients, Step):
         settings = _RuntimeSettings(config)
         for message in settings.warnings:
             self._warn(message)
+        self.host_minimum = host_minimum(config, model)  # refused here when below it
+        _leave_room_beside_read_ahead(settings, self.host_minimum)
         self.stage = settings.stage
         self._param_tier = settings.param_tier
         # The optimizer state in host memory (offload_optimizer "cpu"): its partitions may step in
@@ -1774,6 +1785,58 @@ def _nvme_by_cause(report, runtime_report):
         side["gradients"] = by_role.get("grad", 0)
         side["other"] = sum(v for k, v in by_role.items() if k not in ("param", "grad"))
     return {"read": read, "written": written}
+
+
+def host_minimum(config, model):
+    """The smallest strata.host_budget_bytes `config` (a parsed TrainConfig) takes with `model`
+    in this process (tiering::RuntimeConfig::MinimumHost: the staging buffers, the optimizer's
+    room at its smallest, the largest gradient partition at stage 3 (and its parameter's under
+    optimizer_commit "partition"), from the model's sizes;
+    across ranks each rank's shards), {staging, optimizer, partition, total, budget (the
+    config's)}; refused, naming each part, where the config's budget is below it (else the
+    staging buffers, the optimizer's room or a partition's move is refused later, naming only
+    itself). Staged copies (optimizer_commit "step") are counted for every trained parameter."""
+    settings = _RuntimeSettings(config)
+    world = _world_size()
+    trained = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    shards = [-(-p.numel() // world) for p in trained]
+    threshold = settings.threshold if settings.stage == 3 else float("inf")
+    grad_bytes = _DTYPES[config.grad_accum_dtype].itemsize
+    largest, name = max(((-(-p.numel() // world) * grad_bytes, n)
+                         for n, p in model.named_parameters() if p.requires_grad and
+                         (p.numel() >= threshold or init_module.partition_of(p) is not None)),
+                        default=(0, None))
+    need = _strata.minimum_host_budget(
+        settings.runtime_json, sum(shards), max(shards, default=0), largest,
+        sum(shards) * _DTYPES[config.dtype].itemsize,
+        largest // grad_bytes * _DTYPES[config.dtype].itemsize)
+    if need["budget"] < need["total"]:
+        raise ValueError(
+            f"strata.host_budget_bytes ({need['budget']}) is below the smallest this config and "
+            f"model take, {need['total']} bytes: the staging buffers {need['staging']} "
+            f"(offload_param.buffer_count x buffer_size), the optimizer's room at its smallest "
+            f"{need['optimizer']} (offload_optimizer \"{settings.optimizer_device}\": "
+            f"{'its state' if settings.optimizer_device == 'cpu' else 'its ring'}), and the "
+            f"largest gradient partition {need['partition']}{f' ({name})' if name else ''} "
+            "(with its parameter's, where each partition's new weights are written into it); "
+            f"accepted: strata.host_budget_bytes of at least {need['total']}, or fewer or smaller "
+            "staging buffers")
+    return need
+
+
+def _leave_room_beside_read_ahead(settings, need):
+    """strata.optimizer_read_ahead_bytes "auto" (an eighth of the host budget) takes at most
+    what the budget holds beyond its minimum (`need`, host_minimum's), so that the largest
+    gradient partition still finds its room (the Runtime sets the room aside before it knows
+    the partitions)."""
+    runtime = json.loads(settings.runtime_json)
+    block = runtime.setdefault("strata", {})
+    if not isinstance(block, dict) or block.get("optimizer_read_ahead_bytes", "auto") != "auto":
+        return
+    spare = max(0, need["budget"] - need["total"])
+    if spare < need["budget"] // 8:
+        block["optimizer_read_ahead_bytes"] = spare // 4096 * 4096
+        settings.runtime_json = json.dumps(runtime, sort_keys=True)
 
 
 def _engine_holding(model):

@@ -493,7 +493,9 @@ def test_check_config_reads_the_runtimes_blocks_as_the_runtime_does(tmp_path, bl
     (config[block] if block else config)[key] = value
     with pytest.raises(strata.InvalidArgumentError, match=message):
         strata.check_config(config)
-    with pytest.raises(strata.InvalidArgumentError, match=message):
+    if key == "host_budget_bytes":  # with the model: the smallest budget it takes, in parts
+        message = r"below the smallest this config and model take, \d+ bytes: the staging"
+    with pytest.raises(ValueError, match=message):
         strata.initialize(model=Net(), config=config)
     # Nothing was made: the NVMe folder the config names is not there.
     assert not (tmp_path / "nvme").exists()
@@ -2104,6 +2106,46 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         ref_loss = reference.micro_step(x, y, 1)
         reference.step()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
+        torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_smallest_host_budget_is_said_refused_below_and_trains_at_it(tmp_path):
+    """ZeRO-Infinity with the host budget below the optimizer state: the smallest budget the
+    config and model take (the staging buffers, the optimizer's ring at its smallest sub-groups,
+    the largest gradient partition and the parameter its new weights go into) is said by
+    check_config, refused below by name, and trains at it as plain torch, each step reading the
+    state once (optimizer_commit "auto" commits each partition: nothing read again)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 128), torch.nn.Linear(128, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, VOCAB))
+    reference = Reference(copy.deepcopy(model), torch.float32, 1.0)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1)
+    config["strata"]["device_budget_bytes"] = 1 << 20
+    config["strata"]["host_budget_bytes"] = 1 << 16  # below the staging buffers alone
+    with pytest.raises(ValueError, match=r"host_budget_bytes \(65536\) is below the smallest "
+                                         r"this config and model take, \d+ bytes: the staging "
+                                         r"buffers 131072 .*\(1.weight\)"):
+        strata.check_config(config, model)
+    with pytest.raises(ValueError, match="is below the smallest"):
+        strata.initialize(model=model, config=config)
+    config["strata"]["host_budget_bytes"] = 1 << 30
+    said = strata.check_config(config, model)
+    least = int(next(w for w in said if "takes at least" in w).split("at least ")[1].split()[0])
+    state = 12 * sum(p.numel() for p in model.parameters())
+    assert least < state  # (the state beyond the host's room)
+    config["strata"]["host_budget_bytes"] = least
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert engine.host_minimum["total"] == least and engine.runtime.optimizer_commit_each
+    for i, (x, y) in enumerate(batches(3)):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference.micro_step(x, y, 1)
+        reference.step()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        read = engine.last_step_stats["nvme"]["read"]
+        assert read["optimizer_state"] == state and read["state_again"] == 0, read
     for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
         torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
 

@@ -485,6 +485,31 @@ TEST(PlanMemoryTest, NvmeOptimizerStateKeepsTheCrashConsistentSecondCopyAndParam
   EXPECT_DOUBLE_EQ(p->host.params, 2 * psi);
 }
 
+TEST(PlanMemoryTest, TheSmallestHostBudgetIsTheStagingTheRingAtItsSmallestAndAPartition) {
+  // ZeRO-Infinity: what strata.initialize refuses below and check_config says, from the model's
+  // sizes (RuntimeConfig::MinimumHost): far below the state.
+  const Transformer m = Model(OneB(), 1024, 1);
+  const double psi = static_cast<double>(m.TotalParams());
+  const Training t = Config({{"bf16", {{"enabled", true}}},
+                             {"zero_optimization",
+                              {{"stage", 3},
+                               {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", "/x"}}},
+                               {"offload_param",
+                                {{"device", "nvme"},
+                                 {"nvme_path", "/x"},
+                                 {"buffer_count", 4},
+                                 {"buffer_size", 1 << 24}}}}},
+                             {"strata", {{"host_budget_bytes", 1ull << 30}}}});
+  auto p = PlanMemory(m, *HardwareFromJson(A100()), t);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const auto& least = p->host_minimum;
+  EXPECT_EQ(least.staging, 4u << 24);
+  const double largest = static_cast<double>(m.LargestParamParams());
+  EXPECT_DOUBLE_EQ(static_cast<double>(least.partition), 4 * largest + 2 * largest);
+  EXPECT_LT(static_cast<double>(least.total()), 12 * psi / 4);
+  EXPECT_LT(least.total(), 1ull << 30);
+}
+
 TEST(PlanMemoryTest, ActivationsAreInTheTrainingDtype) {
   const Transformer m = Model(OneB(), 1024, 1);
   const Hardware hw = *HardwareFromJson(A100());

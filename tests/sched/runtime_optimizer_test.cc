@@ -229,19 +229,17 @@ TEST(RuntimeOptimizerTest, TheReadAheadRoomIsSetAsideAsConfigured) {
     bool warned;
   };
   const uint64_t base = OptimizerConfig("", OffloadDevice::kNvme).host_budget_bytes;
-  // A host budget with room for the optimizer's ring and staged copies and a page more (beside
-  // the staging pool, which the budget also holds).
+  // A host budget with room for the optimizer's ring at its smallest sub-groups (1024 elements:
+  // the ring may take no more than a quarter of the room) and the staged copies, and a page more
+  // (beside the staging pool, which the budget also holds).
   uint64_t tight = 0;
   {
     ScratchDir dir;
     auto rt = Runtime::Create(OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme), Quiet());
     ASSERT_TRUE(rt.ok()) << rt.status();
-    uint64_t largest = 0, elements = 0;
-    for (const auto& [id, n] : kParts) {
-      largest = std::max(largest, WholePages(n * 12));
-      elements += n;
-    }
-    tight = base - (*rt)->residency().budget_bytes(Tier::kHost) + 4 * largest +
+    uint64_t elements = 0;
+    for (const auto& [id, n] : kParts) elements += n;
+    tight = base - (*rt)->residency().budget_bytes(Tier::kHost) + 4 * WholePages(1024 * 12) +
             WholePages(elements * 2) + 4096;
   }
   for (const Case& c :
@@ -257,6 +255,7 @@ TEST(RuntimeOptimizerTest, TheReadAheadRoomIsSetAsideAsConfigured) {
     RuntimeConfig config = OptimizerConfig(dir.File("swap"), c.device);
     config.host_budget_bytes = c.host_budget;
     config.optimizer_read_ahead_bytes = c.bytes;
+    config.optimizer_commit_auto = false;  // "step" (its staged copies) whatever the budget
     auto rt = Runtime::Create(config, Quiet());
     ASSERT_TRUE(rt.ok()) << rt.status();
     absl::Status s = (*rt)->CreateOptimizer(Adam(), kParts);
@@ -273,6 +272,7 @@ TEST(RuntimeOptimizerTest, TheReadAheadRoomIsSetAsideAsConfigured) {
   RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
   config.optimizer_read_ahead_bytes = uint64_t{1} << 40;
   config.host_budget_bytes = tight;
+  config.optimizer_commit_auto = false;
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   absl::Status s = (*rt)->CreateOptimizer(Adam(), kParts);
@@ -701,6 +701,41 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
     for (const auto& [id, n] : kParts) EXPECT_EQ(table.Get(id)->pins[1], 0) << id;
     EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
   }
+}
+
+// A host budget whose room beside the staging pool would be more than a quarter taken by the ring
+// at sub_group_size (here whole partitions): smaller sub-groups, said, and the same bits.
+TEST(RuntimeOptimizerTest, SubGroupsShrinkToFitTheHostRoomAndStepTheSameBits) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_auto = false;  // "step", its staged copies counted
+  std::vector<std::string> warnings;
+  uint64_t room = 0;
+  {
+    auto probe = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    // 4 ring buffers of 7001 elements' state would be 4 x 86016 bytes: give them 4 x 49152 beside
+    // the staged copies (a quarter of it: 2048-element sub-groups).
+    room = 4 * 4 * 2048 * 12 + (15001 * 2 + 4095) / 4096 * 4096;
+    config.host_budget_bytes =
+        config.host_budget_bytes - (*probe)->residency().budget_bytes(Tier::kHost) + room;
+  }
+  config.optimizer_read_ahead_bytes = 0;
+  auto rt = Runtime::Create(config, Quiet(&warnings));
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  Reference ref;
+  const auto grads = Grads(1);
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("sub-groups of 2048 elements, not 7001")));
+  EXPECT_EQ((*rt)->config().sub_group_size, 2048);
+  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
+  }
+  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  ref.Step(1, grads);
+  ExpectState(**rt, ref);
+  EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
 }
 
 // sub_group_size 0 set in a RuntimeConfig (the JSON refuses it): whole partitions (it divided by

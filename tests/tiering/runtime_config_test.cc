@@ -284,6 +284,67 @@ TEST(RuntimeConfigTest, OptimizerCommitIsStepOrPartition) {
   EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("optimizer_commit")));
 }
 
+TEST(RuntimeConfigTest, OptimizerCommitAutoIsPartitionWhereTheNvmeStateIsBeyondTheHostBudget) {
+  auto c = RuntimeConfigFromJsonText(R"({
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                              "nvme_path": "/tmp/x"},
+                            "offload_param": {"buffer_count": 2, "buffer_size": 65536}},
+      "strata": {"host_budget_bytes": 1000000}})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->optimizer_commit_auto);
+  EXPECT_FALSE(c->CommitEach(1000000));
+  EXPECT_TRUE(c->CommitEach(1000001));
+  RuntimeConfig step = *c;  // given: what it says
+  step.optimizer_commit_auto = false;
+  EXPECT_FALSE(step.CommitEach(1 << 30));
+  RuntimeConfig behind = *c;  // optimizer_write_behind true is a "step" option
+  behind.optimizer_write_behind = true;
+  EXPECT_FALSE(behind.CommitEach(1 << 30));
+  RuntimeConfig on_cpu = *c;
+  on_cpu.offload_optimizer.device = OffloadDevice::kCpu;
+  EXPECT_FALSE(on_cpu.CommitEach(1 << 30));
+  auto named = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "auto"}})");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_TRUE(named->optimizer_commit_auto);
+}
+
+// The sub-groups the optimizer takes: sub_group_size at most, smaller where its ring would take
+// more than a quarter of the host room (whole 1024-element multiples, at least 1024); and the
+// smallest host budget, in parts, at which the Runtime's own choices fit.
+TEST(RuntimeConfigTest, SubGroupsFitTheHostRoomAndTheSmallestBudgetIsTheirs) {
+  RuntimeConfig c;
+  EXPECT_EQ(c.SubGroupFor(5000, 4, false, 1 << 30), 5000u);  // the largest partition, whole
+  EXPECT_EQ(c.SubGroupFor(1 << 20, 4, false, 4 * 48 * 4096), 4096u);  // 48 bytes an element
+  EXPECT_EQ(c.SubGroupFor(1 << 20, 4, true, 4 * 64 * 4096), 4096u);   // 64 with copy buffers
+  EXPECT_EQ(c.SubGroupFor(1 << 20, 4, true, 100), 1024u);             // never under 1024
+  EXPECT_EQ(c.SubGroupFor(100, 4, true, 100), 100u);                  // nor over the partition
+  c.sub_group_size = 2048;
+  EXPECT_EQ(c.SubGroupFor(1 << 20, 4, true, 1 << 30), 2048u);  // the config's, a ceiling
+
+  auto nvme = RuntimeConfigFromJsonText(R"({
+      "zero_optimization": {"stage": 3,
+          "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 4},
+          "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 4,
+                            "buffer_size": 65536}},
+      "strata": {"host_budget_bytes": 1000000}})");
+  ASSERT_TRUE(nvme.ok()) << nvme.status();
+  const uint64_t widest = 1 << 20, grad = 4 << 20, param = 4 << 20;
+  const RuntimeConfig::HostMinimum m = nvme->MinimumHost(8 << 20, widest, grad, 0, param);
+  EXPECT_EQ(m.staging, 4u * 65536);
+  EXPECT_EQ(m.partition, grad + param);  // "auto" commits each partition this small
+  // The ring at the sub-groups the Runtime would take in the room left beside the staging
+  // buffers: it fits there with the partitions, a quarter of that room at most.
+  const uint64_t room = m.total() - m.staging;
+  const uint64_t g = nvme->SubGroupFor(widest, 4, true, room);
+  EXPECT_EQ(m.optimizer, 4 * (12 * g + 4 * g));
+  EXPECT_LE(m.optimizer + m.partition, room);
+  EXPECT_LE(4 * m.optimizer, room);
+  // Host-resident state: the state itself.
+  RuntimeConfig cpu = *nvme;
+  cpu.offload_optimizer.device = OffloadDevice::kCpu;
+  EXPECT_EQ(cpu.MinimumHost(1000, 100, 0, 0).optimizer, 12288u);
+}
+
 TEST(RuntimeConfigTest, OptimizerReadAheadIsBytesOrAuto) {
   EXPECT_FALSE(RuntimeConfig().optimizer_read_ahead_bytes.has_value());  // "auto"
   auto automatic =

@@ -379,6 +379,12 @@ int Main() {
       "checkpointing, %s without. Not counted: the CUDA context and workspace, the "
       "trainer process's own host memory.)\n",
       Gb(plan->activations_checkpointed).c_str(), Gb(plan->activations_full).c_str());
+  const auto& least = plan->host_minimum;
+  std::printf(
+      "smallest strata.host_budget_bytes of a process: %s (staging buffers %s, the optimizer's "
+      "room at its smallest %s, the largest gradient partition and what goes beside it %s)\n",
+      Gb(least.total()).c_str(), Gb(least.staging).c_str(), Gb(least.optimizer).c_str(),
+      Gb(least.partition).c_str());
   if (plan->overflow) {
     std::printf("DOES NOT FIT: the %s tier needs %s of its %s (%s over)\n",
                 plan->overflow->tier.c_str(), Gb(plan->overflow->need).c_str(),
@@ -431,6 +437,7 @@ int Main() {
               {"nvme", BytesJson(plan->nvme)},
               {"activations_checkpointed", plan->activations_checkpointed},
               {"activations_full", plan->activations_full},
+              {"host_minimum_bytes", plan->host_minimum.total()},
               {"fits", !plan->overflow.has_value()}};
     if (plan->overflow) {
       j["overflow"] = {{"tier", plan->overflow->tier},
