@@ -2110,6 +2110,17 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         torch.testing.assert_close(ours.float(), theirs.detach().float(), rtol=1e-5, atol=1e-5)
 
 
+def _step_beside_reference(engine, reference, x, y):
+    """One step of the engine and one of `reference` (a references.Reference) on (x, y), their
+    losses held equal."""
+    loss = loss_of(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    ref_loss = reference.micro_step(x, y, 1)
+    reference.step()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
 def test_the_smallest_host_budget_is_said_refused_below_and_trains_at_it(tmp_path):
     """ZeRO-Infinity with the host budget below the optimizer state: the smallest budget the
     config and model take (the staging buffers, the optimizer's ring at its smallest sub-groups,
@@ -2138,12 +2149,7 @@ def test_the_smallest_host_budget_is_said_refused_below_and_trains_at_it(tmp_pat
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert engine.host_minimum["total"] == least and engine.runtime.optimizer_commit_each
     for i, (x, y) in enumerate(batches(3)):
-        loss = loss_of(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        ref_loss = reference.micro_step(x, y, 1)
-        reference.step()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        _step_beside_reference(engine, reference, x, y)
         read = engine.last_step_stats["nvme"]["read"]
         assert read["optimizer_state"] == state and read["state_again"] == 0, read
     for ours, theirs in zip(engine_weights(engine), reference.model.parameters()):
@@ -2164,12 +2170,7 @@ def test_an_evaluation_between_steps_leaves_the_training_trace_alone(tmp_path):
     with warnings_module.catch_warnings(record=True) as caught:
         warnings_module.simplefilter("always")
         for i, (x, y) in enumerate(batches(6)):
-            loss = loss_of(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            ref_loss = reference.micro_step(x, y, 1)
-            reference.step()
-            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+            _step_beside_reference(engine, reference, x, y)
             if i >= 2:
                 assert engine.last_step_stats["runtime"]["mode"] == "planned", i
             engine.eval()

@@ -583,6 +583,15 @@ TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepp
   ExpectState(**rt, ref);
 }
 
+// Step 1 staged partition by partition, each from its gradient partition, and committed.
+void StageEachAndCommit(Runtime& rt) {
+  ASSERT_TRUE(rt.BeginOptimizerStep().ok());
+  for (const auto& [id, n] : kParts) {
+    ASSERT_TRUE(rt.StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
+  }
+  ASSERT_TRUE(rt.CommitOptimizerStep().ok());
+}
+
 // The parameters of kParts' optimizer partitions (fp32, ids 100 above) registered in `tier`
 // (`old`: 12's parameter's initial values, else none), then step 1 staged with each parameter as
 // its copy's sink and committed; the optimizer partitions whose weights were written there.
@@ -689,11 +698,7 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
     if (each) {
       EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kNvme), ElementsAre(11, 12, 13));
     } else {
-      ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
-      for (const auto& [id, n] : kParts) {
-        ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
-      }
-      ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+      ASSERT_NO_FATAL_FAILURE(StageEachAndCommit(**rt));
     }
     ref.Step(1, grads);
     ExpectState(**rt, ref);
@@ -728,11 +733,7 @@ TEST(RuntimeOptimizerTest, SubGroupsShrinkToFitTheHostRoomAndStepTheSameBits) {
   ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
   EXPECT_THAT(warnings, ::testing::Contains(HasSubstr("sub-groups of 2048 elements, not 7001")));
   EXPECT_EQ((*rt)->config().sub_group_size, 2048);
-  ASSERT_TRUE((*rt)->BeginOptimizerStep().ok());
-  for (const auto& [id, n] : kParts) {
-    ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
-  }
-  ASSERT_TRUE((*rt)->CommitOptimizerStep().ok());
+  ASSERT_NO_FATAL_FAILURE(StageEachAndCommit(**rt));
   ref.Step(1, grads);
   ExpectState(**rt, ref);
   EXPECT_LE((*rt)->stats().host_held_bytes, config.host_budget_bytes);
