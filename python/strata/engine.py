@@ -961,6 +961,8 @@ class Engine(Lending, Gradients, Step):
         for e in self._params + self._frozen:
             if e.partitioned:
                 e.param.ds_numel = e.numel
+        if any(e.partitioned for e in self._params + self._frozen):
+            self._refuse_merges(model)
         hf = sys.modules.get("transformers")
         if hf is None or not any(e.partitioned for e in self._params + self._frozen):
             return
@@ -968,6 +970,31 @@ class Engine(Lending, Gradients, Step):
             if isinstance(module, hf.PreTrainedModel):
                 module.num_parameters = types.MethodType(_num_parameters, module)
                 self._patched_methods.append((module, "num_parameters"))
+
+    def _refuse_merges(self, model):
+        """peft's merge_and_unload (and merge_adapter, unload) edit or take the base layers'
+        weights, which stage 3 keeps as partitions (placeholders outside forward): on the
+        model's peft wrappers they are refused by name, naming engine.release(), where they
+        failed in a shape error or merged nothing (patched on the instances; close() takes them
+        off)."""
+        peft = sys.modules.get("peft")
+        if peft is None:
+            return
+
+        def refused(name):
+            def call(*args, **kwargs):
+                raise RuntimeError(
+                    f"peft's {name} at ZeRO stage 3: the base layers' weights are the engine's "
+                    "partitions, not in the module; accepted: model = engine.release() (closes "
+                    f"the engine and gives the module its weights back whole), then "
+                    f"model.{name}()")
+            return call
+        for module in model.modules():
+            if isinstance(module, (peft.PeftModel, peft.tuners.tuners_utils.BaseTuner)):
+                for name in ("merge_and_unload", "merge_adapter", "unload"):
+                    if hasattr(module, name):
+                        setattr(module, name, refused(name))
+                        self._patched_methods.append((module, name))
 
     def _stream(self):
         """Where the model's kernels are queued: on the CUDA tier torch's current stream (the

@@ -548,6 +548,9 @@ def test_a_lora_model_released_after_stage_3_merges_as_plain_peft(tmp_path):
     (kwargs,) = batches("llama", 1, seed=7)
     with torch.no_grad():
         expected = engine(**kwargs).logits
+    with pytest.raises(RuntimeError, match=r"peft's merge_and_unload at ZeRO stage 3: .*"
+                                           r"engine.release\(\)"):
+        engine.module.merge_and_unload()
     model = engine.release()
     assert all(p.numel() > 0 for p in model.parameters())
     merged = model.merge_and_unload()
