@@ -207,7 +207,7 @@ def test_a_strata_setting_given_for_an_ab_goes_to_stratas_copy_alone_and_is_said
     # model fits fails strata's row there, naming the budget.
     report, _ = run_bench(tmp_path, "--rows", "zero2_cpu", "--no-floor", "--strata",
                           '{"host_budget_bytes": 4096}')
-    assert "bytes of the host tier; accepted: strata.host_budget_bytes" in \
+    assert "is below the smallest this config and model take" in \
         report["rows"][0]["strata"]["error"]
 
 
