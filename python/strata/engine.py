@@ -918,7 +918,7 @@ class Engine(Lending, Gradients, Step):
             raise ValueError(
                 "strata.optimizer_commit \"partition\" across ranks: a step that failed part "
                 "way on one rank would leave its shards stepped and the others' not; accepted: "
-                "\"step\" (the default) in a job of several processes")
+                "\"step\" (what \"auto\" takes there) in a job of several processes")
         # A load that failed part way with _commit_each: what it had loaded stays (engine_state).
         self._half_loaded = None
         self._early_held = []  # their host copies, released written after backward
