@@ -298,23 +298,35 @@ RuntimeConfig::HostMinimum RuntimeConfig::MinimumHost(uint64_t optimizer_element
     const bool pipelined = offload_optimizer.pipeline_read || offload_optimizer.pipeline_write;
     const int ring = static_cast<int>(
         std::clamp<int64_t>(offload_optimizer.buffer_count, pipelined ? 3 : 1, 64));
-    RuntimeConfig at = *this;  // "auto"'s commit at a budget this small
+    RuntimeConfig at = *this;  // "auto"'s commit at a budget this small (checked below)
     at.host_budget_bytes = m.staging + m.partition;
-    const bool each = at.CommitEach(12 * optimizer_elements);
-    const uint64_t copies = each ? 0 : pages(staged_copy_bytes);
-    if (each) m.partition += pages(largest_param_bytes);
+    bool each = at.CommitEach(12 * optimizer_elements);
     // The ring at the sub-groups the Runtime takes for the room left beside the staging buffers
     // (SubGroupFor: at most a quarter of it, at least 1024 elements): the smallest room that
     // holds that ring, the copies and the partition.
+    uint64_t copies = 0;
     auto ring_bytes = [&](uint64_t room) {
       const uint64_t g = SubGroupFor(widest, ring, each, room > copies ? room - copies : 0);
       return static_cast<uint64_t>(ring) * (pages(12 * g) + (each ? pages(4 * g) : 0));
     };
-    uint64_t room = ring_bytes(0) + copies + m.partition;
-    for (int i = 0; i < 64 && ring_bytes(room) + copies + m.partition > room; ++i) {
-      room = ring_bytes(room) + copies + m.partition;
+    const uint64_t held = m.partition;
+    auto smallest = [&](bool each_now) {  // (the room beside the staging buffers)
+      each = each_now;
+      copies = each ? 0 : pages(staged_copy_bytes);
+      m.partition = held + (each ? pages(largest_param_bytes) : 0);
+      uint64_t room = ring_bytes(0) + copies + m.partition;
+      for (int i = 0; i < 64 && ring_bytes(room) + copies + m.partition > room; ++i) {
+        room = ring_bytes(room) + copies + m.partition;
+      }
+      return std::max(room, ring_bytes(room) + copies + m.partition);
+    };
+    uint64_t room = smallest(each);
+    at.host_budget_bytes = m.staging + room;
+    if (each != at.CommitEach(12 * optimizer_elements)) {
+      // At that budget "auto" answers otherwise (the state fits it: "step", with its staged
+      // copies): the smallest budget is that answer's.
+      room = smallest(!each);
     }
-    room = std::max(room, ring_bytes(room) + copies + m.partition);
     m.optimizer = room - m.partition;
   }
   return m;

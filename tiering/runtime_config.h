@@ -224,8 +224,9 @@ struct RuntimeConfig {
   // host tier must hold beside them (a gradient on its way to the optimizer), with under
   // "partition" `largest_param_bytes` beside it (the parameter partition its new weights are
   // written into as its state lands). The optimizer steps `optimizer_elements` elements, `widest`
-  // in its largest partition. Below it something is refused: the room set aside, or a
-  // partition's move.
+  // in its largest partition. Below it something is refused (the room set aside, or a
+  // partition's move), or the step reads more than the state once (a parameter partition with no
+  // room to take its new weights has them read back from its state).
   struct HostMinimum {
     uint64_t staging = 0, optimizer = 0, partition = 0;
     uint64_t total() const { return staging + optimizer + partition; }

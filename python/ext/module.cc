@@ -366,6 +366,9 @@ py::dict MinimumHostBudget(const std::string& config_json, uint64_t optimizer_el
   if (!block.is_object()) block = nlohmann::json::object();
   if (block.contains("host_budget_bytes") && block["host_budget_bytes"].is_number_unsigned()) {
     budget = block["host_budget_bytes"].get<uint64_t>();
+  } else if (block.contains("host_budget_bytes") && block["host_budget_bytes"].is_number() &&
+             block["host_budget_bytes"].get<double>() >= 1) {  // 6.1e6, as the Runtime reads it
+    budget = static_cast<uint64_t>(block["host_budget_bytes"].get<double>());
   }
   block["host_budget_bytes"] = uint64_t{1} << 50;
   tiering::RuntimeConfig c = Take(tiering::RuntimeConfigFromJson(j));

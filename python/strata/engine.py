@@ -1828,15 +1828,28 @@ def host_minimum(config, model):
     trained = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     shards = [-(-p.numel() // world) for p in trained]
     threshold = settings.threshold if settings.stage == 3 else float("inf")
+
+    def partitioned(p):
+        return p.numel() >= threshold or init_module.partition_of(p) is not None
     grad_bytes = _DTYPES[config.grad_accum_dtype].itemsize
+    element = _DTYPES[config.dtype].itemsize
     largest, name = max(((-(-p.numel() // world) * grad_bytes, n)
                          for n, p in model.named_parameters() if p.requires_grad and
-                         (p.numel() >= threshold or init_module.partition_of(p) is not None)),
-                        default=(0, None))
+                         partitioned(p)), default=(0, None))
+    # Parameters homed in host memory (offload_param "cpu" at stage 3) are all held there.
+    homed = sum(-(-p.numel() // world) * element for p in {
+        id(p): p for p in model.parameters() if partitioned(p)}.values()) \
+        if settings.stage == 3 and settings.param_tier == "host" else 0
+    # The staged new weights under "step": with parameters homed on NVMe, the unpartitioned
+    # ones' (the others are read back from their master weights); else all.
+    staged = sum(-(-p.numel() // world) for p in trained
+                 if not (settings.param_tier == "nvme" and partitioned(p))) * element
+    # The optimizer's state in host memory is set aside a partition at a time, in whole pages.
+    elements = sum(-(-12 * n // 4096) * 4096 // 12 + 1 for n in shards) \
+        if settings.optimizer_device == "cpu" else sum(shards)
     need = _strata.minimum_host_budget(
-        settings.runtime_json, sum(shards), max(shards, default=0), largest,
-        sum(shards) * _DTYPES[config.dtype].itemsize,
-        largest // grad_bytes * _DTYPES[config.dtype].itemsize)
+        settings.runtime_json, elements, max(shards, default=0), largest + homed, staged,
+        largest // grad_bytes * element)
     if need["budget"] < need["total"]:
         raise ValueError(
             f"strata.host_budget_bytes ({need['budget']}) is below the smallest this config and "
@@ -1845,24 +1858,28 @@ def host_minimum(config, model):
             f"{need['optimizer']} (offload_optimizer \"{settings.optimizer_device}\": "
             f"{'its state' if settings.optimizer_device == 'cpu' else 'its ring'}), and the "
             f"largest gradient partition {need['partition']}{f' ({name})' if name else ''} "
-            "(with its parameter's, where each partition's new weights are written into it); "
+            "(with its parameter's, where each partition's new weights are written into it, and "
+            "the parameters homed in host memory); "
             f"accepted: strata.host_budget_bytes of at least {need['total']}, or fewer or smaller "
             "staging buffers")
     return need
 
 
 def _leave_room_beside_read_ahead(settings, need):
-    """strata.optimizer_read_ahead_bytes "auto" (an eighth of the host budget) takes at most
-    what the budget holds beyond its minimum (`need`, host_minimum's), so that the largest
-    gradient partition still finds its room (the Runtime sets the room aside before it knows
-    the partitions)."""
+    """strata.optimizer_read_ahead_bytes "auto" (an eighth of the host budget) takes no room
+    where the budget holds less than a quarter of itself beyond its minimum (`need`,
+    host_minimum's), so that the gradients and the parameter partitions their new weights go
+    into find their room (the Runtime sets the room aside before it knows the partitions)."""
     runtime = json.loads(settings.runtime_json)
     block = runtime.setdefault("strata", {})
     if not isinstance(block, dict) or block.get("optimizer_read_ahead_bytes", "auto") != "auto":
         return
     spare = max(0, need["budget"] - need["total"])
-    if spare < need["budget"] // 8:
-        block["optimizer_read_ahead_bytes"] = spare // 4096 * 4096
+    if spare < need["budget"] // 4:
+        # None: a partition read ahead keeps its gradient pinned until the step after backward,
+        # so read-ahead room taken near the minimum leaves too little for the gradients and the
+        # parameters their new weights go into (and the ring grows by a quarter of the spare).
+        block["optimizer_read_ahead_bytes"] = 0
         settings.runtime_json = json.dumps(runtime, sort_keys=True)
 
 
