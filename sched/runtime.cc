@@ -1191,6 +1191,12 @@ absl::Status Runtime::CreateOptimizer(
         "create optimizer: offload_optimizer.device is \"nvme\" but there is no NVMe tier");
   }
   const bool on_nvme = oc.device == tiering::OffloadDevice::kNvme;
+  {
+    MutexLock lock(&optimizer_mu_);  // (checked again below, before it is made)
+    if (optimizer_ != nullptr) {
+      return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
+    }
+  }
   uint64_t state = 0, widest = 0;  // the NVMe state's bytes; the largest partition's elements
   for (const auto& [id, elements] : partitions) {
     state += std::min<uint64_t>(elements, tiering::kMaxPartitionBytes / 12) * 12;
@@ -1199,6 +1205,7 @@ absl::Status Runtime::CreateOptimizer(
   if (config_.optimizer_commit_auto) {
     // optimizer_commit "auto": "partition" where the NVMe state is beyond the host's room.
     config_.optimizer_commit_each = config_.CommitEach(on_nvme ? state : 0);
+    config_.optimizer_commit_auto = false;  // answered
     if (config_.optimizer_commit_each) {
       Warn(absl::StrCat(
           "create optimizer: the optimizer state on NVMe (", state,
