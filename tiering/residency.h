@@ -40,7 +40,7 @@ inline constexpr int kTierCount = 3;
 absl::string_view TierName(Tier t);
 
 enum class Role : uint8_t { kParam, kGrad, kMaster, kExpAvg, kExpAvgSq, kOther };
-inline constexpr int kRoleCount = 6;
+inline constexpr int kRoleCount = static_cast<int>(Role::kOther) + 1;
 absl::string_view RoleName(Role r);
 
 enum class ElementType : uint8_t { kF32, kBF16, kF16, kOther };

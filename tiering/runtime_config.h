@@ -218,7 +218,8 @@ struct RuntimeConfig {
   uint64_t StagingBufferBytes() const;
   // The smallest host_budget_bytes a run can take, in its parts: the staging buffers (where there
   // is an NVMe store), the optimizer's host room at its smallest (offload_optimizer "cpu": its
-  // state, 12 bytes an element; "nvme": its ring at 1024-element sub-groups, with
+  // state, 12 bytes an element; "nvme": its ring at the sub-groups SubGroupFor gives for that
+  // room (at least 1024 elements), with
   // optimizer_commit "partition"'s copy buffers where that is taken, and `staged_copy_bytes`
   // under "step", no read-ahead room), and `largest_partition_bytes`, the largest partition the
   // host tier must hold beside them (a gradient on its way to the optimizer), with under

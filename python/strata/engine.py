@@ -1822,7 +1822,8 @@ def host_minimum(config, model):
     across ranks each rank's shards), {staging, optimizer, partition, total, budget (the
     config's)}; refused, naming each part, where the config's budget is below it (else the
     staging buffers, the optimizer's room or a partition's move is refused later, naming only
-    itself). Staged copies (optimizer_commit "step") are counted for every trained parameter."""
+    itself). Staged copies (optimizer_commit "step") are counted for every trained parameter but,
+    with parameters homed on NVMe, the partitioned ones (their new weights are read back)."""
     settings = _RuntimeSettings(config)
     world = _world_size()
     trained = {id(p): p for p in model.parameters() if p.requires_grad}.values()
@@ -1914,7 +1915,7 @@ def _refuse_placeholders(model, params):
     """After close: `params` (the engine's partitioned ones) are placeholders of their shape
     without their bytes; a module holding one refuses forward and state_dict() by name, where
     it would compute with zeros and save zeros (save_pretrained after the engine's last
-    reference was dropped), and strata.initialize refuses it (_check_no_placeholders)."""
+    reference was dropped), and strata.initialize refuses it (_left_placeholders)."""
     for key in [k for k, (ref, _) in _CLOSED_PLACEHOLDERS.items() if ref() is None]:
         del _CLOSED_PLACEHOLDERS[key]
     for p in params:

@@ -151,10 +151,6 @@ def make(spec, optimizer):
     """The schedule a config's scheduler block names: {"type": ..., "params": {...}}."""
     kinds = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR,
              "WarmupCosineLR": WarmupCosineLR}
-    if spec.get("type") not in kinds:
-        raise ValueError(f"config: scheduler.type {spec.get('type')!r} is not supported; "
-                         f"accepted: {', '.join(kinds)} (or no scheduler block: a torch or "
-                         "transformers schedule of your own)")
     try:
         return kinds[spec["type"]](optimizer, **spec["params"])
     except (TypeError, ValueError) as e:

@@ -2145,6 +2145,9 @@ def test_the_smallest_host_budget_is_said_refused_below_and_trains_at_it(tmp_pat
     least = int(next(w for w in said if "takes at least" in w).split("at least ")[1].split()[0])
     state = 12 * sum(p.numel() for p in model.parameters())
     assert least < state  # (the state beyond the host's room)
+    config["strata"]["host_budget_bytes"] = least - 1  # every part counts: a byte less is refused
+    with pytest.raises(ValueError, match=f"below the smallest this config and model take, {least}"):
+        strata.check_config(config, model)
     config["strata"]["host_budget_bytes"] = least
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert engine.host_minimum["total"] == least and engine.runtime.optimizer_commit_each
