@@ -1197,9 +1197,19 @@ absl::Status Runtime::CreateOptimizer(
       return absl::FailedPreconditionError("create optimizer: this Runtime has one already");
     }
   }
+  // Each partition checked before anything (the config's "auto" answers below) changes.
   uint64_t state = 0, widest = 0;  // the NVMe state's bytes; the largest partition's elements
   for (const auto& [id, elements] : partitions) {
-    state += std::min<uint64_t>(elements, tiering::kMaxPartitionBytes / 12) * 12;
+    if (id >= kOptimizerKey) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("create optimizer: partition ", id, ": ids are below 2^63"));
+    }
+    if (elements == 0 || elements > tiering::kMaxPartitionBytes / 12) {
+      return absl::InvalidArgumentError(absl::StrCat("create optimizer: partition ", id, " has ",
+                                                     elements, " elements (accepted: 1 to ",
+                                                     tiering::kMaxPartitionBytes / 12, ")"));
+    }
+    state += elements * 12;
     widest = std::max(widest, elements);
   }
   if (config_.optimizer_commit_auto) {
@@ -1269,15 +1279,6 @@ absl::Status Runtime::CreateOptimizer(
                : elements;
   };
   for (const auto& [id, elements] : partitions) {
-    if (id >= kOptimizerKey) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("create optimizer: partition ", id, ": ids are below 2^63"));
-    }
-    if (elements == 0 || elements > tiering::kMaxPartitionBytes / 12) {
-      return absl::InvalidArgumentError(absl::StrCat("create optimizer: partition ", id, " has ",
-                                                     elements, " elements (accepted: 1 to ",
-                                                     tiering::kMaxPartitionBytes / 12, ")"));
-    }
     if (on_nvme) {
       // The ring's buffers hold a sub-group (zero_optimization.sub_group_size) at most.
       largest = std::max(largest, sub_group(elements) * 12);

@@ -708,6 +708,22 @@ TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
   }
 }
 
+// A partition CreateOptimizer refuses (no elements) leaves the config as it was: optimizer_commit
+// "auto" not answered, sub_group_size not fitted.
+TEST(RuntimeOptimizerTest, ARefusedPartitionLeavesTheConfigAsItWas) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.host_budget_bytes -= 1 << 20;  // below the state: "auto" would answer "partition"
+  auto rt = Runtime::Create(config, Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  auto parts = kParts;
+  parts.push_back({14, 0});
+  EXPECT_THAT((*rt)->CreateOptimizer(Adam(), parts).message(), HasSubstr("has 0 elements"));
+  EXPECT_TRUE((*rt)->config().optimizer_commit_auto);
+  EXPECT_FALSE((*rt)->config().optimizer_commit_each);
+  EXPECT_EQ((*rt)->config().sub_group_size, config.sub_group_size);
+}
+
 // A host budget whose room beside the staging pool would be more than a quarter taken by the ring
 // at sub_group_size (here whole partitions): smaller sub-groups, said, and the same bits.
 TEST(RuntimeOptimizerTest, SubGroupsShrinkToFitTheHostRoomAndStepTheSameBits) {
