@@ -40,12 +40,13 @@ class RuntimeSettings:
                              zero.get("param_persistence_threshold", 100000))
         self.threshold = threshold if isinstance(threshold, (int, float)) else 100000
         self.dtype = config.dtype
+        self.several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # a job of processes
         # The config's own blocks (what strata.init and an engine must agree on), then the
         # Runtime's JSON with what "auto" decides from the rest of the config.
         self.blocks_json = json.dumps(runtime, sort_keys=True)
         self._read_ahead_where_held(runtime, config)
         block = runtime.get("strata")
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and \
+        if self.several and \
                 (not isinstance(block, dict) or block.get("optimizer_commit", "auto") == "auto"):
             # optimizer_commit "auto" is "step" across ranks: "partition" is one process's (a
             # step failing part way on one rank would leave the ranks' shards apart).
@@ -67,8 +68,7 @@ class RuntimeSettings:
         partition = block.get("optimizer_commit") == "partition"
         held = config.clipping > 0 or (partition and not (during is True and
                                                           config.dtype != "float16"))
-        several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-        if self.stage != 3 or self.optimizer_device != "nvme" or several or not held:
+        if self.stage != 3 or self.optimizer_device != "nvme" or self.several or not held:
             runtime.setdefault("strata", {})["optimizer_read_ahead_bytes"] = 0
 
 

@@ -2776,3 +2776,22 @@ def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
     engine(x)
     handle.remove()
     assert lent
+
+
+def test_optimizer_commit_auto_is_step_across_ranks(tmp_path, monkeypatch):
+    """optimizer_commit "auto" is "partition" only in one process: across ranks (WORLD_SIZE) the
+    Runtime is given "step", where a step failing part way on one rank would leave the ranks'
+    shards apart; one given is kept."""
+    from strata.config import TrainConfig
+    from strata.runtime_settings import RuntimeSettings
+    config = make_config(tmp_path, 3, "nvme", "fp32")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    settings = RuntimeSettings(TrainConfig.parse(config, world_size=2))
+    assert json.loads(settings.runtime_json)["strata"]["optimizer_commit"] == "step"
+    config["strata"]["optimizer_commit"] = "partition"
+    settings = RuntimeSettings(TrainConfig.parse(config, world_size=2))
+    assert json.loads(settings.runtime_json)["strata"]["optimizer_commit"] == "partition"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    del config["strata"]["optimizer_commit"]
+    settings = RuntimeSettings(TrainConfig.parse(config, world_size=1))
+    assert "optimizer_commit" not in json.loads(settings.runtime_json)["strata"]
