@@ -328,10 +328,13 @@ class Replay {
       for (PartitionId id = 0; id < parts_.size(); ++id) {
         if (!Evictable(id, t, !distance)) continue;
         // As the Runtime counts it: a copy in either memory tier serves an access in the other.
-        const uint64_t next = scheduler_.plans_evictions()
-                                  ? std::min(scheduler_.NextUse(id, Tier::kDevice),
-                                             scheduler_.NextUse(id, Tier::kHost))
-                                  : 0;
+        // And a gradient the optimizer step reads from the host tier is needed there then.
+        const uint64_t next =
+            scheduler_.plans_evictions()
+                ? std::min({scheduler_.NextUse(id, Tier::kDevice),
+                            scheduler_.NextUse(id, Tier::kHost),
+                            t == Tier::kHost ? scheduler_.StepUse(id) : Scheduler::kNever})
+                : 0;
         // A prefetch evicts nothing the window needs, nor anything needed before its own.
         if (distance && next <= std::max<uint64_t>(*distance, scheduler_.lookahead())) continue;
         const Copy& c = parts_[id].at[I(t)];
@@ -451,6 +454,7 @@ class Replay {
   }
 
   void Discard(PartitionId id, double at) {
+    scheduler_.OnDiscard(id);
     Part& p = parts_[id];
     const Tier home = trace_.home[id];
     for (Tier u : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {

@@ -580,8 +580,10 @@ absl::Status Runtime::MakeRoomLocked(Tier t, const tiering::PartitionDesc& desc,
       const bool clean = !r->only_current(t);
       if (planned) {
         // A copy in either memory tier serves an access in the other (one copy away).
+        // A gradient the optimizer step reads from the host tier is needed there at the step.
         const uint64_t next =
-            std::min(scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost));
+            std::min({scheduler_->NextUse(id, Tier::kDevice), scheduler_->NextUse(id, Tier::kHost),
+                      t == Tier::kHost ? scheduler_->StepUse(id) : Scheduler::kNever});
         // A prefetch evicts nothing the window needs (nor anything before its own partition).
         if (ForPrefetch(purpose) && next <= std::max(limit, window)) continue;
         // stage3_max_reuse_distance: a parameter needed again within that many parameter
@@ -806,6 +808,32 @@ absl::StatusOr<std::byte*> Runtime::Acquire(PartitionId id, Tier tier, Access ac
   return result;
 }
 
+absl::StatusOr<std::byte*> Runtime::AcquireToReplace(PartitionId id) {
+  absl::StatusOr<std::byte*> result;
+  {
+    MutexLock lock(&mu_);
+    bool replace = false;
+    if (auto it = parts_.find(id); it != parts_.end()) {
+      PartState& st = it->second;
+      absl::StatusOr<Residency> r = table_->Get(id);
+      const bool idle = r.ok() && !r->move && st.busy == 0 && st.joining == 0 && st.carrying == 0 &&
+                        std::all_of(r->pins.begin(), r->pins.end(), [](int p) { return p == 0; });
+      if (idle && r->written && !r->current[I(Tier::kHost)] && table_->Discard(id).ok()) {
+        st.prefetched = {};
+        // Its stale memory copies are freed (the NVMe one keeps its extent until the next
+        // write-back); a copy that cannot be dropped stays, stale, and is reclaimed as such.
+        if (r->has_copy[I(Tier::kDevice)]) mover_->Drop(id, Tier::kDevice).IgnoreError();
+        if (r->has_copy[I(Tier::kHost)]) mover_->Drop(id, Tier::kHost).IgnoreError();
+        moved_.SignalAll();
+        replace = true;
+      }
+    }
+    result = AcquireLocked(id, Tier::kHost, /*traced=*/false, /*overwrite=*/replace);
+  }
+  TellWarnings();
+  return result;
+}
+
 absl::StatusOr<std::byte*> Runtime::AcquireLocked(PartitionId id, Tier tier, bool traced,
                                                   bool overwrite) {
   auto it = parts_.find(id);
@@ -940,6 +968,7 @@ absl::Status Runtime::Discard(PartitionId id) {
     --discards_waiting_;
   }
   STRATA_RETURN_IF_ERROR(Annotate(table_->Discard(id), "discard"));
+  scheduler_->OnDiscard(id);
   st->prefetched = {};
   // Every copy is stale now: the memory ones are freed (a stale NVMe copy keeps its extent until
   // the next write-back replaces it), and whoever waits for room is told.
@@ -1447,13 +1476,14 @@ void Runtime::AbortLoadOptimizerState() {
 }
 
 absl::Status Runtime::ReadOptimizerState(PartitionId id, absl::Span<float> master,
-                                         absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq) {
+                                         absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq,
+                                         bool mixed_steps) {
   MutexLock lock(&optimizer_mu_);
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer state: CreateOptimizer first");
   }
   const uint64_t before = optimizer_->read_state_bytes();
-  absl::Status read = optimizer_->ReadState(id, master, exp_avg, exp_avg_sq);
+  absl::Status read = optimizer_->ReadState(id, master, exp_avg, exp_avg_sq, mixed_steps);
   state_read_bytes_.fetch_add(optimizer_->read_state_bytes() - before, std::memory_order_relaxed);
   return read;
 }
@@ -1572,7 +1602,8 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
   swap::PipelinedOptimizerSwapper::CopySink sink;
   if (sinks) {
     sink.get = [this](PartitionId id, PartitionId target) -> absl::StatusOr<void*> {
-      absl::StatusOr<std::byte*> p = Acquire(target, Tier::kHost, Access::kOutOfTrace);
+      // Every byte is written: a copy not in the host tier is given its room, not read.
+      absl::StatusOr<std::byte*> p = AcquireToReplace(target);
       absl::Status refused = p.status();
       if (p.ok()) {
         // A copy pinned in the device tier (the parameter still lent) could not go stale under

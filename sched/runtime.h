@@ -367,8 +367,10 @@ class Runtime {
                                   absl::Span<const float> exp_avg_sq);
   absl::Status CommitLoadOptimizerState();
   void AbortLoadOptimizerState();
+  // `mixed_steps`: PipelinedOptimizerSwapper::ReadState's.
   absl::Status ReadOptimizerState(PartitionId id, absl::Span<float> master,
-                                  absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
+                                  absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq,
+                                  bool mixed_steps = false);
 
   RuntimeStats stats() const;
   const tiering::ResidencyTable& residency() const { return *table_; }
@@ -421,6 +423,11 @@ class Runtime {
   absl::Status BringLocked(PartitionId id, Tier tier, Purpose purpose, uint64_t limit, Waits* waits,
                            bool* filled = nullptr, bool overwrite = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The optimizer thread's acquire of a partition's host copy that it writes whole (a parameter's
+  // new weights, made from optimizer state that has landed: the old bytes are obsolete): a copy
+  // not current in the host tier is not read, only its room is taken (its bytes discarded first).
+  // One pinned, moving or being brought in elsewhere is acquired as usual (read).
+  absl::StatusOr<std::byte*> AcquireToReplace(PartitionId id);
   // `traced`: an access of the trainer's, seen by the scheduler and counted in the step's report;
   // else the optimizer thread's (StageOptimizerStep), which neither sees.
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true,

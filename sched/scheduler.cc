@@ -36,6 +36,7 @@ bool Scheduler::OnAcquire(const PartitionDesc& desc, Tier tier, double at_second
 void Scheduler::OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds) {
   recording_.push_back(
       {desc.id, tier, desc.role, desc.bytes, desc.elements, false, dirty, at_seconds});
+  if (dirty && desc.role == tiering::Role::kGrad) for_step_.insert(desc.id);
 }
 
 void Scheduler::Diverge(std::string why) {
@@ -51,6 +52,7 @@ std::optional<std::string> Scheduler::EndStep() {
   std::optional<std::string> ended = std::move(divergence_);
   divergence_.reset();
   cursor_ = 0;
+  for_step_.clear();
   tight_ = false;  // each step tries widening again
   if (mode_ == Mode::kOnDemand) {
     recording_.clear();
@@ -108,6 +110,12 @@ uint64_t Scheduler::NextUse(PartitionId id, Tier tier) const {
   return at.front() + plan_acquires_.size() - cursor_;  // in the next step
 }
 
+uint64_t Scheduler::StepUse(PartitionId id) const {
+  if (mode_ != Mode::kPlanned || !for_step_.contains(id)) return kNever;
+  const uint64_t n = plan_acquires_.size();
+  return n - std::min(cursor_, n);
+}
+
 uint64_t Scheduler::ParamElementsBeforeNextUse(PartitionId id, Tier tier) const {
   const uint64_t next = NextUse(id, tier);
   if (next == kNever) return kNever;
@@ -121,8 +129,7 @@ uint64_t Scheduler::ParamElementsBeforeNextUse(PartitionId id, Tier tier) const 
 bool Scheduler::EvictedBeforeNextUse(PartitionId id, uint64_t capacity,
                                      const std::function<bool(PartitionId)>& resident) const {
   if (mode_ != Mode::kPlanned) return false;
-  const uint64_t d =
-      std::min(NextUse(id, Tier::kDevice), NextUse(id, Tier::kHost));  // accesses until its use
+  const uint64_t d = std::min({NextUse(id, Tier::kDevice), NextUse(id, Tier::kHost), StepUse(id)});
   if (d == kNever) return false;  // not in the plan: nothing to say
   const uint64_t n = plan_acquires_.size();
   uint64_t own = 0;

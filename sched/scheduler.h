@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "tiering/residency.h"
 
 namespace strata::sched {
@@ -95,6 +96,13 @@ class Scheduler {
   // Accesses from the cursor until (id, tier) is needed again; kNever when it is not in the plan
   // (or there is no plan).
   uint64_t NextUse(PartitionId id, Tier tier) const;
+  // A gradient partition (Role::kGrad) released written in this step is needed in the host tier
+  // at the step's end, by the optimizer step that reads it there after the trace's last access
+  // (out of the trace): the accesses from the cursor to that end; kNever for any other partition
+  // or without a plan. An eviction from the host tier keeps it over what the next step needs.
+  uint64_t StepUse(PartitionId id) const;
+  // `id` was discarded (its bytes dropped): nothing of this step needs it any more.
+  void OnDiscard(PartitionId id) { for_step_.erase(id); }
 
   // The trainer waited for an access the plan knew (planned steps only: a recording step's misses
   // say nothing about the window).
@@ -103,11 +111,11 @@ class Scheduler {
   // acquires before (id, tier) is needed again; kNever when it is not in the plan.
   uint64_t ParamElementsBeforeNextUse(PartitionId id, Tier tier) const;
   // Whether a copy of `id` held in a tier of `capacity` bytes is evicted before its next use (in
-  // either memory tier) by Belady's rule on the plan: at some access before that use, the copies
-  // needed sooner than it — those `resident` now and accessed again before it, and those brought
-  // in and accessed again before it — with the one in use and its own bytes exceed `capacity`.
-  // (Every access counts against the one tier: an estimate that errs towards eviction.) False
-  // when there is no plan or it is not in the plan.
+  // either memory tier, or its StepUse) by Belady's rule on the plan: at some access before that
+  // use, the copies needed sooner than it — those `resident` now and accessed again before it, and
+  // those brought in and accessed again before it — with the one in use and its own bytes exceed
+  // `capacity`. (Every access counts against the one tier: an estimate that errs towards eviction.)
+  // False when there is no plan or it is not in the plan.
   bool EvictedBeforeNextUse(PartitionId id, uint64_t capacity,
                             const std::function<bool(PartitionId)>& resident) const;
   // The gradient partitions (Role::kGrad) of the plan in the order they were released dirty
@@ -141,7 +149,9 @@ class Scheduler {
   // (id, tier) -> its positions among the acquires.
   absl::flat_hash_map<std::pair<PartitionId, Tier>, std::vector<uint32_t>> uses_;
   std::vector<TraceEvent> recording_;  // this step's events
-  uint64_t cursor_ = 0;                // position of the next expected acquire
+  // Gradient partitions released written in this step: the optimizer step reads them at its end.
+  absl::flat_hash_set<PartitionId> for_step_;
+  uint64_t cursor_ = 0;  // position of the next expected acquire
   std::optional<std::string> divergence_;
   bool tight_ = false;  // a prefetch found no room since the window last widened or held
 };

@@ -231,7 +231,7 @@ absl::Status PipelinedOptimizerSwapper::Initialize(tiering::PartitionId id,
 
 absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl::Span<float> master,
                                                   absl::Span<float> exp_avg,
-                                                  absl::Span<float> exp_avg_sq) {
+                                                  absl::Span<float> exp_avg_sq, bool mixed_steps) {
   STRATA_ASSIGN_OR_RETURN(const Part* part, Find(id));
   const uint64_t n = part->elements;
   if (master.size() != n || exp_avg.size() != n || exp_avg_sq.size() != n) {
@@ -242,7 +242,7 @@ absl::Status PipelinedOptimizerSwapper::ReadState(tiering::PartitionId id, absl:
   // written.
   WaitForEarlySteps();
   STRATA_RETURN_IF_ERROR(Settle());
-  if (auto p = partial_.find(id); p != partial_.end()) {
+  if (auto p = partial_.find(id); p != partial_.end() && !mixed_steps) {
     return absl::FailedPreconditionError(absl::StrCat(
         "optimizer swapper: partition ", id, ": ", PartlyStepped(p->second),
         " (a step that failed part way): its state is not of one step; accepted: reading it once "

@@ -325,9 +325,13 @@ class PipelinedOptimizerSwapper {
                     absl::Span<const float> exp_avg, absl::Span<const float> exp_avg_sq);
   absl::Status CommitLoad();
   void AbortLoad();
-  // Copies a partition's committed state out (tests, checkpoints).
+  // Copies a partition's committed state out (tests, checkpoints). A partition whose last step
+  // failed part way (PartlyStepped: its sub-groups at different steps) is refused unless
+  // `mixed_steps`: then each sub-group's is given as it is (its master weights are the weights
+  // its parameter has: the trainer's copy of them written again, never a checkpoint).
   absl::Status ReadState(tiering::PartitionId id, absl::Span<float> master,
-                         absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq);
+                         absl::Span<float> exp_avg, absl::Span<float> exp_avg_sq,
+                         bool mixed_steps = false);
   // Bytes of NVMe-resident state ReadState has read so far (any thread).
   uint64_t read_state_bytes() const { return read_state_bytes_.load(std::memory_order_relaxed); }
 

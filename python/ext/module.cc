@@ -866,15 +866,15 @@ class PyRuntime {
     runtime_->AbortLoadOptimizerState();
   }
 
-  void ReadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg,
-                          py::handle exp_avg_sq) {
+  void ReadOptimizerState(uint64_t id, py::handle master, py::handle exp_avg, py::handle exp_avg_sq,
+                          bool mixed_steps) {
     const auto [p, m, v] = StateTensors("read_optimizer_state", master, exp_avg, exp_avg_sq);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
       s = runtime_->ReadOptimizerState(id, {static_cast<float*>(p.data), p.elements},
                                        {static_cast<float*>(m.data), m.elements},
-                                       {static_cast<float*>(v.data), v.elements});
+                                       {static_cast<float*>(v.data), v.elements}, mixed_steps);
     }
     Check(s);
   }
@@ -1158,5 +1158,5 @@ PYBIND11_MODULE(_strata, m) {
       .def("commit_load_optimizer_state", &PyRuntime::CommitLoadOptimizerState)
       .def("abort_load_optimizer_state", &PyRuntime::AbortLoadOptimizerState)
       .def("read_optimizer_state", &PyRuntime::ReadOptimizerState, py::arg("id"), py::arg("master"),
-           py::arg("exp_avg"), py::arg("exp_avg_sq"));
+           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("mixed_steps") = false);
 }

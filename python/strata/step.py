@@ -240,6 +240,13 @@ class Step:
         # counted stepped: the next step steps the rest (and remakes every sub-group's weights).
         partly = set(self.runtime.partly_stepped_optimizer_partitions()) \
             if self._commit_each and not committed else set()
+        if self._refresh:
+            # Homed on NVMe, its new weights written into its partition without reading the old
+            # ones (Runtime::AcquireToReplace): the sub-groups that did not land hold no weights
+            # there; every one is written from the master weights before the next forward.
+            self._pending_refresh.extend(
+                e for e in staged.entries
+                if e.partitioned and e.gid in partly and e not in self._pending_refresh)
         early = [e for e in staged.entries if e.gid in stepped]
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1
@@ -489,7 +496,9 @@ class Step:
             e = pending[0]
             master, m, v = state[:3 * e.shard].view(3, e.shard)
             try:
-                self.runtime.read_optimizer_state(e.gid, master, m, v)
+                # A parameter stepped in part (a step that failed part way): each sub-group's
+                # master weights are its weights.
+                self.runtime.read_optimizer_state(e.gid, master, m, v, mixed_steps=True)
                 engine_state._set_weights(self, e, master)
             except Exception as error:
                 raise _strata.Error(

@@ -815,20 +815,26 @@ def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_pat
             assert held_b == (not during)
 
 
-@pytest.mark.parametrize("skip, sub_group", [(0, None), (3, None), (5, None), (2, 500),
-                                             (5, 500)])
+@pytest.mark.parametrize("skip, sub_group, homed", [
+    (0, None, False), (3, None, False), (5, None, False), (2, 500, False), (5, 500, False),
+    (2, 500, True), (5, 500, True)])
 def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_path, monkeypatch,
-                                                                          skip, sub_group):
+                                                                          skip, sub_group, homed):
     """A step that fails part way with strata.optimizer_commit "partition" (the disk full after
     `skip` writes): the partitions whose state had landed keep that step (their step counts say
     so, and a warning how many), the others do not, and training goes on from there. With
     sub_group_size a parameter may fail with some of its pieces landed: it is not counted stepped,
     and the next step steps its other pieces. Either way, after it every parameter's weights (fp32)
-    are its master weights, bit for bit: no landed copy is lost."""
+    are its master weights, bit for bit: no landed copy is lost. `homed`: the parameters homed on
+    NVMe (none within max_in_cpu), whose new weights are written into their partitions without
+    the old ones read: the weights the next forward uses are the master weights too, those of a
+    parameter stepped in part included (its other sub-groups' are written from them)."""
     import errno
     made = faulty_runtimes(monkeypatch, errno.ENOSPC, skip=skip)
     config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=1.0)
     config["strata"]["optimizer_commit"] = "partition"
+    if homed:
+        config["zero_optimization"]["offload_param"]["max_in_cpu"] = 10
     if sub_group:
         config["zero_optimization"]["sub_group_size"] = sub_group
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
@@ -860,11 +866,20 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         # a later eviction could drop them).
         partly = engine.runtime.partly_stepped_optimizer_partitions()
         assert len(partly) == 1
-        assert released_written == partly
+        if homed:  # written by the optimizer's thread; all of it written again before forward
+            assert [e.gid for e in engine._pending_refresh] == partly
+        else:
+            assert released_written == partly
     else:
         assert 0 < len(landed) < len(engine._params), str(failed.value)
         assert any(f"after {len(landed)} parameters had stepped" in w and
                    "optimizer_commit" in w for w in engine.warnings[warned:])
+    if homed:  # what the next forward computes with
+        assert engine._refresh
+        engine._prepare_forward()
+        for e, weights, state in zip(engine._params, engine_weights(engine),
+                                     _optimizer_state(engine, mixed_steps=True)):
+            assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
     # The next step steps every partition once more.
     x, y = data[3]
     engine.backward(loss_of(engine(x), y))
@@ -908,11 +923,11 @@ def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_th
         assert torch.equal(a, b)
 
 
-def _optimizer_state(engine):
+def _optimizer_state(engine, mixed_steps=False):
     out = []
     for e in engine._params:
         m, a, v = torch.empty(e.shard), torch.empty(e.shard), torch.empty(e.shard)
-        engine.runtime.read_optimizer_state(e.gid, m, a, v)
+        engine.runtime.read_optimizer_state(e.gid, m, a, v, mixed_steps=mixed_steps)
         out.append(torch.cat([m, a, v]))
     return out
 

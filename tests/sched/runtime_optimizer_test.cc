@@ -649,7 +649,10 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   Reference ref;
   const auto grads = Grads(1);
   ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  (*rt)->EndStep();
   EXPECT_THAT(StepIntoParameterSinks(**rt, Tier::kNvme), ElementsAre(11, 12, 13));
+  // The old weights are not read from NVMe to be overwritten: each sink is given its room.
+  EXPECT_EQ((*rt)->EndStep().nvme_by_role[static_cast<int>(tiering::Role::kParam)][0], 0u);
   ref.Step(1, grads);
   ExpectState(**rt, ref);
   EXPECT_TRUE((*rt)->TakeCopiedPartitions().empty());

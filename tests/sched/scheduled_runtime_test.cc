@@ -401,6 +401,54 @@ TEST(ScheduledRuntimeTest, MaxReuseDistanceKeepsParametersNeededSoonOverOtherCop
   }
 }
 
+TEST(ScheduledRuntimeTest, AGradientWrittenInTheStepStaysInTheHostTierForTheOptimizerStep) {
+  // Forward 1 2 3 4 and backward 4 3 2 1 through three host slots (parameters homed on NVMe); in
+  // backward a gradient is written on the device and sent to the host tier (as GradientReady
+  // does). The optimizer step reads it from the host tier once the trace ends (out of the trace):
+  // the plan keeps it there over the parameters the next forward needs. Were its next use its
+  // next step's access, it would be the copy needed furthest away: sent down to NVMe and read
+  // back for the step.
+  ScratchDir dir;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 1, 3), Quiet());
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::map<PartitionId, std::vector<std::byte>> bytes;
+  for (PartitionId id = 1; id <= 4; ++id) {
+    bytes[id] = RandomBytes(kBytes, id);
+    ASSERT_TRUE((*rt)->Register(Desc(id), Tier::kNvme, bytes[id]).ok());
+  }
+  constexpr PartitionId kGrad = 100;
+  ASSERT_TRUE((*rt)->Register(Desc(kGrad, kBytes, tiering::Role::kGrad), Tier::kHost, {}).ok());
+  ASSERT_TRUE((*rt)->Discard(kGrad).ok());
+  auto touch = [&](PartitionId id) {
+    auto p = (*rt)->Acquire(id, Tier::kHost);
+    ASSERT_TRUE(p.ok()) << id << ": " << p.status();
+    ASSERT_EQ(0, std::memcmp(*p, bytes[id].data(), kBytes)) << id;
+    ASSERT_TRUE((*rt)->Release(id, Tier::kHost, false).ok());
+  };
+  for (int step = 0; step < 3; ++step) {
+    for (PartitionId id : {1, 2, 3, 4, 4}) touch(id);
+    auto g = (*rt)->Acquire(kGrad, Tier::kDevice, Access::kTraced, /*overwrite=*/true);
+    ASSERT_TRUE(g.ok()) << g.status();
+    bytes[kGrad] = RandomBytes(kBytes, 1000 + step);
+    std::memcpy(*g, bytes[kGrad].data(), kBytes);
+    ASSERT_TRUE((*rt)->Release(kGrad, Tier::kDevice, true).ok());
+    ASSERT_TRUE((*rt)->Evict(kGrad, Tier::kDevice).ok());
+    for (PartitionId id : {3, 2, 1}) touch(id);
+    const tiering::Residency r = *(*rt)->residency().Get(kGrad);
+    if (step > 0) {  // planned
+      EXPECT_TRUE(r.current[static_cast<int>(Tier::kHost)])
+          << "step " << step << ": the gradient left the host tier before the optimizer step";
+    }
+    // The optimizer step's read, out of the trace; then the gradient is dropped.
+    auto read = (*rt)->Acquire(kGrad, Tier::kHost, Access::kOutOfTrace);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(0, std::memcmp(*read, bytes[kGrad].data(), kBytes));
+    ASSERT_TRUE((*rt)->Release(kGrad, Tier::kHost, false, nullptr, Access::kOutOfTrace).ok());
+    ASSERT_TRUE((*rt)->Discard(kGrad).ok());
+    (*rt)->EndStep();
+  }
+}
+
 uint64_t Sum(const std::byte* p, size_t n) { return XXH3_64bits(p, n); }
 
 // Seeded property runs: random sizes, budgets and traces; threads acquiring and releasing

@@ -192,6 +192,52 @@ TEST(SchedulerTest, GradientsAreOrderedAsTheyWereReleasedDirtyInTheRecordedStep)
   EXPECT_THAT(s.GradientOrder(), ::testing::ElementsAre(13, 12, 11));
 }
 
+// The optimizer step reads each gradient written in the step from the host tier after the trace's
+// last access: a host eviction must see that use, not the gradient's next backward a step away.
+TEST(SchedulerTest, AGradientWrittenInThisStepIsNeededAtTheStepsEnd) {
+  Scheduler s{SchedulerConfig{}};
+  auto trace = [&s] {
+    double t = 0;
+    for (PartitionId id : {1, 2}) {  // forward
+      s.OnAcquire(P(id), Tier::kDevice, t);
+      s.OnRelease(P(id), Tier::kDevice, false, t);
+    }
+    for (PartitionId id : {2, 1}) {  // backward: each parameter, then its gradient written
+      s.OnAcquire(P(id), Tier::kDevice, t);
+      s.OnRelease(P(id), Tier::kDevice, false, t);
+      s.OnAcquire(P(id + 10, 1000, Role::kGrad), Tier::kDevice, t);
+      s.OnRelease(P(id + 10, 1000, Role::kGrad), Tier::kDevice, true, t);
+    }
+  };
+  trace();
+  EXPECT_EQ(s.StepUse(12), Scheduler::kNever);  // recorded, not planned: nothing to say
+  s.EndStep();
+  EXPECT_EQ(s.StepUse(12), Scheduler::kNever);  // not written in this step yet
+  trace();                                      // the planned step: 6 accesses, all made
+  EXPECT_EQ(s.StepUse(12), 0u);                 // the step comes now
+  EXPECT_EQ(s.StepUse(11), 0u);
+  EXPECT_EQ(s.StepUse(1), Scheduler::kNever);  // a parameter
+  // Its next access in the trace is the next step's backward; parameter 1 comes sooner.
+  EXPECT_EQ(s.NextUse(12, Tier::kDevice), 3u);
+  EXPECT_EQ(s.NextUse(1, Tier::kDevice), 0u);
+  // A host copy of 12 (4000 bytes) is kept until the step: it is not evicted before its use.
+  auto none = [](PartitionId) { return false; };
+  EXPECT_FALSE(s.EvictedBeforeNextUse(12, 4000, none));
+  s.OnDiscard(11);  // stepped and dropped: nothing needs it any more
+  EXPECT_EQ(s.StepUse(11), Scheduler::kNever);
+  s.EndStep();
+  EXPECT_EQ(s.StepUse(12), Scheduler::kNever);  // the next step writes it anew
+  s.OnAcquire(P(1), Tier::kDevice, 0);
+  s.OnRelease(P(1), Tier::kDevice, false, 0);
+  s.OnAcquire(P(2), Tier::kDevice, 0);
+  s.OnRelease(P(2), Tier::kDevice, false, 0);
+  s.OnAcquire(P(2), Tier::kDevice, 0);
+  s.OnRelease(P(2), Tier::kDevice, false, 0);
+  s.OnAcquire(P(12, 1000, Role::kGrad), Tier::kDevice, 0);
+  s.OnRelease(P(12, 1000, Role::kGrad), Tier::kDevice, true, 0);
+  EXPECT_EQ(s.StepUse(12), 2u);  // parameter 1 and gradient 11 still to come
+}
+
 TEST(SchedulerTest, ACopyIsEvictedBeforeItsNextUseWhenWhatIsNeededSoonerDoesNotFitBesideIt) {
   Scheduler s{SchedulerConfig{}};
   auto none = [](PartitionId) { return false; };
