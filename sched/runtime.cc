@@ -196,6 +196,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     tiering::NvmeStoreOptions so;
     so.capacity_bytes = config.nvme_capacity_bytes;
     so.remove_files_on_close = !config.nvme_keep_files;
+    // Swap files that no later process reopens need no sync on each commit (DeepSpeed's swap
+    // files have none); kept ones (strata.nvme_keep_files) are synced, for a reopen after a crash.
+    so.durable = config.nvme_keep_files;
     so.on_warning = warn;
     STRATA_ASSIGN_OR_RETURN(rt->store_, tiering::NvmeStore::Open(swap, so, rt->engine_.get()));
     // What the run may take, said before it takes it.

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "base/mutex.h"
 #include "base/status.h"
+#include "base/worker_pool.h"
 
 namespace strata::swap {
 namespace {
@@ -151,6 +152,10 @@ absl::StatusOr<std::unique_ptr<PipelinedOptimizerSwapper>> PipelinedOptimizerSwa
   }
   if (s->buffer_bytes_ > 0) {
     const int count = config.ring_buffers > 0 ? config.ring_buffers : pipelined ? 3 : 1;
+    // The reads (as many in flight as the ring holds, and the room's read ahead) and the writes
+    // (one after another) on threads kept for the swapper's life: not one made per sub-group.
+    s->readers_ = std::make_unique<WorkerPool>(count + 1);
+    s->writer_ = std::make_unique<WorkerPool>(1);
     for (int i = 0; i < count; ++i) {
       STRATA_ASSIGN_OR_RETURN(void* p, host->Allocate(s->buffer_bytes_));
       s->buffers_.push_back(static_cast<float*>(p));
@@ -746,6 +751,22 @@ void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
   }
 }
 
+namespace {
+
+// Runs `work` on `pool` (on this thread if the pool is stopping); its result comes through the
+// future. Unlike std::async's, the future does not wait for the work when it goes: RunStaged waits
+// for every read and write it launched before it returns.
+template <typename F>
+auto Launch(WorkerPool& pool, F work) -> std::future<decltype(work())> {
+  auto task = std::make_shared<std::packaged_task<decltype(work())()>>(std::move(work));
+  auto done = task->get_future();
+  auto run = [task] { (*task)(); };
+  if (!pool.Post(run, run)) run();
+  return done;
+}
+
+}  // namespace
+
 void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   using Result = std::pair<absl::Status, double>;  // status, seconds
   StepReport& report = x->report;
@@ -833,7 +854,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
     const bool ahead = in_room(buf);
     if (config_.pipeline_read || ahead) {
-      reads[k] = std::async(std::launch::async, work);
+      reads[k] = Launch(*readers_, std::move(work));
       Emit(StepEvent::kReadLaunched, id);
     } else {
       reads[k] = std::async(std::launch::deferred, work);
@@ -892,7 +913,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {
-      writes[k] = std::async(std::launch::async, work).share();
+      writes[k] = Launch(*writer_, std::move(work)).share();
       Emit(StepEvent::kWriteLaunched, it.in.id);
     } else {
       writes[k] = std::async(std::launch::deferred, work).share();

@@ -99,6 +99,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "base/worker_pool.h"
 #include "optim_cpu/adam.h"
 #include "optim_cpu/chunk_optimizer.h"
 #include "tiering/copy_engine.h"
@@ -427,6 +428,8 @@ class PipelinedOptimizerSwapper {
   std::byte* copy_staging_ = nullptr;
   uint64_t copy_staging_bytes_ = 0;
   std::atomic<uint64_t> read_state_bytes_{0};  // ReadState's NVMe reads
+  // The NVMe reads and writes of a step (RunStaged), with NVMe-resident state.
+  std::unique_ptr<WorkerPool> readers_, writer_;
   std::unique_ptr<Txn> txn_;
   // write_behind: the last committed step while its writes are behind it (its worker running, or
   // joined with writes to do again), and what they came to once settled (for the next report).

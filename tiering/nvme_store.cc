@@ -991,6 +991,7 @@ NvmeStore::Pending NvmeStore::WritePieces(const std::vector<StoreExtent>& extent
 }
 
 absl::Status NvmeStore::SyncFiles(const std::vector<StoreExtent>& extents) {
+  if (!options_.durable) return absl::OkStatus();
   std::vector<uint32_t> touched;
   for (const StoreExtent& e : extents) touched.push_back(e.file);
   std::sort(touched.begin(), touched.end());
@@ -1042,7 +1043,7 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
   absl::Status s = engine_->WriteSync(log_, log_end_, block);
   if (s.ok()) {
     Hook("commit:log-written");
-    s = log_.Sync();
+    if (options_.durable) s = log_.Sync();
   }
   if (!s.ok()) {
     s = Annotate(s, absl::StrCat(context, ": writing the manifest log ", log_.path()));

@@ -36,25 +36,25 @@
 // so a crashed process never blocks its successor. Ranks of one job must be given
 // directories of their own (the Runtime puts each rank in a subfolder of nvme_path).
 //
-// Nothing is lost. A Put writes the new bytes into fresh extents (copy on write), syncs the data,
-// then commits a manifest record that points at them, and only then frees the old extents. A Put
-// that fails at any point leaves the previous copy and the previous manifest in force. (A commit
-// whose log write fails may have reached the disk in part or whole: the store then replaces its
-// log at once, so a reopen finds the previous state; should that fail too, a reopen finds the
-// previous state or the new one, whole, as after a crash in mid-commit, and the new copy's space
-// is not reused until the log has been replaced.) A commit
-// appends one checksummed record (the partitions it changes, padded to a 4 KiB block of its own)
-// to the manifest log and fdatasyncs it, so its cost is proportional to the change, not to the
-// store. When the log has grown past twice the snapshot (and at least 64 KiB), and whenever a
-// store with a non-empty log is reopened, the state is compacted into a new snapshot: a new empty
-// log is made durable, the snapshot naming it is written to manifest.json.tmp, fdatasync'd,
-// renamed over manifest.json and the directory fsync'd, and only then is the old log removed.
-// A crash at any point leaves the previous state or the new one, whole: on reopen the snapshot is
-// read, the log's records are replayed in order up to the first one that is torn or fails its
-// checksum (only the last record can be torn: a commit returns only after its record is synced),
-// and files no snapshot names (an older log, a .tmp) are removed. Each partition's bytes carry an
-// XXH3-64 checksum, verified by Get as the bytes arrive; Open does not reread the partitions
-// (reopening a large store costs only its manifest): Verify() rereads all of them on request, and
+// Nothing is lost. A Put writes the new bytes into fresh extents (copy on write), syncs the data
+// (NvmeStoreOptions::durable), then commits a manifest record that points at them, and only then
+// frees the old extents. A Put that fails at any point leaves the previous copy and the previous
+// manifest in force. (A commit whose log write fails may have reached the disk in part or whole:
+// the store then replaces its log at once, so a reopen finds the previous state; should that fail
+// too, a reopen finds the previous state or the new one, whole, as after a crash in mid-commit, and
+// the new copy's space is not reused until the log has been replaced.) A commit appends one
+// checksummed record (the partitions it changes, padded to a 4 KiB block of its own) to the
+// manifest log and fdatasyncs it, so its cost is proportional to the change, not to the store. When
+// the log has grown past twice the snapshot (and at least 64 KiB), and whenever a store with a
+// non-empty log is reopened, the state is compacted into a new snapshot: a new empty log is made
+// durable, the snapshot naming it is written to manifest.json.tmp, fdatasync'd, renamed over
+// manifest.json and the directory fsync'd, and only then is the old log removed. A crash at any
+// point leaves the previous state or the new one, whole: on reopen the snapshot is read, the log's
+// records are replayed in order up to the first one that is torn or fails its checksum (only the
+// last record can be torn: a commit returns only after its record is synced), and files no snapshot
+// names (an older log, a .tmp) are removed. Each partition's bytes carry an XXH3-64 checksum,
+// verified by Get as the bytes arrive; Open does not reread the partitions (reopening a large store
+// costs only its manifest): Verify() rereads all of them on request, and
 // NvmeStoreOptions::verify_on_open does it at Open.
 //
 // Space. Stored bytes are rounded up to the alignment. A copy-on-write needs room for the new copy
@@ -118,6 +118,13 @@ struct NvmeStoreOptions {
   bool verify_on_open = false;
   // The destructor removes the store's files (see "Removal" above). Off: they stay for a reopen.
   bool remove_files_on_close = false;
+  // Each commit syncs its data and its log record (fdatasync) before it returns, so that a
+  // machine that loses power finds it on reopen. Off, for a store whose files no later process
+  // reopens (remove_files_on_close): the same writes in the same order, not synced. A process
+  // that dies still leaves them to the kernel, which writes them; only a crash of the machine
+  // (power, kernel) may lose the last commits. The growth of the files, and the snapshot written
+  // at a compaction, are synced either way (rare, and what a reopen must be able to trust).
+  bool durable = true;
   // The manifest log is compacted into a new snapshot when it grows past
   // max(compact_min_log_bytes, 2 x the snapshot's size).
   uint64_t compact_min_log_bytes = 64 << 10;

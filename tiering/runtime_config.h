@@ -33,7 +33,8 @@
 // nvme_path given (a second path, or a block not on NVMe) is kept here and named in a warning.
 // The NVMe store's swap files grow on demand up to strata.nvme_capacity_bytes (a cap, not a
 // reservation), and are removed when the Runtime ends unless strata.nvme_keep_files is true (for a
-// restarted process that adopts what the last one left).
+// restarted process that adopts what the last one left). Only kept files are synced as each write
+// commits (tiering::NvmeStoreOptions::durable): a machine that loses power finds them whole.
 // strata.eviction_policy "trace" (the default): the scheduler plans prefetches and evictions from
 // the recorded trace (sched/scheduler.h); "lru": on demand, least recently used evicted first.
 //

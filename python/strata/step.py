@@ -473,7 +473,9 @@ class Step:
         if self._dynamic_scale:
             self._update_scale(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
-                      "staged_seconds": r["seconds"], "bytes_read": r["bytes_read"],
+                      "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
+                      "write_seconds": r["write_seconds"], "compute_seconds": r["compute_seconds"],
+                      "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "bytes_reused": r["bytes_reused"],
                       "staged": staged,
                       "host_early": early, "held": held, "written_behind": r["written_behind"],

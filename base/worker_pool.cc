@@ -1,9 +1,9 @@
-#include "sched/worker_pool.h"
+#include "base/worker_pool.h"
 
 #include <algorithm>
 #include <utility>
 
-namespace strata::sched {
+namespace strata {
 
 WorkerPool::WorkerPool(int workers) : background_limit_(std::max(1, workers - 1)) {
   for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Loop(); });
@@ -61,4 +61,4 @@ void WorkerPool::Loop() {
   }
 }
 
-}  // namespace strata::sched
+}  // namespace strata

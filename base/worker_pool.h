@@ -1,4 +1,5 @@
-// sched/worker_pool.h: the Runtime's worker threads and their queue of jobs.
+// base/worker_pool.h: worker threads kept for a component's life and their queue of jobs (the
+// Runtime's moves; the optimizer swapper's reads and writes), so that no thread is made per job.
 //
 // Jobs run in the order they were posted, each on the first worker free, except background jobs
 // (the Runtime's early write-backs, which wait on the disk): they run only when no other job is
@@ -8,8 +9,8 @@
 // Thread safety: Post may be called from any thread, the workers' own included. Stop (or the
 // destructor) joins the workers and runs the `cancel` of every job still queued, on the calling
 // thread; a job running then finishes first.
-#ifndef STRATA_SCHED_WORKER_POOL_H_
-#define STRATA_SCHED_WORKER_POOL_H_
+#ifndef STRATA_BASE_WORKER_POOL_H_
+#define STRATA_BASE_WORKER_POOL_H_
 
 #include <deque>
 #include <functional>
@@ -18,7 +19,7 @@
 
 #include "base/mutex.h"
 
-namespace strata::sched {
+namespace strata {
 
 class WorkerPool {
  public:
@@ -49,6 +50,6 @@ class WorkerPool {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace strata::sched
+}  // namespace strata
 
-#endif  // STRATA_SCHED_WORKER_POOL_H_
+#endif  // STRATA_BASE_WORKER_POOL_H_

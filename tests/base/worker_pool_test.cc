@@ -1,5 +1,5 @@
-// The Runtime's worker pool (sched/worker_pool.h): background jobs never take the last worker.
-#include "sched/worker_pool.h"
+// The worker pool (base/worker_pool.h): background jobs never take the last worker.
+#include "base/worker_pool.h"
 
 #include <atomic>
 #include <chrono>
@@ -9,7 +9,7 @@
 
 #include "gtest/gtest.h"
 
-namespace strata::sched {
+namespace strata {
 namespace {
 
 using std::chrono::seconds;
@@ -96,4 +96,4 @@ TEST(WorkerPoolTest, StopCancelsWhatIsQueuedAndRefusesMore) {
 }
 
 }  // namespace
-}  // namespace strata::sched
+}  // namespace strata
