@@ -753,17 +753,48 @@ void PipelinedOptimizerSwapper::RunEarly(Txn* x) {
 
 namespace {
 
-// Runs `work` on `pool` (on this thread if the pool is stopping); its result comes through the
-// future. Unlike std::async's, the future does not wait for the work when it goes: RunStaged waits
-// for every read and write it launched before it returns.
-template <typename F>
-auto Launch(WorkerPool& pool, F work) -> std::future<decltype(work())> {
-  auto task = std::make_shared<std::packaged_task<decltype(work())()>>(std::move(work));
-  auto done = task->get_future();
-  auto run = [task] { (*task)(); };
-  if (!pool.Post(run, run)) run();
-  return done;
-}
+// The jobs a step launches on the swapper's pools. Each task lives here, on the step's thread,
+// until every job has returned from it (a job is still inside its task when its future turns
+// ready): so no job outlives what it uses, and each result is made on a pool's thread and freed on
+// the step's, as std::async's are.
+template <typename R>
+class Launched {
+ public:
+  Launched() = default;
+  Launched(const Launched&) = delete;
+  Launched& operator=(const Launched&) = delete;
+  ~Launched() { WaitAll(); }
+
+  // Runs `work` on `pool` (on this thread if the pool is stopping); its result comes through the
+  // future, which (unlike std::async's) does not wait for the work when it goes.
+  template <typename F>
+  std::future<R> Launch(WorkerPool& pool, F work) {
+    std::packaged_task<R()>& task = tasks_.emplace_back(std::move(work));
+    std::future<R> result = task.get_future();
+    {
+      MutexLock lock(&mu_);
+      ++running_;
+    }
+    auto run = [this, &task] {
+      task();
+      MutexLock lock(&mu_);
+      if (--running_ == 0) returned_.SignalAll();
+    };
+    if (!pool.Post(run, run)) run();
+    return result;
+  }
+
+  void WaitAll() {
+    MutexLock lock(&mu_);
+    while (running_ > 0) returned_.Wait(&mu_);
+  }
+
+ private:
+  Mutex mu_;
+  CondVar returned_;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<std::packaged_task<R()>> tasks_;  // (a deque: a task stays put as more come)
+};
 
 }  // namespace
 
@@ -774,6 +805,8 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
   std::vector<std::future<Result>> reads;
   std::vector<std::shared_future<Result>> writes;
   std::deque<uint64_t> written_sum;  // the checksum of what each write staged
+  // The reads and writes on the pools, each ended before what it uses goes.
+  Launched<Result> launched;
   // The items seen so far (a deque's elements stay put; indexing it would race with Stage). An
   // item is one sub-group of a partition (the whole of one not cut), a partition's in a row.
   std::vector<const Txn::Item*> items;
@@ -854,7 +887,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
     const bool ahead = in_room(buf);
     if (config_.pipeline_read || ahead) {
-      reads[k] = Launch(*readers_, std::move(work));
+      reads[k] = launched.Launch(*readers_, std::move(work));
       Emit(StepEvent::kReadLaunched, id);
     } else {
       reads[k] = std::async(std::launch::deferred, work);
@@ -913,7 +946,7 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       return Result(s, Since(w0));
     };
     if (config_.pipeline_write) {
-      writes[k] = Launch(*writer_, std::move(work)).share();
+      writes[k] = launched.Launch(*writer_, std::move(work)).share();
       Emit(StepEvent::kWriteLaunched, it.in.id);
     } else {
       writes[k] = std::async(std::launch::deferred, work).share();
