@@ -24,7 +24,7 @@ What it does, and reports (BENCH.md):
     timed here, as the planner's "GPU").
   * with --deepspeed, DeepSpeed ZeRO-Infinity on the same model and config (its "strata" block
     left out; sub_group_size set, as DeepSpeed's default of 1e9 elements pins buffers the size of
-    the model), built under deepspeed.zero.Init, in a child of its own after strata's runs (their
+    the model; --ds-zero adds keys of its own), built under deepspeed.zero.Init, in a child of its own after strata's runs (their
     files removed first): its steps' time, bytes and peak memory, or its exact error.
 """
 import argparse
@@ -240,7 +240,8 @@ def run_deepspeed(args, config, result):
     """DeepSpeed's run of the same model and config (its exact error when it fails)."""
     ds_config = {k: v for k, v in config.items() if k != "strata"}
     ds_config["zero_optimization"] = dict(ds_config["zero_optimization"],
-                                          sub_group_size=args.ds_sub_group_size)
+                                          sub_group_size=args.ds_sub_group_size,
+                                          **json.loads(args.ds_zero))
     code = DS_CHILD.format(examples=os.path.join(HERE, "..", "examples"), bench=HERE,
                            args=json.dumps(dict(vars(args), result=result)),
                            config=json.dumps(ds_config))
@@ -358,6 +359,9 @@ def main():
     parser.add_argument("--deepspeed", action="store_true",
                         help="also run DeepSpeed ZeRO-Infinity on the same model and config")
     parser.add_argument("--ds-sub-group-size", type=int, default=100_000_000)
+    parser.add_argument("--ds-zero", default="{}", metavar="JSON",
+                        help="more zero_optimization keys for DeepSpeed's run only (its "
+                             "workarounds: stage3_prefetch_bucket_size 0, say)")
     parser.add_argument("--ds-timeout", type=int, default=3600)
     args = parser.parse_args()
     if not 1 <= args.save_after < args.steps:

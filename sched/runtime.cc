@@ -1528,6 +1528,10 @@ absl::Status Runtime::ReleaseOptimizerStep(float grad_scale) {
   if (optimizer_ == nullptr) {
     return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
   }
+  if (config_.optimizer_commit_each) {
+    MutexLock staged(&staged_mu_);
+    drop_stepped_gradients_ = true;
+  }
   return optimizer_->Release(grad_scale);
 }
 
@@ -1661,7 +1665,16 @@ absl::Status Runtime::StageOptimizerStep(int64_t t, std::vector<swap::StepInput>
     staged_gradients_.push_back(id);
     return static_cast<const void*>(*p);
   };
-  source.done = [this](PartitionId id) { ReleaseStagedGradients(id); };
+  source.done = [this](PartitionId id) {
+    ReleaseStagedGradients(id);
+    bool drop = false;
+    {
+      MutexLock lock(&staged_mu_);
+      drop = drop_stepped_gradients_;
+    }
+    // Refused only while another holder pins it (it then goes at the step's end, as the rest).
+    if (drop) Discard(id).IgnoreError();
+  };
   return optimizer_->Stage(t, inputs, options, std::move(source), std::move(sink));
 }
 
@@ -1673,6 +1686,11 @@ std::vector<PartitionId> Runtime::PartlySteppedOptimizerPartitions() {
 std::vector<PartitionId> Runtime::TakeCopiedPartitions() {
   MutexLock lock(&staged_mu_);
   return std::exchange(copied_, {});
+}
+
+void Runtime::EndDroppingGradients() {
+  MutexLock lock(&staged_mu_);
+  drop_stepped_gradients_ = false;
 }
 
 void Runtime::ReleaseStagedGradients(std::optional<PartitionId> only) {
@@ -1703,6 +1721,7 @@ absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
   }
   absl::StatusOr<swap::StepReport> r = optimizer_->Commit();
   ReleaseStagedGradients();
+  EndDroppingGradients();
   return r;
 }
 
@@ -1721,6 +1740,7 @@ std::vector<PartitionId> Runtime::AbortOptimizerStep() {
   if (optimizer_ == nullptr) return {};
   std::vector<PartitionId> stepped = optimizer_->Abort();
   ReleaseStagedGradients();
+  EndDroppingGradients();
   return stepped;
 }
 

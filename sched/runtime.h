@@ -433,6 +433,8 @@ class Runtime {
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true,
                                            bool overwrite = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The staged step is over: its gradients are no longer dropped as they are let go.
+  void EndDroppingGradients();
   // Releases the gradients the optimizer's thread acquired for a staged step and still holds
   // (`only`: that one, if held: called on the optimizer's thread once its partition has stepped).
   void ReleaseStagedGradients(std::optional<PartitionId> only = std::nullopt);
@@ -506,6 +508,10 @@ class Runtime {
   Mutex staged_mu_;
   std::vector<PartitionId> staged_gradients_ ABSL_GUARDED_BY(staged_mu_);
   std::vector<PartitionId> copied_ ABSL_GUARDED_BY(staged_mu_);  // TakeCopiedPartitions
+  // A held step released with optimizer_commit_each: it is never taken anew, so each gradient the
+  // optimizer's thread lets go is dropped at once (its room freed, never written to NVMe), not at
+  // the step's end.
+  bool drop_stepped_gradients_ ABSL_GUARDED_BY(staged_mu_) = false;
 
   mutable Mutex mu_;
   // Signalled when a move ends, when a Discard frees copies, and when a thread stops bringing a

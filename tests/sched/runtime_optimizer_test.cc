@@ -550,6 +550,36 @@ INSTANTIATE_TEST_SUITE_P(HostEarly, StagedStepTest, ::testing::Bool(),
 // A staged step holds each gradient only while its partition steps: once the optimizer's thread
 // has stepped them all, none is pinned, before Commit (the gradients of a model larger than the
 // host tier go through it one at a time).
+// A held step released with optimizer_commit "partition" is never taken anew: each gradient the
+// optimizer's thread lets go is dropped then (never written down to NVMe for a step that will not
+// read it). With the whole step's commit, or before the release, the gradients stay for a step
+// taken anew.
+TEST(RuntimeOptimizerTest, AReleasedHeldStepDropsEachGradientOnceItsPartitionHasStepped) {
+  for (const bool each : {false, true}) {
+    SCOPED_TRACE(each ? "commit each partition" : "commit the step");
+    ScratchDir dir;
+    RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+    config.optimizer_commit_each = each;
+    auto rt = Runtime::Create(config, Quiet());
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    Reference ref;
+    auto grads = Grads(1);
+    ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+    auto written = [&](PartitionId id) { return (*rt)->residency().Get(id)->written; };
+    ASSERT_TRUE((*rt)->BeginOptimizerStep(false, true).ok());
+    for (const auto& [id, n] : kParts) {
+      ASSERT_TRUE((*rt)->StageOptimizerStep(1, {swap::StepInput{.id = id}}).ok());
+    }
+    for (const auto& [id, n] : kParts) EXPECT_TRUE(written(id)) << id << " before the release";
+    ASSERT_TRUE((*rt)->ReleaseOptimizerStep(1.0f).ok());
+    auto r = (*rt)->CommitOptimizerStep();
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (const auto& [id, n] : kParts) EXPECT_EQ(written(id), !each) << id;
+    ref.Step(1, grads);
+    ExpectState(**rt, ref);
+  }
+}
+
 TEST(RuntimeOptimizerTest, AStagedStepLetsEachGradientGoOnceItsPartitionHasStepped) {
   ScratchDir dir;
   RuntimeOptions ro = Quiet();
