@@ -279,6 +279,10 @@ part vs_deepspeed 300 vs_deepspeed
 part vs_noclip 150 vs_deepspeed noclip zero2_cpu --clipping 0 --no-floor
 # ZeRO-Infinity and ZenFlow beside DeepSpeed, the NVMe row's bound with the disk's rates.
 part vs_nvme 240 vs_deepspeed nvme zero3_nvme,zenflow --steps 2
+# ZeRO-Infinity with strata's host budget a half and a quarter of the optimizer state (issue 50):
+# where the compute is a GPU's, the step is the disk's, and the bytes read a step decide it.
+part vs_nvme_beyond_host 240 vs_deepspeed nvme_beyond_host zero3_nvme_half,zero3_nvme_quarter \
+  --steps 2 --no-floor
 # transformers' Trainer: deepspeed= beside strata.hf.Trainer, the same TrainingArguments.
 part vs_trainer 150 vs_deepspeed trainer trainer --no-floor
 part demo 100 demo
