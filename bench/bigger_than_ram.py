@@ -24,8 +24,12 @@ What it does, and reports (BENCH.md):
     timed here, as the planner's "GPU").
   * with --deepspeed, DeepSpeed ZeRO-Infinity on the same model and config (its "strata" block
     left out; sub_group_size set, as DeepSpeed's default of 1e9 elements pins buffers the size of
-    the model; --ds-zero adds keys of its own), built under deepspeed.zero.Init, in a child of its own after strata's runs (their
-    files removed first): its steps' time, bytes and peak memory, or its exact error.
+    the model; --ds-zero adds keys of its own), built under deepspeed.zero.Init, in a child of
+    its own after strata's runs (their files removed first): its steps' time, bytes and peak
+    memory, or its exact error. --deepspeed-only runs it alone, to try DeepSpeed's settings.
+  * --param-device cpu: offload_param "cpu" for both (the bf16 weights in host memory, the
+    optimizer state on NVMe): the configuration DeepSpeed 0.19.8 finishes here (with parameters
+    on NVMe its parameter swapper fails at step 2, its issue 3062).
 """
 import argparse
 import json
@@ -93,8 +97,9 @@ def config_for(args, nvme, largest):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
-                              "buffer_size": largest},
+            "offload_param": ({"device": "nvme", "nvme_path": nvme, "buffer_count": 4,
+                               "buffer_size": largest} if args.param_device == "nvme"
+                              else {"device": "cpu"}),
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 3},
             # Parameters in use at once, a fifth of the device budget (2-byte weights): the
             # planner's model of what the device holds.
@@ -262,6 +267,18 @@ def run_deepspeed(args, config, result):
     return out
 
 
+def deepspeed_run(args, nvme, largest):
+    """DeepSpeed's run (run_deepspeed) in a folder of its own, strata's files removed first."""
+    shutil.rmtree(nvme, ignore_errors=True)
+    shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
+    ds_nvme = nvme + "_deepspeed"
+    shutil.rmtree(ds_nvme, ignore_errors=True)
+    ds = run_deepspeed(args, config_for(args, ds_nvme, largest),
+                       os.path.join(args.dir, "run_deepspeed.json"))
+    shutil.rmtree(ds_nvme, ignore_errors=True)
+    return ds
+
+
 def run_child(args, config, resume, result):
     child_args = dict(vars(args), resume=resume, result=result,
                       checkpoint=os.path.join(args.dir, "checkpoint"))
@@ -359,6 +376,11 @@ def main():
     parser.add_argument("--deepspeed", action="store_true",
                         help="also run DeepSpeed ZeRO-Infinity on the same model and config")
     parser.add_argument("--ds-sub-group-size", type=int, default=100_000_000)
+    parser.add_argument("--param-device", choices=["nvme", "cpu"], default="nvme",
+                        help="offload_param's device (both systems): cpu holds the bf16 "
+                             "weights in host memory, the optimizer state still on NVMe")
+    parser.add_argument("--deepspeed-only", action="store_true",
+                        help="DeepSpeed's run alone (fio before it), to try its settings")
     parser.add_argument("--ds-zero", default="{}", metavar="JSON",
                         help="more zero_optimization keys for DeepSpeed's run only (its "
                              "workarounds: stage3_prefetch_bucket_size 0, say)")
@@ -384,8 +406,21 @@ def main():
           f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps else "fio: not available")
     stat = os.statvfs(args.dir)
     prediction = (planner(args, config, read_bps, write_bps, stat.f_bavail * stat.f_frsize)
-                  if args.plan and read_bps and write_bps else None)
+                  if args.plan and read_bps and write_bps and not args.deepspeed_only else None)
 
+    if args.deepspeed_only:  # a try of DeepSpeed's settings, without strata's runs before it
+        ds = deepspeed_run(args, nvme, largest)
+        if "error" in ds:
+            sys.exit(f"bigger_than_ram/deepspeed: DeepSpeed {ds['error']}")
+        for s in ds["steps"]:
+            print(f"bigger_than_ram/deepspeed: step {s['step']} {s['seconds']:.1f} s, read "
+                  f"{s['read'] / GIB:.1f} GiB, written {s['written'] / GIB:.1f} GiB, peak RSS "
+                  f"{s['peak_rss'] / GIB:.2f} GiB")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"params": params, "fio_read_bps": read_bps,
+                           "fio_write_bps": write_bps, "deepspeed": ds}, f, indent=1)
+        return
     a = run_child(args, config, False, os.path.join(args.dir, "run_a.json"))
     b = run_child(args, config, True, os.path.join(args.dir, "run_b.json"))
     read_bps_after = fio_bandwidth(args.dir, write=False)
@@ -434,13 +469,7 @@ def main():
     print(f"build {a['build_s']:.0f} s, checkpoint save {a.get('save_s', 0):.0f} s, load "
           f"{b.get('load_s', 0):.0f} s")
     if args.deepspeed:
-        shutil.rmtree(nvme, ignore_errors=True)
-        shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
-        ds_nvme = nvme + "_deepspeed"
-        shutil.rmtree(ds_nvme, ignore_errors=True)
-        ds_config = config_for(args, ds_nvme, largest)
-        ds = run_deepspeed(args, ds_config, os.path.join(args.dir, "run_deepspeed.json"))
-        shutil.rmtree(ds_nvme, ignore_errors=True)
+        ds = deepspeed_run(args, nvme, largest)
         report["deepspeed"] = ds
         if "error" in ds:
             print(f"bigger_than_ram/deepspeed: DeepSpeed {ds['error']}")
