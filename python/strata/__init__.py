@@ -10,7 +10,7 @@ The package is strata's front for PyTorch. What is here today:
 * ``strata.init(config)``: a context that builds a model without materializing it (each large
   parameter a partition as it is made), as DeepSpeed's zero.Init (strata.zero_init says how);
   ``engine.save_checkpoint``/``load_checkpoint`` and ``engine.load_pretrained`` stream state in and
-  out one tensor at a time (strata.engine_state, strata.pretrained), and ``strata.zero_to_fp32``
+  out one tensor at a time (strata.checkpoints, strata.pretrained), and ``strata.zero_to_fp32``
   consolidates a checkpoint.
 
 * ``strata.optim``: ``CpuAdam``, ``CpuAdamW``, ``CpuAdagrad`` and ``CpuLion``,
@@ -52,8 +52,7 @@ from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
 from strata.engine import (Engine, GatheredParameters, StrataWarning, check_config,
-                           initialize, register_external_parameter)
-from strata.pretrained import from_pretrained
+                           from_pretrained, initialize, register_external_parameter)
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 

@@ -83,7 +83,7 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
 from strata import checkpointing
-from strata import engine_state
+from strata import checkpoints
 from strata import zero_init as init_module
 from strata import pretrained
 from strata import tiling
@@ -434,7 +434,7 @@ class _Optimizer(torch.optim.Optimizer):
                         f"optimizer.load_state_dict: {e.name}'s {name} is "
                         f"{'missing' if value is None else tuple(value.shape)}; accepted: "
                         f"{tuple(e.shape)} ({engine.optimizer_kind}: {', '.join(names)})")
-        with engine_state.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
+        with checkpoints.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
             for e in engine._params:
                 entry = state.get(index[id(e.param)])
                 if entry is not None and "master" in entry:
@@ -457,7 +457,7 @@ class _Optimizer(torch.optim.Optimizer):
             entry = state.get(index[id(e.param)])
             e.steps = int(entry["step"]) if entry is not None else 0
             if entry is not None and "master" in entry:
-                engine_state._set_weights(engine, e, entry["master"].reshape(-1).float())
+                checkpoints._set_weights(engine, e, entry["master"].reshape(-1).float())
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -602,13 +602,13 @@ class GatheredParameters:
                 engine._write_frozen(e, values.cpu())
             else:
                 trained.append((e, values.to(device="cpu", dtype=torch.float32).contiguous()))
-        with engine_state.loading_optimizer_state(engine, "GatheredParameters", whole=False):
+        with checkpoints.loading_optimizer_state(engine, "GatheredParameters", whole=False):
             for e, master in trained:
                 moments = [torch.empty(e.shard), torch.empty(e.shard)]
                 engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
                 engine.runtime.load_optimizer_state(e.gid, master, *moments)
         for e, master in trained:
-            engine_state._set_weights(engine, e, master)
+            checkpoints._set_weights(engine, e, master)
 
 
 def _check_model_dtype(model, dtype):
@@ -919,7 +919,7 @@ class Engine(Lending, Gradients, Step):
                 "strata.optimizer_commit \"partition\" across ranks: a step that failed part "
                 "way on one rank would leave its shards stepped and the others' not; accepted: "
                 "\"step\" (what \"auto\" takes there) in a job of several processes")
-        # A load that failed part way with _commit_each: what it had loaded stays (engine_state).
+        # A load that failed part way with _commit_each: what it had loaded stays (checkpoints).
         self._half_loaded = None
         self._early_held = []  # their host copies, released written after backward
         self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
@@ -1574,9 +1574,9 @@ class Engine(Lending, Gradients, Step):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
-        "global_stepN"), crash-consistent, `latest` moved last (strata/engine_state.py says
+        "global_stepN"), crash-consistent, `latest` moved last (strata/checkpoints.py says
         what is kept and how). Returns the tag's folder."""
-        return engine_state.save(self, save_dir, tag, client_state, save_latest)
+        return checkpoints.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -1585,7 +1585,7 @@ class Engine(Lending, Gradients, Step):
         when there is no `latest` and no tag. Everything is checked before anything changes;
         load_module_strict is always on (a parameter missing or extra is named)."""
         del load_module_strict
-        return engine_state.load(self, load_dir, tag, load_optimizer_states,
+        return checkpoints.load(self, load_dir, tag, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
 
     def load_pretrained(self, source, strict=True):
@@ -2003,3 +2003,25 @@ def _flatten_params(params):
 
 def _as_tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def from_pretrained(cls, path, config, **initialize_kwargs):
+    """A `transformers` model class's ``from_pretrained`` through strata, for a model larger than
+    the host: the model's config is read from the folder `path` (its config.json), the model is
+    built under ``strata.init(config)`` without initializing weights it is about to load (as
+    transformers does under DeepSpeed), ``strata.initialize(model=..., config=config,
+    **initialize_kwargs)`` makes the engine, and the folder's weights (safetensors or torch.save,
+    one file or shards) stream into it (engine.load_pretrained, strict). Returns initialize's
+    (engine, optimizer, dataloader, lr_scheduler)."""
+    import transformers
+    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    skip_init = getattr(getattr(transformers, "initialization", None), "no_init_weights", None)
+    with init_module.init(config=config):
+        if skip_init is not None:
+            with skip_init():
+                model = cls._from_config(hf_config)
+        else:
+            model = cls._from_config(hf_config)
+    out = initialize(model=model, config=config, **initialize_kwargs)
+    out[0].load_pretrained(path)
+    return out

@@ -40,9 +40,9 @@ import zipfile
 
 import torch
 
-from strata import engine_state
+from strata import checkpoints
 
-__all__ = ["load", "read_state_dict_lazily", "read_safetensors_lazily", "from_pretrained"]
+__all__ = ["load", "read_state_dict_lazily", "read_safetensors_lazily"]
 
 INDEX = "pytorch_model.bin.index.json"
 SAFETENSORS = "model.safetensors"
@@ -86,15 +86,15 @@ def read_safetensors_lazily(path):
                 piece = f.get_slice(name)
                 dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                 if dtype is None:
-                    raise engine_state.CheckpointError(
+                    raise checkpoints.CheckpointError(
                         f"load_pretrained: {path}: {name} is stored as {piece.get_dtype()}; "
                         f"accepted: {', '.join(_SAFETENSORS_DTYPES)}")
                 out[name] = _SafetensorsTensor(path, name, piece.get_shape(), dtype)
             return out
-    except engine_state.CheckpointError:
+    except checkpoints.CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - safetensors' own error types vary by version
-        raise engine_state.CheckpointError(
+        raise checkpoints.CheckpointError(
             f"load_pretrained: {path} cannot be read as safetensors: {error}") from None
 
 
@@ -129,9 +129,9 @@ class _LazyTensor:
         data = torch.empty(span * size, dtype=torch.uint8)  # read into at once: no copies
         with zipfile.ZipFile(self.storage.archive) as z, z.open(self.storage.record) as f:
             f.seek(self.offset * size)
-            got = engine_state._read_into(f, data)
+            got = checkpoints._read_into(f, data)
         if got != span * size:
-            raise engine_state.CheckpointError(
+            raise checkpoints.CheckpointError(
                 f"load_pretrained: {self.storage.archive}: {self.storage.record} ends early")
         return data.view(self.dtype).as_strided(self.shape, self.stride, 0)
 
@@ -178,22 +178,22 @@ def read_state_dict_lazily(path):
     """{name: a tensor left in the archive (.shape, .dtype, .read())} of a torch.save file."""
     path = os.fspath(path)
     if not zipfile.is_zipfile(path):
-        raise engine_state.CheckpointError(
+        raise checkpoints.CheckpointError(
             f"load_pretrained: {path} is not a torch.save zip archive (accepted: the format "
             "torch.save writes since 1.6, or a folder of shards with an index)")
     with zipfile.ZipFile(path) as z:
         pickles = [n for n in z.namelist() if n.endswith("/data.pkl")]
         if len(pickles) != 1:
-            raise engine_state.CheckpointError(f"load_pretrained: {path} holds no data.pkl")
+            raise checkpoints.CheckpointError(f"load_pretrained: {path} holds no data.pkl")
         prefix = pickles[0][:-len("/data.pkl")]
         with z.open(pickles[0]) as f:
             try:
                 state = _Unpickler(f, path, prefix).load()
             except (pickle.UnpicklingError, AttributeError, ValueError, TypeError) as error:
-                raise engine_state.CheckpointError(
+                raise checkpoints.CheckpointError(
                     f"load_pretrained: {path} cannot be read: {error}") from None
     if not isinstance(state, dict):
-        raise engine_state.CheckpointError(f"load_pretrained: {path} holds a "
+        raise checkpoints.CheckpointError(f"load_pretrained: {path} holds a "
                                            f"{type(state).__name__}; accepted: a state dict")
     return {k: v for k, v in state.items() if isinstance(v, _LazyTensor)}
 
@@ -211,7 +211,7 @@ def _entries(source):
                 index = os.path.join(source, name)
                 break
         else:
-            raise engine_state.CheckpointError(
+            raise checkpoints.CheckpointError(
                 f"load_pretrained: {source} holds none of {SAFETENSORS}, {SAFETENSORS_INDEX}, "
                 f"{INDEX}; accepted: a folder with one of them, or a file")
         if not index.endswith(".index.json"):
@@ -224,7 +224,7 @@ def _entries(source):
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise engine_state.CheckpointError(
+        raise checkpoints.CheckpointError(
             f"load_pretrained: {index} cannot be read as a shard index: {error}") from None
     folder = os.path.dirname(index)
     out, problems = {}, []
@@ -242,7 +242,7 @@ def _entries(source):
         problems += [f"{file} holds {name}, which it does not list"
                      for name in sorted(set(shard) - listed)]
     if problems:
-        raise engine_state.CheckpointError(
+        raise checkpoints.CheckpointError(
             f"load_pretrained: {index}: " + "; ".join(problems) + "; nothing was changed")
     return out
 
@@ -255,7 +255,7 @@ def load(engine, source, strict=True, keep_state=False):
     afresh."""
     if engine._staged is not None:
         raise RuntimeError("load_pretrained: between backward and step; load after step()")
-    entries, aliases, rest, missing, unexpected = engine_state.checked_everywhere(
+    entries, aliases, rest, missing, unexpected = checkpoints.checked_everywhere(
         engine, "load_pretrained", lambda: _check(engine, source, strict))
     engine._end_gradients(failed=False)  # gradients summed before the load are dropped
     wanted = {e.name for e in engine._params}
@@ -271,7 +271,7 @@ def load(engine, source, strict=True, keep_state=False):
         of a partition; otherwise (and an unpartitioned parameter's weights) all of it."""
         return whole if engine.ranks is None else engine.ranks.own_shard(whole, e.shard)
 
-    with engine_state.loading_optimizer_state(engine, "load_pretrained",
+    with checkpoints.loading_optimizer_state(engine, "load_pretrained",
                                               whole=len(loaded) == len(engine._params)):
         for e in loaded:
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
@@ -286,7 +286,7 @@ def load(engine, source, strict=True, keep_state=False):
             engine.runtime.load_optimizer_state(e.gid, master, first, second)
     for e in loaded:
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
-        engine_state._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
+        checkpoints._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
         if not keep_state:
             e.steps = 0
     for name, value in rest.items():
@@ -298,7 +298,7 @@ def load(engine, source, strict=True, keep_state=False):
 def _check(engine, source, strict):
     """What load checks before it changes anything: (the entries, the module's aliases, its
     other tensors, the missing and unexpected names)."""
-    aliases, rest = engine_state._module_rest(engine)
+    aliases, rest = checkpoints._module_rest(engine)
     wanted = {e.name: e.shape for e in engine._params}
     wanted.update({n: tuple(t.shape) for n, t in rest.items()})
     alias_of = dict(aliases)  # another name of a trainable parameter -> its name
@@ -316,7 +316,7 @@ def _check(engine, source, strict):
     problems = shapes + ([f"missing: {n}" for n in missing] +
                          [f"unexpected: {n}" for n in unexpected] if strict else [])
     if problems:
-        raise engine_state.CheckpointError("load_pretrained: " + "; ".join(problems) +
+        raise checkpoints.CheckpointError("load_pretrained: " + "; ".join(problems) +
                                            "; nothing was changed")
     return entries, aliases, rest, missing, unexpected
 
@@ -353,28 +353,4 @@ def _matched(model, entries, known):
                                     any(p.search(name) for p in ignore)):
             continue
         out.setdefault(target, tensor)
-    return out
-
-
-def from_pretrained(cls, path, config, **initialize_kwargs):
-    """A `transformers` model class's ``from_pretrained`` through strata, for a model larger than
-    the host: the model's config is read from the folder `path` (its config.json), the model is
-    built under ``strata.init(config)`` without initializing weights it is about to load (as
-    transformers does under DeepSpeed), ``strata.initialize(model=..., config=config,
-    **initialize_kwargs)`` makes the engine, and the folder's weights (safetensors or torch.save,
-    one file or shards) stream into it (engine.load_pretrained, strict). Returns initialize's
-    (engine, optimizer, dataloader, lr_scheduler)."""
-    import transformers
-    from strata import engine as engine_module
-    from strata import zero_init
-    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
-    skip_init = getattr(getattr(transformers, "initialization", None), "no_init_weights", None)
-    with zero_init.init(config=config):
-        if skip_init is not None:
-            with skip_init():
-                model = cls._from_config(hf_config)
-        else:
-            model = cls._from_config(hf_config)
-    out = engine_module.initialize(model=model, config=config, **initialize_kwargs)
-    out[0].load_pretrained(path)
     return out

@@ -16,7 +16,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
-from strata import engine_state
+from strata import checkpoints
 
 __all__ = ["Step"]
 
@@ -501,7 +501,7 @@ class Step:
                 # A parameter stepped in part (a step that failed part way): each sub-group's
                 # master weights are its weights.
                 self.runtime.read_optimizer_state(e.gid, master, m, v, mixed_steps=True)
-                engine_state._set_weights(self, e, master)
+                checkpoints._set_weights(self, e, master)
             except Exception as error:
                 raise _strata.Error(
                     f"the optimizer step committed, but the new weights of {len(pending)} "

@@ -42,7 +42,7 @@ import weakref
 import numpy
 import torch
 
-from strata import engine_state
+from strata import checkpoints
 
 __all__ = ["consolidate", "main"]
 
@@ -54,22 +54,22 @@ def _state_dict(checkpoint_dir, tag):
     """(the verified checkpoint's folder, an ordered {name: tensor} of the fp32 state dict)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     if tag is None:
-        latest = os.path.join(checkpoint_dir, engine_state.LATEST)
+        latest = os.path.join(checkpoint_dir, checkpoints.LATEST)
         try:
             with open(latest, encoding="utf-8") as f:
                 tag = f.read().strip()
         except OSError as error:
-            raise engine_state.CheckpointError(
+            raise checkpoints.CheckpointError(
                 f"zero_to_fp32: {latest} cannot be read ({error.strerror}); give the tag") from None
-    path = engine_state._resolve(checkpoint_dir, tag) if os.path.isdir(checkpoint_dir) else None
+    path = checkpoints._resolve(checkpoint_dir, tag) if os.path.isdir(checkpoint_dir) else None
     if path is None:
-        raise engine_state.CheckpointError(
+        raise checkpoints.CheckpointError(
             f"zero_to_fp32: no checkpoint {tag!r} in {checkpoint_dir}")
-    meta = engine_state._read_meta(path)
-    engine_state._verify(path, meta)
+    meta = checkpoints._read_meta(path)
+    checkpoints._verify(path, meta)
     out = {}
     for p in meta["params"]:
-        pieces, shard = engine_state._pieces(meta, p)
+        pieces, shard = checkpoints._pieces(meta, p)
         if len(pieces) == 1:  # one process's: a map of the bytes
             file, offset, _ = pieces[0]
             mapped = numpy.memmap(os.path.join(path, file), dtype="<f4", mode="c", offset=offset,
@@ -80,7 +80,7 @@ def _state_dict(checkpoint_dir, tag):
             out[p["name"]] = _Shards(path, meta, p)
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name]
-    extra = torch.load(os.path.join(path, engine_state.ENGINE))["module_extra"]
+    extra = torch.load(os.path.join(path, checkpoints.ENGINE))["module_extra"]
     for name, value in extra.items():  # frozen parameters and buffers; floating ones in fp32
         out[name] = value.float() if value.is_floating_point() else value
     return path, out
@@ -101,11 +101,11 @@ class _Shards:
         return 4
 
     def load(self):
-        files = sorted({p[0] for p in engine_state._pieces(self.meta, self.entry)[0]})
+        files = sorted({p[0] for p in checkpoints._pieces(self.meta, self.entry)[0]})
         handles = {f: open(os.path.join(self.path, f), "rb") for f in files}
         try:
             master = torch.empty(1, self.numel())
-            engine_state._read_range(handles, self.meta, self.entry, 0, self.numel(), master)
+            checkpoints._read_range(handles, self.meta, self.entry, 0, self.numel(), master)
         finally:
             for f in handles.values():
                 f.close()
@@ -219,7 +219,7 @@ def main(argv=None):
     try:
         names = consolidate(args.checkpoint_dir, args.out, args.tag, args.shard_size,
                             args.safetensors)
-    except (engine_state.CheckpointError, ValueError, OSError) as error:
+    except (checkpoints.CheckpointError, ValueError, OSError) as error:
         log.error("%s", error)
         return 2
     log.info("%d tensors to %s", len(names), args.out)

@@ -1,5 +1,5 @@
 """engine.save_checkpoint / load_checkpoint: resume bit for bit, crash-consistent saves, and
-checkpoints that cannot be loaded named before anything changes (strata/engine_state.py)."""
+checkpoints that cannot be loaded named before anything changes (strata/checkpoints.py)."""
 import json
 import os
 import signal
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import strata
-from strata import engine_state
+from strata import checkpoints
 
 sys.path.insert(0, os.path.dirname(__file__))
 from references import assert_computes_as  # noqa: E402
@@ -41,7 +41,7 @@ def assert_refused_and_unchanged(engine, ckpt, match):
     """Loading `ckpt` into `engine` fails with `match` and changes nothing of it."""
     before = state_of(engine)
     steps = engine.global_steps
-    with pytest.raises(engine_state.CheckpointError, match=match):
+    with pytest.raises(checkpoints.CheckpointError, match=match):
         engine.load_checkpoint(ckpt)
     assert engine.global_steps == steps
     for a, b in zip(before, state_of(engine)):
@@ -122,7 +122,7 @@ def damaged(tmp_path, how):
 def test_a_damaged_checkpoint_is_named_and_changes_nothing(tmp_path, how, message):
     target, ckpt = damaged(tmp_path, how)
     before = state_of(target)
-    with pytest.raises(engine_state.CheckpointError, match=message):
+    with pytest.raises(checkpoints.CheckpointError, match=message):
         target.load_checkpoint(ckpt)
     for a, b in zip(before, state_of(target)):
         assert torch.equal(a, b)
@@ -147,7 +147,7 @@ def test_a_checkpoint_of_another_model_names_every_difference(tmp_path):
     engine.save_checkpoint(tmp_path / "ckpt")
     other = engine_for(tmp_path, "cpu", "fp32", seed=1, name="other")
     before = state_of(other)
-    with pytest.raises(engine_state.CheckpointError) as failed:
+    with pytest.raises(checkpoints.CheckpointError) as failed:
         other.load_checkpoint(tmp_path / "ckpt")
     text = str(failed.value)
     assert f"emb.weight: shape [{VOCAB + 3}, {WIDTH}] in the checkpoint" in text, text
@@ -162,7 +162,7 @@ def test_a_save_with_one_buffer_or_two_loads_the_same_state(tmp_path, monkeypatc
                                                             double_buffer_max):
     """A save double-buffers (reads one parameter while the last is written) unless the largest
     state is over _DOUBLE_BUFFER_MAX, when the host holds it once: both give the same file."""
-    monkeypatch.setattr(engine_state, "_DOUBLE_BUFFER_MAX", double_buffer_max)
+    monkeypatch.setattr(checkpoints, "_DOUBLE_BUFFER_MAX", double_buffer_max)
     engine = engine_for(tmp_path, "nvme", "fp32", seed=0)
     train(engine, list(batches(4)))
     engine.save_checkpoint(tmp_path / "ckpt")
@@ -177,7 +177,7 @@ def test_a_save_that_fails_reports_its_first_failure(tmp_path, monkeypatch):
     before it has failed too: the save raises the read's error (the writer's had replaced it), and
     leaves no folder behind."""
     engine = engine_for(tmp_path, "cpu", "fp32", seed=0)
-    monkeypatch.setattr(engine_state, "_SYNC_EVERY", 0)
+    monkeypatch.setattr(checkpoints, "_SYNC_EVERY", 0)
 
     def failing_sync(fd):
         raise OSError("sync failed")
@@ -232,7 +232,7 @@ def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypa
     engine.save_checkpoint(ckpt, tag="X")  # step 2
     train(engine, data[4:8])
     with monkeypatch.context() as m:  # killed after `latest`, before clearing step 2's copy
-        m.setattr(engine_state, "_remove", lambda *a: None)
+        m.setattr(checkpoints, "_remove", lambda *a: None)
         engine.save_checkpoint(ckpt, tag="X")  # step 4
     train(engine, data[8:12])
 
@@ -245,7 +245,7 @@ def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypa
 
     for attempt in range(2):  # the asides' order must not be luck: a second pair, named anew
         with monkeypatch.context() as m:
-            m.setattr(engine_state, "_point", kill_at)
+            m.setattr(checkpoints, "_point", kill_at)
             with pytest.raises(Killed):
                 engine.save_checkpoint(ckpt, tag="X")  # step 6, killed with X moved aside
         assert not (ckpt / "X").exists()
@@ -253,7 +253,7 @@ def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypa
         other.load_checkpoint(ckpt, tag="X")
         assert other.global_steps == 4
         # Put back for the second attempt: step 4 as X again, step 2's copy aside.
-        newest = engine_state._replaced(str(ckpt), "X")[0]
+        newest = checkpoints._replaced(str(ckpt), "X")[0]
         os.rename(ckpt / newest, ckpt / "X")
     # A removal killed half-way is not taken for a whole copy, and the next save clears it.
     os.rename(ckpt / "X", ckpt / ".deleting-0123abcd")
@@ -269,7 +269,7 @@ def test_of_two_killed_saves_of_a_tag_the_newer_one_is_loaded(tmp_path, monkeypa
 CHILD_SETUP = r"""
 import os, random, signal, sys, threading, time
 sys.path.insert(0, {tests!r})
-from strata import engine_state
+from strata import checkpoints
 from test_checkpoint import engine_for, train
 from test_engine import batches
 import pathlib
@@ -289,7 +289,7 @@ def crash(name):
     calls[0] += 1
     if calls[0] == {kill_at}:
         os.kill(os.getpid(), signal.SIGKILL)
-engine_state._crash_point = crash
+checkpoints._crash_point = crash
 engine.save_checkpoint(tmp / "ckpt", tag={tag!r})  # step 4, killed part way
 print("finished")
 """
@@ -605,11 +605,11 @@ def test_another_optimizers_checkpoint_is_refused_and_changes_nothing(tmp_path):
     meta_file = tmp_path / "ckpt" / "global_step0" / "meta.json"
     meta = json.loads(meta_file.read_text())
     meta["optimizer"] = "adagrad"  # as a consistent checkpoint of another optimizer says
-    meta["meta_digest"] = engine_state._meta_digest(meta)
+    meta["meta_digest"] = checkpoints._meta_digest(meta)
     meta_file.write_text(json.dumps(meta))
     target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
     before = state_of(target)
-    with pytest.raises(engine_state.CheckpointError, match="holds the state of adagrad"):
+    with pytest.raises(checkpoints.CheckpointError, match="holds the state of adagrad"):
         target.load_checkpoint(tmp_path / "ckpt")
     for a, b in zip(before, state_of(target)):
         assert torch.equal(a, b)
@@ -628,7 +628,7 @@ def test_a_scheduler_state_that_does_not_fit_is_refused_before_anything_changes(
     import hashlib
     meta["files"]["engine_states.pt"]["digest"] = hashlib.blake2b(
         states.read_bytes(), digest_size=16).hexdigest()
-    meta["meta_digest"] = engine_state._meta_digest(meta)
+    meta["meta_digest"] = checkpoints._meta_digest(meta)
     meta_file.write_text(json.dumps(meta))
     target = engine_for(tmp_path, "cpu", "fp32", seed=1, name="target")
     assert_refused_and_unchanged(target, tmp_path / "ckpt", "scheduler's state does not fit")

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import strata
-from strata import engine_state, zero_to_fp32
+from strata import checkpoints, zero_to_fp32
 from test_hf_models import ARCHITECTURES, batches, make_config
 
 
@@ -57,14 +57,14 @@ def test_a_base_models_checkpoint_loads_into_a_model_with_a_head_by_transformers
         assert torch.equal(ours["model." + name], value), name
     # Strict, the head is named as missing; a wrong shape shows both shapes; nothing changes.
     before = engine.module_state_dict()
-    with pytest.raises(engine_state.CheckpointError, match="missing: lm_head.weight"):
+    with pytest.raises(checkpoints.CheckpointError, match="missing: lm_head.weight"):
         engine.load_pretrained(tmp_path / "base")
     torch.manual_seed(2)
     wide = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
     wide.save_pretrained(tmp_path / "wide")
-    with pytest.raises(engine_state.CheckpointError,
+    with pytest.raises(checkpoints.CheckpointError,
                        match=r"model.embed_tokens.weight: shape \[256, 32\] in .*wide.*, "
                              r"\[128, 32\] in the model"):
         engine.load_pretrained(tmp_path / "wide")
@@ -93,7 +93,7 @@ def test_load_state_dict_after_initialize_loads_through_the_engine(tmp_path, sta
     torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
     torch_adamw.step()
     assert_same_weights(engine, other, tolerance=1e-5)
-    with pytest.raises(engine_state.CheckpointError, match="unexpected: extra"):
+    with pytest.raises(checkpoints.CheckpointError, match="unexpected: extra"):
         engine.module.load_state_dict(dict(other.state_dict(), extra=torch.zeros(1)))
     with pytest.raises(ValueError, match="assign=True is not supported"):
         engine.module.load_state_dict(other.state_dict(), assign=True)

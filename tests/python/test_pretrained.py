@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import strata
-from strata import engine_state
+from strata import checkpoints
 
 sys.path.insert(0, os.path.dirname(__file__))
 from references import assert_computes_as  # noqa: E402
@@ -67,7 +67,7 @@ def test_every_mismatch_is_named_and_nothing_changes(tmp_path):
     torch.save(state, tmp_path / "bad.bin")
     engine = engine_of(tmp_path, Net())
     before = state_of(engine)
-    with pytest.raises(engine_state.CheckpointError) as failed:
+    with pytest.raises(checkpoints.CheckpointError) as failed:
         engine.load_pretrained(tmp_path / "bad.bin")
     text = str(failed.value)
     for part in ("l1.weight: shape [3, 3]", "missing: ln.bias", "unexpected: extra.weight",
@@ -76,7 +76,7 @@ def test_every_mismatch_is_named_and_nothing_changes(tmp_path):
     for a, b in zip(before, state_of(engine)):
         assert torch.equal(a, b)
     # Not strict: the missing and unexpected pass, the wrong shape does not.
-    with pytest.raises(engine_state.CheckpointError, match="l1.weight: shape"):
+    with pytest.raises(checkpoints.CheckpointError, match="l1.weight: shape"):
         engine.load_pretrained(tmp_path / "bad.bin", strict=False)
     state["l1.weight"] = Net().state_dict()["l1.weight"]
     torch.save(state, tmp_path / "loose.bin")
@@ -87,21 +87,21 @@ def test_every_mismatch_is_named_and_nothing_changes(tmp_path):
 def test_files_that_are_not_state_dicts_are_named(tmp_path):
     engine = engine_of(tmp_path, Net())
     torch.save(Net().state_dict(), tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
-    with pytest.raises(engine_state.CheckpointError, match="not a torch.save zip archive"):
+    with pytest.raises(checkpoints.CheckpointError, match="not a torch.save zip archive"):
         engine.load_pretrained(tmp_path / "legacy.bin")
     torch.save([torch.zeros(1)], tmp_path / "list.bin")
-    with pytest.raises(engine_state.CheckpointError, match="holds a list"):
+    with pytest.raises(checkpoints.CheckpointError, match="holds a list"):
         engine.load_pretrained(tmp_path / "list.bin")
     (tmp_path / "shards").mkdir()
-    with pytest.raises(engine_state.CheckpointError,
+    with pytest.raises(checkpoints.CheckpointError,
                        match="shards holds none of model.safetensors, model.safetensors.index.json,"
                              " pytorch_model.bin.index.json"):
         engine.load_pretrained(tmp_path / "shards")
     (tmp_path / "shards" / "model.safetensors.index.json").write_text("{")
-    with pytest.raises(engine_state.CheckpointError, match="cannot be read as a shard index"):
+    with pytest.raises(checkpoints.CheckpointError, match="cannot be read as a shard index"):
         engine.load_pretrained(tmp_path / "shards")
     (tmp_path / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
-    with pytest.raises(engine_state.CheckpointError,
+    with pytest.raises(checkpoints.CheckpointError,
                        match="broken.safetensors cannot be read as safetensors"):
         engine.load_pretrained(tmp_path / "broken.safetensors")
 
@@ -118,7 +118,7 @@ def test_parameters_in_the_file_and_a_missing_shard(tmp_path):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "pytorch_model.bin.index.json").write_text(
         '{"weight_map": {"emb.weight": "gone.bin"}}')
-    with pytest.raises(engine_state.CheckpointError, match="names gone.bin, which is missing"):
+    with pytest.raises(checkpoints.CheckpointError, match="names gone.bin, which is missing"):
         engine.load_pretrained(tmp_path / "shards")
 
 
@@ -136,7 +136,7 @@ def test_every_fault_of_a_sharded_index_is_named_at_once(tmp_path):
     index = {"weight_map": {"emb.weight": "a.bin", "ln.bias": "a.bin", "ln.weight": "a.bin",
                             "l2.weight": "gone1.bin", "l2.bias": "gone2.bin"}}
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-    with pytest.raises(engine_state.CheckpointError) as failed:
+    with pytest.raises(checkpoints.CheckpointError) as failed:
         engine.load_pretrained(folder)
     text = str(failed.value)
     for expected in ["names gone1.bin, which is missing", "names gone2.bin, which is missing",
@@ -155,5 +155,5 @@ def test_a_pickle_that_names_other_code_is_refused(tmp_path):
 
     torch.save({"emb.weight": torch.zeros(1), "x": Evil()}, tmp_path / "evil.bin")
     engine = engine_of(tmp_path, Net(), "cpu")
-    with pytest.raises(engine_state.CheckpointError, match="is not part of a state dict"):
+    with pytest.raises(checkpoints.CheckpointError, match="is not part of a state dict"):
         engine.load_pretrained(tmp_path / "evil.bin")

@@ -395,9 +395,9 @@ elif mode == "kill":  # a second save, during which rank 1 dies
     step(); step()
     engine.save_checkpoint(ckpt, tag="first", client_state={"rank": rank})
     step()
-    from strata import engine_state
+    from strata import checkpoints
     if rank == 1:
-        engine_state._crash_point = lambda at: at == "parameter_written" and os.kill(os.getpid(), 9)
+        checkpoints._crash_point = lambda at: at == "parameter_written" and os.kill(os.getpid(), 9)
     try:
         engine.save_checkpoint(ckpt, tag="second")
     except Exception as error:

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from strata import engine_state as _engine_state
+from strata import checkpoints as _checkpoints
 
 # The tag strata's checkpoint folder holds Lightning's checkpoint under (DeepSpeedStrategy's).
 TAG = "checkpoint"
@@ -39,9 +39,9 @@ def _checkpoint_folder(path):
     """The checkpoint's folder and tag: `path` may be the save folder (with `latest`) or a tag's
     folder in it."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, _engine_state.LATEST)):
+    if os.path.isfile(os.path.join(path, _checkpoints.LATEST)):
         return path, None
-    if os.path.isfile(os.path.join(path, _engine_state.META)):
+    if os.path.isfile(os.path.join(path, _checkpoints.META)):
         return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
     return None, None
 
@@ -59,13 +59,13 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag=
     from strata import zero_to_fp32
     folder, found_tag = _checkpoint_folder(checkpoint_dir)
     if folder is None:
-        raise _engine_state.CheckpointError(
+        raise _checkpoints.CheckpointError(
             f"convert_zero_checkpoint_to_fp32_state_dict: {os.fspath(checkpoint_dir)} is not a "
             "strata checkpoint folder (no `latest`, no meta.json); accepted: the folder "
             "trainer.save_checkpoint or ModelCheckpoint wrote")
     path, state = zero_to_fp32._state_dict(folder, tag if tag is not None else found_tag)
     state = zero_to_fp32._materialize(state)
-    client = torch.load(os.path.join(path, _engine_state.ENGINE))["client_state"]
+    client = torch.load(os.path.join(path, _checkpoints.ENGINE))["client_state"]
     checkpoint = _unpack(client, path, weights_only=weights_only)
     checkpoint["state_dict"] = {name: t.clone() for name, t in state.items()}
     for key in ("optimizer_states",):
