@@ -53,9 +53,9 @@
 #include "base/status.h"
 #include "bench/common/fio.h"
 #include "bench/common/report.h"
-#include "sched/plan_step.h"
+#include "planner/plan_step.h"
+#include "planner/step_bound.h"
 #include "sched/runtime.h"
-#include "sched/step_bound.h"
 #include "tiering/copy_engine.h"
 #include "tiering/link_bandwidth.h"
 #include "tiering/nvme_store.h"
@@ -88,14 +88,14 @@ namespace strata::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using plan::Access;
+using plan::Group;
+using plan::kBackward;
+using plan::kOptimizer;
+using plan::kPhaseCount;
+using plan::Lanes;
 using sched::Policy;
 using sched::Runtime;
-using sched::plan::Access;
-using sched::plan::Group;
-using sched::plan::kBackward;
-using sched::plan::kOptimizer;
-using sched::plan::kPhaseCount;
-using sched::plan::Lanes;
 using tiering::PartitionDesc;
 using tiering::PartitionId;
 using tiering::Role;
@@ -115,7 +115,7 @@ double Since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// One step as the trainer thread runs it (Group, Access: sched/step_bound.h): groups of
+// One step as the trainer thread runs it (Group, Access: planner/step_bound.h): groups of
 // accesses, each acquired together, computed on for a modelled time, and released; a group's
 // gradient, if any, is then handed to GradientReady, and a stepped gradient discarded.
 // The step's phases (forward, backward, optimizer) run one after another on the trainer thread,
@@ -350,15 +350,15 @@ int Main() {
   config.nvme_path = root + "/swap";
 
   const bool interleaved = absl::GetFlag(FLAGS_optimizer) == "interleaved";
-  // The step as a trace (sched/plan_step.h): every partition's home is the NVMe store; the memory
+  // The step as a trace (planner/plan_step.h): every partition's home is the NVMe store; the memory
   // tiers' room is the device budget and half of everything in the host (the rest of the host
   // budget is the staging buffers).
-  sched::plan::StepTrace trace;
+  plan::StepTrace trace;
   trace.partitions = m.parts;
   trace.home.assign(m.parts.size(), Tier::kNvme);
   trace.groups = MakeStep(m, interleaved);
   const std::vector<Group>& step_groups = trace.groups;
-  const sched::plan::Budgets budgets{config.device_budget_bytes, all / 2};
+  const plan::Budgets budgets{config.device_budget_bytes, all / 2};
   auto engine = aio::Engine::Create(config.aio);
   if (!engine.ok()) {
     std::fprintf(stderr, "%s\n", engine.status().ToString().c_str());
@@ -373,8 +373,8 @@ int Main() {
   std::vector<double> copy_bps_all, read_bps_all, write_bps_all, commit_s_all;
   bool disk_by_fio = true;
   std::vector<double> link_s_all, by_phase_all, predicted_all, honesty, unsteady;
-  sched::plan::Bound bound_detail;
-  sched::plan::Prediction prediction;  // the last round's
+  plan::Bound bound_detail;
+  plan::Prediction prediction;  // the last round's
   for (int round = 0; round < absl::GetFlag(FLAGS_rounds); ++round) {
     for (const auto& [name, policy] : policies) {
       // The bound's bandwidths, measured around the policy's run (the same weather).
@@ -425,7 +425,7 @@ int Main() {
       lanes.staging_count = static_cast<int>(config.offload_param.buffer_count);
       // The step's bound: the whole step's traffic (Belady's), or phase by phase what each
       // phase must move within itself, whichever is longer.
-      const sched::plan::Bound b = sched::plan::StepLowerBound(trace, lanes, budgets);
+      const plan::Bound b = plan::StepLowerBound(trace, lanes, budgets);
       const double bound = b.seconds();
       bound_detail = b;
       link_s_all.push_back(lanes.LinkSeconds(b.link.loaded, b.link.written));
@@ -435,7 +435,7 @@ int Main() {
       if (policy == Policy::kTrace) {
         sched::SchedulerConfig sc;
         sc.prefetch_bucket_elements = static_cast<uint64_t>(config.stage3_prefetch_bucket_size);
-        auto predicted = sched::plan::PredictStep(trace, lanes, budgets, sc);
+        auto predicted = plan::PredictStep(trace, lanes, budgets, sc);
         if (!predicted.ok()) {
           std::fprintf(stderr, "sched_step: the planner: %s\n",
                        predicted.status().ToString().c_str());
@@ -463,8 +463,8 @@ int Main() {
     }
   }
   std::filesystem::remove_all(root, ec);
-  const sched::plan::Traffic& link = bound_detail.link;
-  const sched::plan::Traffic& disk = bound_detail.disk;
+  const plan::Traffic& link = bound_detail.link;
+  const plan::Traffic& disk = bound_detail.disk;
   const auto& phases = bound_detail.phases;
   std::printf(
       "bound per step: compute %.1f ms; copy link %.1f MB at %.2f GB/s = %.1f ms; disk %.1f MB "
@@ -489,7 +489,7 @@ int Main() {
   }
   std::printf(" the optimizer %s\n", interleaved ? "interleaved with backward" : "after backward");
   if (!predicted_all.empty()) {
-    // The planner's honesty check (sched/plan_step.h): its replay of this step on the bandwidths
+    // The planner's honesty check (planner/plan_step.h): its replay of this step on the bandwidths
     // measured around each round, beside what the runtime measured in that round; only rounds
     // whose disk held steady can test a 15% claim.
     if (honesty.empty()) {
@@ -512,18 +512,17 @@ int Main() {
     }
     // Where the prediction spends the step, to set beside the runtime's report above.
     std::printf("planner, last round: %.1f ms; the trainer waited", prediction.step_s * 1e3);
-    for (int l = 0; l < sched::plan::kLaneCount; ++l) {
-      const auto lane = static_cast<sched::plan::Lane>(l);
+    for (int l = 0; l < plan::kLaneCount; ++l) {
+      const auto lane = static_cast<plan::Lane>(l);
       if (prediction.waits_s[l] > 0) {
-        std::printf(" %.1f ms on %s,", prediction.waits_s[l] * 1e3, sched::plan::LaneName(lane));
+        std::printf(" %.1f ms on %s,", prediction.waits_s[l] * 1e3, plan::LaneName(lane));
       }
     }
     std::printf(" moved");
-    for (int l = sched::plan::kToDevice; l < sched::plan::kLaneCount; ++l) {
-      const auto lane = static_cast<sched::plan::Lane>(l);
-      std::printf(" %.1f MB %s (busy %.1f ms)%s", prediction.bytes[l] / 1e6,
-                  sched::plan::LaneName(lane), prediction.busy_s[l] * 1e3,
-                  l + 1 < sched::plan::kLaneCount ? "," : "\n");
+    for (int l = plan::kToDevice; l < plan::kLaneCount; ++l) {
+      const auto lane = static_cast<plan::Lane>(l);
+      std::printf(" %.1f MB %s (busy %.1f ms)%s", prediction.bytes[l] / 1e6, plan::LaneName(lane),
+                  prediction.busy_s[l] * 1e3, l + 1 < plan::kLaneCount ? "," : "\n");
     }
   }
   Report report("sched_step", MachineInfo::Probe(dir));

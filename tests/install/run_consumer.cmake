@@ -13,8 +13,8 @@ set(prefix ${WORK_DIR}/prefix)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 file(GLOB archives ${prefix}/${LIBDIR}/libstrata_*.a)
 list(LENGTH archives count)
-if(NOT count EQUAL 6)
-  message(FATAL_ERROR "expected the six strata archives in ${prefix}/${LIBDIR}, found: ${archives}")
+if(NOT count EQUAL 7)
+  message(FATAL_ERROR "expected the seven strata archives in ${prefix}/${LIBDIR}, found: ${archives}")
 endif()
 
 # CMake package (builds the consumer and the whole-archive shared object).
@@ -26,7 +26,7 @@ message(STATUS "find_package consumer: ${LAST_OUTPUT}")
 run(${WORK_DIR}/build/c_consumer)
 message(STATUS "find_package C consumer: ${LAST_OUTPUT}")
 
-# pkg-config, as the README says (the dependencies of the static libraries are public), and with
+# pkg-config, as docs/c-api.md says (the dependencies of the static libraries are public), and with
 # --static too.
 set(ENV{PKG_CONFIG_PATH} "${prefix}/${LIBDIR}/pkgconfig")
 foreach(mode plain static)

@@ -17,7 +17,7 @@
 #include "aio/engine.h"
 #include "base/status.h"
 #include "optim_cpu/adam.h"
-#include "sched/plan_hardware.h"
+#include "planner/plan_hardware.h"
 #include "tiering/link_bandwidth.h"
 #include "tiering/nvme_store.h"
 
@@ -177,7 +177,7 @@ absl::StatusOr<Json> CalibrateHardware(const CalibrateOptions& o) {
                  {"commit_ms", commit_s * 1e3}};
   }
   // What --hardware would refuse is refused here, before it is saved.
-  if (auto hw = sched::plan::HardwareFromJson(j); !hw.ok()) {
+  if (auto hw = plan::HardwareFromJson(j); !hw.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the measured description is not one the planner accepts: ", hw.status().message()));
   }

@@ -1,4 +1,4 @@
-// tools/strata_plan/calibrate.h: a hardware description (sched/plan_hardware.h) of this machine,
+// tools/strata_plan/calibrate.h: a hardware description (planner/plan_hardware.h) of this machine,
 // measured — strata_plan --calibrate.
 //
 // What is measured, and how: the host's memory and cores (the OS's counts); the CPU optimizer's
@@ -38,7 +38,7 @@ struct CalibrateOptions {
 // naming the key when the file lacks best.read.result.gb_per_s.median or its write twin.
 absl::StatusOr<std::pair<double, double>> NvmeFromSweep(const nlohmann::json& results);
 
-// The description, as JSON that sched::plan::HardwareFromJson reads (checked with it).
+// The description, as JSON that plan::HardwareFromJson reads (checked with it).
 // InvalidArgument for bad options (named) or a description it would refuse; the measurements' own
 // errors otherwise.
 absl::StatusOr<nlohmann::json> CalibrateHardware(const CalibrateOptions& options);

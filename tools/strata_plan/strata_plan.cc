@@ -4,17 +4,17 @@
 //               [--sequence N] [--micro-batch N] [--checkpointing|--nocheckpointing] [--json F]
 //               [--tile-params N]
 //
-// --model: a Hugging Face config.json (sched/plan_model.h lists the keys read). --hardware: a
-// hardware description (sched/plan_hardware.h), a path or the name of one shipped with strata
+// --model: a Hugging Face config.json (planner/plan_model.h lists the keys read). --hardware: a
+// hardware description (planner/plan_hardware.h), a path or the name of one shipped with strata
 // (tools/strata_plan/hardware/, listed by --hardware=list). --config: a strata or DeepSpeed config
 // (the zero_optimization, aio and strata blocks, bf16/fp16, train_micro_batch_size_per_gpu,
 // gradient_accumulation_steps); without one, stage 0 in fp32.
-// Prints the bytes each tier holds (sched/plan_memory.h says what strata keeps where) and whether
+// Prints the bytes each tier holds (planner/plan_memory.h says what strata keeps where) and whether
 // it fits, naming the first tier that does not and by how much. Exit codes: 0 it fits, 1 it does
 // not, 2 bad input (a flag, a file, a key: the message names it and what is accepted).
 //
-// When it fits, the step is predicted (sched/plan_time.h: the step replayed through the
-// scheduler's plan on modelled lanes, sched/plan_step.h): its time beside its lower bound, each
+// When it fits, the step is predicted (planner/plan_time.h: the step replayed through the
+// scheduler's plan on modelled lanes, planner/plan_step.h): its time beside its lower bound, each
 // lane's busy time and bytes, what the trainer waited on, tokens per second and model TFLOPs per
 // GPU; --svg draws the predicted step's lanes.
 //
@@ -38,10 +38,10 @@
 #include "absl/strings/str_join.h"
 #include "base/config_reader.h"
 #include "nlohmann/json.hpp"
-#include "sched/plan_hardware.h"
-#include "sched/plan_memory.h"
-#include "sched/plan_model.h"
-#include "sched/plan_time.h"
+#include "planner/plan_hardware.h"
+#include "planner/plan_memory.h"
+#include "planner/plan_model.h"
+#include "planner/plan_time.h"
 #include "tools/aio_bench/flags.h"
 #include "tools/strata_plan/calibrate.h"
 
@@ -85,7 +85,7 @@ ABSL_FLAG(std::string, svg, "",
           "write a timeline of one predicted step here (SVG: a lane each for the GPU, the CPU "
           "optimizer, PCIe each way, NVMe reads and writes)");
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 namespace fs = std::filesystem;
@@ -474,10 +474,10 @@ int Main() {
 }
 
 }  // namespace
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
 int main(int argc, char** argv) {
-  strata::aio_bench::ParseFlagsOrExit(argc, argv, strata::sched::plan::kUsage, "strata_plan",
+  strata::aio_bench::ParseFlagsOrExit(argc, argv, strata::plan::kUsage, "strata_plan",
                                       {{"sequence", 0, 1 << 24},
                                        {"micro_batch", 0, 1 << 20},
                                        {"tile_params", 0, int64_t{1} << 50},
@@ -485,5 +485,5 @@ int main(int argc, char** argv) {
                                        {"gpu_hbm_gib", 0, 1e6},
                                        {"gpus", 1, 1024},
                                        {"calibrate_adam_params", 1 << 16, int64_t{1} << 32}});
-  return strata::sched::plan::Main();
+  return strata::plan::Main();
 }

@@ -1,4 +1,4 @@
-#include "sched/plan_hardware.h"
+#include "planner/plan_hardware.h"
 
 #include <optional>
 #include <type_traits>
@@ -9,7 +9,7 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 using Json = nlohmann::json;
@@ -141,4 +141,4 @@ absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
   return h;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

@@ -1,4 +1,4 @@
-// sched/step_bound.h: the lower bound of a training step's traffic (bench/sched_step and the
+// planner/step_bound.h: the lower bound of a training step's traffic (bench/sched_step and the
 // planner).
 //
 // A step is the trainer's groups of partition accesses in order, each group acquired together,
@@ -21,8 +21,8 @@
 //    on the trainer, its compute on the CPU optimizer's threads, its disk time, its link time).
 //
 // Thread safety: plain functions of their arguments.
-#ifndef STRATA_SCHED_STEP_BOUND_H_
-#define STRATA_SCHED_STEP_BOUND_H_
+#ifndef STRATA_PLANNER_STEP_BOUND_H_
+#define STRATA_PLANNER_STEP_BOUND_H_
 
 #include <array>
 #include <cstdint>
@@ -32,7 +32,7 @@
 #include "absl/functional/function_ref.h"
 #include "tiering/residency.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 
 using tiering::PartitionId;
 using tiering::Tier;
@@ -82,6 +82,6 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
                                                      uint64_t device_budget,
                                                      uint64_t memory_budget);
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_STEP_BOUND_H_
+#endif  // STRATA_PLANNER_STEP_BOUND_H_

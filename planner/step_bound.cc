@@ -1,9 +1,9 @@
-#include "sched/step_bound.h"
+#include "planner/step_bound.h"
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 
 std::vector<Access> Accesses(const std::vector<Group>& step) {
   std::vector<Access> a;
@@ -146,4 +146,4 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
   return needs;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

@@ -1,12 +1,12 @@
-// The step replay (sched/plan_step.h) on traces small enough to check by hand.
-#include "sched/plan_step.h"
+// The step replay (planner/plan_step.h) on traces small enough to check by hand.
+#include "planner/plan_step.h"
 
 #include <algorithm>
 #include <random>
 
 #include "gtest/gtest.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 constexpr uint64_t kMB = 1000000;
@@ -526,4 +526,4 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
 }
 
 }  // namespace
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

@@ -1,4 +1,4 @@
-#include "sched/plan_step.h"
+#include "planner/plan_step.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -857,4 +857,4 @@ absl::StatusOr<Prediction> PredictStep(const StepTrace& trace, const Lanes& lane
   return out;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

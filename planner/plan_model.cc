@@ -1,4 +1,4 @@
-#include "sched/plan_model.h"
+#include "planner/plan_model.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +10,7 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 using Json = nlohmann::json;
@@ -249,4 +249,4 @@ absl::StatusOr<Transformer> TransformerFromHfConfig(const Json& j, int64_t seque
   return t;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

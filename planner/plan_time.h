@@ -1,5 +1,5 @@
-// sched/plan_time.h: how fast a training run goes — one step of a model on a node under a config,
-// as a trace the step replay runs (sched/plan_step.h), and what it yields: the step's time beside
+// planner/plan_time.h: how fast a training run goes — one step of a model on a node under a config,
+// as a trace the step replay runs (planner/plan_step.h), and what it yields: the step's time beside
 // its lower bound, where the time goes, tokens per second and model TFLOPs per GPU.
 //
 // The step modelled is what strata's trainer front runs, per GPU (each of the N ranks runs the
@@ -26,25 +26,30 @@
 //     host.optimizer_gbps / N on the CPU, at gpu.hbm_gbps on the GPU; adding a gradient into the
 //     accumulation buffer, 3 x dtype bytes per parameter at host.optimizer_gbps / N.
 // Budgets, for copies away from their homes: the device's HBM less the activations and what lives
-// there; the host's RAM less what the memory plan keeps there (sched/plan_memory.h), its room for
+// there; the host's RAM less what the memory plan keeps there (planner/plan_memory.h), its room for
 // the optimizer's staged param copies included, / N. A config's strata.device_budget_bytes and
 // strata.host_budget_bytes cap them. Lanes: one GPU's PCIe each way; the NVMe drives and the CPU
 // optimizer shared by the N ranks (/N each); staging: offload_param's buffer_count buffers of
 // buffer_size.
 //
 // Thread safety: pure functions of their arguments.
-#ifndef STRATA_SCHED_PLAN_TIME_H_
-#define STRATA_SCHED_PLAN_TIME_H_
+#ifndef STRATA_PLANNER_PLAN_TIME_H_
+#define STRATA_PLANNER_PLAN_TIME_H_
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
-#include "sched/plan_hardware.h"
-#include "sched/plan_memory.h"
-#include "sched/plan_model.h"
-#include "sched/plan_step.h"
+#include "planner/plan_hardware.h"
+#include "planner/plan_memory.h"
+#include "planner/plan_model.h"
+#include "planner/plan_step.h"
 #include "sched/scheduler.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
+
+// The runtime's scheduler, replayed.
+using sched::Policy;
+using sched::Scheduler;
+using sched::SchedulerConfig;
 
 struct StepModel {
   StepTrace trace;
@@ -89,6 +94,6 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& har
 // gradient_accumulation_steps, and strata's device and host budgets.
 nlohmann::json SuggestionConfig(const Suggestion& s);
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_PLAN_TIME_H_
+#endif  // STRATA_PLANNER_PLAN_TIME_H_

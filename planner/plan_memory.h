@@ -1,4 +1,4 @@
-// sched/plan_memory.h: will it fit — the bytes a training run keeps in each tier, from the model,
+// planner/plan_memory.h: will it fit — the bytes a training run keeps in each tier, from the model,
 // the hardware and a strata or DeepSpeed config, and the first tier that overflows.
 //
 // What strata keeps where (Ψ parameters, d bytes per element of the training dtype: 2 for bf16 or
@@ -29,8 +29,8 @@
 // memory (the data loader, the Python runtime): leave room for them.
 //
 // Thread safety: plain values and pure functions.
-#ifndef STRATA_SCHED_PLAN_MEMORY_H_
-#define STRATA_SCHED_PLAN_MEMORY_H_
+#ifndef STRATA_PLANNER_PLAN_MEMORY_H_
+#define STRATA_PLANNER_PLAN_MEMORY_H_
 
 #include <optional>
 #include <string>
@@ -38,11 +38,11 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
-#include "sched/plan_hardware.h"
-#include "sched/plan_model.h"
+#include "planner/plan_hardware.h"
+#include "planner/plan_model.h"
 #include "tiering/runtime_config.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 
 // What the planner reads of a strata or DeepSpeed config: the Runtime's blocks
 // (tiering/runtime_config.h) and DeepSpeed's training keys bf16.enabled (or its older name
@@ -95,6 +95,6 @@ struct MemoryPlan {
 absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& model, const Hardware& hardware,
                                       const Training& training);
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_PLAN_MEMORY_H_
+#endif  // STRATA_PLANNER_PLAN_MEMORY_H_

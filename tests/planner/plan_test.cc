@@ -1,4 +1,4 @@
-// The planner's model, hardware and memory arithmetic (sched/plan_*.h), on hand-checked cases.
+// The planner's model, hardware and memory arithmetic (planner/plan_*.h), on hand-checked cases.
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -7,12 +7,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sched/plan_hardware.h"
-#include "sched/plan_memory.h"
-#include "sched/plan_model.h"
-#include "sched/plan_time.h"
+#include "planner/plan_hardware.h"
+#include "planner/plan_memory.h"
+#include "planner/plan_model.h"
+#include "planner/plan_time.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 using ::testing::HasSubstr;
@@ -811,4 +811,4 @@ TEST(PlanTimeTest, SuggestKeepsASmallModelOnTheGpuAndOffloadsABigOne) {
 }
 
 }  // namespace
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

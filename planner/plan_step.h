@@ -1,9 +1,9 @@
-// sched/plan_step.h: how long a training step takes — a step's accesses replayed through the
+// planner/plan_step.h: how long a training step takes — a step's accesses replayed through the
 // scheduler's plan on modelled lanes, beside the step's lower bound.
 //
 // The step is a trace (StepTrace): partitions, each with a home (where its own copy lives: kept on
 // the device, in pinned host memory, or in the NVMe store) and the trainer's groups of accesses
-// (sched/step_bound.h). PredictStep replays it as the Runtime runs it, on modelled time:
+// (planner/step_bound.h). PredictStep replays it as the Runtime runs it, on modelled time:
 //  - the Scheduler itself (sched/scheduler.h) records the first step and plans the next ones: the
 //    replay asks it for the window to prefetch and for each copy's next use in either memory tier
 //    (Belady's rule: a prefetch evicts only copies needed later than the window; a demand fetch
@@ -47,8 +47,8 @@
 // own overheads beyond the store's commit.
 //
 // Thread safety: pure functions of their arguments.
-#ifndef STRATA_SCHED_PLAN_STEP_H_
-#define STRATA_SCHED_PLAN_STEP_H_
+#ifndef STRATA_PLANNER_PLAN_STEP_H_
+#define STRATA_PLANNER_PLAN_STEP_H_
 
 #include <array>
 #include <cstdint>
@@ -56,11 +56,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "planner/step_bound.h"
 #include "sched/scheduler.h"
-#include "sched/step_bound.h"
 #include "tiering/residency.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
+
+// The runtime's scheduler, replayed.
+using sched::Policy;
+using sched::Scheduler;
+using sched::SchedulerConfig;
 
 // The lanes a step's time is spent on.
 enum Lane : int { kGpu, kCpu, kToDevice, kToHost, kNvmeRead, kNvmeWrite, kLaneCount };
@@ -109,7 +114,7 @@ struct Bound {
   std::array<PhaseNeeds, kPhaseCount> phases{};  // what each phase must move within itself
   double seconds() const { return whole_s > by_phase_s ? whole_s : by_phase_s; }
 };
-// The step's lower bound (sched/step_bound.h): partitions homed on the device cross no link and
+// The step's lower bound (planner/step_bound.h): partitions homed on the device cross no link and
 // those homed in the host touch no disk.
 Bound StepLowerBound(const StepTrace& trace, const Lanes& lanes, const Budgets& budgets);
 
@@ -137,6 +142,6 @@ absl::StatusOr<Prediction> PredictStep(const StepTrace& trace, const Lanes& lane
                                        const Budgets& budgets,
                                        const SchedulerConfig& scheduler = {});
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_PLAN_STEP_H_
+#endif  // STRATA_PLANNER_PLAN_STEP_H_

@@ -1,4 +1,4 @@
-// sched/plan_model.h: the planner's model — a decoder-only transformer described by the keys of a
+// planner/plan_model.h: the planner's model — a decoder-only transformer described by the keys of a
 // Hugging Face config.json, and what it costs: parameters, FLOPs per token, activation bytes.
 //
 // Keys read (each under the names the common architectures use; the first present wins):
@@ -35,8 +35,8 @@
 //     it is recomputed. Logits: sequence x batch x vocab x 4 bytes (fp32 for the loss).
 //
 // Thread safety: plain values and pure functions.
-#ifndef STRATA_SCHED_PLAN_MODEL_H_
-#define STRATA_SCHED_PLAN_MODEL_H_
+#ifndef STRATA_PLANNER_PLAN_MODEL_H_
+#define STRATA_PLANNER_PLAN_MODEL_H_
 
 #include <cstdint>
 #include <string>
@@ -44,7 +44,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 
 struct Transformer {
   std::string name;  // model_type, or what the caller names it
@@ -95,6 +95,6 @@ struct Transformer {
 absl::StatusOr<Transformer> TransformerFromHfConfig(const nlohmann::json& config, int64_t sequence,
                                                     int64_t micro_batch);
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_PLAN_MODEL_H_
+#endif  // STRATA_PLANNER_PLAN_MODEL_H_

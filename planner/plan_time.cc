@@ -1,4 +1,4 @@
-#include "sched/plan_time.h"
+#include "planner/plan_time.h"
 
 #include <algorithm>
 #include <optional>
@@ -8,7 +8,7 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 using tiering::OffloadDevice;
@@ -353,4 +353,4 @@ nlohmann::json SuggestionConfig(const Suggestion& s) {
   return out;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

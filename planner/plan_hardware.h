@@ -1,4 +1,4 @@
-// sched/plan_hardware.h: the planner's hardware — one node, described in JSON.
+// planner/plan_hardware.h: the planner's hardware — one node, described in JSON.
 //
 //   {"name": "...", "source": "where the figures come from",
 //    "gpu":  {"count": 1, "hbm_gib": 80, "tflops": 312, "efficiency": 0.5, "hbm_gbps": 2039},
@@ -18,8 +18,8 @@
 // known), or a value of the wrong type or out of range is InvalidArgument "hardware: <key>: ...".
 //
 // Thread safety: plain values and pure functions.
-#ifndef STRATA_SCHED_PLAN_HARDWARE_H_
-#define STRATA_SCHED_PLAN_HARDWARE_H_
+#ifndef STRATA_PLANNER_PLAN_HARDWARE_H_
+#define STRATA_PLANNER_PLAN_HARDWARE_H_
 
 #include <cstdint>
 #include <string>
@@ -27,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json_fwd.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 
 struct Hardware {
   std::string name, source;
@@ -50,6 +50,6 @@ struct Hardware {
 
 absl::StatusOr<Hardware> HardwareFromJson(const nlohmann::json& j);
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
 
-#endif  // STRATA_SCHED_PLAN_HARDWARE_H_
+#endif  // STRATA_PLANNER_PLAN_HARDWARE_H_

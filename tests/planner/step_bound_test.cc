@@ -1,10 +1,10 @@
-// The step bound's arithmetic (sched/step_bound.h) on cases small enough to check by hand.
-#include "sched/step_bound.h"
+// The step bound's arithmetic (planner/step_bound.h) on cases small enough to check by hand.
+#include "planner/step_bound.h"
 
 #include "absl/container/flat_hash_map.h"
 #include "gtest/gtest.h"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 constexpr uint64_t kPage = 4096;
@@ -117,4 +117,4 @@ TEST(StepBoundTest, APartitionDirtiedAndDiscardedWithinAPhaseNeedNotBeWrittenBac
 }
 
 }  // namespace
-}  // namespace strata::sched::plan
+}  // namespace strata::plan

@@ -1,4 +1,4 @@
-#include "sched/plan_memory.h"
+#include "planner/plan_memory.h"
 
 #include <algorithm>
 
@@ -8,7 +8,7 @@
 #include "base/status.h"
 #include "nlohmann/json.hpp"
 
-namespace strata::sched::plan {
+namespace strata::plan {
 namespace {
 
 using Json = nlohmann::json;
@@ -237,4 +237,4 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
   return p;
 }
 
-}  // namespace strata::sched::plan
+}  // namespace strata::plan
