@@ -2,7 +2,7 @@
 
 The same LightningModule, seed and batches train under strategy "auto" (plain Lightning) and
 under StrataStrategy; the logged losses (what a Logger receives) and the final weights are held to
-the bounds README.md states. Then: checkpoints and resume, the collated fp32 file, evaluation,
+the bounds docs/lightning.md states. Then: checkpoints and resume, the collated fp32 file, evaluation,
 configure_model under strata.init, two processes against one, each DeepSpeedStrategy argument
 (acted on, or warned of by name), bad inputs, and the CUDA tier (skipped without a GPU).
 """
@@ -184,7 +184,7 @@ def strata_warnings(record):
 
 # --- against plain Lightning ----------------------------------------------------------------------
 
-# README's bounds: fp32 logged losses within 1e-5 of plain Lightning's (rounding of the summation
+# docs/lightning.md's bounds: fp32 logged losses within 1e-5 of plain Lightning's (rounding of the summation
 # order; measured 1e-6), final weights within 1e-5; bf16-mixed (strata: bf16 weights and fp32
 # master weights; plain: fp32 weights under autocast) within 5e-3 (measured 3e-4); 16-mixed
 # against plain fp32 within 5e-3 (measured 7e-5).
