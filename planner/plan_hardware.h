@@ -13,7 +13,8 @@
 // per parameter (bench/cpu_adam's figure). pcie: one GPU's link, each direction. nvme: per drive
 // (striped: the node's NVMe bandwidth is drives x each); nvme.commit_ms: a write-back's commit
 // beyond its bytes, the store's syncs (default 0; tiering::MeasureCommitSeconds, which --calibrate
-// runs); "nvme" may be left out (no NVMe tier).
+// runs; counted only where strata.nvme_keep_files keeps the files, the only store that syncs);
+// "nvme" may be left out (no NVMe tier).
 // GB are 10^9 bytes, GiB 2^30, TB 10^12. A missing key, an unknown one (named with the closest
 // known), or a value of the wrong type or out of range is InvalidArgument "hardware: <key>: ...".
 //

@@ -82,7 +82,8 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   out.lanes.link_duplex = true;
   out.lanes.nvme_read = hw.nvme_read / n;
   out.lanes.nvme_write = hw.nvme_write / n;
-  out.lanes.nvme_commit_s = hw.nvme_commit_s;
+  // The store syncs each commit only where its files are kept (NvmeStoreOptions::durable).
+  out.lanes.nvme_commit_s = rc.nvme_keep_files ? hw.nvme_commit_s : 0.0;
   out.lanes.staging_bytes = static_cast<uint64_t>(rc.offload_param.buffer_size);
   out.lanes.staging_count = static_cast<int>(rc.offload_param.buffer_count);
   out.scheduler.prefetch_bucket_elements = static_cast<uint64_t>(rc.stage3_prefetch_bucket_size);

@@ -817,17 +817,33 @@ absl::StatusOr<std::byte*> Runtime::AcquireToReplace(PartitionId id) {
     bool replace = false;
     if (auto it = parts_.find(id); it != parts_.end()) {
       PartState& st = it->second;
+      // Written, not current in the host tier, and nothing holding, moving or bringing it.
+      auto replaceable = [&](const absl::StatusOr<Residency>& r) {
+        return r.ok() && !r->move && st.busy == 0 && st.joining == 0 && st.carrying == 0 &&
+               std::all_of(r->pins.begin(), r->pins.end(), [](int p) { return p == 0; }) &&
+               r->written && !r->current[I(Tier::kHost)];
+      };
       absl::StatusOr<Residency> r = table_->Get(id);
-      const bool idle = r.ok() && !r->move && st.busy == 0 && st.joining == 0 && st.carrying == 0 &&
-                        std::all_of(r->pins.begin(), r->pins.end(), [](int p) { return p == 0; });
-      if (idle && r->written && !r->current[I(Tier::kHost)] && table_->Discard(id).ok()) {
-        st.prefetched = {};
-        // Its stale memory copies are freed (the NVMe one keeps its extent until the next
-        // write-back); a copy that cannot be dropped stays, stale, and is reclaimed as such.
-        if (r->has_copy[I(Tier::kDevice)]) mover_->Drop(id, Tier::kDevice).IgnoreError();
-        if (r->has_copy[I(Tier::kHost)]) mover_->Drop(id, Tier::kHost).IgnoreError();
-        moved_.SignalAll();
-        replace = true;
+      if (replaceable(r)) {
+        // The room first: the old bytes are dropped only once the new ones have their room (a
+        // stale host copy's, or room made now), so that a replace that finds none reads them as
+        // an acquire does. Making room may let the lock go: the partition is looked at again.
+        bool room = r->has_copy[I(Tier::kHost)];
+        if (!room) {
+          room = MakeRoomLocked(Tier::kHost, r->desc, Purpose::kAcquire, 0, nullptr).ok();
+          r = table_->Get(id);
+          room = room && r.ok() && !r->has_copy[I(Tier::kHost)];
+        }
+        if (room && replaceable(r) && table_->Discard(id).ok()) {
+          scheduler_->OnDiscard(id);
+          st.prefetched = {};
+          // Its stale memory copies are freed (the NVMe one keeps its extent until the next
+          // write-back); a copy that cannot be dropped stays, stale, and is reclaimed as such.
+          if (r->has_copy[I(Tier::kDevice)]) mover_->Drop(id, Tier::kDevice).IgnoreError();
+          if (r->has_copy[I(Tier::kHost)]) mover_->Drop(id, Tier::kHost).IgnoreError();
+          moved_.SignalAll();
+          replace = true;
+        }
       }
     }
     result = AcquireLocked(id, Tier::kHost, /*traced=*/false, /*overwrite=*/replace);

@@ -1004,7 +1004,7 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
                                      const std::vector<PartitionId>& erases,
                                      const std::string& context, bool* maybe_logged) {
   MutexLock commit(&commit_mu_);
-  Hook("commit:data-synced");
+  Hook(options_.durable ? "commit:data-synced" : "commit:data-written");
   if (log_poisoned_) {
     // A failed append left the log's tail unknown: replace the log before appending to it.
     if (absl::Status c = Compact(); !c.ok()) return Annotate(c, context);
@@ -1056,7 +1056,7 @@ absl::Status NvmeStore::CommitRecord(const std::map<PartitionId, Batch::Staged>&
     if (maybe_logged != nullptr) *maybe_logged = log_poisoned_;
     return s;
   }
-  Hook("commit:log-synced");
+  Hook(options_.durable ? "commit:log-synced" : "commit:log-unsynced");
   log_end_ += block.size();
   logged_sizes_ = std::move(sizes);
   {

@@ -121,9 +121,11 @@ struct NvmeStoreOptions {
   // Each commit syncs its data and its log record (fdatasync) before it returns, so that a
   // machine that loses power finds it on reopen. Off, for a store whose files no later process
   // reopens (remove_files_on_close): the same writes in the same order, not synced. A process
-  // that dies still leaves them to the kernel, which writes them; only a crash of the machine
-  // (power, kernel) may lose the last commits. The growth of the files, and the snapshot written
-  // at a compaction, are synced either way (rare, and what a reopen must be able to trust).
+  // that dies still leaves them to the kernel, which writes them. A crash of the machine (power,
+  // kernel) may lose commits, and since freed extents are reused before the records that freed
+  // them are on the disk, a reopen may then find partitions whose checksums fail (an error on
+  // Get, never other bytes given as theirs). The growth of the files, and the snapshot written at
+  // a compaction, are synced either way (rare, and what a reopen must be able to trust).
   bool durable = true;
   // The manifest log is compacted into a new snapshot when it grows past
   // max(compact_min_log_bytes, 2 x the snapshot's size).
@@ -132,7 +134,8 @@ struct NvmeStoreOptions {
   // retried; stale files removed at Open). Default: stderr.
   std::function<void(absl::string_view)> on_warning;
   // Test seam: called at each step of a commit, of a compaction and of a growth with the step's
-  // name ("commit:data-synced", "commit:log-written", "commit:log-synced", "compact:log-created",
+  // name ("commit:data-synced", "commit:log-written", "commit:log-synced"; not durable:
+  // "commit:data-written" and "commit:log-unsynced" in their places, "compact:log-created",
   // "compact:snapshot-written", "compact:snapshot-renamed", "compact:old-log-removed",
   // "grow:allocated": the new space fallocated and synced, not yet handed out), so a test can kill
   // the process there and check what a reopen finds.

@@ -247,6 +247,13 @@ class Step:
             self._pending_refresh.extend(
                 e for e in staged.entries
                 if e.partitioned and e.gid in partly and e not in self._pending_refresh)
+            if partly and not self._in_backward:
+                # Now, not only before the next forward: a module called on its own (not through
+                # engine.forward) reads its partitions as they are (an audit's finding).
+                try:
+                    self._refresh_weights([])
+                except _strata.Error:
+                    pass  # still pending: written before the next forward, which raises if not
         early = [e for e in staged.entries if e.gid in stepped]
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1

@@ -653,11 +653,18 @@ TEST(PlanTimeTest, OffloadingToNvmeWithALowHostBudgetMovesTheStateEveryStep) {
   double waited = 0;
   for (double w : time->step.waits_s) waited += w;
   EXPECT_GT(waited, 0);
-  // A write-back's commit (the store's syncs) is in the lanes and lengthens the step.
+  // A write-back's commit (the store's syncs) is in the lanes and lengthens the step, where the
+  // store syncs: only with its files kept (strata.nvme_keep_files).
   Json slow = A100();
   slow["nvme"]["commit_ms"] = 100;
   const Hardware committing = *HardwareFromJson(slow);
-  auto longer = PlanTime(m, committing, t, *PlanMemory(m, committing, t));
+  auto unsynced = PlanTime(m, committing, t, *PlanMemory(m, committing, t));
+  ASSERT_TRUE(unsynced.ok()) << unsynced.status();
+  EXPECT_EQ(unsynced->model.lanes.nvme_commit_s, 0.0);
+  EXPECT_DOUBLE_EQ(unsynced->step.step_s, time->step.step_s);
+  Training kept = t;
+  kept.runtime.nvme_keep_files = true;
+  auto longer = PlanTime(m, committing, kept, *PlanMemory(m, committing, kept));
   ASSERT_TRUE(longer.ok()) << longer.status();
   EXPECT_DOUBLE_EQ(longer->model.lanes.nvme_commit_s, 0.1);
   EXPECT_GT(longer->step.step_s, time->step.step_s);

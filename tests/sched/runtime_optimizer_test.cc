@@ -705,6 +705,49 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
 // in whole pages); the steps are CpuAdam's in memory bit for bit, with the step's gradients taken
 // from their partitions and, with optimizer_commit "partition", each parameter's new weights
 // written into its partition (one acquire and one release of it, whatever its sub-groups).
+// A sink whose host room cannot be made (the host tier filled with pinned partitions as the
+// step writes) reads the parameter's old weights as an acquire does, or is refused: the old bytes
+// are never dropped before the new ones have their room (they were, found by an audit: the
+// partition was left with no bytes, and read back as zeros).
+TEST(RuntimeOptimizerTest, ASinkThatFindsNoHostRoomLeavesTheParameterItsBytes) {
+  ScratchDir dir;
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.offload_param.device = OffloadDevice::kNvme;
+  config.host_budget_bytes += 64 * kSlot;
+  RuntimeOptions options = Quiet();
+  Runtime* runtime = nullptr;
+  std::vector<PartitionId> fillers;
+  std::atomic<bool> filled{false};
+  options.on_optimizer_event = [&](swap::StepEvent e, PartitionId id) {
+    if (e != swap::StepEvent::kWriteStarted || id != 12 || filled.exchange(true)) return;
+    for (PartitionId f = 500;; ++f) {  // every page of the host tier pinned
+      if (!runtime->Register(Desc(f, 4096), Tier::kHost).ok()) break;
+      if (!runtime->Acquire(f, Tier::kHost).ok()) {
+        runtime->Unregister(f).IgnoreError();
+        break;
+      }
+      fillers.push_back(f);
+    }
+  };
+  auto rt = Runtime::Create(config, options);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  runtime = rt->get();
+  Reference ref;
+  const auto grads = Grads(1);
+  ASSERT_NO_FATAL_FAILURE(SetUpStagedOptimizer(**rt, ref, &grads));
+  const std::vector<float> old(kParts[1].second, 7.0f);  // 12's parameter, 112
+  const std::vector<PartitionId> copied = StepIntoParameterSinks(**rt, Tier::kNvme, &old);
+  ASSERT_TRUE(filled.load());
+  EXPECT_FALSE(std::count(copied.begin(), copied.end(), 12)) << "112 had no room";
+  for (PartitionId f : fillers) ASSERT_TRUE((*rt)->Release(f, Tier::kHost, false).ok());
+  EXPECT_TRUE((*rt)->residency().Get(112)->written);
+  auto held = (*rt)->Acquire(112, Tier::kHost);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(0, std::memcmp(*held, old.data(), old.size() * 4)) << "112 lost its weights";
+  ASSERT_TRUE((*rt)->Release(112, Tier::kHost, false).ok());
+}
+
 TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
   for (bool each : {false, true}) {
     SCOPED_TRACE(each ? "optimizer_commit partition" : "optimizer_commit step");

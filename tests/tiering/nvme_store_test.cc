@@ -138,6 +138,36 @@ TEST(NvmeStoreTest, PartitionsRoundTripAndSurviveReopening) {
   EXPECT_EQ((*store)->generation(), 4u);  // creation + three puts
 }
 
+// NvmeStoreOptions::durable: a commit syncs its data and its log record, or (off) writes them
+// alone; either way the partitions read back, and a reopen finds them (the process did not die).
+TEST(NvmeStoreTest, ACommitSyncsOnlyADurableStore) {
+  for (const bool durable : {true, false}) {
+    SCOPED_TRACE(durable ? "durable" : "not durable");
+    ScratchDir dir;
+    const std::string path = dir.File("store");
+    auto engine = MakeEngine();
+    const auto a = RandomBytes(100001, 1);
+    std::vector<std::string> steps;
+    NvmeStoreOptions o = Small();
+    o.durable = durable;
+    o.test_hook = [&](absl::string_view at) { steps.emplace_back(at); };
+    {
+      auto store = NvmeStore::Open(path, o, engine.get());
+      ASSERT_TRUE(store.ok()) << store.status();
+      ASSERT_TRUE((*store)->Put(1, a).ok());
+      EXPECT_EQ(GetAll(**store, 1), a);
+    }
+    auto count = [&](const char* at) { return std::count(steps.begin(), steps.end(), at); };
+    EXPECT_EQ(count("commit:data-synced"), durable ? 1 : 0);
+    EXPECT_EQ(count("commit:log-synced"), durable ? 1 : 0);
+    EXPECT_EQ(count("commit:data-written"), durable ? 0 : 1);
+    EXPECT_EQ(count("commit:log-unsynced"), durable ? 0 : 1);
+    auto reopened = NvmeStore::Open(path, Small(), engine.get());
+    ASSERT_TRUE(reopened.ok()) << reopened.status();
+    EXPECT_EQ(GetAll(**reopened, 1), a);
+  }
+}
+
 TEST(NvmeStoreTest, MeasuringTheCommitTimesPutsAndLeavesNothingBehind) {
   ScratchDir dir;
   auto engine = MakeEngine();
