@@ -663,6 +663,23 @@ void ExpectParametersHoldTheMasters(Runtime& rt, const Reference& ref) {
   }
 }
 
+// NVMe state committed a partition at a time (the CopySink's mode), with room for the
+// parameters' partitions in the host and device tiers.
+RuntimeConfig SinkConfig(const ScratchDir& dir) {
+  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
+  config.optimizer_commit_each = true;
+  config.host_budget_bytes += 64 * kSlot;
+  config.device_budget_bytes += 64 * kSlot;
+  return config;
+}
+
+// The same with the parameters homed on NVMe (offload_param "nvme").
+RuntimeConfig NvmeHomedSinkConfig(const ScratchDir& dir) {
+  RuntimeConfig config = SinkConfig(dir);
+  config.offload_param.device = OffloadDevice::kNvme;
+  return config;
+}
+
 // strata.optimizer_commit "partition": an input naming a parameter partition (homed on NVMe) as
 // its copy's sink gets its new weights written there by the optimizer's thread once its state has
 // landed, the partition released written (its host copy the latest: read back, it holds them);
@@ -670,10 +687,7 @@ void ExpectParametersHoldTheMasters(Runtime& rt, const Reference& ref) {
 // is named before anything is staged. The parameters' host copies are never all pinned at once.
 TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAsItLands) {
   ScratchDir dir;
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
-  config.optimizer_commit_each = true;
-  config.offload_param.device = OffloadDevice::kNvme;
-  config.host_budget_bytes += 64 * kSlot;
+  const RuntimeConfig config = NvmeHomedSinkConfig(dir);
   auto rt = Runtime::Create(config, Quiet());
   ASSERT_TRUE(rt.ok()) << rt.status();
   Reference ref;
@@ -700,21 +714,13 @@ TEST(RuntimeOptimizerTest, EachPartitionsNewWeightsGoIntoItsParameterPartitionAs
   EXPECT_TRUE((*rt)->AbortOptimizerStep().empty());
 }
 
-// zero_optimization.sub_group_size: partitions larger than it step in sub-groups. The ring set
-// aside holds a sub-group, not the largest partition (the NVMe room counts each sub-group's blob
-// in whole pages); the steps are CpuAdam's in memory bit for bit, with the step's gradients taken
-// from their partitions and, with optimizer_commit "partition", each parameter's new weights
-// written into its partition (one acquire and one release of it, whatever its sub-groups).
 // A sink whose host room cannot be made (the host tier filled with pinned partitions as the
 // step writes) reads the parameter's old weights as an acquire does, or is refused: the old bytes
 // are never dropped before the new ones have their room (they were, found by an audit: the
 // partition was left with no bytes, and read back as zeros).
 TEST(RuntimeOptimizerTest, ASinkThatFindsNoHostRoomLeavesTheParameterItsBytes) {
   ScratchDir dir;
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
-  config.optimizer_commit_each = true;
-  config.offload_param.device = OffloadDevice::kNvme;
-  config.host_budget_bytes += 64 * kSlot;
+  const RuntimeConfig config = NvmeHomedSinkConfig(dir);
   RuntimeOptions options = Quiet();
   Runtime* runtime = nullptr;
   std::vector<PartitionId> fillers;
@@ -748,6 +754,11 @@ TEST(RuntimeOptimizerTest, ASinkThatFindsNoHostRoomLeavesTheParameterItsBytes) {
   ASSERT_TRUE((*rt)->Release(112, Tier::kHost, false).ok());
 }
 
+// zero_optimization.sub_group_size: partitions larger than it step in sub-groups. The ring set
+// aside holds a sub-group, not the largest partition (the NVMe room counts each sub-group's blob
+// in whole pages); the steps are CpuAdam's in memory bit for bit, with the step's gradients taken
+// from their partitions and, with optimizer_commit "partition", each parameter's new weights
+// written into its partition (one acquire and one release of it, whatever its sub-groups).
 TEST(RuntimeOptimizerTest, SubGroupsBoundTheRingAndStepTheSameBits) {
   for (bool each : {false, true}) {
     SCOPED_TRACE(each ? "optimizer_commit partition" : "optimizer_commit step");
@@ -878,16 +889,6 @@ TEST(RuntimeOptimizerTest, SubGroupSizeZeroIsWholeAndTheCommitRoomHoldsAParamete
   absl::Status tight = run(params + set_aside, &again);
   EXPECT_TRUE(tight.ok()) << tight;
   EXPECT_EQ(again, set_aside);
-}
-
-// NVMe state committed a partition at a time (the CopySink's mode), with room for the
-// parameters' partitions in the host and device tiers.
-RuntimeConfig SinkConfig(const ScratchDir& dir) {
-  RuntimeConfig config = OptimizerConfig(dir.File("swap"), OffloadDevice::kNvme);
-  config.optimizer_commit_each = true;
-  config.host_budget_bytes += 64 * kSlot;
-  config.device_budget_bytes += 64 * kSlot;
-  return config;
 }
 
 // A parameter still lent to the device (pinned there) when its state lands: writing its host copy
