@@ -834,15 +834,12 @@ absl::StatusOr<std::byte*> Runtime::AcquireToReplace(PartitionId id) {
           r = table_->Get(id);
           room = room && r.ok() && !r->has_copy[I(Tier::kHost)];
         }
-        if (room && replaceable(r) && table_->Discard(id).ok()) {
-          scheduler_->OnDiscard(id);
-          st.prefetched = {};
-          // Its stale memory copies are freed (the NVMe one keeps its extent until the next
-          // write-back); a copy that cannot be dropped stays, stale, and is reclaimed as such.
-          if (r->has_copy[I(Tier::kDevice)]) mover_->Drop(id, Tier::kDevice).IgnoreError();
-          if (r->has_copy[I(Tier::kHost)]) mover_->Drop(id, Tier::kHost).IgnoreError();
-          moved_.SignalAll();
-          replace = true;
+        if (room && replaceable(r)) {
+          // A stale memory copy that cannot be dropped stays, stale, and is reclaimed as such;
+          // once the table holds it discarded, the fill below gives it its room.
+          DiscardIdleLocked(id, st).IgnoreError();
+          absl::StatusOr<Residency> now = table_->Get(id);
+          replace = now.ok() && !now->written;
         }
       }
     }
@@ -985,9 +982,13 @@ absl::Status Runtime::Discard(PartitionId id) {
     moved_.Wait(&mu_);
     --discards_waiting_;
   }
+  return DiscardIdleLocked(id, *st);
+}
+
+absl::Status Runtime::DiscardIdleLocked(PartitionId id, PartState& st) {
   STRATA_RETURN_IF_ERROR(Annotate(table_->Discard(id), "discard"));
   scheduler_->OnDiscard(id);
-  st->prefetched = {};
+  st.prefetched = {};
   // Every copy is stale now: the memory ones are freed (a stale NVMe copy keeps its extent until
   // the next write-back replaces it), and whoever waits for room is told.
   absl::Status dropped;

@@ -428,6 +428,9 @@ class Runtime {
   // not current in the host tier is not read, only its room is taken (its bytes discarded first).
   // One pinned, moving or being brought in elsewhere is acquired as usual (read).
   absl::StatusOr<std::byte*> AcquireToReplace(PartitionId id);
+  // Discards `id`, which nothing holds, moves or brings in (Discard's work once it has waited for
+  // that): every copy stale, the memory ones freed, the scheduler and the waiters for room told.
+  absl::Status DiscardIdleLocked(PartitionId id, PartState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `traced`: an access of the trainer's, seen by the scheduler and counted in the step's report;
   // else the optimizer thread's (StageOptimizerStep), which neither sees.
   absl::StatusOr<std::byte*> AcquireLocked(PartitionId id, Tier tier, bool traced = true,
