@@ -34,3 +34,16 @@ def start_ranks(n, script, args=(), extra_env=None, port=None):
         procs.append(subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
+
+
+def assert_same(a, b, exact, what):
+    """Two state dicts alike: bit for bit when `exact`, else within fp32's rounding of a sum taken
+    in another order (`what` names the comparison in a failure)."""
+    import torch
+    assert a.keys() == b.keys()
+    for name in a:
+        if exact:
+            assert torch.equal(a[name], b[name]), f"{what}: {name}"
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2e-5,
+                                       msg=f"{what}: {name}")
