@@ -338,7 +338,7 @@ def _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest):
         with open(part_file, encoding="utf-8") as f:
             parts.append(json.load(f))
     params = [dict(_param_meta(e), shard=e.shard, ranks=[part["params"][i] for part in parts])
-              for i, e in enumerate(engine._params)]
+              for i, e in enumerate(engine.table.trained)]
     files = {_rank_file(q): {"bytes": part["bytes"]} for q, part in enumerate(parts)}
     files[ENGINE] = {"digest": _write_engine_states(engine, partial, client_state)}
     for q in range(size):
@@ -353,7 +353,7 @@ def _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest):
 def _write_state(engine, folder, client_state):
     """One process's checkpoint: its optimizer state, engine states and meta.json."""
     entries, size = _write_optimizer_states(engine, os.path.join(folder, STATES))
-    params = [dict(_param_meta(e), **entry) for e, entry in zip(engine._params, entries)]
+    params = [dict(_param_meta(e), **entry) for e, entry in zip(engine.table.trained, entries)]
     engine_digest = _write_engine_states(engine, folder, client_state)
     _write_meta(engine, folder, params,
                 {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
@@ -370,7 +370,7 @@ def _write_optimizer_states(engine, file):
     ([{"offset", "digests"} per parameter], the file's bytes)."""
     entries = []
     offset = 0
-    sizes = [{"numel": e.shard} for e in engine._params]
+    sizes = [{"numel": e.shard} for e in engine.table.trained]
     # Two buffers: a parameter's state is read from the optimizer (NVMe or host) and digested
     # while the one before is written by a thread of its own, which also syncs every 64 MiB so
     # that the disk's writeback runs beside the rest rather than all in the final sync.
@@ -390,7 +390,7 @@ def _write_optimizer_states(engine, file):
                 unsynced[0] = 0
 
         try:
-            for i, e in enumerate(engine._params):
+            for i, e in enumerate(engine.table.trained):
                 slot = i % len(buffers)
                 if pending[slot] is not None:
                     pending[slot].result()  # its buffer is free again (and a failure raised)
@@ -437,10 +437,7 @@ def _write_meta(engine, folder, params, files, world_size=None):
                                                           f"{ENGINE}",
         "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
         "micro_steps": engine.micro_steps,
-        "loss_scaler": {"loss_scale": engine.loss_scale,
-                        "hysteresis_left": engine._hysteresis_left,
-                        "scale_iteration": engine._scale_iteration,
-                        "last_overflow": engine._last_overflow},
+        "loss_scaler": engine._scaler.state_dict(),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "optimizer": engine.optimizer_kind,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -490,8 +487,8 @@ def _module_rest(engine):
     """What the module's state dict holds besides the trainable parameters under their own names:
     (aliases: another name of a trainable parameter, a tied weight -> its name; the rest: frozen
     parameters and buffers by name, each a _Rest)."""
-    names = {id(e.param): e.name for e in engine._params}
-    frozen = {id(e.param): e for e in engine._frozen}
+    names = {id(e.param): e.name for e in engine.table.trained}
+    frozen = {id(e.param): e for e in engine.table.frozen}
     aliases, rest = {}, {}
     for name, value in engine.module.state_dict(keep_vars=True).items():
         own = names.get(id(value))
@@ -531,7 +528,7 @@ def _read_meta(path):
 
 
 def _check_shapes(engine, meta, file):
-    ours = {e.name: list(e.shape) for e in engine._params}
+    ours = {e.name: list(e.shape) for e in engine.table.trained}
     theirs = {p["name"]: p["shape"] for p in meta["params"]}
     problems = [f"missing: {n}" for n in ours if n not in theirs]
     problems += [f"unexpected: {n}" for n in theirs if n not in ours]
@@ -712,7 +709,7 @@ def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_
     _check_shapes(engine, meta, os.path.join(path, META))
     # This rank's elements of each parameter: all of them, or its shard's across ranks.
     rank = engine.ranks.rank if engine.ranks is not None else 0
-    ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in engine._params}
+    ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in engine.table.trained}
     files = _files_for(meta, ranges)
     _verify(path, meta, files)
     engine_states = torch.load(os.path.join(path, ENGINE))
@@ -767,7 +764,7 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
     scheduler_state = engine_states["lr_scheduler"]
     # Checked: from here on the engine changes. Gradients summed before the load are dropped.
     engine._end_gradients(failed=False)
-    buffer = torch.empty(3 * max((e.shard for e in engine._params), default=0))
+    buffer = torch.empty(3 * max((e.shard for e in engine.table.trained), default=0))
     handles = {}
     try:
         for name in files:
@@ -782,14 +779,14 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
         # moments under the checkpoint's master weights, so the next step goes on from them.
         with loading_optimizer_state(engine, "a checkpoint's load",
                                      whole=not module_only):
-            for e in engine._params:
+            for e in engine.table.trained:
                 master, exp_avg, exp_avg_sq = read(e)
                 if module_only:
                     _, exp_avg, exp_avg_sq = (torch.empty(e.shard) for _ in range(3))
                     engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
                 engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
         gather = []  # across ranks: the unpartitioned parameters' shards, whole everywhere
-        for e in engine._params:
+        for e in engine.table.trained:
             master = read(e)[0]
             if engine.ranks is not None and not e.partitioned:
                 gather.append((e, master.to(engine.dtype, copy=True),
@@ -806,17 +803,13 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
     if load_module_only:
         return path, engine_states["client_state"]
     if load_optimizer_states:
-        for e in engine._params:
+        for e in engine.table.trained:
             e.steps = by_name[e.name]["steps"]
     engine.global_steps = meta["global_steps"]
     engine.skipped_steps = meta["skipped_steps"]
     engine.micro_steps = meta["micro_steps"]
     if meta["dtype"] == str(engine.dtype).replace("torch.", ""):
-        scaler = meta["loss_scaler"]
-        engine.loss_scale = scaler["loss_scale"]
-        engine._hysteresis_left = scaler["hysteresis_left"]
-        engine._scale_iteration = scaler["scale_iteration"]
-        engine._last_overflow = scaler["last_overflow"]
+        engine._scaler.load_state_dict(meta["loss_scaler"])
     else:
         engine._warn(f"load_checkpoint: the checkpoint trained in {meta['dtype']}, this engine in "
                      f"{str(engine.dtype).replace('torch.', '')}: its loss scale is not taken")
@@ -839,7 +832,7 @@ def _check_optimizer(engine, meta, file):
                               f"groups, this engine {len(engine.optimizer.param_groups)}; nothing "
                               "was changed")
     groups = {p["name"]: p["group_index"] for p in meta["params"]}
-    moved = [e.name for e in engine._params if groups[e.name] != e.group_index]
+    moved = [e.name for e in engine.table.trained if groups[e.name] != e.group_index]
     if moved:
         raise CheckpointError(f"load_checkpoint: {file} puts {', '.join(moved)} in other param "
                               "groups; nothing was changed")

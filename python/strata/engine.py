@@ -55,9 +55,11 @@ Without a GPU the device tier is the host-emulated one (strata.device "emulated"
 and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.
 
 The engine is split by concern, as FSDP2's state is: this module is the facade (set-up, the loop,
-DeepSpeed's API, checkpoints, reports, the engine's life); strata/lending.py lends stage 3's
-parameters around modules; strata/gradients.py takes the gradients; strata/step.py stages and
-commits the optimizer step. The three are mixins over the engine's one state.
+DeepSpeed's API, checkpoints, reports, the engine's life), composing objects that own their state:
+the parameter table (strata/parameters.py), the training state the hooks check
+(strata/training_state.py), the loss scaler (strata/loss_scaler.py) and the lending of stage 3's
+parameters around modules (strata/lending.py). strata/gradients.py takes the gradients and
+strata/step.py stages and commits the optimizer step, as mixins of the engine.
 
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
@@ -91,9 +93,12 @@ from strata import lr_schedules
 from strata import ranks as ranks_module
 from strata.config import TrainConfig
 from strata.gradients import Gradients
-from strata.lending import Lending, register_external_parameter
+from strata.loss_scaler import LossScaler
+from strata.lending import Lending, register_external_parameter, weakly
+from strata.parameters import Param, ParameterTable
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.step import Step
+from strata.training_state import Phase, TrainingState
 
 __all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
            "register_external_parameter", "StrataWarning"]
@@ -223,47 +228,6 @@ class _EpochLoader(torch.utils.data.DataLoader):
         return super().__iter__()
 
 
-class _Param:
-    """What the engine keeps of one trainable parameter."""
-
-    __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
-                 "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights", "grad_norm")
-
-    def __init__(self, name, param, pid, shard=None, frozen=False):
-        self.name = name
-        self.param = param
-        self.shape = tuple(param.shape)
-        self.numel = param.numel()
-        # Elements of its optimizer state (and, partitioned, of its partitions) on this rank: all
-        # of them, or across ranks its shard's (strata/ranks.py).
-        self.shard = self.numel if shard is None else shard
-        self.shard_grad = None  # across ranks: this rank's shard of the mean gradient (fp32)
-        self.pid = pid  # the parameter's partition (stage 3, large parameters): even
-        self.gid = pid + 1  # its gradient's partition and its optimizer state
-        self.partitioned = False
-        self.group = 0
-        self.has_grad = False
-        self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
-        # On a GPU: host_grad's pinned memory, kept from step to step, and a later micro-batch's
-        # gradient on its way to the host (pinned too) to be added to it.
-        self.pinned_grad = None
-        self.incoming = None
-        self.pinned_weights = None  # on a GPU: where the step writes its new weights
-        self.group_index = 0  # which optimizer param group
-        self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
-        self.sent_down = False  # GradientReady told for this step's gradient
-        self.staged = None  # (lr, param copy target) once its step is staged (_Staged)
-        # Its gradient's 2-norm (fp32, a tensor where the gradient was: on a GPU, not waited
-        # for), taken in the gradient hook when that gradient is the window's whole one (one
-        # micro-batch a step, one process, its first in the window): _grad_norm reads it instead
-        # of the gradient's host copy. None otherwise.
-        self.grad_norm = None
-        # A frozen parameter partitioned at stage 3: lent around its modules as any other, with no
-        # gradient, no optimizer state (gid unused), never written back.
-        self.frozen = frozen
-
-
 class _HostActivations:
     """Where strata.checkpointing's cpu_checkpointing keeps a checkpoint's floating-point inputs:
     partitions of the engine's host tier (role "other", ids after the parameters'), so that they
@@ -389,7 +353,7 @@ class _Optimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = self._STATE_NAMES[engine.optimizer_kind]
         state = {}
-        for e in engine._params:
+        for e in engine.table.trained:
             master, first, second = (torch.empty(e.shard) for _ in range(3))
             engine.runtime.read_optimizer_state(e.gid, master, first, second)
             entry = {"step": torch.tensor(float(e.steps)), "master": master.view(e.shape)}
@@ -409,7 +373,7 @@ class _Optimizer(torch.optim.Optimizer):
         if engine.ranks is not None:
             raise RuntimeError("optimizer.load_state_dict() across ranks: accepted: "
                                "engine.load_checkpoint")
-        if engine._backward_since_step:
+        if engine._state.backward_since_step:
             raise RuntimeError("optimizer.load_state_dict() between backward and step (the "
                                "gradients are stepped from the state before it); accepted: "
                                "after step()")
@@ -423,7 +387,7 @@ class _Optimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = self._STATE_NAMES[engine.optimizer_kind]
         state = {int(k): v for k, v in state_dict.get("state", {}).items()}
-        for e in engine._params:
+        for e in engine.table.trained:
             entry = state.get(index[id(e.param)])
             if entry is None:
                 continue
@@ -435,7 +399,7 @@ class _Optimizer(torch.optim.Optimizer):
                         f"{'missing' if value is None else tuple(value.shape)}; accepted: "
                         f"{tuple(e.shape)} ({engine.optimizer_kind}: {', '.join(names)})")
         with checkpoints.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
-            for e in engine._params:
+            for e in engine.table.trained:
                 entry = state.get(index[id(e.param)])
                 if entry is not None and "master" in entry:
                     master = entry["master"].detach().reshape(-1).float().cpu()
@@ -453,7 +417,7 @@ class _Optimizer(torch.optim.Optimizer):
                 engine.runtime.load_optimizer_state(e.gid, master.contiguous(),
                                                     moments[0].contiguous(),
                                                     moments[1].contiguous())
-        for e in engine._params:
+        for e in engine.table.trained:
             entry = state.get(index[id(e.param)])
             e.steps = int(entry["step"]) if entry is not None else 0
             if entry is not None and "master" in entry:
@@ -559,7 +523,7 @@ class GatheredParameters:
         for p in params:
             for engine in list(_LIVE):
                 e = engine._runtime is not None and engine.stage == 3 and \
-                    engine._partitioned_by_id.get(id(p))
+                    engine.table.partitioned_by_id.get(id(p))
                 if e:
                     if self.modify and engine.ranks is not None:
                         raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
@@ -587,7 +551,7 @@ class GatheredParameters:
                     self._write_back(engine, [e for owner, e in self.held if owner is engine])
         finally:
             for engine, e in self.held:
-                e.param.data = engine._empty
+                e.param.data = engine.table.placeholder
         return False
 
     @staticmethod
@@ -634,7 +598,7 @@ def _check_model_dtype(model, dtype):
             "dtype before strata.initialize (model.float(), model.bfloat16())")
 
 
-class Engine(Lending, Gradients, Step):
+class Engine(Gradients, Step):
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
     def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None,
@@ -656,8 +620,9 @@ class Engine(Lending, Gradients, Step):
         self._sum_apart = config.accumulation > 1 and self.grad_accum_dtype != self.dtype
         self.micro_batch_size = config.micro_batch
         self._accumulation = config.accumulation
-        self._backward_since_step = False  # step() without a backward is refused
-        self._grads_since_step = False  # a gradient hook ran (engine.backward's, or the user's)
+        # Where the engine is in its loop (strata/training_state.py): step() without a backward
+        # is refused; a gradient made outside engine.backward is the user's own.
+        self._state = TrainingState()
         # On a GPU (stage 2, or sums apart): gradients on their way to pinned host memory, of
         # the backward running, and of those that ended, each with the event after its copies
         # (gradients.py).
@@ -751,7 +716,7 @@ class Engine(Lending, Gradients, Step):
             torch.device("cuda", torch.cuda.current_device())
 
         hyper = self._hyper_parameters(config, optimizer)
-        self._params = []
+        trained = []
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Frozen when the optimizer was made: one unfrozen later has no optimizer state and would
         # never be trained (step() refuses it by name).
@@ -791,14 +756,14 @@ class Engine(Lending, Gradients, Step):
             pid = init_module.partition_of(p)
             if pid is None:
                 pid, next_id = next_id, next_id + 2
-            self._params.append(_Param(name, p, pid, None if ranks is None
-                                       else ranks.shard_elements(p.numel())))
+            trained.append(Param(name, p, pid, None if ranks is None
+                                 else ranks.shard_elements(p.numel())))
         # The parameters not trained (requires_grad False, or left out of model_parameters): at
         # stage 3 the large ones (and any built under strata.init) are partitions too.
-        self._frozen = []
-        trained = {id(p) for _, p in named}
+        frozen = []
+        trained_ids = {id(p) for _, p in named}
         for name, p in model.named_parameters():
-            if id(p) in trained or self.stage != 3:
+            if id(p) in trained_ids or self.stage != 3:
                 continue
             pid = init_module.partition_of(p)
             if pid is None and p.numel() < self._persistence_threshold:
@@ -813,9 +778,13 @@ class Engine(Lending, Gradients, Step):
                     "without strata.init")
             if pid is None:
                 pid, next_id = next_id, next_id + 2
-            self._frozen.append(_Param(name, p, pid, frozen=True))
+            frozen.append(Param(name, p, pid, frozen=True))
+        # The placeholder of a partitioned parameter: on the compute device, so that swapping
+        # .data never changes a parameter's device (torch would drop its gradient node).
+        self.table = ParameterTable(trained, frozen, torch.empty(0, dtype=self.dtype,
+                                                                 device=self.device))
         self._next_id = next_id  # the first id no partition uses (cpu_checkpointing's start)
-        by_param = {id(e.param): e for e in self._params}
+        by_param = {id(e.param): e for e in self.table.trained}
         groups = self._param_groups(optimizer, model_parameters, hyper, by_param)
 
         self.optimizer_kind = hyper["kind"]
@@ -831,16 +800,13 @@ class Engine(Lending, Gradients, Step):
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
             adamw=hyper["adamw"], bias_correction=hyper["bias_correction"],
-            lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.shard) for e in self._params],
+            lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.shard) for e in self.table.trained],
             copy_dtype=config.dtype, copy_elements=self._staged_copy_elements())
         with torch.no_grad():
-            for e in self._params:
+            for e in self.table.trained:
                 # One parameter at a time (a partition's from its tier: never the whole model).
                 self.runtime.initialize_optimizer_state(
                     e.gid, self._initial_weights(e), initial_state=hyper["initial_accumulator_value"])
-        # The placeholder of a partitioned parameter: on the compute device, so that swapping
-        # .data never changes a parameter's device (torch would drop its gradient node).
-        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         # Buffers go to the device. A module's floating buffers take the training dtype when it
         # has parameters of its own (BatchNorm's running statistics compute with its weight);
         # those of a module without parameters (a rotary embedding's inv_freq) keep theirs.
@@ -851,9 +817,17 @@ class Engine(Lending, Gradients, Step):
                     b.data = b.data.to(device=self.device, dtype=self.dtype
                                        if own and b.is_floating_point() else b.dtype)
         # What close() takes off: hooks, forwards and other methods set on module instances.
-        self._hook_handles, self._patched_forward, self._patched_methods = [], [], []
+        self._hook_handles, self._patched_methods = [], []
         self._place_parameters(model)
-        self._install_module_hooks(model)
+        self.table.placed()
+        self._lending = Lending(self.table, ranks, self._state, self._runtime)
+        self._lending.install(model, self.stage)
+        for module in model.modules():
+            if any(p is not None and id(p) in self.table.partitioned_by_id
+                   for p in module._parameters.values()):
+                # state_dict() gives their weights whole, as plain torch's does.
+                self._hook_handles.append(module.register_state_dict_post_hook(
+                    weakly(self._whole_in_state_dict)))
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
         # master weights overwrite at the next step: it loads through the engine instead.
         model.load_state_dict = types.MethodType(_load_state_dict_through(engine), model)
@@ -881,27 +855,13 @@ class Engine(Lending, Gradients, Step):
         self._adamw = bool(hyper["adamw"]) if hyper["kind"] == "adam" else None
         self._check_betas("strata.initialize", ValueError)
 
-        self.loss_scale = 1.0
-        self._dynamic_scale = False
-        if self.dtype == torch.float16:
-            self._dynamic_scale = config.loss_scale == 0
-            self.loss_scale = 2.0 ** config.initial_scale_power if self._dynamic_scale \
-                else config.loss_scale
-        self._hysteresis_left = config.hysteresis
-        self._scale_iteration = 0
-        self._last_overflow = -1
+        self._scaler = LossScaler(config, self.dtype)  # fp16's (strata/loss_scaler.py)
         # The step staged during backward (stage 3): on until a step needs clipping, then off
         # until one does not.
         self._staged = None
         # Across ranks the step is taken after backward (the ranks agree on its norm first).
         self._speculate = ranks is None
-        self._gather_order = None  # across ranks: the modules' fetches, once recorded
-        self._recording = []
-        self._cursor = None
-        self._prefetched = None  # (module, its entries, the gather started for it)
-        self.prefetched_gathers = 0  # gathers started ahead that their module used
         self._pending_refresh = []
-        self._in_backward = False  # engine.backward is running (lending.py: _traced)
         self._refresh_error = None  # a step's new weights not all written: step() raises it
         self._redo_reason = None  # the staged step was dropped during this backward
         # A step that cannot be speculated is staged held (step.py: _may_hold) where the
@@ -937,7 +897,7 @@ class Engine(Lending, Gradients, Step):
         # partition steps for good during backward: the coefficient comes after it).
         self._user_clip = None
         self._user_clips = False
-        self._trained_ids = {id(e.param) for e in self._params}
+        self._trained_ids = {id(e.param) for e in self.table.trained}
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
         _LIVE.add(self)
@@ -947,7 +907,7 @@ class Engine(Lending, Gradients, Step):
         # not be kept alive by this, nor its engine with it.)
         self._dropped = weakref.finalize(
             self, _leave_placeholders, weakref.ref(model),
-            [(e.param, e.shape) for e in self._params + self._frozen if e.partitioned],
+            [(e.param, e.shape) for e in self.table.entries() if e.partitioned],
             self.dtype, self.device)
         self._dropped.atexit = False
 
@@ -958,13 +918,13 @@ class Engine(Lending, Gradients, Step):
         carries ds_numel, as DeepSpeed's ZeRO-3 parameters do (peft's trainable count and
         Trainer's read it), and a transformers model's num_parameters() counts by it (the
         module's own, patched on the instance; close() takes it off)."""
-        for e in self._params + self._frozen:
+        for e in self.table.entries():
             if e.partitioned:
                 e.param.ds_numel = e.numel
-        if any(e.partitioned for e in self._params + self._frozen):
+        if any(e.partitioned for e in self.table.entries()):
             self._refuse_merges(model)
         hf = sys.modules.get("transformers")
-        if hf is None or not any(e.partitioned for e in self._params + self._frozen):
+        if hf is None or not any(e.partitioned for e in self.table.entries()):
             return
         for module in model.modules():
             if isinstance(module, hf.PreTrainedModel):
@@ -995,15 +955,6 @@ class Engine(Lending, Gradients, Step):
                     if hasattr(module, name):
                         setattr(module, name, refused(name))
                         self._patched_methods.append((module, name))
-
-    def _stream(self):
-        """Where the model's kernels are queued: on the CUDA tier torch's current stream (the
-        integer cudaStream_t the Runtime takes with a device copy's release, so that it neither
-        reuses nor reads the copy before they have run; 0 is CUDA's legacy default stream,
-        torch's default, a stream like any other); None on the emulated tier (no streams)."""
-        if self.device_kind != "cuda":
-            return None
-        return torch.cuda.current_stream(self.device).cuda_stream
 
     def _warn(self, message):
         if message not in self.warnings:
@@ -1068,7 +1019,7 @@ class Engine(Lending, Gradients, Step):
         elif model_parameters is not None and any(isinstance(g, dict) for g in model_parameters):
             given, source = model_parameters, "model_parameters group"
         else:
-            return [{"params": [e.param for e in self._params], "lr": hyper["lr"],
+            return [{"params": [e.param for e in self.table.trained], "lr": hyper["lr"],
                      "weight_decay": hyper["weight_decay"]}]
         groups = []
         for index, group in enumerate(given):
@@ -1088,7 +1039,7 @@ class Engine(Lending, Gradients, Step):
             groups.append({"params": params, "lr": float(group.get("lr", hyper["lr"])),
                            "weight_decay": float(group.get("weight_decay",
                                                            hyper["weight_decay"]))})
-        missing = [e.name for e in self._params if not any(
+        missing = [e.name for e in self.table.trained if not any(
             e.param is p for g in groups for p in g["params"])]
         if missing:
             raise ValueError(f"strata.initialize: trainable parameters not in the optimizer: "
@@ -1190,14 +1141,14 @@ class Engine(Lending, Gradients, Step):
         NVMe, read back from the master weights instead) the unpartitioned ones' (-1: all)."""
         if not self._refresh:
             return -1
-        return sum(e.shard for e in self._params if not self._will_partition(e))
+        return sum(e.shard for e in self.table.trained if not self._will_partition(e))
 
     def _params_in_cpu(self):
         """Whether the partitioned parameters are all within offload_param.max_in_cpu as the
         Runtime read it (DeepSpeed's default 1e9 elements: the Runtime keeps their host copies)
         and their copies, twice (the host copies and the step's staged new weights), within half
         of the host budget."""
-        elements = sum(e.numel for e in self._params if self._will_partition(e))
+        elements = sum(e.numel for e in self.table.trained if self._will_partition(e))
         element = torch.tensor([], dtype=self.dtype).element_size()
         return elements <= self.runtime.max_in_cpu and \
             2 * elements * element <= self.runtime.host_budget_bytes // 2
@@ -1224,13 +1175,13 @@ class Engine(Lending, Gradients, Step):
             for p in module._parameters.values():
                 if p is not None:
                     owner.setdefault(id(p), module_index)
-        trainable = {id(e.param) for e in self._params}
-        frozen = {id(e.param) for e in self._frozen}
+        trainable = {id(e.param) for e in self.table.trained}
+        frozen = {id(e.param) for e in self.table.frozen}
         with torch.no_grad():
             for p in model.parameters():
                 if id(p) not in trainable and id(p) not in frozen:
                     p.data = p.data.to(device=self.device, dtype=self.dtype)
-            for e in self._frozen:
+            for e in self.table.frozen:
                 e.group = owner.get(id(e.param), 0)
                 e.partitioned = True
                 if init_module.partition_of(e.param) is None:
@@ -1239,8 +1190,8 @@ class Engine(Lending, Gradients, Step):
                         self._param_tier,
                         e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1)
                         .contiguous())
-                e.param.data = self._empty
-            for e in self._params:
+                e.param.data = self.table.placeholder
+            for e in self.table.trained:
                 e.group = owner.get(id(e.param), 0)
                 built = init_module.partition_of(e.param) is not None
                 e.partitioned = self._will_partition(e)
@@ -1272,7 +1223,7 @@ class Engine(Lending, Gradients, Step):
                 self.runtime.register(e.gid, "grad", _DTYPE_NAMES[self.grad_accum_dtype],
                                       e.shard, e.group, "host")
                 self.runtime.discard(e.gid)
-                e.param.data = self._empty
+                e.param.data = self.table.placeholder
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -1289,11 +1240,7 @@ class Engine(Lending, Gradients, Step):
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
         if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
             self._refresh_weights(list(self._pending_refresh))
-        if self.ranks is not None:
-            self._take_prefetched(None)  # one started for a backward that did not come
-            self._cursor = 0
-            if self._gather_order is None:  # recorded from the forward whose backward comes
-                self._recording = []
+        self._lending.begin_forward()
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
@@ -1302,15 +1249,13 @@ class Engine(Lending, Gradients, Step):
         scaled = loss.float() / self._accumulation if scale_wrt_gas else loss.float()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
-        self._backward_since_step = True
-        self._in_backward = True
+        self._state.phase = Phase.BACKWARD
         try:
             scaled.backward(retain_graph=retain_graph)
             self._end_backward_copies()
             if self.ranks is not None:
                 self.ranks.finish_gradients()
-                if self._gather_order is None:
-                    self._gather_order = self._recording
+            self._lending.end_backward()
         except BaseException:
             if self.ranks is not None:
                 # The gradients autograd made before the failure are kept, as in one process
@@ -1323,8 +1268,8 @@ class Engine(Lending, Gradients, Step):
             self._end_staged(committed=False)
             raise
         finally:
-            self._in_backward = False
-            self._drop_all()
+            self._state.phase = Phase.GRADIENTS
+            self._lending.drop_all()
         self._raise_deferred()
         return loss
 
@@ -1335,10 +1280,10 @@ class Engine(Lending, Gradients, Step):
         one step summing, as plain torch's do. Refused where the engine must scale the loss
         (fp16), the ranks must finish the gradients together, or the engine counts a window's
         micro-batches by its step() (gradient_accumulation_steps above 1)."""
-        if self._backward_since_step:
+        if self._state.backward_since_step:
             return
-        if not self._grads_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
-                e.param.grad is not None for e in self._params if not e.partitioned):
+        if not self._state.gradients_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
+                e.param.grad is not None for e in self.table.trained if not e.partitioned):
             return
         if self.dtype == torch.float16 or self.ranks is not None or self._accumulation > 1:
             why = "fp16 (the engine scales the loss)" if self.dtype == torch.float16 else \
@@ -1351,8 +1296,8 @@ class Engine(Lending, Gradients, Step):
                                f"(loss.backward()), which is not taken under {why}; accepted: "
                                "engine.backward(loss)")
         self._end_backward_copies()
-        self._drop_all()
-        self._backward_since_step = True
+        self._lending.drop_all()
+        self._state.phase = Phase.GRADIENTS
 
     # --- DeepSpeed's engine API, as trainers call it ------------------------------------------
 
@@ -1445,7 +1390,7 @@ class Engine(Lending, Gradients, Step):
         optimizer's come here. Refused where some parameters stepped for good during this
         backward with them (strata.optimizer_during_backward): that cannot be undone."""
         self._adopt_backward("zero_grad")
-        if not self._backward_since_step and not self._grads_since_step:
+        if not self._state.gradients_since_step:
             return
         if self._stepped_early or (self._staged is not None and self._staged.early):
             raise RuntimeError(
@@ -1454,9 +1399,9 @@ class Engine(Lending, Gradients, Step):
                 "zero_grad after step() or before backward, or strata.optimizer_during_backward "
                 "false to drop a micro-batch's gradients")
         self._end_gradients(failed=False)
-        for e in self._params:
+        for e in self.table.trained:
             e.param.grad = None
-        self._backward_since_step = self._grads_since_step = False
+        self._state.phase = Phase.IDLE
         self.micro_steps -= self.micro_steps % self._accumulation
 
     def train(self, mode=True):
@@ -1479,7 +1424,7 @@ class Engine(Lending, Gradients, Step):
         if self._half_loaded is not None:
             raise RuntimeError(f"step: {self._half_loaded}")
         self._adopt_backward("step")
-        if not self._backward_since_step:
+        if not self._state.backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
         boundary = self.is_gradient_accumulation_boundary()
@@ -1496,8 +1441,7 @@ class Engine(Lending, Gradients, Step):
                 "make a new engine with them trainable from engine.module_state_dict()")
         if boundary:
             self._check_betas("step")
-        self._backward_since_step = False
-        self._grads_since_step = False
+        self._state.phase = Phase.IDLE
         self.micro_steps += 1
         if not boundary:
             return
@@ -1508,7 +1452,7 @@ class Engine(Lending, Gradients, Step):
         # commit); nothing on the host.
         device_wait = time.perf_counter() - start
         if self.stage == 3:
-            for e in self._params:
+            for e in self.table.trained:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         try:
@@ -1606,8 +1550,8 @@ class Engine(Lending, Gradients, Step):
         # Between backward and step with strata.optimizer_during_backward, parameters step as
         # backward goes: what has stepped is read whole, never while it is being written.
         self.runtime.wait_for_early_steps()
-        by_param = {id(e.param): e for e in self._params if e.partitioned}
-        frozen = {id(e.param): e for e in self._frozen}
+        by_param = {id(e.param): e for e in self.table.trained if e.partitioned}
+        frozen = {id(e.param): e for e in self.table.frozen}
         out, done = {}, {}
         for name, value in self.module.state_dict(keep_vars=True).items():
             e = by_param.get(id(value), frozen.get(id(value)))
@@ -1647,7 +1591,7 @@ class Engine(Lending, Gradients, Step):
         dict being filled, kept while it is)."""
         read = None
         for name, p in module._parameters.items():
-            e = self._partitioned_by_id.get(id(p)) if p is not None else None
+            e = self.table.partitioned_by_id.get(id(p)) if p is not None else None
             key = prefix + name
             if e is None or key not in state_dict or state_dict[key] is p:
                 continue
@@ -1692,7 +1636,17 @@ class Engine(Lending, Gradients, Step):
 
     @runtime.setter
     def runtime(self, runtime):  # a seam: tests put a Runtime that fails where they want
-        self._runtime = runtime
+        self._runtime = self._lending.runtime = runtime
+
+    @property
+    def loss_scale(self):
+        """The loss scale (fp16's; 1.0 in bf16 and fp32), as DeepSpeed's engine's."""
+        return self._scaler.scale
+
+    @property
+    def prefetched_gathers(self):
+        """Across ranks: the all-gathers started ahead that their module used."""
+        return self._lending.prefetched_gathers
 
     def close(self):
         """Gives back what the engine holds: its Runtime (the device and pinned host memory of
@@ -1711,29 +1665,25 @@ class Engine(Lending, Gradients, Step):
         try:
             self._end_staged(committed=False, reason="the engine closed")
         finally:
-            self._drop_all()
+            self._lending.remove()
             self._release_early_held(self._attempt_quietly)
             for handle in self._hook_handles:
                 handle.remove()
             _leave_placeholders(
-                weakref.ref(self.module), [(e.param, e.shape) for e in self._params + self._frozen
+                weakref.ref(self.module), [(e.param, e.shape) for e in self.table.entries()
                               if e.partitioned], self.dtype, self.device)
-            for e in self._params + self._frozen:
+            for e in self.table.entries():
                 e.param.__dict__.pop("_strata_node", None)
                 e.param.__dict__.pop("ds_numel", None)
             for module, name in self._patched_methods:
                 module.__dict__.pop(name, None)
-            for module, own in self._patched_forward:
-                module.__dict__.pop("forward", None)
-                if own is not None:
-                    module.forward = own
             self.module.__dict__.pop("load_state_dict", None)
             if checkpointing.host_store_of(self):
                 checkpointing.use_host_store(None)
             built = init_module.built_under(self.module)
             if built is not None:
                 built.release()
-            self._runtime = None
+            self._runtime = self._lending.runtime = None
 
     def release(self):
         """Closes the engine and gives the module its weights back whole in its own parameters
@@ -1892,7 +1842,7 @@ def _engine_holding(model):
 
     def holding():
         return next((engine for engine in list(_LIVE) if engine._runtime is not None and any(
-            id(e.param) in ids for e in engine._params + engine._frozen)), None)
+            id(e.param) in ids for e in engine.table.entries())), None)
     if holding() is None:
         return None
     gc.collect()

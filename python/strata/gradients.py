@@ -14,6 +14,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
+from strata.lending import kernel_stream
 
 __all__ = ["Gradients"]
 
@@ -33,7 +34,7 @@ class Gradients:
             grad = e.param.grad
             if grad is None:
                 return
-            self._grads_since_step = True  # (a backward of the user's own: engine._adopt_backward)
+            self._state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
             boundary = self.is_gradient_accumulation_boundary()
             if boundary:
                 if e.staged is not None or e in self._fired:
@@ -56,8 +57,7 @@ class Gradients:
                 e.param.grad = None
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
-                self._holders.pop(e.pid, None)
-                e.param.data = self._empty
+                self._lending.give_back(e)
                 if self.ranks is not None:  # reduce-scattered into the owners' shards
                     self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
                     return
@@ -194,7 +194,7 @@ class Gradients:
             del part
         # On a GPU the sum is queued on torch's stream: the Runtime copies it to the host only
         # once that work has run.
-        self.runtime.release(e.gid, "device", True, self._stream())
+        self.runtime.release(e.gid, "device", True, kernel_stream(self.device))
         e.has_grad = True
         if boundary:
             self.runtime.gradient_ready(e.gid)
@@ -218,7 +218,7 @@ class Gradients:
             return None
 
         # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.
-        entries = [e for e in self._params if not e.partitioned and self.stage != 2]
+        entries = [e for e in self.table.trained if not e.partitioned and self.stage != 2]
         if not entries:
             return
         for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
@@ -249,7 +249,7 @@ class Gradients:
         self._user_clip = None  # the user's clip_grad_norm_ of this step (step.py)
         self._fired.clear()
         self._hook_order.clear()
-        for e in self._params:
+        for e in self.table.trained:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)
             e.grad_norm = None

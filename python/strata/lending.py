@@ -13,10 +13,13 @@ An nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which sav
 itself, not a view. A frozen parameter has no
 gradient hook to give it back in backward: it goes back once the module's input gradient is made.
 The model's first forward finds parameters used outside their owner's forward (_ExternalUses).
-Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py).
+Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py), the
+next module's gathered while one computes (in the order the first micro-batch fetched them).
 
-`Lending` is a mixin of strata.engine.Engine: its methods use the engine's state (_by_module,
-_holders, the Runtime, the ranks). Thread safety: the engine's (one thread).
+`Lending` owns what it lends: which entries each module lends, how many holds each lent partition
+has, the first forward's discovery, the ranks' gather order, and its hooks. The engine builds it
+with what it uses (the parameter table, the ranks, the training state) and hands it the Runtime
+(`runtime`, None once the engine is closed). Thread safety: the engine's (one thread).
 """
 
 import contextlib
@@ -29,108 +32,178 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
 
-__all__ = ["Lending", "register_external_parameter"]
+__all__ = ["Lending", "kernel_stream", "register_external_parameter", "weakly"]
+
+
+def kernel_stream(device):
+    """Where the model's kernels are queued on `device`: on a GPU torch's current stream (the
+    integer cudaStream_t the Runtime takes with a device copy's release, so that it neither reuses
+    nor reads the copy before they have run; 0 is CUDA's legacy default stream, torch's default,
+    a stream like any other); None on the CPU beside the emulated tier (no streams)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class Lending:
-    """The engine's stage-3 lending (see the module's docstring)."""
+    """Stage 3's lending (see the module's docstring) for one engine's model."""
 
-    def _install_module_hooks(self, model):
-        self._discovered = False  # _ExternalUses has run (the first forward)
-        self._discovering = None  # the _ExternalUses of the forward running now
-        self._internal_depth = 0  # > 0 while the engine's own hooks run (_internal)
-        self._by_module = {}
-        partitioned = {id(e.param): e for e in self._params + self._frozen if e.partitioned}
-        self._partitioned_by_id = partitioned
-        self._holders = {}
+    def __init__(self, table, ranks, state, runtime):
+        self.table = table  # strata/parameters.py
+        self.ranks = ranks  # strata/ranks.py; None in one process
+        self.state = state  # strata/training_state.py
+        self.runtime = runtime  # the engine's; None once it is closed
+        self.module = None  # the model, once hooked (install)
+        self.by_module = {}  # module -> the entries its forward lends
+        self.holders = {}  # pid -> holds on its lent copy (its modules' forwards and backwards)
+        self.handles = []  # the hooks it put on the model
+        self.patched_forward = []  # (module, its own forward or None) it set (_Zero3Linear's)
+        self.discovered = False  # _ExternalUses has run (the first forward)
+        self.discovering = None  # the _ExternalUses of the forward running now
+        self.internal_depth = 0  # > 0 while the engine's own torch calls run (internal())
+        self.saved_views = None
+        # Across ranks: the modules' fetches, once recorded; the recording; where the forward is
+        # in it; the gather started ahead (module, its entries, its collectives).
+        self.gather_order = None
+        self.recording = []
+        self.cursor = None
+        self.prefetched = None
+        self.prefetched_gathers = 0  # gathers started ahead that their module used
+
+    # --- set-up and tear-down -------------------------------------------------------------------
+
+    def install(self, model, stage):
+        """Hooks `model`'s modules that use partitioned parameters (and, at stage 3, the model's
+        first forward's discovery and the saved views)."""
+        self.module = model
+        partitioned = self.table.partitioned_by_id
         for module in model.modules():
             used = list(module._parameters.values()) + \
                 list(getattr(module, "_strata_external_parameters", ()))
             own = [partitioned[id(p)] for p in used if p is not None and id(p) in partitioned]
             if own:
                 self._lend_around(module, own)
-            if any(p is not None and id(p) in partitioned for p in module._parameters.values()):
-                # state_dict() gives their weights whole, as plain torch's does.
-                self._hook_handles.append(module.register_state_dict_post_hook(
-                    _weakly(self._whole_in_state_dict)))
-        if self.stage == 3:
+        if stage == 3:
             # torch.compile of the model would run a graph that bypasses the lending (silently
             # wrong from its second step): dynamo is told to leave the model's forward eager.
-            if all(m is not model for m, _ in self._patched_forward):
-                # (close() puts back a forward the instance had of its own: a wrapper's.)
-                self._patched_forward.append((model, model.__dict__.get("forward")))
+            if all(m is not model for m, _ in self.patched_forward):
+                # (remove() puts back a forward the instance had of its own: a wrapper's.)
+                self.patched_forward.append((model, model.__dict__.get("forward")))
             model.forward = torch.compiler.disable(model.forward)
             # The first forward, however it is called (engine(), generate()).
-            self._hook_handles += [
-                model.register_forward_pre_hook(_weakly(self._begin_discovery), prepend=True),
-                model.register_forward_hook(_weakly(self._end_discovery), always_call=True)]
+            self.handles += [
+                model.register_forward_pre_hook(weakly(self._begin_discovery), prepend=True),
+                model.register_forward_hook(weakly(self._end_discovery), always_call=True)]
             # Views of lent weights that autograd saves, kept as where they are (_SavedViews).
-            self._saved_views = _SavedViews(self)
-            self._hook_handles += [
-                model.register_forward_pre_hook(_weakly(self._saved_views.enter)),
-                model.register_forward_hook(_weakly(self._saved_views.leave), always_call=True)]
+            self.saved_views = _SavedViews(self)
+            self.handles += [
+                model.register_forward_pre_hook(weakly(self.saved_views.enter)),
+                model.register_forward_hook(weakly(self.saved_views.leave), always_call=True)]
+
+    def remove(self):
+        """Takes its hooks and forwards off the model; nothing stays lent."""
+        self.drop_all()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        for module, own in self.patched_forward:
+            module.__dict__.pop("forward", None)
+            if own is not None:
+                module.forward = own
+        self.patched_forward = []
+
+    # --- the loop's points ----------------------------------------------------------------------
+
+    def begin_forward(self):
+        """A forward of the model begins (across ranks: its gathers follow the recorded order)."""
+        if self.ranks is not None:
+            self._take_prefetched(None)  # one started for a backward that did not come
+            self.cursor = 0
+            if self.gather_order is None:  # recorded from the forward whose backward comes
+                self.recording = []
+
+    def end_backward(self):
+        """A backward ended well: across ranks, its first fetch order is the one to follow."""
+        if self.ranks is not None and self.gather_order is None:
+            self.gather_order = self.recording
+
+    def drop_all(self):
+        """Every hold given back and every partitioned parameter unlent (after a backward)."""
+        self.holders.clear()
+        self.table.leave_unlent()
+
+    def give_back(self, e):
+        """e's lent copy goes back now, whatever holds it (its gradient is made: the last thing
+        backward needed of it)."""
+        self.holders.pop(e.pid, None)
+        e.param.data = self.table.placeholder
+
+    @contextlib.contextmanager
+    def internal(self):
+        """The engine's own torch calls (lending, gathering): _ExternalUses lets them be."""
+        self.internal_depth += 1
+        try:
+            yield
+        finally:
+            self.internal_depth -= 1
+
+    def lend_now(self, e):
+        """Lends `e` (one process) and holds it once more: its module's _drop, or its gradient
+        hook, gives it back."""
+        self.holders[e.pid] = self.holders.get(e.pid, 0) + 1
+        if e.param.data.numel() == 0:
+            lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
+                                                 self._traced()))
+            e.param.data = lent.view(e.shape)
+
+    # --- the hooks ------------------------------------------------------------------------------
 
     def _begin_discovery(self, module, args):
         """The model's first forward finds the partitioned parameters a module uses that it does
         not own (_ExternalUses), and registers each with the module that used it."""
-        if not self._discovered and self._discovering is None:
-            self._discovering = _ExternalUses(self)
-            self._discovering.__enter__()
+        if not self.discovered and self.discovering is None:
+            self.discovering = _ExternalUses(self)
+            self.discovering.__enter__()
 
     def _end_discovery(self, module, args, output):
-        if self._discovering is not None:
-            discovering, self._discovering = self._discovering, None
+        if self.discovering is not None:
+            discovering, self.discovering = self.discovering, None
             discovering.__exit__(None, None, None)
-            self._discovered = True
+            self.discovered = True
 
     def _lend_around(self, module, entries):
         """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
         it (once) and adds them to what it lends."""
-        if module not in self._by_module:
-            self._by_module[module] = []
-            # The hooks hold the engine weakly: the module must not keep its engine alive (the
+        if module not in self.by_module:
+            self.by_module[module] = []
+            # The hooks hold the lending weakly: the module must not keep its engine alive (the
             # last reference to an engine frees its Runtime, pinned memory and disk).
             # Lending runs before the module's other pre-hooks (they see its weights, as in plain
             # torch); a post-hook registered after the engine's sees them given back.
-            self._hook_handles += [
-                module.register_forward_pre_hook(_weakly(self._before_forward), with_kwargs=True,
+            self.handles += [
+                module.register_forward_pre_hook(weakly(self._before_forward), with_kwargs=True,
                                                  prepend=True),
-                module.register_forward_hook(_weakly(self._after_forward))]
+                module.register_forward_hook(weakly(self._after_forward))]
             # nn.Linear, or a subclass that keeps its forward (strata.TiledLinear's tiles), unless
             # something set a forward of its own on the instance (a wrapper's hook: it stays).
             if isinstance(module, torch.nn.Linear) and \
                     type(module).forward is torch.nn.Linear.forward and \
                     "forward" not in module.__dict__:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
-                self._patched_forward.append((module, None))
-        self._by_module[module] += [e for e in entries if e not in self._by_module[module]]
-
-    @contextlib.contextmanager
-    def _internal(self):
-        """The engine's own torch calls (lending, gathering): _ExternalUses lets them be."""
-        self._internal_depth += 1
-        try:
-            yield
-        finally:
-            self._internal_depth -= 1
+                self.patched_forward.append((module, None))
+        self.by_module[module] += [e for e in entries if e not in self.by_module[module]]
 
     def _use_external(self, param, module):
         """`module`'s forward used `param`, a partitioned parameter it does not own (found by
         _ExternalUses): it is registered as external to `module`, lent around it from now on, and
         lent now, until `module`'s forward ends."""
-        e = self._partitioned_by_id[id(param)]
+        e = self.table.partitioned_by_id[id(param)]
         register_external_parameter(module, param)
         self._lend_around(module, [e])
-        self._lend_now(e)
+        self.lend_now(e)
 
-    def _lend_now(self, e):
-        """Lends `e` (one process) and holds it once more: its module's _drop, or its gradient
-        hook, gives it back."""
-        self._holders[e.pid] = self._holders.get(e.pid, 0) + 1
-        if e.param.data.numel() == 0:
-            lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
-                                                     self._traced()))
-            e.param.data = lent.view(e.shape)
+    def _stream(self):
+        return kernel_stream(self.table.placeholder.device)
 
     def _traced(self):
         """Whether a lend now is part of the training step's access trace: a forward with
@@ -138,13 +211,13 @@ class Lending:
         gradients), or anything during engine.backward (whose hooks run without them). An
         evaluation's forward (eval mode under no_grad, outside backward) is not: the scheduler
         neither records it nor takes it for a step that left the plan."""
-        return torch.is_grad_enabled() or self._in_backward or self.module.training
+        return torch.is_grad_enabled() or self.state.in_backward or self.module.training
 
     def _fetch(self, module):
         prefetched = self._take_prefetched(module)
         gather = []
-        for e in self._by_module[module]:
-            held = self._holders.get(e.pid, 0)
+        for e in self.by_module[module]:
+            held = self.holders.get(e.pid, 0)
             if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
                 try:
                     lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
@@ -152,22 +225,19 @@ class Lending:
                 except _strata.Error as error:
                     if error.code != "RESOURCE_EXHAUSTED":
                         raise
-                    lent_now = sum(x.numel * x.param.element_size() for x in
-                                   self._params + self._frozen if x.partitioned and
-                                   x.param.data.numel())
                     told = _strata.Error(
                         f"{error} (lending {e.name} to {type(module).__name__}: "
-                        f"{lent_now} bytes of parameters are lent now; a view autograd saved, "
-                        "or gradient checkpointing recomputing a whole block in backward, holds "
-                        "its module's parameters at once: raise strata.device_budget_bytes to "
-                        "hold them)")
+                        f"{self.table.lent_bytes()} bytes of parameters are lent now; a view "
+                        "autograd saved, or gradient checkpointing recomputing a whole block in "
+                        "backward, holds its module's parameters at once: raise "
+                        "strata.device_budget_bytes to hold them)")
                     told.code, told.errno = error.code, getattr(error, "errno", 0)
                     raise told from None
                 if self.ranks is None:
                     e.param.data = lent.view(e.shape)
                 else:  # its shard, gathered whole with the module's others (then given back)
                     gather.append((e, lent, self._sink(e)))
-            self._holders[e.pid] = held + 1
+            self.holders[e.pid] = held + 1
         if self.ranks is not None:
             self.ranks.finish_gather(prefetched[1])
             if gather:
@@ -188,7 +258,7 @@ class Lending:
     def _take_prefetched(self, module):
         """({entries} the gather started ahead for `module` covers, its collectives); a gather
         started for another module is waited for and dropped."""
-        pending, self._prefetched = self._prefetched, None
+        pending, self.prefetched = self.prefetched, None
         if pending is None:
             return set(), []
         target, entries, started = pending
@@ -200,45 +270,39 @@ class Lending:
         return set(), []
 
     def _prefetch_after(self, module):
-        if self._gather_order is None:  # the first micro-batch: recording the order
-            self._recording.append(module)
+        if self.gather_order is None:  # the first micro-batch: recording the order
+            self.recording.append(module)
             return
-        if self._cursor is None or self._cursor >= len(self._gather_order) or \
-                self._gather_order[self._cursor] is not module:
-            self._cursor = None  # another order: on demand until the next forward
+        if self.cursor is None or self.cursor >= len(self.gather_order) or \
+                self.gather_order[self.cursor] is not module:
+            self.cursor = None  # another order: on demand until the next forward
             return
-        self._cursor += 1
-        if self._cursor == len(self._gather_order):
+        self.cursor += 1
+        if self.cursor == len(self.gather_order):
             return
-        following = self._gather_order[self._cursor]
+        following = self.gather_order[self.cursor]
         items = []
-        for e in self._by_module[following]:
-            if self._holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
+        for e in self.by_module[following]:
+            if self.holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
                 lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
                 items.append((e, lent, self._sink(e)))
         if items:
-            self._prefetched = (following, {e for e, _, _ in items},
-                                self.ranks.start_gather(items))
+            self.prefetched = (following, {e for e, _, _ in items},
+                               self.ranks.start_gather(items))
 
     def _drop(self, module, frozen_only=False):
-        for e in self._by_module.get(module, ()):
+        for e in self.by_module.get(module, ()):
             if frozen_only and not e.frozen:
                 continue
-            held = self._holders.get(e.pid, 0) - 1
-            self._holders[e.pid] = max(held, 0)
+            held = self.holders.get(e.pid, 0) - 1
+            self.holders[e.pid] = max(held, 0)
             if held <= 0:
-                e.param.data = self._empty
-
-    def _drop_all(self):
-        self._holders.clear()
-        for e in self._params + self._frozen:
-            if e.partitioned:
-                e.param.data = self._empty
+                e.param.data = self.table.placeholder
 
     def _before_forward(self, module, args, kwargs):
-        with self._internal():
+        with self.internal():
             self._fetch(module)
-        if torch.is_grad_enabled() and any(e.frozen for e in self._by_module[module]):
+        if torch.is_grad_enabled() and any(e.frozen for e in self.by_module[module]):
             # A frozen parameter has no gradient hook to give it back in backward: it goes back
             # once the gradient of the module's input is made (its backward is done then).
             for t in _tensors((args, kwargs)):
@@ -260,14 +324,14 @@ class Lending:
                 if t.requires_grad:
                     t.register_hook(lambda grad, module=module: self._before_backward(module))
                     hooked = True
-            if not hooked and any(not e.frozen for e in self._by_module[module]):
+            if not hooked and any(not e.frozen for e in self.by_module[module]):
                 # No output carries a gradient back into the module, yet it has trained
                 # parameters: what it computed with them went elsewhere (an auxiliary loss kept
                 # on the module), where no hook could lend them again for backward. They stay
                 # lent until their gradients are made (the gradient hook gives each back), or
                 # until backward ends.
                 return
-        with self._internal():
+        with self.internal():
             self._drop(module)
 
     def _before_backward(self, module):
@@ -287,8 +351,8 @@ class _SavedViews:
     torch.autograd.graph.save_on_cpu): those are left to do as they do; inside a checkpointed
     region checkpointing's own hooks apply."""
 
-    def __init__(self, engine):
-        self._engine = weakref.ref(engine)
+    def __init__(self, lending):
+        self._lending = weakref.ref(lending)
         self._hooks = None
         self._depth = 0
 
@@ -307,10 +371,10 @@ class _SavedViews:
 
     def _pack(self, t):
         base = t._base
-        engine = self._engine()
-        if base is None or engine is None:
+        lending = self._lending()
+        if base is None or lending is None:
             return t
-        e = engine._partitioned_by_id.get(id(base))
+        e = lending.table.partitioned_by_id.get(id(base))
         if e is None or t.dtype != e.param.dtype or e.param.data.numel() == 0 or \
                 t.untyped_storage().data_ptr() != e.param.untyped_storage().data_ptr():
             return t
@@ -321,13 +385,13 @@ class _SavedViews:
             return saved
         e = saved.entry
         if e.param.data.numel() == 0:  # not lent again by its module's backward: lent now
-            engine = self._engine()
-            if engine is None or engine.ranks is not None:
+            lending = self._lending()
+            if lending is None or lending.runtime is None or lending.ranks is not None:
                 raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
                                    "forward, and its parameter is not lent (its engine is "
                                    "closed, or across ranks outside its module's backward)")
-            with engine._internal():
-                engine._lend_now(e)
+            with lending.internal():
+                lending.lend_now(e)
         data = e.param.data
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
@@ -422,13 +486,13 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
     parameter that is not lent (a parameter used outside its owner's forward: F.linear(x,
     self.fc.weight) in a parent, an nn.ParameterList indexed by its parent, a tied head used as
     ``h @ wte.weight.t()``) lends it, registered as external to the innermost module whose
-    forward runs (Engine._use_external), as register_external_parameter would. A later forward
+    forward runs (Lending._use_external), as register_external_parameter would. A later forward
     that uses a parameter so in a module that did not in the first needs
     register_external_parameter."""
 
-    def __init__(self, engine):
+    def __init__(self, lending):
         super().__init__()
-        self.engine = engine
+        self.lending = lending
         self.stack = []
         self.handles = []
 
@@ -451,19 +515,19 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        engine = self.engine
-        if engine._internal_depth or func in _METADATA:
+        lending = self.lending
+        if lending.internal_depth or func in _METADATA:
             return func(*args, **kwargs)
         for leaf in _pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.nn.Parameter) and id(leaf) in engine._partitioned_by_id \
-                    and leaf.data.numel() == 0:
-                engine._use_external(leaf, self.stack[-1] if self.stack else engine.module)
+            if isinstance(leaf, torch.nn.Parameter) and \
+                    id(leaf) in lending.table.partitioned_by_id and leaf.data.numel() == 0:
+                lending._use_external(leaf, self.stack[-1] if self.stack else lending.module)
         return func(*args, **kwargs)
 
 
-def _weakly(method):
-    """`method` (a bound method of the engine) called through a weak reference: nothing once the
-    engine is gone."""
+def weakly(method):
+    """`method` (a bound method of the lending, or of the engine) called through a weak
+    reference: nothing once its object is gone."""
     ref = weakref.WeakMethod(method)
 
     def call(*args, **kwargs):

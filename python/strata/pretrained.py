@@ -258,13 +258,13 @@ def load(engine, source, strict=True, keep_state=False):
     entries, aliases, rest, missing, unexpected = checkpoints.checked_everywhere(
         engine, "load_pretrained", lambda: _check(engine, source, strict))
     engine._end_gradients(failed=False)  # gradients summed before the load are dropped
-    wanted = {e.name for e in engine._params}
+    wanted = {e.name for e in engine.table.trained}
     source_of = {n: n for n in wanted if n in entries}
     alias_of = dict(aliases)
     for alias, own in alias_of.items():
         if own not in source_of and alias in entries:
             source_of[own] = alias
-    loaded = [e for e in engine._params if e.name in source_of]
+    loaded = [e for e in engine.table.trained if e.name in source_of]
 
     def ours(e, whole):
         """This rank's part of a parameter: across ranks, its shard of the optimizer's state and
@@ -272,7 +272,7 @@ def load(engine, source, strict=True, keep_state=False):
         return whole if engine.ranks is None else engine.ranks.own_shard(whole, e.shard)
 
     with checkpoints.loading_optimizer_state(engine, "load_pretrained",
-                                              whole=len(loaded) == len(engine._params)):
+                                              whole=len(loaded) == len(engine.table.trained)):
         for e in loaded:
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
                           .contiguous())
@@ -299,7 +299,7 @@ def _check(engine, source, strict):
     """What load checks before it changes anything: (the entries, the module's aliases, its
     other tensors, the missing and unexpected names)."""
     aliases, rest = checkpoints._module_rest(engine)
-    wanted = {e.name: e.shape for e in engine._params}
+    wanted = {e.name: e.shape for e in engine.table.trained}
     wanted.update({n: tuple(t.shape) for n, t in rest.items()})
     alias_of = dict(aliases)  # another name of a trainable parameter -> its name
     entries = _matched(engine.module, _entries(source), set(wanted) | set(alias_of))

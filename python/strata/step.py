@@ -147,13 +147,13 @@ class Step:
                              "is by the global L2 norm, as DeepSpeed's gradient_clipping)")
         self._adopt_backward(where)
         given = {id(p) for p in params}
-        missing = [e.name for e in self._params if id(e.param) not in given]
+        missing = [e.name for e in self.table.trained if id(e.param) not in given]
         if missing:
             raise ValueError(f"{where}: {len(missing)} of its trained parameters are not among "
                              f"those given ({', '.join(missing[:3])}...): it clips by the norm of "
                              "all of them; accepted: every trained parameter (model.parameters()),"
                              " or gradient_clipping in the config")
-        if not self._backward_since_step:
+        if not self._state.backward_since_step:
             raise RuntimeError(f"{where}: no backward() since the last step(): the gradients "
                                "were dropped with it; accepted: after backward, before step()")
         if not self.is_gradient_accumulation_boundary():
@@ -247,7 +247,7 @@ class Step:
             self._pending_refresh.extend(
                 e for e in staged.entries
                 if e.partitioned and e.gid in partly and e not in self._pending_refresh)
-            if partly and not self._in_backward:
+            if partly and not self._state.in_backward:
                 # Now, not only before the next forward: a module called on its own (not through
                 # engine.forward) reads its partitions as they are (an audit's finding).
                 try:
@@ -314,7 +314,7 @@ class Step:
         (in one process: across ranks every rank keeps the parameters' own order), then the
         others."""
         first = list(self._hook_order) if self.ranks is None else []
-        rest = [e for e in self._params if e not in self._hook_order] if first else self._params
+        rest = [e for e in self.table.trained if e not in self._hook_order] if first else self.table.trained
         for e in first + rest:
             if e.staged is not None or e in self._stepped_early:
                 continue
@@ -335,7 +335,7 @@ class Step:
         unscaled gradients (inf when one is not finite); a partition's gradient is read from the
         host tier one at a time, unless the gradient hook took its norm already."""
         norms = []
-        for e in self._params:
+        for e in self.table.trained:
             if e.grad_norm is not None and (e.has_grad or e.host_grad is not None):
                 norms.append(e.grad_norm)  # taken in the gradient hook (gradients.py)
                 continue
@@ -394,7 +394,7 @@ class Step:
             norm, clip = self._norm_and_clip(staged.scale)
             if clip is None:
                 self._end_staged(committed=False)
-                self._update_scale(overflow=True)
+                self._scaler.update(overflow=True)
                 return False, {"overflow": True, "grad_norm": norm}
             self._speculate = clip == 1.0 and self.ranks is None
             self.runtime.release_optimizer_step(clip / staged.scale)
@@ -413,7 +413,7 @@ class Step:
             return None, None
         if norm is not None and not math.isfinite(norm):
             self._end_staged(committed=False)
-            self._update_scale(overflow=True)
+            self._scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
         return self._commit(norm, staged=True)
 
@@ -424,7 +424,7 @@ class Step:
             self._reduce_gradients()
         norm, clip = self._norm_and_clip(self.loss_scale)
         if clip is None:
-            self._update_scale(overflow=True)
+            self._scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
         # Stage the next step during backward unless it clipped (never across ranks).
         self._speculate = clip == 1.0 and self.ranks is None
@@ -460,7 +460,7 @@ class Step:
         r = self.runtime.commit_optimizer_step()
         if r["overflow"]:  # nothing was changed
             self._end_staged(committed=False)
-            self._update_scale(overflow=True)
+            self._scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": None}
         copied = set(self.runtime.take_copied_partitions())  # their weights written already
         entries = list(self._staged.entries)
@@ -477,8 +477,7 @@ class Step:
         self._optimizer_read += r["bytes_read"]
         # Bytes written behind a step (strata.optimizer_write_behind) are counted with the next.
         self._optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
-        if self._dynamic_scale:
-            self._update_scale(overflow=False)
+        self._scaler.update(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
                       "write_seconds": r["write_seconds"], "compute_seconds": r["compute_seconds"],
@@ -526,26 +525,3 @@ class Step:
             e.param.data.copy_(target.view(e.shape), non_blocking=to_gpu)
             return to_gpu
         return False
-
-    def _update_scale(self, overflow):
-        """DeepSpeed's DynamicLossScaler.update_scale: an overflow halves the scale (never under
-        min_loss_scale) once `hysteresis` overflows have been absorbed; loss_scale_window steps
-        after the last overflow, the scale doubles (consecutive_hysteresis: every good step
-        restores the hysteresis; else only a doubling does)."""
-        if not self._dynamic_scale:
-            return
-        c = self.config
-        if overflow:
-            if c.hysteresis == 1 or self._hysteresis_left == 1:
-                self.loss_scale = max(self.loss_scale / 2, c.min_loss_scale)
-            else:
-                self._hysteresis_left -= 1
-            self._last_overflow = self._scale_iteration
-        else:
-            if c.consecutive_hysteresis:
-                self._hysteresis_left = c.hysteresis
-            if (self._scale_iteration - self._last_overflow) % c.loss_scale_window == 0:
-                if not c.consecutive_hysteresis:
-                    self._hysteresis_left = c.hysteresis
-                self.loss_scale *= 2
-        self._scale_iteration += 1

@@ -30,7 +30,7 @@ def engine_for(tmp_path, offload, dtype, seed, name="run"):
 def state_of(engine):
     """Every parameter's master weights and moments, and its weights in the training dtype."""
     out = []
-    for e in engine._params:
+    for e in engine.table.trained:
         t = [torch.empty(e.numel) for _ in range(3)]
         engine.runtime.read_optimizer_state(e.gid, *t)
         out += t
@@ -595,7 +595,7 @@ def test_a_load_drops_the_gradients_summed_before_it(tmp_path):
     busy = engine_for(tmp_path, "nvme", "fp32", seed=1, name="busy")
     train(busy, data[:1])  # half a window: gradients summed
     busy.load_checkpoint(tmp_path / "ckpt")
-    assert not any(e.has_grad for e in busy._params)
+    assert not any(e.has_grad for e in busy.table.trained)
     assert train(busy, data[4:]) == train(clean, data[4:])
 
 

@@ -144,7 +144,7 @@ def step_both(engine, reference, torch_optimizer, x, y, schedule=None):
 def engine_weights(engine):
     """The engine's current weights in the training dtype (stage 3: read from the partitions)."""
     out = []
-    for e in engine._params:
+    for e in engine.table.trained:
         if e.partitioned:
             t = torch.utils.dlpack.from_dlpack(engine.runtime.acquire(e.pid, "host")).clone()
             engine.runtime.release(e.pid, "host", False)
@@ -341,7 +341,7 @@ def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
     scales = []
     for overflow in [1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1]:
-        engine._update_scale(bool(overflow))
+        engine._scaler.update(bool(overflow))
         scales.append(engine.loss_scale)
     # DeepSpeed's DynamicLossScaler.update_scale on the same pattern (hysteresis absorbs the
     # first overflow only; a halving leaves it spent until the window doubles the scale).
@@ -662,7 +662,7 @@ def test_a_disk_that_fills_mid_step_ends_the_step_and_keeps_the_previous_state(t
 
     def optimizer_state():
         out = []
-        for e in engine._params:
+        for e in engine.table.trained:
             m, a, v = torch.empty(e.numel), torch.empty(e.numel), torch.empty(e.numel)
             engine.runtime.read_optimizer_state(e.gid, m, a, v)
             out += [m, a, v]
@@ -842,7 +842,7 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     for x, y in data[:2]:
         engine.backward(loss_of(engine(x), y))
         engine.step()
-    assert {e.steps for e in engine._params} == {2}
+    assert {e.steps for e in engine.table.trained} == {2}
     made[0].arm_faults(True)
     x, y = data[2]
     engine.backward(loss_of(engine(x), y))
@@ -854,8 +854,8 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     with pytest.raises(strata.Error, match="No space left on device") as failed:
         engine.step()
     made[0].arm_faults(False)
-    landed = [e for e in engine._params if e.steps == 3]
-    assert len(landed) + sum(e.steps == 2 for e in engine._params) == len(engine._params)
+    landed = [e for e in engine.table.trained if e.steps == 3]
+    assert len(landed) + sum(e.steps == 2 for e in engine.table.trained) == len(engine.table.trained)
     if skip == 0:
         assert not landed  # the first write failed
     elif sub_group and not landed:  # the error names the parameter stepped in part
@@ -871,20 +871,20 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         else:
             assert released_written == partly
     else:
-        assert 0 < len(landed) < len(engine._params), str(failed.value)
+        assert 0 < len(landed) < len(engine.table.trained), str(failed.value)
         assert any(f"after {len(landed)} parameters had stepped" in w and
                    "optimizer_commit" in w for w in engine.warnings[warned:])
     if homed:  # what a module called on its own computes with, before any engine.forward
         assert engine._refresh
-        for e, weights, state in zip(engine._params, engine_weights(engine),
+        for e, weights, state in zip(engine.table.trained, engine_weights(engine),
                                      _optimizer_state(engine, mixed_steps=True)):
             assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
     # The next step steps every partition once more.
     x, y = data[3]
     engine.backward(loss_of(engine(x), y))
     engine.step()
-    assert {e.steps for e in engine._params} == ({3} if not landed else {3, 4})
-    for e, weights, state in zip(engine._params, engine_weights(engine),
+    assert {e.steps for e in engine.table.trained} == ({3} if not landed else {3, 4})
+    for e, weights, state in zip(engine.table.trained, engine_weights(engine),
                                  _optimizer_state(engine)):
         assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
 
@@ -924,7 +924,7 @@ def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_th
 
 def _optimizer_state(engine, mixed_steps=False):
     out = []
-    for e in engine._params:
+    for e in engine.table.trained:
         m, a, v = torch.empty(e.shard), torch.empty(e.shard), torch.empty(e.shard)
         engine.runtime.read_optimizer_state(e.gid, m, a, v, mixed_steps=mixed_steps)
         out.append(torch.cat([m, a, v]))
@@ -1015,7 +1015,7 @@ def test_cpu_checkpointing_keeps_inputs_in_the_host_tier_within_its_budget(tmp_p
     engine, _, _, _ = strata.initialize(model=Checkpointed(), config=config)
     x, y = next(iter(batches(1)))
     held = engine.runtime.stats()["host_held_bytes"]
-    ids = {2 * len(engine._params)}
+    ids = {2 * len(engine.table.trained)}
     loss = loss_of(engine(x), y)
     assert engine.runtime.stats()["host_held_bytes"] >= held + 4096
     with pytest.raises(strata.Error):  # registered: a second registration of its id is refused
@@ -1107,7 +1107,7 @@ def test_checkpointing_recomputes_under_the_forwards_autocast():
 def test_the_optimizers_nvme_traffic_is_in_the_bytes_moved(tmp_path):
     engine, _, _ = train_both(tmp_path, 3, "nvme", "fp32", steps=4, accumulation=1)
     moved = engine.stats()["bytes_moved"]
-    state = sum(e.numel for e in engine._params) * 12  # master, exp_avg, exp_avg_sq
+    state = sum(e.numel for e in engine.table.trained) * 12  # master, exp_avg, exp_avg_sq
     # Read by the first step; each step after it finds in the read-ahead room ("auto", as large as
     # the state here) what the step before committed there, and reads none of it again.
     assert engine.runtime.optimizer_read_ahead_bytes >= state
@@ -1252,7 +1252,7 @@ def test_with_the_state_in_host_memory_and_nothing_to_learn_after_backward_it_st
         if i == 0:
             return
         # The last block's weight (its gradient is final first) against torch's before its step.
-        index, e = next((k, e) for k, e in reversed(list(enumerate(engine._params)))
+        index, e = next((k, e) for k, e in reversed(list(enumerate(engine.table.trained)))
                         if e.partitioned)
         before = list(reference.model.parameters())[index].detach().reshape(-1)
         master, m, v = torch.empty(e.shard), torch.empty(e.shard), torch.empty(e.shard)
@@ -1294,7 +1294,7 @@ def test_a_second_backward_after_partitions_stepped_during_the_first_is_said(tmp
         staged.append(engine.last_step_stats["optimizer"].get("staged", False))
     said = [w for w in engine.warnings if "had stepped during backward" in w]
     assert said and "changed after its step was staged" in said[0], engine.warnings
-    assert all(e.steps == 4 for e in engine._params), [(e.name, e.steps) for e in engine._params]
+    assert all(e.steps == 4 for e in engine.table.trained), [(e.name, e.steps) for e in engine.table.trained]
     assert engine.redone_steps == 1
     # The second step was taken anew, the third after backward (staging paused), the fourth
     # staged again.
@@ -1344,9 +1344,9 @@ def test_a_failed_backward_after_partitions_stepped_during_it_steps_none_twice(t
         engine.save_checkpoint(str(tmp_path / "ckpt"))
     engine.backward(loss_of(engine(data[1][0]), data[1][1]))
     engine.step()
-    assert all(e.steps == 2 for e in engine._params), [(e.name, e.steps) for e in engine._params]
+    assert all(e.steps == 2 for e in engine.table.trained), [(e.name, e.steps) for e in engine.table.trained]
     engine(data[2][0])  # a forward: what is pending reaches the parameters
-    for e, weights in zip(engine._params, engine_weights(engine)):
+    for e, weights in zip(engine.table.trained, engine_weights(engine)):
         master = torch.empty(e.shard)
         engine.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
                                             torch.empty(e.shard))
@@ -1417,18 +1417,18 @@ def test_the_gradient_hook_takes_the_norm_of_a_window_of_one(tmp_path, stage):
                 engine.backward(loss_of(engine(x), y) * 0.5)
             if i + 1 < accumulation:
                 engine.step()
-        taken = [e.grad_norm for e in engine._params if e.grad_norm is not None]
-        with_grads = [e for e in engine._params if e.has_grad or e.host_grad is not None]
+        taken = [e.grad_norm for e in engine.table.trained if e.grad_norm is not None]
+        with_grads = [e for e in engine.table.trained if e.has_grad or e.host_grad is not None]
         if accumulation == 1 and not twice:
             assert len(taken) == len(with_grads) > 0
             hooked = engine._grad_norm(engine.loss_scale)
-            for e in engine._params:
+            for e in engine.table.trained:
                 e.grad_norm = None
             assert hooked == pytest.approx(engine._grad_norm(engine.loss_scale), rel=1e-6)
         else:
             assert not taken
         engine.step()
-        assert all(e.grad_norm is None for e in engine._params)  # taken anew each step
+        assert all(e.grad_norm is None for e in engine.table.trained)  # taken anew each step
         engine.close()
 
 
@@ -1489,7 +1489,7 @@ class FailingRuntime:
 
 def assert_nothing_held(engine):
     """No gradient is left pinned or kept: each gradient partition can be dropped."""
-    for e in engine._params:
+    for e in engine.table.trained:
         assert not e.has_grad and e.param.grad is None, e.name
         if e.partitioned:
             engine.runtime.discard(e.gid)  # refused while pinned
@@ -1507,7 +1507,7 @@ def test_a_step_that_fails_part_way_raises_its_own_error_and_holds_nothing(tmp_p
     for i, (x, y) in enumerate(data):
         engine.backward(loss_of(engine(x), y))
         if i == 3:
-            grads = {e.gid for e in engine._params if e.partitioned}
+            grads = {e.gid for e in engine.table.trained if e.partitioned}
             engine.runtime = FailingRuntime(real, lambda id, tier, traced: id in grads and
                                             tier == "host" and not traced, 3,
                                             RuntimeError("injected: no room for a gradient"))
@@ -1530,7 +1530,7 @@ def test_a_step_that_cannot_be_staged_is_taken_after_backward(tmp_path):
     engine, _, _, _ = strata.initialize(  # parameters in host memory: staged into their copies
         model=model, config=make_config(tmp_path, 3, "cpu", "fp32", 1, 0.0))
     real = engine.runtime
-    target = next(e for e in engine._params if e.partitioned)
+    target = next(e for e in engine.table.trained if e.partitioned)
     for i, (x, y) in enumerate(batches(3)):
         if i == 1:
             engine.runtime = FailingRuntime(
@@ -1589,7 +1589,7 @@ def test_weights_homed_on_nvme_that_cannot_be_written_after_a_step_are_written_b
         "warmup_type": "linear"}}
     engine, _, _, _ = strata.initialize(model=model, config=config)
     real = engine.runtime
-    target = [e for e in engine._params if e.partitioned][-1]
+    target = [e for e in engine.table.trained if e.partitioned][-1]
     for i, (x, y) in enumerate(batches(5)):
         rate = engine.get_lr()[0]  # this step's rate (the schedule steps after each step)
         loss = loss_of(engine(x), y)
@@ -1963,8 +1963,8 @@ def test_the_first_forward_leaves_nothing_lent_and_registers_no_module_as_its_ow
                                                                         "fp32"))
     x, y = next(batches(1))
     loss = loss_of(engine(x), y)
-    assert not any(engine._holders.values())
-    assert not [e.name for e in engine._params if e.partitioned and e.param.data.numel()]
+    assert not any(engine._lending.holders.values())
+    assert not [e.name for e in engine.table.trained if e.partitioned and e.param.data.numel()]
     assert not any(m.__dict__.get("_strata_external_parameters") for m in engine.module.modules())
     engine.backward(loss)
     engine.step()
@@ -2075,7 +2075,7 @@ def test_a_parameter_used_for_a_loss_kept_on_its_module_trains_as_plain_torch(tm
         torch_adamw.step()
         torch_adamw.zero_grad()
         assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    assert not any(engine._holders.values())
+    assert not any(engine._lending.holders.values())
 
 
 @pytest.mark.parametrize("max_in_cpu", [0, 10**9])
@@ -2096,8 +2096,8 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         with open("/proc/self/io", encoding="utf-8") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
-    state = 12 * sum(e.numel for e in engine._params)  # master weights and two moments, fp32
-    partitioned = 12 * sum(e.numel for e in engine._params if e.partitioned)
+    state = 12 * sum(e.numel for e in engine.table.trained)  # master weights and two moments, fp32
+    partitioned = 12 * sum(e.numel for e in engine.table.trained if e.partitioned)
     for i, (x, y) in enumerate(batches(4)):
         before = storage_read()
         loss = loss_of(engine(x), y)
@@ -2107,7 +2107,7 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         # Every byte read is named in the step's report, by its cause (the disk reads each blob
         # in whole 4 KiB pages: these are small).
         named = engine.last_step_stats["nvme"]["read"]
-        blobs = len(engine._params) + (sum(e.partitioned for e in engine._params)
+        blobs = len(engine.table.trained) + (sum(e.partitioned for e in engine.table.trained)
                                        if engine._refresh else 0)
         assert 0 <= read - sum(named.values()) < 4096 * blobs, (named, read)
         if i > 0:  # (the first step's forward reads the parameters too)

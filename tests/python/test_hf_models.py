@@ -316,10 +316,10 @@ def test_lora_trains_the_adapters_only_with_the_frozen_base_offloaded(tmp_path):
     assert config["strata"]["device_budget_bytes"] < model_bytes / 2
     engine, _, _, _ = strata.initialize(model=model, config=config)
     # Every large frozen weight is a partition, lent around its module and never trained.
-    assert {e.name for e in engine._frozen} == {n for n, p in frozen_before.items()
+    assert {e.name for e in engine.table.frozen} == {n for n, p in frozen_before.items()
                                                  if p.numel() >= 100}
     assert all(e.name.endswith(("lora_A.default.weight", "lora_B.default.weight"))
-               for e in engine._params)
+               for e in engine.table.trained)
     ours = _train_lora_beside_plain(engine, plain, STEPS)
     for name, value in frozen_before.items():
         assert torch.equal(ours[name], value), name  # never written back
@@ -452,7 +452,7 @@ def test_save_pretrained_at_stage_3_writes_the_weights_whole(tmp_path):
     model = ARCHITECTURES["llama"]()
     engine, _, _, _ = strata.initialize(
         model=model, config=make_config(tmp_path, model, 3, "nvme", "fp32"))
-    assert any(e.partitioned for e in engine._params)
+    assert any(e.partitioned for e in engine.table.trained)
     for kwargs in batches("llama", 2 * ACCUMULATION):
         engine.backward(engine(**kwargs).loss)
         engine.step()
@@ -462,7 +462,7 @@ def test_save_pretrained_at_stage_3_writes_the_weights_whole(tmp_path):
     for name, value in whole.items():
         assert torch.equal(state[name].cpu(), value), name
     raw = engine.module.state_dict(keep_vars=True)  # the parameters themselves, as torch's
-    assert all(raw[e.name] is e.param for e in engine._params)
+    assert all(raw[e.name] is e.param for e in engine.table.trained)
     engine.module.save_pretrained(tmp_path / "saved")
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
     for name, value in loaded.state_dict().items():
@@ -480,7 +480,7 @@ def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path):
     base = ARCHITECTURES["llama"]()
     fresh_base = copy.deepcopy(base)
     engine, _, _, _ = strata.initialize(model=_lora(base), config=_lora_config(tmp_path))
-    assert any(e.partitioned for e in engine._params)
+    assert any(e.partitioned for e in engine.table.trained)
     for kwargs in batches("llama", 2 * ACCUMULATION):
         engine.backward(engine(**kwargs).loss)
         engine.step()
@@ -503,7 +503,7 @@ def test_parameter_counts_at_stage_3_are_the_models(tmp_path):
     model = copy.deepcopy(plain)
     engine, _, _, _ = strata.initialize(
         model=model, config=make_config(tmp_path, model, 3, "cpu", "fp32"))
-    assert any(e.partitioned for e in engine._params)
+    assert any(e.partitioned for e in engine.table.trained)
     for kwargs in ({}, {"only_trainable": True}, {"exclude_embeddings": True}):
         assert engine.module.num_parameters(**kwargs) == plain.num_parameters(**kwargs), kwargs
     engine.close()
@@ -511,7 +511,7 @@ def test_parameter_counts_at_stage_3_are_the_models(tmp_path):
     base = ARCHITECTURES["llama"]()
     plain_lora = _lora(copy.deepcopy(base))
     engine, _, _, _ = strata.initialize(model=_lora(base), config=_lora_config(tmp_path))
-    assert any(e.partitioned for e in engine._frozen)
+    assert any(e.partitioned for e in engine.table.frozen)
     assert engine.module.get_nb_trainable_parameters() == \
         plain_lora.get_nb_trainable_parameters()
     assert engine.bfloat16_enabled() is False and engine.bf16_enabled() is False
@@ -531,7 +531,7 @@ def test_gradient_checkpointing_of_a_lora_model_trains_as_plain_torch(tmp_path):
     config = _lora_config(tmp_path)
     config["strata"]["device_budget_bytes"] = 120000  # a recomputed block's weights at once
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    assert any(e.partitioned for e in engine._frozen)
+    assert any(e.partitioned for e in engine.table.frozen)
     _train_lora_beside_plain(engine, plain, 2)
 
 

@@ -558,7 +558,7 @@ def test_acted_arguments_reach_the_engine(tmp_path):
     assert zero["offload_optimizer"] == {"device": "nvme", "nvme_path": str(tmp_path),
                                          "buffer_count": 2}
     assert zero["sub_group_size"] == 1000  # the NVMe optimizer steps in pieces of it
-    assert max(e.numel for e in engine._params if e.partitioned) > 1000
+    assert max(e.numel for e in engine.table.trained if e.partitioned) > 1000
     assert given["strata"]["comm_timeout_s"] == 300
     moved = engine.stats()["bytes_moved"]  # (NVMe to device directly, or through the host)
     assert moved.get("nvme_to_device", 0) + moved.get("nvme_to_host", 0) > 0, moved

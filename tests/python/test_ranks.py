@@ -81,9 +81,9 @@ for step in range(steps):
                                                      y.reshape(-1))
             engine.backward(loss)
             if engine.is_gradient_accumulation_boundary():  # what this rank holds
-                held = sum(e.shard_grad.numel() for e in engine._params
+                held = sum(e.shard_grad.numel() for e in engine.table.trained
                            if e.shard_grad is not None)
-                held += sum(e.host_grad.numel() for e in engine._params
+                held += sum(e.host_grad.numel() for e in engine.table.trained
                             if e.host_grad is not None)
             engine.step()
     norms.append(engine.last_step_stats["optimizer"]["grad_norm"])
@@ -91,7 +91,7 @@ state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
 print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held,
-                  "shards": {e.name: [e.numel, e.shard] for e in engine._params},
+                  "shards": {e.name: [e.numel, e.shard] for e in engine.table.trained},
                   "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
                   "prefetched": engine.prefetched_gathers,
                   "nvme": sorted(__import__("os").listdir(nvme)) if offload == "nvme" else []}))

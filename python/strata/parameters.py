@@ -1,0 +1,87 @@
+"""The engine's parameter table: what it keeps of each parameter it trains or lends (Param), in
+the model's order, and the stage-3 partitions by parameter. The engine builds it once (strata/
+engine.py: which parameters, their partitions and tiers) and hands it to its parts: the lending
+(strata/lending.py), the gradients and the step read and write each entry's own fields (its
+gradient's place, its staged step); the table itself does not change after the engine is built.
+
+Thread safety: the engine's (one thread).
+"""
+
+__all__ = ["Param", "ParameterTable"]
+
+
+class Param:
+    """What the engine keeps of one trainable parameter."""
+
+    __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
+                 "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
+                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights", "grad_norm")
+
+    def __init__(self, name, param, pid, shard=None, frozen=False):
+        self.name = name
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        # Elements of its optimizer state (and, partitioned, of its partitions) on this rank: all
+        # of them, or across ranks its shard's (strata/ranks.py).
+        self.shard = self.numel if shard is None else shard
+        self.shard_grad = None  # across ranks: this rank's shard of the mean gradient (fp32)
+        self.pid = pid  # the parameter's partition (stage 3, large parameters): even
+        self.gid = pid + 1  # its gradient's partition and its optimizer state
+        self.partitioned = False
+        self.group = 0
+        self.has_grad = False
+        self.host_grad = None  # stage 2: the fp32 sum of the micro-batches' gradients
+        # On a GPU: host_grad's pinned memory, kept from step to step, and a later micro-batch's
+        # gradient on its way to the host (pinned too) to be added to it.
+        self.pinned_grad = None
+        self.incoming = None
+        self.pinned_weights = None  # on a GPU: where the step writes its new weights
+        self.group_index = 0  # which optimizer param group
+        self.steps = 0  # optimizer steps taken with a gradient (Adam's t, as torch's per tensor)
+        self.sent_down = False  # GradientReady told for this step's gradient
+        self.staged = None  # (lr, param copy target) once its step is staged (_Staged)
+        # Its gradient's 2-norm (fp32, a tensor where the gradient was: on a GPU, not waited
+        # for), taken in the gradient hook when that gradient is the window's whole one (one
+        # micro-batch a step, one process, its first in the window): _grad_norm reads it instead
+        # of the gradient's host copy. None otherwise.
+        self.grad_norm = None
+        # A frozen parameter partitioned at stage 3: lent around its modules as any other, with no
+        # gradient, no optimizer state (gid unused), never written back.
+        self.frozen = frozen
+
+
+class ParameterTable:
+    """The engine's parameters: `trained`, the entries of the parameters the optimizer steps (the
+    model's order), `frozen`, those of the stage-3 partitions it does not train, and
+    `placeholder`, the empty tensor a partitioned parameter's .data is while it is not lent (on
+    the compute device, in the training dtype: swapping .data never changes a parameter's device
+    or dtype)."""
+
+    def __init__(self, trained, frozen, placeholder):
+        self.trained = trained
+        self.frozen = frozen
+        self.placeholder = placeholder
+        self.partitioned_by_id = {}  # id(parameter) -> its entry, once placed (placed())
+
+    def placed(self):
+        """The entries' partitions are decided (the engine's _place_parameters): indexed."""
+        self.partitioned_by_id = {id(e.param): e for e in self.entries() if e.partitioned}
+
+    def entries(self):
+        """Every entry: the trained ones, then the frozen ones."""
+        return self.trained + self.frozen
+
+    def partitioned(self):
+        """The entries of the partitioned parameters (stage 3's), trained and frozen."""
+        return list(self.partitioned_by_id.values())
+
+    def lent_bytes(self):
+        """Bytes of partitioned parameters lent now (their .data not the placeholder)."""
+        return sum(e.numel * e.param.element_size() for e in self.partitioned_by_id.values()
+                   if e.param.data.numel())
+
+    def leave_unlent(self):
+        """Every partitioned parameter's .data the placeholder (nothing lent)."""
+        for e in self.partitioned_by_id.values():
+            e.param.data = self.placeholder

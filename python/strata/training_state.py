@@ -1,0 +1,52 @@
+"""Where the engine is in its loop, as one value that the engine's parts check: the hooks (the
+lending's, the gradients') and the engine's loop read it, the loop and the gradient hook move it.
+It replaces loose flags, each set in one file and read in another.
+
+    IDLE       no gradient since the last step() (or zero_grad())
+    BACKWARD   engine.backward() is running
+    GRADIENTS  a backward the engine ran (or took as its own) since the last step()
+    LOOSE      a gradient hook ran outside engine.backward() since the last step(): the user's
+               loss.backward(), not taken as the engine's yet (engine._adopt_backward)
+
+Thread safety: the engine's (one thread).
+"""
+
+import enum
+
+__all__ = ["Phase", "TrainingState"]
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    BACKWARD = "backward"
+    GRADIENTS = "gradients"
+    LOOSE = "loose gradients"
+
+
+class TrainingState:
+    """The engine's phase (Phase), shared by its parts."""
+
+    __slots__ = ("phase",)
+
+    def __init__(self):
+        self.phase = Phase.IDLE
+
+    @property
+    def in_backward(self):
+        """engine.backward() is running."""
+        return self.phase is Phase.BACKWARD
+
+    @property
+    def backward_since_step(self):
+        """A backward of the engine's ran (or runs) since the last step(): step() may take it."""
+        return self.phase is Phase.BACKWARD or self.phase is Phase.GRADIENTS
+
+    @property
+    def gradients_since_step(self):
+        """Any gradient was made since the last step(), by the engine's backward or another."""
+        return self.phase is not Phase.IDLE
+
+    def gradient_made(self):
+        """A gradient hook ran: outside the engine's backward it is the user's own."""
+        if self.phase is Phase.IDLE:
+            self.phase = Phase.LOOSE

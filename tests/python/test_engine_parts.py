@@ -1,0 +1,134 @@
+"""The engine's parts, each alone where a seam allows: the loss scaler, the training state, the
+parameter table, and the lending with a Runtime of the test's own (strata/engine.py composes
+them)."""
+
+import types
+
+import pytest
+import torch
+
+from strata.lending import Lending
+from strata.loss_scaler import LossScaler
+from strata.parameters import Param, ParameterTable
+from strata.training_state import Phase, TrainingState
+
+
+def _fp16(**keys):
+    c = dict(loss_scale=0.0, initial_scale_power=4, hysteresis=2, consecutive_hysteresis=False,
+             loss_scale_window=3, min_loss_scale=2.0)
+    c.update(keys)
+    return types.SimpleNamespace(**c)
+
+
+def test_loss_scaler_state_round_trips():
+    """A checkpoint's loss scaler state, taken back, goes on as the one saved (mid-hysteresis).
+    (DeepSpeed's rule itself: test_engine.py's test_the_loss_scale_follows_...)"""
+    s = LossScaler(_fp16(), torch.float16)
+    assert s.dynamic and s.scale == 16.0
+    for overflow in (True, True, False, True):
+        s.update(overflow)
+    again = LossScaler(_fp16(), torch.float16)
+    again.load_state_dict(s.state_dict())
+    for overflow in (True, False, False, False):
+        for t in (again, s):
+            t.update(overflow)
+        assert again.state_dict() == s.state_dict()
+    assert s.scale == 4.0
+
+
+def test_loss_scaler_static_and_unscaled():
+    static = LossScaler(_fp16(loss_scale=128.0), torch.float16)
+    for overflow in (True, True, True, False):
+        static.update(overflow)
+    assert (static.dynamic, static.scale) == (False, 128.0)
+    bf16 = LossScaler(_fp16(), torch.bfloat16)
+    bf16.update(True)
+    assert bf16.scale == 1.0
+
+
+def test_training_state_phases():
+    s = TrainingState()
+    assert not s.gradients_since_step and not s.backward_since_step
+    s.gradient_made()  # the user's own backward
+    assert s.phase is Phase.LOOSE and s.gradients_since_step and not s.backward_since_step
+    s.phase = Phase.BACKWARD
+    s.gradient_made()  # the engine's: stays its backward
+    assert s.in_backward and s.backward_since_step and s.phase is Phase.BACKWARD
+    s.phase = Phase.GRADIENTS
+    assert not s.in_backward and s.backward_since_step
+
+
+class _Runtime:
+    """The lending's seam: lend() gives a copy of the partition's weights and counts it."""
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.lent = []
+
+    def lend(self, pid, tier, stream=None, traced=True):
+        assert tier == "device"
+        self.lent.append((pid, traced))
+        return self.weights[pid].clone()
+
+
+def _lent_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference = [p.detach().clone() for p in model.parameters()]
+    entries = [Param(n, p, 2 * i) for i, (n, p) in enumerate(model.named_parameters())]
+    placeholder = torch.empty(0)
+    weights = {}
+    for e in entries:
+        e.partitioned = True
+        weights[e.pid] = e.param.detach().reshape(-1).clone()
+        e.param.data = placeholder
+    table = ParameterTable(entries, [], placeholder)
+    table.placed()
+    return model, reference, table, _Runtime(weights)
+
+
+def test_lending_lends_around_each_module_alone():
+    """Each Linear's weights are lent for its forward and again for its backward, and given back
+    after; the result is the whole model's."""
+    model, reference, table, runtime = _lent_model()
+    state = TrainingState()
+    lending = Lending(table, None, state, runtime)
+    lending.install(model, stage=3)
+    x = torch.randn(3, 4)
+    plain = torch.nn.functional.linear(
+        torch.relu(torch.nn.functional.linear(x, reference[0], reference[1])),
+        reference[2], reference[3])
+    out = model(x)
+    assert torch.equal(out, plain)
+    assert all(e.param.data.numel() == 0 for e in table.trained)  # given back after forward
+    assert sorted(pid for pid, _ in runtime.lent) == [0, 2, 4, 6]
+    assert all(traced for _, traced in runtime.lent)
+    state.phase = Phase.BACKWARD
+    out.sum().backward()
+    assert sorted(pid for pid, _ in runtime.lent) == [0, 0, 2, 2, 4, 4, 6, 6]  # again for it
+    assert model[0].weight.grad is not None and model[0].weight.grad.shape == (8, 4)
+    lending.drop_all()
+    assert not any(lending.holders.values()) and table.lent_bytes() == 0
+    # An evaluation's forward is not part of the step's trace.
+    state.phase = Phase.IDLE
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert [traced for _, traced in runtime.lent[-4:]] == [False] * 4
+    lending.remove()
+    assert "forward" not in model[0].__dict__ and not lending.handles
+
+
+def test_lending_holds_the_lending_weakly():
+    """The model's hooks do not keep the lending (so not its engine) alive."""
+    import gc
+    import weakref
+    model, _, table, runtime = _lent_model()
+    lending = Lending(table, None, TrainingState(), runtime)
+    lending.install(model, stage=3)
+    ref = weakref.ref(lending)
+    del lending
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(RuntimeError):  # nothing lends now: the placeholders are empty
+        model(torch.randn(1, 4))
