@@ -65,9 +65,9 @@ import time
 import uuid
 
 import torch
-from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
+from strata.parameters import set_weights
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -168,22 +168,22 @@ def _remove(save_dir, name):
 def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
     """Saves the engine's training state under save_dir/tag (see the module's docstring);
     returns the tag's folder."""
-    if engine._staged is not None:
+    if engine._step.staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
-    if engine._half_loaded is not None:
-        raise RuntimeError(f"save_checkpoint: {engine._half_loaded}")
-    if engine._stepped_early:
+    if engine._step.half_loaded is not None:
+        raise RuntimeError(f"save_checkpoint: {engine._step.half_loaded}")
+    if engine._step.stepped_early:
         raise RuntimeError(
-            f"save_checkpoint: the step is half taken ({len(engine._stepped_early)} parameters "
+            f"save_checkpoint: the step is half taken ({len(engine._step.stepped_early)} parameters "
             "stepped during backward before it was dropped, the others have not yet: "
             "strata.optimizer_during_backward); save after step()")
-    if engine.micro_steps % engine._accumulation:
+    if engine.micro_steps % engine._state.accumulation:
         # As DeepSpeed's and plain PyTorch's checkpoints (a trainer's validation or exception
         # callback saves where it is): the state as of the last step, without the window's
         # gradients.
         engine._warn(
             f"save_checkpoint inside a gradient-accumulation window (micro-batch "
-            f"{engine.micro_steps % engine._accumulation} of {engine._accumulation}): the "
+            f"{engine.micro_steps % engine._state.accumulation} of {engine._state.accumulation}): the "
             "gradients summed so far in the window are not saved; a run resumed from this "
             "checkpoint ends the window with the micro-batches that follow only")
     tag = f"global_step{engine.global_steps}" if tag is None else tag
@@ -660,7 +660,7 @@ def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_schedul
     """Loads a checkpoint into the engine (see the module's docstring); returns (its folder,
     client_state), or (None, None) when `load_dir` has no ``latest`` and no tag is given (as
     DeepSpeed's, with a warning)."""
-    if engine._staged is not None:
+    if engine._step.staged is not None:
         raise RuntimeError("load_checkpoint: between backward and step; load after step()")
     checked = checked_everywhere(engine, "load_checkpoint", lambda: _check_load(
         engine, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states,
@@ -739,21 +739,21 @@ def loading_optimizer_state(engine, what, whole):
     """The optimizer state's load (Runtime.begin_load_optimizer_state .. commit or abort), as the
     body loads it. With strata.optimizer_commit "partition" each NVMe partition is written as it
     is loaded, so a load that fails part way leaves those: the engine then refuses to stage, step
-    or save until a load of the `whole` state succeeds (engine._half_loaded says why)."""
+    or save until a load of the `whole` state succeeds (engine._step.half_loaded says why)."""
     engine.runtime.begin_load_optimizer_state()
     try:
         yield
         engine.runtime.commit_load_optimizer_state()
     except BaseException as error:
         engine.runtime.abort_load_optimizer_state()
-        if engine._commit_each:  # what was written of the NVMe state stays
-            engine._half_loaded = (
+        if engine._step.commit_each:  # what was written of the NVMe state stays
+            engine._step.half_loaded = (
                 f"{what} failed part way ({error}); with strata.optimizer_commit \"partition\" "
                 "the optimizer state it had written to NVMe stays, beside the rest of the old "
                 "state: load a checkpoint (its optimizer state whole) again")
         raise
     if whole:
-        engine._half_loaded = None
+        engine._step.half_loaded = None
 
 
 def _apply_load(engine, checked, load_module_only, load_optimizer_states):
@@ -790,9 +790,9 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
             master = read(e)[0]
             if engine.ranks is not None and not e.partitioned:
                 gather.append((e, master.to(engine.dtype, copy=True),
-                               lambda whole, e=e: _set_weights(engine, e, whole)))
+                               lambda whole, e=e: set_weights(engine.runtime, e, whole)))
             else:
-                _set_weights(engine, e, master)
+                set_weights(engine.runtime, e, master)
         if gather:
             engine.ranks.gather(gather)
     finally:
@@ -859,18 +859,3 @@ def _check_scheduler(engine, state, wanted, file):
                               f"does not fit this engine's {type(scheduler).__name__} ({error!r});"
                               " nothing was changed") from None
     return True
-
-
-def _set_weights(engine, e, master):
-    """The parameter's weights: its master weights in the training dtype."""
-    with torch.no_grad():
-        if e.partitioned:
-            copy = from_dlpack(engine.runtime.acquire(e.pid, "host", traced=False))
-            try:
-                copy.copy_(master)  # converted as it is copied, no temporary
-            finally:
-                del copy
-                engine.runtime.release(e.pid, "host", True, traced=False)
-        else:
-            e.param.data.copy_(master.view(e.shape).to(device=e.param.device,
-                                                       dtype=e.param.dtype))

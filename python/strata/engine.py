@@ -90,14 +90,16 @@ from strata import zero_init as init_module
 from strata import pretrained
 from strata import tiling
 from strata import lr_schedules
+from strata import optimizer as optimizer_module
 from strata import ranks as ranks_module
 from strata.config import TrainConfig
-from strata.gradients import Gradients
+from strata.gradients import Gradients, HostCopies
 from strata.loss_scaler import LossScaler
 from strata.lending import Lending, register_external_parameter, weakly
-from strata.parameters import Param, ParameterTable
+from strata.parameters import Param, ParameterTable, set_weights
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
-from strata.step import Step
+from strata.notices import Notices, StrataWarning
+from strata.step import OptimizerStep
 from strata.training_state import Phase, TrainingState
 
 __all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
@@ -106,10 +108,6 @@ __all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
 # The engine's messages: warnings through `warnings` (StrataWarning), the step lines
 # (steps_per_print) through this logger at INFO; nothing is printed.
 logger = logging.getLogger("strata")
-
-
-class StrataWarning(UserWarning):
-    """What the engine warns of: a key it does not act on, a value it changed, a plan it left."""
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -290,142 +288,6 @@ class _HeldActivation:
             pass
 
 
-class _Optimizer(torch.optim.Optimizer):
-    """The optimizer the engine returns: torch's surface (param_groups with their lr, for
-    schedulers; zero_grad; state_dict and load_state_dict in torch's layout) over the Runtime's
-    optimizer. ``step()`` is the engine's."""
-
-    def __init__(self, engine, groups, defaults):
-        self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
-        super().__init__(groups, defaults)
-        self._built = True
-
-    def add_param_group(self, param_group):
-        """torch's, while the engine builds its groups; after, refused: the Runtime's optimizer
-        was made over the engine's partitions, and a group added would never step."""
-        if getattr(self, "_built", False):
-            raise ValueError("optimizer.add_param_group after strata.initialize: the engine's "
-                             "optimizer steps the parameters it was made with, and a group "
-                             "added would never step; accepted: every parameter to train given "
-                             "to initialize (in the optimizer's groups or model_parameters)")
-        super().add_param_group(param_group)
-
-    def step(self, closure=None):
-        if "found_inf" in self.__dict__:  # set by torch.amp.GradScaler.step (below)
-            raise RuntimeError(
-                "torch.amp.GradScaler.step over strata's optimizer: the engine's gradients are "
-                "not all in .grad, where the scaler would unscale them and check them for "
-                "overflow; accepted: fp16 in the config (the engine's own dynamic loss scaling) "
-                "with engine.backward(loss), or bf16")
-        loss = closure() if closure is not None else None
-        self._engine_or_raise().step()
-        return loss
-
-    # torch.amp.GradScaler.step, over an optimizer that says it scales by itself, sets its
-    # grad_scale and found_inf on it and calls step() without its own unscaling and checks (which
-    # would find no gradient in .grad at stages 2 and 3): a scaler is refused by name there.
-    _step_supports_amp_scaling = True
-
-    def _engine_or_raise(self):
-        engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the engine this optimizer steps is gone (closed or deleted)")
-        return engine
-
-    def zero_grad(self, set_to_none=True):
-        self._engine_or_raise().zero_grad(set_to_none)
-
-    # The state's tensors by optimizer, in torch's names (the Runtime keeps one state or two).
-    _STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "adagrad": ("sum",), "lion": ("exp_avg",)}
-
-    def state_dict(self):
-        """torch's layout ({"state": {index: {...}}, "param_groups": [...]}, parameters numbered
-        in the groups' order), read from the Runtime's optimizer: each parameter's step count,
-        its state in torch's names (exp_avg and exp_avg_sq for Adam), and its fp32 master
-        weights ("master": the training dtype's weights are their rounding), all on the CPU, so
-        that torch.save(optimizer.state_dict()) and load_state_dict() resume bit for bit (as
-        accelerate's save_state and load_state do). Across ranks: engine.save_checkpoint."""
-        engine = self._engine_or_raise()
-        if engine.ranks is not None:
-            raise RuntimeError("optimizer.state_dict() across ranks: each rank holds a shard; "
-                               "accepted: engine.save_checkpoint (every rank calls it)")
-        engine.runtime.wait_for_early_steps()
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        names = self._STATE_NAMES[engine.optimizer_kind]
-        state = {}
-        for e in engine.table.trained:
-            master, first, second = (torch.empty(e.shard) for _ in range(3))
-            engine.runtime.read_optimizer_state(e.gid, master, first, second)
-            entry = {"step": torch.tensor(float(e.steps)), "master": master.view(e.shape)}
-            for name, values in zip(names, (first, second)):
-                entry[name] = values.view(e.shape)
-            state[index[id(e.param)]] = entry
-        groups = [dict({k: v for k, v in g.items() if k != "params"},
-                       params=[index[id(p)] for p in g["params"]]) for g in self.param_groups]
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict):
-        """Loads state_dict()'s layout, or a torch optimizer's of the same kind over the same
-        parameters (its state without master weights: they are then the parameters' weights as
-        they are), all or none: every group's size, every state's names and shapes checked
-        first, named when wrong. The groups' hyper-parameters (lr, weight_decay) are taken."""
-        engine = self._engine_or_raise()
-        if engine.ranks is not None:
-            raise RuntimeError("optimizer.load_state_dict() across ranks: accepted: "
-                               "engine.load_checkpoint")
-        if engine._state.backward_since_step:
-            raise RuntimeError("optimizer.load_state_dict() between backward and step (the "
-                               "gradients are stepped from the state before it); accepted: "
-                               "after step()")
-        saved_groups = state_dict.get("param_groups", [])
-        engine._check_betas("optimizer.load_state_dict", ValueError, saved_groups)
-        sizes = [len(g["params"]) for g in self.param_groups]
-        if [len(g["params"]) for g in saved_groups] != sizes:
-            raise ValueError(f"optimizer.load_state_dict: the state's groups hold "
-                             f"{[len(g['params']) for g in saved_groups]} parameters, this "
-                             f"optimizer's {sizes}; accepted: a state of the same parameters")
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        names = self._STATE_NAMES[engine.optimizer_kind]
-        state = {int(k): v for k, v in state_dict.get("state", {}).items()}
-        for e in engine.table.trained:
-            entry = state.get(index[id(e.param)])
-            if entry is None:
-                continue
-            for name in ("step",) + names + (("master",) if "master" in entry else ()):
-                value = entry.get(name)
-                if value is None or (name != "step" and tuple(value.shape) != tuple(e.shape)):
-                    raise ValueError(
-                        f"optimizer.load_state_dict: {e.name}'s {name} is "
-                        f"{'missing' if value is None else tuple(value.shape)}; accepted: "
-                        f"{tuple(e.shape)} ({engine.optimizer_kind}: {', '.join(names)})")
-        with checkpoints.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
-            for e in engine.table.trained:
-                entry = state.get(index[id(e.param)])
-                if entry is not None and "master" in entry:
-                    master = entry["master"].detach().reshape(-1).float().cpu()
-                else:  # the master weights as they are (read only where not given)
-                    master = torch.empty(e.shard)
-                    engine.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
-                                                        torch.empty(e.shard))
-                if entry is not None:
-                    moments = [torch.zeros(e.shard), torch.zeros(e.shard)]
-                    for i, name in enumerate(names):
-                        moments[i] = entry[name].detach().reshape(-1).float().cpu()
-                else:  # never stepped: a fresh optimizer's state
-                    moments = [torch.full((e.shard,), float(engine._initial_state)),
-                               torch.zeros(e.shard)]
-                engine.runtime.load_optimizer_state(e.gid, master.contiguous(),
-                                                    moments[0].contiguous(),
-                                                    moments[1].contiguous())
-        for e in engine.table.trained:
-            entry = state.get(index[id(e.param)])
-            e.steps = int(entry["step"]) if entry is not None else 0
-            if entry is not None and "master" in entry:
-                checkpoints._set_weights(engine, e, entry["master"].reshape(-1).float())
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-
-
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
 _LIVE = weakref.WeakSet()
 _CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
@@ -435,7 +297,7 @@ def _engine_of(params, what):
     """The engine not closed whose trained parameters are among `params` (None: no engine's);
     refused: two engines' parameters in one call."""
     found = [engine for engine in list(_LIVE)
-             if engine._runtime is not None and engine._owns_any(params)]
+             if engine._runtime is not None and engine._step.owns_any(params)]
     if len(found) > 1:
         raise ValueError(f"{what} over the parameters of {len(found)} strata engines at once: "
                          "each engine's gradients are its own; accepted: one engine's "
@@ -462,7 +324,8 @@ def _route_clip_grad_norm():
             params = [parameters] if torch.is_tensor(parameters) else list(parameters)
             engine = _engine_of(params, "torch.nn.utils.clip_grad_norm_")
             if engine is not None:
-                return engine._clip_by_user(params, max_norm, norm_type, error_if_nonfinite)
+                return engine._step.clip_by_user(params, max_norm, norm_type, error_if_nonfinite,
+                                                 engine._adopt_backward)
             return torchs(params, max_norm, norm_type=norm_type,
                           error_if_nonfinite=error_if_nonfinite, foreach=foreach)
         return clip
@@ -572,7 +435,7 @@ class GatheredParameters:
                 engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
                 engine.runtime.load_optimizer_state(e.gid, master, *moments)
         for e, master in trained:
-            checkpoints._set_weights(engine, e, master)
+            set_weights(engine.runtime, e, master)
 
 
 def _check_model_dtype(model, dtype):
@@ -598,7 +461,7 @@ def _check_model_dtype(model, dtype):
             "dtype before strata.initialize (model.float(), model.bfloat16())")
 
 
-class Engine(Gradients, Step):
+class Engine:
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
     def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None,
@@ -619,24 +482,13 @@ class Engine(Gradients, Step):
         self.grad_accum_dtype = _DTYPES[config.grad_accum_dtype]
         self._sum_apart = config.accumulation > 1 and self.grad_accum_dtype != self.dtype
         self.micro_batch_size = config.micro_batch
-        self._accumulation = config.accumulation
-        # Where the engine is in its loop (strata/training_state.py): step() without a backward
-        # is refused; a gradient made outside engine.backward is the user's own.
-        self._state = TrainingState()
-        # On a GPU (stage 2, or sums apart): gradients on their way to pinned host memory, of
-        # the backward running, and of those that ended, each with the event after its copies
-        # (gradients.py).
-        self._grads_in_flight = []
-        self._grads_landing = []
-        self._grad_stream = None  # the gradients' copies to the host (gradients.py), made on use
-        self._weights_sent = None  # the event after the last step's new weights went to the GPU
+        # Where the engine is in its loop and its counts (strata/training_state.py): step()
+        # without a backward is refused; a gradient made outside engine.backward is the user's.
+        self._state = TrainingState(config.accumulation)
+        self._notices = Notices(say=self.global_rank == 0)  # its warnings (engine.warnings)
+        self._scaler = LossScaler(config, self.dtype)  # fp16's (strata/loss_scaler.py)
         self._step_applied = False  # the last boundary's step changed the weights
         self._global_grad_norm = None  # the last step's, when it computed one
-        self.warnings = []
-        self.global_steps = 0  # accumulation boundaries passed (skipped steps included)
-        self.skipped_steps = 0
-        self.micro_steps = 0
-        self._optimizer_read = self._optimizer_written = 0  # the optimizer's NVMe bytes
         self.last_step_stats = {}
 
         on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
@@ -715,7 +567,7 @@ class Engine(Gradients, Step):
         self.device = torch.device("cpu") if self.device_kind == "emulated" else \
             torch.device("cuda", torch.cuda.current_device())
 
-        hyper = self._hyper_parameters(config, optimizer)
+        hyper = optimizer_module.hyper_parameters(config, optimizer)
         trained = []
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Frozen when the optimizer was made: one unfrozen later has no optimizer state and would
@@ -726,7 +578,7 @@ class Engine(Gradients, Step):
             model_parameters = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g
                                 for g in (model_parameters if not torch.is_tensor(model_parameters)
                                           else [model_parameters])]
-            wanted = {id(p) for p in _flatten_params(model_parameters)}
+            wanted = {id(p) for p in optimizer_module.flatten_params(model_parameters)}
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
@@ -784,8 +636,8 @@ class Engine(Gradients, Step):
         self.table = ParameterTable(trained, frozen, torch.empty(0, dtype=self.dtype,
                                                                  device=self.device))
         self._next_id = next_id  # the first id no partition uses (cpu_checkpointing's start)
-        by_param = {id(e.param): e for e in self.table.trained}
-        groups = self._param_groups(optimizer, model_parameters, hyper, by_param)
+        groups = optimizer_module.param_groups(optimizer, model_parameters, hyper,
+                                               self.table.trained)
 
         self.optimizer_kind = hyper["kind"]
         self._initial_state = hyper["initial_accumulator_value"]  # a fresh optimizer's first state
@@ -795,13 +647,13 @@ class Engine(Gradients, Step):
         # offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory: the Runtime
         # keeps their host copies) and their copies fit a quarter of the host budget twice: then
         # the step writes their new weights into their host copies, as for parameters homed there.
-        self._refresh = self._param_tier == "nvme" and not self._params_in_cpu()
+        refresh = self._param_tier == "nvme" and not self._params_in_cpu()
         self.runtime.create_optimizer(
             kind=hyper["kind"], lr=hyper["lr"], beta1=hyper["betas"][0],
             beta2=hyper["betas"][1], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
             adamw=hyper["adamw"], bias_correction=hyper["bias_correction"],
             lr_decay=hyper["lr_decay"], partitions=[(e.gid, e.shard) for e in self.table.trained],
-            copy_dtype=config.dtype, copy_elements=self._staged_copy_elements())
+            copy_dtype=config.dtype, copy_elements=self._staged_copy_elements(refresh))
         with torch.no_grad():
             for e in self.table.trained:
                 # One parameter at a time (a partition's from its tier: never the whole model).
@@ -817,10 +669,30 @@ class Engine(Gradients, Step):
                     b.data = b.data.to(device=self.device, dtype=self.dtype
                                        if own and b.is_floating_point() else b.dtype)
         # What close() takes off: hooks, forwards and other methods set on module instances.
+        # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
+        # lands as it is written, so a step once begun is not dropped (step.py).
+        commit_each = self.runtime.optimizer_commit_each and not self._optimizer_on_host
+        if commit_each and self.ranks is not None:
+            raise ValueError(
+                "strata.optimizer_commit \"partition\" across ranks: a step that failed part "
+                "way on one rank would leave its shards stepped and the others' not; accepted: "
+                "\"step\" (what \"auto\" takes there) in a job of several processes")
+        # The engine's parts, each owning its state, handed what it uses (the Runtime below).
+        self._copies = HostCopies(self.device, self.grad_accum_dtype)
+        self._step = OptimizerStep(
+            self.table, ranks, self._state, self._scaler, self._copies, self._notices, config,
+            dtype=self.dtype, device=self.device, refresh=refresh,
+            optimizer_on_host=self._optimizer_on_host,
+            read_ahead=self.runtime.optimizer_read_ahead_bytes > 0, commit_each=commit_each)
+        self._lending = Lending(self.table, ranks, self._state, None)
+        self._gradients = Gradients(
+            self.table, ranks, self._state, self._lending, self._step, self._copies,
+            stage=self.stage, sum_apart=self._sum_apart, grad_accum_dtype=self.grad_accum_dtype,
+            device=self.device)
+        self._hand_runtime(self._runtime)
         self._hook_handles, self._patched_methods = [], []
         self._place_parameters(model)
         self.table.placed()
-        self._lending = Lending(self.table, ranks, self._state, self._runtime)
         self._lending.install(model, self.stage)
         for module in model.modules():
             if any(p is not None and id(p) in self.table.partitioned_by_id
@@ -836,68 +708,19 @@ class Engine(Gradients, Step):
         self._patched_methods.append((model, "zero_grad"))
         self._count_real_sizes(model)
 
-        self.optimizer = _Optimizer(self, groups, dict(lr=hyper["lr"], betas=hyper["betas"],
-                                                       eps=hyper["eps"],
-                                                       weight_decay=hyper["weight_decay"]))
+        self.optimizer = optimizer_module.EngineOptimizer(self, groups, hyper)
         if isinstance(optimizer, torch.optim.Optimizer):
-            self._take_over(optimizer)
+            optimizer_module.take_over(self.optimizer, optimizer)
         self.lr_scheduler = lr_scheduler
         if self.lr_scheduler is None and config.scheduler is not None:
             self.lr_scheduler = lr_schedules.make(config.scheduler, self.optimizer)
         elif callable(self.lr_scheduler) and not hasattr(self.lr_scheduler, "step"):
             self.lr_scheduler = self.lr_scheduler(self.optimizer)
         elif self.lr_scheduler is not None:
-            self._adopt_schedule(self.lr_scheduler, optimizer)
-        # The betas the Runtime's optimizer was made with: it keeps them (_check_betas).
-        self._betas = tuple(float(b) for b in hyper["betas"]) \
-            if hyper["kind"] != "adagrad" else None
-        self._eps = float(hyper["eps"]) if hyper["kind"] != "lion" else None
-        self._adamw = bool(hyper["adamw"]) if hyper["kind"] == "adam" else None
-        self._check_betas("strata.initialize", ValueError)
+            optimizer_module.adopt_schedule(self.optimizer, self.lr_scheduler, optimizer)
+        self.optimizer.check_groups("strata.initialize", ValueError)
 
-        self._scaler = LossScaler(config, self.dtype)  # fp16's (strata/loss_scaler.py)
-        # The step staged during backward (stage 3): on until a step needs clipping, then off
-        # until one does not.
-        self._staged = None
-        # Across ranks the step is taken after backward (the ranks agree on its norm first).
-        self._speculate = ranks is None
-        self._pending_refresh = []
-        self._refresh_error = None  # a step's new weights not all written: step() raises it
-        self._redo_reason = None  # the staged step was dropped during this backward
-        # A step that cannot be speculated is staged held (step.py: _may_hold) where the
-        # optimizer has room to read its NVMe state ahead; not after a second gradient.
-        self._read_ahead = self.runtime.optimizer_read_ahead_bytes > 0
-        self._hold = True
-        # Host-resident partitions that stepped in place during this backward before the staged
-        # step was dropped (step.py): they are not stepped again.
-        self._stepped_early = set()
-        # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
-        # lands as it is written, so a step once begun is not dropped (step.py).
-        self._commit_each = self.runtime.optimizer_commit_each and not self._optimizer_on_host
-        if self._commit_each and self.ranks is not None:
-            raise ValueError(
-                "strata.optimizer_commit \"partition\" across ranks: a step that failed part "
-                "way on one rank would leave its shards stepped and the others' not; accepted: "
-                "\"step\" (what \"auto\" takes there) in a job of several processes")
-        # A load that failed part way with _commit_each: what it had loaded stays (checkpoints).
-        self._half_loaded = None
-        self._early_held = []  # their host copies, released written after backward
-        self._fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
-        # The parameters whose step the gradient hook stages in the boundary micro-batch (or
-        # would, were staging paused), in that order, as dict keys: a step after backward stages
-        # them first, in that order, as backward's staging would have (the optimizer's read-ahead
-        # room is laid out in the order staged, and a step finds there what the last one left
-        # only at the same place).
-        self._hook_order = {}
-        self._second_gradient = False  # one of them ran twice: staging pauses for a step
-        self.redone_steps = 0  # staged steps dropped and taken anew
-        self.last_redo_reason = None
-        # torch.nn.utils.clip_grad_norm_ called by the user between backward and step (step.py:
-        # _clip_by_user): this step's coefficient, and whether the user clips at all (then no
-        # partition steps for good during backward: the coefficient comes after it).
-        self._user_clip = None
-        self._user_clips = False
-        self._trained_ids = {id(e.param) for e in self.table.trained}
+        self._step.optimizer = self.optimizer  # (its groups: each parameter's rates)
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
         _LIVE.add(self)
@@ -957,169 +780,12 @@ class Engine(Gradients, Step):
                         self._patched_methods.append((module, name))
 
     def _warn(self, message):
-        if message not in self.warnings:
-            self.warnings.append(message)
-            if self.global_rank == 0:  # every rank keeps it; rank 0 says it
-                warnings.warn(f"strata: {message}", StrataWarning, stacklevel=2)
+        self._notices.warn(message)
 
     def _runtime_warning(self, message):
         message = _as_engine_says(message)
         if message is not None:
             self._warn(message)
-
-    @staticmethod
-    def _hyper_parameters(config, optimizer):
-        """The optimizer's kind and hyper-parameters, from a client optimizer or the config."""
-        hyper = dict(kind="adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                     bias_correction=True, adamw=True, lr_decay=0.0,
-                     initial_accumulator_value=0.0)
-        if optimizer is not None and config.optimizer is not None:
-            raise ValueError("strata.initialize: an optimizer was given both as an argument and "
-                             "in the config's optimizer block; accepted: one of them")
-        if optimizer is not None:
-            if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-                raise ValueError("strata.initialize: an optimizer factory is not supported; "
-                                 "accepted: a torch Adam/AdamW/Adagrad (or strata.optim's), or "
-                                 "the config's optimizer block")
-            kinds = {"Adam": "adam", "AdamW": "adam", "CpuAdam": "adam", "CpuAdamW": "adam",
-                     "DeepSpeedCPUAdam": "adam", "Adagrad": "adagrad", "CpuAdagrad": "adagrad",
-                     "CpuLion": "lion"}
-            name = type(optimizer).__name__
-            if name not in kinds:
-                raise ValueError(f"strata.initialize: optimizer {name} is not supported; "
-                                 "accepted: Adam, AdamW, Adagrad (torch's or strata.optim's), "
-                                 "strata.optim.CpuLion")
-            group = optimizer.param_groups[0]
-            if group.get("amsgrad", False):
-                raise ValueError("strata.initialize: optimizer with amsgrad=True is not supported")
-            hyper.update(kind=kinds[name], lr=float(group["lr"]),
-                         weight_decay=float(group["weight_decay"]),
-                         adamw=name in ("AdamW", "CpuAdamW") or getattr(optimizer, "adamw_mode",
-                                                                       False),
-                         bias_correction=bool(group.get("bias_correction", True)))
-            for key in ("betas", "eps", "lr_decay", "initial_accumulator_value"):
-                if key in group:
-                    hyper[key] = tuple(group[key]) if key == "betas" else float(group[key])
-            return hyper
-        if config.optimizer is not None:
-            hyper.update(config.optimizer)
-            return hyper
-        raise ValueError("strata.initialize: no optimizer: give one, or an optimizer block in "
-                         "the config (type Adam, AdamW, Adagrad or Lion)")
-
-    def _param_groups(self, optimizer, model_parameters, hyper, by_param):
-        """The optimizer's parameter groups, each with its own lr and weight_decay (the no-decay
-        group of biases and norms most fine-tuning scripts make): the client optimizer's groups,
-        else the groups given as model_parameters (dicts with "params" and any of "lr" and
-        "weight_decay", the config's values for the rest), else one group. Other
-        hyper-parameters (betas, eps, lr_decay) cannot differ between groups: the Runtime's
-        optimizer has one set."""
-        if optimizer is not None:
-            given, source = optimizer.param_groups, "the optimizer's param group"
-        elif model_parameters is not None and any(isinstance(g, dict) for g in model_parameters):
-            given, source = model_parameters, "model_parameters group"
-        else:
-            return [{"params": [e.param for e in self.table.trained], "lr": hyper["lr"],
-                     "weight_decay": hyper["weight_decay"]}]
-        groups = []
-        for index, group in enumerate(given):
-            if not isinstance(group, dict):
-                raise ValueError(f"strata.initialize: {source} {index} is a "
-                                 f"{type(group).__name__}; accepted: every group a dict with "
-                                 "\"params\", or no groups (parameters alone)")
-            for key in ("betas", "eps", "lr_decay"):
-                if key in group and tuple(_as_tuple(group[key])) != tuple(_as_tuple(hyper[key])):
-                    raise ValueError(
-                        f"strata.initialize: {source} {index} has {key} {group[key]} where the "
-                        f"optimizer has {hyper[key]}; accepted: groups that differ in lr and "
-                        "weight_decay only")
-            params = [p for p in group["params"] if id(p) in by_param]
-            for p in params:
-                by_param[id(p)].group_index = len(groups)
-            groups.append({"params": params, "lr": float(group.get("lr", hyper["lr"])),
-                           "weight_decay": float(group.get("weight_decay",
-                                                           hyper["weight_decay"]))})
-        missing = [e.name for e in self.table.trained if not any(
-            e.param is p for g in groups for p in g["params"])]
-        if missing:
-            raise ValueError(f"strata.initialize: trainable parameters not in the optimizer: "
-                             f"{', '.join(missing[:5])}")
-        return groups
-
-    def _take_over(self, client):
-        """The optimizer given to initialize is the engine's from then on, as DeepSpeed's wraps
-        it: its param groups become the engine's optimizer's (each keeping the client's other
-        keys: a schedule's initial_lr), so a schedule built on it before initialize and stepped
-        by the user sets the rates the engine steps with; and its own step() is refused by name
-        (it would step the parameters apart from the engine, or nothing)."""
-        for index, (ours, theirs) in enumerate(zip(self.optimizer.param_groups,
-                                                   client.param_groups)):
-            ours.update({k: v for k, v in theirs.items() if k != "params" and k not in ours})
-            client.param_groups[index] = ours
-
-        def step(*args, **kwargs):
-            raise RuntimeError(
-                f"{type(client).__name__}.step() of the optimizer given to strata.initialize: "
-                "the engine steps it now; accepted: the optimizer initialize returned "
-                "(optimizer.step()), or engine.step()")
-        client.step = step
-
-    def _adopt_schedule(self, schedule, client):
-        """A schedule built on the client's optimizer (transformers'
-        get_linear_schedule_with_warmup(optimizer, ...) before initialize) sets the rates of
-        that optimizer, which the engine does not step: it is moved onto the engine's optimizer,
-        whose groups take the client's as the schedule left them (its initial_lr, and lr at the
-        schedule's first step)."""
-        bound = getattr(schedule, "optimizer", None)
-        if bound is None or bound is self.optimizer:
-            return
-        if bound is not client:
-            raise ValueError("strata.initialize: lr_scheduler sets the rates of an optimizer that "
-                             "was not given to initialize; accepted: a schedule of the optimizer "
-                             "given, of the engine's optimizer (a callable taking it), or none")
-        for ours, theirs in zip(self.optimizer.param_groups, client.param_groups):
-            ours.update({k: v for k, v in theirs.items() if k != "params"})
-
-        def rebind(s):  # SequentialLR and ChainedScheduler step schedules of their own
-            if getattr(s, "optimizer", None) is client:
-                s.optimizer = self.optimizer
-            for inner in getattr(s, "_schedulers", ()):
-                rebind(inner)
-        rebind(schedule)
-
-    def _check_betas(self, where, error=RuntimeError, groups=None):
-        """Refuses, in the param groups (the optimizer's, or `groups` about to be loaded), what the
-        Runtime's optimizer would not step with: betas or eps other than it was made with (a
-        schedule that cycles momentum, OneCycleLR's cycle_momentum, sets betas), amsgrad or
-        maximize, L2 weight decay where it decouples it (torch's Adam) or the other way round.
-        It keeps its own, and would step with them silently."""
-        for index, group in enumerate(self.optimizer.param_groups if groups is None else groups):
-            if self._betas is not None and "betas" in group and \
-                    tuple(float(b) for b in group["betas"]) != self._betas:
-                raise error(
-                    f"{where}: param group {index}'s betas are {tuple(group['betas'])} where the "
-                    f"optimizer was made with {self._betas} (a schedule cycling momentum sets "
-                    "them: OneCycleLR's cycle_momentum); strata's optimizer keeps the betas it "
-                    "was made with, so nothing was stepped; accepted: OneCycleLR(..., "
-                    "cycle_momentum=False), or the betas left as made")
-            wrong = [f"eps {group['eps']} (made with {self._eps})" if "eps" in group and
-                     self._eps is not None and float(group["eps"]) != self._eps else None,
-                     "amsgrad" if group.get("amsgrad") else None,
-                     "maximize" if group.get("maximize") else None,
-                     f"decoupled_weight_decay {group['decoupled_weight_decay']} (made with "
-                     f"{self._adamw})" if "decoupled_weight_decay" in group and
-                     self._adamw is not None and
-                     bool(group["decoupled_weight_decay"]) != self._adamw else None]
-            wrong = [w for w in wrong if w]
-            if wrong:
-                raise error(f"{where}: param group {index} has {', '.join(wrong)}, which strata's "
-                            "optimizer does not step with (it keeps what it was made with); "
-                            "nothing was changed; accepted: the optimizer's own values")
-
-    def _hyper_of(self, e):
-        """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
-        group = self.optimizer.param_groups[e.group_index]
-        return float(group["lr"]), float(group["weight_decay"])
 
     def _check_ranks(self, runtime):
         """What the engine does across ranks (strata/ranks.py), and what it refuses."""
@@ -1136,10 +802,10 @@ class Engine(Gradients, Step):
         return init_module.partition_of(e.param) is not None or \
             (self.stage == 3 and e.numel >= self._persistence_threshold)
 
-    def _staged_copy_elements(self):
+    def _staged_copy_elements(self, refresh):
         """Elements whose new weights a step stages in host memory: all, or (parameters homed on
         NVMe, read back from the master weights instead) the unpartitioned ones' (-1: all)."""
-        if not self._refresh:
+        if not refresh:
             return -1
         return sum(e.shard for e in self.table.trained if not self._will_partition(e))
 
@@ -1212,7 +878,7 @@ class Engine(Gradients, Step):
                     # gradients against them), and kept alive here.
                     with torch.enable_grad():
                         node = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
-                    self._hook_handles.append(node.register_hook(self._gradient_hook(e)))
+                    self._hook_handles.append(node.register_hook(self._gradients.hook(e)))
                     e.param._strata_node = node
                 if not e.partitioned:
                     continue
@@ -1238,21 +904,21 @@ class Engine(Gradients, Step):
         """What a forward of the module needs first (engine.forward; a trainer that calls the
         module itself calls this before: strata.hf)."""
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
-        if self._pending_refresh:  # a step's new weights not written yet (_refresh_weights)
-            self._refresh_weights(list(self._pending_refresh))
+        if self._step.pending_refresh:  # a step's new weights not written yet (_refresh_weights)
+            self._step.refresh_weights(list(self._step.pending_refresh))
         self._lending.begin_forward()
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
         DeepSpeed's; not with scale_wrt_gas=False) and by the fp16 loss scale. retain_graph as
         torch's (a second backward through the same graph adds to the gradients)."""
-        scaled = loss.float() / self._accumulation if scale_wrt_gas else loss.float()
+        scaled = loss.float() / self._state.accumulation if scale_wrt_gas else loss.float()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._state.phase = Phase.BACKWARD
         try:
             scaled.backward(retain_graph=retain_graph)
-            self._end_backward_copies()
+            self._copies.end_backward()
             if self.ranks is not None:
                 self.ranks.finish_gradients()
             self._lending.end_backward()
@@ -1265,7 +931,7 @@ class Engine(Gradients, Step):
                     self.ranks.finish_gradients()
                 except Exception:  # noqa: BLE001 - the backward's own error is the one raised
                     self.ranks.drop_gradients()
-            self._end_staged(committed=False)
+            self._step.end_staged(committed=False)
             raise
         finally:
             self._state.phase = Phase.GRADIENTS
@@ -1282,27 +948,28 @@ class Engine(Gradients, Step):
         micro-batches by its step() (gradient_accumulation_steps above 1)."""
         if self._state.backward_since_step:
             return
-        if not self._state.gradients_since_step and not any(  # (stages 0-1 keep torch's .grad, unhooked)
+        # (stages 0-1 keep torch's .grad, unhooked)
+        if not self._state.gradients_since_step and not any(
                 e.param.grad is not None for e in self.table.trained if not e.partitioned):
             return
-        if self.dtype == torch.float16 or self.ranks is not None or self._accumulation > 1:
+        if self.dtype == torch.float16 or self.ranks is not None or self._state.accumulation > 1:
             why = "fp16 (the engine scales the loss)" if self.dtype == torch.float16 else \
                 f"across {self.world_size} ranks (the ranks finish the gradients together)" \
                 if self.ranks is not None else \
-                (f"gradient_accumulation_steps {self._accumulation} (the engine counts a window's "
-                 "micro-batches by its step(), where a loop of one's own steps once a window: "
-                 "set it to 1 and accumulate in the loop)")
+                (f"gradient_accumulation_steps {self._state.accumulation} (the engine counts a "
+                 "window's micro-batches by its step(), where a loop of one's own steps once a "
+                 "window: set it to 1 and accumulate in the loop)")
             raise RuntimeError(f"{where}: gradients came from a backward the engine did not run "
                                f"(loss.backward()), which is not taken under {why}; accepted: "
                                "engine.backward(loss)")
-        self._end_backward_copies()
+        self._copies.end_backward()
         self._lending.drop_all()
         self._state.phase = Phase.GRADIENTS
 
     # --- DeepSpeed's engine API, as trainers call it ------------------------------------------
 
     def gradient_accumulation_steps(self):
-        return self._accumulation
+        return self._state.accumulation
 
     def zero_optimization_stage(self):
         return self.stage
@@ -1359,13 +1026,13 @@ class Engine(Gradients, Step):
 
     def train_batch_size(self):
         """DeepSpeed's: micro batch x gradient accumulation x ranks."""
-        return self.micro_batch_size * self._accumulation * self.world_size
+        return self.micro_batch_size * self._state.accumulation * self.world_size
 
     def train_micro_batch_size_per_gpu(self):
         return self.micro_batch_size
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self._accumulation == 0
+        return self._state.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary):
         """DeepSpeed's: whether the micro-batch about to run ends the accumulation window, for a
@@ -1373,7 +1040,7 @@ class Engine(Gradients, Step):
         Trainer's): the window's count moves to its last micro-batch. Called before the
         micro-batch's forward. Refused when the trainer says a window goes on past its length
         (the two disagree)."""
-        accumulation = self._accumulation
+        accumulation = self._state.accumulation
         position = self.micro_steps % accumulation
         if is_boundary and position != accumulation - 1:
             self.micro_steps += accumulation - 1 - position
@@ -1392,7 +1059,7 @@ class Engine(Gradients, Step):
         self._adopt_backward("zero_grad")
         if not self._state.gradients_since_step:
             return
-        if self._stepped_early or (self._staged is not None and self._staged.early):
+        if self._step.stepped_early or (self._step.staged is not None and self._step.staged.early):
             raise RuntimeError(
                 "zero_grad after backward: parameters stepped for good during this backward "
                 "with the gradients it would drop (strata.optimizer_during_backward); accepted: "
@@ -1402,7 +1069,7 @@ class Engine(Gradients, Step):
         for e in self.table.trained:
             e.param.grad = None
         self._state.phase = Phase.IDLE
-        self.micro_steps -= self.micro_steps % self._accumulation
+        self.micro_steps -= self.micro_steps % self._state.accumulation
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -1421,8 +1088,8 @@ class Engine(Gradients, Step):
         engine steps it only with lr_kwargs (``engine.step(lr_kwargs={"metrics": loss})``); else
         it is the user's to step, as in plain torch (``scheduler.step(val_loss)``). Refused,
         counting nothing, when no backward ran since the last step()."""
-        if self._half_loaded is not None:
-            raise RuntimeError(f"step: {self._half_loaded}")
+        if self._step.half_loaded is not None:
+            raise RuntimeError(f"step: {self._step.half_loaded}")
         self._adopt_backward("step")
         if not self._state.backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
@@ -1440,13 +1107,13 @@ class Engine(Gradients, Step):
                 "strata.initialize, or freeze them again; to unfreeze part way through training, "
                 "make a new engine with them trainable from engine.module_state_dict()")
         if boundary:
-            self._check_betas("step")
+            self.optimizer.check_groups("step")
         self._state.phase = Phase.IDLE
         self.micro_steps += 1
         if not boundary:
             return
         start = time.perf_counter()
-        self._land_host_gradients()
+        self._copies.land()
         # Waiting for the device: on a GPU below stage 3, backward's queued work and the
         # gradients' copies to the host (stage 3's reach the host through the Runtime, in the
         # commit); nothing on the host.
@@ -1456,9 +1123,11 @@ class Engine(Gradients, Step):
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         try:
-            stepped, report = self._finish_staged()
+            stepped, report = self._step.finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
-                stepped, report = self._step_anew()
+                if self.ranks is not None:
+                    self._gradients.reduce()
+                stepped, report = self._step.step_anew()
         except BaseException:
             self._end_gradients(failed=True)
             raise
@@ -1481,7 +1150,7 @@ class Engine(Gradients, Step):
             self.skipped_steps += 1
         runtime_report = self.runtime.end_step()
         self._raise_deferred()
-        self._optimizer_read += runtime_report["optimizer_state_read_bytes"]
+        self._step.optimizer_read += runtime_report["optimizer_state_read_bytes"]
         self.last_step_stats = {
             "device": self.device_kind, "stepped": stepped, "loss_scale": self.loss_scale,
             "optimizer": report, "runtime": runtime_report,
@@ -1497,10 +1166,32 @@ class Engine(Gradients, Step):
                         runtime_report["wait_seconds"] * 1e3, f" ({waits})" if waits else "",
                         self.device_kind)
 
-        if self._refresh_error is not None:
-            error, self._refresh_error = self._refresh_error, None
+        if self._step.refresh_error is not None:
+            error, self._step.refresh_error = self._step.refresh_error, None
             raise error
 
+
+    def _end_gradients(self, failed):
+        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
+        gradient dropped. Each part is tried; a failure among them raises the first one, unless
+        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except _strata.Error as error:
+                errors.append(error)
+
+        attempt(self._step.end_staged, False, "the step failed" if failed else "gradients dropped")
+        self._step.release_early_held(attempt)
+        self._step.end_window()
+        self._gradients.end(attempt)
+        if errors:
+            if not failed:
+                raise errors[0]
+            for error in errors:
+                self._warn(f"after the failed step: {error}")
 
     def _attempt_quietly(self, fn, *args):
         """fn(*args); a strata error it raises is kept as a warning (closing goes on)."""
@@ -1636,7 +1327,54 @@ class Engine(Gradients, Step):
 
     @runtime.setter
     def runtime(self, runtime):  # a seam: tests put a Runtime that fails where they want
-        self._runtime = self._lending.runtime = runtime
+        self._hand_runtime(runtime)
+
+    def _hand_runtime(self, runtime):
+        """The Runtime (None: closed), to the engine and each of its parts."""
+        self._runtime = runtime
+        for part in (self._lending, self._gradients, self._step):
+            part.runtime = runtime
+
+    # DeepSpeed's engine's counts and figures, kept by the engine's parts.
+
+    @property
+    def global_steps(self):
+        """Accumulation boundaries passed (skipped steps included), as DeepSpeed's."""
+        return self._state.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value):
+        self._state.global_steps = value
+
+    @property
+    def micro_steps(self):
+        return self._state.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value):
+        self._state.micro_steps = value
+
+    @property
+    def skipped_steps(self):
+        return self._state.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value):
+        self._state.skipped_steps = value
+
+    @property
+    def warnings(self):
+        """The warnings the engine gave (each once; said on rank 0 only)."""
+        return self._notices.messages
+
+    @property
+    def redone_steps(self):
+        """Steps staged during backward, dropped and taken anew after it."""
+        return self._step.redone_steps
+
+    @property
+    def last_redo_reason(self):
+        return self._step.last_redo_reason
 
     @property
     def loss_scale(self):
@@ -1663,10 +1401,10 @@ class Engine(Gradients, Step):
         _LIVE.discard(self)
         self._dropped.detach()
         try:
-            self._end_staged(committed=False, reason="the engine closed")
+            self._step.end_staged(committed=False, reason="the engine closed")
         finally:
             self._lending.remove()
-            self._release_early_held(self._attempt_quietly)
+            self._step.release_early_held(self._attempt_quietly)
             for handle in self._hook_handles:
                 handle.remove()
             _leave_placeholders(
@@ -1683,7 +1421,7 @@ class Engine(Gradients, Step):
             built = init_module.built_under(self.module)
             if built is not None:
                 built.release()
-            self._runtime = self._lending.runtime = None
+            self._hand_runtime(None)
 
     def release(self):
         """Closes the engine and gives the module its weights back whole in its own parameters
@@ -1718,8 +1456,8 @@ class Engine(Gradients, Step):
         s = self.runtime.stats()
         s["device"] = self.device_kind
         moved = s["bytes_moved"]
-        for key, count in (("nvme_to_host", self._optimizer_read),
-                           ("host_to_nvme", self._optimizer_written)):
+        for key, count in (("nvme_to_host", self._step.optimizer_read),
+                           ("host_to_nvme", self._step.optimizer_written)):
             if count:
                 moved[key] = moved.get(key, 0) + count
         return s
@@ -1941,18 +1679,6 @@ def _zero_grad_through(engine_ref):
             engine.zero_grad(set_to_none)
         torch.nn.Module.zero_grad(module, set_to_none)
     return zero_grad
-
-
-def _flatten_params(params):
-    for item in params:
-        if isinstance(item, dict):
-            yield from item["params"]
-        else:
-            yield item
-
-
-def _as_tuple(value):
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 def from_pretrained(cls, path, config, **initialize_kwargs):

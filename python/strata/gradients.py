@@ -5,7 +5,11 @@ into a host sum (stage 2, or grad_accum_dtype other than the training dtype), or
 across ranks into each owner's shard (strata/ranks.py); and every gradient dropped when the step
 is over.
 
-`Gradients` is a mixin of strata.engine.Engine. Thread safety: the engine's (one thread).
+`Gradients` owns the gradient path: the hooks, which parameters' hooks ran in the window's last
+micro-batch, and (HostCopies) the GPU's gradients on their way to pinned host memory. The engine
+builds it with what it uses (the parameter table, the ranks, the training state, the lending,
+which a gradient hook gives the parameter back to, and the optimizer step, which it stages) and
+hands it the Runtime. Thread safety: the engine's (one thread).
 """
 
 import weakref
@@ -13,75 +17,86 @@ import weakref
 import torch
 from torch.utils.dlpack import from_dlpack
 
-from strata import _strata
 from strata.lending import kernel_stream
 
-__all__ = ["Gradients"]
+__all__ = ["Gradients", "HostCopies"]
 
 
 class Gradients:
     """The engine's gradient path (see the module's docstring)."""
 
-    def _gradient_hook(self, e):
+    def __init__(self, table, ranks, state, lending, step, copies, *, stage, sum_apart,
+                 grad_accum_dtype, device):
+        self.table = table  # strata/parameters.py
+        self.ranks = ranks  # strata/ranks.py; None in one process
+        self.state = state  # strata/training_state.py
+        self.lending = lending  # strata/lending.py
+        self.step = step  # strata/step.py
+        self.copies = copies  # HostCopies
+        self.stage = stage
+        self.sum_apart = sum_apart  # stage 0-1 gradients summed on the host (grad_accum_dtype)
+        self.grad_accum_dtype = grad_accum_dtype
+        self.device = device
+        self.runtime = None  # the engine's, handed once made; None once it is closed
+        self.fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
+
+    def hook(self, e):
+        """The hook on e's AccumulateGrad node: it runs once autograd has put e's gradient in
+        .grad."""
         # The hook lives on a C++ autograd node the garbage collector cannot see into: it holds
-        # the engine weakly, or the engine would never be collected.
-        engine = weakref.ref(self)
+        # the gradients weakly, or they (and their engine) would never be collected.
+        gradients = weakref.ref(self)
 
         def hook(*unused):
-            self = engine()
+            self = gradients()
             if self is None:
                 return
             grad = e.param.grad
             if grad is None:
                 return
-            self._state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
-            boundary = self.is_gradient_accumulation_boundary()
+            self.state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
+            boundary = self.state.is_boundary()
             if boundary:
-                if e.staged is not None or e in self._fired:
+                if e.staged is not None or e in self.fired:
                     # A second gradient in the boundary micro-batch (a second backward through
                     # it): a step staged from the first cannot stand, and its hold on the gradient
                     # goes before the gradient is added to.
-                    self._second_gradient = True
-                    e.grad_norm = None  # the sum's is taken after backward
-                    if e.staged is not None:
-                        self._drop_staged(f"the gradient of {e.name} changed after its step was "
-                                          "staged")
-                elif self._accumulation == 1 and self.ranks is None and \
-                        (e.partitioned or self.stage == 2 or self._sum_apart):
+                    self.step.second_gradient(e)
+                elif self.state.accumulation == 1 and self.ranks is None and \
+                        (e.partitioned or self.stage == 2 or self.sum_apart):
                     # The window's whole gradient: its norm now, where it is (on a GPU, queued on
                     # torch's stream), not from its host copy after backward (_grad_norm).
                     with torch.no_grad():
                         e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
-                self._fired.add(e)
+                self.fired.add(e)
             if e.partitioned:
                 e.param.grad = None
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
-                self._lending.give_back(e)
+                self.lending.give_back(e)
                 if self.ranks is not None:  # reduce-scattered into the owners' shards
-                    self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
+                    self.ranks.add_gradient(e, grad, boundary, self._add_shard)
                     return
-                self._add_to_gradient_partition(e, grad.reshape(-1), boundary)
+                self._add_to_partition(e, grad.reshape(-1), boundary)
                 if boundary:  # its optimizer step is staged
-                    self._hook_order[e] = None
-                    self._stage(e)
+                    self.step.stage_from_hook(e)
             elif self.stage == 2 and self.ranks is not None:
                 # Reduce-scattered as it is made: this rank keeps only its shard's mean.
                 e.param.grad = None
-                self.ranks.add_gradient(e, grad, boundary, self._add_gradient_shard)
-            elif self.stage == 2 or self._sum_apart:
+                self.ranks.add_gradient(e, grad, boundary, self._add_shard)
+            elif self.stage == 2 or self.sum_apart:
                 # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
                 # stages when that is not the training dtype).
                 e.param.grad = None
                 if grad.device.type == "cuda":
-                    whole = self._send_to_host(e, grad.reshape(-1))
+                    whole = self.copies.send(e, grad.reshape(-1))
                     e.has_grad = True
                     if boundary and whole and self.ranks is None:
                         # The window's whole gradient, on its way to the host: its step is staged
                         # now, the optimizer's thread reading it once its copy has landed (a fence
                         # on the gradients' stream), while backward goes on.
-                        self._hook_order[e] = None
-                        self._stage(e, e.host_grad, grad_stream=self._gradient_stream())
+                        self.step.stage_from_hook(e, e.host_grad,
+                                                  grad_stream=self.copies.stream())
                     return
                 elif e.host_grad is None:
                     # The window's first is autograd's own tensor, kept, as plain torch keeps
@@ -97,80 +112,10 @@ class Gradients:
                 # copy: a second backward would add to .grad while the optimizer reads it). On a
                 # GPU the copy to the host would make the host wait for the device in the middle
                 # of backward: those are staged after backward instead.
-                self._hook_order[e] = None
-                self._stage(e, grad.detach().reshape(-1).clone())
+                self.step.stage_from_hook(e, grad.detach().reshape(-1).clone())
         return hook
 
-    def _gradient_stream(self):
-        """The CUDA stream the gradients' copies to the host run on, made once: a stream of its
-        own, so that they overlap backward's kernels rather than queue between them."""
-        if self._grad_stream is None:
-            self._grad_stream = torch.cuda.Stream(self.device)
-        return self._grad_stream
-
-    def _send_to_host(self, e, grad):
-        """A GPU's gradient to the host without the host waiting for the GPU: copied into pinned
-        memory on the gradients' stream (_gradient_stream), after the work queued on torch's
-        stream so far (which made it), while backward goes on there: the window's first straight
-        into e.host_grad (returns True: e.host_grad will be the whole gradient once the copy has
-        landed), a later one into e.incoming, added once it has landed (returns False). The copies
-        of one backward are marked by an event after it (engine.backward) and waited for before
-        the host reads them (_land_host_gradients); a step staged from e.host_grad waits for a
-        fence on that stream instead."""
-        if e.incoming is not None:  # an earlier micro-batch's, long landed: summed now
-            self._land_host_gradients(finished_only=True)
-        values = grad.to(self.grad_accum_dtype)
-        if e.pinned_grad is None:
-            e.pinned_grad = torch.empty(e.numel, dtype=self.grad_accum_dtype, pin_memory=True)
-        incoming = None
-        stream = self._gradient_stream()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            if e.host_grad is None:
-                e.host_grad = e.pinned_grad
-                e.host_grad.copy_(values, non_blocking=True)
-            else:
-                if e.incoming is not None:  # a second gradient in this backward (a shared use)
-                    self._land_host_gradients()
-                incoming = e.incoming = torch.empty(e.numel, dtype=self.grad_accum_dtype,
-                                                    pin_memory=True)
-                incoming.copy_(values, non_blocking=True)
-        # The copy reads `values` after this returns, on another stream than the one that made
-        # it: torch's caching allocator keeps its memory from reuse until that stream's work
-        # queued so far has run. The copy belongs to this backward's batch: summed only once that
-        # batch's event has passed.
-        values.record_stream(stream)
-        self._grads_in_flight.append((e, incoming))
-        return incoming is None
-
-    def _end_backward_copies(self):
-        """After a backward: its gradients' copies to the host, marked by an event on the
-        gradients' stream."""
-        if self._grads_in_flight:
-            event = self._gradient_stream().record_event()
-            self._grads_landing.append((event, self._grads_in_flight))
-            self._grads_in_flight = []
-
-    def _land_host_gradients(self, finished_only=False):
-        """Waits for the gradients' copies to the host (those of the backwards that ended, each
-        marked by its event; with not `finished_only`, also those of a backward still running or
-        that failed, by waiting for the gradients' stream) and sums each later micro-batch's into
-        its host_grad."""
-        batches, self._grads_landing = self._grads_landing, []
-        if not finished_only and self._grads_in_flight:
-            self._gradient_stream().synchronize()
-            batches.append((None, self._grads_in_flight))
-            self._grads_in_flight = []
-        for event, copies in batches:
-            if event is not None:
-                event.synchronize()
-            for e, incoming in copies:
-                if incoming is not None:
-                    e.host_grad.add_(incoming)
-                    if e.incoming is incoming:
-                        e.incoming = None
-
-    def _add_gradient_shard(self, e, shard, boundary):
+    def _add_shard(self, e, shard, boundary):
         """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
         e.shard_grad in fp32; stage 3: its gradient partition, which at the boundary leaves the
         device)."""
@@ -178,9 +123,9 @@ class Gradients:
             e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
             e.has_grad = True
             return
-        self._add_to_gradient_partition(e, shard, boundary)
+        self._add_to_partition(e, shard, boundary)
 
-    def _add_to_gradient_partition(self, e, values, boundary):
+    def _add_to_partition(self, e, values, boundary):
         """Sums `values` into e's gradient partition on the device (the window's first is copied
         into it, its room taken without zeros); in its last micro-batch (`boundary`) the gradient
         leaves the device now, in the background, while backward goes on."""
@@ -200,14 +145,7 @@ class Gradients:
             self.runtime.gradient_ready(e.gid)
             e.sent_down = True
 
-    def _release_early_held(self, attempt):
-        """The host copies of partitions that stepped early in a dropped step, held until
-        backward was over: released written (each through `attempt`)."""
-        held, self._early_held = self._early_held, []
-        for e in held:
-            attempt(lambda pid: self.runtime.release(pid, "host", True, traced=False), e.pid)
-
-    def _reduce_gradients(self):
+    def reduce(self):
         """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
         owners' shards (e.shard_grad, the mean over the ranks)."""
         def gradient_of(e):
@@ -224,31 +162,10 @@ class Gradients:
         for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
             e.shard_grad = shard
 
-    def _end_gradients(self, failed):
-        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
-        gradient dropped. Each part is tried; a failure among them raises the first one, unless
-        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
-        errors = []
-
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except _strata.Error as error:
-                errors.append(error)
-
-        attempt(self._end_staged, False, "the step failed" if failed else "gradients dropped")
-        self._release_early_held(attempt)
-        self._stepped_early.clear()
-        # Their pinned memory is written to again next step: the copies end first.
-        self._land_host_gradients()
-        self._redo_reason = None
-        # Staged again from the next step unless this one was clipped or saw a second gradient.
-        self._speculate = self._speculate and not self._second_gradient
-        self._hold = not self._second_gradient  # a held step would be dropped again
-        self._second_gradient = False
-        self._user_clip = None  # the user's clip_grad_norm_ of this step (step.py)
-        self._fired.clear()
-        self._hook_order.clear()
+    def end(self, attempt):
+        """The step is over: every gradient dropped (a partition's discarded through `attempt`)."""
+        self.copies.land()  # their pinned memory is written to again next step: the copies end
+        self.fired.clear()
         for e in self.table.trained:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)
@@ -259,8 +176,86 @@ class Gradients:
             e.incoming = None
             e.shard_grad = None
             e.param.grad = None
-        if errors:
-            if not failed:
-                raise errors[0]
-            for error in errors:
-                self._warn(f"after the failed step: {error}")
+
+
+class HostCopies:
+    """On a GPU: the gradients' copies to pinned host memory, on a stream of their own, and their
+    landing (the later micro-batches' summed into the first's)."""
+
+    def __init__(self, device, dtype):
+        self.device = device
+        self.dtype = dtype  # grad_accum_dtype: what the host sums are kept in
+        self._stream = None  # made on first use (stream())
+        # The copies of the backward running, and of those that ended, each with the event
+        # after its copies.
+        self._in_flight = []
+        self._landing = []
+
+    def stream(self):
+        """The CUDA stream the gradients' copies to the host run on, made once: a stream of its
+        own, so that they overlap backward's kernels rather than queue between them."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def send(self, e, grad):
+        """A GPU's gradient to the host without the host waiting for the GPU: copied into pinned
+        memory on the gradients' stream (stream()), after the work queued on torch's
+        stream so far (which made it), while backward goes on there: the window's first straight
+        into e.host_grad (returns True: e.host_grad will be the whole gradient once the copy has
+        landed), a later one into e.incoming, added once it has landed (returns False). The copies
+        of one backward are marked by an event after it (engine.backward) and waited for before
+        the host reads them (land()); a step staged from e.host_grad waits for a
+        fence on that stream instead."""
+        if e.incoming is not None:  # an earlier micro-batch's, long landed: summed now
+            self.land(finished_only=True)
+        values = grad.to(self.dtype)
+        if e.pinned_grad is None:
+            e.pinned_grad = torch.empty(e.numel, dtype=self.dtype, pin_memory=True)
+        incoming = None
+        stream = self.stream()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if e.host_grad is None:
+                e.host_grad = e.pinned_grad
+                e.host_grad.copy_(values, non_blocking=True)
+            else:
+                if e.incoming is not None:  # a second gradient in this backward (a shared use)
+                    self.land()
+                incoming = e.incoming = torch.empty(e.numel, dtype=self.dtype,
+                                                    pin_memory=True)
+                incoming.copy_(values, non_blocking=True)
+        # The copy reads `values` after this returns, on another stream than the one that made
+        # it: torch's caching allocator keeps its memory from reuse until that stream's work
+        # queued so far has run. The copy belongs to this backward's batch: summed only once that
+        # batch's event has passed.
+        values.record_stream(stream)
+        self._in_flight.append((e, incoming))
+        return incoming is None
+
+    def end_backward(self):
+        """After a backward: its gradients' copies to the host, marked by an event on the
+        gradients' stream."""
+        if self._in_flight:
+            event = self.stream().record_event()
+            self._landing.append((event, self._in_flight))
+            self._in_flight = []
+
+    def land(self, finished_only=False):
+        """Waits for the gradients' copies to the host (those of the backwards that ended, each
+        marked by its event; with not `finished_only`, also those of a backward still running or
+        that failed, by waiting for the gradients' stream) and sums each later micro-batch's into
+        its host_grad."""
+        batches, self._landing = self._landing, []
+        if not finished_only and self._in_flight:
+            self.stream().synchronize()
+            batches.append((None, self._in_flight))
+            self._in_flight = []
+        for event, copies in batches:
+            if event is not None:
+                event.synchronize()
+            for e, incoming in copies:
+                if incoming is not None:
+                    e.host_grad.add_(incoming)
+                    if e.incoming is incoming:
+                        e.incoming = None

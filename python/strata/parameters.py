@@ -7,7 +7,10 @@ gradient's place, its staged step); the table itself does not change after the e
 Thread safety: the engine's (one thread).
 """
 
-__all__ = ["Param", "ParameterTable"]
+import torch
+from torch.utils.dlpack import from_dlpack
+
+__all__ = ["Param", "ParameterTable", "set_weights"]
 
 
 class Param:
@@ -85,3 +88,19 @@ class ParameterTable:
         """Every partitioned parameter's .data the placeholder (nothing lent)."""
         for e in self.partitioned_by_id.values():
             e.param.data = self.placeholder
+
+
+def set_weights(runtime, e, master):
+    """e's weights made its master weights (fp32, flat) in the training dtype: a partitioned
+    parameter's in its partition (through `runtime`), another's in the tensor."""
+    with torch.no_grad():
+        if e.partitioned:
+            copy = from_dlpack(runtime.acquire(e.pid, "host", traced=False))
+            try:
+                copy.copy_(master)  # converted as it is copied, no temporary
+            finally:
+                del copy
+                runtime.release(e.pid, "host", True, traced=False)
+        else:
+            e.param.data.copy_(master.view(e.shape).to(device=e.param.device,
+                                                       dtype=e.param.dtype))

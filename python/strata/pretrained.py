@@ -41,6 +41,7 @@ import zipfile
 import torch
 
 from strata import checkpoints
+from strata.parameters import set_weights
 
 __all__ = ["load", "read_state_dict_lazily", "read_safetensors_lazily"]
 
@@ -253,7 +254,7 @@ def load(engine, source, strict=True, keep_state=False):
     parameters' optimizer state (moments, step counts) is kept, their master weights alone
     replaced, as torch's module.load_state_dict leaves its optimizer's state; else it starts
     afresh."""
-    if engine._staged is not None:
+    if engine._step.staged is not None:
         raise RuntimeError("load_pretrained: between backward and step; load after step()")
     entries, aliases, rest, missing, unexpected = checkpoints.checked_everywhere(
         engine, "load_pretrained", lambda: _check(engine, source, strict))
@@ -286,7 +287,7 @@ def load(engine, source, strict=True, keep_state=False):
             engine.runtime.load_optimizer_state(e.gid, master, first, second)
     for e in loaded:
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
-        checkpoints._set_weights(engine, e, ours(e, whole) if e.partitioned else whole)
+        set_weights(engine.runtime, e, ours(e, whole) if e.partitioned else whole)
         if not keep_state:
             e.steps = 0
     for name, value in rest.items():

@@ -7,7 +7,13 @@ only where nothing can drop it), and the new weights reach the parameters (their
 read back from the master weights when homed on NVMe).
 docs/engine.md says why the staged step is exact.
 
-`Step` is a mixin of strata.engine.Engine. Thread safety: the engine's (one thread).
+`OptimizerStep` owns the step: the one being staged, whether the next is speculated or held,
+the partitions that stepped early, the order the gradient hook met the parameters in, the user's
+clipping, the new weights still to write from the master weights, and the optimizer's NVMe byte
+counts. The engine builds it with what it uses (the parameter table, the ranks, the training
+state, the loss scaler, the gradients' host copies, the config, its warnings) and hands it the
+Runtime and the optimizer (whose groups give each parameter's rates). Thread safety: the
+engine's (one thread).
 """
 
 import math
@@ -16,9 +22,9 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
-from strata import checkpoints
+from strata.parameters import set_weights
 
-__all__ = ["Step"]
+__all__ = ["OptimizerStep"]
 
 
 class _Staged:
@@ -36,10 +42,107 @@ class _Staged:
         self.held = held
 
 
-class Step:
+class OptimizerStep:
     """The engine's optimizer step (see the module's docstring)."""
 
-    def _stage(self, e, grad=None, clip=1.0, always=False, grad_stream=None):
+    def __init__(self, table, ranks, state, scaler, copies, notices, config, *, dtype, device,
+                 refresh, optimizer_on_host, read_ahead, commit_each):
+        self.table = table  # strata/parameters.py
+        self.ranks = ranks  # strata/ranks.py; None in one process
+        self.state = state  # strata/training_state.py
+        self.scaler = scaler  # strata/loss_scaler.py
+        self.copies = copies  # strata/gradients.py HostCopies
+        self.notices = notices  # strata/notices.py
+        self.config = config  # strata/config.py TrainConfig
+        self.dtype = dtype
+        self.device = device
+        self.runtime = None  # the engine's, handed once made; None once it is closed
+        self.optimizer = None  # the engine's (its param_groups: each parameter's rates)
+        # Parameters homed on NVMe take their new weights from the committed master weights
+        # (refresh_weights) rather than from host copies (the engine's set-up decides).
+        self.refresh = refresh
+        self.pending_refresh = []  # their new weights not written yet: before the next forward
+        self.refresh_error = None  # a step's new weights not all written: step() raises it
+        # The optimizer state in host memory (offload_optimizer "cpu"): its partitions may step
+        # in place during backward when nothing learnt after backward can change the step.
+        self._optimizer_on_host = optimizer_on_host
+        # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
+        # lands as it is written, so a step once begun is not dropped.
+        self.commit_each = commit_each
+        # The step staged during backward (stage 3): on until a step needs clipping, then off
+        # until one does not. Across ranks the step is taken after backward (the ranks agree on
+        # its norm first).
+        self.staged = None
+        self._speculate = ranks is None
+        self._redo_reason = None  # the staged step was dropped during this backward
+        # A step that cannot be speculated is staged held (_may_hold) where the optimizer has
+        # room to read its NVMe state ahead; not after a second gradient.
+        self._read_ahead = read_ahead
+        self._hold = True
+        # Host-resident partitions that stepped in place during this backward before the staged
+        # step was dropped: they are not stepped again.
+        self.stepped_early = set()
+        self.early_held = []  # their host copies, released written after backward
+        # A load that failed part way with commit_each: what it had loaded stays (checkpoints).
+        self.half_loaded = None
+        # The parameters whose step the gradient hook stages in the boundary micro-batch (or
+        # would, were staging paused), in that order, as dict keys: a step after backward stages
+        # them first, in that order, as backward's staging would have (the optimizer's read-ahead
+        # room is laid out in the order staged, and a step finds there what the last one left
+        # only at the same place).
+        self._hook_order = {}
+        self._second_gradient = False  # one of them ran twice: staging pauses for a step
+        self.redone_steps = 0  # staged steps dropped and taken anew
+        self.last_redo_reason = None
+        # torch.nn.utils.clip_grad_norm_ called by the user between backward and step
+        # (clip_by_user): this step's coefficient, and whether the user clips at all (then no
+        # partition steps for good during backward: the coefficient comes after it).
+        self._user_clip = None
+        self._user_clips = False
+        self._trained_ids = {id(e.param) for e in table.trained}
+        self._weights_sent = None  # the event after the last step's new weights went to the GPU
+        self.optimizer_read = self.optimizer_written = 0  # the optimizer's NVMe bytes
+
+    def stage_from_hook(self, e, grad=None, grad_stream=None):
+        """The gradient hook's: e's gradient is final in the boundary micro-batch; its step is
+        staged (stage()), and its place in the order the hook met the parameters kept."""
+        self._hook_order[e] = None
+        self.stage(e, grad, grad_stream=grad_stream)
+
+    def second_gradient(self, e):
+        """A second gradient of e in the boundary micro-batch (a second backward through it): a
+        step staged from the first cannot stand, and its hold on the gradient goes before the
+        gradient is added to; staging pauses for the next step."""
+        self._second_gradient = True
+        e.grad_norm = None  # the sum's is taken after backward
+        if e.staged is not None:
+            self.drop_staged(f"the gradient of {e.name} changed after its step was staged")
+
+    def end_window(self):
+        """The step is over (taken, skipped or failed): what this window learnt sets the next
+        one's staging."""
+        self.stepped_early.clear()
+        self._redo_reason = None
+        # Staged again from the next step unless this one was clipped or saw a second gradient.
+        self._speculate = self._speculate and not self._second_gradient
+        self._hold = not self._second_gradient  # a held step would be dropped again
+        self._second_gradient = False
+        self._user_clip = None  # the user's clip_grad_norm_ of this step
+        self._hook_order.clear()
+
+    def release_early_held(self, attempt):
+        """The host copies of partitions that stepped early in a dropped step, held until
+        backward was over: released written (each through `attempt`)."""
+        held, self.early_held = self.early_held, []
+        for e in held:
+            attempt(lambda pid: self.runtime.release(pid, "host", True, traced=False), e.pid)
+
+    def _hyper_of(self, e):
+        """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
+        group = self.optimizer.param_groups[e.group_index]
+        return float(group["lr"]), float(group["weight_decay"])
+
+    def stage(self, e, grad=None, clip=1.0, always=False, grad_stream=None):
         """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
         the Runtime's optimizer thread reads its NVMe state, steps it and writes it to fresh
         extents (during backward, when staged from the gradient hook); the new weights reach the
@@ -50,11 +153,11 @@ class Step:
         given (`grad`; with `grad_stream`, a CUDA stream where its copy into it is still queued:
         the optimizer's thread reads it once that copy has run). Without `always`, nothing is
         staged while staging is paused."""
-        if e in self._stepped_early:  # it stepped during a backward whose step was dropped
+        if e in self.stepped_early:  # it stepped during a backward whose step was dropped
             return
-        if self._half_loaded is not None:  # step() refuses; nothing may land meanwhile
+        if self.half_loaded is not None:  # step() refuses; nothing may land meanwhile
             return
-        staged = self._staged
+        staged = self.staged
         if staged is None:
             hold = False
             if not always:
@@ -62,7 +165,7 @@ class Step:
                     return
                 # With _commit_each each partition's step lands as it is taken: it speculates
                 # only where none is dropped.
-                if not self._speculate or (self._commit_each and not self._may_step_early()):
+                if not self._speculate or (self.commit_each and not self._may_step_early()):
                     if not self._may_hold():
                         return
                     hold = True  # its state read ahead; stepped once the scale is known
@@ -76,15 +179,15 @@ class Step:
                 # staged during this backward; step() begins again and raises it.
                 self._redo_reason = f"beginning the step failed: {error}"
                 return
-            staged = self._staged = _Staged(self.loss_scale, early, hold)
+            staged = self.staged = _Staged(self.scaler.scale, early, hold)
         lr, weight_decay = self._hyper_of(e)
         try:
             target = None
             if not e.partitioned:
                 target = self._weights_target(e)
-            elif not self._refresh:
+            elif not self.refresh:
                 target = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-            elif self._commit_each:
+            elif self.commit_each:
                 # Its gradient is final: nothing uses the parameter again before the step (the
                 # Runtime leaves one still lent to the device alone, and it is read back then).
                 # The optimizer's thread writes its new weights into its partition once its
@@ -94,7 +197,7 @@ class Step:
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
-                check_overflow=self.dtype == torch.float16 and not self._commit_each,
+                check_overflow=self.dtype == torch.float16 and not self.commit_each,
                 weight_decay=weight_decay,
                 grad_stream=None if grad_stream is None else grad_stream.cuda_stream)
         except _strata.Error as error:
@@ -102,7 +205,7 @@ class Step:
                 raise
             # Staging is the step done early; when it cannot be (the host tier has no room for
             # the parameter's copy, say), the step is taken after backward, as unstaged.
-            self._drop_staged(f"staging the step of {e.name} failed: {error}")
+            self.drop_staged(f"staging the step of {e.name} failed: {error}")
 
     def _weights_target(self, e):
         """Where the optimizer writes an unpartitioned parameter's new weights (in the training
@@ -124,11 +227,11 @@ class Step:
             return e.pinned_weights
         return torch.empty(e.numel, dtype=self.dtype)
 
-    def _owns_any(self, params):
+    def owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters."""
         return any(id(p) in self._trained_ids for p in params)
 
-    def _clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite):
+    def clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite, adopt_backward):
         """torch.nn.utils.clip_grad_norm_(params, max_norm) called by the user over the engine's
         parameters (engine._route_clip_grad_norm): the gradients are in the engine (partitions,
         host sums), not in .grad, where torch's would find none and clip nothing. Returns the
@@ -145,7 +248,7 @@ class Step:
         if float(norm_type) != 2.0:
             raise ValueError(f"{where}: norm_type {norm_type}: accepted: 2.0 (strata's clipping "
                              "is by the global L2 norm, as DeepSpeed's gradient_clipping)")
-        self._adopt_backward(where)
+        adopt_backward(where)  # (the engine's: a backward of the user's own is taken)
         given = {id(p) for p in params}
         missing = [e.name for e in self.table.trained if id(e.param) not in given]
         if missing:
@@ -153,16 +256,16 @@ class Step:
                              f"those given ({', '.join(missing[:3])}...): it clips by the norm of "
                              "all of them; accepted: every trained parameter (model.parameters()),"
                              " or gradient_clipping in the config")
-        if not self._state.backward_since_step:
+        if not self.state.backward_since_step:
             raise RuntimeError(f"{where}: no backward() since the last step(): the gradients "
                                "were dropped with it; accepted: after backward, before step()")
-        if not self.is_gradient_accumulation_boundary():
+        if not self.state.is_boundary():
             raise RuntimeError(
                 f"{where} before the last micro-batch of the accumulation window (micro-step "
-                f"{self.micro_steps + 1} of {self._accumulation}): it would clip a partial sum; "
-                "accepted: once, after the window's last backward (as plain torch users clip "
-                "before optimizer.step())")
-        early = self._stepped_early or (self._staged is not None and self._staged.early)
+                f"{self.state.micro_steps + 1} of {self.state.accumulation}): it would clip a "
+                "partial sum; accepted: once, after the window's last backward (as plain torch "
+                "users clip before optimizer.step())")
+        early = self.stepped_early or (self.staged is not None and self.staged.early)
         self._user_clips = True  # from the next step on, nothing steps for good in backward
         if early:
             raise RuntimeError(
@@ -170,9 +273,9 @@ class Step:
                 "(strata.optimizer_during_backward: no clipping was known when it began), "
                 "unclipped; from the next step on they wait for it; accepted: call it from the "
                 "first step on, or gradient_clipping in the config")
-        self._land_host_gradients()
+        self.copies.land()
         clipped = 1.0 if self._user_clip is None else self._user_clip  # an earlier call's
-        norm = self._grad_norm(self.loss_scale) * clipped
+        norm = self.grad_norm(self.scaler.scale) * clipped
         others = [p for p in params if id(p) not in self._trained_ids and p.grad is not None]
         if others:
             rest = torch.linalg.vector_norm(torch.stack(
@@ -200,7 +303,8 @@ class Step:
         such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
                 and not self._user_clips
-                and self.dtype != torch.float16 and self.ranks is None and self.global_steps >= 1)
+                and self.dtype != torch.float16 and self.ranks is None
+                and self.state.global_steps >= 1)
 
     def _may_hold(self):
         """Whether a step that cannot be speculated (clipping scaled the last one, or each
@@ -215,20 +319,20 @@ class Step:
         final, rather than after backward (_may_step_early, with the state in host memory)."""
         return self._optimizer_on_host and self._may_step_early()
 
-    def _drop_staged(self, reason):
+    def drop_staged(self, reason):
         """The staged step cannot stand: aborted; this step is taken anew after backward. Host-
         resident partitions that had stepped in place (early) keep that step, taken with what
         was known when they were staged, and are not stepped again; a warning says so."""
         self.redone_steps += 1
         self.last_redo_reason = self._redo_reason = reason
-        self._end_staged(committed=False, reason=reason)
+        self.end_staged(committed=False, reason=reason)
 
-    def _end_staged(self, committed, reason="backward failed"):
+    def end_staged(self, committed, reason="backward failed"):
         """Ends the staged step: aborted unless `committed` (for `reason`); the partitioned
         parameters' host copies released (written when committed), the others' new weights put
         in place. Host-resident partitions that had stepped in place (early) keep that step, and
         a warning says so."""
-        staged, self._staged = self._staged, None
+        staged, self.staged = self.staged, None
         if staged is None:
             return
         stepped = set()
@@ -239,42 +343,43 @@ class Step:
         # host copy holds the landed sub-groups' new weights, kept (released written); none is
         # counted stepped: the next step steps the rest (and remakes every sub-group's weights).
         partly = set(self.runtime.partly_stepped_optimizer_partitions()) \
-            if self._commit_each and not committed else set()
-        if self._refresh:
+            if self.commit_each and not committed else set()
+        if self.refresh:
             # Homed on NVMe, its new weights written into its partition without reading the old
             # ones (Runtime::AcquireToReplace): the sub-groups that did not land hold no weights
             # there; every one is written from the master weights before the next forward.
-            self._pending_refresh.extend(
+            self.pending_refresh.extend(
                 e for e in staged.entries
-                if e.partitioned and e.gid in partly and e not in self._pending_refresh)
-            if partly and not self._state.in_backward:
+                if e.partitioned and e.gid in partly and e not in self.pending_refresh)
+            if partly and not self.state.in_backward:
                 # Now, not only before the next forward: a module called on its own (not through
                 # engine.forward) reads its partitions as they are (an audit's finding).
                 try:
-                    self._refresh_weights([])
+                    self.refresh_weights([])
                 except _strata.Error:
                     pass  # still pending: written before the next forward, which raises if not
         early = [e for e in staged.entries if e.gid in stepped]
         for e in early:  # stepped in place during backward: that step stands
             e.steps += 1
-            self._stepped_early.add(e)
-            if self._refresh and e.partitioned and e not in self._pending_refresh and \
+            self.stepped_early.add(e)
+            if self.refresh and e.partitioned and e not in self.pending_refresh and \
                     e.gid not in copied:
                 # Homed on NVMe: its new weights are read from its master weights before the
                 # next forward.
-                self._pending_refresh.append(e)
+                self.pending_refresh.append(e)
         if early:
             # Nothing more is staged in this window: the rest step after backward.
             self._redo_reason = self._redo_reason or reason
             how = ("strata.optimizer_commit \"partition\": each partition's new NVMe state "
-                   "replaces its old one as it is written" if self._commit_each else
+                   "replaces its old one as it is written" if self.commit_each else
                    "strata.optimizer_during_backward: host-resident optimizer state steps "
                    "during backward, and their new weights may already have been used by "
                    "what ran of backward after that")
-            when = "" if self._commit_each else " during backward"
-            self._warn(f"the optimizer step was dropped ({reason}) after {len(early)} parameters "
-                       f"had stepped{when} with the gradients and rates known then ({how}): they "
-                       "keep that step, and the others step when the step is taken")
+            when = "" if self.commit_each else " during backward"
+            self.notices.warn(f"the optimizer step was dropped ({reason}) after {len(early)} "
+                              f"parameters had stepped{when} with the gradients and rates known "
+                              f"then ({how}): they keep that step, and the others step when the "
+                              "step is taken")
         gather = []
         sent = False  # new weights gone to a GPU from pinned memory
         failed = None  # every entry is ended; the first release that fails is raised after
@@ -282,14 +387,14 @@ class Step:
             target = e.staged[1]
             e.staged = None
             # By a step that stands, whole or in part.
-            written = committed or e in self._stepped_early or (e.partitioned and e.gid in partly)
+            written = committed or e in self.stepped_early or (e.partitioned and e.gid in partly)
             if e.partitioned:
                 if target is not None and not isinstance(target, int):  # (int: written there)
                     del target
                     if written and not committed:
                         # Stepped early, dropped while backward may still use its device copy:
                         # its host copy goes back written once backward is over (_end_gradients).
-                        self._early_held.append(e)
+                        self.early_held.append(e)
                         continue
                     try:
                         self.runtime.release(e.pid, "host", written, traced=False)
@@ -314,9 +419,10 @@ class Step:
         (in one process: across ranks every rank keeps the parameters' own order), then the
         others."""
         first = list(self._hook_order) if self.ranks is None else []
-        rest = [e for e in self.table.trained if e not in self._hook_order] if first else self.table.trained
+        trained = self.table.trained
+        rest = [e for e in trained if e not in self._hook_order] if first else trained
         for e in first + rest:
-            if e.staged is not None or e in self._stepped_early:
+            if e.staged is not None or e in self.stepped_early:
                 continue
             if e.partitioned:
                 if e.has_grad:
@@ -330,7 +436,7 @@ class Step:
                 g = e.param.grad.detach().reshape(-1).to("cpu")
                 yield e, g if g.is_contiguous() else g.contiguous()
 
-    def _grad_norm(self, scale):
+    def grad_norm(self, scale):
         """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
         unscaled gradients (inf when one is not finite); a partition's gradient is read from the
         host tier one at a time, unless the gradient hook took its norm already."""
@@ -366,22 +472,22 @@ class Step:
             total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
         return total / scale if math.isfinite(total) else math.inf
 
-    def _finish_staged(self):
+    def finish_staged(self):
         """Commits the step staged during backward when it is the step to take: no clipping
         (the global norm under gradient_clipping), the loss scale and learning rates it was
         staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
         when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
-        staged = self._staged
+        staged = self.staged
         if staged is None:
             return None, None
         # What backward did not stage: the unpartitioned parameters on a GPU, and partitioned
         # ones with no gradient in this micro-batch (their partition holds the earlier ones').
         for e, g in list(self._unstaged()):
-            self._stage(e, g)
-        if self._staged is None:  # a staging failed
+            self.stage(e, g)
+        if self.staged is None:  # a staging failed
             return None, None
         reason = None
-        if staged.scale != self.loss_scale:
+        if staged.scale != self.scaler.scale:
             reason = "the loss scale changed"
         for e in staged.entries:
             if reason is None and \
@@ -389,12 +495,12 @@ class Step:
                 reason = f"the learning rate or weight decay of {e.name}'s group changed"
         if staged.held:
             if reason is not None:  # nothing has stepped: taken anew
-                self._drop_staged(reason)
+                self.drop_staged(reason)
                 return None, None
             norm, clip = self._norm_and_clip(staged.scale)
             if clip is None:
-                self._end_staged(committed=False)
-                self._scaler.update(overflow=True)
+                self.end_staged(committed=False)
+                self.scaler.update(overflow=True)
                 return False, {"overflow": True, "grad_norm": norm}
             self._speculate = clip == 1.0 and self.ranks is None
             self.runtime.release_optimizer_step(clip / staged.scale)
@@ -404,33 +510,32 @@ class Step:
             self._speculate = False  # likely again next step: not staged then
         norm = None
         if reason is None and self.config.clipping > 0:
-            norm = self._grad_norm(staged.scale)
+            norm = self.grad_norm(staged.scale)
             if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
                 reason = "gradient clipping scales this step"
                 self._speculate = False  # likely again next step: not staged then
         if reason is not None:
-            self._drop_staged(reason)
+            self.drop_staged(reason)
             return None, None
         if norm is not None and not math.isfinite(norm):
-            self._end_staged(committed=False)
-            self._scaler.update(overflow=True)
+            self.end_staged(committed=False)
+            self.scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
         return self._commit(norm, staged=True)
 
-    def _step_anew(self):
+    def step_anew(self):
         """The step after backward: the global norm and clip coefficient (gradient_clipping),
-        then every parameter's step staged with them and committed."""
-        if self.ranks is not None:
-            self._reduce_gradients()
-        norm, clip = self._norm_and_clip(self.loss_scale)
+        then every parameter's step staged with them and committed. (Across ranks the
+        gradients are reduced first: Gradients.reduce.)"""
+        norm, clip = self._norm_and_clip(self.scaler.scale)
         if clip is None:
-            self._scaler.update(overflow=True)
+            self.scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
         # Stage the next step during backward unless it clipped (never across ranks).
         self._speculate = clip == 1.0 and self.ranks is None
         for e, g in list(self._unstaged()):
-            self._stage(e, g, clip=clip, always=True)
-        if self._staged is None:
+            self.stage(e, g, clip=clip, always=True)
+        if self.staged is None:
             return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                           "bytes_written": 0, "bytes_reused": 0}
         return self._commit(norm, staged=False)
@@ -443,8 +548,8 @@ class Step:
         partition's step lands as it is taken, so an overflow must be known before the first)."""
         norm = None
         if self.config.clipping > 0 or (self.dtype == torch.float16 and
-                                        (self.ranks is not None or self._commit_each)):
-            norm = self._grad_norm(scale)
+                                        (self.ranks is not None or self.commit_each)):
+            norm = self.grad_norm(scale)
             if not math.isfinite(norm):
                 return norm, None
         clip = 1.0
@@ -459,25 +564,25 @@ class Step:
         the step counts advance and the loss scale follows (an overflow skips the step)."""
         r = self.runtime.commit_optimizer_step()
         if r["overflow"]:  # nothing was changed
-            self._end_staged(committed=False)
-            self._scaler.update(overflow=True)
+            self.end_staged(committed=False)
+            self.scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": None}
         copied = set(self.runtime.take_copied_partitions())  # their weights written already
-        entries = list(self._staged.entries)
-        early = self._staged.early
-        held = self._staged.held
+        entries = list(self.staged.entries)
+        early = self.staged.early
+        held = self.staged.held
         for e in entries:
             e.steps += 1
-        self._end_staged(committed=True)
-        if self._refresh:
+        self.end_staged(committed=True)
+        if self.refresh:
             try:
-                self._refresh_weights([e for e in entries if e.gid not in copied])
+                self.refresh_weights([e for e in entries if e.gid not in copied])
             except _strata.Error as error:  # raised by step() once its bookkeeping is done
-                self._refresh_error = error
-        self._optimizer_read += r["bytes_read"]
+                self.refresh_error = error
+        self.optimizer_read += r["bytes_read"]
         # Bytes written behind a step (strata.optimizer_write_behind) are counted with the next.
-        self._optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
-        self._scaler.update(overflow=False)
+        self.optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
+        self.scaler.update(overflow=False)
         return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
                       "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
                       "write_seconds": r["write_seconds"], "compute_seconds": r["compute_seconds"],
@@ -488,14 +593,14 @@ class Step:
                       "behind_bytes_written": r["behind_bytes_written"],
                       "behind_wait_seconds": r["behind_wait_seconds"]}
 
-    def _refresh_weights(self, entries):
+    def refresh_weights(self, entries):
         """Parameters homed on NVMe: their new weights are their committed master weights in the
         training dtype, read back one parameter at a time (never all in host memory at once).
         The weights are a copy of the master weights: one that cannot be written now (a failed
         read or write) is written before the next forward, and the step's error says so."""
-        pending = list(self._pending_refresh) + [
-            e for e in entries if e.partitioned and e not in self._pending_refresh]
-        self._pending_refresh = pending
+        pending = list(self.pending_refresh) + [
+            e for e in entries if e.partitioned and e not in self.pending_refresh]
+        self.pending_refresh = pending
         # One buffer for every parameter's state, not three tensors each: a megabyte tensor made
         # and freed per parameter is kept resident by glibc's heap once its mmap threshold has
         # risen, so that the process's resident memory drifts above what is in use.
@@ -507,7 +612,7 @@ class Step:
                 # A parameter stepped in part (a step that failed part way): each sub-group's
                 # master weights are its weights.
                 self.runtime.read_optimizer_state(e.gid, master, m, v, mixed_steps=True)
-                checkpoints._set_weights(self, e, master)
+                set_weights(self.runtime, e, master)
             except Exception as error:
                 raise _strata.Error(
                     f"the optimizer step committed, but the new weights of {len(pending)} "

@@ -1,6 +1,8 @@
-"""Where the engine is in its loop, as one value that the engine's parts check: the hooks (the
-lending's, the gradients') and the engine's loop read it, the loop and the gradient hook move it.
-It replaces loose flags, each set in one file and read in another.
+"""Where the engine is in its loop: its phase, one value that the engine's parts check (the
+hooks, the lending's and the gradients', and the optimizer step read it; the loop and the
+gradient hook move it), in place of loose flags each set in one file and read in another; and
+its counts, DeepSpeed's (micro-steps, global steps, skipped steps), with the accumulation window
+they place a micro-batch in.
 
     IDLE       no gradient since the last step() (or zero_grad())
     BACKWARD   engine.backward() is running
@@ -24,12 +26,20 @@ class Phase(enum.Enum):
 
 
 class TrainingState:
-    """The engine's phase (Phase), shared by its parts."""
+    """The engine's phase (Phase) and counts, shared by its parts."""
 
-    __slots__ = ("phase",)
+    __slots__ = ("phase", "accumulation", "micro_steps", "global_steps", "skipped_steps")
 
-    def __init__(self):
+    def __init__(self, accumulation=1):
         self.phase = Phase.IDLE
+        self.accumulation = accumulation  # gradient_accumulation_steps
+        self.micro_steps = 0  # step() calls that counted (each ends a micro-batch)
+        self.global_steps = 0  # accumulation boundaries passed (skipped steps included)
+        self.skipped_steps = 0  # of those, steps skipped (an fp16 overflow)
+
+    def is_boundary(self):
+        """The micro-batch running now ends the accumulation window."""
+        return (self.micro_steps + 1) % self.accumulation == 0
 
     @property
     def in_backward(self):

@@ -799,7 +799,7 @@ def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_pat
         if sub_group:
             config["zero_optimization"]["sub_group_size"] = sub_group
         engine, losses = _train_steps(config, data)
-        assert engine._commit_each == (commit == "partition")
+        assert engine._step.commit_each == (commit == "partition")
         report = engine.last_step_stats["optimizer"]
         results.append((losses, [w.clone() for w in engine_weights(engine)],
                         (report.get("staged"), report.get("held")), commit))
@@ -848,9 +848,9 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
     engine.backward(loss_of(engine(x), y))
     warned = len(engine.warnings)
     released_written = []  # the host copies the engine releases written after the failed step
-    real_release = engine._release_early_held
-    engine._release_early_held = lambda attempt: (
-        released_written.extend(e.gid for e in engine._early_held), real_release(attempt))
+    real_release = engine._step.release_early_held
+    engine._step.release_early_held = lambda attempt: (
+        released_written.extend(e.gid for e in engine._step.early_held), real_release(attempt))
     with pytest.raises(strata.Error, match="No space left on device") as failed:
         engine.step()
     made[0].arm_faults(False)
@@ -867,7 +867,7 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         partly = engine.runtime.partly_stepped_optimizer_partitions()
         assert len(partly) == 1
         if homed:  # written by the optimizer's thread; all of it written again at once
-            assert not engine._pending_refresh
+            assert not engine._step.pending_refresh
         else:
             assert released_written == partly
     else:
@@ -875,7 +875,7 @@ def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_p
         assert any(f"after {len(landed)} parameters had stepped" in w and
                    "optimizer_commit" in w for w in engine.warnings[warned:])
     if homed:  # what a module called on its own computes with, before any engine.forward
-        assert engine._refresh
+        assert engine._step.refresh
         for e, weights, state in zip(engine.table.trained, engine_weights(engine),
                                      _optimizer_state(engine, mixed_steps=True)):
             assert torch.equal(weights.reshape(-1), state[:e.shard]), e.name
@@ -906,11 +906,11 @@ def test_optimizer_commit_partition_writes_nvme_homed_weights_without_reading_th
         config["strata"].update(optimizer_commit=commit, optimizer_during_backward=during)
         torch.manual_seed(0)
         engine, _, _, _ = strata.initialize(model=Net(), config=config)
-        assert engine._refresh
+        assert engine._step.refresh
         read_back = []
-        real = engine._refresh_weights
-        engine._refresh_weights = lambda entries: (read_back.append(  # (partitioned ones)
-            [e.name for e in list(entries) + engine._pending_refresh if e.partitioned]),
+        real = engine._step.refresh_weights
+        engine._step.refresh_weights = lambda entries: (read_back.append(  # (partitioned ones)
+            [e.name for e in list(entries) + engine._step.pending_refresh if e.partitioned]),
             real(entries))
         losses = train(engine, data)
         results[commit] = (losses, [w.clone() for w in engine_weights(engine)],
@@ -961,11 +961,11 @@ def test_optimizer_commit_partition_a_load_that_fails_part_way_is_refused_until_
         else:
             engine.load_pretrained(other)
     made[0].arm_faults(False)
-    assert "failed part way" in engine._half_loaded
+    assert "failed part way" in engine._step.half_loaded
     before = _optimizer_state(engine)
     x, y = data[3]
     engine.backward(loss_of(engine(x), y))
-    assert engine._staged is None  # nothing staged, so nothing landed during backward
+    assert engine._step.staged is None  # nothing staged, so nothing landed during backward
     for b, a in zip(before, _optimizer_state(engine)):
         assert torch.equal(b, a)
     with pytest.raises(RuntimeError, match="step: .*failed part way"):
@@ -973,7 +973,7 @@ def test_optimizer_commit_partition_a_load_that_fails_part_way_is_refused_until_
     with pytest.raises(RuntimeError, match="save_checkpoint: .*failed part way"):
         engine.save_checkpoint(tmp_path / "again")
     engine.load_checkpoint(tmp_path / "ckpt")  # whole: training goes on
-    assert engine._half_loaded is None
+    assert engine._step.half_loaded is None
     engine.backward(loss_of(engine(x), y))
     engine.step()
     assert engine.global_steps == 3
@@ -1421,10 +1421,10 @@ def test_the_gradient_hook_takes_the_norm_of_a_window_of_one(tmp_path, stage):
         with_grads = [e for e in engine.table.trained if e.has_grad or e.host_grad is not None]
         if accumulation == 1 and not twice:
             assert len(taken) == len(with_grads) > 0
-            hooked = engine._grad_norm(engine.loss_scale)
+            hooked = engine._step.grad_norm(engine.loss_scale)
             for e in engine.table.trained:
                 e.grad_norm = None
-            assert hooked == pytest.approx(engine._grad_norm(engine.loss_scale), rel=1e-6)
+            assert hooked == pytest.approx(engine._step.grad_norm(engine.loss_scale), rel=1e-6)
         else:
             assert not taken
         engine.step()
@@ -1564,7 +1564,7 @@ def test_the_weights_can_be_read_between_backward_and_step(tmp_path):
     before = engine.module_state_dict()
     x, y = data[1]
     engine.backward(loss_of(engine(x), y))
-    assert engine._staged is not None
+    assert engine._step.staged is not None
     during = engine.module_state_dict()
     for name, value in before.items():
         assert torch.equal(during[name], value), name
@@ -2091,7 +2091,7 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
     config = make_config(tmp_path, 3, "nvme", "fp32", 1, 0.0)
     config["zero_optimization"]["offload_param"]["max_in_cpu"] = max_in_cpu
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    assert engine._refresh == (max_in_cpu == 0)
+    assert engine._step.refresh == (max_in_cpu == 0)
     def storage_read():  # what this process read from the disk (O_DIRECT: what it asked for)
         with open("/proc/self/io", encoding="utf-8") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
@@ -2108,7 +2108,7 @@ def test_nvme_parameters_within_max_in_cpu_step_without_reading_the_state_back(t
         # in whole 4 KiB pages: these are small).
         named = engine.last_step_stats["nvme"]["read"]
         blobs = len(engine.table.trained) + (sum(e.partitioned for e in engine.table.trained)
-                                       if engine._refresh else 0)
+                                       if engine._step.refresh else 0)
         assert 0 <= read - sum(named.values()) < 4096 * blobs, (named, read)
         if i > 0:  # (the first step's forward reads the parameters too)
             if max_in_cpu:

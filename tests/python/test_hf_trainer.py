@@ -84,7 +84,7 @@ def test_trainer_trains_through_strata_as_without_it(tmp_path, name, stage, offl
                                 strata_config=strata_config(stage, offload, tmp_path))
     trainer.train()
     engine = trainer.strata_engine
-    assert engine.stage == stage and engine._accumulation == 2
+    assert engine.stage == stage and engine._state.accumulation == 2
     if stage == 3:
         assert any(e.partitioned for e in engine.table.trained)
     ours, theirs = logged(trainer), logged(plain)
