@@ -55,6 +55,9 @@ class Lending:
         self.runtime = runtime  # the engine's; None once it is closed
         self.module = None  # the model, once hooked (install)
         self.by_module = {}  # module -> the entries its forward lends
+        # module -> (any of them frozen, any trained): what its hooks check on each call
+        self._kinds = {}
+        self._cuda = table.placeholder.device.type == "cuda"
         self.holders = {}  # pid -> holds on its lent copy (its modules' forwards and backwards)
         self.handles = []  # the hooks it put on the model
         self.patched_forward = []  # (module, its own forward or None) it set (_Zero3Linear's)
@@ -151,7 +154,7 @@ class Lending:
         """Lends `e` (one process) and holds it once more: its module's _drop, or its gradient
         hook, gives it back."""
         self.holders[e.pid] = self.holders.get(e.pid, 0) + 1
-        if e.param.data.numel() == 0:
+        if e.param.numel() == 0:
             lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                  self._traced()))
             e.param.data = lent.view(e.shape)
@@ -192,6 +195,8 @@ class Lending:
                 module.forward = types.MethodType(_zero3_linear_forward, module)
                 self.patched_forward.append((module, None))
         self.by_module[module] += [e for e in entries if e not in self.by_module[module]]
+        lent = self.by_module[module]
+        self._kinds[module] = (any(e.frozen for e in lent), any(not e.frozen for e in lent))
 
     def _use_external(self, param, module):
         """`module`'s forward used `param`, a partitioned parameter it does not own (found by
@@ -203,7 +208,7 @@ class Lending:
         self.lend_now(e)
 
     def _stream(self):
-        return kernel_stream(self.table.placeholder.device)
+        return kernel_stream(self.table.placeholder.device) if self._cuda else None
 
     def _traced(self):
         """Whether a lend now is part of the training step's access trace: a forward with
@@ -218,7 +223,7 @@ class Lending:
         gather = []
         for e in self.by_module[module]:
             held = self.holders.get(e.pid, 0)
-            if held == 0 and e.param.data.numel() == 0 and e not in prefetched[0]:
+            if held == 0 and e.param.numel() == 0 and e not in prefetched[0]:
                 try:
                     lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                          self._traced()))
@@ -251,7 +256,7 @@ class Lending:
 
     def _sink(self, e):
         def sink(whole):
-            if e.param.data.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
+            if e.param.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
                 e.param.data = whole.view(e.shape)
         return sink
 
@@ -283,7 +288,7 @@ class Lending:
         following = self.gather_order[self.cursor]
         items = []
         for e in self.by_module[following]:
-            if self.holders.get(e.pid, 0) == 0 and e.param.data.numel() == 0:
+            if self.holders.get(e.pid, 0) == 0 and e.param.numel() == 0:
                 lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
                 items.append((e, lent, self._sink(e)))
         if items:
@@ -299,10 +304,16 @@ class Lending:
             if held <= 0:
                 e.param.data = self.table.placeholder
 
+    # The hooks run for every lending module twice a step: the engine's own torch calls are
+    # marked without internal()'s context manager (a generator a call).
+
     def _before_forward(self, module, args, kwargs):
-        with self.internal():
+        self.internal_depth += 1
+        try:
             self._fetch(module)
-        if torch.is_grad_enabled() and any(e.frozen for e in self.by_module[module]):
+        finally:
+            self.internal_depth -= 1
+        if self._kinds[module][0] and torch.is_grad_enabled():
             # A frozen parameter has no gradient hook to give it back in backward: it goes back
             # once the gradient of the module's input is made (its backward is done then).
             for t in _tensors((args, kwargs)):
@@ -324,15 +335,18 @@ class Lending:
                 if t.requires_grad:
                     t.register_hook(lambda grad, module=module: self._before_backward(module))
                     hooked = True
-            if not hooked and any(not e.frozen for e in self.by_module[module]):
+            if not hooked and self._kinds[module][1]:
                 # No output carries a gradient back into the module, yet it has trained
                 # parameters: what it computed with them went elsewhere (an auxiliary loss kept
                 # on the module), where no hook could lend them again for backward. They stay
                 # lent until their gradients are made (the gradient hook gives each back), or
                 # until backward ends.
                 return
-        with self.internal():
+        self.internal_depth += 1
+        try:
             self._drop(module)
+        finally:
+            self.internal_depth -= 1
 
     def _before_backward(self, module):
         self._fetch(module)
@@ -375,7 +389,7 @@ class _SavedViews:
         if base is None or lending is None:
             return t
         e = lending.table.partitioned_by_id.get(id(base))
-        if e is None or t.dtype != e.param.dtype or e.param.data.numel() == 0 or \
+        if e is None or t.dtype != e.param.dtype or e.param.numel() == 0 or \
                 t.untyped_storage().data_ptr() != e.param.untyped_storage().data_ptr():
             return t
         return _LentView(e, t.size(), t.stride(), t.storage_offset() - e.param.storage_offset())
@@ -384,7 +398,7 @@ class _SavedViews:
         if not isinstance(saved, _LentView):
             return saved
         e = saved.entry
-        if e.param.data.numel() == 0:  # not lent again by its module's backward: lent now
+        if e.param.numel() == 0:  # not lent again by its module's backward: lent now
             lending = self._lending()
             if lending is None or lending.runtime is None or lending.ranks is not None:
                 raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
@@ -520,7 +534,7 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         for leaf in _pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.nn.Parameter) and \
-                    id(leaf) in lending.table.partitioned_by_id and leaf.data.numel() == 0:
+                    id(leaf) in lending.table.partitioned_by_id and leaf.numel() == 0:
                 lending._use_external(leaf, self.stack[-1] if self.stack else lending.module)
         return func(*args, **kwargs)
 
