@@ -51,8 +51,9 @@ from strata import checkpointing
 from strata import optim
 from strata import lr_schedules
 from strata.config import ConfigError
-from strata.engine import (Engine, GatheredParameters, StrataWarning, check_config,
-                           from_pretrained, initialize, register_external_parameter)
+from strata.engine import (Engine, StrataWarning, check_config, from_pretrained, initialize,
+                           register_external_parameter)
+from strata.gathered import GatheredParameters
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 

@@ -49,7 +49,11 @@ restores: the random-number state is the trainer's, in client_state, as in DeepS
 ``load_module_only`` (or ``load_optimizer_states=False``) only the weights are taken: the master
 weights follow them and the moments stay.
 
-Thread safety: the engine's (one thread).
+`CheckpointStore` holds what a save or load reads and writes, handed it by the engine: the
+parameter table, the Runtime, the ranks, the training state's counts, the loss scaler, the
+optimizer and its schedule, the step and the gradients (a load drops the gradients summed before
+it), the module (its buffers and frozen parameters), the config, the warnings. The functions
+below take the store. Thread safety: the engine's (one thread).
 """
 
 import concurrent.futures
@@ -67,7 +71,7 @@ import uuid
 import torch
 
 from strata import _strata
-from strata.parameters import set_weights
+from strata.parameters import read_frozen, set_weights, write_frozen
 
 __all__ = ["save", "load", "CheckpointError"]
 
@@ -81,6 +85,29 @@ _KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 # Test seam: called with the name of each moment of a save (a test kills the process there).
 _crash_point = None
+
+
+class CheckpointStore:
+    """What an engine's checkpoints read and write (see the module's docstring). `runtime` is
+    handed by the engine once made (None once it is closed); `lr_scheduler`, the engine's, is
+    handed before each save and load (a trainer may set the engine another)."""
+
+    def __init__(self, table, ranks, state, scaler, step, gradients, notices, *, optimizer,
+                 optimizer_kind, module, config, dtype):
+        self.table = table
+        self.ranks = ranks
+        self.state = state
+        self.scaler = scaler
+        self.step = step
+        self.gradients = gradients
+        self.notices = notices
+        self.optimizer = optimizer
+        self.optimizer_kind = optimizer_kind
+        self.module = module
+        self.config = config
+        self.dtype = dtype
+        self.runtime = None
+        self.lr_scheduler = None
 
 
 class CheckpointError(ValueError):
@@ -165,35 +192,36 @@ def _remove(save_dir, name):
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def save(engine, save_dir, tag=None, client_state=None, save_latest=True):
+def save(store, save_dir, tag=None, client_state=None, save_latest=True):
     """Saves the engine's training state under save_dir/tag (see the module's docstring);
     returns the tag's folder."""
-    if engine._step.staged is not None:
+    if store.step.staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
-    if engine._step.half_loaded is not None:
-        raise RuntimeError(f"save_checkpoint: {engine._step.half_loaded}")
-    if engine._step.stepped_early:
+    if store.step.half_loaded is not None:
+        raise RuntimeError(f"save_checkpoint: {store.step.half_loaded}")
+    if store.step.stepped_early:
         raise RuntimeError(
-            f"save_checkpoint: the step is half taken ({len(engine._step.stepped_early)} parameters "
+            f"save_checkpoint: the step is half taken ({len(store.step.stepped_early)} parameters "
             "stepped during backward before it was dropped, the others have not yet: "
             "strata.optimizer_during_backward); save after step()")
-    if engine.micro_steps % engine._state.accumulation:
+    if store.state.micro_steps % store.state.accumulation:
         # As DeepSpeed's and plain PyTorch's checkpoints (a trainer's validation or exception
         # callback saves where it is): the state as of the last step, without the window's
         # gradients.
-        engine._warn(
+        store.notices.warn(
             f"save_checkpoint inside a gradient-accumulation window (micro-batch "
-            f"{engine.micro_steps % engine._state.accumulation} of {engine._state.accumulation}): the "
-            "gradients summed so far in the window are not saved; a run resumed from this "
-            "checkpoint ends the window with the micro-batches that follow only")
-    tag = f"global_step{engine.global_steps}" if tag is None else tag
+            f"{store.state.micro_steps % store.state.accumulation} of "
+            f"{store.state.accumulation}): the gradients summed so far in the window are not "
+            "saved; a run resumed from this checkpoint ends the window with the micro-batches "
+            "that follow only")
+    tag = f"global_step{store.state.global_steps}" if tag is None else tag
     _check_tag(tag)
     save_dir = os.fspath(save_dir)
-    if engine.ranks is not None:
-        return _save_ranks(engine, save_dir, tag, client_state, save_latest)
+    if store.ranks is not None:
+        return _save_ranks(store, save_dir, tag, client_state, save_latest)
     partial = _new_partial(save_dir, tag)
     try:
-        _write_state(engine, partial, client_state)
+        _write_state(store, partial, client_state)
         _point("files_written")
         final = _publish(save_dir, tag, partial)
     except BaseException:
@@ -246,7 +274,7 @@ def _drop_asides(save_dir, tag):
         _remove(save_dir, name)
 
 
-def _save_ranks(engine, save_dir, tag, client_state, save_latest):
+def _save_ranks(store, save_dir, tag, client_state, save_latest):
     """A save across ranks (the folder shared by them, as DeepSpeed's): rank 0 makes the folder
     and tells the others its name; every rank writes its optimizer states
     (optimizer_states.rank<r>.bin, its shard of every parameter's) and their digests; once every
@@ -255,7 +283,7 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
     save on every rank with an error, the folder removed and ``latest`` unchanged; one that dies
     after is told of in rank 0's error, which says the checkpoint is whole. Every rank must give
     the same tag."""
-    ranks = engine.ranks
+    ranks = store.ranks
     lead = ranks.rank == 0
     failure, name = None, ""
     if lead:
@@ -282,7 +310,7 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
     try:
         try:
             entries, size = _write_optimizer_states(
-                engine, os.path.join(partial, _rank_file(ranks.rank)))
+                store, os.path.join(partial, _rank_file(ranks.rank)))
             _write_file(os.path.join(partial, f"rank{ranks.rank}.json"),
                         json.dumps({"params": entries, "bytes": size}).encode())
             _point("rank_written")
@@ -299,7 +327,7 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
         published = False
         if lead:
             try:
-                _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest)
+                _finish_ranks(store, save_dir, tag, partial, client_state, save_latest)
                 published = True
             except Exception as error:
                 failure = error
@@ -328,34 +356,34 @@ def _save_ranks(engine, save_dir, tag, client_state, save_latest):
     return os.path.join(save_dir, tag)
 
 
-def _finish_ranks(engine, save_dir, tag, partial, client_state, save_latest):
+def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest):
     """Rank 0, once every rank has written its part: the engine's states and meta.json, then the
     folder renamed and ``latest`` moved."""
-    size = engine.ranks.size
+    size = store.ranks.size
     parts = []
     for q in range(size):
         part_file = os.path.join(partial, f"rank{q}.json")
         with open(part_file, encoding="utf-8") as f:
             parts.append(json.load(f))
     params = [dict(_param_meta(e), shard=e.shard, ranks=[part["params"][i] for part in parts])
-              for i, e in enumerate(engine.table.trained)]
+              for i, e in enumerate(store.table.trained)]
     files = {_rank_file(q): {"bytes": part["bytes"]} for q, part in enumerate(parts)}
-    files[ENGINE] = {"digest": _write_engine_states(engine, partial, client_state)}
+    files[ENGINE] = {"digest": _write_engine_states(store, partial, client_state)}
     for q in range(size):
         os.remove(os.path.join(partial, f"rank{q}.json"))
-    _write_meta(engine, partial, params, files, world_size=size)
+    _write_meta(store, partial, params, files, world_size=size)
     _point("files_written")
     _publish(save_dir, tag, partial)
     if save_latest:
         _write_latest(save_dir, tag)
 
 
-def _write_state(engine, folder, client_state):
+def _write_state(store, folder, client_state):
     """One process's checkpoint: its optimizer state, engine states and meta.json."""
-    entries, size = _write_optimizer_states(engine, os.path.join(folder, STATES))
-    params = [dict(_param_meta(e), **entry) for e, entry in zip(engine.table.trained, entries)]
-    engine_digest = _write_engine_states(engine, folder, client_state)
-    _write_meta(engine, folder, params,
+    entries, size = _write_optimizer_states(store, os.path.join(folder, STATES))
+    params = [dict(_param_meta(e), **entry) for e, entry in zip(store.table.trained, entries)]
+    engine_digest = _write_engine_states(store, folder, client_state)
+    _write_meta(store, folder, params,
                 {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
 
 
@@ -364,13 +392,13 @@ def _param_meta(e):
             "group_index": e.group_index}
 
 
-def _write_optimizer_states(engine, file):
+def _write_optimizer_states(store, file):
     """Each parameter's optimizer state on this rank (its master weights, exp_avg, exp_avg_sq:
     e.shard floats each, its shard's across ranks) one after the other in `file`, synced; returns
     ([{"offset", "digests"} per parameter], the file's bytes)."""
     entries = []
     offset = 0
-    sizes = [{"numel": e.shard} for e in engine.table.trained]
+    sizes = [{"numel": e.shard} for e in store.table.trained]
     # Two buffers: a parameter's state is read from the optimizer (NVMe or host) and digested
     # while the one before is written by a thread of its own, which also syncs every 64 MiB so
     # that the disk's writeback runs beside the rest rather than all in the final sync.
@@ -390,14 +418,14 @@ def _write_optimizer_states(engine, file):
                 unsynced[0] = 0
 
         try:
-            for i, e in enumerate(engine.table.trained):
+            for i, e in enumerate(store.table.trained):
                 slot = i % len(buffers)
                 if pending[slot] is not None:
                     pending[slot].result()  # its buffer is free again (and a failure raised)
                 n = e.shard
                 flat = buffers[slot][:3 * n]
                 tensors = [flat[k * n:(k + 1) * n] for k in range(len(_KINDS))]
-                engine.runtime.read_optimizer_state(e.gid, *tensors)
+                store.runtime.read_optimizer_state(e.gid, *tensors)
                 digests = {kind: _digest(t) for kind, t in zip(_KINDS, tensors)}
                 pending[slot] = writer.submit(write, memoryview(flat.numpy()).cast("B"))
                 entries.append({"offset": offset, "digests": digests})
@@ -416,11 +444,11 @@ def _write_optimizer_states(engine, file):
     return entries, offset
 
 
-def _write_engine_states(engine, folder, client_state):
+def _write_engine_states(store, folder, client_state):
     """engine_states.pt, synced; returns its digest."""
-    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None and \
-        hasattr(engine.lr_scheduler, "state_dict") else None
-    aliases, extra = _module_rest(engine)
+    scheduler = store.lr_scheduler.state_dict() if store.lr_scheduler is not None and \
+        hasattr(store.lr_scheduler, "state_dict") else None
+    aliases, extra = _module_rest(store)
     del aliases
     torch.save({"lr_scheduler": scheduler, "client_state": client_state,
                 "module_extra": {n: t.read() for n, t in extra.items()}},
@@ -430,22 +458,22 @@ def _write_engine_states(engine, folder, client_state):
         return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
 
 
-def _write_meta(engine, folder, params, files, world_size=None):
-    aliases, _ = _module_rest(engine)
+def _write_meta(store, folder, params, files, world_size=None):
+    aliases, _ = _module_rest(store)
     meta = {
         "format": FORMAT, "version": VERSION, "digest": "xxh3-128 per tensor; blake2b-128 of "
                                                           f"{ENGINE}",
-        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-        "micro_steps": engine.micro_steps,
-        "loss_scaler": engine._scaler.state_dict(),
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "optimizer": engine.optimizer_kind,
+        "global_steps": store.state.global_steps, "skipped_steps": store.state.skipped_steps,
+        "micro_steps": store.state.micro_steps,
+        "loss_scaler": store.scaler.state_dict(),
+        "dtype": str(store.dtype).replace("torch.", ""),
+        "optimizer": store.optimizer_kind,
         "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                         for g in engine.optimizer.param_groups],
+                         for g in store.optimizer.param_groups],
         "params": params,
         "aliases": aliases,
         "files": files,
-        "config": engine.config.source,
+        "config": store.config.source,
     }
     if world_size is not None:
         meta["world_size"] = world_size
@@ -464,36 +492,36 @@ class _Rest:
     """A tensor of the module's state dict outside the optimizer: a buffer or a frozen parameter,
     held as a tensor or (a frozen parameter at stage 3) as a partition."""
 
-    def __init__(self, engine, value, frozen):
-        self.engine, self.value, self.frozen = engine, value, frozen
+    def __init__(self, store, value, frozen):
+        self.store, self.value, self.frozen = store, value, frozen
         self.shape = torch.Size(frozen.shape) if frozen is not None else value.shape
 
     def read(self):
         """Its values on the CPU (a copy)."""
         if self.frozen is not None:
-            return self.engine._read_frozen(self.frozen)
+            return read_frozen(self.store.runtime, self.frozen)
         return self.value.detach().to("cpu").clone()
 
     def write(self, values):
         """Sets its values (converted to its dtype)."""
         if self.frozen is not None:
-            self.engine._write_frozen(self.frozen, values)
+            write_frozen(self.store.runtime, self.frozen, values)
             return
         with torch.no_grad():
             self.value.copy_(values.to(device=self.value.device, dtype=self.value.dtype))
 
 
-def _module_rest(engine):
+def _module_rest(store):
     """What the module's state dict holds besides the trainable parameters under their own names:
     (aliases: another name of a trainable parameter, a tied weight -> its name; the rest: frozen
     parameters and buffers by name, each a _Rest)."""
-    names = {id(e.param): e.name for e in engine.table.trained}
-    frozen = {id(e.param): e for e in engine.table.frozen}
+    names = {id(e.param): e.name for e in store.table.trained}
+    frozen = {id(e.param): e for e in store.table.frozen}
     aliases, rest = {}, {}
-    for name, value in engine.module.state_dict(keep_vars=True).items():
+    for name, value in store.module.state_dict(keep_vars=True).items():
         own = names.get(id(value))
         if own is None:
-            rest[name] = _Rest(engine, value, frozen.get(id(value)))
+            rest[name] = _Rest(store, value, frozen.get(id(value)))
         elif own != name:
             aliases[name] = own
     return aliases, rest
@@ -527,8 +555,8 @@ def _read_meta(path):
     return meta
 
 
-def _check_shapes(engine, meta, file):
-    ours = {e.name: list(e.shape) for e in engine.table.trained}
+def _check_shapes(store, meta, file):
+    ours = {e.name: list(e.shape) for e in store.table.trained}
     theirs = {p["name"]: p["shape"] for p in meta["params"]}
     problems = [f"missing: {n}" for n in ours if n not in theirs]
     problems += [f"unexpected: {n}" for n in theirs if n not in ours]
@@ -655,22 +683,22 @@ def _verify(path, meta, files=None):
                               "file is damaged; nothing was changed")
 
 
-def load(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
+def load(store, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True,
          load_module_only=False):
     """Loads a checkpoint into the engine (see the module's docstring); returns (its folder,
     client_state), or (None, None) when `load_dir` has no ``latest`` and no tag is given (as
     DeepSpeed's, with a warning)."""
-    if engine._step.staged is not None:
+    if store.step.staged is not None:
         raise RuntimeError("load_checkpoint: between backward and step; load after step()")
-    checked = checked_everywhere(engine, "load_checkpoint", lambda: _check_load(
-        engine, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states,
+    checked = checked_everywhere(store, "load_checkpoint", lambda: _check_load(
+        store, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states,
         load_module_only))
     if checked is None:
         return None, None
-    return _apply_load(engine, checked, load_module_only, load_optimizer_states)
+    return _apply_load(store, checked, load_module_only, load_optimizer_states)
 
 
-def checked_everywhere(engine, what, check):
+def checked_everywhere(store, what, check):
     """check()'s result once it has passed on every rank (one process: once it has passed); a
     rank whose check failed raises its error, the others an error naming it: nothing changes on
     any rank."""
@@ -679,8 +707,8 @@ def checked_everywhere(engine, what, check):
         result = check()
     except Exception as error:  # across ranks, told to the others first
         failure = error
-    if engine.ranks is not None:
-        failed = engine.ranks.failed_ranks(failure is None)
+    if store.ranks is not None:
+        failed = store.ranks.failed_ranks(failure is None)
         if failed and failure is None:
             raise CheckpointError(
                 f"{what}: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
@@ -690,15 +718,15 @@ def checked_everywhere(engine, what, check):
     return result
 
 
-def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+def _check_load(store, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                 load_module_only):
     """Everything load checks before it changes anything; None when there is no `latest` and no
     tag (said in a warning)."""
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.isfile(latest):
-            engine._warn(f"load_checkpoint: {latest} is missing and no tag was given: nothing "
-                         "was loaded")
+            store.notices.warn(f"load_checkpoint: {latest} is missing and no tag was given: "
+                               "nothing was loaded")
             return None
         with open(latest, encoding="utf-8") as f:
             tag = f.read().strip()
@@ -706,14 +734,14 @@ def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_
     if path is None:
         raise CheckpointError(f"load_checkpoint: no checkpoint {tag!r} in {load_dir}")
     meta = _read_meta(path)
-    _check_shapes(engine, meta, os.path.join(path, META))
+    _check_shapes(store, meta, os.path.join(path, META))
     # This rank's elements of each parameter: all of them, or its shard's across ranks.
-    rank = engine.ranks.rank if engine.ranks is not None else 0
-    ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in engine.table.trained}
+    rank = store.ranks.rank if store.ranks is not None else 0
+    ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in store.table.trained}
     files = _files_for(meta, ranges)
     _verify(path, meta, files)
     engine_states = torch.load(os.path.join(path, ENGINE))
-    _, rest = _module_rest(engine)
+    _, rest = _module_rest(store)
     saved_rest = engine_states["module_extra"]
     problems = [f"missing: {n}" for n in rest if n not in saved_rest]
     problems += [f"unexpected: {n}" for n in saved_rest if n not in rest]
@@ -728,43 +756,43 @@ def _check_load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_
     scheduler_state = engine_states["lr_scheduler"]
     restore_scheduler = False
     if not load_module_only:
-        _check_optimizer(engine, meta, os.path.join(path, META))
-        restore_scheduler = _check_scheduler(engine, scheduler_state, load_lr_scheduler_states,
+        _check_optimizer(store, meta, os.path.join(path, META))
+        restore_scheduler = _check_scheduler(store, scheduler_state, load_lr_scheduler_states,
                                              os.path.join(path, ENGINE))
     return path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler
 
 
 @contextlib.contextmanager
-def loading_optimizer_state(engine, what, whole):
+def loading_optimizer_state(store, what, whole):
     """The optimizer state's load (Runtime.begin_load_optimizer_state .. commit or abort), as the
     body loads it. With strata.optimizer_commit "partition" each NVMe partition is written as it
     is loaded, so a load that fails part way leaves those: the engine then refuses to stage, step
-    or save until a load of the `whole` state succeeds (engine._step.half_loaded says why)."""
-    engine.runtime.begin_load_optimizer_state()
+    or save until a load of the `whole` state succeeds (store.step.half_loaded says why)."""
+    store.runtime.begin_load_optimizer_state()
     try:
         yield
-        engine.runtime.commit_load_optimizer_state()
+        store.runtime.commit_load_optimizer_state()
     except BaseException as error:
-        engine.runtime.abort_load_optimizer_state()
-        if engine._step.commit_each:  # what was written of the NVMe state stays
-            engine._step.half_loaded = (
+        store.runtime.abort_load_optimizer_state()
+        if store.step.commit_each:  # what was written of the NVMe state stays
+            store.step.half_loaded = (
                 f"{what} failed part way ({error}); with strata.optimizer_commit \"partition\" "
                 "the optimizer state it had written to NVMe stays, beside the rest of the old "
                 "state: load a checkpoint (its optimizer state whole) again")
         raise
     if whole:
-        engine._step.half_loaded = None
+        store.step.half_loaded = None
 
 
-def _apply_load(engine, checked, load_module_only, load_optimizer_states):
+def _apply_load(store, checked, load_module_only, load_optimizer_states):
     """The checked load applied (see load)."""
     path, meta, ranges, files, engine_states, rest, by_name, restore_scheduler = checked
     saved_rest = engine_states["module_extra"]
     module_only = load_module_only or not load_optimizer_states
     scheduler_state = engine_states["lr_scheduler"]
     # Checked: from here on the engine changes. Gradients summed before the load are dropped.
-    engine._end_gradients(failed=False)
-    buffer = torch.empty(3 * max((e.shard for e in engine.table.trained), default=0))
+    store.gradients.end_step(failed=False)
+    buffer = torch.empty(3 * max((e.shard for e in store.table.trained), default=0))
     handles = {}
     try:
         for name in files:
@@ -777,24 +805,24 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
 
         # The optimizer's state, all or none: the checkpoint's, or (module only) the current
         # moments under the checkpoint's master weights, so the next step goes on from them.
-        with loading_optimizer_state(engine, "a checkpoint's load",
+        with loading_optimizer_state(store, "a checkpoint's load",
                                      whole=not module_only):
-            for e in engine.table.trained:
+            for e in store.table.trained:
                 master, exp_avg, exp_avg_sq = read(e)
                 if module_only:
                     _, exp_avg, exp_avg_sq = (torch.empty(e.shard) for _ in range(3))
-                    engine.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
-                engine.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
+                    store.runtime.read_optimizer_state(e.gid, _, exp_avg, exp_avg_sq)
+                store.runtime.load_optimizer_state(e.gid, master, exp_avg, exp_avg_sq)
         gather = []  # across ranks: the unpartitioned parameters' shards, whole everywhere
-        for e in engine.table.trained:
+        for e in store.table.trained:
             master = read(e)[0]
-            if engine.ranks is not None and not e.partitioned:
-                gather.append((e, master.to(engine.dtype, copy=True),
-                               lambda whole, e=e: set_weights(engine.runtime, e, whole)))
+            if store.ranks is not None and not e.partitioned:
+                gather.append((e, master.to(store.dtype, copy=True),
+                               lambda whole, e=e: set_weights(store.runtime, e, whole)))
             else:
-                set_weights(engine.runtime, e, master)
+                set_weights(store.runtime, e, master)
         if gather:
-            engine.ranks.gather(gather)
+            store.ranks.gather(gather)
     finally:
         for f in handles.values():
             f.close()
@@ -803,51 +831,53 @@ def _apply_load(engine, checked, load_module_only, load_optimizer_states):
     if load_module_only:
         return path, engine_states["client_state"]
     if load_optimizer_states:
-        for e in engine.table.trained:
+        for e in store.table.trained:
             e.steps = by_name[e.name]["steps"]
-    engine.global_steps = meta["global_steps"]
-    engine.skipped_steps = meta["skipped_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    if meta["dtype"] == str(engine.dtype).replace("torch.", ""):
-        engine._scaler.load_state_dict(meta["loss_scaler"])
+    store.state.global_steps = meta["global_steps"]
+    store.state.skipped_steps = meta["skipped_steps"]
+    store.state.micro_steps = meta["micro_steps"]
+    if meta["dtype"] == str(store.dtype).replace("torch.", ""):
+        store.scaler.load_state_dict(meta["loss_scaler"])
     else:
-        engine._warn(f"load_checkpoint: the checkpoint trained in {meta['dtype']}, this engine in "
-                     f"{str(engine.dtype).replace('torch.', '')}: its loss scale is not taken")
-    for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+        store.notices.warn(f"load_checkpoint: the checkpoint trained in {meta['dtype']}, this "
+                           f"engine in {str(store.dtype).replace('torch.', '')}: its loss scale "
+                           "is not taken")
+    for group, saved in zip(store.optimizer.param_groups, meta["param_groups"]):
         group.update(saved)
     if restore_scheduler:
-        engine.lr_scheduler.load_state_dict(scheduler_state)
+        store.lr_scheduler.load_state_dict(scheduler_state)
     return path, engine_states["client_state"]
 
 
-def _check_optimizer(engine, meta, file):
+def _check_optimizer(store, meta, file):
     """The checkpoint's optimizer is the engine's, with as many param groups, the parameters in
     the same ones."""
-    if meta["optimizer"] != engine.optimizer_kind:
+    if meta["optimizer"] != store.optimizer_kind:
         raise CheckpointError(f"load_checkpoint: {file} holds the state of {meta['optimizer']}, "
-                              f"this engine steps {engine.optimizer_kind}: accepted: the same "
+                              f"this engine steps {store.optimizer_kind}: accepted: the same "
                               "optimizer (or load_module_only=True); nothing was changed")
-    if len(meta["param_groups"]) != len(engine.optimizer.param_groups):
+    if len(meta["param_groups"]) != len(store.optimizer.param_groups):
         raise CheckpointError(f"load_checkpoint: {file} has {len(meta['param_groups'])} param "
-                              f"groups, this engine {len(engine.optimizer.param_groups)}; nothing "
+                              f"groups, this engine {len(store.optimizer.param_groups)}; nothing "
                               "was changed")
     groups = {p["name"]: p["group_index"] for p in meta["params"]}
-    moved = [e.name for e in engine.table.trained if groups[e.name] != e.group_index]
+    moved = [e.name for e in store.table.trained if groups[e.name] != e.group_index]
     if moved:
         raise CheckpointError(f"load_checkpoint: {file} puts {', '.join(moved)} in other param "
                               "groups; nothing was changed")
 
 
-def _check_scheduler(engine, state, wanted, file):
+def _check_scheduler(store, state, wanted, file):
     """Whether the scheduler's state is to be restored; a state the engine's scheduler refuses is
     found here, before anything changes."""
     if not wanted:
         return False
-    scheduler = engine.lr_scheduler
+    scheduler = store.lr_scheduler
     if (scheduler is None) != (state is None):
-        engine._warn(f"load_checkpoint: {file} has {'no' if state is None else 'a'} learning-rate "
-                     f"scheduler state and this engine {'has' if state is None else 'has no'} "
-                     "scheduler: the schedule is not restored")
+        store.notices.warn(f"load_checkpoint: {file} has {'no' if state is None else 'a'} "
+                           f"learning-rate scheduler state and this engine "
+                           f"{'has' if state is None else 'has no'} scheduler: the schedule is "
+                           "not restored")
         return False
     if scheduler is None:
         return False

@@ -26,7 +26,13 @@ act on. Read here:
 import json
 import os
 
-__all__ = ["TrainConfig", "ConfigError"]
+import torch
+
+__all__ = ["TORCH_DTYPES", "TrainConfig", "ConfigError"]
+
+# The training dtypes a config names (bf16, fp16, else fp32; data_types.grad_accum_dtype), in
+# torch's terms.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Keys this module reads; everything else goes to the C++ reader.
 TRAINER_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",

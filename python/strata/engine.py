@@ -55,18 +55,17 @@ Without a GPU the device tier is the host-emulated one (strata.device "emulated"
 and the model computes on the CPU; ``engine.device_kind`` and every report say which ran.
 
 The engine is split by concern, as FSDP2's state is: this module is the facade (set-up, the loop,
-DeepSpeed's API, checkpoints, reports, the engine's life), composing objects that own their state:
-the parameter table (strata/parameters.py), the training state the hooks check
-(strata/training_state.py), the loss scaler (strata/loss_scaler.py) and the lending of stage 3's
-parameters around modules (strata/lending.py). strata/gradients.py takes the gradients and
-strata/step.py stages and commits the optimizer step, as mixins of the engine.
+DeepSpeed's API, reports, the engine's life), composing objects that own their state, each handed
+what it uses: the parameter table (strata/parameters.py), the training state the hooks check
+(strata/training_state.py), the loss scaler (strata/loss_scaler.py), the lending of stage 3's
+parameters around modules (strata/lending.py), the gradients (strata/gradients.py), the
+optimizer step (strata/step.py), the checkpoint store (strata/checkpoints.py) and the torch
+optimizer it returns (strata/optimizer.py). docs/design.md walks one parameter through a step.
 
 Thread safety: an engine is driven by one thread, as DeepSpeed's.
 """
 
 import contextlib
-import functools
-import gc
 import json
 import logging
 import os
@@ -86,31 +85,32 @@ from torch.utils.dlpack import from_dlpack
 from strata import _strata
 from strata import checkpointing
 from strata import checkpoints
+from strata import guards
 from strata import zero_init as init_module
 from strata import pretrained
 from strata import tiling
 from strata import lr_schedules
 from strata import optimizer as optimizer_module
 from strata import ranks as ranks_module
-from strata.config import TrainConfig
+from strata.config import TORCH_DTYPES, TrainConfig
 from strata.gradients import Gradients, HostCopies
 from strata.loss_scaler import LossScaler
 from strata.lending import Lending, register_external_parameter, weakly
-from strata.parameters import Param, ParameterTable, set_weights
+from strata.parameters import ParameterTable, read_frozen
 from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.notices import Notices, StrataWarning
 from strata.step import OptimizerStep
 from strata.training_state import Phase, TrainingState
 
-__all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
-           "register_external_parameter", "StrataWarning"]
+__all__ = ["check_config", "initialize", "Engine", "register_external_parameter",
+           "StrataWarning"]
 
 # The engine's messages: warnings through `warnings` (StrataWarning), the step lines
 # (steps_per_print) through this logger at INFO; nothing is printed.
 logger = logging.getLogger("strata")
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = TORCH_DTYPES
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
 _ENGINE_KEYS = tuple(f"zero_optimization.{k}:" for k in (
@@ -289,153 +289,58 @@ class _HeldActivation:
 
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
-_LIVE = weakref.WeakSet()
-_CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+def _refuse_model(model):
+    """Refuses a model strata.initialize cannot take as it is: tensors on the meta device, one an
+    engine not closed holds, one with a closed engine's placeholders left; takes a closed
+    engine's refusing hooks off the others."""
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+               if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(
+            f"strata.initialize: {len(on_meta)} tensors of the model are on the meta device "
+            f"and hold no values ({', '.join(on_meta[:5])}{', ...' if len(on_meta) > 5 else ''})"
+            "; accepted: a model built on the CPU, or under strata.init (which partitions "
+            "each parameter as it is made); load pretrained weights after initialize")
+    holder = guards.engine_holding(model)
+    if holder is not None:
+        raise ValueError(
+            "strata.initialize: the model's parameters are held by a strata engine not "
+            f"closed (made {holder._made_at}); two engines would each step them and lend "
+            "them apart; accepted: that engine's close() first (or its release(), which "
+            "gives the module its weights back whole), then initialize again")
+    # (A model built under strata.init keeps its partitions in what built it, which names
+    # a second engine itself.)
+    left = guards.left_placeholders(model, recurse=True) \
+        if init_module.built_under(model) is None else []
+    if left:
+        raise ValueError(f"strata.initialize: {len(left)} parameters of the model "
+                         f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): "
+                         f"{guards.PLACEHOLDERS_LEFT}")
+    guards.unguard(model)
 
 
-def _engine_of(params, what):
-    """The engine not closed whose trained parameters are among `params` (None: no engine's);
-    refused: two engines' parameters in one call."""
-    found = [engine for engine in list(_LIVE)
-             if engine._runtime is not None and engine._step.owns_any(params)]
-    if len(found) > 1:
-        raise ValueError(f"{what} over the parameters of {len(found)} strata engines at once: "
-                         "each engine's gradients are its own; accepted: one engine's "
-                         "parameters a call")
-    return found[0] if found else None
-
-
-def _route_clip_grad_norm():
-    """Routes torch.nn.utils' clipping (what Trainer, Accelerate, Lightning and plain loops call
-    between backward and step), once, when strata is imported: clip_grad_norm_ over an engine's
-    parameters is the engine's (Step._clip_by_user: the norm of its gradients wherever they are,
-    with any other parameters' gradients given, and the step clipped by it, plain torch's
-    arithmetic; a second call sees the first's clipping, as torch's does); clip_grad_value_ and
-    clip_grads_with_norm_ over an engine's parameters are refused by name (its gradients are not
-    in .grad); over other parameters each is torch's own.
-
-    torch wraps each of these in a no_grad wrapper that calls the function in its closure; the
-    routing takes that function's place there, so the wrapper torch exposes stays the same
-    object and a name imported from torch before strata was is routed too (a script that does
-    `from torch.nn.utils import clip_grad_norm_` first would otherwise clip nothing at stages 2
-    and 3, with no error)."""
-    def clip_grad_norm_(torchs):
-        def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-            params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-            engine = _engine_of(params, "torch.nn.utils.clip_grad_norm_")
-            if engine is not None:
-                return engine._step.clip_by_user(params, max_norm, norm_type, error_if_nonfinite,
-                                                 engine._adopt_backward)
-            return torchs(params, max_norm, norm_type=norm_type,
-                          error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-        return clip
-
-    def refused(name):
-        def route(torchs):
-            def clip(parameters, *args, **kwargs):
-                params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-                if _engine_of(params, f"torch.nn.utils.{name}") is not None:
-                    raise ValueError(
-                        f"torch.nn.utils.{name} over a strata engine's parameters: their "
-                        "gradients are the engine's, not in .grad, and it would clip nothing; "
-                        "accepted: torch.nn.utils.clip_grad_norm_, or gradient_clipping in the "
-                        "config")
-                return torchs(params, *args, **kwargs)
-            return clip
-        return route
-
-    for name in _CLIPPING:
-        exposed = getattr(torch.nn.utils, name, None)
-        if exposed is None:
-            continue
-        route = clip_grad_norm_ if name == "clip_grad_norm_" else refused(name)
-        cells = dict(zip(exposed.__code__.co_freevars, exposed.__closure__ or ()))
-        if "func" in cells:  # torch's no_grad wrapper (torch.nn.utils.clip_grad._no_grad)
-            if not getattr(cells["func"].cell_contents, "_strata", False):
-                cells["func"].cell_contents = route(cells["func"].cell_contents)
-                cells["func"].cell_contents._strata = True
-        elif not getattr(exposed, "_strata", False):  # another torch: its name replaced
-            stand_in = functools.wraps(exposed)(route(exposed))
-            stand_in._strata = True
-            setattr(torch.nn.utils, name, stand_in)
-            setattr(torch.nn.utils.clip_grad, name, stand_in)
-
-
-_route_clip_grad_norm()
-
-
-class GatheredParameters:
-    """DeepSpeed's deepspeed.zero.GatheredParameters: within the block, the given parameters that
-    an engine not closed keeps as partitions (stage 3) hold their weights whole (a copy, on the
-    compute device, in the training dtype), for code that reads them outside their module's
-    forward, where they are placeholders with no bytes (a logged norm, a weight inspected or
-    edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
-    their weights (and a trained one's fp32 master weights, its moments kept) when it ends; else
-    writes are dropped. Other parameters pass as they are. Not for autograd: a loss computed in the
-    block from them would save what backward cannot find after it (the weights are given back at
-    its end); compute such a loss inside the module's forward."""
-
-    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
-        del fwd_module  # DeepSpeed's: where it registers external parameters (not needed here)
-        params = [params] if torch.is_tensor(params) else list(params)
-        self.modify = modifier_rank is not None
-        self.enabled = enabled
-        self.held = []  # (engine, entry)
-        if not enabled:
-            return
-        for p in params:
-            for engine in list(_LIVE):
-                e = engine._runtime is not None and engine.stage == 3 and \
-                    engine.table.partitioned_by_id.get(id(p))
-                if e:
-                    if self.modify and engine.ranks is not None:
-                        raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
-                                         "not supported yet (each rank holds a shard of the "
-                                         "master weights); accepted: modifier_rank=None, or one "
-                                         "process")
-                    self.held.append((engine, e))
-                    break
-
-    def __enter__(self):
-        for engine, e in self.held:  # all checked before any changes
-            if e.param.data.numel() != 0:
-                raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
-                                   "(inside its forward or backward); accepted: outside them")
-        with torch.no_grad():
-            for engine, e in self.held:
-                engine.runtime.wait_for_early_steps()
-                e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            if self.modify and exc[0] is None:
-                for engine in {id(engine): engine for engine, _ in self.held}.values():
-                    self._write_back(engine, [e for owner, e in self.held if owner is engine])
-        finally:
-            for engine, e in self.held:
-                e.param.data = engine.table.placeholder
-        return False
-
-    @staticmethod
-    def _write_back(engine, entries):
-        """The block's writes into `entries` (one process): a frozen one's partition; a trained
-        one's master weights (its moments kept, in one load of the optimizer's state) and
-        weights."""
-        trained = []
-        for e in entries:
-            values = e.param.data.detach().reshape(-1)
-            if e.frozen:
-                engine._write_frozen(e, values.cpu())
-            else:
-                trained.append((e, values.to(device="cpu", dtype=torch.float32).contiguous()))
-        with checkpoints.loading_optimizer_state(engine, "GatheredParameters", whole=False):
-            for e, master in trained:
-                moments = [torch.empty(e.shard), torch.empty(e.shard)]
-                engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
-                engine.runtime.load_optimizer_state(e.gid, master, *moments)
-        for e, master in trained:
-            set_weights(engine.runtime, e, master)
+def _refuse_unsupported(model):
+    """Refuses what the engine cannot train: a partition resized after strata.init built it, a
+    torch.compile'd model, sparse embeddings."""
+    changed = init_module.reshaped(model)
+    if changed:
+        name, made, now = changed[0]
+        raise ValueError(
+            f"strata.initialize: {name} was built under strata.init as a partition of shape "
+            f"{made} and has shape {now} now (resize_token_embeddings, or another change of "
+            "its size after the build, which read the partition's placeholder, not its "
+            "weights); accepted: the model built with its final sizes under strata.init "
+            "(e.g. the config's vocab_size set before), or resized before it is partitioned")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise ValueError("strata.initialize: the model is torch.compile'd; accepted: the "
+                         "module itself (model._orig_mod): the engine lends parameters "
+                         "around each module's forward, which a compiled graph bypasses")
+    for path, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(
+                f"strata.initialize: {path or type(module).__name__} is a "
+                f"{type(module).__name__} with sparse=True: sparse gradients are not "
+                "supported (the optimizer steps dense partitions); accepted: sparse=False")
 
 
 def _check_model_dtype(model, dtype):
@@ -491,30 +396,7 @@ class Engine:
         self._global_grad_norm = None  # the last step's, when it computed one
         self.last_step_stats = {}
 
-        on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-                   if t.device.type == "meta"]
-        if on_meta:
-            raise ValueError(
-                f"strata.initialize: {len(on_meta)} tensors of the model are on the meta device "
-                f"and hold no values ({', '.join(on_meta[:5])}{', ...' if len(on_meta) > 5 else ''})"
-                "; accepted: a model built on the CPU, or under strata.init (which partitions "
-                "each parameter as it is made); load pretrained weights after initialize")
-        holder = _engine_holding(model)
-        if holder is not None:
-            raise ValueError(
-                "strata.initialize: the model's parameters are held by a strata engine not "
-                f"closed (made {holder._made_at}); two engines would each step them and lend "
-                "them apart; accepted: that engine's close() first (or its release(), which "
-                "gives the module its weights back whole), then initialize again")
-        # (A model built under strata.init keeps its partitions in what built it, which names
-        # a second engine itself.)
-        left = _left_placeholders(model, recurse=True) \
-            if init_module.built_under(model) is None else []
-        if left:
-            raise ValueError(f"strata.initialize: {len(left)} parameters of the model "
-                             f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): "
-                             f"{_PLACEHOLDERS_LEFT}")
-        _unguard(model)
+        _refuse_model(model)
         settings = _RuntimeSettings(config)
         for message in settings.warnings:
             self._warn(message)
@@ -568,7 +450,6 @@ class Engine:
             torch.device("cuda", torch.cuda.current_device())
 
         hyper = optimizer_module.hyper_parameters(config, optimizer)
-        trained = []
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Frozen when the optimizer was made: one unfrozen later has no optimizer state and would
         # never be trained (step() refuses it by name).
@@ -582,60 +463,13 @@ class Engine:
             named = [(n, p) for n, p in named if id(p) in wanted]
         if not named:
             raise ValueError("strata.initialize: the model has no trainable parameters")
-        changed = init_module.reshaped(model)
-        if changed:
-            name, made, now = changed[0]
-            raise ValueError(
-                f"strata.initialize: {name} was built under strata.init as a partition of shape "
-                f"{made} and has shape {now} now (resize_token_embeddings, or another change of "
-                "its size after the build, which read the partition's placeholder, not its "
-                "weights); accepted: the model built with its final sizes under strata.init "
-                "(e.g. the config's vocab_size set before), or resized before it is partitioned")
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            raise ValueError("strata.initialize: the model is torch.compile'd; accepted: the "
-                             "module itself (model._orig_mod): the engine lends parameters "
-                             "around each module's forward, which a compiled graph bypasses")
-        for path, module in model.named_modules():
-            if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
-                raise ValueError(
-                    f"strata.initialize: {path or type(module).__name__} is a "
-                    f"{type(module).__name__} with sparse=True: sparse gradients are not "
-                    "supported (the optimizer steps dense partitions); accepted: sparse=False")
-        # Ids: a parameter built under strata.init keeps its partition's; the others take pairs
-        # after every id in use.
-        next_id = built.next_id if built is not None else 0
-        for name, p in named:
-            pid = init_module.partition_of(p)
-            if pid is None:
-                pid, next_id = next_id, next_id + 2
-            trained.append(Param(name, p, pid, None if ranks is None
-                                 else ranks.shard_elements(p.numel())))
-        # The parameters not trained (requires_grad False, or left out of model_parameters): at
-        # stage 3 the large ones (and any built under strata.init) are partitions too.
-        frozen = []
-        trained_ids = {id(p) for _, p in named}
-        for name, p in model.named_parameters():
-            if id(p) in trained_ids or self.stage != 3:
-                continue
-            pid = init_module.partition_of(p)
-            if pid is None and p.numel() < self._persistence_threshold:
-                continue
-            if ranks is not None:
-                if pid is None:  # across ranks frozen parameters stay whole on each device
-                    continue
-                raise ValueError(
-                    f"strata.initialize: {name} was built under strata.init and is not trained "
-                    f"(frozen): across {ranks.size} ranks a frozen parameter's partition is not "
-                    "supported yet; accepted: freeze it in one process, or build the model "
-                    "without strata.init")
-            if pid is None:
-                pid, next_id = next_id, next_id + 2
-            frozen.append(Param(name, p, pid, frozen=True))
+        _refuse_unsupported(model)
         # The placeholder of a partitioned parameter: on the compute device, so that swapping
         # .data never changes a parameter's device (torch would drop its gradient node).
-        self.table = ParameterTable(trained, frozen, torch.empty(0, dtype=self.dtype,
-                                                                 device=self.device))
-        self._next_id = next_id  # the first id no partition uses (cpu_checkpointing's start)
+        self.table = ParameterTable.from_model(
+            model, named, self.stage, self._persistence_threshold, ranks, built,
+            torch.empty(0, dtype=self.dtype, device=self.device))
+        self._next_id = self.table.next_id  # the first id no partition uses (cpu_checkpointing)
         groups = optimizer_module.param_groups(optimizer, model_parameters, hyper,
                                                self.table.trained)
 
@@ -687,8 +521,8 @@ class Engine:
         self._lending = Lending(self.table, ranks, self._state, None)
         self._gradients = Gradients(
             self.table, ranks, self._state, self._lending, self._step, self._copies,
-            stage=self.stage, sum_apart=self._sum_apart, grad_accum_dtype=self.grad_accum_dtype,
-            device=self.device)
+            self._notices, stage=self.stage, sum_apart=self._sum_apart,
+            grad_accum_dtype=self.grad_accum_dtype, device=self.device)
         self._hand_runtime(self._runtime)
         self._hook_handles, self._patched_methods = [], []
         self._place_parameters(model)
@@ -702,9 +536,9 @@ class Engine:
                     weakly(self._whole_in_state_dict)))
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
         # master weights overwrite at the next step: it loads through the engine instead.
-        model.load_state_dict = types.MethodType(_load_state_dict_through(engine), model)
+        model.load_state_dict = types.MethodType(guards.load_state_dict_through(engine), model)
         # model.zero_grad() (Trainer's, a plain loop's) drops the engine's gradients too.
-        model.zero_grad = types.MethodType(_zero_grad_through(engine), model)
+        model.zero_grad = types.MethodType(guards.zero_grad_through(engine), model)
         self._patched_methods.append((model, "zero_grad"))
         self._count_real_sizes(model)
 
@@ -721,15 +555,20 @@ class Engine:
         self.optimizer.check_groups("strata.initialize", ValueError)
 
         self._step.optimizer = self.optimizer  # (its groups: each parameter's rates)
+        self._checkpoints = checkpoints.CheckpointStore(
+            self.table, ranks, self._state, self._scaler, self._step, self._gradients,
+            self._notices, optimizer=self.optimizer, optimizer_kind=self.optimizer_kind,
+            module=model, config=config, dtype=self.dtype)
+        self._checkpoints.runtime = self._runtime
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
-        _LIVE.add(self)
+        guards.LIVE.add(self)
         # An engine whose last reference is dropped (never closed) leaves what close() leaves:
         # placeholders of the partitioned parameters' shapes, refused by the module by name.
         # (The model held weakly: a module holding its engine, as a Lightning module does, must
         # not be kept alive by this, nor its engine with it.)
         self._dropped = weakref.finalize(
-            self, _leave_placeholders, weakref.ref(model),
+            self, guards.leave_placeholders, weakref.ref(model),
             [(e.param, e.shape) for e in self.table.entries() if e.partitioned],
             self.dtype, self.device)
         self._dropped.atexit = False
@@ -751,7 +590,7 @@ class Engine:
             return
         for module in model.modules():
             if isinstance(module, hf.PreTrainedModel):
-                module.num_parameters = types.MethodType(_num_parameters, module)
+                module.num_parameters = types.MethodType(guards.num_parameters, module)
                 self._patched_methods.append((module, "num_parameters"))
 
     def _refuse_merges(self, model):
@@ -1065,7 +904,7 @@ class Engine:
                 "with the gradients it would drop (strata.optimizer_during_backward); accepted: "
                 "zero_grad after step() or before backward, or strata.optimizer_during_backward "
                 "false to drop a micro-batch's gradients")
-        self._end_gradients(failed=False)
+        self._gradients.end_step(failed=False)
         for e in self.table.trained:
             e.param.grad = None
         self._state.phase = Phase.IDLE
@@ -1129,9 +968,9 @@ class Engine:
                     self._gradients.reduce()
                 stepped, report = self._step.step_anew()
         except BaseException:
-            self._end_gradients(failed=True)
+            self._gradients.end_step(failed=True)
             raise
-        self._end_gradients(failed=False)
+        self._gradients.end_step(failed=False)
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         self._step_applied = bool(stepped)
         self._global_grad_norm = report.get("grad_norm") if report else None
@@ -1171,27 +1010,15 @@ class Engine:
             raise error
 
 
-    def _end_gradients(self, failed):
-        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
-        gradient dropped. Each part is tried; a failure among them raises the first one, unless
-        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
-        errors = []
+    def _owns_any(self, params):
+        """Whether any of `params` is one of the engine's trained parameters (guards.py)."""
+        return self._step.owns_any(params)
 
-        def attempt(fn, *args):
-            try:
-                fn(*args)
-            except _strata.Error as error:
-                errors.append(error)
-
-        attempt(self._step.end_staged, False, "the step failed" if failed else "gradients dropped")
-        self._step.release_early_held(attempt)
-        self._step.end_window()
-        self._gradients.end(attempt)
-        if errors:
-            if not failed:
-                raise errors[0]
-            for error in errors:
-                self._warn(f"after the failed step: {error}")
+    def _clip_grad_norm(self, params, max_norm, norm_type, error_if_nonfinite):
+        """torch.nn.utils.clip_grad_norm_ over the engine's parameters (guards.py routes it
+        here): OptimizerStep.clip_by_user, a backward of the user's own taken first."""
+        return self._step.clip_by_user(params, max_norm, norm_type, error_if_nonfinite,
+                                       self._adopt_backward)
 
     def _attempt_quietly(self, fn, *args):
         """fn(*args); a strata error it raises is kept as a warning (closing goes on)."""
@@ -1211,7 +1038,8 @@ class Engine:
         """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
         "global_stepN"), crash-consistent, `latest` moved last (strata/checkpoints.py says
         what is kept and how). Returns the tag's folder."""
-        return checkpoints.save(self, save_dir, tag, client_state, save_latest)
+        self._checkpoints.lr_scheduler = self.lr_scheduler
+        return checkpoints.save(self._checkpoints, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,
@@ -1220,7 +1048,8 @@ class Engine:
         when there is no `latest` and no tag. Everything is checked before anything changes;
         load_module_strict is always on (a parameter missing or extra is named)."""
         del load_module_strict
-        return checkpoints.load(self, load_dir, tag, load_optimizer_states,
+        self._checkpoints.lr_scheduler = self.lr_scheduler
+        return checkpoints.load(self._checkpoints, load_dir, tag, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)
 
     def load_pretrained(self, source, strict=True):
@@ -1262,7 +1091,7 @@ class Engine:
         one's read from its fp32 master weights (across ranks, every rank's shard: every rank
         must call this), a frozen one's from its partition."""
         if e.frozen:
-            return self._read_frozen(e)
+            return read_frozen(self.runtime, e)
         master = torch.empty(e.shard)
         self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
                                           torch.empty(e.shard))
@@ -1297,25 +1126,6 @@ class Engine:
                 whole = read[e.pid] = self._whole_weights(e)
             state_dict[key] = whole
 
-    def _read_frozen(self, e):
-        """A frozen partitioned parameter's weights (its partition's host copy, copied)."""
-        held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-        try:
-            return held.view(e.shape).clone()
-        finally:
-            del held
-            self.runtime.release(e.pid, "host", False, traced=False)
-
-    def _write_frozen(self, e, values):
-        """Sets a frozen partitioned parameter's weights (converted to the training dtype)."""
-        held = from_dlpack(self.runtime.acquire(e.pid, "host", traced=False))
-        try:
-            with torch.no_grad():
-                held.copy_(values.reshape(-1))
-        finally:
-            del held
-            self.runtime.release(e.pid, "host", True, traced=False)
-
     # --- the engine's life ----------------------------------------------------------------------
 
     @property
@@ -1332,8 +1142,10 @@ class Engine:
     def _hand_runtime(self, runtime):
         """The Runtime (None: closed), to the engine and each of its parts."""
         self._runtime = runtime
-        for part in (self._lending, self._gradients, self._step):
-            part.runtime = runtime
+        for part in (self._lending, self._gradients, self._step,
+                     getattr(self, "_checkpoints", None)):
+            if part is not None:
+                part.runtime = runtime
 
     # DeepSpeed's engine's counts and figures, kept by the engine's parts.
 
@@ -1398,7 +1210,7 @@ class Engine:
         end of the block."""
         if self._runtime is None:
             return
-        _LIVE.discard(self)
+        guards.LIVE.discard(self)
         self._dropped.detach()
         try:
             self._step.end_staged(committed=False, reason="the engine closed")
@@ -1407,7 +1219,7 @@ class Engine:
             self._step.release_early_held(self._attempt_quietly)
             for handle in self._hook_handles:
                 handle.remove()
-            _leave_placeholders(
+            guards.leave_placeholders(
                 weakref.ref(self.module), [(e.param, e.shape) for e in self.table.entries()
                               if e.partitioned], self.dtype, self.device)
             for e in self.table.entries():
@@ -1438,7 +1250,7 @@ class Engine:
         with torch.no_grad():
             for name, p in model.named_parameters(remove_duplicate=False):
                 p.data = state[name].to(self.device).view(p.shape).clone()
-        _unguard(model)
+        guards.unguard(model)
         return model
 
     def __enter__(self):
@@ -1466,19 +1278,7 @@ class Engine:
 # The parameters that closed engines left placeholders (their shape, no bytes): id(parameter)
 # -> (a weak reference to it, the placeholder's data_ptr); and the modules holding one, with the
 # hooks that refuse them.
-_CLOSED_PLACEHOLDERS = {}
-_GUARDED = weakref.WeakKeyDictionary()
 
-
-def _left_placeholders(module, recurse=False):
-    """The names of `module`'s parameters that are still a closed engine's placeholders (not
-    given their weights since: p.data = ..., load_state_dict(..., assign=True))."""
-    found = []
-    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
-        ref, ptr = _CLOSED_PLACEHOLDERS.get(id(p), (lambda: None, None))
-        if ref() is p and p.data_ptr() == ptr:
-            found.append(name)
-    return found
 
 
 def _nvme_by_cause(report, runtime_report):
@@ -1570,115 +1370,6 @@ def _leave_room_beside_read_ahead(settings, need):
         # parameters their new weights go into (and the ring grows by a quarter of the spare).
         block["optimizer_read_ahead_bytes"] = 0
         settings.runtime_json = json.dumps(runtime, sort_keys=True)
-
-
-def _engine_holding(model):
-    """The engine not closed that holds any of `model`'s parameters (None: none does). One that
-    nothing reaches any more (a reference cycle: a notebook's cell run again over the same
-    model) is collected first."""
-    ids = {id(p) for p in model.parameters()}
-
-    def holding():
-        return next((engine for engine in list(_LIVE) if engine._runtime is not None and any(
-            id(e.param) in ids for e in engine.table.entries())), None)
-    if holding() is None:
-        return None
-    gc.collect()
-    return holding()
-
-
-def _leave_placeholders(model_ref, params, dtype, device):
-    """What a closed engine (or one dropped without close) leaves of its partitioned `params`
-    ((parameter, shape) pairs): each its shape again without its bytes (one element, expanded),
-    and the module (`model_ref`, a weak reference) refusing them by name
-    (_refuse_placeholders)."""
-    for p, shape in params:
-        p.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
-    model = model_ref()
-    if model is not None:
-        _refuse_placeholders(model, [p for p, _ in params])
-
-
-def _refuse_placeholders(model, params):
-    """After close: `params` (the engine's partitioned ones) are placeholders of their shape
-    without their bytes; a module holding one refuses forward and state_dict() by name, where
-    it would compute with zeros and save zeros (save_pretrained after the engine's last
-    reference was dropped), and strata.initialize refuses it (_left_placeholders)."""
-    for key in [k for k, (ref, _) in _CLOSED_PLACEHOLDERS.items() if ref() is None]:
-        del _CLOSED_PLACEHOLDERS[key]
-    for p in params:
-        _CLOSED_PLACEHOLDERS[id(p)] = (weakref.ref(p), p.data_ptr())
-
-    def refuse(module, what):
-        held = _left_placeholders(module)
-        if held:
-            raise RuntimeError(f"{what} of {type(module).__name__} ({', '.join(held[:3])}): "
-                               f"{_PLACEHOLDERS_LEFT}")
-
-    for module in model.modules():
-        if module not in _GUARDED and _left_placeholders(module):
-            _GUARDED[module] = (
-                module.register_forward_pre_hook(lambda m, args: refuse(m, "forward")),
-                module.register_state_dict_pre_hook(
-                    lambda m, prefix, keep_vars: refuse(m, "state_dict()")))
-
-
-_PLACEHOLDERS_LEFT = (
-    "its weights were partitioned by a strata engine that is closed (engine.close(), or its "
-    "last reference dropped), and only placeholders without their bytes are left; accepted: "
-    "engine.release() (closes the engine and gives the module its weights back whole), or "
-    "engine.module_state_dict() / save_checkpoint before closing, then "
-    "module.load_state_dict(state, assign=True)")
-
-
-def _unguard(model):
-    """Removes close's refusing hooks from `model`'s modules (their weights are given back)."""
-    for module in model.modules():
-        for handle in _GUARDED.pop(module, ()):
-            handle.remove()
-
-
-def _num_parameters(module, only_trainable=False, exclude_embeddings=False):
-    """transformers' PreTrainedModel.num_parameters, a partitioned parameter counted by its real
-    size (ds_numel) rather than its placeholder's."""
-    embeddings = {f"{name}.weight" for name, m in module.named_modules()
-                  if isinstance(m, torch.nn.Embedding)} if exclude_embeddings else set()
-    return sum(getattr(p, "ds_numel", p.numel()) for name, p in module.named_parameters()
-               if name not in embeddings and (p.requires_grad or not only_trainable))
-
-
-def _load_state_dict_through(engine_ref):
-    def load_state_dict(module, state_dict, strict=True, assign=False):
-        """As torch's, for a module an engine trains: the weights stream into its partitions and
-        the optimizer's master weights (engine.load_pretrained's rules: every missing,
-        unexpected or wrongly shaped tensor named before anything changes), and the optimizer
-        keeps its state (moments, step counts), as torch's module.load_state_dict leaves its
-        optimizer's (engine.load_pretrained starts it afresh)."""
-        engine = engine_ref()
-        if engine is None:
-            raise RuntimeError("load_state_dict: the engine training this module is gone")
-        if assign:
-            raise ValueError("load_state_dict: assign=True is not supported for a module an "
-                             "engine trains (its parameters are the engine's partitions); "
-                             "accepted: assign=False")
-        state_dict = dict(state_dict)
-        for name, child in module.named_modules():  # a TiledLinear's weight whole, cut
-            if isinstance(child, tiling.TiledLinear):
-                tiling.cut_whole(child, state_dict, f"{name}." if name else "")
-        missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-    return load_state_dict
-
-
-def _zero_grad_through(engine_ref):
-    def zero_grad(module, set_to_none=True):
-        """As torch's, for a module an engine trains: its gradients are the engine's
-        (Engine.zero_grad drops them), and any other parameter's .grad is torch's to zero."""
-        engine = engine_ref()
-        if engine is not None and engine._runtime is not None:
-            engine.zero_grad(set_to_none)
-        torch.nn.Module.zero_grad(module, set_to_none)
-    return zero_grad
 
 
 def from_pretrained(cls, path, config, **initialize_kwargs):

@@ -17,6 +17,8 @@ import weakref
 import torch
 from torch.utils.dlpack import from_dlpack
 
+from strata import _strata
+
 from strata.lending import kernel_stream
 
 __all__ = ["Gradients", "HostCopies"]
@@ -25,14 +27,15 @@ __all__ = ["Gradients", "HostCopies"]
 class Gradients:
     """The engine's gradient path (see the module's docstring)."""
 
-    def __init__(self, table, ranks, state, lending, step, copies, *, stage, sum_apart,
-                 grad_accum_dtype, device):
+    def __init__(self, table, ranks, state, lending, step, copies, notices, *, stage,
+                 sum_apart, grad_accum_dtype, device):
         self.table = table  # strata/parameters.py
         self.ranks = ranks  # strata/ranks.py; None in one process
         self.state = state  # strata/training_state.py
         self.lending = lending  # strata/lending.py
         self.step = step  # strata/step.py
         self.copies = copies  # HostCopies
+        self.notices = notices  # strata/notices.py
         self.stage = stage
         self.sum_apart = sum_apart  # stage 0-1 gradients summed on the host (grad_accum_dtype)
         self.grad_accum_dtype = grad_accum_dtype
@@ -162,8 +165,30 @@ class Gradients:
         for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
             e.shard_grad = shard
 
-    def end(self, attempt):
-        """The step is over: every gradient dropped (a partition's discarded through `attempt`)."""
+    def end_step(self, failed):
+        """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
+        gradient dropped. Each part is tried; a failure among them raises the first one, unless
+        the step `failed` (its error is the one to see: these are kept in engine.warnings)."""
+        errors = []
+
+        def attempt(fn, *args):
+            try:
+                fn(*args)
+            except _strata.Error as error:
+                errors.append(error)
+
+        attempt(self.step.end_staged, False, "the step failed" if failed else "gradients dropped")
+        self.step.release_early_held(attempt)
+        self.step.end_window()
+        self._drop_all(attempt)
+        if errors:
+            if not failed:
+                raise errors[0]
+            for error in errors:
+                self.notices.warn(f"after the failed step: {error}")
+
+    def _drop_all(self, attempt):
+        """Every gradient dropped (a partition's discarded through `attempt`)."""
         self.copies.land()  # their pinned memory is written to again next step: the copies end
         self.fired.clear()
         for e in self.table.trained:

@@ -137,7 +137,8 @@ class EngineOptimizer(torch.optim.Optimizer):
                         f"optimizer.load_state_dict: {e.name}'s {name} is "
                         f"{'missing' if value is None else tuple(value.shape)}; accepted: "
                         f"{tuple(e.shape)} ({engine.optimizer_kind}: {', '.join(names)})")
-        with checkpoints.loading_optimizer_state(engine, "optimizer.load_state_dict", True):
+        with checkpoints.loading_optimizer_state(engine._checkpoints, "optimizer.load_state_dict",
+                                                 True):
             for e in engine.table.trained:
                 entry = state.get(index[id(e.param)])
                 if entry is not None and "master" in entry:

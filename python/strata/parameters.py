@@ -10,7 +10,9 @@ Thread safety: the engine's (one thread).
 import torch
 from torch.utils.dlpack import from_dlpack
 
-__all__ = ["Param", "ParameterTable", "set_weights"]
+from strata import zero_init as init_module
+
+__all__ = ["Param", "ParameterTable", "read_frozen", "set_weights", "write_frozen"]
 
 
 class Param:
@@ -61,11 +63,51 @@ class ParameterTable:
     the compute device, in the training dtype: swapping .data never changes a parameter's device
     or dtype)."""
 
-    def __init__(self, trained, frozen, placeholder):
+    def __init__(self, trained, frozen, placeholder, next_id=0):
         self.trained = trained
         self.frozen = frozen
         self.placeholder = placeholder
+        self.next_id = next_id  # the first partition id no entry uses
         self.partitioned_by_id = {}  # id(parameter) -> its entry, once placed (placed())
+
+    @classmethod
+    def from_model(cls, model, named, stage, threshold, ranks, built, placeholder):
+        """The table of `model`: an entry for each of `named` ((name, parameter) pairs, the
+        parameters the optimizer trains), and at stage 3 for each other parameter of at least
+        `threshold` elements or built under strata.init (`built`: what built it, or None).
+        Across `ranks` each trained entry holds this rank's shard."""
+        trained = []
+        # Ids: a parameter built under strata.init keeps its partition's; the others take pairs
+        # after every id in use.
+        next_id = built.next_id if built is not None else 0
+        for name, p in named:
+            pid = init_module.partition_of(p)
+            if pid is None:
+                pid, next_id = next_id, next_id + 2
+            trained.append(Param(name, p, pid, None if ranks is None
+                                 else ranks.shard_elements(p.numel())))
+        # The parameters not trained (requires_grad False, or left out of model_parameters): at
+        # stage 3 the large ones (and any built under strata.init) are partitions too.
+        frozen = []
+        trained_ids = {id(p) for _, p in named}
+        for name, p in model.named_parameters():
+            if id(p) in trained_ids or stage != 3:
+                continue
+            pid = init_module.partition_of(p)
+            if pid is None and p.numel() < threshold:
+                continue
+            if ranks is not None:
+                if pid is None:  # across ranks frozen parameters stay whole on each device
+                    continue
+                raise ValueError(
+                    f"strata.initialize: {name} was built under strata.init and is not trained "
+                    f"(frozen): across {ranks.size} ranks a frozen parameter's partition is not "
+                    "supported yet; accepted: freeze it in one process, or build the model "
+                    "without strata.init")
+            if pid is None:
+                pid, next_id = next_id, next_id + 2
+            frozen.append(Param(name, p, pid, frozen=True))
+        return cls(trained, frozen, placeholder, next_id)
 
     def placed(self):
         """The entries' partitions are decided (the engine's _place_parameters): indexed."""
@@ -104,3 +146,24 @@ def set_weights(runtime, e, master):
         else:
             e.param.data.copy_(master.view(e.shape).to(device=e.param.device,
                                                        dtype=e.param.dtype))
+
+
+def read_frozen(runtime, e):
+    """A frozen partitioned parameter's weights (its partition's host copy, copied)."""
+    held = from_dlpack(runtime.acquire(e.pid, "host", traced=False))
+    try:
+        return held.view(e.shape).clone()
+    finally:
+        del held
+        runtime.release(e.pid, "host", False, traced=False)
+
+
+def write_frozen(runtime, e, values):
+    """Sets a frozen partitioned parameter's weights (converted to the training dtype)."""
+    held = from_dlpack(runtime.acquire(e.pid, "host", traced=False))
+    try:
+        with torch.no_grad():
+            held.copy_(values.reshape(-1))
+    finally:
+        del held
+        runtime.release(e.pid, "host", True, traced=False)

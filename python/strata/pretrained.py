@@ -257,8 +257,8 @@ def load(engine, source, strict=True, keep_state=False):
     if engine._step.staged is not None:
         raise RuntimeError("load_pretrained: between backward and step; load after step()")
     entries, aliases, rest, missing, unexpected = checkpoints.checked_everywhere(
-        engine, "load_pretrained", lambda: _check(engine, source, strict))
-    engine._end_gradients(failed=False)  # gradients summed before the load are dropped
+        engine._checkpoints, "load_pretrained", lambda: _check(engine, source, strict))
+    engine._gradients.end_step(failed=False)  # gradients summed before the load are dropped
     wanted = {e.name for e in engine.table.trained}
     source_of = {n: n for n in wanted if n in entries}
     alias_of = dict(aliases)
@@ -272,7 +272,7 @@ def load(engine, source, strict=True, keep_state=False):
         of a partition; otherwise (and an unpartitioned parameter's weights) all of it."""
         return whole if engine.ranks is None else engine.ranks.own_shard(whole, e.shard)
 
-    with checkpoints.loading_optimizer_state(engine, "load_pretrained",
+    with checkpoints.loading_optimizer_state(engine._checkpoints, "load_pretrained",
                                               whole=len(loaded) == len(engine.table.trained)):
         for e in loaded:
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
@@ -299,7 +299,7 @@ def load(engine, source, strict=True, keep_state=False):
 def _check(engine, source, strict):
     """What load checks before it changes anything: (the entries, the module's aliases, its
     other tensors, the missing and unexpected names)."""
-    aliases, rest = checkpoints._module_rest(engine)
+    aliases, rest = checkpoints._module_rest(engine._checkpoints)
     wanted = {e.name: e.shape for e in engine.table.trained}
     wanted.update({n: tuple(t.shape) for n, t in rest.items()})
     alias_of = dict(aliases)  # another name of a trainable parameter -> its name

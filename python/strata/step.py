@@ -393,7 +393,7 @@ class OptimizerStep:
                     del target
                     if written and not committed:
                         # Stepped early, dropped while backward may still use its device copy:
-                        # its host copy goes back written once backward is over (_end_gradients).
+                        # its host copy goes back written once backward is over (Gradients.end_step).
                         self.early_held.append(e)
                         continue
                     try:

@@ -47,12 +47,12 @@ from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import ranks as ranks_module
-from strata.config import TrainConfig
+from strata.config import TORCH_DTYPES, TrainConfig
 from strata.runtime_settings import RuntimeSettings, make_runtime
 
 __all__ = ["init", "built_under", "partition_of"]
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = TORCH_DTYPES
 _open = []  # the context open now (at most one)
 
 

@@ -132,3 +132,72 @@ def test_lending_holds_the_lending_weakly():
     assert ref() is None
     with pytest.raises(RuntimeError):  # nothing lends now: the placeholders are empty
         model(torch.randn(1, 4))
+
+
+class _GradientRuntime:
+    """The gradients' seam: a gradient partition per id (acquire for the device, release,
+    gradient_ready), each call kept."""
+
+    def __init__(self):
+        self.parts, self.calls = {}, []
+
+    def acquire(self, gid, tier, overwrite=False):
+        self.calls.append(("acquire", gid, overwrite))
+        return self.parts.setdefault(gid, torch.zeros(4))
+
+    def release(self, gid, tier, written, stream=None):
+        self.calls.append(("release", gid, written))
+
+    def gradient_ready(self, gid):
+        self.calls.append(("ready", gid))
+
+
+class _StepSeam:
+    """Stands in for OptimizerStep: what the gradient hook asks of it."""
+
+    def __init__(self):
+        self.staged, self.second = [], []
+
+    def stage_from_hook(self, e, grad=None, grad_stream=None):
+        self.staged.append(e.name)
+
+    def second_gradient(self, e):
+        self.second.append(e.name)
+
+
+def test_gradients_sum_into_the_partition_and_stage_the_step_alone():
+    """Stage 3, two micro-batches a window: the first gradient is copied into the partition (its
+    room taken without zeros), the second added; the boundary's sends it down and stages its
+    step; a second gradient in the boundary micro-batch is told to the step, and the lent copy
+    goes back as each is made."""
+    from strata.gradients import Gradients, HostCopies
+    from strata.notices import Notices
+    weight = torch.nn.Parameter(torch.ones(4))
+    e = Param("w", weight, 0)
+    e.partitioned = True
+    table = ParameterTable([e], [], torch.empty(0))
+    table.placed()
+    state = TrainingState(accumulation=2)
+    runtime, step = _GradientRuntime(), _StepSeam()
+    lending = Lending(table, None, state, runtime)
+    gradients = Gradients(table, None, state, lending, step, HostCopies(torch.device("cpu"),
+                                                                          torch.float32),
+                          Notices(), stage=3, sum_apart=False, grad_accum_dtype=torch.float32,
+                          device=torch.device("cpu"))
+    gradients.runtime = runtime
+    node = weight.expand_as(weight).grad_fn.next_functions[0][0]
+    node.register_hook(gradients.hook(e))
+    (weight * 2).sum().backward()  # micro-batch 1 of 2: not the boundary
+    assert runtime.parts[1].tolist() == [2.0] * 4 and weight.grad is None
+    assert ("acquire", 1, True) in runtime.calls and ("ready", 1) not in runtime.calls
+    assert weight.numel() == 0  # the lent copy went back
+    assert state.phase is Phase.LOOSE and step.staged == []
+    weight.data = torch.ones(4)
+    state.micro_steps = 1  # the boundary micro-batch
+    (weight * 3).sum().backward()
+    assert runtime.parts[1].tolist() == [5.0] * 4
+    assert ("acquire", 1, False) in runtime.calls and runtime.calls[-1] == ("ready", 1)
+    assert step.staged == ["w"] and e.sent_down
+    weight.data = torch.ones(4)
+    (weight * 1).sum().backward()  # a second backward through the boundary micro-batch
+    assert step.second == ["w"]

@@ -7,10 +7,10 @@ import contextlib
 
 import torch
 
+from strata.config import TORCH_DTYPES
 
 _PRECISIONS = {"32-true": "float32", "32": "float32", "bf16-mixed": "bfloat16",
                "bf16-true": "bfloat16", "16-mixed": "float16", "16-true": "float16"}
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _PrecisionMixin:
@@ -44,7 +44,7 @@ class _PrecisionMixin:
         return module  # the engine casts the parameters
 
     def convert_input(self, data):
-        dtype = _TORCH_DTYPES[self.dtype_name]
+        dtype = TORCH_DTYPES[self.dtype_name]
         if dtype == torch.float32:
             return data
         from torch.utils._pytree import tree_map

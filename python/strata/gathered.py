@@ -1,0 +1,87 @@
+"""DeepSpeed's deepspeed.zero.GatheredParameters over strata's engines (see the class).
+
+Thread safety: the engine's (one thread).
+"""
+
+import torch
+
+from strata import checkpoints
+from strata import guards
+from strata.parameters import set_weights, write_frozen
+
+__all__ = ["GatheredParameters"]
+
+
+class GatheredParameters:
+    """DeepSpeed's deepspeed.zero.GatheredParameters: within the block, the given parameters that
+    an engine not closed keeps as partitions (stage 3) hold their weights whole (a copy, on the
+    compute device, in the training dtype), for code that reads them outside their module's
+    forward, where they are placeholders with no bytes (a logged norm, a weight inspected or
+    edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
+    their weights (and a trained one's fp32 master weights, its moments kept) when it ends; else
+    writes are dropped. Other parameters pass as they are. Not for autograd: a loss computed in the
+    block from them would save what backward cannot find after it (the weights are given back at
+    its end); compute such a loss inside the module's forward."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        del fwd_module  # DeepSpeed's: where it registers external parameters (not needed here)
+        params = [params] if torch.is_tensor(params) else list(params)
+        self.modify = modifier_rank is not None
+        self.enabled = enabled
+        self.held = []  # (engine, entry)
+        if not enabled:
+            return
+        for p in params:
+            for engine in list(guards.LIVE):
+                e = engine._runtime is not None and engine.stage == 3 and \
+                    engine.table.partitioned_by_id.get(id(p))
+                if e:
+                    if self.modify and engine.ranks is not None:
+                        raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
+                                         "not supported yet (each rank holds a shard of the "
+                                         "master weights); accepted: modifier_rank=None, or one "
+                                         "process")
+                    self.held.append((engine, e))
+                    break
+
+    def __enter__(self):
+        for engine, e in self.held:  # all checked before any changes
+            if e.param.data.numel() != 0:
+                raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
+                                   "(inside its forward or backward); accepted: outside them")
+        with torch.no_grad():
+            for engine, e in self.held:
+                engine.runtime.wait_for_early_steps()
+                e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.modify and exc[0] is None:
+                for engine in {id(engine): engine for engine, _ in self.held}.values():
+                    self._write_back(engine, [e for owner, e in self.held if owner is engine])
+        finally:
+            for engine, e in self.held:
+                e.param.data = engine.table.placeholder
+        return False
+
+    @staticmethod
+    def _write_back(engine, entries):
+        """The block's writes into `entries` (one process): a frozen one's partition; a trained
+        one's master weights (its moments kept, in one load of the optimizer's state) and
+        weights."""
+        trained = []
+        for e in entries:
+            values = e.param.data.detach().reshape(-1)
+            if e.frozen:
+                write_frozen(engine.runtime, e, values.cpu())
+            else:
+                trained.append((e, values.to(device="cpu", dtype=torch.float32).contiguous()))
+        with checkpoints.loading_optimizer_state(engine._checkpoints, "GatheredParameters",
+                                                 whole=False):
+            for e, master in trained:
+                moments = [torch.empty(e.shard), torch.empty(e.shard)]
+                engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
+                engine.runtime.load_optimizer_state(e.gid, master, *moments)
+        for e, master in trained:
+            set_weights(engine.runtime, e, master)

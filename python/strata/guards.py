@@ -1,0 +1,225 @@
+"""What the engine sets on the user's model and on torch while it holds them, and takes off.
+
+- The engines not closed (LIVE), and torch.nn.utils' clipping over their parameters routed to
+  them (route_clip_grad_norm, once, at import): their gradients are not in .grad.
+- The module's own methods an engine stands in for (load_state_dict_through, zero_grad_through,
+  num_parameters: a partitioned parameter counted by its real size).
+- What a closed engine leaves: each partitioned parameter a placeholder of its shape without its
+  bytes (leave_placeholders), refused by name by the module's forward and state_dict()
+  (refuse_placeholders) and by strata.initialize (left_placeholders), until the module has its
+  weights again (unguard); and a model whose parameters an engine not closed holds
+  (engine_holding).
+
+Thread safety: the engine's (one thread); the routing is installed once, at import.
+"""
+
+import functools
+import gc
+import weakref
+
+import torch
+
+from strata import pretrained
+from strata import tiling
+
+__all__ = ["LIVE", "PLACEHOLDERS_LEFT", "engine_holding", "engine_of", "leave_placeholders",
+           "left_placeholders", "load_state_dict_through", "num_parameters",
+           "refuse_placeholders", "route_clip_grad_norm", "unguard", "zero_grad_through"]
+
+# The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
+LIVE = weakref.WeakSet()
+_CLIPPING = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+
+
+def engine_of(params, what):
+    """The engine not closed whose trained parameters are among `params` (None: no engine's);
+    refused: two engines' parameters in one call."""
+    found = [engine for engine in list(LIVE)
+             if engine._runtime is not None and engine._owns_any(params)]
+    if len(found) > 1:
+        raise ValueError(f"{what} over the parameters of {len(found)} strata engines at once: "
+                         "each engine's gradients are its own; accepted: one engine's "
+                         "parameters a call")
+    return found[0] if found else None
+
+
+def route_clip_grad_norm():
+    """Routes torch.nn.utils' clipping (what Trainer, Accelerate, Lightning and plain loops call
+    between backward and step), once, when strata is imported: clip_grad_norm_ over an engine's
+    parameters is the engine's (OptimizerStep.clip_by_user: the norm of its gradients wherever they are,
+    with any other parameters' gradients given, and the step clipped by it, plain torch's
+    arithmetic; a second call sees the first's clipping, as torch's does); clip_grad_value_ and
+    clip_grads_with_norm_ over an engine's parameters are refused by name (its gradients are not
+    in .grad); over other parameters each is torch's own.
+
+    torch wraps each of these in a no_grad wrapper that calls the function in its closure; the
+    routing takes that function's place there, so the wrapper torch exposes stays the same
+    object and a name imported from torch before strata was is routed too (a script that does
+    `from torch.nn.utils import clip_grad_norm_` first would otherwise clip nothing at stages 2
+    and 3, with no error)."""
+    def clip_grad_norm_(torchs):
+        def clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+            params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+            engine = engine_of(params, "torch.nn.utils.clip_grad_norm_")
+            if engine is not None:
+                return engine._clip_grad_norm(params, max_norm, norm_type, error_if_nonfinite)
+            return torchs(params, max_norm, norm_type=norm_type,
+                          error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        return clip
+
+    def refused(name):
+        def route(torchs):
+            def clip(parameters, *args, **kwargs):
+                params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+                if engine_of(params, f"torch.nn.utils.{name}") is not None:
+                    raise ValueError(
+                        f"torch.nn.utils.{name} over a strata engine's parameters: their "
+                        "gradients are the engine's, not in .grad, and it would clip nothing; "
+                        "accepted: torch.nn.utils.clip_grad_norm_, or gradient_clipping in the "
+                        "config")
+                return torchs(params, *args, **kwargs)
+            return clip
+        return route
+
+    for name in _CLIPPING:
+        exposed = getattr(torch.nn.utils, name, None)
+        if exposed is None:
+            continue
+        route = clip_grad_norm_ if name == "clip_grad_norm_" else refused(name)
+        cells = dict(zip(exposed.__code__.co_freevars, exposed.__closure__ or ()))
+        if "func" in cells:  # torch's no_grad wrapper (torch.nn.utils.clip_grad._no_grad)
+            if not getattr(cells["func"].cell_contents, "_strata", False):
+                cells["func"].cell_contents = route(cells["func"].cell_contents)
+                cells["func"].cell_contents._strata = True
+        elif not getattr(exposed, "_strata", False):  # another torch: its name replaced
+            stand_in = functools.wraps(exposed)(route(exposed))
+            stand_in._strata = True
+            setattr(torch.nn.utils, name, stand_in)
+            setattr(torch.nn.utils.clip_grad, name, stand_in)
+
+
+route_clip_grad_norm()
+
+
+def engine_holding(model):
+    """The engine not closed that holds any of `model`'s parameters (None: none does). One that
+    nothing reaches any more (a reference cycle: a notebook's cell run again over the same
+    model) is collected first."""
+    ids = {id(p) for p in model.parameters()}
+
+    def holding():
+        return next((engine for engine in list(LIVE) if engine._runtime is not None and any(
+            id(e.param) in ids for e in engine.table.entries())), None)
+    if holding() is None:
+        return None
+    gc.collect()
+    return holding()
+
+
+def leave_placeholders(model_ref, params, dtype, device):
+    """What a closed engine (or one dropped without close) leaves of its partitioned `params`
+    ((parameter, shape) pairs): each its shape again without its bytes (one element, expanded),
+    and the module (`model_ref`, a weak reference) refusing them by name
+    (refuse_placeholders)."""
+    for p, shape in params:
+        p.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
+    model = model_ref()
+    if model is not None:
+        refuse_placeholders(model, [p for p, _ in params])
+
+
+def refuse_placeholders(model, params):
+    """After close: `params` (the engine's partitioned ones) are placeholders of their shape
+    without their bytes; a module holding one refuses forward and state_dict() by name, where
+    it would compute with zeros and save zeros (save_pretrained after the engine's last
+    reference was dropped), and strata.initialize refuses it (left_placeholders)."""
+    for key in [k for k, (ref, _) in _CLOSED_PLACEHOLDERS.items() if ref() is None]:
+        del _CLOSED_PLACEHOLDERS[key]
+    for p in params:
+        _CLOSED_PLACEHOLDERS[id(p)] = (weakref.ref(p), p.data_ptr())
+
+    def refuse(module, what):
+        held = left_placeholders(module)
+        if held:
+            raise RuntimeError(f"{what} of {type(module).__name__} ({', '.join(held[:3])}): "
+                               f"{PLACEHOLDERS_LEFT}")
+
+    for module in model.modules():
+        if module not in _GUARDED and left_placeholders(module):
+            _GUARDED[module] = (
+                module.register_forward_pre_hook(lambda m, args: refuse(m, "forward")),
+                module.register_state_dict_pre_hook(
+                    lambda m, prefix, keep_vars: refuse(m, "state_dict()")))
+
+
+PLACEHOLDERS_LEFT = (
+    "its weights were partitioned by a strata engine that is closed (engine.close(), or its "
+    "last reference dropped), and only placeholders without their bytes are left; accepted: "
+    "engine.release() (closes the engine and gives the module its weights back whole), or "
+    "engine.module_state_dict() / save_checkpoint before closing, then "
+    "module.load_state_dict(state, assign=True)")
+
+
+def unguard(model):
+    """Removes close's refusing hooks from `model`'s modules (their weights are given back)."""
+    for module in model.modules():
+        for handle in _GUARDED.pop(module, ()):
+            handle.remove()
+
+
+def num_parameters(module, only_trainable=False, exclude_embeddings=False):
+    """transformers' PreTrainedModel.num_parameters, a partitioned parameter counted by its real
+    size (ds_numel) rather than its placeholder's."""
+    embeddings = {f"{name}.weight" for name, m in module.named_modules()
+                  if isinstance(m, torch.nn.Embedding)} if exclude_embeddings else set()
+    return sum(getattr(p, "ds_numel", p.numel()) for name, p in module.named_parameters()
+               if name not in embeddings and (p.requires_grad or not only_trainable))
+
+
+def load_state_dict_through(engine_ref):
+    def load_state_dict(module, state_dict, strict=True, assign=False):
+        """As torch's, for a module an engine trains: the weights stream into its partitions and
+        the optimizer's master weights (engine.load_pretrained's rules: every missing,
+        unexpected or wrongly shaped tensor named before anything changes), and the optimizer
+        keeps its state (moments, step counts), as torch's module.load_state_dict leaves its
+        optimizer's (engine.load_pretrained starts it afresh)."""
+        engine = engine_ref()
+        if engine is None:
+            raise RuntimeError("load_state_dict: the engine training this module is gone")
+        if assign:
+            raise ValueError("load_state_dict: assign=True is not supported for a module an "
+                             "engine trains (its parameters are the engine's partitions); "
+                             "accepted: assign=False")
+        state_dict = dict(state_dict)
+        for name, child in module.named_modules():  # a TiledLinear's weight whole, cut
+            if isinstance(child, tiling.TiledLinear):
+                tiling.cut_whole(child, state_dict, f"{name}." if name else "")
+        missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+    return load_state_dict
+
+
+def zero_grad_through(engine_ref):
+    def zero_grad(module, set_to_none=True):
+        """As torch's, for a module an engine trains: its gradients are the engine's
+        (Engine.zero_grad drops them), and any other parameter's .grad is torch's to zero."""
+        engine = engine_ref()
+        if engine is not None and engine._runtime is not None:
+            engine.zero_grad(set_to_none)
+        torch.nn.Module.zero_grad(module, set_to_none)
+    return zero_grad
+
+
+_CLOSED_PLACEHOLDERS = {}
+_GUARDED = weakref.WeakKeyDictionary()
+
+
+def left_placeholders(module, recurse=False):
+    """The names of `module`'s parameters that are still a closed engine's placeholders (not
+    given their weights since: p.data = ..., load_state_dict(..., assign=True))."""
+    found = []
+    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        ref, ptr = _CLOSED_PLACEHOLDERS.get(id(p), (lambda: None, None))
+        if ref() is p and p.data_ptr() == ptr:
+            found.append(name)
+    return found
