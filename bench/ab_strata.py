@@ -74,11 +74,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 2)")
     parser.add_argument("--phases", type=int, default=0,
                         help="steps split into forward, backward and step after the timed ones")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    vs_deepspeed.add_model_arguments(parser)
     parser.add_argument("--clipping", type=float, default=1.0)
     parser.add_argument("--child-timeout", type=int, default=1800)
     parser.add_argument("--json", help="write the report here")

@@ -860,6 +860,15 @@ def chart(rows, path, floor=None):
     fig.savefig(path, dpi=100)
 
 
+def add_model_arguments(parser):
+    """The model's shape and the batch (examples/llama.py), the rows' and bench/ab_strata.py's."""
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         with open(sys.argv[2], encoding="utf-8") as f:
@@ -873,11 +882,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 2)")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help="comma-separated, of: " + ", ".join(ROWS))
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--bf16", action="store_true", help="both in bf16 (default fp32)")
     parser.add_argument("--clipping", type=float, default=1.0,
                         help="the config's gradient_clipping (0: none), both systems' and the "

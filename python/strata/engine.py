@@ -289,6 +289,17 @@ class _HeldActivation:
 
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
+def _delegated(part, name, doc, settable=False):
+    """An Engine property (DeepSpeed's name, or a figure of its own) over `name` of the engine's
+    part `part` (the training state's counts are settable: a checkpoint's load sets them)."""
+    def get(self):
+        return getattr(getattr(self, part), name)
+
+    def put(self, value):
+        setattr(getattr(self, part), name, value)
+    return property(get, put if settable else None, doc=doc)
+
+
 def _refuse_model(model):
     """Refuses a model strata.initialize cannot take as it is: tensors on the meta device, one an
     engine not closed holds, one with a closed engine's placeholders left; takes a closed
@@ -1149,54 +1160,21 @@ class Engine:
 
     # DeepSpeed's engine's counts and figures, kept by the engine's parts.
 
-    @property
-    def global_steps(self):
-        """Accumulation boundaries passed (skipped steps included), as DeepSpeed's."""
-        return self._state.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value):
-        self._state.global_steps = value
-
-    @property
-    def micro_steps(self):
-        return self._state.micro_steps
-
-    @micro_steps.setter
-    def micro_steps(self, value):
-        self._state.micro_steps = value
-
-    @property
-    def skipped_steps(self):
-        return self._state.skipped_steps
-
-    @skipped_steps.setter
-    def skipped_steps(self, value):
-        self._state.skipped_steps = value
-
-    @property
-    def warnings(self):
-        """The warnings the engine gave (each once; said on rank 0 only)."""
-        return self._notices.messages
-
-    @property
-    def redone_steps(self):
-        """Steps staged during backward, dropped and taken anew after it."""
-        return self._step.redone_steps
-
-    @property
-    def last_redo_reason(self):
-        return self._step.last_redo_reason
-
-    @property
-    def loss_scale(self):
-        """The loss scale (fp16's; 1.0 in bf16 and fp32), as DeepSpeed's engine's."""
-        return self._scaler.scale
-
-    @property
-    def prefetched_gathers(self):
-        """Across ranks: the all-gathers started ahead that their module used."""
-        return self._lending.prefetched_gathers
+    global_steps = _delegated("_state", "global_steps", "Accumulation boundaries passed "
+                              "(skipped steps included), as DeepSpeed's.", settable=True)
+    micro_steps = _delegated("_state", "micro_steps", "step() calls that ended a micro-batch.",
+                             settable=True)
+    skipped_steps = _delegated("_state", "skipped_steps", "Boundaries whose step was skipped "
+                               "(an fp16 overflow).", settable=True)
+    warnings = _delegated("_notices", "messages", "The warnings the engine gave (each once; said "
+                          "on rank 0 only).")
+    redone_steps = _delegated("_step", "redone_steps", "Steps staged during backward, dropped "
+                              "and taken anew after it.")
+    last_redo_reason = _delegated("_step", "last_redo_reason", "Why the last of them was.")
+    loss_scale = _delegated("_scaler", "scale", "The loss scale (fp16's; 1.0 in bf16 and fp32), "
+                            "as DeepSpeed's engine's.")
+    prefetched_gathers = _delegated("_lending", "prefetched_gathers", "Across ranks: the "
+                                    "all-gathers started ahead that their module used.")
 
     def close(self):
         """Gives back what the engine holds: its Runtime (the device and pinned host memory of
