@@ -79,9 +79,8 @@ Thread safety: a strategy is driven by its Trainer's thread, as Lightning's.
 The package: ``arguments`` (DeepSpeedStrategy's arguments and the config they build), ``launch``
 (the launch environment), ``checkpoints`` (Lightning's checkpoint inside strata's, and collation),
 ``engines`` (the engines kept with their modules), ``precision`` (the precision plugin),
-``strategy`` (the strategy) and ``packages`` (the classes for one Lightning package: built on
-each package's own base classes, which is why they are made by ``for_package`` rather than
-written out).
+``strategy`` (the strategy) and ``packages`` (the classes for one Lightning package: plain
+classes on each package's own base classes, made once per package by ``for_package``).
 """
 
 import logging

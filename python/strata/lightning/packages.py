@@ -44,11 +44,21 @@ class _Flavor:
         self.optimizers_to_device = importlib.import_module(
             f"{fabric}.utilities.optimizer")._optimizers_to_device
         flavor = self
-        self.StrataPrecision = type("StrataPrecision", (_PrecisionMixin, self.Precision), {
-            "__module__": "strata.lightning", "__doc__": _PrecisionMixin.__doc__})
-        self.StrataStrategy = type("StrataStrategy", (_StrategyMixin, self.DDPStrategy), {
-            "__module__": "strata.lightning", "__doc__": _StrategyMixin.__doc__, "_flavor": flavor})
-        self.StrataStrategy.register_strategies(self.StrategyRegistry)
+
+        # Plain classes, on this package's base classes (named as strata.lightning's).
+        class StrataPrecision(_PrecisionMixin, self.Precision):
+            __doc__ = _PrecisionMixin.__doc__
+            __module__ = "strata.lightning"
+            __qualname__ = "StrataPrecision"
+
+        class StrataStrategy(_StrategyMixin, self.DDPStrategy):
+            __doc__ = _StrategyMixin.__doc__
+            __module__ = "strata.lightning"
+            __qualname__ = "StrataStrategy"
+            _flavor = flavor
+
+        self.StrataPrecision, self.StrataStrategy = StrataPrecision, StrataStrategy
+        StrataStrategy.register_strategies(self.StrategyRegistry)
 
 
 _FLAVORS = {}
