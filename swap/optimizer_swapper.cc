@@ -798,321 +798,69 @@ class Launched {
 
 }  // namespace
 
-void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
-  using Result = std::pair<absl::Status, double>;  // status, seconds
-  StepReport& report = x->report;
-  const size_t ring = buffers_.size();
-  std::vector<std::future<Result>> reads;
-  std::vector<std::shared_future<Result>> writes;
+// RunStaged's own state, on the worker's thread until it returns: the items it has seen, where
+// each one's state is, and the reads and writes in flight. Declared in the order they are made,
+// so they go in the reverse: the jobs on the pools (launched) end before what they use goes.
+struct PipelinedOptimizerSwapper::StagedRun {
+  StagedRun(Txn* x, size_t ring, bool ahead_open, absl::flat_hash_map<uint64_t, RoomCopy> kept)
+      : x(x), ring(ring), ring_user(ring, kNone), ahead_open(ahead_open), kept(std::move(kept)) {}
+
+  Txn* const x;
+  const size_t ring;
+  std::vector<std::future<IoResult>> reads;
+  std::vector<std::shared_future<IoResult>> writes;
   std::deque<uint64_t> written_sum;  // the checksum of what each write staged
   // The reads and writes on the pools, each ended before what it uses goes.
-  Launched<Result> launched;
+  Launched<IoResult> launched;
   // The items seen so far (a deque's elements stay put; indexing it would race with Stage). An
   // item is one sub-group of a partition (the whole of one not cut), a partition's in a row.
   std::vector<const Txn::Item*> items;
-  // Item k (at most one past those seen): waits for it to be staged when `wait`; null when it is
-  // not there (or will not come).
-  auto item = [x, &items](size_t k, bool wait) -> const Txn::Item* {
-    if (k < items.size()) return items[k];
-    MutexLock lock(&x->mu);
-    while (wait && !x->closed && !x->cancelled && x->nvme.size() <= k) x->staged.Wait(&x->mu);
-    if (x->cancelled || x->nvme.size() <= k) return nullptr;
-    items.push_back(&x->nvme[k]);
-    return items.back();
-  };
-  auto started = [&](size_t k) { return k < reads.size() && reads[k].valid(); };
   // Item k's state and (commit_each) copy buffer: a ring buffer's, or its room in the read-ahead
   // memory (a held step's, and any step's without commit_each, given in the order staged while
   // it lasts; one that does not fit goes through the ring).
   std::vector<float*> state_of;
   std::vector<std::byte*> copy_of;
-  constexpr size_t kNone = std::numeric_limits<size_t>::max();
-  std::vector<size_t> ring_user(ring, kNone);  // the item that used each ring buffer last
+  static constexpr size_t kNone = std::numeric_limits<size_t>::max();
+  std::vector<size_t> ring_user;  // the item that used each ring buffer last
   size_t ring_next = 0;
   uint64_t ahead_used = 0;
   // The room holds a held step's state as it is read ahead, and any step's without commit_each:
   // what a step leaves there committed is not read again (KeepRoomCopies).
-  bool ahead_open = read_ahead_ != nullptr && (x->held || !config_.commit_each);
+  bool ahead_open;
   // What the room holds as the last step committed it; from here on it is this step's.
-  const absl::flat_hash_map<uint64_t, RoomCopy> kept = std::exchange(room_copies_, {});
+  const absl::flat_hash_map<uint64_t, RoomCopy> kept;
   std::vector<bool> reused;  // item k's state is in its room as committed: not read
-  auto in_room = [this](const float* buf) {
-    const auto* b = reinterpret_cast<const std::byte*>(buf);
-    return read_ahead_ != nullptr && b >= read_ahead_ && b < read_ahead_ + read_ahead_bytes_;
-  };
-  // Whether item k, placed at `offset` in the room, finds its committed state there.
-  auto committed_there = [&](uint64_t offset, const Txn::Item& it) {
-    auto c = kept.find(offset);
-    if (config_.commit_each || c == kept.end()) return false;
-    const tiering::PartitionId key = StoreKey(it.in.id, it.group);
-    const uint64_t bytes = StateBytes(it.count);
-    if (c->second.key != key || c->second.bytes != bytes) return false;
-    auto record = store_->Find(key);
-    return record.ok() && record->length == bytes && record->checksum == c->second.checksum;
-  };
-  auto take_ahead = [&](size_t k, const Txn::Item& it) {
-    const uint64_t slot = ReadAheadSlot(it.count, config_.commit_each);
-    // One that does not fit goes through the ring; a later, smaller one may still fit.
-    if (!ahead_open || slot > read_ahead_bytes_ - ahead_used) {
-      if (read_ahead_bytes_ - ahead_used < 4096) ahead_open = false;  // nothing more fits
-      return false;
-    }
-    state_of[k] = reinterpret_cast<float*>(read_ahead_ + ahead_used);
-    const uint64_t state = WholePages(StateBytes(it.count));
-    copy_of[k] = config_.commit_each ? read_ahead_ + ahead_used + state : nullptr;
-    if (reused.size() <= k) reused.resize(k + 1);
-    reused[k] = committed_there(ahead_used, it);
-    ahead_used += slot;
-    return true;
-  };
-  auto start_read = [&](size_t k, const Txn::Item& it) {
-    if (reads.size() <= k) reads.resize(k + 1);
-    float* buf = state_of[k];
-    const tiering::PartitionId id = it.in.id;
-    const tiering::PartitionId key = StoreKey(id, it.group);
-    const uint64_t n = it.count;
-    auto work = [this, buf, id, key, n] {
-      Emit(StepEvent::kReadStarted, id);
-      const auto r0 = Clock::now();
-      absl::Status s = store_->Get(key, MutableBytes(buf, n));
-      return Result(s, Since(r0));
-    };
-    if (k < reused.size() && reused[k]) {  // its committed state is in its room already
-      Emit(StepEvent::kReadReused, id);
-      std::promise<Result> there;
-      there.set_value(Result(absl::OkStatus(), 0.0));
-      reads[k] = there.get_future();
-      return;
-    }
-    // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
-    const bool ahead = in_room(buf);
-    if (config_.pipeline_read || ahead) {
-      reads[k] = launched.Launch(*readers_, std::move(work));
-      Emit(StepEvent::kReadLaunched, id);
-    } else {
-      reads[k] = std::async(std::launch::deferred, work);
-    }
-  };
-  auto await_write = [&](size_t k) -> const Result& {
-    Emit(StepEvent::kWriteAwaited, items[k]->in.id);
-    return writes[k].get();
-  };
-  auto start_write = [&](size_t k, const Txn::Item& it) {
-    if (writes.size() <= k) writes.resize(k + 1);
-    if (written_sum.size() <= k) written_sum.resize(k + 1);  // (a deque: elements stay put)
-    uint64_t* sum = &written_sum[k];
-    float* buf = state_of[k];
-    std::shared_future<Result> prev = k > 0 ? writes[k - 1] : std::shared_future<Result>();
-    // With commit_each, the param copy computed into this slot's copy buffer goes out once the
-    // state has landed (a sub-group that had stepped already writes nothing: its copy goes out).
-    std::byte* copy = copy_of[k];
-    const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
-    // Writes are staged one after another (a Batch is used by one thread at a time; with
-    // commit_each, one Put at a time needs the store's room for one sub-group's second copy).
-    auto work = [this, buf, &it, prev, b = x->batch.get(), copy, copy_bytes, sum] {
-      if (prev.valid()) prev.wait();
-      const tiering::PartitionId id = it.in.id;
-      const auto w0 = Clock::now();
-      absl::Status s;
-      if (!it.copy_only) {
-        Emit(StepEvent::kWriteStarted, id);
-        s = b != nullptr ? b->Stage(StoreKey(id, it.group), Bytes(buf, it.count), sum)
-                         : store_->Put(StoreKey(id, it.group), Bytes(buf, it.count));
-      }
-      if (!s.ok() || copy == nullptr) return Result(s, Since(w0));
-      const uint64_t at = it.offset * copy_bytes;
-      if (it.in.param_copy != nullptr) {
-        std::memcpy(static_cast<std::byte*>(it.in.param_copy) + at, copy, it.count * copy_bytes);
-      }
-      if (it.hold != nullptr) {  // landed: the copy goes where the sink says
-        Txn::SinkHold& h = *it.hold;
-        if (!h.asked) {
-          h.asked = true;
-          absl::StatusOr<void*> to = it.sink->get(id, it.in.sink_target);
-          if (to.ok()) h.to = *to;
-          if (h.to != nullptr) Emit(StepEvent::kSinkHeld, id);
-        }
-        if (h.to != nullptr) {
-          std::memcpy(static_cast<std::byte*>(h.to) + at, copy, it.count * copy_bytes);
-          ++h.placed;
-          if (it.last) {
-            h.done = true;
-            if (it.sink->done) {
-              it.sink->done(id, it.in.sink_target, h.placed == it.part->groups);
-            }
-          }
-        }
-      }
-      return Result(s, Since(w0));
-    };
-    if (config_.pipeline_write) {
-      writes[k] = launched.Launch(*writer_, std::move(work)).share();
-      Emit(StepEvent::kWriteLaunched, it.in.id);
-    } else {
-      writes[k] = std::async(std::launch::deferred, work).share();
-      await_write(k);
-    }
-  };
-  // Starts the read of k into its buffer: its read-ahead room, else the next ring buffer, whose
-  // last item's write must be done first (that item has stepped: at most two items, k and k+1,
-  // are read and not stepped in the ring at once, and the ring has three buffers or more when
-  // reads are pipelined). `ahead_only`: not into the ring (returns false, no failure, when there
-  // is no room ahead).
-  auto read = [&](size_t k, const Txn::Item& it, bool ahead_only = false) -> bool {
-    if (state_of.size() <= k) {
-      state_of.resize(k + 1);
-      copy_of.resize(k + 1);
-    }
-    if (!take_ahead(k, it)) {
-      if (ahead_only) return false;
-      const size_t r = ring_next++ % ring;
-      if (ring_user[r] != kNone) {
-        if (const absl::Status& s = await_write(ring_user[r]).first; !s.ok()) {
-          x->failure = s;
-          return false;
-        }
-      }
-      ring_user[r] = k;
-      state_of[k] = buffers_[r];
-      copy_of[k] = config_.commit_each ? copy_buffers_[r] : nullptr;
-    }
-    start_read(k, it);
-    return true;
-  };
-  // A held step: until Release, the items staged after k are read ahead while the read-ahead room
-  // lasts (one that does not fit is left to the ring, after Release), at most kAheadInFlight
-  // reads at a time. Returns the scale, or nothing when the step was aborted first.
-  constexpr size_t kAheadInFlight = 8;
+  static constexpr size_t kAheadInFlight = 8;
   std::deque<size_t> in_flight;  // reads started ahead, oldest first
-  auto await_release = [&](size_t k) -> std::optional<float> {
-    for (size_t j = k + 1;; ++j) {
-      const Txn::Item* next = nullptr;
-      {
-        MutexLock lock(&x->mu);
-        while (!x->released && !x->cancelled && !(ahead_open && x->nvme.size() > j)) {
-          x->staged.Wait(&x->mu);
-        }
-        if (x->cancelled) return std::nullopt;
-        if (x->released) return x->scale;
-        while (items.size() <= j) items.push_back(&x->nvme[items.size()]);
-        next = items[j];
-      }
-      if (started(j)) continue;
-      while (in_flight.size() >= kAheadInFlight) {  // a read takes a bounded time
-        reads[in_flight.front()].wait();
-        in_flight.pop_front();
-      }
-      if (read(j, *next, /*ahead_only=*/true)) in_flight.push_back(j);
-    }
-  };
   std::optional<float> held_scale;
   // A gradient from the source, held from the first of its partition's sub-groups that steps
   // until the last has (then let go: the caller may let each gradient go while the rest step).
   const void* held = nullptr;
   tiering::PartitionId held_id = 0;
   const GradSource* held_source = nullptr;
-  auto let_go = [&] {
-    if (held != nullptr && held_source->done) held_source->done(held_id);
-    held = nullptr;
-  };
-  size_t k = 0;
-  for (;; ++k) {
-    const Txn::Item* it = item(k, true);
-    if (it == nullptr) break;
-    if (!started(k) && !read(k, *it)) break;
+};
+
+void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
+  StagedRun run(x, buffers_.size(), read_ahead_ != nullptr && (x->held || !config_.commit_each),
+                std::exchange(room_copies_, {}));
+  // Each item as it is staged: its read (and k+1's), a held step's scale, its step, its write.
+  for (size_t k = 0; HasItem(run, k, /*wait=*/true); ++k) {
+    if (!ReadStarted(run, k) && !ReadItem(run, k)) break;
     // pipeline_read: k+1's read while k steps, when it is staged already.
     if (config_.pipeline_read) {
-      if (const Txn::Item* next = item(k + 1, false); next != nullptr && !started(k + 1)) {
-        if (!read(k + 1, *next)) break;
+      if (HasItem(run, k + 1, /*wait=*/false) && !ReadStarted(run, k + 1)) {
+        if (!ReadItem(run, k + 1)) break;
       }
     }
-    if (x->held && !held_scale.has_value()) {
-      held_scale = await_release(k);
-      if (!held_scale.has_value()) break;  // aborted
+    if (x->held && !run.held_scale.has_value()) {
+      run.held_scale = AwaitRelease(run, k);
+      if (!run.held_scale.has_value()) break;  // aborted
     }
-    Emit(StepEvent::kReadAwaited, it->in.id);
-    auto [read_status, read_s] = reads[k].get();
-    report.read_seconds += read_s;
-    if (!read_status.ok()) {
-      x->failure = read_status;
-      break;
-    }
-    (k < reused.size() && reused[k] ? report.bytes_reused : report.bytes_read) +=
-        StateBytes(it->count);
-    float* state = state_of[k];
-    const uint64_t n = it->count;
-    optim_cpu::AdamChunk c;
-    c.param = state;
-    c.exp_avg = state + n;
-    c.exp_avg_sq = state + 2 * n;
-    c.grad_dtype = it->in.grad_dtype;
-    optim_cpu::StepOptions options = it->options;
-    options.check_overflow = false;
-    if (held_scale.has_value()) options.grad_scale = *held_scale;
-    {
-      MutexLock lock(&x->mu);
-      if (!x->closed) options.threads = config_.threads_while_staging;  // backward still runs
-    }
-    if (it->copy_only) {
-      // Its master weights as they are, copied by the optimizer's own conversion: a step of
-      // rate 0 and no decay over a zero gradient (the second moment's slot, zeroed: the moments
-      // change in the ring only, never written).
-      std::memset(state + 2 * n, 0, n * sizeof(float));
-      c.grad = state + 2 * n;
-      c.grad_dtype = optim_cpu::DType::kF32;
-      options.lr = 0;
-      options.weight_decay = 0;
-      options.grad_scale = 1;
-    } else {
-      if (it->in.grad != nullptr) {
-        if (absl::Status landed = GradLanded(it->in); !landed.ok()) {
-          x->failure = landed;
-          break;
-        }
-        c.grad = it->in.grad;
-      } else {
-        if (held == nullptr || held_id != it->in.id) {
-          let_go();
-          absl::StatusOr<const void*> got = it->source->get(it->in.id);
-          if (!got.ok() || *got == nullptr) {
-            if (got.ok() && it->source->done) it->source->done(it->in.id);
-            x->failure = got.ok() ? absl::InternalError("the gradient source gave no address")
-                                  : got.status();
-            x->failure =
-                Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
-            break;
-          }
-          held = *got;
-          held_id = it->in.id;
-          held_source = it->source.get();
-        }
-        c.grad = held;
-      }
-      c.grad = static_cast<const std::byte*>(c.grad) +
-               it->offset * (it->in.grad_dtype == optim_cpu::DType::kF32 ? 4 : 2);
-      if (it->options.check_overflow && optimizer_->HasNonFinite(c.grad, it->in.grad_dtype, n)) {
-        x->overflow = true;
-        break;
-      }
-    }
-    Emit(StepEvent::kStepStarted, it->in.id);
-    c.param_copy = config_.commit_each && (it->in.param_copy != nullptr || it->in.copy_to_sink)
-                       ? copy_of[k]
-                       : it->staged_copy;
-    c.copy_dtype = it->in.copy_dtype;
-    c.size = n;
-    const auto c0 = Clock::now();
-    absl::Status stepped = optimizer_->Step(it->t, c, options).status();
-    report.compute_seconds += Since(c0);
-    if (it->last && held_id == it->in.id) let_go();
-    Emit(StepEvent::kStepFinished, it->in.id);
-    if (!stepped.ok()) {
-      x->failure = stepped;
-      break;
-    }
-    start_write(k, *it);
+    if (!AwaitRead(run, k)) break;
+    if (!StepItem(run, k)) break;
+    StartWrite(run, k);
   }
-  let_go();
+  LetGoOfGradient(run);
   // write_behind: Commit may go on now (the step is in memory); the writes still in flight are
   // the tail's, and their figures too.
   const bool behind = config_.write_behind;
@@ -1121,41 +869,350 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
     x->loop_done = true;
     x->progress.SignalAll();
   }
-  uint64_t* written = behind ? &x->tail_bytes : &report.bytes_written;
   // Wait for everything in flight before deciding (no I/O may outlive the transaction).
-  for (size_t j = 0; j < std::max(reads.size(), writes.size()); ++j) {
-    // A deferred read that was never needed is not run.
-    if (j < reads.size() && reads[j].valid() &&
-        reads[j].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
-      Emit(StepEvent::kReadAwaited, items[j]->in.id);
-      reads[j].wait();
+  AwaitInFlight(run, behind);
+  GiveBackSinkTargets(run);
+  // Commit the batch once Commit says so (it has landed the step), unless dropped.
+  if (behind) CommitTail(x);
+}
+
+bool PipelinedOptimizerSwapper::HasItem(StagedRun& run, size_t k, bool wait) {
+  if (k < run.items.size()) return true;
+  Txn* x = run.x;
+  MutexLock lock(&x->mu);
+  while (wait && !x->closed && !x->cancelled && x->nvme.size() <= k) x->staged.Wait(&x->mu);
+  if (x->cancelled || x->nvme.size() <= k) return false;
+  run.items.push_back(&x->nvme[k]);
+  return true;
+}
+
+bool PipelinedOptimizerSwapper::ReadStarted(const StagedRun& run, size_t k) {
+  return k < run.reads.size() && run.reads[k].valid();
+}
+
+bool PipelinedOptimizerSwapper::InRoom(const float* buf) const {
+  const auto* b = reinterpret_cast<const std::byte*>(buf);
+  return read_ahead_ != nullptr && b >= read_ahead_ && b < read_ahead_ + read_ahead_bytes_;
+}
+
+bool PipelinedOptimizerSwapper::CommittedThere(const StagedRun& run, uint64_t offset,
+                                               size_t k) const {
+  const Txn::Item& it = *run.items[k];
+  auto c = run.kept.find(offset);
+  if (config_.commit_each || c == run.kept.end()) return false;
+  const tiering::PartitionId key = StoreKey(it.in.id, it.group);
+  const uint64_t bytes = StateBytes(it.count);
+  if (c->second.key != key || c->second.bytes != bytes) return false;
+  auto record = store_->Find(key);
+  return record.ok() && record->length == bytes && record->checksum == c->second.checksum;
+}
+
+bool PipelinedOptimizerSwapper::TakeAhead(StagedRun& run, size_t k) {
+  const Txn::Item& it = *run.items[k];
+  const uint64_t slot = ReadAheadSlot(it.count, config_.commit_each);
+  // One that does not fit goes through the ring; a later, smaller one may still fit.
+  if (!run.ahead_open || slot > read_ahead_bytes_ - run.ahead_used) {
+    if (read_ahead_bytes_ - run.ahead_used < 4096) run.ahead_open = false;  // nothing more fits
+    return false;
+  }
+  run.state_of[k] = reinterpret_cast<float*>(read_ahead_ + run.ahead_used);
+  const uint64_t state = WholePages(StateBytes(it.count));
+  run.copy_of[k] = config_.commit_each ? read_ahead_ + run.ahead_used + state : nullptr;
+  if (run.reused.size() <= k) run.reused.resize(k + 1);
+  run.reused[k] = CommittedThere(run, run.ahead_used, k);
+  run.ahead_used += slot;
+  return true;
+}
+
+void PipelinedOptimizerSwapper::StartRead(StagedRun& run, size_t k) {
+  const Txn::Item& it = *run.items[k];
+  if (run.reads.size() <= k) run.reads.resize(k + 1);
+  float* buf = run.state_of[k];
+  const tiering::PartitionId id = it.in.id;
+  const tiering::PartitionId key = StoreKey(id, it.group);
+  const uint64_t n = it.count;
+  auto work = [this, buf, id, key, n] {
+    Emit(StepEvent::kReadStarted, id);
+    const auto r0 = Clock::now();
+    absl::Status s = store_->Get(key, MutableBytes(buf, n));
+    return IoResult(s, Since(r0));
+  };
+  if (k < run.reused.size() && run.reused[k]) {  // its committed state is in its room already
+    Emit(StepEvent::kReadReused, id);
+    std::promise<IoResult> there;
+    there.set_value(IoResult(absl::OkStatus(), 0.0));
+    run.reads[k] = there.get_future();
+    return;
+  }
+  // A read into the read-ahead room runs at once, pipelined or not: it is read ahead.
+  const bool ahead = InRoom(buf);
+  if (config_.pipeline_read || ahead) {
+    run.reads[k] = run.launched.Launch(*readers_, std::move(work));
+    Emit(StepEvent::kReadLaunched, id);
+  } else {
+    run.reads[k] = std::async(std::launch::deferred, work);
+  }
+}
+
+// Starts the read of k into its buffer: its read-ahead room, else the next ring buffer, whose
+// last item's write must be done first (that item has stepped: at most two items, k and k+1,
+// are read and not stepped in the ring at once, and the ring has three buffers or more when
+// reads are pipelined). `ahead_only`: not into the ring (returns false, no failure, when there
+// is no room ahead).
+bool PipelinedOptimizerSwapper::ReadItem(StagedRun& run, size_t k, bool ahead_only) {
+  if (run.state_of.size() <= k) {
+    run.state_of.resize(k + 1);
+    run.copy_of.resize(k + 1);
+  }
+  if (!TakeAhead(run, k)) {
+    if (ahead_only) return false;
+    const size_t r = run.ring_next++ % run.ring;
+    if (run.ring_user[r] != StagedRun::kNone) {
+      if (const absl::Status& s = AwaitWrite(run, run.ring_user[r]).first; !s.ok()) {
+        run.x->failure = s;
+        return false;
+      }
     }
-    if (j < writes.size() && writes[j].valid()) {
-      const Result& w = await_write(j);
+    run.ring_user[r] = k;
+    run.state_of[k] = buffers_[r];
+    run.copy_of[k] = config_.commit_each ? copy_buffers_[r] : nullptr;
+  }
+  StartRead(run, k);
+  return true;
+}
+
+// A held step: until Release, the items staged after k are read ahead while the read-ahead room
+// lasts (one that does not fit is left to the ring, after Release), at most kAheadInFlight
+// reads at a time. Returns the scale, or nothing when the step was aborted first.
+std::optional<float> PipelinedOptimizerSwapper::AwaitRelease(StagedRun& run, size_t k) {
+  Txn* x = run.x;
+  for (size_t j = k + 1;; ++j) {
+    {
+      MutexLock lock(&x->mu);
+      while (!x->released && !x->cancelled && !(run.ahead_open && x->nvme.size() > j)) {
+        x->staged.Wait(&x->mu);
+      }
+      if (x->cancelled) return std::nullopt;
+      if (x->released) return x->scale;
+      while (run.items.size() <= j) run.items.push_back(&x->nvme[run.items.size()]);
+    }
+    if (ReadStarted(run, j)) continue;
+    while (run.in_flight.size() >= StagedRun::kAheadInFlight) {  // a read takes a bounded time
+      run.reads[run.in_flight.front()].wait();
+      run.in_flight.pop_front();
+    }
+    if (ReadItem(run, j, /*ahead_only=*/true)) run.in_flight.push_back(j);
+  }
+}
+
+bool PipelinedOptimizerSwapper::AwaitRead(StagedRun& run, size_t k) {
+  const Txn::Item* it = run.items[k];
+  StepReport& report = run.x->report;
+  Emit(StepEvent::kReadAwaited, it->in.id);
+  auto [read_status, read_s] = run.reads[k].get();
+  report.read_seconds += read_s;
+  if (!read_status.ok()) {
+    run.x->failure = read_status;
+    return false;
+  }
+  (k < run.reused.size() && run.reused[k] ? report.bytes_reused : report.bytes_read) +=
+      StateBytes(it->count);
+  return true;
+}
+
+bool PipelinedOptimizerSwapper::StepItem(StagedRun& run, size_t k) {
+  Txn* x = run.x;
+  const Txn::Item* it = run.items[k];
+  float* state = run.state_of[k];
+  const uint64_t n = it->count;
+  optim_cpu::AdamChunk c;
+  c.param = state;
+  c.exp_avg = state + n;
+  c.exp_avg_sq = state + 2 * n;
+  c.grad_dtype = it->in.grad_dtype;
+  optim_cpu::StepOptions options = it->options;
+  options.check_overflow = false;
+  if (run.held_scale.has_value()) options.grad_scale = *run.held_scale;
+  {
+    MutexLock lock(&x->mu);
+    if (!x->closed) options.threads = config_.threads_while_staging;  // backward still runs
+  }
+  if (it->copy_only) {
+    // Its master weights as they are, copied by the optimizer's own conversion: a step of
+    // rate 0 and no decay over a zero gradient (the second moment's slot, zeroed: the moments
+    // change in the ring only, never written).
+    std::memset(state + 2 * n, 0, n * sizeof(float));
+    c.grad = state + 2 * n;
+    c.grad_dtype = optim_cpu::DType::kF32;
+    options.lr = 0;
+    options.weight_decay = 0;
+    options.grad_scale = 1;
+  } else if (!GradientFor(run, k, &c)) {
+    return false;
+  }
+  Emit(StepEvent::kStepStarted, it->in.id);
+  c.param_copy = config_.commit_each && (it->in.param_copy != nullptr || it->in.copy_to_sink)
+                     ? run.copy_of[k]
+                     : it->staged_copy;
+  c.copy_dtype = it->in.copy_dtype;
+  c.size = n;
+  const auto c0 = Clock::now();
+  absl::Status stepped = optimizer_->Step(it->t, c, options).status();
+  x->report.compute_seconds += Since(c0);
+  if (it->last && run.held_id == it->in.id) LetGoOfGradient(run);
+  Emit(StepEvent::kStepFinished, it->in.id);
+  if (!stepped.ok()) {
+    x->failure = stepped;
+    return false;
+  }
+  return true;
+}
+
+bool PipelinedOptimizerSwapper::GradientFor(StagedRun& run, size_t k, optim_cpu::AdamChunk* c) {
+  Txn* x = run.x;
+  const Txn::Item* it = run.items[k];
+  if (it->in.grad != nullptr) {
+    if (absl::Status landed = GradLanded(it->in); !landed.ok()) {
+      x->failure = landed;
+      return false;
+    }
+    c->grad = it->in.grad;
+  } else {
+    if (run.held == nullptr || run.held_id != it->in.id) {
+      LetGoOfGradient(run);
+      absl::StatusOr<const void*> got = it->source->get(it->in.id);
+      if (!got.ok() || *got == nullptr) {
+        if (got.ok() && it->source->done) it->source->done(it->in.id);
+        x->failure =
+            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status();
+        x->failure = Annotate(x->failure, absl::StrCat("the gradient of partition ", it->in.id));
+        return false;
+      }
+      run.held = *got;
+      run.held_id = it->in.id;
+      run.held_source = it->source.get();
+    }
+    c->grad = run.held;
+  }
+  c->grad = static_cast<const std::byte*>(c->grad) +
+            it->offset * (it->in.grad_dtype == optim_cpu::DType::kF32 ? 4 : 2);
+  if (it->options.check_overflow &&
+      optimizer_->HasNonFinite(c->grad, it->in.grad_dtype, it->count)) {
+    x->overflow = true;
+    return false;
+  }
+  return true;
+}
+
+void PipelinedOptimizerSwapper::StartWrite(StagedRun& run, size_t k) {
+  const Txn::Item& it = *run.items[k];
+  if (run.writes.size() <= k) run.writes.resize(k + 1);
+  if (run.written_sum.size() <= k) run.written_sum.resize(k + 1);  // (a deque: elements stay put)
+  uint64_t* sum = &run.written_sum[k];
+  float* buf = run.state_of[k];
+  std::shared_future<IoResult> prev = k > 0 ? run.writes[k - 1] : std::shared_future<IoResult>();
+  // With commit_each, the param copy computed into this slot's copy buffer goes out once the
+  // state has landed (a sub-group that had stepped already writes nothing: its copy goes out).
+  std::byte* copy = run.copy_of[k];
+  const uint64_t copy_bytes = CopyBytes(it.in.copy_dtype);
+  // Writes are staged one after another (a Batch is used by one thread at a time; with
+  // commit_each, one Put at a time needs the store's room for one sub-group's second copy).
+  auto work = [this, buf, &it, prev, b = run.x->batch.get(), copy, copy_bytes, sum] {
+    if (prev.valid()) prev.wait();
+    const tiering::PartitionId id = it.in.id;
+    const auto w0 = Clock::now();
+    absl::Status s;
+    if (!it.copy_only) {
+      Emit(StepEvent::kWriteStarted, id);
+      s = b != nullptr ? b->Stage(StoreKey(id, it.group), Bytes(buf, it.count), sum)
+                       : store_->Put(StoreKey(id, it.group), Bytes(buf, it.count));
+    }
+    if (!s.ok() || copy == nullptr) return IoResult(s, Since(w0));
+    const uint64_t at = it.offset * copy_bytes;
+    if (it.in.param_copy != nullptr) {
+      std::memcpy(static_cast<std::byte*>(it.in.param_copy) + at, copy, it.count * copy_bytes);
+    }
+    if (it.hold != nullptr) {  // landed: the copy goes where the sink says
+      Txn::SinkHold& h = *it.hold;
+      if (!h.asked) {
+        h.asked = true;
+        absl::StatusOr<void*> to = it.sink->get(id, it.in.sink_target);
+        if (to.ok()) h.to = *to;
+        if (h.to != nullptr) Emit(StepEvent::kSinkHeld, id);
+      }
+      if (h.to != nullptr) {
+        std::memcpy(static_cast<std::byte*>(h.to) + at, copy, it.count * copy_bytes);
+        ++h.placed;
+        if (it.last) {
+          h.done = true;
+          if (it.sink->done) {
+            it.sink->done(id, it.in.sink_target, h.placed == it.part->groups);
+          }
+        }
+      }
+    }
+    return IoResult(s, Since(w0));
+  };
+  if (config_.pipeline_write) {
+    run.writes[k] = run.launched.Launch(*writer_, std::move(work)).share();
+    Emit(StepEvent::kWriteLaunched, it.in.id);
+  } else {
+    run.writes[k] = std::async(std::launch::deferred, work).share();
+    AwaitWrite(run, k);
+  }
+}
+
+const PipelinedOptimizerSwapper::IoResult& PipelinedOptimizerSwapper::AwaitWrite(StagedRun& run,
+                                                                                 size_t k) {
+  Emit(StepEvent::kWriteAwaited, run.items[k]->in.id);
+  return run.writes[k].get();
+}
+
+void PipelinedOptimizerSwapper::LetGoOfGradient(StagedRun& run) {
+  if (run.held != nullptr && run.held_source->done) run.held_source->done(run.held_id);
+  run.held = nullptr;
+}
+
+void PipelinedOptimizerSwapper::AwaitInFlight(StagedRun& run, bool behind) {
+  Txn* x = run.x;
+  StepReport& report = x->report;
+  uint64_t* written = behind ? &x->tail_bytes : &report.bytes_written;
+  for (size_t j = 0; j < std::max(run.reads.size(), run.writes.size()); ++j) {
+    // A deferred read that was never needed is not run.
+    if (j < run.reads.size() && run.reads[j].valid() &&
+        run.reads[j].wait_for(std::chrono::seconds(0)) != std::future_status::deferred) {
+      Emit(StepEvent::kReadAwaited, run.items[j]->in.id);
+      run.reads[j].wait();
+    }
+    if (j < run.writes.size() && run.writes[j].valid()) {
+      const IoResult& w = AwaitWrite(run, j);
       if (!behind) report.write_seconds += w.second;
+      const Txn::Item* it = run.items[j];
       if (w.first.ok()) {
-        if (!items[j]->copy_only) {
-          *written += StateBytes(items[j]->count);
-          if (config_.commit_each) x->landed_groups.push_back(items[j]);
-          if (in_room(state_of[j])) {
-            const auto at = reinterpret_cast<std::byte*>(state_of[j]) - read_ahead_;
-            x->room_written.push_back({static_cast<uint64_t>(at),
-                                       StoreKey(items[j]->in.id, items[j]->group),
-                                       StateBytes(items[j]->count), written_sum[j]});
+        if (!it->copy_only) {
+          *written += StateBytes(it->count);
+          if (config_.commit_each) x->landed_groups.push_back(it);
+          if (InRoom(run.state_of[j])) {
+            const auto at = reinterpret_cast<std::byte*>(run.state_of[j]) - read_ahead_;
+            x->room_written.push_back({static_cast<uint64_t>(at), StoreKey(it->in.id, it->group),
+                                       StateBytes(it->count), run.written_sum[j]});
           }
         }
       } else if (behind) {
         // Its new state is still in its buffer (the loop is over: none is reused).
         if (x->tail_status.ok()) x->tail_status = w.first;
-        x->unwritten.emplace_back(items[j], state_of[j]);
+        x->unwritten.emplace_back(it, run.state_of[j]);
       } else if (x->failure.ok()) {
         x->failure = w.first;
       }
     }
   }
-  // A target asked for and not given back (its partition's last sub-group did not land, or was
-  // not reached) is given back now, with what landed of it.
-  for (const Txn::Item* it : items) {
+}
+
+// A target asked for and not given back (its partition's last sub-group did not land, or was
+// not reached) is given back now, with what landed of it.
+void PipelinedOptimizerSwapper::GiveBackSinkTargets(const StagedRun& run) {
+  for (const Txn::Item* it : run.items) {
     if (it->hold != nullptr && it->hold->to != nullptr && !it->hold->done) {
       it->hold->done = true;
       if (it->sink->done) {
@@ -1163,17 +1220,18 @@ void PipelinedOptimizerSwapper::RunStaged(Txn* x) {
       }
     }
   }
-  if (behind) {  // commit the batch once Commit says so (it has landed the step), unless dropped
-    Txn::Tail tail;
-    {
-      MutexLock lock(&x->mu);
-      while (x->tail == Txn::Tail::kUndecided) x->progress.Wait(&x->mu);
-      tail = x->tail;
-    }
-    if (tail == Txn::Tail::kCommit && x->unwritten.empty()) {
-      x->tail_status = x->batch->Commit();
-      if (x->tail_status.ok()) KeepRoomCopies(*x);
-    }
+}
+
+void PipelinedOptimizerSwapper::CommitTail(Txn* x) {
+  Txn::Tail tail;
+  {
+    MutexLock lock(&x->mu);
+    while (x->tail == Txn::Tail::kUndecided) x->progress.Wait(&x->mu);
+    tail = x->tail;
+  }
+  if (tail == Txn::Tail::kCommit && x->unwritten.empty()) {
+    x->tail_status = x->batch->Commit();
+    if (x->tail_status.ok()) KeepRoomCopies(*x);
   }
 }
 

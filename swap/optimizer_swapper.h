@@ -381,6 +381,49 @@ class PipelinedOptimizerSwapper {
       bool have_source, absl::flat_hash_set<tiering::PartitionId>* seen) const;
   // The worker of a transaction: steps its NVMe-resident partitions as they are staged.
   void RunStaged(Txn* x);
+  // RunStaged's parts, on its thread, over its own state (`run`: optimizer_swapper.cc); item k is
+  // the k-th NVMe-resident item staged. None is called with x->mu held: those that need it take it.
+  struct StagedRun;
+  using IoResult = std::pair<absl::Status, double>;  // a read's or write's status and seconds
+  // Item k (at most one past those seen): whether it is there, waiting for it to be staged when
+  // `wait` (under x->mu); false when it is not there (or will not come).
+  static bool HasItem(StagedRun& run, size_t k, bool wait);
+  // Whether item k's read was started (or found its state in the room).
+  static bool ReadStarted(const StagedRun& run, size_t k);
+  // Whether `buf` lies in the read-ahead room.
+  bool InRoom(const float* buf) const;
+  // Whether item k, placed at `offset` in the room, finds its committed state there.
+  bool CommittedThere(const StagedRun& run, uint64_t offset, size_t k) const;
+  // Gives item k its place in the read-ahead room when it fits there; false: not in the room.
+  bool TakeAhead(StagedRun& run, size_t k);
+  // Starts item k's read into the buffer it was given (or finds its state there already).
+  void StartRead(StagedRun& run, size_t k);
+  // Gives item k a buffer (the room's, else the ring's) and starts its read; false when it stops.
+  bool ReadItem(StagedRun& run, size_t k, bool ahead_only = false);
+  // A held step: reads ahead what is staged after k until Release; the scale, or none (aborted).
+  std::optional<float> AwaitRelease(StagedRun& run, size_t k);
+  // Waits for item k's read and counts its bytes; false (x->failure) when it failed.
+  bool AwaitRead(StagedRun& run, size_t k);
+  // Steps item k in its buffer, its param copy to its copy buffer or staging; false when the step
+  // stops (x->failure or x->overflow).
+  bool StepItem(StagedRun& run, size_t k);
+  // Points `c` at item k's gradient (landed, or from the source, held for the partition's next
+  // sub-groups); false when it did not come (x->failure) or is not finite (x->overflow).
+  bool GradientFor(StagedRun& run, size_t k, optim_cpu::AdamChunk* c);
+  // Starts the write of item k's new state after the writes before it, then its param copy out.
+  void StartWrite(StagedRun& run, size_t k);
+  // Waits for item k's write (without pipeline_write: runs it).
+  const IoResult& AwaitWrite(StagedRun& run, size_t k);
+  // Lets the gradient held from the source go (GradSource::done).
+  static void LetGoOfGradient(StagedRun& run);
+  // After the loop: waits for every read and write in flight and records what each write came to
+  // (landed, unwritten behind the step, or the step's failure).
+  void AwaitInFlight(StagedRun& run, bool behind);
+  // Gives back the sink targets asked for and not given back, with what landed of them.
+  static void GiveBackSinkTargets(const StagedRun& run);
+  // write_behind: waits for Commit's word on the tail; commits the batch when told to and every
+  // write landed.
+  void CommitTail(Txn* x);
   // The other worker, with host_early: steps the host-resident partitions in place as staged.
   void RunEarly(Txn* x);
   // "k of its n sub-groups stepped to step t", of a partition stepped in part.
