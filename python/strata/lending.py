@@ -72,6 +72,10 @@ class Lending:
         self.cursor = None
         self.prefetched = None
         self.prefetched_gathers = 0  # gathers started ahead that their module used
+        # What the hooks put on a forward's tensors call: through a weak reference, so that a
+        # graph the user keeps (a loss not backwarded) keeps neither the lending nor its Runtime.
+        self._weak_before_backward = weakly(self._before_backward)
+        self._weak_drop = weakly(self._drop)
 
     # --- set-up and tear-down -------------------------------------------------------------------
 
@@ -320,10 +324,10 @@ class Lending:
                 if t.requires_grad:
                     done = []
 
-                    def after_backward(grad, module=module, done=done):
+                    def after_backward(grad, module=module, done=done, drop=self._weak_drop):
                         if not done:
                             done.append(True)
-                            self._drop(module, frozen_only=True)
+                            drop(module, frozen_only=True)
 
                     t.register_hook(after_backward)
                     break
@@ -333,7 +337,8 @@ class Lending:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, module=module: self._before_backward(module))
+                    t.register_hook(lambda grad, module=module, before=self._weak_before_backward:
+                                    before(module))
                     hooked = True
             if not hooked and self._kinds[module][1]:
                 # No output carries a gradient back into the module, yet it has trained
