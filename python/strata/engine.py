@@ -93,17 +93,18 @@ from strata import lr_schedules
 from strata import optimizer as optimizer_module
 from strata import ranks as ranks_module
 from strata.config import TORCH_DTYPES, TrainConfig
+from strata.gathered import GatheredParameters
 from strata.gradients import Gradients, HostCopies
 from strata.loss_scaler import LossScaler
 from strata.lending import Lending, register_external_parameter, weakly
 from strata.parameters import ParameterTable, read_frozen
-from strata.runtime_settings import RuntimeSettings as _RuntimeSettings, make_runtime
+from strata.runtime_settings import CLOSED, RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.notices import Notices, StrataWarning
 from strata.step import OptimizerStep
 from strata.training_state import Phase, TrainingState
 
-__all__ = ["check_config", "initialize", "Engine", "register_external_parameter",
-           "StrataWarning"]
+__all__ = ["check_config", "initialize", "Engine", "GatheredParameters",
+           "register_external_parameter", "StrataWarning"]
 
 # The engine's messages: warnings through `warnings` (StrataWarning), the step lines
 # (steps_per_print) through this logger at INFO; nothing is printed.
@@ -487,7 +488,7 @@ class Engine:
         self.optimizer_kind = hyper["kind"]
         self._initial_state = hyper["initial_accumulator_value"]  # a fresh optimizer's first state
         # Parameters homed on NVMe take their new weights from the committed master weights, one
-        # at a time, rather than all at once in host memory (_refresh_weights: it reads each
+        # at a time, rather than all at once in host memory (OptimizerStep.refresh_weights: it reads each
         # parameter's whole optimizer state back, 12 bytes per element), unless they are within
         # offload_param.max_in_cpu (DeepSpeed's parameter elements kept in CPU memory: the Runtime
         # keeps their host copies) and their copies fit a quarter of the host budget twice: then
@@ -754,7 +755,7 @@ class Engine:
         """What a forward of the module needs first (engine.forward; a trainer that calls the
         module itself calls this before: strata.hf)."""
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
-        if self._step.pending_refresh:  # a step's new weights not written yet (_refresh_weights)
+        if self._step.pending_refresh:  # a step's new weights not written yet (OptimizerStep.refresh_weights)
             self._step.refresh_weights(list(self._step.pending_refresh))
         self._lending.begin_forward()
 
@@ -1151,12 +1152,13 @@ class Engine:
         self._hand_runtime(runtime)
 
     def _hand_runtime(self, runtime):
-        """The Runtime (None: closed), to the engine and each of its parts."""
+        """The Runtime (None: closed), to the engine and each of its parts (closed: CLOSED,
+        which names the closed engine wherever a part still reaches for it)."""
         self._runtime = runtime
         for part in (self._lending, self._gradients, self._step,
                      getattr(self, "_checkpoints", None)):
             if part is not None:
-                part.runtime = runtime
+                part.runtime = runtime if runtime is not None else CLOSED
 
     # DeepSpeed's engine's counts and figures, kept by the engine's parts.
 

@@ -68,7 +68,8 @@ class Gradients:
                 elif self.state.accumulation == 1 and self.ranks is None and \
                         (e.partitioned or self.stage == 2 or self.sum_apart):
                     # The window's whole gradient: its norm now, where it is (on a GPU, queued on
-                    # torch's stream), not from its host copy after backward (_grad_norm).
+                    # torch's stream), not from its host copy after backward
+                    # (OptimizerStep.grad_norm).
                     with torch.no_grad():
                         e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
                 self.fired.add(e)

@@ -74,7 +74,10 @@ class Lending:
         self.prefetched_gathers = 0  # gathers started ahead that their module used
         # What the hooks put on a forward's tensors call: through a weak reference, so that a
         # graph the user keeps (a loss not backwarded) keeps neither the lending nor its Runtime.
-        self._weak_before_backward = weakly(self._before_backward)
+        self._weak_before_backward = weakly(self._before_backward, gone=(
+            "backward through a forward of a strata engine that is gone (closed, or its last "
+            "reference dropped): its parameters are placeholders now, and the gradients would "
+            "be computed with them; accepted: backward before the engine is closed"))
         self._weak_drop = weakly(self._drop)
 
     # --- set-up and tear-down -------------------------------------------------------------------
@@ -405,7 +408,7 @@ class _SavedViews:
         e = saved.entry
         if e.param.numel() == 0:  # not lent again by its module's backward: lent now
             lending = self._lending()
-            if lending is None or lending.runtime is None or lending.ranks is not None:
+            if lending is None or not lending.runtime or lending.ranks is not None:
                 raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
                                    "forward, and its parameter is not lent (its engine is "
                                    "closed, or across ranks outside its module's backward)")
@@ -544,14 +547,18 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def weakly(method):
+def weakly(method, gone=None):
     """`method` (a bound method of the lending, or of the engine) called through a weak
-    reference: nothing once its object is gone."""
+    reference: once its object is gone, nothing, or with `gone` a RuntimeError saying it."""
     ref = weakref.WeakMethod(method)
 
     def call(*args, **kwargs):
         bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
+        if bound is None:
+            if gone is not None:
+                raise RuntimeError(gone)
+            return None
+        return bound(*args, **kwargs)
     return call
 
 

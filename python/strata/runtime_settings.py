@@ -11,7 +11,7 @@ import os
 
 from strata import _strata
 
-__all__ = ["RuntimeSettings", "make_runtime"]
+__all__ = ["CLOSED", "RuntimeSettings", "make_runtime"]
 
 
 class RuntimeSettings:
@@ -92,3 +92,17 @@ def make_runtime(settings, on_warning):
         message = (f"the NVMe swap folder held {len(stale)} partitions of an earlier run: swap is "
                    "not a checkpoint, they were dropped")
     return runtime, message
+
+
+class _Closed:
+    """What an engine's parts hold in place of the Runtime once the engine is closed: any use
+    says so by name (RuntimeError), as the engine's own `runtime` does."""
+
+    def __bool__(self):
+        return False
+
+    def __getattr__(self, name):
+        raise RuntimeError("strata: the engine is closed; accepted: a new strata.initialize")
+
+
+CLOSED = _Closed()

@@ -38,7 +38,7 @@ class _Staged:
         self.entries = []  # staged _Param entries, their targets pinned in the host tier
         self.early = early  # host-resident partitions step in place as they are staged
         # Held: the NVMe state is read ahead as staged, and nothing steps until the gradients'
-        # scale is known after backward (_finish_staged).
+        # scale is known after backward (finish_staged).
         self.held = held
 
 
@@ -149,7 +149,7 @@ class OptimizerStep:
         parameter when the step commits. A partitioned parameter's gradient is its gradient
         partition (taken from the host tier by that thread, one at a time) and its new weights go
         into its host copy, pinned until then (with parameters homed on NVMe, they are read back
-        from the committed master weights instead, one at a time: _refresh_weights); another's are
+        from the committed master weights instead, one at a time: refresh_weights); another's are
         given (`grad`; with `grad_stream`, a CUDA stream where its copy into it is still queued:
         the optimizer's thread reads it once that copy has run). Without `always`, nothing is
         staged while staging is paused."""
@@ -163,7 +163,7 @@ class OptimizerStep:
             if not always:
                 if self._redo_reason is not None:
                     return
-                # With _commit_each each partition's step lands as it is taken: it speculates
+                # With commit_each each partition's step lands as it is taken: it speculates
                 # only where none is dropped.
                 if not self._speculate or (self.commit_each and not self._may_step_early()):
                     if not self._may_hold():
@@ -233,7 +233,7 @@ class OptimizerStep:
 
     def clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite, adopt_backward):
         """torch.nn.utils.clip_grad_norm_(params, max_norm) called by the user over the engine's
-        parameters (engine._route_clip_grad_norm): the gradients are in the engine (partitions,
+        parameters (guards.route_clip_grad_norm): the gradients are in the engine (partitions,
         host sums), not in .grad, where torch's would find none and clip nothing. Returns the
         total norm of the unscaled gradients, as torch's (a 0-d fp32 tensor), and the step that
         follows is clipped by max_norm / (norm + 1e-6) when that is under 1 (then by the config's
@@ -393,7 +393,8 @@ class OptimizerStep:
                     del target
                     if written and not committed:
                         # Stepped early, dropped while backward may still use its device copy:
-                        # its host copy goes back written once backward is over (Gradients.end_step).
+                        # its host copy goes back written once backward is over
+                        # (Gradients.end_step).
                         self.early_held.append(e)
                         continue
                     try:
@@ -544,7 +545,7 @@ class OptimizerStep:
         """(global norm or None, clipping coefficient), the gradients made with loss scale
         `scale`; the coefficient is None when the norm is not finite (an overflow). The norm is
         taken for gradient_clipping, and in fp16 across ranks (every rank must see an overflow
-        that any rank's shard holds, and skip the step with the others) or with _commit_each (a
+        that any rank's shard holds, and skip the step with the others) or with commit_each (a
         partition's step lands as it is taken, so an overflow must be known before the first)."""
         norm = None
         if self.config.clipping > 0 or (self.dtype == torch.float16 and

@@ -1842,6 +1842,33 @@ def test_close_gives_back_the_runtime_and_the_modules_hooks(tmp_path):
     _one_step(engine)
 
 
+def test_a_closed_engines_parts_name_it(tmp_path):
+    """After close every path says the engine is closed (its parts hold a stand-in that names
+    it, not None): a save, the optimizer's load, and a step of a backward made before close; a
+    backward through a graph whose engine was dropped refuses, where it would compute its
+    gradients with the placeholders."""
+    import gc
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1)
+    engine, optimizer, _, _ = strata.initialize(model=Net(), config=config)
+    _one_step(engine)
+    saved = optimizer.state_dict()
+    (x, y), = batches(1)
+    loss = loss_of(engine(x), y)
+    engine.close()
+    for call in (lambda: engine.save_checkpoint(tmp_path / "c"),
+                 lambda: optimizer.load_state_dict(saved),
+                 lambda: (engine.backward(loss), engine.step())):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()
+    dropped, _, _, _ = strata.initialize(model=Net(), config=config)
+    loss = loss_of(dropped(x), y)
+    del dropped
+    gc.collect()
+    with pytest.raises(RuntimeError, match="backward through a forward of a strata engine "
+                                           "that is gone"):
+        loss.backward()
+
+
 class _InplaceRelu(torch.nn.Module):
     def __init__(self):
         super().__init__()
