@@ -126,10 +126,11 @@ def test_lending_holds_the_lending_weakly():
     model, _, table, runtime = _lent_model()
     lending = Lending(table, None, TrainingState(), runtime)
     lending.install(model, stage=3)
-    kept = model(torch.randn(2, 4)).sum()  # noqa: F841 - its graph holds the outputs' hooks
+    kept = model(torch.randn(2, 4)).sum()  # its graph holds the outputs' hooks
     ref = weakref.ref(lending)
     del lending
     assert ref() is None  # (by its last reference: no cycle for the collector to find)
+    assert kept.grad_fn is not None  # (the graph was alive all along)
     with pytest.raises(RuntimeError):  # nothing lends now: the placeholders are empty
         model(torch.randn(1, 4))
 
@@ -201,3 +202,83 @@ def test_gradients_sum_into_the_partition_and_stage_the_step_alone():
     weight.data = torch.ones(4)
     (weight * 1).sum().backward()  # a second backward through the boundary micro-batch
     assert step.second == ["w"]
+
+
+def test_lending_gives_a_frozen_parameter_back_once_its_modules_input_gradient_is_made():
+    """A frozen partitioned parameter has no gradient hook: the lending gives it back when the
+    gradient of its module's input is made (the module's backward is done), not at the end of
+    backward; the holds are all given back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model[1].weight.requires_grad_(False)
+    entries = []
+    for i, (n, p) in enumerate(model.named_parameters()):
+        e = Param(n, p, 2 * i, frozen=not p.requires_grad)
+        e.partitioned = True
+        entries.append(e)
+    weights = {e.pid: e.param.detach().reshape(-1).clone() for e in entries}
+    placeholder = torch.empty(0)
+    for e in entries:
+        e.param.data = placeholder
+    table = ParameterTable([e for e in entries if not e.frozen],
+                           [e for e in entries if e.frozen], placeholder)
+    table.placed()
+    state = TrainingState()
+    lending = Lending(table, None, state, _Runtime(weights))
+    lending.install(model, stage=3)
+    frozen = model[1].weight
+    seen = []
+    # The first layer's weight gradient comes after its output's (the second layer's input's).
+    model[0].weight.register_hook(lambda grad: seen.append(frozen.numel()))
+    out = model(torch.randn(3, 4))
+    state.phase = Phase.BACKWARD
+    out.sum().backward()
+    assert seen == [0]  # given back before the first layer's backward ran
+    assert lending.holders[table.frozen[0].pid] == 0
+
+
+def test_gradients_end_step_ends_the_window_and_drops_every_gradient():
+    """end_step: the step's staged work ended and its window closed (in that order), each
+    gradient partition discarded and every entry's gradient fields cleared; a discard that fails
+    is raised after the rest (a failed step's, warned instead)."""
+    from strata import _strata
+    from strata.gradients import Gradients, HostCopies
+    from strata.notices import Notices
+    calls = []
+
+    class Step:
+        def end_staged(self, committed, reason):
+            calls.append(("end_staged", committed, reason))
+
+        def release_early_held(self, attempt):
+            calls.append("release_early_held")
+
+        def end_window(self):
+            calls.append("end_window")
+
+    class Runtime:
+        def discard(self, gid):
+            calls.append(("discard", gid))
+            if gid == 3:
+                raise _strata.Error("injected: the discard failed")
+
+    entries = [Param(n, torch.nn.Parameter(torch.ones(2)), 2 * i) for i, n in enumerate("ab")]
+    for e in entries:
+        e.partitioned, e.has_grad, e.sent_down, e.grad_norm = True, True, True, torch.tensor(1.0)
+    table = ParameterTable(entries, [], torch.empty(0))
+    table.placed()
+    notices = Notices(say=False)
+    gradients = Gradients(table, None, TrainingState(), None, Step(),
+                          HostCopies(torch.device("cpu"), torch.float32), notices, stage=3,
+                          sum_apart=False, grad_accum_dtype=torch.float32,
+                          device=torch.device("cpu"))
+    gradients.runtime = Runtime()
+    with pytest.raises(_strata.Error, match="injected"):
+        gradients.end_step(failed=False)
+    assert calls == [("end_staged", False, "gradients dropped"), "release_early_held",
+                     "end_window", ("discard", 1), ("discard", 3)]
+    assert not any(e.has_grad or e.sent_down or e.grad_norm is not None for e in entries)
+    for e in entries:
+        e.has_grad = True
+    gradients.end_step(failed=True)  # the failed step's own error is the one raised
+    assert any("after the failed step: injected" in m for m in notices.messages)
