@@ -243,7 +243,7 @@ class _HostActivations:
         if engine is None or tensor.dtype not in _DTYPE_NAMES or tensor.numel() == 0:
             return None
         if self._next is None:
-            self._next = engine._next_id
+            self._next = engine.table.next_id
         pid = self._free.pop() if self._free else self._next
         if pid == self._next:
             self._next += 1
@@ -481,7 +481,6 @@ class Engine:
         self.table = ParameterTable.from_model(
             model, named, self.stage, self._persistence_threshold, ranks, built,
             torch.empty(0, dtype=self.dtype, device=self.device))
-        self._next_id = self.table.next_id  # the first id no partition uses (cpu_checkpointing)
         groups = optimizer_module.param_groups(optimizer, model_parameters, hyper,
                                                self.table.trained)
 
