@@ -12,7 +12,7 @@
 // launcher set, else 0 — so the ranks of a job given one nvme_path (as DeepSpeed configs do) never
 // share a store. A store is locked for its Runtime's life: a second Runtime (in this process or
 // another) on the same folder is refused at Create. The CUDA device is RuntimeOptions::
-// device_index, else LOCAL_RANK, else 0.
+// device_index, else the config's strata.device_index, else LOCAL_RANK, else 0.
 //
 // The trainer registers partitions (with their first bytes in a tier), then asks for a partition
 // in a memory tier with Acquire — which brings a current copy there (NVMe -> host through the aio
@@ -121,7 +121,8 @@ struct RuntimeOptions {
   // This process's rank (its store is <nvme_path>/rank<rank>); -1: the RANK environment
   // variable, else 0.
   int rank = -1;
-  // The CUDA device of the device tier; -1: the LOCAL_RANK environment variable, else 0.
+  // The CUDA device of the device tier; -1: the config's strata.device_index, else the
+  // LOCAL_RANK environment variable, else 0.
   int device_index = -1;
   // Threads that run prefetches and background write-backs.
   int workers = 4;
@@ -375,6 +376,9 @@ class Runtime {
   RuntimeStats stats() const;
   const tiering::ResidencyTable& residency() const { return *table_; }
   const RuntimeConfig& config() const { return config_; }
+  // The CUDA device the device tier is on (chosen as the header says); -1 on the host-emulated
+  // device.
+  int cuda_device() const { return cuda_device_; }
   // Every warning so far (a copy: worker threads may add to them).
   std::vector<std::string> warnings() const;
 
@@ -486,6 +490,7 @@ class Runtime {
 
   RuntimeConfig config_;
   RuntimeOptions options_;
+  int cuda_device_ = -1;
   mutable Mutex warnings_mu_;
   std::vector<std::string> warnings_ ABSL_GUARDED_BY(warnings_mu_);
   std::unique_ptr<aio::Engine> engine_;

@@ -398,7 +398,7 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
          "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
          "optimizer_during_backward", "optimizer_commit", "optimizer_read_ahead_bytes",
-         "optimizer_write_behind"}));
+         "optimizer_write_behind", "device_index"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -406,6 +406,16 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       return Bad(p + "device", absl::StrCat("\"", device, "\": accepted: emulated, cuda"));
     }
     c.emulated_device = device == "emulated";
+    if (auto d = s->find("device_index"); d != s->end() &&
+                                          !(d->is_string() && d->get<std::string>() == "local_rank")) {
+      if (!d->is_number_integer() || d->get<int64_t>() < 0 || d->get<int64_t>() > 1023) {
+        return Bad(p + "device_index",
+                   absl::StrCat(d->dump(), ": accepted: \"local_rank\" (the default: the GPU "
+                                "numbered LOCAL_RANK among those the process sees) or a GPU's "
+                                "number, 0 to 1023"));
+      }
+      c.device_index = static_cast<int>(d->get<int64_t>());
+    }
     constexpr int64_t kMax = int64_t{1} << 62;
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "device_budget_bytes", 1, kMax, &c.device_budget_bytes));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "host_budget_bytes", 1, kMax, &c.host_budget_bytes));

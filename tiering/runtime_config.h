@@ -109,6 +109,9 @@ struct RuntimeConfig {
   }
   // strata's own
   bool emulated_device = true;  // "device": "emulated" (no GPU) or "cuda"
+  // "device_index": the GPU of a "cuda" device tier, among those the process sees; -1
+  // ("local_rank", the default): LOCAL_RANK's, as launchers give each rank of a node its own.
+  int device_index = -1;
   uint64_t device_budget_bytes = 1ull << 30;
   uint64_t host_budget_bytes = 4ull << 30;
   uint64_t nvme_capacity_bytes = 16ull << 30;  // the most the swap files may grow to

@@ -459,7 +459,7 @@ class PyRuntime {
       made = sched::Runtime::Create(config, std::move(options));
     }
     runtime_ = Take(std::move(made));
-    device_id_ = rank < 0 ? 0 : device_index;
+    device_id_ = std::max(runtime_->cuda_device(), 0);  // the device its tensors are on
   }
 
   ~PyRuntime() {
@@ -668,6 +668,7 @@ class PyRuntime {
   std::vector<std::string> Warnings() const { return runtime_->warnings(); }
 
   bool EmulatedDevice() const { return runtime_->config().emulated_device; }
+  int CudaDevice() const { return runtime_->cuda_device(); }
   // offload_param.max_in_cpu as the Runtime read it (elements; 0 without parameters on NVMe):
   // the parameters registered within it keep a host copy (sched/runtime.h).
   int64_t MaxInCpu() const {
@@ -1124,6 +1125,8 @@ PYBIND11_MODULE(_strata, m) {
       .def("stats", &PyRuntime::Stats)
       .def("warnings", &PyRuntime::Warnings)
       .def_property_readonly("emulated_device", &PyRuntime::EmulatedDevice)
+      .def_property_readonly("cuda_device", &PyRuntime::CudaDevice,
+                             "The CUDA device of the device tier; -1 on the emulated one.")
       .def_property_readonly("max_in_cpu", &PyRuntime::MaxInCpu)
       .def_property_readonly("host_budget_bytes", &PyRuntime::HostBudgetBytes)
       .def_property_readonly("optimizer_during_backward", &PyRuntime::OptimizerDuringBackward)

@@ -179,12 +179,16 @@ def _world_size():
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, config_params=None):
+               config=None, config_params=None, process_group=None):
     """DeepSpeed's ``deepspeed.initialize`` shape: returns (engine, optimizer, dataloader,
     lr_scheduler). ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or
     the path of a JSON file. ``optimizer`` may be a torch Adam/AdamW (or strata.optim's), whose
     hyper-parameters the engine takes; a config's ``optimizer`` block is used otherwise.
-    ``training_data`` gives a DataLoader of train_micro_batch_size_per_gpu."""
+    ``training_data`` gives a DataLoader of train_micro_batch_size_per_gpu. Across ranks,
+    ``process_group`` (strata's own) is a torch.distributed group of the job's every rank for the
+    gradients' and weights' collectives (a trainer's NCCL group, say); without it they run on
+    NCCL's default group on GPUs (made if torch.distributed has none, as DeepSpeed's initialize
+    does) and on strata's Gloo otherwise (strata/ranks.py)."""
     if model is None:
         raise ValueError("strata.initialize: model is required")
     if config is None:
@@ -199,7 +203,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ranks = ranks_module.join(raw)
     engine = Engine(model, TrainConfig.parse(raw, world_size=ranks.size if ranks else 1),
                     optimizer=optimizer, model_parameters=model_parameters,
-                    lr_scheduler=lr_scheduler, ranks=ranks)
+                    lr_scheduler=lr_scheduler, ranks=ranks, process_group=process_group)
     loader = None
     if training_data is not None:
         if ranks is not None:  # each rank its share of every epoch, as DeepSpeed's loader
@@ -382,7 +386,7 @@ class Engine:
     """The training engine ``strata.initialize`` returns (see the module's docstring)."""
 
     def __init__(self, model, config, optimizer=None, model_parameters=None, lr_scheduler=None,
-                 ranks=None):
+                 ranks=None, process_group=None):
         self.module = model
         self.config = config
         self._made_at = time.strftime("%H:%M:%S")  # named where a second engine is refused
@@ -425,7 +429,15 @@ class Engine:
         # The bucket keys, checked in one process too.
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
         if ranks is not None:
-            self._check_ranks(runtime_blocks)
+            setups = self._check_ranks(runtime_blocks, settings)
+        elif settings.cuda:
+            settings.cuda_device()  # a GPU beyond those the process sees is named
+        if ranks is None and process_group is not None and process_group.size() > 1:
+            raise ValueError(
+                f"strata.initialize: process_group of {process_group.size()} ranks, but this "
+                "process was not launched as a rank of a job (MASTER_ADDR, MASTER_PORT, RANK, "
+                "WORLD_SIZE and LOCAL_RANK, as torchrun sets them); accepted: a job torchrun or "
+                "DeepSpeed's launcher started")
         if built is not None and built.settings.blocks_json != settings.blocks_json:
             raise ValueError("strata.initialize: the model was built under strata.init with "
                              "another config; accepted: the same zero_optimization and strata "
@@ -444,11 +456,20 @@ class Engine:
             if stale:
                 self._warn(stale)
         self.device_kind = "emulated" if self.runtime.emulated_device else "cuda"
-        if ranks is not None and self.device_kind != "emulated":
-            raise ValueError("strata.initialize: across ranks the engine runs on the emulated "
-                             "device tier (strata.device \"emulated\"), its collectives on Gloo "
-                             "over host memory; the CUDA device tier across ranks (NCCL) is not "
-                             "wired into the engine yet")
+        # Where the model computes: the CPU beside the emulated device tier, else the GPU of the
+        # device tier (as DeepSpeed's engine, strata moves the module there and makes it torch's
+        # current device).
+        self.device = torch.device("cpu") if self.device_kind == "emulated" else \
+            torch.device("cuda", self.runtime.cuda_device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if ranks is not None:
+            collectives, notice = ranks_module.choose_collectives(
+                ranks, self.device, setups, process_group,
+                runtime_blocks.get("strata", {}).get("comm_timeout_s", 1800))
+            ranks.use(collectives, self.device)
+            if notice is not None:
+                self._warn(notice)
         if ranks is not None:  # every rank starts from rank 0's weights
             ranks.broadcast_module(
                 model, skip=lambda t: init_module.partition_of(t) is not None)  # (those are)
@@ -456,10 +477,6 @@ class Engine:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
         checkpointing.use_host_store(_HostActivations(self))
-        # Where the model computes: the CPU beside the emulated device tier, else the GPU of the
-        # device tier (as DeepSpeed's engine, strata moves the module there).
-        self.device = torch.device("cpu") if self.device_kind == "emulated" else \
-            torch.device("cuda", torch.cuda.current_device())
 
         hyper = optimizer_module.hyper_parameters(config, optimizer)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -637,8 +654,18 @@ class Engine:
         if message is not None:
             self._warn(message)
 
-    def _check_ranks(self, runtime):
-        """What the engine does across ranks (strata/ranks.py), and what it refuses."""
+    def _check_ranks(self, runtime, settings):
+        """What the engine does across ranks (strata/ranks.py), and what it refuses; the ranks'
+        set-ups agreed on first (every rank's, returned: ranks_module.agree_on_setup)."""
+        mine = {"stage": str(self.stage), "dtype": str(self.dtype).replace("torch.", ""),
+                "device": "cuda" if settings.cuda else "emulated"}
+        if settings.cuda:
+            mine["visible GPUs"] = str(torch.cuda.device_count())
+            try:
+                mine["gpu"] = ranks_module.gpu_identity(settings.cuda_device())
+            except (ValueError, RuntimeError) as error:
+                mine["error"] = str(error)
+        setups = ranks_module.agree_on_setup(self.ranks, mine)
         if self.stage not in (1, 2, 3):
             raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
                              f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
@@ -647,6 +674,7 @@ class Engine:
                              runtime.get("strata", {}).get("host_budget_bytes", 4 << 30))
         for message in self.ranks.warnings:
             self._warn(message)
+        return setups
 
     def _will_partition(self, e):
         return init_module.partition_of(e.param) is not None or \
@@ -973,10 +1001,10 @@ class Engine:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         try:
+            if self.ranks is not None:  # stage 1's gradients, and stage 3's unpartitioned ones
+                self._gradients.reduce()
             stepped, report = self._step.finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
-                if self.ranks is not None:
-                    self._gradients.reduce()
                 stepped, report = self._step.step_anew()
         except BaseException:
             self._gradients.end_step(failed=True)

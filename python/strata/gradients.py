@@ -111,23 +111,30 @@ class Gradients:
                 else:
                     e.host_grad.add_(grad.reshape(-1).to(dtype=self.grad_accum_dtype))
                 e.has_grad = True
-            elif boundary and grad.device.type == "cpu":
+            elif boundary and grad.device.type == "cpu" and self.ranks is None:
                 # Stage 3's small parameters keep torch's .grad; its final value is staged (a
                 # copy: a second backward would add to .grad while the optimizer reads it). On a
                 # GPU the copy to the host would make the host wait for the device in the middle
-                # of backward: those are staged after backward instead.
+                # of backward: those are staged after backward instead (across ranks, once the
+                # step has reduced them).
                 self.step.stage_from_hook(e, grad.detach().reshape(-1).clone())
         return hook
 
     def _add_shard(self, e, shard, boundary):
         """Across ranks: this rank's shard of e's mean gradient, summed into its gradient (stage 2:
         e.shard_grad in fp32; stage 3: its gradient partition, which at the boundary leaves the
-        device)."""
+        device); in the window's last micro-batch (`boundary`) the shard is final and its step is
+        staged, while backward goes on."""
         if not e.partitioned:
+            shard = shard.to("cpu")  # (the host optimizer's, from a GPU's buffer)
             e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
             e.has_grad = True
+            if boundary:
+                self.step.stage_from_hook(e, e.shard_grad)
             return
         self._add_to_partition(e, shard, boundary)
+        if boundary:
+            self.step.stage_from_hook(e)
 
     def _add_to_partition(self, e, values, boundary):
         """Sums `values` into e's gradient partition on the device (the window's first is copied

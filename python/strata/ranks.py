@@ -6,7 +6,20 @@ parameter of n elements is cut into world_size shards of ceil(n / world_size) el
 padded with zeros); rank r owns shard r: its fp32 master weights and optimizer state (stage 1),
 its gradient, reduce-scattered into it and averaged over the ranks (stage 2), and, at stage 3 for
 the partitioned parameters, its weights, which are all its tiers hold (gathered whole before each
-use). The collectives run on Gloo over host buffers (comm/, strata._strata.Job).
+use).
+
+Where the collectives run (Collectives, chosen by choose_collectives once the device is known):
+  - strata's own Gloo (comm/, strata._strata.Job) over host buffers: on the emulated device tier,
+    and on GPUs where NCCL is absent or refuses (ranks sharing a GPU), the device's buffers then
+    staged through pinned host memory (said once);
+  - a torch.distributed process group over the device's own buffers: on GPUs, NCCL's (the one a
+    trainer hands to strata.initialize, else torch.distributed's default group when it has NCCL,
+    else one strata makes, as DeepSpeed's initialize does); on any device, a group the trainer
+    hands. torch's NCCL group is the one a trainer already holds (Lightning, Accelerate and
+    torchrun scripts make it), runs on its own stream, keeps the buffers it is given alive for
+    the caching allocator, and is the NCCL torch was built with: strata makes no second NCCL
+    communicator on the same GPUs.
+The ranks' digests, norms and flags always go over the job's Gloo (a few bytes).
 
 Buckets (DeepSpeed's keys, counted in elements of the whole parameters):
   reduce_bucket_size     gradients reduce-scattered in one collective (default 5e8)
@@ -28,13 +41,15 @@ Thread safety: the engine's (one thread).
 """
 
 import hashlib
+import json
 import os
+import socket
 
 import torch
 
 from strata import _strata
 
-__all__ = ["Ranks", "join"]
+__all__ = ["Collectives", "Ranks", "agree_on_setup", "choose_collectives", "join"]
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _joined = []  # the job this process joined (once: its store holds MASTER_PORT + 1)
@@ -96,6 +111,169 @@ def bucket_settings(zero, stage):
     return buckets["reduce_bucket_size"], buckets["allgather_bucket_size"], overlap
 
 
+class Collectives:
+    """Where the gradients' reduce-scatters and the weights' all-gathers run, and the buffers they
+    take (`device`: where those are; `pinned`: host buffers pinned for a GPU's copies). Each call
+    returns a work whose wait() makes its result ready for what follows."""
+
+    def __init__(self, name, device=torch.device("cpu"), pinned=False):
+        self.name = name
+        self.device = device
+        self.pinned = pinned
+
+    def zeros(self, *shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+
+    def empty(self, *shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+
+
+class _OnJob(Collectives):
+    """strata's own Gloo (the job's): reduce-scatters on its second communicator, so a bucket in
+    flight never holds up a weight all-gather on the first (overlap_comm)."""
+
+    def __init__(self, job, pinned=False):
+        super().__init__("strata's Gloo over host memory" +
+                         (" (a GPU's buffers staged through pinned memory)" if pinned else ""),
+                         pinned=pinned)
+        self.job = job
+
+    def reduce_scatter(self, send, out, async_op):
+        return self.job.reduce_scatter(send, out, async_op=async_op, side=True)
+
+    def all_gather(self, send, whole):
+        return self.job.all_gather(send, whole, async_op=True)
+
+
+class _OnGroup(Collectives):
+    """A torch.distributed process group (NCCL's on a GPU, over the device's buffers)."""
+
+    def __init__(self, group, device, pinned=False, made=False):
+        import torch.distributed as dist
+        self._dist = dist
+        self.group = group
+        self.made = made  # strata made it (torch.distributed's default group)
+        super().__init__(f"torch.distributed's {_backend_of(group)} process group"
+                         f"{' (made by strata)' if made else ''} over "
+                         f"{'pinned host' if pinned else device.type} buffers", device, pinned)
+
+    def reduce_scatter(self, send, out, async_op):
+        work = self._dist.reduce_scatter_tensor(out, send, group=self.group, async_op=True)
+        if not async_op:
+            work.wait()
+        return work
+
+    def all_gather(self, send, whole):
+        return self._dist.all_gather_into_tensor(whole, send, group=self.group, async_op=True)
+
+
+def _backend_of(group):
+    import torch.distributed as dist
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group made outside torch.distributed's registry
+        return type(group).__name__
+
+
+def agree_on_setup(ranks, mine):
+    """Every rank's set-up (`mine`: a dict of short texts; "error": this rank cannot go on, why),
+    exchanged before anything else is, so that ranks whose device, visible GPU count, dtype or
+    stage differ, or a rank that cannot go on, are named on every rank at once, each raising the
+    same ValueError (never one rank raising while the others wait in a collective). Returns every
+    rank's dict."""
+    limit = 1024
+    raw = json.dumps(mine, sort_keys=True).encode()[:limit]
+    data = bytearray(limit)
+    data[:len(raw)] = raw
+    everyone = torch.empty(ranks.size * limit // 4)  # the bytes, as float32's bits
+    ranks.job.all_gather(torch.frombuffer(data, dtype=torch.float32), everyone)
+    flat = everyone.numpy().tobytes()
+    setups = [json.loads(flat[r * limit:(r + 1) * limit].rstrip(b"\0").decode())
+              for r in range(ranks.size)]
+    failed = [f"rank {r}: {s['error']}" for r, s in enumerate(setups) if s.get("error")]
+    if failed:
+        raise ValueError("strata.initialize: across ranks: " + "; ".join(failed))
+    differ = []
+    for key in sorted(k for k in setups[0] if k != "gpu"):
+        values = [s.get(key) for s in setups]
+        if len(set(values)) > 1:
+            differ.append(f"{key}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
+    if differ:
+        raise ValueError("strata.initialize: the ranks' set-ups differ (" + "; ".join(differ) +
+                         "); accepted: the same config on every rank, each rank seeing as many "
+                         "GPUs")
+    return setups
+
+
+def gpu_identity(device):
+    """This host and GPU (who shares a GPU with whom: NCCL refuses two ranks on one)."""
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def choose_collectives(ranks, device, setups, process_group=None, timeout_s=1800):
+    """The Collectives for an engine on `device` (its compute device), `setups` every rank's
+    (agree_on_setup: "gpu" each one's host and GPU on a GPU), `process_group` the one a trainer
+    handed (or None). Returns (collectives, a notice to say once or None)."""
+    if process_group is not None:
+        _check_group(ranks, process_group)
+        backend = _backend_of(process_group)
+        if device.type == "cuda" and "nccl" in backend:
+            return _OnGroup(process_group, device), None
+        if device.type == "cuda" and "gloo" not in backend:
+            raise ValueError(f"strata.initialize: process_group: its backend {backend!r} runs "
+                             "neither on the GPU's buffers nor on host ones; accepted: a group "
+                             "with NCCL (or Gloo, the GPU's buffers staged through host memory)")
+        return _OnGroup(process_group, torch.device("cpu"), pinned=device.type == "cuda"), None
+    if device.type != "cuda":
+        return ranks.collectives, None
+    gpus = [s.get("gpu") for s in setups]
+    shared = sorted({g for g in gpus if gpus.count(g) > 1})
+    why = None
+    if shared:
+        who = [r for r, g in enumerate(gpus) if g in shared]
+        why = (f"ranks {', '.join(map(str, who))} share a GPU ({shared[0]}), which NCCL refuses")
+    else:
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_nccl_available():
+            why = "this torch has no NCCL"
+    if why is not None:
+        return _OnJob(ranks.job, pinned=True), (
+            f"across ranks on GPUs: {why}: the gradients and weights go through strata's Gloo, "
+            "staged through pinned host memory (slower than NCCL; each rank on a GPU of its "
+            "own uses NCCL)")
+    return _default_nccl_group(ranks, device, timeout_s), None
+
+
+def _check_group(ranks, group):
+    size, rank = group.size(), group.rank()
+    if (size, rank) != (ranks.size, ranks.rank):
+        raise ValueError(
+            f"strata.initialize: process_group: rank {rank} of {size} in the group handed, but "
+            f"rank {ranks.rank} of {ranks.size} as the launcher says (RANK, WORLD_SIZE); "
+            "accepted: a group of the job's every rank, in the launcher's order")
+
+
+def _default_nccl_group(ranks, device, timeout_s):
+    """torch.distributed's default group when it has NCCL, else one made (env://, as DeepSpeed's
+    initialize makes it, NCCL for the GPU's tensors and Gloo for the host's)."""
+    import datetime
+    import torch.distributed as dist
+    if dist.is_initialized():
+        group = dist.group.WORLD
+        if "nccl" in _backend_of(group):
+            _check_group(ranks, group)
+            return _OnGroup(group, device)
+        raise ValueError(
+            f"strata.initialize: torch.distributed's default group is {_backend_of(group)!r}, "
+            "without NCCL, and strata.device is \"cuda\"; accepted: a default group with NCCL "
+            "(init_process_group(\"nccl\") or its default \"cpu:gloo,cuda:nccl\"), or a group "
+            "handed as strata.initialize(process_group=...)")
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl", init_method="env://",
+                            rank=ranks.rank, world_size=ranks.size, device_id=device,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return _OnGroup(dist.group.WORLD, device, made=True)
+
+
 class Ranks:
     """The job's ranks and one engine's collectives over them."""
 
@@ -112,6 +290,14 @@ class Ranks:
         self._in_flight = None  # (work, entries, output) of the bucket being reduce-scattered
         self._collectives = 0  # issued so far (named when the ranks disagree)
         self.reduce_scatters_in_backward = 0  # buckets reduce-scattered while backward ran
+        # Where the gradients' and weights' collectives run (choose_collectives; until an engine
+        # says otherwise, the job's Gloo over host memory).
+        self.collectives = _OnJob(job)
+        self.device = torch.device("cpu")  # where the model computes (the gathered weights go)
+
+    def use(self, collectives, device):
+        """The engine's: its collectives (choose_collectives) and its compute device."""
+        self.collectives, self.device = collectives, device
 
     def configure(self, zero, stage, host_budget_bytes):
         """Takes the bucket keys of the zero_optimization block (bucket_settings), each bucket
@@ -133,18 +319,21 @@ class Ranks:
         the module's docstring); else every rank raises, naming the ranks that differ."""
         self._agree_on(f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries))
 
-    def _agree_on(self, what):
+    def _agree_on(self, what, ok=True):
+        """Every rank is about to do `what` (see _agree); returns whether every rank is `ok`
+        (each rank says whether it is: a flag carried with the digest, in the same collective)."""
         self._collectives += 1
-        mine = hashlib.blake2b(what.encode(), digest_size=16).digest()
-        everyone = torch.empty(self.size * 4)  # 16 bytes a rank, carried as float32's bits
+        mine = bytearray(hashlib.blake2b(what.encode(), digest_size=16).digest())
+        mine += bytes(4) if ok else b"\xff" * 4  # (float32's bits: 0.0, or a NaN)
+        everyone = torch.empty(self.size * 5)  # 20 bytes a rank, carried as float32's bits
         try:
-            self.job.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.float32),
-                                everyone)
+            self.job.all_gather(torch.frombuffer(mine, dtype=torch.float32), everyone)
         except _strata.Error as error:
             raise _strata.Error(f"rank {self.rank} of {self.size}: about to issue {what[:300]}: "
                                 f"the ranks could not agree on it: {error}") from None
-        digests = everyone.view(self.size, 4).numpy().tobytes()
-        other = [r for r in range(self.size) if digests[16 * r:16 * r + 16] != digests[:16]]
+        raw = everyone.view(self.size, 5).numpy().tobytes()
+        digests = [raw[20 * r:20 * r + 16] for r in range(self.size)]
+        other = [r for r in range(self.size) if digests[r] != digests[0]]
         if other:
             raise _strata.Error(
                 f"rank {self.rank} of {self.size}: the ranks issue different collectives at "
@@ -154,6 +343,7 @@ class Ranks:
                 "parameters used in the same order (the same graph); at stage 3 every rank runs "
                 "every forward, evaluation's too (a module's weights are gathered from every "
                 "rank)")
+        return all(raw[20 * r + 16:20 * r + 20] == bytes(4) for r in range(self.size))
 
     # --- shards ---------------------------------------------------------------------------------
 
@@ -218,7 +408,7 @@ class Ranks:
         self._agree("reduce-scatter", [e for e, *_ in bucket])
         shards = [e.shard for e, *_ in bucket]
         total = sum(shards)
-        send = torch.zeros(self.size, total)
+        send = self.collectives.zeros(self.size, total)
         offset = 0
         for (e, grad, *_), shard in zip(bucket, shards):
             if grad is not None:  # rank j's rows: elements [j * shard, (j + 1) * shard)
@@ -228,8 +418,8 @@ class Ranks:
                 if rest:
                     send[whole, offset:offset + rest] = flat[whole * shard:]
             offset += shard
-        out = torch.empty(total)
-        work = self.job.reduce_scatter(send.view(-1), out, async_op=async_op, side=True)
+        out = self.collectives.empty(total)
+        work = self.collectives.reduce_scatter(send.view(-1), out, async_op)
         return work, out
 
     @staticmethod
@@ -259,7 +449,7 @@ class Ranks:
         for bucket in self._buckets(items, self.reduce_bucket):
             _, out = self._reduce_scatter(bucket, async_op=False)
             for (e, _), shard in self._split(bucket, out, 1.0 / self.size):
-                result[e] = shard
+                result[e] = shard.to("cpu")  # (the host optimizer's, from a GPU's buffer)
         return result
 
     def add_gradient(self, e, grad, boundary, apply):
@@ -268,7 +458,7 @@ class Ranks:
         with overlap_comm) and `apply(e, shard, boundary)` is called with each of its entries'
         mean shards once it is done."""
         self._apply = apply
-        self._pending.append((e, grad.detach().to("cpu"), boundary))
+        self._pending.append((e, grad.detach(), boundary))
         self._pending_elements += e.numel
         if self._pending_elements >= self.reduce_bucket:
             self.reduce_scatters_in_backward += 1
@@ -304,7 +494,7 @@ class Ranks:
         if in_flight is not None:
             try:
                 in_flight[0].wait()
-            except _strata.Error:
+            except (_strata.Error, RuntimeError):  # (strata's Gloo; torch.distributed's)
                 pass
 
     # --- weights: all-gathered from their owners ----------------------------------------------
@@ -328,13 +518,13 @@ class Ranks:
                             f"{'with' if torch.is_grad_enabled() else 'without'} autograd)",
                             [e for e, *_ in bucket])
                 total = sum(e.shard for e, *_ in bucket)
-                send = torch.empty(total, dtype=dtype)
+                send = self.collectives.empty(total, dtype=dtype)
                 offset = 0
                 for e, shard, _ in bucket:
                     send[offset:offset + e.shard] = shard
                     offset += e.shard
-                whole = torch.empty(self.size, total, dtype=dtype)
-                work = self.job.all_gather(send, whole.view(-1), async_op=True)
+                whole = self.collectives.empty(self.size, total, dtype=dtype)
+                work = self.collectives.all_gather(send, whole.view(-1))
                 started.append((work, [(e, sink) for e, _, sink in bucket], whole))
         return started
 
@@ -345,12 +535,14 @@ class Ranks:
             work.wait()
             offset = 0
             for e, sink in bucket:
-                sink(whole[:, offset:offset + e.shard].reshape(-1)[:e.numel])
+                piece = whole[:, offset:offset + e.shard].reshape(-1)[:e.numel]
+                sink(piece.to(self.device, non_blocking=True))  # (staged through the host)
                 offset += e.shard
 
-    def all_ok(self, ok):
-        """Whether every rank is `ok` (each rank says whether it is)."""
-        return self.all_reduce_sum([0.0 if ok else 1.0])[0] == 0
+    def agree_all_ok(self, what, ok):
+        """Whether every rank is `ok`, once every rank is known to be at `what` (the same point
+        of the same step: else every rank raises, naming the ranks that differ, as _agree)."""
+        return self._agree_on(what, ok)
 
     def failed_ranks(self, ok):
         """The ranks that are not `ok` (each rank says whether it is)."""

@@ -41,17 +41,51 @@ class RuntimeSettings:
         self.threshold = threshold if isinstance(threshold, (int, float)) else 100000
         self.dtype = config.dtype
         self.several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1  # a job of processes
+        block = runtime.get("strata")
+        self.cuda = isinstance(block, dict) and block.get("device") == "cuda"
+        self._device_index = block.get("device_index", "local_rank") \
+            if isinstance(block, dict) else "local_rank"
         # The config's own blocks (what strata.init and an engine must agree on), then the
         # Runtime's JSON with what "auto" decides from the rest of the config.
         self.blocks_json = json.dumps(runtime, sort_keys=True)
         self._read_ahead_where_held(runtime, config)
-        block = runtime.get("strata")
         if self.several and \
                 (not isinstance(block, dict) or block.get("optimizer_commit", "auto") == "auto"):
             # optimizer_commit "auto" is "step" across ranks: "partition" is one process's (a
             # step failing part way on one rank would leave the ranks' shards apart).
             runtime.setdefault("strata", {})["optimizer_commit"] = "step"
         self.runtime_json = json.dumps(runtime, sort_keys=True)
+
+    def cuda_device(self, visible=None):
+        """The GPU this process computes on and its device tier is on (strata.device "cuda"):
+        strata.device_index, else LOCAL_RANK (each rank of a node its own, as launchers arrange),
+        else 0; None on the emulated device. A GPU beyond the `visible` ones
+        (torch.cuda.device_count()) is a ValueError naming the count."""
+        if not self.cuda:
+            return None
+        given = self._device_index
+        if given == "local_rank":
+            raw = os.environ.get("LOCAL_RANK", "") or "0"
+            if not raw.isdigit():
+                raise ValueError(f"LOCAL_RANK {raw!r} (the environment's): accepted: the rank's "
+                                 "number on its node, 0 or more")
+            index, source = int(raw), f"LOCAL_RANK {raw}"
+        else:
+            _strata.check_runtime_config(self.runtime_json)  # names a device_index not accepted
+            index, source = given, f"strata.device_index {given}"
+        if visible is None:
+            import torch
+            visible = torch.cuda.device_count()
+        if index >= visible:
+            shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+            seen = "unset" if shown is None else repr(shown)
+            raise ValueError(
+                f"strata.device \"cuda\": {source} names GPU {index}, but this process sees "
+                f"{visible} GPU{'' if visible == 1 else 's'} (CUDA_VISIBLE_DEVICES {seen}); "
+                "accepted: at most as many ranks on a node as its GPUs (torchrun "
+                "--nproc_per_node), or strata.device_index naming a GPU this process sees "
+                "(ranks may share one: their device buffers then go through Gloo)")
+        return index
 
     def _read_ahead_where_held(self, runtime, config):
         """strata.optimizer_read_ahead_bytes "auto" (unset) takes no room where the engine never
@@ -77,13 +111,19 @@ def make_runtime(settings, on_warning):
     checkpoint: what an earlier run left there is dropped, and said. A folder still held by an
     engine nothing reaches any more (a reference cycle, as a Lightning module and its engine make,
     not yet collected: a second fit in a notebook) is freed by a collection, and tried again."""
+    device = settings.cuda_device()
+
+    def made():
+        return _strata.Runtime(settings.runtime_json, on_warning=on_warning,
+                               device_index=-1 if device is None else device)
+
     try:
-        runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
+        runtime = made()
     except _strata.Error as error:
         if "in use by another strata store of this process" not in str(error):
             raise
         gc.collect()  # the engine holding it closes if nothing reaches it (its finalizer)
-        runtime = _strata.Runtime(settings.runtime_json, on_warning=on_warning)
+        runtime = made()
     stale = runtime.stored_partitions()
     for pid in stale:
         runtime.unregister(pid)

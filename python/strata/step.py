@@ -69,11 +69,12 @@ class OptimizerStep:
         # strata.optimizer_commit "partition" with the state on NVMe: each partition's new state
         # lands as it is written, so a step once begun is not dropped.
         self.commit_each = commit_each
-        # The step staged during backward (stage 3): on until a step needs clipping, then off
-        # until one does not. Across ranks the step is taken after backward (the ranks agree on
-        # its norm first).
+        # The step staged during backward (stages 2 and 3): on until a step needs clipping, then
+        # off until one does not. Across ranks each shard's step is staged once its gradient is
+        # reduce-scattered; after backward the ranks agree that every one's staged step stands
+        # before any commits (finish_staged).
         self.staged = None
-        self._speculate = ranks is None
+        self._speculate = True
         self._redo_reason = None  # the staged step was dropped during this backward
         # A step that cannot be speculated is staged held (_may_hold) where the optimizer has
         # room to read its NVMe state ahead; not after a second gradient.
@@ -298,7 +299,8 @@ class OptimizerStep:
     def _may_step_early(self):
         """Whether partitions may step for good as backward makes their gradients final: when
         strata.optimizer_during_backward says they may and nothing learnt after backward can
-        change the step (no gradient clipping, no fp16 loss scale, one process), from the second
+        change the step (no gradient clipping, no fp16 loss scale, one process: across ranks a
+        rank whose staging failed makes every rank take the step anew), from the second
         step on (the first shows whether the boundary micro-batch takes one backward). Dropping
         such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
@@ -478,14 +480,21 @@ class OptimizerStep:
         (the global norm under gradient_clipping), the loss scale and learning rates it was
         staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
         when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
-        staged = self.staged
-        if staged is None:
+        # What backward did not stage: the unpartitioned parameters on a GPU (across ranks,
+        # stage 3's, reduced at the step), and partitioned ones with no gradient in this
+        # micro-batch (their partition holds the earlier ones').
+        if self.staged is not None:
+            for e, g in list(self._unstaged()):
+                self.stage(e, g)
+        if self.ranks is not None and not self.ranks.agree_all_ok(
+                "the step staged during backward", self.staged is not None):
+            # A rank's staging failed (its host tier had no room, say) or none staged: every
+            # rank takes the step anew, so that each issues the same collectives.
+            if self.staged is not None:
+                self.drop_staged("another rank's step staged during backward could not stand")
             return None, None
-        # What backward did not stage: the unpartitioned parameters on a GPU, and partitioned
-        # ones with no gradient in this micro-batch (their partition holds the earlier ones').
-        for e, g in list(self._unstaged()):
-            self.stage(e, g)
-        if self.staged is None:  # a staging failed
+        staged = self.staged
+        if staged is None:  # none staged, or a staging failed
             return None, None
         reason = None
         if staged.scale != self.scaler.scale:
@@ -503,16 +512,20 @@ class OptimizerStep:
                 self.end_staged(committed=False)
                 self.scaler.update(overflow=True)
                 return False, {"overflow": True, "grad_norm": norm}
-            self._speculate = clip == 1.0 and self.ranks is None
+            self._speculate = clip == 1.0
             self.runtime.release_optimizer_step(clip / staged.scale)
             return self._commit(norm, staged=True)
         if reason is None and self._user_clip is not None and self._user_clip < 1.0:
             reason = "torch.nn.utils.clip_grad_norm_ scales this step"
             self._speculate = False  # likely again next step: not staged then
         norm = None
-        if reason is None and self.config.clipping > 0:
+        # (In fp16 across ranks the norm over every rank says whether any rank's shards
+        # overflowed: then every rank skips the step, as _norm_and_clip.)
+        if reason is None and (self.config.clipping > 0 or
+                               (self.dtype == torch.float16 and self.ranks is not None)):
             norm = self.grad_norm(staged.scale)
-            if math.isfinite(norm) and self.config.clipping / (norm + 1e-6) < 1.0:
+            if math.isfinite(norm) and self.config.clipping > 0 and \
+                    self.config.clipping / (norm + 1e-6) < 1.0:
                 reason = "gradient clipping scales this step"
                 self._speculate = False  # likely again next step: not staged then
         if reason is not None:
@@ -532,8 +545,8 @@ class OptimizerStep:
         if clip is None:
             self.scaler.update(overflow=True)
             return False, {"overflow": True, "grad_norm": norm}
-        # Stage the next step during backward unless it clipped (never across ranks).
-        self._speculate = clip == 1.0 and self.ranks is None
+        # Stage the next step during backward unless it clipped.
+        self._speculate = clip == 1.0
         for e, g in list(self._unstaged()):
             self.stage(e, g, clip=clip, always=True)
         if self.staged is None:

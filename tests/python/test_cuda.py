@@ -311,3 +311,74 @@ def test_stage_2_steps_staged_during_backward_match_plain_torch_with_clipping(tm
         torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
                                    rtol=1e-4, atol=1e-4)
     engine.close()
+
+
+# Across ranks on GPUs (strata/ranks.py): tests/python/test_ranks.py's job, its model computing on
+# the GPU. On one GPU the ranks share it (strata.device_index 0): NCCL refuses that, so their
+# gradients and weights go through strata's Gloo, staged through pinned host memory, said once.
+# With a GPU for each rank, NCCL's default group, which strata makes.
+@pytest.mark.parametrize("stage, offload, dtype", [
+    (1, "cpu", "fp32"), (2, "cpu", "fp32"), (3, "cpu", "fp32"), (2, "nvme", "fp32"),
+    (3, "nvme", "fp32"), (2, "cpu", "bf16"), (3, "cpu", "bf16"),
+])
+def test_ranks_on_gpus_train_as_one_process(tmp_path, monkeypatch, stage, offload, dtype):
+    from test_ranks import train_as_one_process
+    monkeypatch.setenv("STRATA_TEST_DEVICE", "cuda")
+    shared = torch.cuda.device_count() < 2
+    reports = train_as_one_process(tmp_path, 2, stage, offload, dtype,
+                                   {"STRATA_TEST_DEVICE_INDEX": "0"} if shared else {})
+    if shared:
+        assert all(r["collectives"] == "strata's Gloo over host memory (a GPU's buffers staged "
+                                       "through pinned memory)" for r in reports), reports
+        assert sum("share a GPU" in w for w in reports[0]["warnings"]) == 1, reports[0]
+    else:
+        assert all(r["collectives"] == "torch.distributed's nccl process group (made by strata) "
+                                       "over cuda buffers" for r in reports), reports
+
+
+NCCL_ONE_RANK = r"""
+import torch, torch.distributed as dist
+from strata import _strata
+from strata import ranks as ranks_module
+device = torch.device("cuda", 0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+ranks = ranks_module.Ranks(_strata.Job(timeout_ms=30000))
+ranks.use(ranks_module._OnGroup(dist.group.WORLD, device), device)
+
+class E:
+    def __init__(self, name, numel):
+        self.name, self.numel, self.shard = name, numel, numel
+a, b = E("a", 5), E("b", 3)
+# The gradients reduce-scattered from the GPU (one rank: the mean is the gradient itself), their
+# shards handed to the host optimizer; weights all-gathered to the GPU.
+ga, gb = torch.arange(5.0, device=device), torch.arange(3.0, device=device) + 10
+got = ranks.reduce_gradients([a, b], lambda e: ga if e is a else gb)
+assert got[a].device.type == "cpu" and torch.equal(got[a], ga.cpu()), got
+assert torch.equal(got[b], gb.cpu()), got
+seen = {}
+ranks.add_gradient(a, ga * 2, True, lambda e, shard, boundary: seen.setdefault(e.name, shard))
+ranks.finish_gradients()
+assert seen["a"].device == device and torch.equal(seen["a"], ga * 2), seen
+out = {}
+ranks.gather([(a, torch.ones(5, dtype=torch.bfloat16), lambda w: out.setdefault("a", w)),
+              (b, torch.full((3,), 2.0, dtype=torch.bfloat16, device=device),
+               lambda w: out.setdefault("b", w))])
+assert out["a"].device == device and out["a"].dtype == torch.bfloat16 and \
+    torch.equal(out["a"].float().cpu(), torch.ones(5)), out
+assert torch.equal(out["b"].float().cpu(), torch.full((3,), 2.0)), out
+print("ok")
+"""
+
+
+def test_nccl_collectives_run_the_ranks_buckets_with_one_rank():
+    """strata's collectives on torch.distributed's NCCL group, over the GPU's buffers: a job of one
+    rank (every call NCCL's, the results checkable alone)."""
+    import os
+    import subprocess
+    import sys
+    from launch import free_port
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0")
+    child = subprocess.run([sys.executable, "-c", NCCL_ONE_RANK], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-3000:]

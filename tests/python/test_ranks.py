@@ -48,12 +48,16 @@ if stage == 3:
 elif offload == "nvme":  # the NVMe optimizer's staging buffers, within the host budget
     zero["offload_param"] = {"buffer_count": 2, "buffer_size": 65536}
 config = {"train_batch_size": GLOBAL * 2, "gradient_accumulation_steps": 2 * SPLIT,
-          "gradient_clipping": 0.5,
+          "gradient_clipping": float(__import__("os").environ.get("STRATA_TEST_CLIP", 0.5)),
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
           "zero_optimization": zero,
           "strata": {"device": "emulated", "device_budget_bytes": 49152,
                      "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20,
                      "comm_timeout_s": 60}}
+if __import__("os").environ.get("STRATA_TEST_DEVICE") == "cuda":  # tests/python/test_cuda.py's
+    config["strata"]["device"] = "cuda"
+    if __import__("os").environ.get("STRATA_TEST_DEVICE_INDEX"):  # ranks sharing one GPU
+        config["strata"]["device_index"] = int(__import__("os").environ["STRATA_TEST_DEVICE_INDEX"])
 if dtype == "bf16":
     config["bf16"] = {"enabled": True}
 # Rank 0's weights reach every rank: the others start elsewhere. Built as given, or under
@@ -65,18 +69,24 @@ if __import__("os").environ.get("STRATA_TEST_INIT"):
 else:
     model = Net()
 initial = {k: v.clone() for k, v in model.state_dict().items()}
-engine, _, _, _ = strata.initialize(model=model, config=config)
+group = None
+if __import__("os").environ.get("STRATA_TEST_GROUP"):  # the trainer's torch.distributed group
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.group.WORLD
+engine, _, _, _ = strata.initialize(model=model, config=config, process_group=group)
 assert engine.micro_batch_size == GLOBAL // world // SPLIT
 gen = torch.Generator().manual_seed(1)
 per = GLOBAL // world // SPLIT
 norms = []  # the global gradient norm of each step (Adam would hide a gradient's scale)
+staged = 0  # steps staged during backward that stood
 for step in range(steps):
     for micro in range(2):
         xs = torch.randint(0, 50, (GLOBAL, 8), generator=gen)
         ys = torch.roll(xs, 1, 1)
         for part in range(SPLIT):
             lo = (rank * SPLIT + part) * per
-            x, y = xs[lo:lo + per], ys[lo:lo + per]
+            x, y = xs[lo:lo + per].to(engine.device), ys[lo:lo + per].to(engine.device)
             loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 50),
                                                      y.reshape(-1))
             engine.backward(loss)
@@ -87,22 +97,27 @@ for step in range(steps):
                             if e.host_grad is not None)
             engine.step()
     norms.append(engine.last_step_stats["optimizer"]["grad_norm"])
+    staged += bool(engine.last_step_stats["optimizer"].get("staged"))
 state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
-print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held,
+print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held, "staged": staged,
                   "shards": {e.name: [e.numel, e.shard] for e in engine.table.trained},
                   "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
                   "prefetched": engine.prefetched_gathers,
+                  "collectives": engine.ranks.collectives.name if engine.ranks else None,
+                  "warnings": [str(w) for w in engine.warnings],
                   "nvme": sorted(__import__("os").listdir(nvme)) if offload == "nvme" else []}))
 """
 
 
-def run_single(tmp_path, stage, offload, dtype, steps, split=1):
+def run_single(tmp_path, stage, offload, dtype, steps, split=1, clip=None):
     out = tmp_path / f"single{split}.pt"
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["STRATA_TEST_SPLIT"] = str(split)
+    if clip is not None:
+        env["STRATA_TEST_CLIP"] = clip
     child = subprocess.run(
         [sys.executable, "-c", TRAIN, str(stage), offload, dtype, str(steps), str(out),
          str(tmp_path / "nvme1")], env=env, capture_output=True, text=True, timeout=300)
@@ -122,36 +137,63 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
     return torch.load(out), reports
 
 
-@pytest.mark.parametrize("n, stage, offload, dtype, under_init", [
-    (2, 1, "cpu", "fp32", False),
-    (4, 1, "nvme", "fp32", False),
-    (2, 2, "cpu", "fp32", False),
-    (2, 3, "cpu", "fp32", False),
-    (4, 3, "nvme", "fp32", False),
-    (4, 2, "cpu", "bf16", False),
-    (2, 3, "cpu", "bf16", False),
-    (3, 3, "nvme", "fp32", True),
+# "noclip": no gradient_clipping (the others clip at 0.5, which scales these steps: a step staged
+# during backward is then dropped and taken anew): at stages 2 and 3 every step is staged during
+# backward and stands.
+@pytest.mark.parametrize("n, stage, offload, dtype, under_init, group", [
+    (2, 1, "cpu", "fp32", False, False),
+    (4, 1, "nvme", "fp32", False, False),
+    (2, 2, "cpu", "fp32", False, "noclip"),
+    (2, 3, "cpu", "fp32", False, False),
+    (4, 3, "nvme", "fp32", False, "noclip"),
+    (4, 2, "cpu", "bf16", False, False),
+    (2, 3, "cpu", "bf16", False, False),
+    (3, 3, "nvme", "fp32", True, False),
+    # The collectives on a torch.distributed group the trainer hands (Gloo's here; NCCL's on
+    # GPUs, the same calls): stage 3 reduce-scatters in backward, reduces the small parameters at
+    # the step and gathers weights, all on it.
+    (2, 3, "cpu", "fp32", False, True),
 ])
 def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stage, offload, dtype,
-                                                               under_init):
+                                                               under_init, group):
+    env = {"STRATA_TEST_INIT": "1"} if under_init else {}
+    if group == "noclip":
+        env["STRATA_TEST_CLIP"] = "0"
+        group = False
+    if group:
+        env["STRATA_TEST_GROUP"] = "1"
+    reports = train_as_one_process(tmp_path, n, stage, offload, dtype, env)
+    assert all(r["collectives"] == ("torch.distributed's gloo process group over cpu buffers"
+                                    if group else "strata's Gloo over host memory")
+               for r in reports), reports
+    if env.get("STRATA_TEST_CLIP") == "0":
+        assert all(r["staged"] == 4 for r in reports), reports
+
+
+def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
+    """`n` ranks (the launcher's variables and `env`) train to the weights of one process with the
+    same global batch (see the test above; test_cuda.py's on a GPU); returns the ranks' reports."""
     steps = 4
-    single = run_single(tmp_path, stage, offload, dtype, steps)
+    clip = env.get("STRATA_TEST_CLIP")
+    single = run_single(tmp_path, stage, offload, dtype, steps, clip=clip)
     # bf16: the model's gradients are bf16 roundings over the part of the batch each rank takes,
     # not the whole micro-batch's; one process taking each micro-batch in the same parts makes the
     # same ones (measured: 0.7-11% of what training moved the weights from the unsplit run, and
     # 0-4% from the ranks'). The ranks are held to that process.
-    split = run_single(tmp_path, stage, offload, dtype, steps, split=n) if dtype == "bf16" \
+    split = run_single(tmp_path, stage, offload, dtype, steps, split=n, clip=clip) \
+        if dtype == "bf16" \
         else None
-    job, reports = run_job(tmp_path, n, stage, offload, dtype, steps,
-                           {"STRATA_TEST_INIT": "1"} if under_init else None)
+    job, reports = run_job(tmp_path, n, stage, offload, dtype, steps, env)
     assert [r["steps"] for r in reports] == [steps] * n
     initial = single.pop("initial")
     job.pop("initial")
     # The gradients the ranks reduce are the mean over the global batch, as one process's: Adam
     # and clipping are blind to a gradient's scale, its norm is not.
-    torch.testing.assert_close(torch.tensor(job.pop("norms")),
-                               torch.tensor((split or single)["norms"]),
-                               rtol=1e-4 if dtype == "fp32" else 1e-2, atol=0)
+    if clip != "0":  # (no norm is taken without clipping)
+        torch.testing.assert_close(torch.tensor(job.pop("norms")),
+                                   torch.tensor((split or single)["norms"]),
+                                   rtol=1e-4 if dtype == "fp32" else 1e-2, atol=0)
+    job.pop("norms", None)
     single.pop("norms")
     for name, value in single.items():
         assert not torch.equal(value, initial[name]), f"{name} did not train"
@@ -183,6 +225,7 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
     if offload == "nvme":
         # Each rank's NVMe state in its own subfolder of the configured nvme_path.
         assert reports[0]["nvme"] == [f"rank{r}" for r in range(n)]
+    return reports
 
 
 SMALL = r"""
@@ -232,6 +275,145 @@ def test_stage_0_across_ranks_is_refused_naming_what_is_accepted():
         _, err = p.communicate(timeout=120)
         assert p.returncode != 0
         assert "zero_optimization.stage 0 across 2 ranks: accepted: 1, 2 or 3" in err, err[-2000:]
+
+
+SETUP = r"""
+import os, sys, torch
+import strata
+rank = int(os.environ["RANK"])
+strata_block = {"device": "emulated", "host_budget_bytes": 16 << 20,
+                "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
+          "zero_optimization": {"stage": 2}, "strata": strata_block}
+if sys.argv[1] == "dtype" and rank == 1:
+    config["bf16"] = {"enabled": True}
+if sys.argv[1] == "gpu":  # this machine's GPUs (none on CI): LOCAL_RANK's is beyond them
+    strata_block["device"] = "cuda"
+strata.initialize(model=torch.nn.Linear(4, 4), config=config)
+"""
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dtype", "the ranks' set-ups differ (dtype: rank 0 float32, rank 1 bfloat16); accepted: the "
+              "same config on every rank"),
+    ("gpu", "across ranks: rank 0: strata.device \"cuda\": LOCAL_RANK 0 names GPU 0, but this "
+            "process sees 0 GPUs"),
+])
+def test_ranks_whose_set_ups_differ_or_cannot_go_on_are_named_on_every_rank(case, message):
+    if case == "gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU for LOCAL_RANK 0")
+    start = time.monotonic()
+    procs = start_ranks(2, SETUP, (case,))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert message in err, err[-2000:]
+        if case == "gpu":  # each rank's reason, on every rank
+            assert "rank 1: strata.device \"cuda\": LOCAL_RANK 1 names GPU 1" in err, err[-2000:]
+    assert time.monotonic() - start < 50  # named at once, not at the timeout (60 s)
+
+
+class _Job:
+    rank, world_size, local_rank = 1, 2, 1
+
+
+class _Group:
+    def __init__(self, size=2, rank=1):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_the_collectives_are_chosen_by_the_device_the_gpus_and_the_group_handed(monkeypatch):
+    from strata import ranks as ranks_module
+    ranks = ranks_module.Ranks(_Job())
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    # The emulated device: the job's Gloo, unless the trainer hands a group.
+    assert ranks_module.choose_collectives(ranks, cpu, [{}, {}]) == (ranks.collectives, None)
+    backends = {}
+    monkeypatch.setattr(ranks_module, "_backend_of", lambda g: backends[g])
+    gloo, nccl = _Group(), _Group()
+    backends.update({gloo: "gloo", nccl: "nccl"})
+    chosen, notice = ranks_module.choose_collectives(ranks, cpu, [{}, {}], gloo)
+    assert (chosen.group, chosen.device.type, chosen.pinned, notice) == (gloo, "cpu", False, None)
+    # On a GPU: a handed NCCL group over the GPU's buffers; a Gloo one through pinned memory.
+    chosen, _ = ranks_module.choose_collectives(ranks, gpu, [{}, {}], nccl)
+    assert (chosen.group, chosen.device, chosen.pinned) == (nccl, gpu, False)
+    chosen, _ = ranks_module.choose_collectives(ranks, gpu, [{}, {}], gloo)
+    assert (chosen.group, chosen.device.type, chosen.pinned) == (gloo, "cpu", True)
+    # A group that is not the job's, in the launcher's order, is named.
+    with pytest.raises(ValueError, match="rank 0 of 2 in the group handed, but rank 1 of 2 as "
+                                         "the launcher says"):
+        ranks_module.choose_collectives(ranks, gpu, [{}, {}], _Group(2, 0))
+    # Ranks sharing a GPU (NCCL refuses them), or a torch without NCCL: the job's Gloo, staged
+    # through pinned memory, said once.
+    shared = [{"gpu": "node/GPU-a"}, {"gpu": "node/GPU-a"}]
+    chosen, notice = ranks_module.choose_collectives(ranks, gpu, shared)
+    assert chosen.job is ranks.job and chosen.pinned
+    assert "ranks 0, 1 share a GPU (node/GPU-a), which NCCL refuses" in notice
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    chosen, notice = ranks_module.choose_collectives(
+        ranks, gpu, [{"gpu": "node/GPU-a"}, {"gpu": "node/GPU-b"}])
+    assert chosen.pinned and "this torch has no NCCL" in notice
+    # A default group without NCCL on a GPU is refused by name (strata does not make a second).
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    backends[dist.group.WORLD] = "gloo"
+    with pytest.raises(ValueError, match="default group is 'gloo', without NCCL"):
+        ranks_module.choose_collectives(ranks, gpu, [{"gpu": "a"}, {"gpu": "b"}])
+
+
+FP16 = r"""
+import json, os, sys, torch
+import strata
+rank = int(os.environ["RANK"])
+stage = int(sys.argv[1])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+gen = torch.Generator().manual_seed(rank)
+staged = []
+overflow = []
+# At step 2 one element of rank 1's gradient of the last bias overflows: the one rank 1's shard
+# holds (elements 2-3 of 4), so that rank 0's own shards stay finite.
+model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf"))
+                            if overflow else g)
+for step in range(4):
+    overflow[:] = [True] if step == 2 and rank == 1 else []
+    x = torch.randn(2, 16, generator=gen).half()
+    loss = engine(x).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    staged.append(bool(engine.last_step_stats["optimizer"].get("staged")))
+state = engine.module_state_dict()
+print(json.dumps({"skipped": engine.skipped_steps, "scale": engine.loss_scale, "staged": staged,
+                  "sum": sum(v.double().sum().item() for v in state.values())}))
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
+    # The steps are staged during backward (no clipping): the ranks' norm decides before any
+    # commits, so that a rank whose own shards are finite skips with the one that overflowed.
+    procs = start_ranks(2, FP16, (stage,))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1], outs  # the same steps skipped, scale and weights on both
+    assert outs[0]["skipped"] == 1, outs
+    assert outs[0]["staged"] == [True, True, False, True], outs
 
 
 def test_ranks_that_disagree_on_the_world_size_are_told_so():

@@ -475,6 +475,24 @@ TEST(RuntimeConfigTest, OptimizerThreadsCopyStreamsAndDuringBackwardAreReadAndCh
   }
 }
 
+TEST(RuntimeConfigTest, TheDeviceIndexIsLocalRanksUnlessANumberIsGiven) {
+  EXPECT_EQ(RuntimeConfig().device_index, -1);
+  auto local = RuntimeConfigFromJsonText(R"({"strata": {"device_index": "local_rank"}})");
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(local->device_index, -1);
+  auto given = RuntimeConfigFromJsonText(R"({"strata": {"device": "cuda", "device_index": 3}})");
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(given->device_index, 3);
+  for (const char* bad : {R"({"strata": {"device_index": -1}})",
+                          R"({"strata": {"device_index": 1024}})",
+                          R"({"strata": {"device_index": 1.5}})",
+                          R"({"strata": {"device_index": "auto"}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                AllOf(HasSubstr("strata.device_index"), HasSubstr("\"local_rank\"")))
+        << bad;
+  }
+}
+
 TEST(RuntimeConfigTest, NvmeFilesAreRemovedUnlessKeepFilesIsSet) {
   EXPECT_FALSE(RuntimeConfig().nvme_keep_files);
   std::vector<std::string> warnings;

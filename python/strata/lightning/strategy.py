@@ -190,12 +190,6 @@ class _StrategyMixin:
             raise ValueError(f"StrataStrategy: accelerator {accelerator} ({device.type}) is not "
                              "supported; accepted: 'cpu' (strata's emulated device tier) or "
                              "'gpu'/'cuda' (its CUDA tier)")
-        if device.type == "cuda" and self.num_processes * self.num_nodes > 1:
-            raise ValueError(
-                f"StrataStrategy: accelerator='gpu' with {self.num_processes * self.num_nodes} "
-                "processes: across ranks strata's engine runs on the emulated device tier (its "
-                "collectives on Gloo over host memory); the CUDA tier across ranks (NCCL) is not "
-                "wired into the engine yet; accepted: devices=1 on a GPU, or accelerator='cpu'")
         super().setup_environment()
         trainer = getattr(self.lightning_module, "_trainer", None)
         connector = getattr(trainer, "_accelerator_connector", None)
@@ -285,6 +279,9 @@ class _StrategyMixin:
                              f"{block['device']!r} and the Trainer runs on {self.root_device}; "
                              f"accepted: {want!r} (or leave it out)")
         block["device"] = want
+        if want == "cuda" and self.root_device.index is not None:
+            # The Trainer's GPU for this process (devices=[1, 2] gives local rank 0 GPU 1).
+            block.setdefault("device_index", self.root_device.index)
         # The dtype: the Trainer's precision; the config's bf16/fp16 blocks may say the same.
         for name, on in (("bf16", dtype == "bfloat16"), ("fp16", dtype == "float16")):
             key = "bfloat16" if name == "bf16" and "bfloat16" in config else name
