@@ -1,5 +1,6 @@
-"""bench/bigger_than_ram: a model whose fp32 training state is larger than this machine's RAM,
-trained here on the CPU in bf16 with the host budget at a few GiB, its state on the disk.
+"""bench/bigger_than_ram: a model whose fp32 training state is larger than this machine's RAM
+(or, with --device cuda, than its GPU's memory), trained in bf16 with the host budget at a few
+GiB, its state on the disk.
 
     PYTHONPATH=build/release/python .venv/bin/python bench/bigger_than_ram.py --dir SCRATCH \
         [--layers 36 --width 2048 --heads 16] [--host-budget-gib 4] [--json out.json]
@@ -30,6 +31,12 @@ What it does, and reports (BENCH.md):
   * --param-device cpu: offload_param "cpu" for both (the bf16 weights in host memory, the
     optimizer state on NVMe): the configuration DeepSpeed 0.19.8 finishes here (with parameters
     on NVMe its parameter swapper fails at step 2, its issue 3062).
+  * --device cuda: the model computes on GPU 0 (strata.device "cuda", its device tier within
+    --device-budget-gib of the GPU's memory; DeepSpeed with its CUDA accelerator), the GPU
+    synchronized before each step's clock starts and before it stops; each step also reports the
+    peak GPU memory (torch's, strata's own device pool beside it, and the whole GPU's in use), and
+    the preflight sets the training state beside the GPU's memory. The planner's "GPU" is then the
+    GPU's bf16 matmul rate, measured, with its memory, and its link calibrated on it.
 """
 import argparse
 import json
@@ -60,21 +67,37 @@ def reset_peak():
 
 def timed_step(engine, loss_of, tokens, step, name):
     """One training step of `engine` on `tokens` (inputs and next-token targets), its figures:
-    (loss, {"step", "seconds", "read", "written", "peak_rss"}), printed as `name` step N."""
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    (loss, {"step", "seconds", "read", "written", "peak_rss"}, and on a GPU "peak_gpu": torch's,
+    strata's own device pool and the whole GPU's in use), printed as `name` step N."""
+    import torch
+    cuda = engine.device.type == "cuda"
+    x, y = tokens[:, :-1].to(engine.device), tokens[:, 1:].to(engine.device)
     reset_peak()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     r0, w0 = io_bytes()
     t0 = time.perf_counter()
     loss = loss_of(engine, x, y)
     engine.backward(loss)
     engine.step()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     r1, w1 = io_bytes()
     record = {"step": step, "seconds": seconds, "read": r1 - r0, "written": w1 - w0,
               "peak_rss": status_bytes("VmHWM")}
+    gpu = ""
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        pool = engine.stats()["peak_bytes"].get("device", 0) if hasattr(engine, "stats") else 0
+        record["peak_gpu"] = {"torch": torch.cuda.max_memory_allocated(), "strata_pool": pool,
+                              "in_use": total - free}
+        gpu = (f", peak GPU {record['peak_gpu']['torch'] / GIB:.2f} GiB torch's + "
+               f"{pool / GIB:.2f} GiB strata's pool ({(total - free) / GIB:.2f} GiB in use)")
     print(f"{name}step {step}: loss {loss.item():.6f}, {seconds:.1f} s, read "
           f"{(r1 - r0) / GIB:.1f} GiB, written {(w1 - w0) / GIB:.1f} GiB, peak RSS "
-          f"{record['peak_rss'] / GIB:.2f} GiB", flush=True)
+          f"{record['peak_rss'] / GIB:.2f} GiB{gpu}", flush=True)
     return loss.item(), record
 
 
@@ -105,7 +128,8 @@ def config_for(args, nvme, largest):
             # planner's model of what the device holds.
             "stage3_max_live_parameters": args.device_budget_gib * GIB // 10,
         },
-        "strata": {"device": "emulated", "device_budget_bytes": args.device_budget_gib * GIB,
+        "strata": {"device": "cuda" if args.device == "cuda" else "emulated",
+                   "device_budget_bytes": args.device_budget_gib * GIB,
                    "host_budget_bytes": args.host_budget_gib * GIB,
                    "nvme_capacity_bytes": args.nvme_capacity_gib * GIB,
                    "optimizer_commit": args.commit,
@@ -125,11 +149,11 @@ def needs(args, params, largest):
         "the checkpoint (master weights and moments)": state,
         "fio's scratch file and slack": 512 << 20,
     }
-    memory = {
-        "the host budget": args.host_budget_gib * GIB,
-        "the device budget (the emulated device is host memory)": args.device_budget_gib * GIB,
-        "torch, the model's activations and the interpreter (margin)": args.margin_gib * GIB,
-    }
+    memory = {"the host budget": args.host_budget_gib * GIB}
+    if args.device == "cpu":
+        memory["the device budget (the emulated device is host memory)"] = \
+            args.device_budget_gib * GIB
+    memory["torch, the model's activations and the interpreter (margin)"] = args.margin_gib * GIB
     return disk, memory
 
 
@@ -153,6 +177,17 @@ def preflight(args, params, largest):
             sys.exit("\n".join(lines) + f"\nbigger_than_ram: the {what.split()[0]} is short by "
                      f"{(total - have) / GIB:.1f} GiB; refused before anything was allocated "
                      "(a smaller --layers, or more room)")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("bigger_than_ram: --device cuda, but torch sees no CUDA device")
+        total = torch.cuda.get_device_properties(0).total_memory
+        lines.append(f"the GPU ({torch.cuda.get_device_name(0)}): {total / GIB:.1f} GiB; the "
+                     f"training state is {16 * params / total:.2f}x its memory; the device "
+                     f"budget {args.device_budget_gib} GiB")
+        if args.device_budget_gib * GIB > total:
+            sys.exit("\n".join(lines) + "\nbigger_than_ram: --device-budget-gib is more than "
+                     "the GPU's memory")
     for line in lines:
         print(line)
     return sum(disk.values())
@@ -207,7 +242,8 @@ with open(args["result"], "w") as f:
 
 DS_CHILD = r"""
 import json, os, sys, time
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+args = json.loads({args!r})
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if args["device"] == "cuda" else "cpu")
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
 sys.path.insert(0, {examples!r})
@@ -217,7 +253,6 @@ import deepspeed
 from llama import llama, loss_of
 import bigger_than_ram as b
 
-args = json.loads({args!r})
 config = json.loads({config!r})
 torch.manual_seed(0)
 torch.set_num_threads(args["threads"])
@@ -294,18 +329,22 @@ def run_child(args, config, resume, result):
     return out
 
 
-def matmul_tflops(threads):
-    """This CPU's bf16 matmul rate (the planner's "GPU" here), TFLOPS."""
+def matmul_tflops(threads, device="cpu"):
+    """This CPU's (or GPU's) bf16 matmul rate (the planner's "GPU"), TFLOPS."""
     import torch
     torch.set_num_threads(threads)
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    n, reps = (2048, 5) if device == "cpu" else (8192, 20)
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    reps = 5
     for _ in range(reps):
         a @ b
-    return 2 * 2048 ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
 
 
 def planner(args, config, read_bps, write_bps, free_bytes):
@@ -320,10 +359,15 @@ def planner(args, config, read_bps, write_bps, free_bytes):
     with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
     hardware = os.path.join(folder, "hardware.json")
-    tflops = matmul_tflops(args.threads)
+    tflops = matmul_tflops(args.threads, args.device)
+    hbm_gib = args.device_budget_gib
+    if args.device == "cuda":
+        hbm_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     calibrate = subprocess.run(
         [args.plan, "--calibrate", "--gpu-tflops", f"{tflops:.4f}", "--gpu-hbm-gib",
-         str(args.device_budget_gib), "--save-hardware", hardware], capture_output=True, text=True)
+         f"{hbm_gib:.1f}", "--calibrate-device",
+         "cuda" if args.device == "cuda" else "emulated", "--save-hardware", hardware],
+        capture_output=True, text=True)
     if calibrate.returncode != 0 or not os.path.exists(hardware):
         return {"error": f"strata_plan --calibrate exited {calibrate.returncode}: "
                          f"{calibrate.stderr[-1000:]}"}
@@ -333,7 +377,8 @@ def planner(args, config, read_bps, write_bps, free_bytes):
                   "capacity_tb": free_bytes / 1e12}
     hw["gpu"]["efficiency"] = 1.0  # the rate given is the one measured
     hw["source"] = (hw.get("source", "") + f"; NVMe from fio in the same run; the 'GPU' is this "
-                    f"CPU's bf16 matmul, {tflops:.3f} TFLOPS measured")
+                    f"{'GPU' if args.device == 'cuda' else 'CPU'}'s bf16 matmul, {tflops:.3f} "
+                    "TFLOPS measured")
     with open(hardware, "w", encoding="utf-8") as f:
         json.dump(hw, f)
     plan_json = os.path.join(folder, "plan.json")
@@ -373,6 +418,9 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--plan", help="strata_plan's path: its prediction beside the step")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model computes: this CPU beside strata's emulated "
+                             "device tier, or GPU 0 (strata.device \"cuda\")")
     parser.add_argument("--deepspeed", action="store_true",
                         help="also run DeepSpeed ZeRO-Infinity on the same model and config")
     parser.add_argument("--ds-sub-group-size", type=int, default=100_000_000)
@@ -439,12 +487,20 @@ def main():
               "resumed_losses": resumed, "resume_matches": matches, "step_s": step_s,
               "read_per_step": read, "written_per_step": written, "peak_rss": peak,
               "prediction": prediction}
+    where = "on GPU 0" if args.device == "cuda" else f"on this CPU ({os.cpu_count()} cores)"
     print(f"\nmodel: transformers LlamaForCausalLM, {params / 1e9:.2f}B parameters ({args.layers} "
-          f"layers x {args.width}), batch {args.batch} x {args.context}, bf16, on this CPU "
-          f"({os.cpu_count()} cores); fp32 training state {16 * params / GIB:.1f} GiB")
-    print(f"bigger_than_ram/peak_rss: {peak / GIB:.2f} GiB (host budget "
-          f"{args.host_budget_gib} GiB + device budget {args.device_budget_gib} GiB, the emulated "
-          f"device being host memory)")
+          f"layers x {args.width}), batch {args.batch} x {args.context}, bf16, {where}; fp32 "
+          f"training state {16 * params / GIB:.1f} GiB")
+    print(f"bigger_than_ram/peak_rss: {peak / GIB:.2f} GiB (host budget {args.host_budget_gib} "
+          + (f"GiB; device budget {args.device_budget_gib} GiB on the GPU)" if args.device == "cuda"
+             else f"GiB + device budget {args.device_budget_gib} GiB, the emulated device being "
+                  "host memory)"))
+    if args.device == "cuda":
+        gpu = [s["peak_gpu"] for s in a["steps"] + b["steps"]]
+        report["peak_gpu"] = {k: max(g[k] for g in gpu) for k in gpu[0]}
+        print(f"bigger_than_ram/peak_gpu: torch's {report['peak_gpu']['torch'] / GIB:.2f} GiB, "
+              f"strata's device pool {report['peak_gpu']['strata_pool'] / GIB:.2f} GiB, the GPU "
+              f"in use {report['peak_gpu']['in_use'] / GIB:.2f} GiB")
     if read_bps and write_bps:
         rates = [(r, w) for r, w in ((read_bps, write_bps), (read_bps_after, write_bps_after))
                  if r and w]
