@@ -49,6 +49,8 @@ config, handed verbatim to `deepspeed.initialize` and to `strata.initialize`, fo
                  config); ZeRO-2, offload_optimizer cpu. Its step is Trainer's, timed by a
                  callback (on_step_begin to on_step_end); the loss is the model's own (labels the
                  inputs), not the other rows'.
+  zero2_cpu_2ranks, zero3_cpu_2ranks
+                 zero2_cpu and zero3_cpu across 2 ranks (below)
 Each system runs in a process of its own (its memory measured alone), two warm-up steps and then
 --steps timed ones; the rows and the two systems interleave round by round, the order of the two
 alternating. Each row reports: the step time (median of the rounds' medians, and the spread of
@@ -101,12 +103,36 @@ strata's aio_bench at the row's aio block (--aio-bench: its path), and say which
 the config's gradient_clipping (default 1.0; 0: none, where strata can step its optimizer during
 backward exactly).
 
+Across ranks (a row named <row>_<N>ranks: <row> on N ranks; --device cpu only, as strata
+across ranks runs on its emulated device tier, docs/ranks.md): each system runs as N processes of
+one job on this machine, as torchrun starts them (MASTER_ADDR 127.0.0.1, a free MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE N; each rank's OMP_NUM_THREADS the cores shared among
+the ranks, at least 1, where the environment does not set it: torchrun sets 1). strata joins the
+job itself (Gloo, its own store on MASTER_PORT + 1); DeepSpeed's deepspeed.initialize joins it
+with torch.distributed on Gloo (its CPU accelerator's choice where oneCCL is absent). The global
+batch is --batch, the same as the one-process rows' and the floor's: the config's
+train_batch_size is --batch and train_micro_batch_size_per_gpu --batch / N (one accumulation
+step), and each rank takes its slice of each batch made from the same seed (rank r the r-th N-th
+of its rows). Reported per system: the step time, each timed step the slowest rank's (the job's:
+the ranks meet in the collectives), then the median as above; the losses, the ranks' mean each
+step (the global batch's loss, held to --tolerance and comparable with the one-process row's);
+peak resident and locked memory and the bytes read and written summed over the ranks (each
+rank's VmHWM beside); --phases, --profile and strata's optimizer-step figures are rank 0's. The
+floor and the bound are the one-process ones (the same global batch on every core). The N ranks
+start together, each in a session of its own; when one fails (its report not written) the
+others are killed with every process of their sessions, and the row keeps the failed rank's
+exact error, each of its lines marked [rank<r>]; past --child-timeout the whole job is killed.
+A rank that exits with an error after writing its whole report (DeepSpeed's ZeRO-3 rank once
+aborted at exit here: "terminate called without an active exception") keeps its figures, and the
+row says how it exited.
+
 Every figure is printed as strata / DeepSpeed; a step-rate ratio above 1 means strata is faster.
 """
 import argparse
 import json
 import os
 import platform
+import queue
 import re
 import shutil
 import signal
@@ -120,8 +146,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fio_ceiling import disk_bandwidth  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+from launch import free_port  # noqa: E402
 ROWS = ["zero2_cpu", "zero3_cpu", "zero3_nvme", "zero3_nvme_half", "zero3_nvme_quarter",
-        "zenflow", "super_offload", "trainer"]
+        "zenflow", "super_offload", "trainer", "zero2_cpu_2ranks", "zero3_cpu_2ranks"]
+# A row across ranks: "<row>_<N>ranks" is <row> on N ranks (the module's docstring).
+ACROSS_RANKS = re.compile(r"^(?P<row>.+)_(?P<ranks>\d+)ranks$")
+# The launcher's variables, set anew for each rank of a row across ranks.
+LAUNCH_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE")
 # ZeRO-Infinity with strata's host budget below the optimizer state: that share of it.
 STATE_SHARE = {"zero3_nvme_half": 0.5, "zero3_nvme_quarter": 0.25}
 # Rows whose DeepSpeed side is not the same arithmetic as plain AdamW.
@@ -133,14 +165,29 @@ DEFAULT_AIO = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
                "single_submit": False, "overlap_events": True}
 
 
+def ranks_of(row):
+    """The ranks `row` runs on: N for "<row>_<N>ranks", else 1."""
+    across = ACROSS_RANKS.match(row)
+    return int(across["ranks"]) if across else 1
+
+
+def one_process_row(row):
+    """The row that `row` runs across ranks ("zero2_cpu" for "zero2_cpu_2ranks"), else `row`."""
+    across = ACROSS_RANKS.match(row)
+    return across["row"] if across else row
+
+
 def row_config(row, args, nvme):
     """The DeepSpeed JSON config of `row`: (DeepSpeed's, strata's). Verbatim the same but for the
     zenflow and super_offload rows, where strata gets the config without DeepSpeed's option (its
-    default for it), and on cuda, where strata's copy alone gets a strata block (strata_block)."""
+    default for it), and on cuda, where strata's copy alone gets a strata block (strata_block).
+    A row across N ranks is its one-process row's config with train_batch_size --batch and the
+    micro batch --batch / N."""
+    world = ranks_of(row)
     zero = {"stage": row_stage(row),
             "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000}
-    place = "nvme" if row.startswith("zero3_nvme") else "cpu"
+    place = "nvme" if one_process_row(row).startswith("zero3_nvme") else "cpu"
     zero["offload_optimizer"] = {"device": place, "pin_memory": True}
     if zero["stage"] == 3:
         zero["offload_param"] = {"device": place, "pin_memory": True}
@@ -153,11 +200,14 @@ def row_config(row, args, nvme):
         zero["offload_param"].update(
             nvme_path=nvme, buffer_count=5,
             buffer_size=args.model_largest if row in STATE_SHARE else args.nvme_buffer_elements)
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": args.batch // world,
+              "gradient_accumulation_steps": 1,
               "gradient_clipping": args.clipping, "steps_per_print": 1 << 30,
               "wall_clock_breakdown": False,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "zero_optimization": zero}
+    if world > 1:  # micro batch x accumulation x the ranks
+        config["train_batch_size"] = args.batch
     if args.bf16:
         config["bf16"] = {"enabled": True}
     if place == "nvme":
@@ -258,9 +308,14 @@ def io_bytes():
 
 
 def next_batch(spec, gen, cuda):
-    """The next batch of token ids from `gen`, on the GPU (synchronized) with cuda."""
+    """The next batch of token ids from `gen`, on the GPU (synchronized) with cuda; across ranks
+    this rank's slice of it (every rank draws the whole batch from `gen`)."""
     import torch
     x = torch.randint(0, 256, (spec["batch"], spec["context"]), generator=gen)
+    world = spec.get("world", 1)
+    if world > 1:
+        per = spec["batch"] // world
+        x = x[spec["rank"] * per:(spec["rank"] + 1) * per]
     if cuda:
         x = x.cuda()
         torch.cuda.synchronize()
@@ -408,7 +463,7 @@ def bound_of(row, parts, block, disk_bps=None):
 
 
 def row_stage(row):
-    return 2 if row in ("zero2_cpu", "zenflow", "trainer") else 3
+    return 2 if one_process_row(row) in ("zero2_cpu", "zenflow", "trainer") else 3
 
 
 class PlainTorch:
@@ -530,21 +585,34 @@ def trainer_report(spec, model, system, cuda, locked):
                       gpu_peak_bytes=report["gpu_peak_allocated_bytes"] + tier)
     if system == "strata":
         trainer.strata_engine.close()
-    with open(spec["out"], "w", encoding="utf-8") as f:
+    write_report(spec, report)
+
+
+def write_report(spec, report):
+    """Writes a child's report whole or not at all (the driver takes a report that exists as
+    whole: a rank that fails after it keeps its figures)."""
+    part = spec["out"] + ".part"
+    with open(part, "w", encoding="utf-8") as f:
         json.dump(report, f)
+    os.replace(part, spec["out"])
 
 
 def child(spec):
     locked = LockedPeak()
     system = spec["system"]
     cuda = spec["device"] == "cuda"
+    world = spec.get("world", 1)
+    if world > 1:  # a rank of a job the driver started (run_ranks): its env says which
+        spec["rank"] = int(os.environ["RANK"])
+        spec["out"] = f"{spec['out']}.rank{spec['rank']}"
     if system == "deepspeed":
         if cuda:
             os.environ["DS_ACCELERATOR"] = "cuda"  # its CUDA accelerator, NCCL on one GPU
         else:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+        if world == 1:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
     import torch
     from llama import llama
@@ -629,14 +697,18 @@ def child(spec):
     if cuda:  # torch's peak, and strata's tier's beside it (not at the same moment: an upper bound)
         report["gpu_peak_bytes"] = report["gpu_peak_allocated_bytes"] + \
             report.get("gpu_strata_tier_peak_bytes", 0)
-    with open(spec["out"], "w", encoding="utf-8") as f:
-        json.dump(report, f)
+    write_report(spec, report)
+    if system == "deepspeed" and world > 1:
+        import torch.distributed
+        if torch.distributed.is_initialized():  # (its group left as the job ends)
+            torch.distributed.destroy_process_group()
 
 
 # ---- the driver --------------------------------------------------------------------------------
 
 def run_one(system, row, config, args, round_index, scratch):
-    """Runs one system on one row in a child process; its report, or {"error": ...}."""
+    """Runs one system on one row in a child process (a row across ranks: a job of child
+    processes, run_ranks); its report, or {"error": ...}."""
     nvme = os.path.join(scratch, f"nvme_{system}")
     shutil.rmtree(nvme, ignore_errors=True)
     os.makedirs(nvme)
@@ -648,10 +720,15 @@ def run_one(system, row, config, args, round_index, scratch):
             "steps": args.steps, "out": out,
             "phases": args.phases, "profile": args.profile,
             "port": 29500 + round_index, "row": row, "clipping": args.clipping,
-            "bf16": args.bf16}
+            "bf16": args.bf16, "world": ranks_of(row) if system != "torch" else 1}
     spec_path = out + ".spec"
     with open(spec_path, "w", encoding="utf-8") as f:
         json.dump(spec, f)
+    if spec["world"] > 1:
+        try:
+            return run_ranks(spec_path, out, spec["world"], args.child_timeout)
+        finally:
+            shutil.rmtree(nvme, ignore_errors=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec_path],
@@ -670,6 +747,108 @@ def run_one(system, row, config, args, round_index, scratch):
                 "returncode": proc.returncode}
     with open(out, encoding="utf-8") as f:
         return json.load(f)
+
+
+def run_ranks(spec_path, out, world, timeout_s):
+    """Runs the child of `spec_path` as `world` ranks of one job on loopback (the module's
+    docstring: the launcher's variables, OMP_NUM_THREADS), each in a session of its own with its
+    output in a file beside `out`, and waits for all of them, at most `timeout_s` in all. A rank
+    that exits without its report (`out`.rank<r>) ends the job: every rank's session is killed
+    (SIGKILL: the processes a rank started go with it) and waited for, and the row's error is
+    that rank's, each line marked [rank<r>]; past `timeout_s` likewise, the error saying so. A
+    rank that exits with an error after writing its report keeps it. Returns the ranks' reports
+    merged (merge_ranks), or {"error": ..., "returncode": ..., "rank": ...}."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_KEYS}
+    env.update(PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+    outs = [f"{out}.rank{r}" for r in range(world)]
+    logs = [f"{out}.rank{r}.log" for r in range(world)]
+    procs, exits, failed = [], {}, None
+    exited = queue.Queue()  # (rank, its exit status), as each rank's waiter sees it exit
+    try:
+        for r in range(world):
+            with open(logs[r], "w", encoding="utf-8") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--child", spec_path],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+            threading.Thread(target=lambda r=r: exited.put((r, procs[r].wait())),
+                             daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while len(exits) < world:
+            try:
+                r, code = exited.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                failed = "timeout"
+                break
+            exits[r] = code
+            if not os.path.exists(outs[r]):
+                failed = r
+                break
+    finally:
+        if failed is not None or len(exits) < world:  # (an exception here too: none left behind)
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for p in procs:
+                p.wait()
+    printed = []
+    for r in range(world):
+        with open(logs[r], encoding="utf-8", errors="replace") as f:
+            printed.append("\n".join(line if RANK_PREFIX.match(line) else f"[rank{r}]: {line}"
+                                     for line in f.read().splitlines()))
+    if failed == "timeout":
+        return {"error": stopped(
+            f"ran past --child-timeout {timeout_s:g} s and was killed, with the job's {world} "
+            "ranks", "\n".join("\n".join(p.splitlines()[-3:]) for p in printed)),
+            "returncode": None}
+    if failed is not None:
+        error = child_error(printed[failed], exits[failed])
+        if error.startswith(STOPPED):  # (a signal: say which rank it killed)
+            error = f"{STOPPED}rank {failed} of {world} {error[len(STOPPED):]}"
+        return {"error": error, "returncode": exits[failed], "rank": failed}
+    reports = []
+    for r in range(world):
+        with open(outs[r], encoding="utf-8") as f:
+            reports.append(json.load(f))
+        if exits[r] != 0:
+            reports[-1]["exit"] = (
+                f"rank {r} exited with {exit_name(exits[r])} after writing its report; its "
+                f"last line: {printed[r].splitlines()[-1] if printed[r] else '(none)'}")
+    return merge_ranks(reports)
+
+
+def exit_name(code):
+    """A process's exit status in words: "exit 1", "SIGABRT"."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def merge_ranks(reports):
+    """One job's report from its ranks' (in rank order; the module's docstring): each timed
+    step the slowest rank's, the losses the ranks' mean, memory and storage bytes summed over the
+    ranks; the rest rank 0's. Each rank's step times, losses and peak RSS kept beside
+    (rank_step_s, rank_losses, rank_peak_rss_bytes), and how a rank exited after its report
+    (exits)."""
+    merged = dict(reports[0])
+    merged.pop("exit", None)
+    merged["step_s"] = [max(step) for step in zip(*(r["step_s"] for r in reports))]
+    merged["losses"] = [statistics.fmean(step) for step in zip(*(r["losses"] for r in reports))]
+    for key in ("peak_rss_bytes", "peak_locked_bytes", "read_bytes_per_step",
+                "write_bytes_per_step"):
+        merged[key] = sum(r[key] for r in reports)
+    merged.update(ranks=len(reports), rank_step_s=[r["step_s"] for r in reports],
+                  rank_losses=[r["losses"] for r in reports],
+                  rank_peak_rss_bytes=[r["peak_rss_bytes"] for r in reports],
+                  exits=[r["exit"] for r in reports if "exit" in r])
+    return merged
 
 
 # "[rank0]: " before each line a torch.distributed process prints.
@@ -769,7 +948,15 @@ def check_strata_configs(rows, args):
                     {"batch": args.batch, "warmup": 2, "steps": args.steps, "bf16": args.bf16,
                      "clipping": args.clipping, "device": args.device},
                     tempfile.gettempdir()), num_training_steps=2 + args.steps)
-            strata.check_config(ours)
+            given_world = os.environ.get("WORLD_SIZE")
+            os.environ["WORLD_SIZE"] = str(ranks_of(row))  # as the row's ranks read it
+            try:
+                strata.check_config(ours)
+            finally:
+                if given_world is None:
+                    del os.environ["WORLD_SIZE"]
+                else:
+                    os.environ["WORLD_SIZE"] = given_world
         except ValueError as error:
             given = " (with --strata's keys)" if args.strata_extra else ""
             sys.exit(f"vs_deepspeed: strata refuses the {row} row's config{given}: {error}")
@@ -779,13 +966,14 @@ def say_round(round_index, row, system, report):
     """One run's line as the rounds go: its median step, or its error's line."""
     what = error_line(report["error"]) if "error" in report else \
         f"{statistics.median(report['step_s']):.3f} s a step"
-    print(f"round {round_index} {row:>13} {system:>9}: {what}", flush=True)
+    print(f"round {round_index} {row:>16} {system:>9}: {what}", flush=True)
 
 
 def summarize(runs):
     ok = [r for r in runs if "error" not in r]
     if not ok:
-        return {"error": runs[0]["error"]}
+        return {"error": runs[0]["error"], **({"rank": runs[0]["rank"]} if "rank" in runs[0]
+                                              else {})}
     medians = [statistics.median(r["step_s"]) for r in ok]
     every = [t for r in ok for t in r["step_s"]]
     extra = {k: max(r.get(k, 0) for r in ok) for k in GPU_KEYS if k in ok[0]}
@@ -803,6 +991,13 @@ def summarize(runs):
         calls = [c for r in ok for c in r["step_calls"]]
         extra["step_call_s"] = {k: statistics.median(c[i] for c in calls) for i, k in
                                 enumerate(("step", "device_wait", "optimizer_commit"))}
+    if "ranks" in ok[0]:  # across ranks (merge_ranks): each rank's peak the most over the rounds,
+        # its step times each round's, its losses the first round's
+        extra.update(ranks=ok[0]["ranks"], rank_losses=ok[0]["rank_losses"],
+                     rank_step_s=[r["rank_step_s"] for r in ok],
+                     rank_peak_rss_bytes=[max(r["rank_peak_rss_bytes"][i] for r in ok)
+                                          for i in range(ok[0]["ranks"])],
+                     exits=[x for r in ok for x in r["exits"]])
     return {**extra, "step_s": statistics.median(medians), "round_step_s": medians,
             "min_s": min(every),
             "max_s": max(every),
@@ -880,8 +1075,9 @@ def main():
     parser.add_argument("--png", help="draw the table as a chart here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (after 2)")
-    parser.add_argument("--rows", default=",".join(ROWS),
-                        help="comma-separated, of: " + ", ".join(ROWS))
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated, of: " + ", ".join(ROWS) + " (default: all; on "
+                             "cuda all but those across ranks)")
     add_model_arguments(parser)
     parser.add_argument("--bf16", action="store_true", help="both in bf16 (default fp32)")
     parser.add_argument("--clipping", type=float, default=1.0,
@@ -917,10 +1113,22 @@ def main():
                              "host-emulated device tier) or GPU 0 (DeepSpeed's CUDA accelerator, "
                              "strata.device cuda)")
     args = parser.parse_args()
+    if args.rows is None:
+        args.rows = ",".join(r for r in ROWS if args.device == "cpu" or ranks_of(r) == 1)
     rows = [r for r in args.rows.split(",") if r]
     bad = [r for r in rows if r not in ROWS]
     if bad or not rows:
         sys.exit(f"vs_deepspeed: --rows {args.rows}: unknown {bad}; accepted: {', '.join(ROWS)}")
+    across = [r for r in rows if ranks_of(r) > 1]
+    if across and args.device != "cpu":
+        sys.exit(f"vs_deepspeed: --rows {','.join(across)} with --device {args.device}: strata "
+                 "across ranks runs on its emulated device tier only (docs/ranks.md); accepted: "
+                 "those rows with --device cpu")
+    uneven = [r for r in across if args.batch % ranks_of(r)]
+    if uneven:
+        sys.exit(f"vs_deepspeed: --batch {args.batch} is the global batch and the rows "
+                 f"{','.join(uneven)} split it over their ranks; accepted: a multiple of "
+                 f"{max(ranks_of(r) for r in uneven)}")
     if args.rounds < 1 or args.steps < 1:
         sys.exit("vs_deepspeed: --rounds and --steps must be at least 1")
     if args.strata_extra is not None:
@@ -966,7 +1174,7 @@ def main():
 
     def run_floor(round_index):
         # (the trainer row's config leaves its values to Trainer: the floor takes another's)
-        plain = next((r for r in rows if r != "trainer"), "zero2_cpu")
+        plain = one_process_row(next((r for r in rows if r != "trainer"), "zero2_cpu"))
         report = run_one("torch", "floor", row_config(plain, args, args.nvme_placeholder)[0],
                          args, round_index, scratch)
         floor_runs.append(report)
@@ -1073,16 +1281,16 @@ def main():
                   f"({block['device_budget_bytes'] / (args.model_params * element):.2f} of the "
                   f"parameters' {fmt_bytes(args.model_params * element)}), host budget "
                   f"{fmt_bytes(block['host_budget_bytes'])}")
-    print(f"{'row':>13} {'step s strata':>14} {'DeepSpeed':>10} {'rate x':>7} "
+    print(f"{'row':>16} {'step s strata':>14} {'DeepSpeed':>10} {'rate x':>7} "
           f"{'peak RSS':>19} {'peak VmLck':>19} {'read/step':>19} {'written/step':>19} "
           + (f"{'peak GPU':>19} {'GPU in use':>19} " if cuda else "") + f"{'losses':>14}")
     for e in table:
         ours, theirs = e["strata"], e["deepspeed"]
         if "error" in ours:
-            print(f"{e['row']:>13} strata failed: {error_line(ours['error'])}")
+            print(f"{e['row']:>16} strata failed: {error_line(ours['error'])}")
             continue
         if "error" in theirs:
-            print(f"{e['row']:>13} {ours['step_s']:>14.3f}  DeepSpeed failed here: "
+            print(f"{e['row']:>16} {ours['step_s']:>14.3f}  DeepSpeed failed here: "
                   f"{error_line(theirs['error'])}")
             continue
 
@@ -1090,7 +1298,7 @@ def main():
             return f"{fmt_bytes(ours[key])}/{fmt_bytes(theirs[key])}"
         losses = ("VOID " if e["void"] else "") + f"{e['loss_difference']:.1e}" + \
             (" (approx.)" if e["row"] in APPROXIMATE else "")
-        print(f"{e['row']:>13} {ours['step_s']:>14.3f} {theirs['step_s']:>10.3f} "
+        print(f"{e['row']:>16} {ours['step_s']:>14.3f} {theirs['step_s']:>10.3f} "
               f"{e['speedup']:>7.2f} {pair('peak_rss_bytes'):>19} "
               f"{pair('peak_locked_bytes'):>19} {pair('read_bytes_per_step'):>19} "
               f"{pair('write_bytes_per_step'):>19} "
@@ -1116,6 +1324,22 @@ def main():
                      if "round_speedups" in e else "") + "); peak RSS "
                   f"{ratio(e['strata']['peak_rss_bytes'], e['deepspeed']['peak_rss_bytes']):.2f}"
                   "x DeepSpeed's")
+        world = ranks_of(e["row"])
+        ran = [(name, e[system]) for system, name in (("strata", "strata"),
+                                                       ("deepspeed", "DeepSpeed"))
+               if "ranks" in e[system]]
+        if world > 1 and ran:
+            print(f"vs_deepspeed/{e['row']}: {world} ranks on Gloo over loopback, the global "
+                  f"batch {args.batch} ({args.batch // world} a rank); a step is the slowest "
+                  "rank's, the losses the ranks' mean; peak RSS summed over the ranks: " +
+                  ", ".join(f"{name} {fmt_bytes(side['peak_rss_bytes'])} (" +
+                            " + ".join(fmt_bytes(b) for b in side["rank_peak_rss_bytes"]) + ")"
+                            for name, side in ran) +
+                  (f": strata {ratio(ran[0][1]['peak_rss_bytes'], ran[1][1]['peak_rss_bytes']):.2f}"
+                   "x DeepSpeed's" if len(ran) == 2 else ""))
+            for name, side in ran:
+                for said in side["exits"]:
+                    print(f"vs_deepspeed/{e['row']}: {name}: {said}")
         if "speedup" in e and cuda:
             ours, theirs = e["strata"], e["deepspeed"]
             print(f"vs_deepspeed/{e['row']}: peak GPU memory strata "
@@ -1230,7 +1454,8 @@ def main():
                         "peer_ratio": e["speedup"], "void": e["void"],
                         "loss_difference": e["loss_difference"],
                         "peak_rss_ratio": ratio(ours["peak_rss_bytes"], theirs["peak_rss_bytes"]),
-                        "strata_step_s": ours["step_s"], "deepspeed_step_s": theirs["step_s"]})
+                        "strata_step_s": ours["step_s"], "deepspeed_step_s": theirs["step_s"],
+                        "ranks": ranks_of(e["row"])})
         for side, key in ((ours, "strata_rate_of_floor"), (theirs, "deepspeed_rate_of_floor")):
             if "rate_of_floor" in side:
                 figures[-1][key] = side["rate_of_floor"]

@@ -27,11 +27,11 @@ def initialize(**kwargs):
 """
 
 
-def run_bench(tmp_path, *flags, deepspeed=HIDDEN):
+def run_bench(tmp_path, *flags, deepspeed=HIDDEN, env=None):
     hidden = tmp_path / "hidden"
     (hidden / "deepspeed").mkdir(parents=True, exist_ok=True)
     (hidden / "deepspeed" / "__init__.py").write_text(deepspeed)
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(hidden)] + [p for p in
                                                          [env.get("PYTHONPATH")] if p])
     out = tmp_path / "report.json"
@@ -251,3 +251,201 @@ def test_the_trainer_row_trains_strata_through_transformers_trainer(tmp_path):
     assert len(ours["losses"]) == 3 and ours["step_s"] > 0  # two warm-up steps and one
     assert all(loss > 0 for loss in ours["losses"])
     assert "trainer    strata" in stdout
+
+
+# ---- the rows across ranks -----------------------------------------------------------------
+
+# A stand-in for DeepSpeed across ranks: plain data-parallel PyTorch on Gloo (the gradients
+# averaged over the ranks, clipped by their norm, torch's AdamW: the arithmetic of ZeRO-2 with
+# the config's optimizer), joining the job from the launcher's variables as deepspeed.initialize
+# does. Each rank writes what it was given to $FAKE_DS_LOG/rank<r>.json.
+DATA_PARALLEL = """import json, os
+import torch
+import torch.distributed as dist
+__version__ = "data-parallel stand-in"
+
+def initialize(model, model_parameters, config):
+    dist.init_process_group("gloo")
+    return Engine(model, config), None, None, None
+
+class Engine:
+    def __init__(self, model, config):
+        self.model, self.config = model, config
+        self.optimizer = torch.optim.AdamW(model.parameters(), **config["optimizer"]["params"])
+        self.log = {"config": config, "batches": [],
+                    "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                           "LOCAL_SIZE", "MASTER_ADDR",
+                                                           "OMP_NUM_THREADS")},
+                    "world": dist.get_world_size(), "rank": dist.get_rank()}
+
+    def __call__(self, **kwargs):
+        self.log["batches"].append(kwargs["input_ids"].tolist())
+        with open(os.path.join(os.environ["FAKE_DS_LOG"], f"rank{dist.get_rank()}.json"),
+                  "w") as f:
+            json.dump(self.log, f)
+        return self.model(**kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+        for p in self.model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["gradient_clipping"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_row_across_ranks_splits_the_global_batch_and_reports_the_job(tmp_path):
+    """zero2_cpu_2ranks, both systems as 2 ranks: each rank is given its half of each global
+    batch (the one-process rows' batch, from the same seed) and the launcher's variables; the row
+    reports each step as the slowest rank's, the losses as the ranks' mean (strata's agree with
+    data-parallel PyTorch's), and memory summed over the ranks."""
+    import torch
+    log = tmp_path / "ds_log"
+    log.mkdir()
+    report, stdout = run_bench(tmp_path, "--rows", "zero2_cpu_2ranks", "--no-floor",
+                               deepspeed=DATA_PARALLEL, env={"FAKE_DS_LOG": str(log)})
+    (row,) = report["rows"]
+    ours, theirs = row["strata"], row["deepspeed"]
+    assert "error" not in ours and "error" not in theirs, (ours.get("error"), theirs.get("error"))
+    # What DeepSpeed's side was given: the same job on every rank, its slice of each batch.
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(3)]  # --batch 2
+    for rank in (0, 1):
+        given = json.loads((log / f"rank{rank}.json").read_text())
+        assert given["world"] == 2 and given["rank"] == rank
+        assert given["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                "LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                "OMP_NUM_THREADS": os.environ.get(
+                                    "OMP_NUM_THREADS", str(max(1, os.cpu_count() // 2)))}
+        assert given["config"]["train_batch_size"] == 2
+        assert given["config"]["train_micro_batch_size_per_gpu"] == 1
+        assert given["batches"] == [b[rank:rank + 1].tolist() for b in batches]
+    for side in (ours, theirs):
+        assert side["ranks"] == 2 and len(side["rank_losses"]) == 2
+        # Each rank trained its own half: their losses differ; the row's are their mean.
+        assert side["rank_losses"][0] != side["rank_losses"][1]
+        assert side["losses"] == pytest.approx([(a + b) / 2 for a, b in
+                                                zip(*side["rank_losses"])], rel=1e-12)
+        ((rank0, rank1),) = side["rank_step_s"]  # one round, one timed step a rank
+        assert side["step_s"] == max(rank0[-1], rank1[-1])
+        assert side["peak_rss_bytes"] == sum(side["rank_peak_rss_bytes"])
+        assert min(side["rank_peak_rss_bytes"]) > 0
+    assert not row["void"] and row["loss_difference"] < 1e-5
+    assert row["speedup"] == pytest.approx(theirs["step_s"] / ours["step_s"])
+    (figure,) = report["figures"]
+    assert figure["ranks"] == 2
+    assert "vs_deepspeed/zero2_cpu_2ranks: 2 ranks on Gloo over loopback, the global batch 2 " \
+        "(1 a rank)" in stdout
+
+
+# A DeepSpeed whose rank 1 fails in deepspeed.initialize while rank 0 hangs (as in a collective
+# that rank 1 never joins), having started a process of its own; rank 1 fails once rank 0 has
+# said so through a FIFO. Each process carries $FAKE_DS_LOG in its command line.
+HANGING = """import os, subprocess, sys, time
+__version__ = "hanging stand-in"
+
+def initialize(**kwargs):
+    fifo = os.path.join(os.environ["FAKE_DS_LOG"], "started")
+    if os.environ["RANK"] == "0":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)",
+                          os.environ["FAKE_DS_LOG"]])
+        with open(fifo, "w") as f:
+            f.write("started")
+        time.sleep(300)
+    with open(fifo) as f:
+        f.read()
+    raise ValueError("rank 1 refuses")
+"""
+
+
+def bench_args(**given):
+    """The driver's arguments run_one reads, for the tiny model."""
+    import types
+    args = dict(layers=1, width=64, heads=2, context=16, batch=4, device="cpu", steps=1,
+                phases=0, profile=False, clipping=1.0, bf16=False, child_timeout=120,
+                nvme_placeholder="@NVME@", strata_extra=None)
+    args.update(given)
+    return types.SimpleNamespace(**args)
+
+
+def left_behind(marker):
+    """The live processes (zombies aside) whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile
+            continue
+        if marker in cmdline and state != "Z" and int(pid) != os.getpid():
+            found.append((int(pid), cmdline.replace("\0", " ")))
+    return found
+
+
+@pytest.mark.parametrize("timeout_s", [120, 1])
+def test_a_job_of_ranks_that_fails_or_runs_too_long_leaves_no_process_behind(
+        tmp_path, monkeypatch, timeout_s):
+    """Rank 1 fails while rank 0 hangs: the job ends at once, rank 0 and the process it started
+    killed, and the row keeps rank 1's error; past --child-timeout, every rank is killed and the
+    error says so."""
+    import time
+    bench = bench_module()
+    hidden = tmp_path / "hidden" / "deepspeed"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text(HANGING)
+    log = tmp_path / "ds_log"
+    log.mkdir()
+    os.mkfifo(log / "started")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(hidden.parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    monkeypatch.setenv("FAKE_DS_LOG", str(log))
+    args = bench_args(child_timeout=timeout_s)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    config = bench.row_config("zero3_cpu_2ranks", args, args.nvme_placeholder)[0]
+    start = time.monotonic()
+    report = bench.run_one("deepspeed", "zero3_cpu_2ranks", config, args, 0, str(scratch))
+    took = time.monotonic() - start
+    assert left_behind(str(tmp_path)) == []
+    if timeout_s == 1:
+        assert report["error"].startswith(
+            "the child was stopped: ran past --child-timeout 1 s and was killed, with the "
+            "job's 2 ranks"), report["error"]
+        return
+    assert took < 100, took  # not rank 0's 300 s
+    assert report["rank"] == 1
+    assert bench.error_line(report["error"]) == "[rank1]: ValueError: rank 1 refuses"
+    assert all(line.startswith("[rank1]: ") for line in report["error"].splitlines())
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--device", "cuda"], "strata across ranks runs on its emulated device tier only"),
+    (["--batch", "3"], "--batch 3 is the global batch and the rows zero3_cpu_2ranks split it "
+                       "over their ranks; accepted: a multiple of 2"),
+])
+def test_a_row_across_ranks_refuses_what_it_cannot_run_before_any_round(tmp_path, flags, said):
+    proc = subprocess.run([sys.executable, BENCH, "--dir", str(tmp_path / "scratch"), "--rows",
+                           "zero2_cpu,zero3_cpu_2ranks", *flags],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert said in proc.stderr
+    assert not (tmp_path / "scratch").exists()
+
+
+def test_the_ranks_of_a_row_and_its_config_across_them():
+    bench = bench_module()
+    assert [bench.ranks_of(r) for r in ("zero2_cpu", "zero2_cpu_2ranks", "zero3_cpu_2ranks")] \
+        == [1, 2, 2]
+    assert bench.row_stage("zero2_cpu_2ranks") == 2 and bench.row_stage("zero3_cpu_2ranks") == 3
+    args = bench_args(batch=8)
+    one = bench.row_config("zero3_cpu", args, "@NVME@")[0]
+    two = bench.row_config("zero3_cpu_2ranks", args, "@NVME@")[0]
+    assert two["train_batch_size"] == 8 and two["train_micro_batch_size_per_gpu"] == 4
+    assert "train_batch_size" not in one and one["train_micro_batch_size_per_gpu"] == 8
+    assert two["zero_optimization"] == one["zero_optimization"]
