@@ -1,5 +1,6 @@
 #include "planner/plan_hardware.h"
 
+#include <algorithm>
 #include <optional>
 #include <type_traits>
 
@@ -69,16 +70,92 @@ absl::StatusOr<int> Count(const Json& block, const char* block_name, const char*
   return Field<int>(block, block_name, key, lo, hi, fallback);
 }
 
+// The links between GPUs (gpu_link) and between nodes (nodes, network) into `h`, whose gpu and
+// pcie blocks are read.
+absl::Status ReadLinks(const Json& j, Hardware& h) {
+  const Json* link = nullptr;
+  STRATA_ASSIGN_OR_RETURN(
+      link, Block(j, "gpu_link", false, {"kind", "bus_gbps", "latency_us", "sync_us"}));
+  if (link == nullptr) {
+    // The GPUs of a node talk over PCIe (through the host's root complex or a PCIe switch): what
+    // every multi-GPU machine has; NVLink must be said.
+    h.link_assumed = h.gpus > 1;
+    h.link_kind = LinkKind::kPcie;
+    h.link_bus_bytes_per_s = std::min(h.pcie_to_device, h.pcie_to_host);
+    h.link_latency_s = 20e-6;
+  } else {
+    const auto kind = link->find("kind");
+    static constexpr LinkKind kKinds[] = {LinkKind::kNvlink, LinkKind::kPcie, LinkKind::kLoopback};
+    const LinkKind* found = nullptr;
+    if (kind != link->end() && kind->is_string()) {
+      for (const LinkKind& k : kKinds) {
+        if (kind->get<std::string>() == LinkKindName(k)) found = &k;
+      }
+    }
+    if (found == nullptr) {
+      return Bad("gpu_link.kind",
+                 absl::StrCat(kind == link->end() ? "missing" : kind->dump() + " is not accepted",
+                              "; accepted: \"nvlink\", \"pcie\" or \"loopback\""));
+    }
+    h.link_kind = *found;
+    double bus_gbps = 0, latency_us = 0;
+    STRATA_ASSIGN_OR_RETURN(bus_gbps,
+                            Number(*link, "gpu_link", "bus_gbps", 0.001, 1e5, std::nullopt));
+    STRATA_ASSIGN_OR_RETURN(latency_us,
+                            Number(*link, "gpu_link", "latency_us", 0, 1e6, std::nullopt));
+    double sync_us = 0;
+    STRATA_ASSIGN_OR_RETURN(sync_us, Number(*link, "gpu_link", "sync_us", 0, 1e6, 0.0));
+    h.link_bus_bytes_per_s = bus_gbps * 1e9;
+    h.link_latency_s = latency_us / 1e6;
+    h.link_sync_s = sync_us / 1e6;
+  }
+  if (absl::Status s = config::ReadInt(j, "", "nodes", 1, 1 << 16, &h.nodes); !s.ok()) {
+    return AsHardware(s);
+  }
+  const Json* network = nullptr;
+  STRATA_ASSIGN_OR_RETURN(network, Block(j, "network", h.nodes > 1, {"gbps", "latency_us"}));
+  if (network != nullptr) {
+    double gbps = 0, latency_us = 0;
+    STRATA_ASSIGN_OR_RETURN(gbps, Number(*network, "network", "gbps", 0.001, 1e5, std::nullopt));
+    STRATA_ASSIGN_OR_RETURN(latency_us,
+                            Number(*network, "network", "latency_us", 0, 1e6, std::nullopt));
+    h.network_bytes_per_s = gbps * 1e9;
+    h.network_latency_s = latency_us / 1e6;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+const char* LinkKindName(LinkKind kind) {
+  switch (kind) {
+    case LinkKind::kNvlink:
+      return "nvlink";
+    case LinkKind::kPcie:
+      return "pcie";
+    case LinkKind::kLoopback:
+      return "loopback";
+  }
+  return "?";
+}
+
+double Hardware::CollectiveBusBytesPerS() const {
+  return nodes > 1 ? std::min(link_bus_bytes_per_s, network_bytes_per_s) : link_bus_bytes_per_s;
+}
+
+double Hardware::CollectiveLatencyS() const {
+  return link_latency_s + (nodes > 1 ? network_latency_s : 0);
+}
 
 absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
   if (!j.is_object()) {
     return absl::InvalidArgumentError(
         "hardware: the description must be a JSON object with the blocks gpu, host, pcie and "
-        "(optionally) nvme");
+        "(optionally) nvme, gpu_link, network");
   }
-  if (absl::Status s =
-          config::CheckKeys(j, "hardware", {"name", "source", "gpu", "host", "pcie", "nvme"});
+  if (absl::Status s = config::CheckKeys(
+          j, "hardware",
+          {"name", "source", "gpu", "host", "pcie", "nvme", "gpu_link", "nodes", "network"});
       !s.ok()) {
     return AsHardware(s);
   }
@@ -138,6 +215,7 @@ absl::StatusOr<Hardware> HardwareFromJson(const Json& j) {
     STRATA_ASSIGN_OR_RETURN(commit_ms, Number(*nvme, "nvme", "commit_ms", 0, 1000, 0.0));
     h.nvme_commit_s = commit_ms / 1e3;
   }
+  STRATA_RETURN_IF_ERROR(ReadLinks(j, h));
   return h;
 }
 

@@ -21,7 +21,10 @@ constexpr const char* kPlannerKeys[] = {"bf16",
                                         "fp16",
                                         "train_micro_batch_size_per_gpu",
                                         "gradient_accumulation_steps",
-                                        "zero_optimization.stage"};
+                                        "zero_optimization.stage",
+                                        "zero_optimization.reduce_bucket_size",
+                                        "zero_optimization.allgather_bucket_size",
+                                        "zero_optimization.overlap_comm"};
 
 absl::StatusOr<bool> Enabled(const Json& root, const char* block) {
   auto it = root.find(block);
@@ -39,7 +42,47 @@ absl::StatusOr<bool> Enabled(const Json& root, const char* block) {
   return on;
 }
 
+// The keys the trainer's front reads for its collectives across ranks, checked as it checks them
+// (ranks.bucket_settings).
+absl::Status ReadCollectiveKeys(const Json& root, Training& t) {
+  auto zero = root.find("zero_optimization");
+  if (zero == root.end() || !zero->is_object()) return absl::OkStatus();
+  for (const auto& [key, out] : {std::pair{"reduce_bucket_size", &t.reduce_bucket},
+                                 std::pair{"allgather_bucket_size", &t.allgather_bucket}}) {
+    auto it = zero->find(key);
+    if (it == zero->end()) continue;
+    if (!it->is_number() || !(it->get<double>() >= 1) || !(it->get<double>() < 1e18)) {
+      return config::Bad(absl::StrCat("zero_optimization.", key),
+                         absl::StrCat(it->dump(),
+                                      " is not accepted; accepted: a number of "
+                                      "elements, 1 or more"));
+    }
+    *out = static_cast<int64_t>(it->get<double>());
+  }
+  if (auto it = zero->find("overlap_comm"); it != zero->end()) {
+    if (it->is_boolean()) {
+      t.overlap_comm = it->get<bool>();
+    } else if (it->is_number_integer() && (*it == 0 || *it == 1)) {
+      t.overlap_comm = *it == 1;
+    } else {
+      return config::Bad("zero_optimization.overlap_comm",
+                         absl::StrCat(it->dump(), " is not accepted; accepted: true or false"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A bucket as the front caps it: a 64th of the host budget (the engine's 4 GiB when the config
+// gives none) in elements, at least 65536.
+int64_t CappedBucket(int64_t bucket, std::optional<uint64_t> host_budget) {
+  const uint64_t budget = host_budget.value_or(uint64_t{4} << 30);
+  return std::min(bucket, std::max<int64_t>(1 << 16, static_cast<int64_t>(budget / 64)));
+}
+
 }  // namespace
+
+int64_t Training::ReduceBucket() const { return CappedBucket(reduce_bucket, host_budget); }
+int64_t Training::AllgatherBucket() const { return CappedBucket(allgather_bucket, host_budget); }
 
 absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::string>* warnings) {
   std::vector<std::string> all;
@@ -71,6 +114,7 @@ absl::StatusOr<Training> TrainingFromConfig(const Json& root, std::vector<std::s
     if (it->contains("device_budget_bytes")) t.device_budget = t.runtime.device_budget_bytes;
     if (it->contains("host_budget_bytes")) t.host_budget = t.runtime.host_budget_bytes;
   }
+  STRATA_RETURN_IF_ERROR(ReadCollectiveKeys(root, t));
   if (t.runtime.offload_optimizer.device != OffloadDevice::kNone && t.runtime.zero_stage == 0) {
     return config::Bad("zero_optimization.offload_optimizer",
                        "optimizer offload needs a ZeRO stage of 1 or more, the stage is 0");
@@ -99,7 +143,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
                        "has no nvme block; offload to cpu or none, or describe the drives"));
     }
   }
-  const double n = hw.gpus;
+  const double n = hw.gpus;     // the node's processes
+  const double w = hw.ranks();  // every node's: what ZeRO partitions over
+  const double node = n / w;    // the node's share of what is partitioned (1 on one node)
   const double d = t.dtype_bytes;
   const double psi = static_cast<double>(m.TotalParams());
   // The largest unit lent (a layer, or one of its tiles; or the embeddings), in parameters.
@@ -122,9 +168,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
 
   // Optimizer state.
   if (opt_to == OffloadDevice::kNone) {
-    p.device.optimizer = opt_per_param * psi / (rc.zero_stage >= 1 ? n : 1);
+    p.device.optimizer = opt_per_param * psi / (rc.zero_stage >= 1 ? w : 1);
   } else if (opt_to == OffloadDevice::kCpu) {
-    p.host.optimizer = opt_per_param * psi;
+    p.host.optimizer = node * opt_per_param * psi;
   } else {
     // As Runtime::CreateOptimizer sets aside: a second copy on NVMe (a step writes the new state
     // before the old is given up), a ring of buffers for the largest partition (one parameter, or
@@ -138,15 +184,16 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     tiering::RuntimeConfig process = rc;  // CommitEach against one process's host budget
     process.host_budget_bytes =
         static_cast<uint64_t>(t.host_budget ? host_budget : host_budget / n);
-    const bool each = process.CommitEach(static_cast<uint64_t>(opt_per_param * psi / n));
+    const bool each = process.CommitEach(static_cast<uint64_t>(opt_per_param * psi / w));
     p.commit_each = each;
     const double group =
         rc.sub_group_size > 0 ? std::min(largest, static_cast<double>(rc.sub_group_size)) : largest;
     // With "partition", room beside the state for the store's copy on write of its largest blob:
     // a sub-group's state or the largest parameter's partition.
-    p.nvme.optimizer = each ? opt_per_param * psi + std::max(opt_per_param * group, d * largest)
-                            : 2 * opt_per_param * psi;
-    if (!each) p.host.params += d * (p.weights_from_master ? small : psi);
+    p.nvme.optimizer =
+        each ? node * opt_per_param * psi + std::max(opt_per_param * group, d * largest)
+             : 2 * node * opt_per_param * psi;
+    if (!each) p.host.params += node * d * (p.weights_from_master ? small : psi);
     p.host.staging += n * static_cast<double>(rc.offload_optimizer.buffer_count) *
                       (opt_per_param + (each ? 4 : 0)) * group;
     // Each process's read-ahead room (strata.optimizer_read_ahead_bytes; "auto": an eighth of
@@ -158,9 +205,9 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     // models it; nothing is staged during backward below stage 3.)
     const bool during = rc.optimizer_during_backward.value_or(true);
     const bool held =
-        n == 1 && rc.zero_stage == 3 && (t.gradient_clipping > 0 || (each && !(during && !t.fp16)));
+        w == 1 && rc.zero_stage == 3 && (t.gradient_clipping > 0 || (each && !(during && !t.fp16)));
     // As the Runtime sizes it: 12 bytes an element of state whatever the dtype.
-    const double ahead_most = (12 + (each ? 4 : 0)) * psi / n;
+    const double ahead_most = (12 + (each ? 4 : 0)) * psi / w;
     const double ahead = rc.optimizer_read_ahead_bytes.has_value()
                              ? static_cast<double>(*rc.optimizer_read_ahead_bytes)
                          : held ? static_cast<double>(rc.host_budget_bytes) / 8
@@ -175,14 +222,14 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     const double live =
         std::min(psi, std::max(2 * layer, static_cast<double>(rc.stage3_max_live_parameters)));
     if (param_to == OffloadDevice::kNone) {
-      p.device.params = std::min(d * psi, d * psi / n + d * live);
+      p.device.params = std::min(d * psi, d * psi / w + d * live);
     } else {
       p.device.params = d * std::min(psi, live + small);
       if (param_to == OffloadDevice::kCpu) {
-        p.host.params += d * psi;  // beside the NVMe optimizer's staged copies, if any
+        p.host.params += node * d * psi;  // beside the NVMe optimizer's staged copies, if any
       } else {
-        p.nvme.params = d * psi;
-        if (params_kept_in_host) p.host.params += d * psi;
+        p.nvme.params = node * d * psi;
+        if (params_kept_in_host) p.host.params += node * d * psi;
         p.host.staging += n * static_cast<double>(rc.offload_param.buffer_count) *
                           static_cast<double>(rc.offload_param.buffer_size);
       }
@@ -191,10 +238,10 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
 
   // Gradients.
   if (opt_to == OffloadDevice::kNone) {
-    p.device.grads = rc.zero_stage >= 2 ? d * psi / n + d * layer : d * psi;
+    p.device.grads = rc.zero_stage >= 2 ? d * psi / w + d * layer : d * psi;
   } else {
     p.device.grads = 2 * d * layer;
-    p.host.grads = t.gradient_accumulation == 1 ? n * 4 * d * layer : d * psi;
+    p.host.grads = t.gradient_accumulation == 1 ? n * 4 * d * layer : node * d * psi;
   }
 
   // Activations.
@@ -214,8 +261,8 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     tiering::RuntimeConfig process = rc;
     process.host_budget_bytes =
         static_cast<uint64_t>(t.host_budget ? host_budget : host_budget / n);
-    const double shard = rc.zero_stage >= 1 ? n : 1;
-    const double grad = rc.zero_stage == 3 ? 4 * largest / n : 0;
+    const double shard = rc.zero_stage >= 1 ? w : 1;
+    const double grad = rc.zero_stage == 3 ? 4 * largest / w : 0;
     p.host_minimum = process.MinimumHost(
         static_cast<uint64_t>(psi / shard), static_cast<uint64_t>(largest / shard),
         static_cast<uint64_t>(grad), static_cast<uint64_t>(d * psi / shard),

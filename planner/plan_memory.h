@@ -2,8 +2,9 @@
 // the hardware and a strata or DeepSpeed config, and the first tier that overflows.
 //
 // What strata keeps where (Ψ parameters, d bytes per element of the training dtype: 2 for bf16 or
-// fp16, 4 for fp32; N GPUs on the node, each a data-parallel rank; "a layer" is the largest
-// partition, one layer's parameters or the embedding):
+// fp16, 4 for fp32; N GPUs on the node, each a data-parallel rank, W ranks on every node (N on one
+// node; the formulas below say N for one node); "a layer" is the largest partition, one layer's
+// parameters or the embedding):
 //   optimizer state: fp32 master weights, Adam's m and v: 12 bytes per parameter (8 in fp32
 //     training, where the parameters are the master weights). Not offloaded: on the GPUs, divided
 //     by N from stage 1. offload_optimizer cpu: host; nvme: twice that on NVMe (the step writes
@@ -24,7 +25,8 @@
 //     Transformer::LayerActivationBytes per layer, or with activation
 //     checkpointing Transformer::CheckpointBytesPerLayer per layer plus one layer's full set;
 //     the logits besides. Both figures are reported; the fit uses the one asked for.
-// Device bytes are per GPU; host and NVMe bytes are the node's (all N ranks). Not counted: the
+// Device bytes are per GPU (a GPU's share of what is partitioned: 1/W); host and NVMe bytes are
+// the node's (all its N ranks: N/W of what is partitioned). Not counted: the
 // CUDA context and the framework's own workspace on the GPU, and the trainer process's own host
 // memory (the data loader, the Python runtime): leave room for them.
 //
@@ -47,7 +49,10 @@ namespace strata::plan {
 // What the planner reads of a strata or DeepSpeed config: the Runtime's blocks
 // (tiering/runtime_config.h) and DeepSpeed's training keys bf16.enabled (or its older name
 // bfloat16.enabled), fp16.enabled,
-// train_micro_batch_size_per_gpu and gradient_accumulation_steps.
+// train_micro_batch_size_per_gpu and gradient_accumulation_steps; and what the trainer's front
+// reads for its collectives across ranks (python/strata/ranks.py): zero_optimization's
+// reduce_bucket_size and allgather_bucket_size (elements, 5e8 by default) and overlap_comm (on
+// at stage 3 by default, off below).
 struct Training {
   tiering::RuntimeConfig runtime;
   int dtype_bytes = 4;  // fp32 unless bf16 or fp16 is enabled
@@ -60,6 +65,13 @@ struct Training {
   // planner's step replay caps its budgets there; else it gives the tiers what the hardware has
   // left).
   std::optional<uint64_t> device_budget, host_budget;
+  int64_t reduce_bucket = 500000000, allgather_bucket = 500000000;  // as the config gives them
+  std::optional<bool> overlap_comm;
+  // The buckets as the front takes them: each capped at a 64th of strata.host_budget_bytes
+  // (4 GiB when the config gives none) in elements, at least 65536 (ranks.Ranks.configure).
+  int64_t ReduceBucket() const;
+  int64_t AllgatherBucket() const;
+  bool OverlapComm() const { return overlap_comm.value_or(runtime.zero_stage == 3); }
 };
 absl::StatusOr<Training> TrainingFromConfig(const nlohmann::json& config,
                                             std::vector<std::string>* warnings);

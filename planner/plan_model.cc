@@ -131,6 +131,12 @@ int64_t Transformer::LayerUnits() const {
   return tiles(hidden * q) + 2 * tiles(hidden * kv) + tiles(q * hidden) + mlp;
 }
 
+int64_t Transformer::LayerTensors() const {
+  if (tile_params > 0) return LayerUnits();
+  const int64_t attention = fused_qkv ? 2 : 4;
+  return attention + (experts > 1 ? 3 : gated_mlp ? 3 : 2);
+}
+
 int64_t Transformer::OuterParams() const {
   const int64_t embeddings = (tied_embeddings ? 1 : 2) * vocab * hidden;
   const int64_t final_norm = gated_mlp ? hidden : 2 * hidden;
@@ -221,6 +227,7 @@ absl::StatusOr<Transformer> TransformerFromHfConfig(const Json& j, int64_t seque
     }
     t.tied_embeddings = it->get<bool>();
   }
+  t.fused_qkv = IsOneOf(t.name, {"gpt2", "gpt_bigcode", "bloom", "gpt_neox"});
   const std::string act = StringOr(j, "hidden_act", StringOr(j, "activation_function", ""));
   t.gated_mlp = IsOneOf(act, {"silu", "swiglu", "swish"}) ||
                 IsOneOf(t.name, {"llama", "mistral", "mixtral", "qwen2", "gemma", "gemma2", "phi3",

@@ -55,6 +55,9 @@ struct Transformer {
   bool gated_mlp = false;  // SwiGLU: three hidden x ffn matrices, RMSNorm, no biases
   bool biases = true;      // the non-gated families' linear biases
   bool tied_embeddings = true;
+  // q, k and v in one tensor (one module): gpt2's and gpt_bigcode's c_attn, bloom's and gpt_neox's
+  // query_key_value.
+  bool fused_qkv = false;
   int64_t sequence = 0, micro_batch = 1;
   // Memory-centric tiling (strata.tile_linears(model, tile_params), strata.TiledLinear): each of a
   // layer's matrices larger than this many parameters is cut into tiles of at most so many, each
@@ -78,6 +81,11 @@ struct Transformer {
   // are not tiled), each taking an equal share of the layer's parameters and compute in the
   // step's replay.
   int64_t LayerUnits() const;
+  // The tensors of a layer's matrices, each a module's weight (what the trainer's front lends, and
+  // across ranks gathers, a module at a time): q, k, v and o (q, k and v one tensor where fused),
+  // the MLP's two or three (a mixture of experts' two expert tensors and its router); with tiling
+  // the tiles (LayerUnits).
+  int64_t LayerTensors() const;
   // The largest of those units (a layer, or the largest tile or untiled tensor), in parameters:
   // what the device must hold of a layer at once.
   int64_t LentUnitParams() const;

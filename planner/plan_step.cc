@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -65,6 +66,23 @@ absl::Status Check(const StepTrace& t, const Lanes& lanes) {
       device = device || (t.home[a.id] == Tier::kDevice) != (a.tier == Tier::kDevice);
       nvme = nvme || t.home[a.id] == Tier::kNvme;
     }
+    if (g.on_cpu && (!g.before.empty() || !g.after.empty() || g.waits_for_cpu)) {
+      return absl::InvalidArgumentError(
+          "a group on the CPU optimizer's threads with collectives or a wait for the CPU; "
+          "accepted: those on the trainer's groups only");
+    }
+    for (const auto* run : {&g.before, &g.after}) {
+      for (const Exchange& x : *run) {
+        if (!(x.seconds >= 0) || !(x.bytes >= 0) || !(x.agree_s >= 0) || x.count < 1 ||
+            std::isinf(x.seconds) || std::isinf(x.agree_s)) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("a collective of ", x.seconds, " s, ", x.bytes, " bytes, ", x.count,
+                           " collectives, ", x.agree_s,
+                           " s to agree; accepted: finite, not negative, at "
+                           "least one collective"));
+        }
+      }
+    }
     for (const auto& id : {g.gradient_ready, g.discard}) {
       if (id && *id >= t.partitions.size()) {
         return absl::InvalidArgumentError(
@@ -116,7 +134,8 @@ std::string StepTrace::Name(PartitionId id) const {
 
 const char* LaneName(Lane lane) {
   static constexpr const char* kNames[] = {"gpu",          "cpu optimizer", "pcie to device",
-                                           "pcie to host", "nvme read",     "nvme write"};
+                                           "pcie to host", "nvme read",     "nvme write",
+                                           "collectives"};
   return lane >= 0 && lane < kLaneCount ? kNames[lane] : "?";
 }
 
@@ -152,12 +171,37 @@ Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budg
     b.disk.loaded += x.loaded;
     b.disk.written += x.written;
   }
-  for (const Group& g : t.groups) (g.on_cpu ? b.cpu_s : b.compute_s) += g.compute_s;
+  for (const Group& g : t.groups) {
+    (g.on_cpu ? b.cpu_s : b.compute_s) += g.compute_s;
+    for (const auto* run : {&g.before, &g.after}) {
+      for (const Exchange& x : *run) {
+        b.comm_s += x.seconds;
+        b.agree_s += x.agree_s;
+      }
+    }
+  }
   auto link_s = [&](const Traffic& x) {
     return x.loaded + x.written > 0 ? lanes.LinkSeconds(x.loaded, x.written) : 0.0;
   };
-  b.whole_s = std::max(
-      {b.compute_s, b.cpu_s, link_s(b.link), lanes.DiskSeconds(b.disk.loaded, b.disk.written)});
+  // The trainer's compute (and its agreeing on collectives) and the collectives, on their lanes:
+  // one lane where they share the cores.
+  auto trainer_s = [&](double compute, double agree, double comm) {
+    return lanes.comm_shares_cores ? std::pair{compute + agree + comm, 0.0}
+                                   : std::pair{compute + agree, comm};
+  };
+  const auto [compute_s, comm_s] = trainer_s(b.compute_s, b.agree_s, b.comm_s);
+  const std::pair<double, Lane> terms[] = {
+      {compute_s, kGpu},
+      {b.cpu_s, kCpu},
+      {link_s(b.link), kToDevice},
+      {lanes.DiskSeconds(b.disk.loaded, b.disk.written), kNvmeRead},
+      {comm_s, kComm}};
+  for (const auto& [seconds, lane] : terms) {
+    if (seconds > b.whole_s) {
+      b.whole_s = seconds;
+      b.limit = lane;
+    }
+  }
   const auto link_phases = PhaseLowerBounds(bytes, linked, budgets.device, memory);
   const auto disk_phases = PhaseLowerBounds(bytes, on_disk, budgets.device, memory);
   for (int p = 0; p < kPhaseCount; ++p) {
@@ -165,9 +209,11 @@ Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budg
     b.phases[p].disk = disk_phases[p].disk;
     b.phases[p].disk.loaded += streamed[p].loaded;
     b.phases[p].disk.written += streamed[p].written;
-    b.by_phase_s +=
-        std::max({b.phases[p].compute_s, b.phases[p].cpu_s, link_s(b.phases[p].link),
-                  lanes.DiskSeconds(b.phases[p].disk.loaded, b.phases[p].disk.written)});
+    const auto [phase_compute_s, phase_comm_s] =
+        trainer_s(b.phases[p].compute_s, b.phases[p].agree_s, b.phases[p].comm_s);
+    b.by_phase_s += std::max({phase_compute_s, b.phases[p].cpu_s, link_s(b.phases[p].link),
+                              lanes.DiskSeconds(b.phases[p].disk.loaded, b.phases[p].disk.written),
+                              phase_comm_s});
   }
   return b;
 }

@@ -37,6 +37,15 @@
 //    one that finds no room on the device reads its partition from NVMe into the host;
 //    the trainer's own fetches run on its thread, one acquire after another, each also waiting
 //    for a move still reading the copy it acquires;
+//  - the collectives between the data-parallel ranks (Group::before and Group::after, Exchange)
+//    run on a lane of their own, each after the ones issued before it: a group's gathers are
+//    issued as its acquire begins, or, ahead (a prefetch), when the trainer's previous group began
+//    computing, and the group computes once they end; its reduce-scatters are issued once it ends,
+//    each after the last one issued ends (one in flight), and the trainer waits for them unless
+//    they are ahead (overlap_comm); the step's end waits for every one. The trainer spends each
+//    one's `agree_s` as it issues it. With `comm_shares_cores` (ranks as processes on one
+//    machine's cores, their collectives over its TCP stack) the collectives' lane is the GPU's:
+//    they never overlap compute;
 //  - a host copy released dirty that Belady's rule would evict before its next use is written
 //    back to NVMe at once and stays, clean (the Runtime's early write-back), on at most
 //    workers - 1 threads at once (1 with a single worker); the other jobs, which the Runtime runs
@@ -68,8 +77,8 @@ using sched::Scheduler;
 using sched::SchedulerConfig;
 
 // The lanes a step's time is spent on.
-enum Lane : int { kGpu, kCpu, kToDevice, kToHost, kNvmeRead, kNvmeWrite, kLaneCount };
-const char* LaneName(Lane lane);  // "gpu", "cpu optimizer", "pcie to device", ...
+enum Lane : int { kGpu, kCpu, kToDevice, kToHost, kNvmeRead, kNvmeWrite, kComm, kLaneCount };
+const char* LaneName(Lane lane);  // "gpu", "cpu optimizer", "pcie to device", ..., "collectives"
 
 struct StepTrace {
   std::vector<tiering::PartitionDesc> partitions;  // partitions[i].id == i
@@ -96,6 +105,9 @@ struct Lanes {
   uint64_t staging_bytes = 64 << 20;
   int staging_count = 4;
   int workers = 4;  // the Runtime's worker threads: prefetches and write-backs run on them
+  // The collectives run on the cores the trainer computes on (Gloo on loopback): their lane is
+  // the GPU's.
+  bool comm_shares_cores = false;
   // The link's time for `down` bytes to the device and `up` to the host (duplex: the longer).
   double LinkSeconds(double down, double up) const;
   double DiskSeconds(double read, double written) const;
@@ -107,9 +119,15 @@ struct Budgets {
 };
 
 struct Bound {
-  double whole_s = 0;     // max(compute, link, disk) over the whole step (Belady's bytes)
+  // max(the trainer's compute and its agreeing on collectives, the CPU optimizer, link, disk,
+  // collectives) over the whole step (Belady's bytes; the collectives added to the trainer's where
+  // they share the cores)
+  double whole_s = 0;
   double by_phase_s = 0;  // the sum over phases of each phase's max
-  double compute_s = 0, cpu_s = 0;
+  double compute_s = 0, cpu_s = 0, comm_s = 0, agree_s = 0;
+  // The whole step's largest term: kGpu (compute, with the collectives where they share the
+  // cores), kCpu, kToDevice (the link), kNvmeRead (the disk) or kComm.
+  Lane limit = kGpu;
   Traffic link, disk;                            // Belady's, over the whole step
   std::array<PhaseNeeds, kPhaseCount> phases{};  // what each phase must move within itself
   double seconds() const { return whole_s > by_phase_s ? whole_s : by_phase_s; }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
+#include "planner/plan_comm.h"
 
 namespace strata::plan {
 namespace {
@@ -26,15 +27,22 @@ Tier HomeOf(OffloadDevice d) {
 absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, const Training& t,
                                     const MemoryPlan& mem) {
   const tiering::RuntimeConfig& rc = t.runtime;
-  const double n = hw.gpus;
+  const double n = hw.gpus;     // on the node: its host, disks and CPU shared by them
+  const double w = hw.ranks();  // every node's: what ZeRO partitions over
   const double d = t.dtype_bytes;
+  if (rc.zero_stage == 0 && w > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ZeRO stage 0 across ", w,
+                     " ranks: strata's engine refuses it (each rank would hold the "
+                     "whole optimizer state); accepted across ranks: stages 1, 2 and 3"));
+  }
   const Tier p_home = rc.zero_stage >= 3 ? HomeOf(rc.offload_param.device) : Tier::kDevice;
   const Tier s_home = HomeOf(rc.offload_optimizer.device);
   const bool offloaded_opt = s_home != Tier::kDevice;
   const Tier g_home = offloaded_opt ? Tier::kHost : Tier::kDevice;
-  const double p_share = p_home != Tier::kDevice ? 1 / n : 1;
-  const double s_share = rc.zero_stage >= 1 ? 1 / n : 1;
-  const double g_share = rc.zero_stage >= 2 || offloaded_opt ? 1 / n : 1;
+  const double p_share = p_home != Tier::kDevice ? 1 / w : 1;
+  const double s_share = rc.zero_stage >= 1 ? 1 / w : 1;
+  const double g_share = rc.zero_stage >= 2 || offloaded_opt ? 1 / w : 1;
   const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
   const int64_t ga = t.gradient_accumulation;
   // Whether the CPU optimizer steps each unit during backward, as its gradient is final, or all
@@ -43,12 +51,17 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   // strata.optimizer_during_backward (its "auto" default is on for a GPU, which the planner
   // models) when nothing learnt after backward can change the step (no clipping, no fp16 loss
   // scale). With strata.optimizer_commit "partition" a step once begun cannot be dropped, so the
-  // NVMe state too steps during backward only where host-resident state would.
+  // NVMe state too steps during backward only where host-resident state would. Across ranks, at
+  // stages 2 and 3, the NVMe state's step is staged as each shard's gradient is reduced, unless
+  // clipping or "partition" keeps it for after backward; host-resident state steps after it.
   const bool may_step_early =
       rc.optimizer_during_backward.value_or(true) && t.gradient_clipping <= 0 && !t.fp16;
-  const bool during_backward = rc.zero_stage == 3 && n == 1 &&
-                               ((s_home == Tier::kNvme && (!mem.commit_each || may_step_early)) ||
-                                (s_home == Tier::kHost && may_step_early));
+  const bool during_backward =
+      w == 1 ? rc.zero_stage == 3 &&
+                   ((s_home == Tier::kNvme && (!mem.commit_each || may_step_early)) ||
+                    (s_home == Tier::kHost && may_step_early))
+             : rc.zero_stage >= 2 && s_home == Tier::kNvme && !mem.commit_each &&
+                   t.gradient_clipping <= 0;
 
   // Parameters with no host copy (mem.weights_from_master) take their new weights from the
   // committed master weights, read back after the step; with strata.optimizer_commit "partition"
@@ -86,6 +99,7 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   out.lanes.nvme_commit_s = rc.nvme_keep_files ? hw.nvme_commit_s : 0.0;
   out.lanes.staging_bytes = static_cast<uint64_t>(rc.offload_param.buffer_size);
   out.lanes.staging_count = static_cast<int>(rc.offload_param.buffer_count);
+  out.lanes.comm_shares_cores = hw.link_kind == LinkKind::kLoopback;
   out.scheduler.prefetch_bucket_elements = static_cast<uint64_t>(rc.stage3_prefetch_bucket_size);
 
   // Partitions: per unit (the layers, or with tiling each layer's tiles, then the embeddings and
@@ -153,18 +167,27 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   auto cpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / (hw.optimizer_bytes_per_s / n); };
   auto gpu_opt = [&](int64_t u) { return 28.0 * params_of(u) / hw.hbm_bytes_per_s; };
   const int64_t head = body;
+  StepCollectives comm(m, hw, t);  // between the ranks (planner/plan_comm.h)
 
   std::vector<Group> after_backward;  // the optimizer's groups when it steps after backward
   for (int64_t micro = 0; micro < ga; ++micro) {
     const bool last = micro + 1 == ga;
     tr.groups.push_back({{{P(head), Tier::kDevice, false}}, 0, kForward});  // the embeddings
+    tr.groups.back().before = comm.GatherEmbeddings();
     for (int64_t l = 0; l < body; ++l) {
       tr.groups.push_back({{{P(l), Tier::kDevice, false}}, layer_fwd, kForward});
+      tr.groups.back().before = comm.GatherUnit(/*ahead=*/true);
     }
     tr.groups.push_back({{{P(head), Tier::kDevice, false}}, head_fwd, kForward});
+    tr.groups.back().before = comm.GatherHead(/*backward=*/false);
     auto backward = [&](int64_t u, double seconds) {
       Group g{{{P(u), Tier::kDevice, false}, {G(u), Tier::kDevice, true}}, seconds, kBackward};
       if (offloaded_opt) g.gradient_ready = G(u);
+      g.before = u == head ? comm.GatherHead(/*backward=*/true) : comm.GatherUnit(/*ahead=*/true);
+      g.after = u == head ? comm.OuterGradients() : comm.UnitGradients();
+      if (u == 0) {  // backward's end: the open bucket, waited for
+        for (const Exchange& x : comm.EndBackward()) g.after.push_back(x);
+      }
       tr.groups.push_back(g);
       if (!offloaded_opt) return;
       Group cpu;
@@ -197,7 +220,14 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
     backward(head, 2 * head_fwd);
     for (int64_t l = body - 1; l >= 0; --l) backward(l, bwd_factor * layer_fwd);
   }
-  // After backward, on the CPU optimizer's lane: the step (and the next forward) waits for it.
+  // At the step, the gradients reduced there, the trainer waiting; then, on the CPU optimizer's
+  // lane, the step (and the next forward) waits for it.
+  if (std::vector<Exchange> reduce = comm.AtStep(); !reduce.empty()) {
+    Group g;
+    g.phase = kOptimizer;
+    g.before = std::move(reduce);
+    tr.groups.push_back(g);
+  }
   tr.groups.insert(tr.groups.end(), after_backward.begin(), after_backward.end());
   if (offloaded_opt && read_back) {
     // After the commit, each parameter's committed state read back whole and its new weights
@@ -220,6 +250,14 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
       tr.groups.push_back(g);
     }
   }
+  // After the step: the new weights of the parameters not partitioned, once the optimizer is done.
+  if (std::vector<Exchange> gather = comm.AfterStep(); !gather.empty()) {
+    Group g;
+    g.phase = kOptimizer;
+    g.waits_for_cpu = true;
+    g.before = std::move(gather);
+    tr.groups.push_back(g);
+  }
   out.tokens_per_gpu = tokens * static_cast<double>(ga);
   return out;
 }
@@ -237,7 +275,8 @@ absl::StatusOr<TimePlan> PlanTime(const Transformer& m, const Hardware& hw, cons
                                      "strata.host_budget_bytes, a smaller micro-batch)"));
   }
   plan.step = *std::move(step);
-  plan.tokens_per_s = hw.gpus * plan.model.tokens_per_gpu / plan.step.step_s;
+  plan.comm = SumCollectives(plan.model.trace.groups);
+  plan.tokens_per_s = hw.ranks() * plan.model.tokens_per_gpu / plan.step.step_s;
   plan.model_tflops_per_gpu =
       3 * m.ForwardFlopsPerToken() * plan.model.tokens_per_gpu / plan.step.step_s / 1e12;
   return plan;
@@ -251,7 +290,7 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
       hw.has_nvme() ? std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu,
                                                  OffloadDevice::kNvme}
                     : std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu};
-  for (int stage = 0; stage <= 3; ++stage) {
+  for (int stage = hw.ranks() > 1 ? 1 : 0; stage <= 3; ++stage) {  // no stage 0 across ranks
     for (OffloadDevice opt : places) {
       if (stage == 0 && opt != OffloadDevice::kNone) continue;
       for (OffloadDevice param : places) {

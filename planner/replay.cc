@@ -2,7 +2,8 @@
 // Replay::Step is a step's outline; its parts, each a member function, model one part of the
 // Runtime: the trainer's acquire and release, the scheduler's prefetches on the workers, a fetch
 // into a tier and the room it evicts for under the tier's budget, the moves between tiers, the
-// gradient's write-back and the early write-back. LaneClock keeps each lane's time.
+// gradient's write-back and the early write-back, and the collectives between the ranks around
+// the trainer's groups. LaneClock keeps each lane's time.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -49,7 +50,7 @@ class Track {
     return start;
   }
   // Intervals ending before `t` can no longer hold a move (none is issued ready before the
-  // trainer's time): forget them.
+  // trainer's time, or before its last group began computing for a gather ahead): forget them.
   void Forget(double t) {
     while (!busy_.empty() && busy_.begin()->second < t) busy_.erase(busy_.begin());
   }
@@ -81,6 +82,10 @@ class LaneClock {
     return end;
   }
 
+  // `lane` held from `ready` for `seconds` without working (the trainer waiting on the ranks):
+  // nothing placed after it on its lane runs in that time; no span, no bytes.
+  void Hold(Lane lane, double ready, double seconds) { TrackOf(lane).Place(ready, seconds); }
+
   // `bytes` of `id` over `lane` at its rate, ready at `ready`: returns the end.
   double Transfer(Lane lane, double ready, double bytes, PartitionId id) {
     return Occupy(lane, ready, bytes / Rate(lane), id, bytes);
@@ -107,7 +112,7 @@ class LaneClock {
 
   // Every lane's intervals ending before `t` (the trainer's time) are forgotten.
   void Forget(double t) {
-    for (Track* track : {&gpu_, &cpu_, &down_, &up_, &disk_}) track->Forget(t);
+    for (Track* track : {&gpu_, &cpu_, &down_, &up_, &disk_, &comm_}) track->Forget(t);
   }
 
   // The trainer waited `seconds` on `lane`.
@@ -148,6 +153,8 @@ class LaneClock {
         return down_;
       case kToHost:
         return lanes_.link_duplex ? up_ : down_;
+      case kComm:
+        return lanes_.comm_shares_cores ? gpu_ : comm_;
       case kNvmeRead:
       case kNvmeWrite:
       case kLaneCount:
@@ -172,7 +179,7 @@ class LaneClock {
   }
 
   const Lanes lanes_;
-  Track gpu_, cpu_, down_, up_, disk_;
+  Track gpu_, cpu_, down_, up_, disk_, comm_;
   std::priority_queue<double, std::vector<double>, std::greater<>> staging_;
   bool reporting_ = false;
   std::vector<Prediction::Span> spans_;
@@ -275,16 +282,60 @@ class Replay {
     double cpu_done = now_;
     double written_done = now_;  // the streamed partitions' write-backs
     for (const Group& g : trace_.groups) {
-      clock_.Forget(now_);
-      STRATA_ASSIGN_OR_RETURN(const Arrival arrival, Acquire(g));
+      clock_.Forget(std::min(now_, last_compute_start_));  // (a gather ahead is issued then)
+      if (g.waits_for_cpu) WaitUntil(cpu_done, kCpu);
+      STRATA_ASSIGN_OR_RETURN(Arrival arrival, Acquire(g));
+      Gather(g, &arrival);
       const double end = Compute(g, arrival, &cpu_done);
       STRATA_RETURN_IF_ERROR(Release(g, end, &written_done));
+      Scatter(g);
       if (g.gradient_ready) STRATA_RETURN_IF_ERROR(SendDown(*g.gradient_ready, end));
       if (g.discard) Discard(*g.discard, end);
     }
     WaitUntil(cpu_done, kCpu);
     WaitUntil(written_done, kNvmeWrite);
+    WaitUntil(in_flight_, kComm);
     return absl::OkStatus();
+  }
+
+  // --- The collectives between the ranks, on their lane.
+
+  // The group's gathers before it computes: each issued as its acquire began, or ahead when the
+  // trainer's previous group began computing (a prefetch); the trainer agrees on each as it issues
+  // it. `arrival` becomes when they are all there too.
+  void Gather(const Group& g, Arrival* arrival) {
+    const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
+    for (const Exchange& x : g.before) {
+      Agree(x);
+      const double issued = x.ahead ? std::min(now_, last_compute_start_) : now_;
+      const double end = clock_.Occupy(kComm, issued, x.seconds, first, x.bytes);
+      if (end > arrival->at) *arrival = Arrival{end, kComm};
+    }
+    if (arrival->at < now_) arrival->at = now_;
+  }
+
+  // The group's reduce-scatters once it has ended (the trainer's time): each issued once the one
+  // in flight ends; the trainer waits for it unless it runs ahead (then it is the one in flight).
+  void Scatter(const Group& g) {
+    const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
+    for (const Exchange& x : g.after) {
+      WaitUntil(in_flight_, kComm);
+      Agree(x);
+      const double end = clock_.Occupy(kComm, now_, x.seconds, first, x.bytes);
+      if (x.ahead) {
+        in_flight_ = end;
+      } else {
+        WaitUntil(end, kComm);
+      }
+    }
+  }
+
+  // The ranks agree on a collective before it is issued: the trainer's time, on its lane (where
+  // the collectives share the cores, the collective it agrees on runs after it).
+  void Agree(const Exchange& x) {
+    clock_.Hold(kGpu, now_, x.agree_s);
+    clock_.Wait(kComm, x.agree_s);
+    now_ += x.agree_s;
   }
 
   // The trainer's acquires of the group's partitions, each fetched on its thread (the Runtime
@@ -333,6 +384,7 @@ class Replay {
       *cpu_done = std::max(*cpu_done, end);
     } else {
       clock_.Wait(arrival.cause, arrival.at - now_);
+      last_compute_start_ = end - g.compute_s;
       now_ = end;
     }
     return end;
@@ -787,6 +839,8 @@ class Replay {
   std::vector<Part> parts_;
   std::array<Room, 2> room_;  // device, host
   double now_ = 0;
+  double last_compute_start_ = 0;  // the trainer's last group began computing then
+  double in_flight_ = 0;           // the last reduce-scatter issued ahead ends then
   double op_ = 0;  // when the fetch or eviction being modelled runs: now_ on the trainer, else
                    // when a worker takes it
   std::priority_queue<double, std::vector<double>, std::greater<>> workers_;     // each free at

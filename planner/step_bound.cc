@@ -116,6 +116,12 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
   std::array<Sets, kPhaseCount> sets;
   for (const Group& g : step) {
     (g.on_cpu ? needs[g.phase].cpu_s : needs[g.phase].compute_s) += g.compute_s;
+    for (const auto* run : {&g.before, &g.after}) {
+      for (const Exchange& x : *run) {
+        needs[g.phase].comm_s += x.seconds;
+        needs[g.phase].agree_s += x.agree_s;
+      }
+    }
     Sets& p = sets[g.phase];
     for (const Access& a : g.accesses) {
       const bool has_bytes = !fresh.contains(a.id);

@@ -44,6 +44,19 @@ struct Access {
   bool discard = false;  // not an acquire: Discard(id), the bytes no longer needed
 };
 enum Phase : int { kForward, kBackward, kOptimizer, kPhaseCount };
+// Collectives between the data-parallel ranks around a group (planner/plan_comm.h says what they
+// are and costs them), on a lane of their own: one or a run of alike ones, one rank's side.
+struct Exchange {
+  // kAgreement: the ranks meeting alone (a rendezvous, `agree_s`), no collective of bytes after.
+  enum Kind : int { kAllGather, kReduceScatter, kAgreement } kind = kAllGather;
+  double seconds = 0;  // on the collectives' lane, every one's latency included
+  double bytes = 0;    // this rank's on the wire
+  int count = 1;       // collectives
+  double agree_s = 0;  // the trainer's, as it issues them: the ranks agreeing on each first
+  // Before a group: issued when the trainer's previous group began (a gather prefetched), else as
+  // the group's acquire begins; after it: the trainer goes on (overlap_comm), else it waits.
+  bool ahead = false;
+};
 struct Group {
   std::vector<Access> accesses;
   double compute_s = 0;
@@ -53,6 +66,11 @@ struct Group {
   // Computed by the CPU optimizer's threads beside the trainer, which goes on without waiting for
   // it (else the trainer computes it, or waits while the GPU does).
   bool on_cpu = false;
+  // The trainer's only: its collectives before it computes (its weights' all-gathers) and after
+  // (its gradients' reduce-scatters), and whether it first waits for the CPU optimizer's groups
+  // issued before it (the step's new weights, which a gather after the step sends).
+  std::vector<Exchange> before, after;
+  bool waits_for_cpu = false;
 };
 
 // A partition's bytes.
@@ -74,6 +92,8 @@ Traffic Belady(Sizes bytes, const std::vector<Access>& step, uint64_t budget,
 struct PhaseNeeds {
   double compute_s = 0;  // the trainer's groups
   double cpu_s = 0;      // the groups on the CPU optimizer's threads
+  double comm_s = 0;     // the groups' collectives (their lane's time)
+  double agree_s = 0;    // the trainer's, agreeing on them
   Traffic disk, link;
 };
 // What each phase must move within itself: `memory_budget` is the device and host tiers together

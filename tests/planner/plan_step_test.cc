@@ -228,6 +228,101 @@ TEST(PlanStepTest, ACpuGroupDoesNotHoldTheTrainerButTheStepWaitsForIt) {
   EXPECT_NEAR(p->bound.seconds(), 3.0, 1e-9);
 }
 
+// Three trainer groups of 1 s on partitions homed on the device (no link, no disk), each with a
+// collective of `comm_s` (`agree_s` of it the trainer's) before it (gathers) or after it
+// (reduce-scatters); `ahead` for all but the first gather, or for all but the last reduce-scatter.
+StepTrace Collectives(bool before, double comm_s, double agree_s, bool ahead) {
+  StepTrace t = Homed(3, kMB, Tier::kDevice);
+  t.groups = Reads({{0, Tier::kDevice}, {1, Tier::kDevice}, {2, Tier::kDevice}}, 1.0);
+  for (size_t i = 0; i < t.groups.size(); ++i) {
+    Exchange x;
+    x.kind = before ? Exchange::kAllGather : Exchange::kReduceScatter;
+    x.seconds = comm_s;
+    x.bytes = kMB;
+    x.agree_s = agree_s;
+    x.ahead = ahead && (before ? i > 0 : i + 1 < t.groups.size());
+    (before ? t.groups[i].before : t.groups[i].after).push_back(x);
+  }
+  return t;
+}
+
+TEST(PlanStepTest, GathersAheadRunWhileTheGroupBeforeComputes) {
+  // The first gather is waited for (0.5 s); each next one runs during the group before it: the
+  // step is 0.5 + 3 x 1 s.
+  auto p = PredictStep(Collectives(true, 0.5, 0, true), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 3.5, 1e-9);
+  EXPECT_NEAR(p->busy_s[kComm], 1.5, 1e-9);
+  EXPECT_NEAR(p->bytes[kComm], 3 * kMB, 1e-6);
+  EXPECT_NEAR(p->waits_s[kComm], 0.5, 1e-9);
+  // Not ahead: each waited for, 3 x (0.5 + 1 s).
+  p = PredictStep(Collectives(true, 0.5, 0, false), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 4.5, 1e-9);
+}
+
+TEST(PlanStepTest, CollectivesOnTheComputeCoresNeverOverlapCompute) {
+  // Gloo on loopback (comm_shares_cores): ahead or not, the gathers take the cores' time.
+  Lanes loopback = Link(1e6);
+  loopback.comm_shares_cores = true;
+  auto p = PredictStep(Collectives(true, 0.5, 0, true), loopback, {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 4.5, 1e-9);
+  // Its bound adds them to the compute.
+  EXPECT_NEAR(p->bound.seconds(), 4.5, 1e-9);
+  EXPECT_EQ(p->bound.limit, kGpu);
+  EXPECT_NEAR(PredictStep(Collectives(true, 0.5, 0, true), Link(1e6), {0, 0})->bound.seconds(), 3.0,
+              1e-9);
+}
+
+TEST(PlanStepTest, ReduceScattersOverlapBackwardOneInFlightWithOverlapComm) {
+  // overlap_comm: group 1 0-1 s, its reduce-scatter 1-1.8 s in flight; group 2 1-2 s, its
+  // reduce-scatter once the first has ended, 2-2.8; group 3 2-3 s, the last waited for: 3.8 s.
+  auto p = PredictStep(Collectives(false, 0.8, 0, true), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 3.8, 1e-9);
+  // Without: each waited for, 3 x 1.8 s.
+  p = PredictStep(Collectives(false, 0.8, 0, false), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 5.4, 1e-9);
+  EXPECT_NEAR(p->waits_s[kComm], 2.4, 1e-9);
+  // A reduce-scatter slower than the group after it holds up the next one's issue: 1 + 2 + 2 + 2.
+  p = PredictStep(Collectives(false, 2.0, 0, true), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 7.0, 1e-9);
+}
+
+TEST(PlanStepTest, TheRanksAgreementOnACollectiveIsTheTrainersTimeEvenAhead) {
+  // Gathers ahead, each agreed on first (0.1 s on the trainer): 3 x 0.1 + 0.5 + 3 x 1 s.
+  auto p = PredictStep(Collectives(true, 0.5, 0.1, true), Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 3.8, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 3.3, 1e-9);  // the trainer's compute and its agreeing
+  // On the compute cores the gather agreed on runs only after the agreement, and before the
+  // group computes: 3 x (0.1 + 0.5 + 1 s), its bound too.
+  Lanes loopback = Link(1e6);
+  loopback.comm_shares_cores = true;
+  p = PredictStep(Collectives(true, 0.5, 0.1, true), loopback, {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 4.8, 1e-9);
+  EXPECT_NEAR(p->bound.seconds(), 4.8, 1e-9);
+}
+
+TEST(PlanStepTest, AGroupAfterTheStepWaitsForTheCpuOptimizer) {
+  StepTrace t = Homed(2, kMB, Tier::kHost);
+  Group cpu{{{1, Tier::kHost, true}}, 3.0};
+  cpu.on_cpu = true;
+  Group gather;
+  gather.phase = kOptimizer;
+  gather.waits_for_cpu = true;
+  gather.before.push_back(Exchange{Exchange::kAllGather, 0.5, kMB, 1, 0, false});
+  t.groups = {cpu, {{{0, Tier::kHost, false}}, 1.0}, gather};
+  auto p = PredictStep(t, Link(1e6), {0, 0});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_NEAR(p->step_s, 3.5, 1e-9);  // the CPU's 3 s, then the gather of its new weights
+  EXPECT_NEAR(p->waits_s[kComm], 0.5, 1e-9);
+}
+
 SchedulerConfig Lru() {
   SchedulerConfig c;
   c.policy = Policy::kLru;
@@ -516,6 +611,15 @@ TEST(PlanStepTest, BadTracesAndBudgetsAreNamed) {
   Lanes negative_commit = Link(1e6);
   negative_commit.nvme_commit_s = -1;
   EXPECT_NE(PredictStep(t, negative_commit, {kMB, 0}).status().message().find("commit time"),
+            std::string::npos);
+  bad = t;
+  bad.groups[0].before.push_back(Exchange{Exchange::kAllGather, -1, kMB, 1, 0, false});
+  EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("a collective of -1 s"),
+            std::string::npos);
+  bad = t;
+  bad.groups[0].on_cpu = true;
+  bad.groups[0].after.push_back(Exchange{});
+  EXPECT_NE(PredictStep(bad, Link(1e6), {kMB, 0}).status().message().find("trainer's groups"),
             std::string::npos);
   bad = t;
   bad.home.pop_back();

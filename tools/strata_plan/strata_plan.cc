@@ -178,20 +178,22 @@ std::string XmlEscaped(const std::string& text) {
   return out;
 }
 
-// One predicted step as an SVG picture: a row per lane, a box per move or computation.
-std::string TimelineSvg(const Prediction& p, const std::string& title) {
+// One predicted step as an SVG picture: a row per lane (the collectives' only across ranks), a box
+// per move or computation.
+std::string TimelineSvg(const Prediction& p, const std::string& title, bool collectives) {
   constexpr double kLeft = 130, kWidth = 1000, kRow = 28, kTop = 48;
+  const int lanes = collectives ? kLaneCount : kComm;
   double end = p.step_s;
   for (const Prediction::Span& s : p.timeline) end = std::max(end, s.end);
   const double scale = kWidth / std::max(end, 1e-12);
-  static constexpr const char* kColors[] = {"#4c78a8", "#f58518", "#54a24b",
-                                            "#b279a2", "#e45756", "#9d755d"};
+  static constexpr const char* kColors[] = {"#4c78a8", "#f58518", "#54a24b", "#b279a2",
+                                            "#e45756", "#9d755d", "#72b7b2"};
   std::string svg = absl::StrFormat(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
       "font-family=\"sans-serif\" font-size=\"12\">\n<text x=\"10\" y=\"20\" "
       "font-size=\"14\">%s</text>\n",
-      kLeft + kWidth + 20, kTop + static_cast<int>(kLaneCount) * kRow + 40, XmlEscaped(title));
-  for (int l = 0; l < kLaneCount; ++l) {
+      kLeft + kWidth + 20, kTop + lanes * kRow + 40, XmlEscaped(title));
+  for (int l = 0; l < lanes; ++l) {
     const double y = kTop + l * kRow;
     absl::StrAppendFormat(&svg,
                           "<text x=\"10\" y=\"%.0f\">%s</text>\n<rect x=\"%.0f\" y=\"%.0f\" "
@@ -214,9 +216,8 @@ std::string TimelineSvg(const Prediction& p, const std::string& title) {
                         "<line x1=\"%.1f\" y1=\"%.0f\" x2=\"%.1f\" y2=\"%.0f\" "
                         "stroke=\"black\" stroke-dasharray=\"4\"/>\n<text x=\"%.1f\" "
                         "y=\"%.0f\">step ends: %s (lower bound %s)</text>\n</svg>\n",
-                        step_x, kTop - 6, step_x, kTop + static_cast<int>(kLaneCount) * kRow, kLeft,
-                        kTop + static_cast<int>(kLaneCount) * kRow + 24, Seconds(p.step_s),
-                        Seconds(p.bound.seconds()));
+                        step_x, kTop - 6, step_x, kTop + lanes * kRow, kLeft,
+                        kTop + lanes * kRow + 24, Seconds(p.step_s), Seconds(p.bound.seconds()));
   return svg;
 }
 
@@ -224,6 +225,56 @@ void WriteFile(const std::string& flag, const std::string& path, const std::stri
   std::ofstream f(path);
   f << text;
   if (!f) Fail(absl::StrCat("--", flag, ": cannot write ", path));
+}
+
+// What the step's lower bound says bounds it (its largest term).
+std::string BoundBy(const Bound& b, LinkKind link) {
+  switch (b.limit) {
+    case kGpu:
+      return link == LinkKind::kLoopback && b.comm_s > 0
+                 ? "the GPU's compute and the collectives (on the same cores)"
+                 : "the GPU's compute";
+    case kCpu:
+      return "the CPU optimizer";
+    case kToDevice:
+    case kToHost:
+      return "PCIe between host and GPU";
+    case kNvmeRead:
+    case kNvmeWrite:
+      return "the NVMe drives";
+    case kComm:
+      return "the collectives between the ranks";
+    case kLaneCount:
+      break;
+  }
+  return "?";
+}
+
+// Across ranks: the collectives' bytes and time a step, the links they took, what bounds the step.
+void PrintCollectives(const Hardware& hw, const TimePlan& time) {
+  const CommTotals& c = time.comm;
+  const Prediction& p = time.step;
+  std::printf(
+      "collectives across %d ranks, each rank's a step: %s on the wire (all-gathers %s, "
+      "reduce-scatters %s), %d collectives, %s on the links (the trainer waited %s on them, "
+      "%s of it agreeing on each)\n",
+      hw.ranks(), Gb(c.bytes()).c_str(), Gb(c.gathered_bytes).c_str(),
+      Gb(c.scattered_bytes).c_str(), c.gathers + c.scatters, Seconds(c.seconds).c_str(),
+      Seconds(p.waits_s[kComm]).c_str(), Seconds(c.agree_s).c_str());
+  std::printf("links: %s between a node's GPUs, %.2f GB/s bus, %.0f us a collective%s%s%s\n",
+              LinkKindName(hw.link_kind), hw.link_bus_bytes_per_s / 1e9, hw.link_latency_s * 1e6,
+              hw.link_sync_s > 0
+                  ? absl::StrFormat(", %.0f us more a rendezvous", hw.link_sync_s * 1e6).c_str()
+                  : "",
+              hw.link_assumed ? " (no gpu_link in the description: PCIe's figures assumed)" : "",
+              hw.nodes > 1 ? absl::StrFormat("; the network between %d nodes %.1f GB/s a node, "
+                                             "%.0f us",
+                                             hw.nodes, hw.network_bytes_per_s / 1e9,
+                                             hw.network_latency_s * 1e6)
+                                 .c_str()
+                           : "");
+  std::printf("bound by: %s (the largest term of the lower bound)\n",
+              BoundBy(p.bound, hw.link_kind).c_str());
 }
 
 Json BytesJson(const Bytes& b) {
@@ -349,8 +400,9 @@ int Main() {
       static_cast<long long>(model->hidden), static_cast<long long>(model->heads),
       static_cast<long long>(model->vocab), static_cast<long long>(model->sequence),
       static_cast<long long>(model->micro_batch));
-  std::printf("hardware: %s (%d GPU x %s HBM, %s host RAM, %s)\n",
-              hw->name.empty() ? hw_path.c_str() : hw->name.c_str(), hw->gpus,
+  std::printf("hardware: %s (%s%d GPU x %s HBM, %s host RAM, %s)\n",
+              hw->name.empty() ? hw_path.c_str() : hw->name.c_str(),
+              hw->nodes > 1 ? absl::StrCat(hw->nodes, " nodes x ").c_str() : "", hw->gpus,
               Gb(hw->hbm_bytes).c_str(), Gb(hw->host_bytes).c_str(),
               hw->has_nvme()
                   ? absl::StrCat(hw->nvme_drives, " NVMe drives, ", Gb(hw->nvme_bytes)).c_str()
@@ -408,12 +460,14 @@ int Main() {
           p.step_s / p.bound.seconds());
       std::printf("%-16s %12s %8s %12s %14s\n", "lane", "busy", "of step", "moved",
                   "trainer waited");
-      for (int l = 0; l < kLaneCount; ++l) {
+      const bool across = hw->ranks() > 1;  // the collectives' lane is used
+      for (int l = 0; l < (across ? kLaneCount : kComm); ++l) {
         std::printf("%-16s %12s %7.0f%% %12s %14s\n", LaneName(static_cast<Lane>(l)),
                     Seconds(p.busy_s[l]).c_str(), 100 * p.busy_s[l] / p.step_s,
                     l <= kCpu ? "" : Gb(p.bytes[l]).c_str(),
                     p.waits_s[l] > 0 ? Seconds(p.waits_s[l]).c_str() : "");
       }
+      if (across) PrintCollectives(*hw, *time);
       std::printf(
           "throughput: %.0f tokens/s for the node (%lld per GPU per step), %.1f model TFLOPs per "
           "GPU (%.0f%% of its peak)\n",
@@ -421,8 +475,10 @@ int Main() {
           time->model_tflops_per_gpu, 100 * time->model_tflops_per_gpu * 1e12 / hw->gpu_flops);
       if (const std::string svg = absl::GetFlag(FLAGS_svg); !svg.empty()) {
         WriteFile("svg", svg,
-                  TimelineSvg(p, absl::StrFormat("%s on %s: one predicted step", model->name,
-                                                 hw->name.empty() ? hw_path : hw->name)));
+                  TimelineSvg(p,
+                              absl::StrFormat("%s on %s: one predicted step", model->name,
+                                              hw->name.empty() ? hw_path : hw->name),
+                              hw->ranks() > 1));
       }
     }
   }
@@ -447,7 +503,7 @@ int Main() {
     if (time) {
       const Prediction& p = time->step;
       Json lanes = Json::object();
-      for (int l = 0; l < kLaneCount; ++l) {
+      for (int l = 0; l < (hw->ranks() > 1 ? kLaneCount : kComm); ++l) {
         lanes[LaneName(static_cast<Lane>(l))] = {
             {"busy_s", p.busy_s[l]}, {"bytes", p.bytes[l]}, {"trainer_waited_s", p.waits_s[l]}};
       }
@@ -456,6 +512,20 @@ int Main() {
                    {"lanes", lanes},
                    {"tokens_per_s", time->tokens_per_s},
                    {"model_tflops_per_gpu", time->model_tflops_per_gpu}};
+      if (hw->ranks() > 1) {
+        const CommTotals& c = time->comm;
+        j["step"]["collectives"] = {{"ranks", hw->ranks()},
+                                    {"bytes_per_rank", c.bytes()},
+                                    {"all_gather_bytes", c.gathered_bytes},
+                                    {"reduce_scatter_bytes", c.scattered_bytes},
+                                    {"all_gathers", c.gathers},
+                                    {"reduce_scatters", c.scatters},
+                                    {"seconds", c.seconds},
+                                    {"agree_seconds", c.agree_s},
+                                    {"link", LinkKindName(hw->link_kind)},
+                                    {"link_assumed", hw->link_assumed}};
+        j["step"]["bound_by"] = BoundBy(p.bound, hw->link_kind);
+      }
     }
     WriteFile("json", out, j.dump(2) + "\n");
   }
