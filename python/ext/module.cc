@@ -939,7 +939,15 @@ class JobWork {
     Check(s);
   }
   bool Done() const { return work_->done(); }
-  // Works given up by an interrupted wait, with their tensors; those done are let go as new
+  // Given up without waiting (the ranks were found to disagree on what it exchanges: it may
+  // never complete): its tensors are kept (Abandoned) until it ends, and dropping it no longer
+  // waits for it.
+  void Abandon() {
+    if (interrupted_ || held_.empty() || work_->done()) return;
+    Abandoned().push_back(std::make_unique<JobWork>(*this));
+    interrupted_ = true;
+  }
+  // Works given up by an interrupted wait (or Abandon), with their tensors; those done are let go as new
   // collectives are issued.
   static std::vector<std::unique_ptr<JobWork>>& Abandoned() {
     static auto* abandoned = new std::vector<std::unique_ptr<JobWork>>();
@@ -1068,7 +1076,9 @@ PYBIND11_MODULE(_strata, m) {
       .def("barrier", &PyJob::Barrier);
   py::class_<JobWork>(m, "JobWork", "a collective issued with async_op=True")
       .def("wait", &JobWork::Wait, "waits for it; raises its error")
-      .def("done", &JobWork::Done);
+      .def("done", &JobWork::Done)
+      .def("abandon", &JobWork::Abandon,
+           "gives it up without waiting: its tensors are kept until it ends");
 
   py::class_<Optimizer>(m, "Optimizer",
                         "a CPU optimizer (Adam, Adagrad or Lion) stepping CPU tensors in place; "

@@ -277,8 +277,7 @@ class Lending:
         if target is module:
             self.prefetched_gathers += 1
             return entries, started
-        for work, _, _ in started:
-            work.wait()
+        self.ranks.drop_gather(started)
         return set(), []
 
     def _prefetch_after(self, module):

@@ -30,12 +30,15 @@ Buckets (DeepSpeed's keys, counted in elements of the whole parameters):
 
 Every rank must issue the same collectives in the same order: the engine does so as long as the
 ranks run the same model through the same graph (parameters used, in the same order), as
-DeepSpeed requires. The ranks check it: before each bucket's collective they exchange a 16-byte
-digest of what it holds (its kind, and its parameters' names and sizes), so a rank whose order
-differs is named on every rank at the same collective, each raising the same error, rather than
-exchanging the wrong tensors or waiting in a collective the others never issue. A rank that dies
-or stops answering fails the others' collectives within strata.comm_timeout_s, naming the
-collective.
+DeepSpeed requires. The ranks check it: right before each bucket's collective they issue the
+exchange of a 16-byte digest of what it holds (its kind, and its parameters' names and sizes),
+and compare the digests before the collective's result is used (and before any collective no
+digest guards), so a rank whose order differs is named on every rank at the same collective,
+each raising the same error, rather than using the wrong tensors or waiting in a collective the
+others never issue: the collective is given up (its buffers kept until it ends) and every later
+one refused. The digest's round trip is not waited for before the collective is issued (waited
+for first, it cost a stage-3 step on 2 ranks 18% here). A rank that dies or stops answering
+fails the others' collectives within strata.comm_timeout_s, naming the collective.
 
 Thread safety: the engine's (one thread).
 """
@@ -274,6 +277,51 @@ def _default_nccl_group(ranks, device, timeout_s):
     return _OnGroup(dist.group.WORLD, device, made=True)
 
 
+class _Agreement:
+    """One digest exchange (Ranks._agree): issued, then checked before what it guards is used;
+    the collective it guards (`guarded`) is given up with it where the ranks disagree."""
+
+    def __init__(self, ranks, number, what, work, everyone):
+        self.ranks, self.number, self.what = ranks, number, what
+        self.work, self.everyone = work, everyone
+        self.guarded = None
+        self.agreed = None  # every rank's flag, once compared
+
+    def check(self):
+        """This agreement and every one before it compared (raising where the ranks differ);
+        returns whether every rank was ok."""
+        if self.agreed is None:
+            self.ranks._check_agreements(self)
+        return self.agreed
+
+    def compare(self):
+        ranks = self.ranks
+        try:
+            self.work.wait()
+        except _strata.Error as error:
+            ranks._disagreed(f"rank {ranks.rank} of {ranks.size}: about to issue "
+                             f"{self.what[:300]}: the ranks could not agree on it: {error}")
+        raw = self.everyone.view(ranks.size, 5).numpy().tobytes()
+        digests = [raw[20 * r:20 * r + 16] for r in range(ranks.size)]
+        other = [r for r in range(ranks.size) if digests[r] != digests[0]]
+        if other:
+            self.abandon()
+            ranks._disagreed(
+                f"rank {ranks.rank} of {ranks.size}: the ranks issue different collectives at "
+                f"collective {self.number}: rank{'s' if len(other) > 1 else ''} "
+                f"{', '.join(map(str, other))} differ{'' if len(other) > 1 else 's'} from rank 0 "
+                f"(this rank: {self.what[:300]}); accepted: the same model on every rank, its "
+                "parameters used in the same order (the same graph); at stage 3 every rank runs "
+                "every forward, evaluation's too (a module's weights are gathered from every "
+                "rank)")
+        self.agreed = all(raw[20 * r + 16:20 * r + 20] == bytes(4) for r in range(ranks.size))
+
+    def abandon(self):
+        for work in (self.work, self.guarded):
+            if hasattr(work, "abandon"):  # strata's Gloo (a torch.distributed work ends alone)
+                work.abandon()
+
+
 class Ranks:
     """The job's ranks and one engine's collectives over them."""
 
@@ -287,8 +335,11 @@ class Ranks:
         self.overlap = False
         self._pending = []  # stage 3: (e, fp32 gradient, boundary) waiting for a full bucket
         self._pending_elements = 0
-        self._in_flight = None  # (work, entries, output) of the bucket being reduce-scattered
+        # (work, entries, output, agreement) of the bucket being reduce-scattered
+        self._in_flight = None
         self._collectives = 0  # issued so far (named when the ranks disagree)
+        self._agreements = []  # issued, not yet checked, in order (_Agreement)
+        self._broken = None  # the ranks disagreed: every later collective raises this
         self.reduce_scatters_in_backward = 0  # buckets reduce-scattered while backward ran
         # Where the gradients' and weights' collectives run (choose_collectives; until an engine
         # says otherwise, the job's Gloo over host memory).
@@ -316,34 +367,63 @@ class Ranks:
 
     def _agree(self, kind, entries):
         """Every rank is about to issue the same collective `kind` over the same parameters (see
-        the module's docstring); else every rank raises, naming the ranks that differ."""
-        self._agree_on(f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries))
+        the module's docstring); else every rank raises, naming the ranks that differ. Returns
+        the agreement, issued and not yet waited for (_Agreement): the collective is issued
+        right behind it, and the agreement is checked before its result is used (check()), so
+        that the digests' round trip is not added to every collective's."""
+        agreement = self._start_agreement(
+            f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries), True)
+        return agreement
 
-    def _agree_on(self, what, ok=True):
-        """Every rank is about to do `what` (see _agree); returns whether every rank is `ok`
-        (each rank says whether it is: a flag carried with the digest, in the same collective)."""
+    def _start_agreement(self, what, ok):
+        self._refuse_if_broken()
         self._collectives += 1
         mine = bytearray(hashlib.blake2b(what.encode(), digest_size=16).digest())
         mine += bytes(4) if ok else b"\xff" * 4  # (float32's bits: 0.0, or a NaN)
         everyone = torch.empty(self.size * 5)  # 20 bytes a rank, carried as float32's bits
         try:
-            self.job.all_gather(torch.frombuffer(mine, dtype=torch.float32), everyone)
+            work = self.job.all_gather(torch.frombuffer(mine, dtype=torch.float32), everyone,
+                                       async_op=True)
         except _strata.Error as error:
             raise _strata.Error(f"rank {self.rank} of {self.size}: about to issue {what[:300]}: "
                                 f"the ranks could not agree on it: {error}") from None
-        raw = everyone.view(self.size, 5).numpy().tobytes()
-        digests = [raw[20 * r:20 * r + 16] for r in range(self.size)]
-        other = [r for r in range(self.size) if digests[r] != digests[0]]
-        if other:
-            raise _strata.Error(
-                f"rank {self.rank} of {self.size}: the ranks issue different collectives at "
-                f"collective {self._collectives}: rank{'s' if len(other) > 1 else ''} "
-                f"{', '.join(map(str, other))} differ{'' if len(other) > 1 else 's'} from rank 0 "
-                f"(this rank: {what[:300]}); accepted: the same model on every rank, its "
-                "parameters used in the same order (the same graph); at stage 3 every rank runs "
-                "every forward, evaluation's too (a module's weights are gathered from every "
-                "rank)")
-        return all(raw[20 * r + 16:20 * r + 20] == bytes(4) for r in range(self.size))
+        agreement = _Agreement(self, self._collectives, what, work, everyone)
+        self._agreements.append(agreement)
+        return agreement
+
+    def _agree_on(self, what, ok=True):
+        """Every rank is about to do `what` (see _agree), checked now; returns whether every
+        rank is `ok` (each rank says whether it is: a flag carried with the digest, in the same
+        collective)."""
+        return self._start_agreement(what, ok).check()
+
+    def _check_agreements(self, upto):
+        """The agreements issued up to `upto` (the last one when None) are checked, in order."""
+        while self._agreements:
+            agreement = self._agreements[0]
+            if upto is not None and agreement.number > upto.number:
+                return
+            self._agreements.pop(0)
+            agreement.compare()
+
+    def _settle(self):
+        """Before a collective no digest guards (a few bytes: norms, flags): the agreements
+        issued so far are checked, so that ranks that disagree are named, not paired wrongly."""
+        self._refuse_if_broken()
+        self._check_agreements(None)
+
+    def _refuse_if_broken(self):
+        if self._broken is not None:
+            raise _strata.Error(self._broken)
+
+    def _disagreed(self, message):
+        """The ranks disagree: what is in flight is given up (it may never complete: its tensors
+        are kept until it does) and every later collective refused with the same error."""
+        self._broken = message
+        for agreement in self._agreements:
+            agreement.abandon()
+        self._agreements.clear()
+        raise _strata.Error(message)
 
     # --- shards ---------------------------------------------------------------------------------
 
@@ -399,13 +479,13 @@ class Ranks:
 
     def _reduce_scatter(self, bucket, async_op):
         """Starts the reduce-scatter of `bucket` ((e, its whole gradient in any floating dtype, or
-        None, ...)), summed in fp32: returns (work, output), output holding this rank's shards one
-        after another."""
+        None, ...)), summed in fp32: returns (work, output, its agreement), output holding this
+        rank's shards one after another (waited for, the agreement checked, unless `async_op`)."""
         # Agreed on the job's first communicator, where every collective's digest goes (one order:
         # a rank that differs is named at once, whichever communicator its collective is for);
         # reduced on the second: a bucket in flight never holds up the weights' all-gathers on
         # the first (overlap_comm).
-        self._agree("reduce-scatter", [e for e, *_ in bucket])
+        agreement = self._agree("reduce-scatter", [e for e, *_ in bucket])
         shards = [e.shard for e, *_ in bucket]
         total = sum(shards)
         send = self.collectives.zeros(self.size, total)
@@ -419,8 +499,11 @@ class Ranks:
                     send[whole, offset:offset + rest] = flat[whole * shard:]
             offset += shard
         out = self.collectives.empty(total)
-        work = self.collectives.reduce_scatter(send.view(-1), out, async_op)
-        return work, out
+        work = agreement.guarded = self.collectives.reduce_scatter(send.view(-1), out, True)
+        if not async_op:
+            agreement.check()
+            work.wait()
+        return work, out, agreement
 
     @staticmethod
     def _split(bucket, out, scale):
@@ -435,7 +518,7 @@ class Ranks:
         gradient (gradient_of(e): a CPU tensor, or None for none on this rank) is
         reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
         None where no rank had a gradient}."""
-        self._agree("the gradients' reduction", entries)
+        self._agree("the gradients' reduction", entries).check()
         grads = [gradient_of(e) for e in entries]
         has = torch.tensor([0.0 if g is None else 1.0 for g in grads])
         self.job.all_reduce(has)
@@ -447,7 +530,7 @@ class Ranks:
             else:
                 result[e] = None
         for bucket in self._buckets(items, self.reduce_bucket):
-            _, out = self._reduce_scatter(bucket, async_op=False)
+            _, out, _ = self._reduce_scatter(bucket, async_op=False)
             for (e, _), shard in self._split(bucket, out, 1.0 / self.size):
                 result[e] = shard.to("cpu")  # (the host optimizer's, from a GPU's buffer)
         return result
@@ -473,15 +556,16 @@ class Ranks:
     def _flush(self, wait):
         self._wait_in_flight()
         bucket, self._pending, self._pending_elements = self._pending, [], 0
-        work, out = self._reduce_scatter(bucket, async_op=True)
-        self._in_flight = (work, bucket, out)
+        work, out, agreement = self._reduce_scatter(bucket, async_op=True)
+        self._in_flight = (work, bucket, out, agreement)
         if wait:
             self._wait_in_flight()
 
     def _wait_in_flight(self):
         if self._in_flight is None:
             return
-        (work, bucket, out), self._in_flight = self._in_flight, None
+        (work, bucket, out, agreement), self._in_flight = self._in_flight, None
+        agreement.check()
         work.wait()
         for (e, _, boundary), shard in self._split(bucket, out, 1.0 / self.size):
             self._apply(e, shard, boundary)
@@ -493,6 +577,7 @@ class Ranks:
         self._pending, self._pending_elements = [], 0
         if in_flight is not None:
             try:
+                in_flight[3].check()
                 in_flight[0].wait()
             except (_strata.Error, RuntimeError):  # (strata's Gloo; torch.distributed's)
                 pass
@@ -514,9 +599,10 @@ class Ranks:
         started = []
         for dtype, group in by_dtype.items():
             for bucket in self._buckets(group, self.allgather_bucket):
-                self._agree(f"all-gather ({dtype}; "
-                            f"{'with' if torch.is_grad_enabled() else 'without'} autograd)",
-                            [e for e, *_ in bucket])
+                agreement = self._agree(
+                    f"all-gather ({dtype}; "
+                    f"{'with' if torch.is_grad_enabled() else 'without'} autograd)",
+                    [e for e, *_ in bucket])
                 total = sum(e.shard for e, *_ in bucket)
                 send = self.collectives.empty(total, dtype=dtype)
                 offset = 0
@@ -524,14 +610,15 @@ class Ranks:
                     send[offset:offset + e.shard] = shard
                     offset += e.shard
                 whole = self.collectives.empty(self.size, total, dtype=dtype)
-                work = self.collectives.all_gather(send, whole.view(-1))
-                started.append((work, [(e, sink) for e, _, sink in bucket], whole))
+                work = agreement.guarded = self.collectives.all_gather(send, whole.view(-1))
+                started.append((work, [(e, sink) for e, _, sink in bucket], whole, agreement))
         return started
 
     def finish_gather(self, started):
         """Waits for start_gather's collectives; each sink gets its parameter whole (a tensor of
         its own, not a view of the bucket's buffer)."""
-        for work, bucket, whole in started:
+        for work, bucket, whole, agreement in started:
+            agreement.check()
             work.wait()
             offset = 0
             for e, sink in bucket:
@@ -544,8 +631,15 @@ class Ranks:
         of the same step: else every rank raises, naming the ranks that differ, as _agree)."""
         return self._agree_on(what, ok)
 
+    def drop_gather(self, started):
+        """start_gather's collectives waited for, their sinks not called (a prefetch unused)."""
+        for work, _, _, agreement in started:
+            agreement.check()
+            work.wait()
+
     def failed_ranks(self, ok):
         """The ranks that are not `ok` (each rank says whether it is)."""
+        self._settle()
         flags = torch.zeros(self.size)
         flags[self.rank] = 0.0 if ok else 1.0
         self.job.all_reduce(flags)
@@ -553,6 +647,7 @@ class Ranks:
 
     def broadcast_text(self, text, limit=1024):
         """Rank 0's `text` (at most `limit` bytes of UTF-8), on every rank."""
+        self._settle()
         data = bytearray(limit + 4)
         if self.rank == 0:
             raw = text.encode()[:limit]
@@ -565,6 +660,7 @@ class Ranks:
 
     def all_reduce_sum(self, values):
         """The float sums over the ranks of `values` (a list of floats)."""
+        self._settle()
         t = torch.tensor(values, dtype=torch.float32)
         self.job.all_reduce(t)
         return t.tolist()
