@@ -46,6 +46,7 @@ bench: build
 	    --json build/release/vs_deepspeed.json --png build/release/vs_deepspeed.png
 	PYTHONPATH=build/release/python $(PYTHON) bench/checkpoint.py --dir $(SCRATCH) --json build/release/checkpoint.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/train_ranks.py --json build/release/train_ranks.json
+	PYTHONPATH=build/release/python $(PYTHON) bench/plan_vs_ranks.py --json build/release/plan_vs_ranks.json
 	PYTHONPATH=build/release/python $(PYTHON) bench/bigger_than_ram.py --dir $(SCRATCH)/bigger_than_ram \
 	    --plan build/release/tools/strata_plan/strata_plan --deepspeed --json build/release/bigger_than_ram.json
 

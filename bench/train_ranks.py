@@ -32,10 +32,12 @@ sys.path.insert(0, {examples!r})
 import strata
 from gpt import GPT, loss_of
 steps, batch, stage, overlap, bucket = {steps}, {batch}, {stage}, {overlap}, {bucket}
+beside = {beside}
 world = int(os.environ.get("WORLD_SIZE", 1))
 rank = int(os.environ.get("RANK", 0))
 torch.manual_seed(0)
 model = GPT(6, 256, 8, 128)
+plain = GPT(6, 256, 8, 128) if beside else None  # plain torch's, on the same batch
 config = {{"train_batch_size": batch,
           "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
           "zero_optimization": {{"stage": stage, "offload_optimizer": {{"device": "cpu"}},
@@ -50,21 +52,70 @@ x = torch.randint(0, 256, (batch, 128), generator=gen)
 y = torch.roll(x, -1, 1)
 per = batch // world
 x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
-times = []
+job = engine.ranks.job if beside and engine.ranks is not None else None
+if job is not None:  # the link between the ranks: a 16-byte all-gather, and a bucket's
+    tiny, tiny_all = torch.zeros(4), torch.zeros(4 * world)
+    shard, whole = torch.zeros(bucket // world), torch.zeros(bucket // world * world)
+    part = torch.zeros(bucket // world)
+    # A module's compute and its weights' gather beside it, as the step reaches its collectives:
+    # the MLP's first matrix on this rank's tokens, the gather of a shard of it.
+    tokens, fc = torch.randn(per * 128, 256), torch.randn(256, 1024)
+    fc_shard, fc_whole = torch.zeros(256 * 1024 // world), torch.zeros(256 * 1024)
+
+
+def rendezvous():  # a 16-byte all-gather reached from a module's compute, a gather beside it
+    work = job.all_gather(fc_shard, fc_whole, async_op=True)
+    tokens @ fc
+    work.wait()
+    return timed(lambda: job.all_gather(tiny, tiny_all))
+
+
+def timed(f):
+    start = time.perf_counter()
+    f()
+    return time.perf_counter() - start
+
+
+times, computes, link = [], [], []
 for i in range(steps + 2):
+    if beside:  # plain torch's forward and backward, and the link, just before the engine's step
+        compute = timed(lambda: (loss_of(plain(x), y).backward(),
+                                 plain.zero_grad(set_to_none=True)))
+        if job is not None:
+            # The link's own (the best of several one after another: the ranks both running)
+            # and a rendezvous's in the step's pattern (the mean: what the step pays).
+            latency = min(timed(lambda: job.all_gather(tiny, tiny_all)) for _ in range(9))
+            met = statistics.mean(rendezvous() for _ in range(16))
+            link.append((latency, met,
+                         min(timed(lambda: job.all_gather(shard, whole)) for _ in range(3)),
+                         min(timed(lambda: job.reduce_scatter(whole, part, side=True))
+                             for _ in range(3))))
+        if i >= 2:
+            computes.append(compute)
     start = time.perf_counter()
     engine.backward(loss_of(engine(x), y))
     engine.step()
     if i >= 2:
         times.append(time.perf_counter() - start)
-print(json.dumps({{"rank": rank, "step_s": statistics.median(times)}}))
+print(json.dumps({{"rank": rank, "step_s": statistics.median(times),
+                  "compute_s": statistics.median(computes) if beside else None,
+                  "link": [statistics.median(c) for c in zip(*link[2:])] or None}}))
 """
 
 
-def run(ranks, args):
+def run(ranks, args, beside=False):
+    """The job's step on `ranks` processes: its slowest rank's median. With `beside`, each rank
+    also times, just before each of the engine's steps, plain torch's forward and backward of the
+    same model on its share of the batch, and (across ranks) on the job's Gloo a 16-byte
+    all-gather (the best of 9 one after another), the same reached from a module's compute with
+    a gather beside it (the mean of 16: a rendezvous as the step's collectives are reached), an
+    all-gather of a bucket (--bucket elements of fp32, whole) and a reduce-scatter of one (the
+    best of 3 each);
+    returned: (step, that compute, (those four, seconds) or None), each the slowest rank's median
+    (bench/plan_vs_ranks.py: the ranks' "GPU" and link under the load the step ran under)."""
     script = RANK.format(examples=os.path.join(HERE, "..", "examples"), steps=args.steps,
                          batch=args.batch, stage=args.stage, overlap=args.overlap_comm == "on",
-                         bucket=args.bucket)
+                         bucket=args.bucket, beside=beside)
     base = {k: v for k, v in os.environ.items()
             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -77,17 +128,23 @@ def run(ranks, args):
                        WORLD_SIZE=str(ranks), LOCAL_RANK=str(r))
         procs.append(subprocess.Popen([sys.executable, "-c", script], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    step = 0.0
+    step = compute = 0.0
+    link = None
     for p in procs:
         out, err = p.communicate(timeout=900)
         if p.returncode != 0:
             sys.exit(f"train_ranks: a rank failed: {err[-2000:]}")
-        step = max(step, json.loads(out.strip().splitlines()[-1])["step_s"])
-    return step  # the job's step is its slowest rank's
+        result = json.loads(out.strip().splitlines()[-1])
+        step = max(step, result["step_s"])  # the job's step is its slowest rank's
+        compute = max(compute, result["compute_s"] or 0.0)
+        if result["link"]:
+            link = [max(a, b) for a, b in zip(link or result["link"], result["link"])]
+    return (step, compute, link) if beside else step
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def job_arguments(parser, name):
+    """The job's flags (and --json, --rounds) on `parser`; parse_args checked for `name`'s
+    messages (bench/plan_vs_ranks.py runs the same job)."""
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
@@ -100,8 +157,14 @@ def main():
                         help="reduce_bucket_size and allgather_bucket_size, elements")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.ranks < 2 or args.batch % args.ranks:
-        sys.exit("train_ranks: --rounds and --steps at least 1, --ranks at least 2, and --batch "
+        sys.exit(f"{name}: --rounds and --steps at least 1, --ranks at least 2, and --batch "
                  "a multiple of --ranks")
+    return args
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    args = job_arguments(parser, "train_ranks")
     rows = []
     for round_index in range(args.rounds):
         one = run(1, args)
