@@ -24,8 +24,8 @@ the planner is given is this machine's, made in the same run:
     collectives are reached: the ranks' skew and wake-ups on this VM; "sync_us"), and the bus
     bandwidth of an all-gather and a reduce-scatter of a bucket (the best of three).
 Each round runs the job on one process and on --ranks, each timing its compute (and link) beside
-its steps; then plans the job on the round's description. Prints predicted beside measured and their ratio
-(measured / predicted), per round and the median; the one-process step is planned too (the
+its steps; then plans the job on the round's description. Prints predicted beside measured and
+their ratio (measured / predicted), per round and the median; the one-process step is planned too (the
 precedent: the planner's single-process predictions beside measured steps in
 docs/performance.md), with the whole batch on its one "GPU".
 """

@@ -39,8 +39,8 @@ Exchange StepCollectives::Make(Exchange::Kind kind, double whole_bytes, int coun
   x.kind = kind;
   x.count = count;
   x.bytes = whole_bytes * (ranks_ - 1) / ranks_;
-  x.seconds = count * latency_s_ + x.bytes / bus_bytes_per_s_;
-  x.agree_s = count * rendezvous_s_;
+  // Each: its digest's all-gather just before it, then the ranks meeting at it.
+  x.seconds = count * (latency_s_ + rendezvous_s_) + x.bytes / bus_bytes_per_s_;
   x.ahead = ahead;
   return x;
 }

@@ -26,16 +26,19 @@
 //     step, Ψs's gradients reduce-scattered, the trainer waiting;
 //   after the step: each rank's new weights of the parameters not partitioned (every one at stages
 //     1 and 2, Ψs at stage 3) all-gathered, the trainer waiting;
-//   the ranks agree on each collective before it is issued (a 16-byte all-gather on the trainer's
-//     thread, waited for even where the collective runs ahead: a rendezvous reached from compute,
-//     Hardware::RendezvousS), and at the step on whether the step staged during backward stands
-//     (a rendezvous of its own, at every stage); the reduction at the step first all-reduces a
-//     flag a parameter (its latency counted, its bytes not).
+//   each collective follows its ranks' digest exchange (a 20-byte all-gather issued right before
+//     it, checked before its result is used: one more latency on the link, none on the trainer's
+//     thread), and the ranks meet at it (each collective pays Hardware::RendezvousS, its latency
+//     and the link's sync_us, where they reach it from computing); at the step the trainer waits
+//     for the ranks to agree that the step staged during backward stands (a rendezvous of its
+//     own, at every stage); the reduction at the step first all-reduces a flag a parameter (its
+//     latency counted, its bytes not).
 // Not counted: gradient clipping's norm (one float all-reduced), the padding of each tensor's last
 // shard (fewer than W elements), the collectives of the first step (it records the order the
 // later steps prefetch in).
-// Time: each collective's latency plus its bytes on the wire over the bus bandwidth
-// (Hardware::CollectiveLatencyS, CollectiveBusBytesPerS). One rank: no collectives.
+// Time: each collective's digest's latency and its rendezvous plus its bytes on the wire over the
+// bus bandwidth (Hardware::CollectiveLatencyS, RendezvousS, CollectiveBusBytesPerS). One rank: no
+// collectives.
 //
 // Thread safety: StepCollectives is not thread-safe (one per step being modelled: it keeps the
 // gradient bucket being filled); SumCollectives is a pure function.

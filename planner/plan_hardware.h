@@ -24,13 +24,12 @@
 // bandwidth (NCCL's convention, as nccl-tests and bench/comm print it: (n - 1) / n of the buffer
 // each rank moves, over the time); latency_us, each collective's fixed cost; sync_us (default 0),
 // what a rendezvous of the ranks costs beyond it where they reach it from computing (the skew of
-// their compute, a waiting process's wake-up), which strata pays once a collective (the ranks
-// agree on each before it is issued: planner/plan_comm.h). Without gpu_link, a
-// node of several GPUs is taken to connect them over PCIe (kind "pcie", bus_gbps the smaller of
-// pcie's two directions, latency_us 20) and `link_assumed` says so. nodes (default 1): the
-// description is of one node, and that many alike train together; with more than one, network
-// (required then) is what joins them: gbps, each node's network bandwidth (all its NICs), and
-// latency_us, what it adds to each collective.
+// their compute, a waiting process's wake-up), which strata pays once a collective
+// (planner/plan_comm.h). Without gpu_link, a node of several GPUs is taken to connect them over
+// PCIe (kind "pcie", bus_gbps the smaller of pcie's two directions, latency_us 20) and
+// `link_assumed` says so. nodes (default 1): the description is of one node, and that many alike
+// train together; with more than one, network (required then) is what joins them: gbps, each node's
+// network bandwidth (all its NICs), and latency_us, what it adds to each collective.
 // GB are 10^9 bytes, GiB 2^30, TB 10^12. A missing key, an unknown one (named with the closest
 // known), or a value of the wrong type or out of range is InvalidArgument "hardware: <key>: ...".
 //

@@ -43,9 +43,9 @@
 //    computing, and the group computes once they end; its reduce-scatters are issued once it ends,
 //    each after the last one issued ends (one in flight), and the trainer waits for them unless
 //    they are ahead (overlap_comm); the step's end waits for every one. The trainer spends each
-//    one's `agree_s` as it issues it. With `comm_shares_cores` (ranks as processes on one
-//    machine's cores, their collectives over its TCP stack) the collectives' lane is the GPU's:
-//    they never overlap compute;
+//    one's `agree_s` (the ranks agreeing) as it issues it. With `comm_shares_cores` (ranks as
+//    processes on one machine's cores, their collectives over its TCP stack) the collectives'
+//    lane is the GPU's: they never overlap compute;
 //  - a host copy released dirty that Belady's rule would evict before its next use is written
 //    back to NVMe at once and stays, clean (the Runtime's early write-back), on at most
 //    workers - 1 threads at once (1 with a single worker); the other jobs, which the Runtime runs

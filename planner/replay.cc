@@ -301,8 +301,9 @@ class Replay {
   // --- The collectives between the ranks, on their lane.
 
   // The group's gathers before it computes: each issued as its acquire began, or ahead when the
-  // trainer's previous group began computing (a prefetch); the trainer agrees on each as it issues
-  // it. `arrival` becomes when they are all there too.
+  // trainer's previous group began computing (a prefetch); the trainer first waits for the ranks'
+  // agreement where one comes with it (Exchange::agree_s). `arrival` becomes when they are all
+  // there too.
   void Gather(const Group& g, Arrival* arrival) {
     const PartitionId first = g.accesses.empty() ? 0 : g.accesses.front().id;
     for (const Exchange& x : g.before) {
@@ -330,8 +331,8 @@ class Replay {
     }
   }
 
-  // The ranks agree on a collective before it is issued: the trainer's time, on its lane (where
-  // the collectives share the cores, the collective it agrees on runs after it).
+  // The trainer waits for the ranks to agree (Exchange::agree_s): its time, on its lane (where
+  // the collectives share the cores, what comes after runs after it).
   void Agree(const Exchange& x) {
     clock_.Hold(kGpu, now_, x.agree_s);
     clock_.Wait(kComm, x.agree_s);

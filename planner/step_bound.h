@@ -52,7 +52,7 @@ struct Exchange {
   double seconds = 0;  // on the collectives' lane, every one's latency included
   double bytes = 0;    // this rank's on the wire
   int count = 1;       // collectives
-  double agree_s = 0;  // the trainer's, as it issues them: the ranks agreeing on each first
+  double agree_s = 0;  // the trainer's, as it issues them: the ranks agreeing (kAgreement)
   // Before a group: issued when the trainer's previous group began (a gather prefetched), else as
   // the group's acquire begins; after it: the trainer goes on (overlap_comm), else it waits.
   bool ahead = false;

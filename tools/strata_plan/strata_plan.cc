@@ -257,7 +257,7 @@ void PrintCollectives(const Hardware& hw, const TimePlan& time) {
   std::printf(
       "collectives across %d ranks, each rank's a step: %s on the wire (all-gathers %s, "
       "reduce-scatters %s), %d collectives, %s on the links (the trainer waited %s on them, "
-      "%s of it agreeing on each)\n",
+      "%s of it the ranks agreeing at the step)\n",
       hw.ranks(), Gb(c.bytes()).c_str(), Gb(c.gathered_bytes).c_str(),
       Gb(c.scattered_bytes).c_str(), c.gathers + c.scatters, Seconds(c.seconds).c_str(),
       Seconds(p.waits_s[kComm]).c_str(), Seconds(c.agree_s).c_str());
