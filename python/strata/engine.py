@@ -416,7 +416,13 @@ class Engine:
         settings = _RuntimeSettings(config)
         for message in settings.warnings:
             self._warn(message)
-        self.host_minimum = host_minimum(config, model)  # refused here when below it
+        setup_error = None  # across ranks, named on every rank (_check_ranks)
+        try:
+            self.host_minimum = host_minimum(config, model)  # refused here when below it
+        except ValueError as error:
+            if ranks is None:
+                raise
+            setup_error, self.host_minimum = str(error), 0
         _leave_room_beside_read_ahead(settings, self.host_minimum)
         self.stage = settings.stage
         self._param_tier = settings.param_tier
@@ -429,7 +435,7 @@ class Engine:
         # The bucket keys, checked in one process too.
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
         if ranks is not None:
-            setups = self._check_ranks(runtime_blocks, settings)
+            setups = self._check_ranks(runtime_blocks, settings, setup_error)
         elif settings.cuda:
             settings.cuda_device()  # a GPU beyond those the process sees is named
         if ranks is None and process_group is not None and process_group.size() > 1:
@@ -467,6 +473,8 @@ class Engine:
             collectives, notice = ranks_module.choose_collectives(
                 ranks, self.device, setups, process_group,
                 runtime_blocks.get("strata", {}).get("comm_timeout_s", 1800))
+            # A group handed on some ranks only would send their collectives elsewhere.
+            ranks.agree_on_text(f"the gradients' and weights' collectives on {collectives.name}")
             ranks.use(collectives, self.device)
             if notice is not None:
                 self._warn(notice)
@@ -654,18 +662,12 @@ class Engine:
         if message is not None:
             self._warn(message)
 
-    def _check_ranks(self, runtime, settings):
+    def _check_ranks(self, runtime, settings, error):
         """What the engine does across ranks (strata/ranks.py), and what it refuses; the ranks'
-        set-ups agreed on first (every rank's, returned: ranks_module.agree_on_setup)."""
-        mine = {"stage": str(self.stage), "dtype": str(self.dtype).replace("torch.", ""),
-                "device": "cuda" if settings.cuda else "emulated"}
-        if settings.cuda:
-            mine["visible GPUs"] = str(torch.cuda.device_count())
-            try:
-                mine["gpu"] = ranks_module.gpu_identity(settings.cuda_device())
-            except (ValueError, RuntimeError) as error:
-                mine["error"] = str(error)
-        setups = ranks_module.agree_on_setup(self.ranks, mine)
+        set-ups agreed on first (every rank's, returned: ranks_module.agree_on_setup), `error`
+        (what stops this rank, or None) named on every rank."""
+        setups = ranks_module.agree_on_setup(
+            self.ranks, ranks_module.setup_of(settings, self.dtype, error))
         if self.stage not in (1, 2, 3):
             raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
                              f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
@@ -1137,7 +1139,7 @@ class Engine:
         if self.ranks is not None:  # every rank's shard (every rank must call this)
             whole = []
             self.ranks.gather([(e, master, whole.append)])
-            master = whole[0].clone()
+            master = whole[0].to("cpu", copy=True)  # (gathered to the GPU the model is on)
         return master.to(self.dtype).view(e.shape)
 
     def _whole_in_state_dict(self, module, state_dict, prefix, local_metadata):

@@ -162,8 +162,8 @@ class Gradients:
         def gradient_of(e):
             if e.host_grad is not None:
                 return e.host_grad
-            if e.param.grad is not None:
-                return e.param.grad.detach().reshape(-1).to("cpu")
+            if e.param.grad is not None:  # (where it is: a GPU's goes to NCCL as it is)
+                return e.param.grad.detach().reshape(-1)
             return None
 
         # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.

@@ -156,7 +156,7 @@ class _OnGroup(Collectives):
         self._dist = dist
         self.group = group
         self.made = made  # strata made it (torch.distributed's default group)
-        super().__init__(f"torch.distributed's {_backend_of(group)} process group"
+        super().__init__(f"torch.distributed's {_backend_for(group, device)} process group"
                          f"{' (made by strata)' if made else ''} over "
                          f"{'pinned host' if pinned else device.type} buffers", device, pinned)
 
@@ -170,6 +170,17 @@ class _OnGroup(Collectives):
         return self._dist.all_gather_into_tensor(whole, send, group=self.group, async_op=True)
 
 
+def _backend_for(group, device):
+    """The backend `group` runs `device`'s tensors on ("cpu:gloo,cuda:nccl" names one a device
+    type); its whole name where it names one backend."""
+    backend = _backend_of(group)
+    for part in backend.split(","):
+        kind, _, name = part.partition(":")
+        if name and kind == device.type:
+            return name
+    return backend
+
+
 def _backend_of(group):
     import torch.distributed as dist
     try:
@@ -178,14 +189,36 @@ def _backend_of(group):
         return type(group).__name__
 
 
+def setup_of(settings, dtype, error=None):
+    """This rank's set-up as agree_on_setup exchanges it: `settings` (runtime_settings.
+    RuntimeSettings), the training dtype, and an `error` that stops this rank (or None)."""
+    mine = {"stage": str(settings.stage), "dtype": str(dtype).replace("torch.", ""),
+            "device": "cuda" if settings.cuda else "emulated"}
+    if settings.cuda:
+        mine["visible GPUs"] = str(torch.cuda.device_count())
+        try:
+            mine["gpu"] = gpu_identity(settings.cuda_device())
+        except (ValueError, RuntimeError) as raised:
+            error = error or str(raised)
+    if error:
+        mine["error"] = error[:_SETUP_BYTES // 2]
+    return mine
+
+
+_SETUP_BYTES = 4096  # a rank's set-up, as JSON, at most
+
+
 def agree_on_setup(ranks, mine):
     """Every rank's set-up (`mine`: a dict of short texts; "error": this rank cannot go on, why),
     exchanged before anything else is, so that ranks whose device, visible GPU count, dtype or
     stage differ, or a rank that cannot go on, are named on every rank at once, each raising the
     same ValueError (never one rank raising while the others wait in a collective). Returns every
     rank's dict."""
-    limit = 1024
-    raw = json.dumps(mine, sort_keys=True).encode()[:limit]
+    limit = _SETUP_BYTES
+    raw = json.dumps(mine, sort_keys=True).encode()
+    if len(raw) > limit:  # (a rank's texts, cut to fit)
+        mine = {k: v[:limit // (2 * len(mine))] for k, v in mine.items()}
+        raw = json.dumps(mine, sort_keys=True).encode()
     data = bytearray(limit)
     data[:len(raw)] = raw
     everyone = torch.empty(ranks.size * limit // 4)  # the bytes, as float32's bits
@@ -226,6 +259,10 @@ def choose_collectives(ranks, device, setups, process_group=None, timeout_s=1800
             raise ValueError(f"strata.initialize: process_group: its backend {backend!r} runs "
                              "neither on the GPU's buffers nor on host ones; accepted: a group "
                              "with NCCL (or Gloo, the GPU's buffers staged through host memory)")
+        if device.type != "cuda" and "gloo" not in backend:
+            raise ValueError(f"strata.initialize: process_group: its backend {backend!r} does "
+                             "not run on host tensors, where the emulated device tier's are; "
+                             "accepted there: a group with Gloo")
         return _OnGroup(process_group, torch.device("cpu"), pinned=device.type == "cuda"), None
     if device.type != "cuda":
         return ranks.collectives, None
@@ -625,6 +662,11 @@ class Ranks:
                 piece = whole[:, offset:offset + e.shard].reshape(-1)[:e.numel]
                 sink(piece.to(self.device, non_blocking=True))  # (staged through the host)
                 offset += e.shard
+
+    def agree_on_text(self, what):
+        """Every rank says `what`: the same on every rank, else every rank raises, naming the
+        ranks that differ (as a collective's digest)."""
+        self._agree_on(what)
 
     def agree_all_ok(self, what, ok):
         """Whether every rank is `ok`, once every rank is known to be at `what` (the same point

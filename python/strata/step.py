@@ -576,7 +576,21 @@ class OptimizerStep:
     def _commit(self, norm, staged):
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
         the step counts advance and the loss scale follows (an overflow skips the step)."""
-        r = self.runtime.commit_optimizer_step()
+        try:
+            r = self.runtime.commit_optimizer_step()
+        except _strata.Error:
+            if self.ranks is not None:  # every rank learns of it before its weights' gathers
+                self.ranks.failed_ranks(False)
+            raise
+        if self.ranks is not None:
+            failed = self.ranks.failed_ranks(True)
+            if failed:
+                raise _strata.Error(
+                    f"rank {self.ranks.rank} of {self.ranks.size}: the optimizer step committed "
+                    f"here but failed on rank{'s' if len(failed) > 1 else ''} "
+                    f"{', '.join(map(str, failed))} (its error is that rank's): the ranks' "
+                    "optimizer states now differ; accepted: load the last checkpoint on every "
+                    "rank")
         if r["overflow"]:  # nothing was changed
             self.end_staged(committed=False)
             self.scaler.update(overflow=True)

@@ -108,6 +108,9 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         self.settings = RuntimeSettings(parsed)
         self.enabled = enabled and self.settings.stage == 3
         self.dtype = _DTYPE_NAMES[parsed.dtype]
+        if self.ranks is not None:  # a rank that cannot go on is named on every rank
+            ranks_module.agree_on_setup(self.ranks,
+                                        ranks_module.setup_of(self.settings, self.dtype))
         self.runtime = None
         self.next_id = 0  # partition ids: a parameter's even, its gradient's the odd one after
         self.warnings = list(self.settings.warnings)

@@ -287,9 +287,19 @@ config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
           "zero_optimization": {"stage": 2}, "strata": strata_block}
 if sys.argv[1] == "dtype" and rank == 1:
     config["bf16"] = {"enabled": True}
-if sys.argv[1] == "gpu":  # this machine's GPUs (none on CI): LOCAL_RANK's is beyond them
+if sys.argv[1].startswith("gpu"):  # this machine's GPUs (none on CI): LOCAL_RANK's is beyond
     strata_block["device"] = "cuda"
-strata.initialize(model=torch.nn.Linear(4, 4), config=config)
+if sys.argv[1] == "budget" and rank == 1:  # below what the run takes, on this rank only
+    strata_block["host_budget_bytes"] = 4096
+group = None
+if sys.argv[1] == "group":  # the trainer's group, handed on rank 0 only
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    group = dist.group.WORLD if rank == 0 else None
+if sys.argv[1] == "gpu_init":  # strata.init makes a Runtime on the GPU first
+    with strata.init(config=config):
+        pass
+strata.initialize(model=torch.nn.Linear(4, 4), config=config, process_group=group)
 """
 
 
@@ -298,9 +308,12 @@ strata.initialize(model=torch.nn.Linear(4, 4), config=config)
               "same config on every rank"),
     ("gpu", "across ranks: rank 0: strata.device \"cuda\": LOCAL_RANK 0 names GPU 0, but this "
             "process sees 0 GPUs"),
+    ("gpu_init", "across ranks: rank 0: strata.device \"cuda\": LOCAL_RANK 0 names GPU 0"),
+    ("budget", "across ranks: rank 1: "),
+    ("group", "rank 1 differs from rank 0 (this rank: the gradients' and weights' collectives on"),
 ])
 def test_ranks_whose_set_ups_differ_or_cannot_go_on_are_named_on_every_rank(case, message):
-    if case == "gpu" and torch.cuda.is_available():
+    if case.startswith("gpu") and torch.cuda.is_available():
         pytest.skip("this machine has a GPU for LOCAL_RANK 0")
     start = time.monotonic()
     procs = start_ranks(2, SETUP, (case,))
@@ -308,13 +321,30 @@ def test_ranks_whose_set_ups_differ_or_cannot_go_on_are_named_on_every_rank(case
         _, err = p.communicate(timeout=120)
         assert p.returncode != 0
         assert message in err, err[-2000:]
-        if case == "gpu":  # each rank's reason, on every rank
+        if case.startswith("gpu"):  # each rank's reason, on every rank
             assert "rank 1: strata.device \"cuda\": LOCAL_RANK 1 names GPU 1" in err, err[-2000:]
+        if case == "budget":
+            assert "strata.host_budget_bytes" in err, err[-2000:]
     assert time.monotonic() - start < 50  # named at once, not at the timeout (60 s)
 
 
 class _Job:
     rank, world_size, local_rank = 1, 2, 1
+
+
+def test_a_long_reason_in_a_rank_s_set_up_is_cut_to_fit_not_garbled():
+    from strata import ranks as ranks_module
+
+    class Alone:  # a job of one rank: the exchange hands back this rank's own bytes
+        rank, world_size, local_rank = 0, 1, 0
+
+        def all_gather(self, send, out, async_op=False):
+            out.copy_(send)
+
+    ranks = ranks_module.Ranks(Alone())
+    with pytest.raises(ValueError, match="across ranks: rank 0: CUDA_VISIBLE_DEVICES GPU-0"):
+        ranks_module.agree_on_setup(ranks, {"stage": "3", "error": "CUDA_VISIBLE_DEVICES " +
+                                            ",".join(f"GPU-{i}" * 20 for i in range(50))})
 
 
 class _Group:
@@ -360,6 +390,14 @@ def test_the_collectives_are_chosen_by_the_device_the_gpus_and_the_group_handed(
     chosen, notice = ranks_module.choose_collectives(
         ranks, gpu, [{"gpu": "node/GPU-a"}, {"gpu": "node/GPU-b"}])
     assert chosen.pinned and "this torch has no NCCL" in notice
+    # A group made for both devices takes each one's backend; one without Gloo is refused on
+    # the emulated tier, whose buffers are the host's.
+    both, only_nccl = _Group(), _Group()
+    backends.update({both: "cpu:gloo,cuda:nccl", only_nccl: "nccl"})
+    chosen, _ = ranks_module.choose_collectives(ranks, gpu, [{}, {}], both)
+    assert chosen.name == "torch.distributed's nccl process group over cuda buffers"
+    with pytest.raises(ValueError, match="its backend 'nccl' does not run on host tensors"):
+        ranks_module.choose_collectives(ranks, cpu, [{}, {}], only_nccl)
     # A default group without NCCL on a GPU is refused by name (strata does not make a second).
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -414,6 +452,72 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
     assert outs[0] == outs[1], outs  # the same steps skipped, scale and weights on both
     assert outs[0]["skipped"] == 1, outs
     assert outs[0]["staged"] == [True, True, False, True], outs
+
+
+INJECT = r"""
+import json, os, sys, torch
+import strata
+from strata import _strata
+rank = int(os.environ["RANK"])
+where, stage = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+
+
+class Failing:  # the Runtime, but `where` fails on rank 1 at step 1 (staging: in backward)
+    def __init__(self, runtime):
+        self.__dict__["runtime"] = runtime
+
+    def __getattr__(self, name):
+        value = getattr(self.runtime, name)
+        if name == where and rank == 1 and engine.global_steps == 1 and \
+                (where != "stage_optimizer_step" or engine._state.in_backward):
+            def fail(*args, **kwargs):
+                raise _strata.Error(f"injected: {name} failed")
+            return fail
+        return value
+
+
+engine._step.runtime = Failing(engine._step.runtime)
+gen = torch.Generator().manual_seed(1)
+staged = []
+for step in range(3):
+    x = torch.randn(4, 16, generator=gen)[2 * rank:2 * rank + 2]
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    staged.append(bool(engine.last_step_stats["optimizer"].get("staged")))
+state = engine.module_state_dict()
+print(json.dumps({"staged": staged, "redone": engine.redone_steps,
+                  "sum": sum(v.double().sum().item() for v in state.values())}))
+"""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_staging_that_fails_on_one_rank_makes_every_rank_take_the_step_anew(stage):
+    procs = start_ranks(2, INJECT, ("stage_optimizer_step", stage))
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[0]["staged"] == outs[1]["staged"] == [True, False, True], outs
+    assert outs[0]["sum"] == outs[1]["sum"], outs  # the same weights on both ranks
+
+
+def test_a_commit_that_fails_on_one_rank_is_named_on_every_rank_at_once():
+    start = time.monotonic()
+    procs = start_ranks(2, INJECT, ("commit_optimizer_step", 2))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert "injected: commit_optimizer_step failed" in errs[1], errs[1][-2000:]
+    assert "rank 0 of 2: the optimizer step committed here but failed on rank 1" in errs[0], \
+        errs[0][-2000:]
+    assert time.monotonic() - start < 50  # at once, not at the 60 s timeout
 
 
 def test_ranks_that_disagree_on_the_world_size_are_told_so():
