@@ -232,10 +232,9 @@ absl::StatusOr<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeConfig& co
     rt->copy_ = std::make_unique<tiering::HostCopyEngine>(config.copy_bandwidth_bytes_per_s);
   } else {
     STRATA_ASSIGN_OR_RETURN(
-        const int device,
-        FromEnvironment(rt->options_.device_index >= 0 ? rt->options_.device_index
-                                                       : config.device_index,
-                        "LOCAL_RANK", "device_index"));
+        const int device, FromEnvironment(rt->options_.device_index >= 0 ? rt->options_.device_index
+                                                                         : config.device_index,
+                                          "LOCAL_RANK", "device_index"));
     rt->cuda_device_ = device;
     auto memory = tiering::CreateCudaDeviceResource(device);
     if (!memory.ok()) return Annotate(memory.status(), "config: strata.device is \"cuda\"");

@@ -406,11 +406,12 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
       return Bad(p + "device", absl::StrCat("\"", device, "\": accepted: emulated, cuda"));
     }
     c.emulated_device = device == "emulated";
-    if (auto d = s->find("device_index"); d != s->end() &&
-                                          !(d->is_string() && d->get<std::string>() == "local_rank")) {
+    if (auto d = s->find("device_index");
+        d != s->end() && !(d->is_string() && d->get<std::string>() == "local_rank")) {
       if (!d->is_number_integer() || d->get<int64_t>() < 0 || d->get<int64_t>() > 1023) {
         return Bad(p + "device_index",
-                   absl::StrCat(d->dump(), ": accepted: \"local_rank\" (the default: the GPU "
+                   absl::StrCat(d->dump(),
+                                ": accepted: \"local_rank\" (the default: the GPU "
                                 "numbered LOCAL_RANK among those the process sees) or a GPU's "
                                 "number, 0 to 1023"));
       }

@@ -947,8 +947,8 @@ class JobWork {
     Abandoned().push_back(std::make_unique<JobWork>(*this));
     interrupted_ = true;
   }
-  // Works given up by an interrupted wait (or Abandon), with their tensors; those done are let go as new
-  // collectives are issued.
+  // Works given up by an interrupted wait (or Abandon), with their tensors; those done are let go
+  // as new collectives are issued.
   static std::vector<std::unique_ptr<JobWork>>& Abandoned() {
     static auto* abandoned = new std::vector<std::unique_ptr<JobWork>>();
     return *abandoned;

@@ -483,10 +483,9 @@ TEST(RuntimeConfigTest, TheDeviceIndexIsLocalRanksUnlessANumberIsGiven) {
   auto given = RuntimeConfigFromJsonText(R"({"strata": {"device": "cuda", "device_index": 3}})");
   ASSERT_TRUE(given.ok()) << given.status();
   EXPECT_EQ(given->device_index, 3);
-  for (const char* bad : {R"({"strata": {"device_index": -1}})",
-                          R"({"strata": {"device_index": 1024}})",
-                          R"({"strata": {"device_index": 1.5}})",
-                          R"({"strata": {"device_index": "auto"}})"}) {
+  for (const char* bad :
+       {R"({"strata": {"device_index": -1}})", R"({"strata": {"device_index": 1024}})",
+        R"({"strata": {"device_index": 1.5}})", R"({"strata": {"device_index": "auto"}})"}) {
     EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
                 AllOf(HasSubstr("strata.device_index"), HasSubstr("\"local_rank\"")))
         << bad;
