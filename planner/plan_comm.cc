@@ -47,8 +47,7 @@ Exchange StepCollectives::Make(Exchange::Kind kind, double whole_bytes, int coun
 
 std::vector<Exchange> StepCollectives::Gather(double elements, int count, bool ahead) const {
   if (ranks_ == 1 || stage_ < 3 || elements <= 0) return {};
-  // A module larger than a bucket is gathered in several.
-  count = std::max(count, static_cast<int>(std::ceil(elements / allgather_bucket_)));
+  // (A tensor larger than a bucket is gathered alone, in one collective, as the front does.)
   return {Make(Exchange::kAllGather, dtype_bytes_ * elements, count, ahead)};
 }
 
@@ -70,13 +69,13 @@ std::vector<Exchange> StepCollectives::GatherHead(bool backward) const {
 
 std::vector<Exchange> StepCollectives::Filled(double elements) {
   if (ranks_ == 1 || stage_ < 2) return {};
-  // The hooks add each gradient to the open bucket; a full one is reduce-scattered.
+  // The hooks add each gradient to the open bucket; once it holds a bucket's elements or more,
+  // all it holds is reduce-scattered in one collective.
   pending_ += elements;
-  const double full = std::floor(pending_ / reduce_bucket_);
-  if (full < 1) return {};
-  pending_ -= full * reduce_bucket_;
-  return {
-      Make(Exchange::kReduceScatter, 4 * full * reduce_bucket_, static_cast<int>(full), overlap_)};
+  if (pending_ < reduce_bucket_) return {};
+  const double all = pending_;
+  pending_ = 0;
+  return {Make(Exchange::kReduceScatter, 4 * all, 1, overlap_)};
 }
 
 std::vector<Exchange> StepCollectives::UnitGradients() { return Filled(unit_); }

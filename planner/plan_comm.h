@@ -5,12 +5,12 @@
 // Counted as the front issues them, per rank and step: W ranks (Hardware::ranks), d bytes an
 // element of the training dtype. A ring all-gather or reduce-scatter whose whole buffer (every
 // rank's shard) is B bytes puts (W - 1) / W x B on the wire from each rank. Gradients are
-// reduce-scattered in fp32 (4 bytes an element, whatever the training dtype), in buckets of
-// Training::ReduceBucket elements; weights are all-gathered in the training dtype, a module's at a
-// time (Transformer::LayerTensors a layer), a module larger than Training::AllgatherBucket in
-// several. Ψp are the parameters stage 3 partitions (the layers' matrices, the embeddings and the
-// output head), Ψs the others (the norms and biases, taken to be under
-// stage3_param_persistence_threshold, as planner/plan_memory.h takes them).
+// reduce-scattered in fp32 (4 bytes an element, whatever the training dtype), a bucket sent once
+// it holds Training::ReduceBucket elements or more; weights are all-gathered in the training
+// dtype, a module's at a time (Transformer::LayerTensors a layer; a tensor larger than
+// Training::AllgatherBucket alone, in one collective). Ψp are the parameters stage 3 partitions
+// (the layers' matrices, the embeddings and the output head), Ψs the others (the norms and biases,
+// taken to be under stage3_param_persistence_threshold, as planner/plan_memory.h takes them).
 //   stage 1: at the step, before the optimizer, every gradient reduce-scattered (once for all the
 //     micro-steps of gradient accumulation), the trainer waiting;
 //   stage 2: in each micro-step's backward, the gradients reduce-scattered bucket by bucket as
@@ -74,13 +74,6 @@ class StepCollectives {
   // the staged step), and after it (the new weights of the parameters not partitioned).
   std::vector<Exchange> AtStep() const;
   std::vector<Exchange> AfterStep() const;
-
-  // Elements: a layer unit's and the embeddings' and head's, as the hooks reduce them (Ψp at
-  // stage 3, every parameter below); Ψp and Ψs of the whole model.
-  double unit_elements() const { return unit_; }
-  double outer_elements() const { return outer_; }
-  double partitioned() const { return partitioned_; }
-  double kept_whole() const { return kept_whole_; }
 
  private:
   // `count` collectives of one kind over whole buffers of `whole_bytes` together.

@@ -469,7 +469,7 @@ int Main() {
       }
       if (across) PrintCollectives(*hw, *time);
       std::printf(
-          "throughput: %.0f tokens/s for the node (%lld per GPU per step), %.1f model TFLOPs per "
+          "throughput: %.0f tokens/s for the job (%lld per GPU per step), %.1f model TFLOPs per "
           "GPU (%.0f%% of its peak)\n",
           time->tokens_per_s, static_cast<long long>(time->model.tokens_per_gpu),
           time->model_tflops_per_gpu, 100 * time->model_tflops_per_gpu * 1e12 / hw->gpu_flops);
