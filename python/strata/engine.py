@@ -436,8 +436,6 @@ class Engine:
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
         if ranks is not None:
             setups = self._check_ranks(runtime_blocks, settings, setup_error)
-        elif settings.cuda:
-            settings.cuda_device()  # a GPU beyond those the process sees is named
         if ranks is None and process_group is not None and process_group.size() > 1:
             raise ValueError(
                 f"strata.initialize: process_group of {process_group.size()} ranks, but this "
@@ -474,7 +472,7 @@ class Engine:
                 ranks, self.device, setups, process_group,
                 runtime_blocks.get("strata", {}).get("comm_timeout_s", 1800))
             # A group handed on some ranks only would send their collectives elsewhere.
-            ranks.agree_on_text(f"the gradients' and weights' collectives on {collectives.name}")
+            ranks.agree(f"the gradients' and weights' collectives on {collectives.name}")
             ranks.use(collectives, self.device)
             if notice is not None:
                 self._warn(notice)

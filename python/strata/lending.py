@@ -277,7 +277,7 @@ class Lending:
         if target is module:
             self.prefetched_gathers += 1
             return entries, started
-        self.ranks.drop_gather(started)
+        self.ranks.finish_gather(started, deliver=False)
         return set(), []
 
     def _prefetch_after(self, module):

@@ -117,7 +117,7 @@ def bucket_settings(zero, stage):
 class Collectives:
     """Where the gradients' reduce-scatters and the weights' all-gathers run, and the buffers they
     take (`device`: where those are; `pinned`: host buffers pinned for a GPU's copies). Each call
-    returns a work whose wait() makes its result ready for what follows."""
+    is issued at once and returns a work whose wait() makes its result ready for what follows."""
 
     def __init__(self, name, device=torch.device("cpu"), pinned=False):
         self.name = name
@@ -141,8 +141,8 @@ class _OnJob(Collectives):
                          pinned=pinned)
         self.job = job
 
-    def reduce_scatter(self, send, out, async_op):
-        return self.job.reduce_scatter(send, out, async_op=async_op, side=True)
+    def reduce_scatter(self, send, out):
+        return self.job.reduce_scatter(send, out, async_op=True, side=True)
 
     def all_gather(self, send, whole):
         return self.job.all_gather(send, whole, async_op=True)
@@ -155,16 +155,12 @@ class _OnGroup(Collectives):
         import torch.distributed as dist
         self._dist = dist
         self.group = group
-        self.made = made  # strata made it (torch.distributed's default group)
         super().__init__(f"torch.distributed's {_backend_for(group, device)} process group"
                          f"{' (made by strata)' if made else ''} over "
                          f"{'pinned host' if pinned else device.type} buffers", device, pinned)
 
-    def reduce_scatter(self, send, out, async_op):
-        work = self._dist.reduce_scatter_tensor(out, send, group=self.group, async_op=True)
-        if not async_op:
-            work.wait()
-        return work
+    def reduce_scatter(self, send, out):
+        return self._dist.reduce_scatter_tensor(out, send, group=self.group, async_op=True)
 
     def all_gather(self, send, whole):
         return self._dist.all_gather_into_tensor(whole, send, group=self.group, async_op=True)
@@ -408,9 +404,8 @@ class Ranks:
         the agreement, issued and not yet waited for (_Agreement): the collective is issued
         right behind it, and the agreement is checked before its result is used (check()), so
         that the digests' round trip is not added to every collective's."""
-        agreement = self._start_agreement(
+        return self._start_agreement(
             f"{kind} of " + ", ".join(f"{e.name} ({e.numel})" for e in entries), True)
-        return agreement
 
     def _start_agreement(self, what, ok):
         self._refuse_if_broken()
@@ -428,10 +423,10 @@ class Ranks:
         self._agreements.append(agreement)
         return agreement
 
-    def _agree_on(self, what, ok=True):
-        """Every rank is about to do `what` (see _agree), checked now; returns whether every
-        rank is `ok` (each rank says whether it is: a flag carried with the digest, in the same
-        collective)."""
+    def agree(self, what, ok=True):
+        """Every rank is about to do `what` (see _agree: else every rank raises, naming the
+        ranks that differ), checked now; returns whether every rank is `ok` (each rank says
+        whether it is: a flag carried with the digest, in the same collective)."""
         return self._start_agreement(what, ok).check()
 
     def _check_agreements(self, upto):
@@ -481,7 +476,7 @@ class Ranks:
         as DeepSpeed's engine starts every rank from rank 0's weights."""
         tensors = [t for t in list(module.parameters()) + list(module.buffers())
                    if not skip(t) and t.numel() > 0]
-        self._agree_on("the broadcast of the model's tensors " +
+        self.agree("the broadcast of the model's tensors " +
                        ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
         with torch.no_grad():
             for t in tensors:
@@ -496,7 +491,7 @@ class Ranks:
     def broadcast_tensor(self, flat, what):
         """Rank 0's values of a flat CPU tensor, in place (strata.init: a parameter as it is
         built, before each rank keeps its shard)."""
-        self._agree_on(f"the broadcast of {what} ({flat.numel()} {flat.dtype})")
+        self.agree(f"the broadcast of {what} ({flat.numel()} {flat.dtype})")
         self.job.broadcast(flat, 0)
 
     def _buckets(self, items, limit):
@@ -536,7 +531,7 @@ class Ranks:
                     send[whole, offset:offset + rest] = flat[whole * shard:]
             offset += shard
         out = self.collectives.empty(total)
-        work = agreement.guarded = self.collectives.reduce_scatter(send.view(-1), out, True)
+        work = agreement.guarded = self.collectives.reduce_scatter(send.view(-1), out)
         if not async_op:
             agreement.check()
             work.wait()
@@ -651,33 +646,19 @@ class Ranks:
                 started.append((work, [(e, sink) for e, _, sink in bucket], whole, agreement))
         return started
 
-    def finish_gather(self, started):
+    def finish_gather(self, started, deliver=True):
         """Waits for start_gather's collectives; each sink gets its parameter whole (a tensor of
-        its own, not a view of the bucket's buffer)."""
+        its own, not a view of the bucket's buffer), unless not `deliver` (a prefetch unused)."""
         for work, bucket, whole, agreement in started:
             agreement.check()
             work.wait()
+            if not deliver:
+                continue
             offset = 0
             for e, sink in bucket:
                 piece = whole[:, offset:offset + e.shard].reshape(-1)[:e.numel]
                 sink(piece.to(self.device, non_blocking=True))  # (staged through the host)
                 offset += e.shard
-
-    def agree_on_text(self, what):
-        """Every rank says `what`: the same on every rank, else every rank raises, naming the
-        ranks that differ (as a collective's digest)."""
-        self._agree_on(what)
-
-    def agree_all_ok(self, what, ok):
-        """Whether every rank is `ok`, once every rank is known to be at `what` (the same point
-        of the same step: else every rank raises, naming the ranks that differ, as _agree)."""
-        return self._agree_on(what, ok)
-
-    def drop_gather(self, started):
-        """start_gather's collectives waited for, their sinks not called (a prefetch unused)."""
-        for work, _, _, agreement in started:
-            agreement.check()
-            work.wait()
 
     def failed_ranks(self, ok):
         """The ranks that are not `ok` (each rank says whether it is)."""

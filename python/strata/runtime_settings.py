@@ -56,11 +56,11 @@ class RuntimeSettings:
             runtime.setdefault("strata", {})["optimizer_commit"] = "step"
         self.runtime_json = json.dumps(runtime, sort_keys=True)
 
-    def cuda_device(self, visible=None):
+    def cuda_device(self):
         """The GPU this process computes on and its device tier is on (strata.device "cuda"):
         strata.device_index, else LOCAL_RANK (each rank of a node its own, as launchers arrange),
-        else 0; None on the emulated device. A GPU beyond the `visible` ones
-        (torch.cuda.device_count()) is a ValueError naming the count."""
+        else 0; None on the emulated device. A GPU beyond those the process sees
+        (torch.cuda.device_count()) is a ValueError naming their count."""
         if not self.cuda:
             return None
         given = self._device_index
@@ -73,9 +73,8 @@ class RuntimeSettings:
         else:
             _strata.check_runtime_config(self.runtime_json)  # names a device_index not accepted
             index, source = given, f"strata.device_index {given}"
-        if visible is None:
-            import torch
-            visible = torch.cuda.device_count()
+        import torch
+        visible = torch.cuda.device_count()
         if index >= visible:
             shown = os.environ.get("CUDA_VISIBLE_DEVICES")
             seen = "unset" if shown is None else repr(shown)

@@ -486,7 +486,7 @@ class OptimizerStep:
         if self.staged is not None:
             for e, g in list(self._unstaged()):
                 self.stage(e, g)
-        if self.ranks is not None and not self.ranks.agree_all_ok(
+        if self.ranks is not None and not self.ranks.agree(
                 "the step staged during backward", self.staged is not None):
             # A rank's staging failed (its host tier had no room, say) or none staged: every
             # rank takes the step anew, so that each issues the same collectives.

@@ -445,3 +445,17 @@ def test_optimizer_commit_partition_across_ranks_is_refused_naming_what_is_accep
         assert p.returncode != 0
         assert 'strata.optimizer_commit "partition" across ranks' in err and \
             'accepted: "step"' in err, err[-2000:]
+
+
+def test_a_gpu_beyond_those_visible_is_named_in_one_process_too(monkeypatch):
+    import strata
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
+              "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+              "strata": {"device": "cuda", "device_index": 2, "host_budget_bytes": 1 << 26}}
+    with pytest.raises(ValueError, match="strata.device_index 2 names GPU 2, but this process "
+                                         "sees 0 GPUs"):
+        strata.initialize(model=torch.nn.Linear(2, 2), config=config)
