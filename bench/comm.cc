@@ -1,10 +1,14 @@
-// bench/comm: all-gather and reduce-scatter over Gloo on loopback, as bus bandwidth (NCCL's
-// convention: the bytes each rank must move, (n - 1) / n of the collective's whole buffer, over
-// the time), beside the ceiling of streaming every byte the collective puts on loopback (n(n-1)
-// shards) over one TCP connection between two processes in the same round, expressed in the same
-// bus terms (so the ratio is that stream's time over the collective's; Gloo's transport is TCP),
-// with memcpy's rate printed too. Ranks are processes, meeting through the rendezvous store as a
-// launched job does.
+// bench/comm: all-gather and reduce-scatter as bus bandwidth (NCCL's convention: the bytes each
+// rank must move, (n - 1) / n of the collective's whole buffer, over the time), on one of
+// strata's transports (--transport):
+//   gloo  Gloo on loopback, beside the ceiling of streaming every byte the collective puts on
+//         loopback (n(n-1) shards) over one TCP connection between two processes in the same
+//         round, in the same bus terms (so the ratio is that stream's time over the
+//         collective's; Gloo's transport is TCP), with memcpy's rate printed too;
+//   shm   shared memory (comm/shm_communicator.h), beside the ceiling of one memcpy of the n
+//         shards each rank must copy into and out of the segment, timed in the same round, in
+//         the same bus terms.
+// Ranks are processes, meeting through the rendezvous store as a launched job does.
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/socket.h>
@@ -24,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "bench/common/report.h"
 #include "comm/gloo_communicator.h"
+#include "comm/shm_communicator.h"
 #include "comm/tcp_store.h"
 
 ABSL_FLAG(int, ranks, 2, "ranks (processes)");
@@ -31,6 +36,7 @@ ABSL_FLAG(int64_t, shard_mib, 16, "each rank's shard, MiB (the collective's buff
 ABSL_FLAG(int, rounds, 5, "measured rounds after one warm-up round");
 ABSL_FLAG(int, iterations, 5, "collectives per round");
 ABSL_FLAG(std::string, json, "", "write the report here");
+ABSL_FLAG(std::string, transport, "gloo", "gloo (TCP on loopback) or shm (shared memory)");
 
 namespace strata {
 namespace {
@@ -111,8 +117,13 @@ int RunRank(int rank, int n, uint16_t port, size_t shard, int rounds, int iterat
     std::fprintf(stderr, "comm: %s\n", store.status().ToString().c_str());
     return 1;
   }
-  auto c = comm::CreateGlooCommunicator(
-      **store, {.rank = rank, .size = n, .host = "127.0.0.1", .timeout = comm::Duration(120000)});
+  const bool shm = absl::GetFlag(FLAGS_transport) == "shm";
+  auto c =
+      shm ? comm::CreateShmCommunicator(
+                **store, {.rank = rank, .size = n, .timeout = comm::Duration(120000)})
+          : comm::CreateGlooCommunicator(
+                **store,
+                {.rank = rank, .size = n, .host = "127.0.0.1", .timeout = comm::Duration(120000)});
   if (!c.ok()) {
     std::fprintf(stderr, "comm: %s\n", c.status().ToString().c_str());
     return 1;
@@ -145,7 +156,8 @@ int RunRank(int rank, int n, uint16_t port, size_t shard, int rounds, int iterat
         copy_from[i] = copy_to[copy_to.size() - 1 - i];  // keeps the copies from being elided
       }
       r.copy = Seconds(t0) / iterations;
-      r.tcp = LoopbackTcpSeconds(shard * n * (n - 1));  // all the collective puts on loopback
+      // All the collective puts on loopback (Gloo's ceiling).
+      r.tcp = shm ? 0 : LoopbackTcpSeconds(shard * n * (n - 1));
       if (round > 0) {
         report << r.all_gather << " " << r.reduce_scatter << " " << r.copy << " " << r.tcp << "\n";
       }
@@ -160,12 +172,15 @@ int Main() {
   const int64_t mib = absl::GetFlag(FLAGS_shard_mib);
   const int rounds = absl::GetFlag(FLAGS_rounds);
   const int iterations = absl::GetFlag(FLAGS_iterations);
-  if (n < 2 || n > 64 || mib < 1 || mib > 1024 || rounds < 1 || iterations < 1) {
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (n < 2 || n > 64 || mib < 1 || mib > 1024 || rounds < 1 || iterations < 1 ||
+      (transport != "gloo" && transport != "shm")) {
     std::fprintf(stderr,
                  "comm: accepted: --ranks 2..64, --shard_mib 1..1024, --rounds >= 1, "
-                 "--iterations >= 1\n");
+                 "--iterations >= 1, --transport gloo or shm\n");
     return 2;
   }
+  const bool shm = transport == "shm";
   const size_t shard = static_cast<size_t>(mib) << 20;
   // A free port for the store: bound by a store of our own, then given back.
   uint16_t port;
@@ -207,32 +222,35 @@ int Main() {
     for (const Round& r : measured) {
       const double t = std::string(op) == "all_gather" ? r.all_gather : r.reduce_scatter;
       value.push_back(bus_bytes / t / 1e9);
-      ceiling.push_back(r.tcp > 0 ? bus_bytes / r.tcp / 1e9 : 0);
+      const double limit = shm ? r.copy : r.tcp;  // shm: a rank copies its n shards
+      ceiling.push_back(limit > 0 ? bus_bytes / limit / 1e9 : 0);
       copy.push_back(copy_bytes / r.copy / 1e9);
       ratio.push_back(ceiling.back() > 0 ? value.back() / ceiling.back() : 0);
     }
     Figure f;
-    f.name = absl::StrCat(op, "_gloo_", n, "ranks");
+    f.name = absl::StrCat(op, "_", transport, "_", n, "ranks");
     f.unit = "GB/s";
     f.value = Summary::Of(value);
     f.ceiling = Summary::Of(ceiling);
     f.ratio = Summary::Of(ratio);
     f.ceiling_source =
-        "one loopback TCP stream between two processes carrying all the bytes the collective puts "
-        "on loopback (n(n-1) shards), in the same round, in bus terms";
+        shm ? "one memcpy of the n shards a rank copies into and out of the segment, in the same "
+              "round, in bus terms"
+            : "one loopback TCP stream between two processes carrying all the bytes the "
+              "collective puts on loopback (n(n-1) shards), in the same round, in bus terms";
     f.note = absl::StrFormat("memcpy of the same bytes in the same round: %.2f GB/s",
                              Summary::Of(copy).median);
     f.config = {{"ranks", n},
                 {"shard_bytes", shard},
                 {"iterations", iterations},
                 {"rounds", measured.size()},
-                {"transport", "Gloo TCP on loopback"}};
+                {"transport", shm ? "shared memory" : "Gloo TCP on loopback"}};
     std::printf(
-        "%-28s bus %.2f GB/s [%.2f, %.2f]; one loopback TCP stream, in bus terms, %.2f GB/s; "
-        "memcpy "
+        "%-28s bus %.2f GB/s [%.2f, %.2f]; %s, in bus terms, %.2f GB/s (%.2f of it); memcpy "
         "%.2f GB/s\n",
-        f.name.c_str(), f.value.median, f.value.min, f.value.max, f.ceiling.median,
-        Summary::Of(copy).median);
+        f.name.c_str(), f.value.median, f.value.min, f.value.max,
+        shm ? "the memcpy of a rank's n shards" : "one loopback TCP stream", f.ceiling.median,
+        f.ratio.median, Summary::Of(copy).median);
     report.Add(f);
   }
   report.PrintClosingLines();

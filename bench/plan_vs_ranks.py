@@ -3,11 +3,12 @@ bench/train_ranks.py measures, on this machine (BENCH.md).
 
     PYTHONPATH=build/release/python .venv/bin/python bench/plan_vs_ranks.py [--json out.json] \
         [--plan build/release/tools/strata_plan/strata_plan] [--rounds 3] [--steps 6] \
-        [--batch 8] [--ranks 2] [--stage 3] [--overlap-comm on|off]
+        [--batch 8] [--ranks 2] [--stage 3] [--overlap-comm on|off] [--transport auto|shm|tcp]
 
 The job is train_ranks.py's: the demo GPT (examples/gpt.py: 6 layers, width 256, context 128),
 ZeRO stage 3 with the optimizer in host memory, the emulated device tier, --ranks processes on
-this machine over Gloo on loopback, each computing with one BLAS thread. The machine description
+this machine over strata's own collectives (--transport: shared memory by default, the ranks
+being on one host; tcp: Gloo on loopback), each computing with one BLAS thread. The machine description
 the planner is given is this machine's, made in the same run:
   - host memory, cores, the CPU Adam and the copy link: strata_plan --calibrate (once);
   - the "GPU": each rank computes on the CPU, so its rate is the demo GPT's forward and backward
@@ -17,7 +18,7 @@ the planner is given is this machine's, made in the same run:
     forwards, the header of planner/plan_model.h) at efficiency 1 (as bench/bigger_than_ram.py
     gives the planner the CPU's matmul rate);
   - the link between the ranks ("gpu_link", kind "loopback": the collectives run on the cores
-    the ranks compute on): the job's own Gloo, timed by its ranks just before each of the
+    the ranks compute on): the job's own collectives, timed by its ranks just before each of the
     engine's steps too: a collective's latency (the best 16-byte all-gather of several one after
     another), what a rendezvous costs beyond it when the ranks reach it from computing (the mean
     of the same all-gather after a module's matmul with a gather beside it, as the step's
@@ -114,7 +115,8 @@ def predict(args, folder, calibrated, ranks, compute_s, measured_link):
         hw["gpu_link"] = {"kind": "loopback", "bus_gbps": measured_link["bus_bps"] / 1e9,
                           "latency_us": measured_link["latency_s"] * 1e6,
                           "sync_us": measured_link["sync_s"] * 1e6}
-        hw["source"] += "; the link: Gloo on loopback between the ranks, timed in the same round"
+        hw["source"] += (f"; the link: strata's collectives (transport {args.transport}) between "
+                         "the ranks, timed in the same round")
     paths = {name: os.path.join(folder, f"{name}{ranks}.json")
              for name in ("hardware", "model", "config", "plan")}
     for name, value in (("hardware", hw), ("model", MODEL), ("config", ds_config(args, ranks))):
@@ -194,7 +196,7 @@ def main():
           f"{med['ratio_n']:.2f}x of strata_plan's {med['predicted_n_s'] * 1e3:.1f} ms (rounds "
           f"{min(ratios):.2f}-{max(ratios):.2f}; target within 15%: "
           f"{'met' if abs(med['ratio_n'] - 1) <= 0.15 else 'not met'}); ZeRO stage {args.stage}, "
-          f"global batch {args.batch}, Gloo on loopback, {os.cpu_count()} cores")
+          f"global batch {args.batch}, transport {args.transport}, {os.cpu_count()} cores")
     print(f"plan_vs_ranks/step_1_rank: measured {med['measured_1_s'] * 1e3:.1f} ms = "
           f"{med['ratio_1']:.2f}x of strata_plan's {med['predicted_1_s'] * 1e3:.1f} ms")
     if args.json:

@@ -1,5 +1,6 @@
 """bench/train_ranks: the demo model's training step on 2 ranks beside 1 rank, the same global
-batch, ZeRO stage 3 across ranks on Gloo over loopback (strata/ranks.py) (BENCH.md).
+batch, ZeRO stage 3 across ranks on strata's own collectives (shared memory between ranks on one
+host, or Gloo over loopback with --transport tcp: strata/ranks.py) (BENCH.md).
 
     PYTHONPATH=build/release/python .venv/bin/python bench/train_ranks.py [--json out.json] \
         [--rounds 3] [--steps 6] [--batch 8] [--ranks 2] [--stage 3]
@@ -32,6 +33,7 @@ sys.path.insert(0, {examples!r})
 import strata
 from gpt import GPT, loss_of
 steps, batch, stage, overlap, bucket = {steps}, {batch}, {stage}, {overlap}, {bucket}
+transport = {transport!r}
 beside = {beside}
 world = int(os.environ.get("WORLD_SIZE", 1))
 rank = int(os.environ.get("RANK", 0))
@@ -45,7 +47,7 @@ config = {{"train_batch_size": batch,
                                 "overlap_comm": overlap, "reduce_bucket_size": bucket,
                                 "allgather_bucket_size": bucket}},
           "strata": {{"device": "emulated", "host_budget_bytes": 1 << 30,
-                     "nvme_capacity_bytes": 1 << 30}}}}
+                     "nvme_capacity_bytes": 1 << 30, "comm_transport": transport}}}}
 engine, _, _, _ = strata.initialize(model=model, config=config)
 gen = torch.Generator().manual_seed(1)
 x = torch.randint(0, 256, (batch, 128), generator=gen)
@@ -106,7 +108,7 @@ print(json.dumps({{"rank": rank, "step_s": statistics.median(times),
 def run(ranks, args, beside=False):
     """The job's step on `ranks` processes: its slowest rank's median. With `beside`, each rank
     also times, just before each of the engine's steps, plain torch's forward and backward of the
-    same model on its share of the batch, and (across ranks) on the job's Gloo a 16-byte
+    same model on its share of the batch, and (across ranks) on the job's collectives a 16-byte
     all-gather (the best of 9 one after another), the same reached from a module's compute with
     a gather beside it (the mean of 16: a rendezvous as the step's collectives are reached), an
     all-gather of a bucket (--bucket elements of fp32, whole) and a reduce-scatter of one (the
@@ -115,7 +117,7 @@ def run(ranks, args, beside=False):
     (bench/plan_vs_ranks.py: the ranks' "GPU" and link under the load the step ran under)."""
     script = RANK.format(examples=os.path.join(HERE, "..", "examples"), steps=args.steps,
                          batch=args.batch, stage=args.stage, overlap=args.overlap_comm == "on",
-                         bucket=args.bucket, beside=beside)
+                         bucket=args.bucket, beside=beside, transport=args.transport)
     base = {k: v for k, v in os.environ.items()
             if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
@@ -155,6 +157,9 @@ def job_arguments(parser, name):
                         help="zero_optimization.overlap_comm (DeepSpeed's default at stage 3: on)")
     parser.add_argument("--bucket", type=int, default=1 << 20,
                         help="reduce_bucket_size and allgather_bucket_size, elements")
+    parser.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto",
+                        help="strata.comm_transport (auto: shared memory, the ranks being on "
+                             "this host)")
     args = parser.parse_args()
     if args.rounds < 1 or args.steps < 1 or args.ranks < 2 or args.batch % args.ranks:
         sys.exit(f"{name}: --rounds and --steps at least 1, --ranks at least 2, and --batch "
@@ -180,7 +185,7 @@ def main():
           f"{med['of_ceiling']:.2f} of perfect scaling ({med['ceiling_s'] * 1e3:.1f} ms: 1 rank's "
           f"{med['one_rank_s'] * 1e3:.1f} ms / {args.ranks}); ZeRO stage {args.stage}, global "
           f"batch {args.batch}, overlap_comm {args.overlap_comm}, buckets of {args.bucket} "
-          f"elements, Gloo on loopback, {os.cpu_count()} cores (higher is better)")
+          f"elements, transport {args.transport}, {os.cpu_count()} cores (higher is better)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"bench": "train_ranks", "machine": platform.node(),

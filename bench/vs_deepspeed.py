@@ -108,7 +108,9 @@ across ranks runs on its emulated device tier, docs/ranks.md): each system runs 
 one job on this machine, as torchrun starts them (MASTER_ADDR 127.0.0.1, a free MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE N; each rank's OMP_NUM_THREADS the cores shared among
 the ranks, at least 1, where the environment does not set it: torchrun sets 1). strata joins the
-job itself (Gloo, its own store on MASTER_PORT + 1); DeepSpeed's deepspeed.initialize joins it
+job itself (its own store on MASTER_PORT + 1; its collectives through shared memory, as all the
+ranks are on one host, unless --strata '{"comm_transport": "tcp"}': Gloo over loopback; the
+report names them); DeepSpeed's deepspeed.initialize joins it
 with torch.distributed on Gloo (its CPU accelerator's choice where oneCCL is absent). The global
 batch is --batch, the same as the one-process rows' and the floor's: the config's
 train_batch_size is --batch and train_micro_batch_size_per_gpu --batch / N (one accumulation
@@ -689,6 +691,8 @@ def child(spec):
         report["read_by_cause"] = {k: statistics.median(c[k] for c in by_cause)
                                    for k in (by_cause[0] if by_cause else {})}
         report["step_calls"] = step_calls
+        if engine.ranks is not None:  # where its collectives ran (shared memory, TCP, a group)
+            report["collectives"] = engine.ranks.collectives.name
         report["stats"] = {k: v for k, v in engine.stats().items()
                            if k in ("bytes_moved", "peak_bytes", "budget_bytes", "device")}
         if cuda:  # its device tier: a CUDA memory pool of its own, not torch's
@@ -998,6 +1002,8 @@ def summarize(runs):
                      rank_peak_rss_bytes=[max(r["rank_peak_rss_bytes"][i] for r in ok)
                                           for i in range(ok[0]["ranks"])],
                      exits=[x for r in ok for x in r["exits"]])
+        if "collectives" in ok[0]:
+            extra["collectives"] = ok[0]["collectives"]
     return {**extra, "step_s": statistics.median(medians), "round_step_s": medians,
             "min_s": min(every),
             "max_s": max(every),
@@ -1329,7 +1335,10 @@ def main():
                                                        ("deepspeed", "DeepSpeed"))
                if "ranks" in e[system]]
         if world > 1 and ran:
-            print(f"vs_deepspeed/{e['row']}: {world} ranks on Gloo over loopback, the global "
+            ours = e["strata"].get("collectives")
+            print(f"vs_deepspeed/{e['row']}: {world} ranks on this machine"
+                  f"{f' (strata: {ours}; DeepSpeed: torch.distributed Gloo over loopback)' if ours else ''}"
+                  ", the global "
                   f"batch {args.batch} ({args.batch // world} a rank); a step is the slowest "
                   "rank's, the losses the ranks' mean; peak RSS summed over the ranks: " +
                   ", ".join(f"{name} {fmt_bytes(side['peak_rss_bytes'])} (" +

@@ -1,17 +1,15 @@
 #include "comm/gloo_communicator.h"
 
-#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
-#include <deque>
 #include <functional>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "base/mutex.h"
+#include "base/status.h"
+#include "comm/in_order.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
@@ -53,57 +51,12 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   const Duration timeout_;
 };
 
-class WorkImpl final : public Work {
- public:
-  absl::Status Wait() override {
-    MutexLock lock(&mu_);
-    while (!done_) cv_.Wait(&mu_);
-    return status_;
-  }
-  bool WaitFor(std::chrono::milliseconds timeout) override {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    MutexLock lock(&mu_);
-    while (!done_) {
-      const auto left = until - std::chrono::steady_clock::now();
-      if (left <= std::chrono::nanoseconds(0)) return false;
-      cv_.WaitFor(&mu_, left);
-    }
-    return true;
-  }
-  bool done() const override {
-    MutexLock lock(&mu_);
-    return done_;
-  }
-  void Complete(absl::Status s) {
-    {
-      MutexLock lock(&mu_);
-      status_ = std::move(s);
-      done_ = true;
-    }
-    cv_.SignalAll();
-  }
-
- private:
-  mutable Mutex mu_;
-  CondVar cv_;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-};
-
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(std::shared_ptr<gloo::Context> context, Duration timeout)
-      : context_(std::move(context)), timeout_(timeout) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~GlooCommunicator() override {
-    {
-      MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    cv_.SignalAll();
-    thread_.join();
-  }
+      : context_(std::move(context)),
+        timeout_(timeout),
+        in_order_(absl::StrCat("rank ", context_->rank, " of ", context_->size)) {}
 
   int rank() const override { return context_->rank; }
   int size() const override { return context_->size; }
@@ -113,14 +66,14 @@ class GlooCommunicator final : public Communicator {
   // collectives are refused at once rather than queued behind it, and the communicator must not
   // be destroyed before it ends (the destructor joins its thread).
   void Abort() override {
-    aborted_.store(true);
+    in_order_.Abort();
     context_->closeConnections();
   }
 
   std::shared_ptr<Work> AllGather(absl::Span<const std::byte> in,
                                   absl::Span<std::byte> out) override {
     if (out.size() != in.size() * static_cast<size_t>(size())) {
-      return Failed(absl::InvalidArgumentError(
+      return FailedWork(absl::InvalidArgumentError(
           absl::StrCat("all-gather: the output holds ", out.size(), " bytes; accepted: size (",
                        size(), ") x the input's ", in.size())));
     }
@@ -135,7 +88,7 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<Work> ReduceScatter(absl::Span<const float> in, absl::Span<float> out) override {
     if (in.size() != out.size() * static_cast<size_t>(size())) {
-      return Failed(absl::InvalidArgumentError(
+      return FailedWork(absl::InvalidArgumentError(
           absl::StrCat("reduce-scatter: the input holds ", in.size(), " floats; accepted: size (",
                        size(), ") x the output's ", out.size())));
     }
@@ -156,7 +109,7 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<Work> Broadcast(absl::Span<std::byte> data, int root) override {
     if (root < 0 || root >= size()) {
-      return Failed(absl::InvalidArgumentError(
+      return FailedWork(absl::InvalidArgumentError(
           absl::StrCat("broadcast: root ", root, "; accepted: 0..", size() - 1)));
     }
     return Issue("broadcast", [this, data, root] {
@@ -179,66 +132,18 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
-  struct Task {
-    std::string what;
-    std::function<void()> run;
-    std::shared_ptr<WorkImpl> work;
-  };
-
-  static std::shared_ptr<Work> Failed(absl::Status s) {
-    auto w = std::make_shared<WorkImpl>();
-    w->Complete(std::move(s));
-    return w;
-  }
-
+  // Gloo's collectives throw: each ends in a Status naming it.
   std::shared_ptr<Work> Issue(std::string what, std::function<void()> run) {
-    if (aborted_.load()) {  // not queued behind a collective the abort left blocked
-      return Failed(Aborted(what));
-    }
-    auto work = std::make_shared<WorkImpl>();
-    {
-      MutexLock lock(&mu_);
-      queue_.push_back({std::move(what), std::move(run), work});
-    }
-    cv_.Signal();
-    return work;
-  }
-
-  void Run() {
-    while (true) {
-      Task task;
-      {
-        MutexLock lock(&mu_);
-        while (queue_.empty() && !stopping_) cv_.Wait(&mu_);
-        if (queue_.empty()) return;
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (broken_.ok() && aborted_.load()) broken_ = Aborted(task.what);
-      if (!broken_.ok()) {
-        task.work->Complete(broken_);
-        continue;
-      }
-      absl::Status s;
+    return in_order_.Issue(what, [this, what, run = std::move(run)]() -> absl::Status {
       try {
-        task.run();
+        run();
       } catch (const gloo::IoException& e) {
-        s = absl::UnavailableError(Describe(task.what, e.what()));
+        return absl::UnavailableError(Describe(what, e.what()));
       } catch (const std::exception& e) {
-        s = absl::InternalError(Describe(task.what, e.what()));
+        return absl::InternalError(Describe(what, e.what()));
       }
-      if (!s.ok()) {
-        broken_ = absl::Status(
-            s.code(), absl::StrCat(s.message(), " (the communicator is broken from here)"));
-      }
-      task.work->Complete(std::move(s));
-    }
-  }
-
-  absl::Status Aborted(const std::string& what) const {
-    return absl::CancelledError(
-        absl::StrCat("rank ", rank(), " of ", size(), ": ", what,
-                     ": the communicator was aborted (a wait for a collective was interrupted)"));
+      return absl::OkStatus();
+    });
   }
 
   std::string Describe(const std::string& what, const char* error) const {
@@ -291,15 +196,9 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<gloo::Context> context_;
   const Duration timeout_;
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status broken_;  // the collectives' thread only
-  std::atomic<bool> aborted_{false};
   std::vector<float> ring_;  // RingReduceScatter's buffers (the collectives' thread only)
   std::unique_ptr<gloo::transport::UnboundBuffer> ring_buffer_;
-  std::thread thread_;
+  InOrder in_order_;  // last: its thread, joined first, uses the members above
 };
 
 }  // namespace
@@ -312,20 +211,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateGlooCommunicator(TcpStore& s
   }
   // The ranks agree on the world size before Gloo waits for ranks that will never come.
   const std::string prefix = options.prefix + "/";
-  const std::string size = std::to_string(options.size);
-  absl::Status s =
-      store.Set(absl::StrCat(prefix, "size/", options.rank), {size.begin(), size.end()});
-  if (!s.ok()) return s;
-  auto zero = store.Get(absl::StrCat(prefix, "size/0"), options.timeout);
-  if (!zero.ok()) return zero.status();
-  const std::string zero_size(zero->begin(), zero->end());
-  if (zero_size != size) {
-    return absl::FailedPreconditionError(absl::StrCat("gloo: this rank (", options.rank,
-                                                      ") was given world size ", options.size,
-                                                      " but rank 0 was given ", zero_size,
-                                                      ": WORLD_SIZE must be the same on every "
-                                                      "rank"));
-  }
+  STRATA_RETURN_IF_ERROR(
+      AgreeOnWorldSize(store, prefix, options.rank, options.size, options.timeout, "gloo"));
   // Gloo writes to its peers' sockets without MSG_NOSIGNAL: a peer that died would end this
   // process by SIGPIPE instead of failing the collective with an error. Ignored here unless the
   // program has a handler of its own (Python already ignores it).

@@ -11,7 +11,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "comm/gloo_communicator.h"
+#include "comm/in_order.h"
+#include "comm/shm_communicator.h"
 
 namespace strata::comm {
 namespace {
@@ -61,6 +64,36 @@ absl::StatusOr<std::string> LocalAddressToward(const std::string& peer, uint16_t
   char text[INET_ADDRSTRLEN];
   inet_ntop(AF_INET, &local.sin_addr, text, sizeof text);
   return std::string(text);
+}
+
+const char* TransportName(Transport t) {
+  switch (t) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kShm:
+      return "shm";
+    case Transport::kTcp:
+      return "tcp";
+  }
+  return "?";
+}
+
+// Each rank's transport beside every other's, so that none waits for a segment the others never
+// make: one that differs is named on every rank.
+absl::Status AgreeOnTransport(TcpStore& store, const JobEnv& env, Transport transport,
+                              Duration timeout) {
+  const std::string mine = TransportName(transport);
+  auto all = Exchange(store, "transport/", env.rank, env.world_size, mine, timeout);
+  if (!all.ok()) return all.status();
+  for (int j = 0; j < env.world_size; ++j) {
+    if ((*all)[j] != mine) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("this rank (", env.rank, ") was given the transport \"", mine,
+                       "\" (strata.comm_transport) but rank ", j, " was given \"", (*all)[j],
+                       "\": it must be the same on every rank"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -116,7 +149,7 @@ absl::StatusOr<JobEnv> JobEnvFromEnvironment(const GetEnv& getenv_fn) {
   return env;
 }
 
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout) {
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport transport) {
   Job job;
   job.env = env;
   std::string host = "127.0.0.1";
@@ -146,6 +179,30 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout) {
   auto store = TcpStore::Connect(master, port, timeout);
   if (!store.ok()) return store.status();
   job.store = std::move(*store);
+  // The world size first: every exchange below waits for that many ranks.
+  STRATA_RETURN_IF_ERROR(
+      AgreeOnWorldSize(*job.store, "job/", env.rank, env.world_size, timeout, "the job"));
+  STRATA_RETURN_IF_ERROR(AgreeOnTransport(*job.store, env, transport, timeout));
+  if (transport != Transport::kTcp && env.world_size > 1) {
+    for (auto [prefix, out] : {std::pair{"shm", &job.comm}, std::pair{"shm-side", &job.side}}) {
+      auto comm = CreateShmCommunicator(
+          *job.store,
+          {.rank = env.rank, .size = env.world_size, .timeout = timeout, .prefix = prefix});
+      if (!comm.ok()) {
+        // The same on every rank (one could not map the segment): all take TCP together.
+        if (transport == Transport::kAuto &&
+            comm.status().code() == absl::StatusCode::kFailedPrecondition && job.comm == nullptr) {
+          break;
+        }
+        return comm.status();
+      }
+      *out = std::move(*comm);
+    }
+    if (job.side != nullptr) {
+      job.transport = "shared memory";
+      return job;
+    }
+  }
   for (auto [prefix, out] : {std::pair{"gloo", &job.comm}, std::pair{"gloo-side", &job.side}}) {
     auto comm = CreateGlooCommunicator(*job.store, {.rank = env.rank,
                                                     .size = env.world_size,
@@ -156,6 +213,7 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout) {
     if (!comm.ok()) return comm.status();
     *out = std::move(*comm);
   }
+  job.transport = "tcp";
   return job;
 }
 

@@ -1,5 +1,5 @@
 // comm/job.h: joining the job a launcher started (torchrun, DeepSpeed's launcher, mpirun with
-// the usual variables): who this rank is, where rank 0 is, and the communicator among all ranks.
+// the usual variables): who this rank is, where rank 0 is, and the communicators among all ranks.
 //
 // The environment, as the launchers set it: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and
 // LOCAL_RANK. None of them set: a job of one process (rank 0 of 1, nothing listened on). Some set:
@@ -41,11 +41,17 @@ struct JobEnv {
 using GetEnv = std::function<const char*(const char*)>;
 absl::StatusOr<JobEnv> JobEnvFromEnvironment(const GetEnv& getenv = nullptr);
 
+// How the collectives travel between the ranks: kAuto, through shared memory when every rank is
+// on this host (comm/shm_communicator.h), else on Gloo over TCP; kShm, shared memory or an error
+// naming the rank that could not map it; kTcp, Gloo over TCP always.
+enum class Transport { kAuto, kShm, kTcp };
+
 struct Job {
   JobEnv env;
+  std::string transport;  // what the collectives travel by: "shared memory" or "tcp"
   std::unique_ptr<TcpStoreServer> server;  // rank 0's
   std::unique_ptr<TcpStore> store;
-  std::unique_ptr<Communicator> comm;  // Gloo, over host buffers
+  std::unique_ptr<Communicator> comm;  // over host buffers
   // A second communicator over the same ranks, whose collectives run beside the first's rather
   // than after them (each keeps its own order): the engine's gradient reduce-scatters, so that a
   // bucket being reduced never holds up the next module's weight all-gather.
@@ -53,8 +59,9 @@ struct Job {
 };
 
 // Meets the other ranks (each waits up to `timeout` for the others, never longer) and connects
-// the communicator.
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout);
+// the communicators. The ranks first compare their `transport`: one that differs is named.
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout,
+                            Transport transport = Transport::kAuto);
 
 }  // namespace strata::comm
 

@@ -396,9 +396,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
         *s, "strata",
         {"aio", "device", "device_budget_bytes", "host_budget_bytes", "nvme_capacity_bytes",
          "nvme_keep_files", "nvme_path", "copy_bandwidth_bytes_per_s", "eviction_policy",
-         "malloc_mmap_threshold_bytes", "comm_timeout_s", "optimizer_threads", "copy_streams",
-         "optimizer_during_backward", "optimizer_commit", "optimizer_read_ahead_bytes",
-         "optimizer_write_behind", "device_index"}));
+         "malloc_mmap_threshold_bytes", "comm_timeout_s", "comm_transport", "optimizer_threads",
+         "copy_streams", "optimizer_during_backward", "optimizer_commit",
+         "optimizer_read_ahead_bytes", "optimizer_write_behind", "device_index"}));
     const std::string p = "strata.";
     std::string device = "emulated";
     STRATA_RETURN_IF_ERROR(ReadString(*s, p, "device", &device));
@@ -429,6 +429,13 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "malloc_mmap_threshold_bytes", 0, int64_t{32} << 20,
                                    &c.malloc_mmap_threshold_bytes));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
+    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "comm_transport", &c.comm_transport));
+    if (c.comm_transport != "auto" && c.comm_transport != "shm" && c.comm_transport != "tcp") {
+      return Bad(p + "comm_transport",
+                 absl::StrCat("\"", c.comm_transport,
+                              "\": accepted: auto (shared memory when every rank is on this "
+                              "host, else TCP), shm, tcp"));
+    }
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "optimizer_threads", 0, 1024, &c.optimizer_threads));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "copy_streams", 1, 2, &c.copy_streams));
     STRATA_RETURN_IF_ERROR(ReadBoolOrAuto(

@@ -130,6 +130,10 @@ struct RuntimeConfig {
   // Across ranks (comm/): how long a rendezvous or a collective may wait for the other ranks
   // before it fails naming what it waited for (torch.distributed's default: 30 minutes).
   uint64_t comm_timeout_s = 1800;
+  // Across ranks: what the collectives travel by (comm/job.h): "auto" (shared memory when every
+  // rank is on this host, else Gloo over TCP), "shm" or "tcp". Read by the Python front, which
+  // joins the job before a Runtime is made; checked here with the rest of the config.
+  std::string comm_transport = "auto";
   // The CPU optimizer's threads (0: one per core, each bound to its core: OptimizerThreads();
   // while backward still runs, with optimizer_during_backward on, only the first all but two of
   // them step: OptimizerThreadsWhileStaging()). On a GPU the trainer's thread queues the kernels

@@ -969,13 +969,24 @@ class JobWork {
 // collectives over CPU tensors (waited for with the GIL released).
 class PyJob {
  public:
-  explicit PyJob(int64_t timeout_ms) {
+  PyJob(int64_t timeout_ms, const std::string& transport) {
     auto env = comm::JobEnvFromEnvironment();
     Check(env.status());
+    comm::Transport how = comm::Transport::kAuto;
+    if (transport == "shm") {
+      how = comm::Transport::kShm;
+    } else if (transport == "tcp") {
+      how = comm::Transport::kTcp;
+    } else if (transport != "auto") {
+      Raise(absl::InvalidArgumentError(absl::StrCat(
+          "strata.comm_transport: \"", transport,
+          "\": accepted: auto (shared memory when every rank is on this host, else TCP), shm, "
+          "tcp")));
+    }
     absl::StatusOr<comm::Job> job;
     {
       py::gil_scoped_release unlocked;
-      job = comm::JoinJob(*env, comm::Duration(timeout_ms));
+      job = comm::JoinJob(*env, comm::Duration(timeout_ms), how);
     }
     Check(job.status());
     job_ = std::make_shared<comm::Job>(*std::move(job));
@@ -984,6 +995,7 @@ class PyJob {
   int world_size() const { return job_->env.world_size; }
   int local_rank() const { return job_->env.local_rank; }
   bool launched() const { return job_->env.launched; }
+  const std::string& transport() const { return job_->transport; }
 
   // Each collective waits for itself, or with async_op returns a JobWork to wait for (holding its
   // tensors until it is done).
@@ -1055,12 +1067,16 @@ PYBIND11_MODULE(_strata, m) {
   py::class_<PyJob>(m, "Job",
                     "The job a launcher started (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, "
                     "LOCAL_RANK; none set: a job of one process) and its collectives over CPU "
-                    "tensors, on Gloo (comm/job.h)")
-      .def(py::init<int64_t>(), py::arg("timeout_ms") = 60000)
+                    "tensors: through shared memory between ranks on one host, else on Gloo "
+                    "over TCP (comm/job.h)")
+      .def(py::init<int64_t, const std::string&>(), py::arg("timeout_ms") = 60000,
+           py::arg("transport") = "auto")
       .def_property_readonly("rank", &PyJob::rank)
       .def_property_readonly("world_size", &PyJob::world_size)
       .def_property_readonly("local_rank", &PyJob::local_rank)
       .def_property_readonly("launched", &PyJob::launched)
+      .def_property_readonly("transport", &PyJob::transport,
+                             "what the collectives travel by: \"shared memory\" or \"tcp\"")
       .def("all_reduce", &PyJob::AllReduce, py::arg("tensor"), py::arg("async_op") = false,
            "float32 sum over the ranks, in place")
       .def("reduce_scatter", &PyJob::ReduceScatter, py::arg("input"), py::arg("output"),

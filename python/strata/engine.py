@@ -188,7 +188,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ``process_group`` (strata's own) is a torch.distributed group of the job's every rank for the
     gradients' and weights' collectives (a trainer's NCCL group, say); without it they run on
     NCCL's default group on GPUs (made if torch.distributed has none, as DeepSpeed's initialize
-    does) and on strata's Gloo otherwise (strata/ranks.py)."""
+    does) and on strata's own otherwise (shared memory between ranks on one host, else Gloo over
+    TCP: strata/ranks.py)."""
     if model is None:
         raise ValueError("strata.initialize: model is required")
     if config is None:

@@ -9,9 +9,10 @@ the partitioned parameters, its weights, which are all its tiers hold (gathered 
 use).
 
 Where the collectives run (Collectives, chosen by choose_collectives once the device is known):
-  - strata's own Gloo (comm/, strata._strata.Job) over host buffers: on the emulated device tier,
-    and on GPUs where NCCL is absent or refuses (ranks sharing a GPU), the device's buffers then
-    staged through pinned host memory (said once);
+  - strata's own (comm/, strata._strata.Job) over host buffers: through shared memory when every
+    rank is on one host, else Gloo over TCP (strata.comm_transport: "auto", "shm", "tcp"); on the
+    emulated device tier, and on GPUs where NCCL is absent or refuses (ranks sharing a GPU), the
+    device's buffers then staged through pinned host memory (said once);
   - a torch.distributed process group over the device's own buffers: on GPUs, NCCL's (the one a
     trainer hands to strata.initialize, else torch.distributed's default group when it has NCCL,
     else one strata makes, as DeepSpeed's initialize does); on any device, a group the trainer
@@ -19,7 +20,7 @@ Where the collectives run (Collectives, chosen by choose_collectives once the de
     torchrun scripts make it), runs on its own stream, keeps the buffers it is given alive for
     the caching allocator, and is the NCCL torch was built with: strata makes no second NCCL
     communicator on the same GPUs.
-The ranks' digests, norms and flags always go over the job's Gloo (a few bytes).
+The ranks' digests, norms and flags always go over the job's own (a few bytes).
 
 Buckets (DeepSpeed's keys, counted in elements of the whole parameters):
   reduce_bucket_size     gradients reduce-scattered in one collective (default 5e8)
@@ -73,9 +74,16 @@ def join(raw_config):
             not 1 <= timeout_s <= 7 * 24 * 3600:
         raise ValueError(f"config: strata.comm_timeout_s: {timeout_s!r} is not accepted; "
                          "accepted: whole seconds from 1 to 604800")
+    transport = strata_block.get("comm_transport", "auto") if isinstance(strata_block, dict) \
+        else "auto"
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"config: strata.comm_transport: {transport!r} is not accepted; "
+                         "accepted: \"auto\" (shared memory when every rank is on this host, "
+                         "else TCP), \"shm\", \"tcp\"")
     if not _joined:
-        _joined.append((_strata.Job(timeout_ms=timeout_s * 1000), timeout_s))
-    job, joined_timeout = _joined[0]
+        _joined.append((_strata.Job(timeout_ms=timeout_s * 1000, transport=transport),
+                        timeout_s, transport))
+    job, joined_timeout, joined_transport = _joined[0]
     if job.world_size == 1:
         return None
     ranks = Ranks(job)
@@ -83,6 +91,10 @@ def join(raw_config):
         ranks.warnings.append(
             f"strata.comm_timeout_s: {timeout_s} s, but this process joined its job with "
             f"{joined_timeout} s (an earlier strata.init or engine): the job's is kept")
+    if transport != joined_transport:
+        ranks.warnings.append(
+            f"strata.comm_transport: {transport!r}, but this process joined its job with "
+            f"{joined_transport!r} (an earlier strata.init or engine): the job's is kept")
     return ranks
 
 
@@ -132,11 +144,13 @@ class Collectives:
 
 
 class _OnJob(Collectives):
-    """strata's own Gloo (the job's): reduce-scatters on its second communicator, so a bucket in
-    flight never holds up a weight all-gather on the first (overlap_comm)."""
+    """strata's own (the job's: shared memory between ranks on one host, else Gloo over TCP):
+    reduce-scatters on its second communicator, so a bucket in flight never holds up a weight
+    all-gather on the first (overlap_comm)."""
 
     def __init__(self, job, pinned=False):
-        super().__init__("strata's Gloo over host memory" +
+        how = "shared memory" if job.transport == "shared memory" else "Gloo over TCP"
+        super().__init__(f"strata's collectives ({how}) over host memory" +
                          (" (a GPU's buffers staged through pinned memory)" if pinned else ""),
                          pinned=pinned)
         self.job = job
@@ -274,7 +288,7 @@ def choose_collectives(ranks, device, setups, process_group=None, timeout_s=1800
             why = "this torch has no NCCL"
     if why is not None:
         return _OnJob(ranks.job, pinned=True), (
-            f"across ranks on GPUs: {why}: the gradients and weights go through strata's Gloo, "
+            f"across ranks on GPUs: {why}: the gradients and weights go through strata's own collectives, "
             "staged through pinned host memory (slower than NCCL; each rank on a GPU of its "
             "own uses NCCL)")
     return _default_nccl_group(ranks, device, timeout_s), None
@@ -351,7 +365,7 @@ class _Agreement:
 
     def abandon(self):
         for work in (self.work, self.guarded):
-            if hasattr(work, "abandon"):  # strata's Gloo (a torch.distributed work ends alone)
+            if hasattr(work, "abandon"):  # strata's own (a torch.distributed work ends alone)
                 work.abandon()
 
 
@@ -611,7 +625,7 @@ class Ranks:
             try:
                 in_flight[3].check()
                 in_flight[0].wait()
-            except (_strata.Error, RuntimeError):  # (strata's Gloo; torch.distributed's)
+            except (_strata.Error, RuntimeError):  # (strata's own; torch.distributed's)
                 pass
 
     # --- weights: all-gathered from their owners ----------------------------------------------

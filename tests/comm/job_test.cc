@@ -5,10 +5,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
@@ -106,9 +108,10 @@ TEST(JoinJobTest, AJobOfOneProcessHasACommunicatorOfOne) {
   EXPECT_EQ(x[2], 3);
 }
 
-// torch.distributed (or torchrun's agent) already listens on MASTER_PORT: strata's store is on
-// the next port, and two launched ranks meet and reduce.
-TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
+// Runs 2 launched ranks beside a torch store on MASTER_PORT; rank r joins with transports[r] and
+// then runs `body`; each rank's exit status.
+std::vector<int> TwoRanks(const Transport (&transports)[2],
+                          const std::function<int(int rank, absl::StatusOr<Job>&)>& body) {
   // A port for the torch store whose next port (strata's) is free too (FreePort).
   uint16_t port = 0;
   int torch_store = -1;
@@ -116,7 +119,7 @@ TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
     port = testing::FreePort();
     torch_store = testing::ListenOnLoopback(&port);
   }
-  ASSERT_GE(torch_store, 0);
+  if (torch_store < 0) return {-1, -1};
   const int master_port = port;
   std::vector<pid_t> pids;
   for (int r = 0; r < 2; ++r) {
@@ -124,28 +127,60 @@ TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
     if (pid == 0) {
       auto env = JobEnvFromEnvironment(From(Launched(r, 2, master_port)));
       if (!env.ok()) _exit(2);
-      auto job = JoinJob(*env, Duration(20000));
-      if (!job.ok()) {
-        fprintf(stderr, "rank %d: %s\n", r, job.status().ToString().c_str());
-        _exit(3);
-      }
-      std::vector<float> x(10, static_cast<float>(r + 1));
-      // The side communicator's collective is issued first and waited for last: it runs beside
-      // the first communicator's, not before or after it.
-      std::vector<float> y(10, static_cast<float>(10 * (r + 1)));
-      auto side = job->side->AllReduce(absl::MakeSpan(y));
-      if (!job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() || x[9] != 3.0f) _exit(4);
-      if (!side->Wait().ok() || y[9] != 30.0f) _exit(5);
-      _exit(0);
+      auto job = JoinJob(*env, Duration(20000), transports[r]);
+      _exit(body(r, job));
     }
     pids.push_back(pid);
   }
+  std::vector<int> codes;
   for (pid_t pid : pids) {
     int status = 0;
     waitpid(pid, &status, 0);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
   }
   close(torch_store);
+  return codes;
+}
+
+// torch.distributed (or torchrun's agent) already listens on MASTER_PORT: strata's store is on
+// the next port, and two launched ranks meet and reduce, through shared memory (on one host, by
+// default) or over TCP.
+TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
+  for (auto [transport, name] :
+       {std::pair{Transport::kAuto, "shared memory"}, std::pair{Transport::kShm, "shared memory"},
+        std::pair{Transport::kTcp, "tcp"}}) {
+    const auto codes = TwoRanks(
+        {transport, transport}, [name = std::string(name)](int r, absl::StatusOr<Job>& job) {
+          if (!job.ok()) {
+            fprintf(stderr, "rank %d: %s\n", r, job.status().ToString().c_str());
+            return 3;
+          }
+          if (job->transport != name) return 6;
+          std::vector<float> x(10, static_cast<float>(r + 1));
+          // The side communicator's collective is issued first and waited for last: it runs beside
+          // the first communicator's, not before or after it.
+          std::vector<float> y(10, static_cast<float>(10 * (r + 1)));
+          auto side = job->side->AllReduce(absl::MakeSpan(y));
+          if (!job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() || x[9] != 3.0f) return 4;
+          if (!side->Wait().ok() || y[9] != 30.0f) return 5;
+          return 0;
+        });
+    EXPECT_EQ(codes, (std::vector<int>{0, 0})) << name;
+  }
+}
+
+// A rank given another transport than rank 0's is named, rather than left waiting for a
+// segment that is never made.
+TEST(JoinJobTest, ATransportThatDiffersFromRankZerosIsNamed) {
+  const auto codes =
+      TwoRanks({Transport::kAuto, Transport::kTcp}, [](int r, absl::StatusOr<Job>& job) {
+        const std::string want = r == 0 ? "(0) was given the transport \"auto\" "
+                                          "(strata.comm_transport) but rank 1 was given \"tcp\""
+                                        : "(1) was given the transport \"tcp\" "
+                                          "(strata.comm_transport) but rank 0 was given \"auto\"";
+        return !job.ok() && absl::StrContains(job.status().message(), want) ? 0 : 7;
+      });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
 }
 
 }  // namespace

@@ -328,8 +328,8 @@ def test_ranks_on_gpus_train_as_one_process(tmp_path, monkeypatch, stage, offloa
     reports = train_as_one_process(tmp_path, 2, stage, offload, dtype,
                                    {"STRATA_TEST_DEVICE_INDEX": "0"} if shared else {})
     if shared:
-        assert all(r["collectives"] == "strata's Gloo over host memory (a GPU's buffers staged "
-                                       "through pinned memory)" for r in reports), reports
+        assert all(r["collectives"] == "strata's collectives (shared memory) over host memory "
+                                       "(a GPU's buffers staged through pinned memory)" for r in reports), reports
         assert sum("share a GPU" in w for w in reports[0]["warnings"]) == 1, reports[0]
     else:
         assert all(r["collectives"] == "torch.distributed's nccl process group (made by strata) "

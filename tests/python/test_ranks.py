@@ -52,6 +52,8 @@ config = {"train_batch_size": GLOBAL * 2, "gradient_accumulation_steps": 2 * SPL
           "strata": {"device": "emulated", "device_budget_bytes": 49152,
                      "host_budget_bytes": 64 << 20, "nvme_capacity_bytes": 64 << 20,
                      "comm_timeout_s": 60}}
+if __import__("os").environ.get("STRATA_TEST_TRANSPORT"):  # strata.comm_transport
+    config["strata"]["comm_transport"] = __import__("os").environ["STRATA_TEST_TRANSPORT"]
 if __import__("os").environ.get("STRATA_TEST_DEVICE") == "cuda":  # tests/python/test_cuda.py's
     config["strata"]["device"] = "cuda"
     if __import__("os").environ.get("STRATA_TEST_DEVICE_INDEX"):  # ranks sharing one GPU
@@ -137,10 +139,11 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
 
 # "noclip": no gradient_clipping (the others clip at 0.5, which scales these steps: a step staged
 # during backward is then dropped and taken anew): at stages 2 and 3 every step is staged during
-# backward and stands.
+# backward and stands. "tcp": strata's collectives on Gloo over TCP (strata.comm_transport; the
+# others on shared memory, the default for ranks on one host).
 @pytest.mark.parametrize("n, stage, offload, dtype, under_init, group", [
     (2, 1, "cpu", "fp32", False, False),
-    (4, 1, "nvme", "fp32", False, False),
+    (4, 1, "nvme", "fp32", False, "tcp"),
     (2, 2, "cpu", "fp32", False, "noclip"),
     (2, 3, "cpu", "fp32", False, False),
     (4, 3, "nvme", "fp32", False, "noclip"),
@@ -155,14 +158,19 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
 def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stage, offload, dtype,
                                                                under_init, group):
     env = {"STRATA_TEST_INIT": "1"} if under_init else {}
+    transport = "shared memory"
     if group == "noclip":
         env["STRATA_TEST_CLIP"] = "0"
         group = False
+    if group == "tcp":
+        env["STRATA_TEST_TRANSPORT"] = "tcp"
+        transport, group = "Gloo over TCP", False
     if group:
         env["STRATA_TEST_GROUP"] = "1"
     reports = train_as_one_process(tmp_path, n, stage, offload, dtype, env)
     assert all(r["collectives"] == ("torch.distributed's gloo process group over cpu buffers"
-                                    if group else "strata's Gloo over host memory")
+                                    if group else f"strata's collectives ({transport}) over host "
+                                    "memory")
                for r in reports), reports
     if env.get("STRATA_TEST_CLIP") == "0":
         assert all(r["staged"] == 4 for r in reports), reports
@@ -293,7 +301,7 @@ def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_resh
         assert sorted(outs[0]["epochs"][e] + outs[1]["epochs"][e]) == list(range(16))
 
 
-def test_bad_bucket_and_timeout_values_are_named_in_one_process_too(tmp_path):
+def test_bad_bucket_timeout_and_transport_values_are_named_in_one_process_too(tmp_path):
     import strata
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
             "strata": {"host_budget_bytes": 1 << 24, "nvme_capacity_bytes": 1 << 24}}
@@ -310,6 +318,13 @@ def test_bad_bucket_and_timeout_values_are_named_in_one_process_too(tmp_path):
          "'zero_optimization': {'stage': 2}, 'strata': {'comm_timeout_s': 1.5}})"],
         env=env, capture_output=True, text=True, timeout=60)
     assert "strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds" in child.stderr, \
+        child.stderr[-2000:]
+    child = subprocess.run(
+        [sys.executable, "-c", "import torch, strata; strata.initialize(model=torch.nn.Linear(2,"
+         " 2), config={'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'}, "
+         "'zero_optimization': {'stage': 2}, 'strata': {'comm_transport': 'nccl'}})"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert "strata.comm_transport: 'nccl' is not accepted; accepted: \"auto\"" in child.stderr, \
         child.stderr[-2000:]
 
 

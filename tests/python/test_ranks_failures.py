@@ -47,12 +47,13 @@ def test_a_killed_rank_ends_the_others_with_an_error_not_a_hang(stage):
     assert procs[1].returncode == -signal.SIGKILL
     assert procs[0].returncode != 0, out0
     assert "done" not in out0
-    # Named: which collective failed, and that it was the other rank that went away.
+    # Named: which collective failed, and that it was the other rank that went away (its process
+    # ended: seen on the shared memory between them, the default on one host, within ~100 ms).
     last = err0.strip().splitlines()[-1]
     assert last.startswith("strata._strata.Error: rank 0 of 2: ") and any(
-        f"{c} failed (timeout 20000 ms; a rank died or stopped answering?)" in last
+        f"{c} failed: rank 1 has died (its process ended)" in last
         for c in ("reduce-scatter", "all-gather", "all-reduce")), err0[-3000:]
-    assert time.monotonic() - start < 60  # well inside the timeout: a closed peer is seen at once
+    assert time.monotonic() - start < 60  # well inside the timeout: a dead peer is seen at once
 
 
 def test_stage_0_across_ranks_is_refused_naming_what_is_accepted():
@@ -115,14 +116,14 @@ def test_ranks_whose_set_ups_differ_or_cannot_go_on_are_named_on_every_rank(case
 
 
 class _Job:
-    rank, world_size, local_rank = 1, 2, 1
+    rank, world_size, local_rank, transport = 1, 2, 1, "shared memory"
 
 
 def test_a_long_reason_in_a_rank_s_set_up_is_cut_to_fit_not_garbled():
     from strata import ranks as ranks_module
 
     class Alone:  # a job of one rank: the exchange hands back this rank's own bytes
-        rank, world_size, local_rank = 0, 1, 0
+        rank, world_size, local_rank, transport = 0, 1, 0, "tcp"
 
         def all_gather(self, send, out, async_op=False):
             out.copy_(send)
@@ -319,12 +320,12 @@ def test_ranks_that_disagree_on_the_world_size_are_told_so():
     assert procs[1].returncode != 0
     assert "was given world size 3 but rank 0 was given 2: WORLD_SIZE must be the same on every " \
            "rank" in err1, err1[-2000:]
-    # Rank 0 waits for a rank 1 of its job that never comes: it fails at comm_timeout_s (20 s).
+    # Rank 0 reads rank 1's too: named there as well, at once (not at comm_timeout_s, 20 s).
     _, err0 = procs[0].communicate(timeout=120)
     assert procs[0].returncode != 0
-    assert time.monotonic() - start < 90
-    assert "gloo: rank 0 of 2 could not connect to the others" in err0 and \
-        "no answer within 20000 ms" in err0, err0[-2000:]
+    assert time.monotonic() - start < 15
+    assert "the job: this rank (0) was given world size 2 but rank 1 was given 3" in err0, \
+        err0[-2000:]
 
 
 def test_a_missing_launcher_variable_is_named_by_initialize():

@@ -338,8 +338,10 @@ def test_a_row_across_ranks_splits_the_global_batch_and_reports_the_job(tmp_path
     assert row["speedup"] == pytest.approx(theirs["step_s"] / ours["step_s"])
     (figure,) = report["figures"]
     assert figure["ranks"] == 2
-    assert "vs_deepspeed/zero2_cpu_2ranks: 2 ranks on Gloo over loopback, the global batch 2 " \
-        "(1 a rank)" in stdout
+    assert ours["collectives"] == "strata's collectives (shared memory) over host memory"
+    assert "vs_deepspeed/zero2_cpu_2ranks: 2 ranks on this machine (strata: strata's collectives " \
+        "(shared memory) over host memory; DeepSpeed: torch.distributed Gloo over loopback), the " \
+        "global batch 2 (1 a rank)" in stdout
 
 
 # A DeepSpeed whose rank 1 fails in deepspeed.initialize while rank 0 hangs (as in a collective

@@ -259,6 +259,25 @@ TEST(RuntimeConfigTest, TheMallocMmapThresholdIsGlibcsOwnUnlessSet) {
               HasSubstr("malloc_mmap_threshold_bytes"));
 }
 
+TEST(RuntimeConfigTest, CommTransportIsAutoShmOrTcp) {
+  EXPECT_EQ(RuntimeConfig().comm_transport, "auto");
+  for (const char* ok : {"auto", "shm", "tcp"}) {
+    auto c =
+        RuntimeConfigFromJsonText(absl::StrCat(R"({"strata": {"comm_transport": ")", ok, R"("}})"));
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->comm_transport, ok);
+  }
+  for (const char* bad :
+       {R"({"strata": {"comm_transport": "nccl"}})", R"({"strata": {"comm_transport": 1}})"}) {
+    EXPECT_THAT(RuntimeConfigFromJsonText(bad).status().message(),
+                HasSubstr("strata.comm_transport"))
+        << bad;
+  }
+  EXPECT_THAT(
+      RuntimeConfigFromJsonText(R"({"strata": {"comm_transport": "nccl"}})").status().message(),
+      HasSubstr("accepted: auto"));
+}
+
 TEST(RuntimeConfigTest, OptimizerCommitIsStepOrPartition) {
   EXPECT_FALSE(RuntimeConfig().optimizer_commit_each);
   auto step = RuntimeConfigFromJsonText(R"({"strata": {"optimizer_commit": "step"}})");

@@ -49,9 +49,10 @@ The Trainer as users drive it:
   .ckpt or a collated file). ``convert_zero_checkpoint_to_fp32_state_dict`` collates a folder into
   one fp32 state dict that ``LightningModule.load_from_checkpoint`` reads.
 * ``devices=N`` on the CPU: N ranks (Lightning launches them; torchrun's too), ZeRO across them
-  over strata's Gloo (strata/ranks.py), Lightning's own collectives over torch.distributed's Gloo.
-  ``accelerator="gpu"``: strata's CUDA device tier (strata.device "cuda"), one GPU (across ranks
-  the engine runs on the emulated tier only, so devices > 1 on a GPU is refused).
+  over strata's own collectives (shared memory between ranks on one host: strata/ranks.py),
+  Lightning's own collectives over torch.distributed's Gloo. ``accelerator="gpu"``: strata's CUDA
+  device tier (strata.device "cuda"), each rank on the GPU Lightning gives it
+  (strata.device_index), the gradients and weights on NCCL (docs/ranks.md).
 
 After a run the module's weights stay in its engine (the engine is kept with the module, as
 DeepSpeed's ZeRO-3 keeps parameters partitioned): the module still runs (stage 3 lends its
