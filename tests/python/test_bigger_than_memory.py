@@ -125,3 +125,38 @@ def test_a_model_twice_the_host_budget_is_built_loaded_and_trained_within_it(tmp
     bound = HOST_BUDGET + DEVICE_BUDGET + MARGIN
     assert bound < weights  # so that holding the weights whole anywhere fails the test
     assert report["peak_growth"] <= bound, (report, bound, weights)
+
+
+def test_the_largest_model_strata_plan_names_is_the_one_examples_llama_builds(tmp_path):
+    """strata_plan --largest (planner/plan_largest.h) names a member of examples/llama.py's family
+    and the flags bench/bigger_than_ram.py builds it from: built from them by transformers (on the
+    meta device), it has the planner's parameters and the config.json --save-model wrote."""
+    import re
+    plan = os.path.join(os.environ["PYTHONPATH"].split(os.pathsep)[0], "..", "tools",
+                        "strata_plan", "strata_plan")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "nvme",
+                                                    "nvme_path": str(tmp_path)}}}))
+    run = subprocess.run([plan, "--largest", "--hardware", "h200-141g-128g", "--config",
+                          str(config), "--vocab", "256", "--sequence", "128", "--save-model",
+                          str(tmp_path / "model.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (line,) = [s for s in run.stdout.splitlines() if "built by bench/bigger_than_ram.py" in s]
+    flags = line.split("bigger_than_ram.py ")[1].split()
+    given = dict(zip(flags[::2], (int(v) for v in flags[1::2])))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    from llama import llama
+    with torch.device("meta"):
+        model = llama(given["--layers"], given["--width"], given["--heads"], given["--context"],
+                      vocab=given["--vocab"])
+    planned = int(re.search(r"B parameters \((\d+)\)", run.stdout).group(1))
+    assert sum(p.numel() for p in model.parameters()) == planned
+    saved = json.loads((tmp_path / "model.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings"):
+        assert getattr(model.config, key) == saved[key], key

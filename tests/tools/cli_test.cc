@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "aio/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -326,6 +327,40 @@ TEST_F(PlanCliTest, AThirteenBModelFitsOneWorkstationGpuOnlyWithNvmeOffload) {
                                      "does not fit: the device tier needs"));
   EXPECT_THAT(none.output, HasSubstr("the suggested config"));
   EXPECT_THAT(none.output, HasSubstr("FITS"));
+}
+
+// --largest: the largest Llama-shaped model the lent H200 machine holds with the state offloaded,
+// its config.json written and planned as a --model; flags that do not go with it refused.
+TEST_F(PlanCliTest, LargestNamesTheLargestModelThatFitsAndWritesItsConfig) {
+  Write("cpu_nvme.json", R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 3,
+            "offload_param": {"device": "cpu"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}})");
+  Outcome r =
+      Execute(kPlan + " --largest --hardware h200-141g-128g --config " + Path("cpu_nvme.json") +
+              " --vocab 256 --sequence 128 --save-model " + Path("largest.json"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--largest: the largest LlamaForCausalLM of examples/llama.py's "
+                                  "shape that fits with this config"));
+  // The optimizer's state on its 64 GiB disk bounds it, well within the GPU's memory.
+  EXPECT_THAT(r.output, HasSubstr("does not fit: the nvme tier needs"));
+  EXPECT_THAT(r.output, HasSubstr("within it: this machine's other tiers add nothing"));
+  EXPECT_THAT(r.output, HasSubstr("built by bench/bigger_than_ram.py --layers "));
+  EXPECT_THAT(r.output, HasSubstr("FITS"));
+  std::ifstream in(Path("largest.json"));
+  const nlohmann::json model = nlohmann::json::parse(in);
+  EXPECT_EQ(model["model_type"], "llama");
+  EXPECT_EQ(model["vocab_size"], 256);
+  EXPECT_THAT(r.output, HasSubstr(absl::StrCat(model["hidden_size"].get<int>(), " wide, ",
+                                               model["num_hidden_layers"].get<int>(), " layers")));
+  // Planned again as a --model, the same model fits with the same config.
+  Outcome again = Execute(kPlan + " --model " + Path("largest.json") +
+                          " --hardware h200-141g-128g --config " + Path("cpu_nvme.json"));
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  for (const char* bad : {" --largest --model x.json", " --model x.json --vocab 10",
+                          " --model x.json --save-model y.json", " --largest --vocab 0"}) {
+    Outcome refused = Execute(kPlan + bad + " --hardware h200-141g-128g");
+    EXPECT_EQ(refused.exit_code, 2) << bad << ": " << refused.output;
+  }
 }
 
 TEST_F(PlanCliTest, ItPredictsTheStepDrawsItAndSuggestsAConfigThatReadsBack) {

@@ -18,6 +18,12 @@
 // lane's busy time and bytes, what the trainer waited on, tokens per second and model TFLOPs per
 // GPU; --svg draws the predicted step's lanes.
 //
+// --largest names, instead of planning --model, the largest Llama-shaped model that fits with the
+// config (with --suggest, with any configuration it searches), planner/plan_largest.h: its shape,
+// parameters and training state beside the GPU's memory, the member one step wider and the tier
+// that refuses it, bench/bigger_than_ram.py's flags to build it; --save-model writes its
+// config.json. Then it is planned as a --model would be.
+//
 // --calibrate describes this machine by measurement instead of --hardware (calibrate.h says what
 // is measured and how; --gpu-tflops and --gpu-hbm-gib are required, --sweep gives NVMe from
 // aio_bench_perf_sweep's results.json): it prints the description, writes it to --save-hardware
@@ -39,6 +45,7 @@
 #include "base/config_reader.h"
 #include "nlohmann/json.hpp"
 #include "planner/plan_hardware.h"
+#include "planner/plan_largest.h"
 #include "planner/plan_memory.h"
 #include "planner/plan_model.h"
 #include "planner/plan_time.h"
@@ -64,6 +71,11 @@ ABSL_FLAG(std::string, json, "", "also write the plan as JSON here");
 ABSL_FLAG(bool, suggest, false,
           "search for the fastest configuration that fits (stage, offload, micro-batch, "
           "checkpointing, prefetch bucket) and print it as a config block to paste");
+ABSL_FLAG(bool, largest, false,
+          "instead of --model: the largest Llama-shaped model (examples/llama.py's shape) that "
+          "fits with --config (with --suggest: with any configuration searched)");
+ABSL_FLAG(int64_t, vocab, 32000, "with --largest: the models' vocabulary");
+ABSL_FLAG(std::string, save_model, "", "with --largest: write its config.json here");
 ABSL_FLAG(bool, calibrate, false,
           "describe this machine by measurement instead of --hardware (CPU Adam, the copy link, "
           "NVMe from --sweep); needs --gpu-tflops and --gpu-hbm-gib");
@@ -95,6 +107,8 @@ constexpr const char* kUsage =
     "strata_plan: will this model fit on this machine with this config (bytes per tier)\n\n"
     "  strata_plan --model config.json --hardware NAME|FILE [--config ds_config.json] "
     "[--suggest] [--svg F]\n"
+    "  strata_plan --largest --hardware NAME|FILE [--config ds_config.json] [--suggest] "
+    "[--vocab V] [--sequence N] [--save-model F]\n"
     "  strata_plan --calibrate --gpu-tflops T --gpu-hbm-gib G [--sweep results.json] "
     "[--save-hardware F] [--model config.json ...]\n\n"
     "Exit codes: 0 it fits, 1 it does not, 2 bad input.";
@@ -282,6 +296,59 @@ Json BytesJson(const Bytes& b) {
           {"activations", b.activations}, {"staging", b.staging}, {"total", b.total()}};
 }
 
+// --largest: the search's answer printed (and its config.json written with --save-model); the
+// member's config.json, planned next as a --model is.
+Json LargestModel(const Hardware& hw, const Training& training) {
+  LargestOptions o;
+  o.vocab = absl::GetFlag(FLAGS_vocab);
+  o.sequence = absl::GetFlag(FLAGS_sequence) > 0 ? absl::GetFlag(FLAGS_sequence) : 2048;
+  o.suggest = absl::GetFlag(FLAGS_suggest);
+  auto found = FindLargest(hw, training, o);
+  if (!found.ok() && found.status().code() == absl::StatusCode::kNotFound) {
+    std::printf("--largest: %s\n", std::string(found.status().message()).c_str());
+    std::exit(1);
+  }
+  if (!found.ok()) Fail(std::string(found.status().message()));
+  const double state = TrainingStateBytes(found->model, found->training);
+  const double gpu = hw.hbm_bytes * hw.ranks();
+  std::printf(
+      "--largest: the largest LlamaForCausalLM of examples/llama.py's shape that fits with %s "
+      "(%d planned): %lld wide, %lld layers, %lld heads, vocabulary %lld: %.2fB parameters "
+      "(%lld)\n",
+      o.suggest ? "the configuration --suggest finds" : "this config", found->tried,
+      static_cast<long long>(found->width), static_cast<long long>(found->layers),
+      static_cast<long long>(found->heads), static_cast<long long>(o.vocab),
+      found->model.TotalParams() / 1e9, static_cast<long long>(found->model.TotalParams()));
+  std::printf(
+      "--largest: its training state (weights and gradients in the training dtype%s, Adam's "
+      "moments) %s = %.2fx the GPUs' memory (%s)%s\n",
+      found->training.dtype_bytes == 4 ? "" : ", fp32 master weights", Gb(state).c_str(),
+      state / gpu, Gb(gpu).c_str(),
+      state >= 1.5 * gpu ? ""
+      : state > gpu      ? ": beyond it, but not by 1.5x: the host memory and disk allow no more"
+                         : ": within it: this machine's other tiers add nothing beyond the GPU");
+  if (found->wider_refused.has_value()) {
+    const auto& r = *found->wider_refused;
+    std::printf(
+        "--largest: the next, %lld wide, does not fit%s: the %s tier needs %s of its %s%s\n",
+        static_cast<long long>(found->width + 256),
+        o.suggest ? " (no configuration searched fits; with the config given" : "", r.tier.c_str(),
+        Gb(r.need).c_str(), Gb(r.have).c_str(), o.suggest ? ")" : "");
+  } else {
+    std::printf("--largest: the widest tried fits (the family's end, not the machine's)\n");
+  }
+  std::printf(
+      "--largest: built by bench/bigger_than_ram.py --layers %lld --width %lld --heads %lld "
+      "--vocab %lld --context %lld\n\n",
+      static_cast<long long>(found->layers), static_cast<long long>(found->width),
+      static_cast<long long>(found->heads), static_cast<long long>(o.vocab),
+      static_cast<long long>(o.sequence));
+  if (!absl::GetFlag(FLAGS_save_model).empty()) {
+    WriteFile("save-model", absl::GetFlag(FLAGS_save_model), found->hf_config.dump(2) + "\n");
+  }
+  return found->hf_config;
+}
+
 int Main() {
   if (absl::GetFlag(FLAGS_hardware) == "list") {
     for (const std::string& n : ShippedNames()) std::printf("%s\n", n.c_str());
@@ -290,6 +357,17 @@ int Main() {
   std::string hw_path;
   Json hw_json;
   Json model_json;
+  const bool largest = absl::GetFlag(FLAGS_largest);
+  if (largest && !absl::GetFlag(FLAGS_model).empty()) {
+    aio_bench::BadFlag("--model", "not with --largest, which names the model");
+  }
+  if (!largest) {
+    for (const auto& [name, given] : std::vector<std::pair<const char*, bool>>{
+             {"--vocab", absl::GetFlag(FLAGS_vocab) != 32000},
+             {"--save-model", !absl::GetFlag(FLAGS_save_model).empty()}}) {
+      if (given) aio_bench::BadFlag(name, "only with --largest");
+    }
+  }
   if (!absl::GetFlag(FLAGS_model).empty()) {
     model_json = ReadJsonFile("model", absl::GetFlag(FLAGS_model));  // before any measuring
   }
@@ -332,10 +410,10 @@ int Main() {
     if (!absl::GetFlag(FLAGS_save_hardware).empty()) {
       WriteFile("save-hardware", absl::GetFlag(FLAGS_save_hardware), hw_json.dump(2) + "\n");
     }
-    if (absl::GetFlag(FLAGS_model).empty()) return 0;
+    if (absl::GetFlag(FLAGS_model).empty() && !largest) return 0;
   } else {
-    if (absl::GetFlag(FLAGS_model).empty())
-      aio_bench::BadFlag("--model", "required: a Hugging Face config.json");
+    if (absl::GetFlag(FLAGS_model).empty() && !largest)
+      aio_bench::BadFlag("--model", "required: a Hugging Face config.json (or --largest)");
     if (absl::GetFlag(FLAGS_hardware).empty()) {
       aio_bench::BadFlag("--hardware",
                          "required: a description's path or a shipped name (or --calibrate)");
@@ -355,6 +433,7 @@ int Main() {
   if (absl::GetFlag(FLAGS_micro_batch) > 0)
     training->micro_batch = absl::GetFlag(FLAGS_micro_batch);
   training->activation_checkpointing = absl::GetFlag(FLAGS_checkpointing);
+  if (largest) model_json = LargestModel(*hw, *training);
   auto model =
       TransformerFromHfConfig(model_json, absl::GetFlag(FLAGS_sequence), training->micro_batch);
   if (!model.ok()) Fail(absl::StrCat(absl::GetFlag(FLAGS_model), ": ", model.status().message()));
@@ -554,6 +633,7 @@ int main(int argc, char** argv) {
                                        {"gpu_tflops", 0, 1e6},
                                        {"gpu_hbm_gib", 0, 1e6},
                                        {"gpus", 1, 1024},
-                                       {"calibrate_adam_params", 1 << 16, int64_t{1} << 32}});
+                                       {"calibrate_adam_params", 1 << 16, int64_t{1} << 32},
+                                       {"vocab", 1, 1 << 24}});
   return strata::plan::Main();
 }
