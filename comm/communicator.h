@@ -10,6 +10,8 @@
 // no longer be assumed to agree on what was exchanged).
 //
 // Buffers belong to the caller and must stay valid, and not be touched, until the Work is done.
+// A call refused on the spot (a bad shape or root: its Work failed at once) issues nothing: the
+// other ranks learn of it only at their next collective, or at the timeout.
 //
 // Thread safety: a Communicator may be called from any thread, but the order of issue across
 // ranks is the caller's to keep; Work is thread-safe.

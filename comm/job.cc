@@ -189,9 +189,11 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport trans
           *job.store,
           {.rank = env.rank, .size = env.world_size, .timeout = timeout, .prefix = prefix});
       if (!comm.ok()) {
-        // The same on every rank (one could not map the segment): all take TCP together.
+        // The same on every rank (one could not make or map a segment: the second's, say, where
+        // /dev/shm has room for one): all take TCP together, the first let go.
         if (transport == Transport::kAuto &&
-            comm.status().code() == absl::StatusCode::kFailedPrecondition && job.comm == nullptr) {
+            comm.status().code() == absl::StatusCode::kFailedPrecondition) {
+          job.comm.reset();
           break;
         }
         return comm.status();

@@ -103,9 +103,19 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::nanoseco
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
 }
 
+// 16 MiB a segment over the ranks' two slots, from 64 KiB to 4 MiB a slot, and at least a page a
+// rank (a reduce-scatter's round holds a piece for each): the job's two segments fit the 64 MiB
+// /dev/shm of a container's default up to 64 ranks.
 size_t DefaultSlotBytes(int size) {
-  const size_t share = (size_t{32} << 20) / (2 * static_cast<size_t>(size));
-  return std::clamp<size_t>(share / kPage * kPage, size_t{256} << 10, size_t{4} << 20);
+  const size_t share = (size_t{16} << 20) / (2 * static_cast<size_t>(size));
+  return std::max(std::clamp<size_t>(share / kPage * kPage, size_t{64} << 10, size_t{4} << 20),
+                  kPage * static_cast<size_t>(size));
+}
+
+// The rounds a collective of `n` elements takes at `per_round` a round: at least one, so that
+// ranks whose collectives differ meet and are named even where one of them moves nothing.
+size_t Rounds(size_t n, size_t per_round) {
+  return std::max<size_t>(1, (n + per_round - 1) / per_round);
 }
 
 uint64_t RandomWord() {
@@ -244,8 +254,8 @@ class ShmCommunicator final : public Communicator {
     return in_order_.Issue("all-gather", [this, in, out, desc] {
       const size_t n = in.size();
       std::memmove(out.data() + rank_ * n, in.data(), n);
-      for (size_t at = 0; at < n; at += slot_bytes_) {
-        const size_t piece = std::min(slot_bytes_, n - at);
+      for (size_t r = 0, rounds = Rounds(n, slot_bytes_); r < rounds; ++r) {
+        const size_t at = r * slot_bytes_, piece = std::min(slot_bytes_, n - at);
         STRATA_RETURN_IF_ERROR(Round(
             desc, [&](std::byte* slot) { std::memcpy(slot, in.data() + at, piece); },
             [&](int j, const std::byte* slot) {
@@ -267,8 +277,8 @@ class ShmCommunicator final : public Communicator {
       // Each round: every rank's piece of each shard; this rank sums the pieces of its own.
       const size_t m = out.size();
       const size_t per_round = slot_bytes_ / sizeof(float) / size_;
-      for (size_t at = 0; at < m; at += per_round) {
-        const size_t piece = std::min(per_round, m - at);
+      for (size_t r = 0, rounds = Rounds(m, per_round); r < rounds; ++r) {
+        const size_t at = r * per_round, piece = std::min(per_round, m - at);
         STRATA_RETURN_IF_ERROR(Round(
             desc,
             [&](std::byte* slot) {
@@ -290,8 +300,8 @@ class ShmCommunicator final : public Communicator {
     const Desc desc{kAllReduce, -1, data.size() * sizeof(float)};
     return in_order_.Issue("all-reduce", [this, data, desc] {
       const size_t m = data.size(), per_round = slot_bytes_ / sizeof(float);
-      for (size_t at = 0; at < m; at += per_round) {
-        const size_t piece = std::min(per_round, m - at);
+      for (size_t r = 0, rounds = Rounds(m, per_round); r < rounds; ++r) {
+        const size_t at = r * per_round, piece = std::min(per_round, m - at);
         // This rank's piece is read back from its slot: data is overwritten by the sum.
         STRATA_RETURN_IF_ERROR(Round(
             desc,
@@ -311,8 +321,8 @@ class ShmCommunicator final : public Communicator {
     }
     const Desc desc{kBroadcast, root, data.size()};
     return in_order_.Issue("broadcast", [this, data, root, desc] {
-      for (size_t at = 0; at < data.size(); at += slot_bytes_) {
-        const size_t piece = std::min(slot_bytes_, data.size() - at);
+      for (size_t r = 0, rounds = Rounds(data.size(), slot_bytes_); r < rounds; ++r) {
+        const size_t at = r * slot_bytes_, piece = std::min(slot_bytes_, data.size() - at);
         STRATA_RETURN_IF_ERROR(Round(
             desc,
             [&](std::byte* slot) {
@@ -374,7 +384,7 @@ class ShmCommunicator final : public Communicator {
       if (theirs.op != desc.op || theirs.root != desc.root || theirs.bytes != desc.bytes) {
         return absl::InvalidArgumentError(
             absl::StrCat("rank ", rank_, " of ", size_, ": ", Describe(desc), ": rank ", j,
-                         " issued a ", Describe(theirs),
+                         " issued ", Describe(theirs),
                          " in its place: every rank must issue the same collectives, of "
                          "the same sizes, in the same order"));
       }
@@ -466,7 +476,8 @@ absl::Status AgreeOnMapping(TcpStore& store, const std::string& prefix, int rank
   for (int j = 0; j < size; ++j) {
     if ((*all)[j] != "ok") {
       return absl::FailedPreconditionError(absl::StrCat("shared memory between ranks: rank ", j,
-                                                        " could not map the segment: ", (*all)[j]));
+                                                        " could not ", j == 0 ? "make" : "map",
+                                                        " the segment: ", (*all)[j]));
     }
   }
   return absl::OkStatus();
@@ -483,10 +494,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateShmCommunicator(TcpStore& st
                                                    "; accepted: 0 <= rank < size"));
   }
   const size_t slot_bytes = options.slot_bytes == 0 ? DefaultSlotBytes(size) : options.slot_bytes;
-  if (slot_bytes < kPage * static_cast<size_t>(size)) {
+  if (slot_bytes < kPage * static_cast<size_t>(size) || slot_bytes % 64 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("shared memory between ranks: slot_bytes ", slot_bytes,
-                     "; accepted: 0 (the default) or 4096 x size (", kPage * size, ") and up"));
+                     "; accepted: 0 (the default) or a multiple of 64 bytes, 4096 x size (",
+                     kPage * size, ") and up"));
   }
   const std::string prefix = options.prefix + "/";
   STRATA_RETURN_IF_ERROR(
@@ -499,7 +511,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateShmCommunicator(TcpStore& st
     segment = MakeSegment(name, size, slot_bytes, token);
     const std::string said = segment.ok() ? absl::StrCat(name, " ", token)
                                           : absl::StrCat("! ", segment.status().message());
-    STRATA_RETURN_IF_ERROR(store.Set(prefix + "segment", {said.begin(), said.end()}));
+    if (absl::Status s = store.Set(prefix + "segment", {said.begin(), said.end()}); !s.ok()) {
+      if (segment.ok()) shm_unlink(name.c_str());
+      return s;
+    }
   } else {
     auto said = store.Get(prefix + "segment", options.timeout);
     if (!said.ok()) return said.status();

@@ -19,12 +19,15 @@
 // on, marked, when its holder dies. Abort marks the segment: every rank's waiting collective
 // fails at once.
 //
-// Rank 0 makes the segment (shm_open under a random name, its room reserved by posix_fallocate,
-// so a full /dev/shm is an error here rather than a SIGBUS later), the others map it by the name
-// and a random token read from the store, and rank 0 unlinks it once every rank has said whether
-// it mapped it: nothing is left in /dev/shm when the ranks end, however they end. Where any rank
-// cannot map it (another host, another IPC namespace, no room), every rank gets the same
-// FailedPrecondition naming that rank and why, so that all of them can take another transport.
+// Rank 0 makes the segment once every rank has arrived (shm_open under a random name, its room
+// reserved by posix_fallocate, so a full /dev/shm is an error here rather than a SIGBUS later),
+// the others map it by the name and a random token read from the store, and rank 0 unlinks it
+// once every rank has said whether it mapped it (on its every path): nothing is left in /dev/shm
+// when the ranks end, unless rank 0 is killed in the moment between making it and the others'
+// word. Where any rank cannot make or map it (another host, another IPC namespace, no room),
+// every rank gets the same FailedPrecondition naming that rank and why, so that all of them can
+// take another transport. A collective that moves nothing takes a round all the same, so ranks
+// whose collectives differ meet and are named there too.
 //
 // Thread safety: as Communicator.
 #ifndef STRATA_COMM_SHM_COMMUNICATOR_H_
@@ -45,8 +48,9 @@ struct ShmOptions {
   int size = 1;
   Duration timeout = Duration(60000);  // of the rendezvous and of each wait for another rank
   std::string prefix = "shm";          // of the store's keys, so several communicators can meet
-  // Bytes of one slot (0: 32 MiB over 2 x size, from 256 KiB to 4 MiB); the segment holds two a
-  // rank, 2 x size x slot_bytes in all, plus a page a rank. Accepted: 0, or 4096 x size and up.
+  // Bytes of one slot (0: 16 MiB over 2 x size, from 64 KiB to 4 MiB, and at least 4096 x size);
+  // the segment holds two a rank, 2 x size x slot_bytes in all, plus a page a rank. Accepted: 0,
+  // or a multiple of 64 of 4096 x size and up.
   size_t slot_bytes = 0;
 };
 
