@@ -3,7 +3,8 @@
 GiB, its state on the disk.
 
     PYTHONPATH=build/release/python .venv/bin/python bench/bigger_than_ram.py --dir SCRATCH \
-        [--layers 36 --width 2048 --heads 16] [--host-budget-gib 4] [--json out.json]
+        [--layers 36 --width 2048 --heads 16 | --largest --plan STRATA_PLAN] \
+        [--host-budget-gib 4] [--json out.json]
 
 What it does, and reports (BENCH.md):
   * before anything is allocated, what the run needs (disk: the NVMe store and a checkpoint;
@@ -31,6 +32,11 @@ What it does, and reports (BENCH.md):
   * --param-device cpu: offload_param "cpu" for both (the bf16 weights in host memory, the
     optimizer state on NVMe): the configuration DeepSpeed 0.19.8 finishes here (with parameters
     on NVMe its parameter swapper fails at step 2, its issue 3062).
+  * --largest (with --plan): the model is the largest of examples/llama.py's family that
+    strata_plan --largest finds for this run's config on this machine (planner/plan_largest.h):
+    the description --calibrate's, the disk from fio, its host memory the host budget and its
+    disk the optimizer state's share of the free space (--largest-disk-gib caps it) beside what
+    else the run puts there (the checkpoint, the gradients' spill, the weights).
   * --device cuda: the model computes on GPU 0 (strata.device "cuda", its device tier within
     --device-budget-gib of the GPU's memory; DeepSpeed with its CUDA accelerator), the GPU
     synchronized before each step's clock starts and before it stops; each step also reports the
@@ -49,6 +55,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
+from fio_ceiling import fio_bandwidth  # noqa: E402 (the disk's ceiling)
 from vs_deepspeed import io_bytes, status_kib  # noqa: E402 (the /proc figures, read alike)
 
 GIB = 1 << 30
@@ -347,17 +354,12 @@ def matmul_tflops(threads, device="cpu"):
     return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def planner(args, config, read_bps, write_bps, free_bytes):
-    """strata_plan's step for this run on this machine, or an error line."""
+def describe(args, read_bps, write_bps, free_bytes):
+    """This machine's description for strata_plan (its path), or an error line: --calibrate here,
+    the disk from fio in the same run, the "GPU" this device's bf16 matmul measured."""
     import torch
-    from llama import llama
     folder = os.path.join(args.dir, "plan")
     os.makedirs(folder, exist_ok=True)
-    with torch.device("meta"):
-        model = llama(args.layers, args.width, args.heads, args.context, vocab=args.vocab)
-    model.config.to_json_file(os.path.join(folder, "config.json"))
-    with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f)
     hardware = os.path.join(folder, "hardware.json")
     tflops = matmul_tflops(args.threads, args.device)
     hbm_gib = args.device_budget_gib
@@ -381,6 +383,24 @@ def planner(args, config, read_bps, write_bps, free_bytes):
                     "TFLOPS measured")
     with open(hardware, "w", encoding="utf-8") as f:
         json.dump(hw, f)
+    return hardware, tflops
+
+
+def planner(args, config, read_bps, write_bps, free_bytes):
+    """strata_plan's step for this run on this machine, or an error line."""
+    import torch
+    from llama import llama
+    folder = os.path.join(args.dir, "plan")
+    os.makedirs(folder, exist_ok=True)
+    with torch.device("meta"):
+        model = llama(args.layers, args.width, args.heads, args.context, vocab=args.vocab)
+    model.config.to_json_file(os.path.join(folder, "config.json"))
+    with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    described = describe(args, read_bps, write_bps, free_bytes)
+    if isinstance(described, dict):
+        return described
+    hardware, tflops = described
     plan_json = os.path.join(folder, "plan.json")
     run = subprocess.run(
         [args.plan, "--model", os.path.join(folder, "config.json"), "--hardware", hardware,
@@ -395,6 +415,56 @@ def planner(args, config, read_bps, write_bps, free_bytes):
     step = plan.get("step") or {"error": "no step predicted"}
     step["tflops_given"] = tflops
     return step
+
+
+def largest_model(args, nvme):
+    """--largest: the largest model of examples/llama.py's family strata_plan finds for this run's
+    config on this machine (planner/plan_largest.h), its shape set in args. The description is
+    --calibrate's with the disk from fio, its host memory the host budget (what strata may hold
+    there), and its disk the share of the free space the optimizer's state may take beside the
+    rest this run puts there (needs(): the checkpoint, the gradients' spill, the weights)."""
+    read_bps = fio_bandwidth(args.dir, write=False)
+    write_bps = fio_bandwidth(args.dir, write=True)
+    if not (read_bps and write_bps):
+        sys.exit("bigger_than_ram: --largest needs fio (the disk's rates for the planner)")
+    stat = os.statvfs(args.dir)
+    free = stat.f_bavail * stat.f_frsize
+    if args.largest_disk_gib:
+        free = min(free, args.largest_disk_gib * GIB)
+    disk, _ = needs(args, 1, 0)  # bytes a parameter, and the fixed slack
+    slack = disk.pop("fio's scratch file and slack")
+    state = 12 * (1 if args.commit == "partition" else 2) + \
+        (2 if args.param_device == "nvme" else 0)  # what the planner's NVMe tier holds
+    described = describe(args, read_bps, write_bps, max(0, free - slack) * state /
+                         sum(disk.values()))
+    if isinstance(described, dict):
+        sys.exit(f"bigger_than_ram: {described['error']}")
+    hardware, _ = described
+    with open(hardware, encoding="utf-8") as f:
+        hw = json.load(f)
+    hw["host"]["ram_gib"] = args.host_budget_gib
+    hw["source"] += "; the host memory: the run's host budget; the disk: the optimizer's share"
+    with open(hardware, "w", encoding="utf-8") as f:
+        json.dump(hw, f)
+    folder = os.path.dirname(hardware)
+    config = config_for(args, nvme, shape(args)[1])
+    if not args.nvme_capacity_gib:  # (sized for the model once it is known)
+        del config["strata"]["nvme_capacity_bytes"]
+    with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    run = subprocess.run(
+        [args.plan, "--largest", "--hardware", hardware, "--config",
+         os.path.join(folder, "ds_config.json"), "--vocab", str(args.vocab), "--sequence",
+         str(args.context), "--micro-batch", str(args.batch), "--nocheckpointing",
+         "--save-model", os.path.join(folder, "largest.json")], capture_output=True, text=True)
+    print("\n".join(s for s in run.stdout.splitlines() if s.startswith("--largest")))
+    if run.returncode != 0:
+        sys.exit(f"bigger_than_ram: strata_plan --largest exited {run.returncode}: "
+                 f"{(run.stdout + run.stderr)[-1500:]}")
+    with open(os.path.join(folder, "largest.json"), encoding="utf-8") as f:
+        found = json.load(f)
+    args.layers, args.width = found["num_hidden_layers"], found["hidden_size"]
+    args.heads = found["num_attention_heads"]
 
 
 def main():
@@ -433,21 +503,31 @@ def main():
                         help="more zero_optimization keys for DeepSpeed's run only (its "
                              "workarounds: stage3_prefetch_bucket_size 0, say)")
     parser.add_argument("--ds-timeout", type=int, default=3600)
+    parser.add_argument("--largest", action="store_true",
+                        help="the model: the largest of examples/llama.py's family strata_plan "
+                             "--largest finds for this run on this machine (needs --plan); "
+                             "--layers, --width and --heads ignored")
+    parser.add_argument("--largest-disk-gib", type=int, default=0,
+                        help="with --largest: the disk space it may plan for (0: the free "
+                             "space under --dir)")
     args = parser.parse_args()
     if not 1 <= args.save_after < args.steps:
         sys.exit("bigger_than_ram: --save-after must be at least 1 and below --steps (the "
                  "resumed run takes the steps after it)")
+    if args.largest and not args.plan:
+        sys.exit("bigger_than_ram: --largest needs --plan (strata_plan's path)")
     os.makedirs(args.dir, exist_ok=True)
+    nvme = os.path.join(args.dir, "nvme")
+    if args.largest:
+        largest_model(args, nvme)
     params, largest = shape(args)
     need = preflight(args, params, largest)
     if args.nvme_capacity_gib == 0:
         args.nvme_capacity_gib = -(-int(need - 12 * params - (512 << 20)) // GIB) + 1
-    nvme = os.path.join(args.dir, "nvme")
     shutil.rmtree(nvme, ignore_errors=True)
     shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
     config = config_for(args, nvme, largest)
 
-    from fio_ceiling import fio_bandwidth
     read_bps = fio_bandwidth(args.dir, write=False)
     write_bps = fio_bandwidth(args.dir, write=True)
     print(f"fio under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "

@@ -262,6 +262,23 @@ cpp_cuda() {
   return $rc
 }
 
+# The largest model this machine trains (issue 49): strata_plan --largest with this machine's
+# description (--calibrate here, the disk from fio, the host memory the run's host budget, the
+# disk the optimizer state's share beside the checkpoint) picks the largest member of
+# examples/llama.py's family; bench/bigger_than_ram.py builds it under strata.init on GPU 0, bf16,
+# the weights in host memory and the optimizer on the disk, trains 3 steps (a checkpoint after the
+# second, the third resumed from it), beside the planner's prediction and the disk's floor; peak
+# GPU and host memory; the training state beside the GPU's memory.
+largest() {
+  local ram_gib
+  ram_gib=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+  "$python" bench/bigger_than_ram.py --dir "$scratch/largest" --device cuda --largest \
+    --plan "$build/tools/strata_plan/strata_plan" --param-device cpu --vocab 32000 \
+    --context 512 --host-budget-gib "${LARGEST_HOST_GIB:-$((ram_gib * 3 / 4))}" \
+    --device-budget-gib "${LARGEST_DEVICE_GIB:-64}" --steps 3 --save-after 2 \
+    --json "$logs/largest.json"
+}
+
 # The rest of the Python suite (the emulated tier, with this machine's Python and torch).
 python_suite() {
   (cd "$build" && ctest -j4 -R "^python\." -E "test_cuda" --timeout 300 --no-tests=error \
@@ -274,13 +291,14 @@ export PYTHONPATH=$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export deps logs python build scratch
 export -f environment unpack ds_env deepspeed_install vs_deepspeed configure_and_build cpp_suite cpp_cuda cuda_pytest cuda_ranks demo train_step \
-  sched_step python_suite
+  sched_step largest python_suite
 
 part environment 60 environment
 part unpack 60 unpack
 part build 300 configure_and_build
 part cuda_pytest 120 cuda_pytest
 part cuda_ranks 300 cuda_ranks
+part largest 420 largest
 part train_step 200 train_step cpu
 part sched_step 90 sched_step
 part cpp_cuda 60 cpp_cuda
