@@ -13,7 +13,7 @@ the planner is given is this machine's, made in the same run:
   - host memory, cores, the CPU Adam and the copy link: strata_plan --calibrate (once);
   - the "GPU": each rank computes on the CPU, so its rate is the demo GPT's forward and backward
     in plain torch (no strata) on the rank's share of the batch, timed by each rank of the job
-    itself just before each of the engine's steps (train_ranks.run's `beside`: the same moment,
+    itself just before each of the engine's steps (train_ranks.run_beside: the same moment,
     the same load, the other ranks computing beside it), expressed in the planner's FLOPs (3
     forwards, the header of planner/plan_model.h) at efficiency 1 (as bench/bigger_than_ram.py
     gives the planner the CPU's matmul rate);
@@ -51,7 +51,7 @@ MODEL = {"model_type": "gpt2", "n_layer": 6, "n_embd": 256, "n_head": 8, "n_inne
 CONTEXT = 128
 
 def link_of(measured, ranks, bucket):
-    """The link between the ranks from what train_ranks.run(beside=True) timed: a collective's
+    """The link between the ranks from what train_ranks.run_beside timed: a collective's
     latency (the best 16-byte all-gather of several one after another: the link's own, both ranks
     running), a rendezvous's cost beyond it (the mean of the same reached from a module's compute
     with a gather beside it: sync_us, what the step's collectives pay on this machine), and the bus
@@ -153,9 +153,9 @@ def main():
     rows = []
     for round_index in range(args.rounds):
         row = {"load_before": load()}
-        row["measured_1_s"], row["compute_1_s"], _ = train_ranks.run(1, args, beside=True)
-        row["measured_n_s"], row["compute_n_s"], measured = train_ranks.run(args.ranks, args,
-                                                                            beside=True)
+        row["measured_1_s"], row["compute_1_s"], _ = train_ranks.run_beside(1, args)
+        row["measured_n_s"], row["compute_n_s"], measured = train_ranks.run_beside(args.ranks,
+                                                                                   args)
         row["link"] = link_of(measured, args.ranks, args.bucket)
         row["load_after"] = load()
         if row["link"] is None:

@@ -105,9 +105,13 @@ print(json.dumps({{"rank": rank, "step_s": statistics.median(times),
 """
 
 
-def run(ranks, args, beside=False):
-    """The job's step on `ranks` processes: its slowest rank's median. With `beside`, each rank
-    also times, just before each of the engine's steps, plain torch's forward and backward of the
+def run(ranks, args):
+    """The job's step on `ranks` processes: its slowest rank's median, seconds."""
+    return _run(ranks, args, beside=False)[0]
+
+
+def run_beside(ranks, args):
+    """The job's step on `ranks` processes, and each rank also times, just before each of the engine's steps, plain torch's forward and backward of the
     same model on its share of the batch, and (across ranks) on the job's collectives a 16-byte
     all-gather (the best of 9 one after another), the same reached from a module's compute with
     a gather beside it (the mean of 16: a rendezvous as the step's collectives are reached), an
@@ -115,6 +119,11 @@ def run(ranks, args, beside=False):
     best of 3 each);
     returned: (step, that compute, (those four, seconds) or None), each the slowest rank's median
     (bench/plan_vs_ranks.py: the ranks' "GPU" and link under the load the step ran under)."""
+    return _run(ranks, args, beside=True)
+
+
+def _run(ranks, args, beside):
+    """(step, compute, link) as run_beside says; without `beside`, compute 0 and link None."""
     script = RANK.format(examples=os.path.join(HERE, "..", "examples"), steps=args.steps,
                          batch=args.batch, stage=args.stage, overlap=args.overlap_comm == "on",
                          bucket=args.bucket, beside=beside, transport=args.transport)
@@ -141,7 +150,7 @@ def run(ranks, args, beside=False):
         compute = max(compute, result["compute_s"] or 0.0)
         if result["link"]:
             link = [max(a, b) for a, b in zip(link or result["link"], result["link"])]
-    return (step, compute, link) if beside else step
+    return step, compute, link
 
 
 def job_arguments(parser, name):

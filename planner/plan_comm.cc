@@ -115,10 +115,10 @@ std::vector<Exchange> StepCollectives::AfterStep() const {
 CommTotals SumCollectives(const std::vector<Group>& groups) {
   CommTotals t;
   for (const Group& g : groups) {
+    t.seconds += g.comm_s();
+    t.agree_s += g.agree_s();
     for (const auto* run : {&g.before, &g.after}) {
       for (const Exchange& x : *run) {
-        t.seconds += x.seconds;
-        t.agree_s += x.agree_s;
         if (x.kind == Exchange::kAgreement) continue;
         const bool gather = x.kind == Exchange::kAllGather;
         (gather ? t.gathered_bytes : t.scattered_bytes) += x.bytes;

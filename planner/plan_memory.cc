@@ -72,10 +72,10 @@ absl::Status ReadCollectiveKeys(const Json& root, Training& t) {
   return absl::OkStatus();
 }
 
-// A bucket as the front caps it: a 64th of the host budget (the engine's 4 GiB when the config
+// A bucket as the front caps it: a 64th of the host budget (the Runtime's default when the config
 // gives none) in elements, at least 65536.
 int64_t CappedBucket(int64_t bucket, std::optional<uint64_t> host_budget) {
-  const uint64_t budget = host_budget.value_or(uint64_t{4} << 30);
+  const uint64_t budget = host_budget.value_or(tiering::RuntimeConfig().host_budget_bytes);
   return std::min(bucket, std::max<int64_t>(1 << 16, static_cast<int64_t>(budget / 64)));
 }
 

@@ -173,12 +173,8 @@ Bound StepLowerBound(const StepTrace& t, const Lanes& lanes, const Budgets& budg
   }
   for (const Group& g : t.groups) {
     (g.on_cpu ? b.cpu_s : b.compute_s) += g.compute_s;
-    for (const auto* run : {&g.before, &g.after}) {
-      for (const Exchange& x : *run) {
-        b.comm_s += x.seconds;
-        b.agree_s += x.agree_s;
-      }
-    }
+    b.comm_s += g.comm_s();
+    b.agree_s += g.agree_s();
   }
   auto link_s = [&](const Traffic& x) {
     return x.loaded + x.written > 0 ? lanes.LinkSeconds(x.loaded, x.written) : 0.0;

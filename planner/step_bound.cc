@@ -5,6 +5,22 @@
 
 namespace strata::plan {
 
+double Group::comm_s() const {
+  double s = 0;
+  for (const auto* run : {&before, &after}) {
+    for (const Exchange& x : *run) s += x.seconds;
+  }
+  return s;
+}
+
+double Group::agree_s() const {
+  double s = 0;
+  for (const auto* run : {&before, &after}) {
+    for (const Exchange& x : *run) s += x.agree_s;
+  }
+  return s;
+}
+
 std::vector<Access> Accesses(const std::vector<Group>& step) {
   std::vector<Access> a;
   for (const Group& g : step) {
@@ -116,12 +132,8 @@ std::array<PhaseNeeds, kPhaseCount> PhaseLowerBounds(Sizes bytes, const std::vec
   std::array<Sets, kPhaseCount> sets;
   for (const Group& g : step) {
     (g.on_cpu ? needs[g.phase].cpu_s : needs[g.phase].compute_s) += g.compute_s;
-    for (const auto* run : {&g.before, &g.after}) {
-      for (const Exchange& x : *run) {
-        needs[g.phase].comm_s += x.seconds;
-        needs[g.phase].agree_s += x.agree_s;
-      }
-    }
+    needs[g.phase].comm_s += g.comm_s();
+    needs[g.phase].agree_s += g.agree_s();
     Sets& p = sets[g.phase];
     for (const Access& a : g.accesses) {
       const bool has_bytes = !fresh.contains(a.id);

@@ -71,6 +71,9 @@ struct Group {
   // issued before it (the step's new weights, which a gather after the step sends).
   std::vector<Exchange> before, after;
   bool waits_for_cpu = false;
+  // Its collectives' seconds on their lane, and its agreeing's, before and after it.
+  double comm_s() const;
+  double agree_s() const;
 };
 
 // A partition's bytes.

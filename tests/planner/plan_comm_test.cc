@@ -135,6 +135,34 @@ CommTotals Totals(const Json& zero) {
   return time.ok() ? time->comm : CommTotals{};
 }
 
+// The bucket keys as the trainer's front reads them (python/strata/ranks.py, bucket_settings):
+// a bad value names the key and what is accepted; a bucket is capped at a 64th of the host
+// budget in elements (the engine's 4 GiB without one), 65536 at least.
+TEST(PlanCommTest, BadBucketKeysAreNamedAndBucketsAreCappedAsTheFrontCapsThem) {
+  for (const auto& [zero, says] : std::vector<std::pair<Json, std::string>>{
+           {{{"reduce_bucket_size", 0}}, "zero_optimization.reduce_bucket_size"},
+           {{{"allgather_bucket_size", "5e8"}}, "zero_optimization.allgather_bucket_size"},
+           {{{"overlap_comm", "yes"}}, "zero_optimization.overlap_comm"},
+           {{{"overlap_comm", 2}}, "accepted: true or false"}}) {
+    std::vector<std::string> warnings;
+    Json config = {{"zero_optimization", zero}};
+    config["zero_optimization"]["stage"] = 2;
+    auto t = TrainingFromConfig(config, &warnings);
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << zero.dump();
+    EXPECT_THAT(t.status().message(), HasSubstr(says)) << zero.dump();
+  }
+  const Training plain = Config({{"zero_optimization", {{"stage", 2}}}});
+  EXPECT_EQ(plain.ReduceBucket(), (int64_t{4} << 30) / 64);  // 5e8 capped by 4 GiB / 64
+  const Training small =
+      Config({{"zero_optimization",
+               {{"stage", 2}, {"reduce_bucket_size", 1000}, {"allgather_bucket_size", 1 << 20}}},
+              {"strata", {{"host_budget_bytes", 1 << 20}}}});
+  EXPECT_EQ(small.ReduceBucket(), 1000);      // under the cap: as given
+  EXPECT_EQ(small.AllgatherBucket(), 65536);  // 1 MiB / 64 = 16384, raised to 65536
+  EXPECT_FALSE(plain.OverlapComm());          // off below stage 3
+  EXPECT_TRUE(Config({{"zero_optimization", {{"stage", 3}}}}).OverlapComm());
+}
+
 TEST(PlanCommTest, StageOneReducesEveryGradientAtTheStepAndGathersTheNewWeights) {
   // At the step: Ψ's fp32 gradients, 95040 x 4 = 380160 bytes whole, 3/4 of them on the wire:
   // 285120, in one bucket and the flags' all-reduce (2). After it: Ψ's bf16 weights, 95040 x 2 =

@@ -312,20 +312,20 @@ def test_bad_bucket_timeout_and_transport_values_are_named_in_one_process_too(tm
                               config=dict(base, zero_optimization=dict(zero, stage=2)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                WORLD_SIZE="2", LOCAL_RANK="0")
-    child = subprocess.run(
-        [sys.executable, "-c", "import torch, strata; strata.initialize(model=torch.nn.Linear(2,"
-         " 2), config={'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'}, "
-         "'zero_optimization': {'stage': 2}, 'strata': {'comm_timeout_s': 1.5}})"],
-        env=env, capture_output=True, text=True, timeout=60)
-    assert "strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds" in child.stderr, \
-        child.stderr[-2000:]
-    child = subprocess.run(
-        [sys.executable, "-c", "import torch, strata; strata.initialize(model=torch.nn.Linear(2,"
-         " 2), config={'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'}, "
-         "'zero_optimization': {'stage': 2}, 'strata': {'comm_transport': 'nccl'}})"],
-        env=env, capture_output=True, text=True, timeout=60)
-    assert "strata.comm_transport: 'nccl' is not accepted; accepted: \"auto\"" in child.stderr, \
-        child.stderr[-2000:]
+    # Launched (the job is joined): each refused before anything waits for the other rank.
+    child = subprocess.run([sys.executable, "-c", """
+import torch, strata
+for bad in ({'comm_timeout_s': 1.5}, {'comm_transport': 'nccl'}):
+    try:
+        strata.initialize(model=torch.nn.Linear(2, 2), config={
+            'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'},
+            'zero_optimization': {'stage': 2}, 'strata': bad})
+    except ValueError as error:
+        print(error)
+"""], env=env, capture_output=True, text=True, timeout=60)
+    for message in ("strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds",
+                    "strata.comm_transport: 'nccl' is not accepted; accepted: \"auto\""):
+        assert message in child.stdout, child.stdout + child.stderr[-2000:]
 
 
 # A backward that fails mid-way (in every rank alike) and training that goes on: the gradients
