@@ -112,6 +112,17 @@ size_t DefaultSlotBytes(int size) {
                   kPage * static_cast<size_t>(size));
 }
 
+// memcpy (memmove where `may_overlap`) of `n` bytes; nothing when n is 0, where an empty
+// collective's pointers may be null (which memcpy may not be handed).
+void Copy(void* to, const void* from, size_t n, bool may_overlap = false) {
+  if (n == 0) return;
+  if (may_overlap) {
+    std::memmove(to, from, n);
+  } else {
+    std::memcpy(to, from, n);
+  }
+}
+
 // The rounds a collective of `n` elements takes at `per_round` a round: at least one, so that
 // ranks whose collectives differ meet and are named even where one of them moves nothing.
 size_t Rounds(size_t n, size_t per_round) {
@@ -253,13 +264,13 @@ class ShmCommunicator final : public Communicator {
     const Desc desc{kAllGather, -1, in.size()};
     return in_order_.Issue("all-gather", [this, in, out, desc] {
       const size_t n = in.size();
-      std::memmove(out.data() + rank_ * n, in.data(), n);
+      Copy(out.data() + rank_ * n, in.data(), n, /*may_overlap=*/true);
       for (size_t r = 0, rounds = Rounds(n, slot_bytes_); r < rounds; ++r) {
         const size_t at = r * slot_bytes_, piece = std::min(slot_bytes_, n - at);
         STRATA_RETURN_IF_ERROR(Round(
-            desc, [&](std::byte* slot) { std::memcpy(slot, in.data() + at, piece); },
+            desc, [&](std::byte* slot) { Copy(slot, in.data() + at, piece); },
             [&](int j, const std::byte* slot) {
-              if (j != rank_) std::memcpy(out.data() + j * n + at, slot, piece);
+              if (j != rank_) Copy(out.data() + j * n + at, slot, piece);
             }));
       }
       return absl::OkStatus();
@@ -283,8 +294,8 @@ class ShmCommunicator final : public Communicator {
             desc,
             [&](std::byte* slot) {
               for (int d = 0; d < size_; ++d) {
-                std::memcpy(slot + d * piece * sizeof(float), in.data() + d * m + at,
-                            piece * sizeof(float));
+                Copy(slot + d * piece * sizeof(float), in.data() + d * m + at,
+                     piece * sizeof(float));
               }
             },
             [&](int j, const std::byte* slot) {
@@ -304,8 +315,7 @@ class ShmCommunicator final : public Communicator {
         const size_t at = r * per_round, piece = std::min(per_round, m - at);
         // This rank's piece is read back from its slot: data is overwritten by the sum.
         STRATA_RETURN_IF_ERROR(Round(
-            desc,
-            [&](std::byte* slot) { std::memcpy(slot, data.data() + at, piece * sizeof(float)); },
+            desc, [&](std::byte* slot) { Copy(slot, data.data() + at, piece * sizeof(float)); },
             [&](int j, const std::byte* slot) {
               Accumulate(j, reinterpret_cast<const float*>(slot), data.data() + at, piece);
             }));
@@ -326,10 +336,10 @@ class ShmCommunicator final : public Communicator {
         STRATA_RETURN_IF_ERROR(Round(
             desc,
             [&](std::byte* slot) {
-              if (rank_ == root) std::memcpy(slot, data.data() + at, piece);
+              if (rank_ == root) Copy(slot, data.data() + at, piece);
             },
             [&](int j, const std::byte* slot) {
-              if (j == root && rank_ != root) std::memcpy(data.data() + at, slot, piece);
+              if (j == root && rank_ != root) Copy(data.data() + at, slot, piece);
             }));
       }
       return absl::OkStatus();
@@ -357,7 +367,7 @@ class ShmCommunicator final : public Communicator {
   // out = the sum of the pieces in rank order: rank 0's copied, each later one's added.
   static void Accumulate(int j, const float* piece, float* out, size_t n) {
     if (j == 0) {
-      std::memcpy(out, piece, n * sizeof(float));
+      Copy(out, piece, n * sizeof(float));
     } else {
       for (size_t i = 0; i < n; ++i) out[i] += piece[i];
     }
