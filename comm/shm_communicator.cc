@@ -540,11 +540,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateShmCommunicator(TcpStore& st
       segment = MapSegment(name, size, slot_bytes, token);
     }
   }
-  // Every rank has opened it (or failed to) once all have said so: it is unlinked then, and lives
-  // on while mapped.
+  // Every rank has opened it (or failed to) once all have said so: it is unlinked then, by every
+  // rank that has it (rank 0 gone, another still does), and lives on while mapped.
   absl::Status agreed =
       AgreeOnMapping(store, prefix, rank, size, segment.status(), options.timeout);
-  if (rank == 0 && segment.ok()) shm_unlink(name.c_str());
+  if (segment.ok()) shm_unlink(name.c_str());  // (ENOENT where another rank was first)
   STRATA_RETURN_IF_ERROR(agreed);
   auto comm = std::make_unique<ShmCommunicator>(*std::move(segment), rank, size, slot_bytes,
                                                 options.timeout);

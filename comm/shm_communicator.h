@@ -22,9 +22,10 @@
 // Rank 0 makes the segment once every rank has arrived (shm_open under a random name, its room
 // reserved by posix_fallocate, so a full /dev/shm is an error here rather than a SIGBUS later),
 // the others map it by the name and a random token read from the store, and rank 0 unlinks it
-// once every rank has said whether it mapped it (on its every path): nothing is left in /dev/shm
-// when the ranks end, unless rank 0 is killed in the moment between making it and the others'
-// word. Where any rank cannot make or map it (another host, another IPC namespace, no room),
+// once every rank has said whether it mapped it (on its every path; every rank that mapped it
+// unlinks it then too, so rank 0's death after another has mapped it leaves nothing): nothing is
+// left in /dev/shm when the ranks end, unless rank 0 is killed after making it and before any
+// other rank has mapped it. Where any rank cannot make or map it (another host, another IPC namespace, no room),
 // every rank gets the same FailedPrecondition naming that rank and why, so that all of them can
 // take another transport. A collective that moves nothing takes a round all the same, so ranks
 // whose collectives differ meet and are named there too.

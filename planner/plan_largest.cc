@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "planner/plan_time.h"
 
 namespace strata::plan {
@@ -97,10 +98,11 @@ absl::StatusOr<Largest> FindLargest(const Hardware& hardware, const Training& tr
   if (!narrowest.ok()) return narrowest.status();
   if (!narrowest->fits.has_value()) {
     const MemoryPlan::Overflow& r = narrowest->refused;
-    return absl::NotFoundError(absl::StrCat("no member of the family fits: the narrowest (",
-                                            kNarrowest, " wide, ", LayersOf(kNarrowest),
-                                            " layers) needs ", r.need, " bytes of the ", r.tier,
-                                            " tier's ", r.have));
+    return absl::NotFoundError(absl::StrCat(
+        "no member of the family fits", options.suggest ? " with any configuration searched" : "",
+        ": the narrowest (", kNarrowest, " wide, ", LayersOf(kNarrowest), " layers) needs ",
+        absl::StrFormat("%.2f GB", r.need / 1e9), " of the ", r.tier, " tier's ",
+        absl::StrFormat("%.2f GB", r.have / 1e9), options.suggest ? " with the config given" : ""));
   }
   // Bisection: `fits` fits, `refused` (when set) does not.
   Largest best = *std::move(narrowest->fits);

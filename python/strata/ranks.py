@@ -389,7 +389,7 @@ class Ranks:
         self._broken = None  # the ranks disagreed: every later collective raises this
         self.reduce_scatters_in_backward = 0  # buckets reduce-scattered while backward ran
         # Where the gradients' and weights' collectives run (choose_collectives; until an engine
-        # says otherwise, the job's Gloo over host memory).
+        # says otherwise, the job's own over host memory).
         self.collectives = _OnJob(job)
         self.device = torch.device("cpu")  # where the model computes (the gathered weights go)
 

@@ -343,7 +343,7 @@ TEST_F(PlanCliTest, LargestNamesTheLargestModelThatFitsAndWritesItsConfig) {
                                   "shape that fits with this config"));
   // The optimizer's state on its 64 GiB disk bounds it, well within the GPU's memory.
   EXPECT_THAT(r.output, HasSubstr("does not fit: the nvme tier needs"));
-  EXPECT_THAT(r.output, HasSubstr("within it: this machine's other tiers add nothing"));
+  EXPECT_THAT(r.output, HasSubstr("within it: with this config the other tiers add nothing"));
   EXPECT_THAT(r.output, HasSubstr("built by bench/bigger_than_ram.py --layers "));
   EXPECT_THAT(r.output, HasSubstr("FITS"));
   std::ifstream in(Path("largest.json"));
@@ -356,8 +356,9 @@ TEST_F(PlanCliTest, LargestNamesTheLargestModelThatFitsAndWritesItsConfig) {
   Outcome again = Execute(kPlan + " --model " + Path("largest.json") +
                           " --hardware h200-141g-128g --config " + Path("cpu_nvme.json"));
   EXPECT_EQ(again.exit_code, 0) << again.output;
-  for (const char* bad : {" --largest --model x.json", " --model x.json --vocab 10",
-                          " --model x.json --save-model y.json", " --largest --vocab 0"}) {
+  for (const char* bad :
+       {" --largest --model x.json", " --model x.json --vocab 10", " --model x.json --vocab 32000",
+        " --model x.json --save-model y.json", " --largest --vocab -1"}) {
     Outcome refused = Execute(kPlan + bad + " --hardware h200-141g-128g");
     EXPECT_EQ(refused.exit_code, 2) << bad << ": " << refused.output;
   }

@@ -74,7 +74,7 @@ ABSL_FLAG(bool, suggest, false,
 ABSL_FLAG(bool, largest, false,
           "instead of --model: the largest Llama-shaped model (examples/llama.py's shape) that "
           "fits with --config (with --suggest: with any configuration searched)");
-ABSL_FLAG(int64_t, vocab, 32000, "with --largest: the models' vocabulary");
+ABSL_FLAG(int64_t, vocab, 0, "with --largest: the models' vocabulary (0: Llama-2's, 32000)");
 ABSL_FLAG(std::string, save_model, "", "with --largest: write its config.json here");
 ABSL_FLAG(bool, calibrate, false,
           "describe this machine by measurement instead of --hardware (CPU Adam, the copy link, "
@@ -300,7 +300,7 @@ Json BytesJson(const Bytes& b) {
 // member's config.json, planned next as a --model is.
 Json LargestModel(const Hardware& hw, const Training& training) {
   LargestOptions o;
-  o.vocab = absl::GetFlag(FLAGS_vocab);
+  if (absl::GetFlag(FLAGS_vocab) != 0) o.vocab = absl::GetFlag(FLAGS_vocab);
   o.sequence = absl::GetFlag(FLAGS_sequence) > 0 ? absl::GetFlag(FLAGS_sequence) : 2048;
   o.suggest = absl::GetFlag(FLAGS_suggest);
   auto found = FindLargest(hw, training, o);
@@ -325,8 +325,10 @@ Json LargestModel(const Hardware& hw, const Training& training) {
       found->training.dtype_bytes == 4 ? "" : ", fp32 master weights", Gb(state).c_str(),
       state / gpu, Gb(gpu).c_str(),
       state >= 1.5 * gpu ? ""
-      : state > gpu      ? ": beyond it, but not by 1.5x: the host memory and disk allow no more"
-                         : ": within it: this machine's other tiers add nothing beyond the GPU");
+      : state > gpu      ? ": beyond it, but not by 1.5x: with this config, the host memory and "
+                           "disk allow no more"
+                         : ": within it: with this config the other tiers add nothing beyond "
+                           "the GPU's memory");
   if (found->wider_refused.has_value()) {
     const auto& r = *found->wider_refused;
     std::printf(
@@ -363,7 +365,7 @@ int Main() {
   }
   if (!largest) {
     for (const auto& [name, given] : std::vector<std::pair<const char*, bool>>{
-             {"--vocab", absl::GetFlag(FLAGS_vocab) != 32000},
+             {"--vocab", absl::GetFlag(FLAGS_vocab) != 0},
              {"--save-model", !absl::GetFlag(FLAGS_save_model).empty()}}) {
       if (given) aio_bench::BadFlag(name, "only with --largest");
     }
@@ -634,6 +636,6 @@ int main(int argc, char** argv) {
                                        {"gpu_hbm_gib", 0, 1e6},
                                        {"gpus", 1, 1024},
                                        {"calibrate_adam_params", 1 << 16, int64_t{1} << 32},
-                                       {"vocab", 1, 1 << 24}});
+                                       {"vocab", 0, 1 << 24}});
   return strata::plan::Main();
 }
