@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -907,15 +908,27 @@ class PyRuntime {
 // the timeout, so its tensors, and the job (held by `abort`), are kept (Abandoned) until it ends.
 class JobWork {
  public:
+  // `aborted`: set once the job's communicators were aborted (by any of its works).
   JobWork(std::shared_ptr<comm::Work> work, std::vector<py::object> held,
-          std::function<void()> abort)
-      : work_(std::move(work)), held_(std::move(held)), abort_(std::move(abort)) {}
+          std::function<void()> abort, std::shared_ptr<std::atomic<bool>> aborted)
+      : work_(std::move(work)),
+        held_(std::move(held)),
+        abort_(std::move(abort)),
+        aborted_(std::move(aborted)) {}
   JobWork(const JobWork&) = default;
   JobWork(JobWork&&) = default;
   JobWork& operator=(JobWork&&) = delete;
-  // Dropped before it is done: waits, so that the collective never writes a freed tensor.
+  // Dropped before it is done: waits, so that the collective never writes a freed tensor; once
+  // the job was aborted (another work's wait interrupted), it is abandoned instead: a collective
+  // on Gloo that waits for a peer cannot be woken and would hold the process until the timeout
+  // (an audit's finding: a Ctrl-C left the gradients' reduce-scatter on the side communicator
+  // holding the process for comm_timeout_s).
   ~JobWork() {
     if (work_ == nullptr || held_.empty() || interrupted_) return;  // (Abandoned holds them)
+    if (aborted_->load() && !work_->done()) {
+      Abandon();
+      return;
+    }
     py::gil_scoped_release unlocked;
     work_->Wait().IgnoreError();
   }
@@ -928,6 +941,7 @@ class JobWork {
       }
       if (finished) break;
       if (PyErr_CheckSignals() != 0) {
+        aborted_->store(true);
         abort_();
         Abandoned().push_back(std::make_unique<JobWork>(*this));
         interrupted_ = true;
@@ -962,6 +976,7 @@ class JobWork {
   std::shared_ptr<comm::Work> work_;
   std::vector<py::object> held_;
   std::function<void()> abort_;
+  std::shared_ptr<std::atomic<bool>> aborted_;
   bool interrupted_ = false;  // a wait for it was interrupted: Abandoned keeps it
 };
 
@@ -1040,15 +1055,19 @@ class PyJob {
   comm::Communicator& Comm(bool side) { return side ? *job_->side : *job_->comm; }
   py::object Finish(std::shared_ptr<comm::Work> work, bool async_op, std::vector<py::object> held) {
     JobWork::ForgetFinished();
-    JobWork w(std::move(work), std::move(held), [job = job_] {
-      job->comm->Abort();
-      job->side->Abort();
-    });
+    JobWork w(
+        std::move(work), std::move(held),
+        [job = job_] {
+          job->comm->Abort();
+          job->side->Abort();
+        },
+        aborted_);
     if (async_op) return py::cast(std::move(w));
     w.Wait();
     return py::none();
   }
   std::shared_ptr<comm::Job> job_;  // shared with its collectives' abort (JobWork)
+  std::shared_ptr<std::atomic<bool>> aborted_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 }  // namespace
