@@ -78,22 +78,35 @@ const char* TransportName(Transport t) {
   return "?";
 }
 
-// Each rank's transport beside every other's, so that none waits for a segment the others never
-// make: one that differs is named on every rank.
-absl::Status AgreeOnTransport(TcpStore& store, const JobEnv& env, Transport transport,
-                              Duration timeout) {
-  const std::string mine = TransportName(transport);
-  auto all = Exchange(store, "transport/", env.rank, env.world_size, mine, timeout);
+absl::StatusOr<Transport> ParseTransport(absl::string_view text) {
+  for (Transport t : {Transport::kAuto, Transport::kShm, Transport::kTcp}) {
+    if (text == TransportName(t)) return t;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("strata.comm_transport: \"", text,
+                   "\" is not accepted; accepted: \"auto\" (shared memory when every rank is on "
+                   "this host, else TCP), \"shm\", \"tcp\""));
+}
+
+// Each rank's transport beside every other's, exchanged before any is checked, so that none
+// waits for a segment the others never make, nor for a rank that refused its own value: a value
+// not accepted, or one that differs, is named on every rank.
+absl::StatusOr<Transport> AgreeOnTransport(TcpStore& store, const JobEnv& env,
+                                           absl::string_view mine, Duration timeout) {
+  auto all = Exchange(store, "transport/", env.rank, env.world_size, std::string(mine), timeout);
   if (!all.ok()) return all.status();
+  auto transport = ParseTransport(mine);
+  if (!transport.ok()) return transport.status();
   for (int j = 0; j < env.world_size; ++j) {
     if ((*all)[j] != mine) {
       return absl::FailedPreconditionError(
           absl::StrCat("this rank (", env.rank, ") was given the transport \"", mine,
-                       "\" (strata.comm_transport) but rank ", j, " was given \"", (*all)[j],
-                       "\": it must be the same on every rank"));
+                       "\" (strata.comm_transport) but rank ", j, " was given \"", (*all)[j], "\"",
+                       ParseTransport((*all)[j]).ok() ? "" : ", which is not accepted",
+                       ": it must be the same on every rank"));
     }
   }
-  return absl::OkStatus();
+  return transport;
 }
 
 }  // namespace
@@ -150,6 +163,10 @@ absl::StatusOr<JobEnv> JobEnvFromEnvironment(const GetEnv& getenv_fn) {
 }
 
 absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport transport) {
+  return JoinJob(env, timeout, TransportName(transport));
+}
+
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport_text) {
   Job job;
   job.env = env;
   std::string host = "127.0.0.1";
@@ -182,7 +199,9 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport trans
   // The world size first: every exchange below waits for that many ranks.
   STRATA_RETURN_IF_ERROR(
       AgreeOnWorldSize(*job.store, "job/", env.rank, env.world_size, timeout, "the job"));
-  STRATA_RETURN_IF_ERROR(AgreeOnTransport(*job.store, env, transport, timeout));
+  auto agreed = AgreeOnTransport(*job.store, env, transport_text, timeout);
+  if (!agreed.ok()) return agreed.status();
+  const Transport transport = *agreed;
   if (transport != Transport::kTcp && env.world_size > 1) {
     for (auto [prefix, out] : {std::pair{"shm", &job.comm}, std::pair{"shm-side", &job.side}}) {
       auto comm = CreateShmCommunicator(

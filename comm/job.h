@@ -21,6 +21,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "comm/communicator.h"
 #include "comm/tcp_store.h"
 
@@ -59,7 +60,10 @@ struct Job {
 };
 
 // Meets the other ranks (each waits up to `timeout` for the others, never longer) and connects
-// the communicators. The ranks first compare their `transport`: one that differs is named.
+// the communicators. The ranks first exchange their `transport` ("auto", "shm" or "tcp", as
+// strata.comm_transport gives it) and then check it: a value not accepted, or one that differs,
+// is named on every rank.
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport);
 absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout,
                             Transport transport = Transport::kAuto);
 

@@ -987,21 +987,11 @@ class PyJob {
   PyJob(int64_t timeout_ms, const std::string& transport) {
     auto env = comm::JobEnvFromEnvironment();
     Check(env.status());
-    comm::Transport how = comm::Transport::kAuto;
-    if (transport == "shm") {
-      how = comm::Transport::kShm;
-    } else if (transport == "tcp") {
-      how = comm::Transport::kTcp;
-    } else if (transport != "auto") {
-      Raise(absl::InvalidArgumentError(absl::StrCat(
-          "strata.comm_transport: \"", transport,
-          "\": accepted: auto (shared memory when every rank is on this host, else TCP), shm, "
-          "tcp")));
-    }
     absl::StatusOr<comm::Job> job;
     {
       py::gil_scoped_release unlocked;
-      job = comm::JoinJob(*env, comm::Duration(timeout_ms), how);
+      // (checked by JoinJob once the ranks have exchanged it: a bad one named on every rank)
+      job = comm::JoinJob(*env, comm::Duration(timeout_ms), transport);
     }
     Check(job.status());
     job_ = std::make_shared<comm::Job>(*std::move(job));

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -312,20 +313,33 @@ def test_bad_bucket_timeout_and_transport_values_are_named_in_one_process_too(tm
                               config=dict(base, zero_optimization=dict(zero, stage=2)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                WORLD_SIZE="2", LOCAL_RANK="0")
-    # Launched (the job is joined): each refused before anything waits for the other rank.
+    # Launched: the timeout is refused before the job is joined (it bounds the joining).
     child = subprocess.run([sys.executable, "-c", """
 import torch, strata
-for bad in ({'comm_timeout_s': 1.5}, {'comm_transport': 'nccl'}):
-    try:
-        strata.initialize(model=torch.nn.Linear(2, 2), config={
-            'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'},
-            'zero_optimization': {'stage': 2}, 'strata': bad})
-    except ValueError as error:
-        print(error)
+strata.initialize(model=torch.nn.Linear(2, 2), config={
+    'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'},
+    'zero_optimization': {'stage': 2}, 'strata': {'comm_timeout_s': 1.5}})
 """], env=env, capture_output=True, text=True, timeout=60)
-    for message in ("strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds",
-                    "strata.comm_transport: 'nccl' is not accepted; accepted: \"auto\""):
-        assert message in child.stdout, child.stdout + child.stderr[-2000:]
+    assert "strata.comm_timeout_s: 1.5 is not accepted; accepted: whole seconds" in \
+        child.stderr, child.stderr[-2000:]
+    # The transport is exchanged first: one rank's bad value is named on both ranks at once (the
+    # other no longer waits for it until comm_timeout_s), a bad value of any type as given.
+    for values, says in ((('nccl', 'auto'), ('"nccl" is not accepted; accepted: "auto"',
+                                             'rank 0 was given "nccl", which is not accepted')),
+                         ((5, 5), ('"5" is not accepted', '"5" is not accepted'))):
+        start = time.monotonic()
+        procs = start_ranks(2, """
+import os, sys, json, torch, strata
+strata.initialize(model=torch.nn.Linear(2, 2), config={
+    'train_micro_batch_size_per_gpu': 1, 'optimizer': {'type': 'Adam'},
+    'zero_optimization': {'stage': 2},
+    'strata': {'comm_timeout_s': 60,
+               'comm_transport': json.loads(sys.argv[1 + int(os.environ['RANK'])])}})
+""", [json.dumps(v) for v in values])
+        for p, said in zip(procs, says):
+            _, err = p.communicate(timeout=60)
+            assert p.returncode != 0 and said in err, err[-2000:]
+        assert time.monotonic() - start < 30  # not at the 60 s timeout
 
 
 # A backward that fails mid-way (in every rank alike) and training that goes on: the gradients
