@@ -429,7 +429,9 @@ absl::StatusOr<RuntimeConfig> RuntimeConfigFromJson(const Json& root,
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "malloc_mmap_threshold_bytes", 0, int64_t{32} << 20,
                                    &c.malloc_mmap_threshold_bytes));
     STRATA_RETURN_IF_ERROR(ReadInt(*s, p, "comm_timeout_s", 1, 7 * 24 * 3600, &c.comm_timeout_s));
-    STRATA_RETURN_IF_ERROR(ReadString(*s, p, "comm_transport", &c.comm_transport));
+    if (auto t = s->find("comm_transport"); t != s->end()) {
+      c.comm_transport = t->is_string() ? t->get<std::string>() : t->dump();
+    }
     if (c.comm_transport != "auto" && c.comm_transport != "shm" && c.comm_transport != "tcp") {
       return Bad(p + "comm_transport",
                  absl::StrCat("\"", c.comm_transport,

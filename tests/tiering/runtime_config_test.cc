@@ -273,6 +273,9 @@ TEST(RuntimeConfigTest, CommTransportIsAutoShmOrTcp) {
                 HasSubstr("strata.comm_transport"))
         << bad;
   }
+  // Another type is named as given, with what is accepted (it said "must be a string").
+  EXPECT_THAT(RuntimeConfigFromJsonText(R"({"strata": {"comm_transport": 5}})").status().message(),
+              HasSubstr("\"5\": accepted: auto"));
   EXPECT_THAT(
       RuntimeConfigFromJsonText(R"({"strata": {"comm_transport": "nccl"}})").status().message(),
       HasSubstr("accepted: auto"));
