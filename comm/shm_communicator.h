@@ -25,10 +25,10 @@
 // once every rank has said whether it mapped it (on its every path; every rank that mapped it
 // unlinks it then too, so rank 0's death after another has mapped it leaves nothing): nothing is
 // left in /dev/shm when the ranks end, unless rank 0 is killed after making it and before any
-// other rank has mapped it. Where any rank cannot make or map it (another host, another IPC namespace, no room),
-// every rank gets the same FailedPrecondition naming that rank and why, so that all of them can
-// take another transport. A collective that moves nothing takes a round all the same, so ranks
-// whose collectives differ meet and are named there too.
+// other rank has mapped it. Where any rank cannot make or map it (another host, another IPC
+// namespace, no room), every rank gets the same FailedPrecondition naming that rank and why, so
+// that all of them can take another transport. A collective that moves nothing takes a round all
+// the same, so ranks whose collectives differ meet and are named there too.
 //
 // Thread safety: as Communicator.
 #ifndef STRATA_COMM_SHM_COMMUNICATOR_H_
