@@ -105,7 +105,7 @@ void FutexWait(std::atomic<uint32_t>* word, uint32_t seen, std::chrono::nanoseco
 
 // 16 MiB a segment over the ranks' two slots, from 64 KiB to 4 MiB a slot, and at least a page a
 // rank (a reduce-scatter's round holds a piece for each): the job's two segments fit the 64 MiB
-// /dev/shm of a container's default up to 64 ranks.
+// /dev/shm of a container's default up to 63 ranks (16 MiB and a page a rank each up to 45).
 size_t DefaultSlotBytes(int size) {
   const size_t share = (size_t{16} << 20) / (2 * static_cast<size_t>(size));
   return std::max(std::clamp<size_t>(share / kPage * kPage, size_t{64} << 10, size_t{4} << 20),
@@ -134,7 +134,7 @@ uint64_t RandomWord() {
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
-// The mapped segment: unmapped (and closed) when dropped.
+// The mapped segment (its file descriptor already closed): unmapped when dropped.
 class Segment {
  public:
   Segment(void* base, size_t bytes) : base_(base), bytes_(bytes) {}
@@ -144,7 +144,6 @@ class Segment {
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
   std::byte* base() const { return static_cast<std::byte*>(base_); }
-  size_t bytes() const { return bytes_; }
 
  private:
   void* base_;
