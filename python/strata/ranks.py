@@ -224,9 +224,11 @@ def agree_on_setup(ranks, mine):
     rank's dict."""
     limit = _SETUP_BYTES
     raw = json.dumps(mine, sort_keys=True).encode()
-    if len(raw) > limit:  # (a rank's texts, cut to fit)
-        mine = {k: v[:limit // (2 * len(mine))] for k, v in mine.items()}
+    cut = limit // (2 * len(mine))
+    while len(raw) > limit:  # a rank's texts, cut until their JSON fits (escapes take room)
+        mine = {k: v[:cut] for k, v in mine.items()}
         raw = json.dumps(mine, sort_keys=True).encode()
+        cut //= 2
     data = bytearray(limit)
     data[:len(raw)] = raw
     everyone = torch.empty(ranks.size * limit // 4)  # the bytes, as float32's bits

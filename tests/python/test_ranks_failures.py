@@ -132,6 +132,10 @@ def test_a_long_reason_in_a_rank_s_set_up_is_cut_to_fit_not_garbled():
     with pytest.raises(ValueError, match="across ranks: rank 0: CUDA_VISIBLE_DEVICES GPU-0"):
         ranks_module.agree_on_setup(ranks, {"stage": "3", "error": "CUDA_VISIBLE_DEVICES " +
                                             ",".join(f"GPU-{i}" * 20 for i in range(50))})
+    # Characters JSON escapes (6 bytes for one) still fit: the all-gather's sizes stay equal (a
+    # review's finding: the buffer grew past its size).
+    with pytest.raises(ValueError, match='across ranks: rank 0: é"é'):
+        ranks_module.agree_on_setup(ranks, {"stage": "3", "error": 'é"' * 3000})
 
 
 class _Group:
