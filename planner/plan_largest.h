@@ -29,7 +29,7 @@ namespace strata::plan {
 struct LargestOptions {
   int64_t vocab = 32000;      // Llama-2's
   int64_t sequence = 2048;    // tokens a sequence (max_position_embeddings)
-  int64_t max_width = 32768;  // the widest tried (a member of about 1.1T parameters)
+  int64_t max_width = 32768;  // the widest tried (a member of about 3.0T parameters)
   bool suggest = false;       // a configuration searched for each member, not the given one
 };
 
