@@ -354,6 +354,9 @@ def matmul_tflops(threads, device="cpu"):
     return 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
 
 
+_calibrated = {}  # this run's strata_plan --calibrate description and matmul rate
+
+
 def describe(args, read_bps, write_bps, free_bytes):
     """This machine's description for strata_plan (its path), or an error line: --calibrate here,
     the disk from fio in the same run, the "GPU" this device's bf16 matmul measured."""
@@ -361,20 +364,22 @@ def describe(args, read_bps, write_bps, free_bytes):
     folder = os.path.join(args.dir, "plan")
     os.makedirs(folder, exist_ok=True)
     hardware = os.path.join(folder, "hardware.json")
-    tflops = matmul_tflops(args.threads, args.device)
-    hbm_gib = args.device_budget_gib
-    if args.device == "cuda":
-        hbm_gib = torch.cuda.get_device_properties(0).total_memory / GIB
-    calibrate = subprocess.run(
-        [args.plan, "--calibrate", "--gpu-tflops", f"{tflops:.4f}", "--gpu-hbm-gib",
-         f"{hbm_gib:.1f}", "--calibrate-device",
-         "cuda" if args.device == "cuda" else "emulated", "--save-hardware", hardware],
-        capture_output=True, text=True)
-    if calibrate.returncode != 0 or not os.path.exists(hardware):
-        return {"error": f"strata_plan --calibrate exited {calibrate.returncode}: "
-                         f"{calibrate.stderr[-1000:]}"}
-    with open(hardware, encoding="utf-8") as f:
-        hw = json.load(f)
+    if "hw" not in _calibrated:  # measured once a run (--largest describes the machine first)
+        tflops = matmul_tflops(args.threads, args.device)
+        hbm_gib = args.device_budget_gib
+        if args.device == "cuda":
+            hbm_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        calibrate = subprocess.run(
+            [args.plan, "--calibrate", "--gpu-tflops", f"{tflops:.4f}", "--gpu-hbm-gib",
+             f"{hbm_gib:.1f}", "--calibrate-device",
+             "cuda" if args.device == "cuda" else "emulated", "--save-hardware", hardware],
+            capture_output=True, text=True)
+        if calibrate.returncode != 0 or not os.path.exists(hardware):
+            return {"error": f"strata_plan --calibrate exited {calibrate.returncode}: "
+                             f"{calibrate.stderr[-1000:]}"}
+        with open(hardware, encoding="utf-8") as f:
+            _calibrated.update(hw=json.load(f), tflops=tflops)
+    hw, tflops = json.loads(json.dumps(_calibrated["hw"])), _calibrated["tflops"]
     hw["nvme"] = {"drives": 1, "read_gbps": read_bps / 1e9, "write_gbps": write_bps / 1e9,
                   "capacity_tb": free_bytes / 1e12}
     hw["gpu"]["efficiency"] = 1.0  # the rate given is the one measured
@@ -419,7 +424,8 @@ def planner(args, config, read_bps, write_bps, free_bytes):
 
 def largest_model(args, nvme):
     """--largest: the largest model of examples/llama.py's family strata_plan finds for this run's
-    config on this machine (planner/plan_largest.h), its shape set in args. The description is
+    config on this machine (planner/plan_largest.h), its shape set in args; returns fio's (read,
+    write) rates, measured for it. The description is
     --calibrate's with the disk from fio, its host memory the host budget (what strata may hold
     there), and its disk the share of the free space the optimizer's state may take beside the
     rest this run puts there (needs(): the checkpoint, the gradients' spill, the weights)."""
@@ -447,9 +453,12 @@ def largest_model(args, nvme):
     with open(hardware, "w", encoding="utf-8") as f:
         json.dump(hw, f)
     folder = os.path.dirname(hardware)
-    config = config_for(args, nvme, shape(args)[1])
+    config = config_for(args, nvme, 0)
     if not args.nvme_capacity_gib:  # (sized for the model once it is known)
         del config["strata"]["nvme_capacity_bytes"]
+    # The parameters' staging buffers are sized for the model once it is known (the planner's
+    # default until then).
+    config["zero_optimization"]["offload_param"].pop("buffer_size", None)
     with open(os.path.join(folder, "ds_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f)
     run = subprocess.run(
@@ -465,6 +474,7 @@ def largest_model(args, nvme):
         found = json.load(f)
     args.layers, args.width = found["num_hidden_layers"], found["hidden_size"]
     args.heads = found["num_attention_heads"]
+    return read_bps, write_bps
 
 
 def main():
@@ -518,8 +528,7 @@ def main():
         sys.exit("bigger_than_ram: --largest needs --plan (strata_plan's path)")
     os.makedirs(args.dir, exist_ok=True)
     nvme = os.path.join(args.dir, "nvme")
-    if args.largest:
-        largest_model(args, nvme)
+    rates = largest_model(args, nvme) if args.largest else None
     params, largest = shape(args)
     need = preflight(args, params, largest)
     if args.nvme_capacity_gib == 0:
@@ -528,8 +537,8 @@ def main():
     shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
     config = config_for(args, nvme, largest)
 
-    read_bps = fio_bandwidth(args.dir, write=False)
-    write_bps = fio_bandwidth(args.dir, write=True)
+    read_bps, write_bps = rates or (fio_bandwidth(args.dir, write=False),
+                                    fio_bandwidth(args.dir, write=True))
     print(f"fio under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "
           f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps else "fio: not available")
     stat = os.statvfs(args.dir)
