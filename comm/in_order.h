@@ -69,7 +69,8 @@ class InOrder {
   std::shared_ptr<Work> Issue(std::string what, std::function<absl::Status()> run);
   // Every later collective is refused at once, and any queued fails (naming the abort).
   void Abort() { aborted_.store(true); }
-  bool aborted() const { return aborted_.load(); }
+  // Cancelled, naming this rank, `what` and the abort: what a collective the abort ends says.
+  absl::Status Aborted(const std::string& what) const;
 
  private:
   struct Task {
@@ -77,7 +78,6 @@ class InOrder {
     std::function<absl::Status()> run;
     std::shared_ptr<WorkImpl> work;
   };
-  absl::Status Aborted(const std::string& what) const;
   void Run();
 
   const std::string who_;

@@ -438,11 +438,7 @@ class ShmCommunicator final : public Communicator {
   absl::Status CheckAborted(const char* what) const {
     const int32_t by = header()->aborted_by.load(std::memory_order_acquire);
     if (by == 0) return absl::OkStatus();
-    if (by - 1 == rank_) {
-      return absl::CancelledError(
-          absl::StrCat("rank ", rank_, " of ", size_, ": ", what,
-                       ": the communicator was aborted (a wait for a collective was interrupted)"));
-    }
+    if (by - 1 == rank_) return in_order_.Aborted(what);
     return absl::UnavailableError(absl::StrCat("rank ", rank_, " of ", size_, ": ", what,
                                                " failed: rank ", by - 1,
                                                " aborted its collectives"));
