@@ -44,10 +44,12 @@ fails the others' collectives within strata.comm_timeout_s, naming the collectiv
 Thread safety: the engine's (one thread).
 """
 
+import atexit
 import hashlib
 import json
 import os
 import socket
+import weakref
 
 import torch
 
@@ -161,21 +163,81 @@ class _OnJob(Collectives):
 
 
 class _OnGroup(Collectives):
-    """A torch.distributed process group (NCCL's on a GPU, over the device's buffers)."""
+    """A torch.distributed process group (NCCL's on a GPU, over the device's buffers).
+
+    At the interpreter's exit (_settle_groups_at_exit) its works still running are waited for and
+    the group is let go: torch's threads release a finished work's tensors, which takes the GIL,
+    and one released once Python is finalizing aborts the process ("terminate called without an
+    active exception"); a group held past the trainer's destroy_process_group() lives on, its
+    threads with it."""
 
     def __init__(self, group, device, pinned=False, made=False):
         import torch.distributed as dist
         self._dist = dist
         self.group = group
+        self.made = made  # strata made it: destroyed at the interpreter's exit (settle)
+        self.running = []  # the works issued and not seen finished
         super().__init__(f"torch.distributed's {_backend_for(group, device)} process group"
                          f"{' (made by strata)' if made else ''} over "
                          f"{'pinned host' if pinned else device.type} buffers", device, pinned)
+        _GROUPS_IN_USE.add(self)
 
     def reduce_scatter(self, send, out):
-        return self._dist.reduce_scatter_tensor(out, send, group=self.group, async_op=True)
+        return self._issued(self._dist.reduce_scatter_tensor(out, send, group=self._live(),
+                                                             async_op=True))
 
     def all_gather(self, send, whole):
-        return self._dist.all_gather_into_tensor(whole, send, group=self.group, async_op=True)
+        return self._issued(self._dist.all_gather_into_tensor(whole, send, group=self._live(),
+                                                              async_op=True))
+
+    def _live(self):
+        if self.group is None:  # (None would name torch's default group)
+            raise RuntimeError("strata: a collective issued after the interpreter began to exit; "
+                               "accepted: collectives before it")
+        return self.group
+
+    def _issued(self, work):
+        self.running = [w for w in self.running if not w.is_completed()]
+        self.running.append(work)
+        return work
+
+    def settle(self, deadline):
+        """Waits (until `deadline`, time.monotonic()'s) for the works still running, and lets
+        the group go (the default group strata made destroyed, as torch asks of whoever makes
+        one, unless the trainer has destroyed it)."""
+        import datetime
+        import time
+        for work in self.running:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                work.wait(datetime.timedelta(seconds=left))
+            except Exception:  # (failed or timed out: nothing more to do at exit)
+                pass
+        self.running = []
+        if self.made and self._dist.is_initialized() and self._dist.group.WORLD is self.group:
+            self._dist.destroy_process_group()
+        self.group = None
+
+
+_GROUPS_IN_USE = weakref.WeakSet()
+_SETTLE_AT_EXIT_S = 5  # the longest the interpreter's exit waits for collectives still running
+
+
+@atexit.register
+def _settle_groups_at_exit():
+    """Before the interpreter finalizes: every torch group's works still running waited for, the
+    groups let go (a trainer's destroy_process_group() then destroys its group here, its threads
+    joined while Python can still take their releases), and a moment given to the threads of
+    groups the trainer still holds to release what they just finished (_OnGroup)."""
+    import time
+    groups = list(_GROUPS_IN_USE)
+    deadline = time.monotonic() + _SETTLE_AT_EXIT_S
+    for group in groups:
+        group.settle(deadline)
+    if groups:
+        time.sleep(0.02)
 
 
 def _backend_for(group, device):

@@ -109,6 +109,8 @@ print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held, "sta
                   "collectives": engine.ranks.collectives.name if engine.ranks else None,
                   "warnings": [str(w) for w in engine.warnings],
                   "nvme": sorted(__import__("os").listdir(nvme)) if offload == "nvme" else []}))
+if group is not None:  # as torch asks of whoever makes a group (see the exit test below)
+    dist.destroy_process_group()
 """
 
 
@@ -281,6 +283,34 @@ for engine in (a, b):
 out["trained"] = [a.global_steps, b.global_steps]
 print(json.dumps(out))
 """
+
+
+EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = r"""
+import sys, time, torch, torch.distributed as dist
+from strata import ranks
+dist.init_process_group("gloo")
+group = dist.group.WORLD  # (held to the end, as a trainer's script holds it)
+made = sys.argv[1] == "made"
+on = ranks._OnGroup(group, torch.device("cpu"), made=made)
+if dist.get_rank() == 1:
+    time.sleep(1)  # rank 0's gather finishes as its script ends
+on.all_gather(torch.ones(1000), torch.empty(2000))  # never waited for
+if not made:
+    dist.destroy_process_group()  # as torch asks of the trainer that made it
+"""
+
+
+@pytest.mark.parametrize("made", ["made", "handed"])
+def test_a_collective_in_flight_at_exit_ends_before_the_interpreter_does(made):
+    """A torch group's work still running as the script ends (the group strata made on GPUs, or
+    one the trainer handed and destroyed itself while strata held it) is waited for and the group
+    let go before the interpreter finalizes: Gloo's thread released the finished work's tensors
+    during finalization and aborted the process ("terminate called without an active exception";
+    both cases did so every time before)."""
+    procs = start_ranks(2, EXIT_WITH_A_COLLECTIVE_IN_FLIGHT, (made,))
+    for p in procs:
+        _, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
 
 
 def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_reshuffle():
