@@ -166,7 +166,8 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport trans
   return JoinJob(env, timeout, TransportName(transport));
 }
 
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport_text) {
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport_text,
+                            const StopCheck& stop) {
   Job job;
   job.env = env;
   std::string host = "127.0.0.1";
@@ -193,7 +194,7 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_vi
     master = "127.0.0.1";
   }
   const uint16_t port = env.launched ? env.store_port : job.server->port();
-  auto store = TcpStore::Connect(master, port, timeout);
+  auto store = TcpStore::Connect(master, port, timeout, stop);
   if (!store.ok()) return store.status();
   job.store = std::move(*store);
   // The world size first: every exchange below waits for that many ranks.
@@ -221,6 +222,7 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_vi
     }
     if (job.side != nullptr) {
       job.transport = "shared memory";
+      job.store->set_stop(nullptr);
       return job;
     }
   }
@@ -235,6 +237,7 @@ absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_vi
     *out = std::move(*comm);
   }
   job.transport = "tcp";
+  job.store->set_stop(nullptr);
   return job;
 }
 

@@ -62,8 +62,11 @@ struct Job {
 // Meets the other ranks (each waits up to `timeout` for the others, never longer) and connects
 // the communicators. The ranks first exchange their `transport` ("auto", "shm" or "tcp", as
 // strata.comm_transport gives it) and then check it: a value not accepted, or one that differs,
-// is named on every rank.
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport);
+// is named on every rank. `stop` (tcp_store.h) is polled while the ranks wait for one another in
+// the store, and ends the joining with its status (the Python front's Ctrl-C); the Job's store
+// keeps none.
+absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport,
+                            const StopCheck& stop = nullptr);
 absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout,
                             Transport transport = Transport::kAuto);
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/mutex.h"
+#include "base/status.h"
 #include "boost/asio.hpp"
 
 namespace strata::comm {
@@ -202,25 +203,42 @@ class TcpStore::Impl {
  public:
   Impl() : socket_(io_) {}
 
-  // Runs the asynchronous operations started on io_ until they are done or `timeout` passes;
-  // false on timeout (the socket is then closed: a request left half-answered breaks the stream).
-  bool RunFor(Duration timeout) {
+  // Runs the asynchronous operations started on io_ until they are done (OK), `timeout` passes
+  // (DeadlineExceeded) or stop_ says to stop (its status); the socket is closed on either (a
+  // request left half-answered breaks the stream).
+  absl::Status RunFor(Duration timeout) {
     io_.restart();
-    io_.run_for(timeout);
-    if (!io_.stopped()) {
-      boost::system::error_code ignored;
-      socket_.close(ignored);
-      io_.run();  // lets the cancelled handlers finish
-      broken_ = true;
-      return false;
+    stopped_ = false;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    absl::Status why;
+    while (true) {
+      const auto left =
+          std::chrono::duration_cast<Duration>(deadline - std::chrono::steady_clock::now());
+      if (left > Duration(0)) io_.run_for(stop_ ? std::min(left, kStopPoll) : left);
+      if (io_.stopped()) return absl::OkStatus();
+      if (std::chrono::steady_clock::now() >= deadline) {
+        why = absl::DeadlineExceededError("timed out");
+        break;
+      }
+      if (stop_) {
+        why = stop_();
+        stopped_ = !why.ok();
+        if (stopped_) break;
+      }
     }
-    return true;
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    io_.run();  // lets the cancelled handlers finish
+    broken_ = true;
+    return why;
   }
 
   absl::Status Connect(const tcp::endpoint& at, Duration timeout) {
     boost::system::error_code ec = asio::error::would_block;
     socket_.async_connect(at, [&ec](boost::system::error_code e) { ec = e; });
-    if (!RunFor(timeout)) return absl::DeadlineExceededError("connecting timed out");
+    if (absl::Status s = RunFor(timeout); !s.ok()) {
+      return absl::IsDeadlineExceeded(s) ? absl::DeadlineExceededError("connecting timed out") : s;
+    }
     if (ec) {
       boost::system::error_code ignored;
       socket_.close(ignored);
@@ -261,8 +279,10 @@ class TcpStore::Impl {
                              [&](boost::system::error_code ec3, size_t) { read_ec = ec3; });
           });
     });
-    if (!RunFor(timeout)) {
-      return absl::DeadlineExceededError(absl::StrCat("no answer within ", timeout.count(), " ms"));
+    if (absl::Status s = RunFor(timeout); !s.ok()) {
+      return absl::IsDeadlineExceeded(s) ? absl::DeadlineExceededError(absl::StrCat(
+                                               "no answer within ", timeout.count(), " ms"))
+                                         : s;
     }
     if (write_ec || read_ec) {
       broken_ = true;
@@ -272,13 +292,17 @@ class TcpStore::Impl {
     return data;
   }
 
+  static constexpr Duration kStopPoll{100};
+
   asio::io_context io_;
   tcp::socket socket_;
   bool broken_ = false;
+  StopCheck stop_;
+  bool stopped_ = false;  // the last RunFor ended because stop_ said so
 };
 
 absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Connect(const std::string& host, uint16_t port,
-                                                            Duration timeout) {
+                                                            Duration timeout, StopCheck stop) {
   const std::string address = absl::StrCat(host, ":", port);
   boost::system::error_code ec;
   auto ip = asio::ip::make_address(host, ec);
@@ -295,6 +319,7 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Connect(const std::string& h
   }
   const tcp::endpoint at(ip, port);
   auto impl = std::make_unique<Impl>();
+  impl->stop_ = std::move(stop);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string last = "nothing tried";
   while (true) {
@@ -307,10 +332,13 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Connect(const std::string& h
                                                       "); is rank 0 running, and are MASTER_ADDR "
                                                       "and the port right?"));
     }
+    if (impl->stop_) STRATA_RETURN_IF_ERROR(impl->stop_());  // (refused at once: RunFor polls not)
     absl::Status s = impl->Connect(at, std::min(left, Duration(1000)));
+    if (impl->stopped_) return s;
     if (s.ok()) {
       bool foreign = false;
       auto hello = impl->Call(kHello, kGreeting, {}, std::min(left, Duration(5000)), &foreign);
+      if (impl->stopped_) return hello.status();
       if (hello.ok() && std::string(hello->begin(), hello->end()) == kGreeting) break;
       return absl::FailedPreconditionError(absl::StrCat(
           "the service at ", address, " is not strata's rendezvous store (",
@@ -327,6 +355,7 @@ absl::StatusOr<std::unique_ptr<TcpStore>> TcpStore::Connect(const std::string& h
 TcpStore::TcpStore(std::unique_ptr<Impl> impl, std::string address)
     : impl_(std::move(impl)), address_(std::move(address)) {}
 TcpStore::~TcpStore() = default;
+void TcpStore::set_stop(StopCheck stop) { impl_->stop_ = std::move(stop); }
 
 absl::Status TcpStore::Set(const std::string& key, const std::vector<char>& value) {
   auto r = impl_->Call(kSet, key, value, Duration(60000), nullptr);

@@ -9,8 +9,10 @@
 //
 // Never a hang: connecting retries until the timeout (rank 0's server may start after the others),
 // and every request has the timeout; an error names the address, what was asked and how long it
-// waited. A service on the port that is not this store (torch.distributed's own TCPStore on
-// MASTER_PORT, say) is recognised by the greeting and named as such.
+// waited. A client's StopCheck, polled while it waits, ends a wait early (Ctrl-C in the Python
+// front, which would otherwise wait for the whole timeout). A service on the port that is not this
+// store (torch.distributed's own TCPStore on MASTER_PORT, say) is recognised by the greeting and
+// named as such.
 //
 // Thread safety: TcpStoreServer is thread-safe (it runs on its own thread). A TcpStore client is
 // used by one thread at a time.
@@ -19,15 +21,22 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace strata::comm {
 
 using Duration = std::chrono::milliseconds;
+
+// Polled on the waiting thread, every 100 ms at most, while a client waits for an answer or
+// retries its connection: a status that is not OK ends the wait with that status (the connection
+// is then closed, as on a timeout). Empty: never polled.
+using StopCheck = std::function<absl::Status()>;
 
 class TcpStoreServer {
  public:
@@ -49,9 +58,11 @@ class TcpStoreServer {
 
 class TcpStore {
  public:
-  // Connects to the server at host:port, retrying until `timeout` (the server may not be up yet).
+  // Connects to the server at host:port, retrying until `timeout` (the server may not be up yet)
+  // or until `stop` says to stop; the client keeps `stop` for its requests (set_stop changes it).
   static absl::StatusOr<std::unique_ptr<TcpStore>> Connect(const std::string& host, uint16_t port,
-                                                           Duration timeout);
+                                                           Duration timeout,
+                                                           StopCheck stop = nullptr);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;
@@ -63,6 +74,7 @@ class TcpStore {
   absl::StatusOr<int64_t> Add(const std::string& key, int64_t delta);
 
   const std::string& address() const { return address_; }
+  void set_stop(StopCheck stop);
 
   class Impl;
 

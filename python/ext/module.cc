@@ -991,8 +991,15 @@ class PyJob {
     {
       py::gil_scoped_release unlocked;
       // (checked by JoinJob once the ranks have exchanged it: a bad one named on every rank)
-      job = comm::JoinJob(*env, comm::Duration(timeout_ms), transport);
+      // Ctrl-C while the ranks meet ends the joining (else it waits for the whole timeout): the
+      // signal's exception is raised once the store's wait returns.
+      job = comm::JoinJob(*env, comm::Duration(timeout_ms), transport, []() -> absl::Status {
+        py::gil_scoped_acquire locked;
+        if (PyErr_CheckSignals() != 0) return absl::CancelledError("interrupted");
+        return absl::OkStatus();
+      });
     }
+    if (PyErr_Occurred() != nullptr) throw py::error_already_set();
     Check(job.status());
     job_ = std::make_shared<comm::Job>(*std::move(job));
   }

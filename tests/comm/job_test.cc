@@ -110,6 +110,23 @@ TEST(JoinJobTest, AJobOfOneProcessHasACommunicatorOfOne) {
   EXPECT_EQ(x[2], 3);
 }
 
+// Ctrl-C in the Python front while a rank waits for the others (one never launched, say): the
+// stop check ends the joining, where it waited for the whole timeout before.
+TEST(JoinJobTest, AStopCheckEndsTheWaitForRanksThatNeverCome) {
+  const uint16_t port = testing::FreePort();
+  auto env = JobEnvFromEnvironment(From(Launched(0, 2, port)));
+  ASSERT_TRUE(env.ok()) << env.status();
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto until = t0 + std::chrono::milliseconds(300);
+  auto job = JoinJob(*env, Duration(60000), "auto", [until]() -> absl::Status {
+    if (std::chrono::steady_clock::now() < until) return absl::OkStatus();
+    return absl::CancelledError("interrupted");
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kCancelled) << job.status();
+}
+
 // Runs 2 launched ranks beside a torch store on MASTER_PORT; rank r joins with transports[r] and
 // then runs `body`; each rank's exit status.
 std::vector<int> TwoRanks(const Transport (&transports)[2],

@@ -130,6 +130,49 @@ TEST(TcpStoreTest, NoServerIsATimeoutNamingTheAddress) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
 }
 
+// A stop check that says to stop once `after` has passed, counting its calls.
+StopCheck StopAfter(std::chrono::milliseconds after, int* calls) {
+  return [until = Clock::now() + after, calls]() -> absl::Status {
+    ++*calls;
+    if (Clock::now() < until) return absl::OkStatus();
+    return absl::CancelledError("stopped by the test");
+  };
+}
+
+TEST(TcpStoreTest, AStopCheckEndsAWaitForAKeyLongBeforeItsTimeout) {
+  auto server = Serve();
+  auto c = Client(server->port());
+  int calls = 0;
+  c->set_stop(StopAfter(std::chrono::milliseconds(300), &calls));
+  const auto t0 = Clock::now();
+  auto v = c->Get("never", Duration(60000));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(v.status().message(), HasSubstr("waiting for \"never\": stopped by the test"));
+  EXPECT_GE(calls, 2);  // polled while it waited
+  // The connection is closed then, as after a timeout; a client without a check waits on.
+  EXPECT_FALSE(c->Set("k", Bytes("v")).ok());
+  auto d = Client(server->port());
+  d->set_stop(nullptr);
+  EXPECT_TRUE(d->Set("k", Bytes("v")).ok());
+}
+
+TEST(TcpStoreTest, AStopCheckEndsTheRetriesOfAConnection) {
+  uint16_t port;
+  {
+    auto probe = Serve();
+    port = probe->port();
+  }
+  int calls = 0;
+  const auto t0 = Clock::now();
+  auto c = TcpStore::Connect("127.0.0.1", port, Duration(60000),
+                             StopAfter(std::chrono::milliseconds(300), &calls));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kCancelled);
+}
+
 TEST(TcpStoreTest, AServiceThatIsNotTheStoreIsNamedAsSuch) {
   // A listener that accepts and answers something else (as another service on the port would).
   uint16_t port = 0;

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import start_ranks
+from launch import free_port, start_ranks
 
 RANK = r"""
 import json, sys, torch
@@ -83,6 +83,30 @@ def test_a_missing_variable_is_named():
                            env=env, capture_output=True, text=True, timeout=60)
     assert child.returncode != 0
     assert "WORLD_SIZE is not set" in child.stderr, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_ends_the_joining_of_a_rank_whose_peers_never_come(rank):
+    """Rank 0 waits in its store for the others, rank 1 retries its way to rank 0's: a Ctrl-C
+    ends either at once with KeyboardInterrupt (it waited for the whole timeout, 60 s here)."""
+    import signal
+    import time
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK=str(rank),
+               WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    child = subprocess.Popen([sys.executable, "-c", "from strata import _strata\n"
+                              "print('joining', flush=True)\n_strata.Job(timeout_ms=60000)"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "joining"
+        time.sleep(1.0)
+        start = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=90)
+        assert time.monotonic() - start < 10, err[-2000:]
+        assert err.strip().splitlines()[-1] == "KeyboardInterrupt", err[-2000:]
+    finally:
+        child.kill()
+        child.communicate()
 
 
 WAITS = r"""
