@@ -66,6 +66,9 @@ absl::StatusOr<std::string> LocalAddressToward(const std::string& peer, uint16_t
   return std::string(text);
 }
 
+// strata.comm_transport's values (JoinJob, job.h).
+enum class Transport { kAuto, kShm, kTcp };
+
 const char* TransportName(Transport t) {
   switch (t) {
     case Transport::kAuto:
@@ -160,10 +163,6 @@ absl::StatusOr<JobEnv> JobEnvFromEnvironment(const GetEnv& getenv_fn) {
   }
   if (const char* iface = get("GLOO_SOCKET_IFNAME"); iface != nullptr) env.gloo_iface = iface;
   return env;
-}
-
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, Transport transport) {
-  return JoinJob(env, timeout, TransportName(transport));
 }
 
 absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport_text,

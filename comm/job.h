@@ -42,11 +42,6 @@ struct JobEnv {
 using GetEnv = std::function<const char*(const char*)>;
 absl::StatusOr<JobEnv> JobEnvFromEnvironment(const GetEnv& getenv = nullptr);
 
-// How the collectives travel between the ranks: kAuto, through shared memory when every rank is
-// on this host (comm/shm_communicator.h), else on Gloo over TCP; kShm, shared memory or an error
-// naming the rank that could not map it; kTcp, Gloo over TCP always.
-enum class Transport { kAuto, kShm, kTcp };
-
 struct Job {
   JobEnv env;
   std::string transport;  // what the collectives travel by: "shared memory" or "tcp"
@@ -60,15 +55,15 @@ struct Job {
 };
 
 // Meets the other ranks (each waits up to `timeout` for the others, never longer) and connects
-// the communicators. The ranks first exchange their `transport` ("auto", "shm" or "tcp", as
-// strata.comm_transport gives it) and then check it: a value not accepted, or one that differs,
-// is named on every rank. `stop` (tcp_store.h) is polled while the ranks wait for one another in
-// the store, and ends the joining with its status (the Python front's Ctrl-C); the Job's store
-// keeps none.
-absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout, absl::string_view transport,
-                            const StopCheck& stop = nullptr);
+// the communicators. `transport` says how the collectives travel between the ranks: "auto",
+// through shared memory when every rank is on this host (comm/shm_communicator.h), else on Gloo
+// over TCP; "shm", shared memory or an error naming the rank that could not map it; "tcp", Gloo
+// over TCP always. The ranks first exchange it and then check it (as strata.comm_transport gives
+// it): a value not accepted, or one that differs, is named on every rank. `stop` (tcp_store.h) is
+// polled while the ranks wait for one another in the store, and ends the joining with its status
+// (the Python front's Ctrl-C); the Job's store keeps none.
 absl::StatusOr<Job> JoinJob(const JobEnv& env, Duration timeout,
-                            Transport transport = Transport::kAuto);
+                            absl::string_view transport = "auto", const StopCheck& stop = nullptr);
 
 }  // namespace strata::comm
 

@@ -36,7 +36,6 @@ absl::StatusOr<Tried> Try(int64_t width, const Hardware& hw, const Training& tra
     if (s.ok()) {
       l.model = s->model;
       l.training = s->training;
-      l.memory = s->memory;
       t.fits = std::move(l);
       return t;
     }
@@ -51,7 +50,6 @@ absl::StatusOr<Tried> Try(int64_t width, const Hardware& hw, const Training& tra
   }
   l.model = *model;
   l.training = training;
-  l.memory = *std::move(memory);
   t.fits = std::move(l);
   return t;
 }

@@ -44,7 +44,6 @@ struct Largest {
   nlohmann::json hf_config;  // the member's config.json
   Transformer model;         // as the planner reads it (at the config's micro-batch)
   Training training;         // the config it fits with: the one given, or Suggest's
-  MemoryPlan memory;
   int64_t width = 0, layers = 0, heads = 0;
   int tried = 0;  // members planned
   // The member one step wider (width + 256): the first tier it does not fit, and the bytes it

@@ -129,7 +129,7 @@ TEST(JoinJobTest, AStopCheckEndsTheWaitForRanksThatNeverCome) {
 
 // Runs 2 launched ranks beside a torch store on MASTER_PORT; rank r joins with transports[r] and
 // then runs `body`; each rank's exit status.
-std::vector<int> TwoRanks(const Transport (&transports)[2],
+std::vector<int> TwoRanks(const char* const (&transports)[2],
                           const std::function<int(int rank, absl::StatusOr<Job>&)>& body) {
   // A port for the torch store whose next port (strata's) is free too (FreePort).
   uint16_t port = 0;
@@ -165,9 +165,8 @@ std::vector<int> TwoRanks(const Transport (&transports)[2],
 // the next port, and two launched ranks meet and reduce, through shared memory (on one host, by
 // default) or over TCP.
 TEST(JoinJobTest, RanksMeetBesideATorchStoreOnMasterPort) {
-  for (auto [transport, name] :
-       {std::pair{Transport::kAuto, "shared memory"}, std::pair{Transport::kShm, "shared memory"},
-        std::pair{Transport::kTcp, "tcp"}}) {
+  for (auto [transport, name] : {std::pair{"auto", "shared memory"},
+                                 std::pair{"shm", "shared memory"}, std::pair{"tcp", "tcp"}}) {
     const auto codes = TwoRanks(
         {transport, transport}, [name = std::string(name)](int r, absl::StatusOr<Job>& job) {
           if (!job.ok()) {
@@ -199,16 +198,15 @@ TEST(JoinJobTest, AutoTakesTcpWhereDevShmHasRoomForOneSegmentOfTheTwo) {
         mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=20m") != 0) {
       _exit(77);
     }
-    const auto codes =
-        TwoRanks({Transport::kAuto, Transport::kAuto}, [](int r, absl::StatusOr<Job>& job) {
-          if (!job.ok()) {
-            fprintf(stderr, "rank %d: %s\n", r, job.status().ToString().c_str());
-            return 3;
-          }
-          if (job->transport != "tcp") return 6;
-          std::vector<float> x(10, static_cast<float>(r + 1));
-          return job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() && x[9] == 3.0f ? 0 : 4;
-        });
+    const auto codes = TwoRanks({"auto", "auto"}, [](int r, absl::StatusOr<Job>& job) {
+      if (!job.ok()) {
+        fprintf(stderr, "rank %d: %s\n", r, job.status().ToString().c_str());
+        return 3;
+      }
+      if (job->transport != "tcp") return 6;
+      std::vector<float> x(10, static_cast<float>(r + 1));
+      return job->comm->AllReduce(absl::MakeSpan(x))->Wait().ok() && x[9] == 3.0f ? 0 : 4;
+    });
     _exit(codes == std::vector<int>{0, 0} ? 0 : 1);
   }
   int status = 0;
@@ -221,14 +219,13 @@ TEST(JoinJobTest, AutoTakesTcpWhereDevShmHasRoomForOneSegmentOfTheTwo) {
 // A rank given another transport than rank 0's is named, rather than left waiting for a
 // segment that is never made.
 TEST(JoinJobTest, ATransportThatDiffersFromRankZerosIsNamed) {
-  const auto codes =
-      TwoRanks({Transport::kAuto, Transport::kTcp}, [](int r, absl::StatusOr<Job>& job) {
-        const std::string want = r == 0 ? "(0) was given the transport \"auto\" "
-                                          "(strata.comm_transport) but rank 1 was given \"tcp\""
-                                        : "(1) was given the transport \"tcp\" "
-                                          "(strata.comm_transport) but rank 0 was given \"auto\"";
-        return !job.ok() && absl::StrContains(job.status().message(), want) ? 0 : 7;
-      });
+  const auto codes = TwoRanks({"auto", "tcp"}, [](int r, absl::StatusOr<Job>& job) {
+    const std::string want = r == 0 ? "(0) was given the transport \"auto\" "
+                                      "(strata.comm_transport) but rank 1 was given \"tcp\""
+                                    : "(1) was given the transport \"tcp\" "
+                                      "(strata.comm_transport) but rank 0 was given \"auto\"";
+    return !job.ok() && absl::StrContains(job.status().message(), want) ? 0 : 7;
+  });
   EXPECT_EQ(codes, (std::vector<int>{0, 0}));
 }
 
