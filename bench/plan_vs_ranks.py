@@ -15,8 +15,8 @@ the planner is given is this machine's, made in the same run:
     in plain torch (no strata) on the rank's share of the batch, timed by each rank of the job
     itself just before each of the engine's steps (train_ranks.run_beside: the same moment,
     the same load, the other ranks computing beside it), expressed in the planner's FLOPs (3
-    forwards, the header of planner/plan_model.h) at efficiency 1 (as bench/bigger_than_ram.py
-    gives the planner the CPU's matmul rate);
+    forwards, the header of planner/plan_model.h; strata_plan's JSON gives them) at efficiency 1
+    (as bench/bigger_than_ram.py gives the planner the CPU's matmul rate);
   - the link between the ranks ("gpu_link", kind "loopback": the collectives run on the cores
     the ranks compute on): the job's own collectives, timed by its ranks just before each of the
     engine's steps too: a collective's latency (the best 16-byte all-gather of several one after
@@ -70,14 +70,6 @@ def link_of(measured, ranks, bucket):
             "bus_bps": 2 / (1 / gather_bus + 1 / scatter_bus)}
 
 
-def flops_per_step(per_rank_batch):
-    """The planner's FLOPs of one rank's forward and backward (planner/plan_model.h: 3 forwards, no
-    recompute): 2 x (the layers' matrices + the head) + 4 x layers x sequence x hidden a token."""
-    h, layers, vocab = MODEL["n_embd"], MODEL["n_layer"], MODEL["vocab_size"]
-    forward = 2 * (layers * 12 * h * h + vocab * h) + 4 * layers * CONTEXT * h
-    return 3 * forward * CONTEXT * per_rank_batch
-
-
 def ds_config(args, ranks):
     """train_ranks.py's config, as one rank takes it (its micro-batch)."""
     return {"train_micro_batch_size_per_gpu": args.batch // ranks,
@@ -105,10 +97,13 @@ def calibrate(args, folder):
 
 
 def predict(args, folder, calibrated, ranks, compute_s, measured_link):
-    """strata_plan's step for the job on `ranks` processes, on this round's description."""
+    """strata_plan's step for the job on `ranks` processes, on this round's description: the
+    'GPU' rated so that the planner's own FLOPs of a rank's step take `compute_s`."""
     hw = json.loads(json.dumps(calibrated))
-    tflops = flops_per_step(args.batch // ranks) / compute_s / 1e12
-    hw["gpu"].update(count=ranks, tflops=tflops, efficiency=1.0)
+    hw["gpu"].update(count=ranks, tflops=1.0, efficiency=1.0)
+    flops = plan(args, folder, hw, ranks)["model_flops_per_gpu"]  # (whatever the rates)
+    tflops = flops / compute_s / 1e12
+    hw["gpu"]["tflops"] = tflops
     hw["source"] += (f"; the 'GPU' is {ranks} process(es) of this CPU, the demo GPT's forward and "
                      f"backward in plain torch timed in the same round: {tflops:.4f} TFLOPS")
     if ranks > 1:
@@ -117,8 +112,18 @@ def predict(args, folder, calibrated, ranks, compute_s, measured_link):
                           "sync_us": measured_link["sync_s"] * 1e6}
         hw["source"] += (f"; the link: strata's collectives (transport {args.transport}) between "
                          "the ranks, timed in the same round")
+    step = plan(args, folder, hw, ranks)
+    step["tflops_given"] = tflops
+    return step
+
+
+def plan(args, folder, hw, ranks):
+    """strata_plan's step (its JSON's, with its printed text) for the job on `ranks` processes
+    on the description `hw`."""
     paths = {name: os.path.join(folder, f"{name}{ranks}.json")
              for name in ("hardware", "model", "config", "plan")}
+    if os.path.exists(paths["plan"]):
+        os.remove(paths["plan"])
     for name, value in (("hardware", hw), ("model", MODEL), ("config", ds_config(args, ranks))):
         with open(paths[name], "w", encoding="utf-8") as f:
             json.dump(value, f)
@@ -132,7 +137,6 @@ def predict(args, folder, calibrated, ranks, compute_s, measured_link):
         step = json.load(f).get("step")
     if step is None:
         sys.exit(f"plan_vs_ranks: strata_plan predicted no step: {run.stdout[-2000:]}")
-    step["tflops_given"] = tflops
     step["text"] = run.stdout
     return step
 

@@ -277,8 +277,8 @@ absl::StatusOr<TimePlan> PlanTime(const Transformer& m, const Hardware& hw, cons
   plan.step = *std::move(step);
   plan.comm = SumCollectives(plan.model.trace.groups);
   plan.tokens_per_s = hw.ranks() * plan.model.tokens_per_gpu / plan.step.step_s;
-  plan.model_tflops_per_gpu =
-      3 * m.ForwardFlopsPerToken() * plan.model.tokens_per_gpu / plan.step.step_s / 1e12;
+  plan.model_flops_per_gpu = 3 * m.ForwardFlopsPerToken() * plan.model.tokens_per_gpu;
+  plan.model_tflops_per_gpu = plan.model_flops_per_gpu / plan.step.step_s / 1e12;
   return plan;
 }
 

@@ -78,7 +78,8 @@ struct TimePlan {
   Prediction step;
   CommTotals comm;                  // one rank's collectives a step (none in one rank)
   double tokens_per_s = 0;          // every rank's
-  double model_tflops_per_gpu = 0;  // 3 forwards' FLOPs per token (no recompute counted)
+  double model_flops_per_gpu = 0;   // a step's: 3 forwards' FLOPs per token (no recompute)
+  double model_tflops_per_gpu = 0;  // those over the step's seconds
 };
 absl::StatusOr<TimePlan> PlanTime(const Transformer& model, const Hardware& hardware,
                                   const Training& training, const MemoryPlan& memory);

@@ -592,6 +592,7 @@ int Main() {
                    {"lower_bound_seconds", p.bound.seconds()},
                    {"lanes", lanes},
                    {"tokens_per_s", time->tokens_per_s},
+                   {"model_flops_per_gpu", time->model_flops_per_gpu},
                    {"model_tflops_per_gpu", time->model_tflops_per_gpu}};
       if (hw->ranks() > 1) {
         const CommTotals& c = time->comm;
