@@ -165,22 +165,23 @@ class _OnJob(Collectives):
 class _OnGroup(Collectives):
     """A torch.distributed process group (NCCL's on a GPU, over the device's buffers).
 
-    At the interpreter's exit (_settle_groups_at_exit) its works still running are waited for and
-    the group is let go: torch's threads release a finished work's tensors, which takes the GIL,
-    and one released once Python is finalizing aborts the process ("terminate called without an
-    active exception"); a group held past the trainer's destroy_process_group() lives on, its
-    threads with it."""
+    At the interpreter's exit (_settle_groups_at_exit) its works not yet waited for are given a
+    moment to finish: torch's threads release a finished work's tensors, which takes the GIL, and
+    one released once Python is finalizing aborts the process ("terminate called without an
+    active exception")."""
 
     def __init__(self, group, device, pinned=False, made=False):
         import torch.distributed as dist
         self._dist = dist
         self.group = group
         self.made = made  # strata made it: destroyed at the interpreter's exit (settle)
-        self.running = []  # the works issued and not seen finished
+        self.unwaited = []  # the works issued and not yet waited for (_Issued)
         super().__init__(f"torch.distributed's {_backend_for(group, device)} process group"
                          f"{' (made by strata)' if made else ''} over "
                          f"{'pinned host' if pinned else device.type} buffers", device, pinned)
         _GROUPS_IN_USE.add(self)
+        if made:
+            _MADE_GROUPS.append(self)  # (destroyed at exit even once no engine holds it)
 
     def reduce_scatter(self, send, out):
         return self._issued(self._dist.reduce_scatter_tensor(out, send, group=self._live(),
@@ -192,45 +193,69 @@ class _OnGroup(Collectives):
 
     def _live(self):
         if self.group is None:  # (None would name torch's default group)
-            raise RuntimeError("strata: a collective issued after the interpreter began to exit; "
-                               "accepted: collectives before it")
+            raise RuntimeError("strata: a collective on a torch.distributed group that was "
+                               "destroyed; accepted: collectives before destroy_process_group()")
         return self.group
 
     def _issued(self, work):
-        self.running = [w for w in self.running if not w.is_completed()]
-        self.running.append(work)
-        return work
+        self.unwaited = [w for w in self.unwaited if not w.is_completed()]
+        issued = _Issued(work, self)
+        self.unwaited.append(issued)
+        return issued
 
     def settle(self, deadline):
-        """Waits (until `deadline`, time.monotonic()'s) for the works still running, and lets
-        the group go (the default group strata made destroyed, as torch asks of whoever makes
-        one, unless the trainer has destroyed it)."""
-        import datetime
+        """Polls (until `deadline`, time.monotonic()'s) the works not yet waited for until they
+        finish; then the default group strata made is destroyed (as torch asks of whoever makes
+        one; not while a work of it runs, which the destroy would wait for), and a group the
+        trainer destroyed is let go (its threads then end with it, while Python still runs).
+        True when none is still running."""
         import time
-        for work in self.running:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                work.wait(datetime.timedelta(seconds=left))
-            except Exception:  # (failed or timed out: nothing more to do at exit)
-                pass
-        self.running = []
-        if self.made and self._dist.is_initialized() and self._dist.group.WORLD is self.group:
-            self._dist.destroy_process_group()
-        self.group = None
+        while any(not w.is_completed() for w in self.unwaited) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        finished = all(w.is_completed() for w in self.unwaited)
+        self.unwaited = []
+        if self.group is None:
+            return finished
+        dist = self._dist
+        try:
+            if finished and self.made and dist.is_initialized() and \
+                    dist.group.WORLD is self.group:
+                dist.destroy_process_group()
+            dist.get_rank(self.group)
+        except (RuntimeError, ValueError):  # destroyed (by the trainer, or just above)
+            self.group = None
+        return finished
+
+
+class _Issued:
+    """A work strata issued on a torch group, as the group's caller uses it (wait, is_completed),
+    known to the group until it is waited for."""
+
+    def __init__(self, work, owner):
+        self.work, self.owner = work, owner
+
+    def wait(self):
+        try:
+            return self.work.wait()
+        finally:
+            if self in self.owner.unwaited:
+                self.owner.unwaited.remove(self)
+
+    def is_completed(self):
+        return self.work.is_completed()
 
 
 _GROUPS_IN_USE = weakref.WeakSet()
+_MADE_GROUPS = []
 _SETTLE_AT_EXIT_S = 5  # the longest the interpreter's exit waits for collectives still running
 
 
 @atexit.register
 def _settle_groups_at_exit():
-    """Before the interpreter finalizes: every torch group's works still running waited for, the
-    groups let go (a trainer's destroy_process_group() then destroys its group here, its threads
-    joined while Python can still take their releases), and a moment given to the threads of
-    groups the trainer still holds to release what they just finished (_OnGroup)."""
+    """Before the interpreter finalizes: every torch group's works not yet waited for given up
+    to 5 s in all to finish, the group strata made destroyed, a moment given to the groups'
+    threads to release what they just finished (_OnGroup). A group stays usable for atexit
+    handlers that run after this one (those registered before strata was imported)."""
     import time
     groups = list(_GROUPS_IN_USE)
     deadline = time.monotonic() + _SETTLE_AT_EXIT_S

@@ -286,31 +286,68 @@ print(json.dumps(out))
 
 
 EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = r"""
-import sys, time, torch, torch.distributed as dist
+import atexit, sys, time, torch, torch.distributed as dist
+case = sys.argv[1]
+if case == "stuck":  # how long strata's exit handler took (this one runs after it)
+    atexit.register(lambda: print(f"settled after {time.monotonic() - issued:.1f} s", flush=True))
+if case == "late":  # a trainer's handler registered before strata's: it runs after strata's
+    def save_at_exit():
+        whole = torch.empty(4)
+        on.all_gather(torch.full((2,), float(dist.get_rank())), whole).wait()
+        print("gathered at exit", whole.tolist(), flush=True)
+    atexit.register(save_at_exit)
 from strata import ranks
 dist.init_process_group("gloo")
 group = dist.group.WORLD  # (held to the end, as a trainer's script holds it)
-made = sys.argv[1] == "made"
-on = ranks._OnGroup(group, torch.device("cpu"), made=made)
+on = ranks._OnGroup(group, torch.device("cpu"), made=case in ("made", "stuck"))
+if case == "stuck":  # rank 1 never takes part, and outlives rank 0 by far
+    if dist.get_rank() == 1:
+        time.sleep(25)
+        sys.exit(0)
+    for _ in range(2):
+        on.all_gather(torch.ones(1000), torch.empty(2000))
+    issued = time.monotonic()
+    print("issued", flush=True)
+    sys.exit(0)
 if dist.get_rank() == 1:
     time.sleep(1)  # rank 0's gather finishes as its script ends
 on.all_gather(torch.ones(1000), torch.empty(2000))  # never waited for
-if not made:
+if case == "handed":
     dist.destroy_process_group()  # as torch asks of the trainer that made it
 """
 
 
-@pytest.mark.parametrize("made", ["made", "handed"])
-def test_a_collective_in_flight_at_exit_ends_before_the_interpreter_does(made):
+@pytest.mark.parametrize("case", ["made", "handed", "late"])
+def test_a_collective_in_flight_at_exit_ends_before_the_interpreter_does(case):
     """A torch group's work still running as the script ends (the group strata made on GPUs, or
-    one the trainer handed and destroyed itself while strata held it) is waited for and the group
-    let go before the interpreter finalizes: Gloo's thread released the finished work's tensors
-    during finalization and aborted the process ("terminate called without an active exception";
-    both cases did so every time before)."""
-    procs = start_ranks(2, EXIT_WITH_A_COLLECTIVE_IN_FLIGHT, (made,))
+    one the trainer handed and destroyed itself while strata held it) is given time to finish
+    before the interpreter finalizes: Gloo's thread released the finished work's tensors during
+    finalization and aborted the process ("terminate called without an active exception"; the
+    handed case did so every time before, the made one mostly). "late": a trainer's exit handler
+    that runs after strata's still gathers on the group."""
+    procs = start_ranks(2, EXIT_WITH_A_COLLECTIVE_IN_FLIGHT, (case,))
     for p in procs:
-        _, stderr = p.communicate(timeout=120)
+        out, stderr = p.communicate(timeout=120)
         assert p.returncode == 0, stderr[-3000:]
+        if case == "late":
+            assert "gathered at exit [0.0, 0.0, 1.0, 1.0]" in out, (out, stderr[-3000:])
+
+
+def test_the_exit_waits_for_collectives_that_never_finish_5_s_at_most():
+    """Two gathers in flight that the other rank never joins (it lives on): strata's exit handler
+    gives them 5 s in all, and leaves the group strata made alone (its destroy would wait for
+    them). It waited for the other rank's end before (a wait given under a millisecond had no
+    limit). (torch's own teardown of the group then still waits for that rank, as it always did.)"""
+    procs = start_ranks(2, EXIT_WITH_A_COLLECTIVE_IN_FLIGHT, ("stuck",))
+    try:
+        assert procs[0].stdout.readline().strip() == "issued", procs[0].stderr.read()
+        settled = procs[0].stdout.readline().strip()
+        assert settled.startswith("settled after "), (settled, procs[0].stderr.read())
+        assert 4.5 < float(settled.split()[2]) < 8, settled
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
 
 
 def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_reshuffle():
