@@ -194,7 +194,8 @@ class _OnGroup(Collectives):
     def _live(self):
         if self.group is None:  # (None would name torch's default group)
             raise RuntimeError("strata: a collective on a torch.distributed group that was "
-                               "destroyed; accepted: collectives before destroy_process_group()")
+                               "destroyed (by destroy_process_group(), or, the one strata made, "
+                               "at the interpreter's exit); accepted: collectives before it")
         return self.group
 
     def _issued(self, work):
@@ -207,15 +208,14 @@ class _OnGroup(Collectives):
         """Polls (until `deadline`, time.monotonic()'s) the works not yet waited for until they
         finish; then the default group strata made is destroyed (as torch asks of whoever makes
         one; not while a work of it runs, which the destroy would wait for), and a group the
-        trainer destroyed is let go (its threads then end with it, while Python still runs).
-        True when none is still running."""
+        trainer destroyed is let go (its threads then end with it, while Python still runs)."""
         import time
         while any(not w.is_completed() for w in self.unwaited) and time.monotonic() < deadline:
             time.sleep(0.001)
         finished = all(w.is_completed() for w in self.unwaited)
         self.unwaited = []
         if self.group is None:
-            return finished
+            return
         dist = self._dist
         try:
             if finished and self.made and dist.is_initialized() and \
@@ -224,7 +224,6 @@ class _OnGroup(Collectives):
             dist.get_rank(self.group)
         except (RuntimeError, ValueError):  # destroyed (by the trainer, or just above)
             self.group = None
-        return finished
 
 
 class _Issued:
@@ -254,8 +253,8 @@ _SETTLE_AT_EXIT_S = 5  # the longest the interpreter's exit waits for collective
 def _settle_groups_at_exit():
     """Before the interpreter finalizes: every torch group's works not yet waited for given up
     to 5 s in all to finish, the group strata made destroyed, a moment given to the groups'
-    threads to release what they just finished (_OnGroup). A group stays usable for atexit
-    handlers that run after this one (those registered before strata was imported)."""
+    threads to release what they just finished (_OnGroup). A group the trainer made stays usable
+    for exit handlers that run after this one (those registered before strata was imported)."""
     import time
     groups = list(_GROUPS_IN_USE)
     deadline = time.monotonic() + _SETTLE_AT_EXIT_S

@@ -333,6 +333,29 @@ def test_a_collective_in_flight_at_exit_ends_before_the_interpreter_does(case):
             assert "gathered at exit [0.0, 0.0, 1.0, 1.0]" in out, (out, stderr[-3000:])
 
 
+AFTER_THE_TRAINERS_DESTROY = r"""
+import time, torch, torch.distributed as dist
+from strata import ranks
+dist.init_process_group("gloo")
+on = ranks._OnGroup(dist.group.WORLD, torch.device("cpu"))
+dist.destroy_process_group()
+on.settle(time.monotonic() + 1)  # (as at exit: the destroyed group let go)
+try:
+    on.all_gather(torch.ones(2), torch.empty(2))
+except RuntimeError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_collective_on_a_group_destroyed_and_let_go_is_refused_by_name():
+    """Never torch's default group in its place (group=None would name it)."""
+    (p,) = start_ranks(1, AFTER_THE_TRAINERS_DESTROY)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-3000:]
+    assert "refused: strata: a collective on a torch.distributed group that was destroyed" in out, \
+        (out, err[-3000:])
+
+
 def test_the_exit_waits_for_collectives_that_never_finish_5_s_at_most():
     """Two gathers in flight that the other rank never joins (it lives on): strata's exit handler
     gives them 5 s in all, and leaves the group strata made alone (its destroy would wait for
