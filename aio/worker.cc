@@ -89,7 +89,7 @@ void Request::Fail(absl::Status error) {
 
 absl::Status Request::status() const {
   MutexLock lock(&mu);
-  return status_;
+  return Unshared(status_);  // read on several workers' threads: each frees its own
 }
 
 Worker::Worker(WorkerConfig config, std::unique_ptr<Backend> backend, AlignedBuffer staging,

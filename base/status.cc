@@ -29,12 +29,27 @@ int StatusErrno(const absl::Status& status) {
   return value;
 }
 
+namespace {
+
+// `message` with `from`'s code, and a copy of each of its payloads (Cords share their bytes too).
+absl::Status Rebuilt(const absl::Status& from, absl::string_view message) {
+  absl::Status out(from.code(), message);
+  from.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, absl::Cord(std::string(payload)));
+  });
+  return out;
+}
+
+}  // namespace
+
 absl::Status Annotate(const absl::Status& status, absl::string_view context) {
   if (status.ok()) return status;
-  absl::Status out(status.code(), absl::StrCat(context, ": ", status.message()));
-  status.ForEachPayload(
-      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return Rebuilt(status, absl::StrCat(context, ": ", status.message()));
+}
+
+absl::Status Unshared(const absl::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return Rebuilt(status, status.message());
 }
 
 }  // namespace strata

@@ -35,6 +35,13 @@ int StatusErrno(const absl::Status& status);
 // payloads are kept. OK stays OK.
 absl::Status Annotate(const absl::Status& status, absl::string_view context);
 
+// A copy of `status` (code, message, payloads) that shares no state with it. absl::Status copies
+// share one reference-counted message; Debian's Abseil is not built for ThreadSanitizer, so TSan
+// does not see that count's atomics and reports the thread that frees the message as racing the
+// one that last read it. A Status handed from one thread to another (a Work's, an I/O request's)
+// is handed as Unshared, so each thread frees only its own.
+absl::Status Unshared(const absl::Status& status);
+
 }  // namespace strata
 
 #define STRATA_STATUS_CONCAT_INNER_(a, b) a##b

@@ -10,7 +10,7 @@ namespace strata::comm {
 absl::Status WorkImpl::Wait() {
   MutexLock lock(&mu_);
   while (!done_) cv_.Wait(&mu_);
-  return status_;
+  return Unshared(status_);  // the waiter's own: the issuing thread may free this Work's
 }
 
 bool WorkImpl::WaitFor(std::chrono::milliseconds timeout) {

@@ -37,6 +37,20 @@ TEST(AnnotateTest, PrependsContextAndKeepsCodeAndPayload) {
   EXPECT_TRUE(Annotate(absl::OkStatus(), "x").ok());
 }
 
+// What a Status handed to another thread is: its code, message and payloads, in storage of its
+// own (a copy that shared the message would be freed by whichever thread drops it last, which
+// ThreadSanitizer reports as a race on Debian's uninstrumented Abseil).
+TEST(UnsharedTest, KeepsCodeMessageAndPayloadInStorageOfItsOwn) {
+  const absl::Status original = Annotate(ErrnoStatus(EIO, "pread", "/a"), "swap-in p3");
+  const absl::Status copy = Unshared(original);
+  EXPECT_EQ(copy, original);
+  EXPECT_EQ(StatusErrno(copy), EIO);
+  EXPECT_NE(copy.message().data(), original.message().data());
+  const absl::Status shared = original;  // what a plain copy does
+  EXPECT_EQ(shared.message().data(), original.message().data());
+  EXPECT_TRUE(Unshared(absl::OkStatus()).ok());
+}
+
 absl::StatusOr<int> Half(int v) {
   if (v % 2 != 0) return absl::InvalidArgumentError("odd");
   return v / 2;
