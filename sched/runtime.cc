@@ -1004,7 +1004,7 @@ absl::Status Runtime::DiscardIdleLocked(PartitionId id, PartState& st) {
 }
 
 void Runtime::PlanPrefetchesLocked() {
-  if (scheduler_->mode() != Scheduler::Mode::kPlanned) return;
+  if (scheduler_->mode() != Scheduler::Mode::kPlanned || !options_.plan_prefetches) return;
   const int max_in_flight = scheduler_->max_in_flight();
   // stage3_max_live_parameters: the parameter elements on the device (held, arriving, and queued
   // to arrive) that prefetches may bring it to.

@@ -128,6 +128,9 @@ struct RuntimeOptions {
   int workers = 4;
   // Overrides the policy strata.eviction_policy picks (benchmarks compare kDeepSpeedLike).
   std::optional<Policy> policy;
+  // Test seam: false queues no prefetch from the plan (evictions still follow it), so that which
+  // copies a tier holds, and the window, do not hang on when the prefetch threads ran.
+  bool plan_prefetches = true;
   // Passed to the aio engine (tests wrap the backend with a FaultInjector).
   aio::EngineOptions engine_options;
   // Test seam: wraps the copy engine the Runtime made (a test's engine may record fences of its

@@ -408,8 +408,15 @@ TEST(ScheduledRuntimeTest, AGradientWrittenInTheStepStaysInTheHostTierForTheOpti
   // the plan keeps it there over the parameters the next forward needs. Were its next use its
   // next step's access, it would be the copy needed furthest away: sent down to NVMe and read
   // back for the step.
+  // Without the plan's prefetches: with them, which copies the host holds when backward evicts,
+  // and how far the window reaches (a prefetch that finds no room narrows it to one access, and
+  // within one access Belady's rule rightly evicts the gradient, needed two on, for the parameter
+  // needed next), hang on when their threads ran: the test failed 1 run in 400 under load, and
+  // passed 3 runs in 10 with the step's use ignored. Without them it fails every run then.
   ScratchDir dir;
-  auto rt = Runtime::Create(Config(dir.File("swap"), 1, 3), Quiet());
+  RuntimeOptions options = Quiet();
+  options.plan_prefetches = false;
+  auto rt = Runtime::Create(Config(dir.File("swap"), 1, 3), options);
   ASSERT_TRUE(rt.ok()) << rt.status();
   std::map<PartitionId, std::vector<std::byte>> bytes;
   for (PartitionId id = 1; id <= 4; ++id) {
@@ -419,11 +426,16 @@ TEST(ScheduledRuntimeTest, AGradientWrittenInTheStepStaysInTheHostTierForTheOpti
   constexpr PartitionId kGrad = 100;
   ASSERT_TRUE((*rt)->Register(Desc(kGrad, kBytes, tiering::Role::kGrad), Tier::kHost, {}).ok());
   ASSERT_TRUE((*rt)->Discard(kGrad).ok());
+  // Each access writes its partition anew: every copy in the host tier is dirty, so "clean before
+  // dirty" cannot choose the victim; only the gradient's use at the step's end keeps it.
+  uint64_t version = 0;
   auto touch = [&](PartitionId id) {
     auto p = (*rt)->Acquire(id, Tier::kHost);
     ASSERT_TRUE(p.ok()) << id << ": " << p.status();
     ASSERT_EQ(0, std::memcmp(*p, bytes[id].data(), kBytes)) << id;
-    ASSERT_TRUE((*rt)->Release(id, Tier::kHost, false).ok());
+    bytes[id] = RandomBytes(kBytes, 5000 + ++version);
+    std::memcpy(*p, bytes[id].data(), kBytes);
+    ASSERT_TRUE((*rt)->Release(id, Tier::kHost, true).ok());
   };
   for (int step = 0; step < 3; ++step) {
     for (PartitionId id : {1, 2, 3, 4, 4}) touch(id);
