@@ -199,6 +199,11 @@ class _OnGroup(Collectives):
         return self.group
 
     def _issued(self, work):
+        if _EXIT_SETTLED:
+            # Issued by an exit handler that runs after strata's (a trainer's, registered
+            # before strata was imported): nothing would hold it until torch's thread is done
+            # with it before Python finalizes.
+            _keep_for_good([work])
         self.unwaited = [w for w in self.unwaited if not w.is_completed()]
         issued = _Issued(work, self)
         self.unwaited.append(issued)
@@ -213,6 +218,7 @@ class _OnGroup(Collectives):
         while any(not w.is_completed() for w in self.unwaited) and time.monotonic() < deadline:
             time.sleep(0.001)
         finished = all(w.is_completed() for w in self.unwaited)
+        _keep_for_good(w.work for w in self.unwaited)
         self.unwaited = []
         if self.group is None:
             return
@@ -247,6 +253,16 @@ class _Issued:
 _GROUPS_IN_USE = weakref.WeakSet()
 _MADE_GROUPS = []
 _SETTLE_AT_EXIT_S = 5  # the longest the interpreter's exit waits for collectives still running
+_EXIT_SETTLED = False  # _settle_groups_at_exit has run: the interpreter is about to finalize
+
+
+def _keep_for_good(works):
+    """Each of `works` (torch's Work) given a reference that is never dropped: torch's thread,
+    whenever it lets go of one, then never destroys it, which would release its tensors' Python
+    objects (taking the GIL: during finalization that aborts the process)."""
+    import ctypes
+    for w in works:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(w))
 
 
 @atexit.register
@@ -254,8 +270,12 @@ def _settle_groups_at_exit():
     """Before the interpreter finalizes: every torch group's works not yet waited for given up
     to 5 s in all to finish, the group strata made destroyed, a moment given to the groups'
     threads to release what they just finished (_OnGroup). A group the trainer made stays usable
-    for exit handlers that run after this one (those registered before strata was imported)."""
+    for exit handlers that run after this one (those registered before strata was imported).
+    The works not yet waited for, and those issued after this, are never freed (_keep_for_good):
+    torch's thread may let go of one after Python has begun to finalize."""
     import time
+    global _EXIT_SETTLED
+    _EXIT_SETTLED = True
     groups = list(_GROUPS_IN_USE)
     deadline = time.monotonic() + _SETTLE_AT_EXIT_S
     for group in groups:
