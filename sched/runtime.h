@@ -349,6 +349,11 @@ class Runtime {
                                   const optim_cpu::StepOptions& options = {},
                                   tiering::StreamHandle grad_stream = nullptr);
   absl::StatusOr<swap::StepReport> CommitOptimizerStep();
+  // A commit in two phases, for ranks that commit only if every one can
+  // (swap/optimizer_swapper.h's Prepare): waits for the staged work and returns the failure the
+  // commit would meet before anything of it stands, the step left open for CommitOptimizerStep or
+  // AbortOptimizerStep.
+  absl::Status PrepareOptimizerStep();
   std::vector<PartitionId> AbortOptimizerStep();
   std::vector<PartitionId> TakeCopiedPartitions();
   // The optimizer partitions stepped in part (zero_optimization.sub_group_size with

@@ -543,6 +543,14 @@ absl::StatusOr<swap::StepReport> Runtime::CommitOptimizerStep() {
   return r;
 }
 
+absl::Status Runtime::PrepareOptimizerStep() {
+  MutexLock lock(&optimizer_mu_);
+  if (optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer step: CreateOptimizer first");
+  }
+  return optimizer_->Prepare();
+}
+
 absl::Status Runtime::FlushOptimizer() {
   MutexLock lock(&optimizer_mu_);
   return optimizer_ != nullptr ? optimizer_->Flush() : absl::OkStatus();

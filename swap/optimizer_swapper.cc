@@ -1295,33 +1295,57 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   return stepped;
 }
 
-absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
-  if (txn_ == nullptr) {
-    return absl::FailedPreconditionError("optimizer swapper: Commit before Begin");
-  }
-  const auto c0 = Clock::now();
-  float held_scale = 0;  // a held step's (0: not held)
+absl::Status PipelinedOptimizerSwapper::CloseAndWait(const char* what) {
   {
     MutexLock lock(&txn_->mu);
     if (txn_->held && !txn_->released) {
       return absl::FailedPreconditionError(
-          "optimizer swapper: Commit of a held step before its Release (the scale of its "
-          "gradients); the step is still open");
+          absl::StrCat("optimizer swapper: ", what,
+                       " of a held step before its Release (the scale of its gradients); the "
+                       "step is still open"));
     }
-    if (txn_->held) held_scale = txn_->scale;
     txn_->closed = true;
     txn_->staged.SignalAll();
   }
   // write_behind: the step goes on once every partition has stepped; its writes still in flight
-  // end behind it (the worker commits them once told to, below).
-  const bool behind = config_.write_behind && txn_->worker.joinable();
-  if (behind) {
+  // end behind it (the worker commits them once Commit tells it to).
+  if (config_.write_behind && txn_->worker.joinable()) {
     MutexLock lock(&txn_->mu);
     while (!txn_->loop_done) txn_->progress.Wait(&txn_->mu);
   } else if (txn_->worker.joinable()) {
     txn_->worker.join();
   }
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
+  return absl::OkStatus();
+}
+
+absl::Status PipelinedOptimizerSwapper::Prepare() {
+  if (txn_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: Prepare before Begin");
+  }
+  STRATA_RETURN_IF_ERROR(CloseAndWait("Prepare"));
+  const std::string step = absl::StrCat("optimizer step ", txn_->first_t, " (prepared to commit)");
+  if (!txn_->early_failure.ok()) {
+    return Annotate(txn_->early_failure,
+                    absl::StrCat(step, ": host-resident partitions stepping during backward"));
+  }
+  if (!txn_->failure.ok()) return Annotate(txn_->failure, step);
+  for (const Txn::Item& it : txn_->host) STRATA_RETURN_IF_ERROR(Annotate(GradLanded(it.in), step));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
+  if (txn_ == nullptr) {
+    return absl::FailedPreconditionError("optimizer swapper: Commit before Begin");
+  }
+  const auto c0 = Clock::now();
+  STRATA_RETURN_IF_ERROR(CloseAndWait("Commit"));
+  float held_scale = 0;  // a held step's (0: not held)
+  if (txn_->held) {
+    MutexLock lock(&txn_->mu);
+    held_scale = txn_->scale;
+  }
+  const bool behind = config_.write_behind && txn_->worker.joinable();
   std::unique_ptr<Txn> x = std::move(txn_);
   // write_behind: the tail is dropped (its worker joined) unless this step committed it.
   auto decide = [&x](Txn::Tail tail) {

@@ -298,6 +298,15 @@ class PipelinedOptimizerSwapper {
                      const optim_cpu::StepOptions& options = {}, GradSource source = {},
                      CopySink sink = {});
   absl::StatusOr<StepReport> Commit();
+  // The first phase of a commit in two (the ranks of a job, each with its own step, commit only
+  // if every one can): closes the step to further staging, waits for its staged work as Commit
+  // does, and returns the first failure Commit would report before it writes anything to stand
+  // (a read, step or write of NVMe state that failed, a host-resident partition's early step, a
+  // gradient that did not land), the step left open either way: the caller then Aborts it, as
+  // it would after any failure, or Commits it, which can then fail only at its record (and finds
+  // an overflow in host-resident gradients as ever). A held step before its Release is refused
+  // (FailedPrecondition), as Commit refuses it.
+  absl::Status Prepare();
   // Drops the step; returns the partitions that had stepped: host-resident ones in place
   // (host_early), NVMe-resident ones whose new state had landed whole (commit_each; one with only
   // some sub-groups landed is not among them, and a failed Commit's message names it); or, with
@@ -365,7 +374,10 @@ class PipelinedOptimizerSwapper {
     int64_t t = 0;
     std::vector<bool> landed;
   };
-  struct Txn;       // an open transaction (optimizer_swapper.cc)
+  struct Txn;  // an open transaction (optimizer_swapper.cc)
+  // Commit's and Prepare's start (`what`: which): closes the open step to staging and waits for
+  // its work (with write_behind, for the worker's loop; else for the worker itself).
+  absl::Status CloseAndWait(const char* what);
   struct Loading {  // an open load
     std::unique_ptr<tiering::NvmeStore::Batch> batch;
     // Host-resident partitions' new state, copied in at CommitLoad.

@@ -799,6 +799,15 @@ class PyRuntime {
     return ReportDict(Take(std::move(r)));
   }
 
+  void PrepareOptimizerStep() {
+    absl::Status s;
+    {
+      py::gil_scoped_release unlocked;
+      s = runtime_->PrepareOptimizerStep();
+    }
+    Check(s);
+  }
+
   void WaitForEarlySteps() {
     py::gil_scoped_release unlocked;
     runtime_->WaitForEarlySteps();
@@ -1191,6 +1200,7 @@ PYBIND11_MODULE(_strata, m) {
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
            py::arg("weight_decay") = -1.0f, py::arg("grad_stream") = py::none())
+      .def("prepare_optimizer_step", &PyRuntime::PrepareOptimizerStep)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)
       .def("take_copied_partitions", &PyRuntime::TakeCopiedPartitions)

@@ -575,7 +575,12 @@ class OptimizerStep:
 
     def _commit(self, norm, staged):
         """Commits the open staged step (all or nothing): the new weights reach the parameters,
-        the step counts advance and the loss scale follows (an overflow skips the step)."""
+        the step counts advance and the loss scale follows (an overflow skips the step).
+        Across ranks in two phases: every rank first prepares its step (its staged work done and
+        checked), and commits only if every rank could; else every rank raises, its step dropped
+        with nothing changed, as one process's failed step."""
+        if self.ranks is not None:
+            self._prepare_on_every_rank()
         try:
             r = self.runtime.commit_optimizer_step()
         except _strata.Error:
@@ -620,6 +625,25 @@ class OptimizerStep:
                       "host_early": early, "held": held, "written_behind": r["written_behind"],
                       "behind_bytes_written": r["behind_bytes_written"],
                       "behind_wait_seconds": r["behind_wait_seconds"]}
+
+    def _prepare_on_every_rank(self):
+        """The commit's first phase across ranks: raises this rank's own failure to prepare, or
+        names the ranks that failed to prepare theirs (every rank learns of each before any
+        commits, so that the step is dropped on every rank, their states kept alike)."""
+        try:
+            self.runtime.prepare_optimizer_step()
+        except _strata.Error:
+            self.ranks.failed_ranks(False)
+            raise
+        failed = self.ranks.failed_ranks(True)
+        if failed:
+            raise _strata.Error(
+                f"rank {self.ranks.rank} of {self.ranks.size}: the optimizer step could not be "
+                f"prepared on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} "
+                "(its error is that rank's), so no rank committed it: every rank's optimizer "
+                "state is as it was before the step, and the step's gradients are dropped; "
+                "accepted: go on training (the next step is taken as ever), or load the last "
+                "checkpoint on every rank")
 
     def refresh_weights(self, entries):
         """Parameters homed on NVMe: their new weights are their committed master weights in the

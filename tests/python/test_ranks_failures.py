@@ -1,7 +1,8 @@
 """The engine across ranks (strata/ranks.py), when something is wrong: the job's failures (a
 killed rank, a wrong world size, a missing variable), ranks whose set-ups or orders differ, an
-overflow, a staging or a commit that fails on one rank: each named on every rank, never a hang;
-and the choice of where the collectives run. (test_ranks.py: the ranks training as one process.)"""
+overflow, a staging, a commit's preparation or a commit that fails on one rank: each named on
+every rank, never a hang; and the choice of where the collectives run. (test_ranks.py: the
+ranks training as one process.)"""
 import json
 import os
 import signal
@@ -309,6 +310,85 @@ def test_a_commit_that_fails_on_one_rank_is_named_on_every_rank_at_once():
     assert "rank 0 of 2: the optimizer step committed here but failed on rank 1" in errs[0], \
         errs[0][-2000:]
     assert time.monotonic() - start < 50  # at once, not at the 60 s timeout
+
+
+PREPARE = r"""
+import json, os, sys, torch
+import strata
+from strata import _strata
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 2},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
+                     "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+real = engine._step.runtime
+failed = []
+
+
+class Failing:  # the Runtime, but the commit's first phase fails once on rank 1, at step 1
+    def __getattr__(self, name):
+        if name == "prepare_optimizer_step" and rank == 1 and engine.global_steps == 1 and \
+                not failed:
+            def fail():
+                failed.append(True)
+                real.prepare_optimizer_step()  # the staged work done, then refused
+                raise _strata.Error("injected: prepare_optimizer_step failed")
+            return fail
+        return getattr(real, name)
+
+
+engine._step.runtime = Failing()
+gen = torch.Generator().manual_seed(1)
+errors, sums = [], []
+for step in range(3):
+    x = torch.randn(4, 16, generator=gen)[2 * rank:2 * rank + 2]
+    engine.backward(engine(x).square().mean())
+    try:
+        engine.step()
+        errors.append(None)
+    except _strata.Error as error:
+        errors.append(str(error))
+    sums.append(sum(v.double().sum().item() for v in engine.module_state_dict().values()))
+print(json.dumps({"errors": errors, "sums": sums, "steps": engine.global_steps}))
+"""
+
+
+def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none():
+    # The commit in two phases: rank 1's step fails once its staged work is done, before any
+    # rank commits; every rank raises (rank 0 naming rank 1), its state as before the step, and
+    # training goes on: the weights are those of plain torch never given the failed step's batch.
+    procs = start_ranks(2, PREPARE, ())
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert outs[1]["errors"][1] is not None and \
+        "injected: prepare_optimizer_step failed" in outs[1]["errors"][1], outs[1]
+    assert outs[0]["errors"][1] is not None and (
+        "rank 0 of 2: the optimizer step could not be prepared on rank 1 (its error is that "
+        "rank's), so no rank committed it") in outs[0]["errors"][1], outs[0]
+    for out in outs:
+        assert out["errors"][0] is None and out["errors"][2] is None, out
+        assert out["sums"][1] == out["sums"][0], out  # nothing changed by the failed step
+        assert out["steps"] == 2, out
+    assert outs[0]["sums"] == outs[1]["sums"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 16, generator=gen)
+        if step == 1:
+            continue  # the failed step's batch: in no rank's step
+        adam.zero_grad()
+        model(x).square().mean().backward()
+        adam.step()
+    expected = sum(v.double().sum().item() for v in model.state_dict().values())
+    assert outs[0]["sums"][2] == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
 def test_ranks_that_disagree_on_the_world_size_are_told_so():

@@ -1967,6 +1967,10 @@ TEST(SwapperHeldTest, MisuseIsRefusedNamingWhatIsWrong) {
   EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition) << early.status();
   EXPECT_THAT(early.status().message(), HasSubstr("before its Release"));
   EXPECT_TRUE(f.swapper->staging()) << "the held step stays open";
+  s = f.swapper->Prepare();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("Prepare of a held step before its Release"));
+  EXPECT_TRUE(f.swapper->staging()) << "the held step stays open";
   for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity(),
                     std::numeric_limits<float>::quiet_NaN()}) {
     s = f.swapper->Release(bad);
@@ -2249,6 +2253,59 @@ uint64_t StepOneWrittenThenGradsOfTwo(Fixture& f) {
   EXPECT_TRUE(f.swapper->Flush().ok());
   f.NewGrads(2);
   return f.store->generation();
+}
+
+// The commit in two phases (the ranks of a job commit only if every one can): Prepare waits for
+// the staged work and returns what Commit would fail with before anything stands, the step left
+// open; then Commit gives the step in memory, or Abort leaves everything as it was. Writes behind
+// or not.
+TEST(SwapperTransactionTest, APreparedStepIsCommittedWholeOrAbortedWithNothingChanged) {
+  for (bool behind : {false, true}) {
+    for (bool fail : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(behind ? "written behind" : "written before Commit",
+                                fail ? ", a read fails" : ""));
+      OptimizerSwapperConfig config{true, true, 220000};
+      config.write_behind = behind;
+      Fixture f(config);
+      const uint64_t generation = StepOneWrittenThenGradsOfTwo(f);
+      const auto copies = f.copies;
+      if (fail) {
+        auto record = f.store->Find(13);
+        ASSERT_TRUE(record.ok()) << record.status();
+        const std::vector<tiering::StoreExtent> extents = record->extents;
+        f.trace->SetFault([extents](const Entry& op, const std::vector<Entry>&) {
+          return op.kind == aio::OpKind::kRead && op.data_file && Overlaps(op, extents) ? EIO : 0;
+        });
+      }
+      ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());
+      ASSERT_TRUE(f.swapper->Stage(2, f.Inputs()).ok());
+      const absl::Status prepared = f.swapper->Prepare();
+      f.trace->SetFault(nullptr);
+      EXPECT_TRUE(f.swapper->staging()) << "the step stays open";
+      EXPECT_EQ(f.store->generation(), generation) << "nothing is committed by Prepare";
+      EXPECT_EQ(f.copies, copies) << "no param copy goes out before Commit";
+      if (fail) {
+        ASSERT_FALSE(prepared.ok());
+        EXPECT_EQ(StatusErrno(prepared), EIO) << prepared;
+        EXPECT_THAT(prepared.message(), HasSubstr("optimizer step 2 (prepared to commit)"));
+        EXPECT_THAT(f.swapper->Abort(), ::testing::IsEmpty());
+        ASSERT_TRUE(f.swapper->Flush().ok());
+        EXPECT_EQ(f.store->generation(), generation);
+        EXPECT_EQ(f.copies, copies);
+        f.ExpectMatchesReference();  // step 1's state
+        continue;
+      }
+      ASSERT_TRUE(prepared.ok()) << prepared;
+      auto committed = f.swapper->Commit();
+      ASSERT_TRUE(committed.ok()) << committed.status();
+      EXPECT_FALSE(f.swapper->staging());
+      ASSERT_TRUE(f.swapper->Flush().ok());
+      EXPECT_NE(f.store->generation(), generation);
+      f.StepReference(2);
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+    }
+  }
 }
 
 // A step that fails before Commit returns is dropped whole, writes behind or not: a read that
