@@ -443,6 +443,28 @@ class OptimizerStep:
         """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
         unscaled gradients (inf when one is not finite); a partition's gradient is read from the
         host tier one at a time, unless the gradient hook took its norm already."""
+        if self.ranks is None:
+            return self._local_norm() / scale
+        # Across ranks a failure here is carried in the sum, so that every rank raises at once
+        # rather than wait in a collective the failing rank never issues.
+        failure, local = None, 0.0
+        try:
+            local = self._local_norm()
+        except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
+            failure = error
+        total, failed = self.ranks.all_reduce_sum([local * local, 1.0 if failure else 0.0])
+        if failure is not None:
+            raise failure
+        if failed:
+            raise _strata.Error(
+                f"rank {self.ranks.rank} of {self.ranks.size}: the gradients' norm could not be "
+                f"taken on {int(failed)} other rank{'s' if failed > 1 else ''} (its error is that "
+                "rank's): the step is dropped on every rank, nothing changed")
+        total = math.sqrt(total)
+        return total / scale if math.isfinite(total) else math.inf
+
+    def _local_norm(self):
+        """This process's part of grad_norm: the norm of its gradients (or shards), as made."""
         norms = []
         for e in self.table.trained:
             if e.grad_norm is not None and (e.has_grad or e.host_grad is not None):
@@ -471,9 +493,7 @@ class OptimizerStep:
             by_device.setdefault(n.device, []).append(n)
         parts = [torch.linalg.vector_norm(torch.stack(ns), 2).cpu() for ns in by_device.values()]
         total = torch.linalg.vector_norm(torch.stack(parts), 2).item() if parts else 0.0
-        if self.ranks is not None:  # the shards' norms, over every rank
-            total = math.sqrt(self.ranks.all_reduce_sum([total * total])[0])
-        return total / scale if math.isfinite(total) else math.inf
+        return total if math.isfinite(total) else math.inf
 
     def finish_staged(self):
         """Commits the step staged during backward when it is the step to take: no clipping
@@ -547,8 +567,13 @@ class OptimizerStep:
             return False, {"overflow": True, "grad_norm": norm}
         # Stage the next step during backward unless it clipped.
         self._speculate = clip == 1.0
-        for e, g in list(self._unstaged()):
-            self.stage(e, g, clip=clip, always=True)
+        try:
+            for e, g in list(self._unstaged()):
+                self.stage(e, g, clip=clip, always=True)
+        except Exception:
+            if self.ranks is not None:  # told in the commit's first phase, as the others wait
+                self.ranks.failed_ranks(False)
+            raise
         if self.staged is None:
             return True, {"overflow": False, "grad_norm": norm, "seconds": 0.0, "bytes_read": 0,
                           "bytes_written": 0, "bytes_reused": 0}

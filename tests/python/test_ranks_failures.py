@@ -317,10 +317,11 @@ import json, os, sys, torch
 import strata
 from strata import _strata
 rank = int(os.environ["RANK"])
+where, stage = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-          "zero_optimization": {"stage": 2},
+          "zero_optimization": {"stage": stage},
           "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
                      "nvme_capacity_bytes": 16 << 20, "comm_timeout_s": 60}}
 engine, _, _, _ = strata.initialize(model=model, config=config)
@@ -328,14 +329,15 @@ real = engine._step.runtime
 failed = []
 
 
-class Failing:  # the Runtime, but the commit's first phase fails once on rank 1, at step 1
+class Failing:  # the Runtime, but `where` fails once on rank 1, at step 1, after backward
     def __getattr__(self, name):
-        if name == "prepare_optimizer_step" and rank == 1 and engine.global_steps == 1 and \
-                not failed:
-            def fail():
+        if name == where and rank == 1 and engine.global_steps == 1 and not failed and \
+                not engine._state.in_backward:
+            def fail(*args, **kwargs):
                 failed.append(True)
-                real.prepare_optimizer_step()  # the staged work done, then refused
-                raise _strata.Error("injected: prepare_optimizer_step failed")
+                if name == "prepare_optimizer_step":
+                    real.prepare_optimizer_step()  # the staged work done, then refused
+                raise _strata.Error(f"injected: {name} failed")
             return fail
         return getattr(real, name)
 
@@ -356,18 +358,22 @@ print(json.dumps({"errors": errors, "sums": sums, "steps": engine.global_steps})
 """
 
 
-def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none():
+@pytest.mark.parametrize("where,stage", [("prepare_optimizer_step", 2),
+                                         ("begin_optimizer_step", 1)])
+def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none(where, stage):
     # The commit in two phases: rank 1's step fails once its staged work is done, before any
-    # rank commits; every rank raises (rank 0 naming rank 1), its state as before the step, and
-    # training goes on: the weights are those of plain torch never given the failed step's batch.
-    procs = start_ranks(2, PREPARE, ())
+    # rank commits (or, stage 1's step taken after backward, as it begins: the others, waiting
+    # in the first phase, learn of it there); every rank raises (rank 0 naming rank 1), its
+    # state as before the step, and training goes on: the weights are those of plain torch never
+    # given the failed step's batch.
+    procs = start_ranks(2, PREPARE, (where, stage))
     outs = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)
         assert p.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert outs[1]["errors"][1] is not None and \
-        "injected: prepare_optimizer_step failed" in outs[1]["errors"][1], outs[1]
+        f"injected: {where} failed" in outs[1]["errors"][1], outs[1]
     assert outs[0]["errors"][1] is not None and (
         "rank 0 of 2: the optimizer step could not be prepared on rank 1 (its error is that "
         "rank's), so no rank committed it") in outs[0]["errors"][1], outs[0]
