@@ -335,6 +335,11 @@ struct PipelinedOptimizerSwapper::Txn {
   bool cancelled ABSL_GUARDED_BY(mu) = false;  // Abort: stop at the next item
   // The caller's:
   std::vector<Item> host;
+  // The host-resident items' gradients, in `host`'s order, once taken (Prepare, or Commit);
+  // those a source gave are held until the step ends (the source's `done`).
+  bool grads_taken = false;
+  std::vector<const void*> host_grads;
+  std::vector<std::pair<const GradSource*, tiering::PartitionId>> grads_held;
   absl::flat_hash_set<tiering::PartitionId> seen;
   uint64_t copy_used = 0;
   Clock::time_point t0;
@@ -1288,6 +1293,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   if (txn_->worker.joinable()) txn_->worker.join();
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
   SettleLanded(txn_.get());
+  LetGoHostGrads(txn_.get());  // (taken by a Prepare)
   if (txn_->batch) txn_->batch->Abort();
   std::vector<tiering::PartitionId> stepped = std::move(txn_->stepped_early);
   stepped.insert(stepped.end(), txn_->landed.begin(), txn_->landed.end());
@@ -1330,8 +1336,40 @@ absl::Status PipelinedOptimizerSwapper::Prepare() {
                     absl::StrCat(step, ": host-resident partitions stepping during backward"));
   }
   if (!txn_->failure.ok()) return Annotate(txn_->failure, step);
-  for (const Txn::Item& it : txn_->host) STRATA_RETURN_IF_ERROR(Annotate(GradLanded(it.in), step));
+  return TakeHostGrads(txn_.get(), step);
+}
+
+absl::Status PipelinedOptimizerSwapper::TakeHostGrads(Txn* x, const std::string& context) {
+  if (x->grads_taken) return absl::OkStatus();
+  for (size_t i = x->host_grads.size(); i < x->host.size(); ++i) {
+    const Txn::Item& it = x->host[i];
+    const void* grad = it.in.grad;
+    STRATA_RETURN_IF_ERROR(Annotate(GradLanded(it.in), context));
+    if (grad == nullptr) {
+      absl::StatusOr<const void*> got = it.source->get(it.in.id);
+      if (got.ok() && *got != nullptr) x->grads_held.emplace_back(it.source.get(), it.in.id);
+      if (!got.ok() || *got == nullptr) {
+        return Annotate(
+            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status(),
+            absl::StrCat(context, " (the gradient of partition ", it.in.id, ")"));
+      }
+      grad = *got;
+    }
+    if (it.options.check_overflow &&
+        optimizer_->HasNonFinite(grad, it.in.grad_dtype, it.part->elements)) {
+      x->overflow = true;
+    }
+    x->host_grads.push_back(grad);
+  }
+  x->grads_taken = true;
   return absl::OkStatus();
+}
+
+void PipelinedOptimizerSwapper::LetGoHostGrads(Txn* x) {
+  for (const auto& [source, id] : x->grads_held) {
+    if (source->done) source->done(id);
+  }
+  x->grads_held.clear();
 }
 
 absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
@@ -1408,9 +1446,10 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
         x->failure,
         !changed ? absl::StrCat(unchanged, " (the NVMe state is step ", t - 1, "'s)") : unchanged);
   }
-  // The host-resident partitions' gradients, before anything is committed; those from a source
-  // are let go once they are no longer read, whatever the outcome.
-  std::vector<const void*> host_grads;
+  // The host-resident partitions' gradients, before anything is committed (taken by Prepare
+  // already, or now); those from a source are let go once they are no longer read, whatever the
+  // outcome.
+  absl::Status taken = TakeHostGrads(x.get(), unchanged);
   struct LetGo {
     std::vector<std::pair<const GradSource*, tiering::PartitionId>> held;
     ~LetGo() {
@@ -1418,30 +1457,12 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
         if (source->done) source->done(id);
       }
     }
-  } let_go;
-  for (const Txn::Item& it : x->host) {
-    const void* grad = it.in.grad;
-    if (absl::Status landed = GradLanded(it.in); !landed.ok()) {
-      abort();
-      return Annotate(landed, unchanged);
-    }
-    if (grad == nullptr) {
-      absl::StatusOr<const void*> got = it.source->get(it.in.id);
-      if (got.ok() && *got != nullptr) let_go.held.emplace_back(it.source.get(), it.in.id);
-      if (!got.ok() || *got == nullptr) {
-        abort();
-        return Annotate(
-            got.ok() ? absl::InternalError("the gradient source gave no address") : got.status(),
-            absl::StrCat(unchanged, " (the gradient of partition ", it.in.id, ")"));
-      }
-      grad = *got;
-    }
-    if (it.options.check_overflow &&
-        optimizer_->HasNonFinite(grad, it.in.grad_dtype, it.part->elements)) {
-      x->overflow = true;
-    }
-    host_grads.push_back(grad);
+  } let_go{std::move(x->grads_held)};
+  if (!taken.ok()) {
+    abort();
+    return taken;
   }
+  const std::vector<const void*> host_grads = std::move(x->host_grads);
   if (x->overflow) {
     abort();
     report = StepReport{};

@@ -2308,6 +2308,56 @@ TEST(SwapperTransactionTest, APreparedStepIsCommittedWholeOrAbortedWithNothingCh
   }
 }
 
+// A host-resident partition's gradient asked of its source (a gradient partition the Runtime
+// acquires): Prepare asks for it, and a failure then is Prepare's, not Commit's once every rank
+// has prepared (an audit's finding); what it gave is held until Commit or Abort ends the step.
+TEST(SwapperTransactionTest, PrepareTakesTheGradientsOfHostResidentPartitionsFromTheirSource) {
+  for (int how = 0; how < 3; ++how) {  // 0: the source fails; 1: then Commit; 2: then Abort
+    SCOPED_TRACE(how);
+    Fixture f({true, true, 220000});
+    const uint64_t generation = StepOneWrittenThenGradsOfTwo(f);
+    const auto copies = f.copies;
+    std::vector<StepInput> in = f.Inputs();
+    ASSERT_FALSE(f.swapper->on_nvme(in[4].id));
+    in[4].grad = nullptr;  // partition 14, host-resident: from the source
+    int asked = 0, given_back = 0;
+    PipelinedOptimizerSwapper::GradSource source;
+    source.get = [&](tiering::PartitionId) -> absl::StatusOr<const void*> {
+      ++asked;
+      if (how == 0) return absl::ResourceExhaustedError("no room for the gradient");
+      return static_cast<const void*>(f.grads[4].data());
+    };
+    source.done = [&](tiering::PartitionId) { ++given_back; };
+    ASSERT_TRUE(f.swapper->Begin(f.swapper->copy_staging_bytes()).ok());
+    ASSERT_TRUE(f.swapper->Stage(2, in, {}, source).ok());
+    const absl::Status prepared = f.swapper->Prepare();
+    EXPECT_EQ(asked, 1);
+    EXPECT_EQ(given_back, 0) << "held until the step ends";
+    if (how == 0) {
+      ASSERT_FALSE(prepared.ok());
+      EXPECT_THAT(prepared.message(), HasSubstr("no room for the gradient"));
+      EXPECT_THAT(prepared.message(), HasSubstr("the gradient of partition 14"));
+    } else {
+      ASSERT_TRUE(prepared.ok()) << prepared;
+    }
+    if (how == 1) {
+      auto committed = f.swapper->Commit();
+      ASSERT_TRUE(committed.ok()) << committed.status();
+      EXPECT_EQ(asked, 1) << "not asked again by Commit";
+      EXPECT_EQ(given_back, 1);
+      f.StepReference(2);
+      f.ExpectMatchesReference();
+      f.ExpectCopiesMatchReference();
+      continue;
+    }
+    f.swapper->Abort();
+    EXPECT_EQ(given_back, how == 0 ? 0 : 1);
+    EXPECT_EQ(f.store->generation(), generation);
+    EXPECT_EQ(f.copies, copies);
+    f.ExpectMatchesReference();
+  }
+}
+
 // A step that fails before Commit returns is dropped whole, writes behind or not: a read that
 // fails, or an overflow, changes nothing (the writes already made are not committed).
 TEST(SwapperWriteBehindTest, AStepThatFailsBeforeCommitReturnsChangesNothing) {
