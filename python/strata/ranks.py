@@ -203,7 +203,7 @@ class _OnGroup(Collectives):
             # Issued by an exit handler that runs after strata's (a trainer's, registered
             # before strata was imported): nothing would hold it until torch's thread is done
             # with it before Python finalizes.
-            _keep_for_good([work])
+            _hold_after_exit(work)
         self.unwaited = [w for w in self.unwaited if not w.is_completed()]
         issued = _Issued(work, self)
         self.unwaited.append(issued)
@@ -254,15 +254,35 @@ _GROUPS_IN_USE = weakref.WeakSet()
 _MADE_GROUPS = []
 _SETTLE_AT_EXIT_S = 5  # the longest the interpreter's exit waits for collectives still running
 _EXIT_SETTLED = False  # _settle_groups_at_exit has run: the interpreter is about to finalize
+# The works issued since then, each with when it was first seen finished (None: not yet). The
+# list is never freed (settle keeps it for good); a work is let go from it once it has been seen
+# finished for _KEEP_AFTER_EXIT_S (torch's thread long done with it: the main thread frees it),
+# so that an exit handler's many collectives (a consolidated save) do not all stay in memory.
+_AFTER_EXIT = []
+_KEEP_AFTER_EXIT_S = 0.5
 
 
-def _keep_for_good(works):
-    """Each of `works` (torch's Work) given a reference that is never dropped: torch's thread,
-    whenever it lets go of one, then never destroys it, which would release its tensors' Python
-    objects (taking the GIL: during finalization that aborts the process)."""
+def _hold_after_exit(work):
+    import time
+    now = time.monotonic()
+    kept = []
+    for entry in _AFTER_EXIT:
+        if entry[1] is None and entry[0].is_completed():
+            entry[1] = now
+        if entry[1] is None or now - entry[1] < _KEEP_AFTER_EXIT_S:
+            kept.append(entry)
+    _AFTER_EXIT[:] = kept
+    _AFTER_EXIT.append([work, None])
+
+
+def _keep_for_good(objects):
+    """Each of `objects` (torch's Works, or a list of them) given a reference that is never
+    dropped: torch's thread, whenever it lets go of a work, then never destroys it, which would
+    release its tensors' Python objects (taking the GIL: during finalization that aborts the
+    process)."""
     import ctypes
-    for w in works:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(w))
+    for o in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
 @atexit.register
@@ -271,11 +291,13 @@ def _settle_groups_at_exit():
     to 5 s in all to finish, the group strata made destroyed, a moment given to the groups'
     threads to release what they just finished (_OnGroup). A group the trainer made stays usable
     for exit handlers that run after this one (those registered before strata was imported).
-    The works not yet waited for, and those issued after this, are never freed (_keep_for_good):
-    torch's thread may let go of one after Python has begun to finalize."""
+    The works not yet waited for are never freed (_keep_for_good), nor those issued after this
+    until they have long finished (_hold_after_exit): torch's thread may let go of one after
+    Python has begun to finalize."""
     import time
     global _EXIT_SETTLED
     _EXIT_SETTLED = True
+    _keep_for_good([_AFTER_EXIT])
     groups = list(_GROUPS_IN_USE)
     deadline = time.monotonic() + _SETTLE_AT_EXIT_S
     for group in groups:
