@@ -17,6 +17,7 @@ engine's (one thread).
 """
 
 import math
+import time
 
 import torch
 from torch.utils.dlpack import from_dlpack
@@ -604,8 +605,11 @@ class OptimizerStep:
         Across ranks in two phases: every rank first prepares its step (its staged work done and
         checked), and commits only if every rank could; else every rank raises, its step dropped
         with nothing changed, as one process's failed step."""
+        prepared_s = 0.0  # across ranks: the first phase's wait for the staged work
         if self.ranks is not None:
+            t0 = time.perf_counter()
             self._prepare_on_every_rank()
+            prepared_s = time.perf_counter() - t0
         try:
             r = self.runtime.commit_optimizer_step()
         except _strata.Error:
@@ -641,7 +645,7 @@ class OptimizerStep:
         # Bytes written behind a step (strata.optimizer_write_behind) are counted with the next.
         self.optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
         self.scaler.update(overflow=False)
-        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"],
+        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"] + prepared_s,
                       "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
                       "write_seconds": r["write_seconds"], "compute_seconds": r["compute_seconds"],
                       "bytes_read": r["bytes_read"],
@@ -657,8 +661,13 @@ class OptimizerStep:
         commits, so that the step is dropped on every rank, their states kept alike)."""
         try:
             self.runtime.prepare_optimizer_step()
-        except _strata.Error:
-            self.ranks.failed_ranks(False)
+        except _strata.Error as error:
+            others = [r for r in self.ranks.failed_ranks(False) if r != self.ranks.rank]
+            if others:
+                raise _strata.Error(
+                    f"{error} (and rank{'s' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))} could not prepare theirs either: no rank "
+                    "committed the step)") from error
             raise
         failed = self.ranks.failed_ranks(True)
         if failed:

@@ -317,7 +317,7 @@ import json, os, sys, torch
 import strata
 from strata import _strata
 rank = int(os.environ["RANK"])
-where, stage = sys.argv[1], int(sys.argv[2])
+where, stage, failing = sys.argv[1], int(sys.argv[2]), [int(r) for r in sys.argv[3]]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 config = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
@@ -329,9 +329,9 @@ real = engine._step.runtime
 failed = []
 
 
-class Failing:  # the Runtime, but `where` fails once on rank 1, at step 1, after backward
+class Failing:  # the Runtime, but `where` fails once on the ranks `failing`, at step 1
     def __getattr__(self, name):
-        if name == where and rank == 1 and engine.global_steps == 1 and not failed and \
+        if name == where and rank in failing and engine.global_steps == 1 and not failed and \
                 not engine._state.in_backward:
             def fail(*args, **kwargs):
                 failed.append(True)
@@ -358,15 +358,16 @@ print(json.dumps({"errors": errors, "sums": sums, "steps": engine.global_steps})
 """
 
 
-@pytest.mark.parametrize("where,stage", [("prepare_optimizer_step", 2),
-                                         ("begin_optimizer_step", 1)])
-def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none(where, stage):
+@pytest.mark.parametrize("where,stage,failing", [("prepare_optimizer_step", 2, "1"),
+                                                 ("begin_optimizer_step", 1, "1"),
+                                                 ("prepare_optimizer_step", 3, "01")])
+def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none(where, stage, failing):
     # The commit in two phases: rank 1's step fails once its staged work is done, before any
     # rank commits (or, stage 1's step taken after backward, as it begins: the others, waiting
     # in the first phase, learn of it there); every rank raises (rank 0 naming rank 1), its
     # state as before the step, and training goes on: the weights are those of plain torch never
-    # given the failed step's batch.
-    procs = start_ranks(2, PREPARE, (where, stage))
+    # given the failed step's batch. "01": both ranks fail, and each says the other did too.
+    procs = start_ranks(2, PREPARE, (where, stage, failing))
     outs = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)
@@ -374,9 +375,14 @@ def test_a_step_that_cannot_be_prepared_on_one_rank_is_committed_on_none(where, 
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert outs[1]["errors"][1] is not None and \
         f"injected: {where} failed" in outs[1]["errors"][1], outs[1]
-    assert outs[0]["errors"][1] is not None and (
-        "rank 0 of 2: the optimizer step could not be prepared on rank 1 (its error is that "
-        "rank's), so no rank committed it") in outs[0]["errors"][1], outs[0]
+    if failing == "01":
+        for rank, out in enumerate(outs):
+            assert f"injected: {where} failed (and rank {1 - rank} could not prepare theirs " \
+                "either: no rank committed the step)" in out["errors"][1], out
+    else:
+        assert outs[0]["errors"][1] is not None and (
+            "rank 0 of 2: the optimizer step could not be prepared on rank 1 (its error is that "
+            "rank's), so no rank committed it") in outs[0]["errors"][1], outs[0]
     for out in outs:
         assert out["errors"][0] is None and out["errors"][2] is None, out
         assert out["sums"][1] == out["sums"][0], out  # nothing changed by the failed step
