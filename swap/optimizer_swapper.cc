@@ -335,9 +335,8 @@ struct PipelinedOptimizerSwapper::Txn {
   bool cancelled ABSL_GUARDED_BY(mu) = false;  // Abort: stop at the next item
   // The caller's:
   std::vector<Item> host;
-  // The host-resident items' gradients, in `host`'s order, once taken (Prepare, or Commit);
-  // those a source gave are held until the step ends (the source's `done`).
-  bool grads_taken = false;
+  // The host-resident items' gradients taken so far (Prepare, or Commit), in `host`'s order;
+  // those a source gave are held until the step ends (the source's `done`: GiveBack).
   std::vector<const void*> host_grads;
   std::vector<std::pair<const GradSource*, tiering::PartitionId>> grads_held;
   absl::flat_hash_set<tiering::PartitionId> seen;
@@ -407,6 +406,14 @@ PipelinedOptimizerSwapper::~PipelinedOptimizerSwapper() {
 }
 
 namespace {
+
+// Gives each gradient a source gave back to it (its `done`).
+void GiveBack(const std::vector<std::pair<const PipelinedOptimizerSwapper::GradSource*,
+                                          tiering::PartitionId>>& held) {
+  for (const auto& [source, id] : held) {
+    if (source->done) source->done(id);
+  }
+}
 
 // Waits until `in`'s gradient has landed (StepInput::grad_ready), on the thread about to read it.
 absl::Status GradLanded(const StepInput& in) {
@@ -1293,7 +1300,7 @@ std::vector<tiering::PartitionId> PipelinedOptimizerSwapper::Abort() {
   if (txn_->worker.joinable()) txn_->worker.join();
   if (txn_->early_worker.joinable()) txn_->early_worker.join();
   SettleLanded(txn_.get());
-  LetGoHostGrads(txn_.get());  // (taken by a Prepare)
+  GiveBack(txn_->grads_held);  // (taken by a Prepare)
   if (txn_->batch) txn_->batch->Abort();
   std::vector<tiering::PartitionId> stepped = std::move(txn_->stepped_early);
   stepped.insert(stepped.end(), txn_->landed.begin(), txn_->landed.end());
@@ -1340,7 +1347,6 @@ absl::Status PipelinedOptimizerSwapper::Prepare() {
 }
 
 absl::Status PipelinedOptimizerSwapper::TakeHostGrads(Txn* x, const std::string& context) {
-  if (x->grads_taken) return absl::OkStatus();
   for (size_t i = x->host_grads.size(); i < x->host.size(); ++i) {
     const Txn::Item& it = x->host[i];
     const void* grad = it.in.grad;
@@ -1361,15 +1367,7 @@ absl::Status PipelinedOptimizerSwapper::TakeHostGrads(Txn* x, const std::string&
     }
     x->host_grads.push_back(grad);
   }
-  x->grads_taken = true;
   return absl::OkStatus();
-}
-
-void PipelinedOptimizerSwapper::LetGoHostGrads(Txn* x) {
-  for (const auto& [source, id] : x->grads_held) {
-    if (source->done) source->done(id);
-  }
-  x->grads_held.clear();
 }
 
 absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
@@ -1450,14 +1448,7 @@ absl::StatusOr<StepReport> PipelinedOptimizerSwapper::Commit() {
   // already, or now); those from a source are let go once they are no longer read, whatever the
   // outcome.
   absl::Status taken = TakeHostGrads(x.get(), unchanged);
-  struct LetGo {
-    std::vector<std::pair<const GradSource*, tiering::PartitionId>> held;
-    ~LetGo() {
-      for (const auto& [source, id] : held) {
-        if (source->done) source->done(id);
-      }
-    }
-  } let_go{std::move(x->grads_held)};
+  absl::Cleanup give_back = [held = std::move(x->grads_held)] { GiveBack(held); };
   if (!taken.ok()) {
     abort();
     return taken;

@@ -303,9 +303,9 @@ class PipelinedOptimizerSwapper {
   // does, and returns the first failure Commit would report before it writes anything to stand
   // (a read, step or write of NVMe state that failed, a host-resident partition's early step, a
   // gradient that did not land or that its source could not give: those it gives are held until
-  // the step ends), the step left open either way: the caller then Aborts it, as
-  // it would after any failure, or Commits it, which can then fail only at its record (and finds
-  // an overflow in host-resident gradients as ever). A held step before its Release is refused
+  // the step ends), the step left open either way: the caller then Aborts it, as it would after
+  // any failure, or Commits it, which can then fail only at its record (and finds an overflow in
+  // host-resident gradients as ever). A held step before its Release is refused
   // (FailedPrecondition), as Commit refuses it.
   absl::Status Prepare();
   // Drops the step; returns the partitions that had stepped: host-resident ones in place
@@ -379,11 +379,10 @@ class PipelinedOptimizerSwapper {
   // Commit's and Prepare's start (`what`: which): closes the open step to staging and waits for
   // its work (with write_behind, for the worker's loop; else for the worker itself).
   absl::Status CloseAndWait(const char* what);
-  // The host-resident items' gradients (landed, or asked of their source), each checked for an
-  // overflow where asked, into `x` once (Prepare's, or Commit's); `context` starts a failure.
+  // The host-resident items' gradients not yet taken (landed, or asked of their source), each
+  // checked for an overflow where asked, into `x` (Prepare's, or Commit's); `context` starts a
+  // failure.
   absl::Status TakeHostGrads(Txn* x, const std::string& context);
-  // The gradients a source gave TakeHostGrads given back (its `done`).
-  void LetGoHostGrads(Txn* x);
   struct Loading {  // an open load
     std::unique_ptr<tiering::NvmeStore::Batch> batch;
     // Host-resident partitions' new state, copied in at CommitLoad.

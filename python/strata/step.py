@@ -645,8 +645,8 @@ class OptimizerStep:
         # Bytes written behind a step (strata.optimizer_write_behind) are counted with the next.
         self.optimizer_written += r["bytes_written"] + r["behind_bytes_written"]
         self.scaler.update(overflow=False)
-        return True, {"overflow": False, "grad_norm": norm, "seconds": r["commit_seconds"] + prepared_s,
-                      "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
+        return True, {"overflow": False, "grad_norm": norm,
+                      "seconds": r["commit_seconds"] + prepared_s, "staged_seconds": r["seconds"], "read_seconds": r["read_seconds"],
                       "write_seconds": r["write_seconds"], "compute_seconds": r["compute_seconds"],
                       "bytes_read": r["bytes_read"],
                       "bytes_written": r["bytes_written"], "bytes_reused": r["bytes_reused"],
