@@ -7,7 +7,7 @@ namespace strata::plan {
 
 StepCollectives::StepCollectives(const Transformer& m, const Hardware& hw, const Training& t)
     : ranks_(hw.ranks()),
-      stage_(t.runtime.zero_stage),
+      stage_(t.StageRun(hw.ranks())),
       dtype_bytes_(t.dtype_bytes),
       bus_bytes_per_s_(hw.CollectiveBusBytesPerS()),
       latency_s_(hw.CollectiveLatencyS()),

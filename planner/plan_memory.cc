@@ -168,7 +168,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
 
   // Optimizer state.
   if (opt_to == OffloadDevice::kNone) {
-    p.device.optimizer = opt_per_param * psi / (rc.zero_stage >= 1 ? w : 1);
+    p.device.optimizer = opt_per_param * psi / (t.StageRun(hw.ranks()) >= 1 ? w : 1);
   } else if (opt_to == OffloadDevice::kCpu) {
     p.host.optimizer = node * opt_per_param * psi;
   } else {
@@ -261,7 +261,7 @@ absl::StatusOr<MemoryPlan> PlanMemory(const Transformer& m, const Hardware& hw, 
     tiering::RuntimeConfig process = rc;
     process.host_budget_bytes =
         static_cast<uint64_t>(t.host_budget ? host_budget : host_budget / n);
-    const double shard = rc.zero_stage >= 1 ? w : 1;
+    const double shard = t.StageRun(hw.ranks()) >= 1 ? w : 1;
     const double grad = rc.zero_stage == 3 ? 4 * largest / w : 0;
     p.host_minimum = process.MinimumHost(
         static_cast<uint64_t>(psi / shard), static_cast<uint64_t>(largest / shard),

@@ -34,6 +34,7 @@
 #ifndef STRATA_PLANNER_PLAN_MEMORY_H_
 #define STRATA_PLANNER_PLAN_MEMORY_H_
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -72,6 +73,12 @@ struct Training {
   int64_t ReduceBucket() const;
   int64_t AllgatherBucket() const;
   bool OverlapComm() const { return overlap_comm.value_or(runtime.zero_stage == 3); }
+  // The ZeRO stage the front runs on `ranks` ranks: the config's, but stage 0 across ranks runs
+  // as stage 1 (the same numbers as data parallel, each rank holding a shard of the optimizer's
+  // state: python/strata/engine.py).
+  int StageRun(int ranks) const {
+    return ranks > 1 ? std::max(runtime.zero_stage, 1) : runtime.zero_stage;
+  }
 };
 absl::StatusOr<Training> TrainingFromConfig(const nlohmann::json& config,
                                             std::vector<std::string>* warnings);

@@ -30,18 +30,12 @@ absl::StatusOr<StepModel> ModelStep(const Transformer& m, const Hardware& hw, co
   const double n = hw.gpus;     // on the node: its host, disks and CPU shared by them
   const double w = hw.ranks();  // every node's: what ZeRO partitions over
   const double d = t.dtype_bytes;
-  if (rc.zero_stage == 0 && w > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ZeRO stage 0 across ", w,
-                     " ranks: strata's engine refuses it (each rank would hold the "
-                     "whole optimizer state); accepted across ranks: stages 1, 2 and 3"));
-  }
   const Tier p_home = rc.zero_stage >= 3 ? HomeOf(rc.offload_param.device) : Tier::kDevice;
   const Tier s_home = HomeOf(rc.offload_optimizer.device);
   const bool offloaded_opt = s_home != Tier::kDevice;
   const Tier g_home = offloaded_opt ? Tier::kHost : Tier::kDevice;
   const double p_share = p_home != Tier::kDevice ? 1 / w : 1;
-  const double s_share = rc.zero_stage >= 1 ? 1 / w : 1;
+  const double s_share = t.StageRun(hw.ranks()) >= 1 ? 1 / w : 1;
   const double g_share = rc.zero_stage >= 2 || offloaded_opt ? 1 / w : 1;
   const double opt_per_param = t.dtype_bytes == 4 ? 8 : 12;
   const int64_t ga = t.gradient_accumulation;
@@ -290,7 +284,8 @@ absl::StatusOr<Suggestion> Suggest(const Transformer& model, const Hardware& hw,
       hw.has_nvme() ? std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu,
                                                  OffloadDevice::kNvme}
                     : std::vector<OffloadDevice>{OffloadDevice::kNone, OffloadDevice::kCpu};
-  for (int stage = hw.ranks() > 1 ? 1 : 0; stage <= 3; ++stage) {  // no stage 0 across ranks
+  // (Stage 0 across ranks runs as stage 1: not tried there.)
+  for (int stage = hw.ranks() > 1 ? 1 : 0; stage <= 3; ++stage) {
     for (OffloadDevice opt : places) {
       if (stage == 0 && opt != OffloadDevice::kNone) continue;
       for (OffloadDevice param : places) {

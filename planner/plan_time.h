@@ -17,7 +17,7 @@
 //     stages 2 and 3 (overlapping backward with overlap_comm), at the step the gradients reduced
 //     there (stage 1; stage 3's norms and biases) in a group of their own, and after the
 //     optimizer the new weights of the parameters not partitioned, in a group that waits for it.
-//     ZeRO stage 0 across ranks is refused, as the engine refuses it.
+//     ZeRO stage 0 across ranks is planned as stage 1, as the engine runs it (Training::StageRun).
 //   groups: forward, layer by layer (P on the device); the output head; backward from the head,
 //     last layer first (P and G on the device, G written and, with offload_optimizer, sent down
 //     at once: GradientReady); with offload_optimizer the optimizer steps each unit on the CPU as

@@ -667,10 +667,13 @@ class Engine:
         (what stops this rank, or None) named on every rank."""
         setups = ranks_module.agree_on_setup(
             self.ranks, ranks_module.setup_of(settings, self.dtype, error))
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"strata.initialize: zero_optimization.stage {self.stage} across "
-                             f"{self.ranks.size} ranks: accepted: 1, 2 or 3 (each rank owns a "
-                             "shard of the optimizer's state)")
+        if self.stage == 0 and self.ranks.rank == 0:
+            # DeepSpeed's stage 0 across ranks all-reduces the gradients and steps the whole
+            # optimizer on every rank; stage 1's reduce-scatter, step of a shard and all-gather
+            # of the new weights give the same numbers, each rank holding a shard of the state.
+            logger.info("zero_optimization.stage 0 across %d ranks runs as stage 1: the same "
+                        "numbers as data parallel, each rank holding 1/%d of the optimizer's "
+                        "state", self.ranks.size, self.ranks.size)
         self.ranks.configure(runtime.get("zero_optimization", {}), self.stage,
                              runtime.get("strata", {}).get("host_budget_bytes", 4 << 30))
         for message in self.ranks.warnings:

@@ -226,7 +226,7 @@ TEST(PlanCommTest, GradientAccumulationRepeatsAllButTheStepsCollectives) {
   EXPECT_EQ(c.gathers, 33);
 }
 
-TEST(PlanCommTest, OneRankHasNoCollectivesAndStageZeroAcrossRanksIsRefused) {
+TEST(PlanCommTest, OneRankHasNoCollectivesAndStageZeroAcrossRanksIsPlannedAsStageOne) {
   const Transformer m = SmallLlama();
   Json one = Node(1);
   const Training s3 = Config({{"zero_optimization", {{"stage", 3}}}});
@@ -236,10 +236,20 @@ TEST(PlanCommTest, OneRankHasNoCollectivesAndStageZeroAcrossRanksIsRefused) {
   EXPECT_EQ(time->comm.gathers + time->comm.scatters, 0);
   EXPECT_EQ(time->step.busy_s[kComm], 0);
   const Hardware four = *HardwareFromJson(Node(4));
+  // The engine runs stage 0 across ranks as stage 1: the same collectives, shards and step.
   const Training s0 = Config(Json::object());
-  auto refused = PlanTime(m, four, s0, *PlanMemory(m, four, s0));
-  ASSERT_FALSE(refused.ok());
-  EXPECT_THAT(refused.status().message(), HasSubstr("ZeRO stage 0 across 4 ranks"));
+  const Training s1 = Config({{"zero_optimization", {{"stage", 1}}}});
+  auto mem0 = PlanMemory(m, four, s0), mem1 = PlanMemory(m, four, s1);
+  ASSERT_TRUE(mem0.ok() && mem1.ok());
+  EXPECT_EQ(mem0->device.optimizer, mem1->device.optimizer);
+  EXPECT_LT(mem0->device.optimizer, PlanMemory(m, single, s0)->device.optimizer);
+  auto t0 = PlanTime(m, four, s0, *mem0), t1 = PlanTime(m, four, s1, *mem1);
+  ASSERT_TRUE(t0.ok()) << t0.status();
+  ASSERT_TRUE(t1.ok()) << t1.status();
+  EXPECT_GT(t0->comm.scattered_bytes, 0);
+  EXPECT_GT(t0->comm.gathered_bytes, 0);
+  EXPECT_EQ(t0->comm.bytes(), t1->comm.bytes());
+  EXPECT_EQ(t0->step.step_s, t1->step.step_s);
   auto s = Suggest(m, four, s0);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_GE(s->training.runtime.zero_stage, 1);

@@ -143,9 +143,10 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
 # "noclip": no gradient_clipping (the others clip at 0.5, which scales these steps: a step staged
 # during backward is then dropped and taken anew): at stages 2 and 3 every step is staged during
 # backward and stands. "tcp": strata's collectives on Gloo over TCP (strata.comm_transport; the
-# others on shared memory, the default for ranks on one host).
+# others on shared memory, the default for ranks on one host). Stage 0 runs as stage 1 across
+# ranks (the same numbers as data parallel); (4, 1, ...) is stage 1's own.
 @pytest.mark.parametrize("n, stage, offload, dtype, under_init, group", [
-    (2, 1, "cpu", "fp32", False, False),
+    (2, 0, "cpu", "fp32", False, False),
     (4, 1, "nvme", "fp32", False, "tcp"),
     (2, 2, "cpu", "fp32", False, "noclip"),
     (2, 3, "cpu", "fp32", False, False),
