@@ -489,9 +489,11 @@ int Main() {
                   ? absl::StrCat(hw->nvme_drives, " NVMe drives, ", Gb(hw->nvme_bytes)).c_str()
                   : "no NVMe");
   std::printf(
-      "config: ZeRO stage %d, %s, offload_param %s, offload_optimizer %s, activation "
+      "config: ZeRO stage %d%s, %s, offload_param %s, offload_optimizer %s, activation "
       "checkpointing %s\n\n",
-      rc.zero_stage, training->dtype_bytes == 2 ? "16-bit" : "fp32", where(rc.offload_param.device),
+      rc.zero_stage,
+      training->StageRun(hw->ranks()) != rc.zero_stage ? " (run as stage 1 across ranks)" : "",
+      training->dtype_bytes == 2 ? "16-bit" : "fp32", where(rc.offload_param.device),
       where(rc.offload_optimizer.device), training->activation_checkpointing ? "on" : "off");
   std::printf("%-8s %12s %12s %12s %12s %12s %12s %12s\n", "tier", "params", "grads", "optimizer",
               "activations", "staging", "total", "capacity");
