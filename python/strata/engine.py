@@ -177,6 +177,20 @@ def _world_size():
     return int(given)
 
 
+def _data_parallel_wrapper(model):
+    """The name of torch's data-parallel wrapper `model` is (DDP, FSDP, DataParallel), or None."""
+    wrappers = [torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        wrappers.append(FullyShardedDataParallel)
+    except ImportError:  # (a torch built without distributed)
+        pass
+    for wrapper in wrappers:
+        if isinstance(model, wrapper):
+            return wrapper.__name__
+    return None
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
                config=None, config_params=None, process_group=None):
@@ -192,6 +206,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     TCP: strata/ranks.py)."""
     if model is None:
         raise ValueError("strata.initialize: model is required")
+    wrapper = _data_parallel_wrapper(model)
+    if wrapper is not None:
+        raise ValueError(f"strata.initialize: the model is wrapped in torch's {wrapper}, whose "
+                         "hooks would reduce the gradients across ranks a second time (and at "
+                         "stage 3 meet partitions); strata reduces them itself: accepted: the "
+                         "module inside it (model.module)")
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -480,6 +500,7 @@ class Engine:
         if ranks is not None:  # every rank starts from rank 0's weights
             ranks.broadcast_module(
                 model, skip=lambda t: init_module.partition_of(t) is not None)  # (those are)
+        self._unreduced = False  # across ranks: gradients made since the last reduce()
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
@@ -666,7 +687,9 @@ class Engine:
         set-ups agreed on first (every rank's, returned: ranks_module.agree_on_setup), `error`
         (what stops this rank, or None) named on every rank."""
         setups = ranks_module.agree_on_setup(
-            self.ranks, ranks_module.setup_of(settings, self.dtype, error))
+            self.ranks, ranks_module.setup_of(
+                settings, self.dtype, error,
+                ranks_module.training_of(self.config, runtime.get("zero_optimization", {}))))
         if self.stage == 0 and self.ranks.rank == 0:
             # DeepSpeed's stage 0 across ranks all-reduces the gradients and steps the whole
             # optimizer on every rank; stage 1's reduce-scatter, step of a shard and all-gather
@@ -798,11 +821,18 @@ class Engine:
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._state.phase = Phase.BACKWARD
+        self._unreduced = self.ranks is not None  # (a backward that fails leaves them to step())
         try:
             scaled.backward(retain_graph=retain_graph)
             self._copies.end_backward()
             if self.ranks is not None:
                 self.ranks.finish_gradients()
+                if self._state.is_boundary():
+                    # Stage 1's gradients and stage 3's unpartitioned ones reduced now, as
+                    # DeepSpeed's backward reduces them: clip_grad_norm_ between backward and step
+                    # takes the norm of the mean over the ranks (.grad is None from here).
+                    self._gradients.reduce()
+                    self._unreduced = False
             self._lending.end_backward()
         except BaseException:
             if self.ranks is not None:
@@ -877,9 +907,9 @@ class Engine:
 
     def no_sync(self):
         """DeepSpeed's: a context in which gradients are not reduced across ranks. In one process,
-        and at stage 1 across ranks (which reduces at the step), nothing is reduced during
-        backward anyway; stages 2 and 3 partition gradients as they are made, so it is refused
-        there, as DeepSpeed refuses it."""
+        and at stages 0-1 across ranks (reduced after the window's last backward), nothing is
+        reduced before the window's end anyway; stages 2 and 3 partition gradients as they are
+        made, so it is refused there, as DeepSpeed refuses it."""
         if self.ranks is not None and self.stage in (2, 3):
             raise RuntimeError(f"no_sync: ZeRO stage {self.stage} reduce-scatters gradients as "
                                "backward makes them and cannot hold them back; accepted: stage "
@@ -1005,8 +1035,9 @@ class Engine:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         try:
-            if self.ranks is not None:  # stage 1's gradients, and stage 3's unpartitioned ones
+            if self._unreduced:  # the window's last backward failed (on every rank alike)
                 self._gradients.reduce()
+                self._unreduced = False
             stepped, report = self._step.finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
                 stepped, report = self._step.step_anew()
@@ -1014,6 +1045,8 @@ class Engine:
             self._gradients.end_step(failed=True)
             raise
         self._gradients.end_step(failed=False)
+        if self.ranks is not None:
+            self.ranks.sync_buffers(self.module)  # rank 0's buffers everywhere, as DDP's
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
         self._step_applied = bool(stepped)
         self._global_grad_norm = report.get("grad_norm") if report else None

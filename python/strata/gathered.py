@@ -19,7 +19,11 @@ class GatheredParameters:
     forward, where they are placeholders with no bytes (a logged norm, a weight inspected or
     edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
     their weights (and a trained one's fp32 master weights, its moments kept) when it ends; else
-    writes are dropped. Other parameters pass as they are. Not for autograd: a loss computed in the
+    writes are dropped. A trained parameter an engine keeps whole (stages 0-2, stage 3's small
+    ones) is its weights already; with modifier_rank what the block wrote into it becomes its fp32
+    master weights too (its moments kept), or the next step would put the old ones back (across
+    ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
+    DeepSpeed's). Other parameters pass as they are. Not for autograd: a loss computed in the
     block from them would save what backward cannot find after it (the weights are given back at
     its end); compute such a loss inside the module's forward."""
 
@@ -28,13 +32,24 @@ class GatheredParameters:
         params = [params] if torch.is_tensor(params) else list(params)
         self.modify = modifier_rank is not None
         self.enabled = enabled
-        self.held = []  # (engine, entry)
+        self.held = []  # (engine, entry): gathered whole for the block
+        self.kept = []  # (engine, entry): whole already; written to the master weights at exit
         if not enabled:
             return
         for p in params:
             for engine in list(guards.LIVE):
-                e = engine._runtime is not None and engine.stage == 3 and \
-                    engine.table.partitioned_by_id.get(id(p))
+                if engine._runtime is None:
+                    continue
+                kept = self.modify and next((e for e in engine.table.trained
+                                             if e.param is p and not e.partitioned), None)
+                if kept:
+                    if engine.ranks is not None and modifier_rank != 0:
+                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
+                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
+                                         "writes become every rank's weights)")
+                    self.kept.append((engine, kept))
+                    break
+                e = engine.stage == 3 and engine.table.partitioned_by_id.get(id(p))
                 if e:
                     if self.modify and engine.ranks is not None:
                         raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
@@ -49,6 +64,8 @@ class GatheredParameters:
             if e.param.data.numel() != 0:
                 raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
                                    "(inside its forward or backward); accepted: outside them")
+        for engine, _ in self.kept:  # no step of the optimizer's thread writes them meanwhile
+            engine.runtime.wait_for_early_steps()
         with torch.no_grad():
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
@@ -58,8 +75,9 @@ class GatheredParameters:
     def __exit__(self, *exc):
         try:
             if self.modify and exc[0] is None:
-                for engine in {id(engine): engine for engine, _ in self.held}.values():
-                    self._write_back(engine, [e for owner, e in self.held if owner is engine])
+                both = self.held + self.kept
+                for engine in {id(engine): engine for engine, _ in both}.values():
+                    self._write_back(engine, [e for owner, e in both if owner is engine])
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder
@@ -67,9 +85,11 @@ class GatheredParameters:
 
     @staticmethod
     def _write_back(engine, entries):
-        """The block's writes into `entries` (one process): a frozen one's partition; a trained
-        one's master weights (its moments kept, in one load of the optimizer's state) and
-        weights."""
+        """The block's writes into `entries` (across ranks, unpartitioned ones, rank 0's): a frozen
+        one's partition; a trained one's master weights (its moments kept, in one load of the
+        optimizer's state; across ranks, this rank's shard of them) and weights."""
+        if engine.ranks is not None:
+            engine.ranks.broadcast_tensors([e.param.data for e in entries])
         trained = []
         for e in entries:
             values = e.param.data.detach().reshape(-1)
@@ -82,6 +102,8 @@ class GatheredParameters:
             for e, master in trained:
                 moments = [torch.empty(e.shard), torch.empty(e.shard)]
                 engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
-                engine.runtime.load_optimizer_state(e.gid, master, *moments)
+                engine.runtime.load_optimizer_state(
+                    e.gid, master if engine.ranks is None else
+                    engine.ranks.own_shard(master, e.shard), *moments)
         for e, master in trained:
             set_weights(engine.runtime, e, master)

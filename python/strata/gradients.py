@@ -157,8 +157,9 @@ class Gradients:
             e.sent_down = True
 
     def reduce(self):
-        """Across ranks: the unpartitioned parameters' gradients reduce-scattered into their
-        owners' shards (e.shard_grad, the mean over the ranks)."""
+        """Across ranks, after the window's last backward: the unpartitioned parameters' gradients
+        (.grad, or their host sums) reduce-scattered into their owners' shards (e.shard_grad, the
+        mean over the ranks; a second backward's added), and dropped where they were."""
         def gradient_of(e):
             if e.host_grad is not None:
                 return e.host_grad
@@ -171,7 +172,11 @@ class Gradients:
         if not entries:
             return
         for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
-            e.shard_grad = shard
+            e.param.grad = None
+            e.host_grad = None
+            if shard is not None:
+                e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
+                e.has_grad = True
 
     def end_step(self, failed):
         """The step is over (taken, skipped or `failed`): a staged step left is aborted and every

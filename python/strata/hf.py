@@ -147,15 +147,18 @@ class StrataTrainerMixin:
                              "scheduler block (TrainingArguments' lr_scheduler_type then)")
         self.strata_engine = None
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:  # checked before Trainer sets up its accelerator
-            if training_args.fp16:
-                raise ValueError("strata.hf: fp16 (TrainingArguments.fp16): Trainer's gradient "
-                                 "scaler would step the optimizer around the engine; accepted: "
-                                 "bf16=True, or fp32")
-            if training_args.world_size > 1:
-                raise ValueError(f"strata.hf: {training_args.world_size} processes: the Trainer "
-                                 "integration runs in one process; accepted: one process, or "
-                                 "strata.initialize across ranks in a loop of your own")
+        # The launcher's WORLD_SIZE too: TrainingArguments say 1 process where they were made
+        # without a distributed backend (no args given, or on a CPU without use_cpu).
+        processes = max(int(os.environ.get("WORLD_SIZE", "1") or 1),
+                        training_args.world_size if training_args is not None else 1)
+        if processes > 1:  # checked before Trainer sets up its accelerator
+            raise ValueError(f"strata.hf: {processes} processes: the Trainer integration runs "
+                             "in one process; accepted: one process, or strata.initialize "
+                             "across ranks in a loop of your own")
+        if training_args is not None and training_args.fp16:
+            raise ValueError("strata.hf: fp16 (TrainingArguments.fp16): Trainer's gradient "
+                             "scaler would step the optimizer around the engine; accepted: "
+                             "bf16=True, or fp32")
         super().__init__(*args, **kwargs)
 
     def _move_model_to_device(self, model, device):

@@ -325,11 +325,36 @@ def _backend_of(group):
         return type(group).__name__
 
 
-def setup_of(settings, dtype, error=None):
+def training_of(config, zero):
+    """The training keys every rank must share (config: config.TrainConfig; zero: the
+    zero_optimization block as read), as setup_of takes them: ranks that step their shards with
+    other rates, clipping, loss scaling or batches would train a model no rank's config
+    describes. The NVMe folders may differ (each rank's own drive)."""
+    zero = {k: ({kk: vv for kk, vv in v.items() if kk != "nvme_path"}
+                if isinstance(v, dict) else v) for k, v in zero.items()}
+    keys = {"optimizer": config.optimizer, "scheduler": config.scheduler,
+            "gradient_clipping": config.clipping,
+            "train_micro_batch_size_per_gpu": config.micro_batch,
+            "gradient_accumulation_steps": config.accumulation,
+            "data_types.grad_accum_dtype": config.grad_accum_dtype,
+            "fp16": [config.loss_scale, config.initial_scale_power, config.loss_scale_window,
+                     config.hysteresis, config.min_loss_scale, config.consecutive_hysteresis],
+            "zero_optimization": zero}
+    out = {}
+    for key, value in keys.items():
+        text = json.dumps(value, sort_keys=True, default=str)
+        # Short ones as they are; a long one by its digest (its text would not fit the exchange).
+        out[key] = text if len(text) <= 80 else \
+            "digest " + hashlib.sha256(text.encode()).hexdigest()[:12]
+    return out
+
+
+def setup_of(settings, dtype, error=None, training=None):
     """This rank's set-up as agree_on_setup exchanges it: `settings` (runtime_settings.
-    RuntimeSettings), the training dtype, and an `error` that stops this rank (or None)."""
+    RuntimeSettings), the training dtype, an `error` that stops this rank (or None), and the
+    training keys (training_of)."""
     mine = {"stage": str(settings.stage), "dtype": str(dtype).replace("torch.", ""),
-            "device": "cuda" if settings.cuda else "emulated"}
+            "device": "cuda" if settings.cuda else "emulated", **(training or {})}
     if settings.cuda:
         mine["visible GPUs"] = str(torch.cuda.device_count())
         try:
@@ -374,8 +399,8 @@ def agree_on_setup(ranks, mine):
             differ.append(f"{key}: " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
     if differ:
         raise ValueError("strata.initialize: the ranks' set-ups differ (" + "; ".join(differ) +
-                         "); accepted: the same config on every rank, each rank seeing as many "
-                         "GPUs")
+                         "); accepted: the same config on every rank (but for nvme_path), each "
+                         "rank seeing as many GPUs")
     return setups
 
 
@@ -616,10 +641,14 @@ class Ranks:
     def broadcast_module(self, module, skip=lambda t: False):
         """Rank 0's parameters and buffers, of every dtype (but those `skip` names), everywhere,
         as DeepSpeed's engine starts every rank from rank 0's weights."""
-        tensors = [t for t in list(module.parameters()) + list(module.buffers())
-                   if not skip(t) and t.numel() > 0]
+        self.broadcast_tensors([t for t in list(module.parameters()) + list(module.buffers())
+                                 if not skip(t) and t.numel() > 0])
+
+    def broadcast_tensors(self, tensors):
+        """Rank 0's values of `tensors` (any dtype, any device), in place on every rank (each
+        rank gives the same shapes and dtypes: else every rank raises, naming them)."""
         self.agree("the broadcast of the model's tensors " +
-                       ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
+                   ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
         with torch.no_grad():
             for t in tensors:
                 flat = t.data.detach().to("cpu").reshape(-1).contiguous()
@@ -629,6 +658,32 @@ class Ranks:
                 self.job.broadcast(carrier, 0)
                 raw.copy_(carrier.view(torch.uint8)[:raw.numel()])
                 t.data.copy_(flat.view(t.shape))
+
+    def sync_buffers(self, module):
+        """After a step: the module's buffers take rank 0's values on every rank, as DDP gives
+        every rank rank 0's buffers (BatchNorm's running statistics, which torch updates in
+        place without a version bump a change could be told by): an eval forward, and a
+        checkpoint, then see one model on every rank. One broadcast of them all."""
+        buffers = [b for b in module.buffers() if b.numel() > 0]
+        if not buffers:
+            return
+        self.agree("the sync of the model's buffers " +
+                   ", ".join(f"{tuple(b.shape)} {b.dtype}" for b in buffers))
+        with torch.no_grad():
+            raws = [b.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
+                    for b in buffers]
+            carrier = torch.zeros((sum(r.numel() for r in raws) + 3) // 4)  # as float32's bits
+            packed = carrier.view(torch.uint8)
+            offset = 0
+            for r in raws:
+                packed[offset:offset + r.numel()] = r
+                offset += r.numel()
+            self.job.broadcast(carrier, 0)
+            offset = 0
+            for b, r in zip(buffers, raws):
+                piece = packed[offset:offset + r.numel()].clone()  # (aligned for its dtype)
+                b.data.copy_(piece.view(b.dtype).view(b.shape))
+                offset += r.numel()
 
     def broadcast_tensor(self, flat, what):
         """Rank 0's values of a flat CPU tensor, in place (strata.init: a parameter as it is
@@ -688,9 +743,9 @@ class Ranks:
             offset += e.shard
 
     def reduce_gradients(self, entries, gradient_of):
-        """Stage 1 (and stage 3's unpartitioned parameters), at the step: each entry's whole
-        gradient (gradient_of(e): a CPU tensor, or None for none on this rank) is
-        reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
+        """Stage 1 (and stage 3's unpartitioned parameters), after the window's last backward:
+        each entry's whole gradient (gradient_of(e): a CPU tensor, or None for none on this rank)
+        is reduce-scattered in buckets; returns {e: this rank's shard of the mean over the ranks, or
         None where no rank had a gradient}."""
         self._agree("the gradients' reduction", entries).check()
         grads = [gradient_of(e) for e in entries]

@@ -1983,6 +1983,15 @@ def test_sparse_embeddings_are_refused_by_name(tmp_path):
         strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu", "fp32"))
 
 
+def test_a_model_in_torch_s_data_parallel_wrapper_is_refused_by_name(tmp_path):
+    # Its hooks would reduce the gradients a second time across ranks (DDP; at stage 3 torch's
+    # reducer asserts on the partitions): the module inside is what strata takes.
+    with pytest.raises(ValueError, match="wrapped in torch's DataParallel, whose hooks would "
+                                         ".*accepted: the module inside it"):
+        strata.initialize(model=torch.nn.DataParallel(Net()),
+                          config=make_config(tmp_path, 3, "cpu", "fp32"))
+
+
 def test_the_first_forward_leaves_nothing_lent_and_registers_no_module_as_its_own_user(tmp_path):
     # The first forward looks for parameters used outside their owner's forward; the engine's
     # own lending inside it is not such a use (it held every partition lent past its module).
@@ -2771,6 +2780,23 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
     assert weight.numel() == 0
     with strata.GatheredParameters([weight, engine.module.ln.weight], modifier_rank=0):
         weight.data.mul_(0.5)
+    with torch.no_grad():
+        reference.l1.weight.mul_(0.5)
+    for x, y in data[2:]:
+        step_both(engine, reference, torch_adamw, x, y)
+    _assert_weights_as(engine, reference)
+
+
+def test_gathered_parameters_with_a_modifier_takes_edits_of_weights_kept_whole(tmp_path):
+    # Stage 2 keeps its weights whole in the module: an edit made with modifier_rank becomes the
+    # master weights too (else the next step puts the old ones back), training going on as plain
+    # torch's from it.
+    engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, 2)
+    data = list(batches(4))
+    for x, y in data[:2]:
+        step_both(engine, reference, torch_adamw, x, y)
+    with strata.GatheredParameters([engine.module.l1.weight], modifier_rank=0):
+        engine.module.l1.weight.data.mul_(0.5)
     with torch.no_grad():
         reference.l1.weight.mul_(0.5)
     for x, y in data[2:]:

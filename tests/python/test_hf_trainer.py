@@ -194,6 +194,13 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path, monkeypatch):
         m.setattr(type(args), "world_size", property(lambda self: 2))
         with pytest.raises(ValueError, match=r"strata.hf: 2 processes: .* runs in one process"):
             strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, strata_config={})
+    # The launcher's WORLD_SIZE where the arguments say one process (made without a distributed
+    # backend: no args given, say), and where no args are given.
+    with monkeypatch.context() as m:
+        m.setenv("WORLD_SIZE", "2")
+        for given in ({"args": args}, {}):
+            with pytest.raises(ValueError, match=r"strata.hf: 2 processes: .* one process"):
+                strata.hf.Trainer(model=ARCHITECTURES["llama"](), strata_config={}, **given)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(strata_config(2, "cpu", tmp_path)))
     trainer = strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, train_dataset=data(),

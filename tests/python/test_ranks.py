@@ -48,6 +48,10 @@ elif offload == "nvme":  # the NVMe optimizer's staging buffers, within the host
     zero["offload_param"] = {"buffer_count": 2, "buffer_size": 65536}
 config = {"train_batch_size": GLOBAL * 2, "gradient_accumulation_steps": 2 * SPLIT,
           "gradient_clipping": float(__import__("os").environ.get("STRATA_TEST_CLIP", 0.5)),
+          # STRATA_TEST_USER_CLIP: torch.nn.utils.clip_grad_norm_ at 0.5 instead, called by the
+          # loop as a plain torch loop clips
+          **({"gradient_clipping": 0.0}
+             if __import__("os").environ.get("STRATA_TEST_USER_CLIP") else {}),
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
           "zero_optimization": zero,
           "strata": {"device": "emulated", "device_budget_bytes": 49152,
@@ -91,18 +95,26 @@ for step in range(steps):
             loss = torch.nn.functional.cross_entropy(engine(x).float().reshape(-1, 50),
                                                      y.reshape(-1))
             engine.backward(loss)
+            user_norm = None
             if engine.is_gradient_accumulation_boundary():  # what this rank holds
                 held = sum(e.shard_grad.numel() for e in engine.table.trained
                            if e.shard_grad is not None)
                 held += sum(e.host_grad.numel() for e in engine.table.trained
                             if e.host_grad is not None)
+                # .grad: none left across ranks (the mean is in the owners' shards), as DeepSpeed's
+                grads_left = sum(p.grad is not None for p in engine.module.parameters())
+                if __import__("os").environ.get("STRATA_TEST_USER_CLIP"):
+                    user_norm = float(torch.nn.utils.clip_grad_norm_(
+                        engine.module.parameters(), 0.5))
             engine.step()
-    norms.append(engine.last_step_stats["optimizer"]["grad_norm"])
+    norms.append(engine.last_step_stats["optimizer"]["grad_norm"] if user_norm is None
+                 else user_norm)
     staged += bool(engine.last_step_stats["optimizer"].get("staged"))
 state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
 print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held, "staged": staged,
+                  "grads_left": grads_left,
                   "shards": {e.name: [e.numel, e.shard] for e in engine.table.trained},
                   "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
                   "prefetched": engine.prefetched_gathers,
@@ -144,9 +156,11 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
 # during backward is then dropped and taken anew): at stages 2 and 3 every step is staged during
 # backward and stands. "tcp": strata's collectives on Gloo over TCP (strata.comm_transport; the
 # others on shared memory, the default for ranks on one host). Stage 0 runs as stage 1 across
-# ranks (the same numbers as data parallel); (4, 1, ...) is stage 1's own.
+# ranks (the same numbers as data parallel); (4, 1, ...) is stage 1's own. "userclip": the loop
+# clips with torch.nn.utils.clip_grad_norm_ (the gradients reduced by then), the norm and step
+# those of the one process clipping by the config.
 @pytest.mark.parametrize("n, stage, offload, dtype, under_init, group", [
-    (2, 0, "cpu", "fp32", False, False),
+    (2, 0, "cpu", "fp32", False, "userclip"),
     (4, 1, "nvme", "fp32", False, "tcp"),
     (2, 2, "cpu", "fp32", False, "noclip"),
     (2, 3, "cpu", "fp32", False, False),
@@ -165,6 +179,9 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
     transport = "shared memory"
     if group == "noclip":
         env["STRATA_TEST_CLIP"] = "0"
+        group = False
+    if group == "userclip":
+        env["STRATA_TEST_USER_CLIP"] = "1"
         group = False
     if group == "tcp":
         env["STRATA_TEST_TRANSPORT"] = "tcp"
@@ -195,6 +212,7 @@ def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
         else None
     job, reports = run_job(tmp_path, n, stage, offload, dtype, steps, env)
     assert [r["steps"] for r in reports] == [steps] * n
+    assert all(r["grads_left"] == 0 for r in reports), reports
     initial = single.pop("initial")
     job.pop("initial")
     # The gradients the ranks reduce are the mean over the global batch, as one process's: Adam
@@ -223,7 +241,7 @@ def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
             assert apart < 0.1 * moved, f"{name}: {apart:.3g} apart, training moved it {moved:.3g}"
     for r in reports:  # each rank owns a shard of every parameter, and holds no more
         assert all(shard == -(-numel // n) for numel, shard in r["shards"].values()), r["shards"]
-        if stage == 2:  # its gradients' shards only (stage 1 keeps whole ones until the step)
+        if stage <= 2:  # its gradients' shards only (stages 0-1: reduced after the last backward)
             assert r["held"] == sum(shard for _, shard in r["shards"].values()), r
         if stage >= 2:  # reduce-scattered while backward ran (buckets of 3000 elements)
             assert r["in_backward"] > 0, r
@@ -282,6 +300,26 @@ for engine in (a, b):
         engine.backward(engine(x).square().mean())
         engine.step()
 out["trained"] = [a.global_steps, b.global_steps]
+# BatchNorm's running statistics, each rank's from its own batches: rank 0's on every rank after
+# each step, as DDP gives them, so that an eval forward is the same model everywhere.
+bn = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+c, _, _, _ = strata.initialize(model=bn, config=config(1))
+for _ in range(2):
+    c.backward(c(torch.randn(4, 6) + rank).square().mean())
+    c.step()
+out["bn"] = [bn[1].running_mean.tolist(), bn[1].running_var.tolist(),
+             int(bn[1].num_batches_tracked)]
+bn.eval()
+with torch.no_grad():
+    out["eval"] = c(torch.ones(1, 6)).tolist()
+# An edit within GatheredParameters(modifier_rank=0) of a weight kept whole (stage 2): rank 0's
+# becomes every rank's weights and master weights, and the next step goes on from it.
+with strata.GatheredParameters([a.module.l1.weight], modifier_rank=0):
+    if rank == 0:
+        a.module.l1.weight.data.fill_(0.25)
+a.backward(a(torch.randn(2, 6)).square().mean())
+a.step()
+out["edited"] = (a.module.l1.weight - 0.25).abs().max().item()
 print(json.dumps(out))
 """
 
@@ -411,6 +449,9 @@ def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_resh
         assert p.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert outs[0]["weights"] == outs[1]["weights"]  # the weights, the float64 and int buffers
+    assert outs[0]["bn"] == outs[1]["bn"] and outs[0]["eval"] == outs[1]["eval"], outs
+    assert outs[0]["bn"][2] == 2 and any(m != 0 for m in outs[0]["bn"][0]), outs
+    assert outs[0]["edited"] == outs[1]["edited"] and 0 < outs[0]["edited"] < 0.02, outs
     assert [o["place"] for o in outs] == [[0, 2, 0, 4], [1, 2, 1, 4]]
     for o in outs:
         assert o["buckets"] == [100, False, 7777, True]

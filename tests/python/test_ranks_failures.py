@@ -67,6 +67,12 @@ config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
           "zero_optimization": {"stage": 2}, "strata": strata_block}
 if sys.argv[1] == "dtype" and rank == 1:
     config["bf16"] = {"enabled": True}
+if sys.argv[1] == "train":  # rank 1 would step its shards with another rate and clipping
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu",
+                                                        "nvme_path": f"/drive{rank}"}
+    if rank == 1:
+        config["optimizer"]["params"] = {"lr": 1e-4}
+        config["gradient_clipping"] = 1.0
 if sys.argv[1].startswith("gpu"):  # this machine's GPUs (none on CI): LOCAL_RANK's is beyond
     strata_block["device"] = "cuda"
 if sys.argv[1] == "budget" and rank == 1:  # below what the run takes, on this rank only
@@ -86,6 +92,9 @@ strata.initialize(model=torch.nn.Linear(4, 4), config=config, process_group=grou
 @pytest.mark.parametrize("case, message", [
     ("dtype", "the ranks' set-ups differ (dtype: rank 0 float32, rank 1 bfloat16); accepted: the "
               "same config on every rank"),
+    # (each rank's own nvme_path is not a difference)
+    ("train", "the ranks' set-ups differ (gradient_clipping: rank 0 0.0, rank 1 1.0; optimizer: "
+              "rank 0 "),
     ("gpu", "across ranks: rank 0: strata.device \"cuda\": LOCAL_RANK 0 names GPU 0, but this "
             "process sees 0 GPUs"),
     ("gpu_init", "across ranks: rank 0: strata.device \"cuda\": LOCAL_RANK 0 names GPU 0"),
