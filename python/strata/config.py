@@ -198,6 +198,10 @@ class TrainConfig:
             c.dtype = "float16"
             if _bool(fp16, "auto_cast", "fp16.", False):
                 _bad("fp16.auto_cast", "true is not supported; accepted: false")
+            if _bool(fp16, "fp16_master_weights_and_grads", "fp16.", False):
+                _bad("fp16.fp16_master_weights_and_grads", "true is not supported (strata keeps "
+                     "fp32 master weights and sums gradients in grad_accum_dtype); accepted: "
+                     "false")
             c.loss_scale = float(_number(fp16, "loss_scale", "fp16.", 0.0, 0.0))
             c.initial_scale_power = _number(fp16, "initial_scale_power", "fp16.", 16, 0, 64, True)
             c.loss_scale_window = _number(fp16, "loss_scale_window", "fp16.", 1000, 1, None, True)
@@ -246,8 +250,12 @@ class TrainConfig:
                 "betas": (float(betas[0]), float(betas[1])),
                 "eps": float(_number(params, "eps", p, 1e-10 if kind == "Adagrad" else 1e-8,
                                      0.0)),
-                # 0 for every type, as DeepSpeed's optimizers default to (not torch's 0.01)
-                "weight_decay": float(_number(params, "weight_decay", p, 0.0, 0.0)),
+                # 0, as DeepSpeed's own optimizers default to; but with torch_adam in AdamW's
+                # mode DeepSpeed makes torch.optim.AdamW, whose default is 0.01
+                "weight_decay": float(_number(
+                    params, "weight_decay", p,
+                    0.01 if kind in ("Adam", "AdamW") and params.get("torch_adam") is True and
+                    (kind == "AdamW" or params.get("adam_w_mode", True) is True) else 0.0, 0.0)),
                 "bias_correction": _bool(params, "bias_correction", p, True),
                 "adamw": kind == "AdamW" or _bool(params, "adam_w_mode", p, True),
                 "lr_decay": float(_number(params, "lr_decay", p, 0.0, 0.0)),

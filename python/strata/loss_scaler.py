@@ -1,6 +1,8 @@
 """fp16's loss scale, by DeepSpeed's DynamicLossScaler rule (fp16.loss_scale 0: dynamic): an
 overflow halves the scale (never under min_loss_scale) once `hysteresis` overflows have been
-absorbed; loss_scale_window steps after the last overflow the scale doubles (with
+absorbed; after loss_scale_window good steps since the last overflow (or the start) the scale
+doubles, and again every loss_scale_window good steps (DeepSpeed's rule since 0.17: a doubling
+one step later than its older one's; with
 consecutive_hysteresis every good step restores the hysteresis; else only a doubling does). A
 static scale (fp16.loss_scale above 0) never moves; bf16 and fp32 train at 1.0.
 
@@ -41,7 +43,8 @@ class LossScaler:
         else:
             if c.consecutive_hysteresis:
                 self._hysteresis_left = c.hysteresis
-            if (self._iteration - self._last_overflow) % c.loss_scale_window == 0:
+            stable = self._iteration - self._last_overflow - 1  # good steps before this one
+            if stable > 0 and stable % c.loss_scale_window == 0:
                 if not c.consecutive_hysteresis:
                     self._hysteresis_left = c.hysteresis
                 self.scale *= 2

@@ -28,13 +28,16 @@ def _check_type(warmup_type):
 
 class WarmupLR:
     """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear), then
-    stays at warmup_max_lr."""
+    stays at warmup_max_lr. Without warmup_max_lr, each group's lr as the optimizer has it (as
+    DeepSpeed's since 0.17; WarmupDecayLR keeps 0.001)."""
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
                  warmup_type="log", last_batch_iteration=-1):
         _check_type(warmup_type)
         self.optimizer = optimizer
         groups = len(optimizer.param_groups)
+        if warmup_max_lr is None:
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = self._per_group(warmup_min_lr, groups, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, groups, "warmup_max_lr")
         self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs)]

@@ -203,12 +203,16 @@ def test_config_from_a_json_file_and_train_batch_size(tmp_path):
     # DeepSpeed's: made at iteration -1, stepped after each optimizer step.
     (0.0, 0.01, [0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01]),
     # DeepSpeed 0.19.8's WarmupLR gives warmup_min_lr before its first step, not 0.
-    (0.001, 0.005, [0.001, 0.001, 0.002, 0.003, 0.004, 0.005])])
+    (0.001, 0.005, [0.001, 0.001, 0.002, 0.003, 0.004, 0.005]),
+    # Without warmup_max_lr, up to the optimizer's lr (1e-2 here), as DeepSpeed's since 0.17.
+    (0.0, None, [0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01])])
 def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path, low, high, seen):
     config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
     config["scheduler"] = {"type": "WarmupLR", "params": {
         "warmup_min_lr": low, "warmup_max_lr": high, "warmup_num_steps": 4,
         "warmup_type": "linear"}}
+    if high is None:
+        del config["scheduler"]["params"]["warmup_max_lr"]
     engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
     rates = []
     for x, y in batches(6):
@@ -344,8 +348,10 @@ def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
         engine._scaler.update(bool(overflow))
         scales.append(engine.loss_scale)
     # DeepSpeed's DynamicLossScaler.update_scale on the same pattern (hysteresis absorbs the
-    # first overflow only; a halving leaves it spent until the window doubles the scale).
-    assert scales == [1024, 512, 256, 128, 128, 128, 256, 256, 256, 256, 128, 64]
+    # first overflow only; a halving leaves it spent until the window doubles the scale; the
+    # doubling after loss_scale_window good steps, as 0.17 and later count them: one step later
+    # than the older rule, which gave 256 at the 7th update).
+    assert scales == [1024, 512, 256, 128, 128, 128, 128, 256, 256, 256, 128, 64]
 
 
 def test_stage3_trains_a_deep_model_through_a_budget_of_three_layers(tmp_path):
@@ -453,6 +459,8 @@ BAD_TRAINER_KEYS = [
     ("scheduler", {"type": "OneCycle"}, "scheduler.type: 'OneCycle' is not supported"),
     ("bf16", {"enabled": "yes"}, "bf16.enabled: 'yes' is not accepted"),
     ("fp16", {"enabled": True, "loss_scale_windw": 10}, "fp16.loss_scale_windw: unknown key"),
+    ("fp16", {"enabled": True, "fp16_master_weights_and_grads": True},
+     "fp16.fp16_master_weights_and_grads: true is not supported"),
 ]
 
 

@@ -33,7 +33,7 @@ def test_loss_scaler_state_round_trips():
         for t in (again, s):
             t.update(overflow)
         assert again.state_dict() == s.state_dict()
-    assert s.scale == 4.0
+    assert s.scale == 2.0  # at min_loss_scale: the window not yet run out since the overflow
 
 
 def test_loss_scaler_static_and_unscaled():
@@ -282,3 +282,18 @@ def test_gradients_end_step_ends_the_window_and_drops_every_gradient():
         e.has_grad = True
     gradients.end_step(failed=True)  # the failed step's own error is the one raised
     assert any("after the failed step: injected" in m for m in notices.messages)
+
+
+def test_weight_decay_defaults_as_deepspeed_makes_the_optimizer():
+    # DeepSpeed's own Adam defaults to no decay; with torch_adam (AdamW's mode) it makes
+    # torch.optim.AdamW, whose default is 0.01; torch.optim.Adam (adam_w_mode false) has none.
+    from strata.config import TrainConfig
+
+    def decay(params):
+        raw = {"train_micro_batch_size_per_gpu": 1,
+               "optimizer": {"type": "Adam", "params": params}}
+        return TrainConfig.parse(TrainConfig.load(raw)).optimizer["weight_decay"]
+    assert decay({}) == 0.0
+    assert decay({"torch_adam": True}) == 0.01
+    assert decay({"torch_adam": True, "adam_w_mode": False}) == 0.0
+    assert decay({"torch_adam": True, "weight_decay": 0.1}) == 0.1
