@@ -596,6 +596,10 @@ class Engine:
         # model.zero_grad() (Trainer's, a plain loop's) drops the engine's gradients too.
         model.zero_grad = types.MethodType(guards.zero_grad_through(engine), model)
         self._patched_methods.append((model, "zero_grad"))
+        # A copy (a frozen reference or teacher, TRL's create_reference_model) would keep the
+        # engine's methods, hooks and (stage 3) partitions, and follow the engine: refused.
+        model.__deepcopy__ = guards.refuse_deepcopy
+        self._patched_methods.append((model, "__deepcopy__"))
         self._count_real_sizes(model)
 
         self.optimizer = optimizer_module.EngineOptimizer(self, groups, hyper)

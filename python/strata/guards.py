@@ -18,6 +18,7 @@ import gc
 import weakref
 
 import torch
+import torch.optim.optimizer as optimizer_hooks
 
 from strata import pretrained
 from strata import tiling
@@ -99,6 +100,34 @@ def route_clip_grad_norm():
 
 
 route_clip_grad_norm()
+
+
+def _refuse_a_foreign_optimizer(optimizer, args, kwargs):
+    """torch's global step pre-hook (registered once, below): an optimizer that is not an
+    engine's (nor a wrapper over its parameter groups, as Accelerate's) stepping a strata
+    engine's trained parameters is refused by name. Their gradients are the engine's (at stages
+    2 and 3 not in .grad: it would step nothing) and their fp32 master weights too (the engine's
+    next step would put back what it changed)."""
+    del args, kwargs
+    if not LIVE:
+        return
+    groups = getattr(optimizer, "param_groups", None) or []
+    params = [p for g in groups for p in g.get("params", ())]
+    engine = engine_of(params, f"{type(optimizer).__name__}.step()")
+    if engine is None:
+        return
+    own = {id(g) for g in engine.optimizer.param_groups}
+    if any(id(g) in own for g in groups):  # the engine's optimizer, or a wrapper over it
+        return
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step() over a strata engine's parameters: it is not the "
+        "engine's optimizer, and their gradients and fp32 master weights are the engine's (at "
+        f"stage {engine.stage} it would "
+        f"{'step nothing' if engine.stage >= 2 else 'be undone by the engine'}); accepted: the "
+        "optimizer strata.initialize returns (give yours to strata.initialize(optimizer=...))")
+
+
+optimizer_hooks.register_optimizer_step_pre_hook(_refuse_a_foreign_optimizer)
 
 
 def engine_holding(model):
@@ -197,6 +226,15 @@ def load_state_dict_through(engine_ref):
         missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
+
+
+def refuse_deepcopy(memo=None):
+    """copy.deepcopy of a module an engine trains (set on the module while the engine holds it)."""
+    raise TypeError("copy.deepcopy of a module a strata engine trains: the copy would keep the "
+                    "engine's methods and hooks (at stage 3 its partitions too) and follow the "
+                    "engine as it trains; accepted: copy it before strata.initialize, or build a "
+                    "new model and load engine.module_state_dict() into it (or model = "
+                    "engine.release() to end training first)")
 
 
 def zero_grad_through(engine_ref):

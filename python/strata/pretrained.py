@@ -254,8 +254,14 @@ def load(engine, source, strict=True, keep_state=False):
     parameters' optimizer state (moments, step counts) is kept, their master weights alone
     replaced, as torch's module.load_state_dict leaves its optimizer's state; else it starts
     afresh."""
-    if engine._step.staged is not None:
-        raise RuntimeError("load_pretrained: between backward and step; load after step()")
+    if engine._step.staged is not None or engine._state.gradients_since_step or any(
+            e.param.grad is not None for e in engine.table.trained):
+        # torch's would step the loaded weights with them; the load drops them (Gradients.
+        # end_step), which would skip the step silently.
+        raise RuntimeError("load_pretrained / module.load_state_dict between backward and step: "
+                           "the gradients made since the last step() would be dropped, and the "
+                           "step would change nothing; accepted: load after step() or before "
+                           "backward (zero_grad() first drops them by name)")
     entries, aliases, rest, missing, unexpected = checkpoints.checked_everywhere(
         engine._checkpoints, "load_pretrained", lambda: _check(engine, source, strict))
     engine._gradients.end_step(failed=False)  # gradients summed before the load are dropped

@@ -2812,6 +2812,31 @@ def test_gathered_parameters_with_a_modifier_takes_edits_of_weights_kept_whole(t
     _assert_weights_as(engine, reference)
 
 
+def test_an_optimizer_not_the_engine_s_over_its_parameters_is_refused_by_name(tmp_path):
+    # At stage 2 the gradients are the engine's, not in .grad: torch's AdamW made over the
+    # module (a script moved from DeepSpeed that kept its own) would step nothing.
+    engine, optimizer, _, _ = _beside_plain_torch(tmp_path, 2)
+    own = torch.optim.AdamW(engine.module.parameters(), lr=1e-2)
+    (x, y), = batches(1)
+    engine.backward(loss_of(engine(x), y))
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) over a strata engine's parameters: "
+                                           "it is not the engine's optimizer.*step nothing"):
+        own.step()
+    engine.step()  # the engine's own, and other models' optimizers, as ever
+    other = torch.nn.Linear(2, 2)
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+
+
+def test_a_deep_copy_of_the_module_an_engine_trains_is_refused_until_it_is_released(tmp_path):
+    # The copy (a frozen reference model) would keep the engine's methods and hooks: its
+    # load_state_dict loaded into the engine, its zero_grad dropped the engine's gradients.
+    engine, _, _, _ = _beside_plain_torch(tmp_path, 2)
+    with pytest.raises(TypeError, match="copy.deepcopy of a module a strata engine trains"):
+        copy.deepcopy(engine.module)
+    model = engine.release()
+    assert copy.deepcopy(model).l1.weight.equal(model.l1.weight)
+
+
 def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
     """optimizer.load_state_dict between backward and step, a state entry without its step, a
     non-finite norm with error_if_nonfinite, a window end the trainer and the engine disagree
@@ -2823,6 +2848,18 @@ def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
     with pytest.raises(RuntimeError, match="load_state_dict.. between backward and step"):
         optimizer.load_state_dict(state)
     engine.step()
+    # The module's load_state_dict too (it would drop the step's gradients: a step changing
+    # nothing), at a stage that stages nothing during backward: the gradients kept, stepped.
+    (tmp_path / "two").mkdir()
+    two, _, reference, torch_adamw = _beside_plain_torch(tmp_path / "two", 2)
+    two.backward(loss_of(two(x), y))
+    with pytest.raises(RuntimeError, match="module.load_state_dict between backward and step: "
+                                           "the gradients made since the last step"):
+        two.module.load_state_dict(two.module_state_dict())
+    two.step()
+    loss_of(reference(x), y).backward()
+    torch_adamw.step()
+    _assert_weights_as(two, reference)
     stepless = dict(state, state={0: {k: v for k, v in state["state"][0].items()
                                       if k != "step"}})
     with pytest.raises(ValueError, match=r"emb.weight's step is missing"):
