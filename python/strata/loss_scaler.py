@@ -1,10 +1,10 @@
 """fp16's loss scale, by DeepSpeed's DynamicLossScaler rule (fp16.loss_scale 0: dynamic): an
 overflow halves the scale (never under min_loss_scale) once `hysteresis` overflows have been
-absorbed; after loss_scale_window good steps since the last overflow (or the start) the scale
-doubles, and again every loss_scale_window good steps (DeepSpeed's rule since 0.17: a doubling
-one step later than its older one's; with
-consecutive_hysteresis every good step restores the hysteresis; else only a doubling does). A
-static scale (fp16.loss_scale above 0) never moves; bf16 and fp32 train at 1.0.
+absorbed (an overflow at min_loss_scale raises, as DeepSpeed's); after loss_scale_window good
+steps since the last overflow (or the start) the scale doubles, and again every
+loss_scale_window good steps (DeepSpeed's rule since 0.17: a doubling one step later than its
+older one's); with consecutive_hysteresis every good step restores the hysteresis, else only a
+doubling does. A static scale (fp16.loss_scale above 0) never moves; bf16 and fp32 train at 1.0.
 
 The engine owns one, multiplies each loss by `scale` and tells it each step's outcome (update);
 its state goes into checkpoints (state_dict). Thread safety: the engine's (one thread).
@@ -36,6 +36,11 @@ class LossScaler:
         c = self._config
         if overflow:
             if c.hysteresis == 1 or self._hysteresis_left == 1:
+                if self.scale == c.min_loss_scale:  # DeepSpeed's DynamicLossScaler raises too
+                    raise RuntimeError(
+                        f"fp16: the gradients overflowed at the loss scale's minimum "
+                        f"(fp16.min_loss_scale {c.min_loss_scale:g}): it cannot go lower, and "
+                        "every step would be skipped; accepted: a lower min_loss_scale, or bf16")
                 self.scale = max(self.scale / 2, c.min_loss_scale)
             else:
                 self._hysteresis_left -= 1

@@ -36,6 +36,17 @@ def test_loss_scaler_state_round_trips():
     assert s.scale == 2.0  # at min_loss_scale: the window not yet run out since the overflow
 
 
+def test_an_overflow_at_the_loss_scale_s_minimum_is_an_error_not_a_skip_for_ever():
+    # As DeepSpeed's DynamicLossScaler (raise_error_at_min_scale, its default): 16 -> 8 -> 4.
+    s = LossScaler(_fp16(hysteresis=1, min_loss_scale=4.0), torch.float16)
+    s.update(True)
+    s.update(True)
+    assert s.scale == 4.0
+    with pytest.raises(RuntimeError, match=r"overflowed at the loss scale's minimum "
+                                           r"\(fp16.min_loss_scale 4\)"):
+        s.update(True)
+
+
 def test_loss_scaler_static_and_unscaled():
     static = LossScaler(_fp16(loss_scale=128.0), torch.float16)
     for overflow in (True, True, True, False):
