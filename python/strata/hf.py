@@ -63,8 +63,8 @@ def _config_of(config):
 def fill_auto(config, args, model=None, num_training_steps=None):
     """`config` (a DeepSpeed config dict, copied) with its "auto" values filled from `args` (a
     TrainingArguments), as transformers fills DeepSpeed's; values set that disagree with the
-    arguments are refused, naming both (the scheduler block's values set are its own: not
-    compared). The scheduler block's steps need num_training_steps
+    arguments are refused, naming both, as transformers refuses them (the scheduler block's
+    too: its rates and steps). The scheduler block's steps need num_training_steps
     (left "auto" without it). Trainer clips by max_grad_norm itself, so gradient_clipping ends 0."""
     c = copy.deepcopy(config)
 
@@ -103,8 +103,7 @@ def fill_auto(config, args, model=None, num_training_steps=None):
         for key, value in (("warmup_min_lr", 0.0), ("warmup_max_lr", args.learning_rate),
                            ("warmup_num_steps", args.get_warmup_steps(num_training_steps)),
                            ("total_num_steps", num_training_steps)):
-            if scheduler.get(key) == "auto":
-                scheduler[key] = value
+            fill(scheduler, key, value, "scheduler.params.")
     zero = c.get("zero_optimization", {})
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     for key, size in (("reduce_bucket_size", lambda h: h * h),

@@ -178,6 +178,11 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path, monkeypatch):
             ("fp16", {"enabled": True}, r"fp16.enabled is True .* give False")):
         with pytest.raises(ValueError, match=said):
             strata.hf.fill_auto(dict(config, **{key: value}), args)
+    # The scheduler's values set are compared too, as transformers compares them.
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2}}
+    with pytest.raises(ValueError, match=r"scheduler.params.warmup_max_lr is 0.01 and the "
+                                         r"TrainingArguments give 0.001"):
+        strata.hf.fill_auto(dict(config, scheduler=scheduler), args, num_training_steps=30)
     with pytest.raises(ValueError, match=r"strata.hf: strata.device_budget_bytes is \"auto\""):
         strata.hf.fill_auto({"strata": {"device_budget_bytes": "auto"}}, args)
     with pytest.raises(ValueError, match=r"fp16 .*accepted: bf16=True, or fp32"):
