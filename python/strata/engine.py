@@ -972,6 +972,17 @@ class Engine:
         none (each step() drops what it stepped with). The module's own zero_grad() and the
         optimizer's come here. Refused where some parameters stepped for good during this
         backward with them (strata.optimizer_during_backward): that cannot be undone."""
+        done = self.micro_steps % self._state.accumulation
+        if self._state.phase is Phase.IDLE and done:
+            # After a step() that ended a micro-batch but not the window: the window's gradients
+            # so far are summed in the engine (the stage-2 host sums kept them, the other stages
+            # named a backward of the user's own: audits' findings).
+            raise RuntimeError(
+                f"zero_grad in the middle of an accumulation window (after micro-batch {done} of "
+                f"{self._state.accumulation}, gradient_accumulation_steps): it would drop the "
+                "gradients the window has summed so far; accepted: zero_grad after the window's "
+                "last step() (engine.step() steps once a window), or "
+                "gradient_accumulation_steps 1 to accumulate in the loop")
         self._adopt_backward("zero_grad")
         if not self._state.gradients_since_step:
             return

@@ -2827,6 +2827,24 @@ def test_an_optimizer_not_the_engine_s_over_its_parameters_is_refused_by_name(tm
     torch.optim.SGD(other.parameters(), lr=0.1).step()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_in_the_middle_of_an_accumulation_window_is_refused_by_name(tmp_path, stage):
+    # Stage 2 kept the window's host sums (a silent no-op); stage 3 named a backward of the
+    # user's own, which there was not.
+    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=2)
+    engine, optimizer, _, _ = strata.initialize(model=Net(), config=config)
+    (x, y), = batches(1)
+    engine.backward(loss_of(engine(x), y))
+    engine.step()  # the window's first micro-batch: nothing stepped
+    with pytest.raises(RuntimeError, match="zero_grad in the middle of an accumulation window "
+                                           r"\(after micro-batch 1 of 2"):
+        optimizer.zero_grad()
+    engine.backward(loss_of(engine(x), y))
+    engine.step()
+    optimizer.zero_grad()  # after the window's step: as ever
+    assert engine.global_steps == 1
+
+
 def test_a_deep_copy_of_the_module_an_engine_trains_is_refused_until_it_is_released(tmp_path):
     # The copy (a frozen reference model) would keep the engine's methods and hooks: its
     # load_state_dict loaded into the engine, its zero_grad dropped the engine's gradients.
