@@ -367,6 +367,7 @@ def setup_of(settings, dtype, error=None, training=None):
 
 
 _SETUP_BYTES = 4096  # a rank's set-up, as JSON, at most
+_PACKED_BYTES = 64 << 20  # broadcast_tensors: the bytes of one broadcast, at most
 
 
 def agree_on_setup(ranks, mine):
@@ -644,46 +645,49 @@ class Ranks:
         self.broadcast_tensors([t for t in list(module.parameters()) + list(module.buffers())
                                  if not skip(t) and t.numel() > 0])
 
-    def broadcast_tensors(self, tensors):
+    def broadcast_tensors(self, tensors, what="the model's tensors"):
         """Rank 0's values of `tensors` (any dtype, any device), in place on every rank (each
-        rank gives the same shapes and dtypes: else every rank raises, naming them)."""
-        self.agree("the broadcast of the model's tensors " +
+        rank gives the same shapes and dtypes: else every rank raises, naming them), packed into
+        as few broadcasts as their bytes allow (a tensor larger than _PACKED_BYTES alone)."""
+        self.agree(f"the broadcast of {what} " +
                    ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors))
+        group, size = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if group and size + nbytes > _PACKED_BYTES:
+                self._broadcast_packed(group, size)
+                group, size = [], 0
+            group.append(t)
+            size += nbytes
+        if group:
+            self._broadcast_packed(group, size)
+
+    def _broadcast_packed(self, tensors, size):
+        """One broadcast of `tensors` (`size` bytes in all), their bytes carried as float32's."""
         with torch.no_grad():
+            carrier = torch.zeros((size + 3) // 4)
+            packed = carrier.view(torch.uint8)
+            offset = 0
             for t in tensors:
-                flat = t.data.detach().to("cpu").reshape(-1).contiguous()
-                raw = flat.view(torch.uint8)
-                carrier = torch.zeros((raw.numel() + 3) // 4)  # the bytes, as float32's bits
-                carrier.view(torch.uint8)[:raw.numel()] = raw
-                self.job.broadcast(carrier, 0)
-                raw.copy_(carrier.view(torch.uint8)[:raw.numel()])
-                t.data.copy_(flat.view(t.shape))
+                raw = t.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
+                packed[offset:offset + raw.numel()] = raw
+                offset += raw.numel()
+            self.job.broadcast(carrier, 0)
+            offset = 0
+            for t in tensors:
+                n = t.numel() * t.element_size()
+                piece = packed[offset:offset + n].clone()  # (aligned for its dtype)
+                t.data.copy_(piece.view(t.dtype).view(t.shape))
+                offset += n
 
     def sync_buffers(self, module):
         """After a step: the module's buffers take rank 0's values on every rank, as DDP gives
         every rank rank 0's buffers (BatchNorm's running statistics, which torch updates in
         place without a version bump a change could be told by): an eval forward, and a
-        checkpoint, then see one model on every rank. One broadcast of them all."""
+        checkpoint, then see one model on every rank."""
         buffers = [b for b in module.buffers() if b.numel() > 0]
-        if not buffers:
-            return
-        self.agree("the sync of the model's buffers " +
-                   ", ".join(f"{tuple(b.shape)} {b.dtype}" for b in buffers))
-        with torch.no_grad():
-            raws = [b.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8)
-                    for b in buffers]
-            carrier = torch.zeros((sum(r.numel() for r in raws) + 3) // 4)  # as float32's bits
-            packed = carrier.view(torch.uint8)
-            offset = 0
-            for r in raws:
-                packed[offset:offset + r.numel()] = r
-                offset += r.numel()
-            self.job.broadcast(carrier, 0)
-            offset = 0
-            for b, r in zip(buffers, raws):
-                piece = packed[offset:offset + r.numel()].clone()  # (aligned for its dtype)
-                b.data.copy_(piece.view(b.dtype).view(b.shape))
-                offset += r.numel()
+        if buffers:
+            self.broadcast_tensors(buffers, "the model's buffers")
 
     def broadcast_tensor(self, flat, what):
         """Rank 0's values of a flat CPU tensor, in place (strata.init: a parameter as it is
