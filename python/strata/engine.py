@@ -1161,6 +1161,7 @@ class Engine:
         # Between backward and step with strata.optimizer_during_backward, parameters step as
         # backward goes: what has stepped is read whole, never while it is being written.
         self.runtime.wait_for_early_steps()
+        self._announce_gather("engine.module_state_dict()")
         by_param = {id(e.param): e for e in self.table.trained if e.partitioned}
         frozen = {id(e.param): e for e in self.table.frozen}
         out, done = {}, {}
@@ -1176,6 +1177,17 @@ class Engine:
             if isinstance(child, tiling.TiledLinear):
                 tiling.join_tiles(child, out, f"{name}." if name else "")
         return out
+
+    def _announce_gather(self, call):
+        """Across ranks with trained parameters partitioned (each rank holds a shard of their
+        master weights), `call` gathers them: every rank must make it (frozen ones are read
+        from this rank's copy). The ranks agree on it first, so that a call on one rank alone (a save guarded by
+        `if rank == 0`) ends that rank with an error naming the call, not the gather of
+        some parameter that the other ranks never joined."""
+        if self.ranks is not None and any(e.partitioned for e in self.table.trained):
+            self.ranks.agree(f"{call}, which gathers the weights partitioned across the ranks: "
+                             "every rank must call it (not the saving rank alone); the ranks "
+                             "that save write what it returns")
 
     def _whole_weights(self, e):
         """A partitioned parameter's weights whole, in the training dtype on the CPU: a trained
@@ -1210,6 +1222,8 @@ class Engine:
                 filling, read = self._whole_read
                 if filling() is not state_dict:
                     self.runtime.wait_for_early_steps()
+                    self._announce_gather("module.state_dict() (save_pretrained's, "
+                                          "save_model's)")
                     read = weakref.WeakValueDictionary()  # (the dict holds the tensors)
                     self._whole_read = (weakref.ref(state_dict), read)
             whole = read.get(e.pid)

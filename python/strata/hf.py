@@ -27,8 +27,12 @@ transformers' integration:
   - save_model writes the weights whole at every stage (module.state_dict() gathers), peft
     adapters as adapters; checkpoints keep the engine's whole training state (its own checkpoint
     under the checkpoint folder, "strata") and resume bit for bit.
+Across ranks (torchrun, accelerate launch) each rank trains its shards (strata.ranks), on the
+micro-batches Trainer's data loader gives it; Trainer's accelerator never wraps the model in DDP
+(the engine reduces the gradients: for_accelerate, which Accelerate loops of one's own call too),
+and save_model gathers the weights on every rank.
 Refused, saying what to do instead: fp16 (Trainer's GradScaler would step around the engine;
-bf16 or fp32), several processes (one process here; strata.initialize across ranks otherwise).
+bf16 or fp32).
 
 Thread safety: the Trainer's (one thread).
 """
@@ -42,9 +46,11 @@ import transformers
 
 import strata
 from strata import config as config_module
+from strata import guards
 from strata import lr_schedules
+from strata.optimizer import EngineOptimizer
 
-__all__ = ["Trainer", "StrataTrainerMixin", "with_strata", "fill_auto"]
+__all__ = ["Trainer", "StrataTrainerMixin", "with_strata", "fill_auto", "for_accelerate"]
 
 ENGINE_TAG = "strata"  # the engine's checkpoint inside Trainer's checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"
@@ -122,6 +128,34 @@ def fill_auto(config, args, model=None, num_training_steps=None):
     return c
 
 
+def for_accelerate(accelerator):
+    """`accelerator` (accelerate's Accelerator) made to prepare strata engines' modules and
+    optimizers as it prepares DeepSpeed's, and returned: a module an engine trains is never
+    wrapped in DDP (across ranks the engine reduces its gradients itself; DDP's reducer would
+    reduce them a second time, at stage 3 over placeholders), and an engine's optimizer is
+    wrapped without placing its state (the placement reads the state whole and writes it back:
+    the NVMe tier's too; across ranks each rank holds a shard of it, and the read is refused).
+    Other models and optimizers are prepared as accelerate prepares them. strata.hf's Trainer
+    does this to its own; a loop of one's own calls it once, after making its Accelerator."""
+    if getattr(accelerator, "_strata_prepares", False):
+        return accelerator
+    prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
+
+    def prepare_model_for_strata(model, device_placement=None, evaluation_mode=False):
+        trained = guards.engine_of(list(model.parameters()), "accelerator.prepare") is not None
+        return prepare_model(model, device_placement=device_placement,
+                             evaluation_mode=evaluation_mode or trained)
+
+    def prepare_optimizer_for_strata(optimizer, device_placement=None):
+        if isinstance(optimizer, EngineOptimizer):
+            device_placement = False
+        return prepare_optimizer(optimizer, device_placement=device_placement)
+    accelerator.prepare_model = prepare_model_for_strata
+    accelerator.prepare_optimizer = prepare_optimizer_for_strata
+    accelerator._strata_prepares = True
+    return accelerator
+
+
 def _autos(value, path=""):
     if value == "auto":
         yield path.rstrip(".")
@@ -148,17 +182,33 @@ class StrataTrainerMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # The launcher's WORLD_SIZE too: TrainingArguments say 1 process where they were made
         # without a distributed backend (no args given, or on a CPU without use_cpu).
-        processes = max(int(os.environ.get("WORLD_SIZE", "1") or 1),
-                        training_args.world_size if training_args is not None else 1)
-        if processes > 1:  # checked before Trainer sets up its accelerator
-            raise ValueError(f"strata.hf: {processes} processes: the Trainer integration runs "
-                             "in one process; accepted: one process, or strata.initialize "
-                             "across ranks in a loop of your own")
         if training_args is not None and training_args.fp16:
             raise ValueError("strata.hf: fp16 (TrainingArguments.fp16): Trainer's gradient "
                              "scaler would step the optimizer around the engine; accepted: "
                              "bf16=True, or fp32")
         super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self):
+        """Trainer's accelerator, made to prepare the engine's module and optimizer
+        (for_accelerate)."""
+        super().create_accelerator_and_postprocess()
+        for_accelerate(self.accelerator)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        """Trainer's save_model, its weights gathered on every rank (at stage 3 across ranks a
+        collective each rank takes part in) and written by the process that saves."""
+        self._strata_state_dict = None
+        if self.strata_engine is not None and self.strata_engine.ranks is not None:
+            self._strata_state_dict = self.model.state_dict()
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._strata_state_dict = None
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is None:
+            state_dict = getattr(self, "_strata_state_dict", None)
+        super()._save(output_dir, state_dict)
 
     def _move_model_to_device(self, model, device):
         """Not moved: the engine places the model when training starts (strata.initialize: at

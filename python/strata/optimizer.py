@@ -87,7 +87,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         engine = self._engine_or_raise()
         if engine.ranks is not None:
             raise RuntimeError("optimizer.state_dict() across ranks: each rank holds a shard; "
-                               "accepted: engine.save_checkpoint (every rank calls it)")
+                               "accepted: engine.save_checkpoint (every rank calls it); "
+                               "accelerate's prepare() reads it to place the state: "
+                               "strata.hf.for_accelerate(accelerator) first, which leaves it "
+                               "where the engine keeps it")
         engine.runtime.wait_for_early_steps()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = self._STATE_NAMES[engine.optimizer_kind]
