@@ -4,6 +4,9 @@ one line changed (strata.hf.Trainer and a DeepSpeed config for strata).
     PYTHONPATH=build/release/python .venv/bin/python examples/hf_trainer.py --work /tmp/hf \
         [--text FILE_OR_FOLDER ...] [--stage 3] [--offload nvme] [--steps 40] [--bf16]
 
+or across ranks, unchanged: `torchrun --nproc_per_node 2 examples/hf_trainer.py ...` (.venv/bin's
+torchrun), each rank on its share of the batches, as Trainer gives them with DDP.
+
 The data: text files on this machine (by default the licences Debian ships), as bytes, cut into
 blocks of --context and held out one in ten for evaluation: a datasets.Dataset, as a Trainer user
 builds one. The model: examples/llama.py's Llama (byte tokens). TrainingArguments as usual
@@ -82,14 +85,16 @@ def main():
                                 eval_dataset=eval_data, strata_config=strata_config)
     trainer.train()
     trained = trainer.evaluate()["eval_loss"]
-    trainer.save_model(os.path.join(args.work, "model"))
+    trainer.save_model(os.path.join(args.work, "model"))  # every rank (it gathers); rank 0 writes
+    trainer.accelerator.wait_for_everyone()  # the file whole before any rank reads it
     trainer.strata_engine.close()  # its NVMe store and pinned memory, before the model loads back
     loaded = transformers.LlamaForCausalLM.from_pretrained(os.path.join(args.work, "model"))
     plain = transformers.Trainer(model=loaded, args=training_args, eval_dataset=eval_data)
     reloaded = plain.evaluate()["eval_loss"]
-    print(f"hf_trainer: {args.steps} steps through strata (stage {args.stage}, offload "
-          f"{args.offload}): evaluation loss {trained:.4f}; the saved model, loaded back with "
-          f"from_pretrained: {reloaded:.4f}")
+    if trainer.is_world_process_zero():
+        print(f"hf_trainer: {args.steps} steps through strata (stage {args.stage}, offload "
+              f"{args.offload}): evaluation loss {trained:.4f}; the saved model, loaded back "
+              f"with from_pretrained: {reloaded:.4f}")
 
 
 if __name__ == "__main__":
