@@ -40,6 +40,7 @@ Thread safety: the Trainer's (one thread).
 import copy
 import json
 import os
+import weakref
 
 import torch
 import transformers
@@ -129,29 +130,64 @@ def fill_auto(config, args, model=None, num_training_steps=None):
 
 
 def for_accelerate(accelerator):
-    """`accelerator` (accelerate's Accelerator) made to prepare strata engines' modules and
-    optimizers as it prepares DeepSpeed's, and returned: a module an engine trains is never
-    wrapped in DDP (across ranks the engine reduces its gradients itself; DDP's reducer would
-    reduce them a second time, at stage 3 over placeholders), and an engine's optimizer is
-    wrapped without placing its state (the placement reads the state whole and writes it back:
-    the NVMe tier's too; across ranks each rank holds a shard of it, and the read is refused).
-    Other models and optimizers are prepared as accelerate prepares them. strata.hf's Trainer
+    """`accelerator` (accelerate's Accelerator) made to prepare and train strata engines' modules
+    and optimizers as it does DeepSpeed's, and returned:
+      - a module an engine trains is never wrapped in DDP (across ranks the engine reduces its
+        gradients itself; DDP's reducer would reduce them a second time, at stage 3 over
+        placeholders);
+      - an engine's optimizer is wrapped without placing its state (the placement reads the
+        state whole and writes it back: the NVMe tier's too; across ranks each rank holds a
+        shard of it, and the read is refused);
+      - accelerator.backward(loss) over the one engine it prepared is the engine's backward, as
+        DeepSpeed's is there: the loss scaled by 1/gradient_accumulation_steps as accelerate
+        scales it, the window's end from accelerate's (accumulate()'s sync_gradients), and a
+        micro-batch that does not end the window ended (accelerate skips optimizer.step() there).
+        The engine's gradient_accumulation_steps must be the Accelerator's.
+    Other models and optimizers are prepared and trained as accelerate does. strata.hf's Trainer
     does this to its own; a loop of one's own calls it once, after making its Accelerator."""
     if getattr(accelerator, "_strata_prepares", False):
         return accelerator
     prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
+    backward = accelerator.backward
+    engines = weakref.WeakSet()  # the engines whose modules it prepared
 
     def prepare_model_for_strata(model, device_placement=None, evaluation_mode=False):
-        trained = guards.engine_of(list(model.parameters()), "accelerator.prepare") is not None
+        engine = guards.engine_of(list(model.parameters()), "accelerator.prepare")
+        if engine is not None:
+            engines.add(engine)
         return prepare_model(model, device_placement=device_placement,
-                             evaluation_mode=evaluation_mode or trained)
+                             evaluation_mode=evaluation_mode or engine is not None)
 
     def prepare_optimizer_for_strata(optimizer, device_placement=None):
         if isinstance(optimizer, EngineOptimizer):
             device_placement = False
         return prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def backward_for_strata(loss, **kwargs):
+        live = [engine for engine in list(engines) if engine._runtime is not None]
+        if not live:
+            return backward(loss, **kwargs)
+        if len(live) > 1 or set(kwargs) - {"retain_graph"}:
+            raise ValueError(
+                f"accelerator.backward with {len(live)} strata engines prepared"
+                + (f" and {', '.join(sorted(set(kwargs) - {'retain_graph'}))}" if kwargs else "")
+                + ": it is one engine's backward; accepted: one engine's module prepared, or "
+                "engine.backward(loss) (retain_graph= the one keyword taken)")
+        (engine,) = live
+        steps = accelerator.gradient_accumulation_steps
+        if steps != engine.gradient_accumulation_steps():
+            raise ValueError(
+                f"accelerator.backward: the Accelerator accumulates {steps} micro-batches a step "
+                f"and the engine's config {engine.gradient_accumulation_steps()} "
+                "(gradient_accumulation_steps): the loss would be scaled and the window ended "
+                "by one and not the other; accepted: the same number in both")
+        engine.set_gradient_accumulation_boundary(accelerator.sync_gradients)
+        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # the micro-batch ends; the window's step is optimizer.step()
     accelerator.prepare_model = prepare_model_for_strata
     accelerator.prepare_optimizer = prepare_optimizer_for_strata
+    accelerator.backward = backward_for_strata
     accelerator._strata_prepares = True
     return accelerator
 
@@ -182,6 +218,11 @@ class StrataTrainerMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         # The launcher's WORLD_SIZE too: TrainingArguments say 1 process where they were made
         # without a distributed backend (no args given, or on a CPU without use_cpu).
+        if training_args is not None and getattr(training_args, "deepspeed", None):
+            # (Trainer would make DeepSpeed's engine from it, where DeepSpeed is installed.)
+            raise ValueError("strata.hf: TrainingArguments.deepspeed is set: Trainer would train "
+                             "through DeepSpeed; accepted: the DeepSpeed config as "
+                             "strata_config=, and TrainingArguments without deepspeed")
         if training_args is not None and training_args.fp16:
             raise ValueError("strata.hf: fp16 (TrainingArguments.fp16): Trainer's gradient "
                              "scaler would step the optimizer around the engine; accepted: "
@@ -279,6 +320,15 @@ class StrataTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
+        if not os.path.isdir(os.path.join(checkpoint, ENGINE_TAG)) and \
+                os.path.isfile(os.path.join(checkpoint, "trainer_state.json")) and \
+                self.args.save_only_model:
+            raise FileNotFoundError(
+                f"strata.hf: {checkpoint} holds no strata checkpoint ({ENGINE_TAG}/): "
+                "save_only_model=True saves the weights alone, without the optimizer's state "
+                "to resume (Trainer without strata would resume with a fresh optimizer and "
+                "schedule); accepted: checkpoints saved with save_only_model=False, or the "
+                "weights alone (from_pretrained) and a fresh optimizer, not resumed")
         if not os.path.isdir(os.path.join(checkpoint, ENGINE_TAG)):
             raise FileNotFoundError(
                 f"strata.hf: {checkpoint} holds no strata checkpoint ({ENGINE_TAG}/): it was not "

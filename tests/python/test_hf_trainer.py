@@ -195,6 +195,11 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path):
                                          r"WarmupLR, WarmupDecayLR, WarmupCosineLR"):
         strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args,
                           strata_config={"scheduler": {"type": "OneCycle", "params": {}}})
+    deepspeed = args_of(tmp_path, "z")
+    deepspeed.deepspeed = "ds_config.json"  # (made by DeepSpeed's integration where installed)
+    with pytest.raises(ValueError, match=r"TrainingArguments.deepspeed is set: .* accepted: the "
+                                         r"DeepSpeed config as strata_config="):
+        strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=deepspeed, strata_config={})
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(strata_config(2, "cpu", tmp_path)))
     trainer = strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args, train_dataset=data(),
@@ -336,6 +341,28 @@ def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
     AcceleratorState._reset_state(True)
 
 
+def test_accelerate_backward_is_the_engines_and_the_accumulations_must_agree(tmp_path):
+    """for_accelerate's accelerator.backward scales the loss and ends the window as accelerate
+    does, into the engine's backward: an engine accumulating otherwise than the Accelerator is
+    refused, naming both, before anything is scaled twice or not at all."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = strata.hf.for_accelerate(Accelerator(cpu=True,
+                                                           gradient_accumulation_steps=2))
+        assert strata.hf.for_accelerate(accelerator) is accelerator  # (once)
+        engine, optimizer, _, _ = strata.initialize(
+            model=ARCHITECTURES["llama"](), config=fill_config(strata_config(2, "cpu", tmp_path)))
+        model, optimizer = accelerator.prepare(engine.module, optimizer)
+        batch = transformers.default_data_collator(data()[:2])
+        with pytest.raises(ValueError, match=r"the Accelerator accumulates 2 micro-batches a step "
+                                             r"and the engine's config 1 .*accepted: the same"):
+            accelerator.backward(model(**batch).loss)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 def fill_config(config):
     """A strata config for a loop of one's own (no Trainer to fill its "auto" values)."""
     config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
@@ -373,6 +400,15 @@ def test_resuming_from_a_checkpoint_strata_did_not_save_is_refused(tmp_path):
                                 strata_config=strata_config(2, "cpu", tmp_path))
     with pytest.raises(FileNotFoundError, match=r"holds no strata checkpoint \(strata/\)"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
+    # One strata saved with save_only_model=True: the weights alone, said so.
+    torch.manual_seed(0)
+    only = strata.hf.Trainer(model=ARCHITECTURES["llama"](),
+                             args=args_of(tmp_path, "only", save_strategy="steps", save_steps=2,
+                                          save_only_model=True),
+                             train_dataset=data(), strata_config=strata_config(2, "cpu", tmp_path))
+    only.train()
+    with pytest.raises(FileNotFoundError, match=r"save_only_model=True saves the weights alone"):
+        only.train(resume_from_checkpoint=str(tmp_path / "only" / "checkpoint-2"))
 
 
 # One rank of a job of two (torchrun's variables set): Trainer with DDP, as transformers makes it
@@ -437,31 +473,35 @@ os._exit(0)
 
 
 def accelerate_ranks_run(tmp_path, rank, stage=None):
-    """One rank's Accelerate loop of two steps over its half of each global batch (through
-    strata at `stage`: for_accelerate, the engine's backward; else in DDP with torch's AdamW):
-    its clipped gradients' norms, and the weights (accelerator.get_state_dict, every rank)."""
+    """One rank's Accelerate loop over its half of each global batch, two micro-batches a step
+    through accumulate() and accelerator.backward (through strata at `stage`, for_accelerate:
+    the engine's backward; else in DDP with torch's AdamW): its clipped gradients' norms, and
+    the weights (accelerator.get_state_dict, every rank)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(True)
-    accelerator = strata.hf.for_accelerate(Accelerator(cpu=True))
-    rows = [transformers.default_data_collator(data()[i:i + 2]) for i in range(0, 8, 2)]
+    accelerator = strata.hf.for_accelerate(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    rows = [transformers.default_data_collator(data()[i:i + 2]) for i in range(0, 8, 2)] * 2
     torch.manual_seed(0)
     model = ARCHITECTURES["llama"]()
     if stage is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        backward = accelerator.backward
     else:
         config = fill_config(strata_config(stage, "cpu", tmp_path))
+        config["gradient_accumulation_steps"] = 2
         engine, optimizer, _, _ = strata.initialize(model=model, config=config)
-        model, backward = engine.module, engine.backward
+        model = engine.module
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel) == (stage is None)
     norms = []
     for batch in rows[rank::2]:
-        backward(model(**batch).loss)
-        norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert len(norms) == 2
     if stage is not None:  # (what accelerate's placement of it would have read)
         with pytest.raises(RuntimeError, match=r"each rank holds a shard; .*"
                                                r"strata.hf.for_accelerate\(accelerator\) first"):
@@ -477,7 +517,7 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
     and ends at its weights, at stage 2 and at stage 3 with NVMe; save_model (a gather at stage
     3, on every rank) writes the trained weights whole; the checkpoint the two ranks wrote
     resumes bit for bit; TRL's SFTTrainer with LoRA across the ranks logs what it logs with
-    DDP; an Accelerate loop (strata.hf.for_accelerate) ends at DDP's weights."""
+    DDP; an Accelerate loop accumulating (strata.hf.for_accelerate) ends at DDP's weights."""
     procs = start_ranks(2, RANKS, (os.path.dirname(os.path.abspath(__file__)), tmp_path))
     for p in procs:
         _, stderr = p.communicate(timeout=300)
@@ -500,7 +540,8 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
                                        msg=f"{name}: {key}")
     for key, value in out["stage3"]["weights"].items():
         assert torch.equal(out["resumed"]["weights"][key], value), key
-    # Accelerate's loop (for_accelerate: the engine's module never in DDP), against DDP's.
+    # Accelerate's loop (for_accelerate: the engine's module never in DDP, accelerator.backward
+    # the engine's, accumulating as accelerate does), against DDP's.
     reference, ours = out["accelerate_ddp"], out["accelerate_stage3"]
     assert reference["logged"] == pytest.approx(ours["logged"], rel=1e-5)
     for key, value in reference["weights"].items():
