@@ -16,8 +16,10 @@ transformers' integration:
   - the engine is made when training starts (create_optimizer): over the optimizer Trainer
     makes from its arguments (its groups: no weight decay for biases and norms), unless the
     config has an optimizer block, which strata makes as DeepSpeed would;
-  - each micro-batch's backward is the engine's (the loss normalized as Trainer normalizes it),
-    the window's end set from Trainer's (a short last window of an epoch too); Trainer's clipping
+  - each micro-batch's training step is Trainer's own (or its subclass's: TRL's trainers have
+    theirs), its accelerator.backward the engine's backward (for_accelerate; the loss as Trainer
+    computes and normalizes it), the window's end set from Trainer's (a short last window of an
+    epoch too); Trainer's clipping
     (max_grad_norm: torch.nn.utils.clip_grad_norm_, which the engine answers) and its
     optimizer.step() and schedule are Trainer's own, so the config's gradient_clipping must be
     "auto" (or agree: then Trainer clips alone);
@@ -175,15 +177,20 @@ def for_accelerate(accelerator):
                 "engine.backward(loss) (retain_graph= the one keyword taken)")
         (engine,) = live
         steps = accelerator.gradient_accumulation_steps
-        if steps != engine.gradient_accumulation_steps():
-            raise ValueError(
-                f"accelerator.backward: the Accelerator accumulates {steps} micro-batches a step "
-                f"and the engine's config {engine.gradient_accumulation_steps()} "
-                "(gradient_accumulation_steps): the loss would be scaled and the window ended "
-                "by one and not the other; accepted: the same number in both")
-        engine.set_gradient_accumulation_boundary(accelerator.sync_gradients)
-        engine.backward(loss, retain_graph=kwargs.get("retain_graph", False))
-        if not engine.is_gradient_accumulation_boundary():
+        # Within strata.hf's training step the window is Trainer's (it sets sync_gradients
+        # itself, and ends a micro-batch that does not end the window); else accumulate()'s.
+        windowed = getattr(accelerator, "_strata_window", None) is engine
+        if not windowed:
+            if steps != engine.gradient_accumulation_steps():
+                raise ValueError(
+                    f"accelerator.backward: the Accelerator accumulates {steps} micro-batches a "
+                    f"step and the engine's config {engine.gradient_accumulation_steps()} "
+                    "(gradient_accumulation_steps): the loss would be scaled and the window "
+                    "ended by one and not the other; accepted: the same number in both")
+            engine.set_gradient_accumulation_boundary(accelerator.sync_gradients)
+        engine.backward(loss / steps, retain_graph=kwargs.get("retain_graph", False),
+                        scale_wrt_gas=False)  # (scaled as accelerate scales it)
+        if not windowed and not engine.is_gradient_accumulation_boundary():
             engine.step()  # the micro-batch ends; the window's step is optimizer.step()
     accelerator.prepare_model = prepare_model_for_strata
     accelerator.prepare_optimizer = prepare_optimizer_for_strata
@@ -285,25 +292,22 @@ class StrataTrainerMixin:
         return super().create_scheduler(num_training_steps, optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's training step through the engine: the window's end from Trainer's, the
-        loss Trainer's (normalized as it normalizes it), the engine's backward; a micro-batch
+        """The training step of Trainer (or of the subclass: TRL's trainers have their own),
+        through the engine: the window's end from Trainer's, its loss as it computes and
+        normalizes it, its accelerator.backward the engine's (for_accelerate); a micro-batch
         that does not end the window ends here (the window's step is Trainer's
         optimizer.step())."""
         engine = self.strata_engine
         engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
-        model.train()
-        inputs = self._prepare_inputs(inputs)
         engine._prepare_forward()
-        with self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        del inputs
-        if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and \
-                self.compute_loss_func is None:
-            loss = loss / self.current_gradient_accumulation_steps
-        engine.backward(loss, scale_wrt_gas=False)
+        self.accelerator._strata_window = engine
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.accelerator._strata_window = None
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
-        return loss.detach()
+        return loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if self.strata_engine is not None:

@@ -104,6 +104,39 @@ def test_trainer_trains_through_strata_as_without_it(tmp_path, name, stage, offl
         assert torch.equal(value, whole[key]), key
 
 
+class _DoubledLoss(transformers.Trainer):
+    """A Trainer with a training step of its own, as TRL's trainers have: its loss doubled."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.own_steps = getattr(self, "own_steps", 0) + 1
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        loss = 2 * self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+
+def test_a_subclass_s_own_training_step_runs_through_the_engine(tmp_path):
+    """with_strata(a Trainer subclass with a training step of its own): that step runs, its
+    accelerator.backward the engine's, and gives what it gives without strata (the engine
+    taking Trainer's step in its place trained another loss, silently)."""
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    plain = _DoubledLoss(model=copy.deepcopy(model), args=args_of(tmp_path, "plain"),
+                         train_dataset=data())
+    plain.train()
+    ours = strata.hf.with_strata(_DoubledLoss)(
+        model=model, args=args_of(tmp_path, "strata"), train_dataset=data(),
+        strata_config=strata_config(2, "cpu", tmp_path))
+    ours.train()
+    assert ours.own_steps == plain.own_steps == 5  # windows of 2, 2 and 1
+    assert len(logged(ours)) == STEPS
+    for (loss, norm, lr), (ref_loss, ref_norm, ref_lr) in zip(logged(ours), logged(plain)):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
+        assert lr == pytest.approx(ref_lr)
+
+
 def test_a_checkpoint_resumes_bit_for_bit(tmp_path):
     """save_steps: Trainer's checkpoint holds the engine's whole training state (strata/) beside
     the weights; a new Trainer resuming from it ends where the uninterrupted run ends, bit for
