@@ -887,6 +887,10 @@ class Engine:
     def gradient_accumulation_steps(self):
         return self._state.accumulation
 
+    def gradient_clipping(self):
+        """The config's gradient_clipping (0: none), by which the step clips by the global norm."""
+        return self._step.config.clipping
+
     def zero_optimization_stage(self):
         return self.stage
 

@@ -277,6 +277,9 @@ def test_lr_scheduler_cpu_adam_and_manual_optimization_agree_with_plain_lightnin
             loss = self.loss(batch)
             optimizer.zero_grad()
             self.manual_backward(loss)
+            # Lightning's clipping in manual optimization (the engine's, by this value; it was
+            # left out silently before an audit found it).
+            self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="norm")
             optimizer.step()
             self.log("train_loss", loss)
 
@@ -284,6 +287,19 @@ def test_lr_scheduler_cpu_adam_and_manual_optimization_agree_with_plain_lightnin
     _, t, losses = fit(StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD), Manual)
     assert t.strategy.engine.global_steps == 16
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
+
+    class HookClips(Net):  # a configure_gradient_clipping of one's own, no gradient_clip_val
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                        gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, gradient_clip_val=1e-3,
+                                gradient_clip_algorithm="norm")
+
+    _, _, expected = fit("auto", HookClips)
+    _, t, losses = fit(StrataStrategy(stage=2), HookClips)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"clip_gradients\(gradient_clip_algorithm='value'\) "
+                                         r"is not supported; accepted: 'norm'"):
+        t.strategy.precision_plugin.clip_gradients(t.strategy.engine.optimizer, 1.0, "value")
 
 
 def test_config_optimizer_and_scheduler_blocks_are_used():

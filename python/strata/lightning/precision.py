@@ -100,7 +100,25 @@ class _PrecisionMixin:
         return result
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
-        """The engine clips by the global norm (gradient_clip_val, in its config)."""
+        """Lightning's clipping. The Trainer's gradient_clip_val is the engine's config (it
+        clips inside its step, by the global norm): a call with that value adds nothing.
+        Another (manual optimization's self.clip_gradients, a configure_gradient_clipping of
+        one's own) clips through the engine as torch.nn.utils.clip_grad_norm_ over its
+        parameters does: the step that follows is clipped by it, as plain Lightning's clipping
+        of .grad in place clips it. By value: refused (the gradients are the engine's)."""
+        if not clip_val or float(clip_val) <= 0:
+            return
+        algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
+                        or "norm")
+        if algorithm != "norm":
+            raise ValueError(f"StrataStrategy: clip_gradients(gradient_clip_algorithm="
+                             f"{algorithm!r}) is not supported; accepted: 'norm' (strata clips "
+                             "by the global norm)")
+        engine = self._engine()
+        if float(clip_val) == engine.gradient_clipping():
+            return  # the engine's step clips by it
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups
+                                        for p in group["params"]], float(clip_val))
 
 
 def _check_precision(precision):

@@ -463,10 +463,13 @@ class _StrategyMixin:
             if schedulers:
                 scheduler_config = schedulers[0]
                 scheduler = scheduler_config.scheduler
-        if flavor.is_overridden("configure_gradient_clipping", module) and training:
-            self._warn("StrataStrategy: configure_gradient_clipping is overridden, but strata "
-                       "clips inside its optimizer step: set Trainer(gradient_clip_val=...) "
-                       "(the hook is still called)")
+        if flavor.is_overridden("configure_gradient_clipping", module) and training and \
+                float(config.get("gradient_clipping", 0) or 0) > 0:
+            self._warn("StrataStrategy: configure_gradient_clipping is overridden and "
+                       "Trainer(gradient_clip_val=...) is set: the engine clips by "
+                       "gradient_clip_val inside its step whatever the hook does (its own "
+                       "self.clip_gradients calls clip through the engine too); leave "
+                       "gradient_clip_val unset for the hook alone to clip")
         self._warn_collectives_in_one_process()
         with _one_process_environment(self.world_size):
             engine, _, _, _ = strata.initialize(model=module, optimizer=optimizer,
