@@ -584,6 +584,9 @@ class Engine:
         self._place_parameters(model)
         self.table.placed()
         self._lending.install(model, self.stage)
+        # Before the lending's own hooks, whatever calls the module (_before_forward).
+        self._hook_handles.append(model.register_forward_pre_hook(
+            weakly(self._before_forward), prepend=True))
         for module in model.modules():
             if any(p is not None and id(p) in self.table.partitioned_by_id
                    for p in module._parameters.values()):
@@ -806,12 +809,17 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
+        self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
+        return self.module(*args, **kwargs)  # (_before_forward prepares it)
+
+    def _before_forward(self, module, args):
+        """The module's first forward pre-hook: a forward however it is called (engine(), a
+        loop's model(...), Trainer's, Lightning's, generate) is prepared."""
         self._prepare_forward()
-        return self.module(*args, **kwargs)
 
     def _prepare_forward(self):
-        """What a forward of the module needs first (engine.forward; a trainer that calls the
-        module itself calls this before: strata.hf)."""
+        """What a forward of the module needs first: a step's new weights not written yet
+        written, and across ranks the lending's gathers following the recorded order."""
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
         if self._step.pending_refresh:  # a step's new weights not written yet (OptimizerStep.refresh_weights)
             self._step.refresh_weights(list(self._step.pending_refresh))

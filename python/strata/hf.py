@@ -299,7 +299,6 @@ class StrataTrainerMixin:
         optimizer.step())."""
         engine = self.strata_engine
         engine.set_gradient_accumulation_boundary(self.accelerator.gradient_state.sync_gradients)
-        engine._prepare_forward()
         self.accelerator._strata_window = engine
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -308,11 +307,6 @@ class StrataTrainerMixin:
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
         return loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        if self.strata_engine is not None:
-            self.strata_engine._prepare_forward()
-        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         """The engine's whole training state (its checkpoint, under output_dir/strata) and the

@@ -535,6 +535,8 @@ def accelerate_ranks_run(tmp_path, rank, stage=None):
             optimizer.step()
             optimizer.zero_grad()
     assert len(norms) == 2
+    if stage is not None:  # each model(...) prepared as engine() prepares it: gathers ahead
+        assert engine.prefetched_gathers > 0
     if stage is not None:  # (what accelerate's placement of it would have read)
         with pytest.raises(RuntimeError, match=r"each rank holds a shard; .*"
                                                r"strata.hf.for_accelerate\(accelerator\) first"):
