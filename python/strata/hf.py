@@ -169,12 +169,15 @@ def for_accelerate(accelerator):
         live = [engine for engine in list(engines) if engine._runtime is not None]
         if not live:
             return backward(loss, **kwargs)
-        if len(live) > 1 or set(kwargs) - {"retain_graph"}:
-            raise ValueError(
-                f"accelerator.backward with {len(live)} strata engines prepared"
-                + (f" and {', '.join(sorted(set(kwargs) - {'retain_graph'}))}" if kwargs else "")
-                + ": it is one engine's backward; accepted: one engine's module prepared, or "
-                "engine.backward(loss) (retain_graph= the one keyword taken)")
+        if len(live) > 1:
+            raise ValueError(f"accelerator.backward with {len(live)} strata engines' modules "
+                             "prepared: it is one engine's backward; accepted: each engine's "
+                             "engine.backward(loss)")
+        unknown = sorted(set(kwargs) - {"retain_graph"})
+        if unknown:
+            raise ValueError(f"accelerator.backward({', '.join(unknown)}=...) over a strata "
+                             "engine's module: the engine's backward takes retain_graph alone; "
+                             "accepted: accelerator.backward(loss) or with retain_graph=")
         (engine,) = live
         steps = accelerator.gradient_accumulation_steps
         # Within strata.hf's training step the window is Trainer's (it sets sync_gradients

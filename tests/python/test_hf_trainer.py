@@ -389,6 +389,9 @@ def test_accelerate_backward_is_the_engines_and_the_accumulations_must_agree(tmp
             model=ARCHITECTURES["llama"](), config=fill_config(strata_config(2, "cpu", tmp_path)))
         model, optimizer = accelerator.prepare(engine.module, optimizer)
         batch = transformers.default_data_collator(data()[:2])
+        with pytest.raises(ValueError, match=r"accelerator.backward\(learning_rate=...\) over a "
+                                             r"strata engine's module: .* retain_graph alone"):
+            accelerator.backward(model(**batch).loss, learning_rate=1e-3)  # (LOMO's keyword)
         with pytest.raises(ValueError, match=r"the Accelerator accumulates 2 micro-batches a step "
                                              r"and the engine's config 1 .*accepted: the same"):
             accelerator.backward(model(**batch).loss)
