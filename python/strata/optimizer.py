@@ -87,7 +87,8 @@ class EngineOptimizer(torch.optim.Optimizer):
         engine = self._engine_or_raise()
         if engine.ranks is not None:
             raise RuntimeError("optimizer.state_dict() across ranks: each rank holds a shard; "
-                               "accepted: engine.save_checkpoint (every rank calls it); "
+                               "accepted: engine.save_checkpoint (every rank calls it; so for "
+                               "accelerate's save_state, which reads it, across ranks); "
                                "accelerate's prepare() reads it to place the state: "
                                "strata.hf.for_accelerate(accelerator) first, which leaves it "
                                "where the engine keeps it")

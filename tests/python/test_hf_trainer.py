@@ -544,6 +544,9 @@ def accelerate_ranks_run(tmp_path, rank, stage=None):
         with pytest.raises(RuntimeError, match=r"each rank holds a shard; .*"
                                                r"strata.hf.for_accelerate\(accelerator\) first"):
             optimizer.state_dict()
+        with pytest.raises(RuntimeError, match=r"engine.save_checkpoint \(every rank calls it; "
+                                               r"so for accelerate's save_state"):
+            accelerator.save_state(str(tmp_path / f"state{rank}"))
     weights = accelerator.get_state_dict(model)
     AcceleratorState._reset_state(True)
     return {"logged": norms, "weights": weights, "evals": []}
