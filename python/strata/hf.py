@@ -155,6 +155,16 @@ def for_accelerate(accelerator):
 
     def prepare_model_for_strata(model, device_placement=None, evaluation_mode=False):
         engine = guards.engine_of(list(model.parameters()), "accelerator.prepare")
+        if engine is not None and accelerator.num_processes > 1:
+            owned = {id(e.param) for e in engine.table.entries()}
+            outside = [name for name, p in model.named_parameters()
+                       if p.requires_grad and id(p) not in owned]
+            if outside:  # (a head around the engine's module: TRL's value head, say)
+                raise ValueError(
+                    f"accelerator.prepare: {len(outside)} trained parameters of the model are "
+                    f"not the strata engine's ({', '.join(outside[:3])}): across ranks nothing "
+                    "would reduce their gradients (an engine's module is not wrapped in DDP); "
+                    "accepted: strata.initialize over the whole model")
         if engine is not None:
             engines.add(engine)
         return prepare_model(model, device_placement=device_placement,

@@ -527,6 +527,10 @@ def accelerate_ranks_run(tmp_path, rank, stage=None):
         config["gradient_accumulation_steps"] = 2
         engine, optimizer, _, _ = strata.initialize(model=model, config=config)
         model = engine.module
+        head = torch.nn.ModuleDict({"model": model, "head": torch.nn.Linear(2, 2)})
+        with pytest.raises(ValueError, match=r"2 trained parameters of the model are not the "
+                                             r"strata engine's \(head.weight, head.bias\)"):
+            accelerator.prepare(head)  # (nothing would reduce the head's gradients)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel) == (stage is None)
     norms = []
