@@ -323,6 +323,40 @@ def test_trls_sft_trainer_with_lora_trains_through_strata_as_without_it(tmp_path
         assert norm == pytest.approx(ref_norm, rel=1e-4)
 
 
+def test_trls_dpo_trainer_trains_through_strata_as_without_it(tmp_path):
+    """TRL's DPOTrainer (its own training step and loss, a frozen reference model beside the
+    engine's) at stage 3: with_strata(DPOTrainer) logs its losses, norms and rewards."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+    gen = torch.Generator().manual_seed(5)
+
+    def words(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 100, (n,), generator=gen))
+    rows = datasets.Dataset.from_dict({key: [words(length) for _ in range(8)] for key, length in
+                                       (("prompt", 5), ("chosen", 4), ("rejected", 4))})
+
+    def run(cls, name, **kwargs):
+        args = DPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-3,
+                         max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True,
+                         seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
+        torch.manual_seed(0)
+        model = ARCHITECTURES["llama"]()
+        trainer = cls(model=model, ref_model=copy.deepcopy(model), args=args,
+                      processing_class=_word_tokenizer(), train_dataset=rows, **kwargs)
+        trainer.train()
+        return [h for h in trainer.state.log_history if "loss" in h]
+
+    plain = run(DPOTrainer, "plain")
+    ours = run(strata.hf.with_strata(DPOTrainer), "strata",
+               strata_config=strata_config(3, "cpu", tmp_path))
+    assert len(ours) == len(plain) == 2
+    assert plain[1]["rewards/margins"] != 0  # (the second step's: the policy has moved)
+    for mine, theirs in zip(ours, plain):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-7), key
+
+
 def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
     """Accelerate's loop over the engine's module and optimizer: prepare, accelerator.backward,
     clip_grad_norm_, optimizer.step, save_state / load_state (a new engine resuming bit for bit)
