@@ -332,12 +332,12 @@ class StrataTrainerMixin:
         if checkpoint is None:
             return
         if not os.path.isdir(os.path.join(checkpoint, ENGINE_TAG)) and \
-                os.path.isfile(os.path.join(checkpoint, "trainer_state.json")) and \
-                self.args.save_only_model:
+                not os.path.isfile(os.path.join(checkpoint, "optimizer.pt")):
+            # Trainer's own checkpoints hold optimizer.pt unless saved with save_only_model.
             raise FileNotFoundError(
-                f"strata.hf: {checkpoint} holds no strata checkpoint ({ENGINE_TAG}/): "
-                "save_only_model=True saves the weights alone, without the optimizer's state "
-                "to resume (Trainer without strata would resume with a fresh optimizer and "
+                f"strata.hf: {checkpoint} holds no strata checkpoint ({ENGINE_TAG}/) and no "
+                "optimizer state: a checkpoint saved with save_only_model=True holds the "
+                "weights alone (Trainer without strata would resume with a fresh optimizer and "
                 "schedule); accepted: checkpoints saved with save_only_model=False, or the "
                 "weights alone (from_pretrained) and a fresh optimizer, not resumed")
         if not os.path.isdir(os.path.join(checkpoint, ENGINE_TAG)):

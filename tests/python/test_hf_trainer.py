@@ -477,8 +477,13 @@ def test_resuming_from_a_checkpoint_strata_did_not_save_is_refused(tmp_path):
                                           save_only_model=True),
                              train_dataset=data(), strata_config=strata_config(2, "cpu", tmp_path))
     only.train()
-    with pytest.raises(FileNotFoundError, match=r"save_only_model=True saves the weights alone"):
-        only.train(resume_from_checkpoint=str(tmp_path / "only" / "checkpoint-2"))
+    resumed = strata.hf.Trainer(model=ARCHITECTURES["llama"](),
+                                args=args_of(tmp_path, "again"),  # (save_only_model not set)
+                                train_dataset=data(),
+                                strata_config=strata_config(2, "cpu", tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"and no optimizer state: a checkpoint saved "
+                                                r"with save_only_model=True holds the weights"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "only" / "checkpoint-2"))
 
 
 # One rank of a job of two (torchrun's variables set): Trainer with DDP, as transformers makes it
