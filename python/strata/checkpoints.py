@@ -192,6 +192,14 @@ def _remove(save_dir, name):
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+# Across ranks the ranks agree on a save or load first (Ranks.agree): a call on one rank alone
+# (guarded by `if rank == 0`) ends with an error naming it, not a collective the others never
+# joined.
+_EVERY_RANK = ("engine.{}(), of which each rank {} (accelerate's save_state / load_state through "
+               "strata.hf.for_accelerate, Trainer's checkpoints): every rank must call it, not "
+               "the saving rank alone")
+
+
 def save(store, save_dir, tag=None, client_state=None, save_latest=True):
     """Saves the engine's training state under save_dir/tag (see the module's docstring);
     returns the tag's folder."""
@@ -284,6 +292,7 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest):
     after is told of in rank 0's error, which says the checkpoint is whole. Every rank must give
     the same tag."""
     ranks = store.ranks
+    ranks.agree(_EVERY_RANK.format("save_checkpoint", "writes its shard"))
     lead = ranks.rank == 0
     failure, name = None, ""
     if lead:
@@ -690,6 +699,8 @@ def load(store, load_dir, tag=None, load_optimizer_states=True, load_lr_schedule
     DeepSpeed's, with a warning)."""
     if store.step.staged is not None:
         raise RuntimeError("load_checkpoint: between backward and step; load after step()")
+    if store.ranks is not None:
+        store.ranks.agree(_EVERY_RANK.format("load_checkpoint", "reads its shard"))
     checked = checked_everywhere(store, "load_checkpoint", lambda: _check_load(
         store, os.fspath(load_dir), tag, load_optimizer_states, load_lr_scheduler_states,
         load_module_only))

@@ -20,7 +20,7 @@ import os, signal, sys, time, torch
 import strata
 stage = int(sys.argv[1])
 kill_at = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-alone = sys.argv[3:] == ["alone"]  # rank 0 alone calls module.state_dict() after the steps
+alone = sys.argv[3] if len(sys.argv) > 3 else None  # rank 0 alone calls it after the steps
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
@@ -36,8 +36,10 @@ for step in range(4):
     loss = engine(torch.randn(2, 16)).square().mean()
     engine.backward(loss)
     engine.step()
-if alone and os.environ["RANK"] == "0":
-    engine.module.state_dict()  # as a save guarded by `if rank == 0` would
+if alone is not None and os.environ["RANK"] == "0":  # as a save guarded by `if rank == 0`
+    {"state_dict": lambda: engine.module.state_dict(),
+     "save_checkpoint": lambda: engine.save_checkpoint(sys.argv[4]),
+     "load_checkpoint": lambda: engine.load_checkpoint(sys.argv[4], "none")}[alone]()
 print("done", flush=True)
 """
 
@@ -60,19 +62,23 @@ def test_a_killed_rank_ends_the_others_with_an_error_not_a_hang(stage):
     assert time.monotonic() - start < 60  # well inside the timeout: a dead peer is seen at once
 
 
-def test_a_state_dict_on_one_rank_alone_is_named_with_what_to_do():
-    """module.state_dict() at stage 3 gathers the weights: rank 0 calling it alone (a
-    save_pretrained guarded by `if rank == 0`) ends with an error naming the call, not the
-    gather of a parameter the other rank never joined."""
-    procs = start_ranks(2, SMALL, (3, -1, "alone"))
+@pytest.mark.parametrize("call, named", [
+    ("state_dict", "module.state_dict() (save_pretrained's, save_model's), which gathers the "
+                   "weights partitioned across the ranks: every rank must call it"),
+    ("save_checkpoint", "engine.save_checkpoint(), of which each rank writes its shard "),
+    ("load_checkpoint", "engine.load_checkpoint(), of which each rank reads its shard ")])
+def test_a_collective_call_on_one_rank_alone_is_named_with_what_to_do(tmp_path, call, named):
+    """module.state_dict() at stage 3 gathers the weights, a checkpoint holds each rank's shard:
+    rank 0 making one of these calls alone (guarded by `if rank == 0`) ends with an error
+    naming the call, not a collective the other rank never joined."""
+    procs = start_ranks(2, SMALL, (3, -1, call, tmp_path))
     out0, err0 = procs[0].communicate(timeout=120)
     out1, _ = procs[1].communicate(timeout=60)
     assert procs[1].returncode == 0 and "done" in out1
     assert procs[0].returncode != 0 and "done" not in out0
     last = err0.strip().splitlines()[-1]
-    assert last.startswith("strata._strata.Error: rank 0 of 2: about to issue module.state_dict() "
-                           "(save_pretrained's, save_model's), which gathers the weights "
-                           "partitioned across the ranks: every rank must call it"), err0[-3000:]
+    assert last.startswith(f"strata._strata.Error: rank 0 of 2: about to issue {named}"), \
+        err0[-3000:]
 
 
 SETUP = r"""
