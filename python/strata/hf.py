@@ -140,18 +140,30 @@ def for_accelerate(accelerator):
       - an engine's optimizer is wrapped without placing its state (the placement reads the
         state whole and writes it back: the NVMe tier's too; across ranks each rank holds a
         shard of it, and the read is refused);
-      - accelerator.backward(loss) over the one engine it prepared is the engine's backward, as
+      - accelerator.backward(loss), with one engine's module prepared (still held: not let go
+        by free_memory()), is the engine's backward, as
         DeepSpeed's is there: the loss scaled by 1/gradient_accumulation_steps as accelerate
         scales it, the window's end from accelerate's (accumulate()'s sync_gradients), and a
         micro-batch that does not end the window ended (accelerate skips optimizer.step() there).
-        The engine's gradient_accumulation_steps must be the Accelerator's.
+        The engine's gradient_accumulation_steps must be the Accelerator's;
+      - accelerator.save_state / load_state keep each prepared engine's training state as its
+        own checkpoint (engine.save_checkpoint: each rank's shard, the state never read whole)
+        in the state's folder, "strata" (the next engine's "strata_1", ...), as accelerate keeps
+        DeepSpeed's; the engines' modules and optimizers are left out of accelerate's own files
+        (its weights and optimizer files), the rest (schedulers, samplers, random states,
+        custom objects) saved and loaded by accelerate. save_state's keywords go to
+        save_checkpoint (client_state, save_latest), load_state's to load_checkpoint
+        (load_optimizer_states, load_lr_scheduler_states, load_module_only). Every rank calls
+        them, as under DeepSpeed.
     Other models and optimizers are prepared and trained as accelerate does. strata.hf's Trainer
     does this to its own; a loop of one's own calls it once, after making its Accelerator."""
     if getattr(accelerator, "_strata_prepares", False):
         return accelerator
     prepare_model, prepare_optimizer = accelerator.prepare_model, accelerator.prepare_optimizer
     backward = accelerator.backward
-    engines = weakref.WeakSet()  # the engines whose modules it prepared
+    save_state, load_state = accelerator.save_state, accelerator.load_state
+    engines = weakref.WeakKeyDictionary()  # engine: its module as prepared (a weak reference)
+    kept = {}  # the save or load under way: its engines (tag, engine) and keywords
 
     def prepare_model_for_strata(model, device_placement=None, evaluation_mode=False):
         engine = guards.engine_of(list(model.parameters()), "accelerator.prepare")
@@ -165,10 +177,11 @@ def for_accelerate(accelerator):
                     f"not the strata engine's ({', '.join(outside[:3])}): across ranks nothing "
                     "would reduce their gradients (an engine's module is not wrapped in DDP); "
                     "accepted: strata.initialize over the whole model")
+        prepared = prepare_model(model, device_placement=device_placement,
+                                 evaluation_mode=evaluation_mode or engine is not None)
         if engine is not None:
-            engines.add(engine)
-        return prepare_model(model, device_placement=device_placement,
-                             evaluation_mode=evaluation_mode or engine is not None)
+            engines[engine] = weakref.ref(prepared)
+        return prepared
 
     def prepare_optimizer_for_strata(optimizer, device_placement=None):
         if isinstance(optimizer, EngineOptimizer):
@@ -176,7 +189,10 @@ def for_accelerate(accelerator):
         return prepare_optimizer(optimizer, device_placement=device_placement)
 
     def backward_for_strata(loss, **kwargs):
-        live = [engine for engine in list(engines) if engine._runtime is not None]
+        # (those still prepared: accelerator.free_memory() lets go of them)
+        live = [engine for engine, prepared in list(engines.items())
+                if engine._runtime is not None
+                and any(model is prepared() for model in accelerator._models)]
         if not live:
             return backward(loss, **kwargs)
         if len(live) > 1:
@@ -205,9 +221,69 @@ def for_accelerate(accelerator):
                         scale_wrt_gas=False)  # (scaled as accelerate scales it)
         if not windowed and not engine.is_gradient_accumulation_boundary():
             engine.step()  # the micro-batch ends; the window's step is optimizer.step()
+    def kept_by_engines(call, given, accepted, run):
+        """`run()` (accelerate's save_state or load_state) with the prepared engines' modules
+        and optimizers out of its lists, their engines and `given` keywords kept for the hooks
+        below, which accelerate calls with the state's folder."""
+        unknown = sorted(set(given) - set(accepted))
+        if unknown:
+            raise ValueError(f"accelerator.{call}({', '.join(unknown)}=...) with a strata "
+                             f"engine prepared: its keywords go to the engine's checkpoint; "
+                             f"accepted: {', '.join(accepted)}")
+        models, optimizers = accelerator._models, accelerator._optimizers
+        found, others, other_optimizers = [], [], []
+        for model in models:
+            engine = guards.engine_of(list(model.parameters()), f"accelerator.{call}")
+            if engine is None:
+                others.append(model)
+            elif engine not in found:
+                found.append(engine)
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if not isinstance(inner, EngineOptimizer):
+                other_optimizers.append(optimizer)
+            elif inner._engine_or_raise() not in found:
+                found.append(inner._engine_or_raise())
+        kept.update(engines=[(ENGINE_TAG if i == 0 else f"{ENGINE_TAG}_{i}", engine)
+                             for i, engine in enumerate(found)], given=given)
+        accelerator._models, accelerator._optimizers = others, other_optimizers
+        try:
+            return run()
+        finally:
+            accelerator._models, accelerator._optimizers = models, optimizers
+            kept.clear()
+
+    def save_state_for_strata(output_dir=None, safe_serialization=True, **kwargs):
+        return kept_by_engines("save_state", kwargs, ("client_state", "save_latest"),
+                               lambda: save_state(output_dir, safe_serialization, **kwargs))
+
+    def load_state_for_strata(input_dir=None, load_kwargs=None, **kwargs):
+        given = {k: v for k, v in kwargs.items() if k != "map_location"}  # (accelerate's)
+        return kept_by_engines(
+            "load_state", given,
+            ("load_optimizer_states", "load_lr_scheduler_states", "load_module_only"),
+            lambda: load_state(input_dir, load_kwargs, **kwargs))
+
+    def save_engines(models, weights, output_dir):
+        for tag, engine in kept.get("engines", ()):
+            engine.save_checkpoint(output_dir, tag=tag, **kept["given"])
+
+    def load_engines(models, input_dir):
+        for tag, engine in kept.get("engines", ()):
+            if not os.path.isdir(os.path.join(input_dir, tag)):
+                raise FileNotFoundError(
+                    f"accelerator.load_state: {input_dir} holds no strata checkpoint ({tag}/) "
+                    "for a prepared engine: it was saved by an Accelerator without "
+                    "strata.hf.for_accelerate (or with fewer engines prepared); accepted: a "
+                    "state saved through for_accelerate with the same engines prepared")
+            engine.load_checkpoint(input_dir, tag=tag, **kept["given"])
+
     accelerator.prepare_model = prepare_model_for_strata
     accelerator.prepare_optimizer = prepare_optimizer_for_strata
     accelerator.backward = backward_for_strata
+    accelerator.save_state, accelerator.load_state = save_state_for_strata, load_state_for_strata
+    accelerator.register_save_state_pre_hook(save_engines)
+    accelerator.register_load_state_pre_hook(load_engines)
     accelerator._strata_prepares = True
     return accelerator
 

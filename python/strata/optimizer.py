@@ -83,15 +83,16 @@ class EngineOptimizer(torch.optim.Optimizer):
         its state in torch's names (exp_avg and exp_avg_sq for Adam), and its fp32 master
         weights ("master": the training dtype's weights are their rounding), all on the CPU, so
         that torch.save(optimizer.state_dict()) and load_state_dict() resume bit for bit (as
-        accelerate's save_state and load_state do). Across ranks: engine.save_checkpoint."""
+        accelerate's save_state and load_state do without strata.hf.for_accelerate). Across ranks:
+        engine.save_checkpoint."""
         engine = self._engine_or_raise()
         if engine.ranks is not None:
             raise RuntimeError("optimizer.state_dict() across ranks: each rank holds a shard; "
-                               "accepted: engine.save_checkpoint (every rank calls it; so for "
-                               "accelerate's save_state, which reads it, across ranks); "
-                               "accelerate's prepare() reads it to place the state: "
-                               "strata.hf.for_accelerate(accelerator) first, which leaves it "
-                               "where the engine keeps it")
+                               "accepted: engine.save_checkpoint on every rank (accelerate's "
+                               "save_state and prepare() read it: "
+                               "strata.hf.for_accelerate(accelerator) first, whose prepare() "
+                               "leaves the state where the engine keeps it and whose save_state "
+                               "saves the engine's checkpoint)")
         engine.runtime.wait_for_early_steps()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = self._STATE_NAMES[engine.optimizer_kind]

@@ -405,6 +405,25 @@ def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
     ours = resumed.module_state_dict()
     for name, value in engine.module_state_dict().items():
         assert torch.equal(ours[name], value), name
+    # Through for_accelerate, save_state keeps the engine's checkpoint in place of the weights
+    # and the optimizer's state read whole; a state saved without it is named on load.
+    strata.hf.for_accelerate(accelerator)
+    with pytest.raises(FileNotFoundError, match=r"holds no strata checkpoint \(strata/\) for a "
+                                                r"prepared engine: .* without strata.hf.for_acc"):
+        accelerator.load_state(tmp_path / "state")
+    with pytest.raises(ValueError, match=r"save_state\(exclude_frozen_parameters=...\) with a "
+                                         r"strata engine prepared: .*accepted: client_state"):
+        accelerator.save_state(tmp_path / "engine", exclude_frozen_parameters=True)
+    accelerator.save_state(tmp_path / "engine")
+    assert sorted(os.listdir(tmp_path / "engine")) == ["latest", "random_states_0.pkl", "strata"]
+    train(resumed_model, resumed_optimizer, rows[:1])
+    accelerator.free_memory()
+    again, prepared = engine_of("c", ARCHITECTURES["llama"]())
+    accelerator.load_state(tmp_path / "engine")
+    train(*prepared, rows[:1])
+    ours = again.module_state_dict()
+    for name, value in resumed.module_state_dict().items():
+        assert torch.equal(ours[name], value), name
     AcceleratorState._reset_state(True)
 
 
@@ -572,25 +591,40 @@ def accelerate_ranks_run(tmp_path, rank, stage=None):
             accelerator.prepare(head)  # (nothing would reduce the head's gradients)
     model, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel) == (stage is None)
-    norms = []
-    for batch in rows[rank::2]:
-        with accelerator.accumulate(model):
-            accelerator.backward(model(**batch).loss)
-            if accelerator.sync_gradients:
-                norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
-            optimizer.step()
-            optimizer.zero_grad()
+
+    def train(model, optimizer, batches, norms):
+        for batch in batches:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                if accelerator.sync_gradients:
+                    norms.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+                optimizer.step()
+                optimizer.zero_grad()
+        return norms
+    norms = train(model, optimizer, rows[rank::2][:2], [])
+    if stage is not None:  # after the first step, every rank's shard (for_accelerate)
+        accelerator.save_state(str(tmp_path / "state"))
+    train(model, optimizer, rows[rank::2][2:], norms)
     assert len(norms) == 2
+    weights = accelerator.get_state_dict(model)
     if stage is not None:  # each model(...) prepared as engine() prepares it: gathers ahead
         assert engine.prefetched_gathers > 0
-    if stage is not None:  # (what accelerate's placement of it would have read)
         with pytest.raises(RuntimeError, match=r"each rank holds a shard; .*"
                                                r"strata.hf.for_accelerate\(accelerator\) first"):
-            optimizer.state_dict()
-        with pytest.raises(RuntimeError, match=r"engine.save_checkpoint \(every rank calls it; "
-                                               r"so for accelerate's save_state"):
-            accelerator.save_state(str(tmp_path / f"state{rank}"))
-    weights = accelerator.get_state_dict(model)
+            optimizer.state_dict()  # (what accelerate's placement of it would have read)
+        # A new engine resumes from the state saved: the step after it as the run's.
+        assert sorted(os.listdir(tmp_path / "state")) == [
+            "latest", "random_states_0.pkl", "random_states_1.pkl", "strata"]
+        accelerator.free_memory()
+        torch.manual_seed(1)
+        resumed, optimizer, _, _ = strata.initialize(model=ARCHITECTURES["llama"](),
+                                                     config=config)
+        model, optimizer = accelerator.prepare(resumed.module, optimizer)
+        accelerator.load_state(str(tmp_path / "state"))
+        assert train(model, optimizer, rows[rank::2][2:], []) == norms[1:]
+        ours = resumed.module_state_dict()  # (a gather: every rank)
+        for name, value in engine.module_state_dict().items():
+            assert torch.equal(ours[name], value), name
     AcceleratorState._reset_state(True)
     return {"logged": norms, "weights": weights, "evals": []}
 
@@ -601,7 +635,8 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
     and ends at its weights, at stage 2 and at stage 3 with NVMe; save_model (a gather at stage
     3, on every rank) writes the trained weights whole; the checkpoint the two ranks wrote
     resumes bit for bit; TRL's SFTTrainer with LoRA across the ranks logs what it logs with
-    DDP; an Accelerate loop accumulating (strata.hf.for_accelerate) ends at DDP's weights."""
+    DDP; an Accelerate loop accumulating (strata.hf.for_accelerate) ends at DDP's weights, and
+    its save_state (each rank's shard) resumes bit for bit."""
     procs = start_ranks(2, RANKS, (os.path.dirname(os.path.abspath(__file__)), tmp_path))
     for p in procs:
         _, stderr = p.communicate(timeout=300)
