@@ -625,6 +625,7 @@ class Engine:
         self._checkpoints.runtime = self._runtime
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
+        self._joining = None  # the gathers joined so far (_join_gathers), or None
         guards.LIVE.add(self)
         # An engine whose last reference is dropped (never closed) leaves what close() leaves:
         # placeholders of the partitioned parameters' shapes, refused by the module by name.
@@ -647,7 +648,7 @@ class Engine:
             if e.partitioned:
                 e.param.ds_numel = e.numel
         if any(e.partitioned for e in self.table.entries()):
-            self._refuse_merges(model)
+            self._fit_peft(model)
         hf = sys.modules.get("transformers")
         if hf is None or not any(e.partitioned for e in self.table.entries()):
             return
@@ -656,15 +657,22 @@ class Engine:
                 module.num_parameters = types.MethodType(guards.num_parameters, module)
                 self._patched_methods.append((module, "num_parameters"))
 
-    def _refuse_merges(self, model):
-        """peft's merge_and_unload (and merge_adapter, unload) edit or take the base layers'
-        weights, which stage 3 keeps as partitions (placeholders outside forward): on the
-        model's peft wrappers they are refused by name, naming engine.release(), where they
-        failed in a shape error or merged nothing (patched on the instances; close() takes them
-        off)."""
+    def _fit_peft(self, model):
+        """peft's wrappers at stage 3 (patched on the instances; close() takes them off):
+          - merge_and_unload (and merge_adapter, unload) edit or take the base layers' weights,
+            which stage 3 keeps as partitions (placeholders outside forward): refused by name,
+            naming engine.release(), where they failed in a shape error or merged nothing;
+          - save_pretrained without a state_dict saves the adapters from state_dict_to_save:
+            the frozen base's weights are not read (peft's own took module.state_dict(), every
+            weight of the base read whole, once for each adapter, to keep the adapters')."""
         peft = sys.modules.get("peft")
         if peft is None:
             return
+        for module in model.modules():
+            if isinstance(module, peft.PeftModel):
+                module.save_pretrained = types.MethodType(
+                    guards.save_pretrained_through(weakref.ref(self)), module)
+                self._patched_methods.append((module, "save_pretrained"))
 
         def refused(name):
             def call(*args, **kwargs):
@@ -1190,6 +1198,66 @@ class Engine:
                 tiling.join_tiles(child, out, f"{name}." if name else "")
         return out
 
+    def state_dict_to_save(self, module=None, keep=True, adapters=None,
+                           save_embedding_layers="auto"):
+        """What saving `module` (the engine's module, or a module within it) writes:
+        module.state_dict(), the partitioned weights whole; for a peft model
+        (peft.PeftModel), the adapters' entries alone, as peft's save_pretrained keeps them
+        (its selection made over the parameters themselves, then only those read whole) beside
+        the entries not partitioned: a frozen base's partitioned weights are not read.
+        `adapters` and `save_embedding_layers` are peft's save_pretrained's
+        (selected_adapters; None: every adapter). Across ranks every rank calls it (the
+        trained weights partitioned are gathered); keep=False, on the ranks that do not save:
+        the gathers joined, in the same order, nothing else read and nothing kept (None)."""
+        module = self.module if module is None else module
+        peft = sys.modules.get("peft")
+        frozen_partitioned = any(e.partitioned for e in self.table.frozen)
+        if peft is not None and frozen_partitioned and isinstance(module, peft.PeftModel):
+            return self._adapters_to_save(peft, module, keep, adapters, save_embedding_layers)
+        return module.state_dict() if keep else self._join_gathers(module)
+
+    def _join_gathers(self, module):
+        """module.state_dict()'s gathers joined, as the saving rank's call makes them, and
+        nothing else read or kept (_whole_in_state_dict); None."""
+        self._joining = set()
+        try:
+            module.state_dict()
+        finally:
+            self._joining = None
+
+    def _adapters_to_save(self, peft, module, keep, adapters, save_embedding_layers):
+        """state_dict_to_save for a peft model (its docstring). An entry peft's selection
+        computes rather than takes (none of the adapters' parameters) means it needs the
+        weights themselves: module.state_dict() then, as without strata."""
+        held = module.state_dict(keep_vars=True)  # (the parameters themselves: nothing read)
+        held_ids = {id(v) for v in held.values()}
+        chosen = set()
+        with warnings.catch_warnings():  # (peft warns again in the save itself)
+            warnings.simplefilter("ignore")
+            for name in list(module.peft_config) if adapters is None else adapters:
+                kept = peft.get_peft_model_state_dict(
+                    module, state_dict=held, adapter_name=name,
+                    save_embedding_layers=save_embedding_layers)
+                if any(id(v) not in held_ids for v in kept.values()):
+                    return module.state_dict() if keep else self._join_gathers(module)
+                chosen.update(id(v) for v in kept.values())
+        self.runtime.wait_for_early_steps()
+        self._announce_gather("save_pretrained (peft's adapters)")
+        out, done = {}, {}
+        for key, value in held.items():
+            e = self.table.partitioned_by_id.get(id(value))
+            if e is None:
+                if keep:
+                    out[key] = value.detach()
+            elif id(value) in chosen and e.pid not in done:
+                if keep or not e.frozen:  # (a frozen one is this rank's to read alone)
+                    done[e.pid] = self._whole_weights(e)
+                if keep:
+                    out[key] = done[e.pid]
+            elif id(value) in chosen and keep:
+                out[key] = done[e.pid]  # (a tied parameter: read once)
+        return out if keep else None
+
     def _announce_gather(self, call):
         """Across ranks with trained parameters partitioned (each rank holds a shard of their
         master weights), `call` gathers them: every rank must make it (frozen ones are read
@@ -1238,6 +1306,11 @@ class Engine:
                                           "save_model's)")
                     read = weakref.WeakValueDictionary()  # (the dict holds the tensors)
                     self._whole_read = (weakref.ref(state_dict), read)
+            if self._joining is not None:  # (state_dict_to_save(keep=False))
+                if not e.frozen and e.pid not in self._joining:
+                    self._joining.add(e.pid)
+                    self._whole_weights(e)
+                continue
             whole = read.get(e.pid)
             if whole is None:
                 whole = read[e.pid] = self._whole_weights(e)

@@ -3,6 +3,7 @@
 - The engines not closed (LIVE), and torch.nn.utils' clipping over their parameters routed to
   them (route_clip_grad_norm, once, at import): their gradients are not in .grad.
 - The module's own methods an engine stands in for (load_state_dict_through, zero_grad_through,
+  save_pretrained_through: a peft model's adapters saved without reading its frozen base,
   num_parameters: a partitioned parameter counted by its real size).
 - What a closed engine leaves: each partitioned parameter a placeholder of its shape without its
   bytes (leave_placeholders), refused by name by the module's forward and state_dict()
@@ -25,7 +26,8 @@ from strata import tiling
 
 __all__ = ["LIVE", "PLACEHOLDERS_LEFT", "engine_holding", "engine_of", "leave_placeholders",
            "left_placeholders", "load_state_dict_through", "num_parameters",
-           "refuse_placeholders", "route_clip_grad_norm", "unguard", "zero_grad_through"]
+           "refuse_placeholders", "route_clip_grad_norm", "save_pretrained_through", "unguard",
+           "zero_grad_through"]
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
 LIVE = weakref.WeakSet()
@@ -226,6 +228,29 @@ def load_state_dict_through(engine_ref):
         missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
+
+
+def save_pretrained_through(engine_ref):
+    def save_pretrained(module, save_directory, safe_serialization=True, selected_adapters=None,
+                        save_embedding_layers="auto", is_main_process=True, **kwargs):
+        """peft's save_pretrained, for a peft model an engine trains with its frozen base
+        partitioned (stage 3): without a state_dict given, the adapters' entries are
+        engine.state_dict_to_save's, the frozen base's weights not read (peft's would read
+        them all, once for each adapter). Across ranks every rank calls it (the adapters'
+        weights partitioned are gathered); the ones that do not save pass is_main_process=False,
+        as peft says."""
+        engine = engine_ref()
+        known = selected_adapters is None or all(a in module.peft_config
+                                                 for a in selected_adapters)
+        if engine is not None and engine._runtime is not None and known \
+                and kwargs.get("state_dict") is None:
+            kwargs["state_dict"] = engine.state_dict_to_save(
+                module, adapters=selected_adapters, save_embedding_layers=save_embedding_layers)
+        return type(module).save_pretrained(
+            module, save_directory, safe_serialization=safe_serialization,
+            selected_adapters=selected_adapters, save_embedding_layers=save_embedding_layers,
+            is_main_process=is_main_process, **kwargs)
+    return save_pretrained
 
 
 def refuse_deepcopy(memo=None):

@@ -333,10 +333,13 @@ class StrataTrainerMixin:
 
     def save_model(self, output_dir=None, _internal_call=False):
         """Trainer's save_model, its weights gathered on every rank (at stage 3 across ranks a
-        collective each rank takes part in) and written by the process that saves."""
+        collective each rank takes part in) and written by the process that saves; the others
+        join the gathers and keep nothing (engine.state_dict_to_save)."""
         self._strata_state_dict = None
-        if self.strata_engine is not None and self.strata_engine.ranks is not None:
-            self._strata_state_dict = self.model.state_dict()
+        engine = self.strata_engine
+        if engine is not None and engine.ranks is not None:
+            self._strata_state_dict = engine.state_dict_to_save(self.model,
+                                                                keep=self.args.should_save)
         try:
             super().save_model(output_dir, _internal_call)
         finally:

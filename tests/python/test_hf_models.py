@@ -472,10 +472,14 @@ def test_save_pretrained_at_stage_3_writes_the_weights_whole(tmp_path):
         torch.testing.assert_close(loaded(**kwargs).logits, engine(**kwargs).logits)
 
 
-def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path):
+def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path, monkeypatch):
     """peft's save_pretrained of an adapter trained at stage 3 (its A and B matrices partitions):
-    the adapter file holds them whole, and loads onto a fresh base to the engine's outputs."""
+    the adapter file holds them whole, and loads onto a fresh base to the engine's outputs; the
+    frozen base's weights are not read for it (peft's own reads them all), save those the
+    adapter keeps (save_embedding_layers: the embeddings, whole)."""
     import peft
+    import safetensors.torch
+    import strata.engine
     torch.manual_seed(0)
     base = ARCHITECTURES["llama"]()
     fresh_base = copy.deepcopy(base)
@@ -485,7 +489,16 @@ def test_a_lora_adapter_saved_at_stage_3_holds_its_trained_weights(tmp_path):
         engine.backward(engine(**kwargs).loss)
         engine.step()
     whole = engine.module_state_dict()
+    read, read_frozen = [], strata.engine.read_frozen
+    monkeypatch.setattr(strata.engine, "read_frozen", lambda *a: read.append(a) or read_frozen(*a))
     engine.module.save_pretrained(tmp_path / "adapter")
+    assert not read  # (the base's 16 weights, every one partitioned, before)
+    engine.module.save_pretrained(tmp_path / "embeddings", save_embedding_layers=True)
+    embeddings = safetensors.torch.load_file(tmp_path / "embeddings" / "adapter_model.safetensors")
+    assert len(read) == 2 and sum(name.endswith("embed_tokens.weight") for name in embeddings) == 1
+    for name, value in embeddings.items():
+        if "lora_" not in name:  # (peft's names for the adapters' own lose "default")
+            assert torch.equal(value, whole[name]), name
     loaded = peft.PeftModel.from_pretrained(fresh_base, tmp_path / "adapter")
     for name, value in loaded.state_dict().items():
         if "lora_" in name:

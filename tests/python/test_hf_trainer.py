@@ -513,7 +513,7 @@ def test_resuming_from_a_checkpoint_strata_did_not_save_is_refused(tmp_path):
 RANKS = r"""
 import os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
-import torch, transformers
+import safetensors.torch, torch, transformers
 import strata.hf
 from test_hf_trainer import (ARCHITECTURES, data, args_of, strata_config, logged, sft_run,
                              accelerate_ranks_run)
@@ -552,7 +552,11 @@ run("stage2", 2, "cpu")
 run("stage3", 3, "nvme")
 run("resumed", 3, "nvme", resume=str(tmp / "stage3" / "checkpoint-2"))
 for name, strata_given in (("sft_ddp", None), ("sft_stage3", strata_config(3, "cpu", tmp))):
-    out[name] = {"logged": logged(sft_run(tmp, name, strata_given)), "weights": {}, "evals": []}
+    trainer = sft_run(tmp, name, strata_given)
+    trainer.save_model(tmp / name / "saved")  # every rank (the adapters' weights gathered)
+    adapter = safetensors.torch.load_file(tmp / name / "saved" / "adapter_model.safetensors") \
+        if rank == 0 else {}
+    out[name] = {"logged": logged(trainer), "weights": adapter, "evals": []}
 for name, stage in (("accelerate_ddp", None), ("accelerate_stage3", 3)):
     out[name] = accelerate_ranks_run(tmp, rank, stage)
 if rank == 0:
@@ -657,6 +661,7 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
         for key, value in reference["weights"].items():
             torch.testing.assert_close(ours["weights"][key], value, rtol=1e-4, atol=1e-5,
                                        msg=f"{name}: {key}")
+    assert any("lora_" in key for key in out["sft_ddp"]["weights"])  # (the adapters compared)
     for key, value in out["stage3"]["weights"].items():
         assert torch.equal(out["resumed"]["weights"][key], value), key
     # Accelerate's loop (for_accelerate: the engine's module never in DDP, accelerator.backward
