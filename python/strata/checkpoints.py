@@ -19,7 +19,8 @@ beside the tags names the newest. A tag's folder holds
 Saved by several ranks (strata/ranks.py), the folder holds ``optimizer_states.rank<r>.bin`` in
 place of ``optimizer_states.bin``: rank r's shard of each parameter's three tensors (``shard``
 elements each, the last rank's padded), and meta.json says ``world_size`` and, per parameter, each
-rank's offset and digests; rank 0 writes the rest once every rank has written its part. A
+rank's offset and digests; rank 0 writes the rest once every rank has written its part (the
+frozen partitions' weights whole in ``engine_states.pt``, each rank's shard gathered). A
 checkpoint is read by any number of ranks, whatever number wrote it.
 
 ``strata.zero_to_fp32`` (and the ``strata_zero_to_fp32`` command) turns one into a plain fp32
@@ -333,10 +334,16 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest):
                 f"save_checkpoint: rank{'s' if len(failed) > 1 else ''} "
                 f"{', '.join(map(str, failed))} could not write {tag!r} (each says why); nothing "
                 f"was saved, {LATEST} is unchanged")
+        # The frozen partitions' weights whole for engine_states.pt (each an all-gather every
+        # rank joins; rank 0 keeps them).
+        frozen = {name: value.read() for name, value in _module_rest(store)[1].items()
+                  if value.frozen is not None}
+        if not lead:
+            frozen.clear()
         published = False
         if lead:
             try:
-                _finish_ranks(store, save_dir, tag, partial, client_state, save_latest)
+                _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen)
                 published = True
             except Exception as error:
                 failure = error
@@ -365,9 +372,10 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest):
     return os.path.join(save_dir, tag)
 
 
-def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest):
-    """Rank 0, once every rank has written its part: the engine's states and meta.json, then the
-    folder renamed and ``latest`` moved."""
+def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen):
+    """Rank 0, once every rank has written its part: the engine's states (`frozen`: the frozen
+    partitions' weights, gathered) and meta.json, then the folder renamed and ``latest``
+    moved."""
     size = store.ranks.size
     parts = []
     for q in range(size):
@@ -377,7 +385,7 @@ def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest):
     params = [dict(_param_meta(e), shard=e.shard, ranks=[part["params"][i] for part in parts])
               for i, e in enumerate(store.table.trained)]
     files = {_rank_file(q): {"bytes": part["bytes"]} for q, part in enumerate(parts)}
-    files[ENGINE] = {"digest": _write_engine_states(store, partial, client_state)}
+    files[ENGINE] = {"digest": _write_engine_states(store, partial, client_state, frozen)}
     for q in range(size):
         os.remove(os.path.join(partial, f"rank{q}.json"))
     _write_meta(store, partial, params, files, world_size=size)
@@ -453,14 +461,17 @@ def _write_optimizer_states(store, file):
     return entries, offset
 
 
-def _write_engine_states(store, folder, client_state):
-    """engine_states.pt, synced; returns its digest."""
+def _write_engine_states(store, folder, client_state, read=None):
+    """engine_states.pt, synced; returns its digest. `read`: tensors of the module's rest read
+    already (across ranks, the frozen partitions' gathered)."""
     scheduler = store.lr_scheduler.state_dict() if store.lr_scheduler is not None and \
         hasattr(store.lr_scheduler, "state_dict") else None
     aliases, extra = _module_rest(store)
     del aliases
+    read = read or {}
     torch.save({"lr_scheduler": scheduler, "client_state": client_state,
-                "module_extra": {n: t.read() for n, t in extra.items()}},
+                "module_extra": {n: read[n] if n in read else t.read()
+                                 for n, t in extra.items()}},
                os.path.join(folder, ENGINE))
     with open(os.path.join(folder, ENGINE), "rb+") as f:
         os.fsync(f.fileno())
@@ -506,15 +517,17 @@ class _Rest:
         self.shape = torch.Size(frozen.shape) if frozen is not None else value.shape
 
     def read(self):
-        """Its values on the CPU (a copy)."""
+        """Its values on the CPU (a copy; a frozen partition's across ranks all-gathered: every
+        rank reads it)."""
         if self.frozen is not None:
-            return read_frozen(self.store.runtime, self.frozen)
+            return read_frozen(self.store.runtime, self.frozen, self.store.ranks)
         return self.value.detach().to("cpu").clone()
 
     def write(self, values):
-        """Sets its values (converted to its dtype)."""
+        """Sets its values (converted to its dtype; a frozen partition across ranks keeps this
+        rank's shard)."""
         if self.frozen is not None:
-            write_frozen(self.store.runtime, self.frozen, values)
+            write_frozen(self.store.runtime, self.frozen, values, self.store.ranks)
             return
         with torch.no_grad():
             self.value.copy_(values.to(device=self.value.device, dtype=self.value.dtype))

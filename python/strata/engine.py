@@ -771,11 +771,12 @@ class Engine:
                 e.group = owner.get(id(e.param), 0)
                 e.partitioned = True
                 if init_module.partition_of(e.param) is None:
-                    self.runtime.register(
-                        e.pid, "param", _DTYPE_NAMES[self.dtype], e.shard, e.group,
-                        self._param_tier,
-                        e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1)
-                        .contiguous())
+                    initial = e.param.detach().to(device="cpu", dtype=self.dtype).reshape(-1) \
+                        .contiguous()
+                    if self.ranks is not None:  # its tiers hold this rank's shard only
+                        initial = self.ranks.own_shard(initial, e.shard)
+                    self.runtime.register(e.pid, "param", _DTYPE_NAMES[self.dtype], e.shard,
+                                          e.group, self._param_tier, initial)
                 e.param.data = self.table.placeholder
             for e in self.table.trained:
                 e.group = owner.get(id(e.param), 0)
@@ -1250,21 +1251,22 @@ class Engine:
                 if keep:
                     out[key] = value.detach()
             elif id(value) in chosen and e.pid not in done:
-                if keep or not e.frozen:  # (a frozen one is this rank's to read alone)
-                    done[e.pid] = self._whole_weights(e)
+                done[e.pid] = self._whole_weights(e)  # (keep=False: across ranks, a gather)
                 if keep:
                     out[key] = done[e.pid]
+                else:
+                    done[e.pid] = None
             elif id(value) in chosen and keep:
                 out[key] = done[e.pid]  # (a tied parameter: read once)
         return out if keep else None
 
     def _announce_gather(self, call):
-        """Across ranks with trained parameters partitioned (each rank holds a shard of their
-        master weights), `call` gathers them: every rank must make it (frozen ones are read
-        from this rank's copy). The ranks agree on it first, so that a call on one rank alone (a save guarded by
+        """Across ranks with parameters partitioned (each rank holds a shard of a trained one's
+        master weights, of a frozen one's weights), `call` gathers them: every rank must make
+        it. The ranks agree on it first, so that a call on one rank alone (a save guarded by
         `if rank == 0`) ends that rank with an error naming the call, not the gather of
         some parameter that the other ranks never joined."""
-        if self.ranks is not None and any(e.partitioned for e in self.table.trained):
+        if self.ranks is not None and self.table.partitioned_by_id:
             self.ranks.agree(f"{call}, which gathers the weights partitioned across the ranks: "
                              "every rank must call it (not the saving rank alone); the ranks "
                              "that save write what it returns")
@@ -1274,7 +1276,7 @@ class Engine:
         one's read from its fp32 master weights (across ranks, every rank's shard: every rank
         must call this), a frozen one's from its partition."""
         if e.frozen:
-            return read_frozen(self.runtime, e)
+            return read_frozen(self.runtime, e, self.ranks)
         master = torch.empty(e.shard)
         self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
                                           torch.empty(e.shard))
@@ -1306,8 +1308,8 @@ class Engine:
                                           "save_model's)")
                     read = weakref.WeakValueDictionary()  # (the dict holds the tensors)
                     self._whole_read = (weakref.ref(state_dict), read)
-            if self._joining is not None:  # (state_dict_to_save(keep=False))
-                if not e.frozen and e.pid not in self._joining:
+            if self._joining is not None:  # (state_dict_to_save(keep=False): across ranks)
+                if e.pid not in self._joining:
                     self._joining.add(e.pid)
                     self._whole_weights(e)
                 continue

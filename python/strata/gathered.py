@@ -94,7 +94,7 @@ class GatheredParameters:
         for e in entries:
             values = e.param.data.detach().reshape(-1)
             if e.frozen:
-                write_frozen(engine.runtime, e, values.cpu())
+                write_frozen(engine.runtime, e, values.cpu(), engine.ranks)
             else:
                 trained.append((e, values.to(device="cpu", dtype=torch.float32).contiguous()))
         with checkpoints.loading_optimizer_state(engine._checkpoints, "GatheredParameters",

@@ -158,13 +158,17 @@ class Lending:
             self.internal_depth -= 1
 
     def lend_now(self, e):
-        """Lends `e` (one process) and holds it once more: its module's _drop, or its gradient
-        hook, gives it back."""
+        """Lends `e` and holds it once more: its module's _drop, or its gradient hook, gives it
+        back. Across ranks its shard is gathered whole (an external use the first forward finds:
+        every rank's forward meets it at the same point)."""
         self.holders[e.pid] = self.holders.get(e.pid, 0) + 1
         if e.param.numel() == 0:
             lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                  self._traced()))
-            e.param.data = lent.view(e.shape)
+            if self.ranks is None:
+                e.param.data = lent.view(e.shape)
+            else:
+                self.ranks.gather([(e, lent, self._sink(e))])
 
     # --- the hooks ------------------------------------------------------------------------------
 

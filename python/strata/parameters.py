@@ -96,17 +96,11 @@ class ParameterTable:
             pid = init_module.partition_of(p)
             if pid is None and p.numel() < threshold:
                 continue
-            if ranks is not None:
-                if pid is None:  # across ranks frozen parameters stay whole on each device
-                    continue
-                raise ValueError(
-                    f"strata.initialize: {name} was built under strata.init and is not trained "
-                    f"(frozen): across {ranks.size} ranks a frozen parameter's partition is not "
-                    "supported yet; accepted: freeze it in one process, or build the model "
-                    "without strata.init")
             if pid is None:
                 pid, next_id = next_id, next_id + 2
-            frozen.append(Param(name, p, pid, frozen=True))
+            # (across ranks its partition holds this rank's shard, as a trained one's)
+            frozen.append(Param(name, p, pid, None if ranks is None
+                                else ranks.shard_elements(p.numel()), frozen=True))
         return cls(trained, frozen, placeholder, next_id)
 
     def placed(self):
@@ -148,22 +142,31 @@ def set_weights(runtime, e, master):
                                                        dtype=e.param.dtype))
 
 
-def read_frozen(runtime, e):
-    """A frozen partitioned parameter's weights (its partition's host copy, copied)."""
+def read_frozen(runtime, e, ranks=None):
+    """A frozen partitioned parameter's weights whole, on the CPU (its partition's host copy,
+    copied; across `ranks` every rank's shard, all-gathered: every rank must call this)."""
     held = from_dlpack(runtime.acquire(e.pid, "host", traced=False))
     try:
-        return held.view(e.shape).clone()
+        if ranks is None:
+            return held.view(e.shape).clone()
+        whole = []
+        ranks.gather([(e, held, whole.append)])
+        return whole[0].to("cpu", copy=True).view(e.shape)
     finally:
         del held
         runtime.release(e.pid, "host", False, traced=False)
 
 
-def write_frozen(runtime, e, values):
-    """Sets a frozen partitioned parameter's weights (converted to the training dtype)."""
+def write_frozen(runtime, e, values, ranks=None):
+    """Sets a frozen partitioned parameter's weights (`values` whole, converted to the training
+    dtype; across `ranks` this rank's shard of them)."""
+    values = values.reshape(-1)
+    if ranks is not None:
+        values = ranks.own_shard(values, e.shard)
     held = from_dlpack(runtime.acquire(e.pid, "host", traced=False))
     try:
         with torch.no_grad():
-            held.copy_(values.reshape(-1))
+            held.copy_(values)
     finally:
         del held
         runtime.release(e.pid, "host", True, traced=False)

@@ -514,7 +514,7 @@ RANKS = r"""
 import os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
 import safetensors.torch, torch, transformers
-import strata.hf
+import strata.engine, strata.hf
 from test_hf_trainer import (ARCHITECTURES, data, args_of, strata_config, logged, sft_run,
                              accelerate_ranks_run)
 tmp, out = pathlib.Path(sys.argv[2]), {}
@@ -553,7 +553,15 @@ run("stage3", 3, "nvme")
 run("resumed", 3, "nvme", resume=str(tmp / "stage3" / "checkpoint-2"))
 for name, strata_given in (("sft_ddp", None), ("sft_stage3", strata_config(3, "cpu", tmp))):
     trainer = sft_run(tmp, name, strata_given)
-    trainer.save_model(tmp / name / "saved")  # every rank (the adapters' weights gathered)
+    # save_model on every rank: the adapters' weights gathered, the frozen base (each rank's
+    # shard) read on no rank (rank 0 saves the adapters alone; rank 1 joins their gathers).
+    read, read_frozen = [], strata.engine.read_frozen
+    strata.engine.read_frozen = lambda *a: read.append(a) or read_frozen(*a)
+    trainer.save_model(tmp / name / "saved")
+    strata.engine.read_frozen = read_frozen
+    assert not read, (rank, len(read))
+    if strata_given is not None:
+        assert trainer.strata_engine.table.frozen  # (partitioned: the base's shards)
     adapter = safetensors.torch.load_file(tmp / name / "saved" / "adapter_model.safetensors") \
         if rank == 0 else {}
     out[name] = {"logged": logged(trainer), "weights": adapter, "evals": []}

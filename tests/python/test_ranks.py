@@ -73,6 +73,8 @@ if __import__("os").environ.get("STRATA_TEST_INIT"):
         model = Net()
 else:
     model = Net()
+if __import__("os").environ.get("STRATA_TEST_FROZEN"):  # l1 not trained (a frozen base's part)
+    model.l1.requires_grad_(False)
 initial = {k: v.clone() for k, v in model.state_dict().items()}
 group = None
 if __import__("os").environ.get("STRATA_TEST_GROUP"):  # the trainer's torch.distributed group
@@ -115,7 +117,9 @@ if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
 print(json.dumps({"rank": rank, "steps": engine.global_steps, "held": held, "staged": staged,
                   "grads_left": grads_left,
-                  "shards": {e.name: [e.numel, e.shard] for e in engine.table.trained},
+                  "shards": {e.name: [e.numel, e.shard] for e in engine.table.entries()},
+                  "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+                  "frozen_partitioned": [e.name for e in engine.table.frozen],
                   "in_backward": engine.ranks.reduce_scatters_in_backward if engine.ranks else 0,
                   "prefetched": engine.prefetched_gathers,
                   "collectives": engine.ranks.collectives.name if engine.ranks else None,
@@ -126,11 +130,13 @@ if group is not None:  # as torch asks of whoever makes a group (see the exit te
 """
 
 
-def run_single(tmp_path, stage, offload, dtype, steps, split=1, clip=None):
+def run_single(tmp_path, stage, offload, dtype, steps, split=1, clip=None, frozen=None):
     out = tmp_path / f"single{split}.pt"
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["STRATA_TEST_SPLIT"] = str(split)
+    if frozen:
+        env["STRATA_TEST_FROZEN"] = frozen
     if clip is not None:
         env["STRATA_TEST_CLIP"] = clip
     child = subprocess.run(
@@ -168,6 +174,10 @@ def run_job(tmp_path, n, stage, offload, dtype, steps, extra_env=None):
     (4, 2, "cpu", "bf16", False, False),
     (2, 3, "cpu", "bf16", False, False),
     (3, 3, "nvme", "fp32", True, False),
+    # l1 frozen (a frozen base's part, as under LoRA), built as given and under strata.init: its
+    # partition holds each rank's shard too, all-gathered as it is lent.
+    (2, 3, "cpu", "fp32", False, "frozen"),
+    (2, 3, "nvme", "fp32", True, "frozen"),
     # The collectives on a torch.distributed group the trainer hands (Gloo's here; NCCL's on
     # GPUs, the same calls): stage 3 reduce-scatters in backward, reduces the small parameters at
     # the step and gathers weights, all on it.
@@ -183,6 +193,9 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
     if group == "userclip":
         env["STRATA_TEST_USER_CLIP"] = "1"
         group = False
+    if group == "frozen":
+        env["STRATA_TEST_FROZEN"] = "1"
+        group = False
     if group == "tcp":
         env["STRATA_TEST_TRANSPORT"] = "tcp"
         transport, group = "Gloo over TCP", False
@@ -195,6 +208,8 @@ def test_ranks_train_as_one_process_with_the_same_global_batch(tmp_path, n, stag
                for r in reports), reports
     if env.get("STRATA_TEST_CLIP") == "0":
         assert all(r["staged"] == 4 for r in reports), reports
+    if env.get("STRATA_TEST_FROZEN"):  # (frozen ones stayed whole on each device before)
+        assert all(r["frozen_partitioned"] == ["l1.weight"] for r in reports), reports
 
 
 def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
@@ -202,7 +217,8 @@ def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
     same global batch (see the test above; test_cuda.py's on a GPU); returns the ranks' reports."""
     steps = 4
     clip = env.get("STRATA_TEST_CLIP")
-    single = run_single(tmp_path, stage, offload, dtype, steps, clip=clip)
+    single = run_single(tmp_path, stage, offload, dtype, steps, clip=clip,
+                        frozen=env.get("STRATA_TEST_FROZEN"))
     # bf16: the model's gradients are bf16 roundings over the part of the batch each rank takes,
     # not the whole micro-batch's; one process taking each micro-batch in the same parts makes the
     # same ones (measured: 0.7-11% of what training moved the weights from the unsplit run, and
@@ -223,8 +239,9 @@ def train_as_one_process(tmp_path, n, stage, offload, dtype, env):
                                    rtol=1e-4 if dtype == "fp32" else 1e-2, atol=0)
     job.pop("norms", None)
     single.pop("norms")
+    frozen = reports[0]["frozen"]
     for name, value in single.items():
-        assert not torch.equal(value, initial[name]), f"{name} did not train"
+        assert torch.equal(value, initial[name]) == (name in frozen), f"{name}: trained?"
         if dtype == "fp32":
             # The ranks sum the same gradients in another order: a few ulps per step.
             diff = (job[name] - value).abs()

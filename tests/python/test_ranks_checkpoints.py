@@ -1,7 +1,8 @@
 """The engine's checkpoints across ranks (strata/checkpoints.py over strata/ranks.py): 2 ranks as
 processes on loopback, on Gloo; a checkpoint resumed bit for bit, loaded on another number of
 ranks and from one process, a rank killed during a save, a load one rank cannot make, pretrained
-weights streamed in, and ranks that save different tags. Apart from test_ranks.py so that each
+weights streamed in, and ranks that save different tags; a frozen weight among the trained ones
+(at stage 3 a partition holding each rank's shard). Apart from test_ranks.py so that each
 file stays well inside its ctest limit on a loaded machine."""
 
 import json
@@ -24,6 +25,7 @@ rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1
 torch.manual_seed(0 if mode == "save" else 7)
 model = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 40), torch.nn.ReLU(),
                             torch.nn.LayerNorm(40), torch.nn.Linear(40, 50))
+model[1].weight.requires_grad_(False)  # frozen: at stage 3 a partition of each rank's shard
 zero = {"stage": stage, "stage3_param_persistence_threshold": 100,
         "offload_optimizer": {"device": "nvme", "nvme_path": ckpt + f"-swap-{mode}{world}"},
         "offload_param": {"buffer_count": 2, "buffer_size": 65536}}
