@@ -201,9 +201,11 @@ _EVERY_RANK = ("engine.{}(), of which each rank {} (accelerate's save_state / lo
                "the saving rank alone")
 
 
-def save(store, save_dir, tag=None, client_state=None, save_latest=True):
+def save(store, save_dir, tag=None, client_state=None, save_latest=True,
+         exclude_frozen_parameters=False):
     """Saves the engine's training state under save_dir/tag (see the module's docstring);
-    returns the tag's folder."""
+    returns the tag's folder. exclude_frozen_parameters (DeepSpeed's): the parameters not
+    trained are left out (meta.json names them); a load keeps the model's own."""
     if store.step.staged is not None:
         raise RuntimeError("save_checkpoint: between backward and step; save after step()")
     if store.step.half_loaded is not None:
@@ -226,11 +228,12 @@ def save(store, save_dir, tag=None, client_state=None, save_latest=True):
     tag = f"global_step{store.state.global_steps}" if tag is None else tag
     _check_tag(tag)
     save_dir = os.fspath(save_dir)
+    left_out = _frozen_names(store) if exclude_frozen_parameters else ()
     if store.ranks is not None:
-        return _save_ranks(store, save_dir, tag, client_state, save_latest)
+        return _save_ranks(store, save_dir, tag, client_state, save_latest, left_out)
     partial = _new_partial(save_dir, tag)
     try:
-        _write_state(store, partial, client_state)
+        _write_state(store, partial, client_state, left_out)
         _point("files_written")
         final = _publish(save_dir, tag, partial)
     except BaseException:
@@ -283,7 +286,7 @@ def _drop_asides(save_dir, tag):
         _remove(save_dir, name)
 
 
-def _save_ranks(store, save_dir, tag, client_state, save_latest):
+def _save_ranks(store, save_dir, tag, client_state, save_latest, left_out):
     """A save across ranks (the folder shared by them, as DeepSpeed's): rank 0 makes the folder
     and tells the others its name; every rank writes its optimizer states
     (optimizer_states.rank<r>.bin, its shard of every parameter's) and their digests; once every
@@ -336,14 +339,15 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest):
                 f"was saved, {LATEST} is unchanged")
         # The frozen partitions' weights whole for engine_states.pt (each an all-gather every
         # rank joins; rank 0 keeps them).
-        frozen = {name: value.read() for name, value in _module_rest(store)[1].items()
+        frozen = {name: value.read() for name, value in _module_rest(store, left_out)[1].items()
                   if value.frozen is not None}
         if not lead:
             frozen.clear()
         published = False
         if lead:
             try:
-                _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen)
+                _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen,
+                              left_out)
                 published = True
             except Exception as error:
                 failure = error
@@ -372,7 +376,7 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest):
     return os.path.join(save_dir, tag)
 
 
-def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen):
+def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, frozen, left_out):
     """Rank 0, once every rank has written its part: the engine's states (`frozen`: the frozen
     partitions' weights, gathered) and meta.json, then the folder renamed and ``latest``
     moved."""
@@ -385,23 +389,24 @@ def _finish_ranks(store, save_dir, tag, partial, client_state, save_latest, froz
     params = [dict(_param_meta(e), shard=e.shard, ranks=[part["params"][i] for part in parts])
               for i, e in enumerate(store.table.trained)]
     files = {_rank_file(q): {"bytes": part["bytes"]} for q, part in enumerate(parts)}
-    files[ENGINE] = {"digest": _write_engine_states(store, partial, client_state, frozen)}
+    files[ENGINE] = {"digest": _write_engine_states(store, partial, client_state, frozen,
+                                                    left_out)}
     for q in range(size):
         os.remove(os.path.join(partial, f"rank{q}.json"))
-    _write_meta(store, partial, params, files, world_size=size)
+    _write_meta(store, partial, params, files, left_out, world_size=size)
     _point("files_written")
     _publish(save_dir, tag, partial)
     if save_latest:
         _write_latest(save_dir, tag)
 
 
-def _write_state(store, folder, client_state):
+def _write_state(store, folder, client_state, left_out):
     """One process's checkpoint: its optimizer state, engine states and meta.json."""
     entries, size = _write_optimizer_states(store, os.path.join(folder, STATES))
     params = [dict(_param_meta(e), **entry) for e, entry in zip(store.table.trained, entries)]
-    engine_digest = _write_engine_states(store, folder, client_state)
+    engine_digest = _write_engine_states(store, folder, client_state, None, left_out)
     _write_meta(store, folder, params,
-                {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}})
+                {STATES: {"bytes": size}, ENGINE: {"digest": engine_digest}}, left_out)
 
 
 def _param_meta(e):
@@ -461,12 +466,12 @@ def _write_optimizer_states(store, file):
     return entries, offset
 
 
-def _write_engine_states(store, folder, client_state, read=None):
+def _write_engine_states(store, folder, client_state, read, left_out):
     """engine_states.pt, synced; returns its digest. `read`: tensors of the module's rest read
-    already (across ranks, the frozen partitions' gathered)."""
+    already (across ranks, the frozen partitions' gathered); `left_out`: names not saved."""
     scheduler = store.lr_scheduler.state_dict() if store.lr_scheduler is not None and \
         hasattr(store.lr_scheduler, "state_dict") else None
-    aliases, extra = _module_rest(store)
+    aliases, extra = _module_rest(store, left_out)
     del aliases
     read = read or {}
     torch.save({"lr_scheduler": scheduler, "client_state": client_state,
@@ -478,7 +483,7 @@ def _write_engine_states(store, folder, client_state, read=None):
         return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
 
 
-def _write_meta(store, folder, params, files, world_size=None):
+def _write_meta(store, folder, params, files, left_out, world_size=None):
     aliases, _ = _module_rest(store)
     meta = {
         "format": FORMAT, "version": VERSION, "digest": "xxh3-128 per tensor; blake2b-128 of "
@@ -497,6 +502,8 @@ def _write_meta(store, folder, params, files, world_size=None):
     }
     if world_size is not None:
         meta["world_size"] = world_size
+    if left_out:  # (exclude_frozen_parameters: the model's own are kept on load)
+        meta["frozen_excluded"] = sorted(left_out)
     meta["meta_digest"] = _meta_digest(meta)
     _write_file(os.path.join(folder, META), json.dumps(meta, indent=1).encode())
 
@@ -533,20 +540,28 @@ class _Rest:
             self.value.copy_(values.to(device=self.value.device, dtype=self.value.dtype))
 
 
-def _module_rest(store):
+def _module_rest(store, left_out=()):
     """What the module's state dict holds besides the trainable parameters under their own names:
     (aliases: another name of a trainable parameter, a tied weight -> its name; the rest: frozen
-    parameters and buffers by name, each a _Rest)."""
+    parameters and buffers by name, each a _Rest, but those `left_out` names)."""
     names = {id(e.param): e.name for e in store.table.trained}
     frozen = {id(e.param): e for e in store.table.frozen}
     aliases, rest = {}, {}
     for name, value in store.module.state_dict(keep_vars=True).items():
         own = names.get(id(value))
         if own is None:
-            rest[name] = _Rest(store, value, frozen.get(id(value)))
+            if name not in left_out:
+                rest[name] = _Rest(store, value, frozen.get(id(value)))
         elif own != name:
             aliases[name] = own
     return aliases, rest
+
+
+def _frozen_names(store):
+    """The names of the module's state dict that are parameters not trained."""
+    trained = {id(e.param) for e in store.table.trained}
+    return {name for name, value in store.module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.nn.Parameter) and id(value) not in trained}
 
 
 def _resolve(load_dir, tag):
@@ -765,7 +780,7 @@ def _check_load(store, load_dir, tag, load_optimizer_states, load_lr_scheduler_s
     files = _files_for(meta, ranges)
     _verify(path, meta, files)
     engine_states = torch.load(os.path.join(path, ENGINE))
-    _, rest = _module_rest(store)
+    _, rest = _module_rest(store, set(meta.get("frozen_excluded", ())))
     saved_rest = engine_states["module_extra"]
     problems = [f"missing: {n}" for n in rest if n not in saved_rest]
     problems += [f"unexpected: {n}" for n in saved_rest if n not in rest]

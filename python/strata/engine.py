@@ -1146,12 +1146,16 @@ class Engine:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
         """DeepSpeed's save_checkpoint: the training state under save_dir/tag (default
         "global_stepN"), crash-consistent, `latest` moved last (strata/checkpoints.py says
-        what is kept and how). Returns the tag's folder."""
+        what is kept and how). exclude_frozen_parameters: the parameters not trained (a LoRA's
+        base) are not saved, and a load keeps the model's own (as DeepSpeed's; Trainer's
+        checkpoints of a peft model). Returns the tag's folder."""
         self._checkpoints.lr_scheduler = self.lr_scheduler
-        return checkpoints.save(self._checkpoints, save_dir, tag, client_state, save_latest)
+        return checkpoints.save(self._checkpoints, save_dir, tag, client_state, save_latest,
+                                exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
                         load_optimizer_states=True, load_lr_scheduler_states=True,

@@ -42,6 +42,7 @@ Thread safety: the Trainer's (one thread).
 import copy
 import json
 import os
+import sys
 import weakref
 
 import torch
@@ -152,7 +153,8 @@ def for_accelerate(accelerator):
         DeepSpeed's; the engines' modules and optimizers are left out of accelerate's own files
         (its weights and optimizer files), the rest (schedulers, samplers, random states,
         custom objects) saved and loaded by accelerate. save_state's keywords go to
-        save_checkpoint (client_state, save_latest), load_state's to load_checkpoint
+        save_checkpoint (client_state, save_latest, exclude_frozen_parameters), load_state's to
+        load_checkpoint
         (load_optimizer_states, load_lr_scheduler_states, load_module_only). Every rank calls
         them, as under DeepSpeed.
     Other models and optimizers are prepared and trained as accelerate does. strata.hf's Trainer
@@ -254,7 +256,8 @@ def for_accelerate(accelerator):
             kept.clear()
 
     def save_state_for_strata(output_dir=None, safe_serialization=True, **kwargs):
-        return kept_by_engines("save_state", kwargs, ("client_state", "save_latest"),
+        return kept_by_engines("save_state", kwargs,
+                               ("client_state", "save_latest", "exclude_frozen_parameters"),
                                lambda: save_state(output_dir, safe_serialization, **kwargs))
 
     def load_state_for_strata(input_dir=None, load_kwargs=None, **kwargs):
@@ -403,7 +406,12 @@ class StrataTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir):
         """The engine's whole training state (its checkpoint, under output_dir/strata) and the
         schedule's."""
-        self.strata_engine.save_checkpoint(output_dir, tag=ENGINE_TAG, save_latest=False)
+        # A peft model's frozen base is left out, as Trainer leaves it out of DeepSpeed's (a
+        # resume builds the model, its base with it, first).
+        peft = sys.modules.get("peft")
+        self.strata_engine.save_checkpoint(
+            output_dir, tag=ENGINE_TAG, save_latest=False,
+            exclude_frozen_parameters=peft is not None and isinstance(self.model, peft.PeftModel))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -9,6 +9,7 @@ is the host-emulated one: at stage 3 its budget is set below the model's paramet
 step lends them through it, and each case checks that it did.
 """
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -384,6 +385,19 @@ def test_a_checkpoint_of_a_lora_model_keeps_its_frozen_partitions(tmp_path):
         e.step()
     with torch.no_grad():
         assert engine(**kwargs).loss.item() == other(**kwargs).loss.item()
+    # exclude_frozen_parameters (DeepSpeed's; Trainer's for a peft model): the base is not
+    # written, and a load keeps the model's own base (the adapters and buffers are loaded).
+    engine.save_checkpoint(tmp_path / "ckpt", tag="lean", exclude_frozen_parameters=True)
+    lean = tmp_path / "ckpt" / "lean"
+    excluded = set(json.loads((lean / "meta.json").read_text())["frozen_excluded"])
+    assert excluded == {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    assert not excluded & set(torch.load(lean / "engine_states.pt")["module_extra"])
+    third = make(2)
+    own = third.module_state_dict()
+    third.load_checkpoint(tmp_path / "ckpt", tag="lean")
+    ours, theirs = engine.module_state_dict(), third.module_state_dict()
+    for name in ours:
+        assert torch.equal(theirs[name], own[name] if name in excluded else ours[name]), name
 
 
 def test_a_device_budget_without_room_for_a_checkpointed_block_names_what_it_lends(tmp_path):

@@ -161,14 +161,29 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path):
 
 def test_a_peft_adapter_trains_and_saves_as_an_adapter(tmp_path):
     """A LoRA model under Trainer at stage 3 (the frozen base offloaded): the losses of the
-    Trainer without strata; save_model writes the adapter alone, with its trained weights."""
+    Trainer without strata; save_model writes the adapter alone, with its trained weights; its
+    checkpoints leave the base out (as Trainer's of DeepSpeed's) and resume bit for bit."""
     torch.manual_seed(0)
     model = _lora(ARCHITECTURES["llama"]())  # (its adapters' A drawn once, for both)
+    fresh = copy.deepcopy(model)
     plain = plain_run(tmp_path, copy.deepcopy(model))
-    trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, "strata"),
-                                train_dataset=data(),
-                                strata_config=strata_config(3, "cpu", tmp_path))
-    trainer.train()
+
+    def run(model, name, resume=None):
+        trainer = strata.hf.Trainer(model=model, args=args_of(tmp_path, name, save_steps=2,
+                                                              save_strategy="steps"),
+                                    train_dataset=data(),
+                                    strata_config=strata_config(3, "cpu", tmp_path / name))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+    trainer = run(model, "strata")
+    checkpoint = tmp_path / "strata" / "checkpoint-2"
+    meta = json.loads((checkpoint / "strata" / "meta.json").read_text())
+    base = {e.name for e in trainer.strata_engine.table.frozen}
+    assert base and base <= set(meta["frozen_excluded"])
+    resumed = run(fresh, "resumed", resume=str(checkpoint))
+    ours = resumed.strata_engine.module_state_dict()
+    for name, value in trainer.strata_engine.module_state_dict().items():
+        assert torch.equal(ours[name], value), name
     assert len(logged(trainer)) == len(logged(plain)) == STEPS
     for (loss, norm, _), (ref_loss, ref_norm, _) in zip(logged(trainer), logged(plain)):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
@@ -411,9 +426,9 @@ def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds no strata checkpoint \(strata/\) for a "
                                                 r"prepared engine: .* without strata.hf.for_acc"):
         accelerator.load_state(tmp_path / "state")
-    with pytest.raises(ValueError, match=r"save_state\(exclude_frozen_parameters=...\) with a "
+    with pytest.raises(ValueError, match=r"save_state\(exclude_buffers=...\) with a "
                                          r"strata engine prepared: .*accepted: client_state"):
-        accelerator.save_state(tmp_path / "engine", exclude_frozen_parameters=True)
+        accelerator.save_state(tmp_path / "engine", exclude_buffers=True)
     accelerator.save_state(tmp_path / "engine")
     assert sorted(os.listdir(tmp_path / "engine")) == ["latest", "random_states_0.pkl", "strata"]
     train(resumed_model, resumed_optimizer, rows[:1])

@@ -6,6 +6,7 @@ the bounds docs/lightning.md states. Then: checkpoints and resume, the collated 
 configure_model under strata.init, two processes against one, each DeepSpeedStrategy argument
 (acted on, or warned of by name), bad inputs, and the CUDA tier (skipped without a GPU).
 """
+import json
 import os
 import subprocess
 import sys
@@ -348,6 +349,32 @@ def test_checkpoint_folder_and_resume_bit_for_bit(tmp_path):
         assert torch.equal(mine[name], value), name
 
 
+class FrozenTokens(Net):
+    """Net with its token embedding frozen (a frozen base's part)."""
+
+    def build(self):
+        super().build()
+        self.tokens.requires_grad_(False)
+
+
+def test_exclude_frozen_parameters_leaves_them_out_of_the_checkpoint(tmp_path):
+    """StrataStrategy(exclude_frozen_parameters=True), as DeepSpeedStrategy's: the checkpoint
+    leaves the frozen embedding out (meta.json names it), and a load keeps the model's own."""
+    strategy = StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD,
+                              exclude_frozen_parameters=True)
+    model, t, _ = fit(strategy, FrozenTokens, max_epochs=1)
+    t.save_checkpoint(tmp_path / "lean")
+    meta = json.loads((tmp_path / "lean" / "checkpoint" / "meta.json").read_text())
+    assert meta["frozen_excluded"] == ["tokens.weight"]
+    torch.manual_seed(5)
+    other = FrozenTokens()
+    own = other.tokens.weight.detach().clone()
+    t = trainer(StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD),
+                max_epochs=2)
+    t.fit(other, loader(), loader(16, seed=1), ckpt_path=tmp_path / "lean")
+    assert torch.equal(sl.module_state_dict(other)["tokens.weight"], own)
+
+
 def test_collated_fp32_checkpoint_loads_in_lightning_and_in_the_strategy(tmp_path):
     model, t, _ = fit(StrataStrategy(stage=3, offload_parameters=True, config=THRESHOLD),
                       model_kwargs={"lr": 2e-3})
@@ -654,7 +681,6 @@ def test_auto_batch_size_and_the_trainer_owned_keys():
     ({"partition_activations": True}, "partition_activations"),
     ({"contiguous_memory_optimization": True}, "contiguous_memory_optimization"),
     ({"synchronize_checkpoint_boundary": True}, "synchronize_checkpoint_boundary"),
-    ({"exclude_frozen_parameters": True}, "exclude_frozen_parameters"),
     ({"offload_optimizer": False}, "offload_optimizer"),
     ({"pin_memory": False}, "pin_memory"),
     ({"stage": 2, "offload_parameters": True}, "offload_parameters"),

@@ -65,7 +65,7 @@ module as plain tensors and closes its engine.
 Not acted on (warned when given): pin_memory=False,
 contiguous_gradients, allgather_partitions, reduce_scatter, zero_allow_untested_optimizer,
 partition_activations, contiguous_memory_optimization, synchronize_checkpoint_boundary,
-exclude_frozen_parameters, offload_optimizer=False (strata always steps on the CPU), a
+offload_optimizer=False (strata always steps on the CPU), a
 remote_device other than the parameters' tier, max_in_cpu without parameters on NVMe, the
 loss-scale arguments outside "16-mixed", and the bucket and overlap_comm arguments in one process
 (they act across ranks).

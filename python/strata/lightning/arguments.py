@@ -40,8 +40,6 @@ _NOT_ACTED_ON = {
                                        "which strata does not have", False),
     "synchronize_checkpoint_boundary": ("strata's activation checkpoints need no device "
                                         "synchronization of their own", False),
-    "exclude_frozen_parameters": ("strata's checkpoint keeps frozen parameters (with the "
-                                  "buffers)", False),
 }
 _LOSS_SCALE_ARGUMENTS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                          "min_loss_scale")

@@ -99,6 +99,7 @@ class _StrategyMixin:
         base, has_config = _load_config(config)
         self.config = _build_config(self, arguments, given, has_config, base)
         self.load_full_weights = load_full_weights
+        self.exclude_frozen_parameters = exclude_frozen_parameters
         if "logging_level" in given:
             logger.setLevel(arguments["logging_level"])
         self._engine = None  # the engine of this strategy's current run
@@ -526,7 +527,8 @@ class _StrategyMixin:
             raise RuntimeError("StrataStrategy: no engine to save (the strategy is not set up)")
         client = {k: v for k, v in checkpoint.items()
                   if k not in ("state_dict", "optimizer_states")}
-        engine.save_checkpoint(filepath, tag=TAG, client_state=_pack(client))
+        engine.save_checkpoint(filepath, tag=TAG, client_state=_pack(client),
+                               exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         """A strata checkpoint folder (the engine loads it; when fitting, the optimizer's state
