@@ -46,8 +46,14 @@ void Scheduler::Diverge(std::string why) {
 
 std::optional<std::string> Scheduler::EndStep() {
   if (mode_ == Mode::kPlanned && cursor_ != plan_acquires_.size()) {
-    Diverge(absl::StrCat("the step ended after ", cursor_, " of the ", plan_acquires_.size(),
-                         " accesses of the recorded step"));
+    // A step that ended early with every access as planned (a trainer's short last window of an
+    // epoch: fewer micro-batches) keeps the plan for the next whole step; made the plan, the
+    // shorter step would make the next whole one diverge where it ended.
+    cursor_ = 0;
+    for_step_.clear();
+    tight_ = false;
+    recording_.clear();
+    return std::nullopt;
   }
   std::optional<std::string> ended = std::move(divergence_);
   divergence_.reset();

@@ -11,10 +11,11 @@
 //              known trace: evict the copy needed furthest in the future). The plan wraps around
 //              the step's end into the next step, which repeats it, so the first layers are brought
 //              back while the last ones run.
-// Planning stops at the first mismatch (a different partition or tier than the plan expects, an
-// access past its end, or a step that ends early): the Scheduler says so once (divergence()), the
-// rest of the step runs on demand with least-recently-used eviction (mode kFallback), and the step
-// is recorded anew: the next step is planned from it.
+// Planning stops at the first mismatch (a different partition or tier than the plan expects, or
+// an access past its end): the Scheduler says so once (divergence()), the rest of the step runs on
+// demand with least-recently-used eviction (mode kFallback), and the step is recorded anew: the
+// next step is planned from it. A step that ends early with every access as planned (a trainer's
+// short last window of an epoch) is no mismatch: the plan stays for the next whole step.
 //
 // The window is adaptive: it widens while the trainer still waits for prefetched partitions
 // (OnLateOrMiss) and narrows when a prefetch finds no room in a tier's budget (OnBudgetTight),
@@ -83,8 +84,9 @@ class Scheduler {
   bool OnAcquire(const PartitionDesc& desc, Tier tier, double at_seconds);
   void OnRelease(const PartitionDesc& desc, Tier tier, bool dirty, double at_seconds);
 
-  // The step ends: a recorded or diverged step becomes the plan of the next one. Returns the
-  // divergence of the step that ended, if any (also when it ended short of the plan).
+  // The step ends: a recorded or diverged step becomes the plan of the next one (a planned step
+  // that ended short of the plan leaves it as it is). Returns the divergence of the step that
+  // ended, if any.
   std::optional<std::string> EndStep();
 
   struct Upcoming {
