@@ -338,11 +338,14 @@ def _save_ranks(store, save_dir, tag, client_state, save_latest, left_out):
                 f"{', '.join(map(str, failed))} could not write {tag!r} (each says why); nothing "
                 f"was saved, {LATEST} is unchanged")
         # The frozen partitions' weights whole for engine_states.pt (each an all-gather every
-        # rank joins; rank 0 keeps them).
-        frozen = {name: value.read() for name, value in _module_rest(store, left_out)[1].items()
-                  if value.frozen is not None}
-        if not lead:
-            frozen.clear()
+        # rank joins; rank 0 keeps them, the others let each go).
+        frozen = {}
+        for name, value in _module_rest(store, left_out)[1].items():
+            if value.frozen is not None:
+                whole = value.read()
+                if lead:
+                    frozen[name] = whole
+                del whole
         published = False
         if lead:
             try:
@@ -480,7 +483,13 @@ def _write_engine_states(store, folder, client_state, read, left_out):
                os.path.join(folder, ENGINE))
     with open(os.path.join(folder, ENGINE), "rb+") as f:
         os.fsync(f.fileno())
-        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+        return _file_digest(f)
+
+
+def _file_digest(f):
+    """The blake2b-128 of an open file, read a block at a time (not whole: a frozen base's
+    weights may be most of engine_states.pt)."""
+    return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
 def _write_meta(store, folder, params, files, left_out, world_size=None):
@@ -711,7 +720,7 @@ def _verify(path, meta, files=None):
     engine_file = os.path.join(path, ENGINE)
     try:
         with open(engine_file, "rb") as f:
-            digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+            digest = _file_digest(f)
     except FileNotFoundError:
         raise CheckpointError(f"load_checkpoint: {engine_file} is missing; nothing was changed") \
             from None
@@ -779,7 +788,8 @@ def _check_load(store, load_dir, tag, load_optimizer_states, load_lr_scheduler_s
     ranges = {e.name: (rank * e.shard, rank * e.shard + e.shard) for e in store.table.trained}
     files = _files_for(meta, ranges)
     _verify(path, meta, files)
-    engine_states = torch.load(os.path.join(path, ENGINE))
+    # Mapped, not read whole: each rank reads the parts it keeps (a frozen base's shard).
+    engine_states = torch.load(os.path.join(path, ENGINE), mmap=True)
     _, rest = _module_rest(store, set(meta.get("frozen_excluded", ())))
     saved_rest = engine_states["module_extra"]
     problems = [f"missing: {n}" for n in rest if n not in saved_rest]
