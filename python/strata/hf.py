@@ -153,10 +153,11 @@ def for_accelerate(accelerator):
         DeepSpeed's; the engines' modules and optimizers are left out of accelerate's own files
         (its weights and optimizer files), the rest (schedulers, samplers, random states,
         custom objects) saved and loaded by accelerate. save_state's keywords go to
-        save_checkpoint (client_state, save_latest, exclude_frozen_parameters), load_state's to
-        load_checkpoint
-        (load_optimizer_states, load_lr_scheduler_states, load_module_only). Every rank calls
-        them, as under DeepSpeed.
+        save_checkpoint (client_state, save_latest, exclude_frozen_parameters; others
+        refused), load_state's to load_checkpoint
+        (load_optimizer_states, load_lr_scheduler_states, load_module_only; the others are
+        accelerate's, for the models it loads itself). Every rank calls them, as under
+        DeepSpeed.
     Other models and optimizers are prepared and trained as accelerate does. strata.hf's Trainer
     does this to its own; a loop of one's own calls it once, after making its Accelerator."""
     if getattr(accelerator, "_strata_prepares", False):
@@ -261,11 +262,13 @@ def for_accelerate(accelerator):
                                lambda: save_state(output_dir, safe_serialization, **kwargs))
 
     def load_state_for_strata(input_dir=None, load_kwargs=None, **kwargs):
-        given = {k: v for k, v in kwargs.items() if k != "map_location"}  # (accelerate's)
+        # The engines' keywords go to their checkpoints; the others (map_location, strict...)
+        # to accelerate, for the models it loads itself.
+        ours = ("load_optimizer_states", "load_lr_scheduler_states", "load_module_only")
         return kept_by_engines(
-            "load_state", given,
-            ("load_optimizer_states", "load_lr_scheduler_states", "load_module_only"),
-            lambda: load_state(input_dir, load_kwargs, **kwargs))
+            "load_state", {k: v for k, v in kwargs.items() if k in ours}, ours,
+            lambda: load_state(input_dir, load_kwargs,
+                               **{k: v for k, v in kwargs.items() if k not in ours}))
 
     def save_engines(models, weights, output_dir):
         for tag, engine in kept.get("engines", ()):

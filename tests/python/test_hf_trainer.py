@@ -432,12 +432,17 @@ def test_an_accelerate_loop_trains_and_resumes_through_strata(tmp_path):
     with pytest.raises(ValueError, match=r"save_state\(exclude_buffers=...\) with a "
                                          r"strata engine prepared: .*accepted: client_state"):
         accelerator.save_state(tmp_path / "engine", exclude_buffers=True)
+    side = accelerator.prepare(torch.nn.Linear(2, 2))  # a model of accelerate's beside it
     accelerator.save_state(tmp_path / "engine")
-    assert sorted(os.listdir(tmp_path / "engine")) == ["latest", "random_states_0.pkl", "strata"]
+    assert sorted(os.listdir(tmp_path / "engine")) == ["latest", "model.safetensors",
+                                                       "random_states_0.pkl", "strata"]
     train(resumed_model, resumed_optimizer, rows[:1])
     accelerator.free_memory()
     again, prepared = engine_of("c", ARCHITECTURES["llama"]())
-    accelerator.load_state(tmp_path / "engine")
+    side_again = accelerator.prepare(torch.nn.Linear(2, 2))
+    # (the engine's keyword to its checkpoint, accelerate's to the model it loads)
+    accelerator.load_state(tmp_path / "engine", load_optimizer_states=True, strict=True)
+    assert torch.equal(side_again.weight, side.weight)
     train(*prepared, rows[:1])
     ours = again.module_state_dict()
     for name, value in resumed.module_state_dict().items():
