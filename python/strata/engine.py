@@ -643,7 +643,9 @@ class Engine:
         """Counts of parameters see a partitioned one's real size, not its placeholder's 0: it
         carries ds_numel, as DeepSpeed's ZeRO-3 parameters do (peft's trainable count and
         Trainer's read it), and a transformers model's num_parameters() counts by it (the
-        module's own, patched on the instance; close() takes it off)."""
+        module's own, patched on the instance; close() takes it off). Across ranks a
+        transformers model's generate keeps every rank's forwards going until every rank has
+        finished (guards.generate_through), as transformers does under DeepSpeed's ZeRO-3."""
         for e in self.table.entries():
             if e.partitioned:
                 e.param.ds_numel = e.numel
@@ -656,6 +658,10 @@ class Engine:
             if isinstance(module, hf.PreTrainedModel):
                 module.num_parameters = types.MethodType(guards.num_parameters, module)
                 self._patched_methods.append((module, "num_parameters"))
+                if self.ranks is not None and isinstance(module, hf.GenerationMixin):
+                    guards.generate_through(weakref.ref(self), module)
+                    self._patched_methods += [(module, "generate"),
+                                              (module, "_has_unfinished_sequences")]
 
     def _fit_peft(self, model):
         """peft's wrappers at stage 3 (patched on the instances; close() takes them off):

@@ -4,6 +4,7 @@
   them (route_clip_grad_norm, once, at import): their gradients are not in .grad.
 - The module's own methods an engine stands in for (load_state_dict_through, zero_grad_through,
   save_pretrained_through: a peft model's adapters saved without reading its frozen base,
+  generate_through: across ranks, generate's ranks kept in step as under DeepSpeed's ZeRO-3,
   num_parameters: a partitioned parameter counted by its real size).
 - What a closed engine leaves: each partitioned parameter a placeholder of its shape without its
   bytes (leave_placeholders), refused by name by the module's forward and state_dict()
@@ -26,7 +27,8 @@ from strata import tiling
 
 __all__ = ["LIVE", "PLACEHOLDERS_LEFT", "engine_holding", "engine_of", "leave_placeholders",
            "left_placeholders", "load_state_dict_through", "num_parameters",
-           "refuse_placeholders", "route_clip_grad_norm", "save_pretrained_through", "unguard",
+           "refuse_placeholders", "route_clip_grad_norm", "save_pretrained_through",
+           "generate_through", "unguard",
            "zero_grad_through"]
 
 # The engines not closed: torch.nn.utils.clip_grad_norm_ over their parameters comes to them.
@@ -251,6 +253,27 @@ def save_pretrained_through(engine_ref):
             selected_adapters=selected_adapters, save_embedding_layers=save_embedding_layers,
             is_main_process=is_main_process, **kwargs)
     return save_pretrained
+
+
+def generate_through(engine_ref, module):
+    """Sets on `module` (a transformers model an engine trains across ranks at stage 3) the
+    generate of transformers under DeepSpeed's ZeRO-3: synced_gpus on unless said otherwise (a
+    rank whose sequences have ended goes on running forwards, each a gather the others join,
+    until every rank's have), its flag summed over the ranks through the engine's own
+    collectives (a loop of one's own has no torch.distributed group)."""
+    own = type(module)._has_unfinished_sequences
+
+    def generate(*args, synced_gpus=None, **kwargs):
+        return type(module).generate(module, *args, **kwargs, synced_gpus=(
+            True if synced_gpus is None else synced_gpus))
+
+    def has_unfinished_sequences(this_peer_finished, synced_gpus, device):
+        engine = engine_ref()
+        if not synced_gpus or engine is None or engine.ranks is None:
+            return own(module, this_peer_finished, synced_gpus, device)
+        return engine.ranks.all_reduce_sum([0.0 if this_peer_finished else 1.0])[0] > 0
+    module.generate = generate
+    module._has_unfinished_sequences = has_unfinished_sequences
 
 
 def refuse_deepcopy(memo=None):

@@ -534,10 +534,10 @@ def test_resuming_from_a_checkpoint_strata_did_not_save_is_refused(tmp_path):
 # with and without strata.
 # Rank 0 writes what each logged, and the weights.
 RANKS = r"""
-import os, pathlib, sys
+import copy, os, pathlib, sys
 sys.path.insert(0, sys.argv[1])
 import safetensors.torch, torch, transformers
-import strata.engine, strata.hf
+import strata, strata.engine, strata.hf
 from test_hf_trainer import (ARCHITECTURES, data, args_of, strata_config, logged, sft_run,
                              accelerate_ranks_run)
 tmp, out = pathlib.Path(sys.argv[2]), {}
@@ -590,6 +590,23 @@ for name, strata_given in (("sft_ddp", None), ("sft_stage3", strata_config(3, "c
     out[name] = {"logged": logged(trainer), "weights": adapter, "evals": []}
 for name, stage in (("accelerate_ddp", None), ("accelerate_stage3", 3)):
     out[name] = accelerate_ranks_run(tmp, rank, stage)
+# generate at stage 3, each rank on its own prompt, rank 0's ending at once (its eos the first
+# token it makes): the ranks go on together, each with the plain model's tokens.
+torch.manual_seed(0)
+model = ARCHITECTURES["gpt2"]()
+plain = copy.deepcopy(model).eval()
+config = strata_config(3, "cpu", tmp / f"generate{rank}")
+config.update(train_micro_batch_size_per_gpu=1, train_batch_size=2, gradient_accumulation_steps=1,
+              gradient_clipping=0.0, bf16={"enabled": False}, optimizer={"type": "AdamW"})
+config["zero_optimization"]["reduce_bucket_size"] = 1 << 20
+engine, _, _, _ = strata.initialize(model=model, config=config)
+prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(4))
+with torch.no_grad():
+    eos = plain.generate(prompts[:1], max_new_tokens=1, do_sample=False)[0, -1].item()
+    given = dict(max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    ours = engine.module.eval().generate(prompts[rank:rank + 1], **given)
+    assert torch.equal(ours, plain.generate(prompts[rank:rank + 1], **given)), (rank, ours)
+    assert (ours.shape[1] == 7) == (rank == 0), ours  # (rank 0 ended after one token)
 if rank == 0:
     torch.save(out, tmp / "out.pt")
 # Out without the interpreter's finalization: torch's Gloo threads may free Trainer's last
@@ -671,7 +688,8 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
     3, on every rank) writes the trained weights whole; the checkpoint the two ranks wrote
     resumes bit for bit; TRL's SFTTrainer with LoRA across the ranks logs what it logs with
     DDP; an Accelerate loop accumulating (strata.hf.for_accelerate) ends at DDP's weights, and
-    its save_state (each rank's shard) resumes bit for bit."""
+    its save_state (each rank's shard) resumes bit for bit; generate's ranks ending at other
+    lengths go on together (each with the plain model's tokens)."""
     procs = start_ranks(2, RANKS, (os.path.dirname(os.path.abspath(__file__)), tmp_path))
     for p in procs:
         _, stderr = p.communicate(timeout=300)
