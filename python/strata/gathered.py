@@ -23,7 +23,9 @@ class GatheredParameters:
     ones) is its weights already; with modifier_rank what the block wrote into it becomes its fp32
     master weights too (its moments kept), or the next step would put the old ones back (across
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
-    DeepSpeed's). Other parameters pass as they are. Not for autograd: a loss computed in the
+    DeepSpeed's; a frozen partitioned one's too, each rank keeping its shard of rank 0's; a
+    trained partitioned one's edit across ranks is refused). Other parameters pass as they are.
+    Not for autograd: a loss computed in the
     block from them would save what backward cannot find after it (the weights are given back at
     its end); compute such a loss inside the module's forward."""
 
@@ -51,11 +53,16 @@ class GatheredParameters:
                     break
                 e = engine.stage == 3 and engine.table.partitioned_by_id.get(id(p))
                 if e:
-                    if self.modify and engine.ranks is not None:
-                        raise ValueError("GatheredParameters(modifier_rank=...) across ranks: "
-                                         "not supported yet (each rank holds a shard of the "
-                                         "master weights); accepted: modifier_rank=None, or one "
-                                         "process")
+                    if self.modify and engine.ranks is not None and not e.frozen:
+                        raise ValueError("GatheredParameters(modifier_rank=...) across ranks "
+                                         f"over {e.name}, a trained parameter partitioned: not "
+                                         "supported yet (each rank holds a shard of its master "
+                                         "weights); accepted: modifier_rank=None, or one "
+                                         "process (a frozen one's edit is taken)")
+                    if self.modify and engine.ranks is not None and modifier_rank != 0:
+                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
+                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
+                                         "writes become every rank's weights)")
                     self.held.append((engine, e))
                     break
 

@@ -112,6 +112,12 @@ for step in range(steps):
     norms.append(engine.last_step_stats["optimizer"]["grad_norm"] if user_norm is None
                  else user_norm)
     staged += bool(engine.last_step_stats["optimizer"].get("staged"))
+if __import__("os").environ.get("STRATA_TEST_FROZEN"):
+    # A frozen partition edited in GatheredParameters: rank 0's writes are every rank's (the
+    # others' here are zeros, which must not land).
+    with strata.GatheredParameters(model.l1.weight, modifier_rank=0):
+        if rank != 0:
+            model.l1.weight.data.zero_()
 state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
