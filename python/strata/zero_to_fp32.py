@@ -7,7 +7,9 @@
 
 OUT is a ``torch.save`` file that ``torch.load`` reads and a plain ``nn.Module`` of the same
 architecture loads with ``load_state_dict`` (strict): every trainable parameter's fp32 master
-weights, a tied weight under each of its names, the buffers and frozen parameters as saved. With
+weights, a tied weight under each of its names, the buffers and frozen parameters as saved (a
+checkpoint saved with exclude_frozen_parameters holds no frozen ones: said in a StrataWarning, the
+state dict then loads with strict=False over a model holding them). With
 ``--shard-size``, OUT is a folder of files of at most that many bytes each (a tensor larger than it
 has a file of its own) and ``pytorch_model.bin.index.json``, the index large models ship with
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
@@ -37,12 +39,14 @@ import logging
 import mmap
 import os
 import sys
+import warnings
 import weakref
 
 import numpy
 import torch
 
 from strata import checkpoints
+from strata.notices import StrataWarning
 
 __all__ = ["consolidate", "main"]
 
@@ -80,9 +84,18 @@ def _state_dict(checkpoint_dir, tag):
             out[p["name"]] = _Shards(path, meta, p)
     for alias, name in meta.get("aliases", {}).items():
         out[alias] = out[name]
-    extra = torch.load(os.path.join(path, checkpoints.ENGINE))["module_extra"]
+    extra = torch.load(os.path.join(path, checkpoints.ENGINE), mmap=True)["module_extra"]
     for name, value in extra.items():  # frozen parameters and buffers; floating ones in fp32
         out[name] = value.float() if value.is_floating_point() else value
+    left_out = meta.get("frozen_excluded", [])
+    if left_out:
+        warnings.warn(
+            f"zero_to_fp32: {path} was saved with exclude_frozen_parameters: {len(left_out)} "
+            f"parameters not trained are not in it ({', '.join(left_out[:3])}"
+            f"{', ...' if len(left_out) > 3 else ''}); the state dict written lacks them: load "
+            "it with load_state_dict(..., strict=False) over a model that holds them (its "
+            "base), or save the checkpoint without exclude_frozen_parameters", StrataWarning,
+            stacklevel=3)
     return path, out
 
 

@@ -398,6 +398,13 @@ def test_a_checkpoint_of_a_lora_model_keeps_its_frozen_partitions(tmp_path):
     ours, theirs = engine.module_state_dict(), third.module_state_dict()
     for name in ours:
         assert torch.equal(theirs[name], own[name] if name in excluded else ours[name]), name
+    # Consolidated, it lacks the base, and says so.
+    from strata import zero_to_fp32
+    with pytest.warns(strata.StrataWarning, match=rf"exclude_frozen_parameters: "
+                                                  rf"{len(excluded)} parameters not trained "
+                                                  r"are not in it .*strict=False"):
+        zero_to_fp32.consolidate(tmp_path / "ckpt", tmp_path / "lean.pt", tag="lean")
+    assert not excluded & set(torch.load(tmp_path / "lean.pt"))
 
 
 def test_a_device_budget_without_room_for_a_checkpointed_block_names_what_it_lends(tmp_path):
