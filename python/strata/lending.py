@@ -258,6 +258,7 @@ class Lending:
             self.ranks.finish_gather(prefetched[1])
             if gather:
                 self.ranks.gather(gather)
+            gather = lent = None  # the shards given back before the next module's are lent
             self._prefetch_after(module)
 
     # Across ranks, the all-gathers follow the order the first micro-batch fetched the modules in

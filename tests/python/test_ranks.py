@@ -595,3 +595,35 @@ def test_gradients_made_before_a_failed_backward_are_kept_as_in_one_process(tmp_
         assert p.returncode == 0, err[-2000:]
     assert_same(torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt"), False,
                 "after a failed backward")
+
+
+# 24 weights of 144 elements, over stage3_param_persistence_threshold (100): partitions, whose
+# shards on 2 ranks (72 elements) are under it; a device budget of 16 pages (each shard takes one).
+SMALL_SHARDS = r"""
+import json, os, sys, torch
+import strata
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(12, 12, bias=False) for _ in range(24)])
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam"},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
+                                "offload_param": {"device": "cpu"}},
+          "strata": {"device": "emulated", "device_budget_bytes": 16 * 4096,
+                     "host_budget_bytes": 16 << 20, "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+for _ in range(2):
+    engine.backward(engine(torch.randn(2, 12)).square().mean())
+    engine.step()
+print(json.dumps({"steps": engine.global_steps,
+                  "shards": sorted({e.shard for e in engine.table.trained})}))
+"""
+
+
+def test_shards_under_the_persistence_threshold_leave_the_device_like_the_others():
+    """A parameter over stage3_param_persistence_threshold is partitioned; across ranks its
+    shard may be under it, and is evicted from the device as any partition is (the Runtime kept
+    each such shard there for good, and a budget the one process trains in filled up)."""
+    procs = start_ranks(2, SMALL_SHARDS)
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"steps": 2, "shards": [72]}
