@@ -23,7 +23,7 @@ class GatheredParameters:
     ones) is its weights already; with modifier_rank what the block wrote into it becomes its fp32
     master weights too (its moments kept), or the next step would put the old ones back (across
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
-    DeepSpeed's; a frozen partitioned one's too, each rank keeping its shard of rank 0's; a
+    DeepSpeed's; a frozen one's too, each rank keeping rank 0's, or its shard of them; a
     trained partitioned one's edit across ranks is refused). Other parameters pass as they are.
     Not for autograd: a loss computed in the
     block from them would save what backward cannot find after it (the weights are given back at
@@ -36,6 +36,7 @@ class GatheredParameters:
         self.enabled = enabled
         self.held = []  # (engine, entry): gathered whole for the block
         self.kept = []  # (engine, entry): whole already; written to the master weights at exit
+        self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
         if not enabled:
             return
         for p in params:
@@ -65,6 +66,15 @@ class GatheredParameters:
                                          "writes become every rank's weights)")
                     self.held.append((engine, e))
                     break
+                if self.modify and engine.ranks is not None and \
+                        any(q is p for q in engine.module.parameters()):
+                    # (a frozen one under the persistence threshold: each rank's copy)
+                    if modifier_rank != 0:
+                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
+                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
+                                         "writes become every rank's weights)")
+                    self.plain.append((engine, p))
+                    break
 
     def __enter__(self):
         for engine, e in self.held:  # all checked before any changes
@@ -85,6 +95,9 @@ class GatheredParameters:
                 both = self.held + self.kept
                 for engine in {id(engine): engine for engine, _ in both}.values():
                     self._write_back(engine, [e for owner, e in both if owner is engine])
+                for engine in {id(engine): engine for engine, _ in self.plain}.values():
+                    engine.ranks.broadcast_tensors([p.data for owner, p in self.plain
+                                                    if owner is engine])
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder

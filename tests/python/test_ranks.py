@@ -82,6 +82,14 @@ if __import__("os").environ.get("STRATA_TEST_GROUP"):  # the trainer's torch.dis
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.group.WORLD
 engine, _, _, _ = strata.initialize(model=model, config=config, process_group=group)
+if __import__("os").environ.get("STRATA_TEST_FROZEN"):
+    # The frozen layer edited in GatheredParameters before training (its weight a partition, its
+    # bias under the threshold, whole on each rank): rank 0's writes are every rank's (the
+    # others' here are zeros, which must not land: the steps would differ).
+    with strata.GatheredParameters([model.l1.weight, model.l1.bias], modifier_rank=0):
+        if rank != 0:
+            model.l1.weight.data.zero_()
+            model.l1.bias.data.zero_()
 assert engine.micro_batch_size == GLOBAL // world // SPLIT
 gen = torch.Generator().manual_seed(1)
 per = GLOBAL // world // SPLIT
@@ -112,12 +120,6 @@ for step in range(steps):
     norms.append(engine.last_step_stats["optimizer"]["grad_norm"] if user_norm is None
                  else user_norm)
     staged += bool(engine.last_step_stats["optimizer"].get("staged"))
-if __import__("os").environ.get("STRATA_TEST_FROZEN"):
-    # A frozen partition edited in GatheredParameters: rank 0's writes are every rank's (the
-    # others' here are zeros, which must not land).
-    with strata.GatheredParameters(model.l1.weight, modifier_rank=0):
-        if rank != 0:
-            model.l1.weight.data.zero_()
 state = engine.module_state_dict()  # every rank takes part
 if rank == 0:
     torch.save(dict({k: v.float() for k, v in state.items()}, initial=initial, norms=norms), out)
