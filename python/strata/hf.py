@@ -406,6 +406,22 @@ class StrataTrainerMixin:
             engine.step()
         return loss
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None,
+                        **gen_kwargs):
+        """Trainer's (or the subclass's) prediction step; Seq2SeqTrainer's generate, across
+        ranks at stage 3, with synced_gpus on unless given (it passes its own default, which
+        sees DeepSpeed's ZeRO-3 only): a rank whose sequences end first goes on running
+        forwards, each one's gathers joined, until every rank's have."""
+        engine = self.strata_engine
+        if isinstance(self, transformers.Seq2SeqTrainer) and engine is not None and \
+                engine.ranks is not None and engine.stage == 3:
+            if not gen_kwargs and hasattr(self, "_gen_kwargs"):
+                gen_kwargs = self._gen_kwargs.copy()  # (as Seq2SeqTrainer takes them)
+            gen_kwargs = dict(gen_kwargs)
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only,
+                                       ignore_keys=ignore_keys, **gen_kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir):
         """The engine's whole training state (its checkpoint, under output_dir/strata) and the
         schedule's."""

@@ -607,6 +607,23 @@ with torch.no_grad():
     ours = engine.module.eval().generate(prompts[rank:rank + 1], **given)
     assert torch.equal(ours, plain.generate(prompts[rank:rank + 1], **given)), (rank, ours)
     assert (ours.shape[1] == 7) == (rank == 0), ours  # (rank 0 ended after one token)
+# Seq2SeqTrainer's predict_with_generate (T5, stage 3), its ranks ending at other lengths: the
+# engine's generate on each rank's rows.
+torch.manual_seed(0)
+rows = data("t5")[:4]
+args = transformers.Seq2SeqTrainingArguments(
+    output_dir=str(tmp / "s2s"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+    max_steps=1, learning_rate=1e-3, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+    save_strategy="no", predict_with_generate=True, generation_max_length=10)
+trainer = strata.hf.with_strata(transformers.Seq2SeqTrainer)(
+    model=ARCHITECTURES["t5"](), args=args, train_dataset=rows,
+    strata_config=strata_config(3, "cpu", tmp / f"s2s{rank}"))
+trainer.train()
+# Rank 0's sequences end at their first token (every token its eos), rank 1's after 8 at least.
+given = {"eos_token_id": list(range(trainer.model.config.vocab_size))} if rank == 0 else \
+    {"min_new_tokens": 8}
+predicted = trainer.predict(rows[:2], **given).predictions
+assert predicted.shape[0] >= 2, predicted.shape  # (gathered from the ranks)
 if rank == 0:
     torch.save(out, tmp / "out.pt")
 # Out without the interpreter's finalization: torch's Gloo threads may free Trainer's last
