@@ -658,7 +658,9 @@ class Engine:
             if isinstance(module, hf.PreTrainedModel):
                 module.num_parameters = types.MethodType(guards.num_parameters, module)
                 self._patched_methods.append((module, "num_parameters"))
-                if self.ranks is not None and isinstance(module, hf.GenerationMixin):
+                # (not over a generate the instance has of its own: close() would lose it)
+                if self.ranks is not None and isinstance(module, hf.GenerationMixin) and \
+                        "generate" not in module.__dict__:
                     guards.generate_through(weakref.ref(self), module)
                     self._patched_methods += [(module, "generate"),
                                               (module, "_has_unfinished_sequences")]
