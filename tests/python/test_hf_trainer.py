@@ -607,6 +607,13 @@ with torch.no_grad():
     ours = engine.module.eval().generate(prompts[rank:rank + 1], **given)
     assert torch.equal(ours, plain.generate(prompts[rank:rank + 1], **given)), (rank, ours)
     assert (ours.shape[1] == 7) == (rank == 0), ours  # (rank 0 ended after one token)
+# A generate the model instance has of its own is left as it is, and kept after close().
+own_model = ARCHITECTURES["gpt2"]()
+own_model.generate = own = lambda *args, **kwargs: "its own"
+own_engine, _, _, _ = strata.initialize(model=own_model, config=config)
+assert own_model.generate is own
+own_engine.close()
+assert own_model.generate is own
 # Seq2SeqTrainer's predict_with_generate (T5, stage 3), its ranks ending at other lengths: the
 # engine's generate on each rank's rows.
 torch.manual_seed(0)
