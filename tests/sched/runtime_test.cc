@@ -14,6 +14,7 @@
 #include <fstream>
 #include <random>
 #include <set>
+#include <chrono>
 #include <thread>
 
 #include "aio/fault_injection.h"
@@ -552,13 +553,15 @@ TEST(RuntimeTest, ConcurrentAcquiresAndReleasesKeepEveryPartitionsBytes) {
         const PartitionId id = static_cast<PartitionId>(2 * t + round % 2);
         const Tier tier = round % 3 == 0 ? Tier::kHost : Tier::kDevice;
         // Budgets are small and every thread holds at most one pin: a ResourceExhausted here is
-        // a real shortage (all slots pinned by others), retried.
+        // a real shortage (all slots pinned by others), retried for up to 30 s (a count of
+        // retries ran out on a loaded machine while the holders were not scheduled).
         absl::StatusOr<std::byte*> p;
-        for (int attempt = 0; attempt < 1000; ++attempt) {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+        do {
           p = (*rt)->Acquire(id, tier);
           if (p.ok() || p.status().code() != absl::StatusCode::kResourceExhausted) break;
-          std::this_thread::yield();
-        }
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        } while (std::chrono::steady_clock::now() < deadline);
         if (!p.ok()) {
           ++failures;
           ADD_FAILURE() << p.status();
