@@ -10,11 +10,11 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <set>
-#include <chrono>
 #include <thread>
 
 #include "aio/fault_injection.h"
