@@ -1262,14 +1262,12 @@ class Engine:
             if e is None:
                 if keep:
                     out[key] = value.detach()
-            elif id(value) in chosen and e.pid not in done:
-                done[e.pid] = self._whole_weights(e)  # (keep=False: across ranks, a gather)
+            elif id(value) in chosen:
+                if e.pid not in done:  # (a tied parameter: read once)
+                    whole = self._whole_weights(e)  # (keep=False: across ranks, a gather)
+                    done[e.pid] = whole if keep else None
                 if keep:
                     out[key] = done[e.pid]
-                else:
-                    done[e.pid] = None
-            elif id(value) in chosen and keep:
-                out[key] = done[e.pid]  # (a tied parameter: read once)
         return out if keep else None
 
     def _announce_gather(self, call):

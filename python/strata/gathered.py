@@ -39,6 +39,13 @@ class GatheredParameters:
         self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
         if not enabled:
             return
+
+        def modified_by_rank_0(engine):
+            """Across ranks an edit is rank 0's, written on every rank: another is refused."""
+            if self.modify and engine.ranks is not None and modifier_rank != 0:
+                raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) across "
+                                 "ranks: accepted: modifier_rank=0 (rank 0's writes become "
+                                 "every rank's weights)")
         for p in params:
             for engine in list(guards.LIVE):
                 if engine._runtime is None:
@@ -46,10 +53,7 @@ class GatheredParameters:
                 kept = self.modify and next((e for e in engine.table.trained
                                              if e.param is p and not e.partitioned), None)
                 if kept:
-                    if engine.ranks is not None and modifier_rank != 0:
-                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
-                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
-                                         "writes become every rank's weights)")
+                    modified_by_rank_0(engine)
                     self.kept.append((engine, kept))
                     break
                 e = engine.stage == 3 and engine.table.partitioned_by_id.get(id(p))
@@ -60,19 +64,13 @@ class GatheredParameters:
                                          "supported yet (each rank holds a shard of its master "
                                          "weights); accepted: modifier_rank=None, or one "
                                          "process (a frozen one's edit is taken)")
-                    if self.modify and engine.ranks is not None and modifier_rank != 0:
-                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
-                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
-                                         "writes become every rank's weights)")
+                    modified_by_rank_0(engine)
                     self.held.append((engine, e))
                     break
                 if self.modify and engine.ranks is not None and \
                         any(q is p for q in engine.module.parameters()):
                     # (a frozen one under the persistence threshold: each rank's copy)
-                    if modifier_rank != 0:
-                        raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank}) "
-                                         "across ranks: accepted: modifier_rank=0 (rank 0's "
-                                         "writes become every rank's weights)")
+                    modified_by_rank_0(engine)
                     self.plain.append((engine, p))
                     break
 

@@ -259,7 +259,7 @@ def for_accelerate(accelerator):
     def save_state_for_strata(output_dir=None, safe_serialization=True, **kwargs):
         return kept_by_engines("save_state", kwargs,
                                ("client_state", "save_latest", "exclude_frozen_parameters"),
-                               lambda: save_state(output_dir, safe_serialization, **kwargs))
+                               lambda: save_state(output_dir, safe_serialization))
 
     def load_state_for_strata(input_dir=None, load_kwargs=None, **kwargs):
         # The engines' keywords go to their checkpoints; the others (map_location, strict...)

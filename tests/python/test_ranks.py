@@ -90,6 +90,13 @@ if __import__("os").environ.get("STRATA_TEST_FROZEN"):
         if rank != 0:
             model.l1.weight.data.zero_()
             model.l1.bias.data.zero_()
+    for p in ([model.l1.weight, model.l1.bias] if engine.ranks is not None else []):
+        try:  # another modifier rank, refused by name before anything is gathered
+            strata.GatheredParameters(p, modifier_rank=1)
+        except ValueError as error:
+            assert "modifier_rank=1) across ranks: accepted: modifier_rank=0" in str(error)
+        else:
+            raise AssertionError("GatheredParameters(modifier_rank=1) was taken across ranks")
 assert engine.micro_batch_size == GLOBAL // world // SPLIT
 gen = torch.Generator().manual_seed(1)
 per = GLOBAL // world // SPLIT
