@@ -54,13 +54,14 @@ class RuntimeSettings:
             # optimizer_commit "auto" is "step" across ranks: "partition" is one process's (a
             # step failing part way on one rank would leave the ranks' shards apart).
             runtime.setdefault("strata", {})["optimizer_commit"] = "step"
-        if self.several and isinstance(threshold, (int, float)):
+        if isinstance(threshold, (int, float)):
             # The Runtime never evicts from the device a parameter partition of fewer elements
-            # than the threshold; across ranks its partitions are shards, and the shard of a
-            # parameter over the threshold may be under it: it would stay on the device for good,
-            # filling its budget. The small parameters themselves are the front's, never the
-            # Runtime's (left whole on the device, unpartitioned): its rule is not needed. (The
-            # key given is the one set: both given are named by the Runtime.)
+            # than the threshold (its rule for callers of the C API). The front keeps the small
+            # parameters out of the Runtime itself (whole on the device, unpartitioned), so the
+            # rule is not needed here, and across ranks it is wrong: a partition is a shard, and
+            # the shard of a parameter over the threshold may be under it, to stay on the device
+            # for good, filling its budget. (The key given is the one set: both given are named
+            # by the Runtime.)
             zero["param_persistence_threshold" if "param_persistence_threshold" in zero
                  else "stage3_param_persistence_threshold"] = 0
         self.runtime_json = json.dumps(runtime, sort_keys=True)
