@@ -2,7 +2,7 @@
 bench/vs_deepspeed.py's rows, with plain PyTorch's floor, interleaved round by round.
 
     .venv/bin/python bench/ab_strata.py --a OLD_PYTHONPATH --b build/release/python \
-        [--row zero3_cpu] [--rounds 5] [--steps 4] [--phases 2] [--json out.json]
+        [--row zero3_cpu|zero2_cpu_2ranks|...] [--rounds 5] [--steps 4] [--phases 2] [--json out.json]
 
 Where a change of the front (the engine's hooks, its parts) costs or saves time, the same row is
 run by each front in a process of its own (vs_deepspeed.py's child: the same model, seed,
@@ -42,9 +42,24 @@ def run(front, system, config, args, index, scratch):
             "heads": args.heads, "context": args.context, "batch": args.batch,
             "device": "cpu", "warmup": 2, "steps": args.steps, "out": out,
             "phases": args.phases, "profile": False, "port": 29500 + index, "row": args.row,
-            "clipping": args.clipping, "bf16": False}
+            "clipping": args.clipping, "bf16": False,
+            "world": vs_deepspeed.ranks_of(args.row) if system != "torch" else 1}
     with open(out + ".spec", "w", encoding="utf-8") as f:
         json.dump(spec, f)
+    if spec["world"] > 1:  # (a job of ranks, as vs_deepspeed runs it: the front on its path)
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.path.abspath(front)
+        try:
+            report = vs_deepspeed.run_ranks(out + ".spec", out, spec["world"],
+                                            args.child_timeout)
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        if "error" in report:
+            sys.exit(f"ab_strata: {system} ({front}) failed: {report['error']}")
+        return report
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.path.abspath(front))
     proc = subprocess.run([sys.executable, os.path.join(HERE, "vs_deepspeed.py"), "--child",
                            out + ".spec"], capture_output=True, text=True, env=env,
@@ -67,7 +82,9 @@ def main():
     parser.add_argument("--a", required=True, help="front A: a folder holding strata/")
     parser.add_argument("--b", required=True, help="front B: a folder holding strata/")
     parser.add_argument("--row", default="zero3_cpu",
-                        help="one of vs_deepspeed.py's rows: zero2_cpu, zero3_cpu, zero3_nvme")
+                        help="one of vs_deepspeed.py's rows: zero2_cpu, zero3_cpu, zero3_nvme, "
+                        "zero2_cpu_2ranks, zero3_cpu_2ranks (a job of 2 ranks; the floor one "
+                        "process)")
     parser.add_argument("--dir", default=None,
                         help="scratch folder (the NVMe row's drive; default: the system's temp)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -79,8 +96,9 @@ def main():
     parser.add_argument("--child-timeout", type=int, default=1800)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
-    if args.row not in ("zero2_cpu", "zero3_cpu", "zero3_nvme"):
-        sys.exit(f"ab_strata: --row {args.row}: accepted: zero2_cpu, zero3_cpu, zero3_nvme")
+    rows = ("zero2_cpu", "zero3_cpu", "zero3_nvme", "zero2_cpu_2ranks", "zero3_cpu_2ranks")
+    if args.row not in rows:
+        sys.exit(f"ab_strata: --row {args.row}: accepted: {', '.join(rows)}")
     for front in (args.a, args.b):
         if not os.path.isdir(os.path.join(front, "strata")):
             sys.exit(f"ab_strata: {front} holds no strata package; accepted: a folder with "

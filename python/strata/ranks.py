@@ -131,16 +131,45 @@ class Collectives:
     take (`device`: where those are; `pinned`: host buffers pinned for a GPU's copies). Each call
     is issued at once and returns a work whose wait() makes its result ready for what follows."""
 
+    KEPT = 4  # host buffers kept for the next collectives
+    KEPT_FROM = 1 << 18  # elements: a smaller buffer comes from the allocator's heap, warm
+
     def __init__(self, name, device=torch.device("cpu"), pinned=False):
         self.name = name
         self.device = device
         self.pinned = pinned
-
-    def zeros(self, *shape, dtype=torch.float32):
-        return torch.zeros(*shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+        self._kept = []  # plain host buffers given back (give), for the next take
 
     def empty(self, *shape, dtype=torch.float32):
         return torch.empty(*shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
+
+    def take(self, numel, dtype=torch.float32):
+        """A 1-D buffer of `numel` elements for a collective, its contents undefined. In plain host
+        memory, one given back before where one fits (up to twice as large): a fresh buffer of
+        tens of MB costs three times its copy in page faults (glibc maps each large block
+        afresh), which was 6% of a ZeRO-2 step on 2 ranks. Pinned and device buffers are new
+        ones (their allocators cache)."""
+        if self.pinned or self.device.type != "cpu" or numel < self.KEPT_FROM:
+            return self.empty(numel, dtype=dtype)
+        best = None
+        for i, kept in enumerate(self._kept):
+            if kept.dtype == dtype and numel <= kept.numel() <= 2 * numel and \
+                    (best is None or kept.numel() < self._kept[best].numel()):
+                best = i
+        if best is None:
+            return self.empty(numel, dtype=dtype)
+        return self._kept.pop(best)[:numel]
+
+    def give(self, buffer):
+        """`buffer` (take's, or a view of it) is no longer used by anyone: the next take may hand
+        it out again. The largest KEPT are kept."""
+        base = buffer if buffer._base is None else buffer._base
+        if self.pinned or self.device.type != "cpu" or base.numel() < self.KEPT_FROM:
+            return
+        self._kept.append(base.view(-1))
+        if len(self._kept) > self.KEPT:
+            smallest = min(range(len(self._kept)), key=lambda i: self._kept[i].numel())
+            del self._kept[smallest]
 
 
 class _OnJob(Collectives):
@@ -721,22 +750,29 @@ class Ranks:
         agreement = self._agree("reduce-scatter", [e for e, *_ in bucket])
         shards = [e.shard for e, *_ in bucket]
         total = sum(shards)
-        send = self.collectives.zeros(self.size, total)
+        send = self.collectives.take(self.size * total).view(self.size, total)
         offset = 0
         for (e, grad, *_), shard in zip(bucket, shards):
-            if grad is not None:  # rank j's rows: elements [j * shard, (j + 1) * shard)
+            # Rank j's row: elements [j * shard, (j + 1) * shard); the padding past the last
+            # element, and every row where this rank has no gradient, zero.
+            full, rest = divmod(0 if grad is None else e.numel, shard)
+            if full or rest:
                 flat = grad.reshape(-1)
-                whole, rest = divmod(e.numel, shard)
-                send[:whole, offset:offset + shard] = flat[:whole * shard].view(whole, shard)
-                if rest:
-                    send[whole, offset:offset + rest] = flat[whole * shard:]
+                send[:full, offset:offset + shard] = flat[:full * shard].view(full, shard)
+            if rest:
+                send[full, offset:offset + rest] = flat[full * shard:]
+                send[full, offset + rest:offset + shard] = 0
+                full += 1
+            send[full:, offset:offset + shard] = 0
             offset += shard
         out = self.collectives.empty(total)
         work = agreement.guarded = self.collectives.reduce_scatter(send.view(-1), out)
         if not async_op:
             agreement.check()
             work.wait()
-        return work, out, agreement
+            self.collectives.give(send)
+            send = None
+        return work, out, agreement, send
 
     @staticmethod
     def _split(bucket, out, scale):
@@ -763,7 +799,7 @@ class Ranks:
             else:
                 result[e] = None
         for bucket in self._buckets(items, self.reduce_bucket):
-            _, out, _ = self._reduce_scatter(bucket, async_op=False)
+            _, out, _, _ = self._reduce_scatter(bucket, async_op=False)
             for (e, _), shard in self._split(bucket, out, 1.0 / self.size):
                 result[e] = shard.to("cpu")  # (the host optimizer's, from a GPU's buffer)
         return result
@@ -789,17 +825,17 @@ class Ranks:
     def _flush(self, wait):
         self._wait_in_flight()
         bucket, self._pending, self._pending_elements = self._pending, [], 0
-        work, out, agreement = self._reduce_scatter(bucket, async_op=True)
-        self._in_flight = (work, bucket, out, agreement)
+        self._in_flight = (*self._reduce_scatter(bucket, async_op=True), bucket)
         if wait:
             self._wait_in_flight()
 
     def _wait_in_flight(self):
         if self._in_flight is None:
             return
-        (work, bucket, out, agreement), self._in_flight = self._in_flight, None
+        (work, out, agreement, send, bucket), self._in_flight = self._in_flight, None
         agreement.check()
         work.wait()
+        self.collectives.give(send)
         for (e, _, boundary), shard in self._split(bucket, out, 1.0 / self.size):
             self._apply(e, shard, boundary)
 
@@ -810,7 +846,7 @@ class Ranks:
         self._pending, self._pending_elements = [], 0
         if in_flight is not None:
             try:
-                in_flight[3].check()
+                in_flight[2].check()
                 in_flight[0].wait()
             except (_strata.Error, RuntimeError):  # (strata's own; torch.distributed's)
                 pass
@@ -819,8 +855,9 @@ class Ranks:
 
     def gather(self, items):
         """items: (e, this rank's shard: a flat tensor of e.shard elements, sink) with one dtype
-        per bucket; all-gathered in buckets of allgather_bucket_size; sink(whole flat tensor of
-        e.numel elements) is called for each."""
+        per bucket; all-gathered in buckets of allgather_bucket_size; for each, sink(whole flat
+        tensor of e.numel elements, its own) is called, or, where sink is a tensor of e.numel
+        elements, the weights are copied into it."""
         self.finish_gather(self.start_gather(items))
 
     def start_gather(self, items):
@@ -837,29 +874,44 @@ class Ranks:
                     f"{'with' if torch.is_grad_enabled() else 'without'} autograd)",
                     [e for e, *_ in bucket])
                 total = sum(e.shard for e, *_ in bucket)
-                send = self.collectives.empty(total, dtype=dtype)
+                send = self.collectives.take(total, dtype=dtype)
                 offset = 0
                 for e, shard, _ in bucket:
                     send[offset:offset + e.shard] = shard
                     offset += e.shard
-                whole = self.collectives.empty(self.size, total, dtype=dtype)
-                work = agreement.guarded = self.collectives.all_gather(send, whole.view(-1))
-                started.append((work, [(e, sink) for e, _, sink in bucket], whole, agreement))
+                whole = self.collectives.take(self.size * total, dtype=dtype)
+                work = agreement.guarded = self.collectives.all_gather(send, whole)
+                started.append((work, [(e, sink) for e, _, sink in bucket],
+                                whole.view(self.size, total), agreement, send))
         return started
 
     def finish_gather(self, started, deliver=True):
-        """Waits for start_gather's collectives; each sink gets its parameter whole (a tensor of
-        its own, not a view of the bucket's buffer), unless not `deliver` (a prefetch unused)."""
-        for work, bucket, whole, agreement in started:
+        """Waits for start_gather's collectives and hands each parameter whole to its sink (see
+        gather), unless not `deliver` (a prefetch unused)."""
+        for work, bucket, whole, agreement, send in started:
             agreement.check()
             work.wait()
-            if not deliver:
-                continue
+            self.collectives.give(send)
             offset = 0
-            for e, sink in bucket:
-                piece = whole[:, offset:offset + e.shard].reshape(-1)[:e.numel]
-                sink(piece.to(self.device, non_blocking=True))  # (staged through the host)
+            for e, sink in bucket if deliver else ():
+                rows = whole[:, offset:offset + e.shard]  # rank j's row: [j * shard, ...)
                 offset += e.shard
+                if isinstance(sink, torch.Tensor) and sink.is_contiguous():
+                    into = sink.view(-1)
+                    full, rest = divmod(e.numel, e.shard)
+                    into[:full * e.shard].view(full, e.shard).copy_(rows[:full])
+                    if rest:
+                        into[full * e.shard:].copy_(rows[full, :rest])
+                    continue
+                piece = rows.reshape(-1)[:e.numel]
+                if isinstance(sink, torch.Tensor):
+                    sink.copy_(piece.view(sink.shape))
+                    continue
+                piece = piece.to(self.device, non_blocking=True)  # (staged through the host)
+                if piece.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+                    piece = piece.clone()  # (a view of the bucket's buffer, given back below)
+                sink(piece)
+            self.collectives.give(whole)
 
     def failed_ranks(self, ok):
         """The ranks that are not `ok` (each rank says whether it is)."""

@@ -405,8 +405,7 @@ class OptimizerStep:
                     except _strata.Error as error:
                         failed = failed or error
             elif written and self.ranks is not None:
-                gather.append((e, target, lambda whole, e=e: e.param.data.copy_(
-                    whole.view(e.shape))))
+                gather.append((e, target, e.param.data))
             elif written:
                 sent = self._write_back_weights(e, target) or sent
         if sent:  # one event after every copy out of the pinned targets

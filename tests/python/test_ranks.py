@@ -20,6 +20,10 @@ import strata
 stage, offload, dtype, steps, out, nvme = sys.argv[1:7]
 stage, steps = int(stage), int(steps)
 torch.manual_seed(0)
+# Every collective's buffer kept for the next (as those of tens of MB are): these tiny ones too,
+# so that a weight handed on as a view of a buffer given back, or a gradient row left unzeroed,
+# shows here.
+strata.ranks.Collectives.KEPT_FROM = 0
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -636,3 +640,27 @@ def test_shards_under_the_persistence_threshold_leave_the_device_like_the_others
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
         assert json.loads(out.strip().splitlines()[-1]) == {"steps": 2, "shards": [72]}
+
+
+def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
+    """Collectives.take / give: a plain host buffer of KEPT_FROM elements or more, given back, is
+    handed out again to a request of its dtype that it holds at most twice over; the KEPT largest
+    are kept."""
+    from strata.ranks import Collectives
+    c = Collectives("test")
+    n = Collectives.KEPT_FROM
+    first = c.take(2 * n)
+    address = first.data_ptr()
+    c.give(first[:n].view(2, -1))  # (a view: its whole buffer goes back)
+    again = c.take(2 * n)
+    assert again.data_ptr() == address and again.shape == (2 * n,)
+    c.give(again)
+    assert c.take(2 * n, dtype=torch.bfloat16).data_ptr() != address  # another dtype
+    assert c.take(n // 2).data_ptr() != address  # held more than twice over: a new one
+    assert c.take(n).data_ptr() == address  # held exactly twice over
+    for size in range(1, Collectives.KEPT + 3):
+        c.give(c.empty(size * n))
+    assert sorted(b.numel() for b in c._kept) == [size * n for size in range(3, 7)]
+    small = c.take(n - 1)
+    c.give(small)
+    assert all(b.numel() >= n for b in c._kept)
