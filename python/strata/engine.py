@@ -626,6 +626,7 @@ class Engine:
         # state_dict()'s weights read so far, for the dict it fills (_whole_in_state_dict).
         self._whole_read = (lambda: None, None)
         self._joining = None  # the gathers joined so far (_join_gathers), or None
+        self._keys_only = False  # state_dict() calls for their keys alone (keys_only)
         guards.LIVE.add(self)
         # An engine whose last reference is dropped (never closed) leaves what close() leaves:
         # placeholders of the partitioned parameters' shapes, refused by the module by name.
@@ -1229,6 +1230,19 @@ class Engine:
             return self._adapters_to_save(peft, module, keep, adapters, save_embedding_layers)
         return module.state_dict() if keep else self._join_gathers(module)
 
+    @contextlib.contextmanager
+    def keys_only(self):
+        """Within it, module.state_dict() leaves a partitioned parameter's entry the placeholder
+        it is, its weights not read (not gathered, across ranks): for code that takes those
+        entries' keys and their values from a state dict it was handed, as peft's save does
+        (ModulesToSaveWrapper.adapter_state_dict lists a saved module's keys with the module's
+        own state_dict()). Across ranks a gather there would be the saving rank's alone."""
+        before, self._keys_only = self._keys_only, True
+        try:
+            yield
+        finally:
+            self._keys_only = before
+
     def _join_gathers(self, module):
         """module.state_dict()'s gathers joined, as the saving rank's call makes them, and
         nothing else read or kept (_whole_in_state_dict); None."""
@@ -1245,15 +1259,17 @@ class Engine:
         held = module.state_dict(keep_vars=True)  # (the parameters themselves: nothing read)
         held_ids = {id(v) for v in held.values()}
         chosen = set()
-        with warnings.catch_warnings():  # (peft warns again in the save itself)
+        computed = False
+        with warnings.catch_warnings(), self.keys_only():  # (peft warns again in the save)
             warnings.simplefilter("ignore")
             for name in list(module.peft_config) if adapters is None else adapters:
                 kept = peft.get_peft_model_state_dict(
                     module, state_dict=held, adapter_name=name,
                     save_embedding_layers=save_embedding_layers)
-                if any(id(v) not in held_ids for v in kept.values()):
-                    return module.state_dict() if keep else self._join_gathers(module)
+                computed = computed or any(id(v) not in held_ids for v in kept.values())
                 chosen.update(id(v) for v in kept.values())
+        if computed:
+            return module.state_dict() if keep else self._join_gathers(module)
         self.runtime.wait_for_early_steps()
         self._announce_gather("save_pretrained (peft's adapters)")
         out, done = {}, {}
@@ -1304,6 +1320,8 @@ class Engine:
         empty tensors. With keep_vars=True (the entry is the parameter itself) they are left as
         they are. A tied parameter is read once a state_dict() call (the weights read for the
         dict being filled, kept while it is)."""
+        if self._keys_only:
+            return
         read = None
         for name, p in module._parameters.items():
             e = self.table.partitioned_by_id.get(id(p)) if p is not None else None

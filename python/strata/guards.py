@@ -15,6 +15,7 @@
 Thread safety: the engine's (one thread); the routing is installed once, at import.
 """
 
+import contextlib
 import functools
 import gc
 import weakref
@@ -242,16 +243,21 @@ def save_pretrained_through(engine_ref):
         weights partitioned are gathered); the ones that do not save pass is_main_process=False,
         as peft says."""
         engine = engine_ref()
+        live = engine is not None and engine._runtime is not None
         known = selected_adapters is None or all(a in module.peft_config
                                                  for a in selected_adapters)
-        if engine is not None and engine._runtime is not None and known \
-                and kwargs.get("state_dict") is None:
+        if live and known and kwargs.get("state_dict") is None:
             kwargs["state_dict"] = engine.state_dict_to_save(
                 module, adapters=selected_adapters, save_embedding_layers=save_embedding_layers)
-        return type(module).save_pretrained(
-            module, save_directory, safe_serialization=safe_serialization,
-            selected_adapters=selected_adapters, save_embedding_layers=save_embedding_layers,
-            is_main_process=is_main_process, **kwargs)
+        # Given a state dict, peft takes the weights from it; a module kept whole beside the
+        # adapters (modules_to_save) still lists its keys with its own state_dict(), which must
+        # not read them again (across ranks, a gather on the saving rank alone).
+        with engine.keys_only() if live and kwargs.get("state_dict") is not None \
+                else contextlib.nullcontext():
+            return type(module).save_pretrained(
+                module, save_directory, safe_serialization=safe_serialization,
+                selected_adapters=selected_adapters, save_embedding_layers=save_embedding_layers,
+                is_main_process=is_main_process, **kwargs)
     return save_pretrained
 
 

@@ -309,8 +309,11 @@ def sft_run(tmp_path, name, config=None):
     gen = torch.Generator().manual_seed(5)
     texts = [" ".join(f"w{int(i)}" for i in torch.randint(0, 100, (12,), generator=gen))
              for _ in range(SAMPLES)]
+    # lm_head trained whole beside the adapters (modules_to_save): at stage 3 a partition, its
+    # keys listed in peft's save with the module's own state_dict().
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                           target_modules=["q_proj", "v_proj", "gate_proj"])
+                           target_modules=["q_proj", "v_proj", "gate_proj"],
+                           modules_to_save=["lm_head"])
     args = SFTConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3,
                      max_grad_norm=0.5, logging_steps=1, report_to="none", use_cpu=True,
@@ -734,7 +737,9 @@ def test_trainer_across_two_ranks_trains_as_trainer_with_ddp(tmp_path):
         for key, value in reference["weights"].items():
             torch.testing.assert_close(ours["weights"][key], value, rtol=1e-4, atol=1e-5,
                                        msg=f"{name}: {key}")
-    assert any("lora_" in key for key in out["sft_ddp"]["weights"])  # (the adapters compared)
+    # (the adapters compared, and the lm_head trained whole beside them)
+    assert any("lora_" in key for key in out["sft_ddp"]["weights"])
+    assert any("lm_head" in key for key in out["sft_ddp"]["weights"])
     for key, value in out["stage3"]["weights"].items():
         assert torch.equal(out["resumed"]["weights"][key], value), key
     # Accelerate's loop (for_accelerate: the engine's module never in DDP, accelerator.backward
