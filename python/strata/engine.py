@@ -507,7 +507,8 @@ class Engine:
         checkpointing.use_host_store(_HostActivations(self))
 
         hyper = optimizer_module.hyper_parameters(config, optimizer)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # (one of no elements has nothing to step: left to torch, as plain AdamW leaves it)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.numel()]
         # Frozen when the optimizer was made: one unfrozen later has no optimizer state and would
         # never be trained (step() refuses it by name).
         self._frozen_at_start = [(n, p) for n, p in model.named_parameters()

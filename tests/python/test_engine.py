@@ -178,6 +178,44 @@ def test_training_matches_plain_torch(tmp_path, stage, offload, dtype):
     assert 0 <= stats["optimizer"]["seconds"] <= stats["step_seconds"]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trained_parameter_of_no_elements_is_left_to_torch_as_adamw_leaves_it(tmp_path, stage):
+    """A parameter of no elements (requires_grad, in the optimizer handed over, used in forward)
+    has nothing to step: the engine leaves it out of its partitions (it was refused with "partition
+    N has 0 elements", naming no parameter) and trains the rest as torch's AdamW does."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = torch.nn.Linear(8, 8)
+            self.empty = torch.nn.Parameter(torch.zeros(0))
+
+        def forward(self, x):
+            return self.l(x) + self.empty.sum()
+
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    data = [torch.randn(4, 8) for _ in range(3)]
+    torch_adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x in data:
+        torch_adamw.zero_grad()
+        plain(x).pow(2).sum().backward()
+        torch_adamw.step()
+    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1, clipping=0.0)
+    del config["optimizer"]
+    engine, _, _, _ = strata.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+    for x in data:
+        engine.backward(engine(x).pow(2).sum())
+        engine.step()
+    ours = engine.module_state_dict()
+    assert ours.keys() == plain.state_dict().keys()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.load_checkpoint(tmp_path / "ckpt")
+
+
 def test_stage3_moves_partitions_through_a_device_budget_smaller_than_the_model(tmp_path):
     engine, _, _ = train_both(tmp_path, 3, "cpu", "fp32")
     stats = engine.stats()
