@@ -5,7 +5,8 @@
     strata.zero_to_fp32.consolidate(checkpoint_dir, out, tag=None, shard_bytes=None,
                                     safetensors=False)
 
-OUT is a ``torch.save`` file that ``torch.load`` reads and a plain ``nn.Module`` of the same
+OUT is a ``torch.save`` file (an existing folder: ``pytorch_model.bin`` in it, as DeepSpeed's
+newer zero_to_fp32 writes) that ``torch.load`` reads and a plain ``nn.Module`` of the same
 architecture loads with ``load_state_dict`` (strict): every trainable parameter's fp32 master
 weights, a tied weight under each of its names, the buffers and frozen parameters as saved (a
 checkpoint saved with exclude_frozen_parameters holds no frozen ones: said in a StrataWarning, the
@@ -15,7 +16,7 @@ has a file of its own) and ``pytorch_model.bin.index.json``, the index large mod
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
 
 With ``--safetensors`` (or an OUT ending in ``.safetensors``) the files are safetensors, as
-transformers' ``save_pretrained`` writes them: ``model.safetensors``, or shards
+transformers' ``save_pretrained`` writes them: ``model.safetensors`` (OUT, or in the folder OUT), or shards
 ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, with the metadata
 ``{"format": "pt"}`` that ``from_pretrained`` asks for. safetensors holds no shared tensors: a tied
 weight is written once, under the first of its names in the module's state dict (the embedding's,
@@ -154,9 +155,10 @@ def _drop_pages(tensor):
 
 
 def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None, safetensors=False):
-    """Writes the checkpoint's fp32 state dict to `out` (a file; with `shard_bytes`, a folder of
-    shards and their index), as torch.save files or (`safetensors`, or `out` ending in
-    .safetensors) safetensors. Returns the names written."""
+    """Writes the checkpoint's fp32 state dict to `out` (a file, or in an existing folder
+    pytorch_model.bin or model.safetensors; with `shard_bytes`, a folder of shards and their
+    index), as torch.save files or (`safetensors`, or `out` ending in .safetensors)
+    safetensors. Returns the names written."""
     if shard_bytes is not None and shard_bytes < 1:
         raise ValueError(f"zero_to_fp32: shard size {shard_bytes}; accepted: at least 1 byte")
     _, state = _state_dict(checkpoint_dir, tag)
@@ -166,6 +168,8 @@ def consolidate(checkpoint_dir, out, tag=None, shard_bytes=None, safetensors=Fal
         seen = set()
         state = {n: t for n, t in state.items() if not (id(t) in seen or seen.add(id(t)))}
     if shard_bytes is None:
+        if os.path.isdir(out):  # (the name from_pretrained looks for)
+            out = os.path.join(out, "model.safetensors" if safetensors else "pytorch_model.bin")
         _write(_materialize(state), out, safetensors)
         return list(state)
     os.makedirs(out, exist_ok=True)
@@ -214,7 +218,8 @@ def main(argv=None):
         description="A strata checkpoint as one fp32 state dict (torch.save), or shards and "
                     "their index.")
     parser.add_argument("checkpoint_dir", help="the folder save_checkpoint wrote (with `latest`)")
-    parser.add_argument("out", help="the state dict's file (a folder with --shard-size)")
+    parser.add_argument("out", help="the state dict's file, or a folder to write it in "
+                        "(pytorch_model.bin, model.safetensors; shards with --shard-size)")
     parser.add_argument("--tag", help="the checkpoint's tag (default: the one `latest` names)")
     parser.add_argument("--shard-size", type=int, metavar="BYTES",
                         help="write shards of at most BYTES each and their index")

@@ -194,8 +194,10 @@ def test_a_real_pretrained_model_loads_and_fine_tunes_as_plain_torch(tmp_path):
     assert config["strata"]["device_budget_bytes"] < 0.6 * state_bytes
 
 
-@pytest.mark.parametrize("shard", [None, 40000])
-def test_zero_to_fp32_writes_safetensors_that_from_pretrained_loads(tmp_path, shard):
+# OUT the file, an existing folder (model.safetensors written in it) or shards' folder.
+@pytest.mark.parametrize("out_name, shard", [("hf/model.safetensors", None), ("hf", None),
+                                             ("hf", 40000)])
+def test_zero_to_fp32_writes_safetensors_that_from_pretrained_loads(tmp_path, out_name, shard):
     torch.manual_seed(0)
     model = ARCHITECTURES["gpt2"]()  # a tied head: written once, tied again by transformers
     config = model.config
@@ -205,8 +207,8 @@ def test_zero_to_fp32_writes_safetensors_that_from_pretrained_loads(tmp_path, sh
         engine.step()
     engine.save_checkpoint(tmp_path / "ckpt")
     (tmp_path / "hf").mkdir()
-    out = tmp_path / ("hf" if shard else "hf/model.safetensors")
-    zero_to_fp32.consolidate(tmp_path / "ckpt", out, shard_bytes=shard, safetensors=True)
+    zero_to_fp32.consolidate(tmp_path / "ckpt", tmp_path / out_name, shard_bytes=shard,
+                             safetensors=True)
     config.save_pretrained(tmp_path / "hf")
     files = sorted(os.listdir(tmp_path / "hf"))
     assert ("model.safetensors.index.json" in files) == (shard is not None), files
