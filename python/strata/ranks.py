@@ -49,25 +49,39 @@ import hashlib
 import json
 import os
 import socket
+import warnings
 import weakref
 
 import torch
 
 from strata import _strata
+from strata.notices import StrataWarning
 
 __all__ = ["Collectives", "Ranks", "agree_on_setup", "choose_collectives", "join"]
 
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _joined = []  # the job this process joined (once: its store holds MASTER_PORT + 1)
+_told_alone = []  # the warning that launcher's variables without RANK or WORLD_SIZE were seen
 
 
 def join(raw_config):
-    """Ranks for an engine (or strata.init) when this process was launched as one of several (any
-    of the launcher's variables set: the C++ reader checks them all and names a missing or wrong
-    one), else None. `raw_config`: the config as a dict (its strata.comm_timeout_s bounds every
-    wait). A process joins its job once (its store holds MASTER_PORT + 1): strata.init and every
-    engine share the job's collectives, in one order, each with Ranks (buckets) of its own."""
-    if not any(v in os.environ for v in _LAUNCH_VARIABLES):
+    """Ranks for an engine (or strata.init) when this process was launched as one of several (RANK
+    or WORLD_SIZE set: the C++ reader checks every launcher's variable and names a missing or
+    wrong one), else None. `raw_config`: the config as a dict (its strata.comm_timeout_s bounds
+    every wait). A process joins its job once (its store holds MASTER_PORT + 1): strata.init and
+    every engine share the job's collectives, in one order, each with Ranks (buckets) of its own.
+    MASTER_ADDR, MASTER_PORT or LOCAL_RANK alone (accelerate's launch of one process sets the
+    first two; some clusters export them to every process) leave this process training alone, as
+    torch's does without init_process_group: said once in a warning."""
+    if not any(v in os.environ for v in ("RANK", "WORLD_SIZE")):
+        stray = [v for v in _LAUNCH_VARIABLES if v in os.environ]
+        if stray and not _told_alone:
+            _told_alone.append(True)
+            warnings.warn(
+                f"strata: {', '.join(stray)} set but neither RANK nor WORLD_SIZE: this process "
+                "trains alone; a job of several processes needs its launcher's RANK and "
+                "WORLD_SIZE (torchrun and DeepSpeed's launcher set them)", StrataWarning,
+                stacklevel=3)
         return None
     strata_block = raw_config.get("strata", {}) if isinstance(raw_config, dict) else {}
     timeout_s = strata_block.get("comm_timeout_s", 1800) if isinstance(strata_block, dict) \

@@ -468,6 +468,33 @@ def test_ranks_that_disagree_on_the_world_size_are_told_so():
         err0[-2000:]
 
 
+def test_master_addr_and_port_without_rank_or_world_size_train_alone_and_say_so():
+    """accelerate's launch of one process sets MASTER_ADDR and MASTER_PORT alone (some clusters
+    export them to every process): torch trains alone there, and so does strata, saying once
+    that a job of several processes needs RANK and WORLD_SIZE (it was refused: "WORLD_SIZE is not
+    set")."""
+    script = (
+        "import warnings, torch, strata\n"
+        "config = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW'},\n"
+        "          'zero_optimization': {'stage': 2}, 'strata': {'device': 'emulated'}}\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(2):\n"
+        "        engine, _, _, _ = strata.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
+        "        assert engine.ranks is None\n"
+        "        engine.backward(engine(torch.ones(2, 4)).sum())\n"
+        "        engine.step()\n"
+        "        engine.close()\n"
+        "told = [str(w.message) for w in seen if 'neither RANK nor WORLD_SIZE' in str(w.message)]\n"
+        "assert len(told) == 1, told\n"
+        "assert told[0].startswith('strata: MASTER_ADDR, MASTER_PORT set'), told\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    child = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+
+
 def test_a_missing_launcher_variable_is_named_by_initialize():
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                LOCAL_RANK="0")
