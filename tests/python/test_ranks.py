@@ -664,3 +664,75 @@ def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
     small = c.take(n - 1)
     c.give(small)
     assert all(b.numel() >= n for b in c._kept)
+
+
+# Each rank's own branch (DDP's find_unused_parameters case): `extra` is used by rank 0 at every
+# step and by rank 1 at even steps only, so that rank 1's rows of the reduce-scatter's buffer
+# (kept from one step to the next) must be zeros where it has no gradient. Stage 1, and stage 3's
+# parameters under the persistence threshold (reduced at the step), against torch's DDP.
+BRANCH = r"""
+import json, os, sys, torch, torch.distributed as dist
+import strata
+strata.ranks.Collectives.KEPT_FROM = 0  # (every buffer kept for the next collective)
+rank = int(os.environ["RANK"])
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.extra = torch.nn.Linear(16, 16)
+
+    def forward(self, x, use_extra):
+        h = self.body(x)
+        return h + self.extra(h) if use_extra else h
+
+
+def batches():
+    gen = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(4, 16, generator=gen) for _ in range(4)]
+
+
+def uses(step):
+    return rank == 0 or step % 2 == 0
+
+
+torch.manual_seed(0)
+reference = Net()
+dist.init_process_group("gloo")
+ddp = torch.nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+ddp.module.load_state_dict(reference.state_dict())
+adamw = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
+for step, x in enumerate(batches()):
+    adamw.zero_grad()
+    ddp(x, uses(step)).pow(2).mean().backward()
+    adamw.step()
+out = {}
+for stage in (1, 3):
+    model = Net()
+    model.load_state_dict(reference.state_dict())
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1000},
+              "strata": {"device": "emulated"}}
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for step, x in enumerate(batches()):
+        engine.backward(engine(x, uses(step)).pow(2).mean())
+        engine.step()
+    ours = engine.module_state_dict()
+    out[stage] = max((ours[k] - v).abs().max().item()
+                     for k, v in ddp.module.state_dict().items())
+    engine.close()
+print(json.dumps(out), flush=True)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_branch_one_rank_skips_trains_as_ddp_finding_unused_parameters():
+    procs = start_ranks(2, BRANCH)
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        apart = json.loads(stdout.strip().splitlines()[-1])
+        assert apart["1"] < 1e-6 and apart["3"] < 1e-6, apart
