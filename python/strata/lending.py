@@ -243,7 +243,7 @@ class Lending:
                         raise
                     told = _strata.Error(
                         f"{error} (lending {e.name} to {type(module).__name__}: "
-                        f"{self.table.lent_bytes()} bytes of parameters are lent now; a view "
+                        f"parameters lent now hold {self.table.lent_bytes()} bytes of it; a view "
                         "autograd saved, or gradient checkpointing recomputing a whole block in "
                         "backward, holds its module's parameters at once: raise "
                         "strata.device_budget_bytes to hold them)")

@@ -116,8 +116,10 @@ class ParameterTable:
         return list(self.partitioned_by_id.values())
 
     def lent_bytes(self):
-        """Bytes of partitioned parameters lent now (their .data not the placeholder)."""
-        return sum(e.numel * e.param.element_size() for e in self.partitioned_by_id.values()
+        """Bytes of the device tier that partitioned parameters lent now hold (their .data not the
+        placeholder): their partitions', each its shard across ranks (the weights gathered whole
+        from the shards are torch's tensors, outside the tier)."""
+        return sum(e.shard * e.param.element_size() for e in self.partitioned_by_id.values()
                    if e.param.data.numel())
 
     def leave_unlent(self):

@@ -98,6 +98,19 @@ def _lent_model():
     return model, reference, table, _Runtime(weights)
 
 
+def test_the_bytes_lent_are_the_device_tiers_a_shard_across_ranks():
+    """ParameterTable.lent_bytes: what the lent partitions hold of the device budget, a shard's
+    bytes across ranks (the weights gathered whole are torch's, outside the budget); the error
+    of a budget without room says it."""
+    _, _, table, _ = _lent_model()
+    first, second = table.trained[0], table.trained[2]
+    first.param.data = torch.zeros(first.shape)
+    assert table.lent_bytes() == first.numel * 4
+    second.shard = 3  # (across 2 ranks: 16 elements, lent whole after the gather)
+    second.param.data = torch.zeros(second.shape)
+    assert table.lent_bytes() == first.numel * 4 + 3 * 4
+
+
 def test_lending_lends_around_each_module_alone():
     """Each Linear's weights are lent for its forward and again for its backward, and given back
     after; the result is the whole model's."""
