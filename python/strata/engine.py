@@ -1419,6 +1419,8 @@ class Engine:
             self.module.__dict__.pop("load_state_dict", None)
             if checkpointing.host_store_of(self):
                 checkpointing.use_host_store(None)
+            if self.ranks is not None:
+                self.ranks.collectives.let_go()  # (the buffers kept for the next collectives)
             built = init_module.built_under(self.module)
             if built is not None:
                 built.release()

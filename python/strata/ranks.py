@@ -72,8 +72,19 @@ def join(raw_config):
     every engine share the job's collectives, in one order, each with Ranks (buckets) of its own.
     MASTER_ADDR, MASTER_PORT or LOCAL_RANK alone (accelerate's launch of one process sets the
     first two; some clusters export them to every process) leave this process training alone, as
-    torch's does without init_process_group: said once in a warning."""
+    torch's does without init_process_group: said once in a warning; with a torch.distributed
+    group of several ranks initialized (torch's spawn recipe), refused by name."""
     if not any(v in os.environ for v in ("RANK", "WORLD_SIZE")):
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # (torch's spawn recipe: init_process_group(rank=, world_size=) in each process)
+            raise ValueError(
+                f"strata: torch.distributed is initialized with {dist.get_world_size()} ranks "
+                f"(this one {dist.get_rank()}), but RANK and WORLD_SIZE are not in the "
+                "environment, from which strata joins the job: training alone here would "
+                "differ from data parallel; accepted: launch with torchrun (or DeepSpeed's "
+                "launcher), or set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK in "
+                "each process before strata.initialize")
         stray = [v for v in _LAUNCH_VARIABLES if v in os.environ]
         if stray and not _told_alone:
             _told_alone.append(True)
@@ -116,7 +127,8 @@ def join(raw_config):
 # outside the tiers' budgets (the gradients it holds as autograd made them, at most 4 bytes an
 # element, and its send buffer, 4 more; with overlap_comm one more bucket's send buffer in flight;
 # an all-gather's in the training dtype), so that buckets are capped at a 64th of the host budget
-# in elements: about a fifth of the budget in bytes at most.
+# in elements: about a fifth of the budget in bytes at most in flight; and between collectives
+# the buffers kept for the next ones (Ranks._give): two buckets' in fp32, an eighth more.
 _BUCKET_PER_BUDGET_BYTE = 1 / 64
 
 
@@ -174,16 +186,21 @@ class Collectives:
             return self.empty(numel, dtype=dtype)
         return self._kept.pop(best)[:numel]
 
-    def give(self, buffer):
+    def give(self, buffer, limit_bytes):
         """`buffer` (take's, or a view of it) is no longer used by anyone: the next take may hand
-        it out again. The largest KEPT are kept."""
+        it out again. The largest are kept, at most KEPT of them and `limit_bytes` in all."""
         base = buffer if buffer._base is None else buffer._base
         if self.pinned or self.device.type != "cpu" or base.numel() < self.KEPT_FROM:
             return
         self._kept.append(base.view(-1))
-        if len(self._kept) > self.KEPT:
-            smallest = min(range(len(self._kept)), key=lambda i: self._kept[i].numel())
-            del self._kept[smallest]
+        self._kept.sort(key=lambda kept: -kept.numel())
+        while len(self._kept) > self.KEPT or \
+                sum(kept.numel() * kept.element_size() for kept in self._kept) > limit_bytes:
+            self._kept.pop()
+
+    def let_go(self):
+        """The buffers kept are freed (the engine closed)."""
+        self._kept = []
 
 
 class _OnJob(Collectives):
@@ -594,6 +611,12 @@ class Ranks:
         """The engine's: its collectives (choose_collectives) and its compute device."""
         self.collectives, self.device = collectives, device
 
+    def _give(self, buffer):
+        """A collective's buffer given back to be kept for the next ones: at most two buckets'
+        fp32 buffers (8 bytes an element of the larger bucket size), host memory outside the
+        budgets as the buckets in flight are (_BUCKET_PER_BUDGET_BYTE)."""
+        self.collectives.give(buffer, 8 * max(self.reduce_bucket, self.allgather_bucket))
+
     def configure(self, zero, stage, host_budget_bytes):
         """Takes the bucket keys of the zero_optimization block (bucket_settings), each bucket
         capped by the host budget (see _BUCKET_PER_BUDGET_BYTE; said in self.warnings)."""
@@ -784,7 +807,7 @@ class Ranks:
         if not async_op:
             agreement.check()
             work.wait()
-            self.collectives.give(send)
+            self._give(send)
             send = None
         return work, out, agreement, send
 
@@ -849,7 +872,7 @@ class Ranks:
         (work, out, agreement, send, bucket), self._in_flight = self._in_flight, None
         agreement.check()
         work.wait()
-        self.collectives.give(send)
+        self._give(send)
         for (e, _, boundary), shard in self._split(bucket, out, 1.0 / self.size):
             self._apply(e, shard, boundary)
 
@@ -905,7 +928,7 @@ class Ranks:
         for work, bucket, whole, agreement, send in started:
             agreement.check()
             work.wait()
-            self.collectives.give(send)
+            self._give(send)
             offset = 0
             for e, sink in bucket if deliver else ():
                 rows = whole[:, offset:offset + e.shard]  # rank j's row: [j * shard, ...)
@@ -925,7 +948,7 @@ class Ranks:
                 if piece.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
                     piece = piece.clone()  # (a view of the bucket's buffer, given back below)
                 sink(piece)
-            self.collectives.give(whole)
+            self._give(whole)
 
     def failed_ranks(self, ok):
         """The ranks that are not `ok` (each rank says whether it is)."""

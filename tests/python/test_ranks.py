@@ -644,26 +644,30 @@ def test_shards_under_the_persistence_threshold_leave_the_device_like_the_others
 
 def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
     """Collectives.take / give: a plain host buffer of KEPT_FROM elements or more, given back, is
-    handed out again to a request of its dtype that it holds at most twice over; the KEPT largest
-    are kept."""
+    handed out again to a request of its dtype that it holds at most twice over; the largest are
+    kept, KEPT of them at most and no more bytes than the limit given; let_go frees them."""
     from strata.ranks import Collectives
     c = Collectives("test")
     n = Collectives.KEPT_FROM
+    unlimited = 1 << 40
     first = c.take(2 * n)
     address = first.data_ptr()
-    c.give(first[:n].view(2, -1))  # (a view: its whole buffer goes back)
+    c.give(first[:n].view(2, -1), unlimited)  # (a view: its whole buffer goes back)
     again = c.take(2 * n)
     assert again.data_ptr() == address and again.shape == (2 * n,)
-    c.give(again)
+    c.give(again, unlimited)
     assert c.take(2 * n, dtype=torch.bfloat16).data_ptr() != address  # another dtype
     assert c.take(n // 2).data_ptr() != address  # held more than twice over: a new one
     assert c.take(n).data_ptr() == address  # held exactly twice over
     for size in range(1, Collectives.KEPT + 3):
-        c.give(c.empty(size * n))
+        c.give(c.empty(size * n), unlimited)
     assert sorted(b.numel() for b in c._kept) == [size * n for size in range(3, 7)]
-    small = c.take(n - 1)
-    c.give(small)
+    c.give(c.take(n - 1), unlimited)  # (small: the allocator's heap serves those)
     assert all(b.numel() >= n for b in c._kept)
+    c.give(c.empty(n), 9 * n * 4)  # the smallest dropped until 9 n fp32 elements hold the rest
+    assert [b.numel() for b in c._kept] == [6 * n]
+    c.let_go()
+    assert c._kept == []
 
 
 # Each rank's own branch (DDP's find_unused_parameters case): `extra` is used by rank 0 at every
@@ -722,7 +726,10 @@ for stage in (1, 3):
     ours = engine.module_state_dict()
     out[stage] = max((ours[k] - v).abs().max().item()
                      for k, v in ddp.module.state_dict().items())
+    collectives = engine.ranks.collectives
+    assert collectives._kept  # (buffers kept for the next collectives, let go at close)
     engine.close()
+    assert collectives._kept == []
 print(json.dumps(out), flush=True)
 sys.stdout.flush()
 os._exit(0)

@@ -495,6 +495,30 @@ def test_master_addr_and_port_without_rank_or_world_size_train_alone_and_say_so(
     assert child.returncode == 0, child.stderr[-2000:]
 
 
+def test_a_torch_group_without_rank_and_world_size_in_the_environment_is_refused():
+    """torch's spawn recipe (init_process_group(rank=, world_size=) in each process, RANK and
+    WORLD_SIZE never in the environment): strata cannot join that job from the environment, and
+    training alone would differ from data parallel: refused by name on every rank."""
+    script = (
+        "import os, sys, torch, torch.distributed as dist, strata\n"
+        "rank, world = int(os.environ.pop('RANK')), int(os.environ.pop('WORLD_SIZE'))\n"
+        "os.environ.pop('LOCAL_RANK')\n"
+        "dist.init_process_group('gloo', rank=rank, world_size=world)\n"
+        "config = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW'},\n"
+        "          'zero_optimization': {'stage': 2}, 'strata': {'device': 'emulated'}}\n"
+        "try:\n"
+        "    strata.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
+        "except ValueError as error:\n"
+        "    print(error, flush=True)\n"
+        "sys.stdout.flush()\n"
+        "os._exit(0)\n")
+    for p in start_ranks(2, script):
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr[-2000:]
+        assert "torch.distributed is initialized with 2 ranks" in stdout, stdout + stderr[-2000:]
+        assert "RANK and WORLD_SIZE are not in the environment" in stdout, stdout
+
+
 def test_a_missing_launcher_variable_is_named_by_initialize():
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                LOCAL_RANK="0")
