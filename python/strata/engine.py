@@ -1004,10 +1004,11 @@ class Engine:
         optimizer's come here. Refused where some parameters stepped for good during this
         backward with them (strata.optimizer_during_backward): that cannot be undone."""
         done = self.micro_steps % self._state.accumulation
-        if self._state.phase is Phase.IDLE and done:
+        if self._state.phase is Phase.IDLE and done and self._window_holds_gradients():
             # After a step() that ended a micro-batch but not the window: the window's gradients
             # so far are summed in the engine (the stage-2 host sums kept them, the other stages
-            # named a backward of the user's own: audits' findings).
+            # named a backward of the user's own: audits' findings). A checkpoint saved inside
+            # the window holds none of them: loaded, the window goes on without them.
             raise RuntimeError(
                 f"zero_grad in the middle of an accumulation window (after micro-batch {done} of "
                 f"{self._state.accumulation}, gradient_accumulation_steps): it would drop the "
@@ -1028,6 +1029,12 @@ class Engine:
             e.param.grad = None
         self._state.phase = Phase.IDLE
         self.micro_steps -= self.micro_steps % self._state.accumulation
+
+    def _window_holds_gradients(self):
+        """Whether any gradient of the accumulation window is held (in the engine's sums, its
+        partitions, its shards, or .grad)."""
+        return any(e.has_grad or e.host_grad is not None or e.shard_grad is not None or
+                   e.param.grad is not None for e in self.table.trained)
 
     def train(self, mode=True):
         self.module.train(mode)

@@ -889,6 +889,27 @@ def test_checkpoints_saved_inside_an_accumulation_window_keep_the_run_going(tmp_
     assert os.listdir(folder), "no checkpoint was saved"
     assert any("inside a gradient-accumulation window" in w for w in strata_warnings(record))
 
+    # Resumed from the checkpoint of the first validation (after micro-batch 1 of the second
+    # window), the window ends with the micro-batches that follow, as plain Lightning's resumed
+    # from its own checkpoint of that batch does (the audit's: the engine refused the zero_grad
+    # Lightning makes as it resumes, for a window it held no gradients of).
+    resumed = {}
+    for name, strategy in (("plain", lambda: "auto"), ("strata", StrataStrategy)):
+        folder = tmp_path / f"every_{name}"
+        t = trainer(strategy(), max_epochs=1, accumulate_grad_batches=3, val_check_interval=4,
+                    enable_checkpointing=True,
+                    callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=-1, filename="{step}")])
+        torch.manual_seed(0)
+        t.fit(Net(), loader(), loader(16, seed=1))
+        recorder = Recorder()
+        t = trainer(strategy(), recorder, max_epochs=1, accumulate_grad_batches=3,
+                    val_check_interval=4)
+        torch.manual_seed(0)
+        t.fit(Net(), loader(), loader(16, seed=1), ckpt_path=folder / "step=1.ckpt")
+        resumed[name] = recorder.losses()
+    assert len(resumed["plain"]) == 2, resumed  # (the second window's step and the third's)
+    assert resumed["strata"] == pytest.approx(resumed["plain"], rel=1e-5)
+
     class Boom(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, index):
             if index == 3:  # the second micro-batch of the second window
