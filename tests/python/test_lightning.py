@@ -871,6 +871,27 @@ def test_gpu_accelerator_uses_the_cuda_tier_and_agrees_with_plain_lightning():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=5e-3)
 
 
+def test_a_hook_before_the_optimizer_step_is_told_the_gradients_are_the_engines():
+    """on_before_optimizer_step of one's own (a callback reading .grad, as Lightning's grad_norm
+    does) sees None where the engine holds the gradients (stage 2): said once, naming the hook
+    and what to use instead (the audit's: grad norms silently never logged, an edit of .grad
+    silently not taken). No hook of one's own: nothing said."""
+    class ReadsGradients(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.seen = [p.grad for p in pl_module.parameters() if p.grad is not None]
+
+    for callbacks, told in (([ReadsGradients()], True), ([], False)):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            fit(StrataStrategy(stage=2), callbacks=callbacks, max_epochs=1)
+        said = [w for w in strata_warnings(record) if "on_before_optimizer_step" in w]
+        assert len(said) == told, said
+        if told:
+            assert "(ReadsGradients) runs while the engine holds" in said[0], said
+            assert callbacks[0].seen == []  # (what it saw: no .grad)
+            assert "clip_grad_norm_(self.parameters(), float('inf'))" in said[0], said
+
+
 def test_checkpoints_saved_inside_an_accumulation_window_keep_the_run_going(tmp_path):
     """A monitored ModelCheckpoint whose validation falls inside an accumulation window
     (val_check_interval not a multiple of it), and OnExceptionCheckpoint when the run fails

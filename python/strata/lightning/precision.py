@@ -83,8 +83,9 @@ class _PrecisionMixin:
             result = closure()
         finally:
             self._stepping = False
-        self._after_closure(model, optimizer)
         engine = self._engine()
+        _tell_hidden_gradients(engine, model)
+        self._after_closure(model, optimizer)
         if model.automatic_optimization and result is None:
             raise ValueError("StrataStrategy: training_step returned None at an optimizer step "
                              "(no backward): the engine cannot step the micro-batches before "
@@ -128,3 +129,33 @@ def _check_precision(precision):
                          "'32-true', 'bf16-mixed', '16-mixed' (and 'bf16-true', '16-true': the "
                          "same training, fp32 master weights in strata's optimizer)")
     return "32-true" if text == "32" else text
+
+
+def _tell_hidden_gradients(engine, model):
+    """Where an on_before_optimizer_step of the user's own (the LightningModule's, a callback's)
+    is about to run while the engine holds gradients that are not in .grad (reduced into its
+    shards or partitions, as under DeepSpeedStrategy), says once what it sees there: .grad None
+    (Lightning's grad_norm logs nothing) or, at stage 3, only the small parameters' (a partial
+    norm), and that editing .grad changes nothing."""
+    def own(obj):
+        hook = getattr(type(obj), "on_before_optimizer_step", None)
+        where = getattr(hook, "__module__", "") or ""
+        return hook is not None and not where.startswith(("lightning.", "pytorch_lightning."))
+
+    trainer = getattr(model, "_trainer", None)
+    users = [type(model).__name__] if own(model) else []
+    users += [type(c).__name__ for c in (getattr(trainer, "callbacks", None) or []) if own(c)]
+    if not users:
+        return
+    held = [e for e in engine.table.trained if e.param.grad is None and (
+        e.has_grad or e.host_grad is not None or e.shard_grad is not None)]
+    if held:
+        engine._warn(
+            f"StrataStrategy: on_before_optimizer_step ({', '.join(users)}) runs while the engine "
+            f"holds {len(held)} of the {len(engine.table.trained)} trained parameters' gradients "
+            "outside .grad (reduced into its shards or partitions, as DeepSpeedStrategy's are): "
+            ".grad reads None there (Lightning's grad_norm leaves them out), and an edit of "
+            ".grad is not taken by the step; accepted: the global norm from "
+            "torch.nn.utils.clip_grad_norm_(self.parameters(), float('inf')) (the engine's), "
+            "gradient_clip_val to clip")
+
