@@ -300,7 +300,8 @@ class Lending:
         items = []
         for e in self.by_module[following]:
             if self.holders.get(e.pid, 0) == 0 and e.param.numel() == 0:
-                lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream()))
+                lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
+                                                     self._traced()))
                 items.append((e, lent, self._sink(e)))
         if items:
             self.prefetched = (following, {e for e, _, _ in items},

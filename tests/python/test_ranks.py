@@ -743,3 +743,45 @@ def test_a_branch_one_rank_skips_trains_as_ddp_finding_unused_parameters():
         assert p.returncode == 0, stderr[-3000:]
         apart = json.loads(stdout.strip().splitlines()[-1])
         assert apart["1"] < 1e-6 and apart["3"] < 1e-6, apart
+
+
+# Stage 3 on 2 ranks with an evaluation's forward (eval mode, no gradients) after every second
+# window: the gathers prefetched ahead of each module during it are not part of the step's trace
+# (they were: the next step was recorded with them at its head and every step after an
+# evaluation left the plan, alternately; the audit's).
+EVAL_BETWEEN = r"""
+import json, os, sys, torch
+import strata
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
+          "strata": {"device": "emulated"}}
+engine, _, _, _ = strata.initialize(model=model, config=config)
+gen = torch.Generator().manual_seed(1)
+for i in range(16):
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 4, generator=gen)
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    if i % 4 == 3:
+        engine.eval()
+        with torch.no_grad():
+            engine(x)
+        engine.train()
+left = [w for w in engine.warnings if "differs from the recorded trace" in w]
+print(json.dumps({"left": left, "prefetched": engine.prefetched_gathers}), flush=True)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_an_evaluation_between_steps_leaves_the_plan_of_the_steps_alone():
+    for p in start_ranks(2, EVAL_BETWEEN):
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        out = json.loads(stdout.strip().splitlines()[-1])
+        # (at most the known one: the second step, the first to prefetch gathers)
+        assert len(out["left"]) <= 1, out["left"]
+        assert out["prefetched"] > 0, out
