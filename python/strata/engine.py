@@ -1033,8 +1033,7 @@ class Engine:
     def _window_holds_gradients(self):
         """Whether any gradient of the accumulation window is held (in the engine's sums, its
         partitions, its shards, or .grad)."""
-        return any(e.has_grad or e.host_grad is not None or e.shard_grad is not None or
-                   e.param.grad is not None for e in self.table.trained)
+        return any(e.gradient_held() or e.param.grad is not None for e in self.table.trained)
 
     def train(self, mode=True):
         self.module.train(mode)

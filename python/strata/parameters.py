@@ -55,6 +55,11 @@ class Param:
         # gradient, no optimizer state (gid unused), never written back.
         self.frozen = frozen
 
+    def gradient_held(self):
+        """The engine holds a gradient of it outside .grad (its partition's, its host sum, its
+        shard of the mean across ranks)."""
+        return self.has_grad or self.host_grad is not None or self.shard_grad is not None
+
 
 class ParameterTable:
     """The engine's parameters: `trained`, the entries of the parameters the optimizer steps (the

@@ -152,6 +152,21 @@ def bucket_settings(zero, stage):
     return buckets["reduce_bucket_size"], buckets["allgather_bucket_size"], overlap
 
 
+def _as_rows(flat, rows, numel, into_rows):
+    """A parameter's `numel` elements (`flat`) and its rank rows (`rows`: size x shard, rank j's
+    row elements [j * shard, (j + 1) * shard)), copied one into the other (`into_rows`: from
+    flat into rows); the padding after the last element is left as it is. Returns (the rows
+    full, the elements of the last row that is not)."""
+    shard = rows.shape[1]
+    full, rest = divmod(numel, shard)
+    pairs = [(flat[:full * shard].view(full, shard), rows[:full])]
+    if rest:
+        pairs.append((flat[full * shard:], rows[full, :rest]))
+    for elements, row in pairs:
+        (row if into_rows else elements).copy_(elements if into_rows else row)
+    return full, rest
+
+
 class Collectives:
     """Where the gradients' reduce-scatters and the weights' all-gathers run, and the buffers they
     take (`device`: where those are; `pinned`: host buffers pinned for a GPU's copies). Each call
@@ -792,12 +807,11 @@ class Ranks:
         for (e, grad, *_), shard in zip(bucket, shards):
             # Rank j's row: elements [j * shard, (j + 1) * shard); the padding past the last
             # element, and every row where this rank has no gradient, zero.
-            full, rest = divmod(0 if grad is None else e.numel, shard)
-            if full or rest:
-                flat = grad.reshape(-1)
-                send[:full, offset:offset + shard] = flat[:full * shard].view(full, shard)
+            full, rest = 0, 0
+            if grad is not None:
+                full, rest = _as_rows(grad.reshape(-1), send[:, offset:offset + shard], e.numel,
+                                      into_rows=True)
             if rest:
-                send[full, offset:offset + rest] = flat[full * shard:]
                 send[full, offset + rest:offset + shard] = 0
                 full += 1
             send[full:, offset:offset + shard] = 0
@@ -934,11 +948,7 @@ class Ranks:
                 rows = whole[:, offset:offset + e.shard]  # rank j's row: [j * shard, ...)
                 offset += e.shard
                 if isinstance(sink, torch.Tensor) and sink.is_contiguous():
-                    into = sink.view(-1)
-                    full, rest = divmod(e.numel, e.shard)
-                    into[:full * e.shard].view(full, e.shard).copy_(rows[:full])
-                    if rest:
-                        into[full * e.shard:].copy_(rows[full, :rest])
+                    _as_rows(sink.view(-1), rows, e.numel, into_rows=False)
                     continue
                 piece = rows.reshape(-1)[:e.numel]
                 if isinstance(sink, torch.Tensor):

@@ -16,9 +16,9 @@ has a file of its own) and ``pytorch_model.bin.index.json``, the index large mod
 (``{"metadata": {"total_size": ...}, "weight_map": {name: file}}``).
 
 With ``--safetensors`` (or an OUT ending in ``.safetensors``) the files are safetensors, as
-transformers' ``save_pretrained`` writes them: ``model.safetensors`` (OUT, or in the folder OUT), or shards
-``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``, with the metadata
-``{"format": "pt"}`` that ``from_pretrained`` asks for. safetensors holds no shared tensors: a tied
+transformers' ``save_pretrained`` writes them: ``model.safetensors`` (OUT, or in the folder
+OUT), or shards ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``,
+with the metadata ``{"format": "pt"}`` that ``from_pretrained`` asks for. safetensors holds no shared tensors: a tied
 weight is written once, under the first of its names in the module's state dict (the embedding's,
 which transformers ties the head to when it loads); the others are left out.
 

@@ -147,8 +147,7 @@ def _tell_hidden_gradients(engine, model):
     users += [type(c).__name__ for c in (getattr(trainer, "callbacks", None) or []) if own(c)]
     if not users:
         return
-    held = [e for e in engine.table.trained if e.param.grad is None and (
-        e.has_grad or e.host_grad is not None or e.shard_grad is not None)]
+    held = [e for e in engine.table.trained if e.param.grad is None and e.gradient_held()]
     if held:
         engine._warn(
             f"StrataStrategy: on_before_optimizer_step ({', '.join(users)}) runs while the engine "
