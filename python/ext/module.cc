@@ -1162,8 +1162,10 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("elements"), py::arg("group"), py::arg("tier"), py::arg("initial") = py::none())
       .def("acquire", &PyRuntime::Acquire, py::arg("id"), py::arg("tier"), py::arg("traced") = true,
            py::arg("overwrite") = false)
-      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream") = py::none(),
-           py::arg("traced") = true)
+      // traced has no default: a lend in an evaluation's forward left untraced by one caller
+      // once put that evaluation's accesses into the next step's trace.
+      .def("lend", &PyRuntime::Lend, py::arg("id"), py::arg("tier"), py::arg("stream"),
+           py::arg("traced"))
       .def("take_deferred_errors", &PyRuntime::TakeDeferredErrors)
       .def("release", &PyRuntime::Release, py::arg("id"), py::arg("tier"), py::arg("dirty"),
            py::arg("stream") = py::none(), py::arg("traced") = true)

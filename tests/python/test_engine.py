@@ -473,7 +473,7 @@ def test_a_lent_tensor_freed_after_its_runtime_is_dropped_is_safe(tmp_path):
         cfg = {{"strata": {{"device": "emulated", "nvme_capacity_bytes": 1 << 26}}}}
         rt = _strata.Runtime(json.dumps(cfg), on_warning=lambda w: None)
         rt.register(0, "param", "float32", 1024, 0, "host", torch.arange(1024.0))
-        t = from_dlpack(rt.lend(0, "device"))
+        t = from_dlpack(rt.lend(0, "device", None, True))
         del rt
         gc.collect()
         assert t[:3].tolist() == [0.0, 1.0, 2.0]
