@@ -452,6 +452,8 @@ class Engine:
         self._optimizer_on_host = settings.optimizer_device == "cpu"
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
+        if built is not None:  # (what the context lends given back: the partitions are ours)
+            built.settle()
         runtime_blocks = json.loads(settings.runtime_json)
         # The bucket keys, checked in one process too.
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)
@@ -1420,6 +1422,7 @@ class Engine:
             for e in self.table.entries():
                 e.param.__dict__.pop("_strata_node", None)
                 e.param.__dict__.pop("ds_numel", None)
+                e.param.__dict__.pop("__deepcopy__", None)  # (strata.init's: copied plain now)
             for module, name in self._patched_methods:
                 module.__dict__.pop(name, None)
             self.module.__dict__.pop("load_state_dict", None)

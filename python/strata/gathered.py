@@ -3,10 +3,13 @@
 Thread safety: the engine's (one thread).
 """
 
+import contextlib
+
 import torch
 
 from strata import checkpoints
 from strata import guards
+from strata import zero_init
 from strata.parameters import set_weights, write_frozen
 
 __all__ = ["GatheredParameters"]
@@ -24,7 +27,9 @@ class GatheredParameters:
     master weights too (its moments kept), or the next step would put the old ones back (across
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
     DeepSpeed's; a frozen one's too, each rank keeping rank 0's, or its shard of them; a
-    trained partitioned one's edit across ranks is refused). Other parameters pass as they are.
+    trained partitioned one's edit across ranks is refused). A parameter strata.init partitioned
+    that no engine has adopted yet is lent whole for the block (fp32; across ranks gathered from
+    the shards, rank 0's writes kept). Other parameters pass as they are.
     Not for autograd: a loss computed in the
     block from them would save what backward cannot find after it (the weights are given back at
     its end); compute such a loss inside the module's forward."""
@@ -37,6 +42,8 @@ class GatheredParameters:
         self.held = []  # (engine, entry): gathered whole for the block
         self.kept = []  # (engine, entry): whole already; written to the master weights at exit
         self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
+        self.built = []  # (strata.init context, parameter): its partition, no engine yet
+        self._keeping = None
         if not enabled:
             return
 
@@ -73,6 +80,11 @@ class GatheredParameters:
                     modified_by_rank_0(engine)
                     self.plain.append((engine, p))
                     break
+            else:
+                context = zero_init.lendable(p)
+                if context is not None:
+                    modified_by_rank_0(context)
+                    self.built.append((context, p))
 
     def __enter__(self):
         for engine, e in self.held:  # all checked before any changes
@@ -85,6 +97,12 @@ class GatheredParameters:
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
                 e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
+        if self.built:  # (lent whole for the block: written back at its end with modifier_rank)
+            self._keeping = contextlib.ExitStack()
+            for context in {id(c): c for c, _ in self.built}.values():
+                self._keeping.enter_context(context.lending.kept())
+            for context, p in self.built:
+                context.lending.lend(p, written=self.modify)
         return self
 
     def __exit__(self, *exc):
@@ -99,6 +117,14 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder
+            if self._keeping is not None:
+                try:
+                    if not self.modify or exc[0] is not None:  # (its writes dropped)
+                        for context, p in self.built:
+                            context.lending.give_back_all(write=False, only=[p])
+                finally:
+                    self._keeping, keeping = None, self._keeping
+                    keeping.close()
         return False
 
     @staticmethod

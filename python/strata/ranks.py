@@ -776,6 +776,14 @@ class Ranks:
         self.agree(f"the broadcast of {what} ({flat.numel()} {flat.dtype})")
         self.job.broadcast(flat, 0)
 
+    def gather_tensor(self, shard, what):
+        """Every rank's `shard` (a flat CPU tensor, one size and dtype on every rank), in rank order
+        (strata.init: a parameter lent whole from the ranks' shards)."""
+        self.agree(f"the all-gather of {what} ({shard.numel()} {shard.dtype})")
+        whole = torch.empty(self.size * shard.numel(), dtype=shard.dtype)
+        self.job.all_gather(shard.contiguous(), whole)
+        return whole
+
     def _buckets(self, items, limit):
         """Consecutive runs of `items` ((e, ...) tuples) of at most `limit` whole elements each
         (one item may be larger alone)."""

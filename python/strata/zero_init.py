@@ -12,16 +12,26 @@ engine lends a frozen one as any other and never writes it back) into strata par
 parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
 the submodule is built (when its outermost ``__init__`` returns, so a subclass may set them after
 ``super().__init__()``), so the host memory building needs is about the largest module's own
-parameters, not the model's. A `transformers` model's own initialization, which runs after every
-module was built (``post_init``: ``_initialize_weights`` on each module, a parent's reaching into
-its children's parameters), writes the partitions: while it runs for one module, each
-partitioned parameter a torch function is given is lent whole, as an fp32 copy of its partition
-(so that bf16 training draws the values a plain fp32 build does, then rounds them), and written
-back when that module's initialization returns (so the host memory it needs is what one module's
-initialization touches; across ranks the parameter is lent as zeros and rank 0's result is
-kept). Other code that writes parameters after they were built does not reach the partitions:
-load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build without the
-context. The context makes the Runtime (from the config's zero_optimization
+parameters, not the model's. While the context is open, the partitions
+are the parameters' values to any code that runs: each partitioned parameter a torch function is
+given (``init.normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
+``p.data.zero_()``, ``copy_``, a norm read for a log) is lent whole for that call, as an fp32 copy
+of its partition (so that bf16 training draws the values a plain fp32 build does, then rounds
+them; across ranks all-gathered from the ranks' shards), and given back when the call returns:
+written into its partition (across ranks rank 0's values) if the call may have written it, its
+placeholder restored. A view of it the call hands out (``p.data``, ``p[0]``) keeps it lent until
+the last such view is gone, so that writes through it land. Calls that read no values (its
+shape, dtype, numel) lend nothing. A `transformers` model's own initialization, which runs after
+every module was built (``post_init``: ``_initialize_weights`` on each module), keeps what it
+lends until that module's initialization returns. So the host memory a build needs stays about
+what one call (one module's initialization) touches. ``copy.deepcopy`` of a partitioned parameter
+(torch's ``nn.TransformerEncoder`` clones its layer so) is a new partition holding a copy of its
+values, before or after the context closes, until an engine adopts the Runtime (then refused by
+name). After the context closes, the partitions are no longer lent to torch functions: a
+parameter read or written then is its placeholder (as DeepSpeed's zero.Init leaves it): write
+within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block,
+what it writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does,
+or build without the context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
 initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
 
@@ -38,6 +48,7 @@ partition; strata.initialize then cannot place them).
 Thread safety: one context at a time per process (it patches nn.Module classes while open).
 """
 
+import contextlib
 import functools
 import sys
 import weakref
@@ -50,7 +61,7 @@ from strata import ranks as ranks_module
 from strata.config import TORCH_DTYPES, TrainConfig
 from strata.runtime_settings import RuntimeSettings, make_runtime
 
-__all__ = ["init", "built_under", "partition_of"]
+__all__ = ["init", "built_under", "lendable", "partition_of"]
 
 _DTYPE_NAMES = TORCH_DTYPES
 _open = []  # the context open now (at most one)
@@ -117,6 +128,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         self._patched = []
         self._building = set()  # modules whose __init__ runs now
         self._adopted = None  # the engine's warning callback, once adopted
+        self.lending = _Lending(self)  # the partitions lent to torch functions (see the docstring)
 
     def __enter__(self):
         if _open:
@@ -133,13 +145,26 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 self.warnings.append(stale)
         _open.append(self)
         self._patch()
+        self.lending.open = self.runtime is not None and self._adopted is None
+        self.lending.__enter__()
         return self
 
     def __exit__(self, *exc):
         if self.enabled:
-            self._unpatch()
-            _open.remove(self)
+            try:
+                self.lending.__exit__(*exc)
+                self.lending.give_back_all()
+            finally:
+                self.lending.open = False
+                self._unpatch()
+                _open.remove(self)
         return False
+
+    def settle(self):
+        """An engine is about to adopt the Runtime: what is lent is given back, and nothing is
+        lent from now on (the partitions are the engine's)."""
+        self.lending.give_back_all()
+        self.lending.open = False
 
     def adopt(self, on_warning):
         """The Runtime, for the engine (once): its warnings go to `on_warning` from now on."""
@@ -187,9 +212,10 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._patched.append((torch.nn.Module, "__init_subclass__", original))
-        # transformers' post_init writes the partitions (_LentForInit): its PreTrainedModel now
-        # when its modeling code is loaded, else as the class is made (init_subclass above:
-        # transformers loads it on a model class's first use, which may be inside the context).
+        # transformers' post_init keeps what it lends until each module's initialization is done
+        # (_Lending.kept): its PreTrainedModel now when its modeling code is loaded, else as the
+        # class is made (init_subclass above: transformers loads it on a model class's first
+        # use, which may be inside the context).
         modeling = sys.modules.get("transformers.modeling_utils")
         if modeling is not None:
             self._wrap_initialization(modeling.PreTrainedModel)
@@ -200,12 +226,8 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
         @functools.wraps(original)
         def wrapped(model, module, *args, **kwargs):
-            lending = _LentForInit(context)
-            try:
-                with lending:
-                    return original(model, module, *args, **kwargs)
-            finally:
-                lending.give_back()
+            with context.lending.kept():  # (what it lends kept until this module's is done)
+                return original(model, module, *args, **kwargs)
 
         cls._initialize_weights = wrapped
         self._patched.append((cls, "_initialize_weights", original))
@@ -263,6 +285,30 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             del held
             self.runtime.release(pid, "host", True, traced=False)
 
+    def _mark(self, p, pid):
+        """`p` is partition `pid` of this context: copy.deepcopy of it copies its partition."""
+        p._strata_init = (self, pid, tuple(p.shape))
+        p.__deepcopy__ = functools.partial(_deepcopy_partitioned, weakref.ref(p))
+
+    def _copy(self, p):
+        """A new parameter partitioned as `p` is (a partition of its own, a copy of p's values:
+        across ranks each rank copies its own shard)."""
+        pid, self.next_id = self.next_id, self.next_id + 2
+        source = partition_of(p)
+        held = from_dlpack(self.runtime.acquire(source, "host", traced=False))
+        try:
+            initial = held.clone()
+        finally:
+            del held
+            self.runtime.release(source, "host", False, traced=False)
+        dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
+        self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
+                              self.settings.param_tier, initial)
+        copy = type(p)(self._placeholder(p.shape), p.requires_grad)
+        self._mark(copy, pid)
+        weakref.finalize(copy, _forget, weakref.ref(self), pid)
+        return copy
+
     def _partition_module(self, module):
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         for p in module.__dict__.get("_parameters", {}).values():
@@ -279,7 +325,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                                       self.settings.param_tier, initial)
                 del initial
                 p.data = self._placeholder(p.shape)
-            p._strata_init = (self, pid, tuple(p.shape))
+            self._mark(p, pid)
             # A parameter replaced while the model is built (a tied weight: head.weight =
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.
@@ -293,51 +339,201 @@ def _is_pretrained_model_base(cls):
         and "_initialize_weights" in cls.__dict__
 
 
-class _LentForInit(torch.overrides.TorchFunctionMode):
-    """While one module's initialization runs: each parameter of `context`'s partitions that a
-    torch function is given (``init.normal_(module.weight)``, ``module.weight[0]``) is lent
-    whole first, as an fp32 copy of its partition (across ranks a zeroed tensor); give_back()
-    writes them into the partitions (in the training dtype) and restores the placeholders."""
+def lendable(param):
+    """The strata.init context whose partition `param` is, while no engine has adopted it (its
+    values can be lent: GatheredParameters), else None."""
+    made = getattr(param, "_strata_init", None)
+    context = made[0] if made is not None else None
+    if context is None or context.runtime is None or context._adopted is not None:
+        return None
+    return context
+
+
+def _deepcopy_partitioned(param_ref, memo=None):
+    """copy.deepcopy of a parameter strata.init partitioned (set on it as `__deepcopy__`, until
+    its engine closes; torch's own would copy its placeholder: zeros): while a module is built
+    in the context (nn.TransformerEncoder cloning its layer), a new partition holding a copy of
+    its values, part of the model; else, until an engine adopts it, a plain parameter holding
+    them (a model copied whole: a reference, a teacher); refused while an engine trains it."""
+    param = param_ref()
+    context = param._strata_init[0]
+    if lendable(param) is None:
+        raise TypeError("copy.deepcopy of a parameter a strata engine trains (built under "
+                        "strata.init): the copy would hold no values; accepted: copy "
+                        "engine.module_state_dict() into a model of your own, or copy after "
+                        "engine.release()")
+    if context.lending.open and context._building:
+        copy = context._copy(param)
+    else:
+        with context.lending._busy():
+            copy = type(param)(context.lending.whole(param).to(param.dtype),
+                                      param.requires_grad)
+    if memo is not None:
+        memo[id(param)] = copy
+    return copy
+
+
+# Tensor attributes and methods that read no values: lent for nothing.
+_NO_VALUES = frozenset((
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "_grad", "grad_fn", "_grad_fn",
+    "ndim", "layout", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn",
+    "is_nested", "is_xpu", "is_mps", "names", "name", "_version", "output_nr", "_base", "nbytes",
+    "itemsize", "retains_grad", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "size", "numel", "nelement", "dim", "ndimension", "is_floating_point", "is_complex",
+    "is_signed", "element_size", "is_contiguous", "stride", "storage_offset", "get_device",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+    "__len__", "_is_view", "is_shared", "is_pinned"))
+
+
+def _reads_values(func):
+    """Whether torch function `func` may read or write a tensor's values (a property's getter or
+    setter is named by its property)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+        return name == "data" or name not in _NO_VALUES
+    return name not in _NO_VALUES
+
+
+class _Lent:
+    """A partitioned parameter lent whole: its partition, the tensor lent, what tells a write."""
+
+    def __init__(self, param, pid, whole, written):
+        self.param, self.pid = param, pid
+        self.version = param._version
+        self.storage = whole.untyped_storage().data_ptr()
+        self.views = {}  # id(view) -> its finalizer: views handed out, alive
+        # Taken as written: a view was handed out (a write through it is not counted by param).
+        self.maybe_written = written
+
+    def written(self):
+        data = self.param.data
+        return self.maybe_written or self.param._version != self.version or \
+            data.untyped_storage().data_ptr() != self.storage
+
+
+class _Lending(torch.overrides.TorchFunctionMode):
+    """While `context` is open (see the module's docstring): each partitioned parameter of its
+    partitions that a torch function is given is lent whole for the call, and given back when
+    the call returns and no view of it the call handed out is alive; within kept() (transformers'
+    initialization of one module, GatheredParameters' block) until kept() ends."""
 
     def __init__(self, context):
         super().__init__()
         self.context = context
-        self.lent = {}  # id(param) -> (param, pid)
+        self.open = False  # lending (the context open, no engine yet)
+        self.keeping = 0  # kept() blocks open
+        self.lent = {}  # id(param) -> _Lent
+        self.busy = False  # lending or giving back (its own torch functions pass through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.open or self.busy or not _reads_values(func):
+            return func(*args, **kwargs)
+        self._give_back_unviewed()
         for leaf in _pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.nn.Parameter) and id(leaf) not in self.lent:
                 made = getattr(leaf, "_strata_init", None)
                 if made is not None and made[0] is self.context:
-                    self._lend(leaf, made[1])
-        return func(*args, **kwargs)
+                    self.lend(leaf)
+        out = func(*args, **kwargs)
+        if self.lent:
+            self._follow_views(out)
+            self._give_back_unviewed()
+        return out
 
-    def _lend(self, param, pid):
+    @contextlib.contextmanager
+    def kept(self):
+        """What is lent in the block stays lent until it ends (then given back, each written if
+        it may have been)."""
+        self.keeping += 1
+        try:
+            yield self
+        finally:
+            self.keeping -= 1
+            if not self.keeping:
+                self.give_back_all()
+
+    @contextlib.contextmanager
+    def _busy(self):
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
+
+    def lend(self, param, written=False):
         """The parameter whole in fp32 (transformers' initializers draw in the tensor's dtype, and
-        a bf16 draw is not a plain fp32 build's): its partition's values, or across ranks zeros
-        (rank 0's result is kept)."""
-        context = self.context
-        if context.ranks is not None:
-            whole = torch.zeros(param.shape, dtype=torch.float32)
-        else:
-            held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
-            try:
-                whole = held.view(param.shape).to(torch.float32, copy=True)
-            finally:
-                del held
-                context.runtime.release(pid, "host", False, traced=False)
-        param.data = whole
-        self.lent[id(param)] = (param, pid)
+        a bf16 draw is not a plain fp32 build's): its partition's values (across ranks gathered
+        from every rank's shard). `written`: written back when given back, whatever it tells
+        (GatheredParameters' block writes through views this mode does not see). Lent already:
+        only marked."""
+        if id(param) not in self.lent:
+            with self._busy():
+                param.data = self.whole(param)
+                self.lent[id(param)] = _Lent(param, partition_of(param), param.data, written)
+        self.lent[id(param)].maybe_written |= written
 
-    def give_back(self):
+    def whole(self, param):
+        """A copy of `param`'s values whole, in fp32 (across ranks gathered from the shards)."""
+        context, pid = self.context, partition_of(param)
+        held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
+        try:
+            shard = held.clone()
+        finally:
+            del held
+            context.runtime.release(pid, "host", False, traced=False)
+        if context.ranks is not None:
+            shard = context.ranks.gather_tensor(shard, "a parameter lent while building")
+        return shard[:param.numel()].view(param.shape).to(torch.float32, copy=True)
+
+    def _follow_views(self, out):
+        """Each tensor `out` holds that views a lent parameter's values (p.data, p[0]) keeps it
+        lent while it is alive."""
+        by_storage = {lent.storage: lent for lent in self.lent.values()}
+        for leaf in _pytree.tree_leaves(out):
+            if not isinstance(leaf, torch.Tensor) or id(leaf) in self.lent:
+                continue
+            try:
+                lent = by_storage.get(leaf.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # (a tensor without storage)
+                continue
+            if lent is not None and id(leaf) not in lent.views:
+                lent.maybe_written = True
+                lent.views[id(leaf)] = weakref.finalize(leaf, lent.views.pop, id(leaf), None)
+
+    def _give_back_unviewed(self):
+        if self.keeping:
+            return
+        with self._busy():
+            for key in [key for key, lent in self.lent.items() if not lent.views]:
+                self._give_back(self.lent.pop(key), write=True)
+
+    def give_back_all(self, write=True, only=None):
+        """Every lent parameter (of `only`, where given) given back (written where it may have
+        been, if `write`); the first error raised once all are."""
         error = None
-        while self.lent:
-            _, (param, pid) = self.lent.popitem()
-            whole, param.data = param.data, self.context._placeholder(param.shape)
-            try:  # (across ranks rank 0's values, this rank's shard)
-                self.context._write_whole(pid, whole)
-            except Exception as e:  # noqa: BLE001 - each is given back; the first error raised
-                error = error or e
+        with self._busy():
+            for key in [key for key in self.lent if only is None or key in {id(p) for p in only}]:
+                lent = self.lent.pop(key)
+                for finalizer in list(lent.views.values()):
+                    finalizer.detach()
+                try:
+                    self._give_back(lent, write)
+                except Exception as e:  # noqa: BLE001 - each given back; the first error raised
+                    error = error or e
         if error is not None:
             raise error
+
+    def _give_back(self, lent, write):
+        param, context = lent.param, self.context
+        whole, shape = param.data, param._strata_init[2]
+        written = write and lent.written()
+        param.data = context._placeholder(shape)
+        if not written:
+            return
+        if tuple(whole.shape) != shape:
+            raise ValueError(f"strata.init: a partitioned parameter of shape {shape} "
+                             f"was given values of shape {tuple(whole.shape)}; accepted: its own "
+                             "shape (build the module with its final sizes)")
+        context._write_whole(lent.pid, whole)  # (across ranks rank 0's values, this rank's shard)

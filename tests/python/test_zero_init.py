@@ -1,5 +1,6 @@
 """strata.init: a model built without materializing its large parameters, adopted by
 strata.initialize, loaded and trained as one built whole (strata/zero_init.py)."""
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import strata
 
 sys.path.insert(0, os.path.dirname(__file__))
 from references import assert_computes_as  # noqa: E402
-from test_engine import Net, batches, make_config, step_both  # noqa: E402
+from test_engine import VOCAB, Net, batches, loss_of, make_config, step_both  # noqa: E402
 
 
 def config_for(tmp_path, offload="nvme", stage=3):
@@ -201,3 +202,128 @@ def test_parameters_set_after_super_init_are_kept(tmp_path):
         model = torch.nn.Sequential(Filled())
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert torch.equal(engine.module_state_dict()["0.weight"], torch.full((64, 64), 0.25))
+
+
+class Nano(torch.nn.Module):
+    """A model that initializes its children's weights in its own __init__, after they were built
+    (nanoGPT's and timm's way): self.apply, nn.init over named_parameters, zeros_ (which the
+    placeholders took silently), a row zeroed through a view, a weight read into another, and a
+    norm read for a log."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 32)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+            for _ in range(2))
+        self.head = torch.nn.Linear(32, VOCAB)
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith("2.weight"):  # (the residual projections, scaled down)
+                torch.nn.init.normal_(p, 0.0, 0.02 / math.sqrt(4))
+        torch.nn.init.zeros_(self.blocks[1][0].weight)
+        self.emb.weight.data[0].zero_()
+        with torch.no_grad():
+            self.head.weight.copy_(self.head.weight * 0.5 + self.blocks[0][0].weight[:VOCAB])
+        self.logged = float(self.blocks[0][2].weight.norm())
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, 0.0, 0.02)
+            torch.nn.init.zeros_(m.bias)
+        elif isinstance(m, torch.nn.Embedding):
+            torch.nn.init.normal_(m.weight, 0.0, 0.02)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_a_parents_initialization_of_its_childrens_weights_reaches_their_partitions(tmp_path):
+    # Before, normal_ on a partitioned weight raised torch's "more than one element of the
+    # written-to tensor refers to a single memory location", and zeros_ was lost silently.
+    config = config_for(tmp_path, "cpu")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = Nano()
+    torch.manual_seed(0)
+    reference = Nano()
+    assert model.logged == reference.logged
+    # Nothing is left lent, and the partitions held no more than a call's parameters at once.
+    assert all(p.storage().nbytes() <= 4 for p in model.parameters() if p.numel() >= 100)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for x, y in batches(2):
+        step_both(engine, reference, torch_adamw, x, y)
+
+
+def test_a_layer_cloned_while_building_is_a_partition_of_its_own(tmp_path):
+    # torch's TransformerEncoder deep-copies the layer it is given: the copies held the
+    # placeholders' zeros, and trained from them silently.
+    def build():
+        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    config = config_for(tmp_path, "cpu")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = build()
+    torch.manual_seed(0)
+    reference = build()
+    pids = [strata.zero_init.partition_of(p) for p in model.parameters() if p.numel() >= 100]
+    assert None not in pids and len(set(pids)) == len(pids), pids
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(engine(x), reference(x), rtol=0, atol=1e-6)
+
+
+def test_a_model_built_under_init_copied_or_edited_before_initialize(tmp_path):
+    config = config_for(tmp_path, "cpu")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = Net()
+    torch.manual_seed(0)
+    reference = Net()
+    # A copy made after the context (a reference model, a teacher) holds the values, plain.
+    copy_ = __import__("copy").deepcopy(model)
+    for name, value in copy_.state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    assert all(strata.zero_init.partition_of(p) is None for p in copy_.parameters())
+    # GatheredParameters: the weights whole in the block; modifier_rank=0 keeps what it writes.
+    with strata.GatheredParameters(model.l1.weight):
+        assert torch.equal(model.l1.weight, reference.l1.weight)
+        model.l1.weight.data.zero_()  # dropped: no modifier_rank
+    with strata.GatheredParameters([model.l2.weight], modifier_rank=0):
+        model.l2.weight.data.mul_(0.5)
+    with torch.no_grad():
+        reference.l2.weight.mul_(0.5)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+    engine.backward(loss_of(engine(next(iter(batches(1)))[0]), next(iter(batches(1)))[1]))
+    engine.step()
+    for name, value in copy_.state_dict().items():  # (the copy is its own: not trained)
+        if name != "l2.weight":
+            assert torch.equal(value, reference.state_dict()[name]), name
+    with pytest.raises(TypeError, match="copy.deepcopy of a parameter a strata engine trains"):
+        __import__("copy").deepcopy(model.l1.weight)
+
+
+def test_values_of_another_shape_given_while_building_are_refused_by_name(tmp_path):
+    class Resized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(32, 64)
+            self.inner.weight.data = torch.zeros(8, 8)
+
+    with pytest.raises(ValueError, match=r"shape \(64, 32\) was given values of shape \(8, 8\)"):
+        with strata.init(config=config_for(tmp_path, "cpu")):
+            Resized()
