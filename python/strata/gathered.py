@@ -3,8 +3,6 @@
 Thread safety: the engine's (one thread).
 """
 
-import contextlib
-
 import torch
 
 from strata import checkpoints
@@ -43,7 +41,7 @@ class GatheredParameters:
         self.kept = []  # (engine, entry): whole already; written to the master weights at exit
         self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
         self.built = []  # (strata.init context, parameter): its partition, no engine yet
-        self._keeping = None
+        self._lent = []  # (context, parameter, lent by this block): held lent for the block
         if not enabled:
             return
 
@@ -97,12 +95,10 @@ class GatheredParameters:
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
                 e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
-        if self.built:  # (lent whole for the block: written back at its end with modifier_rank)
-            self._keeping = contextlib.ExitStack()
-            for context in {id(c): c for c, _ in self.built}.values():
-                self._keeping.enter_context(context.lending.kept())
-            for context, p in self.built:
-                context.lending.lend(p, written=self.modify)
+        for context, p in self.built:  # (lent whole for the block: see __exit__)
+            fresh = id(p) not in context.lending.lent
+            context.lending.lend(p, written=self.modify).pins += 1
+            self._lent.append((context, p, fresh))
         return self
 
     def __exit__(self, *exc):
@@ -117,14 +113,16 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder
-            if self._keeping is not None:
-                try:
-                    if not self.modify or exc[0] is not None:  # (its writes dropped)
-                        for context, p in self.built:
-                            context.lending.give_back_all(write=False, only=[p])
-                finally:
-                    self._keeping, keeping = None, self._keeping
-                    keeping.close()
+            # Those this block lent are given back (with modifier_rank what it wrote kept, else
+            # dropped); those lent before it stay lent (strata.init's context gives them back).
+            lent, self._lent = self._lent, []
+            for context, p, _ in lent:
+                held = context.lending.lent.get(id(p))
+                if held is not None:
+                    held.pins -= 1
+            for context, p, fresh in lent:
+                if fresh:
+                    context.lending.give_back([p], write=self.modify and exc[0] is None)
         return False
 
     @staticmethod

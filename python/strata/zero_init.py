@@ -14,24 +14,26 @@ the submodule is built (when its outermost ``__init__`` returns, so a subclass m
 ``super().__init__()``), so the host memory building needs is about the largest module's own
 parameters, not the model's. While the context is open, the partitions
 are the parameters' values to any code that runs: each partitioned parameter a torch function is
-given (``init.normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
-``p.data.zero_()``, ``copy_``, a norm read for a log) is lent whole for that call, as an fp32 copy
-of its partition (so that bf16 training draws the values a plain fp32 build does, then rounds
-them; across ranks all-gathered from the ranks' shards), and given back when the call returns:
-written into its partition (across ranks rank 0's values) if the call may have written it, its
-placeholder restored. A view of it the call hands out (``p.data``, ``p[0]``) keeps it lent until
-the last such view is gone, so that writes through it land. Calls that read no values (its
-shape, dtype, numel) lend nothing. A `transformers` model's own initialization, which runs after
-every module was built (``post_init``: ``_initialize_weights`` on each module), keeps what it
-lends until that module's initialization returns. So the host memory a build needs stays about
-what one call (one module's initialization) touches. ``copy.deepcopy`` of a partitioned parameter
-(torch's ``nn.TransformerEncoder`` clones its layer so) is a new partition holding a copy of its
-values, before or after the context closes, until an engine adopts the Runtime (then refused by
-name). After the context closes, the partitions are no longer lent to torch functions: a
-parameter read or written then is its placeholder (as DeepSpeed's zero.Init leaves it): write
-within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block,
-what it writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does,
-or build without the context. The context makes the Runtime (from the config's zero_optimization
+given (``init.trunc_normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
+``p.data.zero_()``, ``copy_``, a norm read for a log), or made into another parameter
+(``nn.Parameter(p)``: parametrizations' ``original``), is lent whole, as an fp32 copy of its
+partition (across ranks all-gathered from the ranks' shards). It stays lent while the lent
+parameters hold at most twice the largest one's fp32 bytes (at least 64 MiB), so that an
+initializer of several calls runs in fp32 throughout, as a plain build's does, and bf16 training
+starts from the plain fp32 values rounded once; the least recently used one (no view of it alive,
+not held by a GatheredParameters block) is given back to make room, and every one when the context
+closes (or strata.initialize adopts its Runtime): written into its partition (across ranks rank 0's
+values) if it may have been written, its placeholder restored. A value computed from a weight after
+its module was built reads its partition's values (in bf16, rounded). Calls that read no values
+(its shape, dtype, numel) lend nothing. ``copy.deepcopy`` of a partitioned parameter (torch's
+``nn.TransformerEncoder`` clones its layer so) is, while a module is built in the context, a new
+partition holding its values; otherwise, until an engine adopts the Runtime, a plain parameter
+holding them (a model copied whole: a reference, a teacher); while an engine trains it, refused by
+name. After the context closes, the partitions are no longer lent to torch functions: a parameter
+read or written then is its placeholder (as DeepSpeed's zero.Init leaves it): write within
+``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
+writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
+without the context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
 initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
 
@@ -48,9 +50,9 @@ partition; strata.initialize then cannot place them).
 Thread safety: one context at a time per process (it patches nn.Module classes while open).
 """
 
+import collections
 import contextlib
 import functools
-import sys
 import weakref
 
 import torch
@@ -207,30 +209,23 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 original.__func__(cls, **kwargs)
             if context() is not None:
                 context()._wrap(cls)
-                if _is_pretrained_model_base(cls):  # transformers' modeling code loaded now
-                    context()._wrap_initialization(cls)
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._patched.append((torch.nn.Module, "__init_subclass__", original))
-        # transformers' post_init keeps what it lends until each module's initialization is done
-        # (_Lending.kept): its PreTrainedModel now when its modeling code is loaded, else as the
-        # class is made (init_subclass above: transformers loads it on a model class's first
-        # use, which may be inside the context).
-        modeling = sys.modules.get("transformers.modeling_utils")
-        if modeling is not None:
-            self._wrap_initialization(modeling.PreTrainedModel)
+        # nn.Parameter(p) of a partitioned p (parametrizations' `original`): torch makes it
+        # without a torch function (Tensor._make_subclass), so p is lent first: the new
+        # parameter holds its values, as plain torch's shares them.
+        new = torch.nn.Parameter.__dict__["__new__"]
 
-    def _wrap_initialization(self, cls):
-        original = cls.__dict__["_initialize_weights"]
-        context = self
+        def parameter(cls, data=None, requires_grad=True):
+            made = getattr(data, "_strata_init", None)
+            if context() is not None and context().lending.open and made is not None and \
+                    made[0] is context():
+                context().lending.lend(data)
+            return new.__func__(cls, data, requires_grad)
 
-        @functools.wraps(original)
-        def wrapped(model, module, *args, **kwargs):
-            with context.lending.kept():  # (what it lends kept until this module's is done)
-                return original(model, module, *args, **kwargs)
-
-        cls._initialize_weights = wrapped
-        self._patched.append((cls, "_initialize_weights", original))
+        torch.nn.Parameter.__new__ = staticmethod(parameter)
+        self._patched.append((torch.nn.Parameter, "__new__", new))
 
     def _wrap(self, cls):
         original = cls.__dict__.get("__init__")
@@ -276,7 +271,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         flat = whole.reshape(-1)
         if self.ranks is not None:
             flat = flat.contiguous()
-            self.ranks.broadcast_tensor(flat, "a parameter's initialization")
+            self.ranks.broadcast_tensor(flat, f"partition {pid}'s values, written while building")
             flat = self.ranks.own_shard(flat, self.ranks.shard_elements(whole.numel()))
         held = from_dlpack(self.runtime.acquire(pid, "host", traced=False))
         try:
@@ -295,12 +290,18 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         across ranks each rank copies its own shard)."""
         pid, self.next_id = self.next_id, self.next_id + 2
         source = partition_of(p)
-        held = from_dlpack(self.runtime.acquire(source, "host", traced=False))
-        try:
-            initial = held.clone()
-        finally:
-            del held
-            self.runtime.release(source, "host", False, traced=False)
+        with self.lending._busy():
+            if id(p) in self.lending.lent:  # (what was written into it so far)
+                initial = p.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()
+                if self.ranks is not None:
+                    initial = self.ranks.own_shard(initial, self.ranks.shard_elements(p.numel()))
+            else:
+                held = from_dlpack(self.runtime.acquire(source, "host", traced=False))
+                try:
+                    initial = held.clone()
+                finally:
+                    del held
+                    self.runtime.release(source, "host", False, traced=False)
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
                               self.settings.param_tier, initial)
@@ -332,13 +333,6 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             weakref.finalize(p, _forget, weakref.ref(self), pid)
 
 
-def _is_pretrained_model_base(cls):
-    """Whether `cls` is transformers' PreTrainedModel itself (whose _initialize_weights every
-    model's post_init runs)."""
-    return cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils" \
-        and "_initialize_weights" in cls.__dict__
-
-
 def lendable(param):
     """The strata.init context whose partition `param` is, while no engine has adopted it (its
     values can be lent: GatheredParameters), else None."""
@@ -365,9 +359,7 @@ def _deepcopy_partitioned(param_ref, memo=None):
     if context.lending.open and context._building:
         copy = context._copy(param)
     else:
-        with context.lending._busy():
-            copy = type(param)(context.lending.whole(param).to(param.dtype),
-                                      param.requires_grad)
+        copy = type(param)(context.lending.values(param).to(param.dtype), param.requires_grad)
     if memo is not None:
         memo[id(param)] = copy
     return copy
@@ -395,11 +387,16 @@ def _reads_values(func):
     return name not in _NO_VALUES
 
 
+# The bytes lent parameters may hold at once while building (at least twice the largest one).
+_LENT_BYTES = 64 << 20
+
+
 class _Lent:
     """A partitioned parameter lent whole: its partition, the tensor lent, what tells a write."""
 
     def __init__(self, param, pid, whole, written):
-        self.param, self.pid = param, pid
+        self.param, self.pid, self.bytes = param, pid, whole.numel() * whole.element_size()
+        self.pins = 0  # GatheredParameters blocks that hold it lent
         self.version = param._version
         self.storage = whole.untyped_storage().data_ptr()
         self.views = {}  # id(view) -> its finalizer: views handed out, alive
@@ -414,45 +411,35 @@ class _Lent:
 
 class _Lending(torch.overrides.TorchFunctionMode):
     """While `context` is open (see the module's docstring): each partitioned parameter of its
-    partitions that a torch function is given is lent whole for the call, and given back when
-    the call returns and no view of it the call handed out is alive; within kept() (transformers'
-    initialization of one module, GatheredParameters' block) until kept() ends."""
+    partitions that a torch function is given is lent whole, and stays lent while the lent bytes
+    are within the bound (so that an initializer made of several calls, trunc_normal_'s, runs in
+    fp32 throughout, as a plain build's); the least recently used one no view keeps and no block
+    holds (pin) is given back to make room, and every one when the context closes."""
 
     def __init__(self, context):
         super().__init__()
         self.context = context
         self.open = False  # lending (the context open, no engine yet)
-        self.keeping = 0  # kept() blocks open
-        self.lent = {}  # id(param) -> _Lent
+        self.bound = _LENT_BYTES
+        self.lent = collections.OrderedDict()  # id(param) -> _Lent, least recently used first
         self.busy = False  # lending or giving back (its own torch functions pass through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.open or self.busy or not _reads_values(func):
             return func(*args, **kwargs)
-        self._give_back_unviewed()
+        given = []
         for leaf in _pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.nn.Parameter) and id(leaf) not in self.lent:
+            if isinstance(leaf, torch.nn.Parameter):
                 made = getattr(leaf, "_strata_init", None)
                 if made is not None and made[0] is self.context:
-                    self.lend(leaf)
+                    given.append(leaf)
+        for param in given:
+            self.lend(param, keep=given)
         out = func(*args, **kwargs)
         if self.lent:
             self._follow_views(out)
-            self._give_back_unviewed()
         return out
-
-    @contextlib.contextmanager
-    def kept(self):
-        """What is lent in the block stays lent until it ends (then given back, each written if
-        it may have been)."""
-        self.keeping += 1
-        try:
-            yield self
-        finally:
-            self.keeping -= 1
-            if not self.keeping:
-                self.give_back_all()
 
     @contextlib.contextmanager
     def _busy(self):
@@ -462,20 +449,50 @@ class _Lending(torch.overrides.TorchFunctionMode):
         finally:
             self.busy = busy
 
-    def lend(self, param, written=False):
-        """The parameter whole in fp32 (transformers' initializers draw in the tensor's dtype, and
-        a bf16 draw is not a plain fp32 build's): its partition's values (across ranks gathered
-        from every rank's shard). `written`: written back when given back, whatever it tells
-        (GatheredParameters' block writes through views this mode does not see). Lent already:
-        only marked."""
-        if id(param) not in self.lent:
+    def lend(self, param, written=False, keep=()):
+        """The parameter whole in fp32 (initializers draw in the tensor's dtype, and a bf16 draw
+        is not a plain fp32 build's): its partition's values (across ranks gathered from every
+        rank's shard); room made first (`keep`: parameters not given back for it). `written`:
+        written back when given back, whatever it tells (GatheredParameters' block writes through
+        views this mode does not see). Lent already: marked most recently used."""
+        key = id(param)
+        if key not in self.lent:
             with self._busy():
+                self._make_room(param.numel() * 4, keep)
                 param.data = self.whole(param)
-                self.lent[id(param)] = _Lent(param, partition_of(param), param.data, written)
-        self.lent[id(param)].maybe_written |= written
+                self.lent[key] = _Lent(param, partition_of(param), param.data, written)
+        self.lent.move_to_end(key)
+        self.lent[key].maybe_written |= written
+        return self.lent[key]
+
+    def _make_room(self, incoming, keep):
+        """Gives back the least recently used lent parameters (no view alive, no pin, not in
+        `keep`) until `incoming` more bytes fit within the bound: twice the largest parameter
+        lent, at least _LENT_BYTES (across ranks every rank lends and gives back the same ones
+        in the same order: each give-back is a broadcast)."""
+        self.bound = max(self.bound, 2 * incoming)
+        held = sum(lent.bytes for lent in self.lent.values())
+        kept = {id(p) for p in keep}
+        for key in list(self.lent):
+            if held + incoming <= self.bound:
+                break
+            lent = self.lent[key]
+            if lent.views or lent.pins or key in kept:
+                continue
+            del self.lent[key]
+            held -= lent.bytes
+            self._give_back(lent, write=True)
+
+    def values(self, param):
+        """`param`'s values whole in fp32 (a copy): its lent tensor's when it is lent (what was
+        written into it so far), else its partition's."""
+        with self._busy():
+            if id(param) in self.lent:
+                return param.data.to(torch.float32, copy=True)
+            return self.whole(param)
 
     def whole(self, param):
-        """A copy of `param`'s values whole, in fp32 (across ranks gathered from the shards)."""
+        """A copy of `param`'s partition whole, in fp32 (across ranks gathered from the shards)."""
         context, pid = self.context, partition_of(param)
         held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
         try:
@@ -484,7 +501,7 @@ class _Lending(torch.overrides.TorchFunctionMode):
             del held
             context.runtime.release(pid, "host", False, traced=False)
         if context.ranks is not None:
-            shard = context.ranks.gather_tensor(shard, "a parameter lent while building")
+            shard = context.ranks.gather_tensor(shard, f"partition {pid}, lent while building")
         return shard[:param.numel()].view(param.shape).to(torch.float32, copy=True)
 
     def _follow_views(self, out):
@@ -502,19 +519,19 @@ class _Lending(torch.overrides.TorchFunctionMode):
                 lent.maybe_written = True
                 lent.views[id(leaf)] = weakref.finalize(leaf, lent.views.pop, id(leaf), None)
 
-    def _give_back_unviewed(self):
-        if self.keeping:
-            return
-        with self._busy():
-            for key in [key for key, lent in self.lent.items() if not lent.views]:
-                self._give_back(self.lent.pop(key), write=True)
+    def give_back(self, params, write):
+        """`params` given back (those lent): written where they may have been, if `write`."""
+        self._give_back_where(lambda key: key in {id(p) for p in params}, write)
 
-    def give_back_all(self, write=True, only=None):
-        """Every lent parameter (of `only`, where given) given back (written where it may have
-        been, if `write`); the first error raised once all are."""
+    def give_back_all(self):
+        """Every lent parameter given back, each written where it may have been."""
+        self._give_back_where(lambda key: True, True)
+
+    def _give_back_where(self, chosen, write):
+        """The first error raised once every chosen one is given back."""
         error = None
         with self._busy():
-            for key in [key for key in self.lent if only is None or key in {id(p) for p in only}]:
+            for key in [key for key in self.lent if chosen(key)]:
                 lent = self.lent.pop(key)
                 for finalizer in list(lent.views.values()):
                     finalizer.detach()
