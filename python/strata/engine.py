@@ -453,7 +453,7 @@ class Engine:
         self._persistence_threshold = settings.threshold
         built = init_module.built_under(model)
         if built is not None:  # (what the context lends given back: the partitions are ours)
-            built.settle()
+            built.settle(model)
         runtime_blocks = json.loads(settings.runtime_json)
         # The bucket keys, checked in one process too.
         ranks_module.bucket_settings(runtime_blocks.get("zero_optimization", {}), self.stage)

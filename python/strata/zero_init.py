@@ -30,10 +30,13 @@ its module was built reads its partition's values (in bf16, rounded). Calls that
 partition holding its values; otherwise, until an engine adopts the Runtime, a plain parameter
 holding them (a model copied whole: a reference, a teacher); while an engine trains it, refused by
 name. After the context closes, the partitions are no longer lent to torch functions: a parameter
-read or written then is its placeholder (as DeepSpeed's zero.Init leaves it): write within
-``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
-writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
-without the context. The context makes the Runtime (from the config's zero_optimization
+read then is its placeholder, whose one element is NaN (a norm, a forward give NaN, not DeepSpeed's
+plausible empty tensors); values given to it (``p.data = t`` of its shape) are written into its
+partition at strata.initialize, as plain torch trains them; a write in place into it (``fill_``,
+``zero_``) is refused by name at strata.initialize (other in-place ops raise torch's error on the
+placeholder). Write within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters
+whole in the block, what it writes kept), load the pretrained weights (engine.load_pretrained), as
+fine-tuning does, or build without the context. The context makes the Runtime (from the config's zero_optimization
 and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
 initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
 
@@ -53,6 +56,7 @@ Thread safety: one context at a time per process (it patches nn.Module classes w
 import collections
 import contextlib
 import functools
+import math
 import weakref
 
 import torch
@@ -162,11 +166,40 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 _open.remove(self)
         return False
 
-    def settle(self):
-        """An engine is about to adopt the Runtime: what is lent is given back, and nothing is
-        lent from now on (the partitions are the engine's)."""
+    def settle(self, model):
+        """An engine is about to adopt the Runtime with `model`: what is lent is given back, and
+        nothing is lent from now on (the partitions are the engine's). A parameter whose values
+        were replaced after the context closed (``p.data = t``) has them written into its
+        partition (across ranks rank 0's), as plain torch trains them; one written in place
+        after it (``p.data.fill_(x)``, ``zero_()``: the placeholder took the write, not the
+        partition) is refused by name."""
         self.lending.give_back_all()
         self.lending.open = False
+        if self.runtime is None or self._adopted is not None:  # (adopt() refuses it)
+            return
+        replaced, written = [], []
+        for name, p in model.named_parameters():
+            made = getattr(p, "_strata_init", None)
+            if made is None or made[0] is not self or tuple(p.shape) != made[2]:
+                continue  # (resized: the engine refuses it, naming it)
+            if p.data.untyped_storage().nbytes() > p.data.element_size():  # (values of its own)
+                replaced.append((name, p))
+            elif not torch.isnan(p.data.reshape(-1)[:1]).all():
+                written.append(name)
+        if self.ranks is not None:  # (each rank's the same: else every rank names them)
+            self.ranks.agree("parameters built under strata.init given values after it: " +
+                             ", ".join(name for name, _ in replaced) + "; written in place: " +
+                             ", ".join(written))
+        if written:
+            raise ValueError(
+                f"strata.initialize: {', '.join(written)}, built under strata.init, written in "
+                "place after the context closed (the placeholder took the write: the partition "
+                "did not); accepted: the write inside the context, or within "
+                "strata.GatheredParameters(params, modifier_rank=0)")
+        for _, p in replaced:
+            made = p._strata_init
+            self._write_whole(made[1], p.data.detach().to("cpu"))
+            p.data = self._placeholder(made[2])
 
     def adopt(self, on_warning):
         """The Runtime, for the engine (once): its warnings go to `on_warning` from now on."""
@@ -262,8 +295,10 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
     def _placeholder(self, shape):
         """A partitioned parameter's data: its shape and dtype without its bytes (one element,
-        expanded)."""
-        return torch.zeros((), dtype=self.dtype).expand(shape)
+        expanded). The element is NaN: read outside the context (before an engine lends it) it
+        gives NaN, not plausible zeros; a write into it (fill_, zero_) changes it, which
+        settle() names."""
+        return torch.full((), math.nan, dtype=self.dtype).expand(shape)
 
     def _write_whole(self, pid, whole):
         """A parameter's new values (whole, in the training dtype) into its partition: across

@@ -397,3 +397,25 @@ def test_a_read_only_block_inside_one_that_modifies_keeps_its_writes(tmp_path):
         model.l2.weight.data.add_(1.0)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 4.0))
+
+
+def test_after_the_context_a_read_is_nan_a_replacement_is_taken_an_in_place_write_refused(
+        tmp_path):
+    # Found by an audit: after the context (before strata.initialize) a read gave the
+    # placeholder's zeros (a plausible norm, a forward that ran), `p.data = t` was ignored and
+    # `fill_` was lost, each silently.
+    config = config_for(tmp_path, "cpu")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = Net()
+    assert torch.isnan(model.l1.weight.norm())
+    model.l2.weight.data = torch.full((50, 64), 0.5)  # taken, as plain torch trains it
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 0.5))
+    engine.close()
+    with strata.init(config=config):
+        model = Net()
+    model.l1.weight.data.fill_(0.25)
+    with pytest.raises(ValueError, match=r"l1.weight, built under strata.init, written in "
+                                         r"place after the context closed"):
+        strata.initialize(model=model, config=config)
