@@ -36,9 +36,10 @@ partition at strata.initialize, as plain torch trains them; a write in place int
 ``zero_``) is refused by name at strata.initialize (other in-place ops raise torch's error on the
 placeholder). Write within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters
 whole in the block, what it writes kept), load the pretrained weights (engine.load_pretrained), as
-fine-tuning does, or build without the context. The context makes the Runtime (from the config's zero_optimization
-and strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
-initialize refuses a config whose blocks differ. Small parameters stay ordinary tensors.
+fine-tuning does, or build without the context. The context makes the Runtime (from the config's
+zero_optimization and strata blocks) that ``strata.initialize`` then adopts, with the partitions
+as the parameters; initialize refuses a config whose blocks differ. Small parameters stay ordinary
+tensors.
 
 Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). Launched as
 several ranks, every parameter takes rank 0's values as it is built and each rank's partition
