@@ -113,8 +113,9 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder
-            # Those this block lent are given back (with modifier_rank what it wrote kept, else
-            # dropped); those lent before it stay lent (strata.init's context gives them back).
+            # Those this block lent are given back (with modifier_rank what it wrote kept, an
+            # exception's too, as plain torch keeps them; else dropped); those lent before it stay
+            # lent (strata.init's context gives them back).
             lent, self._lent = self._lent, []
             for context, p, _ in lent:
                 held = context.lending.lent.get(id(p))
@@ -122,7 +123,7 @@ class GatheredParameters:
                     held.pins -= 1
             for context, p, fresh in lent:
                 if fresh:
-                    context.lending.give_back([p], write=self.modify and exc[0] is None)
+                    context.lending.give_back([p], write=self.modify)
         return False
 
     @staticmethod

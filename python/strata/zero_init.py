@@ -5,41 +5,44 @@
     engine, optimizer, _, _ = strata.initialize(model=model, config=ds_config)
     engine.load_pretrained("pytorch_model.bin.index.json")
 
-Inside the context every nn.Module's ``__init__`` is followed by a step that turns the module's
-own parameters of at least stage3_param_persistence_threshold elements (trainable or frozen: the
-engine lends a frozen one as any other and never writes it back) into strata partitions
-(in the training dtype, in the tier offload_param names: device, host or NVMe) and leaves each
-parameter an empty placeholder of its shape. A submodule's parameters are partitioned as soon as
-the submodule is built (when its outermost ``__init__`` returns, so a subclass may set them after
+Inside the context every nn.Module's ``__init__`` is followed by a step that turns the module's own
+parameters of at least stage3_param_persistence_threshold elements (trainable or frozen: the engine
+lends a frozen one as any other and never writes it back) into strata partitions (in the training
+dtype, in the tier offload_param names: device, host or NVMe) and leaves each parameter an empty
+placeholder of its shape. A submodule's parameters are partitioned as soon as the submodule is
+built (when its outermost ``__init__`` returns, so a subclass may set them after
 ``super().__init__()``), so the host memory building needs is about the largest module's own
-parameters, not the model's. While the context is open, the partitions
-are the parameters' values to any code that runs: each partitioned parameter a torch function is
-given (``init.trunc_normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
+parameters, not the model's. While the context is open, the partitions are the parameters' values
+to any code that runs: each partitioned parameter a torch function is given
+(``init.trunc_normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
 ``p.data.zero_()``, ``copy_``, a norm read for a log), or made into another parameter
-(``nn.Parameter(p)``: parametrizations' ``original``), is lent whole, as an fp32 copy of its
-partition (across ranks all-gathered from the ranks' shards). It stays lent while the lent
-parameters hold at most twice the largest one's fp32 bytes (at least 64 MiB), so that an
-initializer of several calls runs in fp32 throughout, as a plain build's does, and bf16 training
-starts from the plain fp32 values rounded once; the least recently used one (no view of it alive,
-not held by a GatheredParameters block) is given back to make room, and every one when the context
-closes (or strata.initialize adopts its Runtime): written into its partition (across ranks rank 0's
-values) if it may have been written, its placeholder restored. A value computed from a weight after
-its module was built reads its partition's values (in bf16, rounded). Calls that read no values
-(its shape, dtype, numel) lend nothing. ``copy.deepcopy`` of a partitioned parameter (torch's
+(``nn.Parameter(p)``: parametrizations' ``original``), is lent whole, a copy of its partition in
+the dtype it was built in (fp32 for a model built in fp32, whatever the training dtype; across
+ranks all-gathered from the ranks' shards). It stays lent while the lent parameters hold at most
+twice the largest one's bytes (at least 64 MiB), so that an initializer of several calls runs in
+fp32 throughout, as a plain build's does, and bf16 training starts from the plain fp32 values
+rounded once; the least recently used one (no view of it alive, not held by a GatheredParameters
+block) is given back to make room, and every one when the context closes (or strata.initialize
+adopts its Runtime): written into its partition (across ranks rank 0's values) if it may have been
+written, its placeholder restored. A value computed from a weight after its module was built reads
+its partition's values (in bf16 training, rounded to bf16). Calls that read no values (its shape,
+dtype, numel) lend nothing. ``copy.deepcopy`` of a partitioned parameter (torch's
 ``nn.TransformerEncoder`` clones its layer so) is, while a module is built in the context, a new
 partition holding its values; otherwise, until an engine adopts the Runtime, a plain parameter
 holding them (a model copied whole: a reference, a teacher); while an engine trains it, refused by
 name. After the context closes, the partitions are no longer lent to torch functions: a parameter
 read then is its placeholder, whose one element is NaN (a norm, a forward give NaN, not DeepSpeed's
-plausible empty tensors); values given to it (``p.data = t`` of its shape) are written into its
-partition at strata.initialize, as plain torch trains them; a write in place into it (``fill_``,
-``zero_``) is refused by name at strata.initialize (other in-place ops raise torch's error on the
-placeholder). Write within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters
-whole in the block, what it writes kept), load the pretrained weights (engine.load_pretrained), as
-fine-tuning does, or build without the context. The context makes the Runtime (from the config's
-zero_optimization and strata blocks) that ``strata.initialize`` then adopts, with the partitions
-as the parameters; initialize refuses a config whose blocks differ. Small parameters stay ordinary
-tensors.
+plausible empty tensors); values given to it (``p.data = t`` of its shape, ``load_state_dict``:
+lent for it) are written into its partition, as plain torch trains them; a conversion of the
+placeholder (``model.to(memory_format=...)``, ``model.float()``) leaves the partition as it is; a
+write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize (other
+in-place ops raise torch's error on the placeholder). Write within
+``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
+writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
+without the context. The context makes the Runtime (from the config's zero_optimization and strata
+blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters; initialize
+refuses a config whose blocks differ. Small parameters, and parameters not of a floating dtype,
+stay ordinary tensors.
 
 Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). Launched as
 several ranks, every parameter takes rank 0's values as it is built and each rank's partition
@@ -136,6 +139,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         self._building = set()  # modules whose __init__ runs now
         self._adopted = None  # the engine's warning callback, once adopted
         self.lending = _Lending(self)  # the partitions lent to torch functions (see the docstring)
+        self.loading = set()  # ids of the parameters lent for a load_state_dict (_lend_for_load)
 
     def __enter__(self):
         if _open:
@@ -184,7 +188,8 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             if made is None or made[0] is not self or tuple(p.shape) != made[2]:
                 continue  # (resized: the engine refuses it, naming it)
             if p.data.untyped_storage().nbytes() > p.data.element_size():  # (values of its own)
-                replaced.append((name, p))
+                if not torch.isnan(p.data).all():  # (else its placeholder converted: m.to(...))
+                    replaced.append((name, p))
             elif not torch.isnan(p.data.reshape(-1)[:1]).all():
                 written.append(name)
         if self.ranks is not None:  # (each rank's the same: else every rank names them)
@@ -198,9 +203,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 "did not); accepted: the write inside the context, or within "
                 "strata.GatheredParameters(params, modifier_rank=0)")
         for _, p in replaced:
-            made = p._strata_init
-            self._write_whole(made[1], p.data.detach().to("cpu"))
-            p.data = self._placeholder(made[2])
+            self._write_whole(p._strata_init[1], p.data.detach().to("cpu"))
+        for p in model.parameters():  # (the engine's: its shape in the training dtype)
+            made = getattr(p, "_strata_init", None)
+            if made is not None and made[0] is self and tuple(p.shape) == made[2]:
+                p.data = self._placeholder(made[2], self.dtype)
 
     def adopt(self, on_warning):
         """The Runtime, for the engine (once): its warnings go to `on_warning` from now on."""
@@ -294,12 +301,13 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 setattr(cls, name, original)
         self._patched.clear()
 
-    def _placeholder(self, shape):
-        """A partitioned parameter's data: its shape and dtype without its bytes (one element,
-        expanded). The element is NaN: read outside the context (before an engine lends it) it
-        gives NaN, not plausible zeros; a write into it (fill_, zero_) changes it, which
-        settle() names."""
-        return torch.full((), math.nan, dtype=self.dtype).expand(shape)
+    @staticmethod
+    def _placeholder(shape, dtype):
+        """A partitioned parameter's data: its shape and dtype (the dtype it was built in, until
+        settle()) without its bytes (one element, expanded). The element is NaN: read outside
+        the context (before an engine lends it) it gives NaN, not plausible zeros; a write into
+        it (fill_, zero_) changes it, which settle() names."""
+        return torch.full((), math.nan, dtype=dtype).expand(shape)
 
     def _write_whole(self, pid, whole):
         """A parameter's new values (whole, in the training dtype) into its partition: across
@@ -316,9 +324,10 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             del held
             self.runtime.release(pid, "host", True, traced=False)
 
-    def _mark(self, p, pid):
-        """`p` is partition `pid` of this context: copy.deepcopy of it copies its partition."""
-        p._strata_init = (self, pid, tuple(p.shape))
+    def _mark(self, p, pid, dtype):
+        """`p` is partition `pid` of this context, built in `dtype` (what it is lent in):
+        copy.deepcopy of it copies its partition."""
+        p._strata_init = (self, pid, tuple(p.shape), dtype)
         p.__deepcopy__ = functools.partial(_deepcopy_partitioned, weakref.ref(p))
 
     def _copy(self, p):
@@ -341,17 +350,25 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
                               self.settings.param_tier, initial)
-        copy = type(p)(self._placeholder(p.shape), p.requires_grad)
-        self._mark(copy, pid)
+        dtype = p._strata_init[3]
+        copy = type(p)(self._placeholder(p.shape, dtype), p.requires_grad)
+        self._mark(copy, pid, dtype)
         weakref.finalize(copy, _forget, weakref.ref(self), pid)
         return copy
 
     def _partition_module(self, module):
         dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
+        partitioned_any = False
         for p in module.__dict__.get("_parameters", {}).values():
-            if p is None or partition_of(p) is not None or \
+            if p is None or partition_of(p) is not None or not p.is_floating_point() or \
                     p.numel() < self.settings.threshold or p.device.type == "meta":
                 continue
+            if not partitioned_any:  # (load_state_dict before strata.initialize: lent for it)
+                partitioned_any = True
+                module._register_load_state_dict_pre_hook(
+                    functools.partial(_lend_for_load, weakref.ref(self)), with_module=True)
+                module.register_load_state_dict_post_hook(
+                    functools.partial(_give_back_after_load, weakref.ref(self)))
             pid, self.next_id = self.next_id, self.next_id + 2
             with torch.no_grad():
                 initial = p.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()
@@ -361,12 +378,39 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
                                       self.settings.param_tier, initial)
                 del initial
-                p.data = self._placeholder(p.shape)
-            self._mark(p, pid)
+                built_in = p.dtype
+                p.data = self._placeholder(p.shape, built_in)
+            self._mark(p, pid, built_in)
             # A parameter replaced while the model is built (a tied weight: head.weight =
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.
             weakref.finalize(p, _forget, weakref.ref(self), pid)
+
+
+def _lend_for_load(context_ref, module, state_dict, prefix, *args):
+    """module.load_state_dict() after the context (before strata.initialize): the module's
+    partitioned parameters the state dict names are lent for torch's copy into them (inside the
+    context the mode lends them). Held weakly, and copied with the module (deepcopy)."""
+    context = context_ref()
+    if context is None or context.lending.open:
+        return
+    for name, p in module.__dict__.get("_parameters", {}).items():
+        if p is not None and prefix + name in state_dict and lendable(p) is context:
+            context.lending.lend(p, written=True).pins += 1
+            context.loading.add(id(p))
+
+
+def _give_back_after_load(context_ref, module, incompatible_keys):
+    """What _lend_for_load lent, written into the partitions."""
+    context = context_ref()
+    if context is None:
+        return
+    lent = [p for p in module.__dict__.get("_parameters", {}).values()
+            if p is not None and id(p) in context.loading]
+    for p in lent:
+        context.loading.discard(id(p))
+        context.lending.lent[id(p)].pins -= 1
+    context.lending.give_back(lent, write=True)
 
 
 def lendable(param):
@@ -494,7 +538,7 @@ class _Lending(torch.overrides.TorchFunctionMode):
         key = id(param)
         if key not in self.lent:
             with self._busy():
-                self._make_room(param.numel() * 4, keep)
+                self._make_room(param.numel() * param._strata_init[3].itemsize, keep)
                 param.data = self.whole(param)
                 self.lent[key] = _Lent(param, partition_of(param), param.data, written)
         self.lent.move_to_end(key)
@@ -520,25 +564,29 @@ class _Lending(torch.overrides.TorchFunctionMode):
             self._give_back(lent, write=True)
 
     def values(self, param):
-        """`param`'s values whole in fp32 (a copy): its lent tensor's when it is lent (what was
-        written into it so far), else its partition's."""
+        """`param`'s values whole in the dtype it was built in (a copy): its lent tensor's when
+        it is lent (what was written into it so far), else its partition's."""
         with self._busy():
             if id(param) in self.lent:
-                return param.data.to(torch.float32, copy=True)
+                return param.data.to(param._strata_init[3], copy=True)
             return self.whole(param)
 
     def whole(self, param):
-        """A copy of `param`'s partition whole, in fp32 (across ranks gathered from the shards)."""
+        """A copy of `param`'s partition whole, in the dtype it was built in (an fp32 model's
+        initializers draw in fp32, as a plain build's, and a bf16 draw is not an fp32 one
+        rounded); across ranks gathered from the shards."""
         context, pid = self.context, partition_of(param)
+        _, _, shape, dtype = param._strata_init
         held = from_dlpack(context.runtime.acquire(pid, "host", traced=False))
         try:
+            if context.ranks is None:
+                return held.view(shape).to(dtype, copy=True)
             shard = held.clone()
         finally:
             del held
             context.runtime.release(pid, "host", False, traced=False)
-        if context.ranks is not None:
-            shard = context.ranks.gather_tensor(shard, f"partition {pid}, lent while building")
-        return shard[:param.numel()].view(param.shape).to(torch.float32, copy=True)
+        shard = context.ranks.gather_tensor(shard, f"partition {pid}, lent while building")
+        return shard[:param.numel()].view(shape).to(dtype, copy=True)
 
     def _follow_views(self, out):
         """Each tensor `out` holds that views a lent parameter's values (p.data, p[0]) keeps it
@@ -580,9 +628,9 @@ class _Lending(torch.overrides.TorchFunctionMode):
 
     def _give_back(self, lent, write):
         param, context = lent.param, self.context
-        whole, shape = param.data, param._strata_init[2]
+        whole, (_, _, shape, dtype) = param.data, param._strata_init
         written = write and lent.written()
-        param.data = context._placeholder(shape)
+        param.data = context._placeholder(shape, dtype)
         if not written:
             return
         if tuple(whole.shape) != shape:

@@ -419,3 +419,64 @@ def test_after_the_context_a_read_is_nan_a_replacement_is_taken_an_in_place_writ
     with pytest.raises(ValueError, match=r"l1.weight, built under strata.init, written in "
                                          r"place after the context closed"):
         strata.initialize(model=model, config=config)
+
+
+def test_after_the_context_conversions_and_load_state_dict_keep_or_take_the_values(tmp_path):
+    # Found by an audit: m.to(memory_format=channels_last) (and, in bf16, m.float()) made each
+    # placeholder a tensor of NaN, which strata.initialize then took as the weights; and
+    # load_state_dict raised torch's "more than one element ... refers to a single memory
+    # location".
+    config = config_for(tmp_path, "cpu")
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = Net()
+    torch.manual_seed(0)
+    reference = Net()
+    model = model.to(memory_format=torch.channels_last).float()
+    torch.manual_seed(5)
+    loaded = {k: v for k, v in Net().state_dict().items() if k.startswith("l1.")}
+    model.load_state_dict(loaded, strict=False)
+    reference.load_state_dict(loaded, strict=False)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+
+
+def test_a_module_built_in_bf16_draws_as_a_plain_bf16_build(tmp_path):
+    # Found by an audit: partitions were lent in fp32 whatever they were built in, so a module
+    # made with dtype=torch.bfloat16 drew other values than a plain bf16 build; and a
+    # parametrization registered in bf16 training failed on the lent fp32 values ("may not
+    # change the dtype").
+    class Symmetric(torch.nn.Module):
+        def forward(self, x):
+            return x.triu() + x.triu(1).transpose(-1, -2)
+
+    class Built(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 32, dtype=torch.bfloat16)
+            torch.nn.init.normal_(self.a.weight, std=0.02)
+            self.b = torch.nn.Linear(32, 32)
+            torch.nn.utils.parametrize.register_parametrization(self.b, "weight", Symmetric())
+
+    config = make_config(tmp_path, 3, "cpu", "bf16", accumulation=1, clipping=0.0)
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = Built()
+    torch.manual_seed(0)
+    reference = Built()
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name].bfloat16()), name
+
+
+def test_a_modifying_block_that_raises_keeps_what_it_wrote(tmp_path):
+    config = config_for(tmp_path, "cpu")
+    with strata.init(config=config):
+        model = Net()
+    with pytest.raises(KeyError):
+        with strata.GatheredParameters([model.l2.weight], modifier_rank=0):
+            model.l2.weight.data.fill_(5.0)
+            raise KeyError("the block's own error")
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 5.0))
