@@ -213,7 +213,8 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         """The Runtime, for the engine (once): its warnings go to `on_warning` from now on."""
         if self._adopted is not None:
             raise ValueError("strata.initialize: a model built under this strata.init has an "
-                             "engine already")
+                             "engine already (its partitions are that engine's); accepted: one "
+                             "engine per strata.init context (build each model under its own)")
         self._adopted = on_warning
         for message in self.warnings:
             on_warning(message)
