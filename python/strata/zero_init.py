@@ -36,7 +36,8 @@ plausible empty tensors); values given to it (``p.data = t`` of its shape, ``loa
 lent for it) are written into its partition, as plain torch trains them; a conversion of the
 placeholder (``model.to(memory_format=...)``, ``model.float()``) leaves the partition as it is; a
 write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize (other
-in-place ops raise torch's error on the placeholder). Write within
+in-place ops raise torch's error on the placeholder), and so is a parameter or buffer made from
+placeholders after it (all NaN: weight_norm applied then). Write within
 ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
 writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
 without the context. The context makes the Runtime (from the config's zero_optimization and strata
@@ -182,9 +183,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         self.lending.open = False
         if self.runtime is None or self._adopted is not None:  # (adopt() refuses it)
             return
-        replaced, written = [], []
+        replaced, written, nan = [], [], []
         for name, p in model.named_parameters():
             made = getattr(p, "_strata_init", None)
+            if made is None and p.is_floating_point() and p.numel() and torch.isnan(p).all():
+                nan.append(name)  # (made from a placeholder after the context: weight_norm's)
             if made is None or made[0] is not self or tuple(p.shape) != made[2]:
                 continue  # (resized: the engine refuses it, naming it)
             if p.data.untyped_storage().nbytes() > p.data.element_size():  # (values of its own)
@@ -192,10 +195,19 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                     replaced.append((name, p))
             elif not torch.isnan(p.data.reshape(-1)[:1]).all():
                 written.append(name)
+        nan += [name for name, b in model.named_buffers()
+                if b.is_floating_point() and b.numel() and torch.isnan(b).all()]
         if self.ranks is not None:  # (each rank's the same: else every rank names them)
             self.ranks.agree("parameters built under strata.init given values after it: " +
                              ", ".join(name for name, _ in replaced) + "; written in place: " +
-                             ", ".join(written))
+                             ", ".join(written) + "; all NaN: " +
+                             ", ".join(nan))
+        if nan:
+            raise ValueError(
+                f"strata.initialize: {', '.join(nan)} of a model built under strata.init hold "
+                "only NaN: made from its placeholders after the context closed (a "
+                "parametrization, a copy of a weight); accepted: make them inside the context, "
+                "or from the weights within strata.GatheredParameters(params)")
         if written:
             raise ValueError(
                 f"strata.initialize: {', '.join(written)}, built under strata.init, written in "

@@ -480,3 +480,16 @@ def test_a_modifying_block_that_raises_keeps_what_it_wrote(tmp_path):
             raise KeyError("the block's own error")
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 5.0))
+
+
+def test_a_parameter_made_from_placeholders_after_the_context_is_refused_by_name(tmp_path):
+    # Found by an audit: weight_norm applied after the context made its `original` parameters
+    # from the placeholders (NaN), and strata.initialize trained them: every loss NaN.
+    config = config_for(tmp_path, "cpu")
+    with strata.init(config=config):
+        model = Net()
+    torch.nn.utils.parametrizations.weight_norm(model.l1)
+    with pytest.raises(ValueError, match=r"l1.parametrizations.weight.original0, "
+                                         r"l1.parametrizations.weight.original1 of a model built "
+                                         r"under strata.init hold only NaN"):
+        strata.initialize(model=model, config=config)
