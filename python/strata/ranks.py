@@ -589,7 +589,9 @@ class _Agreement:
                 f"(this rank: {self.what[:300]}); accepted: the same model on every rank, its "
                 "parameters used in the same order (the same graph); at stage 3 every rank runs "
                 "every forward, evaluation's too (a module's weights are gathered from every "
-                "rank)")
+                "rank); a model built under strata.init: every rank runs the same code on its "
+                "weights (a read or write in the context, load_state_dict, GatheredParameters, "
+                "copy.deepcopy), as each rank holds a shard of them")
         self.agreed = all(raw[20 * r + 16:20 * r + 20] == bytes(4) for r in range(ranks.size))
 
     def abandon(self):

@@ -328,7 +328,9 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         flat = whole.reshape(-1)
         if self.ranks is not None:
             flat = flat.contiguous()
-            self.ranks.broadcast_tensor(flat, f"partition {pid}'s values, written while building")
+            self.ranks.broadcast_tensor(
+                flat, f"a {tuple(whole.shape)} parameter's values (partition {pid}), written while "
+                "building")
             flat = self.ranks.own_shard(flat, self.ranks.shard_elements(whole.numel()))
         held = from_dlpack(self.runtime.acquire(pid, "host", traced=False))
         try:
@@ -598,7 +600,8 @@ class _Lending(torch.overrides.TorchFunctionMode):
         finally:
             del held
             context.runtime.release(pid, "host", False, traced=False)
-        shard = context.ranks.gather_tensor(shard, f"partition {pid}, lent while building")
+        shard = context.ranks.gather_tensor(
+            shard, f"a {tuple(shape)} parameter (partition {pid}), lent while building")
         return shard[:param.numel()].view(shape).to(dtype, copy=True)
 
     def _follow_views(self, out):

@@ -81,6 +81,31 @@ def test_a_collective_call_on_one_rank_alone_is_named_with_what_to_do(tmp_path, 
         err0[-3000:]
 
 
+BUILT = r"""
+import os, torch
+import strata
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10},
+          "strata": {"device": "emulated", "host_budget_bytes": 16 << 20, "comm_timeout_s": 20}}
+with strata.init(config=config):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4))
+    model[int(os.environ["RANK"])].weight.norm()  # (a log line: each rank reads another weight)
+print("done", flush=True)
+"""
+
+
+def test_ranks_that_read_different_weights_under_strata_init_are_named_with_what_to_do():
+    procs = start_ranks(2, BUILT, ())
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and "done" not in out
+        last = err.strip().splitlines()[-1]
+        assert "the all-gather of a (64, 16) parameter (partition" in last or \
+            "the all-gather of a (4, 64) parameter (partition" in last, err[-3000:]
+        assert "a model built under strata.init: every rank runs the same code on its " \
+               "weights" in last, err[-3000:]
+
+
 SETUP = r"""
 import os, sys, torch
 import strata
