@@ -19,6 +19,20 @@ def config_for(tmp_path, offload="nvme", stage=3):
     return make_config(tmp_path, stage, offload, "fp32", accumulation=1, clipping=0.0)
 
 
+def built_both(config, build):
+    """`build()` under strata.init and plainly, from the same seed."""
+    torch.manual_seed(0)
+    with strata.init(config=config):
+        model = build()
+    torch.manual_seed(0)
+    return model, build()
+
+
+def assert_same_weights(engine, reference):
+    for name, value in engine.module_state_dict().items():
+        assert torch.equal(value, reference.state_dict()[name]), name
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_a_model_built_under_init_trains_as_one_built_whole(tmp_path, offload):
     config = config_for(tmp_path, offload)
@@ -31,8 +45,7 @@ def test_a_model_built_under_init_trains_as_one_built_whole(tmp_path, offload):
     reference = Net()  # the same initializers, the same random draws
     engine, _, _, _ = strata.initialize(model=model, config=config)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    for name, value in engine.module_state_dict().items():
-        assert torch.equal(value, reference.state_dict()[name]), name
+    assert_same_weights(engine, reference)
     for x, y in batches(3):
         step_both(engine, reference, torch_adamw, x, y)
 
@@ -246,17 +259,12 @@ def test_a_parents_initialization_of_its_childrens_weights_reaches_their_partiti
     # Before, normal_ on a partitioned weight raised torch's "more than one element of the
     # written-to tensor refers to a single memory location", and zeros_ was lost silently.
     config = config_for(tmp_path, "cpu")
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = Nano()
-    torch.manual_seed(0)
-    reference = Nano()
+    model, reference = built_both(config, Nano)
     assert model.logged == reference.logged
-    # Nothing is left lent, and the partitions held no more than a call's parameters at once.
+    # Nothing is left lent once the context closed.
     assert all(p.storage().nbytes() <= 4 for p in model.parameters() if p.numel() >= 100)
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    for name, value in engine.module_state_dict().items():
-        assert torch.equal(value, reference.state_dict()[name]), name
+    assert_same_weights(engine, reference)
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     for x, y in batches(2):
         step_both(engine, reference, torch_adamw, x, y)
@@ -270,16 +278,11 @@ def test_a_layer_cloned_while_building_is_a_partition_of_its_own(tmp_path):
         return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
 
     config = config_for(tmp_path, "cpu")
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = build()
-    torch.manual_seed(0)
-    reference = build()
+    model, reference = built_both(config, build)
     pids = [strata.zero_init.partition_of(p) for p in model.parameters() if p.numel() >= 100]
     assert None not in pids and len(set(pids)) == len(pids), pids
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    for name, value in engine.module_state_dict().items():
-        assert torch.equal(value, reference.state_dict()[name]), name
+    assert_same_weights(engine, reference)
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         torch.testing.assert_close(engine(x), reference(x), rtol=0, atol=1e-6)
@@ -287,11 +290,7 @@ def test_a_layer_cloned_while_building_is_a_partition_of_its_own(tmp_path):
 
 def test_a_model_built_under_init_copied_or_edited_before_initialize(tmp_path):
     config = config_for(tmp_path, "cpu")
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = Net()
-    torch.manual_seed(0)
-    reference = Net()
+    model, reference = built_both(config, Net)
     # A copy made after the context (a reference model, a teacher) holds the values, plain.
     copy_ = __import__("copy").deepcopy(model)
     for name, value in copy_.state_dict().items():
@@ -306,8 +305,7 @@ def test_a_model_built_under_init_copied_or_edited_before_initialize(tmp_path):
     with torch.no_grad():
         reference.l2.weight.mul_(0.5)
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    for name, value in engine.module_state_dict().items():
-        assert torch.equal(value, reference.state_dict()[name]), name
+    assert_same_weights(engine, reference)
     engine.backward(loss_of(engine(next(iter(batches(1)))[0]), next(iter(batches(1)))[1]))
     engine.step()
     for name, value in copy_.state_dict().items():  # (the copy is its own: not trained)
@@ -366,11 +364,7 @@ def test_initializers_of_several_calls_and_parameters_made_from_others(tmp_path,
     # as a weight's data and written after, one weight's storage given to another, and a copy
     # made while a view was alive all lost what was written.
     config = make_config(tmp_path, 3, "cpu", dtype, accumulation=1, clipping=0.0)
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = Chained()
-    torch.manual_seed(0)
-    reference = Chained()
+    model, reference = built_both(config, Chained)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     for name, value in engine.module_state_dict().items():
         if dtype == "fp32":
@@ -427,19 +421,14 @@ def test_after_the_context_conversions_and_load_state_dict_keep_or_take_the_valu
     # load_state_dict raised torch's "more than one element ... refers to a single memory
     # location".
     config = config_for(tmp_path, "cpu")
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = Net()
-    torch.manual_seed(0)
-    reference = Net()
+    model, reference = built_both(config, Net)
     model = model.to(memory_format=torch.channels_last).float()
     torch.manual_seed(5)
     loaded = {k: v for k, v in Net().state_dict().items() if k.startswith("l1.")}
     model.load_state_dict(loaded, strict=False)
     reference.load_state_dict(loaded, strict=False)
     engine, _, _, _ = strata.initialize(model=model, config=config)
-    for name, value in engine.module_state_dict().items():
-        assert torch.equal(value, reference.state_dict()[name]), name
+    assert_same_weights(engine, reference)
 
 
 def test_a_module_built_in_bf16_draws_as_a_plain_bf16_build(tmp_path):
@@ -460,11 +449,7 @@ def test_a_module_built_in_bf16_draws_as_a_plain_bf16_build(tmp_path):
             torch.nn.utils.parametrize.register_parametrization(self.b, "weight", Symmetric())
 
     config = make_config(tmp_path, 3, "cpu", "bf16", accumulation=1, clipping=0.0)
-    torch.manual_seed(0)
-    with strata.init(config=config):
-        model = Built()
-    torch.manual_seed(0)
-    reference = Built()
+    model, reference = built_both(config, Built)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     for name, value in engine.module_state_dict().items():
         assert torch.equal(value, reference.state_dict()[name].bfloat16()), name
