@@ -1451,6 +1451,7 @@ class Engine:
             for name, p in model.named_parameters(remove_duplicate=False):
                 p.data = state[name].to(self.device).view(p.shape).clone()
         guards.unguard(model)
+        init_module.forget(model)  # (built under strata.init: plain now, for a new engine too)
         return model
 
     def __enter__(self):

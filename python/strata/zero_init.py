@@ -72,7 +72,7 @@ from strata import ranks as ranks_module
 from strata.config import TORCH_DTYPES, TrainConfig
 from strata.runtime_settings import RuntimeSettings, make_runtime
 
-__all__ = ["init", "built_under", "lendable", "partition_of"]
+__all__ = ["init", "built_under", "forget", "lendable", "partition_of"]
 
 _DTYPE_NAMES = TORCH_DTYPES
 _open = []  # the context open now (at most one)
@@ -89,6 +89,17 @@ def _forget(context_ref, pid):
         runtime.unregister(pid)
     except Exception:  # noqa: BLE001 - a finalizer must not raise; nothing is left to free
         pass
+
+
+def forget(model):
+    """`model`'s parameters and modules are strata.init's no more (an engine released it whole:
+    plain torch's again, for a new engine, a save, a copy): their marks and load hooks removed."""
+    for p in model.parameters():
+        p.__dict__.pop("_strata_init", None)
+        p.__dict__.pop("__deepcopy__", None)
+    for module in model.modules():
+        for handle in module.__dict__.pop("_strata_init_hooks", ()):
+            handle.remove()
 
 
 def partition_of(param):
@@ -380,10 +391,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 continue
             if not partitioned_any:  # (load_state_dict before strata.initialize: lent for it)
                 partitioned_any = True
-                module._register_load_state_dict_pre_hook(
-                    functools.partial(_lend_for_load, weakref.ref(self)), with_module=True)
-                module.register_load_state_dict_post_hook(
-                    functools.partial(_give_back_after_load, weakref.ref(self)))
+                module.__dict__["_strata_init_hooks"] = (
+                    module._register_load_state_dict_pre_hook(
+                        functools.partial(_lend_for_load, weakref.ref(self)), with_module=True),
+                    module.register_load_state_dict_post_hook(
+                        functools.partial(_give_back_after_load, weakref.ref(self))))
             pid, self.next_id = self.next_id, self.next_id + 2
             with torch.no_grad():
                 initial = p.detach().to(device="cpu", dtype=self.dtype).reshape(-1).contiguous()

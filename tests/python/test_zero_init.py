@@ -478,3 +478,18 @@ def test_a_parameter_made_from_placeholders_after_the_context_is_refused_by_name
                                          r"l1.parametrizations.weight.original1 of a model built "
                                          r"under strata.init hold only NaN"):
         strata.initialize(model=model, config=config)
+
+
+def test_a_released_model_built_under_init_is_plain_torch_again(tmp_path):
+    # Before, strata.init's marks stayed on the released model: a new engine was refused ("has
+    # an engine already") and torch.save(model) failed pickling the old engine's callback.
+    config = config_for(tmp_path, "cpu")
+    with strata.init(config=config):
+        model = Net()
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    trained = engine.module_state_dict()
+    model = engine.release()
+    torch.save(model, tmp_path / "model.pt")
+    again, _, _, _ = strata.initialize(model=model, config=config_for(tmp_path / "again", "cpu"))
+    for name, value in again.module_state_dict().items():
+        assert torch.equal(value, trained[name]), name
