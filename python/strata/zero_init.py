@@ -33,17 +33,18 @@ holding them (a model copied whole: a reference, a teacher); while an engine tra
 name. After the context closes, the partitions are no longer lent to torch functions: a parameter
 read then is its placeholder, whose one element is NaN (a norm, a forward give NaN, not DeepSpeed's
 plausible empty tensors); values given to it (``p.data = t`` of its shape, ``load_state_dict``:
-lent for it) are written into its partition, as plain torch trains them; a conversion of the
-placeholder (``model.to(memory_format=...)``, ``model.float()``) leaves the partition as it is; a
-write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize (other
-in-place ops raise torch's error on the placeholder), and so is a parameter or buffer made from
-placeholders after it (all NaN: weight_norm applied then). Write within
-``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
-writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
-without the context. The context makes the Runtime (from the config's zero_optimization and strata
-blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters; initialize
-refuses a config whose blocks differ. Small parameters, and parameters not of a floating dtype,
-stay ordinary tensors.
+lent for it) are written into its partition, as plain torch trains them; a conversion
+(``model.to(device or dtype)``, ``.bfloat16()``, ``.half()``) converts the placeholder without
+making it whole (a model built bigger than the host stays unmaterialized), and its partition is
+lent in the new dtype from then on; a write in place into it (``fill_``, ``zero_``) is refused by
+name at strata.initialize (other in-place ops raise torch's error on the placeholder), and so is a
+parameter or buffer made from placeholders after it (all NaN: weight_norm applied then). Write
+within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block,
+what it writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or
+build without the context. The context makes the Runtime (from the config's zero_optimization and
+strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
+initialize refuses a config whose blocks differ. Small parameters, and parameters not of a floating
+dtype, stay ordinary tensors.
 
 Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). Launched as
 several ranks, every parameter takes rank 0's values as it is built and each rank's partition
@@ -55,7 +56,8 @@ parameter goes; until then both are held, so the tier must have room for the two
 Parameters made on the meta device are left as they are (built so, they have no values to
 partition; strata.initialize then cannot place them).
 
-Thread safety: one context at a time per process (it patches nn.Module classes while open).
+Thread safety: one context at a time per process (it patches nn.Module classes while open, and from
+its first use on nn.Module._apply, which converts every other module as torch does).
 """
 
 import collections
@@ -89,6 +91,34 @@ def _forget(context_ref, pid):
         runtime.unregister(pid)
     except Exception:  # noqa: BLE001 - a finalizer must not raise; nothing is left to free
         pass
+
+
+_APPLY = torch.nn.Module._apply
+
+
+def _apply_keeping_placeholders(module, fn, *args, **kwargs):
+    """nn.Module._apply (model.to(device or dtype), .cuda(), .half(), .bfloat16()) where the
+    module holds strata.init placeholders no engine has adopted: each is converted as its one
+    element and expanded again to its shape (torch would make it whole: a model built bigger
+    than the host, moved by `model.to(...)` before strata.initialize, would be allocated whole),
+    and its partition is lent in its new dtype from then on, as a plain module's parameter would
+    be converted. Other modules are converted as torch converts them."""
+    kept = {}
+    for name, p in module.__dict__.get("_parameters", {}).items():
+        if p is not None and lendable(p) is not None and \
+                id(p) not in p._strata_init[0].lending.lent and \
+                p.data.untyped_storage().nbytes() <= p.data.element_size():
+            kept[name] = p
+            p.data = p.data.as_strided((), ())
+    try:
+        return _APPLY(module, fn, *args, **kwargs)
+    finally:
+        for name, p in kept.items():
+            context, pid, shape, dtype = p._strata_init
+            if p.data.is_floating_point():
+                dtype = p.data.dtype
+            p.data = p.data.expand(shape)
+            p._strata_init = (context, pid, shape, dtype)
 
 
 def forget(model):
@@ -258,7 +288,10 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
     def _patch(self):
         """Every nn.Module class's own __init__ is followed by _partition_module; classes made
-        while the context is open too (__init_subclass__)."""
+        while the context is open too (__init_subclass__). Module._apply keeps placeholders
+        (_apply_keeping_placeholders: for good, as conversions after the context need it)."""
+        if torch.nn.Module._apply is not _apply_keeping_placeholders:
+            torch.nn.Module._apply = _apply_keeping_placeholders
         classes, stack = [], [torch.nn.Module]
         while stack:
             cls = stack.pop()
@@ -656,7 +689,10 @@ class _Lending(torch.overrides.TorchFunctionMode):
 
     def _give_back(self, lent, write):
         param, context = lent.param, self.context
-        whole, (_, _, shape, dtype) = param.data, param._strata_init
+        whole, (_, pid, shape, dtype) = param.data, param._strata_init
+        if whole.is_floating_point():  # (converted while lent, model.bfloat16(): its dtype now)
+            dtype = whole.dtype
+            param._strata_init = (context, pid, shape, dtype)
         written = write and lent.written()
         param.data = context._placeholder(shape, dtype)
         if not written:

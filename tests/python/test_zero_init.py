@@ -493,3 +493,15 @@ def test_a_released_model_built_under_init_is_plain_torch_again(tmp_path):
     again, _, _, _ = strata.initialize(model=model, config=config_for(tmp_path / "again", "cpu"))
     for name, value in again.module_state_dict().items():
         assert torch.equal(value, trained[name]), name
+
+
+def test_a_model_converted_after_the_context_stays_unmaterialized(tmp_path):
+    # model.bfloat16() (model.to(device or dtype), .half()) before strata.initialize made each
+    # placeholder whole: a model built bigger than the host, then converted, was allocated whole.
+    config = make_config(tmp_path, 3, "cpu", "bf16", accumulation=1, clipping=0.0)
+    model, reference = built_both(config, Net)
+    model = model.bfloat16()
+    reference = reference.bfloat16()
+    assert all(p.untyped_storage().nbytes() <= 2 for p in model.parameters() if p.numel() >= 100)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert_same_weights(engine, reference)
