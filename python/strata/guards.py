@@ -195,10 +195,13 @@ PLACEHOLDERS_LEFT = (
 
 
 def unguard(model):
-    """Removes close's refusing hooks from `model`'s modules (their weights are given back)."""
+    """Removes close's refusing hooks from `model`'s modules and its parameters' records (their
+    weights are given back: the model is plain torch's, no weak reference left on them)."""
     for module in model.modules():
         for handle in _GUARDED.pop(module, ()):
             handle.remove()
+    for p in model.parameters():
+        _CLOSED_PLACEHOLDERS.pop(id(p), None)
 
 
 def num_parameters(module, only_trainable=False, exclude_embeddings=False):

@@ -36,15 +36,17 @@ plausible empty tensors); values given to it (``p.data = t`` of its shape, ``loa
 lent for it) are written into its partition, as plain torch trains them; a conversion
 (``model.to(device or dtype)``, ``.bfloat16()``, ``.half()``) converts the placeholder without
 making it whole (a model built bigger than the host stays unmaterialized), and its partition is
-lent in the new dtype from then on; a write in place into it (``fill_``, ``zero_``) is refused by
-name at strata.initialize (other in-place ops raise torch's error on the placeholder), and so is a
-parameter or buffer made from placeholders after it (all NaN: weight_norm applied then). Write
-within ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block,
-what it writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or
-build without the context. The context makes the Runtime (from the config's zero_optimization and
-strata blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters;
-initialize refuses a config whose blocks differ. Small parameters, and parameters not of a floating
-dtype, stay ordinary tensors.
+lent in the new dtype from then on (rounded to it where it is narrower, as plain torch rounds every
+weight; with torch.__future__'s overwrite or swap of parameters on conversion, refused by name); a
+write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize (other
+in-place ops raise torch's error on the placeholder), and so is a parameter or buffer made from
+placeholders after it (all NaN: weight_norm applied then). Write within
+``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
+writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
+without the context. The context makes the Runtime (from the config's zero_optimization and strata
+blocks) that ``strata.initialize`` then adopts, with the partitions as the parameters; initialize
+refuses a config whose blocks differ. Small parameters, and parameters not of a floating dtype,
+stay ordinary tensors.
 
 Only ZeRO stage 3 partitions (``enabled=False``, or another stage, builds normally). Launched as
 several ranks, every parameter takes rank 0's values as it is built and each rank's partition
@@ -101,24 +103,43 @@ def _apply_keeping_placeholders(module, fn, *args, **kwargs):
     module holds strata.init placeholders no engine has adopted: each is converted as its one
     element and expanded again to its shape (torch would make it whole: a model built bigger
     than the host, moved by `model.to(...)` before strata.initialize, would be allocated whole),
-    and its partition is lent in its new dtype from then on, as a plain module's parameter would
-    be converted. Other modules are converted as torch converts them."""
+    and its partition is lent in its new dtype from then on (rounded to it where it is narrower),
+    as a plain module's parameter would be converted. Other modules are converted as torch
+    converts them."""
     kept = {}
     for name, p in module.__dict__.get("_parameters", {}).items():
         if p is not None and lendable(p) is not None and \
                 id(p) not in p._strata_init[0].lending.lent and \
                 p.data.untyped_storage().nbytes() <= p.data.element_size():
             kept[name] = p
-            p.data = p.data.as_strided((), ())
+    if kept and (torch.__future__.get_overwrite_module_params_on_conversion() or
+                 torch.__future__.get_swap_module_params_on_conversion()):
+        raise ValueError(
+            f"{type(module).__name__}: a conversion (model.to(...)) with torch.__future__'s "
+            "overwrite or swap of module parameters on conversion, over parameters built under "
+            "strata.init (they would lose their partitions); accepted: those settings off (the "
+            "default) until strata.initialize")
+    for p in kept.values():
+        p.data = p.data.as_strided((), ())
     try:
         return _APPLY(module, fn, *args, **kwargs)
     finally:
         for name, p in kept.items():
             context, pid, shape, dtype = p._strata_init
-            if p.data.is_floating_point():
-                dtype = p.data.dtype
+            converted = p.data.dtype
             p.data = p.data.expand(shape)
-            p._strata_init = (context, pid, shape, dtype)
+            if converted != dtype and converted.is_floating_point:
+                p._strata_init = (context, pid, shape, converted)
+                if not _holds_every(converted, dtype):  # (plain torch rounds every weight)
+                    with context.lending._busy():
+                        context._write_whole(pid, context.lending.whole(p))
+
+
+def _holds_every(wider, narrower):
+    """Whether dtype `wider` holds every value of floating dtype `narrower` exactly."""
+    if wider == torch.float64:
+        return True
+    return wider == torch.float32 and narrower in (torch.float16, torch.bfloat16)
 
 
 def forget(model):
@@ -127,6 +148,9 @@ def forget(model):
     for p in model.parameters():
         p.__dict__.pop("_strata_init", None)
         p.__dict__.pop("__deepcopy__", None)
+        finalizer = p.__dict__.pop("_strata_forget", None)
+        if finalizer is not None:  # (the engine has let its partition go)
+            finalizer.detach()
     for module in model.modules():
         for handle in module.__dict__.pop("_strata_init_hooks", ()):
             handle.remove()
@@ -412,7 +436,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
         dtype = p._strata_init[3]
         copy = type(p)(self._placeholder(p.shape, dtype), p.requires_grad)
         self._mark(copy, pid, dtype)
-        weakref.finalize(copy, _forget, weakref.ref(self), pid)
+        copy._strata_forget = weakref.finalize(copy, _forget, weakref.ref(self), pid)
         return copy
 
     def _partition_module(self, module):
@@ -444,7 +468,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             # A parameter replaced while the model is built (a tied weight: head.weight =
             # emb.weight) gives its partition back as it goes, not at the end of the run: it
             # held a place in its tier's budget, which the rest of the build may need.
-            weakref.finalize(p, _forget, weakref.ref(self), pid)
+            p._strata_forget = weakref.finalize(p, _forget, weakref.ref(self), pid)
 
 
 def _lend_for_load(context_ref, module, state_dict, prefix, *args):

@@ -505,3 +505,39 @@ def test_a_model_converted_after_the_context_stays_unmaterialized(tmp_path):
     assert all(p.untyped_storage().nbytes() <= 2 for p in model.parameters() if p.numel() >= 100)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert_same_weights(engine, reference)
+
+
+def test_a_round_trip_through_a_narrower_dtype_rounds_as_plain_torch(tmp_path):
+    # Found by an audit: only the placeholder's one element was converted, so .half().float()
+    # left the partitions unrounded (plain torch rounds every weight to fp16).
+    config = config_for(tmp_path, "cpu")
+    model, reference = built_both(config, Net)
+    model.half().float()
+    reference.half().float()
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert_same_weights(engine, reference)
+
+
+def test_conversions_that_would_replace_parameters_are_refused_and_release_leaves_none(tmp_path):
+    # Found by an audit: torch.__future__'s overwrite of parameters on conversion gave the module
+    # new parameters of one NaN element, taken by strata.initialize; a released model's parameters
+    # kept strata.init's finalizers, so torch's swap on conversion failed on them.
+    config = config_for(tmp_path, "cpu")
+    with strata.init(config=config):
+        model = Net()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with pytest.raises(ValueError, match=r"overwrite or swap of module parameters on "
+                                             r"conversion, over parameters built under "
+                                             r"strata.init"):
+            model.float()
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    model = engine.release()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.l1.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert model.l1.weight.dtype == torch.float64
