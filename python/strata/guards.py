@@ -305,6 +305,31 @@ def zero_grad_through(engine_ref):
     return zero_grad
 
 
+def convert_through(engine_ref):
+    def _apply(module, fn, *args, **kwargs):
+        """nn.Module._apply (model.to(...), .half(), .float()) of the module an engine trains: a
+        change of its parameters' dtype is refused by name (the engine computes in the config's
+        dtype from fp32 master weights, and its next step would write the weights anew: the
+        conversion's rounding lost silently, or a dtype the engine does not train in); a move or
+        a conversion to their own dtype goes on as torch's."""
+        engine = engine_ref()
+        if engine is not None and engine._runtime is not None:
+            for p in module.parameters():
+                if p.is_floating_point():
+                    converted = fn(torch.empty((), dtype=p.dtype, device=p.device)).dtype
+                    if converted != p.dtype:
+                        raise TypeError(
+                            f"{type(module).__name__}.to({converted}) (.half(), .float(), "
+                            f".bfloat16()) of a module a strata engine trains in {p.dtype}: the "
+                            "engine computes in the config's dtype from fp32 master weights, and "
+                            "its next step would write the weights anew; accepted: the dtype "
+                            "set in the config (its bf16 or fp16 block) before "
+                            "strata.initialize, or the conversion after engine.release()")
+                    break
+        return type(module)._apply(module, fn, *args, **kwargs)
+    return _apply
+
+
 _CLOSED_PLACEHOLDERS = {}
 _GUARDED = weakref.WeakKeyDictionary()
 

@@ -2971,3 +2971,16 @@ def test_optimizer_commit_auto_is_step_across_ranks(tmp_path, monkeypatch):
     del config["strata"]["optimizer_commit"]
     settings = RuntimeSettings(TrainConfig.parse(config, world_size=1))
     assert "optimizer_commit" not in json.loads(settings.runtime_json)["strata"]
+
+
+def test_a_dtype_conversion_of_the_trained_module_is_refused_by_name(tmp_path):
+    # model.half().float() after initialize was taken silently: the next step wrote the weights
+    # anew from the fp32 master weights, the rounding lost (plain torch keeps it).
+    engine, _, _, _ = strata.initialize(model=Net(), config=make_config(tmp_path, 2, "cpu",
+                                                                        "fp32"))
+    engine.module.to("cpu").float()  # (a move, its own dtype: as torch's)
+    with pytest.raises(TypeError, match=r"Net.to\(torch.float16\) \(.half\(\), .float\(\), "
+                                        r".bfloat16\(\)\) of a module a strata engine trains"):
+        engine.module.half()
+    assert engine.module.l1.weight.dtype == torch.float32
+    assert engine.release().half().l1.weight.dtype == torch.float16
