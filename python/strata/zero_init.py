@@ -164,8 +164,8 @@ def partition_of(param):
 
 def reshaped(model):
     """(name, its partition's shape, its shape now) of each parameter built under strata.init
-    whose shape changed since (resize_token_embeddings after the build reads the placeholder's
-    zeros and gives the parameter a size its partition does not have)."""
+    whose shape changed since (resize_token_embeddings after the context reads the
+    placeholder's NaN and gives the parameter a size its partition does not have)."""
     return [(name, p._strata_init[2], tuple(p.shape)) for name, p in model.named_parameters()
             if getattr(p, "_strata_init", None) is not None and
             tuple(p.shape) != p._strata_init[2]]
