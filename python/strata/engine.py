@@ -602,9 +602,11 @@ class Engine:
         # model.zero_grad() (Trainer's, a plain loop's) drops the engine's gradients too.
         model.zero_grad = types.MethodType(guards.zero_grad_through(engine), model)
         self._patched_methods.append((model, "zero_grad"))
-        # model.to(dtype) (.half(), .float()) would be undone by the next step: refused.
-        model._apply = types.MethodType(guards.convert_through(engine), model)
-        self._patched_methods.append((model, "_apply"))
+        # model.to(dtype) (.half(), .float()), a submodule's too, would be undone by the next
+        # step: refused.
+        for module in model.modules():
+            module._apply = types.MethodType(guards.convert_through(engine), module)
+            self._patched_methods.append((module, "_apply"))
         # A copy (a frozen reference or teacher, TRL's create_reference_model) would keep the
         # engine's methods, hooks and (stage 3) partitions, and follow the engine: refused.
         model.__deepcopy__ = guards.refuse_deepcopy

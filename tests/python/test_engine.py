@@ -2982,5 +2982,7 @@ def test_a_dtype_conversion_of_the_trained_module_is_refused_by_name(tmp_path):
     with pytest.raises(TypeError, match=r"Net.to\(torch.float16\) \(.half\(\), .float\(\), "
                                         r".bfloat16\(\)\) of a module a strata engine trains"):
         engine.module.half()
+    with pytest.raises(TypeError, match=r"Linear.to\(torch.bfloat16\)"):
+        engine.module.l1.bfloat16()
     assert engine.module.l1.weight.dtype == torch.float32
     assert engine.release().half().l1.weight.dtype == torch.float16
