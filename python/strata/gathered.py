@@ -26,8 +26,8 @@ class GatheredParameters:
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
     DeepSpeed's; a frozen one's too, each rank keeping rank 0's, or its shard of them; a
     trained partitioned one's edit across ranks is refused). A parameter strata.init partitioned
-    that no engine has adopted yet is lent whole for the block (fp32; across ranks gathered from
-    the shards, rank 0's writes kept). Other parameters pass as they are.
+    that no engine has adopted yet is lent whole for the block (in the dtype it was built in;
+    across ranks gathered from the shards, rank 0's writes kept). Other parameters pass as they are.
     Not for autograd: a loss computed in the
     block from them would save what backward cannot find after it (the weights are given back at
     its end); compute such a loss inside the module's forward."""

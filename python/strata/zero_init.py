@@ -407,12 +407,6 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             del held
             self.runtime.release(pid, "host", True, traced=False)
 
-    def _mark(self, p, pid, dtype):
-        """`p` is partition `pid` of this context, built in `dtype` (what it is lent in):
-        copy.deepcopy of it copies its partition."""
-        p._strata_init = (self, pid, tuple(p.shape), dtype)
-        p.__deepcopy__ = functools.partial(_deepcopy_partitioned, weakref.ref(p))
-
     def _copy(self, p):
         """A new parameter partitioned as `p` is (a partition of its own, a copy of p's values:
         across ranks each rank copies its own shard)."""
@@ -430,17 +424,28 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 finally:
                     del held
                     self.runtime.release(source, "host", False, traced=False)
-        dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
-        self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
-                              self.settings.param_tier, initial)
+        self._register(pid, initial)
         dtype = p._strata_init[3]
         copy = type(p)(self._placeholder(p.shape, dtype), p.requires_grad)
-        self._mark(copy, pid, dtype)
-        copy._strata_forget = weakref.finalize(copy, _forget, weakref.ref(self), pid)
+        self._hold(copy, pid, dtype)
         return copy
 
+    def _register(self, pid, initial):
+        """Partition `pid` made with `initial` (this rank's shard, in the training dtype)."""
+        self.runtime.register(pid, "param", {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype],
+                              initial.numel(), 0, self.settings.param_tier, initial)
+
+    def _hold(self, p, pid, dtype):
+        """`p`, its placeholder now, is partition `pid` of this context, built in `dtype` (what it
+        is lent in): copy.deepcopy of it copies its partition; a parameter replaced while the
+        model is built (a tied weight: head.weight = emb.weight) gives its partition back as it
+        goes, not at the end of the run: it held a place in its tier's budget, which the rest of
+        the build may need."""
+        p._strata_init = (self, pid, tuple(p.shape), dtype)
+        p.__deepcopy__ = functools.partial(_deepcopy_partitioned, weakref.ref(p))
+        p._strata_forget = weakref.finalize(p, _forget, weakref.ref(self), pid)
+
     def _partition_module(self, module):
-        dtype_name = {v: k for k, v in _DTYPE_NAMES.items()}[self.dtype]
         partitioned_any = False
         for p in module.__dict__.get("_parameters", {}).values():
             if p is None or partition_of(p) is not None or not p.is_floating_point() or \
@@ -459,16 +464,11 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 if self.ranks is not None:
                     self.ranks.broadcast_tensor(initial, f"a {type(module).__name__}'s parameter")
                     initial = self.ranks.own_shard(initial, self.ranks.shard_elements(p.numel()))
-                self.runtime.register(pid, "param", dtype_name, initial.numel(), 0,
-                                      self.settings.param_tier, initial)
+                self._register(pid, initial)
                 del initial
                 built_in = p.dtype
                 p.data = self._placeholder(p.shape, built_in)
-            self._mark(p, pid, built_in)
-            # A parameter replaced while the model is built (a tied weight: head.weight =
-            # emb.weight) gives its partition back as it goes, not at the end of the run: it
-            # held a place in its tier's budget, which the rest of the build may need.
-            p._strata_forget = weakref.finalize(p, _forget, weakref.ref(self), pid)
+            self._hold(p, pid, built_in)
 
 
 def _lend_for_load(context_ref, module, state_dict, prefix, *args):
@@ -556,10 +556,10 @@ _LENT_BYTES = 64 << 20
 
 
 class _Lent:
-    """A partitioned parameter lent whole: its partition, the tensor lent, what tells a write."""
+    """A partitioned parameter lent whole: the bytes lent, what tells a write."""
 
-    def __init__(self, param, pid, whole, written):
-        self.param, self.pid, self.bytes = param, pid, whole.numel() * whole.element_size()
+    def __init__(self, param, whole, written):
+        self.param, self.bytes = param, whole.numel() * whole.element_size()
         self.pins = 0  # GatheredParameters blocks that hold it lent
         self.version = param._version
         self.storage = whole.untyped_storage().data_ptr()
@@ -614,17 +614,17 @@ class _Lending(torch.overrides.TorchFunctionMode):
             self.busy = busy
 
     def lend(self, param, written=False, keep=()):
-        """The parameter whole in fp32 (initializers draw in the tensor's dtype, and a bf16 draw
-        is not a plain fp32 build's): its partition's values (across ranks gathered from every
-        rank's shard); room made first (`keep`: parameters not given back for it). `written`:
-        written back when given back, whatever it tells (GatheredParameters' block writes through
-        views this mode does not see). Lent already: marked most recently used."""
+        """The parameter whole, in the dtype it was built in (whole()): its partition's values
+        (across ranks gathered from every rank's shard); room made first (`keep`: parameters not
+        given back for it). `written`: written back when given back, whatever it tells
+        (GatheredParameters' block writes through views this mode does not see). Lent already:
+        marked most recently used."""
         key = id(param)
         if key not in self.lent:
             with self._busy():
                 self._make_room(param.numel() * param._strata_init[3].itemsize, keep)
                 param.data = self.whole(param)
-                self.lent[key] = _Lent(param, partition_of(param), param.data, written)
+                self.lent[key] = _Lent(param, param.data, written)
         self.lent.move_to_end(key)
         self.lent[key].maybe_written |= written
         return self.lent[key]
@@ -725,4 +725,4 @@ class _Lending(torch.overrides.TorchFunctionMode):
             raise ValueError(f"strata.init: a partitioned parameter of shape {shape} "
                              f"was given values of shape {tuple(whole.shape)}; accepted: its own "
                              "shape (build the module with its final sizes)")
-        context._write_whole(lent.pid, whole)  # (across ranks rank 0's values, this rank's shard)
+        context._write_whole(pid, whole)  # (across ranks rank 0's values, this rank's shard)
