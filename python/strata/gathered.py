@@ -41,7 +41,6 @@ class GatheredParameters:
         self.kept = []  # (engine, entry): whole already; written to the master weights at exit
         self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
         self.built = []  # (strata.init context, parameter): its partition, no engine yet
-        self._lent = []  # (context, parameter, lent by this block): held lent for the block
         if not enabled:
             return
 
@@ -95,10 +94,8 @@ class GatheredParameters:
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
                 e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
-        for context, p in self.built:  # (lent whole for the block: see __exit__)
-            fresh = id(p) not in context.lending.lent
-            context.lending.lend(p, written=self.modify).pins += 1
-            self._lent.append((context, p, fresh))
+        for context, p in self.built:  # (lent whole for the block: see _Lending.unpin)
+            context.lending.pin(p, self.modify)
         return self
 
     def __exit__(self, *exc):
@@ -113,17 +110,10 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 e.param.data = engine.table.placeholder
-            # Those this block lent are given back (with modifier_rank what it wrote kept, an
-            # exception's too, as plain torch keeps them; else dropped); those lent before it stay
-            # lent (strata.init's context gives them back).
-            lent, self._lent = self._lent, []
-            for context, p, _ in lent:
-                held = context.lending.lent.get(id(p))
-                if held is not None:
-                    held.pins -= 1
-            for context, p, fresh in lent:
-                if fresh:
-                    context.lending.give_back([p], write=self.modify)
+            # (with modifier_rank what the block wrote is kept, an exception's too, as plain
+            # torch keeps it)
+            for context, p in self.built:
+                context.lending.unpin(p)
         return False
 
     @staticmethod

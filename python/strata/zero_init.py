@@ -12,35 +12,38 @@ dtype, in the tier offload_param names: device, host or NVMe) and leaves each pa
 placeholder of its shape. A submodule's parameters are partitioned as soon as the submodule is
 built (when its outermost ``__init__`` returns, so a subclass may set them after
 ``super().__init__()``), so the host memory building needs is about the largest module's own
-parameters, not the model's. While the context is open, the partitions are the parameters' values
-to any code that runs: each partitioned parameter a torch function is given
+parameters, not the model's, plus the parameters lent to code that touches them (below: a bound of
+their own, outside the host budget). While the context is open, the partitions are the parameters'
+values to any code that runs: each partitioned parameter a torch function is given
 (``init.trunc_normal_(self.proj.weight)`` in a parent's ``__init__``, ``self.apply(init_fn)``,
 ``p.data.zero_()``, ``copy_``, a norm read for a log), or made into another parameter
 (``nn.Parameter(p)``: parametrizations' ``original``), is lent whole, a copy of its partition in
 the dtype it was built in (fp32 for a model built in fp32, whatever the training dtype; across
 ranks all-gathered from the ranks' shards). It stays lent while the lent parameters hold at most
 twice the largest one's bytes (at least 64 MiB), so that an initializer of several calls runs in
-fp32 throughout, as a plain build's does, and bf16 training starts from the plain fp32 values
-rounded once; the least recently used one (no view of it alive, not held by a GatheredParameters
-block) is given back to make room, and every one when the context closes (or strata.initialize
-adopts its Runtime): written into its partition (across ranks rank 0's values) if it may have been
-written, its placeholder restored. A value computed from a weight after its module was built reads
-its partition's values (in bf16 training, rounded to bf16). Calls that read no values (its shape,
-dtype, numel) lend nothing. ``copy.deepcopy`` of a partitioned parameter (torch's
-``nn.TransformerEncoder`` clones its layer so) is, while a module is built in the context, a new
-partition holding its values; otherwise, until an engine adopts the Runtime, a plain parameter
-holding them (a model copied whole: a reference, a teacher); while an engine trains it, refused by
-name. After the context closes, the partitions are no longer lent to torch functions: a parameter
-read then is its placeholder, whose one element is NaN (a norm, a forward give NaN, not DeepSpeed's
-plausible empty tensors); values given to it (``p.data = t`` of its shape, ``load_state_dict``:
-lent for it) are written into its partition, as plain torch trains them; a conversion
-(``model.to(device or dtype)``, ``.bfloat16()``, ``.half()``) converts the placeholder without
-making it whole (a model built bigger than the host stays unmaterialized), and its partition is
-lent in the new dtype from then on (rounded to it where it is narrower, as plain torch rounds every
-weight; with torch.__future__'s overwrite or swap of parameters on conversion, refused by name); a
-write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize (other
-in-place ops raise torch's error on the placeholder), and so is a parameter or buffer made from
-placeholders after it (all NaN: weight_norm applied then). Write within
+fp32 throughout, as a plain build's does, and a weight an initializer draws anew (normal_,
+trunc_normal_, then scaled) starts bf16 training from the plain fp32 values rounded once (one
+edited after its module was built without being drawn anew, a parent's mul_, starts from its
+partition's bf16 values); the least recently used one (no view of it alive, not held by a
+GatheredParameters block) is given back to make room, and every one when the context closes (or
+strata.initialize adopts its Runtime): written into its partition (across ranks rank 0's values) if
+it may have been written, its placeholder restored. A value computed from a weight after its module
+was built reads its partition's values (in bf16 training, rounded to bf16). Calls that read no
+values (its shape, dtype, numel) lend nothing. ``copy.deepcopy`` of a partitioned parameter
+(torch's ``nn.TransformerEncoder`` clones its layer so) is, while a module is built in the context,
+a new partition holding its values; otherwise, until an engine adopts the Runtime, a plain
+parameter holding them (a model copied whole: a reference, a teacher); while an engine trains it,
+refused by name. After the context closes, the partitions are no longer lent to torch functions: a
+parameter read then is its placeholder, whose one element is NaN (a norm, a forward give NaN, not
+DeepSpeed's plausible empty tensors); values given to it (``p.data = t`` of its shape,
+``load_state_dict``: lent for it) are written into its partition, as plain torch trains them; a
+conversion (``model.to(device or dtype)``, ``.bfloat16()``, ``.half()``) converts the placeholder
+without making it whole (a model built bigger than the host stays unmaterialized), and its
+partition is lent in the new dtype from then on (rounded to it where it is narrower, as plain torch
+rounds every weight; with torch.__future__'s overwrite or swap of parameters on conversion, refused
+by name); a write in place into it (``fill_``, ``zero_``) is refused by name at strata.initialize
+(other in-place ops raise torch's error on the placeholder), and so is a parameter or buffer made
+from placeholders after it (all NaN: weight_norm applied then). Write within
 ``strata.GatheredParameters(params, modifier_rank=0)`` (the parameters whole in the block, what it
 writes kept), load the pretrained weights (engine.load_pretrained), as fine-tuning does, or build
 without the context. The context makes the Runtime (from the config's zero_optimization and strata
@@ -108,9 +111,8 @@ def _apply_keeping_placeholders(module, fn, *args, **kwargs):
     converts them."""
     kept = {}
     for name, p in module.__dict__.get("_parameters", {}).items():
-        if p is not None and lendable(p) is not None and \
-                id(p) not in p._strata_init[0].lending.lent and \
-                p.data.untyped_storage().nbytes() <= p.data.element_size():
+        context = lendable(p) if p is not None else None
+        if context is not None and id(p) not in context.lending.lent and _is_placeholder(p.data):
             kept[name] = p
     if kept and (torch.__future__.get_overwrite_module_params_on_conversion() or
                  torch.__future__.get_swap_module_params_on_conversion()):
@@ -133,6 +135,11 @@ def _apply_keeping_placeholders(module, fn, *args, **kwargs):
                 if not _holds_every(converted, dtype):  # (plain torch rounds every weight)
                     with context.lending._busy():
                         context._write_whole(pid, context.lending.whole(p))
+
+
+def _is_placeholder(t):
+    """Whether `t` is a placeholder (one element, expanded), not values of its own."""
+    return t.untyped_storage().nbytes() <= t.element_size()
 
 
 def _holds_every(wider, narrower):
@@ -255,7 +262,7 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
                 nan.append(name)  # (made from a placeholder after the context: weight_norm's)
             if made is None or made[0] is not self or tuple(p.shape) != made[2]:
                 continue  # (resized: the engine refuses it, naming it)
-            if p.data.untyped_storage().nbytes() > p.data.element_size():  # (values of its own)
+            if not _is_placeholder(p.data):  # (values of its own)
                 if not torch.isnan(p.data).all():  # (else its placeholder converted: m.to(...))
                     replaced.append((name, p))
             elif not torch.isnan(p.data.reshape(-1)[:1]).all():
@@ -480,7 +487,7 @@ def _lend_for_load(context_ref, module, state_dict, prefix, *args):
         return
     for name, p in module.__dict__.get("_parameters", {}).items():
         if p is not None and prefix + name in state_dict and lendable(p) is context:
-            context.lending.lend(p, written=True).pins += 1
+            context.lending.pin(p, modify=True)
             context.loading.add(id(p))
 
 
@@ -493,8 +500,7 @@ def _give_back_after_load(context_ref, module, incompatible_keys):
             if p is not None and id(p) in context.loading]
     for p in lent:
         context.loading.discard(id(p))
-        context.lending.lent[id(p)].pins -= 1
-    context.lending.give_back(lent, write=True)
+        context.lending.unpin(p)
 
 
 def lendable(param):
@@ -560,7 +566,9 @@ class _Lent:
 
     def __init__(self, param, whole, written):
         self.param, self.bytes = param, whole.numel() * whole.element_size()
-        self.pins = 0  # GatheredParameters blocks that hold it lent
+        self.pins = 0  # blocks that hold it lent (pin())
+        self.pinned_fresh = False  # lent by a block (given back when the last block ends)
+        self.modified = False  # a block that holds it keeps its writes
         self.version = param._version
         self.storage = whole.untyped_storage().data_ptr()
         self.views = {}  # id(view) -> its finalizer: views handed out, alive
@@ -623,7 +631,13 @@ class _Lending(torch.overrides.TorchFunctionMode):
         if key not in self.lent:
             with self._busy():
                 self._make_room(param.numel() * param._strata_init[3].itemsize, keep)
-                param.data = self.whole(param)
+                if _is_placeholder(param.data):
+                    param.data = self.whole(param)
+                elif tuple(param.shape) == param._strata_init[2]:  # (p.data = t after the
+                    # context: its values now, written at once, whatever the lending does next)
+                    self.context._write_whole(partition_of(param), param.data.detach().cpu())
+                else:  # (of another shape: refused as it is given back)
+                    written = True
                 self.lent[key] = _Lent(param, param.data, written)
         self.lent.move_to_end(key)
         self.lent[key].maybe_written |= written
@@ -651,7 +665,7 @@ class _Lending(torch.overrides.TorchFunctionMode):
         """`param`'s values whole in the dtype it was built in (a copy): its lent tensor's when
         it is lent (what was written into it so far), else its partition's."""
         with self._busy():
-            if id(param) in self.lent:
+            if id(param) in self.lent or not _is_placeholder(param.data):
                 return param.data.to(param._strata_init[3], copy=True)
             return self.whole(param)
 
@@ -688,9 +702,30 @@ class _Lending(torch.overrides.TorchFunctionMode):
                 lent.maybe_written = True
                 lent.views[id(leaf)] = weakref.finalize(leaf, lent.views.pop, id(leaf), None)
 
+    def pin(self, param, modify):
+        """A block (GatheredParameters, a load_state_dict after the context) holds `param` lent
+        until unpin(); `modify`: what it writes is kept."""
+        fresh = id(param) not in self.lent
+        lent = self.lend(param, written=modify)
+        lent.pins += 1
+        lent.pinned_fresh = lent.pinned_fresh or (fresh and lent.pins == 1)
+        lent.modified = lent.modified or modify
+
+    def unpin(self, param):
+        """A block's hold ends: when the last one ends, a parameter the blocks lent is given back,
+        written if any of them modifies (else what they wrote is dropped, as DeepSpeed's
+        GatheredParameters without modifier_rank drops it); one lent before them stays lent."""
+        lent = self.lent.get(id(param))
+        if lent is None:
+            return
+        lent.pins -= 1
+        if not lent.pins and lent.pinned_fresh:
+            self.give_back([param], write=lent.modified)
+
     def give_back(self, params, write):
         """`params` given back (those lent): written where they may have been, if `write`."""
-        self._give_back_where(lambda key: key in {id(p) for p in params}, write)
+        chosen = {id(p) for p in params}
+        self._give_back_where(lambda key: key in chosen, write)
 
     def give_back_all(self):
         """Every lent parameter given back, each written where it may have been."""

@@ -367,8 +367,8 @@ def test_initializers_of_several_calls_and_parameters_made_from_others(tmp_path,
     model, reference = built_both(config, Chained)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     for name, value in engine.module_state_dict().items():
-        if dtype == "fp32":
-            assert torch.equal(value, reference.state_dict()[name]), name
+        if dtype == "fp32" or not name.startswith("e."):
+            assert torch.equal(value, reference.state_dict()[name].to(value.dtype)), name
         else:  # (a value computed from a partition's bf16 values, weight_norm's g, may round
             # the other way: one bf16 step at most)
             torch.testing.assert_close(value.float(), reference.state_dict()[name].float(),
@@ -378,9 +378,10 @@ def test_initializers_of_several_calls_and_parameters_made_from_others(tmp_path,
         assert torch.isfinite(engine(x)).all()
 
 
-def test_a_read_only_block_inside_one_that_modifies_keeps_its_writes(tmp_path):
-    # Found by an audit: the inner block (no modifier_rank) gave the weight back unwritten, so
-    # the outer block's writes were lost.
+def test_nested_blocks_keep_what_a_modifying_one_wrote(tmp_path):
+    # Found by audits: a read-only block inside a modifying one, and a modifying one inside a
+    # read-only one, each gave the weight back as the block that lent it said, so the modifying
+    # block's writes were lost.
     config = config_for(tmp_path, "cpu")
     with strata.init(config=config):
         model = Net()
@@ -389,8 +390,12 @@ def test_a_read_only_block_inside_one_that_modifies_keeps_its_writes(tmp_path):
         with strata.GatheredParameters([model.l2.weight]):
             assert float(model.l2.weight.data.mean()) == 3.0
         model.l2.weight.data.add_(1.0)
+    with strata.GatheredParameters([model.l1.weight]):
+        with strata.GatheredParameters([model.l1.weight], modifier_rank=0):
+            model.l1.weight.data.fill_(2.0)
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 4.0))
+    assert torch.equal(engine.module_state_dict()["l1.weight"], torch.full((64, 32), 2.0))
 
 
 def test_after_the_context_a_read_is_nan_a_replacement_is_taken_an_in_place_write_refused(
@@ -404,6 +409,11 @@ def test_after_the_context_a_read_is_nan_a_replacement_is_taken_an_in_place_writ
         model = Net()
     assert torch.isnan(model.l1.weight.norm())
     model.l2.weight.data = torch.full((50, 64), 0.5)  # taken, as plain torch trains it
+    # Read before initialize (a block, a copy): the values given, not the partition's (found by
+    # a review: they were lost).
+    with strata.GatheredParameters([model.l2.weight]):
+        assert float(model.l2.weight.mean()) == 0.5
+    assert float(__import__("copy").deepcopy(model).l2.weight.mean()) == 0.5
     engine, _, _, _ = strata.initialize(model=model, config=config)
     assert torch.equal(engine.module_state_dict()["l2.weight"], torch.full((50, 64), 0.5))
     engine.close()
