@@ -551,3 +551,19 @@ def test_conversions_that_would_replace_parameters_are_refused_and_release_leave
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
     assert model.l1.weight.dtype == torch.float64
+
+
+def test_parameters_given_back_to_make_room_keep_what_was_written(tmp_path):
+    # The bound at its least (twice the parameter being lent): nearly every lend gives another
+    # back, and each re-lent weight must read what was written into it.
+    config = config_for(tmp_path, "cpu")
+    context = strata.init(config=config)
+    context.lending.bound = 0
+    torch.manual_seed(0)
+    with context:
+        model = Nano()
+    torch.manual_seed(0)
+    reference = Nano()
+    assert context.lending.bound < 64 << 20
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    assert_same_weights(engine, reference)
