@@ -912,6 +912,15 @@ class Engine:
             raise RuntimeError(f"{where}: gradients came from a backward the engine did not run "
                                f"(loss.backward()), which is not taken under {why}; accepted: "
                                "engine.backward(loss)")
+        if not self._state.zeroed and where != "zero_grad":
+            # (zero_grad drops them all, as torch's would: nothing differs)
+            raise RuntimeError(
+                f"{where}: loss.backward() after a step() with no zero_grad() between: plain "
+                "torch adds its gradients to those the last step used (.grad keeps them until "
+                "zero_grad), where the engine's step() dropped them; accepted: "
+                "optimizer.zero_grad() (or model.zero_grad()) after each step() or before each "
+                "backward, as a plain torch loop has it, or engine.backward(loss), whose step() "
+                "drops the gradients, as DeepSpeed's")
         self._copies.end_backward()
         self._lending.drop_all()
         self._state.phase = Phase.GRADIENTS
@@ -1009,7 +1018,10 @@ class Engine:
         after its backward), and the accumulation window starts again; after step() there are
         none (each step() drops what it stepped with). The module's own zero_grad() and the
         optimizer's come here. Refused where some parameters stepped for good during this
-        backward with them (strata.optimizer_during_backward): that cannot be undone."""
+        backward with them (strata.optimizer_during_backward): that cannot be undone. What torch's
+        .grad would hold after it is kept (TrainingState.zero_grad): a backward of the user's
+        after a step() with none between, and zeros kept (set_to_none=False) for a parameter
+        a step gives no gradient, are refused where plain torch would step otherwise."""
         done = self.micro_steps % self._state.accumulation
         if self._state.phase is Phase.IDLE and done and self._window_holds_gradients():
             # After a step() that ended a micro-batch but not the window: the window's gradients
@@ -1023,6 +1035,7 @@ class Engine:
                 "last step() (engine.step() steps once a window), or "
                 "gradient_accumulation_steps 1 to accumulate in the loop")
         self._adopt_backward("zero_grad")
+        self._state.zero_grad(set_to_none)
         if not self._state.gradients_since_step:
             return
         if self._step.stepped_early or (self._step.staged is not None and self._step.staged.early):
@@ -1079,7 +1092,9 @@ class Engine:
                 "make a new engine with them trainable from engine.module_state_dict()")
         if boundary:
             self.optimizer.check_groups("step")
+            graded = self._graded_now()
         self._state.phase = Phase.IDLE
+        self._state.zeroed = False
         self.micro_steps += 1
         if not boundary:
             return
@@ -1104,6 +1119,7 @@ class Engine:
             self._gradients.end_step(failed=True)
             raise
         self._gradients.end_step(failed=False)
+        self._state.graded.update(graded)
         if self.ranks is not None:
             self.ranks.sync_buffers(self.module)  # rank 0's buffers everywhere, as DDP's
         self.global_steps += 1  # as DeepSpeed's: skipped steps count too
@@ -1144,6 +1160,35 @@ class Engine:
             error, self._step.refresh_error = self._step.refresh_error, None
             raise error
 
+
+    def _graded_now(self):
+        """The trained parameters (entries) this rank steps with a gradient at the step about to
+        be taken. Refused, before any is stepped, where the last zero_grad() kept gradients as
+        zeros (set_to_none=False) and some parameter given one in an earlier step has none now:
+        torch would step it with its zeros, where the engine steps only the parameters with a
+        gradient (across ranks, every rank refuses when one finds such a parameter)."""
+        early = self._step.stepped_early
+        now = {e for e in self.table.trained if e.shard and (
+            e.gradient_held() or e.param.grad is not None or e.staged is not None or e in early)}
+        if not self._state.zeros_kept:
+            return now
+        missing = [e.name for e in self.table.trained if e in self._state.graded and e not in now]
+        count = len(missing)
+        if self.ranks is not None:
+            count = int(self.ranks.all_reduce_sum([float(count)])[0])
+        if count:
+            named = (f"{', '.join(missing[:5])}{' and more' if len(missing) > 5 else ''} "
+                     f"({len(missing)} parameters)") if missing else \
+                f"{count} parameters (named on another rank)"
+            raise RuntimeError(
+                f"step: {named} had a gradient in an earlier step and none in this one, and the "
+                "last zero_grad(set_to_none=False) keeps such gradients as zeros: plain torch "
+                "would step them with a zero gradient (Adam's moments and weight decay still "
+                "move them), where the engine steps only the parameters with a gradient"
+                f"{'' if early else '; nothing was stepped'}. Accepted: zero_grad() "
+                "(set_to_none=True, torch's default: a parameter with no gradient is not "
+                "stepped, as the engine does)")
+        return now
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""

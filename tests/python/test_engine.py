@@ -2491,6 +2491,77 @@ def test_zero_grad_after_parameters_stepped_during_backward_is_refused(tmp_path)
     engine.step()
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_backward_of_ones_own_after_a_step_with_no_zero_grad_is_refused(tmp_path, stage):
+    """A plain loop with no zero_grad() between its steps sums each backward's gradients into
+    the last step's (.grad is kept): the engine's step() drops them, so a backward of the
+    user's after a step with no zero_grad() is refused by name at the step (and at
+    clip_grad_norm_), not stepped with this backward's gradients alone. zero_grad() then drops
+    them, as torch's would, and the loop goes on as plain torch's."""
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    data = list(batches(3))
+    for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+        loss_of(net(data[0][0]), data[0][1]).backward()
+        opt.step()
+        loss_of(net(data[1][0]), data[1][1]).backward()
+        if net is engine.module:
+            for call in (lambda: torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0),
+                         opt.step):
+                with pytest.raises(RuntimeError, match=r"loss.backward\(\) after a step\(\) "
+                                   r"with no zero_grad\(\) between: plain torch adds"):
+                    call()
+        opt.zero_grad()
+        loss_of(net(data[2][0]), data[2][1]).backward()
+        opt.step()
+    _assert_weights_as(engine, reference)
+
+
+class Branched(Net):
+    """Net with a layer its forward skips where `side` is False."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = torch.nn.Linear(2 * WIDTH, 2 * WIDTH)
+
+    def forward(self, x, side=True):
+        h = torch.relu(self.l1(self.emb(x)))
+        return self.l2(self.ln(h + self.side(h) if side else h))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_grad_set_to_none_false_trains_as_torch_or_is_refused_where_it_differs(tmp_path,
+                                                                                  stage):
+    """zero_grad(set_to_none=False) keeps each gradient as zeros, and torch steps a parameter
+    with zeros where a step gives it no gradient (AdamW still moves it): with every parameter
+    given a gradient each step the loop trains as torch's; a step that gives a parameter
+    trained before none is refused by name, before anything is stepped; zero_grad() (set to
+    None) after that, the parameter is left unstepped, as torch leaves it."""
+    torch.manual_seed(0)
+    model = Branched()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
+                                        clipping=0.0))
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for i, (x, y) in enumerate(batches(5)):
+        side = i not in (2, 3)
+        if i == 2:  # zeros kept, and a step that skips `side`: torch would step it with them
+            optimizer.zero_grad(set_to_none=False)
+            loss_of(engine.module(x, side), y).backward()
+            before = engine.module_state_dict()
+            with pytest.raises(RuntimeError, match=r"step: side.weight, side.bias \(2 "
+                               r"parameters\) had a gradient in an earlier step and none in "
+                               r"this one.*nothing was stepped. Accepted: zero_grad\(\)"):
+                optimizer.step()
+            for name, value in engine.module_state_dict().items():
+                assert torch.equal(value, before[name]), name
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            opt.zero_grad(set_to_none=i in (2, 3))
+            loss_of(net(x, side), y).backward()
+            opt.step()
+    _assert_weights_as(engine, reference)
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_load_state_dict_mid_training_keeps_the_optimizers_state(tmp_path, stage):
     """module.load_state_dict between steps (a weight reset, an EMA swapped in) changes the

@@ -676,7 +676,8 @@ def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
 # Each rank's own branch (DDP's find_unused_parameters case): `extra` is used by rank 0 at every
 # step and by rank 1 at even steps only, so that rank 1's rows of the reduce-scatter's buffer
 # (kept from one step to the next) must be zeros where it has no gradient. Stage 1, and stage 3's
-# parameters under the persistence threshold (reduced at the step), against torch's DDP.
+# parameters under the persistence threshold (reduced at the step), against torch's DDP; with
+# zero_grad(set_to_none=False), which no rank refuses (each steps `extra` with the mean).
 BRANCH = r"""
 import json, os, sys, torch, torch.distributed as dist
 import strata
@@ -724,6 +725,8 @@ for stage in (1, 3):
               "strata": {"device": "emulated"}}
     engine, _, _, _ = strata.initialize(model=model, config=config)
     for step, x in enumerate(batches()):
+        # (zeros kept: each rank steps `extra` with the mean as DDP does, refused by none)
+        engine.zero_grad(set_to_none=False)
         engine.backward(engine(x, uses(step)).pow(2).mean())
         engine.step()
     ours = engine.module_state_dict()
