@@ -933,7 +933,10 @@ def _check_scheduler(store, state, wanted, file):
         return False
     if scheduler is None:
         return False
-    trial = copy.deepcopy(scheduler)
+    # (a copy tried first: its optimizer's parameters shared, not copied: stage 3's are
+    # placeholders, which refuse .data, and the others' weights need no copy)
+    trial = copy.deepcopy(scheduler, memo={id(p): p for group in store.optimizer.param_groups
+                                          for p in group["params"]})
     try:
         trial.load_state_dict(state)
     except Exception as error:  # any scheduler's own check

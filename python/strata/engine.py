@@ -93,6 +93,7 @@ from strata import lr_schedules
 from strata import optimizer as optimizer_module
 from strata import ranks as ranks_module
 from strata.config import TORCH_DTYPES, TrainConfig
+from strata.edits import Edits
 from strata.gathered import GatheredParameters
 from strata.gradients import Gradients, HostCopies
 from strata.loss_scaler import LossScaler
@@ -645,6 +646,9 @@ class Engine:
             [(e.param, e.shape) for e in self.table.entries() if e.partitioned],
             self.dtype, self.device)
         self._dropped.atexit = False
+        # The weights the engine keeps whole in the module, edited in place between steps, are
+        # taken at the next step (strata/edits.py): the step would otherwise undo the edit.
+        self._edits = Edits(self.table.entries())
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -1112,6 +1116,7 @@ class Engine:
             if self._unreduced:  # the window's last backward failed (on every rank alike)
                 self._gradients.reduce()
                 self._unreduced = False
+            self._take_edits()
             stepped, report = self._step.finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
                 stepped, report = self._step.step_anew()
@@ -1119,6 +1124,7 @@ class Engine:
             self._gradients.end_step(failed=True)
             raise
         self._gradients.end_step(failed=False)
+        self._edits.written()
         self._state.graded.update(graded)
         if self.ranks is not None:
             self.ranks.sync_buffers(self.module)  # rank 0's buffers everywhere, as DDP's
@@ -1160,6 +1166,22 @@ class Engine:
             error, self._step.refresh_error = self._step.refresh_error, None
             raise error
 
+
+    def _take_edits(self):
+        """The weights written in place since the last step (strata/edits.py) taken into the
+        master weights before this step: a step staged during backward from the master weights
+        before them is taken anew."""
+        edited = self._edits.edited()
+        if not edited:
+            return
+        if self._step.staged is not None:
+            self._step.drop_staged(f"{edited[0].name}{' and more' if len(edited) > 1 else ''} "
+                                   "may have been written in place since the last step")
+        taken = self._edits.take(edited, self.runtime, self.ranks, self._checkpoints)
+        if taken:
+            logger.debug("step %d: the weights of %s, written in place since the last step, "
+                         "taken into the master weights", self.global_steps + 1,
+                         ", ".join(taken))
 
     def _graded_now(self):
         """The trained parameters (entries) this rank steps with a gradient at the step about to
@@ -1469,6 +1491,7 @@ class Engine:
             guards.leave_placeholders(
                 weakref.ref(self.module), [(e.param, e.shape) for e in self.table.entries()
                               if e.partitioned], self.dtype, self.device)
+            self._edits.forget()
             for e in self.table.entries():
                 e.param.__dict__.pop("_strata_node", None)
                 e.param.__dict__.pop("ds_numel", None)

@@ -8,7 +8,7 @@ import torch
 from strata import checkpoints
 from strata import guards
 from strata import zero_init
-from strata.parameters import set_weights, write_frozen
+from strata.parameters import data_of, set_weights, write_frozen
 
 __all__ = ["GatheredParameters"]
 
@@ -85,7 +85,7 @@ class GatheredParameters:
 
     def __enter__(self):
         for engine, e in self.held:  # all checked before any changes
-            if e.param.data.numel() != 0:
+            if data_of(e.param).numel() != 0:
                 raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
                                    "(inside its forward or backward); accepted: outside them")
         for engine, _ in self.kept:  # no step of the optimizer's thread writes them meanwhile
@@ -125,7 +125,7 @@ class GatheredParameters:
             engine.ranks.broadcast_tensors([e.param.data for e in entries])
         trained = []
         for e in entries:
-            values = e.param.data.detach().reshape(-1)
+            values = data_of(e.param).detach().reshape(-1)
             if e.frozen:
                 write_frozen(engine.runtime, e, values.cpu(), engine.ranks)
             else:

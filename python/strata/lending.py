@@ -31,6 +31,7 @@ from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
+from strata.parameters import data_of
 
 __all__ = ["Lending", "kernel_stream", "register_external_parameter", "weakly"]
 
@@ -419,7 +420,7 @@ class _SavedViews:
                                    "closed, or across ranks outside its module's backward)")
             with lending.internal():
                 lending.lend_now(e)
-        data = e.param.data
+        data = data_of(e.param)
         return data.as_strided(saved.size, saved.stride, data.storage_offset() + saved.offset)
 
 

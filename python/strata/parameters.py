@@ -12,7 +12,15 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import zero_init as init_module
 
-__all__ = ["Param", "ParameterTable", "read_frozen", "set_weights", "write_frozen"]
+__all__ = ["Param", "ParameterTable", "data_of", "read_frozen", "set_weights", "write_frozen"]
+
+_TENSOR_DATA = torch._C.TensorBase.data
+
+
+def data_of(p):
+    """p.data as torch's own gives it: past the property strata/edits.py sets on
+    torch.nn.Parameter, which takes a read of .data for a write of the user's."""
+    return _TENSOR_DATA.__get__(p)
 
 
 class Param:
@@ -125,7 +133,7 @@ class ParameterTable:
         placeholder): their partitions', each its shard across ranks (the weights gathered whole
         from the shards are torch's tensors, outside the tier)."""
         return sum(e.shard * e.param.element_size() for e in self.partitioned_by_id.values()
-                   if e.param.data.numel())
+                   if data_of(e.param).numel())
 
     def leave_unlent(self):
         """Every partitioned parameter's .data the placeholder (nothing lent)."""
@@ -145,7 +153,7 @@ def set_weights(runtime, e, master):
                 del copy
                 runtime.release(e.pid, "host", True, traced=False)
         else:
-            e.param.data.copy_(master.view(e.shape).to(device=e.param.device,
+            data_of(e.param).copy_(master.view(e.shape).to(device=e.param.device,
                                                        dtype=e.param.dtype))
 
 

@@ -23,7 +23,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
-from strata.parameters import set_weights
+from strata.parameters import data_of, set_weights
 
 __all__ = ["OptimizerStep"]
 
@@ -216,7 +216,7 @@ class OptimizerStep:
         if self.ranks is not None:  # this rank's shard, all-gathered after the step
             return torch.empty(e.shard, dtype=self.dtype)
         if e.param.device.type == "cpu" and e.param.is_contiguous():
-            return e.param.data.reshape(-1)
+            return data_of(e.param).reshape(-1)
         if e.param.device.type == "cuda":
             # Pinned and kept from step to step: the new weights go to the GPU on torch's
             # stream without the host waiting (_write_back_weights); the last step's copies out
@@ -405,7 +405,7 @@ class OptimizerStep:
                     except _strata.Error as error:
                         failed = failed or error
             elif written and self.ranks is not None:
-                gather.append((e, target, e.param.data))
+                gather.append((e, target, data_of(e.param)))
             elif written:
                 sent = self._write_back_weights(e, target) or sent
         if sent:  # one event after every copy out of the pinned targets
@@ -712,6 +712,6 @@ class OptimizerStep:
         that memory is written again)."""
         if not e.partitioned and target.data_ptr() != e.param.data_ptr():
             to_gpu = e.param.device.type == "cuda" and target.is_pinned()
-            e.param.data.copy_(target.view(e.shape), non_blocking=to_gpu)
+            data_of(e.param).copy_(target.view(e.shape), non_blocking=to_gpu)
             return to_gpu
         return False

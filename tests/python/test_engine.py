@@ -2054,7 +2054,8 @@ def test_the_first_forward_leaves_nothing_lent_and_registers_no_module_as_its_ow
     x, y = next(batches(1))
     loss = loss_of(engine(x), y)
     assert not any(engine._lending.holders.values())
-    assert not [e.name for e in engine.table.trained if e.partitioned and e.param.data.numel()]
+    assert not [e.name for e in engine.table.trained
+                if e.partitioned and strata.parameters.data_of(e.param).numel()]
     assert not any(m.__dict__.get("_strata_external_parameters") for m in engine.module.modules())
     engine.backward(loss)
     engine.step()
@@ -2560,6 +2561,74 @@ def test_zero_grad_set_to_none_false_trains_as_torch_or_is_refused_where_it_diff
             loss_of(net(x, side), y).backward()
             opt.step()
     _assert_weights_as(engine, reference)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(tmp_path, stage):
+    """Plain torch steps the weights as they are: an edit between steps (a clamp through .data,
+    a pruning mask under no_grad, a tensor put in with p.data = ..., an initializer) is stepped
+    from, where the engine's step wrote the weights anew from its master weights, undoing it
+    silently. The weights the engine keeps whole (stages 0-2, stage 3's small ones) are taken
+    into the master weights at the next step; at stage 3 a partitioned weight's .data is its
+    placeholder outside forward, refused by name."""
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    mask = torch.rand(2 * WIDTH, generator=torch.Generator().manual_seed(2)) > 0.5
+
+    def edit(net, i):
+        with torch.no_grad():
+            if i == 0:
+                net.ln.weight.data.clamp_(max=0.99)
+                net.l2.bias.data = torch.full_like(net.l2.bias, 0.05)
+            elif i == 1:
+                net.ln.bias.mul_(mask)
+            elif i == 2:
+                torch.nn.init.zeros_(net.l1.bias)
+            if stage != 3:  # (partitioned at stage 3)
+                net.l1.weight.data[:, :4].zero_()
+
+    for i, (x, y) in enumerate(batches(4)):
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            edit(net, i)
+            loss_of(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_weights_as(engine, reference)
+    if stage == 3:
+        with pytest.raises(RuntimeError, match=r"l1.weight.data at ZeRO stage 3 outside its "
+                           r"module's forward: .*placeholder.*strata.GatheredParameters"):
+            engine.module.l1.weight.data.zero_()
+        with strata.GatheredParameters([engine.module.l1.weight], modifier_rank=0):
+            engine.module.l1.weight.data[:, :4].zero_()  # (lent whole in the block)
+        assert not engine.module_state_dict()["l1.weight"][:, :4].any()
+    with pytest.raises(ValueError, match=r"l2.bias was replaced between steps by a tensor of "
+                       r"shape \(1,\) .*; the engine trains it as \(50,\)"):
+        engine.module.l2.bias.data = torch.zeros(1)  # (broadcast by the forward)
+        (x, y), = batches(1)
+        loss_of(engine.module(x), y).backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_weights_read_through_data_each_step_train_bit_for_bit_as_unread_in_bf16(tmp_path, stage):
+    """A read of .data (a log of the weights' norm) is taken for a possible write: the weights
+    are compared with their master weights rounded to bf16 at the next step, and nothing is
+    taken where nothing was written: bit for bit the run that never read them (a comparison
+    whose rounding differed from the step's would take bf16 values into the master weights)."""
+    weights = []
+    for read in (False, True):
+        torch.manual_seed(0)
+        engine, _, _, _ = strata.initialize(
+            model=Net(), config=make_config(tmp_path / str(read), stage, "cpu", "bf16",
+                                            accumulation=1, clipping=0.0))
+        for x, y in batches(4):
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
+            if read:
+                _ = [p.data.float().norm() for p in engine.module.parameters()]
+        weights.append(engine.module_state_dict())
+        engine.close()
+    for name, value in weights[0].items():
+        assert torch.equal(weights[1][name], value), name
 
 
 @pytest.mark.parametrize("stage", [0, 3])

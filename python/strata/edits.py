@@ -1,0 +1,136 @@
+"""Weights edited in place between steps, taken as plain torch takes them.
+
+Plain torch steps the weights as they are: one edited between steps (clamped, masked by a
+pruning mask, a row zeroed, re-initialized, renormed by nn.Embedding's max_norm; through .data or
+under torch.no_grad()) is stepped from its edited values. The engine steps its fp32 master
+weights and writes the module's weights anew from them, which would undo such an edit silently.
+
+`Edits` watches the parameters the engine keeps whole in the module (stages 0-2; stage 3's under
+the persistence threshold). One written in place since the engine last wrote it (its version
+counter moved, its tensor was replaced, or its .data was handed out: torch's version counter does
+not see writes through .data) is compared at the next step with its master weights rounded to
+its dtype, and the elements that differ are taken into the master weights, the moments kept (as
+torch's optimizer keeps its state), before anything is stepped. Only those parameters are read:
+a loop that edits nothing pays a look at each parameter's version a step.
+
+Stage 3's partitioned parameters are placeholders outside their modules' forward and backward:
+a read of one's .data there would see no values and a write into it would be lost, so it is
+refused by name (read or edit them within strata.GatheredParameters). Other reads of the
+placeholder (``p.norm()``) are not caught.
+
+`.data` is watched through a property set on torch.nn.Parameter once, when the first engine is
+made: for any other parameter it is torch's own.
+
+Thread safety: the engine's (one thread); the .data property may run in any thread (it sets a
+flag).
+"""
+
+import torch
+
+from strata import checkpoints
+from strata.parameters import data_of
+
+__all__ = ["Edits"]
+
+_TENSOR_DATA = torch._C.TensorBase.data  # (whose __set__ the property's setter is)
+# On a watched parameter (in its __dict__): whether its .data was handed out since the engine
+# last wrote it.
+_TAKEN = "_strata_data_taken"
+# On a partitioned parameter (in its __dict__): its name, for the refusal of its placeholder's .data.
+_PARTITIONED = "_strata_partitioned"
+
+
+def _get_data(p):
+    d = p.__dict__
+    if _TAKEN in d:
+        d[_TAKEN] = True
+    data = data_of(p)
+    if _PARTITIONED in d and data.numel() == 0:
+        raise RuntimeError(
+            f"{d[_PARTITIONED]}.data at ZeRO stage 3 outside its module's forward: its weights "
+            "are the engine's partitions, and the parameter holds a placeholder without them "
+            "(a read would see no values, a write would be lost); accepted: within "
+            "strata.GatheredParameters([param]) (with modifier_rank=0 what the block writes "
+            "becomes the weights and master weights), or engine.module_state_dict() to read "
+            "them")
+    return data
+
+
+def _set_data(p, value):
+    _TENSOR_DATA.__set__(p, value)
+    d = p.__dict__
+    if _TAKEN in d:
+        d[_TAKEN] = True
+
+
+def _install():
+    if not isinstance(torch.nn.Parameter.__dict__.get("data"), property):
+        torch.nn.Parameter.data = property(_get_data, _set_data, doc=_TENSOR_DATA.__doc__)
+
+
+class Edits:
+    """The watch over `entries` (the engine's parameters' entries: the trained ones kept whole
+    are watched, the partitioned ones' placeholders guarded). See the module's docstring."""
+
+    def __init__(self, entries):
+        _install()
+        self.entries = [e for e in entries if not e.partitioned]
+        self.partitioned = [e for e in entries if e.partitioned]
+        for e in self.entries:
+            e.param.__dict__[_TAKEN] = False
+        for e in self.partitioned:
+            e.param.__dict__[_PARTITIONED] = e.name
+        self._marks = []
+        self.written()
+
+    def written(self):
+        """The engine has written the weights (its step): what they hold now is its own."""
+        self._marks = []
+        for e in self.entries:
+            e.param.__dict__[_TAKEN] = False
+            self._marks.append((e.param._version, e.param.data_ptr()))
+
+    def edited(self):
+        """The entries whose weights may have been written since written()."""
+        return [e for e, (version, address) in zip(self.entries, self._marks)
+                if e.param.__dict__.get(_TAKEN) or e.param._version != version
+                or e.param.data_ptr() != address]
+
+    def take(self, entries, runtime, ranks, store):
+        """The elements of `entries`' weights (edited()) that differ from their master weights
+        rounded to the weights' dtype taken as master weights (across ranks, this rank's shard
+        of them), the moments kept. Returns the names of the parameters taken. No step may be in
+        flight (the master weights are read and loaded)."""
+        for e in entries:
+            if tuple(e.param.shape) != e.shape:
+                raise ValueError(
+                    f"{e.name} was replaced between steps by a tensor of shape "
+                    f"{tuple(e.param.shape)} (p.data = ...); the engine trains it as "
+                    f"{e.shape}; accepted: a tensor of its own shape, or a new engine over "
+                    "the resized model")
+        taken = []
+        for e in entries:
+            master, first, second = (torch.empty(e.shard) for _ in range(3))
+            runtime.read_optimizer_state(e.gid, master, first, second)
+            weights = e.param.detach().reshape(-1).to("cpu", torch.float32)
+            if ranks is not None:
+                weights = ranks.own_shard(weights, e.shard)
+            rounded = master.to(e.param.dtype).to(torch.float32)
+            differs = (weights != rounded) & ~(weights.isnan() & rounded.isnan())
+            if bool(differs.any()):
+                master[differs] = weights[differs]
+                taken.append((e, master, first, second))
+        if taken:
+            with checkpoints.loading_optimizer_state(
+                    store, "taking the weights edited between steps", whole=False):
+                for e, master, first, second in taken:
+                    runtime.load_optimizer_state(e.gid, master, first, second)
+        return [e.name for e, *_ in taken]
+
+    def forget(self):
+        """The engine closed: its parameters are no longer watched."""
+        for e in self.entries:
+            e.param.__dict__.pop(_TAKEN, None)
+        for e in self.partitioned:
+            e.param.__dict__.pop(_PARTITIONED, None)
+        self.entries, self.partitioned, self._marks = [], [], []
