@@ -8,15 +8,18 @@ weights and writes the module's weights anew from them, which would undo such an
 `Edits` watches the parameters the engine keeps whole in the module (stages 0-2; stage 3's under
 the persistence threshold). One written in place since the engine last wrote it (its version
 counter moved, its tensor was replaced, or its .data was handed out: torch's version counter does
-not see writes through .data) is compared at the next step with its master weights rounded to
-its dtype, and the elements that differ are taken into the master weights, the moments kept (as
-torch's optimizer keeps its state), before anything is stepped. Only those parameters are read:
-a loop that edits nothing pays a look at each parameter's version a step.
+not see writes through .data; a tensor .data handed out keeps it watched while that tensor lives)
+is compared, at the next forward (before backward, whose staged steps read the master weights)
+or step, with its master weights rounded to its dtype, and the elements that differ are taken
+into the master weights, the moments kept (as torch's optimizer keeps its state). Only those
+parameters are read: a loop that edits nothing pays a look at each parameter's version.
+Not seen: a .data tensor taken before the engine was made.
 
 Stage 3's partitioned parameters are placeholders outside their modules' forward and backward:
-a read of one's .data there would see no values and a write into it would be lost, so it is
-refused by name (read or edit them within strata.GatheredParameters). Other reads of the
-placeholder (``p.norm()``) are not caught.
+a read of one's .data there would see no values and a write into it would be lost, and a tensor
+set as its .data would be dropped at the next forward, so both are refused by name (read or edit
+them within strata.GatheredParameters, or load them with module.load_state_dict). Other reads
+of the placeholder (``p.norm()``) and writes into it under torch.no_grad() are not caught.
 
 `.data` is watched through a property set on torch.nn.Parameter once, when the first engine is
 made: for any other parameter it is torch's own.
@@ -25,29 +28,41 @@ Thread safety: the engine's (one thread); the .data property may run in any thre
 flag).
 """
 
+import weakref
+
 import torch
 
 from strata import checkpoints
-from strata.parameters import data_of
+from strata.parameters import data_of, set_data
 
 __all__ = ["Edits"]
 
-_TENSOR_DATA = torch._C.TensorBase.data  # (whose __set__ the property's setter is)
 # On a watched parameter (in its __dict__): whether its .data was handed out since the engine
 # last wrote it.
 _TAKEN = "_strata_data_taken"
-# On a partitioned parameter (in its __dict__): its name, for the refusal of its placeholder's .data.
+# With it: weak references to the tensors its .data handed out (a helper that keeps one, a pruning
+# mask's, writes through it steps later: while one is alive the parameter stays taken).
+_HANDED = "_strata_data_handed"
+# On a partitioned parameter (in its __dict__): its name and its watch (weakly: an engine dropped
+# without close() leaves nothing refused), for the refusals of its placeholder's .data.
 _PARTITIONED = "_strata_partitioned"
+
+
+def _partitioned(d):
+    """The name of the parameter whose __dict__ is `d` when a live engine partitions it."""
+    mark = d.get(_PARTITIONED)
+    return mark[0] if mark is not None and mark[1]() is not None else None
 
 
 def _get_data(p):
     d = p.__dict__
+    data = data_of(p)
     if _TAKEN in d:
         d[_TAKEN] = True
-    data = data_of(p)
-    if _PARTITIONED in d and data.numel() == 0:
+        d.setdefault(_HANDED, []).append(weakref.ref(data))
+    if _PARTITIONED in d and data.numel() == 0 and _partitioned(d) is not None:
         raise RuntimeError(
-            f"{d[_PARTITIONED]}.data at ZeRO stage 3 outside its module's forward: its weights "
+            f"{_partitioned(d)}.data at ZeRO stage 3 outside its module's forward: its weights "
             "are the engine's partitions, and the parameter holds a placeholder without them "
             "(a read would see no values, a write would be lost); accepted: within "
             "strata.GatheredParameters([param]) (with modifier_rank=0 what the block writes "
@@ -57,15 +72,25 @@ def _get_data(p):
 
 
 def _set_data(p, value):
-    _TENSOR_DATA.__set__(p, value)
     d = p.__dict__
+    # (a move of its placeholder goes on)
+    if _PARTITIONED in d and value.numel() != 0 and _partitioned(d) is not None:
+        raise RuntimeError(
+            f"{_partitioned(d)}.data = tensor at ZeRO stage 3: its weights are the engine's "
+            "partitions (the parameter holds a placeholder outside its module's forward, a copy "
+            "lent within it), and the tensor would be dropped at the next forward; accepted: "
+            "module.load_state_dict({name: tensor}, strict=False) between steps (the weights "
+            "and master weights replaced, the moments kept), or an edit within "
+            "strata.GatheredParameters([param], modifier_rank=0)")
+    set_data(p, value)
     if _TAKEN in d:
         d[_TAKEN] = True
 
 
 def _install():
     if not isinstance(torch.nn.Parameter.__dict__.get("data"), property):
-        torch.nn.Parameter.data = property(_get_data, _set_data, doc=_TENSOR_DATA.__doc__)
+        torch.nn.Parameter.data = property(_get_data, _set_data,
+                                           doc=torch._C.TensorBase.data.__doc__)
 
 
 class Edits:
@@ -79,16 +104,22 @@ class Edits:
         for e in self.entries:
             e.param.__dict__[_TAKEN] = False
         for e in self.partitioned:
-            e.param.__dict__[_PARTITIONED] = e.name
+            e.param.__dict__[_PARTITIONED] = (e.name, weakref.ref(self))
         self._marks = []
         self.written()
 
-    def written(self):
-        """The engine has written the weights (its step): what they hold now is its own."""
-        self._marks = []
-        for e in self.entries:
-            e.param.__dict__[_TAKEN] = False
-            self._marks.append((e.param._version, e.param.data_ptr()))
+    def written(self, entries=None):
+        """The engine has written the weights of `entries` (all of them: its step) or taken them
+        (take): what they hold now is its own, unless a tensor their .data handed out is still
+        alive (it may be written through later)."""
+        marks = dict(zip(map(id, self.entries), self._marks))
+        for e in self.entries if entries is None else entries:
+            d = e.param.__dict__
+            handed = [r for r in d.get(_HANDED, ()) if r() is not None]
+            d[_HANDED] = handed
+            d[_TAKEN] = bool(handed)
+            marks[id(e)] = (e.param._version, e.param.data_ptr())
+        self._marks = [marks[id(e)] for e in self.entries]
 
     def edited(self):
         """The entries whose weights may have been written since written()."""
@@ -125,12 +156,14 @@ class Edits:
                     store, "taking the weights edited between steps", whole=False):
                 for e, master, first, second in taken:
                     runtime.load_optimizer_state(e.gid, master, first, second)
+        self.written(entries)
         return [e.name for e, *_ in taken]
 
     def forget(self):
         """The engine closed: its parameters are no longer watched."""
         for e in self.entries:
             e.param.__dict__.pop(_TAKEN, None)
+            e.param.__dict__.pop(_HANDED, None)
         for e in self.partitioned:
             e.param.__dict__.pop(_PARTITIONED, None)
         self.entries, self.partitioned, self._marks = [], [], []

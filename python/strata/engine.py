@@ -853,6 +853,10 @@ class Engine:
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
         if self._step.pending_refresh:  # a step's new weights not written yet (OptimizerStep.refresh_weights)
             self._step.refresh_weights(list(self._step.pending_refresh))
+        if self._state.phase is Phase.IDLE:
+            # Edited since the last step: taken before backward (whose staged steps read the
+            # master weights; with strata.optimizer_during_backward some step for good there).
+            self._take_edits()
         self._lending.begin_forward()
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
@@ -893,13 +897,16 @@ class Engine:
         self._raise_deferred()
         return loss
 
-    def _adopt_backward(self, where):
+    def _adopt_backward(self, where, torch_sums=True):
         """A backward the user ran without the engine (loss.backward(), as a plain torch loop
         does) made gradients since the last step: it is taken as the engine's own, its loss
         unscaled (the engine divides nothing it did not see, as plain torch's), backwards before
         one step summing, as plain torch's do. Refused where the engine must scale the loss
         (fp16), the ranks must finish the gradients together, or the engine counts a window's
-        micro-batches by its step() (gradient_accumulation_steps above 1)."""
+        micro-batches by its step() (gradient_accumulation_steps above 1). `torch_sums`: the
+        caller is torch's (optimizer.step(), clip_grad_norm_), which would read gradients summed
+        since the last zero_grad() (not zero_grad(), nor engine.step(), DeepSpeed's, which drops
+        them as the engine does)."""
         if self._state.backward_since_step:
             return
         # (stages 0-1 keep torch's .grad, unhooked)
@@ -916,15 +923,15 @@ class Engine:
             raise RuntimeError(f"{where}: gradients came from a backward the engine did not run "
                                f"(loss.backward()), which is not taken under {why}; accepted: "
                                "engine.backward(loss)")
-        if not self._state.zeroed and where != "zero_grad":
-            # (zero_grad drops them all, as torch's would: nothing differs)
+        if not self._state.zeroed and torch_sums:
             raise RuntimeError(
                 f"{where}: loss.backward() after a step() with no zero_grad() between: plain "
                 "torch adds its gradients to those the last step used (.grad keeps them until "
                 "zero_grad), where the engine's step() dropped them; accepted: "
                 "optimizer.zero_grad() (or model.zero_grad()) after each step() or before each "
-                "backward, as a plain torch loop has it, or engine.backward(loss), whose step() "
-                "drops the gradients, as DeepSpeed's")
+                "backward, as a plain torch loop has it (.grad set to None by hand does not "
+                "reach the engine's gradients), or engine.step(), which drops them, as "
+                "DeepSpeed's")
         self._copies.end_backward()
         self._lending.drop_all()
         self._state.phase = Phase.GRADIENTS
@@ -1038,7 +1045,7 @@ class Engine:
                 "gradients the window has summed so far; accepted: zero_grad after the window's "
                 "last step() (engine.step() steps once a window), or "
                 "gradient_accumulation_steps 1 to accumulate in the loop")
-        self._adopt_backward("zero_grad")
+        self._adopt_backward("zero_grad", torch_sums=False)  # (it drops them all, as torch's)
         self._state.zero_grad(set_to_none)
         if not self._state.gradients_since_step:
             return
@@ -1076,9 +1083,14 @@ class Engine:
         engine steps it only with lr_kwargs (``engine.step(lr_kwargs={"metrics": loss})``); else
         it is the user's to step, as in plain torch (``scheduler.step(val_loss)``). Refused,
         counting nothing, when no backward ran since the last step()."""
+        self._take_step(lr_kwargs, torch_sums=False)
+
+    def _take_step(self, lr_kwargs, torch_sums):
+        """step(lr_kwargs); `torch_sums` as _adopt_backward's: True for torch's
+        optimizer.step()."""
         if self._step.half_loaded is not None:
             raise RuntimeError(f"step: {self._step.half_loaded}")
-        self._adopt_backward("step")
+        self._adopt_backward("step", torch_sums)
         if not self._state.backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
@@ -1167,13 +1179,15 @@ class Engine:
             raise error
 
 
+    @torch.compiler.disable  # (called from the forward's pre-hook, which dynamo traces)
     def _take_edits(self):
         """The weights written in place since the last step (strata/edits.py) taken into the
-        master weights before this step: a step staged during backward from the master weights
-        before them is taken anew."""
+        master weights before this forward or step: a step staged during backward from the
+        master weights before them is taken anew."""
         edited = self._edits.edited()
         if not edited:
             return
+        self.runtime.wait_for_early_steps()
         if self._step.staged is not None:
             self._step.drop_staged(f"{edited[0].name}{' and more' if len(edited) > 1 else ''} "
                                    "may have been written in place since the last step")

@@ -8,7 +8,7 @@ import torch
 from strata import checkpoints
 from strata import guards
 from strata import zero_init
-from strata.parameters import data_of, set_weights, write_frozen
+from strata.parameters import data_of, set_data, set_weights, write_frozen
 
 __all__ = ["GatheredParameters"]
 
@@ -93,7 +93,7 @@ class GatheredParameters:
         with torch.no_grad():
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
-                e.param.data = engine._whole_weights(e).to(engine.device).view(e.shape)
+                set_data(e.param, engine._whole_weights(e).to(engine.device).view(e.shape))
         for context, p in self.built:  # (lent whole for the block: see _Lending.unpin)
             context.lending.pin(p, self.modify)
         return self
@@ -109,7 +109,7 @@ class GatheredParameters:
                                                     if owner is engine])
         finally:
             for engine, e in self.held:
-                e.param.data = engine.table.placeholder
+                set_data(e.param, engine.table.placeholder)
             # (with modifier_rank what the block wrote is kept, an exception's too, as plain
             # torch keeps it)
             for context, p in self.built:

@@ -25,6 +25,7 @@ import torch.optim.optimizer as optimizer_hooks
 
 from strata import pretrained
 from strata import tiling
+from strata.parameters import set_data
 
 __all__ = ["LIVE", "PLACEHOLDERS_LEFT", "engine_holding", "engine_of", "leave_placeholders",
            "left_placeholders", "load_state_dict_through", "num_parameters",
@@ -156,7 +157,7 @@ def leave_placeholders(model_ref, params, dtype, device):
     and the module (`model_ref`, a weak reference) refusing them by name
     (refuse_placeholders)."""
     for p, shape in params:
-        p.data = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        set_data(p, torch.zeros((), dtype=dtype, device=device).expand(shape))
     model = model_ref()
     if model is not None:
         refuse_placeholders(model, [p for p, _ in params])

@@ -31,7 +31,7 @@ from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
-from strata.parameters import data_of
+from strata.parameters import data_of, set_data
 
 __all__ = ["Lending", "kernel_stream", "register_external_parameter", "weakly"]
 
@@ -147,7 +147,7 @@ class Lending:
         """e's lent copy goes back now, whatever holds it (its gradient is made: the last thing
         backward needed of it)."""
         self.holders.pop(e.pid, None)
-        e.param.data = self.table.placeholder
+        set_data(e.param, self.table.placeholder)
 
     @contextlib.contextmanager
     def internal(self):
@@ -167,7 +167,7 @@ class Lending:
             lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                  self._traced()))
             if self.ranks is None:
-                e.param.data = lent.view(e.shape)
+                set_data(e.param, lent.view(e.shape))
             else:
                 self.ranks.gather([(e, lent, self._sink(e))])
 
@@ -251,7 +251,7 @@ class Lending:
                     told.code, told.errno = error.code, getattr(error, "errno", 0)
                     raise told from None
                 if self.ranks is None:
-                    e.param.data = lent.view(e.shape)
+                    set_data(e.param, lent.view(e.shape))
                 else:  # its shard, gathered whole with the module's others (then given back)
                     gather.append((e, lent, self._sink(e)))
             self.holders[e.pid] = held + 1
@@ -270,7 +270,7 @@ class Lending:
     def _sink(self, e):
         def sink(whole):
             if e.param.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
-                e.param.data = whole.view(e.shape)
+                set_data(e.param, whole.view(e.shape))
         return sink
 
     def _take_prefetched(self, module):
@@ -315,7 +315,7 @@ class Lending:
             held = self.holders.get(e.pid, 0) - 1
             self.holders[e.pid] = max(held, 0)
             if held <= 0:
-                e.param.data = self.table.placeholder
+                set_data(e.param, self.table.placeholder)
 
     # The hooks run for every lending module twice a step: the engine's own torch calls are
     # marked without internal()'s context manager (a generator a call).

@@ -57,7 +57,8 @@ class EngineOptimizer(torch.optim.Optimizer):
                 "overflow; accepted: fp16 in the config (the engine's own dynamic loss scaling) "
                 "with engine.backward(loss), or bf16")
         loss = closure() if closure is not None else None
-        self._engine_or_raise().step()
+        # (torch's step: the gradients it reads are those summed since the last zero_grad())
+        self._engine_or_raise()._take_step(None, torch_sums=True)
         return loss
 
     # torch.amp.GradScaler.step, over an optimizer that says it scales by itself, sets its

@@ -12,7 +12,8 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import zero_init as init_module
 
-__all__ = ["Param", "ParameterTable", "data_of", "read_frozen", "set_weights", "write_frozen"]
+__all__ = ["Param", "ParameterTable", "data_of", "read_frozen", "set_data", "set_weights",
+           "write_frozen"]
 
 _TENSOR_DATA = torch._C.TensorBase.data
 
@@ -21,6 +22,13 @@ def data_of(p):
     """p.data as torch's own gives it: past the property strata/edits.py sets on
     torch.nn.Parameter, which takes a read of .data for a write of the user's."""
     return _TENSOR_DATA.__get__(p)
+
+
+def set_data(p, value):
+    """p.data = value as torch's own sets it: past the property strata/edits.py sets on
+    torch.nn.Parameter, which refuses it for a partitioned parameter (the engine's lending
+    sets them)."""
+    _TENSOR_DATA.__set__(p, value)
 
 
 class Param:
@@ -138,7 +146,7 @@ class ParameterTable:
     def leave_unlent(self):
         """Every partitioned parameter's .data the placeholder (nothing lent)."""
         for e in self.partitioned_by_id.values():
-            e.param.data = self.placeholder
+            set_data(e.param, self.placeholder)
 
 
 def set_weights(runtime, e, master):

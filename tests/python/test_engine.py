@@ -2500,7 +2500,7 @@ def test_a_backward_of_ones_own_after_a_step_with_no_zero_grad_is_refused(tmp_pa
     clip_grad_norm_), not stepped with this backward's gradients alone. zero_grad() then drops
     them, as torch's would, and the loop goes on as plain torch's."""
     engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
-    data = list(batches(3))
+    data = list(batches(4))
     for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
         loss_of(net(data[0][0]), data[0][1]).backward()
         opt.step()
@@ -2514,6 +2514,12 @@ def test_a_backward_of_ones_own_after_a_step_with_no_zero_grad_is_refused(tmp_pa
         opt.zero_grad()
         loss_of(net(data[2][0]), data[2][1]).backward()
         opt.step()
+        opt.zero_grad()
+    # engine.step(), DeepSpeed's, drops the gradients as the engine's loop does: not refused
+    loss_of(engine.module(data[3][0]), data[3][1]).backward()
+    engine.step()
+    loss_of(reference(data[3][0]), data[3][1]).backward()
+    torch_adamw.step()
     _assert_weights_as(engine, reference)
 
 
@@ -2563,26 +2569,39 @@ def test_zero_grad_set_to_none_false_trains_as_torch_or_is_refused_where_it_diff
     _assert_weights_as(engine, reference)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(tmp_path, stage):
+@pytest.mark.parametrize("stage,during", [(0, False), (2, False), (3, False), (3, True)])
+def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(tmp_path, stage,
+                                                                               during):
     """Plain torch steps the weights as they are: an edit between steps (a clamp through .data,
-    a pruning mask under no_grad, a tensor put in with p.data = ..., an initializer) is stepped
-    from, where the engine's step wrote the weights anew from its master weights, undoing it
-    silently. The weights the engine keeps whole (stages 0-2, stage 3's small ones) are taken
-    into the master weights at the next step; at stage 3 a partitioned weight's .data is its
-    placeholder outside forward, refused by name."""
+    a pruning mask under no_grad, a tensor put in with p.data = ..., an initializer, a write
+    through a .data tensor kept since an earlier step) is stepped from, where the engine's step
+    wrote the weights anew from its master weights, undoing it silently. The weights the engine
+    keeps whole (stages 0-2, stage 3's small ones) are taken into the master weights at the next
+    forward (before backward: with strata.optimizer_during_backward some step during it) or
+    step; at stage 3 a partitioned weight's .data is its placeholder outside forward, refused by
+    name."""
     engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    if during:
+        engine.close()
+        config = make_config(tmp_path / "during", stage, "cpu", "fp32", accumulation=1,
+                             clipping=0.0)
+        config["strata"]["optimizer_during_backward"] = True
+        torch.manual_seed(0)
+        engine, optimizer, _, _ = strata.initialize(model=Net(), config=config)
+    kept = {}
     mask = torch.rand(2 * WIDTH, generator=torch.Generator().manual_seed(2)) > 0.5
 
     def edit(net, i):
         with torch.no_grad():
             if i == 0:
+                kept[net] = net.ln.bias.data
                 net.ln.weight.data.clamp_(max=0.99)
                 net.l2.bias.data = torch.full_like(net.l2.bias, 0.05)
             elif i == 1:
                 net.ln.bias.mul_(mask)
             elif i == 2:
                 torch.nn.init.zeros_(net.l1.bias)
+                kept[net].add_(0.5)  # (through .data handed out at step 0)
             if stage != 3:  # (partitioned at stage 3)
                 net.l1.weight.data[:, :4].zero_()
 
@@ -2597,6 +2616,10 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
         with pytest.raises(RuntimeError, match=r"l1.weight.data at ZeRO stage 3 outside its "
                            r"module's forward: .*placeholder.*strata.GatheredParameters"):
             engine.module.l1.weight.data.zero_()
+        with pytest.raises(RuntimeError, match=r"l1.weight.data = tensor at ZeRO stage 3: .*"
+                           r"accepted: module.load_state_dict"):
+            engine.module.l1.weight.data = torch.zeros(2 * WIDTH, WIDTH)
+        engine.module.to("cpu")  # (a move of the placeholders goes on, as torch's)
         with strata.GatheredParameters([engine.module.l1.weight], modifier_rank=0):
             engine.module.l1.weight.data[:, :4].zero_()  # (lent whole in the block)
         assert not engine.module_state_dict()["l1.weight"][:, :4].any()
