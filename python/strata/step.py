@@ -239,9 +239,10 @@ class OptimizerStep:
         host sums), not in .grad, where torch's would find none and clip nothing. Returns the
         total norm of the unscaled gradients, as torch's (a 0-d fp32 tensor), and the step that
         follows is clipped by max_norm / (norm + 1e-6) when that is under 1 (then by the config's
-        gradient_clipping too, on the norm so clipped), plain torch's arithmetic. Other
-        parameters given (not the engine's) count in the norm with their .grad, clipped in place
-        as torch's; the engine's .grad is not touched. A second call in the step sees the first's
+        gradient_clipping too, on the norm so clipped), plain torch's arithmetic; where every
+        gradient of the engine's is its .grad still (stages 0-1 in one process), they are
+        clipped there in place instead, as torch's. Other parameters given (not the engine's)
+        count in the norm with their .grad, clipped in place as torch's. A second call in the step sees the first's
         clipping, as torch's does. Refused: a norm other than 2, a part of the engine's
         parameters, a micro-batch before the accumulation boundary (it would clip a partial sum),
         no backward since the step. From the first such call on nothing steps for good during
@@ -290,10 +291,18 @@ class OptimizerStep:
                                "this error and scale the gradients by the non-finite norm "
                                "anyway, set `error_if_nonfinite=False`")
         coefficient = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
-        self._user_clip = clipped * coefficient
+        # Where every gradient of the engine's is still its parameter's .grad (stages 0-1 in
+        # one process, none staged), they are clipped there in place, as torch's: a read of
+        # .grad after it sees them clipped, and what is added to .grad after it (noise) is not
+        # clipped at the step.
+        in_grad = self.ranks is None and all(
+            not e.gradient_held() and e.staged is None for e in self.table.trained)
+        if not in_grad:
+            self._user_clip = clipped * coefficient
         if coefficient < 1.0:
             with torch.no_grad():
-                for p in others:
+                for p in others + ([e.param for e in self.table.trained
+                                    if e.param.grad is not None] if in_grad else []):
                     p.grad.mul_(coefficient)
         return torch.tensor(norm, dtype=torch.float32, device=self.device)
 

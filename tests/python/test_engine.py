@@ -2692,6 +2692,30 @@ def test_clip_grad_norm_between_backward_and_step_clips_as_plain_torch(tmp_path,
     _assert_weights_as(engine, reference)
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_clip_grad_norm_clips_grad_in_place_where_the_gradients_are_in_grad(tmp_path, stage):
+    """At stages 0-1 in one process the gradients of a loop of one's own are torch's .grad until
+    the step: clip_grad_norm_ clips them there, as torch's, so that .grad read after it is
+    clipped and what is added to .grad after it (DP-SGD's noise) is not clipped at the step
+    (it was: the engine scaled the whole gradient at the step)."""
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    gen = torch.Generator().manual_seed(4)
+    for x, y in batches(3):
+        noise = [torch.randn(p.shape, generator=gen) * 1e-2 for p in reference.parameters()]
+        grads = []
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            opt.zero_grad()
+            loss_of(net(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1)
+            grads.append([p.grad.clone() for p in net.parameters()])
+            for p, n in zip(net.parameters(), noise):
+                p.grad.add_(n)
+            opt.step()
+        for ours, theirs in zip(*grads):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    _assert_weights_as(engine, reference)
+
+
 def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
     engine, _, _, _ = strata.initialize(
         model=Net(), config=make_config(tmp_path, 2, "cpu", "fp32", accumulation=2,
