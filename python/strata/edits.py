@@ -8,12 +8,15 @@ weights and writes the module's weights anew from them, which would undo such an
 `Edits` watches the parameters the engine keeps whole in the module (stages 0-2; stage 3's under
 the persistence threshold). One written in place since the engine last wrote it (its version
 counter moved, its tensor was replaced, or its .data was handed out: torch's version counter does
-not see writes through .data; a tensor .data handed out keeps it watched while that tensor lives)
+not see writes through .data; while another tensor holds its storage, a .data tensor kept or the
+tensor given as its .data, it stays watched)
 is compared, at the next forward (before backward, whose staged steps read the master weights)
 or step, with its master weights rounded to its dtype, and the elements that differ are taken
 into the master weights, the moments kept (as torch's optimizer keeps its state). Only those
 parameters are read: a loop that edits nothing pays a look at each parameter's version.
-Not seen: a .data tensor taken before the engine was made.
+Not seen: a .data tensor taken before the engine was made and written through after it (its
+storage shared from the start); across ranks, an edit made on some ranks only (each rank takes the
+changes of its own shard: the weights become a mix, where DDP's ranks would part ways).
 
 Stage 3's partitioned parameters are placeholders outside their modules' forward and backward:
 a read of one's .data there would see no values and a write into it would be lost, and a tensor
@@ -40,9 +43,6 @@ __all__ = ["Edits"]
 # On a watched parameter (in its __dict__): whether its .data was handed out since the engine
 # last wrote it.
 _TAKEN = "_strata_data_taken"
-# With it: weak references to the tensors its .data handed out (a helper that keeps one, a pruning
-# mask's, writes through it steps later: while one is alive the parameter stays taken).
-_HANDED = "_strata_data_handed"
 # On a partitioned parameter (in its __dict__): its name and its watch (weakly: an engine dropped
 # without close() leaves nothing refused), for the refusals of its placeholder's .data.
 _PARTITIONED = "_strata_partitioned"
@@ -59,7 +59,6 @@ def _get_data(p):
     data = data_of(p)
     if _TAKEN in d:
         d[_TAKEN] = True
-        d.setdefault(_HANDED, []).append(weakref.ref(data))
     if _PARTITIONED in d and data.numel() == 0 and _partitioned(d) is not None:
         raise RuntimeError(
             f"{_partitioned(d)}.data at ZeRO stage 3 outside its module's forward: its weights "
@@ -87,6 +86,20 @@ def _set_data(p, value):
         d[_TAKEN] = True
 
 
+def _shared(p):
+    """Whether another tensor holds p's storage (a .data tensor kept, the tensor given as its .data,
+    a vector it is a view of): writes through it would not move p's version counter. (2: p's
+    own tensor, and the storage object this asks through.)"""
+    return torch._C._storage_Use_Count(data_of(p).untyped_storage()._cdata) > 2
+
+
+def _unmark(params):
+    """The marks the watch set on `params` taken off (its engine closed, or dropped)."""
+    for p in params:
+        p.__dict__.pop(_TAKEN, None)
+        p.__dict__.pop(_PARTITIONED, None)
+
+
 def _install():
     if not isinstance(torch.nn.Parameter.__dict__.get("data"), property):
         torch.nn.Parameter.data = property(_get_data, _set_data,
@@ -105,19 +118,19 @@ class Edits:
             e.param.__dict__[_TAKEN] = False
         for e in self.partitioned:
             e.param.__dict__[_PARTITIONED] = (e.name, weakref.ref(self))
+        # (an engine dropped without close() leaves its parameters unmarked too)
+        self._unmark = weakref.finalize(self, _unmark,
+                                        [e.param for e in self.entries + self.partitioned])
         self._marks = []
         self.written()
 
     def written(self, entries=None):
         """The engine has written the weights of `entries` (all of them: its step) or taken them
-        (take): what they hold now is its own, unless a tensor their .data handed out is still
-        alive (it may be written through later)."""
+        (take): what they hold now is its own, unless another tensor holds their storage (it
+        may be written through later: they stay taken)."""
         marks = dict(zip(map(id, self.entries), self._marks))
         for e in self.entries if entries is None else entries:
-            d = e.param.__dict__
-            handed = [r for r in d.get(_HANDED, ()) if r() is not None]
-            d[_HANDED] = handed
-            d[_TAKEN] = bool(handed)
+            e.param.__dict__[_TAKEN] = _shared(e.param)
             marks[id(e)] = (e.param._version, e.param.data_ptr())
         self._marks = [marks[id(e)] for e in self.entries]
 
@@ -161,9 +174,5 @@ class Edits:
 
     def forget(self):
         """The engine closed: its parameters are no longer watched."""
-        for e in self.entries:
-            e.param.__dict__.pop(_TAKEN, None)
-            e.param.__dict__.pop(_HANDED, None)
-        for e in self.partitioned:
-            e.param.__dict__.pop(_PARTITIONED, None)
+        self._unmark()
         self.entries, self.partitioned, self._marks = [], [], []

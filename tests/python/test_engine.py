@@ -2588,7 +2588,7 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
         config["strata"]["optimizer_during_backward"] = True
         torch.manual_seed(0)
         engine, optimizer, _, _ = strata.initialize(model=Net(), config=config)
-    kept = {}
+    kept, given = {}, {}
     mask = torch.rand(2 * WIDTH, generator=torch.Generator().manual_seed(2)) > 0.5
 
     def edit(net, i):
@@ -2596,12 +2596,14 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
             if i == 0:
                 kept[net] = net.ln.bias.data
                 net.ln.weight.data.clamp_(max=0.99)
-                net.l2.bias.data = torch.full_like(net.l2.bias, 0.05)
+                given[net] = torch.full_like(net.l2.bias, 0.05)
+                net.l2.bias.data = given[net]
             elif i == 1:
                 net.ln.bias.mul_(mask)
             elif i == 2:
                 torch.nn.init.zeros_(net.l1.bias)
                 kept[net].add_(0.5)  # (through .data handed out at step 0)
+                given[net].mul_(0.5)  # (through the tensor given as .data at step 0)
             if stage != 3:  # (partitioned at stage 3)
                 net.l1.weight.data[:, :4].zero_()
 
@@ -2629,6 +2631,18 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
         (x, y), = batches(1)
         loss_of(engine.module(x), y).backward()
         optimizer.step()
+
+
+def test_an_engine_dropped_without_close_leaves_no_watch_on_its_parameters(tmp_path):
+    """The watch over edits marks the parameters (strata/edits.py): an engine dropped without
+    close() (a trainer's, collected) takes its marks off too, so that the plain module's .data
+    is torch's again (a partitioned one's was refused) and nothing is kept for it."""
+    model = Net()
+    strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu", "fp32"))
+    gc.collect()
+    assert not [n for n, p in model.named_parameters()
+                if {"_strata_data_taken", "_strata_partitioned"} & set(p.__dict__)]
+    model.l1.weight.data = torch.zeros(2 * WIDTH, WIDTH)  # (a closed engine's placeholder)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
