@@ -18,6 +18,11 @@ The package is strata's front for PyTorch. What is here today:
   for torch's AdamW and Adagrad, as DeepSpeed's DeepSpeedCPUAdam, DeepSpeedCPUAdagrad and
   DeepSpeedCPULion are).
 
+* ``strata.safe_get_full_grad(p)``, ``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``,
+  ``safe_set_full_fp32_param``, ``safe_set_full_optimizer_state`` and their ``_local_`` variants:
+  DeepSpeed's deepspeed.utils functions of the same names, one parameter's gradient, fp32 master
+  weights and optimizer state read or set whole where the engine keeps them (strata.param_state).
+
 * ``strata.TiledLinear`` and ``strata.tile_linears``: memory-centric tiling (strata.tiling), a
   linear layer cut into tiles lent one at a time, so the device needs a tile, not a layer.
 
@@ -54,6 +59,11 @@ from strata.config import ConfigError
 from strata.engine import (Engine, StrataWarning, check_config, from_pretrained, initialize,
                            register_external_parameter)
 from strata.gathered import GatheredParameters
+from strata.param_state import (safe_get_full_fp32_param, safe_get_full_grad,
+                                safe_get_full_optimizer_state, safe_get_local_fp32_param,
+                                safe_get_local_grad, safe_get_local_optimizer_state,
+                                safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                                safe_set_local_fp32_param, safe_set_local_optimizer_state)
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 
@@ -61,4 +71,8 @@ __all__ = ["check_config", "checkpointing", "ConfigError", "Engine", "Error", "f
            "GatheredParameters",
            "InvalidArgumentError", "init",
            "initialize", "lr_schedules", "optim", "register_external_parameter",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
            "StrataWarning", "TiledLinear", "tile_linears"]

@@ -1,0 +1,232 @@
+"""One parameter's training state read or set whole: DeepSpeed's deepspeed.utils.safe_get_full_*,
+safe_set_full_* and their local variants, for what plain torch reads in .grad, in the
+parameter and in optimizer.state[p], where the engine keeps them (partitions, host sums, shards
+across ranks, the optimizer's fp32 master weights and moments).
+
+    safe_get_full_fp32_param(p)            the fp32 master weights, p's shape
+    safe_get_full_optimizer_state(p, key)  "exp_avg", "exp_avg_sq" (Adam), "sum" (Adagrad),
+                                           "exp_avg" (Lion), p's shape, fp32
+    safe_get_full_grad(p)                  the gradient summed since the last step (between
+                                           backward and step; None where it has none), p's shape
+    safe_set_full_fp32_param(p, value)     the master weights and the weights
+    safe_set_full_optimizer_state(p, value, key)
+    safe_get_local_*(p[, key]), safe_set_local_*(p, value[, key])
+                                           this rank's shard, flat (in one process: all of it)
+
+A parameter no engine trains gives None, as DeepSpeed's (the getters) or is refused (the
+setters). Across ranks the full variants are collectives: every rank calls them, for the same
+parameters in the same order (as DeepSpeed's at ZeRO-3). The values are on the CPU, in fp32 (the
+gradient in the dtype it is summed in: grad_accum_dtype, fp32 by default; where it is still the
+parameter's .grad, that tensor, as DeepSpeed's). In fp16 the gradient is scaled by the loss scale
+(engine.loss_scale), as torch's .grad is before GradScaler.unscale_; a clip_grad_norm_ called
+before is applied to it, as torch's clips .grad. The setters take effect from the next step and
+are refused between backward and step (a step staged during backward reads the state).
+
+Thread safety: the engine's (one thread).
+"""
+
+import torch
+from torch.utils.dlpack import from_dlpack
+
+from strata import checkpoints
+from strata import guards
+from strata.optimizer import EngineOptimizer
+from strata.parameters import set_weights
+
+__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_optimizer_state"]
+
+def _entry(param, where):
+    """(engine, entry) of the engine training `param`, or (None, None)."""
+    engine = guards.engine_of([param], where)
+    if engine is None:
+        return None, None
+    return engine, next(e for e in engine.table.trained if e.param is param)
+
+
+def _state_index(engine, key, where):
+    """Which of the optimizer's state tensors `key` names (0: master weights)."""
+    if key is None:
+        return 0
+    names = EngineOptimizer._STATE_NAMES[engine.optimizer_kind]
+    if key not in names:
+        raise ValueError(f"{where}: optim_state_key {key!r}: the engine's optimizer "
+                         f"({engine.optimizer_kind}) keeps {', '.join(map(repr, names))}")
+    return 1 + names.index(key)
+
+
+def _own_range(engine, e):
+    """The elements of e's flat whole this rank's shard holds: (start, stop)."""
+    if engine.ranks is None:
+        return 0, e.numel
+    start = min(engine.ranks.rank * e.shard, e.numel)
+    return start, min(start + e.shard, e.numel)
+
+
+def _read_state(engine, e, index):
+    """This rank's shard of e's master weights (index 0) or a moment, fp32, e.shard elements."""
+    engine.runtime.wait_for_early_steps()
+    state = [torch.empty(e.shard) for _ in range(3)]
+    engine.runtime.read_optimizer_state(e.gid, *state)
+    return state[index]
+
+
+def _whole(engine, e, shard, what):
+    """e's whole flat values from every rank's shard (in one process, the shard itself)."""
+    if engine.ranks is None:
+        return shard[:e.numel]
+    return engine.ranks.gather_tensor(shard.contiguous(), f"{e.name}'s {what}")[:e.numel]
+
+
+def _get_state(param, key, full):
+    where = (f"safe_get_{'full' if full else 'local'}_"
+             f"{'fp32_param' if key is None else 'optimizer_state'}")
+    engine, e = _entry(param, where)
+    if engine is None:
+        return None
+    shard = _read_state(engine, e, _state_index(engine, key, where))
+    if full:
+        return _whole(engine, e, shard, key or "master weights").view(e.shape)
+    start, stop = _own_range(engine, e)
+    return shard[:stop - start]
+
+
+def _set_state(param, value, key, full):
+    where = (f"safe_set_{'full' if full else 'local'}_"
+             f"{'fp32_param' if key is None else 'optimizer_state'}")
+    engine, e = _entry(param, where)
+    if engine is None:
+        raise ValueError(f"{where}: the parameter (shape {tuple(param.shape)}) is not one a "
+                         "strata engine trains; accepted: a parameter of engine.module that "
+                         "requires grad")
+    index = _state_index(engine, key, where)
+    if engine._state.gradients_since_step:
+        raise RuntimeError(f"{where} between backward and step: the step (staged during "
+                           "backward) reads the state; accepted: after step() or before "
+                           "backward")
+    start, stop = _own_range(engine, e)
+    wanted = e.numel if full else stop - start
+    values = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(-1)
+    if values.numel() != wanted:
+        raise ValueError(f"{where}: a value of {values.numel()} elements for {e.name}, whose "
+                         f"{'whole' if full else 'shard on this rank'} has {wanted}; accepted: "
+                         f"{'its shape ' + str(e.shape) if full else 'this rank' + chr(39) + 's'}"
+                         f"{'' if full else ' shard, flat (safe_get_local_*)'}")
+    engine.runtime.wait_for_early_steps()
+    state = [torch.empty(e.shard) for _ in range(3)]
+    engine.runtime.read_optimizer_state(e.gid, *state)
+    state[index].zero_()
+    state[index][:stop - start] = values[start:stop] if full else values
+    with checkpoints.loading_optimizer_state(engine._checkpoints, where, whole=False):
+        engine.runtime.load_optimizer_state(e.gid, *state)
+    if index == 0:  # the weights are the master weights' rounding
+        if e.partitioned:
+            set_weights(engine.runtime, e, state[0])
+        elif full or engine.ranks is None:  # (a local shard's: at the next step's all-gather)
+            set_weights(engine.runtime, e, _whole(engine, e, state[0], "master weights"))
+            engine._edits.written([e])
+
+
+def safe_get_full_fp32_param(param):
+    """param's fp32 master weights whole (its shape, on the CPU), or None."""
+    return _get_state(param, None, full=True)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    """param's optimizer state `optim_state_key` whole (fp32, its shape, on the CPU), or None."""
+    return _get_state(param, optim_state_key, full=True)
+
+
+def safe_get_local_fp32_param(param):
+    """This rank's shard of param's fp32 master weights (flat), or None."""
+    return _get_state(param, None, full=False)
+
+
+def safe_get_local_optimizer_state(param, optim_state_key):
+    """This rank's shard of param's optimizer state `optim_state_key` (flat), or None."""
+    return _get_state(param, optim_state_key, full=False)
+
+
+def safe_set_full_fp32_param(param, value):
+    """param's fp32 master weights (and its weights, their rounding) set to `value` whole."""
+    _set_state(param, value, None, full=True)
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key):
+    """param's optimizer state `optim_state_key` set to `value` whole."""
+    _set_state(param, value, optim_state_key, full=True)
+
+
+def safe_set_local_fp32_param(param, value):
+    """This rank's shard of param's fp32 master weights set to `value` (flat); across ranks the
+    weights follow at the next step's all-gather."""
+    _set_state(param, value, None, full=False)
+
+
+def safe_set_local_optimizer_state(param, value, optim_state_key):
+    """This rank's shard of param's optimizer state `optim_state_key` set to `value` (flat)."""
+    _set_state(param, value, optim_state_key, full=False)
+
+
+def _local_grad(engine, e):
+    """This rank's gradient of e where the engine holds it (flat, e.shard elements across ranks),
+    or None; a .grad not reduced yet across ranks is named by the caller."""
+    engine._copies.land()  # (a GPU's gradients on their way to the host)
+    if e.partitioned and e.has_grad:
+        held = from_dlpack(engine.runtime.acquire(e.gid, "host", traced=False))
+        try:
+            return held.clone()
+        finally:
+            del held
+            engine.runtime.release(e.gid, "host", False, traced=False)
+    if e.shard_grad is not None:
+        return e.shard_grad.clone()
+    if e.host_grad is not None:
+        return e.host_grad.clone()
+    return None
+
+
+def _get_grad(param, full):
+    where = f"safe_get_{'full' if full else 'local'}_grad"
+    engine, e = _entry(param, where)
+    if engine is None:
+        return param.grad
+    clip = engine._step._user_clip  # (a clip_grad_norm_ of this step, applied at the step)
+    if engine.ranks is None:
+        if param.grad is not None:  # (stages 0-1: clipped in place already, as torch's)
+            g = param.grad if clip is None else param.grad * clip
+            return g if full else g.reshape(-1)
+        g = _local_grad(engine, e)
+        if g is None:
+            return None
+        g = g if clip is None else g * clip
+        return g.view(e.shape) if full else g
+    g = _local_grad(engine, e)
+    start, stop = _own_range(engine, e)
+    present, unreduced = engine.ranks.all_reduce_sum(
+        [0.0 if g is None else 1.0, 0.0 if param.grad is None else 1.0])
+    if unreduced:
+        raise RuntimeError(f"{where}({e.name}) across ranks before the window's gradients are "
+                           "reduced (stage 1, or stage 3's small parameters, before the "
+                           "window's last backward); accepted: after the window's last "
+                           "backward, before step()")
+    if not present:
+        return None
+    if g is None:
+        g = torch.zeros(e.shard, dtype=engine.grad_accum_dtype)
+    g = g if clip is None else g * clip
+    if not full:
+        return g[:stop - start]
+    return _whole(engine, e, g, "gradient").view(e.shape)
+
+
+def safe_get_full_grad(param):
+    """param's gradient summed since the last step, whole (its shape), or None."""
+    return _get_grad(param, full=True)
+
+
+def safe_get_local_grad(param):
+    """This rank's shard of param's gradient summed since the last step (flat), or None."""
+    return _get_grad(param, full=False)

@@ -1,0 +1,160 @@
+"""strata.safe_get_full_* / safe_set_full_* (DeepSpeed's deepspeed.utils functions): one
+parameter's gradient, fp32 master weights and optimizer state, read where the engine keeps them
+and set there, against plain torch's .grad, weights and AdamW state (the device tier is the
+host-emulated one: no GPU here)."""
+import copy
+import json
+
+import pytest
+import torch
+
+import strata
+from launch import start_ranks
+
+WIDTH = 16
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.l2 = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))).pow(2).mean()
+
+
+def config(tmp_path, stage):
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"},
+            "stage3_param_persistence_threshold": 100}  # (l1, l2 weights partitioned)
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+            "zero_optimization": zero,
+            "strata": {"device": "emulated", "nvme_path": str(tmp_path / "nvme")}}
+
+
+def batches(n):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(4, WIDTH, generator=gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path, stage):
+    """Between backward and step safe_get_full_grad is torch's .grad (after clip_grad_norm_, its
+    clipped value); after the step the fp32 master weights are torch's weights and the moments
+    torch's AdamW state; master weights and a moment set (a re-initialized row, a moment reset)
+    train on as torch's with the same set."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = strata.initialize(model=model, config=config(tmp_path, stage))
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    pairs = list(zip(engine.module.parameters(), reference.parameters()))
+    for i, x in enumerate(batches(4)):
+        engine.backward(engine(x))
+        reference(x).backward()
+        if i == 1:
+            for net in (engine.module, reference):
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        for ours, theirs in pairs:
+            torch.testing.assert_close(strata.safe_get_full_grad(ours), theirs.grad,
+                                       rtol=1e-5, atol=1e-7)
+        with pytest.raises(RuntimeError, match="safe_set_full_fp32_param between backward and "
+                           "step"):
+            strata.safe_set_full_fp32_param(pairs[0][0], pairs[0][1])
+        engine.step()
+        adamw.step()
+        adamw.zero_grad()
+        assert strata.safe_get_full_grad(pairs[0][0]) is None  # (dropped with the step)
+        for ours, theirs in pairs:
+            torch.testing.assert_close(strata.safe_get_full_fp32_param(ours), theirs.detach(),
+                                       rtol=1e-5, atol=1e-6)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(strata.safe_get_full_optimizer_state(ours, key),
+                                           adamw.state[theirs][key], rtol=1e-5, atol=1e-7)
+        if i == 2:
+            w, b = pairs[0]
+            new = strata.safe_get_full_fp32_param(w).clone()
+            new[0] = 0.5
+            strata.safe_set_full_fp32_param(w, new)
+            # (w.shape is (0,) at stage 3 outside forward: its placeholder's, as DeepSpeed's)
+            strata.safe_set_full_optimizer_state(w, torch.zeros_like(new), "exp_avg")
+            with torch.no_grad():
+                b.copy_(new)
+            adamw.state[b]["exp_avg"].zero_()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match=r"optim_state_key 'momentum_buffer': the engine's "
+                       r"optimizer \(adam\) keeps 'exp_avg', 'exp_avg_sq'"):
+        strata.safe_get_full_optimizer_state(pairs[0][0], "momentum_buffer")
+    with pytest.raises(ValueError, match=r"a value of 3 elements for l1.weight, whose whole has "
+                       r"1024; accepted: its shape \(64, 16\)"):
+        strata.safe_set_full_fp32_param(pairs[0][0], torch.zeros(3))
+    plain = torch.nn.Parameter(torch.zeros(3))
+    assert strata.safe_get_full_fp32_param(plain) is None  # (no engine's: as DeepSpeed's)
+    with pytest.raises(ValueError, match="is not one a strata engine trains"):
+        strata.safe_set_full_fp32_param(plain, torch.zeros(3))
+
+
+# Two ranks at stages 2 and 3: every rank's full values are the whole gradient (the mean of the
+# ranks'), master weights and moments; each rank's local ones are its shard of them; full master
+# weights set are every rank's shard of them, and the weights.
+RANKS = r"""
+import json, os, sys, torch
+import strata
+sys.path.insert(0, os.environ["TESTS"])
+from test_param_state import Net, WIDTH
+rank = int(os.environ["RANK"])
+out = {}
+for stage in (2, 3):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+              "strata": {"device": "emulated"}}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x))
+    w = engine.module.l1.weight
+    grad = strata.safe_get_full_grad(w)
+    local = strata.safe_get_local_grad(w)
+    engine.step()
+    master = strata.safe_get_full_fp32_param(w)
+    moment = strata.safe_get_full_optimizer_state(w, "exp_avg")
+    shard = strata.safe_get_local_fp32_param(w)
+    half = master.numel() // 2  # (each rank's shard: half of it)
+    flat, master_flat = grad.reshape(-1), master.reshape(-1)
+    out[stage] = {"grad": grad.sum().item(), "master": master.sum().item(),
+                  "moment": moment.sum().item(),
+                  "weights": engine.module_state_dict()["l1.weight"].sum().item(),
+                  "local": (local - flat[rank * half:(rank + 1) * half]).abs().max().item(),
+                  "shard": (shard - master_flat[rank * half:(rank + 1) * half]).abs().max().item(),
+                  "sizes": [local.numel(), shard.numel()]}
+    new = torch.arange(master.numel(), dtype=torch.float32).view(master.shape)
+    strata.safe_set_full_fp32_param(w, new)  # (every rank takes its shard of it)
+    out[stage]["set"] = [(strata.safe_get_full_fp32_param(w) - new).abs().max().item(),
+                         (engine.module_state_dict()["l1.weight"] - new).abs().max().item()]
+    engine.close()
+print(json.dumps(out), flush=True)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shard():
+    import os
+    procs = start_ranks(2, RANKS, extra_env={"TESTS": os.path.dirname(__file__)})
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for stage in ("2", "3"):
+        a, b = outs[0][stage], outs[1][stage]
+        for key in ("grad", "master", "moment"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (stage, key)
+        assert a["master"] == pytest.approx(a["weights"], rel=1e-6)
+        for out in (a, b):
+            assert out["local"] == 0 and out["shard"] == 0 and out["sizes"] == [512, 512], out
+            assert out["set"] == [0, 0], out
