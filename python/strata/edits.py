@@ -21,8 +21,11 @@ changes of its own shard: the weights become a mix, where DDP's ranks would part
 Stage 3's partitioned parameters are placeholders outside their modules' forward and backward:
 a read of one's .data there would see no values and a write into it would be lost, and a tensor
 set as its .data would be dropped at the next forward, so both are refused by name (read or edit
-them within strata.GatheredParameters, or load them with module.load_state_dict). Other reads
-of the placeholder (``p.norm()``) and writes into it under torch.no_grad() are not caught.
+them within strata.GatheredParameters, or load them with module.load_state_dict). A write in
+place into one (its version counter moved: into its placeholder between steps, or into the copy
+lent to its forward, as nn.Embedding(max_norm=...)'s renorm writes) is lost with the copy: it is
+refused by name at the next forward or step (a write through .data inside its forward is not
+seen). Other reads of the placeholder (``p.norm()``) are not caught.
 
 `.data` is watched through a property set on torch.nn.Parameter once, when the first engine is
 made: for any other parameter it is torch's own.
@@ -123,6 +126,8 @@ class Edits:
                                         [e.param for e in self.entries + self.partitioned])
         self._marks = []
         self.written()
+        self._versions = {}  # id(partitioned entry): its version counter the engine knows
+        self.settled(self.partitioned)
 
     def written(self, entries=None):
         """The engine has written the weights of `entries` (all of them: its step) or taken them
@@ -171,6 +176,32 @@ class Edits:
                     runtime.load_optimizer_state(e.gid, master, first, second)
         self.written(entries)
         return [e.name for e, *_ in taken]
+
+    def settled(self, entries):
+        """The partitioned `entries`' parameters were written by the engine (a GatheredParameters
+        block's writes, taken): their version counters now are the engine's."""
+        for e in entries:
+            self._versions[id(e)] = e.param._version
+
+    def version_of(self, e):
+        """The version counter the engine knows of partitioned entry `e`'s parameter."""
+        return self._versions.get(id(e))
+
+    def lost_writes(self):
+        """Refused: a partitioned parameter written in place since the engine last knew it (into
+        its placeholder, or the copy lent to its forward): the write was lost with it."""
+        lost = [e for e in self.partitioned if e.param._version != self._versions.get(id(e))]
+        if not lost:
+            return
+        self.settled(lost)  # (said once)
+        names = ", ".join(e.name for e in lost[:3]) + (" and more" if len(lost) > 3 else "")
+        raise RuntimeError(
+            f"{names} written in place at ZeRO stage 3 outside the engine (a write into its "
+            "placeholder between steps, or into the copy lent to its module's forward, as "
+            "nn.Embedding(max_norm=...)'s renorm does): the write was lost with that copy; "
+            "accepted: the edit within strata.GatheredParameters([param], modifier_rank=0), "
+            "or stage3_param_persistence_threshold above its elements "
+            f"({lost[0].numel}: kept whole, its edits are taken at the next step), or stage 2")
 
     def forget(self):
         """The engine closed: its parameters are no longer watched."""

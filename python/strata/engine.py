@@ -1184,6 +1184,7 @@ class Engine:
         """The weights written in place since the last step (strata/edits.py) taken into the
         master weights before this forward or step: a step staged during backward from the
         master weights before them is taken anew."""
+        self._edits.lost_writes()
         edited = self._edits.edited()
         if not edited:
             return

@@ -100,6 +100,10 @@ class GatheredParameters:
 
     def __exit__(self, *exc):
         try:
+            # A partitioned weight written in place in a block that does not modify: its writes
+            # are dropped with it (refused by name below, once given back).
+            dropped = [e.name for engine, e in self.held
+                       if not self.modify and e.param._version != engine._edits.version_of(e)]
             if self.modify and exc[0] is None:
                 both = self.held + self.kept
                 for engine in {id(engine): engine for engine, _ in both}.values():
@@ -110,10 +114,17 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 set_data(e.param, engine.table.placeholder)
+                engine._edits.settled([e])  # (what the block wrote is taken, or refused here)
             # (with modifier_rank what the block wrote is kept, an exception's too, as plain
             # torch keeps it)
             for context, p in self.built:
                 context.lending.unpin(p)
+        if dropped and exc[0] is None:
+            raise RuntimeError(
+                f"GatheredParameters without modifier_rank: {', '.join(dropped[:3])} written in "
+                "place in the block, and its writes were dropped with the whole weights at its "
+                "end (a block that does not modify gives them back unwritten); accepted: "
+                "GatheredParameters(params, modifier_rank=0) to keep what the block writes")
         return False
 
     @staticmethod

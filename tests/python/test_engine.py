@@ -2633,6 +2633,61 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
         optimizer.step()
 
 
+class MaxNorm(torch.nn.Module):
+    """An embedding that renorms the rows it looks up in place in its forward (max_norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH, max_norm=1.0)
+        self.out = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+@pytest.mark.parametrize("stage,threshold", [(0, 100), (3, 100), (3, 1 << 20)])
+def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused(tmp_path,
+                                                                                 stage,
+                                                                                 threshold):
+    """nn.Embedding(max_norm=...) renorms its weight's rows in place in forward: kept whole
+    (stages 0-2, stage 3 under the persistence threshold) the renorm is taken at the step, as
+    plain torch steps the renormed weight; partitioned at stage 3 it lands in the copy lent to
+    the forward and was lost with it, silently (3.6 from torch after 4 steps): refused by name.
+    A write into a partitioned weight's placeholder between steps, and in a GatheredParameters
+    block that does not modify, are refused too."""
+    torch.manual_seed(0)
+    model = MaxNorm()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    if stage == 3 and threshold == 100:
+        (x, y), = batches(1)
+        engine.backward(loss_of(engine(x), y))
+        with pytest.raises(RuntimeError, match=r"emb.weight written in place at ZeRO stage 3 .*"
+                           r"max_norm.*stage3_param_persistence_threshold above its elements "
+                           r"\(1600"):
+            engine.step()
+        engine.zero_grad()
+        weight = engine.module.out.weight
+        with torch.no_grad():
+            weight.mul_(2)  # (its placeholder)
+        with pytest.raises(RuntimeError, match=r"out.weight written in place at ZeRO stage 3"):
+            engine(x)
+        with pytest.raises(RuntimeError, match=r"GatheredParameters without modifier_rank: "
+                           r"out.weight written in place in the block"):
+            with strata.GatheredParameters([weight]), torch.no_grad():
+                weight.mul_(2)
+        with strata.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+            weight.mul_(2)
+        engine(x)  # (the modifying block's write taken: nothing refused)
+        return
+    for x, y in batches(4):
+        _step_beside(engine, reference, torch_adamw, x, y)
+    _assert_weights_as(engine, reference)
+
+
 def test_an_engine_dropped_without_close_leaves_no_watch_on_its_parameters(tmp_path):
     """The watch over edits marks the parameters (strata/edits.py): an engine dropped without
     close() (a trainer's, collected) takes its marks off too, so that the plain module's .data
