@@ -15,12 +15,13 @@ across ranks, the optimizer's fp32 master weights and moments).
 
 A parameter no engine trains gives None, as DeepSpeed's (the getters) or is refused (the
 setters). Across ranks the full variants are collectives: every rank calls them, for the same
-parameters in the same order (as DeepSpeed's at ZeRO-3). The values are on the CPU, in fp32 (the
-gradient in the dtype it is summed in: grad_accum_dtype, fp32 by default; where it is still the
-parameter's .grad, that tensor, as DeepSpeed's). In fp16 the gradient is scaled by the loss scale
-(engine.loss_scale), as torch's .grad is before GradScaler.unscale_; a clip_grad_norm_ called
-before is applied to it, as torch's clips .grad. The setters take effect from the next step and
-are refused between backward and step (a step staged during backward reads the state).
+parameters in the same order (as DeepSpeed's at ZeRO-3); the local ones are not. The values are
+copies on the CPU, in fp32 (the gradient in the dtype it is kept in: .grad's at stages 0-1 in one
+process, grad_accum_dtype elsewhere), as torch's .grad is after GradScaler.unscale_: in fp16 the
+loss scale divided out, a clip_grad_norm_ called before applied. The setters take effect from
+the next step and are refused between backward and step (a step staged during backward reads the
+state); the master weights and moments of a partition that stepped during this backward
+(strata.optimizer_during_backward) are refused then too.
 
 Thread safety: the engine's (one thread).
 """
@@ -48,9 +49,9 @@ def _entry(param, where):
 
 def _state_index(engine, key, where):
     """Which of the optimizer's state tensors `key` names (0: master weights)."""
-    if key is None:
-        return 0
     names = EngineOptimizer._STATE_NAMES[engine.optimizer_kind]
+    if key is None and where.endswith("fp32_param"):
+        return 0
     if key not in names:
         raise ValueError(f"{where}: optim_state_key {key!r}: the engine's optimizer "
                          f"({engine.optimizer_kind}) keeps {', '.join(map(repr, names))}")
@@ -65,8 +66,17 @@ def _own_range(engine, e):
     return start, min(start + e.shard, e.numel)
 
 
-def _read_state(engine, e, index):
-    """This rank's shard of e's master weights (index 0) or a moment, fp32, e.shard elements."""
+def _read_state(engine, e, index, where):
+    """This rank's shard of e's master weights (index 0) or a moment, fp32, e.shard elements;
+    refused where e stepped during this backward (what is read would be after the step that
+    plain torch takes at step())."""
+    step = engine._step
+    if e in step.stepped_early or (step.staged is not None and step.staged.early
+                                   and e.staged is not None):
+        raise RuntimeError(f"{where}({e.name}) between backward and step, after it stepped "
+                           "during backward (strata.optimizer_during_backward): the state is "
+                           "the step's result already; accepted: before backward or after "
+                           "step(), or strata.optimizer_during_backward false")
     engine.runtime.wait_for_early_steps()
     state = [torch.empty(e.shard) for _ in range(3)]
     engine.runtime.read_optimizer_state(e.gid, *state)
@@ -80,22 +90,20 @@ def _whole(engine, e, shard, what):
     return engine.ranks.gather_tensor(shard.contiguous(), f"{e.name}'s {what}")[:e.numel]
 
 
-def _get_state(param, key, full):
-    where = (f"safe_get_{'full' if full else 'local'}_"
-             f"{'fp32_param' if key is None else 'optimizer_state'}")
+def _get_state(param, key, full, kind):
+    where = f"safe_get_{'full' if full else 'local'}_{kind}"
     engine, e = _entry(param, where)
     if engine is None:
         return None
-    shard = _read_state(engine, e, _state_index(engine, key, where))
+    shard = _read_state(engine, e, _state_index(engine, key, where), where)
     if full:
         return _whole(engine, e, shard, key or "master weights").view(e.shape)
     start, stop = _own_range(engine, e)
     return shard[:stop - start]
 
 
-def _set_state(param, value, key, full):
-    where = (f"safe_set_{'full' if full else 'local'}_"
-             f"{'fp32_param' if key is None else 'optimizer_state'}")
+def _set_state(param, value, key, full, kind):
+    where = f"safe_set_{'full' if full else 'local'}_{kind}"
     engine, e = _entry(param, where)
     if engine is None:
         raise ValueError(f"{where}: the parameter (shape {tuple(param.shape)}) is not one a "
@@ -108,7 +116,12 @@ def _set_state(param, value, key, full):
                            "backward")
     start, stop = _own_range(engine, e)
     wanted = e.numel if full else stop - start
-    values = torch.as_tensor(value).detach().to("cpu", torch.float32).reshape(-1)
+    value = torch.as_tensor(value)
+    if value.is_complex() or (full and value.dim() > 1 and tuple(value.shape) != e.shape):
+        raise ValueError(f"{where}: a value of shape {tuple(value.shape)} and dtype "
+                         f"{value.dtype} for {e.name}; accepted: a real tensor of its shape "
+                         f"{e.shape} (or flat, {e.numel} elements)")
+    values = value.detach().to("cpu", torch.float32).reshape(-1)
     if values.numel() != wanted:
         raise ValueError(f"{where}: a value of {values.numel()} elements for {e.name}, whose "
                          f"{'whole' if full else 'shard on this rank'} has {wanted}; accepted: "
@@ -131,43 +144,43 @@ def _set_state(param, value, key, full):
 
 def safe_get_full_fp32_param(param):
     """param's fp32 master weights whole (its shape, on the CPU), or None."""
-    return _get_state(param, None, full=True)
+    return _get_state(param, None, True, "fp32_param")
 
 
 def safe_get_full_optimizer_state(param, optim_state_key):
     """param's optimizer state `optim_state_key` whole (fp32, its shape, on the CPU), or None."""
-    return _get_state(param, optim_state_key, full=True)
+    return _get_state(param, optim_state_key, True, "optimizer_state")
 
 
 def safe_get_local_fp32_param(param):
     """This rank's shard of param's fp32 master weights (flat), or None."""
-    return _get_state(param, None, full=False)
+    return _get_state(param, None, False, "fp32_param")
 
 
 def safe_get_local_optimizer_state(param, optim_state_key):
     """This rank's shard of param's optimizer state `optim_state_key` (flat), or None."""
-    return _get_state(param, optim_state_key, full=False)
+    return _get_state(param, optim_state_key, False, "optimizer_state")
 
 
 def safe_set_full_fp32_param(param, value):
     """param's fp32 master weights (and its weights, their rounding) set to `value` whole."""
-    _set_state(param, value, None, full=True)
+    _set_state(param, value, None, True, "fp32_param")
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key):
     """param's optimizer state `optim_state_key` set to `value` whole."""
-    _set_state(param, value, optim_state_key, full=True)
+    _set_state(param, value, optim_state_key, True, "optimizer_state")
 
 
 def safe_set_local_fp32_param(param, value):
     """This rank's shard of param's fp32 master weights set to `value` (flat); across ranks the
     weights follow at the next step's all-gather."""
-    _set_state(param, value, None, full=False)
+    _set_state(param, value, None, False, "fp32_param")
 
 
 def safe_set_local_optimizer_state(param, value, optim_state_key):
     """This rank's shard of param's optimizer state `optim_state_key` set to `value` (flat)."""
-    _set_state(param, value, optim_state_key, full=False)
+    _set_state(param, value, optim_state_key, False, "optimizer_state")
 
 
 def _local_grad(engine, e):
@@ -192,34 +205,39 @@ def _get_grad(param, full):
     where = f"safe_get_{'full' if full else 'local'}_grad"
     engine, e = _entry(param, where)
     if engine is None:
-        return param.grad
-    clip = engine._step._user_clip  # (a clip_grad_norm_ of this step, applied at the step)
+        return None if param.grad is None else param.grad.detach().clone()
+    # (a clip_grad_norm_ of this step is applied at the step; in fp16 the loss scale divided
+    # out: torch's .grad after GradScaler.unscale_, where clipping happens)
+    factor = 1.0 / engine.loss_scale
+    if engine._step._user_clip is not None:
+        factor *= engine._step._user_clip
     if engine.ranks is None:
-        if param.grad is not None:  # (stages 0-1: clipped in place already, as torch's)
-            g = param.grad if clip is None else param.grad * clip
-            return g if full else g.reshape(-1)
-        g = _local_grad(engine, e)
+        g = param.grad.detach().reshape(-1) if param.grad is not None else _local_grad(engine, e)
         if g is None:
             return None
-        g = g if clip is None else g * clip
+        g = g * factor if factor != 1.0 else g.clone()
         return g.view(e.shape) if full else g
-    g = _local_grad(engine, e)
     start, stop = _own_range(engine, e)
-    present, unreduced = engine.ranks.all_reduce_sum(
-        [0.0 if g is None else 1.0, 0.0 if param.grad is None else 1.0])
-    if unreduced:
-        raise RuntimeError(f"{where}({e.name}) across ranks before the window's gradients are "
-                           "reduced (stage 1, or stage 3's small parameters, before the "
-                           "window's last backward); accepted: after the window's last "
-                           "backward, before step()")
+    if not full:  # (this rank's own: no collective)
+        if param.grad is not None:
+            raise RuntimeError(_unreduced(where, e))
+        g = _local_grad(engine, e)
+        return None if g is None else (g * factor)[:stop - start]
+    if not engine.ranks.agree(f"{where}({e.name})", param.grad is None):
+        raise RuntimeError(_unreduced(where, e))
+    g = _local_grad(engine, e)
+    present, = engine.ranks.all_reduce_sum([0.0 if g is None else 1.0])
     if not present:
         return None
     if g is None:
         g = torch.zeros(e.shard, dtype=engine.grad_accum_dtype)
-    g = g if clip is None else g * clip
-    if not full:
-        return g[:stop - start]
-    return _whole(engine, e, g, "gradient").view(e.shape)
+    return _whole(engine, e, g * factor, "gradient").view(e.shape)
+
+
+def _unreduced(where, e):
+    return (f"{where}({e.name}) across ranks before the window's gradients are reduced (stage "
+            "1, or stage 3's small parameters, before the window's last backward); accepted: "
+            "after the window's last backward, before step()")
 
 
 def safe_get_full_grad(param):

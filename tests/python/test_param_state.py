@@ -59,6 +59,7 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
         for ours, theirs in pairs:
             torch.testing.assert_close(strata.safe_get_full_grad(ours), theirs.grad,
                                        rtol=1e-5, atol=1e-7)
+        strata.safe_get_full_grad(pairs[0][0]).add_(1.0)  # (a copy: training unchanged)
         with pytest.raises(RuntimeError, match="safe_set_full_fp32_param between backward and "
                            "step"):
             strata.safe_set_full_fp32_param(pairs[0][0], pairs[0][1])
@@ -91,10 +92,43 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
     with pytest.raises(ValueError, match=r"a value of 3 elements for l1.weight, whose whole has "
                        r"1024; accepted: its shape \(64, 16\)"):
         strata.safe_set_full_fp32_param(pairs[0][0], torch.zeros(3))
+    with pytest.raises(ValueError, match=r"a value of shape \(16, 64\) .*accepted: a real "
+                       r"tensor of its shape \(64, 16\)"):  # (transposed: refused, not flattened)
+        strata.safe_set_full_fp32_param(pairs[0][0], torch.zeros(16, 64))
+    with pytest.raises(ValueError, match=r"optim_state_key None: the engine's optimizer"):
+        strata.safe_get_full_optimizer_state(pairs[0][0], None)
     plain = torch.nn.Parameter(torch.zeros(3))
     assert strata.safe_get_full_fp32_param(plain) is None  # (no engine's: as DeepSpeed's)
     with pytest.raises(ValueError, match="is not one a strata engine trains"):
         strata.safe_set_full_fp32_param(plain, torch.zeros(3))
+
+
+def test_state_read_after_it_stepped_during_backward_is_refused_and_fp16_grads_unscaled(
+        tmp_path):
+    """With strata.optimizer_during_backward at stage 3 the partitions step during backward:
+    their master weights read between backward and step would be the step's result (torch's
+    are the weights before optimizer.step()): refused by name. In fp16 the gradient read is
+    unscaled (torch's .grad after GradScaler.unscale_)."""
+    conf = config(tmp_path, 3)
+    conf["strata"]["optimizer_during_backward"] = True
+    engine, _, _, _ = strata.initialize(model=Net(), config=conf)
+    first, second = batches(2)
+    engine.backward(engine(first))  # (from the second step on they step during backward)
+    engine.step()
+    engine.backward(engine(second))
+    weight = engine.module.l1.weight
+    with pytest.raises(RuntimeError, match=r"safe_get_full_fp32_param\(l1.weight\) between "
+                       r"backward and step, after it stepped during backward"):
+        strata.safe_get_full_fp32_param(weight)
+    engine.step()
+    engine.close()
+    conf = config(tmp_path / "fp16", 0)
+    conf["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine, _, _, _ = strata.initialize(model=Net().half(), config=conf)
+    engine.backward(engine(batches(1)[0].half()))
+    bias = engine.module.l2.bias
+    assert engine.loss_scale == 256
+    torch.testing.assert_close(strata.safe_get_full_grad(bias), bias.grad / 256)
 
 
 # Two ranks at stages 2 and 3: every rank's full values are the whole gradient (the mean of the
@@ -117,6 +151,8 @@ for stage in (2, 3):
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x))
     w = engine.module.l1.weight
+    if rank == 0:
+        strata.safe_get_local_grad(w)  # (its own shard: no collective, rank 1 not waited for)
     grad = strata.safe_get_full_grad(w)
     local = strata.safe_get_local_grad(w)
     engine.step()
