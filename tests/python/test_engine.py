@@ -2434,15 +2434,16 @@ def _assert_weights_as(engine, reference):
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _beside_plain_torch(tmp_path, stage):
-    """An engine over Net at `stage` (one micro-batch a step, no config clipping) and plain
-    torch's copy of the same model with its AdamW: (engine, its optimizer, model, AdamW)."""
+def _beside_plain_torch(tmp_path, stage, model_class=Net, **zero):
+    """An engine over a `model_class` (Net) at `stage` (one micro-batch a step, no config
+    clipping, `zero` in its zero_optimization block) and plain torch's copy of the same model
+    with its AdamW: (engine, its optimizer, model, AdamW)."""
     torch.manual_seed(0)
-    model = Net()
+    model = model_class()
     reference = copy.deepcopy(model)
-    engine, optimizer, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
-                                        clipping=0.0))
+    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"].update(zero)
+    engine, optimizer, _, _ = strata.initialize(model=model, config=config)
     return engine, optimizer, reference, torch.optim.AdamW(reference.parameters(), lr=1e-2,
                                                            weight_decay=0.01)
 
@@ -2543,13 +2544,7 @@ def test_zero_grad_set_to_none_false_trains_as_torch_or_is_refused_where_it_diff
     given a gradient each step the loop trains as torch's; a step that gives a parameter
     trained before none is refused by name, before anything is stepped; zero_grad() (set to
     None) after that, the parameter is left unstepped, as torch leaves it."""
-    torch.manual_seed(0)
-    model = Branched()
-    reference = copy.deepcopy(model)
-    engine, optimizer, _, _ = strata.initialize(
-        model=model, config=make_config(tmp_path, stage, "cpu", "fp32", accumulation=1,
-                                        clipping=0.0))
-    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage, Branched)
     for i, (x, y) in enumerate(batches(5)):
         side = i not in (2, 3)
         if i == 2:  # zeros kept, and a step that skips `side`: torch would step it with them
@@ -2655,13 +2650,8 @@ def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused
     the forward and was lost with it, silently (3.6 from torch after 4 steps): refused by name.
     A write into a partitioned weight's placeholder between steps, and in a GatheredParameters
     block that does not modify, are refused too."""
-    torch.manual_seed(0)
-    model = MaxNorm()
-    reference = copy.deepcopy(model)
-    config = make_config(tmp_path, stage, "cpu", "fp32", accumulation=1, clipping=0.0)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
-    engine, _, _, _ = strata.initialize(model=model, config=config)
-    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, _, reference, torch_adamw = _beside_plain_torch(
+        tmp_path, stage, MaxNorm, stage3_param_persistence_threshold=threshold)
     if stage == 3 and threshold == 100:
         (x, y), = batches(1)
         engine.backward(loss_of(engine(x), y))
