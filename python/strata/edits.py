@@ -49,6 +49,9 @@ _TAKEN = "_strata_data_taken"
 # On a partitioned parameter (in its __dict__): its name and its watch (weakly: an engine dropped
 # without close() leaves nothing refused), for the refusals of its placeholder's .data.
 _PARTITIONED = "_strata_partitioned"
+# On a partitioned parameter lent whole to a GatheredParameters block: whether the block
+# modifies (p.data = t is taken then), and whether its .data was handed out in the block.
+_BLOCK = "_strata_block"
 
 
 def _partitioned(d):
@@ -62,6 +65,8 @@ def _get_data(p):
     data = data_of(p)
     if _TAKEN in d:
         d[_TAKEN] = True
+    if _BLOCK in d:
+        d[_BLOCK] = (d[_BLOCK][0], True)
     if _PARTITIONED in d and data.numel() == 0 and _partitioned(d) is not None:
         raise RuntimeError(
             f"{_partitioned(d)}.data at ZeRO stage 3 outside its module's forward: its weights "
@@ -76,7 +81,8 @@ def _get_data(p):
 def _set_data(p, value):
     d = p.__dict__
     # (a move of its placeholder goes on)
-    if _PARTITIONED in d and value.numel() != 0 and _partitioned(d) is not None:
+    if _PARTITIONED in d and value.numel() != 0 and _partitioned(d) is not None and \
+            not d.get(_BLOCK, (False,))[0]:  # (a modifying block takes it)
         raise RuntimeError(
             f"{_partitioned(d)}.data = tensor at ZeRO stage 3: its weights are the engine's "
             "partitions (the parameter holds a placeholder outside its module's forward, a copy "
@@ -99,8 +105,8 @@ def _shared(p):
 def _unmark(params):
     """The marks the watch set on `params` taken off (its engine closed, or dropped)."""
     for p in params:
-        p.__dict__.pop(_TAKEN, None)
-        p.__dict__.pop(_PARTITIONED, None)
+        for mark in (_TAKEN, _PARTITIONED, _BLOCK):
+            p.__dict__.pop(mark, None)
 
 
 def _install():
@@ -113,8 +119,10 @@ class Edits:
     """The watch over `entries` (the engine's parameters' entries: the trained ones kept whole
     are watched, the partitioned ones' placeholders guarded). See the module's docstring."""
 
-    def __init__(self, entries):
+    def __init__(self, entries, ranks=None):
         _install()
+        self.ranks = ranks  # (across ranks a block's .data writes are not compared)
+        self._lent_whole = {}  # id(entry): its copy lent to a block that does not modify
         self.entries = [e for e in entries if not e.partitioned]
         self.partitioned = [e for e in entries if e.partitioned]
         for e in self.entries:
@@ -183,9 +191,22 @@ class Edits:
         for e in entries:
             self._versions[id(e)] = e.param._version
 
-    def version_of(self, e):
-        """The version counter the engine knows of partitioned entry `e`'s parameter."""
-        return self._versions.get(id(e))
+    def lend_whole(self, e, modify):
+        """Partitioned entry `e` is lent whole to a GatheredParameters block (`modify`: with
+        modifier_rank); its copy is kept to compare with at the block's end (in one process,
+        for a block that does not modify)."""
+        e.param.__dict__[_BLOCK] = (modify, False)
+        self._lent_whole[id(e)] = None if modify or self.ranks else data_of(e.param).clone()
+
+    def written_whole(self, e):
+        """Whether the block that lent partitioned entry `e` whole wrote it: in place (its version
+        counter moved), or through its .data (in one process: its values differ from the copy
+        lent; across ranks a write through .data is not seen). Ends the block's watch."""
+        modify, data_taken = e.param.__dict__.pop(_BLOCK, (True, False))
+        lent = self._lent_whole.pop(id(e), None)
+        if e.param._version != self._versions.get(id(e)):
+            return True
+        return data_taken and lent is not None and not torch.equal(data_of(e.param), lent)
 
     def lost_writes(self):
         """Refused: a partitioned parameter written in place since the engine last knew it (into

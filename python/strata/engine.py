@@ -648,7 +648,7 @@ class Engine:
         self._dropped.atexit = False
         # The weights the engine keeps whole in the module, edited in place between steps, are
         # taken at the next step (strata/edits.py): the step would otherwise undo the edit.
-        self._edits = Edits(self.table.entries())
+        self._edits = Edits(self.table.entries(), self.ranks)
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -1259,6 +1259,7 @@ class Engine:
         base) are not saved, and a load keeps the model's own (as DeepSpeed's; Trainer's
         checkpoints of a peft model). Returns the tag's folder."""
         self._checkpoints.lr_scheduler = self.lr_scheduler
+        self._take_edits()  # (weights edited since the last step: saved as the module has them)
         return checkpoints.save(self._checkpoints, save_dir, tag, client_state, save_latest,
                                 exclude_frozen_parameters)
 
@@ -1291,6 +1292,7 @@ class Engine:
         # Between backward and step with strata.optimizer_during_backward, parameters step as
         # backward goes: what has stepped is read whole, never while it is being written.
         self.runtime.wait_for_early_steps()
+        self._edits.lost_writes()  # (a write into a placeholder since the last step: refused)
         self._announce_gather("engine.module_state_dict()")
         by_param = {id(e.param): e for e in self.table.trained if e.partitioned}
         frozen = {id(e.param): e for e in self.table.frozen}

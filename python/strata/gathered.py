@@ -94,6 +94,7 @@ class GatheredParameters:
             for engine, e in self.held:
                 engine.runtime.wait_for_early_steps()
                 set_data(e.param, engine._whole_weights(e).to(engine.device).view(e.shape))
+                engine._edits.lend_whole(e, self.modify)
         for context, p in self.built:  # (lent whole for the block: see _Lending.unpin)
             context.lending.pin(p, self.modify)
         return self
@@ -102,9 +103,11 @@ class GatheredParameters:
         try:
             # A partitioned weight written in place in a block that does not modify: its writes
             # are dropped with it (refused by name below, once given back).
-            dropped = [e.name for engine, e in self.held
-                       if not self.modify and e.param._version != engine._edits.version_of(e)]
-            if self.modify and exc[0] is None:
+            dropped = [] if self.modify else [
+                e.name for engine, e in self.held if engine._edits.written_whole(e)]
+            # (with modifier_rank what the block wrote is kept, an exception's too, as plain
+            # torch keeps it)
+            if self.modify:
                 both = self.held + self.kept
                 for engine in {id(engine): engine for engine, _ in both}.values():
                     self._write_back(engine, [e for owner, e in both if owner is engine])
@@ -115,8 +118,6 @@ class GatheredParameters:
             for engine, e in self.held:
                 set_data(e.param, engine.table.placeholder)
                 engine._edits.settled([e])  # (what the block wrote is taken, or refused here)
-            # (with modifier_rank what the block wrote is kept, an exception's too, as plain
-            # torch keeps it)
             for context, p in self.built:
                 context.lending.unpin(p)
         if dropped and exc[0] is None:

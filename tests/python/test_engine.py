@@ -2608,6 +2608,10 @@ def test_weights_edited_in_place_between_steps_are_stepped_from_as_plain_torch(t
             loss_of(net(x), y).backward()
             opt.step()
             opt.zero_grad()
+    for net in (engine.module, reference):  # (after the last step: saved as the module has it)
+        torch.nn.init.zeros_(net.ln.bias)
+    engine.save_checkpoint(tmp_path / "saved")
+    engine.load_checkpoint(tmp_path / "saved")
     _assert_weights_as(engine, reference)
     if stage == 3:
         with pytest.raises(RuntimeError, match=r"l1.weight.data at ZeRO stage 3 outside its "
@@ -2669,9 +2673,26 @@ def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused
                            r"out.weight written in place in the block"):
             with strata.GatheredParameters([weight]), torch.no_grad():
                 weight.mul_(2)
+        with pytest.raises(RuntimeError, match=r"GatheredParameters without modifier_rank: "
+                           r"out.weight written in place in the block"):
+            with strata.GatheredParameters([weight]):
+                weight.data.zero_()  # (through .data: its values differ from those lent)
+        with strata.GatheredParameters([weight]):
+            assert weight.data.abs().sum() > 0  # (a read through .data: not refused)
         with strata.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
             weight.mul_(2)
-        engine(x)  # (the modifying block's write taken: nothing refused)
+        engine.module_state_dict()  # (the modifying block's write taken: nothing refused)
+        with strata.GatheredParameters([weight], modifier_rank=0):
+            weight.data = torch.full((VOCAB, WIDTH), 0.5)  # (taken in a modifying block)
+        with pytest.raises(KeyError):
+            with strata.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+                weight.mul_(2)
+                raise KeyError  # (what the block wrote is kept, as plain torch keeps it)
+        assert (engine.module_state_dict()["out.weight"] == 1.0).all()
+        with torch.no_grad():
+            weight.mul_(2)  # (its placeholder, after the last step)
+        with pytest.raises(RuntimeError, match=r"out.weight written in place at ZeRO stage 3"):
+            engine.module_state_dict()
         return
     for x, y in batches(4):
         _step_beside(engine, reference, torch_adamw, x, y)
