@@ -19,8 +19,9 @@ class GatheredParameters:
     compute device, in the training dtype), for code that reads them outside their module's
     forward, where they are placeholders with no bytes (a logged norm, a weight inspected or
     edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
-    their weights (and a trained one's fp32 master weights, its moments kept) when it ends; else
-    writes are dropped. A trained parameter an engine keeps whole (stages 0-2, stage 3's small
+    their weights (and a trained one's fp32 master weights, its moments kept) when it ends, an
+    exception's too; else a write is dropped, and refused by name at the block's end (in place;
+    through .data, in one process). A trained parameter an engine keeps whole (stages 0-2, stage 3's small
     ones) is its weights already; with modifier_rank what the block wrote into it becomes its fp32
     master weights too (its moments kept), or the next step would put the old ones back (across
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as

@@ -3088,16 +3088,20 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
     """DeepSpeed's GatheredParameters: outside their module's forward, partitioned weights are
     placeholders; within the block they are whole (a logged norm is plain torch's), edits made
     with modifier_rank become the weights and master weights, and training goes on as plain
-    torch's from them; without modifier_rank edits are dropped."""
+    torch's from them; without modifier_rank an edit is dropped, and refused by name (it was
+    dropped silently, as DeepSpeed's drops it)."""
     engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, 3)
     data = list(batches(4))
     for x, y in data[:2]:
         step_both(engine, reference, torch_adamw, x, y)
     weight = engine.module.l1.weight
     assert weight.numel() == 0  # a placeholder between uses
-    with strata.GatheredParameters(weight):
-        assert weight.norm().item() == pytest.approx(reference.l1.weight.norm().item(), rel=1e-6)
-        weight.data.mul_(0.0)  # dropped: no modifier_rank
+    with pytest.raises(RuntimeError, match=r"GatheredParameters without modifier_rank: "
+                       r"l1.weight written in place in the block"):
+        with strata.GatheredParameters(weight):
+            assert weight.norm().item() == pytest.approx(reference.l1.weight.norm().item(),
+                                                         rel=1e-6)
+            weight.data.mul_(0.0)  # dropped: no modifier_rank
     assert weight.numel() == 0
     with strata.GatheredParameters([weight, engine.module.ln.weight], modifier_rank=0):
         weight.data.mul_(0.5)
