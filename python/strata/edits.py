@@ -198,6 +198,19 @@ class Edits:
         e.param.__dict__[_BLOCK] = (modify, False)
         self._lent_whole[id(e)] = None if modify or self.ranks else data_of(e.param).clone()
 
+    def in_block(self, e):
+        """Whether partitioned entry `e` is lent whole to a GatheredParameters block now."""
+        return _BLOCK in e.param.__dict__
+
+    def relent(self, e):
+        """A block nested in the one that lent partitioned entry `e` whole wrote it back: what
+        it holds now is what the enclosing block compares with at its end."""
+        modify, _ = e.param.__dict__[_BLOCK]
+        e.param.__dict__[_BLOCK] = (modify, False)
+        if self._lent_whole.get(id(e)) is not None:
+            self._lent_whole[id(e)] = data_of(e.param).clone()
+        self._versions[id(e)] = e.param._version
+
     def written_whole(self, e):
         """Whether the block that lent partitioned entry `e` whole wrote it: in place (its version
         counter moved), or through its .data (in one process: its values differ from the copy

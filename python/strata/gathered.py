@@ -39,6 +39,7 @@ class GatheredParameters:
         self.modify = modifier_rank is not None
         self.enabled = enabled
         self.held = []  # (engine, entry): gathered whole for the block
+        self.nested = []  # (engine, entry): whole already in an enclosing block (left to it)
         self.kept = []  # (engine, entry): whole already; written to the master weights at exit
         self.plain = []  # (engine, parameter): across ranks, its module's others (rank 0's at exit)
         self.built = []  # (strata.init context, parameter): its partition, no engine yet
@@ -85,6 +86,8 @@ class GatheredParameters:
                     self.built.append((context, p))
 
     def __enter__(self):
+        self.nested = [(engine, e) for engine, e in self.held if engine._edits.in_block(e)]
+        self.held = [(engine, e) for engine, e in self.held if (engine, e) not in self.nested]
         for engine, e in self.held:  # all checked before any changes
             if data_of(e.param).numel() != 0:
                 raise RuntimeError(f"GatheredParameters: {e.name} is lent to its module now "
@@ -109,9 +112,11 @@ class GatheredParameters:
             # (with modifier_rank what the block wrote is kept, an exception's too, as plain
             # torch keeps it)
             if self.modify:
-                both = self.held + self.kept
+                both = self.held + self.nested + self.kept
                 for engine in {id(engine): engine for engine, _ in both}.values():
                     self._write_back(engine, [e for owner, e in both if owner is engine])
+                for engine, e in self.nested:  # (what the enclosing block lent is this now)
+                    engine._edits.relent(e)
                 for engine in {id(engine): engine for engine, _ in self.plain}.values():
                     engine.ranks.broadcast_tensors([p.data for owner, p in self.plain
                                                     if owner is engine])
@@ -135,7 +140,7 @@ class GatheredParameters:
         one's partition; a trained one's master weights (its moments kept, in one load of the
         optimizer's state; across ranks, this rank's shard of them) and weights."""
         if engine.ranks is not None:
-            engine.ranks.broadcast_tensors([e.param.data for e in entries])
+            engine.ranks.broadcast_tensors([data_of(e.param) for e in entries])
         trained = []
         for e in entries:
             values = data_of(e.param).detach().reshape(-1)

@@ -3089,7 +3089,9 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
     placeholders; within the block they are whole (a logged norm is plain torch's), edits made
     with modifier_rank become the weights and master weights, and training goes on as plain
     torch's from them; without modifier_rank an edit is dropped, and refused by name (it was
-    dropped silently, as DeepSpeed's drops it)."""
+    dropped silently, as DeepSpeed's drops it). Blocks nested over a weight an enclosing block
+    holds leave it to that block (they were refused as "lent to its module"), a modifying one
+    writing its edit back."""
     engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, 3)
     data = list(batches(4))
     for x, y in data[:2]:
@@ -3103,8 +3105,12 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
                                                          rel=1e-6)
             weight.data.mul_(0.0)  # dropped: no modifier_rank
     assert weight.numel() == 0
-    with strata.GatheredParameters([weight, engine.module.ln.weight], modifier_rank=0):
-        weight.data.mul_(0.5)
+    with strata.GatheredParameters(weight):  # (an enclosing block that reads: DeepSpeed's
+        with strata.GatheredParameters(weight):  # nested blocks over it leave it to the outer)
+            pass
+        with strata.GatheredParameters([weight, engine.module.ln.weight], modifier_rank=0):
+            weight.data.mul_(0.5)
+        assert weight.numel() > 0  # (whole still, the enclosing block's, with the edit)
     with torch.no_grad():
         reference.l1.weight.mul_(0.5)
     for x, y in data[2:]:
