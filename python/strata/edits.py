@@ -39,7 +39,7 @@ import weakref
 import torch
 
 from strata import checkpoints
-from strata.parameters import data_of, set_data
+from strata.parameters import data_of, read_state, set_data
 
 __all__ = ["Edits"]
 
@@ -167,8 +167,7 @@ class Edits:
                     "the resized model")
         taken = []
         for e in entries:
-            master, first, second = (torch.empty(e.shard) for _ in range(3))
-            runtime.read_optimizer_state(e.gid, master, first, second)
+            master, first, second = read_state(runtime, e)
             weights = e.param.detach().reshape(-1).to("cpu", torch.float32)
             if ranks is not None:
                 weights = ranks.own_shard(weights, e.shard)

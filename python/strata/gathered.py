@@ -8,7 +8,7 @@ import torch
 from strata import checkpoints
 from strata import guards
 from strata import zero_init
-from strata.parameters import data_of, set_data, set_weights, write_frozen
+from strata.parameters import data_of, load_master, set_data, set_weights, write_frozen
 
 __all__ = ["GatheredParameters"]
 
@@ -151,10 +151,7 @@ class GatheredParameters:
         with checkpoints.loading_optimizer_state(engine._checkpoints, "GatheredParameters",
                                                  whole=False):
             for e, master in trained:
-                moments = [torch.empty(e.shard), torch.empty(e.shard)]
-                engine.runtime.read_optimizer_state(e.gid, torch.empty(e.shard), *moments)
-                engine.runtime.load_optimizer_state(
-                    e.gid, master if engine.ranks is None else
-                    engine.ranks.own_shard(master, e.shard), *moments)
+                load_master(engine.runtime, e, master if engine.ranks is None else
+                            engine.ranks.own_shard(master, e.shard))
         for e, master in trained:
             set_weights(engine.runtime, e, master)

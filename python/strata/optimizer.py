@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from strata import checkpoints
-from strata.parameters import set_weights
+from strata.parameters import read_state, set_weights
 
 __all__ = ["EngineOptimizer", "adopt_schedule", "flatten_params", "hyper_parameters",
            "param_groups", "take_over"]
@@ -99,8 +99,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         names = self._STATE_NAMES[engine.optimizer_kind]
         state = {}
         for e in engine.table.trained:
-            master, first, second = (torch.empty(e.shard) for _ in range(3))
-            engine.runtime.read_optimizer_state(e.gid, master, first, second)
+            master, first, second = read_state(engine.runtime, e)
             entry = {"step": torch.tensor(float(e.steps)), "master": master.view(e.shape)}
             for name, values in zip(names, (first, second)):
                 entry[name] = values.view(e.shape)

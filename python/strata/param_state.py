@@ -32,7 +32,7 @@ from torch.utils.dlpack import from_dlpack
 from strata import checkpoints
 from strata import guards
 from strata.optimizer import EngineOptimizer
-from strata.parameters import set_weights
+from strata.parameters import read_state, set_weights
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
@@ -60,10 +60,7 @@ def _state_index(engine, key, where):
 
 def _own_range(engine, e):
     """The elements of e's flat whole this rank's shard holds: (start, stop)."""
-    if engine.ranks is None:
-        return 0, e.numel
-    start = min(engine.ranks.rank * e.shard, e.numel)
-    return start, min(start + e.shard, e.numel)
+    return (0, e.numel) if engine.ranks is None else engine.ranks.own_range(e.numel, e.shard)
 
 
 def _read_state(engine, e, index, where):
@@ -78,9 +75,7 @@ def _read_state(engine, e, index, where):
                            "the step's result already; accepted: before backward or after "
                            "step(), or strata.optimizer_during_backward false")
     engine.runtime.wait_for_early_steps()
-    state = [torch.empty(e.shard) for _ in range(3)]
-    engine.runtime.read_optimizer_state(e.gid, *state)
-    return state[index]
+    return read_state(engine.runtime, e)[index]
 
 
 def _whole(engine, e, shard, what):
@@ -128,8 +123,7 @@ def _set_state(param, value, key, full, kind):
                          f"{'its shape ' + str(e.shape) if full else 'this rank' + chr(39) + 's'}"
                          f"{'' if full else ' shard, flat (safe_get_local_*)'}")
     engine.runtime.wait_for_early_steps()
-    state = [torch.empty(e.shard) for _ in range(3)]
-    engine.runtime.read_optimizer_state(e.gid, *state)
+    state = read_state(engine.runtime, e)
     state[index].zero_()
     state[index][:stop - start] = values[start:stop] if full else values
     with checkpoints.loading_optimizer_state(engine._checkpoints, where, whole=False):

@@ -12,8 +12,8 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import zero_init as init_module
 
-__all__ = ["Param", "ParameterTable", "data_of", "read_frozen", "set_data", "set_weights",
-           "write_frozen"]
+__all__ = ["Param", "ParameterTable", "data_of", "load_master", "read_frozen", "read_state",
+           "set_data", "set_weights", "write_frozen"]
 
 _TENSOR_DATA = torch._C.TensorBase.data
 
@@ -163,6 +163,23 @@ def set_weights(runtime, e, master):
         else:
             data_of(e.param).copy_(master.view(e.shape).to(device=e.param.device,
                                                        dtype=e.param.dtype))
+
+
+def read_state(runtime, e):
+    """This rank's shard of trained entry e's optimizer state: [fp32 master weights, first
+    moment, second moment], e.shard elements each (a moment the optimizer does not keep reads as
+    zeros)."""
+    state = [torch.empty(e.shard) for _ in range(3)]
+    runtime.read_optimizer_state(e.gid, *state)
+    return state
+
+
+def load_master(runtime, e, master):
+    """e's master weights (this rank's shard, fp32) replaced by `master`, its moments kept, as
+    torch's optimizer keeps its state when the weights are loaded. Inside a load of the
+    optimizer's state (checkpoints.loading_optimizer_state)."""
+    _, first, second = read_state(runtime, e)
+    runtime.load_optimizer_state(e.gid, master, first, second)
 
 
 def read_frozen(runtime, e, ranks=None):

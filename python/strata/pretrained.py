@@ -41,7 +41,7 @@ import zipfile
 import torch
 
 from strata import checkpoints
-from strata.parameters import set_weights
+from strata.parameters import load_master, set_weights
 
 __all__ = ["load", "read_state_dict_lazily", "read_safetensors_lazily"]
 
@@ -284,13 +284,11 @@ def load(engine, source, strict=True, keep_state=False):
             master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
                           .contiguous())
             if keep_state:
-                first, second = torch.empty_like(master), torch.empty_like(master)
-                engine.runtime.read_optimizer_state(e.gid, torch.empty_like(master), first,
-                                                    second)
+                load_master(engine.runtime, e, master)
             else:
-                first = torch.full_like(master, engine._initial_state)
-                second = torch.zeros_like(master)
-            engine.runtime.load_optimizer_state(e.gid, master, first, second)
+                engine.runtime.load_optimizer_state(
+                    e.gid, master, torch.full_like(master, engine._initial_state),
+                    torch.zeros_like(master))
     for e in loaded:
         whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
         set_weights(engine.runtime, e, ours(e, whole) if e.partitioned else whole)

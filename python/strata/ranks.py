@@ -713,12 +713,17 @@ class Ranks:
     def shard_elements(self, numel):
         return -(-numel // self.size)
 
+    def own_range(self, numel, shard):
+        """The elements (start, stop) of a whole of `numel` this rank's shard of `shard`
+        elements holds (its padding past the whole's end not counted)."""
+        lo = min(self.rank * shard, numel)
+        return lo, min(lo + shard, numel)
+
     def own_shard(self, flat, shard):
         """This rank's shard of a whole flat tensor, padded with zeros to `shard` elements (a
         copy)."""
         out = torch.zeros(shard, dtype=flat.dtype)
-        lo = min(self.rank * shard, flat.numel())
-        hi = min(lo + shard, flat.numel())
+        lo, hi = self.own_range(flat.numel(), shard)
         out[:hi - lo] = flat[lo:hi]
         return out
 
