@@ -21,9 +21,10 @@ class GatheredParameters:
     edited). With modifier_rank set (0 in one process), what the block wrote into them becomes
     their weights (and a trained one's fp32 master weights, its moments kept) when it ends, an
     exception's too; else a write is dropped, and refused by name at the block's end (in place;
-    through .data, in one process). A trained parameter an engine keeps whole (stages 0-2, stage 3's small
-    ones) is its weights already; with modifier_rank what the block wrote into it becomes its fp32
-    master weights too (its moments kept), or the next step would put the old ones back (across
+    through .data, in one process). A trained parameter an engine keeps whole (stages 0-2, stage
+    3's small ones) is its weights already; what the block wrote into it becomes its fp32 master
+    weights too (its moments kept): with modifier_rank at the block's end, without it at the next
+    forward or step, as any edit of a weight kept whole (strata/edits.py; across
     ranks: modifier_rank 0, rank 0's writes on every rank; every rank enters the block, as
     DeepSpeed's; a frozen one's too, each rank keeping rank 0's, or its shard of them; a
     trained partitioned one's edit across ranks is refused). A parameter strata.init partitioned

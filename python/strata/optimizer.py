@@ -94,6 +94,7 @@ class EngineOptimizer(torch.optim.Optimizer):
                                "strata.hf.for_accelerate(accelerator) first, whose prepare() "
                                "leaves the state where the engine keeps it and whose save_state "
                                "saves the engine's checkpoint)")
+        engine._take_edits()  # (the weights edited since the last step: in the master weights)
         engine.runtime.wait_for_early_steps()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = self._STATE_NAMES[engine.optimizer_kind]

@@ -13,15 +13,16 @@ across ranks, the optimizer's fp32 master weights and moments).
     safe_get_local_*(p[, key]), safe_set_local_*(p, value[, key])
                                            this rank's shard, flat (in one process: all of it)
 
-A parameter no engine trains gives None, as DeepSpeed's (the getters) or is refused (the
-setters). Across ranks the full variants are collectives: every rank calls them, for the same
-parameters in the same order (as DeepSpeed's at ZeRO-3); the local ones are not. The values are
-copies on the CPU, in fp32 (the gradient in the dtype it is kept in: .grad's at stages 0-1 in one
-process, grad_accum_dtype elsewhere), as torch's .grad is after GradScaler.unscale_: in fp16 the
-loss scale divided out, a clip_grad_norm_ called before applied. The setters take effect from
-the next step and are refused between backward and step (a step staged during backward reads the
-state); the master weights and moments of a partition that stepped during this backward
-(strata.optimizer_during_backward) are refused then too.
+A parameter no engine trains gives None (safe_get_full_grad: a copy of its .grad), as DeepSpeed's
+(the getters), or is refused (the setters). Across ranks the full variants are collectives: every
+rank calls them, for the same parameters in the same order (as DeepSpeed's at ZeRO-3); the local
+ones are not. The values are copies, on the CPU in fp32 (the gradient in the dtype and on the device
+it is kept on: .grad's at stages 0-1 in one process, grad_accum_dtype on the CPU elsewhere), the
+weights edited in place since the last step taken first (strata/edits.py), as torch's .grad is after
+GradScaler.unscale_: in fp16 the loss scale divided out, a clip_grad_norm_ called before applied.
+The setters take effect from the next step and are refused between backward and step (a step staged
+during backward reads the state); the master weights and moments of a partition that stepped during
+this backward (strata.optimizer_during_backward) are refused then too.
 
 Thread safety: the engine's (one thread).
 """
@@ -74,6 +75,7 @@ def _read_state(engine, e, index, where):
                            "during backward (strata.optimizer_during_backward): the state is "
                            "the step's result already; accepted: before backward or after "
                            "step(), or strata.optimizer_during_backward false")
+    engine._take_edits()  # (the weights edited since the last step: in the master weights)
     engine.runtime.wait_for_early_steps()
     return read_state(engine.runtime, e)[index]
 

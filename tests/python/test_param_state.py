@@ -73,6 +73,14 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(strata.safe_get_full_optimizer_state(ours, key),
                                            adamw.state[theirs][key], rtol=1e-5, atol=1e-7)
+        if i == 1:  # (an edit in place: the state read next has it, as torch's weights do)
+            for net in (engine.module, reference):
+                torch.nn.init.zeros_(net.l2.bias)
+            assert not optimizer.state_dict()["state"][3]["master"].any()
+            with torch.no_grad():
+                for net in (engine.module, reference):
+                    net.l2.bias.fill_(0.25)
+            assert (strata.safe_get_full_fp32_param(pairs[-1][0]) == 0.25).all()
         if i == 2:
             w, b = pairs[0]
             new = strata.safe_get_full_fp32_param(w).clone()
@@ -160,13 +168,18 @@ for stage in (2, 3):
     moment = strata.safe_get_full_optimizer_state(w, "exp_avg")
     shard = strata.safe_get_local_fp32_param(w)
     half = master.numel() // 2  # (each rank's shard: half of it)
+    torch.manual_seed(0)  # one process's gradient of the mean loss over both ranks' batches
+    reference = Net()
+    sum(reference(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(r)))
+        for r in range(2)).div(2).backward()
     flat, master_flat = grad.reshape(-1), master.reshape(-1)
     out[stage] = {"grad": grad.sum().item(), "master": master.sum().item(),
                   "moment": moment.sum().item(),
                   "weights": engine.module_state_dict()["l1.weight"].sum().item(),
                   "local": (local - flat[rank * half:(rank + 1) * half]).abs().max().item(),
                   "shard": (shard - master_flat[rank * half:(rank + 1) * half]).abs().max().item(),
-                  "sizes": [local.numel(), shard.numel()]}
+                  "sizes": [local.numel(), shard.numel()],
+                  "mean": (grad - reference.l1.weight.grad).abs().max().item()}
     new = torch.arange(master.numel(), dtype=torch.float32).view(master.shape)
     strata.safe_set_full_fp32_param(w, new)  # (every rank takes its shard of it)
     out[stage]["set"] = [(strata.safe_get_full_fp32_param(w) - new).abs().max().item(),
@@ -194,3 +207,4 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
         for out in (a, b):
             assert out["local"] == 0 and out["shard"] == 0 and out["sizes"] == [512, 512], out
             assert out["set"] == [0, 0], out
+            assert out["mean"] < 1e-6, out
