@@ -1049,7 +1049,7 @@ class Engine:
         self._state.zero_grad(set_to_none)
         if not self._state.gradients_since_step:
             return
-        if self._step.stepped_early or (self._step.staged is not None and self._step.staged.early):
+        if self._step.stepped_during_backward():
             raise RuntimeError(
                 "zero_grad after backward: parameters stepped for good during this backward "
                 "with the gradients it would drop (strata.optimizer_during_backward); accepted: "

@@ -68,9 +68,7 @@ def _read_state(engine, e, index, where):
     """This rank's shard of e's master weights (index 0) or a moment, fp32, e.shard elements;
     refused where e stepped during this backward (what is read would be after the step that
     plain torch takes at step())."""
-    step = engine._step
-    if e in step.stepped_early or (step.staged is not None and step.staged.early
-                                   and e.staged is not None):
+    if engine._step.stepped_during_backward(e):
         raise RuntimeError(f"{where}({e.name}) between backward and step, after it stepped "
                            "during backward (strata.optimizer_during_backward): the state is "
                            "the step's result already; accepted: before backward or after "

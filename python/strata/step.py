@@ -229,6 +229,14 @@ class OptimizerStep:
             return e.pinned_weights
         return torch.empty(e.numel, dtype=self.dtype)
 
+    def stepped_during_backward(self, e=None):
+        """Whether parameters (`e`, or any) may have stepped for good during this backward
+        (strata.optimizer_during_backward): what they hold is the step's result already."""
+        if e is None:
+            return bool(self.stepped_early) or (self.staged is not None and self.staged.early)
+        return e in self.stepped_early or (self.staged is not None and self.staged.early
+                                           and e.staged is not None)
+
     def owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters."""
         return any(id(p) in self._trained_ids for p in params)
@@ -268,7 +276,7 @@ class OptimizerStep:
                 f"{self.state.micro_steps + 1} of {self.state.accumulation}): it would clip a "
                 "partial sum; accepted: once, after the window's last backward (as plain torch "
                 "users clip before optimizer.step())")
-        early = self.stepped_early or (self.staged is not None and self.staged.early)
+        early = self.stepped_during_backward()
         self._user_clips = True  # from the next step on, nothing steps for good in backward
         if early:
             raise RuntimeError(
