@@ -121,7 +121,7 @@ class Edits:
 
     def __init__(self, entries, ranks=None):
         _install()
-        self.ranks = ranks  # (across ranks a block's .data writes are not compared)
+        self.ranks = ranks  # (strata/ranks.py: each rank takes its own shard's edits)
         self._lent_whole = {}  # id(entry): its copy lent to a block that does not modify
         self.entries = [e for e in entries if not e.partitioned]
         self.partitioned = [e for e in entries if e.partitioned]
@@ -153,7 +153,7 @@ class Edits:
                 if e.param.__dict__.get(_TAKEN) or e.param._version != version
                 or e.param.data_ptr() != address]
 
-    def take(self, entries, runtime, ranks, store):
+    def take(self, entries, runtime, store):
         """The elements of `entries`' weights (edited()) that differ from their master weights
         rounded to the weights' dtype taken as master weights (across ranks, this rank's shard
         of them), the moments kept. Returns the names of the parameters taken. No step may be in
@@ -169,8 +169,8 @@ class Edits:
         for e in entries:
             master, first, second = read_state(runtime, e)
             weights = e.param.detach().reshape(-1).to("cpu", torch.float32)
-            if ranks is not None:
-                weights = ranks.own_shard(weights, e.shard)
+            if self.ranks is not None:
+                weights = self.ranks.own_shard(weights, e.shard)
             rounded = master.to(e.param.dtype).to(torch.float32)
             differs = (weights != rounded) & ~(weights.isnan() & rounded.isnan())
             if bool(differs.any()):

@@ -1192,7 +1192,7 @@ class Engine:
         if self._step.staged is not None:
             self._step.drop_staged(f"{edited[0].name}{' and more' if len(edited) > 1 else ''} "
                                    "may have been written in place since the last step")
-        taken = self._edits.take(edited, self.runtime, self.ranks, self._checkpoints)
+        taken = self._edits.take(edited, self.runtime, self._checkpoints)
         if taken:
             logger.debug("step %d: the weights of %s, written in place since the last step, "
                          "taken into the master weights", self.global_steps + 1,

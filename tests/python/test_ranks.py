@@ -677,7 +677,8 @@ def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
 # step and by rank 1 at even steps only, so that rank 1's rows of the reduce-scatter's buffer
 # (kept from one step to the next) must be zeros where it has no gradient. Stage 1, and stage 3's
 # parameters under the persistence threshold (reduced at the step), against torch's DDP; with
-# zero_grad(set_to_none=False), which no rank refuses (each steps `extra` with the mean).
+# zero_grad(set_to_none=False), which no rank refuses (each steps `extra` with the mean), and an
+# edit in place between steps made on every rank (each takes its shard's: strata/edits.py).
 BRANCH = r"""
 import json, os, sys, torch, torch.distributed as dist
 import strata
@@ -713,6 +714,8 @@ ddp.module.load_state_dict(reference.state_dict())
 adamw = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01)
 for step, x in enumerate(batches()):
     adamw.zero_grad()
+    if step == 2:  # an edit in place between steps, on every rank
+        torch.nn.init.constant_(ddp.module.body.bias, 0.1)
     ddp(x, uses(step)).pow(2).mean().backward()
     adamw.step()
 out = {}
@@ -727,6 +730,8 @@ for stage in (1, 3):
     for step, x in enumerate(batches()):
         # (zeros kept: each rank steps `extra` with the mean as DDP does, refused by none)
         engine.zero_grad(set_to_none=False)
+        if step == 2:  # (taken by each rank into its shard of the master weights)
+            torch.nn.init.constant_(engine.module.body.bias, 0.1)
         engine.backward(engine(x, uses(step)).pow(2).mean())
         engine.step()
     ours = engine.module_state_dict()
