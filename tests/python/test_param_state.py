@@ -105,6 +105,15 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
         strata.safe_set_full_fp32_param(pairs[0][0], torch.zeros(16, 64))
     with pytest.raises(ValueError, match=r"optim_state_key None: the engine's optimizer"):
         strata.safe_get_full_optimizer_state(pairs[0][0], None)
+    with pytest.raises(ValueError, match=r"dtype torch.complex64 .*accepted: a real tensor"):
+        strata.safe_set_full_fp32_param(pairs[0][0], torch.zeros(64, 16, dtype=torch.complex64))
+    w = pairs[0][0]  # the local variants: in one process, all of it, flat
+    assert torch.equal(strata.safe_get_local_optimizer_state(w, "exp_avg"),
+                       strata.safe_get_full_optimizer_state(w, "exp_avg").reshape(-1))
+    strata.safe_set_local_optimizer_state(w, torch.ones(1024), "exp_avg_sq")
+    strata.safe_set_local_fp32_param(w, torch.full((1024,), 0.5))
+    assert (strata.safe_get_full_optimizer_state(w, "exp_avg_sq") == 1).all()
+    assert (engine.module_state_dict()["l1.weight"] == 0.5).all()  # (the weights too)
     plain = torch.nn.Parameter(torch.zeros(3))
     assert strata.safe_get_full_fp32_param(plain) is None  # (no engine's: as DeepSpeed's)
     with pytest.raises(ValueError, match="is not one a strata engine trains"):
