@@ -25,7 +25,7 @@ them within strata.GatheredParameters, or load them with module.load_state_dict)
 place into one (its version counter moved: into its placeholder between steps, or into the copy
 lent to its forward, as nn.Embedding(max_norm=...)'s renorm writes) is lost with the copy: it is
 refused by name at the next forward or step (a write through .data inside its forward is not
-seen). Other reads of the placeholder (``p.norm()``) are not caught.
+seen). Their placeholders' other reads and writes are refused by strata/placeholders.py.
 
 `.data` is watched through a property set on torch.nn.Parameter once, when the first engine is
 made: for any other parameter it is torch's own.
@@ -38,26 +38,18 @@ import weakref
 
 import torch
 
-from strata import checkpoints
+from strata import checkpoints, placeholders
 from strata.parameters import data_of, read_state, set_data
+from strata.placeholders import PARTITIONED, partitioned_name
 
 __all__ = ["Edits"]
 
 # On a watched parameter (in its __dict__): whether its .data was handed out since the engine
 # last wrote it.
 _TAKEN = "_strata_data_taken"
-# On a partitioned parameter (in its __dict__): its name and its watch (weakly: an engine dropped
-# without close() leaves nothing refused), for the refusals of its placeholder's .data.
-_PARTITIONED = "_strata_partitioned"
 # On a partitioned parameter lent whole to a GatheredParameters block: whether the block
 # modifies (p.data = t is taken then), and whether its .data was handed out in the block.
 _BLOCK = "_strata_block"
-
-
-def _partitioned(d):
-    """The name of the parameter whose __dict__ is `d` when a live engine partitions it."""
-    mark = d.get(_PARTITIONED)
-    return mark[0] if mark is not None and mark[1]() is not None else None
 
 
 def _get_data(p):
@@ -67,9 +59,9 @@ def _get_data(p):
         d[_TAKEN] = True
     if _BLOCK in d:
         d[_BLOCK] = (d[_BLOCK][0], True)
-    if _PARTITIONED in d and data.numel() == 0 and _partitioned(d) is not None:
+    if PARTITIONED in d and data.numel() == 0 and partitioned_name(p) is not None:
         raise RuntimeError(
-            f"{_partitioned(d)}.data at ZeRO stage 3 outside its module's forward: its weights "
+            f"{partitioned_name(p)}.data at ZeRO stage 3 outside its module's forward: its weights "
             "are the engine's partitions, and the parameter holds a placeholder without them "
             "(a read would see no values, a write would be lost); accepted: within "
             "strata.GatheredParameters([param]) (with modifier_rank=0 what the block writes "
@@ -81,10 +73,10 @@ def _get_data(p):
 def _set_data(p, value):
     d = p.__dict__
     # (a move of its placeholder goes on)
-    if _PARTITIONED in d and value.numel() != 0 and _partitioned(d) is not None and \
+    if PARTITIONED in d and value.numel() != 0 and partitioned_name(p) is not None and \
             not d.get(_BLOCK, (False,))[0]:  # (a modifying block takes it)
         raise RuntimeError(
-            f"{_partitioned(d)}.data = tensor at ZeRO stage 3: its weights are the engine's "
+            f"{partitioned_name(p)}.data = tensor at ZeRO stage 3: its weights are the engine's "
             "partitions (the parameter holds a placeholder outside its module's forward, a copy "
             "lent within it), and the tensor would be dropped at the next forward; accepted: "
             "module.load_state_dict({name: tensor}, strict=False) between steps (the weights "
@@ -104,8 +96,9 @@ def _shared(p):
 
 def _unmark(params):
     """The marks the watch set on `params` taken off (its engine closed, or dropped)."""
+    placeholders.unguard(params)
     for p in params:
-        for mark in (_TAKEN, _PARTITIONED, _BLOCK):
+        for mark in (_TAKEN, _BLOCK):
             p.__dict__.pop(mark, None)
 
 
@@ -127,8 +120,8 @@ class Edits:
         self.partitioned = [e for e in entries if e.partitioned]
         for e in self.entries:
             e.param.__dict__[_TAKEN] = False
-        for e in self.partitioned:
-            e.param.__dict__[_PARTITIONED] = (e.name, weakref.ref(self))
+        for e in self.partitioned:  # (an engine dropped without close() leaves none refused)
+            placeholders.guard(e.param, e.name, e.shape, weakref.ref(self))
         # (an engine dropped without close() leaves its parameters unmarked too)
         self._unmark = weakref.finalize(self, _unmark,
                                         [e.param for e in self.entries + self.partitioned])

@@ -597,9 +597,16 @@ class Engine:
                 # state_dict() gives their weights whole, as plain torch's does.
                 self._hook_handles.append(module.register_state_dict_post_hook(
                     weakly(self._whole_in_state_dict)))
+                module._save_to_state_dict = types.MethodType(guards.save_to_state_dict, module)
+                self._patched_methods.append((module, "_save_to_state_dict"))
         # The module's own load_state_dict would set placeholders and tensors the optimizer's
         # master weights overwrite at the next step: it loads through the engine instead.
         model.load_state_dict = types.MethodType(guards.load_state_dict_through(engine), model)
+        for name, module in model.named_modules():  # (a submodule's own, too)
+            if name and any(id(p) in self.table.partitioned_by_id for p in module.parameters()):
+                module.load_state_dict = types.MethodType(
+                    guards.load_state_dict_through(engine, f"{name}."), module)
+                self._patched_methods.append((module, "load_state_dict"))
         # model.zero_grad() (Trainer's, a plain loop's) drops the engine's gradients too.
         model.zero_grad = types.MethodType(guards.zero_grad_through(engine), model)
         self._patched_methods.append((model, "zero_grad"))

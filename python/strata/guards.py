@@ -24,7 +24,7 @@ import torch
 import torch.optim.optimizer as optimizer_hooks
 
 from strata import pretrained
-from strata import tiling
+from strata import placeholders, tiling
 from strata.parameters import set_data
 
 __all__ = ["LIVE", "PLACEHOLDERS_LEFT", "engine_holding", "engine_of", "leave_placeholders",
@@ -214,13 +214,14 @@ def num_parameters(module, only_trainable=False, exclude_embeddings=False):
                if name not in embeddings and (p.requires_grad or not only_trainable))
 
 
-def load_state_dict_through(engine_ref):
+def load_state_dict_through(engine_ref, prefix=""):
     def load_state_dict(module, state_dict, strict=True, assign=False):
-        """As torch's, for a module an engine trains: the weights stream into its partitions and
-        the optimizer's master weights (engine.load_pretrained's rules: every missing,
-        unexpected or wrongly shaped tensor named before anything changes), and the optimizer
-        keeps its state (moments, step counts), as torch's module.load_state_dict leaves its
-        optimizer's (engine.load_pretrained starts it afresh)."""
+        """As torch's, for a module an engine trains (or, with `prefix`, its submodule of that
+        name, whose own load_state_dict would copy into placeholders): the weights stream into
+        its partitions and the optimizer's master weights (engine.load_pretrained's rules:
+        every missing, unexpected or wrongly shaped tensor named before anything changes), and
+        the optimizer keeps its state (moments, step counts), as torch's module.load_state_dict
+        leaves its optimizer's (engine.load_pretrained starts it afresh)."""
         engine = engine_ref()
         if engine is None:
             raise RuntimeError("load_state_dict: the engine training this module is gone")
@@ -232,7 +233,19 @@ def load_state_dict_through(engine_ref):
         for name, child in module.named_modules():  # a TiledLinear's weight whole, cut
             if isinstance(child, tiling.TiledLinear):
                 tiling.cut_whole(child, state_dict, f"{name}." if name else "")
-        missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
+        if not prefix:
+            missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
+            return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+        own = list(module.state_dict(keep_vars=True))  # (its keys: nothing gathered)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(own)]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                f"{missing[:5]}, unexpected keys {unexpected[:5]}; accepted: the keys of "
+                "module.state_dict(), or strict=False")
+        pretrained.load(engine, {prefix + k: v for k, v in state_dict.items() if k in set(own)},
+                        strict=False, keep_state=True)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict
 
@@ -327,8 +340,17 @@ def convert_through(engine_ref):
                             "set in the config (its bf16 or fp16 block) before "
                             "strata.initialize, or the conversion after engine.release()")
                     break
-        return type(module)._apply(module, fn, *args, **kwargs)
+        with placeholders.own():  # (stage 3: the placeholders converted as they are)
+            return type(module)._apply(module, fn, *args, **kwargs)
     return _apply
+
+
+def save_to_state_dict(module, *args, **kwargs):
+    """nn.Module._save_to_state_dict of a module owning partitioned parameters (stage 3): torch's,
+    whose entries are the placeholders (detached), which the engine's state_dict post-hook
+    replaces with the weights whole."""
+    with placeholders.own():
+        return type(module)._save_to_state_dict(module, *args, **kwargs)
 
 
 _CLOSED_PLACEHOLDERS = {}

@@ -32,6 +32,7 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
 from strata.parameters import data_of, set_data
+from strata.placeholders import holds_values
 
 __all__ = ["Lending", "kernel_stream", "register_external_parameter", "weakly"]
 
@@ -163,7 +164,7 @@ class Lending:
         back. Across ranks its shard is gathered whole (an external use the first forward finds:
         every rank's forward meets it at the same point)."""
         self.holders[e.pid] = self.holders.get(e.pid, 0) + 1
-        if e.param.numel() == 0:
+        if not holds_values(e.param):
             lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                  self._traced()))
             if self.ranks is None:
@@ -235,7 +236,7 @@ class Lending:
         gather = []
         for e in self.by_module[module]:
             held = self.holders.get(e.pid, 0)
-            if held == 0 and e.param.numel() == 0 and e not in prefetched[0]:
+            if held == 0 and not holds_values(e.param) and e not in prefetched[0]:
                 try:
                     lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                          self._traced()))
@@ -269,7 +270,7 @@ class Lending:
 
     def _sink(self, e):
         def sink(whole):
-            if e.param.numel() == 0:  # (a prefetch dropped unused hands its copy to nobody)
+            if not holds_values(e.param):  # (a prefetch dropped unused hands its copy to nobody)
                 set_data(e.param, whole.view(e.shape))
         return sink
 
@@ -300,7 +301,7 @@ class Lending:
         following = self.gather_order[self.cursor]
         items = []
         for e in self.by_module[following]:
-            if self.holders.get(e.pid, 0) == 0 and e.param.numel() == 0:
+            if self.holders.get(e.pid, 0) == 0 and not holds_values(e.param):
                 lent = from_dlpack(self.runtime.lend(e.pid, "device", self._stream(),
                                                      self._traced()))
                 items.append((e, lent, self._sink(e)))
@@ -403,7 +404,7 @@ class _SavedViews:
         if base is None or lending is None:
             return t
         e = lending.table.partitioned_by_id.get(id(base))
-        if e is None or t.dtype != e.param.dtype or e.param.numel() == 0 or \
+        if e is None or t.dtype != e.param.dtype or not holds_values(e.param) or \
                 t.untyped_storage().data_ptr() != e.param.untyped_storage().data_ptr():
             return t
         return _LentView(e, t.size(), t.stride(), t.storage_offset() - e.param.storage_offset())
@@ -412,7 +413,7 @@ class _SavedViews:
         if not isinstance(saved, _LentView):
             return saved
         e = saved.entry
-        if e.param.numel() == 0:  # not lent again by its module's backward: lent now
+        if not holds_values(e.param):  # not lent again by its module's backward: lent now
             lending = self._lending()
             if lending is None or not lending.runtime or lending.ranks is not None:
                 raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
@@ -548,7 +549,7 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
             return func(*args, **kwargs)
         for leaf in _pytree.tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.nn.Parameter) and \
-                    id(leaf) in lending.table.partitioned_by_id and leaf.numel() == 0:
+                    id(leaf) in lending.table.partitioned_by_id and not holds_values(leaf):
                 lending._use_external(leaf, self.stack[-1] if self.stack else lending.module)
         return func(*args, **kwargs)
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import strata
+from strata import placeholders
 from references import MixedPrecisionAdamW
 
 VOCAB, WIDTH = 50, 32
@@ -690,8 +691,9 @@ def test_a_tied_weight_used_outside_its_module_trains_once_registered(tmp_path):
 
 def test_module_state_dict_holds_whole_parameters_at_stage3(tmp_path):
     engine, reference, _ = train_both(tmp_path, 3, "cpu", "fp32", steps=4)
-    assert all(v.numel() == 0 for k, v in engine.module.named_parameters() if "weight" in k
-               and k != "ln.weight")  # the parameters themselves: placeholders between uses
+    # The parameters themselves: placeholders between uses, of their shape.
+    assert all(not placeholders.holds_values(v) and v.dim() == 2
+               for k, v in engine.module.named_parameters() if "weight" in k and k != "ln.weight")
     whole = engine.module_state_dict()
     # The module's own state_dict() gives them whole too, as plain torch's.
     for name, value in engine.module.state_dict().items():
@@ -2665,10 +2667,9 @@ def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused
             engine.step()
         engine.zero_grad()
         weight = engine.module.out.weight
-        with torch.no_grad():
-            weight.mul_(2)  # (its placeholder)
-        with pytest.raises(RuntimeError, match=r"out.weight written in place at ZeRO stage 3"):
-            engine(x)
+        with pytest.raises(RuntimeError, match=r"out.weight: mul_\(\) of a parameter ZeRO stage 3 "
+                           r"partitions, outside its module's forward"), torch.no_grad():
+            weight.mul_(2)  # (its placeholder: refused as it is written)
         with pytest.raises(RuntimeError, match=r"GatheredParameters without modifier_rank: "
                            r"out.weight written in place in the block"):
             with strata.GatheredParameters([weight]), torch.no_grad():
@@ -2689,10 +2690,6 @@ def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused
                 weight.mul_(2)
                 raise KeyError  # (what the block wrote is kept, as plain torch keeps it)
         assert (engine.module_state_dict()["out.weight"] == 1.0).all()
-        with torch.no_grad():
-            weight.mul_(2)  # (its placeholder, after the last step)
-        with pytest.raises(RuntimeError, match=r"out.weight written in place at ZeRO stage 3"):
-            engine.module_state_dict()
         return
     for x, y in batches(4):
         _step_beside(engine, reference, torch_adamw, x, y)
@@ -3084,6 +3081,56 @@ def test_an_nvme_folder_held_by_an_engine_nothing_reaches_is_taken(tmp_path):
             gc.enable()
 
 
+def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(tmp_path):
+    """Outside forward a partitioned parameter holds an empty placeholder: its shape, numel()
+    and dim() were the placeholder's (a parameter count, a decay group by p.dim() >= 2 and
+    parameters_to_vector silently wrong) and its values read as none (p.norm() 0.0, a copy
+    empty). Now its metadata is plain torch's, its values are refused by name, a submodule's
+    load_state_dict loads through the engine, and close() leaves torch.nn.Parameter."""
+    engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, 3)
+    for x, y in batches(2):
+        _step_beside(engine, reference, torch_adamw, x, y)
+    _assert_weights_as(engine, reference)
+    model = engine.module
+    weight = model.l1.weight
+    assert isinstance(weight, torch.nn.Parameter) and not placeholders.holds_values(weight)
+    assert sum(p.numel() for p in model.parameters()) == \
+        sum(p.numel() for p in reference.parameters())
+    assert [n for n, p in model.named_parameters() if p.dim() >= 2] == \
+        [n for n, p in reference.named_parameters() if p.dim() >= 2]
+    assert (weight.shape, weight.size(-1), weight.stride(), len(weight), weight.ndim) == \
+        (reference.l1.weight.shape, WIDTH, (WIDTH, 1), 2 * WIDTH, 2)
+    assert torch.equal(torch.zeros_like(weight), torch.zeros_like(reference.l1.weight))
+    assert "l1.weight, shape (64, 32)" in repr(weight)
+    refused = r"(l1|emb).weight: {}\(\) of a parameter ZeRO stage 3 partitions, outside its "
+    for what, read in [("norm", lambda: weight.norm()),
+                       ("view", lambda: torch.nn.utils.parameters_to_vector(model.parameters())),
+                       ("detach", lambda: weight.detach().clone()),
+                       ("lerp_", lambda: torch.zeros(2 * WIDTH, WIDTH).lerp_(weight, 0.1)),
+                       ("to", lambda: weight.to(torch.float64))]:
+        with pytest.raises(RuntimeError, match=refused.format(what)):
+            read()
+    with pytest.raises(RuntimeError, match=refused.format("mul_")), torch.no_grad():
+        weight.mul_(2)
+    with strata.GatheredParameters([weight]):  # lent whole: any parameter
+        assert weight.norm().item() == pytest.approx(reference.l1.weight.norm().item(), rel=1e-5)
+    # A submodule's own state_dict and load_state_dict: the weights whole, loaded into the
+    # partitions and master weights (torch's copied into the placeholder: a size mismatch).
+    assert torch.equal(model.l1.state_dict()["weight"], engine.module_state_dict()["l1.weight"])
+    loaded = {"weight": torch.randn(2 * WIDTH, WIDTH) * 0.1, "bias": torch.zeros(2 * WIDTH)}
+    model.l1.load_state_dict(loaded)
+    with torch.no_grad():
+        reference.l1.load_state_dict(loaded)
+    with pytest.raises(RuntimeError, match=r"Linear: missing keys \['bias'\]"):
+        model.l1.load_state_dict({"weight": loaded["weight"]})
+    model.to("cpu")  # (a move: the placeholders moved as they are)
+    for x, y in batches(2, seed=2):
+        _step_beside(engine, reference, torch_adamw, x, y)
+    _assert_weights_as(engine, reference)
+    engine.close()
+    assert type(weight) is torch.nn.Parameter
+
+
 def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path):
     """DeepSpeed's GatheredParameters: outside their module's forward, partitioned weights are
     placeholders; within the block they are whole (a logged norm is plain torch's), edits made
@@ -3097,14 +3144,14 @@ def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path)
     for x, y in data[:2]:
         step_both(engine, reference, torch_adamw, x, y)
     weight = engine.module.l1.weight
-    assert weight.numel() == 0  # a placeholder between uses
+    assert not placeholders.holds_values(weight)  # a placeholder between uses
     with pytest.raises(RuntimeError, match=r"GatheredParameters without modifier_rank: "
                        r"l1.weight written in place in the block"):
         with strata.GatheredParameters(weight):
             assert weight.norm().item() == pytest.approx(reference.l1.weight.norm().item(),
                                                          rel=1e-6)
             weight.data.mul_(0.0)  # dropped: no modifier_rank
-    assert weight.numel() == 0
+    assert not placeholders.holds_values(weight)
     with strata.GatheredParameters(weight):  # (an enclosing block that reads: DeepSpeed's
         with strata.GatheredParameters(weight):  # nested blocks over it leave it to the outer)
             pass

@@ -1,0 +1,197 @@
+"""A ZeRO stage-3 partitioned parameter outside its module's forward: its shape real, its values
+refused by name.
+
+Outside the forward (and backward) of the module that uses it, a parameter stage 3 partitions
+holds an empty placeholder: its weights are the engine's partitions. Plain torch's parameter holds
+its values there, so every read of the placeholder would differ from plain torch silently: a
+count of the model's parameters (``sum(p.numel() ...)``), a weight-decay group chosen by
+``p.dim() >= 2``, a logged ``p.norm()`` (0.0), ``parameters_to_vector`` (short), a copy taken
+with ``p.detach().clone()`` or ``ema.lerp_(p, w)`` (empty), a submodule's own
+``load_state_dict`` (a size mismatch).
+
+While a live engine partitions it, such a parameter's class is `Partitioned` (a subclass of
+torch.nn.Parameter: ``isinstance(p, nn.Parameter)`` holds), and what a torch function reads of it
+while it holds the placeholder is:
+  - its metadata as plain torch's: ``shape``, ``size()``, ``dim()``, ``ndim``, ``numel()``,
+    ``stride()`` (contiguous), ``len()``, dtype, device, ``.grad``, ``requires_grad`` and the
+    other attributes that are no values; ``torch.zeros_like(p)`` and the other ``*_like``
+    factories (they read its shape, dtype and device only);
+  - everything else (its values read, written, copied or converted) refused by name, saying what
+    to use: ``strata.GatheredParameters([p])`` (with ``modifier_rank=0`` what it writes is kept),
+    ``strata.safe_get_full_fp32_param(p)``, ``engine.module_state_dict()`` or the root module's
+    ``load_state_dict``; within a forward of a module that does not own it,
+    ``strata.register_external_parameter``.
+Lent to a forward, a backward or a GatheredParameters block, it is any parameter. The engine's own
+code (module conversions, state_dict()'s entries, which its hook then replaces with the weights
+whole) runs within `own()`, and reads the placeholder as it is (`holds_values`). The engine's
+close(), release() or drop gives the parameters torch.nn.Parameter back.
+
+Only parameters whose class is torch.nn.Parameter itself are guarded (a subclass of one's own
+keeps its class, and its placeholder's reads go unrefused). ``.data`` is refused by
+strata/edits.py's property.
+
+Thread safety: guard() and unguard() are the engine's (one thread); the torch functions may run in
+any thread, and own() holds for the thread that entered it.
+"""
+
+import contextlib
+import math
+import threading
+
+import torch
+
+__all__ = ["PARTITIONED", "Partitioned", "guard", "holds_values", "own", "partitioned_name",
+           "unguard"]
+
+# On a partitioned parameter (in its __dict__): its name and a weak reference to the engine's
+# watch of it (strata/edits.py): while that is alive, its placeholder's reads are refused.
+PARTITIONED = "_strata_partitioned"
+
+_OWN = threading.local()
+
+# Attributes and methods that read no values: torch's own answer goes.
+_PASS = frozenset((
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad",
+    "data_ptr", "untyped_storage", "storage_offset", "element_size", "is_floating_point",
+    "is_complex", "is_signed", "is_contiguous", "get_device", "is_pinned", "is_shared",
+    "is_inference", "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "__dir__",
+    "_is_view"))
+# Getters of views of the values: refused as reads.
+_VALUE_GETTERS = frozenset(("T", "mT", "H", "mH", "real", "imag"))
+_LIKE = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                   "randn_like", "randint_like"))
+
+
+def partitioned_name(p):
+    """The name of `p` while a live engine partitions it, else None."""
+    mark = p.__dict__.get(PARTITIONED)
+    return mark[0] if mark is not None and mark[1]() is not None else None
+
+
+def holds_values(p):
+    """Whether parameter `p` holds values now (lent), not its placeholder: read past the guard."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.numel() != 0
+
+
+@contextlib.contextmanager
+def own():
+    """The engine's own torch calls on the placeholders (in this thread): not refused."""
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _OWN.depth -= 1
+
+
+def guard(p, name, shape, watch):
+    """Parameter `p`, named `name`, of `shape`, is guarded while `watch` (a weak reference) is
+    alive: Partitioned, if its class is torch.nn.Parameter itself."""
+    p.__dict__[PARTITIONED] = (name, watch, tuple(shape))
+    if type(p) is torch.nn.Parameter:
+        p.__class__ = Partitioned
+
+
+def unguard(params):
+    """`params` are plain torch.nn.Parameter again, unmarked."""
+    for p in params:
+        p.__dict__.pop(PARTITIONED, None)
+        if type(p) is Partitioned:
+            p.__class__ = torch.nn.Parameter
+
+
+def _name(func):
+    """(the function's name, whether it is an attribute's getter or setter)"""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", ""), True
+    return name, False
+
+
+def _held(value):
+    """Whether `value` is a guarded parameter holding its placeholder."""
+    return type(value) is Partitioned and partitioned_name(value) is not None and \
+        not holds_values(value)
+
+
+def _placeholders_in(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from (v for v in value if _held(v))
+        elif _held(value):
+            yield value
+
+
+def _shape(p):
+    return p.__dict__[PARTITIONED][2]
+
+
+def _answer(name, p, args, kwargs):
+    """What plain torch's parameter answers for metadata `name` of `p` (args[0]), or
+    NotImplemented where it reads values."""
+    shape = torch.Size(_shape(p))
+    if name == "shape":
+        return shape
+    if name in ("dim", "ndimension", "ndim"):
+        return len(shape)
+    if name in ("numel", "nelement"):
+        return math.prod(shape)
+    if name == "size":
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+    if name == "stride":
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return strides if dim is None else strides[dim]
+    if name == "__len__":
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return shape[0]
+    if name == "__format__":
+        return format(repr(p), *args[1:])
+    return NotImplemented
+
+
+def _refuse(name, p):
+    what = f".{name}" if name in _VALUE_GETTERS else f"{name}()"
+    return RuntimeError(
+        f"{partitioned_name(p)}: {what} of a parameter ZeRO stage 3 partitions, outside its "
+        "module's forward: the parameter holds an empty placeholder there (its weights are the "
+        "engine's partitions), so its values would be read as none or written into nothing; "
+        "accepted: within strata.GatheredParameters([param]) (with modifier_rank=0 what the "
+        "block writes becomes the weights and master weights), strata.safe_get_full_fp32_param("
+        "param) to read the master weights, engine.module_state_dict() (or the model's "
+        "state_dict()) for the weights and the model's load_state_dict to set them; in the "
+        "forward of a module that does not own it, strata.register_external_parameter(module, "
+        "param) (its shape, numel() and dtype are answered as plain torch's)")
+
+
+class Partitioned(torch.nn.Parameter):
+    """A parameter a live engine partitions at stage 3 (see the module's docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not getattr(_OWN, "depth", 0):
+            name, attribute = _name(func)
+            if not attribute or name in _VALUE_GETTERS or name in ("shape", "ndim"):
+                held = next(_placeholders_in(args, kwargs), None)
+                if held is not None and name not in _PASS:
+                    if name in _LIKE and args and args[0] is held:
+                        stand_in = torch.empty((), dtype=held.dtype, device=held.device) \
+                            .expand(_shape(held))
+                        return func(stand_in, *args[1:], **kwargs)
+                    answer = _answer(name, held, args, kwargs) if args and args[0] is held \
+                        else NotImplemented
+                    if answer is NotImplemented:
+                        raise _refuse(name, held)
+                    return answer
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self):
+        if _held(self) and not getattr(_OWN, "depth", 0):
+            return (f"Parameter partitioned by strata at ZeRO stage 3 ({partitioned_name(self)}, "
+                    f"shape {tuple(_shape(self))}, {self.dtype}): its values are the engine's "
+                    "partitions, read within strata.GatheredParameters([param])")
+        return super().__repr__()
