@@ -13,9 +13,10 @@ While a live engine partitions it, such a parameter's class is `Partitioned` (a 
 torch.nn.Parameter: ``isinstance(p, nn.Parameter)`` holds), and what a torch function reads of it
 while it holds the placeholder is:
   - its metadata as plain torch's: ``shape``, ``size()``, ``dim()``, ``ndim``, ``numel()``,
-    ``stride()`` (contiguous), ``len()``, dtype, device, ``.grad``, ``requires_grad`` and the
-    other attributes that are no values; ``torch.zeros_like(p)`` and the other ``*_like``
-    factories (they read its shape, dtype and device only);
+    ``nbytes``, ``stride()`` (contiguous), ``dim_order()``, ``len()``, ``type()``, dtype,
+    device, ``.grad``, ``requires_grad``; ``torch.zeros_like(p)`` and the other ``*_like``
+    factories, ``p.new(...)``, ``torch.result_type`` and ``is_same_size`` (they read its shape,
+    dtype and device only);
   - everything else (its values read, written, copied or converted) refused by name, saying what
     to use: ``strata.GatheredParameters([p])`` (with ``modifier_rank=0`` what it writes is kept),
     ``strata.safe_get_full_fp32_param(p)``, ``engine.module_state_dict()`` or the root module's
@@ -28,7 +29,15 @@ close(), release() or drop gives the parameters torch.nn.Parameter back.
 
 Only parameters whose class is torch.nn.Parameter itself are guarded (a subclass of one's own
 keeps its class, and its placeholder's reads go unrefused). ``.data`` is refused by
-strata/edits.py's property.
+strata/edits.py's property. Not caught (torch runs them without a torch function): a copy made by
+``torch.tensor(p)``, ``torch.asarray(p, ...)``, ``p.as_subclass(...)`` or through DLPack (empty),
+and the storage's own attributes (``p.data_ptr()``, ``p.untyped_storage()``: the placeholder's,
+one for all). After the engine's close() (or drop) the parameters are plain torch.nn.Parameter
+holding zeros of their shape: the module's forward and state_dict() refuse them
+(strata/guards.py), a read of one alone does not.
+
+Each torch function given a guarded parameter costs about 1-2 us more (the subclass's dispatch in
+Python), lent or not.
 
 Thread safety: guard() and unguard() are the engine's (one thread); the torch functions may run in
 any thread, and own() holds for the thread that entered it.
@@ -48,6 +57,8 @@ __all__ = ["PARTITIONED", "Partitioned", "guard", "holds_values", "own", "partit
 PARTITIONED = "_strata_partitioned"
 
 _OWN = threading.local()
+_RAW = torch._C._disabled_torch_function_impl  # a torch function run as on a plain parameter
+_NUMEL = torch.Tensor.numel
 
 # Attributes and methods that read no values: torch's own answer goes.
 _PASS = frozenset((
@@ -58,6 +69,8 @@ _PASS = frozenset((
     "_is_view"))
 # Getters of views of the values: refused as reads.
 _VALUE_GETTERS = frozenset(("T", "mT", "H", "mH", "real", "imag"))
+# The getters looked at (the others, dtype, grad, requires_grad, are torch's own).
+_WATCHED_GETTERS = _VALUE_GETTERS | {"shape", "ndim", "nbytes"}
 _LIKE = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
                    "randn_like", "randint_like"))
 
@@ -70,8 +83,7 @@ def partitioned_name(p):
 
 def holds_values(p):
     """Whether parameter `p` holds values now (lent), not its placeholder: read past the guard."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return p.numel() != 0
+    return _RAW(_NUMEL, (), (p,), {}) != 0
 
 
 @contextlib.contextmanager
@@ -100,6 +112,8 @@ def unguard(params):
             p.__class__ = torch.nn.Parameter
 
 
+
+
 def _name(func):
     """(the function's name, whether it is an attribute's getter or setter)"""
     name = getattr(func, "__name__", "")
@@ -110,35 +124,57 @@ def _name(func):
 
 def _held(value):
     """Whether `value` is a guarded parameter holding its placeholder."""
-    return type(value) is Partitioned and partitioned_name(value) is not None and \
-        not holds_values(value)
+    return type(value) is Partitioned and _RAW(_NUMEL, (), (value,), {}) == 0 and \
+        partitioned_name(value) is not None
 
 
-def _placeholders_in(args, kwargs):
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from (v for v in value if _held(v))
-        elif _held(value):
-            yield value
+def _placeholder_in(values):
+    """The first guarded parameter holding its placeholder in `values` (or in a list or tuple
+    among them), else None."""
+    for value in values:
+        if type(value) is Partitioned:
+            if _held(value):
+                return value
+        elif type(value) in (list, tuple):
+            held = _placeholder_in(value)
+            if held is not None:
+                return held
+    return None
 
 
 def _shape(p):
     return p.__dict__[PARTITIONED][2]
 
 
-def _answer(name, p, args, kwargs):
-    """What plain torch's parameter answers for metadata `name` of `p` (args[0]), or
-    NotImplemented where it reads values."""
+def _stand_in(p):
+    """A tensor of `p`'s shape, dtype and device without its bytes (one element, expanded)."""
+    return torch.empty((), dtype=p.dtype, device=p.device).expand(_shape(p))
+
+
+def _with_stand_ins(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_with_stand_ins(v) for v in value)
+    return _stand_in(value) if _held(value) else value
+
+
+def _answer(func, name, p, args, kwargs):
+    """What plain torch's parameter answers for `func` (named `name`) reading only metadata of
+    placeholder `p` (args[0], or the other arguments where it reads no values: zeros_like,
+    result_type, is_same_size), or NotImplemented where it reads values."""
     shape = torch.Size(_shape(p))
-    if name == "shape":
-        return shape
-    if name in ("dim", "ndimension", "ndim"):
-        return len(shape)
-    if name in ("numel", "nelement"):
-        return math.prod(shape)
-    if name == "size":
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        return shape if dim is None else shape[dim]
+    if name in ("shape", "size", "dim", "ndimension", "ndim", "numel", "nelement", "nbytes",
+                "dim_order", "is_same_size", "result_type", "new") or name in _LIKE:
+        args = tuple(_with_stand_ins(a) for a in args)
+        kwargs = {k: _with_stand_ins(v) for k, v in kwargs.items()}
+        if name == "nbytes":
+            return math.prod(shape) * p.element_size()
+        if name == "dim_order":
+            return tuple(range(len(shape)))
+        return _RAW(func, (), args, kwargs)
+    if args[0] is not p:
+        return NotImplemented
+    if name == "type" and len(args) == 1 and not kwargs:  # (its name; a conversion reads values)
+        return _RAW(func, (), args, kwargs)
     if name == "stride":
         strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
@@ -174,20 +210,16 @@ class Partitioned(torch.nn.Parameter):
         kwargs = kwargs or {}
         if not getattr(_OWN, "depth", 0):
             name, attribute = _name(func)
-            if not attribute or name in _VALUE_GETTERS or name in ("shape", "ndim"):
-                held = next(_placeholders_in(args, kwargs), None)
-                if held is not None and name not in _PASS:
-                    if name in _LIKE and args and args[0] is held:
-                        stand_in = torch.empty((), dtype=held.dtype, device=held.device) \
-                            .expand(_shape(held))
-                        return func(stand_in, *args[1:], **kwargs)
-                    answer = _answer(name, held, args, kwargs) if args and args[0] is held \
-                        else NotImplemented
+            if (not attribute or name in _WATCHED_GETTERS) and name not in _PASS:
+                held = _placeholder_in(args)
+                if held is None and kwargs:
+                    held = _placeholder_in(kwargs.values())
+                if held is not None:
+                    answer = _answer(func, name, held, args, kwargs)
                     if answer is NotImplemented:
                         raise _refuse(name, held)
                     return answer
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return _RAW(func, types, args, kwargs)
 
     def __repr__(self):
         if _held(self) and not getattr(_OWN, "depth", 0):

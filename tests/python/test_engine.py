@@ -3100,7 +3100,13 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
         [n for n, p in reference.named_parameters() if p.dim() >= 2]
     assert (weight.shape, weight.size(-1), weight.stride(), len(weight), weight.ndim) == \
         (reference.l1.weight.shape, WIDTH, (WIDTH, 1), 2 * WIDTH, 2)
-    assert torch.equal(torch.zeros_like(weight), torch.zeros_like(reference.l1.weight))
+    plain = reference.l1.weight
+    for read in [lambda p: torch.zeros_like(p), lambda p: torch.zeros_like(input=p),
+                 lambda p: p.nbytes, lambda p: p.type(), lambda p: torch.result_type(p, 1.0),
+                 lambda p: p.new(2).shape, lambda p: p.dim_order()]:
+        assert str(read(weight)) == str(read(plain))
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        weight.size(2)
     assert "l1.weight, shape (64, 32)" in repr(weight)
     refused = r"(l1|emb).weight: {}\(\) of a parameter ZeRO stage 3 partitions, outside its "
     for what, read in [("norm", lambda: weight.norm()),
