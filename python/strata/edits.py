@@ -213,6 +213,12 @@ class Edits:
             return True
         return data_taken and lent is not None and not torch.equal(data_of(e.param), lent)
 
+    def end_block(self, e):
+        """The block that lent partitioned entry `e` whole has ended (a modifying one too: a
+        block after it is not nested in it)."""
+        e.param.__dict__.pop(_BLOCK, None)
+        self._lent_whole.pop(id(e), None)
+
     def lost_writes(self):
         """Refused: a partitioned parameter written in place since the engine last knew it (into
         its placeholder, or the copy lent to its forward): the write was lost with it."""

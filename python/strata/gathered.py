@@ -124,6 +124,7 @@ class GatheredParameters:
         finally:
             for engine, e in self.held:
                 set_data(e.param, engine.table.placeholder)
+                engine._edits.end_block(e)
                 engine._edits.settled([e])  # (what the block wrote is taken, or refused here)
             for context, p in self.built:
                 context.lending.unpin(p)

@@ -3120,6 +3120,13 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
         weight.mul_(2)
     with strata.GatheredParameters([weight]):  # lent whole: any parameter
         assert weight.norm().item() == pytest.approx(reference.l1.weight.norm().item(), rel=1e-5)
+    for _ in range(2):  # (the second block was taken as nested in the first: its write lost)
+        with strata.GatheredParameters([weight], modifier_rank=0), torch.no_grad():
+            weight.mul_(0.5)
+        assert not placeholders.holds_values(weight)
+        with torch.no_grad():
+            reference.l1.weight.mul_(0.5)
+    _assert_weights_as(engine, reference)
     # A submodule's own state_dict and load_state_dict: the weights whole, loaded into the
     # partitions and master weights (torch's copied into the placeholder: a size mismatch).
     assert torch.equal(model.l1.state_dict()["weight"], engine.module_state_dict()["l1.weight"])
