@@ -536,6 +536,9 @@ def test_a_torch_group_without_rank_and_world_size_in_the_environment_is_refused
         "except ValueError as error:\n"
         "    print(error, flush=True)\n"
         "sys.stdout.flush()\n"
+        # (rank 0 holds the group's store: gone before the other rank's init had finished, under
+        # load, that rank failed in torch's init with 'Connection reset by peer')
+        "dist.barrier()\n"
         "os._exit(0)\n")
     for p in start_ranks(2, script):
         stdout, stderr = p.communicate(timeout=120)
