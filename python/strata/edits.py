@@ -67,6 +67,8 @@ def _get_data(p):
             "strata.GatheredParameters([param]) (with modifier_rank=0 what the block writes "
             "becomes the weights and master weights), or engine.module_state_dict() to read "
             "them")
+    if PARTITIONED in d and placeholders.left_by_closed(p):
+        raise RuntimeError(f"{d[PARTITIONED][0]}.data: {placeholders.PLACEHOLDERS_LEFT}")
     return data
 
 
@@ -83,6 +85,8 @@ def _set_data(p, value):
             "and master weights replaced, the moments kept), or an edit within "
             "strata.GatheredParameters([param], modifier_rank=0)")
     set_data(p, value)
+    if PARTITIONED in d and d[PARTITIONED][1] is None:  # (a closed engine's: given its weights)
+        placeholders.unguard([p], closed=True)
     if _TAKEN in d:
         d[_TAKEN] = True
 

@@ -158,6 +158,7 @@ def leave_placeholders(model_ref, params, dtype, device):
     (refuse_placeholders)."""
     for p, shape in params:
         set_data(p, torch.zeros((), dtype=dtype, device=device).expand(shape))
+        placeholders.leave(p, shape)  # (its own reads refused too)
     model = model_ref()
     if model is not None:
         refuse_placeholders(model, [p for p, _ in params])
@@ -187,12 +188,7 @@ def refuse_placeholders(model, params):
                     lambda m, prefix, keep_vars: refuse(m, "state_dict()")))
 
 
-PLACEHOLDERS_LEFT = (
-    "its weights were partitioned by a strata engine that is closed (engine.close(), or its "
-    "last reference dropped), and only placeholders without their bytes are left; accepted: "
-    "engine.release() (closes the engine and gives the module its weights back whole), or "
-    "engine.module_state_dict() / save_checkpoint before closing, then "
-    "module.load_state_dict(state, assign=True)")
+PLACEHOLDERS_LEFT = placeholders.PLACEHOLDERS_LEFT
 
 
 def unguard(model):
@@ -203,6 +199,7 @@ def unguard(model):
             handle.remove()
     for p in model.parameters():
         _CLOSED_PLACEHOLDERS.pop(id(p), None)
+    placeholders.unguard(model.parameters(), closed=True)
 
 
 def num_parameters(module, only_trainable=False, exclude_embeddings=False):

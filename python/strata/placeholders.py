@@ -32,9 +32,11 @@ keeps its class, and its placeholder's reads go unrefused). ``.data`` is refused
 strata/edits.py's property. Not caught (torch runs them without a torch function): a copy made by
 ``torch.tensor(p)``, ``torch.asarray(p, ...)``, ``p.as_subclass(...)`` or through DLPack (empty),
 and the storage's own attributes (``p.data_ptr()``, ``p.untyped_storage()``: the placeholder's,
-one for all). After the engine's close() (or drop) the parameters are plain torch.nn.Parameter
-holding zeros of their shape: the module's forward and state_dict() refuse them
-(strata/guards.py), a read of one alone does not.
+one for all). After the engine's close() (or drop) each stays Partitioned, holding a placeholder
+of its shape (one element, expanded), and its reads and writes are refused by name, saying
+engine.release() gives the weights back, until it is given its weights (``p.data = t``; the
+module's ``load_state_dict(state, assign=True)`` gives it new parameters); release() leaves
+torch.nn.Parameter.
 
 Each torch function given a guarded parameter costs about 1-2 us more (the subclass's dispatch in
 Python), lent or not.
@@ -59,6 +61,15 @@ PARTITIONED = "_strata_partitioned"
 _OWN = threading.local()
 _RAW = torch._C._disabled_torch_function_impl  # a torch function run as on a plain parameter
 _NUMEL = torch.Tensor.numel
+_DATA_PTR = torch.Tensor.data_ptr
+
+# What a closed engine leaves, said by its refusals (here, and strata/guards.py's).
+PLACEHOLDERS_LEFT = (
+    "its weights were partitioned by a strata engine that is closed (engine.close(), or its "
+    "last reference dropped), and only placeholders without their bytes are left; accepted: "
+    "engine.release() (closes the engine and gives the module its weights back whole), or "
+    "engine.module_state_dict() / save_checkpoint before closing, then "
+    "module.load_state_dict(state, assign=True)")
 
 # Attributes and methods that read no values: torch's own answer goes.
 _PASS = frozenset((
@@ -78,7 +89,14 @@ _LIKE = frozenset(("zeros_like", "ones_like", "empty_like", "full_like", "rand_l
 def partitioned_name(p):
     """The name of `p` while a live engine partitions it, else None."""
     mark = p.__dict__.get(PARTITIONED)
-    return mark[0] if mark is not None and mark[1]() is not None else None
+    return mark[0] if mark is not None and mark[1] is not None and mark[1]() is not None \
+        else None
+
+
+def left_by_closed(p):
+    """Whether `p` holds what a closed engine left of it (not given its weights since)."""
+    mark = p.__dict__.get(PARTITIONED)
+    return mark is not None and mark[3] is not None and _RAW(_DATA_PTR, (), (p,), {}) == mark[3]
 
 
 def holds_values(p):
@@ -99,17 +117,29 @@ def own():
 def guard(p, name, shape, watch):
     """Parameter `p`, named `name`, of `shape`, is guarded while `watch` (a weak reference) is
     alive: Partitioned, if its class is torch.nn.Parameter itself."""
-    p.__dict__[PARTITIONED] = (name, watch, tuple(shape))
+    p.__dict__[PARTITIONED] = (name, watch, tuple(shape), None)
     if type(p) is torch.nn.Parameter:
         p.__class__ = Partitioned
 
 
-def unguard(params):
-    """`params` are plain torch.nn.Parameter again, unmarked."""
+def leave(p, shape):
+    """`p`'s engine closed and left it its placeholder (of `shape`, set just before): guarded
+    with the closed engine's refusal until it is given its weights (p.data = t)."""
+    name = p.__dict__.get(PARTITIONED, ("the parameter",))[0]
+    p.__dict__[PARTITIONED] = (name, None, tuple(shape), _RAW(_DATA_PTR, (), (p,), {}))
+    if type(p) is torch.nn.Parameter:
+        p.__class__ = Partitioned
+
+
+def unguard(params, closed=False):
+    """`params` are plain torch.nn.Parameter again, unmarked (those a closed engine left only
+    with `closed`)."""
     for p in params:
-        p.__dict__.pop(PARTITIONED, None)
-        if type(p) is Partitioned:
-            p.__class__ = torch.nn.Parameter
+        mark = p.__dict__.get(PARTITIONED)
+        if mark is not None and (closed or mark[3] is None):
+            del p.__dict__[PARTITIONED]
+            if type(p) is Partitioned:
+                p.__class__ = torch.nn.Parameter
 
 
 
@@ -123,9 +153,13 @@ def _name(func):
 
 
 def _held(value):
-    """Whether `value` is a guarded parameter holding its placeholder."""
-    return type(value) is Partitioned and _RAW(_NUMEL, (), (value,), {}) == 0 and \
-        partitioned_name(value) is not None
+    """Whether `value` is a guarded parameter holding its placeholder (or what a closed engine
+    left it)."""
+    if type(value) is not Partitioned:
+        return False
+    if _RAW(_NUMEL, (), (value,), {}) == 0:
+        return partitioned_name(value) is not None
+    return left_by_closed(value)
 
 
 def _placeholder_in(values):
@@ -190,6 +224,8 @@ def _answer(func, name, p, args, kwargs):
 
 def _refuse(name, p):
     what = f".{name}" if name in _VALUE_GETTERS else f"{name}()"
+    if partitioned_name(p) is None:  # (a closed engine's)
+        return RuntimeError(f"{p.__dict__[PARTITIONED][0]}: {what}: {PLACEHOLDERS_LEFT}")
     return RuntimeError(
         f"{partitioned_name(p)}: {what} of a parameter ZeRO stage 3 partitions, outside its "
         "module's forward: the parameter holds an empty placeholder there (its weights are the "
@@ -223,6 +259,9 @@ class Partitioned(torch.nn.Parameter):
 
     def __repr__(self):
         if _held(self) and not getattr(_OWN, "depth", 0):
+            if partitioned_name(self) is None:
+                return (f"Parameter left by a closed strata engine ({self.__dict__[PARTITIONED][0]}"
+                        f", shape {tuple(_shape(self))}, {self.dtype}): no values")
             return (f"Parameter partitioned by strata at ZeRO stage 3 ({partitioned_name(self)}, "
                     f"shape {tuple(_shape(self))}, {self.dtype}): its values are the engine's "
                     "partitions, read within strata.GatheredParameters([param])")

@@ -2698,14 +2698,23 @@ def test_a_forward_that_writes_its_weight_in_place_trains_as_torch_or_is_refused
 
 def test_an_engine_dropped_without_close_leaves_no_watch_on_its_parameters(tmp_path):
     """The watch over edits marks the parameters (strata/edits.py): an engine dropped without
-    close() (a trainer's, collected) takes its marks off too, so that the plain module's .data
-    is torch's again (a partitioned one's was refused) and nothing is kept for it."""
+    close() (a trainer's, collected) takes its marks off too, so that nothing is kept for it.
+    What it left of a partitioned parameter (a placeholder of its shape, zeros) is refused by
+    name when read alone (it read as zeros), until the parameter is given its weights."""
     model = Net()
     strata.initialize(model=model, config=make_config(tmp_path, 3, "cpu", "fp32"))
     gc.collect()
-    assert not [n for n, p in model.named_parameters()
-                if {"_strata_data_taken", "_strata_partitioned"} & set(p.__dict__)]
-    model.l1.weight.data = torch.zeros(2 * WIDTH, WIDTH)  # (a closed engine's placeholder)
+    assert not [n for n, p in model.named_parameters() if "_strata_data_taken" in p.__dict__ or
+                placeholders.partitioned_name(p) is not None]
+    weight = model.l1.weight
+    for read in (lambda: weight.norm(), lambda: weight.data):
+        with pytest.raises(RuntimeError, match=r"l1.weight.*closed \(engine.close\(\), or its "
+                                                r"last reference dropped\)"):
+            read()
+    assert weight.numel() == 2 * WIDTH * WIDTH
+    weight.data = torch.ones(2 * WIDTH, WIDTH)  # (given its weights: torch's own again)
+    assert type(weight) is torch.nn.Parameter and "_strata_partitioned" not in weight.__dict__
+    assert weight.norm().item() == pytest.approx((2 * WIDTH * WIDTH) ** 0.5)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -3140,8 +3149,10 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
     for x, y in batches(2, seed=2):
         _step_beside(engine, reference, torch_adamw, x, y)
     _assert_weights_as(engine, reference)
-    engine.close()
-    assert type(weight) is torch.nn.Parameter
+    engine.close()  # (what it left refused by name; release() gives torch's parameters back)
+    with pytest.raises(RuntimeError, match=r"l1.weight: norm\(\): its weights were partitioned by "
+                                           r"a strata engine that is closed"):
+        weight.norm()
 
 
 def test_gathered_parameters_give_stage_3_weights_whole_and_take_edits(tmp_path):
