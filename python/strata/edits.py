@@ -130,6 +130,7 @@ class Edits:
         self._unmark = weakref.finalize(self, _unmark,
                                         [e.param for e in self.entries + self.partitioned])
         self._marks = []
+        self._behind = set()  # id(entry): its master weights ahead of its weights (behind())
         self.written()
         self._versions = {}  # id(partitioned entry): its version counter the engine knows
         self.settled(self.partitioned)
@@ -139,6 +140,8 @@ class Edits:
         (take): what they hold now is its own, unless another tensor holds their storage (it
         may be written through later: they stay taken)."""
         marks = dict(zip(map(id, self.entries), self._marks))
+        if entries is None:
+            self._behind.clear()
         for e in self.entries if entries is None else entries:
             e.param.__dict__[_TAKEN] = _shared(e.param)
             marks[id(e)] = (e.param._version, e.param.data_ptr())
@@ -147,8 +150,15 @@ class Edits:
     def edited(self):
         """The entries whose weights may have been written since written()."""
         return [e for e, (version, address) in zip(self.entries, self._marks)
-                if e.param.__dict__.get(_TAKEN) or e.param._version != version
-                or e.param.data_ptr() != address]
+                if (e.param.__dict__.get(_TAKEN) or e.param._version != version
+                    or e.param.data_ptr() != address) and id(e) not in self._behind]
+
+    def behind(self, e):
+        """Kept-whole entry `e`'s master weights were set ahead of its weights (across ranks,
+        this rank's shard: safe_set_local_fp32_param), which follow at the next step: until
+        then its weights are not compared with them (their old values would be taken back;
+        an edit of them meanwhile is undone by the step, as DeepSpeed's)."""
+        self._behind.add(id(e))
 
     def take(self, entries, runtime, store):
         """The elements of `entries`' weights (edited()) that differ from their master weights

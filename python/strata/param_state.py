@@ -131,9 +131,11 @@ def _set_state(param, value, key, full, kind):
     if index == 0:  # the weights are the master weights' rounding
         if e.partitioned:
             set_weights(engine.runtime, e, state[0])
-        elif full or engine.ranks is None:  # (a local shard's: at the next step's all-gather)
+        elif full or engine.ranks is None:
             set_weights(engine.runtime, e, _whole(engine, e, state[0], "master weights"))
             engine._edits.written([e])
+        else:  # (a local shard's: at the next step's all-gather)
+            engine._edits.behind(e)
 
 
 def safe_get_full_fp32_param(param):

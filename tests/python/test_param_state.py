@@ -86,7 +86,6 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
             new = strata.safe_get_full_fp32_param(w).clone()
             new[0] = 0.5
             strata.safe_set_full_fp32_param(w, new)
-            # (w.shape is (0,) at stage 3 outside forward: its placeholder's, as DeepSpeed's)
             strata.safe_set_full_optimizer_state(w, torch.zeros_like(new), "exp_avg")
             with torch.no_grad():
                 b.copy_(new)
@@ -193,6 +192,14 @@ for stage in (2, 3):
     strata.safe_set_full_fp32_param(w, new)  # (every rank takes its shard of it)
     out[stage]["set"] = [(strata.safe_get_full_fp32_param(w) - new).abs().max().item(),
                          (engine.module_state_dict()["l1.weight"] - new).abs().max().item()]
+    # A local set (the weights follow at the next step) stays, a .data read and a forward
+    # between (the weights' old values were taken back as an edit).
+    strata.safe_set_local_fp32_param(w, torch.full((half,), 0.5))
+    if stage == 2:
+        w.data.norm()
+    with torch.no_grad():
+        engine(x)
+    out[stage]["local set"] = (strata.safe_get_local_fp32_param(w) - 0.5).abs().max().item()
     engine.close()
 print(json.dumps(out), flush=True)
 sys.stdout.flush()
@@ -213,6 +220,7 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
         for key in ("grad", "master", "moment"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (stage, key)
         assert a["master"] == pytest.approx(a["weights"], rel=1e-6)
+        assert a["local set"] == b["local set"] == 0.0, stage
         for out in (a, b):
             assert out["local"] == 0 and out["shard"] == 0 and out["sizes"] == [512, 512], out
             assert out["set"] == [0, 0], out
