@@ -14,9 +14,11 @@ is compared, at the next forward (before backward, whose staged steps read the m
 or step, with its master weights rounded to its dtype, and the elements that differ are taken
 into the master weights, the moments kept (as torch's optimizer keeps its state). Only those
 parameters are read: a loop that edits nothing pays a look at each parameter's version.
-Not seen: a .data tensor taken before the engine was made and written through after it (its
-storage shared from the start); across ranks, an edit made on some ranks only (each rank takes the
-changes of its own shard: the weights become a mix, where DDP's ranks would part ways).
+A tensor that holds a weight's storage from before the engine was made (a .data tensor kept, a
+buffer the weights are views of) keeps it watched from the start: its writes are taken, and the
+weight is compared at every forward. Not seen: across ranks, an edit made on some ranks only
+(each rank takes the changes of its own shard: the weights become a mix, where DDP's ranks would
+part ways).
 
 Stage 3's partitioned parameters are placeholders outside their modules' forward and backward:
 a read of one's .data there would see no values and a write into it would be lost, and a tensor
@@ -39,7 +41,7 @@ import weakref
 import torch
 
 from strata import checkpoints, placeholders
-from strata.parameters import data_of, read_state, set_data
+from strata.parameters import data_of, read_state, set_data, version_of
 from strata.placeholders import PARTITIONED, partitioned_name
 
 __all__ = ["Edits"]
@@ -144,13 +146,13 @@ class Edits:
             self._behind.clear()
         for e in self.entries if entries is None else entries:
             e.param.__dict__[_TAKEN] = _shared(e.param)
-            marks[id(e)] = (e.param._version, e.param.data_ptr())
+            marks[id(e)] = (version_of(e.param), e.param.data_ptr())
         self._marks = [marks[id(e)] for e in self.entries]
 
     def edited(self):
         """The entries whose weights may have been written since written()."""
         return [e for e, (version, address) in zip(self.entries, self._marks)
-                if (e.param.__dict__.get(_TAKEN) or e.param._version != version
+                if (e.param.__dict__.get(_TAKEN) or version_of(e.param) != version
                     or e.param.data_ptr() != address) and id(e) not in self._behind]
 
     def behind(self, e):
@@ -195,7 +197,7 @@ class Edits:
         """The partitioned `entries`' parameters were written by the engine (a GatheredParameters
         block's writes, taken): their version counters now are the engine's."""
         for e in entries:
-            self._versions[id(e)] = e.param._version
+            self._versions[id(e)] = version_of(e.param)
 
     def lend_whole(self, e, modify):
         """Partitioned entry `e` is lent whole to a GatheredParameters block (`modify`: with
@@ -215,15 +217,15 @@ class Edits:
         e.param.__dict__[_BLOCK] = (modify, False)
         if self._lent_whole.get(id(e)) is not None:
             self._lent_whole[id(e)] = data_of(e.param).clone()
-        self._versions[id(e)] = e.param._version
+        self._versions[id(e)] = version_of(e.param)
 
     def written_whole(self, e):
         """Whether the block that lent partitioned entry `e` whole wrote it: in place (its version
         counter moved), or through its .data (in one process: its values differ from the copy
-        lent; across ranks a write through .data is not seen). Ends the block's watch."""
-        modify, data_taken = e.param.__dict__.pop(_BLOCK, (True, False))
-        lent = self._lent_whole.pop(id(e), None)
-        if e.param._version != self._versions.get(id(e)):
+        lent; across ranks a write through .data is not seen). (end_block ends the watch.)"""
+        _, data_taken = e.param.__dict__.get(_BLOCK, (True, False))
+        lent = self._lent_whole.get(id(e))
+        if version_of(e.param) != self._versions.get(id(e)):
             return True
         return data_taken and lent is not None and not torch.equal(data_of(e.param), lent)
 
@@ -236,7 +238,7 @@ class Edits:
     def lost_writes(self):
         """Refused: a partitioned parameter written in place since the engine last knew it (into
         its placeholder, or the copy lent to its forward): the write was lost with it."""
-        lost = [e for e in self.partitioned if e.param._version != self._versions.get(id(e))]
+        lost = [e for e in self.partitioned if version_of(e.param) != self._versions.get(id(e))]
         if not lost:
             return
         self.settled(lost)  # (said once)

@@ -13,22 +13,30 @@ from torch.utils.dlpack import from_dlpack
 from strata import zero_init as init_module
 
 __all__ = ["Param", "ParameterTable", "data_of", "load_master", "read_frozen", "read_state",
-           "set_data", "set_weights", "write_frozen"]
+           "set_data", "set_weights", "version_of", "write_frozen"]
 
-_TENSOR_DATA = torch._C.TensorBase.data
+_GET_DATA = torch._C.TensorBase.data.__get__
+_SET_DATA = torch._C.TensorBase.data.__set__
+_VERSION = torch._C.TensorBase._version.__get__
+_RAW = torch._C._disabled_torch_function_impl  # (past strata/placeholders.py's dispatch)
 
 
 def data_of(p):
     """p.data as torch's own gives it: past the property strata/edits.py sets on
     torch.nn.Parameter, which takes a read of .data for a write of the user's."""
-    return _TENSOR_DATA.__get__(p)
+    return _RAW(_GET_DATA, (), (p,), {})
+
+
+def version_of(p):
+    """p's version counter (torch's p._version), past strata/placeholders.py's dispatch."""
+    return _RAW(_VERSION, (), (p,), {})
 
 
 def set_data(p, value):
     """p.data = value as torch's own sets it: past the property strata/edits.py sets on
     torch.nn.Parameter, which refuses it for a partitioned parameter (the engine's lending
     sets them)."""
-    _TENSOR_DATA.__set__(p, value)
+    _RAW(_SET_DATA, (), (p, value), {})
 
 
 class Param:
