@@ -98,7 +98,7 @@ from strata.gathered import GatheredParameters
 from strata.gradients import Gradients, HostCopies
 from strata.loss_scaler import LossScaler
 from strata.lending import Lending, register_external_parameter, weakly
-from strata.parameters import ParameterTable, read_frozen
+from strata.parameters import ParameterTable, read_frozen, read_state
 from strata.runtime_settings import CLOSED, RuntimeSettings as _RuntimeSettings, make_runtime
 from strata.notices import Notices, StrataWarning
 from strata.step import OptimizerStep
@@ -1408,9 +1408,7 @@ class Engine:
         must call this), a frozen one's from its partition."""
         if e.frozen:
             return read_frozen(self.runtime, e, self.ranks)
-        master = torch.empty(e.shard)
-        self.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
-                                          torch.empty(e.shard))
+        master = read_state(self.runtime, e)[0]
         if self.ranks is not None:  # every rank's shard (every rank must call this)
             whole = []
             self.ranks.gather([(e, master, whole.append)])

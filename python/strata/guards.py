@@ -233,15 +233,16 @@ def load_state_dict_through(engine_ref, prefix=""):
         if not prefix:
             missing, unexpected = pretrained.load(engine, state_dict, strict, keep_state=True)
             return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
-        own = list(module.state_dict(keep_vars=True))  # (its keys: nothing gathered)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in set(own)]
+        keys = list(module.state_dict(keep_vars=True))  # (nothing gathered)
+        own = set(keys)
+        missing = [k for k in keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
                 f"{missing[:5]}, unexpected keys {unexpected[:5]}; accepted: the keys of "
                 "module.state_dict(), or strict=False")
-        pretrained.load(engine, {prefix + k: v for k, v in state_dict.items() if k in set(own)},
+        pretrained.load(engine, {prefix + k: v for k, v in state_dict.items() if k in own},
                         strict=False, keep_state=True)
         return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
     return load_state_dict

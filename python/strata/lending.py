@@ -507,7 +507,9 @@ def _zero3_linear_forward(module, input):  # noqa: A002 - nn.Linear.forward's na
 # weights): _ExternalUses lends nothing for these.
 _METADATA = {getattr(torch.Tensor, name).__get__ for name in (
     "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "layout", "is_cuda",
-    "is_sparse", "is_meta", "is_quantized")}
+    "is_sparse", "is_meta", "is_quantized", "shape", "ndim")} | {
+    # (its shape answered as plain torch's: strata/placeholders.py)
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel}
 
 
 class _ExternalUses(torch.overrides.TorchFunctionMode):

@@ -150,9 +150,7 @@ class EngineOptimizer(torch.optim.Optimizer):
                 if entry is not None and "master" in entry:
                     master = entry["master"].detach().reshape(-1).float().cpu()
                 else:  # the master weights as they are (read only where not given)
-                    master = torch.empty(e.shard)
-                    engine.runtime.read_optimizer_state(e.gid, master, torch.empty(e.shard),
-                                                        torch.empty(e.shard))
+                    master = read_state(engine.runtime, e)[0]
                 if entry is not None:
                     moments = [torch.zeros(e.shard), torch.zeros(e.shard)]
                     for i, name in enumerate(names):
