@@ -2734,6 +2734,8 @@ def test_weights_read_through_data_each_step_train_bit_for_bit_as_unread_in_bf16
             engine.step()
             if read:
                 _ = [p.data.float().norm() for p in engine.module.parameters()]
+                # (each weight read is compared at the next forward: the test has a comparison)
+                assert len(engine._edits.edited()) == len(engine._edits.entries) > 0
         weights.append(engine.module_state_dict())
         engine.close()
     for name, value in weights[0].items():
