@@ -10,8 +10,12 @@ act on. Read here:
   train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
       (train_batch_size = micro batch x accumulation x the job's ranks; given all three, they
       must agree)
-  gradient_clipping                  (0: off)
-  bf16.enabled | fp16.enabled with loss_scale (0: dynamic), initial_scale_power (16),
+  gradient_clipping                  (0: off; absent: off, where DeepSpeed 0.19.3 and later clip
+      at 1.0: the engine says so at the first step nothing clips)
+  bf16.enabled with check_grad_overflow (absent: false, plain torch's: a step whose gradients
+      are not finite is taken unless gradient_clipping takes their norm; true: skipped, as
+      fp16's; DeepSpeed's default is true)
+  fp16.enabled with loss_scale (0: dynamic), initial_scale_power (16),
       loss_scale_window (1000), hysteresis (2), min_loss_scale (1)
   optimizer.type Adam | AdamW | CPUAdam (DeepSpeed's spellings, any case) with optimizer.params
       lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false; Adagrad with lr,
@@ -106,6 +110,8 @@ class TrainConfig:
         self.micro_batch = 1
         self.accumulation = 1
         self.clipping = 0.0
+        self.clipping_given = False  # gradient_clipping in the config (absent: DeepSpeed's 1.0)
+        self.check_grad_overflow = False  # bf16.check_grad_overflow
         self.dtype = "float32"  # or "bfloat16", "float16"
         self.grad_accum_dtype = "float32"  # or the training dtype (data_types.grad_accum_dtype)
         self.loss_scale = 0.0  # fp16: 0 is dynamic
@@ -120,6 +126,13 @@ class TrainConfig:
         self.activation_checkpointing = None  # the block, for strata.checkpointing
         self.runtime = {}  # what goes to the C++ reader
         self.source = {}  # the config as given
+
+    @property
+    def checks_overflow(self):
+        """Whether every step looks for gradients that are not finite, and skips the step when
+        one is: fp16 (its loss scale), bf16 with bf16.check_grad_overflow. (Otherwise only a step
+        whose norm gradient_clipping takes is skipped so.)"""
+        return self.dtype == "float16" or (self.dtype == "bfloat16" and self.check_grad_overflow)
 
     @staticmethod
     def load(config):
@@ -175,6 +188,7 @@ class TrainConfig:
         c.micro_batch = c.micro_batch or 1
         c.accumulation = c.accumulation or 1
         c.clipping = float(_number(config, "gradient_clipping", "", 0.0, 0.0))
+        c.clipping_given = "gradient_clipping" in config
         c.steps_per_print = _number(config, "steps_per_print", "", 10, 1, None, True)
         _bool(config, "zero_allow_untested_optimizer", "", False)
 
@@ -192,8 +206,10 @@ class TrainConfig:
         fp16_on = _bool(fp16, "enabled", "fp16.", False)
         if bf16_on and fp16_on:
             _bad("fp16.enabled", "bf16 and fp16 are both enabled; accepted: one of them")
+        check_grad_overflow = _bool(bf16, "check_grad_overflow", "bf16.", False)
         if bf16_on:
             c.dtype = "bfloat16"
+            c.check_grad_overflow = check_grad_overflow
         if fp16_on:
             c.dtype = "float16"
             if _bool(fp16, "auto_cast", "fp16.", False):

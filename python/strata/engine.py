@@ -115,6 +115,12 @@ logger = logging.getLogger("strata")
 _DTYPES = TORCH_DTYPES
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _TRAINER_WARNING = "(DeepSpeed's; left to the trainer)"
+# Said at the first step nothing clips where the config leaves gradient_clipping out.
+_UNCLIPPED = ("gradient_clipping is not in the config and nothing clipped this step: the engine "
+              "does not clip (plain torch's, and DeepSpeed's before 0.19.3), where DeepSpeed "
+              "0.19.3 and later clip at 1.0 when the key is absent; accepted: gradient_clipping "
+              "1.0 for DeepSpeed's, 0 to train unclipped (either is not said again), or "
+              "torch.nn.utils.clip_grad_norm_ in the loop")
 _ENGINE_KEYS = tuple(f"zero_optimization.{k}:" for k in (
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm"))
 
@@ -1121,6 +1127,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if not self.config.clipping_given and self._step._user_clip is None:
+            self._notices.warn(_UNCLIPPED)
         start = time.perf_counter()
         self._copies.land()
         # Waiting for the device: on a GPU below stage 3, backward's queued work and the

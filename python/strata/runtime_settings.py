@@ -101,7 +101,8 @@ class RuntimeSettings:
         holds a step (step.py: _may_hold): below stage 3 (nothing is staged during backward), the
         state in host memory, several processes, or a step nothing decides after backward (no
         gradient_clipping, and optimizer_commit "partition" only where it steps during backward:
-        optimizer_during_backward, not fp16)."""
+        optimizer_during_backward, not fp16 nor
+        bf16.check_grad_overflow)."""
         block = runtime.get("strata", {})
         if not isinstance(block, dict) or block.get("optimizer_read_ahead_bytes", "auto") != "auto":
             return
@@ -110,7 +111,7 @@ class RuntimeSettings:
             during = block.get("device", "emulated") == "cuda"
         partition = block.get("optimizer_commit") == "partition"
         held = config.clipping > 0 or (partition and not (during is True and
-                                                          config.dtype != "float16"))
+                                                          not config.checks_overflow))
         if self.stage != 3 or self.optimizer_device != "nvme" or self.several or not held:
             runtime.setdefault("strata", {})["optimizer_read_ahead_bytes"] = 0
 

@@ -199,7 +199,7 @@ class OptimizerStep:
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
-                check_overflow=self.dtype == torch.float16 and not self.commit_each,
+                check_overflow=self.config.checks_overflow and not self.commit_each,
                 weight_decay=weight_decay,
                 grad_stream=None if grad_stream is None else grad_stream.cuda_stream)
         except _strata.Error as error:
@@ -317,13 +317,13 @@ class OptimizerStep:
     def _may_step_early(self):
         """Whether partitions may step for good as backward makes their gradients final: when
         strata.optimizer_during_backward says they may and nothing learnt after backward can
-        change the step (no gradient clipping, no fp16 loss scale, one process: across ranks a
-        rank whose staging failed makes every rank take the step anew), from the second
-        step on (the first shows whether the boundary micro-batch takes one backward). Dropping
-        such a step cannot undo them (_end_staged)."""
+        change the step (no gradient clipping, no fp16 loss scale nor bf16.check_grad_overflow,
+        one process: across ranks a rank whose staging failed makes every rank take the step
+        anew), from the second step on (the first shows whether the boundary micro-batch takes
+        one backward). Dropping such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
                 and not self._user_clips
-                and self.dtype != torch.float16 and self.ranks is None
+                and not self.config.checks_overflow and self.ranks is None
                 and self.state.global_steps >= 1)
 
     def _may_hold(self):
@@ -556,10 +556,11 @@ class OptimizerStep:
             reason = "torch.nn.utils.clip_grad_norm_ scales this step"
             self._speculate = False  # likely again next step: not staged then
         norm = None
-        # (In fp16 across ranks the norm over every rank says whether any rank's shards
-        # overflowed: then every rank skips the step, as _norm_and_clip.)
+        # (In fp16 or with bf16.check_grad_overflow across ranks the norm over every rank says
+        # whether any rank's shards overflowed: then every rank skips the step, as
+        # _norm_and_clip.)
         if reason is None and (self.config.clipping > 0 or
-                               (self.dtype == torch.float16 and self.ranks is not None)):
+                               (self.config.checks_overflow and self.ranks is not None)):
             norm = self.grad_norm(staged.scale)
             if math.isfinite(norm) and self.config.clipping > 0 and \
                     self.config.clipping / (norm + 1e-6) < 1.0:
@@ -599,11 +600,12 @@ class OptimizerStep:
     def _norm_and_clip(self, scale):
         """(global norm or None, clipping coefficient), the gradients made with loss scale
         `scale`; the coefficient is None when the norm is not finite (an overflow). The norm is
-        taken for gradient_clipping, and in fp16 across ranks (every rank must see an overflow
-        that any rank's shard holds, and skip the step with the others) or with commit_each (a
-        partition's step lands as it is taken, so an overflow must be known before the first)."""
+        taken for gradient_clipping, and in fp16 or with bf16.check_grad_overflow across ranks
+        (every rank must see an overflow that any rank's shard holds, and skip the step with the
+        others) or with commit_each (a partition's step lands as it is taken, so an overflow must
+        be known before the first)."""
         norm = None
-        if self.config.clipping > 0 or (self.dtype == torch.float16 and
+        if self.config.clipping > 0 or (self.config.checks_overflow and
                                         (self.ranks is not None or self.commit_each)):
             norm = self.grad_norm(scale)
             if not math.isfinite(norm):

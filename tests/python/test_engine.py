@@ -306,6 +306,61 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, clipping):
     assert not torch.equal(engine_weights(engine)[0], before)
 
 
+@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "nvme")])
+def test_bf16_check_grad_overflow_skips_a_step_whose_gradients_are_not_finite(tmp_path, stage,
+                                                                             offload):
+    # No clipping: the check is the step's own (DeepSpeed's bf16.check_grad_overflow). Without
+    # the key the step is taken, as plain torch takes it (its weights are no longer finite).
+    finals = {}
+    for check in (True, None):
+        config = make_config(tmp_path / str(check), stage, offload, "bf16", accumulation=1,
+                             clipping=0.0)
+        if check is not None:
+            config["bf16"]["check_grad_overflow"] = check
+        torch.manual_seed(0)
+        engine, _, _, _ = strata.initialize(model=Net().bfloat16(), config=config)
+        for i, (x, y) in enumerate(batches(3)):
+            loss = loss_of(engine(x), y)
+            if i == 1:
+                before = [w.clone() for w in engine_weights(engine)]
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+            if i == 1:
+                kept = all(torch.equal(a, b) for a, b in zip(before, engine_weights(engine)))
+        finals[check] = (engine.skipped_steps, kept,
+                         all(bool(w.isfinite().all()) for w in engine_weights(engine)))
+        engine.close()
+    assert finals == {True: (1, True, True), None: (0, False, False)}, finals
+    with pytest.raises(strata.ConfigError, match=r"bf16\.check_grad_overflow: 'yes' is not"):
+        strata.initialize(model=Net(), config={**config, "bf16": {"enabled": True,
+                                                                   "check_grad_overflow": "yes"}})
+
+
+def test_a_config_without_gradient_clipping_is_said_once_where_nothing_clips(tmp_path):
+    # DeepSpeed 0.19.3 and later clip at 1.0 when the key is absent; the engine does not clip,
+    # and says so at the first step nothing clipped (not where the loop clips, nor where the
+    # config names the key).
+    said = {}
+    for case in ("absent", "clip_grad_norm_", "0"):
+        config = make_config(tmp_path / case, 2, "cpu", "fp32", accumulation=1)
+        if case == "0":
+            config["gradient_clipping"] = 0
+        else:
+            del config["gradient_clipping"]
+        engine, _, _, _ = strata.initialize(model=Net(), config=config)
+        for x, y in batches(2):
+            engine.backward(loss_of(engine(x), y))
+            if case == "clip_grad_norm_":
+                torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1e6)
+            engine.step()
+        said[case] = [w for w in engine.warnings if w.startswith("gradient_clipping is not")]
+        engine.close()
+    assert len(said["absent"]) == 1 and "DeepSpeed 0.19.3 and later clip at 1.0" in \
+        said["absent"][0], said
+    assert said["clip_grad_norm_"] == said["0"] == [], said
+
+
 def test_fp16_held_steps_are_the_steps_after_backward_and_an_overflow_skips_one(tmp_path):
     # fp16 with the state on NVMe and clipping under every norm: after the first step every step
     # is held (its state read during backward, released at clip / loss scale, which is not the

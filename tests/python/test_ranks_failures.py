@@ -252,10 +252,12 @@ FP16 = r"""
 import json, os, sys, torch
 import strata
 rank = int(os.environ["RANK"])
-stage = int(sys.argv[1])
+stage, dtype = int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+half = {"fp16": {"enabled": True, "initial_scale_power": 8},
+        "bf16": {"enabled": True, "check_grad_overflow": True}}[dtype]
+config = {"train_micro_batch_size_per_gpu": 2, dtype: half,
           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10},
           "strata": {"device": "emulated", "host_budget_bytes": 16 << 20,
@@ -270,7 +272,7 @@ model[2].bias.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("
                             if overflow else g)
 for step in range(4):
     overflow[:] = [True] if step == 2 and rank == 1 else []
-    x = torch.randn(2, 16, generator=gen).half()
+    x = torch.randn(2, 16, generator=gen).to(next(model.parameters()).dtype)
     loss = engine(x).float().square().mean()
     engine.backward(loss)
     engine.step()
@@ -281,11 +283,12 @@ print(json.dumps({"skipped": engine.skipped_steps, "scale": engine.loss_scale, "
 """
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
+@pytest.mark.parametrize("stage, dtype", [(2, "fp16"), (3, "fp16"), (3, "bf16")])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage, dtype):
     # The steps are staged during backward (no clipping): the ranks' norm decides before any
-    # commits, so that a rank whose own shards are finite skips with the one that overflowed.
-    procs = start_ranks(2, FP16, (stage,))
+    # commits, so that a rank whose own shards are finite skips with the one that overflowed
+    # (fp16's loss scale, or bf16 with bf16.check_grad_overflow).
+    procs = start_ranks(2, FP16, (stage, dtype))
     outs = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=120)
