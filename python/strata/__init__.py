@@ -19,7 +19,8 @@ The package is strata's front for PyTorch. What is here today:
   DeepSpeedCPULion are).
 
 * ``strata.safe_get_full_grad(p)``, ``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``,
-  ``safe_set_full_fp32_param``, ``safe_set_full_optimizer_state`` and their ``_local_`` variants:
+  ``safe_set_full_grad``, ``safe_set_full_fp32_param``, ``safe_set_full_optimizer_state`` and
+  their ``_local_`` variants:
   DeepSpeed's deepspeed.utils functions of the same names, one parameter's gradient, fp32 master
   weights and optimizer state read or set whole where the engine keeps them (strata.param_state).
 
@@ -62,8 +63,9 @@ from strata.gathered import GatheredParameters
 from strata.param_state import (safe_get_full_fp32_param, safe_get_full_grad,
                                 safe_get_full_optimizer_state, safe_get_local_fp32_param,
                                 safe_get_local_grad, safe_get_local_optimizer_state,
-                                safe_set_full_fp32_param, safe_set_full_optimizer_state,
-                                safe_set_local_fp32_param, safe_set_local_optimizer_state)
+                                safe_set_full_fp32_param, safe_set_full_grad,
+                                safe_set_full_optimizer_state, safe_set_local_fp32_param,
+                                safe_set_local_grad, safe_set_local_optimizer_state)
 from strata.tiling import TiledLinear, tile_linears
 from strata.zero_init import init
 
@@ -73,6 +75,6 @@ __all__ = ["check_config", "checkpointing", "ConfigError", "Engine", "Error", "f
            "initialize", "lr_schedules", "optim", "register_external_parameter",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
            "StrataWarning", "TiledLinear", "tile_linears"]

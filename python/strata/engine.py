@@ -864,6 +864,7 @@ class Engine:
         """What a forward of the module needs first: a step's new weights not written yet
         written, and across ranks the lending's gathers following the recorded order."""
         self.runtime  # noqa: B018 - a closed engine says so, not the module's placeholders
+        self._take_assigned_grads()  # (before the next backward adds to them, as torch's)
         if self._step.pending_refresh:  # a step's new weights not written yet (OptimizerStep.refresh_weights)
             self._step.refresh_weights(list(self._step.pending_refresh))
         if self._state.phase is Phase.IDLE:
@@ -1104,6 +1105,7 @@ class Engine:
         if self._step.half_loaded is not None:
             raise RuntimeError(f"step: {self._step.half_loaded}")
         self._adopt_backward("step", torch_sums)
+        self._take_assigned_grads()
         if not self._state.backward_since_step:
             raise RuntimeError("step: no backward() since the last step(); accepted: "
                                "engine.backward(loss) then engine.step() for each micro-batch")
@@ -1127,7 +1129,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if not self.config.clipping_given and self._step._user_clip is None:
+        if not self.config.clipping_given and self._step.user_clip is None:
             self._notices.warn(_UNCLIPPED)
         start = time.perf_counter()
         self._copies.land()
@@ -1242,13 +1244,34 @@ class Engine:
                 "stepped, as the engine does)")
         return now
 
+    def _take_assigned_grads(self):
+        """Gradients the user gave by hand between backward and step (`p.grad = t`, plain torch's
+        way to replace one) to parameters whose gradients the engine holds outside .grad (host
+        sums, shards across ranks; the gradient hook leaves their .grad None): each taken as its
+        gradient, as strata.safe_set_full_grad takes one, and .grad None again: at the step,
+        clip_grad_norm_, safe_get_*_grad and the next forward (a backward after it adds to the
+        gradient given, as torch's adds to .grad). Stage 3's partitioned parameters refuse
+        `.grad = t` (strata/placeholders.py); across ranks, a .grad given before the window's
+        gradients are reduced is reduced with them."""
+        if self._unreduced or not self._state.gradients_since_step:
+            return
+        for e in self.table.trained:
+            if not e.partitioned and e.gradient_held() and e.param.grad is not None:
+                given, e.param.grad = e.param.grad, None
+                start, stop = (0, e.numel) if self.ranks is None else \
+                    self.ranks.own_range(e.numel, e.shard)
+                values = given.detach().to("cpu", torch.float32).reshape(-1)[start:stop]
+                self._gradients.replace(e, values, f"{e.name}.grad = t between backward and step")
+
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""
         return self._step.owns_any(params)
 
     def _clip_grad_norm(self, params, max_norm, norm_type, error_if_nonfinite):
         """torch.nn.utils.clip_grad_norm_ over the engine's parameters (guards.py routes it
-        here): OptimizerStep.clip_by_user, a backward of the user's own taken first."""
+        here): OptimizerStep.clip_by_user, a backward of the user's own and gradients given by
+        hand (_take_assigned_grads) taken first."""
+        self._take_assigned_grads()
         return self._step.clip_by_user(params, max_norm, norm_type, error_if_nonfinite,
                                        self._adopt_backward)
 

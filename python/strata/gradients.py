@@ -156,6 +156,67 @@ class Gradients:
             self.runtime.gradient_ready(e.gid)
             e.sent_down = True
 
+    def held(self, e):
+        """A copy of this rank's gradient of e where the engine holds it outside .grad (flat: its
+        partition's, its shard across ranks, its host sum), or None; as made (the loss scale
+        in), in grad_accum_dtype."""
+        self.copies.land()  # (a GPU's gradients on their way to the host)
+        if e.partitioned and e.has_grad:
+            part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+            try:
+                return part.clone()
+            finally:
+                del part
+                self.runtime.release(e.gid, "host", False, traced=False)
+        if e.shard_grad is not None:
+            return e.shard_grad.clone()
+        if e.host_grad is not None:
+            return e.host_grad.clone()
+        return None
+
+    def replace(self, e, values, where):
+        """e's gradient, where the engine holds it, replaced by `values` (fp32, flat: this rank's
+        elements of it, as torch's .grad holds them after GradScaler.unscale_ and a
+        clip_grad_norm_ of this step), between backward and step: what the user's
+        safe_set_*_grad or `.grad = t` gives (`where` names it). A step staged with the old
+        gradient is dropped and taken anew after backward; from the next step on, nothing is
+        staged during backward (the user's change comes after it). Refused where parameters
+        stepped for good during this backward, and where e has no gradient since the last
+        step."""
+        if not self.state.gradients_since_step:
+            raise RuntimeError(f"{where} with no backward since the last step: there is no "
+                               "gradient to set; accepted: between backward and step()")
+        self.step.user_sets_gradients = True
+        if self.step.stepped_during_backward():
+            raise RuntimeError(
+                f"{where}: parameters may have stepped for good during this backward "
+                "(strata.optimizer_during_backward: no change of gradients was known when it "
+                "began) with their gradients as backward made them; from the next step on they "
+                "wait for it; accepted: the same from the first step on")
+        self.copies.land()
+        clip = self.step.user_clip
+        values = values * (self.step.scaler.scale / (1.0 if clip is None else clip))
+        if not (e.gradient_held() or e.param.grad is not None):
+            raise RuntimeError(f"{where}: {e.name} has no gradient since the last step (backward "
+                               "gave it none); accepted: a parameter backward gave a gradient")
+        if e.staged is not None:
+            self.step.drop_staged(f"{where} changed the gradient of {e.name} after its step was "
+                                  "staged")
+        e.grad_norm = None  # (the hook's, of the old one)
+        if e.partitioned and e.has_grad:
+            part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+            try:
+                part[:values.numel()].copy_(values)
+            finally:
+                del part
+                self.runtime.release(e.gid, "host", True, traced=False)
+        elif e.shard_grad is not None:
+            e.shard_grad[:values.numel()].copy_(values)
+        elif e.host_grad is not None:
+            e.host_grad.copy_(values)
+        else:
+            e.param.grad.copy_(values.view(e.shape))
+
     def reduce(self):
         """Across ranks, after the window's last backward: the unpartitioned parameters' gradients
         (.grad, or their host sums) reduce-scattered into their owners' shards (e.shard_grad, the

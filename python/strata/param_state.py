@@ -10,25 +10,29 @@ across ranks, the optimizer's fp32 master weights and moments).
                                            backward and step; None where it has none), p's shape
     safe_set_full_fp32_param(p, value)     the master weights and the weights
     safe_set_full_optimizer_state(p, value, key)
+    safe_set_full_grad(p, value)           the gradient the step takes (between backward and
+                                           step), as plain torch's `p.grad = value`
     safe_get_local_*(p[, key]), safe_set_local_*(p, value[, key])
                                            this rank's shard, flat (in one process: all of it)
 
 A parameter no engine trains gives None (safe_get_full_grad: a copy of its .grad), as DeepSpeed's
 (the getters), or is refused (the setters). Across ranks the full variants are collectives: every
 rank calls them, for the same parameters in the same order (as DeepSpeed's at ZeRO-3); the local
-ones are not. The values are copies, on the CPU in fp32 (the gradient in the dtype and on the device
-it is kept on: .grad's at stages 0-1 in one process, grad_accum_dtype on the CPU elsewhere), the
-weights edited in place since the last step taken first (strata/edits.py), as torch's .grad is after
-GradScaler.unscale_: in fp16 the loss scale divided out, a clip_grad_norm_ called before applied.
-The setters take effect from the next step and are refused between backward and step (a step staged
-during backward reads the state); the master weights and moments of a partition that stepped during
-this backward (strata.optimizer_during_backward) are refused then too.
+ones and safe_set_full_grad are not (each rank takes its own shard of the whole value). The values
+are copies, on the CPU in fp32 (the gradient in the dtype and on the device it is kept on: .grad's
+at stages 0-1 in one process, grad_accum_dtype on the CPU elsewhere), the weights edited in place
+since the last step taken first (strata/edits.py), as torch's .grad is after GradScaler.unscale_:
+in fp16 the loss scale divided out, a clip_grad_norm_ called before applied; a gradient is set as
+it is read (strata/gradients.py: Gradients.replace). The state setters
+take effect from the next step and are refused between backward and step (a step staged during
+backward reads the state); the master weights and moments of a partition that stepped during
+this backward (strata.optimizer_during_backward) are refused then too. The gradient setters are
+for between backward and step: a step staged with the old gradient is taken anew.
 
 Thread safety: the engine's (one thread).
 """
 
 import torch
-from torch.utils.dlpack import from_dlpack
 
 from strata import checkpoints
 from strata import guards
@@ -37,8 +41,8 @@ from strata.parameters import read_state, set_weights
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_optimizer_state"]
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
 
 def _entry(param, where):
     """(engine, entry) of the engine training `param`, or (None, None)."""
@@ -97,18 +101,9 @@ def _get_state(param, key, full, kind):
     return shard[:stop - start]
 
 
-def _set_state(param, value, key, full, kind):
-    where = f"safe_set_{'full' if full else 'local'}_{kind}"
-    engine, e = _entry(param, where)
-    if engine is None:
-        raise ValueError(f"{where}: the parameter (shape {tuple(param.shape)}) is not one a "
-                         "strata engine trains; accepted: a parameter of engine.module that "
-                         "requires grad")
-    index = _state_index(engine, key, where)
-    if engine._state.gradients_since_step:
-        raise RuntimeError(f"{where} between backward and step: the step (staged during "
-                           "backward) reads the state; accepted: after step() or before "
-                           "backward")
+def _values(where, value, engine, e, full):
+    """`value` checked for e (its shape whole, or this rank's shard flat): this rank's elements
+    of it, flat fp32 on the CPU."""
     start, stop = _own_range(engine, e)
     wanted = e.numel if full else stop - start
     value = torch.as_tensor(value)
@@ -122,10 +117,31 @@ def _set_state(param, value, key, full, kind):
                          f"{'whole' if full else 'shard on this rank'} has {wanted}; accepted: "
                          f"{'its shape ' + str(e.shape) if full else 'this rank' + chr(39) + 's'}"
                          f"{'' if full else ' shard, flat (safe_get_local_*)'}")
+    return values[start:stop] if full else values
+
+
+def _trained_or_refused(param, where):
+    engine, e = _entry(param, where)
+    if engine is None:
+        raise ValueError(f"{where}: the parameter (shape {tuple(param.shape)}) is not one a "
+                         "strata engine trains; accepted: a parameter of engine.module that "
+                         "requires grad")
+    return engine, e
+
+
+def _set_state(param, value, key, full, kind):
+    where = f"safe_set_{'full' if full else 'local'}_{kind}"
+    engine, e = _trained_or_refused(param, where)
+    index = _state_index(engine, key, where)
+    if engine._state.gradients_since_step:
+        raise RuntimeError(f"{where} between backward and step: the step (staged during "
+                           "backward) reads the state; accepted: after step() or before "
+                           "backward")
+    values = _values(where, value, engine, e, full)
     engine.runtime.wait_for_early_steps()
     state = read_state(engine.runtime, e)
     state[index].zero_()
-    state[index][:stop - start] = values[start:stop] if full else values
+    state[index][:values.numel()] = values
     with checkpoints.loading_optimizer_state(engine._checkpoints, where, whole=False):
         engine.runtime.load_optimizer_state(e.gid, *state)
     if index == 0:  # the weights are the master weights' rounding
@@ -179,36 +195,19 @@ def safe_set_local_optimizer_state(param, value, optim_state_key):
     _set_state(param, value, optim_state_key, False, "optimizer_state")
 
 
-def _local_grad(engine, e):
-    """This rank's gradient of e where the engine holds it (flat, e.shard elements across ranks),
-    or None; a .grad not reduced yet across ranks is named by the caller."""
-    engine._copies.land()  # (a GPU's gradients on their way to the host)
-    if e.partitioned and e.has_grad:
-        held = from_dlpack(engine.runtime.acquire(e.gid, "host", traced=False))
-        try:
-            return held.clone()
-        finally:
-            del held
-            engine.runtime.release(e.gid, "host", False, traced=False)
-    if e.shard_grad is not None:
-        return e.shard_grad.clone()
-    if e.host_grad is not None:
-        return e.host_grad.clone()
-    return None
-
-
 def _get_grad(param, full):
     where = f"safe_get_{'full' if full else 'local'}_grad"
     engine, e = _entry(param, where)
     if engine is None:
         return None if param.grad is None else param.grad.detach().clone()
+    engine._take_assigned_grads()
     # (a clip_grad_norm_ of this step is applied at the step; in fp16 the loss scale divided
     # out: torch's .grad after GradScaler.unscale_, where clipping happens)
     factor = 1.0 / engine.loss_scale
-    if engine._step._user_clip is not None:
-        factor *= engine._step._user_clip
+    if engine._step.user_clip is not None:
+        factor *= engine._step.user_clip
     if engine.ranks is None:
-        g = param.grad.detach().reshape(-1) if param.grad is not None else _local_grad(engine, e)
+        g = engine._gradients.held(e) if param.grad is None else param.grad.detach().reshape(-1)
         if g is None:
             return None
         g = g * factor if factor != 1.0 else g.clone()
@@ -217,17 +216,26 @@ def _get_grad(param, full):
     if not full:  # (this rank's own: no collective)
         if param.grad is not None:
             raise RuntimeError(_unreduced(where, e))
-        g = _local_grad(engine, e)
+        g = engine._gradients.held(e)
         return None if g is None else (g * factor)[:stop - start]
     if not engine.ranks.agree(f"{where}({e.name})", param.grad is None):
         raise RuntimeError(_unreduced(where, e))
-    g = _local_grad(engine, e)
+    g = engine._gradients.held(e)
     present, = engine.ranks.all_reduce_sum([0.0 if g is None else 1.0])
     if not present:
         return None
     if g is None:
         g = torch.zeros(e.shard, dtype=engine.grad_accum_dtype)
     return _whole(engine, e, g * factor, "gradient").view(e.shape)
+
+
+def _set_grad(param, value, full):
+    where = f"safe_set_{'full' if full else 'local'}_grad"
+    engine, e = _trained_or_refused(param, where)
+    engine._take_assigned_grads()
+    if engine.ranks is not None and param.grad is not None:
+        raise RuntimeError(_unreduced(where, e))
+    engine._gradients.replace(e, _values(where, value, engine, e, full), f"{where}({e.name})")
 
 
 def _unreduced(where, e):
@@ -244,3 +252,14 @@ def safe_get_full_grad(param):
 def safe_get_local_grad(param):
     """This rank's shard of param's gradient summed since the last step (flat), or None."""
     return _get_grad(param, full=False)
+
+
+def safe_set_full_grad(param, value):
+    """param's gradient since the last step set to `value` whole (its shape), between backward
+    and step: what the step (and a clip_grad_norm_ after it) takes."""
+    _set_grad(param, value, full=True)
+
+
+def safe_set_local_grad(param, value):
+    """This rank's shard of param's gradient set to `value` (flat), between backward and step."""
+    _set_grad(param, value, full=False)

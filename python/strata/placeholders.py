@@ -14,14 +14,17 @@ torch.nn.Parameter: ``isinstance(p, nn.Parameter)`` holds), and what a torch fun
 while it holds the placeholder is:
   - its metadata as plain torch's: ``shape``, ``size()``, ``dim()``, ``ndim``, ``numel()``,
     ``nbytes``, ``stride()`` (contiguous), ``dim_order()``, ``len()``, ``type()``, dtype,
-    device, ``.grad``, ``requires_grad``; ``torch.zeros_like(p)`` and the other ``*_like``
+    device, ``.grad`` (None between backward and step, as DeepSpeed's: the gradient is the
+    engine's partition), ``requires_grad``; ``torch.zeros_like(p)`` and the other ``*_like``
     factories, ``p.new(...)``, ``torch.result_type`` and ``is_same_size`` (they read its shape,
     dtype and device only);
   - everything else (its values read, written, copied or converted) refused by name, saying what
     to use: ``strata.GatheredParameters([p])`` (with ``modifier_rank=0`` what it writes is kept),
     ``strata.safe_get_full_fp32_param(p)``, ``engine.module_state_dict()`` or the module's (a
     submodule's) ``load_state_dict``; within a forward of a module that does not own it,
-    ``strata.register_external_parameter``.
+    ``strata.register_external_parameter``;
+  - ``p.grad = t`` (while a live engine partitions it, lent or not) refused by name, saying
+    ``strata.safe_set_full_grad(p, t)`` sets the gradient the step takes.
 Lent to a forward, a backward or a GatheredParameters block, it is any parameter. The engine's own
 code (module conversions, state_dict()'s entries, which its hook then replaces with the weights
 whole) runs within `own()`, and reads the placeholder as it is (`holds_values`). The engine's
@@ -243,6 +246,14 @@ def _refuse(name, p):
         "param) (its shape, numel() and dtype are answered as plain torch's)")
 
 
+def _refuse_grad(p):
+    return RuntimeError(
+        f"{partitioned_name(p)}: .grad = t on a parameter ZeRO stage 3 partitions: its gradient "
+        "is the engine's gradient partition, not .grad (which reads None between backward and "
+        "step, as DeepSpeed's); accepted: strata.safe_set_full_grad(param, t) between backward "
+        "and step (strata.safe_get_full_grad(param) reads it)")
+
+
 class Partitioned(torch.nn.Parameter):
     """A parameter a live engine partitions at stage 3 (see the module's docstring)."""
 
@@ -251,6 +262,9 @@ class Partitioned(torch.nn.Parameter):
         kwargs = kwargs or {}
         if not getattr(_OWN, "depth", 0):
             name, attribute = _name(func)
+            if name == "grad" and func.__name__ == "__set__" and args[1] is not None and \
+                    partitioned_name(args[0]) is not None:
+                raise _refuse_grad(args[0])
             if (not attribute or name in _WATCHED_GETTERS) and name not in _PASS:
                 held = _placeholder_in(args)
                 if held is None and kwargs:

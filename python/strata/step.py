@@ -99,8 +99,12 @@ class OptimizerStep:
         # torch.nn.utils.clip_grad_norm_ called by the user between backward and step
         # (clip_by_user): this step's coefficient, and whether the user clips at all (then no
         # partition steps for good during backward: the coefficient comes after it).
-        self._user_clip = None
+        self.user_clip = None
         self._user_clips = False
+        # Whether the user sets gradients between backward and step (Gradients.replace): then
+        # nothing is staged during backward (a step staged with a gradient changed after is
+        # dropped).
+        self.user_sets_gradients = False
         self._trained_ids = {id(e.param) for e in table.trained}
         self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self.optimizer_read = self.optimizer_written = 0  # the optimizer's NVMe bytes
@@ -129,7 +133,7 @@ class OptimizerStep:
         self._speculate = self._speculate and not self._second_gradient
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
-        self._user_clip = None  # the user's clip_grad_norm_ of this step
+        self.user_clip = None  # the user's clip_grad_norm_ of this step
         self._hook_order.clear()
 
     def release_early_held(self, attempt):
@@ -163,7 +167,8 @@ class OptimizerStep:
         if staged is None:
             hold = False
             if not always:
-                if self._redo_reason is not None:
+                # (a step staged with gradients the user then changes would be dropped)
+                if self._redo_reason is not None or self.user_sets_gradients:
                     return
                 # With commit_each each partition's step lands as it is taken: it speculates
                 # only where none is dropped.
@@ -285,7 +290,7 @@ class OptimizerStep:
                 "unclipped; from the next step on they wait for it; accepted: call it from the "
                 "first step on, or gradient_clipping in the config")
         self.copies.land()
-        clipped = 1.0 if self._user_clip is None else self._user_clip  # an earlier call's
+        clipped = 1.0 if self.user_clip is None else self.user_clip  # an earlier call's
         norm = self.grad_norm(self.scaler.scale) * clipped
         others = [p for p in params if id(p) not in self._trained_ids and p.grad is not None]
         if others:
@@ -306,7 +311,7 @@ class OptimizerStep:
         in_grad = self.ranks is None and all(
             not e.gradient_held() and e.staged is None for e in self.table.trained)
         if not in_grad:
-            self._user_clip = clipped * coefficient
+            self.user_clip = clipped * coefficient
         if coefficient < 1.0:
             with torch.no_grad():
                 for p in others + ([e.param for e in self.table.trained
@@ -552,7 +557,7 @@ class OptimizerStep:
             self._speculate = clip == 1.0
             self.runtime.release_optimizer_step(clip / staged.scale)
             return self._commit(norm, staged=True)
-        if reason is None and self._user_clip is not None and self._user_clip < 1.0:
+        if reason is None and self.user_clip is not None and self.user_clip < 1.0:
             reason = "torch.nn.utils.clip_grad_norm_ scales this step"
             self._speculate = False  # likely again next step: not staged then
         norm = None
@@ -611,8 +616,8 @@ class OptimizerStep:
             if not math.isfinite(norm):
                 return norm, None
         clip = 1.0
-        if self._user_clip is not None:  # the user's clip_grad_norm_, then the config's on it
-            clip = self._user_clip
+        if self.user_clip is not None:  # the user's clip_grad_norm_, then the config's on it
+            clip = self.user_clip
         if norm is not None and self.config.clipping > 0:
             clip *= min(1.0, self.config.clipping / (norm * clip + 1e-6))
         return norm, clip

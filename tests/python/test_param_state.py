@@ -119,12 +119,86 @@ def test_the_full_state_reads_as_torch_holds_it_and_a_set_one_trains_on(tmp_path
         strata.safe_set_full_fp32_param(plain, torch.zeros(3))
 
 
+@pytest.mark.parametrize("stage, offload", [(0, "cpu"), (1, "cpu"), (2, "cpu"), (3, "nvme")])
+def test_a_gradient_set_between_backward_and_step_is_the_one_the_step_takes(tmp_path, stage,
+                                                                          offload):
+    """Gradient surgery (a projection, a mask) between backward and step, as plain torch's
+    `p.grad = t` sets it: `.grad = t` itself (stages 0-2; refused by name at stage 3, where the
+    gradient is the engine's partition) and safe_set_full_grad / safe_set_local_grad, which
+    DeepSpeed's users call, at every stage; what is set after a clip_grad_norm_ stands. The
+    weights and moments follow plain torch's AdamW with the same surgery. (At stage 3 the first
+    step, staged during backward, is taken anew; from then on nothing is staged.)"""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    conf = config(tmp_path, stage)
+    conf["zero_optimization"]["offload_optimizer"] = {"device": offload,
+                                                      "nvme_path": str(tmp_path / "nvme")}
+    engine, _, _, _ = strata.initialize(model=model, config=conf)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    named = list(zip(engine.module.named_parameters(), reference.parameters()))
+
+    def surgery(name, g, i):  # l1's weight flipped and scaled, a row of l2's masked
+        if name == "l1.weight":
+            return -3.0 * g
+        if name == "l2.weight" and i % 2:
+            g = g.clone()
+            g[3] = 0
+        return g
+
+    for i, x in enumerate(batches(3)):
+        engine.backward(engine(x))
+        reference(x).backward()
+        if i == 2:  # (what is set after it is not clipped again)
+            for net in (engine.module, reference):
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+        for (name, ours), theirs in named:
+            theirs.grad = surgery(name, theirs.grad, i)
+            if stage < 3 and i == 0:
+                ours.grad = surgery(name, theirs.grad.clone(), -1)  # (as torch's: unmasked)
+                ours.grad = theirs.grad.clone()  # (the last one given stands)
+            elif name == "l2.bias":
+                strata.safe_set_local_grad(ours, surgery(name, theirs.grad, i).reshape(-1))
+            else:
+                strata.safe_set_full_grad(ours, surgery(name, strata.safe_get_full_grad(ours), i))
+            torch.testing.assert_close(strata.safe_get_full_grad(ours), theirs.grad)
+        engine.step()
+        adamw.step()
+        adamw.zero_grad()
+    for (name, ours), theirs in named:
+        torch.testing.assert_close(strata.safe_get_full_fp32_param(ours), theirs.detach(),
+                                   rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(strata.safe_get_full_optimizer_state(ours, "exp_avg"),
+                                   adamw.state[theirs]["exp_avg"], rtol=1e-5, atol=1e-7,
+                                   msg=name)
+    assert engine._step.redone_steps == (1 if stage == 3 else 0)
+    w = engine.module.l1.weight
+    with pytest.raises(RuntimeError, match=r"safe_set_full_grad\(l1.weight\) with no backward "
+                       r"since the last step: .*accepted: between backward and step\(\)"):
+        strata.safe_set_full_grad(w, torch.zeros(64, 16))
+    engine.backward(engine(batches(1)[0]))
+    if stage == 3:
+        with pytest.raises(RuntimeError, match=r"l1.weight: .grad = t on a parameter ZeRO stage "
+                           r"3 partitions: .*accepted: strata.safe_set_full_grad\(param, t\)"):
+            w.grad = torch.zeros(64, 16)
+    with pytest.raises(ValueError, match=r"safe_set_full_grad: a value of shape \(16, 64\) .*"
+                       r"accepted: a real tensor of its shape \(64, 16\)"):
+        strata.safe_set_full_grad(w, torch.zeros(16, 64))
+    with pytest.raises(ValueError, match=r"safe_set_local_grad: a value of 3 elements for "
+                       r"l1.weight, whose shard on this rank has 1024"):
+        strata.safe_set_local_grad(w, torch.zeros(3))
+    with pytest.raises(ValueError, match="safe_set_full_grad: the parameter .* is not one a "
+                       "strata engine trains"):
+        strata.safe_set_full_grad(torch.nn.Parameter(torch.zeros(3)), torch.zeros(3))
+    engine.step()
+
+
 def test_state_read_after_it_stepped_during_backward_is_refused_and_fp16_grads_unscaled(
         tmp_path):
     """With strata.optimizer_during_backward at stage 3 the partitions step during backward:
     their master weights read between backward and step would be the step's result (torch's
     are the weights before optimizer.step()): refused by name. In fp16 the gradient read is
-    unscaled (torch's .grad after GradScaler.unscale_)."""
+    unscaled (torch's .grad after GradScaler.unscale_), and one set is taken so."""
     conf = config(tmp_path, 3)
     conf["strata"]["optimizer_during_backward"] = True
     engine, _, _, _ = strata.initialize(model=Net(), config=conf)
@@ -145,11 +219,14 @@ def test_state_read_after_it_stepped_during_backward_is_refused_and_fp16_grads_u
     bias = engine.module.l2.bias
     assert engine.loss_scale == 256
     torch.testing.assert_close(strata.safe_get_full_grad(bias), bias.grad / 256)
+    strata.safe_set_full_grad(bias, torch.full((WIDTH,), 0.25))  # (set unscaled, as read)
+    assert (bias.grad == 64).all() and (strata.safe_get_full_grad(bias) == 0.25).all()
 
 
 # Two ranks at stages 2 and 3: every rank's full values are the whole gradient (the mean of the
-# ranks'), master weights and moments; each rank's local ones are its shard of them; full master
-# weights set are every rank's shard of them, and the weights.
+# ranks'), master weights and moments; each rank's local ones are its shard of them; a full
+# gradient set is the one the step takes; full master weights set are every rank's shard of them,
+# and the weights.
 RANKS = r"""
 import json, os, sys, torch
 import strata
@@ -165,12 +242,15 @@ for stage in (2, 3):
               "strata": {"device": "emulated"}}
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
-    engine.backward(engine(x))
     w = engine.module.l1.weight
+    initial = strata.safe_get_full_fp32_param(w)
+    engine.backward(engine(x))
     if rank == 0:
         strata.safe_get_local_grad(w)  # (its own shard: no collective, rank 1 not waited for)
     grad = strata.safe_get_full_grad(w)
     local = strata.safe_get_local_grad(w)
+    strata.safe_set_full_grad(w, -2 * grad)  # (each rank takes its shard of it)
+    got = strata.safe_get_full_grad(w)
     engine.step()
     master = strata.safe_get_full_fp32_param(w)
     moment = strata.safe_get_full_optimizer_state(w, "exp_avg")
@@ -187,7 +267,11 @@ for stage in (2, 3):
                   "local": (local - flat[rank * half:(rank + 1) * half]).abs().max().item(),
                   "shard": (shard - master_flat[rank * half:(rank + 1) * half]).abs().max().item(),
                   "sizes": [local.numel(), shard.numel()],
-                  "mean": (grad - reference.l1.weight.grad).abs().max().item()}
+                  "mean": (grad - reference.l1.weight.grad).abs().max().item(),
+                  # Adam's first step with -2 x the gradient: lr g / (|g| + eps)
+                  "grad set": [(got + 2 * grad).abs().max().item(),
+                               (master - initial - 1e-2 * 2 * grad / (2 * grad.abs() + 1e-8))
+                               .abs().max().item()]}
     new = torch.arange(master.numel(), dtype=torch.float32).view(master.shape)
     strata.safe_set_full_fp32_param(w, new)  # (every rank takes its shard of it)
     out[stage]["set"] = [(strata.safe_get_full_fp32_param(w) - new).abs().max().item(),
@@ -225,3 +309,26 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
             assert out["local"] == 0 and out["shard"] == 0 and out["sizes"] == [512, 512], out
             assert out["set"] == [0, 0], out
             assert out["mean"] < 1e-6, out
+            assert out["grad set"][0] == 0 and out["grad set"][1] < 1e-6, out
+
+
+def test_a_gradient_given_by_hand_between_two_backwards_is_added_to_as_torch_s(tmp_path):
+    """A loop of one's own at stage 2 (the gradients are the engine's host sums): `.grad = t`
+    between two loss.backward() of one step replaces the sum so far, and the second backward adds
+    to it, as torch's adds to .grad."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, _ = strata.initialize(model=model, config=config(tmp_path, 2))
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    data = batches(4)
+    for first, second in (data[:2], data[2:]):
+        for net, opt in ((engine.module, optimizer), (reference, adamw)):
+            net(first).backward()
+            net.l1.weight.grad = torch.full((4 * WIDTH, WIDTH), 0.1)
+            net(second).backward()
+            opt.step()
+            opt.zero_grad()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=1e-5,
+                                   atol=1e-6, msg=name)
