@@ -127,7 +127,7 @@ class Edits:
         for e in self.entries:
             e.param.__dict__[_TAKEN] = False
         for e in self.partitioned:  # (an engine dropped without close() leaves none refused)
-            placeholders.guard(e.param, e.name, e.shape, weakref.ref(self))
+            placeholders.guard(e.param, e.name, e.shape, weakref.ref(self), e.frozen)
         # (an engine dropped without close() leaves its parameters unmarked too)
         self._unmark = weakref.finalize(self, _unmark,
                                         [e.param for e in self.entries + self.partitioned])

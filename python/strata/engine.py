@@ -834,6 +834,9 @@ class Engine:
                     with torch.enable_grad():
                         node = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
                     self._hook_handles.append(node.register_hook(self._gradients.hook(e)))
+                    if not e.partitioned and (self.stage == 2 or self._sum_apart):
+                        self._hook_handles.append(
+                            node.register_prehook(self._gradients.prehook(e)))
                     e.param._strata_node = node
                 if not e.partitioned:
                     continue
@@ -1129,7 +1132,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if not self.config.clipping_given and self._step.user_clip is None:
+        if not self.config.clipping_given and not self._step.user_clips:
             self._notices.warn(_UNCLIPPED)
         start = time.perf_counter()
         self._copies.land()
@@ -1257,11 +1260,7 @@ class Engine:
             return
         for e in self.table.trained:
             if not e.partitioned and e.gradient_held() and e.param.grad is not None:
-                given, e.param.grad = e.param.grad, None
-                start, stop = (0, e.numel) if self.ranks is None else \
-                    self.ranks.own_range(e.numel, e.shard)
-                values = given.detach().to("cpu", torch.float32).reshape(-1)[start:stop]
-                self._gradients.replace(e, values, f"{e.name}.grad = t between backward and step")
+                self._gradients.take_given(e)
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""

@@ -111,13 +111,8 @@ class Gradients:
                 else:
                     e.host_grad.add_(grad.reshape(-1).to(dtype=self.grad_accum_dtype))
                 e.has_grad = True
-            elif boundary and grad.device.type == "cpu" and self.ranks is None:
-                # Stage 3's small parameters keep torch's .grad; its final value is staged (a
-                # copy: a second backward would add to .grad while the optimizer reads it). On a
-                # GPU the copy to the host would make the host wait for the device in the middle
-                # of backward: those are staged after backward instead (across ranks, once the
-                # step has reduced them).
-                self.step.stage_from_hook(e, grad.detach().reshape(-1).clone())
+            # (Stage 3's small parameters keep torch's .grad, staged after backward from what it
+            # holds then: the user may set or edit it between backward and step, as torch's.)
         return hook
 
     def _add_shard(self, e, shard, boundary):
@@ -178,16 +173,17 @@ class Gradients:
         """e's gradient, where the engine holds it, replaced by `values` (fp32, flat: this rank's
         elements of it, as torch's .grad holds them after GradScaler.unscale_ and a
         clip_grad_norm_ of this step), between backward and step: what the user's
-        safe_set_*_grad or `.grad = t` gives (`where` names it). A step staged with the old
+        safe_set_*_grad or `.grad = t` gives (`where` names it); one with no gradient since the
+        last step is given one, as torch's `.grad = t` gives it. A step staged with the old
         gradient is dropped and taken anew after backward; from the next step on, nothing is
         staged during backward (the user's change comes after it). Refused where parameters
-        stepped for good during this backward, and where e has no gradient since the last
-        step."""
+        stepped for good during this backward, and where the value, with the loss scale in,
+        is past the range of the dtype the gradient is kept in (fp16)."""
         if not self.state.gradients_since_step:
             raise RuntimeError(f"{where} with no backward since the last step: there is no "
                                "gradient to set; accepted: between backward and step()")
-        self.step.user_sets_gradients = True
         if self.step.stepped_during_backward():
+            self.step.user_sets_gradients = True
             raise RuntimeError(
                 f"{where}: parameters may have stepped for good during this backward "
                 "(strata.optimizer_during_backward: no change of gradients was known when it "
@@ -195,27 +191,86 @@ class Gradients:
                 "wait for it; accepted: the same from the first step on")
         self.copies.land()
         clip = self.step.user_clip
-        values = values * (self.step.scaler.scale / (1.0 if clip is None else clip))
-        if not (e.gradient_held() or e.param.grad is not None):
-            raise RuntimeError(f"{where}: {e.name} has no gradient since the last step (backward "
-                               "gave it none); accepted: a parameter backward gave a gradient")
+        scale = self.step.scaler.scale / (1.0 if clip is None else clip)
+        values = values * scale
+        if e.partitioned:
+            kept = "partition"
+        elif self.ranks is not None:
+            kept = "shard"
+        elif e.host_grad is not None or (e.param.grad is None and
+                                         (self.stage == 2 or self.sum_apart)):
+            kept = "host"
+        else:
+            kept = "grad"
+        dtype = {"grad": e.param.dtype, "shard": torch.float32}.get(kept, self.grad_accum_dtype)
+        if bool(values.isfinite().all()) and not bool(values.to(dtype).isfinite().all()):
+            raise ValueError(
+                f"{where}: the value times {scale:g} (the loss scale, divided by this step's "
+                f"clip_grad_norm_ coefficient) is past {dtype}'s range, the dtype the engine "
+                f"keeps this gradient in; accepted: values within {torch.finfo(dtype).max:g} / "
+                f"{scale:g}")
+        self.step.user_sets_gradients = True
         if e.staged is not None:
             self.step.drop_staged(f"{where} changed the gradient of {e.name} after its step was "
                                   "staged")
         e.grad_norm = None  # (the hook's, of the old one)
-        if e.partitioned and e.has_grad:
-            part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+        if kept == "partition":
+            part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False,
+                                                    overwrite=not e.has_grad))
             try:
                 part[:values.numel()].copy_(values)
+                if not e.has_grad:
+                    part[values.numel():].zero_()
             finally:
                 del part
                 self.runtime.release(e.gid, "host", True, traced=False)
-        elif e.shard_grad is not None:
+            e.has_grad = True
+        elif kept == "shard":
+            if e.shard_grad is None:
+                e.shard_grad = torch.zeros(e.shard, dtype=torch.float32)
             e.shard_grad[:values.numel()].copy_(values)
-        elif e.host_grad is not None:
-            e.host_grad.copy_(values)
+            e.has_grad = True
+        elif kept == "host":
+            if e.host_grad is None:
+                e.host_grad = values.to(self.grad_accum_dtype)
+            else:
+                e.host_grad.copy_(values)
+            e.has_grad = True
+        elif e.param.grad is None:
+            e.param.grad = values.view(e.shape).to(e.param.device, e.param.dtype)
         else:
             e.param.grad.copy_(values.view(e.shape))
+
+    def take_given(self, e):
+        """The .grad the user gave e by hand (`p.grad = t`, plain torch's way to replace a
+        gradient) where the engine holds e's gradient outside .grad: taken as its gradient
+        (replace()), .grad None again. Refused under fp16, where the engine scales the loss and
+        whether t carries the loss scale cannot be told."""
+        if self.step.dtype == torch.float16:
+            raise RuntimeError(
+                f"{e.name}.grad = t between backward and step under fp16, where the engine keeps "
+                "this gradient outside .grad (stage 2, gradient_accumulation_steps above 1, "
+                "across ranks): whether t carries the loss scale cannot be told (at stages 0-1 "
+                "with one micro-batch .grad holds the scaled gradient); accepted: "
+                "strata.safe_set_full_grad(param, t), t unscaled as strata.safe_get_full_grad "
+                "reads it")
+        given, e.param.grad = e.param.grad, None
+        start, stop = (0, e.numel) if self.ranks is None else \
+            self.ranks.own_range(e.numel, e.shard)
+        values = given.detach().to("cpu", torch.float32).reshape(-1)[start:stop]
+        self.replace(e, values, f"{e.name}.grad = t between backward and step")
+
+    def prehook(self, e):
+        """The pre-hook on e's AccumulateGrad node, where its gradient is summed outside .grad: a
+        .grad given by hand since the last backward is taken (take_given) before autograd adds
+        this backward's to it, as torch adds to the .grad given."""
+        gradients = weakref.ref(self)
+
+        def prehook(*unused):
+            self = gradients()
+            if self is not None and e.param.grad is not None and e.gradient_held():
+                self.take_given(e)
+        return prehook
 
     def reduce(self):
         """Across ranks, after the window's last backward: the unpartitioned parameters' gradients

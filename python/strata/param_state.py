@@ -49,7 +49,7 @@ def _entry(param, where):
     engine = guards.engine_of([param], where)
     if engine is None:
         return None, None
-    return engine, next(e for e in engine.table.trained if e.param is param)
+    return engine, engine.table.trained_by_id[id(param)]
 
 
 def _state_index(engine, key, where):

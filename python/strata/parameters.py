@@ -94,6 +94,7 @@ class ParameterTable:
 
     def __init__(self, trained, frozen, placeholder, next_id=0):
         self.trained = trained
+        self.trained_by_id = {id(e.param): e for e in trained}  # id(parameter) -> its entry
         self.frozen = frozen
         self.placeholder = placeholder
         self.next_id = next_id  # the first partition id no entry uses

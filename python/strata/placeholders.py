@@ -62,8 +62,9 @@ import torch
 __all__ = ["PARTITIONED", "Partitioned", "guard", "holds_values", "own", "partitioned_name",
            "unguard"]
 
-# On a partitioned parameter (in its __dict__): its name and a weak reference to the engine's
-# watch of it (strata/edits.py): while that is alive, its placeholder's reads are refused.
+# On a partitioned parameter (in its __dict__): (its name, a weak reference to the engine's watch
+# of it (strata/edits.py): while that is alive, its placeholder's reads are refused; its shape;
+# after its engine closed, the address of the placeholder it was left; whether it is frozen).
 PARTITIONED = "_strata_partitioned"
 
 _OWN = threading.local()
@@ -122,10 +123,10 @@ def own():
         _OWN.depth -= 1
 
 
-def guard(p, name, shape, watch):
-    """Parameter `p`, named `name`, of `shape`, is guarded while `watch` (a weak reference) is
-    alive: Partitioned, if its class is torch.nn.Parameter itself."""
-    p.__dict__[PARTITIONED] = (name, watch, tuple(shape), None)
+def guard(p, name, shape, watch, frozen=False):
+    """Parameter `p`, named `name`, of `shape` (`frozen`: not trained), is guarded while `watch`
+    (a weak reference) is alive: Partitioned, if its class is torch.nn.Parameter itself."""
+    p.__dict__[PARTITIONED] = (name, watch, tuple(shape), None, frozen)
     if type(p) is torch.nn.Parameter:
         p.__class__ = Partitioned
 
@@ -133,8 +134,8 @@ def guard(p, name, shape, watch):
 def leave(p, shape):
     """`p`'s engine closed and left it its placeholder (of `shape`, set just before): guarded
     with the closed engine's refusal until it is given its weights (p.data = t)."""
-    name = p.__dict__.get(PARTITIONED, ("the parameter",))[0]
-    p.__dict__[PARTITIONED] = (name, None, tuple(shape), _RAW(_DATA_PTR, (), (p,), {}))
+    name, _, _, _, frozen = p.__dict__.get(PARTITIONED, ("the parameter", 0, 0, 0, False))
+    p.__dict__[PARTITIONED] = (name, None, tuple(shape), _RAW(_DATA_PTR, (), (p,), {}), frozen)
     if type(p) is torch.nn.Parameter:
         p.__class__ = Partitioned
 
@@ -247,6 +248,11 @@ def _refuse(name, p):
 
 
 def _refuse_grad(p):
+    if p.__dict__[PARTITIONED][4]:
+        return RuntimeError(
+            f"{partitioned_name(p)}: .grad = t on a frozen parameter ZeRO stage 3 partitions "
+            "(requires_grad False when strata.initialize made the optimizer): no step takes a "
+            "gradient of it, and its placeholder holds none; accepted: leave its .grad None")
     return RuntimeError(
         f"{partitioned_name(p)}: .grad = t on a parameter ZeRO stage 3 partitions: its gradient "
         "is the engine's gradient partition, not .grad (which reads None between backward and "

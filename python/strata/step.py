@@ -100,12 +100,11 @@ class OptimizerStep:
         # (clip_by_user): this step's coefficient, and whether the user clips at all (then no
         # partition steps for good during backward: the coefficient comes after it).
         self.user_clip = None
-        self._user_clips = False
+        self.user_clips = False
         # Whether the user sets gradients between backward and step (Gradients.replace): then
         # nothing is staged during backward (a step staged with a gradient changed after is
         # dropped).
         self.user_sets_gradients = False
-        self._trained_ids = {id(e.param) for e in table.trained}
         self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self.optimizer_read = self.optimizer_written = 0  # the optimizer's NVMe bytes
 
@@ -244,7 +243,7 @@ class OptimizerStep:
 
     def owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters."""
-        return any(id(p) in self._trained_ids for p in params)
+        return any(id(p) in self.table.trained_by_id for p in params)
 
     def clip_by_user(self, params, max_norm, norm_type, error_if_nonfinite, adopt_backward):
         """torch.nn.utils.clip_grad_norm_(params, max_norm) called by the user over the engine's
@@ -282,7 +281,7 @@ class OptimizerStep:
                 "partial sum; accepted: once, after the window's last backward (as plain torch "
                 "users clip before optimizer.step())")
         early = self.stepped_during_backward()
-        self._user_clips = True  # from the next step on, nothing steps for good in backward
+        self.user_clips = True  # from the next step on, nothing steps for good in backward
         if early:
             raise RuntimeError(
                 f"{where}: parameters may have stepped for good during this backward "
@@ -292,7 +291,8 @@ class OptimizerStep:
         self.copies.land()
         clipped = 1.0 if self.user_clip is None else self.user_clip  # an earlier call's
         norm = self.grad_norm(self.scaler.scale) * clipped
-        others = [p for p in params if id(p) not in self._trained_ids and p.grad is not None]
+        others = [p for p in params
+                  if id(p) not in self.table.trained_by_id and p.grad is not None]
         if others:
             rest = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float32).cpu()
@@ -327,7 +327,7 @@ class OptimizerStep:
         anew), from the second step on (the first shows whether the boundary micro-batch takes
         one backward). Dropping such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
-                and not self._user_clips
+                and not self.user_clips
                 and not self.config.checks_overflow and self.ranks is None
                 and self.state.global_steps >= 1)
 

@@ -198,7 +198,8 @@ def test_state_read_after_it_stepped_during_backward_is_refused_and_fp16_grads_u
     """With strata.optimizer_during_backward at stage 3 the partitions step during backward:
     their master weights read between backward and step would be the step's result (torch's
     are the weights before optimizer.step()): refused by name. In fp16 the gradient read is
-    unscaled (torch's .grad after GradScaler.unscale_), and one set is taken so."""
+    unscaled (torch's .grad after GradScaler.unscale_), and one set is taken so (one past
+    fp16's range once scaled is refused, as is `.grad = t` where it could be either)."""
     conf = config(tmp_path, 3)
     conf["strata"]["optimizer_during_backward"] = True
     engine, _, _, _ = strata.initialize(model=Net(), config=conf)
@@ -221,6 +222,19 @@ def test_state_read_after_it_stepped_during_backward_is_refused_and_fp16_grads_u
     torch.testing.assert_close(strata.safe_get_full_grad(bias), bias.grad / 256)
     strata.safe_set_full_grad(bias, torch.full((WIDTH,), 0.25))  # (set unscaled, as read)
     assert (bias.grad == 64).all() and (strata.safe_get_full_grad(bias) == 0.25).all()
+    with pytest.raises(ValueError, match=r"safe_set_full_grad\(l2.bias\): the value times 256 "
+                       r".* past torch.float16's range"):  # (kept scaled in .grad, in fp16)
+        strata.safe_set_full_grad(bias, torch.full((WIDTH,), 300.0))
+    engine.close()
+    # Where the engine keeps it outside .grad, `.grad = t` could be scaled or not: refused.
+    conf = config(tmp_path / "fp16-2", 2)
+    conf["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    engine, _, _, _ = strata.initialize(model=Net().half(), config=conf)
+    engine.backward(engine(batches(1)[0].half()))
+    engine.module.l2.bias.grad = torch.zeros(WIDTH, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"l2.bias.grad = t between backward and step under "
+                       r"fp16, .*accepted: strata.safe_set_full_grad\(param, t\)"):
+        engine.step()
 
 
 # Two ranks at stages 2 and 3: every rank's full values are the whole gradient (the mean of the
@@ -312,23 +326,48 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
             assert out["grad set"][0] == 0 and out["grad set"][1] < 1e-6, out
 
 
-def test_a_gradient_given_by_hand_between_two_backwards_is_added_to_as_torch_s(tmp_path):
-    """A loop of one's own at stage 2 (the gradients are the engine's host sums): `.grad = t`
-    between two loss.backward() of one step replaces the sum so far, and the second backward adds
-    to it, as torch's adds to .grad."""
+class WithUnused(Net):
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Linear(WIDTH, 4 * WIDTH)  # (backward gives it no gradient)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_given_by_hand_in_a_loop_of_one_s_own_are_torch_s(tmp_path, stage):
+    """A loop of one's own: `.grad = t` between two backwards of one step replaces the sum so far
+    and the second backward adds to it, as torch's adds to .grad (at stage 2 the engine's host
+    sums: taken at the next forward, or, with no forward between (retain_graph), before
+    autograd adds); at stage 3 a small parameter's .grad is torch's own, set or edited in place
+    after backward (the step reads it after backward); a parameter backward gave no gradient is
+    given one (at stage 3, partitioned: safe_set_full_grad)."""
     torch.manual_seed(0)
-    model = Net()
+    model = WithUnused()
     reference = copy.deepcopy(model)
-    engine, optimizer, _, _ = strata.initialize(model=model, config=config(tmp_path, 2))
+    engine, optimizer, _, _ = strata.initialize(model=model, config=config(tmp_path, stage))
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    data = batches(4)
-    for first, second in (data[:2], data[2:]):
-        for net, opt in ((engine.module, optimizer), (reference, adamw)):
-            net(first).backward()
-            net.l1.weight.grad = torch.full((4 * WIDTH, WIDTH), 0.1)
-            net(second).backward()
-            opt.step()
-            opt.zero_grad()
+    zeroth, first, second, third = batches(4)
+    for net, opt in ((engine.module, optimizer), (reference, adamw)):
+        net(zeroth).backward()
+        net.l1.bias.grad = torch.full((4 * WIDTH,), 0.3)
+        if stage == 3:
+            net.l2.bias.grad.mul_(-1.0)
+        opt.step()
+        opt.zero_grad()
+        net(first).backward()
+        net.l1.bias.grad = torch.full((4 * WIDTH,), 0.1)
+        net(second).backward()
+        if stage == 3 and net is engine.module:
+            strata.safe_set_full_grad(net.unused.weight, torch.full((4 * WIDTH, WIDTH), 0.1))
+        else:
+            net.unused.weight.grad = torch.full((4 * WIDTH, WIDTH), 0.1)
+        opt.step()
+        opt.zero_grad()
+        loss = net(third)
+        loss.backward(retain_graph=True)
+        net.l2.bias.grad = torch.full((WIDTH,), -0.2)
+        (2 * loss).backward()
+        opt.step()
+        opt.zero_grad()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=1e-5,
                                    atol=1e-6, msg=name)
