@@ -510,6 +510,7 @@ class Engine:
             ranks.broadcast_module(
                 model, skip=lambda t: init_module.partition_of(t) is not None)  # (those are)
         self._unreduced = False  # across ranks: gradients made since the last reduce()
+        self._said_unclipped = False  # _UNCLIPPED said
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
         # cpu_checkpointing keeps checkpointed inputs in this engine's host tier.
@@ -1132,8 +1133,9 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if not self.config.clipping_given and not self._step.user_clips:
+        if not (self.config.clipping_given or self._step.user_clips or self._said_unclipped):
             self._notices.warn(_UNCLIPPED)
+            self._said_unclipped = True
         start = time.perf_counter()
         self._copies.land()
         # Waiting for the device: on a GPU below stage 3, backward's queued work and the
@@ -1247,20 +1249,18 @@ class Engine:
                 "stepped, as the engine does)")
         return now
 
-    def _take_assigned_grads(self):
+    def _take_assigned_grads(self, only=None):
         """Gradients the user gave by hand between backward and step (`p.grad = t`, plain torch's
-        way to replace one) to parameters whose gradients the engine holds outside .grad (host
-        sums, shards across ranks; the gradient hook leaves their .grad None): each taken as its
-        gradient, as strata.safe_set_full_grad takes one, and .grad None again: at the step,
-        clip_grad_norm_, safe_get_*_grad and the next forward (a backward after it adds to the
-        gradient given, as torch's adds to .grad). Stage 3's partitioned parameters refuse
-        `.grad = t` (strata/placeholders.py); across ranks, a .grad given before the window's
-        gradients are reduced is reduced with them."""
-        if self._unreduced or not self._state.gradients_since_step:
-            return
-        for e in self.table.trained:
-            if not e.partitioned and e.gradient_held() and e.param.grad is not None:
-                self._gradients.take_given(e)
+        way to replace one; to entry `only`, or to any) where the engine would not read them as
+        torch's (Gradients.take_given): each taken as its gradient, as strata.safe_set_full_grad
+        takes one, at the step, clip_grad_norm_, safe_get_*_grad / safe_set_*_grad and the
+        next forward (and, at stage 2, before a backward adds to it: Gradients.prehook), so that
+        a backward after it adds to the gradient given, as torch's adds to .grad. Stage 3's
+        partitioned parameters refuse `.grad = t` (strata/placeholders.py); across ranks, a
+        .grad given before the window's gradients are reduced (stage 1, stage 3's small
+        parameters) is reduced with them."""
+        if self._state.gradients_since_step:
+            self._gradients.take_given(only, reduced=not self._unreduced)
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""

@@ -57,9 +57,8 @@ class GatheredParameters:
             for engine in list(guards.LIVE):
                 if engine._runtime is None:
                     continue
-                kept = self.modify and next((e for e in engine.table.trained
-                                             if e.param is p and not e.partitioned), None)
-                if kept:
+                kept = engine.table.trained_by_id.get(id(p)) if self.modify else None
+                if kept is not None and not kept.partitioned:
                     modified_by_rank_0(engine)
                     self.kept.append((engine, kept))
                     break

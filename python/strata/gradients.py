@@ -183,12 +183,13 @@ class Gradients:
             raise RuntimeError(f"{where} with no backward since the last step: there is no "
                                "gradient to set; accepted: between backward and step()")
         if self.step.stepped_during_backward():
-            self.step.user_sets_gradients = True
+            self.step.user_sets_gradients = True  # (from the next step on)
             raise RuntimeError(
                 f"{where}: parameters may have stepped for good during this backward "
                 "(strata.optimizer_during_backward: no change of gradients was known when it "
                 "began) with their gradients as backward made them; from the next step on they "
-                "wait for it; accepted: the same from the first step on")
+                "wait for it; accepted: gradients set from the first step on, or "
+                "strata.optimizer_during_backward false")
         self.copies.land()
         clip = self.step.user_clip
         scale = self.step.scaler.scale / (1.0 if clip is None else clip)
@@ -236,39 +237,77 @@ class Gradients:
             else:
                 e.host_grad.copy_(values)
             e.has_grad = True
-        elif e.param.grad is None:
-            e.param.grad = values.view(e.shape).to(e.param.device, e.param.dtype)
         else:
-            e.param.grad.copy_(values.view(e.shape))
+            if e.param.grad is None:
+                e.param.grad = values.view(e.shape).to(e.param.device, e.param.dtype)
+            else:
+                e.param.grad.copy_(values.view(e.shape))
+            if self.step.user_clip is not None:  # (what the clip left is now this)
+                self.step.clip_left[e] = (e.param.grad, e.param.grad._version)
 
-    def take_given(self, e):
-        """The .grad the user gave e by hand (`p.grad = t`, plain torch's way to replace a
-        gradient) where the engine holds e's gradient outside .grad: taken as its gradient
-        (replace()), .grad None again. Refused under fp16, where the engine scales the loss and
-        whether t carries the loss scale cannot be told."""
+    def take_given(self, only=None, reduced=True):
+        """Each .grad the user gave by hand between backward and step (`p.grad = t`, plain torch's
+        way to replace a gradient; of entry `only`, or of any), taken as the gradient
+        (replace()) and .grad None again, where the engine would not read it as torch's:
+          - where the engine keeps the gradient outside .grad (stage 2, grad_accum_dtype apart,
+            across ranks once `reduced`: there the hook and the reduce leave .grad None, so a
+            .grad found is the user's);
+          - where a clip_grad_norm_ of this step left .grad to be clipped at the step (stage 3's
+            small parameters beside partitioned ones): a .grad that replaced the one it left (or
+            came after it) is taken unclipped, as torch's; one edited in place after it is
+            refused by name.
+        Refused under fp16, where whether t carries the loss scale cannot be told."""
+        apart = self.stage == 2 or self.sum_apart or self.ranks is not None
+        left = self.step.clip_left
+        for e in self.table.trained if only is None else (only,):
+            given = e.param.grad
+            if given is None or e.partitioned:
+                continue
+            if apart:
+                if not reduced and self.stage != 2:  # (stage 1's, stage 3's small: the engine's)
+                    continue
+            elif self.step.user_clip is None:  # (no clip pending: .grad is torch's)
+                continue
+            elif e in left and given is left[e][0]:
+                if given._version != left[e][1]:
+                    raise RuntimeError(
+                        f"{e.name}.grad edited in place after clip_grad_norm_: at stage 3 the "
+                        "engine clips its small parameters' .grad at the step, with the "
+                        "partitions' gradients, so the edit would be clipped too (torch's is "
+                        "not); accepted: strata.safe_set_full_grad(param, t) after the clip, "
+                        "or the edit before it")
+                continue
+            self._take(e, given)
+
+    def _take(self, e, given):
         if self.step.dtype == torch.float16:
             raise RuntimeError(
                 f"{e.name}.grad = t between backward and step under fp16, where the engine keeps "
-                "this gradient outside .grad (stage 2, gradient_accumulation_steps above 1, "
-                "across ranks): whether t carries the loss scale cannot be told (at stages 0-1 "
-                "with one micro-batch .grad holds the scaled gradient); accepted: "
-                "strata.safe_set_full_grad(param, t), t unscaled as strata.safe_get_full_grad "
-                "reads it")
-        given, e.param.grad = e.param.grad, None
+                "the gradient apart from .grad (stage 2, grad_accum_dtype apart, across ranks, "
+                "or after a clip_grad_norm_ at stage 3) and scales the loss: whether t carries "
+                "the loss scale cannot be told (at stages 0-1 with one micro-batch .grad holds "
+                "the scaled gradient); accepted: strata.safe_set_full_grad(param, t), t "
+                "unscaled as strata.safe_get_full_grad reads it")
         start, stop = (0, e.numel) if self.ranks is None else \
             self.ranks.own_range(e.numel, e.shard)
         values = given.detach().to("cpu", torch.float32).reshape(-1)[start:stop]
-        self.replace(e, values, f"{e.name}.grad = t between backward and step")
+        e.param.grad = None
+        try:
+            self.replace(e, values, f"{e.name}.grad = t between backward and step")
+        except BaseException:
+            e.param.grad = given  # (nothing taken)
+            raise
 
     def prehook(self, e):
-        """The pre-hook on e's AccumulateGrad node, where its gradient is summed outside .grad: a
-        .grad given by hand since the last backward is taken (take_given) before autograd adds
-        this backward's to it, as torch adds to the .grad given."""
+        """The pre-hook on e's AccumulateGrad node, where its gradient is summed outside .grad
+        (stage 2, grad_accum_dtype apart): a .grad given by hand since the last backward is
+        taken (take_given) before autograd adds this backward's to it, as torch adds to the
+        .grad given."""
         gradients = weakref.ref(self)
 
         def prehook(*unused):
             self = gradients()
-            if self is not None and e.param.grad is not None and e.gradient_held():
+            if self is not None and e.param.grad is not None:
                 self.take_given(e)
         return prehook
 

@@ -200,7 +200,7 @@ def _get_grad(param, full):
     engine, e = _entry(param, where)
     if engine is None:
         return None if param.grad is None else param.grad.detach().clone()
-    engine._take_assigned_grads()
+    engine._take_assigned_grads(e)
     # (a clip_grad_norm_ of this step is applied at the step; in fp16 the loss scale divided
     # out: torch's .grad after GradScaler.unscale_, where clipping happens)
     factor = 1.0 / engine.loss_scale
@@ -232,7 +232,7 @@ def _get_grad(param, full):
 def _set_grad(param, value, full):
     where = f"safe_set_{'full' if full else 'local'}_grad"
     engine, e = _trained_or_refused(param, where)
-    engine._take_assigned_grads()
+    engine._take_assigned_grads(e)
     if engine.ranks is not None and param.grad is not None:
         raise RuntimeError(_unreduced(where, e))
     engine._gradients.replace(e, _values(where, value, engine, e, full), f"{where}({e.name})")

@@ -101,6 +101,9 @@ class OptimizerStep:
         # partition steps for good during backward: the coefficient comes after it).
         self.user_clip = None
         self.user_clips = False
+        # The entries whose .grad the user's clip left to be clipped at the step: (that .grad,
+        # its version then).
+        self.clip_left = {}
         # Whether the user sets gradients between backward and step (Gradients.replace): then
         # nothing is staged during backward (a step staged with a gradient changed after is
         # dropped).
@@ -133,6 +136,7 @@ class OptimizerStep:
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
         self.user_clip = None  # the user's clip_grad_norm_ of this step
+        self.clip_left.clear()
         self._hook_order.clear()
 
     def release_early_held(self, attempt):
@@ -312,6 +316,11 @@ class OptimizerStep:
             not e.gradient_held() and e.staged is None for e in self.table.trained)
         if not in_grad:
             self.user_clip = clipped * coefficient
+            # What stays in .grad to be clipped at the step (stage 3's small parameters): a .grad
+            # the user then puts in its place is taken unclipped (Gradients.take_given).
+            for e in self.table.trained:
+                if not e.gradient_held() and e.param.grad is not None and e not in self.clip_left:
+                    self.clip_left[e] = (e.param.grad, e.param.grad._version)
         if coefficient < 1.0:
             with torch.no_grad():
                 for p in others + ([e.param for e in self.table.trained
@@ -522,9 +531,10 @@ class OptimizerStep:
         (the global norm under gradient_clipping), the loss scale and learning rates it was
         staged with, no gradient changed after it. Returns (stepped, report), or (None, None)
         when the step must be taken anew (the staged one aborted; counted in redone_steps)."""
-        # What backward did not stage: the unpartitioned parameters on a GPU (across ranks,
-        # stage 3's, reduced at the step), and partitioned ones with no gradient in this
-        # micro-batch (their partition holds the earlier ones').
+        # What backward did not stage: stage 3's unpartitioned parameters (their .grad, read
+        # after backward; across ranks reduced at the step), a GPU's at stage 2 with more
+        # micro-batches, and partitioned ones with no gradient in this micro-batch (their
+        # partition holds the earlier ones').
         if self.staged is not None:
             for e, g in list(self._unstaged()):
                 self.stage(e, g)

@@ -306,7 +306,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path, clipping):
     assert not torch.equal(engine_weights(engine)[0], before)
 
 
-@pytest.mark.parametrize("stage, offload", [(2, "cpu"), (3, "nvme")])
+@pytest.mark.parametrize("stage, offload", [(0, "cpu"), (2, "cpu"), (3, "nvme")])
 def test_bf16_check_grad_overflow_skips_a_step_whose_gradients_are_not_finite(tmp_path, stage,
                                                                              offload):
     # No clipping: the check is the step's own (DeepSpeed's bf16.check_grad_overflow). Without
@@ -319,11 +319,15 @@ def test_bf16_check_grad_overflow_skips_a_step_whose_gradients_are_not_finite(tm
             config["bf16"]["check_grad_overflow"] = check
         torch.manual_seed(0)
         engine, _, _, _ = strata.initialize(model=Net().bfloat16(), config=config)
+        inf = []  # (one element of the last layer's weight: the rest finite)
+        engine.module.l2.weight.register_hook(
+            lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])),
+                                  torch.tensor(float("inf"), dtype=g.dtype)) if inf else g)
         for i, (x, y) in enumerate(batches(3)):
             loss = loss_of(engine(x), y)
+            inf[:] = [True] if i == 1 else []
             if i == 1:
                 before = [w.clone() for w in engine_weights(engine)]
-                loss = loss * float("inf")
             engine.backward(loss)
             engine.step()
             if i == 1:
@@ -342,10 +346,11 @@ def test_a_config_without_gradient_clipping_is_said_once_where_nothing_clips(tmp
     # and says so at the first step nothing clipped (not where the loop clips, nor where the
     # config names the key).
     said = {}
-    for case, stage in (("absent", 2), ("clip_grad_norm_", 2), ("clip_grad_norm_", 0), ("0", 2)):
+    for case, stage in (("absent", 2), ("clip_grad_norm_", 2), ("clip_grad_norm_", 0), ("0", 2),
+                        ("1.0", 2)):
         config = make_config(tmp_path / f"{case}{stage}", stage, "cpu", "fp32", accumulation=1)
-        if case == "0":
-            config["gradient_clipping"] = 0
+        if case in ("0", "1.0"):
+            config["gradient_clipping"] = float(case)
         else:
             del config["gradient_clipping"]
         engine, _, _, _ = strata.initialize(model=Net(), config=config)
@@ -359,7 +364,8 @@ def test_a_config_without_gradient_clipping_is_said_once_where_nothing_clips(tmp
     assert len(said["absent", 2]) == 1 and "DeepSpeed 0.19.3 and later clip at 1.0" in \
         said["absent", 2][0], said
     # (at stage 0 the loop's clip_grad_norm_ clips .grad in place)
-    assert said["clip_grad_norm_", 2] == said["clip_grad_norm_", 0] == said["0", 2] == [], said
+    assert said["clip_grad_norm_", 2] == said["clip_grad_norm_", 0] == said["0", 2] == \
+        said["1.0", 2] == [], said
 
 
 def test_fp16_held_steps_are_the_steps_after_backward_and_an_overflow_skips_one(tmp_path):
@@ -928,7 +934,7 @@ def test_optimizer_commit_partition_trains_bit_for_bit_as_the_whole_step(tmp_pat
 
 
 @pytest.mark.parametrize("skip, sub_group, homed", [
-    (0, None, False), (3, None, False), (5, None, False), (2, 500, False), (5, 500, False),
+    (0, None, False), (4, None, False), (6, None, False), (2, 500, False), (5, 500, False),
     (2, 500, True), (5, 500, True)])
 def test_optimizer_commit_partition_a_disk_full_mid_step_keeps_what_landed(tmp_path, monkeypatch,
                                                                           skip, sub_group, homed):
