@@ -258,16 +258,18 @@ class Gradients:
             refused by name.
         Refused under fp16, where whether t carries the loss scale cannot be told."""
         apart = self.stage == 2 or self.sum_apart or self.ranks is not None
+        if not apart and self.step.user_clip is None:  # (.grad is torch's: nothing to take)
+            return
         left = self.step.clip_left
         for e in self.table.trained if only is None else (only,):
+            if e.partitioned:  # (refuses .grad = t: strata/placeholders.py)
+                continue
             given = e.param.grad
-            if given is None or e.partitioned:
+            if given is None:
                 continue
             if apart:
                 if not reduced and self.stage != 2:  # (stage 1's, stage 3's small: the engine's)
                     continue
-            elif self.step.user_clip is None:  # (no clip pending: .grad is torch's)
-                continue
             elif e in left and given is left[e][0]:
                 if given._version != left[e][1]:
                     raise RuntimeError(
