@@ -313,16 +313,17 @@ def test_stage_2_steps_staged_during_backward_match_plain_torch_with_clipping(tm
     engine.close()
 
 
-# Across ranks on GPUs (strata/ranks.py): tests/python/test_ranks.py's job, its model computing on
-# the GPU. On one GPU the ranks share it (strata.device_index 0): NCCL refuses that, so their
-# gradients and weights go through strata's Gloo, staged through pinned host memory, said once.
+# Across ranks on GPUs (strata/ranks.py): tests/python/test_ranks_train.py's job, its model
+# computing on the GPU. On one GPU the ranks share it (strata.device_index 0): NCCL refuses that,
+# so their gradients and weights go through strata's Gloo, staged through pinned host memory, said
+# once.
 # With a GPU for each rank, NCCL's default group, which strata makes.
 @pytest.mark.parametrize("stage, offload, dtype", [
     (1, "cpu", "fp32"), (2, "cpu", "fp32"), (3, "cpu", "fp32"), (2, "nvme", "fp32"),
     (3, "nvme", "fp32"), (2, "cpu", "bf16"), (3, "cpu", "bf16"),
 ])
 def test_ranks_on_gpus_train_as_one_process(tmp_path, monkeypatch, stage, offload, dtype):
-    from test_ranks import train_as_one_process
+    from test_ranks_train import train_as_one_process
     monkeypatch.setenv("STRATA_TEST_DEVICE", "cuda")
     shared = torch.cuda.device_count() < 2
     reports = train_as_one_process(tmp_path, 2, stage, offload, dtype,

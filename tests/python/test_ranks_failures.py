@@ -1,7 +1,7 @@
 """The engine across ranks (strata/ranks.py), when something is wrong: the job's failures (a
 killed rank, a wrong world size, a missing variable), ranks whose set-ups or orders differ, an
 overflow, a staging, a commit's preparation or a commit that fails on one rank: each named on
-every rank, never a hang; and the choice of where the collectives run. (test_ranks.py: the
+every rank, never a hang; and the choice of where the collectives run. (test_ranks_train.py: the
 ranks training as one process.)"""
 import json
 import os
