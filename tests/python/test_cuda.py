@@ -313,6 +313,44 @@ def test_stage_2_steps_staged_during_backward_match_plain_torch_with_clipping(tm
     engine.close()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_set_between_backward_and_step_on_cuda_are_plain_torch_s(tmp_path, stage):
+    """Gradient surgery on the CUDA tier (the head's gradient doubled and flipped): at stage 2
+    `.grad = t` while the gradients are on their way to pinned host memory (taken once they have
+    landed), at stage 3 strata.safe_set_full_grad into the gradient partitions (the head's bias,
+    a small parameter, keeps .grad on the device). The step takes what was set, as plain torch's
+    AdamW on the same GPU does; from the second step nothing is staged (or stepped, as
+    strata.optimizer_during_backward would) during backward."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model).cuda()
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    config = make_config(tmp_path, stage, "cpu", "fp32", 64 << 20, accumulation=1)
+    config["gradient_clipping"] = 0.0
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    named = list(zip(engine.module.named_parameters(), reference.parameters()))
+    for x, y in batches(4):
+        engine.backward(loss_of(engine(x), y))
+        loss_of(reference(x), y).backward()
+        for (name, ours), theirs in named:
+            if name.startswith("head"):
+                theirs.grad = -2 * theirs.grad
+                if stage == 2:
+                    ours.grad = theirs.grad.clone()
+                else:
+                    strata.safe_set_full_grad(ours, theirs.grad)
+            torch.testing.assert_close(strata.safe_get_full_grad(ours).float().cpu(),
+                                       theirs.grad.cpu(), rtol=1e-4, atol=1e-5, msg=name)
+        engine.step()
+        adamw.step()
+        adamw.zero_grad()
+    state = engine.module_state_dict()
+    for name, theirs in reference.state_dict().items():
+        torch.testing.assert_close(state[name].float().cpu(), theirs.cpu(), rtol=1e-4,
+                                   atol=1e-4, msg=name)
+    engine.close()
+
+
 # Across ranks on GPUs (strata/ranks.py): tests/python/test_ranks_train.py's job, its model
 # computing on the GPU. On one GPU the ranks share it (strata.device_index 0): NCCL refuses that,
 # so their gradients and weights go through strata's Gloo, staged through pinned host memory, said
