@@ -736,8 +736,11 @@ def load(store, load_dir, tag=None, load_optimizer_states=True, load_lr_schedule
     """Loads a checkpoint into the engine (see the module's docstring); returns (its folder,
     client_state), or (None, None) when `load_dir` has no ``latest`` and no tag is given (as
     DeepSpeed's, with a warning)."""
-    if store.step.staged is not None:
-        raise RuntimeError("load_checkpoint: between backward and step; load after step()")
+    if store.step.staged is not None or store.state.gradients_since_step:
+        raise RuntimeError(
+            "load_checkpoint between backward and step: it would drop the gradients made since "
+            "the last step (plain torch's optimizer.step() after a load steps the loaded weights "
+            "with them); accepted: load after step(), or after zero_grad()")
     if store.ranks is not None:
         store.ranks.agree(_EVERY_RANK.format("load_checkpoint", "reads its shard"))
     checked = checked_everywhere(store, "load_checkpoint", lambda: _check_load(

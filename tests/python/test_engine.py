@@ -3314,9 +3314,10 @@ def test_a_deep_copy_of_the_module_an_engine_trains_is_refused_until_it_is_relea
 
 
 def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
-    """optimizer.load_state_dict between backward and step, a state entry without its step, a
-    non-finite norm with error_if_nonfinite, a window end the trainer and the engine disagree
-    on, and a GatheredParameters over a parameter lent to its module: each refused by name."""
+    """optimizer.load_state_dict (module.load_state_dict, load_checkpoint) between backward and
+    step, a state entry without its step, a non-finite norm with error_if_nonfinite, a window
+    end the trainer and the engine disagree on, and a GatheredParameters over a parameter lent
+    to its module: each refused by name."""
     engine, optimizer, _, _ = _beside_plain_torch(tmp_path, 3)
     (x, y), = batches(1)
     engine.backward(loss_of(engine(x), y))
@@ -3328,10 +3329,16 @@ def test_refusals_of_the_loop_idioms_name_what_is_wrong(tmp_path):
     # nothing), at a stage that stages nothing during backward: the gradients kept, stepped.
     (tmp_path / "two").mkdir()
     two, _, reference, torch_adamw = _beside_plain_torch(tmp_path / "two", 2)
+    two.save_checkpoint(tmp_path / "two" / "ckpt")
     two.backward(loss_of(two(x), y))
     with pytest.raises(RuntimeError, match="module.load_state_dict between backward and step: "
                                            "the gradients made since the last step"):
         two.module.load_state_dict(two.module_state_dict())
+    # And load_checkpoint (it was refused only where a step was staged during backward: at stage
+    # 2 on the CPU it dropped the gradients, and the step after it changed nothing).
+    with pytest.raises(RuntimeError, match="load_checkpoint between backward and step: it would "
+                                           "drop the gradients made since the last step"):
+        two.load_checkpoint(tmp_path / "two" / "ckpt")
     two.step()
     loss_of(reference(x), y).backward()
     torch_adamw.step()
