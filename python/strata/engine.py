@@ -95,7 +95,7 @@ from strata import ranks as ranks_module
 from strata.config import TORCH_DTYPES, TrainConfig
 from strata.edits import Edits
 from strata.gathered import GatheredParameters
-from strata.gradients import Gradients, HostCopies
+from strata.gradients import BACKWARD_AFTER_CLIP, Gradients, HostCopies
 from strata.loss_scaler import LossScaler
 from strata.lending import Lending, register_external_parameter, weakly
 from strata.parameters import ParameterTable, read_frozen, read_state
@@ -509,7 +509,6 @@ class Engine:
         if ranks is not None:  # every rank starts from rank 0's weights
             ranks.broadcast_module(
                 model, skip=lambda t: init_module.partition_of(t) is not None)  # (those are)
-        self._unreduced = False  # across ranks: gradients made since the last reduce()
         self._said_unclipped = False  # _UNCLIPPED said
         if config.activation_checkpointing is not None:
             checkpointing.configure(deepspeed_config=config.activation_checkpointing)
@@ -881,11 +880,13 @@ class Engine:
         """Backward of the micro-batch's loss, scaled by 1/gradient_accumulation_steps (as
         DeepSpeed's; not with scale_wrt_gas=False) and by the fp16 loss scale. retain_graph as
         torch's (a second backward through the same graph adds to the gradients)."""
+        if self._step.user_clip is not None:
+            raise RuntimeError(BACKWARD_AFTER_CLIP)
         scaled = loss.float() / self._state.accumulation if scale_wrt_gas else loss.float()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         self._state.phase = Phase.BACKWARD
-        self._unreduced = self.ranks is not None  # (a backward that fails leaves them to step())
+        self._gradients.unreduced = self.ranks is not None  # (a failed backward: at step())
         try:
             scaled.backward(retain_graph=retain_graph)
             self._copies.end_backward()
@@ -896,7 +897,6 @@ class Engine:
                     # DeepSpeed's backward reduces them: clip_grad_norm_ between backward and step
                     # takes the norm of the mean over the ranks (.grad is None from here).
                     self._gradients.reduce()
-                    self._unreduced = False
             self._lending.end_backward()
         except BaseException:
             if self.ranks is not None:
@@ -1147,9 +1147,8 @@ class Engine:
                 if e.partitioned and e.has_grad and not e.sent_down:
                     self.runtime.gradient_ready(e.gid)
         try:
-            if self._unreduced:  # the window's last backward failed (on every rank alike)
+            if self._gradients.unreduced:  # the window's last backward failed (every rank)
                 self._gradients.reduce()
-                self._unreduced = False
             self._take_edits()
             stepped, report = self._step.finish_staged()
             if stepped is None:  # nothing staged, or the staged step could not stand
@@ -1260,7 +1259,7 @@ class Engine:
         .grad given before the window's gradients are reduced (stage 1, stage 3's small
         parameters) is reduced with them."""
         if self._state.gradients_since_step:
-            self._gradients.take_given(only, reduced=not self._unreduced)
+            self._gradients.take_given(only)
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""

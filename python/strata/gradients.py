@@ -21,7 +21,13 @@ from strata import _strata
 
 from strata.lending import kernel_stream
 
-__all__ = ["Gradients", "HostCopies"]
+__all__ = ["BACKWARD_AFTER_CLIP", "Gradients", "HostCopies"]
+
+# A backward after the user's clip_grad_norm_ in the same step, where the clip waits for the step.
+BACKWARD_AFTER_CLIP = (
+    "backward after torch.nn.utils.clip_grad_norm_ in the same step: the engine applies the "
+    "clip at the step to every gradient it holds, this backward's too (torch's clipped only "
+    "those made before it); accepted: clip_grad_norm_ after the step's last backward")
 
 
 class Gradients:
@@ -42,6 +48,9 @@ class Gradients:
         self.device = device
         self.runtime = None  # the engine's, handed once made; None once it is closed
         self.fired = set()  # parameters whose gradient hook ran in the boundary micro-batch
+        # Across ranks: gradients made since the last reduce() (stage 1's, stage 3's small
+        # parameters': this rank's own until the window's last backward reduces them).
+        self.unreduced = False
 
     def hook(self, e):
         """The hook on e's AccumulateGrad node: it runs once autograd has put e's gradient in
@@ -57,6 +66,8 @@ class Gradients:
             grad = e.param.grad
             if grad is None:
                 return
+            if self.step.user_clip is not None:
+                raise RuntimeError(BACKWARD_AFTER_CLIP)
             self.state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
             boundary = self.state.is_boundary()
             if boundary:
@@ -192,6 +203,11 @@ class Gradients:
                 "strata.optimizer_during_backward false")
         self.copies.land()
         clip = self.step.user_clip
+        if clip == 0:
+            raise RuntimeError(
+                f"{where} after clip_grad_norm_ with max_norm 0 in this step: the engine applies "
+                "the clip (0) at the step to every gradient it holds, so no value set after it "
+                "could stand; accepted: the set before the clip, or a max_norm above 0")
         scale = self.step.scaler.scale / (1.0 if clip is None else clip)
         values = values * scale
         if e.partitioned:
@@ -203,7 +219,9 @@ class Gradients:
             kept = "host"
         else:
             kept = "grad"
-        dtype = {"grad": e.param.dtype, "shard": torch.float32}.get(kept, self.grad_accum_dtype)
+        dtype = {"grad": e.param.dtype, "shard": torch.float32,
+                 "host": self.grad_accum_dtype if e.host_grad is None else e.host_grad.dtype
+                 }.get(kept, self.grad_accum_dtype)
         if bool(values.isfinite().all()) and not bool(values.to(dtype).isfinite().all()):
             raise ValueError(
                 f"{where}: the value times {scale:g} (the loss scale, divided by this step's "
@@ -237,47 +255,39 @@ class Gradients:
             else:
                 e.host_grad.copy_(values)
             e.has_grad = True
+        elif e.param.grad is None:
+            e.param.grad = values.view(e.shape).to(e.param.device, e.param.dtype)
         else:
-            if e.param.grad is None:
-                e.param.grad = values.view(e.shape).to(e.param.device, e.param.dtype)
-            else:
-                e.param.grad.copy_(values.view(e.shape))
-            if self.step.user_clip is not None:  # (what the clip left is now this)
-                self.step.clip_left[e] = (e.param.grad, e.param.grad._version)
+            e.param.grad.copy_(values.view(e.shape))
 
-    def take_given(self, only=None, reduced=True):
+    def take_given(self, only=None):
         """Each .grad the user gave by hand between backward and step (`p.grad = t`, plain torch's
         way to replace a gradient; of entry `only`, or of any), taken as the gradient
-        (replace()) and .grad None again, where the engine would not read it as torch's:
-          - where the engine keeps the gradient outside .grad (stage 2, grad_accum_dtype apart,
-            across ranks once `reduced`: there the hook and the reduce leave .grad None, so a
-            .grad found is the user's);
-          - where a clip_grad_norm_ of this step left .grad to be clipped at the step (stage 3's
-            small parameters beside partitioned ones): a .grad that replaced the one it left (or
-            came after it) is taken unclipped, as torch's; one edited in place after it is
-            refused by name.
+        (replace()) and .grad None again, where the engine keeps the gradient apart from .grad:
+        at stage 2, with grad_accum_dtype apart, across ranks once reduced (the hook and the
+        reduce leave .grad None there), and after a clip_grad_norm_ that left the clip to the
+        step (OptimizerStep.clip_by_user moves stage 3's small parameters' gradients out of
+        .grad then): a .grad found there is the user's. Across ranks before the window's reduce,
+        .grad is this rank's own sum, reduced with the others' as DDP's; where the sum is kept
+        apart (grad_accum_dtype), a .grad given then is refused (it could not replace it).
         Refused under fp16, where whether t carries the loss scale cannot be told."""
         apart = self.stage == 2 or self.sum_apart or self.ranks is not None
         if not apart and self.step.user_clip is None:  # (.grad is torch's: nothing to take)
             return
-        left = self.step.clip_left
         for e in self.table.trained if only is None else (only,):
             if e.partitioned:  # (refuses .grad = t: strata/placeholders.py)
                 continue
             given = e.param.grad
             if given is None:
                 continue
-            if apart:
-                if not reduced and self.stage != 2:  # (stage 1's, stage 3's small: the engine's)
-                    continue
-            elif e in left and given is left[e][0]:
-                if given._version != left[e][1]:
+            if self.unreduced and self.stage != 2:
+                if e.host_grad is not None:
                     raise RuntimeError(
-                        f"{e.name}.grad edited in place after clip_grad_norm_: at stage 3 the "
-                        "engine clips its small parameters' .grad at the step, with the "
-                        "partitions' gradients, so the edit would be clipped too (torch's is "
-                        "not); accepted: strata.safe_set_full_grad(param, t) after the clip, "
-                        "or the edit before it")
+                        f"{e.name}.grad = t across ranks before the window's gradients are "
+                        "reduced, where this rank's sum so far is kept apart from .grad "
+                        "(grad_accum_dtype other than the training dtype): t could not replace "
+                        "it; accepted: .grad = t or strata.safe_set_full_grad after the "
+                        "window's last backward")
                 continue
             self._take(e, given)
 
@@ -287,9 +297,10 @@ class Gradients:
                 f"{e.name}.grad = t between backward and step under fp16, where the engine keeps "
                 "the gradient apart from .grad (stage 2, grad_accum_dtype apart, across ranks, "
                 "or after a clip_grad_norm_ at stage 3) and scales the loss: whether t carries "
-                "the loss scale cannot be told (at stages 0-1 with one micro-batch .grad holds "
-                "the scaled gradient); accepted: strata.safe_set_full_grad(param, t), t "
-                "unscaled as strata.safe_get_full_grad reads it")
+                "the loss scale cannot be told (where .grad holds the gradient, at stages 0-1 "
+                "and stage 3's small parameters in one process, it holds the scaled one); "
+                "accepted: strata.safe_set_full_grad(param, t), t unscaled as "
+                "strata.safe_get_full_grad reads it")
         start, stop = (0, e.numel) if self.ranks is None else \
             self.ranks.own_range(e.numel, e.shard)
         values = given.detach().to("cpu", torch.float32).reshape(-1)[start:stop]
@@ -326,14 +337,14 @@ class Gradients:
 
         # Stage 2 reduced them during backward; stage 1 and stage 3's unpartitioned ones now.
         entries = [e for e in self.table.trained if not e.partitioned and self.stage != 2]
-        if not entries:
-            return
-        for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
-            e.param.grad = None
-            e.host_grad = None
-            if shard is not None:
-                e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
-                e.has_grad = True
+        if entries:
+            for e, shard in self.ranks.reduce_gradients(entries, gradient_of).items():
+                e.param.grad = None
+                e.host_grad = None
+                if shard is not None:
+                    e.shard_grad = shard if e.shard_grad is None else e.shard_grad.add_(shard)
+                    e.has_grad = True
+        self.unreduced = False
 
     def end_step(self, failed):
         """The step is over (taken, skipped or `failed`): a staged step left is aborted and every
@@ -361,6 +372,7 @@ class Gradients:
         """Every gradient dropped (a partition's discarded through `attempt`)."""
         self.copies.land()  # their pinned memory is written to again next step: the copies end
         self.fired.clear()
+        self.unreduced = False
         for e in self.table.trained:
             if e.partitioned and e.has_grad:
                 attempt(self.runtime.discard, e.gid)

@@ -101,9 +101,6 @@ class OptimizerStep:
         # partition steps for good during backward: the coefficient comes after it).
         self.user_clip = None
         self.user_clips = False
-        # The entries whose .grad the user's clip left to be clipped at the step: (that .grad,
-        # its version then).
-        self.clip_left = {}
         # Whether the user sets gradients between backward and step (Gradients.replace): then
         # nothing is staged during backward (a step staged with a gradient changed after is
         # dropped).
@@ -136,7 +133,6 @@ class OptimizerStep:
         self._hold = not self._second_gradient  # a held step would be dropped again
         self._second_gradient = False
         self.user_clip = None  # the user's clip_grad_norm_ of this step
-        self.clip_left.clear()
         self._hook_order.clear()
 
     def release_early_held(self, attempt):
@@ -316,11 +312,15 @@ class OptimizerStep:
             not e.gradient_held() and e.staged is None for e in self.table.trained)
         if not in_grad:
             self.user_clip = clipped * coefficient
-            # What stays in .grad to be clipped at the step (stage 3's small parameters): a .grad
-            # the user then puts in its place is taken unclipped (Gradients.take_given).
-            for e in self.table.trained:
-                if not e.gradient_held() and e.param.grad is not None and e not in self.clip_left:
-                    self.clip_left[e] = (e.param.grad, e.param.grad._version)
+            # The gradients still in .grad (stage 3's small parameters, one process) move to host
+            # sums: the clip applies to them at the step with the others', .grad reads None from
+            # here as theirs does, and a .grad given after it is the user's
+            # (Gradients.take_given).
+            for e in self.table.trained if self.ranks is None else ():
+                if not e.partitioned and not e.gradient_held() and e.param.grad is not None:
+                    e.host_grad = e.param.grad.detach().reshape(-1).to("cpu")
+                    e.has_grad = True
+                    e.param.grad = None
         if coefficient < 1.0:
             with torch.no_grad():
                 for p in others + ([e.param for e in self.table.trained

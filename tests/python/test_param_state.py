@@ -301,6 +301,20 @@ for stage in (2, 3):
         engine(x)
     out[stage]["local set"] = (strata.safe_get_local_fp32_param(w) - 0.5).abs().max().item()
     engine.close()
+# Stage 1 in bf16 over 2 micro-batches: each rank's sum kept apart (fp32) until the window's
+# reduce; a .grad given between the micro-batches could not replace it: refused by name.
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+          "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 1}, "strata": {"device": "emulated"}}
+engine, _, _, _ = strata.initialize(model=Net().bfloat16(), config=config)
+engine.backward(engine(x.bfloat16()))
+engine.step()
+engine.module.l2.bias.grad = torch.zeros(WIDTH, dtype=torch.bfloat16)
+try:
+    engine.backward(engine(x.bfloat16()))
+    out["apart"] = "not refused"
+except RuntimeError as error:
+    out["apart"] = str(error)
 print(json.dumps(out), flush=True)
 sys.stdout.flush()
 os._exit(0)
@@ -315,6 +329,9 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
         stdout, stderr = p.communicate(timeout=180)
         assert p.returncode == 0, stderr[-3000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    for out in outs:
+        assert out.pop("apart").startswith("l2.bias.grad = t across ranks before the window's "
+                                           "gradients are reduced"), out
     for stage in ("2", "3"):
         a, b = outs[0][stage], outs[1][stage]
         for key in ("grad", "master", "moment"):
@@ -382,10 +399,30 @@ def test_gradients_given_by_hand_in_a_loop_of_one_s_own_are_torch_s(tmp_path, st
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(engine.module_state_dict()[name], value, rtol=1e-5,
                                    atol=1e-6, msg=name)
-    if stage == 3:  # (edited in place after such a clip: it would be clipped too)
-        engine(first).backward()
-        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1e-3)
-        engine.module.l2.bias.grad.add_(1.0)
-        with pytest.raises(RuntimeError, match=r"l2.bias.grad edited in place after "
-                           r"clip_grad_norm_: .*accepted: strata.safe_set_full_grad"):
-            engine.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_clip_left_to_the_step_reads_none_and_a_backward_after_it_is_refused(tmp_path, stage):
+    """Where the engine applies a clip_grad_norm_ at the step (its gradients apart from .grad),
+    .grad reads None after the clip (at stage 3 its small parameters' move out of .grad then: a
+    read of one would be unclipped, where torch's is clipped); a backward after the clip in the
+    same step is refused by name (torch's adds an unclipped gradient to clipped ones; the engine
+    would clip both), by engine.backward and by a loss.backward() of the loop's; a gradient set
+    after a clip of max_norm 0 is refused (nothing set after it could stand)."""
+    engine, _, _, _ = strata.initialize(model=Net(), config=config(tmp_path, stage))
+    first, second = batches(2)
+    engine.backward(engine(first))
+    torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1e-3)
+    assert all(p.grad is None for p in engine.module.parameters())
+    with pytest.raises(RuntimeError, match="backward after torch.nn.utils.clip_grad_norm_ in "
+                       "the same step: .*accepted: clip_grad_norm_ after the step's last"):
+        engine.backward(engine(second))
+    engine.step()
+    engine.zero_grad()
+    engine(first).backward()  # (a loop of one's own)
+    torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.0)
+    with pytest.raises(RuntimeError, match=r"safe_set_full_grad\(l2.bias\) after "
+                       "clip_grad_norm_ with max_norm 0"):
+        strata.safe_set_full_grad(engine.module.l2.bias, torch.zeros(WIDTH))
+    with pytest.raises(RuntimeError, match="backward after torch.nn.utils.clip_grad_norm_"):
+        engine(second).backward()
