@@ -736,16 +736,12 @@ def load(store, load_dir, tag=None, load_optimizer_states=True, load_lr_schedule
     """Loads a checkpoint into the engine (see the module's docstring); returns (its folder,
     client_state), or (None, None) when `load_dir` has no ``latest`` and no tag is given (as
     DeepSpeed's, with a warning)."""
-    # (after a load that failed part way, the load that puts it right drops what is pending)
-    done = store.state.micro_steps % store.state.accumulation
-    if done and store.step.half_loaded is None:
-        raise RuntimeError(
-            f"load_checkpoint in the middle of an accumulation window (after micro-batch {done} "
-            f"of {store.state.accumulation}, gradient_accumulation_steps): it would drop the "
-            "gradients the window has summed so far; accepted: load at a window's end, as "
-            "save_checkpoint saves")
+    # Between backward and step, the engine's or a loop's own (stages 0-1: .grad at a window's
+    # end); not after a load that failed part way: the load that puts it right drops what is
+    # pending, as a load in the middle of a window drops the window's sums.
     if store.step.staged is not None or store.step.half_loaded is None and (
             store.state.gradients_since_step or
+            store.state.micro_steps % store.state.accumulation == 0 and
             any(e.param.grad is not None for e in store.table.trained)):
         raise RuntimeError(
             "load_checkpoint between backward and step: it would drop the gradients made since "

@@ -182,6 +182,7 @@ class _StepSeam:
 
     def __init__(self):
         self.staged, self.second = [], []
+        self.user_clip = None  # (no clip_grad_norm_ of the user's in this step)
 
     def stage_from_hook(self, e, grad=None, grad_stream=None):
         self.staged.append(e.name)
