@@ -66,7 +66,9 @@ class Gradients:
             grad = e.param.grad
             if grad is None:
                 return
-            if self.step.user_clip is not None:
+            if self.step.user_clip is not None:  # (refused: nothing of this backward kept)
+                e.param.grad = None
+                self.lending.drop_all()
                 raise RuntimeError(BACKWARD_AFTER_CLIP)
             self.state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
             boundary = self.state.is_boundary()

@@ -318,7 +318,8 @@ class OptimizerStep:
             # (Gradients.take_given).
             for e in self.table.trained if self.ranks is None else ():
                 if not e.partitioned and not e.gradient_held() and e.param.grad is not None:
-                    e.host_grad = e.param.grad.detach().reshape(-1).to("cpu")
+                    # (a copy: a tensor the user kept of .grad is not the sum stepped)
+                    e.host_grad = e.param.grad.detach().reshape(-1).to("cpu", copy=True)
                     e.has_grad = True
                     e.param.grad = None
         if coefficient < 1.0:

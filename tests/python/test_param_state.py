@@ -424,5 +424,11 @@ def test_a_clip_left_to_the_step_reads_none_and_a_backward_after_it_is_refused(t
     with pytest.raises(RuntimeError, match=r"safe_set_full_grad\(l2.bias\) after "
                        "clip_grad_norm_ with max_norm 0"):
         strata.safe_set_full_grad(engine.module.l2.bias, torch.zeros(WIDTH))
+    kept = [strata.safe_get_full_grad(p) for p in engine.module.parameters()]
     with pytest.raises(RuntimeError, match="backward after torch.nn.utils.clip_grad_norm_"):
         engine(second).backward()
+    # (nothing of the refused backward kept: the gradients are the clipped ones, and the step
+    # takes them, its lent weights given back)
+    for before, p in zip(kept, engine.module.parameters()):
+        assert p.grad is None and torch.equal(strata.safe_get_full_grad(p), before)
+    engine.step()
