@@ -569,7 +569,7 @@ def _module_rest(store, left_out=()):
 def _frozen_names(store):
     """The names of the module's state dict that are parameters not trained (one of no elements,
     which the engine leaves to torch, is kept: it costs nothing)."""
-    frozen = {id(e.param) for e in store.table.frozen}  # (partitioned: a placeholder's numel 0)
+    frozen = {id(e.param) for e in store.table.frozen}
     return {name for name, value in store.module.state_dict(keep_vars=True).items()
             if isinstance(value, torch.nn.Parameter) and id(value) not in store.table.trained_by_id
             and (id(value) in frozen or value.numel())}

@@ -110,7 +110,6 @@ class TrainConfig:
         self.micro_batch = 1
         self.accumulation = 1
         self.clipping = 0.0
-        self.clipping_given = False  # gradient_clipping in the config (absent: DeepSpeed's 1.0)
         self.check_grad_overflow = False  # bf16.check_grad_overflow
         self.dtype = "float32"  # or "bfloat16", "float16"
         self.grad_accum_dtype = "float32"  # or the training dtype (data_types.grad_accum_dtype)
@@ -188,7 +187,6 @@ class TrainConfig:
         c.micro_batch = c.micro_batch or 1
         c.accumulation = c.accumulation or 1
         c.clipping = float(_number(config, "gradient_clipping", "", 0.0, 0.0))
-        c.clipping_given = "gradient_clipping" in config
         c.steps_per_print = _number(config, "steps_per_print", "", 10, 1, None, True)
         _bool(config, "zero_allow_untested_optimizer", "", False)
 

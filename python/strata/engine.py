@@ -1133,7 +1133,8 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        if not (self.config.clipping_given or self._step.user_clips or self._said_unclipped):
+        if not ("gradient_clipping" in self.config.source or self._step.user_clips or
+                self._said_unclipped):
             self._notices.warn(_UNCLIPPED)
             self._said_unclipped = True
         start = time.perf_counter()

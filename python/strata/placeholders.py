@@ -45,7 +45,7 @@ gives the weights back, until it is given its weights (``p.data = t``; the modul
 torch.nn.Parameter.
 
 Each torch function given a guarded parameter costs about 1-2 us more (the subclass's dispatch in
-Python), lent or not: 2.0 us for F.linear given a guarded weight and bias, 1.2 us a getter
+Python), lent or not: 2.2 us for F.linear given a guarded weight and bias, 1.2 us a getter
 (.grad, dtype). The engine's own .data and version-counter reads and writes go past it
 (strata/parameters.py's data_of, set_data, version_of).
 

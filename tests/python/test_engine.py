@@ -3159,7 +3159,7 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
     and dim() were the placeholder's (a parameter count, a decay group by p.dim() >= 2 and
     parameters_to_vector silently wrong) and its values read as none (p.norm() 0.0, a copy
     empty). Now its metadata is plain torch's, its values are refused by name, a submodule's
-    load_state_dict loads through the engine, and close() leaves torch.nn.Parameter."""
+    load_state_dict loads through the engine, and close() leaves them refused by name."""
     engine, _, reference, torch_adamw = _beside_plain_torch(tmp_path, 3)
     for x, y in batches(2):
         _step_beside(engine, reference, torch_adamw, x, y)

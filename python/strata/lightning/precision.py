@@ -136,7 +136,7 @@ def _tell_hidden_gradients(engine, model):
     is about to run while the engine holds gradients that are not in .grad (reduced into its
     shards or partitions, as under DeepSpeedStrategy), says once what it sees there: .grad None
     (Lightning's grad_norm logs nothing) or, at stage 3, only the small parameters' (a partial
-    norm), and that editing .grad changes nothing."""
+    norm), and what reads or sets them instead."""
     def own(obj):
         hook = getattr(type(obj), "on_before_optimizer_step", None)
         where = getattr(hook, "__module__", "") or ""
@@ -153,8 +153,8 @@ def _tell_hidden_gradients(engine, model):
             f"StrataStrategy: on_before_optimizer_step ({', '.join(users)}) runs while the engine "
             f"holds {len(held)} of the {len(engine.table.trained)} trained parameters' gradients "
             "outside .grad (reduced into its shards or partitions, as DeepSpeedStrategy's are): "
-            ".grad reads None there (Lightning's grad_norm leaves them out), and an edit of "
-            ".grad is not taken by the step; accepted: the global norm from "
-            "torch.nn.utils.clip_grad_norm_(self.parameters(), float('inf')) (the engine's), "
-            "gradient_clip_val to clip")
+            ".grad reads None there (Lightning's grad_norm leaves them out); accepted: the "
+            "global norm from torch.nn.utils.clip_grad_norm_(self.parameters(), float('inf')) "
+            "(the engine's), strata.safe_get_full_grad(p) / safe_set_full_grad(p, t) for one "
+            "parameter's gradient, gradient_clip_val to clip")
 
