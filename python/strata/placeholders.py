@@ -33,10 +33,14 @@ below).
 
 Only parameters whose class is torch.nn.Parameter itself are guarded (a subclass of one's own
 keeps its class, and its placeholder's reads go unrefused). ``.data`` is refused by
-strata/edits.py's property. Not caught: a copy made by ``torch.tensor(p)``,
-``torch.asarray(p, ...)``, ``p.as_subclass(...)`` or through DLPack (empty: torch makes them
-without a torch function), and the storage's own attributes (``p.data_ptr()``,
-``p.untyped_storage()``, let through: the placeholder's, one for all).
+strata/edits.py's property, and ``p.as_subclass(cls)`` (a copy without its values) by
+Partitioned's own method. Not caught: a copy made by ``torch.tensor(p)``, ``torch.asarray(p,
+copy=True)``, ``t.new_tensor(p)``, the legacy ``torch.Tensor(p)`` or DLPack's ``to_dlpack(p)``
+(empty: torch makes them without a torch function; torch.tensor warns that it copies from a
+tensor). Wrapping those names on torch would catch them, but TorchScript and torch.compile know
+torch's functions by identity, and a wrapper put in torch.tensor's place stops a scripted
+function that calls it from compiling. The storage's own attributes (``p.data_ptr()``,
+``p.untyped_storage()``) are let through: the placeholder's, one for all.
 
 After the engine's close() (or drop) each stays Partitioned, holding a placeholder of its shape
 (one element, expanded), and its reads and writes are refused by name, saying engine.release()
@@ -281,6 +285,11 @@ class Partitioned(torch.nn.Parameter):
                         raise _refuse(name, held)
                     return answer
         return _RAW(func, types, args, kwargs)
+
+    def as_subclass(self, cls):
+        if _held(self) and not getattr(_OWN, "depth", 0):
+            raise _refuse("as_subclass", self)
+        return super().as_subclass(cls)
 
     def __repr__(self):
         if _held(self) and not getattr(_OWN, "depth", 0):

@@ -3186,7 +3186,8 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
                        ("view", lambda: torch.nn.utils.parameters_to_vector(model.parameters())),
                        ("detach", lambda: weight.detach().clone()),
                        ("lerp_", lambda: torch.zeros(2 * WIDTH, WIDTH).lerp_(weight, 0.1)),
-                       ("to", lambda: weight.to(torch.float64))]:
+                       ("to", lambda: weight.to(torch.float64)),
+                       ("as_subclass", lambda: weight.as_subclass(torch.Tensor))]:
         with pytest.raises(RuntimeError, match=refused.format(what)):
             read()
     with pytest.raises(RuntimeError, match=refused.format("mul_")), torch.no_grad():
