@@ -164,6 +164,12 @@ class Gradients:
             self.runtime.gradient_ready(e.gid)
             e.sent_down = True
 
+    def unreduced_here(self, e):
+        """Whether this rank's gradient of e so far is its own sum, not yet reduced with the other
+        ranks' (across ranks: stages 0-1 and stage 3's small parameters, before the window's
+        last backward reduces them; stage 2 and partitions reduce during backward)."""
+        return self.unreduced and not e.partitioned and self.stage != 2
+
     def held(self, e):
         """A copy of this rank's gradient of e where the engine holds it outside .grad (flat: its
         partition's, its shard across ranks, its host sum), or None; as made (the loss scale
@@ -282,7 +288,7 @@ class Gradients:
             given = e.param.grad
             if given is None:
                 continue
-            if self.unreduced and self.stage != 2:
+            if self.unreduced_here(e):
                 if e.host_grad is not None:
                     raise RuntimeError(
                         f"{e.name}.grad = t across ranks before the window's gradients are "

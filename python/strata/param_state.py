@@ -213,12 +213,13 @@ def _get_grad(param, full):
         g = g * factor if factor != 1.0 else g.clone()
         return g.view(e.shape) if full else g
     start, stop = _own_range(engine, e)
+    unreduced = engine._gradients.unreduced_here(e)  # (the same on every rank)
     if not full:  # (this rank's own: no collective)
-        if param.grad is not None:
+        if unreduced:
             raise RuntimeError(_unreduced(where, e))
         g = engine._gradients.held(e)
         return None if g is None else (g * factor)[:stop - start]
-    if not engine.ranks.agree(f"{where}({e.name})", param.grad is None):
+    if not engine.ranks.agree(f"{where}({e.name})", not unreduced):
         raise RuntimeError(_unreduced(where, e))
     g = engine._gradients.held(e)
     present, = engine.ranks.all_reduce_sum([0.0 if g is None else 1.0])
@@ -233,7 +234,7 @@ def _set_grad(param, value, full):
     where = f"safe_set_{'full' if full else 'local'}_grad"
     engine, e = _trained_or_refused(param, where)
     engine._take_assigned_grads(e)
-    if engine.ranks is not None and param.grad is not None:
+    if engine.ranks is not None and engine._gradients.unreduced_here(e):
         raise RuntimeError(_unreduced(where, e))
     engine._gradients.replace(e, _values(where, value, engine, e, full), f"{where}({e.name})")
 

@@ -302,12 +302,24 @@ for stage in (2, 3):
     out[stage]["local set"] = (strata.safe_get_local_fp32_param(w) - 0.5).abs().max().item()
     engine.close()
 # Stage 1 in bf16 over 2 micro-batches: each rank's sum kept apart (fp32) until the window's
-# reduce; a .grad given between the micro-batches could not replace it: refused by name.
+# reduce; a .grad given between the micro-batches could not replace it, and the full gradient
+# is not known yet (each rank's sum is its own): refused by name (a set was taken with the
+# rank's sum left beside it, added at the reduce; a read gave this rank's own sum).
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
           "zero_optimization": {"stage": 1}, "strata": {"device": "emulated"}}
 engine, _, _, _ = strata.initialize(model=Net().bfloat16(), config=config)
 engine.backward(engine(x.bfloat16()))
+bias = engine.module.l2.bias
+for what, call in [("safe_get_full_grad", lambda: strata.safe_get_full_grad(bias)),
+                   ("safe_get_local_grad", lambda: strata.safe_get_local_grad(bias)),
+                   ("safe_set_full_grad",
+                    lambda: strata.safe_set_full_grad(bias, torch.zeros(WIDTH)))]:
+    try:
+        call()
+        out[what] = "not refused"
+    except RuntimeError as error:
+        out[what] = str(error)
 engine.step()
 engine.module.l2.bias.grad = torch.zeros(WIDTH, dtype=torch.bfloat16)
 try:
@@ -332,6 +344,9 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
     for out in outs:
         assert out.pop("apart").startswith("l2.bias.grad = t across ranks before the window's "
                                            "gradients are reduced"), out
+        for what in ("safe_get_full_grad", "safe_get_local_grad", "safe_set_full_grad"):
+            assert out.pop(what).startswith(f"{what}(l2.bias) across ranks before the window's "
+                                            "gradients are reduced"), out
     for stage in ("2", "3"):
         a, b = outs[0][stage], outs[1][stage]
         for key in ("grad", "master", "moment"):
