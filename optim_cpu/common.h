@@ -28,6 +28,10 @@ struct StepOptions {
   // >= 0: this step's weight decay (a parameter group's: no decay for biases and norms); else
   // config's.
   float weight_decay = -1;
+  // >= 0: this step's betas (Adam's and Lion's: a parameter group's, set by a schedule that
+  // cycles momentum, torch's OneCycleLR); else config's.
+  float beta1 = -1;
+  float beta2 = -1;
   // > 0: at most this many of the optimizer's pool threads work on this step (the first ones:
   // bound to the lowest cores), leaving the others' cores free (a step taken while the trainer
   // still computes); 0: all of them.

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -136,6 +137,13 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
   if (!std::isfinite(options.grad_scale)) return bad("grad_scale must be finite");
   if (!std::isfinite(options.lr)) return bad("lr must be finite");
   if (!std::isfinite(options.weight_decay)) return bad("weight_decay must be finite");
+  for (const auto& [key, beta] :
+       {std::pair{"beta1", options.beta1}, std::pair{"beta2", options.beta2}}) {
+    if (!(std::isfinite(beta) && beta < 1.0f)) {
+      return bad(absl::StrCat(key, " ", beta, ": accepted 0 <= ", key, " < 1 (negative: the "
+                              "config's)"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -108,10 +108,13 @@ void CheckStepTensors(const TensorView& p,
 }
 
 optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_overflow,
-                                     float weight_decay = -1) {
+                                     float weight_decay = -1, float beta1 = -1,
+                                     float beta2 = -1) {
   optim_cpu::StepOptions options;
   options.lr = lr;
   options.weight_decay = weight_decay;
+  options.beta1 = beta1;
+  options.beta2 = beta2;
   options.grad_scale = grad_scale;
   options.check_overflow = check_overflow;
   return options;
@@ -733,11 +736,11 @@ class PyRuntime {
 
   // One optimizer step t over (id, grad, param_copy or None) triples; returns the step's report.
   py::dict OptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
-                         bool check_overflow, float weight_decay) {
+                         bool check_overflow, float weight_decay, float beta1, float beta2) {
     std::vector<TensorView> keep;
     std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/false, &keep);
     const optim_cpu::StepOptions options =
-        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay);
+        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay, beta1, beta2);
     absl::StatusOr<swap::StepReport> r;
     {
       py::gil_scoped_release unlocked;
@@ -774,12 +777,12 @@ class PyRuntime {
   // grad_stream: the stream (an int handle, as release's) where the given gradients are still
   // being copied to host memory (sched::Runtime::StageOptimizerStep); None: they are in place.
   void StageOptimizerStep(int64_t t, const py::list& inputs, float lr, float grad_scale,
-                          bool check_overflow, float weight_decay,
+                          bool check_overflow, float weight_decay, float beta1, float beta2,
                           std::optional<uintptr_t> grad_stream) {
     std::vector<TensorView> keep;
     std::vector<swap::StepInput> in = StepInputs(inputs, /*grad_optional=*/true, &keep);
     const optim_cpu::StepOptions options =
-        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay);
+        StepOptionsOf(lr, grad_scale, check_overflow, weight_decay, beta1, beta2);
     absl::Status s;
     {
       py::gil_scoped_release unlocked;
@@ -1194,14 +1197,15 @@ PYBIND11_MODULE(_strata, m) {
            py::arg("master"), py::arg("initial_state") = 0.0f)
       .def("optimizer_step", &PyRuntime::OptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
-           py::arg("weight_decay") = -1.0f)
+           py::arg("weight_decay") = -1.0f, py::arg("beta1") = -1.0f, py::arg("beta2") = -1.0f)
       .def("begin_optimizer_step", &PyRuntime::BeginOptimizerStep, py::arg("host_early") = false,
            py::arg("hold") = false)
       .def("release_optimizer_step", &PyRuntime::ReleaseOptimizerStep, py::arg("grad_scale"))
       .def_property_readonly("optimizer_read_ahead_bytes", &PyRuntime::OptimizerReadAheadBytes)
       .def("stage_optimizer_step", &PyRuntime::StageOptimizerStep, py::arg("t"), py::arg("inputs"),
            py::arg("lr") = -1.0f, py::arg("grad_scale") = 1.0f, py::arg("check_overflow") = false,
-           py::arg("weight_decay") = -1.0f, py::arg("grad_stream") = py::none())
+           py::arg("weight_decay") = -1.0f, py::arg("beta1") = -1.0f, py::arg("beta2") = -1.0f,
+           py::arg("grad_stream") = py::none())
       .def("prepare_optimizer_step", &PyRuntime::PrepareOptimizerStep)
       .def("commit_optimizer_step", &PyRuntime::CommitOptimizerStep)
       .def("abort_optimizer_step", &PyRuntime::AbortOptimizerStep)

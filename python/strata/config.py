@@ -20,7 +20,8 @@ act on. Read here:
   optimizer.type Adam | AdamW | CPUAdam (DeepSpeed's spellings, any case) with optimizer.params
       lr, betas, eps, weight_decay, bias_correction, adam_w_mode, amsgrad=false; Adagrad with lr,
       lr_decay, eps, weight_decay, initial_accumulator_value; Lion with lr, betas, weight_decay
-  scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR and scheduler.params (strata.lr_schedules)
+  scheduler.type WarmupLR | WarmupDecayLR | WarmupCosineLR | OneCycle | LRRangeTest and
+      scheduler.params (strata.lr_schedules)
   data_types.grad_accum_dtype        fp32 (the default) | the training dtype (bf16, fp16): the
       dtype micro-batches' gradients are summed in between optimizer steps, at every stage
   steps_per_print, zero_allow_untested_optimizer
@@ -100,7 +101,7 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_m
 OPTIMIZER_KEYS = {"Adam": _ADAM_KEYS, "AdamW": _ADAM_KEYS,
                   "Adagrad": ("lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value"),
                   "Lion": ("lr", "betas", "weight_decay")}
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 class TrainConfig:

@@ -640,6 +640,7 @@ class Engine:
         self.optimizer.check_groups("strata.initialize", ValueError)
 
         self._step.optimizer = self.optimizer  # (its groups: each parameter's rates)
+        self.optimizer.watch_rates(self._step.rate_set)
         self._checkpoints = checkpoints.CheckpointStore(
             self.table, ranks, self._state, self._scaler, self._step, self._gradients,
             self._notices, optimizer=self.optimizer, optimizer_kind=self.optimizer_kind,
@@ -827,14 +828,21 @@ class Engine:
                         .expand(e.shape)
                 else:
                     e.param.data = e.param.data.to(device=self.device, dtype=self.dtype)
-                if e.partitioned or self.stage in (2, 3) or self._sum_apart:
+                hooked = e.partitioned or self.stage in (2, 3) or self._sum_apart
+                # Where the engine may hold the gradient apart from .grad (stage 2, a host sum,
+                # across ranks once reduced), a .grad given by hand is taken before a backward
+                # adds to it.
+                takes_given = not e.partitioned and (self.stage == 2 or self._sum_apart or
+                                                     self.ranks is not None)
+                if hooked or takes_given:
                     # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
                     # is made now, while the parameter has its shape and dtype (autograd checks
                     # gradients against them), and kept alive here.
                     with torch.enable_grad():
                         node = e.param.expand_as(e.param).grad_fn.next_functions[0][0]
-                    self._hook_handles.append(node.register_hook(self._gradients.hook(e)))
-                    if not e.partitioned and (self.stage == 2 or self._sum_apart):
+                    if hooked:
+                        self._hook_handles.append(node.register_hook(self._gradients.hook(e)))
+                    if takes_given:
                         self._hook_handles.append(
                             node.register_prehook(self._gradients.prehook(e)))
                     e.param._strata_node = node
@@ -885,6 +893,12 @@ class Engine:
         scaled = loss.float() / self._state.accumulation if scale_wrt_gas else loss.float()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
+        if self.ranks is not None and self._state.gradients_since_step and \
+                not self._gradients.unreduced:
+            # A backward after the window's reduce (through a retained graph): a .grad given
+            # since is the user's, taken now (a parameter this backward does not reach keeps
+            # it, as torch's; the reduce would take it as this rank's own sum).
+            self._take_assigned_grads()
         self._state.phase = Phase.BACKWARD
         self._gradients.unreduced = self.ranks is not None  # (a failed backward: at step())
         try:
@@ -1254,13 +1268,20 @@ class Engine:
         way to replace one; to entry `only`, or to any) where the engine would not read them as
         torch's (Gradients.take_given): each taken as its gradient, as strata.safe_set_full_grad
         takes one, at the step, clip_grad_norm_, safe_get_*_grad / safe_set_*_grad and the
-        next forward (and, at stage 2, before a backward adds to it: Gradients.prehook), so that
+        next forward (and before a backward adds to it: Gradients.prehook), so that
         a backward after it adds to the gradient given, as torch's adds to .grad. Stage 3's
         partitioned parameters refuse `.grad = t` (strata/placeholders.py); across ranks, a
         .grad given before the window's gradients are reduced (stage 1, stage 3's small
         parameters) is reduced with them."""
         if self._state.gradients_since_step:
             self._gradients.take_given(only)
+
+    def _gradients_in_grad(self):
+        """Whether the gradients are torch's .grad, unscaled, until the step (stages 0-1 in one
+        process, summed there, not fp16): torch's clip_grad_value_ and clip_grads_with_norm_
+        over them are plain torch's (guards.py)."""
+        return self.stage in (0, 1) and self.ranks is None and not self._sum_apart and \
+            self.dtype != torch.float16
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""
@@ -1438,6 +1459,13 @@ class Engine:
         must call this), a frozen one's from its partition."""
         if e.frozen:
             return read_frozen(self.runtime, e, self.ranks)
+        if self._step.stepped_during_backward(e):
+            raise RuntimeError(
+                f"{e.name}: its weights read whole between backward and step (module_state_dict, "
+                "state_dict(), GatheredParameters, save_pretrained) after it stepped during "
+                "backward (strata.optimizer_during_backward): they would be the step's result "
+                "already, where plain torch's weights change at step(); accepted: before "
+                "backward or after step(), or strata.optimizer_during_backward false")
         master = read_state(self.runtime, e)[0]
         if self.ranks is not None:  # every rank's shard (every rank must call this)
             whole = []

@@ -167,26 +167,28 @@ class Gradients:
     def unreduced_here(self, e):
         """Whether this rank's gradient of e so far is its own sum, not yet reduced with the other
         ranks' (across ranks: stages 0-1 and stage 3's small parameters, before the window's
-        last backward reduces them; stage 2 and partitions reduce during backward)."""
-        return self.unreduced and not e.partitioned and self.stage != 2
+        last backward reduces them; stage 2 and partitions reduce during backward). A backward
+        after that reduce (a retained graph) adds to the reduced sum: .grad is then the user's,
+        or this backward's own."""
+        return self.unreduced and not e.partitioned and self.stage != 2 and e.shard_grad is None
 
     def held(self, e):
         """A copy of this rank's gradient of e where the engine holds it outside .grad (flat: its
         partition's, its shard across ranks, its host sum), or None; as made (the loss scale
         in), in grad_accum_dtype."""
         self.copies.land()  # (a GPU's gradients on their way to the host)
-        if e.partitioned and e.has_grad:
-            part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
-            try:
-                return part.clone()
-            finally:
-                del part
-                self.runtime.release(e.gid, "host", False, traced=False)
-        if e.shard_grad is not None:
-            return e.shard_grad.clone()
-        if e.host_grad is not None:
-            return e.host_grad.clone()
-        return None
+        kept = e.kept_gradient(self.ranks is not None)
+        if kept is None or kept[0] == "grad":
+            return None
+        where, g = kept
+        if where != "partition":
+            return g.clone()
+        part = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+        try:
+            return part.clone()
+        finally:
+            del part
+            self.runtime.release(e.gid, "host", False, traced=False)
 
     def replace(self, e, values, where):
         """e's gradient, where the engine holds it, replaced by `values` (fp32, flat: this rank's
@@ -320,10 +322,10 @@ class Gradients:
             raise
 
     def prehook(self, e):
-        """The pre-hook on e's AccumulateGrad node, where its gradient is summed outside .grad
-        (stage 2, grad_accum_dtype apart): a .grad given by hand since the last backward is
-        taken (take_given) before autograd adds this backward's to it, as torch adds to the
-        .grad given."""
+        """The pre-hook on e's AccumulateGrad node, where its gradient may be held outside .grad
+        (stage 2, grad_accum_dtype apart, across ranks once reduced): a .grad given by hand since
+        the last backward is taken (take_given) before autograd adds this backward's to it, as
+        torch adds to the .grad given."""
         gradients = weakref.ref(self)
 
         def prehook(*unused):

@@ -56,8 +56,9 @@ def route_clip_grad_norm():
     parameters is the engine's (OptimizerStep.clip_by_user: the norm of its gradients wherever they are,
     with any other parameters' gradients given, and the step clipped by it, plain torch's
     arithmetic; a second call sees the first's clipping, as torch's does); clip_grad_value_ and
-    clip_grads_with_norm_ over an engine's parameters are refused by name (its gradients are not
-    in .grad); over other parameters each is torch's own.
+    clip_grads_with_norm_ over an engine's parameters are torch's where its gradients are torch's
+    .grad, unscaled (stages 0-1 in one process, not fp16), and refused by name elsewhere; over
+    other parameters each is torch's own.
 
     torch wraps each of these in a no_grad wrapper that calls the function in its closure; the
     routing takes that function's place there, so the wrapper torch exposes stays the same
@@ -78,12 +79,14 @@ def route_clip_grad_norm():
         def route(torchs):
             def clip(parameters, *args, **kwargs):
                 params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-                if engine_of(params, f"torch.nn.utils.{name}") is not None:
+                engine = engine_of(params, f"torch.nn.utils.{name}")
+                if engine is not None and not engine._gradients_in_grad():
                     raise ValueError(
-                        f"torch.nn.utils.{name} over a strata engine's parameters: their "
-                        "gradients are the engine's, not in .grad, and it would clip nothing; "
-                        "accepted: torch.nn.utils.clip_grad_norm_, or gradient_clipping in the "
-                        "config")
+                        f"torch.nn.utils.{name} over a strata engine's parameters where their "
+                        "gradients are kept apart from .grad (ZeRO stages 2-3, across ranks, "
+                        "grad_accum_dtype other than the training dtype) or scaled by the loss "
+                        "scale (fp16): it would clip nothing, or the scaled values; accepted: "
+                        "torch.nn.utils.clip_grad_norm_, or gradient_clipping in the config")
                 return torchs(params, *args, **kwargs)
             return clip
         return route
@@ -161,18 +164,15 @@ def leave_placeholders(model_ref, params, dtype, device):
         placeholders.leave(p, shape)  # (its own reads refused too)
     model = model_ref()
     if model is not None:
-        refuse_placeholders(model, [p for p, _ in params])
+        refuse_placeholders(model)
 
 
-def refuse_placeholders(model, params):
-    """After close: `params` (the engine's partitioned ones) are placeholders of their shape
-    without their bytes; a module holding one refuses forward and state_dict() by name, where
-    it would compute with zeros and save zeros (save_pretrained after the engine's last
-    reference was dropped), and strata.initialize refuses it (left_placeholders)."""
-    for key in [k for k, (ref, _) in _CLOSED_PLACEHOLDERS.items() if ref() is None]:
-        del _CLOSED_PLACEHOLDERS[key]
-    for p in params:
-        _CLOSED_PLACEHOLDERS[id(p)] = (weakref.ref(p), p.data_ptr())
+def refuse_placeholders(model):
+    """After close: the engine's partitioned parameters are placeholders of their shape without
+    their bytes (marked by placeholders.leave); a module holding one refuses forward and
+    state_dict() by name, where it would compute with zeros and save zeros (save_pretrained
+    after the engine's last reference was dropped), and strata.initialize refuses it
+    (left_placeholders)."""
 
     def refuse(module, what):
         held = left_placeholders(module)
@@ -197,8 +197,6 @@ def unguard(model):
     for module in model.modules():
         for handle in _GUARDED.pop(module, ()):
             handle.remove()
-    for p in model.parameters():
-        _CLOSED_PLACEHOLDERS.pop(id(p), None)
     placeholders.unguard(model.parameters(), closed=True)
 
 
@@ -351,16 +349,11 @@ def save_to_state_dict(module, *args, **kwargs):
         return type(module)._save_to_state_dict(module, *args, **kwargs)
 
 
-_CLOSED_PLACEHOLDERS = {}
 _GUARDED = weakref.WeakKeyDictionary()
 
 
 def left_placeholders(module, recurse=False):
     """The names of `module`'s parameters that are still a closed engine's placeholders (not
     given their weights since: p.data = ..., load_state_dict(..., assign=True))."""
-    found = []
-    for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False):
-        ref, ptr = _CLOSED_PLACEHOLDERS.get(id(p), (lambda: None, None))
-        if ref() is p and p.data_ptr() == ptr:
-            found.append(name)
-    return found
+    return [name for name, p in module.named_parameters(recurse=recurse, remove_duplicate=False)
+            if placeholders.left_by_closed(p)]

@@ -22,6 +22,27 @@ __all__ = ["EngineOptimizer", "adopt_schedule", "flatten_params", "hyper_paramet
            "param_groups", "take_over"]
 
 
+class _Group(dict):
+    """A param group of the engine's optimizer: a rate set in it (lr, weight_decay, betas, as a
+    schedule or a loop sets it) is said to `on_rate` (a weak reference to OptimizerStep.rate_set,
+    which tells whether it was set between backward and step; weak: the step holds the
+    optimizer)."""
+
+    __slots__ = ("on_rate",)
+    _RATES = frozenset(("lr", "weight_decay", "betas"))
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if key in self._RATES:
+            on_rate = getattr(self, "on_rate", None)
+            on_rate = on_rate() if on_rate is not None else None
+            if on_rate is not None:
+                on_rate()
+
+    def __reduce__(self):  # (a copy or a pickle is a plain dict: the watch stays the engine's)
+        return dict, (dict(self),)
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """The optimizer the engine returns: torch's surface (param_groups with their lr, for
     schedulers; zero_grad; state_dict and load_state_dict in torch's layout) over the Runtime's
@@ -31,13 +52,21 @@ class EngineOptimizer(torch.optim.Optimizer):
         self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
         super().__init__(groups, dict(lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
                                       weight_decay=hyper["weight_decay"]))
-        # The betas, eps and decoupling the Runtime's optimizer was made with: it keeps them
-        # (check_groups).
+        # The betas, eps and decoupling the Runtime's optimizer was made with: it keeps eps and the
+        # decoupling (check_groups); a group's betas are given with each step (a schedule
+        # cycling momentum sets them), where the optimizer has betas (Adam's, Lion's).
         kind = hyper["kind"]
         self._made_with = (tuple(float(b) for b in hyper["betas"]) if kind != "adagrad" else None,
                            float(hyper["eps"]) if kind != "lion" else None,
                            bool(hyper["adamw"]) if kind == "adam" else None)
+        self.param_groups[:] = [_Group(group) for group in self.param_groups]
         self._built = True
+
+    def watch_rates(self, on_rate):
+        """`on_rate()` (a bound method, held weakly) is called whenever a group's lr,
+        weight_decay or betas is set."""
+        for group in self.param_groups:
+            group.on_rate = weakref.WeakMethod(on_rate)
 
     def add_param_group(self, param_group):
         """torch's, while the engine builds its groups; after, refused: the Runtime's optimizer
@@ -94,6 +123,12 @@ class EngineOptimizer(torch.optim.Optimizer):
                                "strata.hf.for_accelerate(accelerator) first, whose prepare() "
                                "leaves the state where the engine keeps it and whose save_state "
                                "saves the engine's checkpoint)")
+        if engine._step.stepped_during_backward():
+            raise RuntimeError(
+                "optimizer.state_dict() between backward and step after parameters stepped "
+                "during backward (strata.optimizer_during_backward): their state is the step's "
+                "result already, where plain torch's changes at step(); accepted: before "
+                "backward or after step(), or strata.optimizer_during_backward false")
         engine._take_edits()  # (the weights edited since the last step: in the master weights)
         engine.runtime.wait_for_early_steps()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -169,22 +204,29 @@ class EngineOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
+    @property
+    def has_betas(self):
+        """Whether the optimizer steps with betas (Adam's, Lion's; not Adagrad's): a group's are
+        given with each of its steps."""
+        return self._made_with[0] is not None
+
     def check_groups(self, where, error=RuntimeError, groups=None):
         """Refuses, in the param groups (the optimizer's, or `groups` about to be loaded), what the
-        Runtime's optimizer would not step with: betas or eps other than it was made with (a
-        schedule that cycles momentum, OneCycleLR's cycle_momentum, sets betas), amsgrad or
-        maximize, L2 weight decay where it decouples it (torch's Adam) or the other way round.
-        It keeps its own, and would step with them silently."""
+        Runtime's optimizer would not step with: betas that are not two numbers in [0, 1) (a
+        group's betas are given with each step: a schedule cycling momentum, OneCycleLR's, sets
+        them), eps other than it was made with, amsgrad or maximize, L2 weight decay where it
+        decouples it (torch's Adam) or the other way round. It keeps its own, and would step
+        with them silently."""
         betas, eps, adamw = self._made_with
         for index, group in enumerate(self.param_groups if groups is None else groups):
-            if betas is not None and "betas" in group and \
-                    tuple(float(b) for b in group["betas"]) != betas:
-                raise error(
-                    f"{where}: param group {index}'s betas are {tuple(group['betas'])} where the "
-                    f"optimizer was made with {betas} (a schedule cycling momentum sets "
-                    "them: OneCycleLR's cycle_momentum); strata's optimizer keeps the betas it "
-                    "was made with, so nothing was stepped; accepted: OneCycleLR(..., "
-                    "cycle_momentum=False), or the betas left as made")
+            if betas is not None and "betas" in group:
+                try:
+                    given = tuple(float(b) for b in group["betas"])
+                except (TypeError, ValueError):
+                    given = ()
+                if len(given) != 2 or not all(0.0 <= b < 1.0 for b in given):
+                    raise error(f"{where}: param group {index}'s betas are {group['betas']!r}; "
+                                "accepted: two numbers, each at least 0 and below 1")
             wrong = [f"eps {group['eps']} (made with {eps})" if "eps" in group and
                      eps is not None and float(group["eps"]) != eps else None,
                      "amsgrad" if group.get("amsgrad") else None,
@@ -241,19 +283,19 @@ def hyper_parameters(config, optimizer):
 
 
 def param_groups(optimizer, model_parameters, hyper, trained):
-    """The optimizer's parameter groups, each with its own lr and weight_decay (the no-decay
-    group of biases and norms most fine-tuning scripts make): the client optimizer's groups,
-    else the groups given as model_parameters (dicts with "params" and any of "lr" and
-    "weight_decay", the config's values for the rest), else one group. Other
-    hyper-parameters (betas, eps, lr_decay) cannot differ between groups: the Runtime's
-    optimizer has one set. Sets each trained entry's group_index."""
+    """The optimizer's parameter groups, each with its own lr, weight_decay and betas (the
+    no-decay group of biases and norms most fine-tuning scripts make; each given with its
+    group's steps): the client optimizer's groups, else the groups given as model_parameters
+    (dicts with "params" and any of "lr", "weight_decay" and "betas", the config's values for
+    the rest), else one group. Other hyper-parameters (eps, lr_decay) cannot differ between
+    groups: the Runtime's optimizer has one set. Sets each trained entry's group_index."""
     if optimizer is not None:
         given, source = optimizer.param_groups, "the optimizer's param group"
     elif model_parameters is not None and any(isinstance(g, dict) for g in model_parameters):
         given, source = model_parameters, "model_parameters group"
     else:
         return [{"params": [e.param for e in trained], "lr": hyper["lr"],
-                 "weight_decay": hyper["weight_decay"]}]
+                 "weight_decay": hyper["weight_decay"], "betas": tuple(hyper["betas"])}]
     by_param = {id(e.param): e for e in trained}
     groups = []
     for index, group in enumerate(given):
@@ -261,18 +303,19 @@ def param_groups(optimizer, model_parameters, hyper, trained):
             raise ValueError(f"strata.initialize: {source} {index} is a "
                              f"{type(group).__name__}; accepted: every group a dict with "
                              "\"params\", or no groups (parameters alone)")
-        for key in ("betas", "eps", "lr_decay"):
+        for key in ("eps", "lr_decay"):
             if key in group and tuple(_as_tuple(group[key])) != tuple(_as_tuple(hyper[key])):
                 raise ValueError(
                     f"strata.initialize: {source} {index} has {key} {group[key]} where the "
-                    f"optimizer has {hyper[key]}; accepted: groups that differ in lr and "
-                    "weight_decay only")
+                    f"optimizer has {hyper[key]}; accepted: groups that differ in lr, "
+                    "weight_decay and betas only")
         params = [p for p in group["params"] if id(p) in by_param]
         for p in params:
             by_param[id(p)].group_index = len(groups)
         groups.append({"params": params, "lr": float(group.get("lr", hyper["lr"])),
                        "weight_decay": float(group.get("weight_decay",
-                                                       hyper["weight_decay"]))})
+                                                       hyper["weight_decay"])),
+                       "betas": group.get("betas", tuple(hyper["betas"]))})
     missing = [e.name for e in trained if not any(
         e.param is p for g in groups for p in g["params"])]
     if missing:

@@ -84,6 +84,21 @@ class Param:
         shard of the mean across ranks)."""
         return self.has_grad or self.host_grad is not None or self.shard_grad is not None
 
+    def kept_gradient(self, across_ranks):
+        """Where its gradient summed since the last step is kept now (as made: the loss scale
+        in), as (where, tensor): ("partition", None), its gradient partition in the Runtime's
+        tiers; across ranks ("shard", shard_grad), this rank's shard of the mean (a sum not yet
+        reduced is not it: Gradients.unreduced_here); ("host", host_grad), its host sum;
+        ("grad", .grad), torch's; or None where there is none."""
+        if self.partitioned:
+            return ("partition", None) if self.has_grad else None
+        if across_ranks:
+            return None if self.shard_grad is None else ("shard", self.shard_grad)
+        if self.host_grad is not None:
+            return "host", self.host_grad
+        grad = self.param.grad
+        return None if grad is None else ("grad", grad)
+
 
 class ParameterTable:
     """The engine's parameters: `trained`, the entries of the parameters the optimizer steps (the

@@ -35,7 +35,8 @@ Only parameters whose class is torch.nn.Parameter itself are guarded (a subclass
 keeps its class, and its placeholder's reads go unrefused). ``.data`` is refused by
 strata/edits.py's property, and ``p.as_subclass(cls)`` (a copy without its values) by
 Partitioned's own method. Not caught: a copy made by ``torch.tensor(p)``, ``torch.asarray(p,
-copy=True)``, ``t.new_tensor(p)``, the legacy ``torch.Tensor(p)`` or DLPack's ``to_dlpack(p)``
+copy=True)``, ``t.new_tensor(p)``, the legacy ``torch.Tensor(p)``, DLPack's ``to_dlpack(p)`` or
+``torch.Tensor.as_subclass(p, cls)`` / ``torch.Tensor._make_subclass(cls, p)`` called unbound
 (empty: torch makes them without a torch function; torch.tensor warns that it copies from a
 tensor). Wrapping those names on torch would catch them, but TorchScript and torch.compile know
 torch's functions by identity, and a wrapper put in torch.tensor's place stops a scripted
@@ -218,7 +219,7 @@ def _answer(func, name, p, args, kwargs):
         if name == "dim_order":
             return tuple(range(len(shape)))
         return _RAW(func, (), args, kwargs)
-    if args[0] is not p:
+    if not args or args[0] is not p:  # (given by keyword: torch.nn.init's tensor=p)
         return NotImplemented
     if name == "type" and len(args) == 1 and not kwargs:  # (its name; a conversion reads values)
         return _RAW(func, (), args, kwargs)

@@ -587,11 +587,15 @@ class _Agreement:
                 f"collective {self.number}: rank{'s' if len(other) > 1 else ''} "
                 f"{', '.join(map(str, other))} differ{'' if len(other) > 1 else 's'} from rank 0 "
                 f"(this rank: {self.what[:300]}); accepted: the same model on every rank, its "
-                "parameters used in the same order (the same graph); at stage 3 every rank runs "
-                "every forward, evaluation's too (a module's weights are gathered from every "
-                "rank); a model built under strata.init: every rank runs the same code on its "
-                "weights (a read or write in the context, load_state_dict, GatheredParameters, "
-                "copy.deepcopy), as each rank holds a shard of them")
+                "parameters used in the same order (the same graph); at stages 2-3 a parameter "
+                "the data makes some ranks use and not others in a micro-batch (a branch, an "
+                "expert given no tokens on a rank) breaks that order: every rank uses it (h = h + "
+                "module(h[:0]).sum(): an empty batch, zero), or stage 0-1 (gradients reduced "
+                "whole after backward); at stage 3 "
+                "every rank runs every forward, evaluation's too (a module's weights are "
+                "gathered from every rank); a model built under strata.init: every rank runs the "
+                "same code on its weights (a read or write in the context, load_state_dict, "
+                "GatheredParameters, copy.deepcopy), as each rank holds a shard of them")
         self.agreed = all(raw[20 * r + 16:20 * r + 20] == bytes(4) for r in range(ranks.size))
 
     def abandon(self):

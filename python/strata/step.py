@@ -105,6 +105,11 @@ class OptimizerStep:
         # nothing is staged during backward (a step staged with a gradient changed after is
         # dropped).
         self.user_sets_gradients = False
+        # Whether a learning rate or weight decay was changed between backward and step (a step
+        # staged with the old one was dropped): then no partition steps for good during backward
+        # (_may_step_early) with a rate the user may change after it; a staged step that can be
+        # dropped still is.
+        self.rates_set_after_backward = False
         self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self.optimizer_read = self.optimizer_written = 0  # the optimizer's NVMe bytes
 
@@ -142,10 +147,23 @@ class OptimizerStep:
         for e in held:
             attempt(lambda pid: self.runtime.release(pid, "host", True, traced=False), e.pid)
 
+    def rate_set(self):
+        """A group's lr, weight_decay or betas was set (EngineOptimizer.watch_rates): set after
+        the window's last backward began, before its step (a loop that sets its rates between
+        backward and step, the same value too), it ends stepping for good during backward for
+        the rest of the run (_may_step_early), before any partition steps with a rate the loop
+        would change after it."""
+        if self.state.gradients_since_step and self.state.is_boundary():
+            self.rates_set_after_backward = True
+
     def _hyper_of(self, e):
-        """(lr, weight_decay) of e's group now (a schedule may have changed them)."""
+        """(lr, weight_decay, beta1, beta2) of e's group now (a schedule may have changed them;
+        the betas -1, the optimizer's own, where it has none: Adagrad)."""
         group = self.optimizer.param_groups[e.group_index]
-        return float(group["lr"]), float(group["weight_decay"])
+        if not self.optimizer.has_betas:
+            return float(group["lr"]), float(group["weight_decay"]), -1.0, -1.0
+        betas = group["betas"]
+        return float(group["lr"]), float(group["weight_decay"]), float(betas[0]), float(betas[1])
 
     def stage(self, e, grad=None, clip=1.0, always=False, grad_stream=None):
         """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):
@@ -186,7 +204,7 @@ class OptimizerStep:
                 self._redo_reason = f"beginning the step failed: {error}"
                 return
             staged = self.staged = _Staged(self.scaler.scale, early, hold)
-        lr, weight_decay = self._hyper_of(e)
+        lr, weight_decay, beta1, beta2 = self._hyper_of(e)
         try:
             target = None
             if not e.partitioned:
@@ -199,12 +217,12 @@ class OptimizerStep:
                 # The optimizer's thread writes its new weights into its partition once its
                 # state has landed (no read-back).
                 target = e.pid
-            e.staged = ((lr, weight_decay), target)
+            e.staged = ((lr, weight_decay, beta1, beta2), target)
             staged.entries.append(e)
             self.runtime.stage_optimizer_step(
                 e.steps + 1, [(e.gid, grad, target)], lr=lr, grad_scale=clip / staged.scale,
                 check_overflow=self.config.checks_overflow and not self.commit_each,
-                weight_decay=weight_decay,
+                weight_decay=weight_decay, beta1=beta1, beta2=beta2,
                 grad_stream=None if grad_stream is None else grad_stream.cuda_stream)
         except _strata.Error as error:
             if always:
@@ -335,9 +353,10 @@ class OptimizerStep:
         change the step (no gradient clipping, no fp16 loss scale nor bf16.check_grad_overflow,
         one process: across ranks a rank whose staging failed makes every rank take the step
         anew), from the second step on (the first shows whether the boundary micro-batch takes
-        one backward). Dropping such a step cannot undo them (_end_staged)."""
+        one backward), and not once a rate was changed between backward and step. Dropping
+        such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
-                and not self.user_clips
+                and not self.user_clips and not self.rates_set_after_backward
                 and not self.config.checks_overflow and self.ranks is None
                 and self.state.global_steps >= 1)
 
@@ -459,17 +478,13 @@ class OptimizerStep:
         for e in first + rest:
             if e.staged is not None or e in self.stepped_early:
                 continue
-            if e.partitioned:
-                if e.has_grad:
-                    yield e, None
-            elif self.ranks is not None:
-                if e.shard_grad is not None:
-                    yield e, e.shard_grad
-            elif e.host_grad is not None:
-                yield e, e.host_grad
-            elif e.param.grad is not None:
-                g = e.param.grad.detach().reshape(-1).to("cpu")
-                yield e, g if g.is_contiguous() else g.contiguous()
+            kept = e.kept_gradient(self.ranks is not None)
+            if kept is None:
+                continue
+            where, g = kept
+            if where == "grad":
+                g = g.detach().reshape(-1).to("cpu").contiguous()
+            yield e, g
 
     def grad_norm(self, scale):
         """As torch.nn.utils.clip_grad_norm_: the norm of the gradients' norms, in fp32, of the
@@ -502,22 +517,19 @@ class OptimizerStep:
             if e.grad_norm is not None and (e.has_grad or e.host_grad is not None):
                 norms.append(e.grad_norm)  # taken in the gradient hook (gradients.py)
                 continue
-            if e.partitioned:
-                if not e.has_grad:
-                    continue
-                g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
-                try:
-                    norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
-                finally:
-                    del g
-                    self.runtime.release(e.gid, "host", False, traced=False)
-            elif self.ranks is not None:
-                if e.shard_grad is not None:
-                    norms.append(torch.linalg.vector_norm(e.shard_grad, 2, dtype=torch.float32))
-            elif e.host_grad is not None:
-                norms.append(torch.linalg.vector_norm(e.host_grad, 2, dtype=torch.float32))
-            elif e.param.grad is not None:
-                norms.append(torch.linalg.vector_norm(e.param.grad, 2, dtype=torch.float32))
+            kept = e.kept_gradient(self.ranks is not None)
+            if kept is None:
+                continue
+            where, g = kept
+            if where != "partition":
+                norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+                continue
+            g = from_dlpack(self.runtime.acquire(e.gid, "host", traced=False))
+            try:
+                norms.append(torch.linalg.vector_norm(g, 2, dtype=torch.float32))
+            finally:
+                del g
+                self.runtime.release(e.gid, "host", False, traced=False)
         # Partitions' norms are on the host, the parameters kept on the device (stage 3's small
         # ones, stages 0-2) have theirs there: each device's norms are stacked where they are.
         by_device = {}
@@ -555,7 +567,10 @@ class OptimizerStep:
         for e in staged.entries:
             if reason is None and \
                     e.staged[0] != self._hyper_of(e):
-                reason = f"the learning rate or weight decay of {e.name}'s group changed"
+                reason = (f"the learning rate, weight decay or betas of {e.name}'s group changed "
+                          "after its step was staged; from the next step on no partition steps "
+                          "for good during backward")
+                self.rates_set_after_backward = True
         if staged.held:
             if reason is not None:  # nothing has stepped: taken anew
                 self.drop_staged(reason)

@@ -267,6 +267,60 @@ TEST_P(AdamIsaTest, AStepsWeightDecayReplacesTheConfigsAsAParamGroupsDoes) {
   }
 }
 
+TEST_P(AdamIsaTest, AStepsBetasReplaceTheConfigsAsAParamGroupsDo) {
+  // A schedule cycling momentum (torch's OneCycleLR) sets a group's betas each step: a step
+  // given betas is, bit for bit, the step of an optimizer made with them (its bias corrections
+  // too), and the config's come back when none are given.
+  constexpr size_t kN = 517;
+  for (const bool adamw : {true, false}) {
+    AdamConfig made = Config(adamw, /*bc=*/true), cycled = made;
+    cycled.beta1 = 0.85f;
+    cycled.beta2 = 0.99f;
+    auto given = CpuAdam::Create(made);
+    auto other = CpuAdam::Create(cycled);
+    ASSERT_TRUE(given.ok() && other.ok());
+    State a = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 7);
+    State b = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 7);
+    for (int64_t t = 1; t <= 3; ++t) {
+      ASSERT_TRUE((*given)->Step(t, a.Chunk(0, kN), {.beta1 = 0.85f, .beta2 = 0.99f}).ok());
+      ASSERT_TRUE((*other)->Step(t, b.Chunk(0, kN)).ok());
+    }
+    EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
+    EXPECT_EQ(std::memcmp(a.m32.data(), b.m32.data(), kN * sizeof(float)), 0);
+    ASSERT_TRUE((*given)->Step(4, a.Chunk(0, kN)).ok());
+    ASSERT_TRUE((*other)->Step(4, b.Chunk(0, kN), {.beta1 = made.beta1, .beta2 = made.beta2})
+                    .ok());
+    EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
+  }
+  LionConfig lc;
+  lc.isa = std::string(IsaName(GetParam()));
+  LionConfig lc_cycled = lc;
+  lc_cycled.beta1 = 0.8f;
+  lc_cycled.beta2 = 0.95f;
+  auto lion = CpuLion::Create(lc);
+  auto lion_cycled = CpuLion::Create(lc_cycled);
+  ASSERT_TRUE(lion.ok() && lion_cycled.ok());
+  State a = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 9);
+  State b = MakeState(kN, DType::kF32, DType::kF32, false, DType::kBF16, 9);
+  for (State* s : {&a, &b}) {
+    std::mt19937_64 rng(3);  // (new gradients each step: the sign Lion steps by follows beta1)
+    for (int64_t t = 1; t <= 3; ++t) {
+      StateChunk c;
+      c.param = s->p.data();
+      c.grad = s->g32.data();
+      c.grad_dtype = DType::kF32;
+      c.state = s->m32.data();
+      c.size = kN;
+      auto r = s == &a ? (*lion)->Step(t, c, {.beta1 = 0.8f, .beta2 = 0.95f})
+                       : (*lion_cycled)->Step(t, c);
+      ASSERT_TRUE(r.ok()) << r.status();
+      s->NewGrads(rng, 0.1f);
+    }
+  }
+  EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(a.m32.data(), b.m32.data(), kN * sizeof(float)), 0);
+}
+
 // Runs `steps` steps with the given thread count, cutting the tensors into `cuts` chunks.
 State RunWith(Isa isa, int threads, const std::vector<size_t>& cuts, DType grad, DType moments) {
   AdamConfig c;
@@ -482,6 +536,10 @@ TEST(AdamStepTest, BadSpansAreRejectedNamingTheArgument) {
   EXPECT_THAT(r.status().message(), HasSubstr("grad_scale"));
   r = (*adam)->Step(1, c, {.weight_decay = INFINITY});
   EXPECT_THAT(r.status().message(), HasSubstr("weight_decay must be finite"));
+  r = (*adam)->Step(1, c, {.beta1 = 1.0f});
+  EXPECT_THAT(r.status().message(), HasSubstr("beta1 1: accepted 0 <= beta1 < 1"));
+  r = (*adam)->Step(1, c, {.beta2 = NAN});
+  EXPECT_THAT(r.status().message(), HasSubstr("beta2 nan: accepted 0 <= beta2 < 1"));
 }
 
 TEST(AdamStepTest, ChosenIsaIsTheBestTheCpuHas) {

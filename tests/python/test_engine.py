@@ -270,6 +270,78 @@ def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path, low, high, 
     assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
 
 
+ONE_CYCLE = {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3,
+             "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5,
+             "decay_mom_rate": 0.01, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}
+
+
+@pytest.mark.parametrize("stairs,seen", [
+    # DeepSpeed's OneCycle: the minimum rate and momentum before its first step, up over 3
+    # iterations and down over 2, then the decay (lr / (1 + 0.5 k/2), momentum x (1 + 0.01 k/2)).
+    (0, [(1e-3, 0.85), (4e-3, 0.95 - 0.1 / 3), (7e-3, 0.95 - 0.2 / 3), (1e-2, 0.85),
+         (5.5e-3, 0.9), (1e-3, 0.95), (8e-4, 0.95 * 1.005), (1e-3 / 1.5, 0.95 * 1.01)]),
+    # 2 stairs a half cycle: flat between them.
+    (2, [(1e-3, 0.85), (1e-3, 0.95), (5.5e-3, 0.9), (1e-2, 0.85), (5.5e-3, 0.9), (1e-3, 0.95),
+         (8e-4, 0.95 * 1.005), (1e-3 / 1.5, 0.95 * 1.01)])])
+def test_one_cycle_from_the_config_cycles_rate_and_momentum_as_deepspeed_s(tmp_path, stairs,
+                                                                           seen):
+    """DeepSpeed's OneCycle scheduler (it was refused: the engine's optimizer kept its betas):
+    each step's rate and betas as DeepSpeed's gives them (its beta2 0.99 too), and the weights
+    plain torch's AdamW's under the same schedule, at stage 3 with the state on NVMe (steps
+    staged during backward take the betas of their step)."""
+    params = dict(ONE_CYCLE, cycle_first_stair_count=stairs)
+    config = make_config(tmp_path, 3, "nvme", "fp32", accumulation=1, clipping=0.0)
+    config["scheduler"] = {"type": "OneCycle", "params": params}
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, scheduler = strata.initialize(model=model, config=config)
+    assert isinstance(scheduler, strata.lr_schedules.OneCycle)
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    theirs = strata.lr_schedules.OneCycle(torch_adamw, **params)
+    rates = []
+    for x, y in batches(len(seen)):
+        beta1, beta2 = optimizer.param_groups[0]["betas"]
+        assert beta2 == 0.99
+        rates.append((engine.get_lr()[0], beta1))
+        step_both(engine, reference, torch_adamw, x, y, schedule=theirs)
+    flat = [v for pair in seen for v in pair]
+    assert [v for pair in rates for v in pair] == pytest.approx(flat)
+    for ours, plain in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, plain.detach(), rtol=1e-5, atol=1e-6)
+    try:  # DeepSpeed's own, where it is installed (the benchmarks' environment)
+        from deepspeed.runtime.lr_schedules import OneCycle as DeepSpeeds
+    except ImportError:
+        return
+    adamw = torch.optim.AdamW(Net().parameters(), lr=1e-2)
+    theirs = DeepSpeeds(adamw, **params)
+    given = []
+    for _ in seen:
+        given += [adamw.param_groups[0]["lr"], adamw.param_groups[0]["betas"][0]]
+        theirs.step()
+    assert given == pytest.approx(flat)
+
+
+@pytest.mark.parametrize("staircase,seen", [(False, [1e-3, 1.5e-3, 2e-3, 2.5e-3]),
+                                            (True, [1e-3, 1e-3, 2e-3, 2e-3])])
+def test_lr_range_test_from_the_config_raises_the_rate_as_deepspeed_s(tmp_path, staircase, seen):
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
+    config["scheduler"] = {"type": "LRRangeTest", "params": {
+        "lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2,
+        "lr_range_test_staircase": staircase}}
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    rates = []
+    for x, y in batches(len(seen)):
+        rates.append(engine.get_lr()[0])
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert rates == pytest.approx(seen)
+    config["scheduler"]["params"]["lr_range_test_step_size"] = 0
+    with pytest.raises(ValueError, match=r"lr_range_test_step_size 0; accepted: a whole number "
+                                         r"above 0"):
+        strata.initialize(model=Net(), config=config)
+
+
 class Scale(torch.nn.Module):
     """y = x * w: computes in fp16 on a CPU (torch 1.13's CPU has no fp16 matmul)."""
 
@@ -565,7 +637,7 @@ BAD_TRAINER_KEYS = [
     ("optimizer", {"type": "Adam", "params": {"lr": 1e-3, "amsgrad": True}},
      "optimizer.params.amsgrad: true is not supported"),
     ("optimizer", {"type": "Adam", "params": {"betas": [0.9]}}, "optimizer.params.betas"),
-    ("scheduler", {"type": "OneCycle"}, "scheduler.type: 'OneCycle' is not supported"),
+    ("scheduler", {"type": "OneCycleLR"}, "scheduler.type: 'OneCycleLR' is not supported"),
     ("bf16", {"enabled": "yes"}, "bf16.enabled: 'yes' is not accepted"),
     ("fp16", {"enabled": True, "loss_scale_windw": 10}, "fp16.loss_scale_windw: unknown key"),
     ("fp16", {"enabled": True, "fp16_master_weights_and_grads": True},
@@ -1775,22 +1847,35 @@ def test_model_parameters_groups_keep_their_own_weight_decay_and_lr(tmp_path, st
     _train_beside(engine, reference, torch_adamw)
 
 
-def test_a_client_optimizers_groups_keep_their_own_weight_decay(tmp_path):
+def test_a_client_optimizers_groups_keep_their_own_weight_decay_and_betas(tmp_path):
+    """A client optimizer's groups keep their own weight decay and betas (each given with its
+    group's steps; groups that differed in betas were refused); a group's eps, which the
+    Runtime's optimizer holds once, is refused by name where it differs."""
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
     config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
     del config["optimizer"]
+
+    def groups_of(net):
+        groups = _decay_groups(net)
+        groups[1]["betas"] = (0.8, 0.9)
+        return groups
     engine, _, _, _ = strata.initialize(
-        model=model, config=config, optimizer=torch.optim.AdamW(_decay_groups(model), lr=1e-2))
-    torch_adamw = torch.optim.AdamW(_decay_groups(reference), lr=1e-2)
+        model=model, config=config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    torch_adamw = torch.optim.AdamW(groups_of(reference), lr=1e-2)
     _train_beside(engine, reference, torch_adamw)
-    # Groups that differ in what the Runtime's optimizer holds once are refused by name.
     groups = _decay_groups(Net())
-    groups[1]["betas"] = (0.8, 0.9)
-    with pytest.raises(ValueError, match=r"the optimizer's param group 1 has betas \(0.8, 0.9\) "
-                                         r"where the optimizer has \(0.9, 0.999\)"):
+    groups[1]["eps"] = 1e-6
+    with pytest.raises(ValueError, match=r"the optimizer's param group 1 has eps 1e-06 where the "
+                                         r"optimizer has 1e-08"):
         strata.initialize(model=Net(), config=config, optimizer=torch.optim.AdamW(groups))
+    net = Net()
+    client = torch.optim.AdamW(_decay_groups(net))
+    client.param_groups[1]["betas"] = (0.9, 1.0)  # (torch's AdamW refuses it when made)
+    with pytest.raises(ValueError, match=r"param group 1's betas are \(0.9, 1.0\); accepted: two "
+                                         r"numbers, each at least 0 and below 1"):
+        strata.initialize(model=net, config=config, optimizer=client)
 
 
 def test_a_schedule_built_on_the_client_optimizer_drives_the_engines_rate(tmp_path):
@@ -2382,13 +2467,13 @@ def test_a_parameter_unfrozen_after_initialize_is_refused_by_name(tmp_path, stag
     assert engine.global_steps == 2
 
 
-def _client_and_reference(tmp_path, make_schedule):
+def _client_and_reference(tmp_path, make_schedule, stage=2, offload="cpu"):
     """An engine given a client AdamW and `make_schedule(optimizer)` built on it before
     initialize, and plain torch with the same schedule on its own AdamW."""
     torch.manual_seed(0)
     model = Net()
     reference = copy.deepcopy(model)
-    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config = make_config(tmp_path, stage, offload, "fp32", accumulation=1, clipping=0.0)
     del config["optimizer"]
     client = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     schedule = make_schedule(client)
@@ -2419,34 +2504,30 @@ def test_a_schedule_of_schedules_drives_the_rate_as_in_plain_torch(tmp_path, kin
     assert engine.get_lr()[0] < 0.5e-2
 
 
-def test_a_schedule_cycling_the_betas_is_refused_and_without_it_trains(tmp_path):
-    """OneCycleLR cycles Adam's betas (cycle_momentum, its default): strata's optimizer keeps the
-    betas it was made with (the client's as the schedule set them before initialize), so the
-    first step() after the schedule changed them refuses it by name, having stepped nothing
-    with other betas than plain torch's; without cycling it trains as plain torch's."""
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "nvme")])
+def test_a_schedule_cycling_the_betas_trains_as_plain_torch(tmp_path, stage, offload):
+    """OneCycleLR cycles Adam's betas (cycle_momentum, its default): each step takes its group's
+    betas as the schedule set them, bias corrections too, as torch's Adam (it was refused:
+    strata's optimizer kept the betas it was made with). Betas set by hand outside [0, 1) are
+    refused by name at the step, nothing stepped."""
     def cycling(opt):
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
 
-    engine, _, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path, cycling)
-    (x, y), (x2, y2) = batches(2)
-    step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
-    engine.backward(loss_of(engine(x2), y2))
-    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(0\.[0-9]+, "
-                                           r"0\.999\) where the optimizer was made with "
-                                           r"\(0\.95, 0\.999\).*cycle_momentum=False"):
-        engine.step()
-
-    def fixed(opt):
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10,
-                                                   cycle_momentum=False)
-    engine, _, reference, torch_adamw, torch_schedule = _client_and_reference(tmp_path, fixed)
-    for x, y in batches(4):
+    engine, _, reference, torch_adamw, torch_schedule = _client_and_reference(
+        tmp_path, cycling, stage, offload)
+    seen = set()
+    for x, y in batches(5):
         step_both(engine, reference, torch_adamw, x, y, schedule=torch_schedule)
+        seen.add(engine.optimizer.param_groups[0]["betas"])
         assert engine.get_lr() == pytest.approx(torch_schedule.get_last_lr())
-    engine.optimizer.param_groups[0]["betas"] = (0.8, 0.999)  # set later, by hand
+    assert len(seen) == 5  # (the betas changed every step)
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+    engine.optimizer.param_groups[0]["betas"] = (1.0, 0.999)  # set later, by hand
     (x, y), = batches(1, seed=3)
     engine.backward(loss_of(engine(x), y))
-    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(0\.8, 0\.999\)"):
+    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(1.0, 0.999\); "
+                                           r"accepted: two numbers"):
         engine.step()
 
 
@@ -2555,6 +2636,50 @@ def test_zero_grad_after_parameters_stepped_during_backward_is_refused(tmp_path)
     with pytest.raises(RuntimeError, match="zero_grad after backward: parameters stepped"):
         engine.zero_grad()
     engine.step()
+
+
+def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_or_refused(
+        tmp_path):
+    """strata.optimizer_during_backward (stage 3, host optimizer state: the default on a GPU):
+    a loop that sets its learning rate and weight decay between backward and step (plain torch's
+    step takes them) trains as plain torch's, its first value the optimizer's own too: a rate
+    set there (the engine's optimizer's groups say when one is set) ends stepping for good
+    during backward for the rest of the run, before any partition did (before, from the second
+    step on partitions stepped for good during backward with the old rates, 7e-3 off torch's
+    weights, said only in a warning). Weights read whole between backward and step after partitions stepped during
+    it (module_state_dict, state_dict(), GatheredParameters) are refused by name: they were the
+    step's result already (1e-2 off plain torch's, silently)."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["strata"]["optimizer_during_backward"] = True
+    engine, optimizer, _, _ = strata.initialize(model=model, config=config)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for i, (x, y) in enumerate(batches(4)):
+        for net, opt in ((engine.module, optimizer), (reference, adamw)):
+            loss_of(net(x), y).backward()
+            opt.param_groups[0]["lr"] = 1e-2 * 0.5 ** i  # (the optimizer's rate first)
+            opt.param_groups[0]["weight_decay"] = 0.01 + 0.1 * i
+            opt.step()
+            opt.zero_grad()
+    _assert_weights_as(engine, reference)
+    assert not any("had stepped during backward" in w for w in engine.warnings), engine.warnings
+    engine.close()
+
+    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    for i, (x, y) in enumerate(batches(2)):
+        engine.backward(loss_of(engine(x), y))
+        if i == 1:  # (from the second step on, partitions step during backward)
+            engine.runtime.wait_for_early_steps()
+            weight = engine.module.l1.weight
+            for read in (engine.module_state_dict, engine.module.state_dict,
+                         lambda: strata.GatheredParameters([weight]).__enter__()):
+                with pytest.raises(RuntimeError, match=r"weights read whole between backward "
+                                   r"and step .* after it stepped during backward"):
+                    read()
+        engine.step()
+    assert engine.module_state_dict().keys() == engine.module.state_dict().keys()
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -3112,6 +3237,31 @@ def test_clip_grad_norm_called_twice_or_with_other_parameters_is_plain_torchs(tm
         windowed.step()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_clip_grad_value_is_torch_s_where_the_gradients_are_torch_s(tmp_path, stage):
+    """torch.nn.utils.clip_grad_value_ and clip_grads_with_norm_ over the engine's parameters:
+    at stages 0-1 in one process the gradients are torch's .grad until the step, so they are
+    torch's (they were refused, saying wrongly that the gradients are not in .grad); at stage 2
+    (kept apart) refused by name."""
+    engine, optimizer, reference, torch_adamw = _beside_plain_torch(tmp_path, stage)
+    for x, y in batches(2):
+        for net, opt in ((engine.module, optimizer), (reference, torch_adamw)):
+            loss_of(net(x), y).backward()
+            if stage == 2 and net is engine.module:
+                for name, args in (("clip_grad_value_", (1e-3,)),
+                                   ("clip_grads_with_norm_", (1.0, torch.tensor(2.0)))):
+                    with pytest.raises(ValueError, match=rf"{name} over a strata engine's "
+                                       r"parameters where their gradients are kept apart"):
+                        getattr(torch.nn.utils, name)(net.parameters(), *args)
+            else:
+                torch.nn.utils.clip_grad_value_(net.parameters(), 1e-3)
+                torch.nn.utils.clip_grads_with_norm_(net.parameters(), 1.0, torch.tensor(2.0))
+            opt.step()
+            opt.zero_grad()
+    if stage != 2:
+        _assert_weights_as(engine, reference)
+
+
 def test_optimizer_settings_it_cannot_step_with_are_refused(tmp_path):
     """eps changed in a group, and a loaded state whose groups have another eps, amsgrad,
     maximize or L2 decay where the engine decouples it: refused by name, nothing changed."""
@@ -3187,7 +3337,8 @@ def test_a_stage_3_placeholder_answers_its_shape_and_refuses_its_values_by_name(
                        ("detach", lambda: weight.detach().clone()),
                        ("lerp_", lambda: torch.zeros(2 * WIDTH, WIDTH).lerp_(weight, 0.1)),
                        ("to", lambda: weight.to(torch.float64)),
-                       ("as_subclass", lambda: weight.as_subclass(torch.Tensor))]:
+                       ("as_subclass", lambda: weight.as_subclass(torch.Tensor)),
+                       ("normal_", lambda: torch.nn.init.normal_(weight))]:  # (tensor=weight)
         with pytest.raises(RuntimeError, match=refused.format(what)):
             read()
     with pytest.raises(RuntimeError, match=refused.format("mul_")), torch.no_grad():

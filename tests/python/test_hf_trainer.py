@@ -242,10 +242,10 @@ def test_auto_values_are_filled_and_disagreements_named(tmp_path):
                           strata_config={})
     with pytest.raises(ValueError, match="strata_config is missing"):
         strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args)
-    with pytest.raises(ValueError, match=r"scheduler.type 'OneCycle' is not supported; accepted: "
-                                         r"WarmupLR, WarmupDecayLR, WarmupCosineLR"):
+    with pytest.raises(ValueError, match=r"scheduler.type 'OneCycleLR' is not supported; "
+                                         r"accepted: WarmupLR, WarmupDecayLR, WarmupCosineLR"):
         strata.hf.Trainer(model=ARCHITECTURES["llama"](), args=args,
-                          strata_config={"scheduler": {"type": "OneCycle", "params": {}}})
+                          strata_config={"scheduler": {"type": "OneCycleLR", "params": {}}})
     deepspeed = args_of(tmp_path, "z")
     deepspeed.deepspeed = "ds_config.json"  # (made by DeepSpeed's integration where installed)
     with pytest.raises(ValueError, match=r"TrainingArguments.deepspeed is set: .* accepted: the "

@@ -301,6 +301,43 @@ for stage in (2, 3):
         engine(x)
     out[stage]["local set"] = (strata.safe_get_local_fp32_param(w) - 0.5).abs().max().item()
     engine.close()
+# A .grad given between two backwards through a retained graph, after the first one's reduce
+# (stage 1, stage 3's small parameters): the second adds to it where it reaches it, as DDP's,
+# and leaves it where it does not (before, the first backward's mean stayed beside it: counted
+# twice, or added to the value given).
+class TwoHeads(Net):
+    def __init__(self):
+        super().__init__()
+        self.l3 = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        return self.l2(h).pow(2).mean(), self.l3(h).pow(2).mean()
+
+
+for stage in (1, 3):
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+              "strata": {"device": "emulated"}}
+    engine, _, _, _ = strata.initialize(model=TwoHeads(), config=config)
+    first, second = engine(x)
+    engine.backward(first + second, retain_graph=True)
+    engine.module.l2.bias.grad = torch.full((WIDTH,), -0.2)  # (the second backward reaches it)
+    engine.module.l3.bias.grad = torch.full((WIDTH,), 0.3)  # (it does not)
+    engine.backward(2 * first)
+    engine.step()
+    torch.manual_seed(0)
+    reference = TwoHeads()
+    sum(reference(torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(r)))[0]
+        for r in range(2)).div(2).backward()
+    moments = [strata.safe_get_full_optimizer_state(engine.module.get_submodule(name).bias,
+                                                    "exp_avg") for name in ("l2", "l3")]
+    out[f"retained {stage}"] = max(
+        (moments[0] - 0.1 * (-0.2 + 2 * reference.l2.bias.grad)).abs().max().item(),
+        (moments[1] - 0.1 * 0.3).abs().max().item())
+    engine.close()
 # Stage 1 in bf16 over 2 micro-batches: each rank's sum kept apart (fp32) until the window's
 # reduce; a .grad given between the micro-batches could not replace it, and the full gradient
 # is not known yet (each rank's sum is its own): refused by name (a set was taken with the
@@ -344,6 +381,7 @@ def test_across_ranks_the_full_state_is_every_ranks_whole_and_the_local_its_shar
     for out in outs:
         assert out.pop("apart").startswith("l2.bias.grad = t across ranks before the window's "
                                            "gradients are reduced"), out
+        assert out.pop("retained 1") < 1e-8 and out.pop("retained 3") < 1e-8, out
         for what in ("safe_get_full_grad", "safe_get_local_grad", "safe_set_full_grad"):
             assert out.pop(what).startswith(f"{what}(l2.bias) across ranks before the window's "
                                             "gradients are reduced"), out

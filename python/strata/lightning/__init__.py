@@ -35,7 +35,8 @@ The Trainer as users drive it:
   DeepSpeedStrategy casts them.
 * accumulate_grad_batches: the engine's gradient_accumulation_steps, the optimizer stepping where
   Lightning steps (the end of an epoch ends a window, as in plain Lightning); gradient_clip_val:
-  the engine's clipping by the global norm ("value" clipping is refused); self.clip_gradients
+  the engine's clipping by the global norm ("value" clipping: Lightning's, of .grad, at stages 0-1
+  in one process, refused elsewhere); self.clip_gradients
   (manual optimization, a configure_gradient_clipping of one's own) clips through the engine.
 * configure_model under ZeRO stage 3 builds the model under ``strata.init`` (each large parameter a
   partition as it is made, never materialized whole); configure_optimizers returning

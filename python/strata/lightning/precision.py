@@ -106,20 +106,24 @@ class _PrecisionMixin:
         Another (manual optimization's self.clip_gradients, a configure_gradient_clipping of
         one's own) clips through the engine as torch.nn.utils.clip_grad_norm_ over its
         parameters does: the step that follows is clipped by it, as plain Lightning's clipping
-        of .grad in place clips it. By value: refused (the gradients are the engine's)."""
+        of .grad in place clips it. By value: torch's clip_grad_value_ over .grad, where the
+        gradients are torch's .grad until the step (stages 0-1 in one process, not fp16;
+        refused by name elsewhere)."""
         if not clip_val or float(clip_val) <= 0:
             return
         algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
                         or "norm")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, float(clip_val))
+            return
         if algorithm != "norm":
             raise ValueError(f"StrataStrategy: clip_gradients(gradient_clip_algorithm="
-                             f"{algorithm!r}) is not supported; accepted: 'norm' (strata clips "
-                             "by the global norm)")
+                             f"{algorithm!r}) is not supported; accepted: 'norm' or 'value'")
         engine = self._engine()
         if float(clip_val) == engine.gradient_clipping():
             return  # the engine's step clips by it
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups
-                                        for p in group["params"]], float(clip_val))
+        torch.nn.utils.clip_grad_norm_(params, float(clip_val))
 
 
 def _check_precision(precision):

@@ -329,8 +329,10 @@ class _StrategyMixin:
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm
         if clip and str(getattr(algorithm, "value", algorithm)) == "value":
-            raise ValueError("StrataStrategy: gradient_clip_algorithm='value' is not supported; "
-                             "accepted: 'norm' (strata clips by the global norm)")
+            # By value: Lightning's clip_gradients clips .grad before each step (torch's
+            # clip_grad_value_, where the gradients are torch's .grad: checked once the engine
+            # is made, _check_value_clipping); the engine's own clipping is by norm.
+            clip = None
         value = config.get("gradient_clipping", "auto")
         if value != "auto" and clip and float(value) != float(clip):
             raise ValueError(f"StrataStrategy: the config's gradient_clipping is {value!r} and "
@@ -476,6 +478,8 @@ class _StrategyMixin:
             engine, _, _, _ = strata.initialize(model=module, optimizer=optimizer,
                                                 lr_scheduler=scheduler, config=config)
         _ENGINES.add(engine)
+        if training:
+            _check_value_clipping(trainer, engine)
         module.__dict__["_strata_engine"] = _Held(engine, held_json)
         # Lightning's modules track their device (self.device) through .to(); the engine placed
         # the parameters itself.
@@ -659,3 +663,22 @@ def _this_is_rank_zero():
         if value not in (None, "", "0"):
             return False
     return True
+
+
+def _check_value_clipping(trainer, engine):
+    """Trainer(gradient_clip_algorithm="value"): Lightning clips .grad by value before each
+    step, which is plain Lightning's where the gradients are torch's .grad until the step
+    (stages 0-1 in one process, not fp16); elsewhere refused by name before training starts,
+    not at the first step."""
+    algorithm = trainer.gradient_clip_algorithm
+    if trainer.gradient_clip_val and \
+            str(getattr(algorithm, "value", algorithm)) == "value" and \
+            not engine._gradients_in_grad():
+        engine.close()
+        raise ValueError(
+            "StrataStrategy: gradient_clip_algorithm='value' where the engine keeps the "
+            f"gradients apart from .grad (ZeRO stage {engine.stage}"
+            f"{f', {engine.world_size} ranks' if engine.ranks is not None else ''}, or a "
+            "grad_accum_dtype other than the training dtype) or scales them (fp16): clipping "
+            "by value would clip nothing, or the scaled values; accepted: 'norm' (the engine "
+            "clips by the global norm), or stage 0 or 1 in one process")
