@@ -1276,12 +1276,20 @@ class Engine:
         if self._state.gradients_since_step:
             self._gradients.take_given(only)
 
-    def _gradients_in_grad(self):
-        """Whether the gradients are torch's .grad, unscaled, until the step (stages 0-1 in one
-        process, summed there, not fp16): torch's clip_grad_value_ and clip_grads_with_norm_
-        over them are plain torch's (guards.py)."""
-        return self.stage in (0, 1) and self.ranks is None and not self._sum_apart and \
-            self.dtype != torch.float16
+    def _gradients_apart(self):
+        """Why the gradients are not torch's .grad, unscaled, until the step, or None where they
+        are (stages 0-1 in one process, summed there, not fp16): torch's clip_grad_value_ and
+        clip_grads_with_norm_ over them are plain torch's there (guards.py)."""
+        if self.stage >= 2:
+            return f"ZeRO stage {self.stage} keeps them apart from .grad"
+        if self.ranks is not None:
+            return f"across {self.world_size} ranks they are reduced into each rank's shard"
+        if self._sum_apart:
+            return (f"grad_accum_dtype {self.grad_accum_dtype} (not the training dtype "
+                    f"{self.dtype}) keeps the micro-batches' sum apart from .grad")
+        if self.dtype == torch.float16:
+            return "fp16 scales them by the loss scale"
+        return None
 
     def _owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters (guards.py)."""

@@ -80,13 +80,13 @@ def route_clip_grad_norm():
             def clip(parameters, *args, **kwargs):
                 params = [parameters] if torch.is_tensor(parameters) else list(parameters)
                 engine = engine_of(params, f"torch.nn.utils.{name}")
-                if engine is not None and not engine._gradients_in_grad():
+                apart = engine._gradients_apart() if engine is not None else None
+                if apart is not None:
                     raise ValueError(
                         f"torch.nn.utils.{name} over a strata engine's parameters where their "
-                        "gradients are kept apart from .grad (ZeRO stages 2-3, across ranks, "
-                        "grad_accum_dtype other than the training dtype) or scaled by the loss "
-                        "scale (fp16): it would clip nothing, or the scaled values; accepted: "
-                        "torch.nn.utils.clip_grad_norm_, or gradient_clipping in the config")
+                        f"gradients are not torch's .grad ({apart}): it would clip nothing, or "
+                        "the scaled values; accepted: torch.nn.utils.clip_grad_norm_, or "
+                        "gradient_clipping in the config")
                 return torchs(params, *args, **kwargs)
             return clip
         return route

@@ -11,6 +11,8 @@ adopt_schedule).
 Thread safety: the engine's (one thread).
 """
 
+import numbers
+import struct
 import weakref
 
 import torch
@@ -31,16 +33,52 @@ class _Group(dict):
     __slots__ = ("on_rate",)
     _RATES = frozenset(("lr", "weight_decay", "betas"))
 
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        if key in self._RATES:
+    def _said(self, keys):
+        if not self._RATES.isdisjoint(keys):
             on_rate = getattr(self, "on_rate", None)
             on_rate = on_rate() if on_rate is not None else None
             if on_rate is not None:
                 on_rate()
 
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._said((key,))
+
+    def update(self, *args, **kwargs):
+        given = dict(*args, **kwargs)
+        super().update(given)
+        self._said(given)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def setdefault(self, key, default=None):
+        new = key not in self
+        value = super().setdefault(key, default)
+        if new:
+            self._said((key,))
+        return value
+
     def __reduce__(self):  # (a copy or a pickle is a plain dict: the watch stays the engine's)
         return dict, (dict(self),)
+
+
+def betas_of(group):
+    """A param group's betas as the optimizer steps with them (two floats, each at least 0 and
+    below 1 once rounded to float32), or None where they are not that."""
+    try:
+        given = tuple(group["betas"])
+    except TypeError:
+        return None
+    if len(given) != 2 or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) or
+                                  torch.is_tensor(b) and b.numel() == 1 for b in given):
+        return None
+    values = tuple(float(b) for b in given)
+    if not all(0.0 <= b < 1.0 and struct.unpack("f", struct.pack("f", b))[0] < 1.0
+               for b in values):
+        return None
+    return values
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -50,8 +88,10 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, engine, groups, hyper):
         self._engine = weakref.ref(engine)  # the engine holds its optimizer, not the other way
-        super().__init__(groups, dict(lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-                                      weight_decay=hyper["weight_decay"]))
+        defaults = dict(lr=hyper["lr"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+        if hyper["kind"] != "adagrad":  # (Adagrad has none: a schedule cycling them is refused)
+            defaults["betas"] = hyper["betas"]
+        super().__init__(groups, defaults)
         # The betas, eps and decoupling the Runtime's optimizer was made with: it keeps eps and the
         # decoupling (check_groups); a group's betas are given with each step (a schedule
         # cycling momentum sets them), where the optimizer has betas (Adam's, Lion's).
@@ -219,14 +259,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         with them silently."""
         betas, eps, adamw = self._made_with
         for index, group in enumerate(self.param_groups if groups is None else groups):
-            if betas is not None and "betas" in group:
-                try:
-                    given = tuple(float(b) for b in group["betas"])
-                except (TypeError, ValueError):
-                    given = ()
-                if len(given) != 2 or not all(0.0 <= b < 1.0 for b in given):
-                    raise error(f"{where}: param group {index}'s betas are {group['betas']!r}; "
-                                "accepted: two numbers, each at least 0 and below 1")
+            if betas is not None and "betas" in group and betas_of(group) is None:
+                raise error(f"{where}: param group {index}'s betas are {group['betas']!r}; "
+                            "accepted: two numbers, each at least 0 and below 1 (as float32, "
+                            "which the optimizer steps with)")
             wrong = [f"eps {group['eps']} (made with {eps})" if "eps" in group and
                      eps is not None and float(group["eps"]) != eps else None,
                      "amsgrad" if group.get("amsgrad") else None,
@@ -294,8 +330,9 @@ def param_groups(optimizer, model_parameters, hyper, trained):
     elif model_parameters is not None and any(isinstance(g, dict) for g in model_parameters):
         given, source = model_parameters, "model_parameters group"
     else:
-        return [{"params": [e.param for e in trained], "lr": hyper["lr"],
-                 "weight_decay": hyper["weight_decay"], "betas": tuple(hyper["betas"])}]
+        return [dict({"params": [e.param for e in trained], "lr": hyper["lr"],
+                      "weight_decay": hyper["weight_decay"]},
+                     **({"betas": tuple(hyper["betas"])} if hyper["kind"] != "adagrad" else {}))]
     by_param = {id(e.param): e for e in trained}
     groups = []
     for index, group in enumerate(given):
@@ -312,10 +349,11 @@ def param_groups(optimizer, model_parameters, hyper, trained):
         params = [p for p in group["params"] if id(p) in by_param]
         for p in params:
             by_param[id(p)].group_index = len(groups)
-        groups.append({"params": params, "lr": float(group.get("lr", hyper["lr"])),
-                       "weight_decay": float(group.get("weight_decay",
-                                                       hyper["weight_decay"])),
-                       "betas": group.get("betas", tuple(hyper["betas"]))})
+        ours = {"params": params, "lr": float(group.get("lr", hyper["lr"])),
+                "weight_decay": float(group.get("weight_decay", hyper["weight_decay"]))}
+        if hyper["kind"] != "adagrad":
+            ours["betas"] = group.get("betas", tuple(hyper["betas"]))
+        groups.append(ours)
     missing = [e.name for e in trained if not any(
         e.param is p for g in groups for p in g["params"])]
     if missing:

@@ -163,7 +163,15 @@ class OptimizerStep:
         if not self.optimizer.has_betas:
             return float(group["lr"]), float(group["weight_decay"]), -1.0, -1.0
         betas = group["betas"]
-        return float(group["lr"]), float(group["weight_decay"]), float(betas[0]), float(betas[1])
+        try:
+            beta1, beta2 = betas
+            if isinstance(beta1, str) or isinstance(beta2, str):
+                raise TypeError
+            beta1, beta2 = float(beta1), float(beta2)
+        except (TypeError, ValueError):
+            raise ValueError(f"param group {e.group_index}'s betas are {betas!r}; accepted: two "
+                             "numbers, each at least 0 and below 1") from None
+        return float(group["lr"]), float(group["weight_decay"]), beta1, beta2
 
     def stage(self, e, grad=None, clip=1.0, always=False, grad_stream=None):
         """Stages e's optimizer step (its gradient is final; `clip`: the clipping coefficient):

@@ -2523,12 +2523,34 @@ def test_a_schedule_cycling_the_betas_trains_as_plain_torch(tmp_path, stage, off
     assert len(seen) == 5  # (the betas changed every step)
     for ours, theirs in zip(engine_weights(engine), reference.parameters()):
         torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
-    engine.optimizer.param_groups[0]["betas"] = (1.0, 0.999)  # set later, by hand
     (x, y), = batches(1, seed=3)
     engine.backward(loss_of(engine(x), y))
-    with pytest.raises(RuntimeError, match=r"step: param group 0's betas are \(1.0, 0.999\); "
-                                           r"accepted: two numbers"):
+    good = engine.optimizer.param_groups[0]["betas"]
+    # Set by hand between backward and step, refused by name at the step, nothing stepped: out
+    # of range, below 1 but 1 in float32 (the optimizer's), not two numbers.
+    for bad in [(1.0, 0.999), (0.9, 0.99999999), (0.9,), ("0.9", "0.99"), 0.9]:
+        engine.optimizer.param_groups[0]["betas"] = bad
+        with pytest.raises(RuntimeError, match=rf"step: param group 0's betas are "
+                                               rf"{re.escape(repr(bad))}; accepted: two numbers"):
+            engine.step()
+    engine.optimizer.param_groups[0]["betas"] = good
+    engine.step()
+    # Set before a forward: refused by name at the backward that stages steps (stage 3) or at
+    # the step.
+    engine.optimizer.param_groups[0]["betas"] = "ab"
+    with pytest.raises((ValueError, RuntimeError),
+                       match=r"param group 0's betas are 'ab'; accepted: two"):
+        engine.backward(loss_of(engine(x), y))
         engine.step()
+    engine.close()
+    # Adagrad has no betas: a schedule cycling them is refused as over torch's Adagrad (its
+    # groups carried betas it never used).
+    config = make_config(tmp_path / "adagrad", 2, "cpu", "fp32", accumulation=1)
+    config["optimizer"] = {"type": "Adagrad", "params": {"lr": 1e-2}}
+    adagrad, optimizer, _, _ = strata.initialize(model=Net(), config=config)
+    assert "betas" not in optimizer.param_groups[0] and "betas" not in optimizer.defaults
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=10)
 
 
 def test_reduce_lr_on_plateau_steps_on_its_metric(tmp_path):
@@ -2638,16 +2660,18 @@ def test_zero_grad_after_parameters_stepped_during_backward_is_refused(tmp_path)
     engine.step()
 
 
+@pytest.mark.parametrize("how", ["item", "update"])
 def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_or_refused(
-        tmp_path):
+        tmp_path, how):
     """strata.optimizer_during_backward (stage 3, host optimizer state: the default on a GPU):
     a loop that sets its learning rate and weight decay between backward and step (plain torch's
     step takes them) trains as plain torch's, its first value the optimizer's own too: a rate
     set there (the engine's optimizer's groups say when one is set) ends stepping for good
     during backward for the rest of the run, before any partition did (before, from the second
     step on partitions stepped for good during backward with the old rates, 7e-3 off torch's
-    weights, said only in a warning). Weights read whole between backward and step after partitions stepped during
-    it (module_state_dict, state_dict(), GatheredParameters) are refused by name: they were the
+    weights, said only in a warning), set as an item or by group.update(...). Weights read whole
+    between backward and step after partitions stepped during it (module_state_dict,
+    state_dict(), GatheredParameters, optimizer.state_dict()) are refused by name: they were the
     step's result already (1e-2 off plain torch's, silently)."""
     torch.manual_seed(0)
     model = Net()
@@ -2659,15 +2683,21 @@ def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_
     for i, (x, y) in enumerate(batches(4)):
         for net, opt in ((engine.module, optimizer), (reference, adamw)):
             loss_of(net(x), y).backward()
-            opt.param_groups[0]["lr"] = 1e-2 * 0.5 ** i  # (the optimizer's rate first)
-            opt.param_groups[0]["weight_decay"] = 0.01 + 0.1 * i
+            rates = {"lr": 1e-2 * 0.5 ** i,  # (the optimizer's rate first)
+                     "weight_decay": 0.01 + 0.1 * i}
+            if how == "update":
+                opt.param_groups[0].update(rates)
+            else:
+                for key, value in rates.items():
+                    opt.param_groups[0][key] = value
             opt.step()
             opt.zero_grad()
     _assert_weights_as(engine, reference)
     assert not any("had stepped during backward" in w for w in engine.warnings), engine.warnings
     engine.close()
-
-    engine, _, _, _ = strata.initialize(model=Net(), config=config)
+    if how == "update":
+        return
+    engine, optimizer, _, _ = strata.initialize(model=Net(), config=config)
     for i, (x, y) in enumerate(batches(2)):
         engine.backward(loss_of(engine(x), y))
         if i == 1:  # (from the second step on, partitions step during backward)
@@ -2678,6 +2708,9 @@ def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_
                 with pytest.raises(RuntimeError, match=r"weights read whole between backward "
                                    r"and step .* after it stepped during backward"):
                     read()
+            with pytest.raises(RuntimeError, match=r"optimizer.state_dict\(\) between backward "
+                                                   r"and step after parameters stepped"):
+                optimizer.state_dict()
         engine.step()
     assert engine.module_state_dict().keys() == engine.module.state_dict().keys()
 
@@ -3251,7 +3284,8 @@ def test_clip_grad_value_is_torch_s_where_the_gradients_are_torch_s(tmp_path, st
                 for name, args in (("clip_grad_value_", (1e-3,)),
                                    ("clip_grads_with_norm_", (1.0, torch.tensor(2.0)))):
                     with pytest.raises(ValueError, match=rf"{name} over a strata engine's "
-                                       r"parameters where their gradients are kept apart"):
+                                       r"parameters where their gradients are not torch's "
+                                       r"\.grad \(ZeRO stage 2 keeps them apart"):
                         getattr(torch.nn.utils, name)(net.parameters(), *args)
             else:
                 torch.nn.utils.clip_grad_value_(net.parameters(), 1e-3)

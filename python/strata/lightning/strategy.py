@@ -671,14 +671,13 @@ def _check_value_clipping(trainer, engine):
     (stages 0-1 in one process, not fp16); elsewhere refused by name before training starts,
     not at the first step."""
     algorithm = trainer.gradient_clip_algorithm
+    apart = engine._gradients_apart()
     if trainer.gradient_clip_val and \
-            str(getattr(algorithm, "value", algorithm)) == "value" and \
-            not engine._gradients_in_grad():
+            str(getattr(algorithm, "value", algorithm)) == "value" and apart is not None:
         engine.close()
         raise ValueError(
-            "StrataStrategy: gradient_clip_algorithm='value' where the engine keeps the "
-            f"gradients apart from .grad (ZeRO stage {engine.stage}"
-            f"{f', {engine.world_size} ranks' if engine.ranks is not None else ''}, or a "
-            "grad_accum_dtype other than the training dtype) or scales them (fp16): clipping "
-            "by value would clip nothing, or the scaled values; accepted: 'norm' (the engine "
-            "clips by the global norm), or stage 0 or 1 in one process")
+            "StrataStrategy: gradient_clip_algorithm='value' where the gradients are not "
+            f"torch's .grad ({apart}): clipping by value would clip nothing, or the scaled "
+            "values; accepted: 'norm' (the engine clips by the global norm), or value clipping "
+            "at stage 0 or 1 in one process, not fp16 (in bf16 accumulating micro-batches, "
+            "with grad_accum_dtype bf16)")
