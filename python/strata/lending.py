@@ -12,7 +12,9 @@ during the model's forward are kept as their place in the parameter and taken an
 An nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which saves the weight
 itself, not a view. A frozen parameter has no
 gradient hook to give it back in backward: it goes back once the module's input gradient is made.
-The model's first forward finds parameters used outside their owner's forward (_ExternalUses).
+The model's first forward finds parameters used outside their owner's forward (_ExternalUses),
+and so does its first forward with gradients, where the first ran without them (a trainer that
+generates before it trains: TRL's GRPO, whose training forward reads the head's weight itself).
 Across ranks the partitions hold shards, all-gathered as they are lent (strata/ranks.py), the
 next module's gathered while one computes (in the order the first micro-batch fetched them).
 
@@ -63,7 +65,9 @@ class Lending:
         self.holders = {}  # pid -> holds on its lent copy (its modules' forwards and backwards)
         self.handles = []  # the hooks it put on the model
         self.patched_forward = []  # (module, its own forward or None) it set (_Zero3Linear's)
-        self.discovered = False  # _ExternalUses has run (the first forward)
+        # _ExternalUses has run: in the first forward, and in the first forward with gradients
+        # (where the first ran without them: generation before training)
+        self.discovered = self.discovered_with_grad = False
         self.discovering = None  # the _ExternalUses of the forward running now
         self.internal_depth = 0  # > 0 while the engine's own torch calls run (internal())
         self.saved_views = None
@@ -175,10 +179,14 @@ class Lending:
     # --- the hooks ------------------------------------------------------------------------------
 
     def _begin_discovery(self, module, args):
-        """The model's first forward finds the partitioned parameters a module uses that it does
-        not own (_ExternalUses), and registers each with the module that used it."""
-        if not self.discovered and self.discovering is None:
+        """The model's first forward, and its first with gradients, find the partitioned
+        parameters a module uses that it does not own (_ExternalUses), and register each with
+        the module that used it (at most two forwards pay for the look at each torch call)."""
+        if self.discovering is None and (
+                not self.discovered or
+                not self.discovered_with_grad and torch.is_grad_enabled()):
             self.discovering = _ExternalUses(self)
+            self.discovering.with_grad = torch.is_grad_enabled()
             self.discovering.__enter__()
 
     def _end_discovery(self, module, args, output):
@@ -186,6 +194,7 @@ class Lending:
             discovering, self.discovering = self.discovering, None
             discovering.__exit__(None, None, None)
             self.discovered = True
+            self.discovered_with_grad = self.discovered_with_grad or discovering.with_grad
 
     def _lend_around(self, module, entries):
         """Lends `entries` (partitioned parameters) around `module`'s forward and backward: hooks
@@ -437,9 +446,9 @@ def register_external_parameter(module, parameter):
     """Says that `module`'s forward uses `parameter`, which another module owns (a tied weight
     used functionally, as ``h @ self.wte.weight.t()``), as DeepSpeed's
     ``deepspeed.zero.register_external_parameter``: at stage 3 the parameter is then lent for the
-    whole of `module`'s forward. The model's first forward registers the uses it meets by itself
-    (_ExternalUses); call this, before ``strata.initialize``, for a use on a path the first
-    forward does not take."""
+    whole of `module`'s forward. The model's first forward (and its first with gradients)
+    registers the uses it meets by itself (_ExternalUses); call this, before
+    ``strata.initialize``, for a use on a path those forwards do not take."""
     if not isinstance(parameter, torch.nn.Parameter):
         raise ValueError("register_external_parameter: accepted: a torch.nn.Parameter")
     external = module.__dict__.setdefault("_strata_external_parameters", [])
@@ -526,6 +535,7 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
         self.lending = lending
         self.stack = []
         self.handles = []
+        self.with_grad = False  # (the forward it looks at runs with gradients)
 
     def __enter__(self):
         def enter(module, args):

@@ -2179,6 +2179,47 @@ def test_stage3_runs_what_models_do_with_their_parameters_as_plain_torch(tmp_pat
     assert engine.last_step_stats["runtime"]["mode"] == "planned"
 
 
+class _GeneratesFirst(torch.nn.Module):
+    """Its head's weight read outside the head's forward only with gradients on, as TRL's GRPO
+    generates (no gradients, the head through its own forward) before a training forward that
+    reads lm_head.weight itself (its fused loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if torch.is_grad_enabled():
+            return torch.nn.functional.linear(h, self.head.weight[:8])
+        return self.head(h)
+
+
+def test_a_parameter_used_outside_its_owner_only_in_training_is_found_after_generation(tmp_path):
+    """The first forward ran without gradients and never read the head's weight outside the
+    head; the first forward with gradients looks again and lends it (it was refused by name,
+    as a read of the placeholder, and only strata.register_external_parameter got past)."""
+    torch.manual_seed(0)
+    model = _GeneratesFirst()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        with torch.no_grad():  # (generation)
+            torch.testing.assert_close(engine(x), reference(x), rtol=1e-5, atol=1e-6)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(x).pow(2).mean()
+        ref_loss.backward()
+        adamw.step()
+        adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    assert engine._lending.discovered_with_grad
+
+
 def test_sparse_embeddings_are_refused_by_name(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4))
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
