@@ -289,6 +289,15 @@ class OptimizerStep:
         if float(norm_type) != 2.0:
             raise ValueError(f"{where}: norm_type {norm_type}: accepted: 2.0 (strata's clipping "
                              "is by the global L2 norm, as DeepSpeed's gradient_clipping)")
+        counted = self.state.micro_steps % self.state.accumulation
+        if not self.state.backward_since_step and counted:
+            # (step() counted the window's micro-batches so far, as DeepSpeed's after each
+            # backward: accelerate's accumulate(), Lightning's window)
+            raise RuntimeError(
+                f"{where} within the accumulation window, after its micro-batch {counted} of "
+                f"{self.state.accumulation}: it would clip a partial sum; accepted: once, after "
+                "the window's last backward (under accelerate, inside `if "
+                "accelerator.sync_gradients:`)")
         adopt_backward(where)  # (the engine's: a backward of the user's own is taken)
         given = {id(p) for p in params}
         missing = [e.name for e in self.table.trained if id(e.param) not in given]

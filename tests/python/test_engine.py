@@ -3079,6 +3079,13 @@ def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
         torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0, norm_type=1)
     with pytest.raises(ValueError, match=r"of its trained parameters are not among those given"):
         torch.nn.utils.clip_grad_norm_(engine.module.l1.parameters(), 1.0)
+    # After step() counted the micro-batch (DeepSpeed's loop; accelerate's accumulate() without
+    # `if accelerator.sync_gradients:`): refused as within the window (it said "no backward()
+    # since the last step()", and at stages 0-1 blamed a loss.backward() of the user's).
+    engine.step()
+    with pytest.raises(RuntimeError, match=r"within the accumulation window, after its "
+                                           r"micro-batch 1 of 2: it would clip a partial sum"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
 
 
 def test_a_linear_called_with_its_keyword_computes_at_stage_3(tmp_path):
