@@ -122,12 +122,7 @@ absl::StatusOr<StepResult> CpuLion::Step(int64_t t, const StateChunk& c, const S
   internal::UpdateArgs a = ArgsFor(internal::Rule::kLion, c, o);
   const float lr = o.lr >= 0 ? o.lr : config_.lr;
   const float weight_decay = o.weight_decay >= 0 ? o.weight_decay : config_.weight_decay;
-  const float beta1 = o.beta1 >= 0 ? o.beta1 : config_.beta1;
-  const float beta2 = o.beta2 >= 0 ? o.beta2 : config_.beta2;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.one_minus_beta1 = 1.0f - beta1;
-  a.one_minus_beta2 = 1.0f - beta2;
+  internal::SetBetas(o, config_.beta1, config_.beta2, &a);
   a.step_size = lr;
   a.decoupled = weight_decay != 0.0f;
   a.decay = static_cast<float>(1.0 - double{lr} * weight_decay);

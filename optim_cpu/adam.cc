@@ -69,17 +69,12 @@ absl::StatusOr<StepResult> CpuAdam::Step(int64_t t, const AdamChunk& c,
   a.grad_dtype = c.grad_dtype;
   a.state_dtype = c.moment_dtype;
   a.copy_dtype = c.copy_dtype;
-  const float beta1 = options.beta1 >= 0 ? options.beta1 : config_.beta1;
-  const float beta2 = options.beta2 >= 0 ? options.beta2 : config_.beta2;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.one_minus_beta1 = 1.0f - beta1;
-  a.one_minus_beta2 = 1.0f - beta2;
+  internal::SetBetas(options, config_.beta1, config_.beta2, &a);
   a.eps = config_.eps;
   // Bias corrections in double, rounded once, as PyTorch computes them from Python floats (with
   // this step's betas, as torch's Adam takes its group's at each step).
-  const double bc1 = config_.bias_correction ? 1.0 - std::pow(double{beta1}, double(t)) : 1.0;
-  const double bc2 = config_.bias_correction ? 1.0 - std::pow(double{beta2}, double(t)) : 1.0;
+  const double bc1 = config_.bias_correction ? 1.0 - std::pow(double{a.beta1}, double(t)) : 1.0;
+  const double bc2 = config_.bias_correction ? 1.0 - std::pow(double{a.beta2}, double(t)) : 1.0;
   a.step_size = static_cast<float>(lr / bc1);
   a.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   a.grad_scale = options.grad_scale;

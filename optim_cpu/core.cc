@@ -147,6 +147,13 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
   return absl::OkStatus();
 }
 
+void SetBetas(const StepOptions& options, float beta1, float beta2, UpdateArgs* args) {
+  args->beta1 = options.beta1 >= 0 ? options.beta1 : beta1;
+  args->beta2 = options.beta2 >= 0 ? options.beta2 : beta2;
+  args->one_minus_beta1 = 1.0f - args->beta1;
+  args->one_minus_beta2 = 1.0f - args->beta2;
+}
+
 absl::Status CheckHyper(absl::string_view who, absl::string_view key, float value, float lo,
                         float hi, bool hi_open) {
   const bool ok = std::isfinite(value) && value >= lo && (hi_open ? value < hi : value <= hi);

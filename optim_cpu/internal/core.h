@@ -39,6 +39,10 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
                         const void* param_copy, DType copy_dtype, size_t size,
                         const StepOptions& options);
 
+// Sets args' betas (and one minus each) for one step: the step's (StepOptions::beta1/beta2, a
+// param group's) where given, else the config's (`beta1`, `beta2`).
+void SetBetas(const StepOptions& options, float beta1, float beta2, UpdateArgs* args);
+
 // Finite and within [lo, hi] (hi_open: [lo, hi)); the message names `key` and the range.
 absl::Status CheckHyper(absl::string_view who, absl::string_view key, float value, float lo,
                         float hi, bool hi_open);
