@@ -1,10 +1,7 @@
 """What the engine sets on the user's model and on torch while it holds them, and takes off.
 
 - The engines not closed (LIVE), and torch.nn.utils' clipping over their parameters routed to
-  them (route_clip_grad_norm, once, at import): their gradients are not in .grad; and
-  torch.distributed.barrier said through an engine's collectives first across ranks
-  (route_barrier), so that a rank in a barrier while another is in a collective of the engine's
-  is named at once.
+  them (route_clip_grad_norm, once, at import): their gradients are not in .grad.
 - The module's own methods an engine stands in for (load_state_dict_through, zero_grad_through,
   save_pretrained_through: a peft model's adapters saved without reading its frozen base,
   generate_through: across ranks, generate's ranks kept in step as under DeepSpeed's ZeRO-3,
@@ -112,40 +109,6 @@ def route_clip_grad_norm():
 
 
 route_clip_grad_norm()
-
-# What a rank says, through the engine's collectives, as it enters torch.distributed.barrier.
-BARRIER = (
-    "torch.distributed.barrier (accelerate's wait_for_everyone, a trainer's barrier): every rank "
-    "waits there, and a rank that is in a strata collective instead never arrives; at stage 3 a "
-    "save (save_pretrained, save_model, get_state_dict, state_dict()) gathers the weights and "
-    "an evaluation's forward gathers its modules' weights from every rank: accepted: every "
-    "rank calls it (the saving one passes is_main_process), or every rank runs the forward")
-
-
-def route_barrier():
-    """torch.distributed.barrier, while an engine across ranks is not closed: each rank first
-    says so through the engine's collectives (one small exchange, BARRIER), so that a rank
-    waiting there while another is in one of the engine's collectives (a save or an evaluation
-    forward on the main process alone, then accelerate's wait_for_everyone) is named on both
-    at once, where both would wait until strata.comm_timeout_s. Installed once, at import; a
-    name bound before strata was imported is torch's own."""
-    dist = torch.distributed
-    if not dist.is_available() or getattr(dist.barrier, "_strata", False):
-        return
-    torchs = dist.barrier
-
-    @functools.wraps(torchs)
-    def barrier(*args, **kwargs):
-        for engine in list(LIVE):  # (one exchange: every engine's collectives are the job's)
-            if engine._runtime is not None and engine.ranks is not None:
-                engine.ranks.agree(BARRIER)
-                break
-        return torchs(*args, **kwargs)
-    barrier._strata = True
-    dist.barrier = barrier
-
-
-route_barrier()
 
 
 def _refuse_a_foreign_optimizer(optimizer, args, kwargs):

@@ -295,8 +295,10 @@ class OptimizerStep:
             # backward: accelerate's accumulate(), Lightning's window)
             raise RuntimeError(
                 f"{where} within the accumulation window, after its micro-batch {counted} of "
-                f"{self.state.accumulation}: it would clip a partial sum; accepted: once, after "
-                "the window's last backward (under accelerate, inside `if "
+                f"{self.state.accumulation} (counted by step()): it would clip a partial sum "
+                "(and a loss.backward() of one's own since is not taken under "
+                f"gradient_accumulation_steps {self.state.accumulation}); accepted: once, "
+                "after the window's last engine.backward (under accelerate, inside `if "
                 "accelerator.sync_gradients:`)")
         adopt_backward(where)  # (the engine's: a backward of the user's own is taken)
         given = {id(p) for p in params}

@@ -3084,7 +3084,8 @@ def test_clip_grad_norm_the_engine_cannot_honour_is_refused_by_name(tmp_path):
     # since the last step()", and at stages 0-1 blamed a loss.backward() of the user's).
     engine.step()
     with pytest.raises(RuntimeError, match=r"within the accumulation window, after its "
-                                           r"micro-batch 1 of 2: it would clip a partial sum"):
+                                           r"micro-batch 1 of 2 \(counted by step\(\)\): it "
+                                           r"would clip a partial sum"):
         torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
 
 
