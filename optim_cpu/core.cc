@@ -140,8 +140,8 @@ absl::Status CheckChunk(absl::string_view who, int64_t t, const float* param, co
   for (const auto& [key, beta] :
        {std::pair{"beta1", options.beta1}, std::pair{"beta2", options.beta2}}) {
     if (!(std::isfinite(beta) && beta < 1.0f)) {
-      return bad(absl::StrCat(key, " ", beta, ": accepted 0 <= ", key, " < 1 (negative: the "
-                              "config's)"));
+      return bad(
+          absl::StrCat(key, " ", beta, ": accepted 0 <= ", key, " < 1 (negative: the config's)"));
     }
   }
   return absl::OkStatus();

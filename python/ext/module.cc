@@ -108,8 +108,7 @@ void CheckStepTensors(const TensorView& p,
 }
 
 optim_cpu::StepOptions StepOptionsOf(float lr, float grad_scale, bool check_overflow,
-                                     float weight_decay = -1, float beta1 = -1,
-                                     float beta2 = -1) {
+                                     float weight_decay = -1, float beta1 = -1, float beta2 = -1) {
   optim_cpu::StepOptions options;
   options.lr = lr;
   options.weight_decay = weight_decay;

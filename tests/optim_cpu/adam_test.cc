@@ -288,8 +288,7 @@ TEST_P(AdamIsaTest, AStepsBetasReplaceTheConfigsAsAParamGroupsDo) {
     EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
     EXPECT_EQ(std::memcmp(a.m32.data(), b.m32.data(), kN * sizeof(float)), 0);
     ASSERT_TRUE((*given)->Step(4, a.Chunk(0, kN)).ok());
-    ASSERT_TRUE((*other)->Step(4, b.Chunk(0, kN), {.beta1 = made.beta1, .beta2 = made.beta2})
-                    .ok());
+    ASSERT_TRUE((*other)->Step(4, b.Chunk(0, kN), {.beta1 = made.beta1, .beta2 = made.beta2}).ok());
     EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), kN * sizeof(float)), 0) << "adamw " << adamw;
   }
   LionConfig lc;
