@@ -535,6 +535,19 @@ def test_the_loss_scale_follows_deepspeeds_dynamic_loss_scaler(tmp_path):
     assert scales == [1024, 512, 256, 128, 128, 128, 128, 256, 256, 256, 128, 64]
 
 
+def _square_step_beside(engine, reference, torch_adamw, x):
+    """One step of the engine and of plain torch on the loss mean(model(x)^2); their losses held
+    equal."""
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    ref_loss = reference(x).pow(2).mean()
+    ref_loss.backward()
+    torch_adamw.step()
+    torch_adamw.zero_grad()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
 def test_stage3_trains_a_deep_model_through_a_budget_of_three_layers(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
@@ -546,14 +559,7 @@ def test_stage3_trains_a_deep_model_through_a_budget_of_three_layers(tmp_path):
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
     for _ in range(4):
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = reference(x).pow(2).mean()
-        ref_loss.backward()
-        torch_adamw.step()
-        torch_adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        _square_step_beside(engine, reference, torch_adamw, x)
     assert engine.stats()["bytes_moved"]["host_to_device"] > 4 * 8 * 16384
 
 
@@ -2199,24 +2205,12 @@ def test_a_parameter_used_outside_its_owner_only_in_training_is_found_after_gene
     """The first forward ran without gradients and never read the head's weight outside the
     head; the first forward with gradients looks again and lends it (it was refused by name,
     as a read of the placeholder, and only strata.register_external_parameter got past)."""
-    torch.manual_seed(0)
-    model = _GeneratesFirst()
-    reference = copy.deepcopy(model)
-    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
-    engine, _, _, _ = strata.initialize(model=model, config=config)
-    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    engine, _, reference, adamw = _beside_plain_torch(tmp_path, 3, _GeneratesFirst)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         with torch.no_grad():  # (generation)
             torch.testing.assert_close(engine(x), reference(x), rtol=1e-5, atol=1e-6)
-        loss = engine(x).pow(2).mean()
-        engine.backward(loss)
-        engine.step()
-        ref_loss = reference(x).pow(2).mean()
-        ref_loss.backward()
-        adamw.step()
-        adamw.zero_grad()
-        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        _square_step_beside(engine, reference, adamw, x)
     assert engine._lending.discovered_with_grad
 
 

@@ -248,13 +248,18 @@ sys.path.insert(0, os.environ["TESTS"])
 from test_param_state import Net, WithUnused, WIDTH
 rank = int(os.environ["RANK"])
 out = {}
+
+
+def config_of(stage):
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
+            "strata": {"device": "emulated"}}
+
+
 for stage in (2, 3):
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
-              "strata": {"device": "emulated"}}
-    engine, _, _, _ = strata.initialize(model=WithUnused(), config=config)
+    engine, _, _, _ = strata.initialize(model=WithUnused(), config=config_of(stage))
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
     w = engine.module.l1.weight
     unused = engine.module.unused.bias  # (backward gives it no gradient: .grad = t gives one)
@@ -317,11 +322,7 @@ class TwoHeads(Net):
 
 for stage in (1, 3):
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 100},
-              "strata": {"device": "emulated"}}
-    engine, _, _, _ = strata.initialize(model=TwoHeads(), config=config)
+    engine, _, _, _ = strata.initialize(model=TwoHeads(), config=config_of(stage))
     first, second = engine(x)
     engine.backward(first + second, retain_graph=True)
     engine.module.l2.bias.grad = torch.full((WIDTH,), -0.2)  # (the second backward reaches it)
