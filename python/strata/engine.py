@@ -829,11 +829,10 @@ class Engine:
                 else:
                     e.param.data = e.param.data.to(device=self.device, dtype=self.dtype)
                 hooked = e.partitioned or self.stage in (2, 3) or self._sum_apart
-                # Where the engine may hold the gradient apart from .grad (stage 2, a host sum,
-                # across ranks once reduced), a .grad given by hand is taken before a backward
-                # adds to it.
-                takes_given = not e.partitioned and (self.stage == 2 or self._sum_apart or
-                                                     self.ranks is not None)
+                # Where the engine holds the gradient apart from .grad (stage 2, a host sum), a
+                # .grad given by hand is taken before a backward adds to it (across ranks, once
+                # the window is reduced, engine.backward takes them all first).
+                takes_given = not e.partitioned and (self.stage == 2 or self._sum_apart)
                 if hooked or takes_given:
                     # The AccumulateGrad node's hook runs once the gradient is in .grad. The node
                     # is made now, while the parameter has its shape and dtype (autograd checks
@@ -1268,7 +1267,8 @@ class Engine:
         way to replace one; to entry `only`, or to any) where the engine would not read them as
         torch's (Gradients.take_given): each taken as its gradient, as strata.safe_set_full_grad
         takes one, at the step, clip_grad_norm_, safe_get_*_grad / safe_set_*_grad and the
-        next forward (and before a backward adds to it: Gradients.prehook), so that
+        next forward (and before a backward adds to it: Gradients.prehook at stage 2 and with
+        grad_accum_dtype apart; across ranks engine.backward after the window's reduce), so that
         a backward after it adds to the gradient given, as torch's adds to .grad. Stage 3's
         partitioned parameters refuse `.grad = t` (strata/placeholders.py); across ranks, a
         .grad given before the window's gradients are reduced (stage 1, stage 3's small

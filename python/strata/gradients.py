@@ -322,10 +322,10 @@ class Gradients:
             raise
 
     def prehook(self, e):
-        """The pre-hook on e's AccumulateGrad node, where its gradient may be held outside .grad
-        (stage 2, grad_accum_dtype apart, across ranks once reduced): a .grad given by hand since
-        the last backward is taken (take_given) before autograd adds this backward's to it, as
-        torch adds to the .grad given."""
+        """The pre-hook on e's AccumulateGrad node, where its gradient is held outside .grad
+        (stage 2, grad_accum_dtype apart): a .grad given by hand since the last backward is
+        taken (take_given) before autograd adds this backward's to it, as torch adds to the
+        .grad given."""
         gradients = weakref.ref(self)
 
         def prehook(*unused):

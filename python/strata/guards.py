@@ -57,8 +57,8 @@ def route_clip_grad_norm():
     with any other parameters' gradients given, and the step clipped by it, plain torch's
     arithmetic; a second call sees the first's clipping, as torch's does); clip_grad_value_ and
     clip_grads_with_norm_ over an engine's parameters are torch's where its gradients are torch's
-    .grad, unscaled (stages 0-1 in one process, not fp16), and refused by name elsewhere; over
-    other parameters each is torch's own.
+    .grad, unscaled (stages 0-1 in one process, not fp16, no grad_accum_dtype sum apart), and
+    refused by name elsewhere; over other parameters each is torch's own.
 
     torch wraps each of these in a no_grad wrapper that calls the function in its closure; the
     routing takes that function's place there, so the wrapper torch exposes stays the same

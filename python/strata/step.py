@@ -105,10 +105,10 @@ class OptimizerStep:
         # nothing is staged during backward (a step staged with a gradient changed after is
         # dropped).
         self.user_sets_gradients = False
-        # Whether a learning rate or weight decay was changed between backward and step (a step
-        # staged with the old one was dropped): then no partition steps for good during backward
-        # (_may_step_early) with a rate the user may change after it; a staged step that can be
-        # dropped still is.
+        # Whether a learning rate, weight decay or betas was set between the window's last
+        # backward and its step (the same value too: rate_set), or changed after a step was
+        # staged: then no partition steps for good during backward (_may_step_early) with a rate
+        # the user may change after it; a staged step that can be dropped still is.
         self.rates_set_after_backward = False
         self._weights_sent = None  # the event after the last step's new weights went to the GPU
         self.optimizer_read = self.optimizer_written = 0  # the optimizer's NVMe bytes
@@ -168,6 +168,8 @@ class OptimizerStep:
             if isinstance(beta1, str) or isinstance(beta2, str):
                 raise TypeError
             beta1, beta2 = float(beta1), float(beta2)
+            if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):  # (C++ takes < 0 as its own)
+                raise ValueError
         except (TypeError, ValueError):
             raise ValueError(f"param group {e.group_index}'s betas are {betas!r}; accepted: two "
                              "numbers, each at least 0 and below 1") from None
@@ -372,7 +374,7 @@ class OptimizerStep:
         change the step (no gradient clipping, no fp16 loss scale nor bf16.check_grad_overflow,
         one process: across ranks a rank whose staging failed makes every rank take the step
         anew), from the second step on (the first shows whether the boundary micro-batch takes
-        one backward), and not once a rate was changed between backward and step. Dropping
+        one backward), and not once a rate was set between backward and step. Dropping
         such a step cannot undo them (_end_staged)."""
         return (self.runtime.optimizer_during_backward and self.config.clipping <= 0
                 and not self.user_clips and not self.rates_set_after_backward

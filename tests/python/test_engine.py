@@ -336,6 +336,18 @@ def test_lr_range_test_from_the_config_raises_the_rate_as_deepspeed_s(tmp_path, 
         engine.backward(loss_of(engine(x), y))
         engine.step()
     assert rates == pytest.approx(seen)
+    try:  # DeepSpeed's own, where it is installed (the benchmarks' environment)
+        from deepspeed.runtime.lr_schedules import LRRangeTest as DeepSpeeds
+    except ImportError:
+        DeepSpeeds = None
+    if DeepSpeeds is not None:
+        adamw = torch.optim.AdamW(Net().parameters(), lr=1e-2)
+        theirs = DeepSpeeds(adamw, **config["scheduler"]["params"])
+        given = []
+        for _ in seen:
+            given.append(adamw.param_groups[0]["lr"])
+            theirs.step()
+        assert given == pytest.approx(seen)
     config["scheduler"]["params"]["lr_range_test_step_size"] = 0
     with pytest.raises(ValueError, match=r"lr_range_test_step_size 0; accepted: a whole number "
                                          r"above 0"):
@@ -2563,7 +2575,7 @@ def test_a_schedule_cycling_the_betas_trains_as_plain_torch(tmp_path, stage, off
     good = engine.optimizer.param_groups[0]["betas"]
     # Set by hand between backward and step, refused by name at the step, nothing stepped: out
     # of range, below 1 but 1 in float32 (the optimizer's), not two numbers.
-    for bad in [(1.0, 0.999), (0.9, 0.99999999), (0.9,), ("0.9", "0.99"), 0.9]:
+    for bad in [(1.0, 0.999), (-0.5, 0.999), (0.9, 0.99999999), (0.9,), ("0.9", "0.99"), 0.9]:
         engine.optimizer.param_groups[0]["betas"] = bad
         with pytest.raises(RuntimeError, match=rf"step: param group 0's betas are "
                                                rf"{re.escape(repr(bad))}; accepted: two numbers"):
@@ -2571,12 +2583,13 @@ def test_a_schedule_cycling_the_betas_trains_as_plain_torch(tmp_path, stage, off
     engine.optimizer.param_groups[0]["betas"] = good
     engine.step()
     # Set before a forward: refused by name at the backward that stages steps (stage 3) or at
-    # the step.
-    engine.optimizer.param_groups[0]["betas"] = "ab"
-    with pytest.raises((ValueError, RuntimeError),
-                       match=r"param group 0's betas are 'ab'; accepted: two"):
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
+    # the step (a negative beta staged would have been stepped with the optimizer's own).
+    for bad in ["ab", (-0.5, 0.999)]:
+        engine.optimizer.param_groups[0]["betas"] = bad
+        with pytest.raises((ValueError, RuntimeError),
+                           match=rf"param group 0's betas are {re.escape(repr(bad))}; accepted"):
+            engine.backward(loss_of(engine(x), y))
+            engine.step()
     engine.close()
     # Adagrad has no betas: a schedule cycling them is refused as over torch's Adagrad (its
     # groups carried betas it never used).
@@ -2748,6 +2761,14 @@ def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_
                 optimizer.state_dict()
         engine.step()
     assert engine.module_state_dict().keys() == engine.module.state_dict().keys()
+    # A negative beta set before a backward that steps partitions for good: refused by name as
+    # it stages them (the optimizer took a negative beta for its own: they stepped with those,
+    # and only the step refused it).
+    optimizer.param_groups[0]["betas"] = (-0.5, 0.999)
+    (x, y), = batches(1, seed=5)
+    with pytest.raises(ValueError, match=r"betas are \(-0.5, 0.999\); accepted: two numbers"):
+        engine.backward(loss_of(engine(x), y))
+    assert not engine._step.stepped_during_backward()
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

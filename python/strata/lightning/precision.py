@@ -107,8 +107,8 @@ class _PrecisionMixin:
         one's own) clips through the engine as torch.nn.utils.clip_grad_norm_ over its
         parameters does: the step that follows is clipped by it, as plain Lightning's clipping
         of .grad in place clips it. By value: torch's clip_grad_value_ over .grad, where the
-        gradients are torch's .grad until the step (stages 0-1 in one process, not fp16;
-        refused by name elsewhere)."""
+        gradients are torch's .grad until the step (stages 0-1 in one process, not fp16, no
+        grad_accum_dtype sum apart; refused by name elsewhere)."""
         if not clip_val or float(clip_val) <= 0:
             return
         algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)

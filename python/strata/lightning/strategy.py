@@ -668,8 +668,8 @@ def _this_is_rank_zero():
 def _check_value_clipping(trainer, engine):
     """Trainer(gradient_clip_algorithm="value"): Lightning clips .grad by value before each
     step, which is plain Lightning's where the gradients are torch's .grad until the step
-    (stages 0-1 in one process, not fp16); elsewhere refused by name before training starts,
-    not at the first step."""
+    (stages 0-1 in one process, not fp16, no grad_accum_dtype sum apart); elsewhere refused by
+    name before training starts, not at the first step."""
     algorithm = trainer.gradient_clip_algorithm
     apart = engine._gradients_apart()
     if trainer.gradient_clip_val and \
