@@ -11,7 +11,8 @@ What it does, and reports (BENCH.md):
     memory: the host and device budgets and a margin for torch) against what the machine has
     (free space under --dir, MemAvailable), refusing with the figures when it is short;
   * the disk's ceiling, fio reading and writing 1 MiB blocks at depth 8 under --dir (this virtual
-    disk's rate moves twofold within minutes: measured in the same run);
+    disk's rate moves twofold within minutes: measured in the same run), or where fio is missing
+    (the lent GPU machines), strata's aio_bench at the same point (--aio-bench);
   * run A, in a child process: a transformers LlamaForCausalLM built under strata.init (its
     weights go to their partitions as they are made, never whole in memory), ZeRO-3 with the
     parameters and the optimizer on NVMe (strata.optimizer_commit "partition": the state once on
@@ -20,9 +21,9 @@ What it does, and reports (BENCH.md):
     each step);
   * run B, in a fresh child: the same model, the checkpoint loaded, the steps after it: its losses
     must be run A's, bit for bit (the resumed run is the run that did not stop);
-  * the step against the disk's lower bound (its bytes at fio's rates, read and write one after
-    the other: one device) and against strata_plan's prediction for this machine (--plan: its
-    CPU Adam and copy link calibrated here, the disk from fio, the compute from a bf16 matmul
+  * the step against the disk's lower bound (its bytes at the measured rates, read and write one
+    after the other: one device) and against strata_plan's prediction for this machine (--plan: its
+    CPU Adam and copy link calibrated here, the disk measured, the compute from a bf16 matmul
     timed here, as the planner's "GPU").
   * with --deepspeed, DeepSpeed ZeRO-Infinity on the same model and config (its "strata" block
     left out; sub_group_size set, as DeepSpeed's default of 1e9 elements pins buffers the size of
@@ -34,7 +35,7 @@ What it does, and reports (BENCH.md):
     on NVMe its parameter swapper fails at step 2, its issue 3062).
   * --largest (with --plan): the model is the largest of examples/llama.py's family that
     strata_plan --largest finds for this run's config on this machine (planner/plan_largest.h):
-    the description --calibrate's, the disk from fio, its host memory the host budget and its
+    the description --calibrate's, the disk measured, its host memory the host budget and its
     disk the optimizer state's share of the free space (--largest-disk-gib caps it) beside what
     else the run puts there (the checkpoint, the gradients' spill, the weights).
   * --device cuda: the model computes on GPU 0 (strata.device "cuda", its device tier within
@@ -55,7 +56,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from fio_ceiling import fio_bandwidth  # noqa: E402 (the disk's ceiling)
+from fio_ceiling import disk_bandwidth  # noqa: E402 (the disk's ceiling)
 from vs_deepspeed import io_bytes, status_kib  # noqa: E402 (the /proc figures, read alike)
 
 GIB = 1 << 30
@@ -357,6 +358,16 @@ def matmul_tflops(threads, device="cpu"):
 _calibrated = {}  # this run's strata_plan --calibrate description and matmul rate
 
 
+def disk_rates(args):
+    """The disk's (read, write) bytes per second under --dir: fio's, else strata's aio_bench at
+    fio's point (--aio-bench: the lent GPU machines have no fio); None for each it could not
+    measure. What measured them goes in args.disk_tool."""
+    read_bps, tool = disk_bandwidth(args.dir, False, args.aio_bench)
+    write_bps, _ = disk_bandwidth(args.dir, True, args.aio_bench)
+    args.disk_tool = tool or "nothing"
+    return read_bps, write_bps
+
+
 def describe(args, read_bps, write_bps, free_bytes):
     """This machine's description for strata_plan (its path), or an error line: --calibrate here,
     the disk from fio in the same run, the "GPU" this device's bf16 matmul measured."""
@@ -383,7 +394,8 @@ def describe(args, read_bps, write_bps, free_bytes):
     hw["nvme"] = {"drives": 1, "read_gbps": read_bps / 1e9, "write_gbps": write_bps / 1e9,
                   "capacity_tb": free_bytes / 1e12}
     hw["gpu"]["efficiency"] = 1.0  # the rate given is the one measured
-    hw["source"] = (hw.get("source", "") + f"; NVMe from fio in the same run; the 'GPU' is this "
+    hw["source"] = (hw.get("source", "") + f"; NVMe from {args.disk_tool} in the same run; the "
+                    f"'GPU' is this "
                     f"{'GPU' if args.device == 'cuda' else 'CPU'}'s bf16 matmul, {tflops:.3f} "
                     "TFLOPS measured")
     with open(hardware, "w", encoding="utf-8") as f:
@@ -429,10 +441,10 @@ def largest_model(args, nvme):
     --calibrate's with the disk from fio, its host memory the host budget (what strata may hold
     there), and its disk the share of the free space the optimizer's state may take beside the
     rest this run puts there (needs(): the checkpoint, the gradients' spill, the weights)."""
-    read_bps = fio_bandwidth(args.dir, write=False)
-    write_bps = fio_bandwidth(args.dir, write=True)
+    read_bps, write_bps = disk_rates(args)
     if not (read_bps and write_bps):
-        sys.exit("bigger_than_ram: --largest needs fio (the disk's rates for the planner)")
+        sys.exit("bigger_than_ram: --largest needs the disk's rates for the planner: fio, or "
+                 "strata's aio_bench (--aio-bench PATH)")
     stat = os.statvfs(args.dir)
     free = stat.f_bavail * stat.f_frsize
     if args.largest_disk_gib:
@@ -497,6 +509,8 @@ def main():
                         help="strata.optimizer_commit")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--plan", help="strata_plan's path: its prediction beside the step")
+    parser.add_argument("--aio-bench", help="strata's aio_bench binary: the disk's rates where "
+                                            "fio is missing")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where the model computes: this CPU beside strata's emulated "
@@ -537,10 +551,10 @@ def main():
     shutil.rmtree(os.path.join(args.dir, "checkpoint"), ignore_errors=True)
     config = config_for(args, nvme, largest)
 
-    read_bps, write_bps = rates or (fio_bandwidth(args.dir, write=False),
-                                    fio_bandwidth(args.dir, write=True))
-    print(f"fio under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "
-          f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps else "fio: not available")
+    read_bps, write_bps = rates or disk_rates(args)
+    print(f"{args.disk_tool} under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "
+          f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps
+          else "the disk's rates: not measured (no fio, no --aio-bench)")
     stat = os.statvfs(args.dir)
     prediction = (planner(args, config, read_bps, write_bps, stat.f_bavail * stat.f_frsize)
                   if args.plan and read_bps and write_bps and not args.deepspeed_only else None)
@@ -555,13 +569,13 @@ def main():
                   f"{s['peak_rss'] / GIB:.2f} GiB")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"params": params, "fio_read_bps": read_bps,
-                           "fio_write_bps": write_bps, "deepspeed": ds}, f, indent=1)
+                json.dump({"params": params, "disk_read_bps": read_bps,
+                           "disk_write_bps": write_bps, "disk_tool": args.disk_tool,
+                           "deepspeed": ds}, f, indent=1)
         return
     a = run_child(args, config, False, os.path.join(args.dir, "run_a.json"))
     b = run_child(args, config, True, os.path.join(args.dir, "run_b.json"))
-    read_bps_after = fio_bandwidth(args.dir, write=False)
-    write_bps_after = fio_bandwidth(args.dir, write=True)
+    read_bps_after, write_bps_after = disk_rates(args)
 
     resumed = {s: (a["losses"][s], b["losses"][s]) for s in b["losses"]}
     matches = all(x == y for x, y in resumed.values()) and bool(resumed)
@@ -571,8 +585,9 @@ def main():
     written = sorted(s["written"] for s in steady)[len(steady) // 2]
     peak = max(s["peak_rss"] for s in a["steps"] + b["steps"])
     report = {"params": params, "fp32_state_bytes": 16 * params, "config": config,
-              "fio_read_bps": [read_bps, read_bps_after],
-              "fio_write_bps": [write_bps, write_bps_after], "run_a": a, "run_b": b,
+              "disk_read_bps": [read_bps, read_bps_after],
+              "disk_write_bps": [write_bps, write_bps_after], "disk_tool": args.disk_tool,
+              "run_a": a, "run_b": b,
               "resumed_losses": resumed, "resume_matches": matches, "step_s": step_s,
               "read_per_step": read, "written_per_step": written, "peak_rss": peak,
               "prediction": prediction}
@@ -597,7 +612,8 @@ def main():
         report["disk_floor_s"] = floors
         print(f"bigger_than_ram/step_s: {step_s:.1f} s a step (median of steps 2-{args.steps}); "
               f"its disk floor (read {read / GIB:.1f} GiB, written {written / GIB:.1f} GiB at "
-              f"fio's rates before and after the runs) {min(floors):.1f}-{max(floors):.1f} s: "
+              f"{args.disk_tool}'s rates before and after the runs) "
+              f"{min(floors):.1f}-{max(floors):.1f} s: "
               f"strata {min(floors) / step_s:.2f}-{max(floors) / step_s:.2f} of the floor's "
               "rate")
     if prediction is not None:

@@ -196,8 +196,9 @@ cuda_pytest() {
 # Across ranks on the GPUs (issue 48): 2 ranks train to one process's weights at stages 1-3, the
 # optimizer on cpu and on NVMe, fp32 and bf16 (on one GPU the ranks share it, through strata's
 # Gloo and pinned memory; on two or more, NCCL's group); strata's collectives on NCCL, one rank.
+# RANKS_K: pytest's -k expression to run some of these alone (e.g. "ranks_on_gpus and 3-").
 cuda_ranks() {
-  CUDA_K="ranks_on_gpus or nccl_collectives" cuda_pytest cuda_ranks
+  CUDA_K="${RANKS_K:-ranks_on_gpus or nccl_collectives}" cuda_pytest cuda_ranks
 }
 
 # make demo's fine-tuning on the GPU in bf16, the device budget a quarter of the model's bf16
@@ -263,8 +264,9 @@ cpp_cuda() {
 }
 
 # The largest model this machine trains (issue 49): strata_plan --largest with this machine's
-# description (--calibrate here, the disk from fio, the host memory the run's host budget, the
-# disk the optimizer state's share beside the checkpoint) picks the largest member of
+# description (--calibrate here, the disk from fio, or strata's aio_bench where fio is missing,
+# the host memory the run's host budget, the disk the optimizer state's share beside the
+# checkpoint) picks the largest member of
 # examples/llama.py's family; bench/bigger_than_ram.py builds it under strata.init on GPU 0, bf16,
 # the weights in host memory and the optimizer on the disk, trains 3 steps (a checkpoint after the
 # second, the third resumed from it), beside the planner's prediction and the disk's floor; peak
@@ -273,7 +275,8 @@ largest() {
   local ram_gib
   ram_gib=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
   "$python" bench/bigger_than_ram.py --dir "$scratch/largest" --device cuda --largest \
-    --plan "$build/tools/strata_plan/strata_plan" --param-device cpu --vocab 32000 \
+    --plan "$build/tools/strata_plan/strata_plan" --aio-bench "$build/tools/aio_bench/aio_bench" \
+    --param-device cpu --vocab 32000 \
     --context 512 --host-budget-gib "${LARGEST_HOST_GIB:-$((ram_gib * 3 / 4))}" \
     --device-budget-gib "${LARGEST_DEVICE_GIB:-64}" --steps 3 --save-after 2 \
     --json "$logs/largest.json"

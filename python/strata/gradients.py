@@ -140,7 +140,9 @@ class Gradients:
             if boundary:
                 self.step.stage_from_hook(e, e.shard_grad)
             return
-        self._add_to_partition(e, shard, boundary)
+        # (Across ranks sharing a GPU the shard is in pinned host memory, strata's collectives':
+        # to the partition's device, queued on torch's stream.)
+        self._add_to_partition(e, shard.to(self.device, non_blocking=True), boundary)
         if boundary:
             self.step.stage_from_hook(e)
 
@@ -338,6 +340,10 @@ class Gradients:
         """Across ranks, after the window's last backward: the unpartitioned parameters' gradients
         (.grad, or their host sums) reduce-scattered into their owners' shards (e.shard_grad, the
         mean over the ranks; a second backward's added), and dropped where they were."""
+        # On a GPU their host sums are read below: each micro-batch's copy landed and summed
+        # first (a copy still in flight would be read as it is written).
+        self.copies.land()
+
         def gradient_of(e):
             if e.host_grad is not None:
                 return e.host_grad

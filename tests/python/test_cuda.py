@@ -358,7 +358,7 @@ def test_gradients_set_between_backward_and_step_on_cuda_are_plain_torch_s(tmp_p
 # With a GPU for each rank, NCCL's default group, which strata makes.
 @pytest.mark.parametrize("stage, offload, dtype", [
     (1, "cpu", "fp32"), (2, "cpu", "fp32"), (3, "cpu", "fp32"), (2, "nvme", "fp32"),
-    (3, "nvme", "fp32"), (2, "cpu", "bf16"), (3, "cpu", "bf16"),
+    (3, "nvme", "fp32"), (1, "cpu", "bf16"), (2, "cpu", "bf16"), (3, "cpu", "bf16"),
 ])
 def test_ranks_on_gpus_train_as_one_process(tmp_path, monkeypatch, stage, offload, dtype):
     from test_ranks_train import train_as_one_process
