@@ -281,8 +281,10 @@ def load(engine, source, strict=True, keep_state=False):
     with checkpoints.loading_optimizer_state(engine._checkpoints, "load_pretrained",
                                               whole=len(loaded) == len(engine.table.trained)):
         for e in loaded:
-            master = ours(e, entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
-                          .contiguous())
+            # (A state dict's tensors may be on a GPU, as torch's load_state_dict takes them:
+            # the optimizer's state is host memory.)
+            master = ours(e, entries[source_of[e.name]].read().to("cpu", torch.float32)
+                          .reshape(-1).contiguous())
             if keep_state:
                 load_master(engine.runtime, e, master)
             else:
@@ -290,7 +292,7 @@ def load(engine, source, strict=True, keep_state=False):
                     e.gid, master, torch.full_like(master, engine._initial_state),
                     torch.zeros_like(master))
     for e in loaded:
-        whole = entries[source_of[e.name]].read().to(torch.float32).reshape(-1)
+        whole = entries[source_of[e.name]].read().to("cpu", torch.float32).reshape(-1)
         set_weights(engine.runtime, e, ours(e, whole) if e.partitioned else whole)
         if not keep_state:
             e.steps = 0

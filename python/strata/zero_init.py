@@ -399,8 +399,9 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
 
     def _write_whole(self, pid, whole):
         """A parameter's new values (whole, in the training dtype) into its partition: across
-        ranks rank 0's, this rank's shard of them."""
-        flat = whole.reshape(-1)
+        ranks rank 0's, this rank's shard of them. `whole` may be on a GPU (a lent parameter moved
+        there inside the context): the partition and the ranks' broadcast take host memory."""
+        flat = whole.detach().reshape(-1).to("cpu")
         if self.ranks is not None:
             flat = flat.contiguous()
             self.ranks.broadcast_tensor(

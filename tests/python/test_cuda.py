@@ -226,6 +226,38 @@ def test_a_checkpoint_on_cuda_resumes_bit_for_bit(tmp_path):
     assert resumed == whole[3:]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_state_dict_on_the_gpu_loads_as_torch_s_load_state_dict_takes_it(tmp_path, stage):
+    """module.load_state_dict with the state dict's tensors on the GPU (torch.load's map_location
+    "cuda", another model's state_dict()): torch copies them where its parameters are; strata
+    takes them into its partitions and its optimizer's master weights (host memory), and the
+    next step is plain torch's from those weights."""
+    torch.manual_seed(0)
+    wanted = {k: v.detach().clone() for k, v in Net().cuda().state_dict().items()}
+    torch.manual_seed(1)
+    model = Net()
+    config = make_config(tmp_path, stage, "cpu", "fp32", quarter_budget(model, 4),
+                         accumulation=1)
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    engine.module.load_state_dict(wanted)
+    state = engine.module_state_dict()
+    for name, value in wanted.items():
+        assert torch.equal(state[name].float().cpu(), value.cpu()), name
+    source = Net()
+    source.load_state_dict(wanted)
+    reference = MixedPrecisionAdamW(source.cuda(), torch.float32, clipping=1.0, lr=1e-3)
+    for x, y in batches(2):
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+        reference.backward(loss_of(reference.model(x), y), 1)
+        reference.step()
+    state = engine.module_state_dict()
+    for name, theirs in reference.master.state_dict().items():
+        torch.testing.assert_close(state[name].float().cpu(), theirs.float().cpu(),
+                                   rtol=1e-4, atol=1e-4, msg=name)
+    engine.close()
+
+
 @pytest.mark.parametrize("stage,accumulation", [(3, 1), (2, 2), (2, 1)])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_lent_copies_wait_for_the_kernels_queued_on_the_trainers_stream(tmp_path, dtype, stage,
@@ -373,6 +405,35 @@ def test_ranks_on_gpus_train_as_one_process(tmp_path, monkeypatch, stage, offloa
     else:
         assert all(r["collectives"] == "torch.distributed's nccl process group (made by strata) "
                                        "over cuda buffers" for r in reports), reports
+
+
+# strata.init across ranks: a parameter built under it, lent whole and given new values on the GPU
+# (p.data = t.cuda() in a modifying block), written back as rank 0's: the ranks' broadcast takes
+# host memory (it refused the GPU's tensor, on every rank).
+INIT_ACROSS_RANKS = r"""
+import os, torch, strata
+rank, device = int(os.environ["RANK"]), "cuda"
+config = {"train_micro_batch_size_per_gpu": 1,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "strata": {"device": "cuda", "device_index": 0,  # (the ranks share GPU 0)
+                     "host_budget_bytes": 64 << 20, "device_budget_bytes": 16 << 20}}
+with strata.init(config=config):
+    model = torch.nn.Linear(64, 32)
+with strata.GatheredParameters([model.weight], modifier_rank=0):
+    model.weight.data = torch.full((32, 64), 1.0 + rank, device=device)
+engine, _, _, _ = strata.initialize(model=model, config=config)
+assert torch.equal(engine.module_state_dict()["weight"], torch.full((32, 64), 1.0)), rank
+engine.close()
+print("ok")
+"""
+
+
+def test_a_weight_given_on_the_gpu_while_building_across_ranks_is_rank_0_s():
+    from launch import start_ranks
+    for p in start_ranks(2, INIT_ACROSS_RANKS):
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
 
 
 NCCL_ONE_RANK = r"""
