@@ -1467,13 +1467,9 @@ class Engine:
         must call this), a frozen one's from its partition."""
         if e.frozen:
             return read_frozen(self.runtime, e, self.ranks)
-        if self._step.stepped_during_backward(e):
-            raise RuntimeError(
-                f"{e.name}: its weights read whole between backward and step (module_state_dict, "
-                "state_dict(), GatheredParameters, save_pretrained) after it stepped during "
-                "backward (strata.optimizer_during_backward): they would be the step's result "
-                "already, where plain torch's weights change at step(); accepted: before "
-                "backward or after step(), or strata.optimizer_during_backward false")
+        self._step.refuse_read_after_early_steps(
+            f"{e.name}: its weights read whole (module_state_dict, state_dict(), "
+            "GatheredParameters, save_pretrained)", e)
         master = read_state(self.runtime, e)[0]
         if self.ranks is not None:  # every rank's shard (every rank must call this)
             whole = []

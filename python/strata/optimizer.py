@@ -163,12 +163,7 @@ class EngineOptimizer(torch.optim.Optimizer):
                                "strata.hf.for_accelerate(accelerator) first, whose prepare() "
                                "leaves the state where the engine keeps it and whose save_state "
                                "saves the engine's checkpoint)")
-        if engine._step.stepped_during_backward():
-            raise RuntimeError(
-                "optimizer.state_dict() between backward and step after parameters stepped "
-                "during backward (strata.optimizer_during_backward): their state is the step's "
-                "result already, where plain torch's changes at step(); accepted: before "
-                "backward or after step(), or strata.optimizer_during_backward false")
+        engine._step.refuse_read_after_early_steps("optimizer.state_dict()")
         engine._take_edits()  # (the weights edited since the last step: in the master weights)
         engine.runtime.wait_for_early_steps()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}

@@ -72,11 +72,7 @@ def _read_state(engine, e, index, where):
     """This rank's shard of e's master weights (index 0) or a moment, fp32, e.shard elements;
     refused where e stepped during this backward (what is read would be after the step that
     plain torch takes at step())."""
-    if engine._step.stepped_during_backward(e):
-        raise RuntimeError(f"{where}({e.name}) between backward and step, after it stepped "
-                           "during backward (strata.optimizer_during_backward): the state is "
-                           "the step's result already; accepted: before backward or after "
-                           "step(), or strata.optimizer_during_backward false")
+    engine._step.refuse_read_after_early_steps(f"{where}({e.name})", e)
     engine._take_edits()  # (the weights edited since the last step: in the master weights)
     engine.runtime.wait_for_early_steps()
     return read_state(engine.runtime, e)[index]

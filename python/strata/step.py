@@ -269,6 +269,18 @@ class OptimizerStep:
         return e in self.stepped_early or (self.staged is not None and self.staged.early
                                            and e.staged is not None)
 
+    def refuse_read_after_early_steps(self, what, e=None):
+        """Refuses `what`, a read of weights or optimizer state between backward and step, where
+        parameters (`e`, or any) stepped for good during this backward
+        (strata.optimizer_during_backward): it would read the step's result, where plain torch's
+        weights and optimizer state change at step()."""
+        if self.stepped_during_backward(e):
+            raise RuntimeError(
+                f"{what} between backward and step, after {'parameters' if e is None else 'it'} "
+                "stepped during backward (strata.optimizer_during_backward): what it reads is "
+                "the step's result already, where plain torch's changes at step(); accepted: "
+                "before backward or after step(), or strata.optimizer_during_backward false")
+
     def owns_any(self, params):
         """Whether any of `params` is one of the engine's trained parameters."""
         return any(id(p) in self.table.trained_by_id for p in params)

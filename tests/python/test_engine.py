@@ -2753,11 +2753,11 @@ def test_rates_set_and_weights_read_between_backward_and_step_are_plain_torch_s_
             weight = engine.module.l1.weight
             for read in (engine.module_state_dict, engine.module.state_dict,
                          lambda: strata.GatheredParameters([weight]).__enter__()):
-                with pytest.raises(RuntimeError, match=r"weights read whole between backward "
-                                   r"and step .* after it stepped during backward"):
+                with pytest.raises(RuntimeError, match=r"weights read whole \(.*\) between "
+                                   r"backward and step, after it stepped during backward"):
                     read()
             with pytest.raises(RuntimeError, match=r"optimizer.state_dict\(\) between backward "
-                                                   r"and step after parameters stepped"):
+                                                   r"and step, after parameters stepped"):
                 optimizer.state_dict()
         engine.step()
     assert engine.module_state_dict().keys() == engine.module.state_dict().keys()
