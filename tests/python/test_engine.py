@@ -322,6 +322,31 @@ def test_one_cycle_from_the_config_cycles_rate_and_momentum_as_deepspeed_s(tmp_p
     assert given == pytest.approx(flat)
 
 
+def test_one_cycle_refuses_step_sizes_by_name_and_cycles_no_momentum_without_betas(tmp_path):
+    adamw = torch.optim.AdamW(Net().parameters(), lr=1e-2)
+    for first, second in ((0, None), (4, -1)):
+        with pytest.raises(ValueError, match=rf"cycle_first_step_size {first} and "
+                                             rf"cycle_second_step_size {second}; accepted"):
+            strata.lr_schedules.OneCycle(adamw, 1e-3, 1e-2, cycle_first_step_size=first,
+                                         cycle_second_step_size=second)
+    # The engine's Adagrad (no betas): the rate cycles, momentum is not taken, said once.
+    config = make_config(tmp_path, 2, "cpu", "fp32", accumulation=1)
+    config["optimizer"] = {"type": "Adagrad", "params": {"lr": 1e-2}}
+    config["scheduler"] = {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 2}}
+    with pytest.warns(UserWarning, match=r"OneCycle: cycle_momentum is not taken: "
+                                         r"\w+ has no betas"):
+        engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
+    rates = []
+    for x, y in batches(3):
+        rates.append(engine.get_lr()[0])
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    assert rates == pytest.approx([1e-3, 5.5e-3, 1e-2])
+    assert "betas" not in optimizer.param_groups[0]
+    engine.close()
+
+
 @pytest.mark.parametrize("staircase,seen", [(False, [1e-3, 1.5e-3, 2e-3, 2.5e-3]),
                                             (True, [1e-3, 1e-3, 2e-3, 2e-3])])
 def test_lr_range_test_from_the_config_raises_the_rate_as_deepspeed_s(tmp_path, staircase, seen):

@@ -81,7 +81,12 @@ def test_the_optimizer_steps_state_on_nvme_like_torch_adamw(tmp_path):
     gen = torch.Generator().manual_seed(1)
     for t in range(1, 6):
         g = torch.randn(777, generator=gen)
-        report = rt.optimizer_step(t, [(3, g, copy_out)])
+        # From step 3 the betas given with each step (a schedule's: torch's Adam reads its
+        # group's at each step), bias correction with them.
+        betas = (0.9, 0.999) if t < 3 else (0.85 - 0.05 * t, 0.99)
+        torch_adamw.param_groups[0]["betas"] = betas
+        report = rt.optimizer_step(t, [(3, g, copy_out)], **(
+            {} if t < 3 else {"beta1": betas[0], "beta2": betas[1]}))
         # Written behind the step (strata.optimizer_write_behind's default): its bytes are
         # reported by the next step.
         assert not report["overflow"] and report["written_behind"]
@@ -93,6 +98,8 @@ def test_the_optimizer_steps_state_on_nvme_like_torch_adamw(tmp_path):
     rt.read_optimizer_state(3, master, m, v)
     torch.testing.assert_close(master, reference.detach(), rtol=1e-5, atol=1e-6)
     assert torch.equal(copy_out, master.to(torch.bfloat16))
+    with pytest.raises(strata.InvalidArgumentError, match=r"beta1 1.5: accepted 0 <= beta1 < 1"):
+        rt.optimizer_step(6, [(3, g, copy_out)], beta1=1.5)
 
 
 def test_bad_arguments_name_what_is_wrong(tmp_path):
