@@ -492,6 +492,25 @@ def _file_digest(f):
     return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
+def _micro_steps_on_load(store, meta):
+    """The loaded engine's micro-step count: the checkpoint's, where it accumulated as this engine
+    does (a save inside a window resumes there); with another gradient_accumulation_steps the
+    checkpoint's position is no position in this engine's windows: its first window starts
+    afresh, as a loop with the new accumulation starts its windows where it resumes (said where
+    the save was inside a window: that window's micro-batches are not made up)."""
+    micro_steps, saved = meta["micro_steps"], meta.get("accumulation")
+    accumulation = store.state.accumulation
+    if saved is None or saved == accumulation:  # (checkpoints before the key: as saved)
+        return micro_steps
+    inside = micro_steps % saved
+    if inside:
+        store.notices.warn(
+            f"load_checkpoint: the checkpoint was saved inside a gradient-accumulation window "
+            f"(micro-batch {inside} of {saved}); this engine accumulates {accumulation}: its "
+            "first window starts afresh with the micro-batches that follow")
+    return micro_steps - micro_steps % accumulation
+
+
 def _write_meta(store, folder, params, files, left_out, world_size=None):
     aliases, _ = _module_rest(store)
     meta = {
@@ -499,6 +518,7 @@ def _write_meta(store, folder, params, files, left_out, world_size=None):
                                                           f"{ENGINE}",
         "global_steps": store.state.global_steps, "skipped_steps": store.state.skipped_steps,
         "micro_steps": store.state.micro_steps,
+        "accumulation": store.state.accumulation,
         "loss_scaler": store.scaler.state_dict(),
         "dtype": str(store.dtype).replace("torch.", ""),
         "optimizer": store.optimizer_kind,
@@ -895,7 +915,7 @@ def _apply_load(store, checked, load_module_only, load_optimizer_states):
             e.steps = by_name[e.name]["steps"]
     store.state.global_steps = meta["global_steps"]
     store.state.skipped_steps = meta["skipped_steps"]
-    store.state.micro_steps = meta["micro_steps"]
+    store.state.micro_steps = _micro_steps_on_load(store, meta)
     if meta["dtype"] == str(store.dtype).replace("torch.", ""):
         store.scaler.load_state_dict(meta["loss_scaler"])
     else:

@@ -1,5 +1,6 @@
 """engine.save_checkpoint / load_checkpoint: resume bit for bit, crash-consistent saves, and
 checkpoints that cannot be loaded named before anything changes (strata/checkpoints.py)."""
+import copy
 import json
 import os
 import signal
@@ -14,7 +15,8 @@ from strata import checkpoints
 
 sys.path.insert(0, os.path.dirname(__file__))
 from references import assert_computes_as  # noqa: E402
-from test_engine import VOCAB, WIDTH, Net, batches, loss_of, make_config, train  # noqa: E402
+from test_engine import (VOCAB, WIDTH, Net, Reference, batches, loss_of, make_config,  # noqa: E402
+                         train)
 
 
 def engine_for(tmp_path, offload, dtype, seed, name="run"):
@@ -583,6 +585,58 @@ def test_a_save_inside_an_accumulation_window_keeps_the_last_steps_state_and_say
     assert resumed.micro_steps == engine.micro_steps == 3
     for name, value in engine.module_state_dict().items():
         assert torch.equal(resumed.module_state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("saved_inside", [False, True])
+def test_a_checkpoint_loaded_with_another_accumulation_starts_its_windows_afresh(tmp_path,
+                                                                                saved_inside):
+    """Saved after 3 micro-batches of accumulation 1 (or 3 of accumulation 2: inside a window,
+    said), loaded by an engine accumulating 2 (3): its windows are the micro-batches after the
+    resume, as plain torch's loop with the new accumulation takes them. (It read the saved count,
+    3, as inside its own window, and stepped after the next micro-batch alone.)"""
+    saved, loaded = (2, 3) if saved_inside else (1, 2)
+    torch.manual_seed(0)
+    model = Net()
+    reference = Reference(copy.deepcopy(model), torch.float32, 1.0)
+    source, _, _, _ = strata.initialize(
+        model=model, config=make_config(tmp_path / "source", 3, "cpu", "fp32", saved))
+    data = list(batches(3 + 2 * loaded))
+    train(source, data[:3])
+    for i, (x, y) in enumerate(data[:3]):
+        reference.micro_step(x, y, saved)
+        if (i + 1) % saved == 0:
+            reference.step()
+    reference.opt.zero_grad()  # (a window left open is not saved)
+    if saved_inside:
+        with pytest.warns(strata.StrataWarning, match="inside a gradient-accumulation window"):
+            source.save_checkpoint(tmp_path / "ckpt")
+    else:
+        source.save_checkpoint(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    target, _, _, _ = strata.initialize(
+        model=Net(), config=make_config(tmp_path / "target", 3, "cpu", "fp32", loaded))
+    if saved_inside:
+        with pytest.warns(strata.StrataWarning, match=r"saved inside a gradient-accumulation "
+                                                      r"window \(micro-batch 1 of 2\); this "
+                                                      r"engine accumulates 3: its first window "
+                                                      "starts afresh"):
+            target.load_checkpoint(tmp_path / "ckpt")
+    else:
+        target.load_checkpoint(tmp_path / "ckpt")
+    steps = target.global_steps
+    for i, (x, y) in enumerate(data[3:]):
+        loss = loss_of(target(x), y)
+        target.backward(loss)
+        target.step()
+        assert loss.item() == pytest.approx(reference.micro_step(x, y, loaded).item(), rel=1e-5)
+        if (i + 1) % loaded == 0:
+            reference.step()
+    assert target.global_steps == steps + 2
+    for name, value in reference.master.state_dict().items():
+        torch.testing.assert_close(target.module_state_dict()[name], value, rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    source.close()
+    target.close()
 
 
 def test_a_load_drops_the_gradients_summed_before_it(tmp_path):
