@@ -34,6 +34,7 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
 from strata.parameters import data_of, set_data
+from strata import placeholders
 from strata.placeholders import holds_values
 
 __all__ = ["Lending", "kernel_stream", "register_external_parameter", "weakly"]
@@ -181,7 +182,10 @@ class Lending:
     def _begin_discovery(self, module, args):
         """The model's first forward, and its first with gradients, find the partitioned
         parameters a module uses that it does not own (_ExternalUses), and register each with
-        the module that used it (at most two forwards pay for the look at each torch call)."""
+        the module that used it (at most two forwards pay for the look at each torch call); a
+        later forward lends one they did not meet as its torch function reads it
+        (lend_external)."""
+        placeholders.forward_begins(self)
         if self.discovering is None and (
                 not self.discovered or
                 not self.discovered_with_grad and torch.is_grad_enabled()):
@@ -190,6 +194,7 @@ class Lending:
             self.discovering.__enter__()
 
     def _end_discovery(self, module, args, output):
+        placeholders.forward_ends(self)
         if self.discovering is not None:
             discovering, self.discovering = self.discovering, None
             discovering.__exit__(None, None, None)
@@ -228,6 +233,16 @@ class Lending:
         register_external_parameter(module, param)
         self._lend_around(module, [e])
         self.lend_now(e)
+
+    def lend_external(self, param):
+        """Within the model's forward, after the forwards that look for them: `param`, read by a
+        torch function outside its owner's forward, is registered as external to the model and
+        lent now, as _ExternalUses does (TRL's fused LM head reads lm_head.weight in the model's
+        own forward, first in a pass after generate()); returns whether it is this engine's."""
+        if self.internal_depth or id(param) not in self.table.partitioned_by_id:
+            return False
+        self._use_external(param, self.module)
+        return True
 
     def _stream(self):
         return kernel_stream(self.table.placeholder.device) if self._cuda else None
@@ -527,8 +542,9 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
     self.fc.weight) in a parent, an nn.ParameterList indexed by its parent, a tied head used as
     ``h @ wte.weight.t()``) lends it, registered as external to the innermost module whose
     forward runs (Lending._use_external), as register_external_parameter would. A later forward
-    that uses a parameter so in a module that did not in the first needs
-    register_external_parameter."""
+    that uses a parameter so where the first did not lends it as the torch function reads it,
+    registered to the model (Lending.lend_external: the placeholder's own refusal is where it is
+    met)."""
 
     def __init__(self, lending):
         super().__init__()

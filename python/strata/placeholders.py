@@ -22,7 +22,10 @@ while it holds the placeholder is:
     to use: ``strata.GatheredParameters([p])`` (with ``modifier_rank=0`` what it writes is kept),
     ``strata.safe_get_full_fp32_param(p)``, ``engine.module_state_dict()`` or the module's (a
     submodule's) ``load_state_dict``; within a forward of a module that does not own it,
-    ``strata.register_external_parameter``;
+    ``strata.register_external_parameter``. Within the forward of the engine's model (the
+    model's own, however called) such a read is no refusal: the engine lends the parameter
+    there and then, as a use outside its owner's forward (forward_begins, strata/lending.py's
+    lend_external);
   - ``p.grad = t`` (while a live engine partitions it, lent or not) refused by name, saying
     ``strata.safe_set_full_grad(p, t)`` sets the gradient the step takes.
 Lent to a forward, a backward or a GatheredParameters block, it is any parameter. The engine's own
@@ -116,6 +119,27 @@ def left_by_closed(p):
 def holds_values(p):
     """Whether parameter `p` holds values now (lent), not its placeholder: read past the guard."""
     return _RAW(_NUMEL, (), (p,), {}) != 0
+
+
+def forward_begins(lender):
+    """The forward of an engine's model begins (in this thread), until forward_ends(lender): a
+    placeholder's values that a torch function reads there are the parameter's, lent by
+    `lender.lend_external(p)` (a use outside its owner's forward that the forwards looking for
+    those did not meet: strata/lending.py), not refused."""
+    _OWN.__dict__.setdefault("forwards", []).append(lender)
+
+
+def forward_ends(lender):
+    stack = getattr(_OWN, "forwards", [])
+    if lender in stack:
+        stack.remove(lender)
+
+
+def _lent_in_forward(p):
+    """Whether `p` was lent for a torch function within an engine's model's forward
+    (forward_begins: the innermost engine's first)."""
+    return any(lender.lend_external(p) for lender in reversed(getattr(_OWN, "forwards", ()))) \
+        and not _held(p)
 
 
 @contextlib.contextmanager
@@ -282,9 +306,12 @@ class Partitioned(torch.nn.Parameter):
                     held = _placeholder_in(kwargs.values())
                 if held is not None:
                     answer = _answer(func, name, held, args, kwargs)
-                    if answer is NotImplemented:
-                        raise _refuse(name, held)
-                    return answer
+                    if answer is not NotImplemented:
+                        return answer
+                    while held is not None:  # (each lent within a model's forward, or refused)
+                        if not _lent_in_forward(held):
+                            raise _refuse(name, held)
+                        held = _placeholder_in(args) or _placeholder_in(kwargs.values())
         return _RAW(func, types, args, kwargs)
 
     def as_subclass(self, cls):

@@ -2251,6 +2251,57 @@ def test_a_parameter_used_outside_its_owner_only_in_training_is_found_after_gene
     assert engine._lending.discovered_with_grad
 
 
+class _ScoresAfterGenerating(torch.nn.Module):
+    """As TRL's RLOO (and GRPO with num_iterations 2): generation (no gradients, the head through
+    its own forward), then, still without gradients, the old log-probabilities through a fused
+    head that reads the head's weight and bias itself, then training through that fused head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, fused=False):
+        h = torch.tanh(self.fc(x))
+        if fused:  # (weight and bias placeholders given to one torch function)
+            return torch.nn.functional.linear(h, self.head.weight, self.head.bias)[:, :8]
+        return self.head(h)
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_a_parameter_first_used_outside_its_owner_in_a_later_forward_is_lent_there(tmp_path,
+                                                                                 scored):
+    """Neither the first forward (generation) nor a first with gradients had met the head's
+    weight read outside the head: a later forward of the model lends it as a torch function
+    reads it, registered to the model (it was refused by name: RLOO stopped at its first step
+    at stage 3 unless strata.register_external_parameter was called); first met without
+    gradients (`scored`: RLOO's old log-probabilities) or in a training forward, whose backward
+    needs it. Outside the model's forward a read is still refused."""
+    engine, _, reference, adamw = _beside_plain_torch(tmp_path, 3, _ScoresAfterGenerating)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    for i in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x), reference(x), rtol=1e-5, atol=1e-6)
+            if scored:
+                torch.testing.assert_close(engine(x, fused=True), reference(x, fused=True),
+                                           rtol=1e-5, atol=1e-6)
+        fused = scored or i > 0  # (else the first training forward reads it through the head)
+        loss = engine(x, fused=fused).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_loss = reference(x, fused=fused).pow(2).mean()
+        ref_loss.backward()
+        adamw.step()
+        adamw.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for ours, theirs in zip(engine_weights(engine), reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+    assert engine.module.head.weight in engine.module._strata_external_parameters
+    with pytest.raises(RuntimeError, match=r"head.weight: __getitem__\(\) of a parameter ZeRO "
+                                           "stage 3 partitions, outside its module's forward"):
+        engine.module.head.weight[:8]
+    engine.close()
+
+
 def test_sparse_embeddings_are_refused_by_name(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4))
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
