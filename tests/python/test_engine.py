@@ -82,6 +82,16 @@ def train(engine, data):
     return losses
 
 
+def rates_over(engine, steps):
+    """The engine's learning rate before each of `steps` steps (a micro-batch each); trains."""
+    rates = []
+    for x, y in batches(steps):
+        rates.append(engine.get_lr()[0])
+        engine.backward(loss_of(engine(x), y))
+        engine.step()
+    return rates
+
+
 def faulty_runtimes(monkeypatch, error, skip=0):
     """From now on the engines' Runtimes are made with writes failing with `error` once their
     faults are armed (arm_faults), after `skip` writes; the list of those made."""
@@ -261,11 +271,7 @@ def test_a_warmup_schedule_from_the_config_drives_the_rate(tmp_path, low, high, 
     if high is None:
         del config["scheduler"]["params"]["warmup_max_lr"]
     engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
-    rates = []
-    for x, y in batches(6):
-        rates.append(engine.get_lr()[0])
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
+    rates = rates_over(engine, 6)
     assert rates == pytest.approx(seen)
     assert isinstance(scheduler, strata.lr_schedules.WarmupLR)
 
@@ -337,11 +343,7 @@ def test_one_cycle_refuses_step_sizes_by_name_and_cycles_no_momentum_without_bet
     with pytest.warns(UserWarning, match=r"OneCycle: cycle_momentum is not taken: "
                                          r"\w+ has no betas"):
         engine, optimizer, _, scheduler = strata.initialize(model=Net(), config=config)
-    rates = []
-    for x, y in batches(3):
-        rates.append(engine.get_lr()[0])
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
+    rates = rates_over(engine, 3)
     assert rates == pytest.approx([1e-3, 5.5e-3, 1e-2])
     assert "betas" not in optimizer.param_groups[0]
     engine.close()
@@ -355,11 +357,7 @@ def test_lr_range_test_from_the_config_raises_the_rate_as_deepspeed_s(tmp_path, 
         "lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2,
         "lr_range_test_staircase": staircase}}
     engine, _, _, _ = strata.initialize(model=Net(), config=config)
-    rates = []
-    for x, y in batches(len(seen)):
-        rates.append(engine.get_lr()[0])
-        engine.backward(loss_of(engine(x), y))
-        engine.step()
+    rates = rates_over(engine, len(seen))
     assert rates == pytest.approx(seen)
     try:  # DeepSpeed's own, where it is installed (the benchmarks' environment)
         from deepspeed.runtime.lr_schedules import LRRangeTest as DeepSpeeds
