@@ -554,7 +554,8 @@ def main():
     read_bps, write_bps = rates or disk_rates(args)
     print(f"{args.disk_tool} under {args.dir}: read {read_bps / 1e9:.2f} GB/s, write "
           f"{write_bps / 1e9:.2f} GB/s" if read_bps and write_bps
-          else "the disk's rates: not measured (no fio, no --aio-bench)")
+          else "the disk's rates: not measured (fio missing or failed, and no --aio-bench or it "
+               "failed)")
     stat = os.statvfs(args.dir)
     prediction = (planner(args, config, read_bps, write_bps, stat.f_bavail * stat.f_frsize)
                   if args.plan and read_bps and write_bps and not args.deepspeed_only else None)

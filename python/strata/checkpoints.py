@@ -499,8 +499,11 @@ def _micro_steps_on_load(store, meta):
     afresh, as a loop with the new accumulation starts its windows where it resumes (said where
     the save was inside a window: that window's micro-batches are not made up)."""
     micro_steps, saved = meta["micro_steps"], meta.get("accumulation")
+    if saved is None and isinstance(meta.get("config"), dict):  # (saved before the key)
+        saved = meta["config"].get("gradient_accumulation_steps")
+        saved = saved if isinstance(saved, int) and saved > 0 else None
     accumulation = store.state.accumulation
-    if saved is None or saved == accumulation:  # (checkpoints before the key: as saved)
+    if saved is None or saved == accumulation:  # (not said: as saved)
         return micro_steps
     inside = micro_steps % saved
     if inside:

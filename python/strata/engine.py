@@ -1537,7 +1537,9 @@ class Engine:
 
     global_steps = _delegated("_state", "global_steps", "Accumulation boundaries passed "
                               "(skipped steps included), as DeepSpeed's.", settable=True)
-    micro_steps = _delegated("_state", "micro_steps", "step() calls that ended a micro-batch.",
+    micro_steps = _delegated("_state", "micro_steps", "step() calls that ended a micro-batch (a "
+                             "checkpoint loaded with another accumulation: rounded down to a "
+                             "window's start).",
                              settable=True)
     skipped_steps = _delegated("_state", "skipped_steps", "Boundaries whose step was skipped "
                                "(an fp16 overflow).", settable=True)

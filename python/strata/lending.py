@@ -119,6 +119,7 @@ class Lending:
 
     def remove(self):
         """Takes its hooks and forwards off the model; nothing stays lent."""
+        placeholders.forward_ends(self)  # (in this thread: a forward left unended)
         self.drop_all()
         for handle in self.handles:
             handle.remove()
@@ -141,7 +142,8 @@ class Lending:
 
     def end_backward(self):
         """A backward ended well: across ranks, its first fetch order is the one to follow."""
-        if self.ranks is not None and self.gather_order is None:
+        if self.ranks is not None and self.gather_order is None and \
+                self.recording is not None:
             self.gather_order = self.recording
 
     def drop_all(self):
@@ -239,9 +241,27 @@ class Lending:
         torch function outside its owner's forward, is registered as external to the model and
         lent now, as _ExternalUses does (TRL's fused LM head reads lm_head.weight in the model's
         own forward, first in a pass after generate()); returns whether it is this engine's."""
-        if self.internal_depth or id(param) not in self.table.partitioned_by_id:
+        if self.internal_depth or self.runtime is None or \
+                id(param) not in self.table.partitioned_by_id:
             return False
-        self._use_external(param, self.module)
+        if self.ranks is not None:
+            # The model lends it first from now on: the recorded order of the gathers no longer
+            # holds (prefetching would stop for good); recorded anew from the next forward (every
+            # rank lends it at the same point).
+            self.gather_order, self.recording = None, None
+        try:
+            self._use_external(param, self.module)
+        except _strata.Error as error:
+            if error.code != "RESOURCE_EXHAUSTED":
+                raise
+            told = _strata.Error(
+                f"{error} (lending {self.table.partitioned_by_id[id(param)].name}, read outside "
+                "its module's forward, for the rest of the model's forward: parameters lent now "
+                f"hold {self.table.lent_bytes()} bytes of it; raise strata.device_budget_bytes, "
+                "or strata.register_external_parameter(module, param) with the module whose "
+                "forward reads it, to lend it around that module alone)")
+            told.code, told.errno = error.code, getattr(error, "errno", 0)
+            raise told from None
         return True
 
     def _stream(self):
@@ -313,7 +333,8 @@ class Lending:
 
     def _prefetch_after(self, module):
         if self.gather_order is None:  # the first micro-batch: recording the order
-            self.recording.append(module)
+            if self.recording is not None:  # (None: from the next forward, lend_external)
+                self.recording.append(module)
             return
         if self.cursor is None or self.cursor >= len(self.gather_order) or \
                 self.gather_order[self.cursor] is not module:
@@ -462,8 +483,11 @@ def register_external_parameter(module, parameter):
     used functionally, as ``h @ self.wte.weight.t()``), as DeepSpeed's
     ``deepspeed.zero.register_external_parameter``: at stage 3 the parameter is then lent for the
     whole of `module`'s forward. The model's first forward (and its first with gradients)
-    registers the uses it meets by itself (_ExternalUses); call this, before
-    ``strata.initialize``, for a use on a path those forwards do not take."""
+    registers the uses it meets by itself with the module that used it (_ExternalUses), and a
+    later forward one it meets first with the model (Lending.lend_external: lent for the whole
+    of the model's forward from then on); call this, before ``strata.initialize``, to lend one
+    such a later forward meets around its own module alone (a large head: less device memory
+    held)."""
     if not isinstance(parameter, torch.nn.Parameter):
         raise ValueError("register_external_parameter: accepted: a torch.nn.Parameter")
     external = module.__dict__.setdefault("_strata_external_parameters", [])

@@ -22,10 +22,10 @@ while it holds the placeholder is:
     to use: ``strata.GatheredParameters([p])`` (with ``modifier_rank=0`` what it writes is kept),
     ``strata.safe_get_full_fp32_param(p)``, ``engine.module_state_dict()`` or the module's (a
     submodule's) ``load_state_dict``; within a forward of a module that does not own it,
-    ``strata.register_external_parameter``. Within the forward of the engine's model (the
-    model's own, however called) such a read is no refusal: the engine lends the parameter
-    there and then, as a use outside its owner's forward (forward_begins, strata/lending.py's
-    lend_external);
+    ``strata.register_external_parameter``. Within the forward of the engine's model (called as
+    a module, its hooks running: engine(x), model(x), generate()) such a read is no refusal: the
+    engine lends the parameter there and then, as a use outside its owner's forward
+    (forward_begins, strata/lending.py's lend_external);
   - ``p.grad = t`` (while a live engine partitions it, lent or not) refused by name, saying
     ``strata.safe_set_full_grad(p, t)`` sets the gradient the step takes.
 Lent to a forward, a backward or a GatheredParameters block, it is any parameter. The engine's own
@@ -64,6 +64,7 @@ any thread, and own() holds for the thread that entered it.
 import contextlib
 import math
 import threading
+import weakref
 
 import torch
 
@@ -125,21 +126,24 @@ def forward_begins(lender):
     """The forward of an engine's model begins (in this thread), until forward_ends(lender): a
     placeholder's values that a torch function reads there are the parameter's, lent by
     `lender.lend_external(p)` (a use outside its owner's forward that the forwards looking for
-    those did not meet: strata/lending.py), not refused."""
-    _OWN.__dict__.setdefault("forwards", []).append(lender)
+    those did not meet: strata/lending.py), not refused. Held weakly; a lender left by a forward
+    whose end did not run (a KeyboardInterrupt skips torch's always-called hooks) is put back in
+    place by its next forward, and taken off by forward_ends when its engine ends."""
+    forward_ends(lender)
+    _OWN.__dict__.setdefault("forwards", []).append(weakref.ref(lender))
 
 
 def forward_ends(lender):
     stack = getattr(_OWN, "forwards", [])
-    if lender in stack:
-        stack.remove(lender)
+    stack[:] = [ref for ref in stack if ref() is not None and ref() is not lender]
 
 
 def _lent_in_forward(p):
     """Whether `p` was lent for a torch function within an engine's model's forward
     (forward_begins: the innermost engine's first)."""
-    return any(lender.lend_external(p) for lender in reversed(getattr(_OWN, "forwards", ()))) \
-        and not _held(p)
+    lenders = (ref() for ref in reversed(getattr(_OWN, "forwards", ())))
+    return any(lender is not None and lender.lend_external(p) for lender in lenders) and \
+        not _held(p)
 
 
 @contextlib.contextmanager
@@ -212,6 +216,14 @@ def _placeholder_in(values):
             if held is not None:
                 return held
     return None
+
+
+def _placeholder_of(args, kwargs):
+    """The first guarded parameter holding its placeholder among a call's arguments, else None."""
+    held = _placeholder_in(args)
+    if held is None and kwargs:
+        held = _placeholder_in(kwargs.values())
+    return held
 
 
 def _shape(p):
@@ -301,9 +313,7 @@ class Partitioned(torch.nn.Parameter):
                     partitioned_name(args[0]) is not None:
                 raise _refuse_grad(args[0])
             if (not attribute or name in _WATCHED_GETTERS) and name not in _PASS:
-                held = _placeholder_in(args)
-                if held is None and kwargs:
-                    held = _placeholder_in(kwargs.values())
+                held = _placeholder_of(args, kwargs)
                 if held is not None:
                     answer = _answer(func, name, held, args, kwargs)
                     if answer is not NotImplemented:
@@ -311,7 +321,7 @@ class Partitioned(torch.nn.Parameter):
                     while held is not None:  # (each lent within a model's forward, or refused)
                         if not _lent_in_forward(held):
                             raise _refuse(name, held)
-                        held = _placeholder_in(args) or _placeholder_in(kwargs.values())
+                        held = _placeholder_of(args, kwargs)
         return _RAW(func, types, args, kwargs)
 
     def as_subclass(self, cls):

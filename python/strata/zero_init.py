@@ -407,6 +407,9 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             self.ranks.broadcast_tensor(
                 flat, f"a {tuple(whole.shape)} parameter's values (partition {pid}), written while "
                 "building")
+            if flat.data_ptr() != whole.data_ptr():  # (a copy: on a GPU, or not contiguous)
+                with torch.no_grad():  # every rank's `whole` holds rank 0's values, as its shard
+                    whole.copy_(flat.view(whole.shape))
             flat = self.ranks.own_shard(flat, self.ranks.shard_elements(whole.numel()))
         held = from_dlpack(self.runtime.acquire(pid, "host", traced=False))
         try:
@@ -636,7 +639,7 @@ class _Lending(torch.overrides.TorchFunctionMode):
                     param.data = self.whole(param)
                 elif tuple(param.shape) == param._strata_init[2]:  # (p.data = t after the
                     # context: its values now, written at once, whatever the lending does next)
-                    self.context._write_whole(partition_of(param), param.data.detach().cpu())
+                    self.context._write_whole(partition_of(param), param.data.detach())
                 else:  # (of another shape: refused as it is given back)
                     written = True
                 self.lent[key] = _Lent(param, param.data, written)

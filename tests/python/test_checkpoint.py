@@ -587,14 +587,16 @@ def test_a_save_inside_an_accumulation_window_keeps_the_last_steps_state_and_say
         assert torch.equal(resumed.module_state_dict()[name], value), name
 
 
-@pytest.mark.parametrize("saved_inside", [False, True])
+@pytest.mark.parametrize("saved_inside,old_meta", [(False, False), (True, False), (False, True)])
 def test_a_checkpoint_loaded_with_another_accumulation_starts_its_windows_afresh(tmp_path,
-                                                                                saved_inside):
+                                                                                saved_inside,
+                                                                                old_meta):
     """Saved after 3 micro-batches of accumulation 1 (or 3 of accumulation 2: inside a window,
-    said), loaded by an engine accumulating 2 (3): its windows are the micro-batches after the
+    said), loaded by an engine accumulating 2 (4): its windows are the micro-batches after the
     resume, as plain torch's loop with the new accumulation takes them. (It read the saved count,
-    3, as inside its own window, and stepped after the next micro-batch alone.)"""
-    saved, loaded = (2, 3) if saved_inside else (1, 2)
+    3, as inside its own window, and stepped after the next micro-batch alone.) `old_meta`: a
+    meta.json from before its "accumulation" key: the config saved in it says it."""
+    saved, loaded = (2, 4) if saved_inside else (1, 2)
     torch.manual_seed(0)
     model = Net()
     reference = Reference(copy.deepcopy(model), torch.float32, 1.0)
@@ -612,13 +614,19 @@ def test_a_checkpoint_loaded_with_another_accumulation_starts_its_windows_afresh
             source.save_checkpoint(tmp_path / "ckpt")
     else:
         source.save_checkpoint(tmp_path / "ckpt")
+    if old_meta:
+        meta_file = tmp_path / "ckpt" / "global_step3" / "meta.json"
+        meta = json.loads(meta_file.read_text())
+        del meta["accumulation"]
+        meta["meta_digest"] = checkpoints._meta_digest(meta)
+        meta_file.write_text(json.dumps(meta))
     torch.manual_seed(1)
     target, _, _, _ = strata.initialize(
         model=Net(), config=make_config(tmp_path / "target", 3, "cpu", "fp32", loaded))
     if saved_inside:
         with pytest.warns(strata.StrataWarning, match=r"saved inside a gradient-accumulation "
                                                       r"window \(micro-batch 1 of 2\); this "
-                                                      r"engine accumulates 3: its first window "
+                                                      r"engine accumulates 4: its first window "
                                                       "starts afresh"):
             target.load_checkpoint(tmp_path / "ckpt")
     else:

@@ -2274,7 +2274,8 @@ def test_a_parameter_first_used_outside_its_owner_in_a_later_forward_is_lent_the
     at stage 3 unless strata.register_external_parameter was called); first met without
     gradients (`scored`: RLOO's old log-probabilities) or in a training forward, whose backward
     needs it. Outside the model's forward a read is still refused."""
-    engine, _, reference, adamw = _beside_plain_torch(tmp_path, 3, _ScoresAfterGenerating)
+    engine, _, reference, adamw = _beside_plain_torch(tmp_path, 3, _ScoresAfterGenerating,
+                                                      stage3_param_persistence_threshold=0)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
     for i in range(3):
         with torch.no_grad():

@@ -516,3 +516,52 @@ def test_an_evaluation_between_steps_leaves_the_plan_of_the_steps_alone():
         # (at most the known one: the second step, the first to prefetch gathers)
         assert len(out["left"]) <= 1, out["left"]
         assert out["prefetched"] > 0, out
+
+
+# At stage 3 a parameter read outside its owner's forward that the first forwards did not meet is
+# lent as it is read (TRL's fused LM head, first in a later pass: strata/lending.py's
+# lend_external), by every rank at the same point; the model then lends it first, so the gathers'
+# recorded order is recorded anew (it was kept, and every later forward gathered on demand).
+LATE_EXTERNAL = r"""
+import json, os, sys, torch
+import strata
+torch.manual_seed(0)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x, fused=False):
+        h = torch.relu(self.l2(torch.relu(self.l1(x))))
+        if fused:  # the head's weight read outside the head's forward
+            return torch.nn.functional.linear(h, self.head.weight, self.head.bias)
+        return self.head(h)
+
+config = {"train_micro_batch_size_per_gpu": 4,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+          "strata": {"device": "emulated", "comm_timeout_s": 60}}
+engine, _, _, _ = strata.initialize(model=Net(), config=config)
+gen = torch.Generator().manual_seed(1)
+prefetched = []
+for step in range(6):
+    x = torch.randn(4, 16, generator=gen)
+    engine.backward(engine(x, fused=step >= 2).square().mean())
+    engine.step()
+    prefetched.append(engine.prefetched_gathers)
+print(json.dumps({"prefetched": prefetched}), flush=True)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_parameter_lent_where_a_later_forward_reads_it_keeps_the_ranks_prefetching():
+    for p in start_ranks(2, LATE_EXTERNAL):
+        stdout, stderr = p.communicate(timeout=180)
+        assert p.returncode == 0, stderr[-3000:]
+        counts = json.loads(stdout.strip().splitlines()[-1])["prefetched"]
+        # As many gathers started ahead a step as before the late use, but the head's (the
+        # model's own from then on, its first); it was one a step, on demand for the rest.
+        assert counts[5] - counts[4] >= counts[1] - counts[0] - 1 > 0, counts
