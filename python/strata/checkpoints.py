@@ -492,6 +492,24 @@ def _file_digest(f):
     return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
+def _accumulation_of(config, world_size):
+    """The gradient_accumulation_steps a saved DeepSpeed config gave (its own key, or
+    train_batch_size over the micro-batch and the ranks, or DeepSpeed's 1 where neither is
+    given), or None where it cannot be told."""
+    if not isinstance(config, dict):
+        return None
+    steps = config.get("gradient_accumulation_steps")
+    if steps is None:
+        total, micro = config.get("train_batch_size"), config.get("train_micro_batch_size_per_gpu")
+        if total is None or micro is None:  # (DeepSpeed's: the micro-batch is the rest)
+            return 1
+        if not (isinstance(total, int) and isinstance(micro, int) and micro > 0 and
+                total % (micro * world_size) == 0):
+            return None
+        steps = total // (micro * world_size)
+    return steps if isinstance(steps, int) and steps > 0 else None
+
+
 def _micro_steps_on_load(store, meta):
     """The loaded engine's micro-step count: the checkpoint's, where it accumulated as this engine
     does (a save inside a window resumes there); with another gradient_accumulation_steps the
@@ -499,9 +517,8 @@ def _micro_steps_on_load(store, meta):
     afresh, as a loop with the new accumulation starts its windows where it resumes (said where
     the save was inside a window: that window's micro-batches are not made up)."""
     micro_steps, saved = meta["micro_steps"], meta.get("accumulation")
-    if saved is None and isinstance(meta.get("config"), dict):  # (saved before the key)
-        saved = meta["config"].get("gradient_accumulation_steps")
-        saved = saved if isinstance(saved, int) and saved > 0 else None
+    if saved is None:  # (saved before the key)
+        saved = _accumulation_of(meta.get("config"), meta.get("world_size", 1))
     accumulation = store.state.accumulation
     if saved is None or saved == accumulation:  # (not said: as saved)
         return micro_steps

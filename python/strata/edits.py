@@ -62,13 +62,16 @@ def _get_data(p):
     if _BLOCK in d:
         d[_BLOCK] = (d[_BLOCK][0], True)
     if PARTITIONED in d and data.numel() == 0 and partitioned_name(p) is not None:
+        if placeholders.lent_in_forward(p):  # (within the model's forward, as a torch function)
+            return data_of(p)
         raise RuntimeError(
             f"{partitioned_name(p)}.data at ZeRO stage 3 outside its module's forward: its weights "
             "are the engine's partitions, and the parameter holds a placeholder without them "
             "(a read would see no values, a write would be lost); accepted: within "
             "strata.GatheredParameters([param]) (with modifier_rank=0 what the block writes "
             "becomes the weights and master weights), or engine.module_state_dict() to read "
-            "them")
+            "them; a change of its shape (a model's resize_token_embeddings) before "
+            "strata.initialize")
     if PARTITIONED in d and placeholders.left_by_closed(p):
         raise RuntimeError(f"{d[PARTITIONED][0]}.data: {placeholders.PLACEHOLDERS_LEFT}")
     return data

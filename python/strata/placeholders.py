@@ -68,8 +68,8 @@ import weakref
 
 import torch
 
-__all__ = ["PARTITIONED", "Partitioned", "guard", "holds_values", "own", "partitioned_name",
-           "unguard"]
+__all__ = ["PARTITIONED", "Partitioned", "forward_begins", "forward_ends", "guard",
+           "holds_values", "lent_in_forward", "own", "partitioned_name", "unguard"]
 
 # On a partitioned parameter (in its __dict__): (its name, a weak reference to the engine's watch
 # of it (strata/edits.py): while that is alive, its placeholder's reads are refused; its shape;
@@ -138,7 +138,7 @@ def forward_ends(lender):
     stack[:] = [ref for ref in stack if ref() is not None and ref() is not lender]
 
 
-def _lent_in_forward(p):
+def lent_in_forward(p):
     """Whether `p` was lent for a torch function within an engine's model's forward
     (forward_begins: the innermost engine's first)."""
     lenders = (ref() for ref in reversed(getattr(_OWN, "forwards", ())))
@@ -319,7 +319,7 @@ class Partitioned(torch.nn.Parameter):
                     if answer is not NotImplemented:
                         return answer
                     while held is not None:  # (each lent within a model's forward, or refused)
-                        if not _lent_in_forward(held):
+                        if not lent_in_forward(held):
                             raise _refuse(name, held)
                         held = _placeholder_of(args, kwargs)
         return _RAW(func, types, args, kwargs)

@@ -407,7 +407,9 @@ class init:  # noqa: N801 (a context, named as DeepSpeed's zero.Init is used)
             self.ranks.broadcast_tensor(
                 flat, f"a {tuple(whole.shape)} parameter's values (partition {pid}), written while "
                 "building")
-            if flat.data_ptr() != whole.data_ptr():  # (a copy: on a GPU, or not contiguous)
+            # (A copy, on a GPU or not contiguous, takes them back; an expanded tensor's elements
+            # overlap, and its values are its own.)
+            if flat.data_ptr() != whole.data_ptr() and 0 not in whole.stride():
                 with torch.no_grad():  # every rank's `whole` holds rank 0's values, as its shard
                     whole.copy_(flat.view(whole.shape))
             flat = self.ranks.own_shard(flat, self.ranks.shard_elements(whole.numel()))

@@ -647,6 +647,15 @@ def test_a_checkpoint_loaded_with_another_accumulation_starts_its_windows_afresh
     target.close()
 
 
+def test_an_old_checkpoints_accumulation_is_read_from_its_saved_config():
+    of = checkpoints._accumulation_of
+    assert of({"gradient_accumulation_steps": 3}, 1) == 3
+    assert of({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4}, 2) == 3
+    assert of({"train_batch_size": 24}, 2) == 1 and of({}, 1) == 1  # (DeepSpeed's default)
+    assert of({"train_batch_size": 25, "train_micro_batch_size_per_gpu": 4}, 2) is None
+    assert of({"gradient_accumulation_steps": "3"}, 1) is None and of(None, 1) is None
+
+
 def test_a_load_drops_the_gradients_summed_before_it(tmp_path):
     source = engine_for(tmp_path, "nvme", "fp32", seed=0, name="source")
     data = list(batches(8))

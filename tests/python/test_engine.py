@@ -2301,6 +2301,28 @@ def test_a_parameter_first_used_outside_its_owner_in_a_later_forward_is_lent_the
     engine.close()
 
 
+def test_a_weights_data_read_first_in_a_later_forward_is_lent_there_too(tmp_path):
+    """`.data` (a property, not a torch function) read outside its module within the model's
+    forward, first after the forwards that look for such uses: lent, as a torch function's read
+    is (it was refused by name), and plain torch's values."""
+    class ReadsData(_ScoresAfterGenerating):
+        def forward(self, x, fused=False):
+            if fused:
+                return torch.tanh(self.fc(x)) @ self.head.weight.data.t()[:, :8]
+            return super().forward(x)
+
+    engine, _, reference, adamw = _beside_plain_torch(tmp_path, 3, ReadsData)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    _square_step_beside(engine, reference, adamw, x)  # (the head through its own forward)
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(engine(x, fused=True), reference(x, fused=True),
+                                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"head.weight.data at ZeRO stage 3 outside"):
+        engine.module.head.weight.data
+    engine.close()
+
+
 def test_sparse_embeddings_are_refused_by_name(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4))
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
