@@ -200,13 +200,18 @@ def test_the_exit_waits_for_collectives_that_never_finish_5_s_at_most():
             p.communicate()
 
 
-def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_reshuffle():
-    procs = start_ranks(2, MISC)
-    outs = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=180)
+def reports_of(script, timeout=180):
+    """Two ranks running `script`, each ending well: the JSON each printed last."""
+    reports = []
+    for p in start_ranks(2, script):
+        stdout, stderr = p.communicate(timeout=timeout)
         assert p.returncode == 0, stderr[-3000:]
-        outs.append(json.loads(stdout.strip().splitlines()[-1]))
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    return reports
+
+
+def test_every_dtype_comes_from_rank_0_two_engines_share_the_job_and_epochs_reshuffle():
+    outs = reports_of(MISC)
     assert outs[0]["weights"] == outs[1]["weights"]  # the weights, the float64 and int buffers
     assert outs[0]["bn"] == outs[1]["bn"] and outs[0]["eval"] == outs[1]["eval"], outs
     assert outs[0]["bn"][2] == 2 and any(m != 0 for m in outs[0]["bn"][0]), outs
@@ -358,11 +363,8 @@ def test_shards_under_the_persistence_threshold_leave_the_device_like_the_others
     """A parameter over stage3_param_persistence_threshold is partitioned; across ranks its
     shard may be under it, and is evicted from the device as any partition is (the Runtime kept
     each such shard there for good, and a budget the one process trains in filled up)."""
-    procs = start_ranks(2, SMALL_SHARDS)
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == {"steps": 2, "shards": [72]}
+    for report in reports_of(SMALL_SHARDS, timeout=120):
+        assert report == {"steps": 2, "shards": [72]}
 
 
 def test_a_collectives_host_buffer_given_back_is_taken_again_by_one_that_fits():
@@ -468,11 +470,7 @@ os._exit(0)
 
 
 def test_a_branch_one_rank_skips_trains_as_ddp_finding_unused_parameters():
-    procs = start_ranks(2, BRANCH)
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=180)
-        assert p.returncode == 0, stderr[-3000:]
-        apart = json.loads(stdout.strip().splitlines()[-1])
+    for apart in reports_of(BRANCH):
         assert apart["1"] < 1e-6 and apart["3"] < 1e-6, apart
 
 
@@ -509,10 +507,7 @@ os._exit(0)
 
 
 def test_an_evaluation_between_steps_leaves_the_plan_of_the_steps_alone():
-    for p in start_ranks(2, EVAL_BETWEEN):
-        stdout, stderr = p.communicate(timeout=180)
-        assert p.returncode == 0, stderr[-3000:]
-        out = json.loads(stdout.strip().splitlines()[-1])
+    for out in reports_of(EVAL_BETWEEN):
         # (at most the known one: the second step, the first to prefetch gathers)
         assert len(out["left"]) <= 1, out["left"]
         assert out["prefetched"] > 0, out
@@ -558,10 +553,8 @@ os._exit(0)
 
 
 def test_a_parameter_lent_where_a_later_forward_reads_it_keeps_the_ranks_prefetching():
-    for p in start_ranks(2, LATE_EXTERNAL):
-        stdout, stderr = p.communicate(timeout=180)
-        assert p.returncode == 0, stderr[-3000:]
-        counts = json.loads(stdout.strip().splitlines()[-1])["prefetched"]
+    for report in reports_of(LATE_EXTERNAL):
+        counts = report["prefetched"]
         # As many gathers started ahead a step as before the late use, but the head's (the
         # model's own from then on, its first); it was one a step, on demand for the rest.
         assert counts[5] - counts[4] >= counts[1] - counts[0] - 1 > 0, counts
