@@ -254,14 +254,12 @@ class Lending:
         except _strata.Error as error:
             if error.code != "RESOURCE_EXHAUSTED":
                 raise
-            told = _strata.Error(
-                f"{error} (lending {self.table.partitioned_by_id[id(param)].name}, read outside "
-                "its module's forward, for the rest of the model's forward: parameters lent now "
-                f"hold {self.table.lent_bytes()} bytes of it; raise strata.device_budget_bytes, "
-                "or strata.register_external_parameter(module, param) with the module whose "
-                "forward reads it, to lend it around that module alone)")
-            told.code, told.errno = error.code, getattr(error, "errno", 0)
-            raise told from None
+            raise _with_hint(
+                error, f"lending {self.table.partitioned_by_id[id(param)].name}, read outside its "
+                "module's forward, for the rest of the model's forward: parameters lent now hold "
+                f"{self.table.lent_bytes()} bytes of it; raise strata.device_budget_bytes, or "
+                "strata.register_external_parameter(module, param) with the module whose forward "
+                "reads it, to lend it around that module alone") from None
         return True
 
     def _stream(self):
@@ -287,14 +285,12 @@ class Lending:
                 except _strata.Error as error:
                     if error.code != "RESOURCE_EXHAUSTED":
                         raise
-                    told = _strata.Error(
-                        f"{error} (lending {e.name} to {type(module).__name__}: "
-                        f"parameters lent now hold {self.table.lent_bytes()} bytes of it; a view "
-                        "autograd saved, or gradient checkpointing recomputing a whole block in "
-                        "backward, holds its module's parameters at once: raise "
-                        "strata.device_budget_bytes to hold them)")
-                    told.code, told.errno = error.code, getattr(error, "errno", 0)
-                    raise told from None
+                    raise _with_hint(
+                        error, f"lending {e.name} to {type(module).__name__}: parameters lent "
+                        f"now hold {self.table.lent_bytes()} bytes of it; a view autograd saved, "
+                        "or gradient checkpointing recomputing a whole block in backward, holds "
+                        "its module's parameters at once: raise strata.device_budget_bytes to "
+                        "hold them") from None
                 if self.ranks is None:
                     set_data(e.param, lent.view(e.shape))
                 else:  # its shard, gathered whole with the module's others (then given back)
@@ -604,6 +600,14 @@ class _ExternalUses(torch.overrides.TorchFunctionMode):
                     id(leaf) in lending.table.partitioned_by_id and not holds_values(leaf):
                 lending._use_external(leaf, self.stack[-1] if self.stack else lending.module)
         return func(*args, **kwargs)
+
+
+def _with_hint(error, hint):
+    """The Runtime's `error` (a full device budget) with what the lending knows said after it,
+    its code and errno kept."""
+    told = _strata.Error(f"{error} ({hint})")
+    told.code, told.errno = error.code, getattr(error, "errno", 0)
+    return told
 
 
 def weakly(method, gone=None):

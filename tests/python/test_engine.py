@@ -2323,6 +2323,45 @@ def test_a_weights_data_read_first_in_a_later_forward_is_lent_there_too(tmp_path
     engine.close()
 
 
+def test_a_late_read_past_the_device_budget_names_what_it_lends_and_the_way_out(tmp_path):
+    """A weight first read outside its module in a later forward, while another module's own
+    weight is lent, with no room for both: the full budget is named with the weight and what
+    to do (raise the budget, or lend it around its reader alone)."""
+    class Reader(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+            self.head = [head]  # (not a submodule: read outside its own module)
+
+        def forward(self, x, late):
+            h = x @ self.w
+            return torch.nn.functional.linear(h, self.head[0].weight) if late else h
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(64, 64)
+            self.reader = Reader(self.head)
+
+        def forward(self, x, late=False):
+            h = self.reader(x, late)
+            return h if late else self.head(h)
+
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    config["strata"]["device_budget_bytes"] = 24576  # (room for one 64 x 64 weight)
+    engine, _, _, _ = strata.initialize(model=Model(), config=config)
+    x = torch.randn(2, 64)
+    engine.backward(engine(x).sum())
+    engine.step()
+    with torch.no_grad(), pytest.raises(strata.Error, match=r"budget of 24576 bytes .* \(lending "
+                                        r"head.weight, read outside its module's forward, .* "
+                                        r"raise strata.device_budget_bytes, or strata."
+                                        r"register_external_parameter"):
+        engine(x, late=True)
+    engine.close()
+
+
 def test_sparse_embeddings_are_refused_by_name(tmp_path):
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16, sparse=True), torch.nn.Linear(16, 4))
     with pytest.raises(ValueError, match="0 is a Embedding with sparse=True: sparse gradients "
