@@ -282,6 +282,16 @@ largest() {
     --json "$logs/largest.json"
 }
 
+# Stage 3's host-side cost with the model held in the device budget (issue 49: forward and
+# backward within 1.2x of plain PyTorch's there): bench/host_cost.py on the GPU, bf16, plain
+# PyTorch beside it in the same run; first the trainer's shape (bench/vs_deepspeed's model: 8
+# layers 2048 wide), then the narrow, deep default (the host's work per module, nothing else).
+host_cost() {
+  "$python" bench/host_cost.py --device cuda --layers 8 --width 2048 --heads 16 --context 1024 \
+    --batch 4 --rounds 5 --steps 4 --json "$logs/host_cost_wide.json" &&
+    "$python" bench/host_cost.py --device cuda --json "$logs/host_cost_narrow.json"
+}
+
 # The rest of the Python suite (the emulated tier, with this machine's Python and torch).
 python_suite() {
   (cd "$build" && ctest -j4 -R "^python\." -E "test_cuda" --timeout 300 --no-tests=error \
@@ -294,7 +304,7 @@ export PYTHONPATH=$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 export deps logs python build scratch
 export -f environment unpack ds_env deepspeed_install vs_deepspeed configure_and_build cpp_suite cpp_cuda cuda_pytest cuda_ranks demo train_step \
-  sched_step largest python_suite
+  sched_step largest host_cost python_suite
 
 part environment 60 environment
 part unpack 60 unpack
@@ -302,6 +312,7 @@ part build 300 configure_and_build
 part cuda_pytest 120 cuda_pytest
 part cuda_ranks 300 cuda_ranks
 part largest 420 largest
+part host_cost 150 host_cost
 part train_step 200 train_step cpu
 part sched_step 90 sched_step
 part cpp_cuda 60 cpp_cuda
