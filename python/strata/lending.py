@@ -8,10 +8,12 @@ on the forward's outputs lends it again before the module's backward (a module p
 does not exist in every torch). A lent tensor is released when torch frees it, so a view that
 autograd holds keeps its partition pinned rather than pointing at reused memory; the views it saves
 during the model's forward are kept as their place in the parameter and taken anew in backward
-(_SavedViews: a mixture of experts' slices), so that they do not pin every layer's weights at once.
-An nn.Linear (or a subclass that keeps its forward) runs _Zero3Linear, which saves the weight
-itself, not a view. A frozen parameter has no
-gradient hook to give it back in backward: it goes back once the module's input gradient is made.
+(_SavedViews: a mixture of experts' slices, F.linear's transposed weight), so that they do not
+pin every layer's weights at once. An nn.Linear (or a subclass that keeps its forward) runs torch's
+F.linear there, and _Zero3Linear, which saves the weight itself, not a view, where other
+saved-tensor hooks are in force (checkpointing's recomputation, a user's) or under autocast. A
+frozen parameter has no gradient hook to give it back in backward: it goes back once the module's
+input gradient is made.
 The model's first forward finds parameters used outside their owner's forward (_ExternalUses),
 and so does its first forward with gradients, where the first ran without them (a trainer that
 generates before it trains: TRL's GRPO, whose training forward reads the head's weight itself).
@@ -388,8 +390,7 @@ class Lending:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, module=module, before=self._weak_before_backward:
-                                    before(module))
+                    _before_backward_of(t, module, self._weak_before_backward)
                     hooked = True
             if not hooked and self._kinds[module][1]:
                 # No output carries a gradient back into the module, yet it has trained
@@ -426,6 +427,12 @@ class _SavedViews:
         self._hooks = None
         self._depth = 0
 
+    @staticmethod
+    def in_force():
+        """Whether a _SavedViews' hooks are the saved-tensor hooks in force now (the innermost)."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and getattr(top[0], "__func__", None) is _SavedViews._pack
+
     def enter(self, module, args):
         self._depth += 1
         if self._depth == 1 and \
@@ -454,12 +461,17 @@ class _SavedViews:
         if not isinstance(saved, _LentView):
             return saved
         e = saved.entry
+        lending = self._lending()
+        if lending is None or not lending.runtime or placeholders.left_by_closed(e.param):
+            raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
+                               "forward, and the engine is closed (or gone): its parameters "
+                               "hold placeholders; accepted: backward before the engine is "
+                               "closed")
         if not holds_values(e.param):  # not lent again by its module's backward: lent now
-            lending = self._lending()
-            if lending is None or not lending.runtime or lending.ranks is not None:
+            if lending.ranks is not None:
                 raise RuntimeError(f"backward needs a view of {e.name} that autograd saved in "
-                                   "forward, and its parameter is not lent (its engine is "
-                                   "closed, or across ranks outside its module's backward)")
+                                   "forward, and its parameter is not lent (across ranks "
+                                   "outside its module's backward)")
             with lending.internal():
                 lending.lend_now(e)
         data = data_of(e.param)
@@ -544,6 +556,16 @@ class _Zero3Linear(torch.autograd.Function):
 
 
 def _zero3_linear_forward(module, input):  # noqa: A002 - nn.Linear.forward's name for it
+    """nn.Linear's forward at stage 3: torch's own F.linear where nothing it saves can keep the
+    lent weight pinned (no gradients, or the model's forward under _SavedViews, which keeps the
+    transposed view F.linear's autograd saves as its place in the weight), outside torch.autocast
+    (whose cast copy of the weight F.linear would save from forward to backward); _Zero3Linear
+    elsewhere (checkpointing's recomputation or its saved-tensor hooks, a user's, autocast). The
+    host's cost per call of the first is torch's: _Zero3Linear's Python autograd function costs
+    several times F.linear's on the host (bench/host_cost.py)."""
+    if not torch.is_grad_enabled() or (
+            _SavedViews.in_force() and not torch.is_autocast_enabled(input.device.type)):
+        return torch.nn.functional.linear(input, module.weight, module.bias)
     return _Zero3Linear.apply(input, module.weight, module.bias)
 
 
@@ -623,6 +645,27 @@ def weakly(method, gone=None):
             return None
         return bound(*args, **kwargs)
     return call
+
+
+def _before_backward_of(t, module, before):
+    """`before(module)` runs once the gradient of `t`, one of `module`'s outputs, is made,
+    before the module's own backward: a hook on `t`; where `t` is a view (F.linear's output of a
+    3-D input), also one on the node that made its base, whichever runs first: a view changed in
+    place afterwards (ReLU(inplace), ``h += x``) is given a node of its own in the graph, and
+    the hook on `t` no longer runs. Once a backward (a retained graph's next backward runs
+    it again)."""
+    ran = [None]  # the backward it ran in
+
+    def run(*unused):
+        task = torch._C._current_graph_task_id()
+        if ran[0] != task:
+            ran[0] = task
+            before(module)
+
+    t.register_hook(run)
+    base = t._base
+    if base is not None and base.grad_fn is not None:
+        base.grad_fn.register_prehook(run)
 
 
 def _tensors(value):

@@ -2134,6 +2134,48 @@ class _InplaceAdd(torch.nn.Module):
         return self.out(h)
 
 
+class _Scale(torch.nn.Module):  # its output a view of what it computed with its parameter
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 80))
+
+    def forward(self, x):
+        return (x.reshape(x.shape[0], -1) * self.scale).view(x.shape)
+
+
+class _InplaceOnAView(torch.nn.Module):  # that view changed in place by its parent
+    def __init__(self):
+        super().__init__()
+        self.fc, self.scaled, self.out = torch.nn.Linear(16, 16), _Scale(), \
+            torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.scaled(self.fc(x))
+        torch.relu_(h)
+        return self.out(h)
+
+
+def test_stage3_a_retained_graphs_second_backward_lends_the_views_modules_again(tmp_path):
+    # A module's output that is a view is hooked twice (the view, its base's node), run once a
+    # backward: a retained graph's second backward must lend the module's parameters again.
+    torch.manual_seed(0)
+    model = _InplaceOnAView()
+    reference = copy.deepcopy(model)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    x = torch.randn(2, 5, 16)
+    loss = engine(x).pow(2).mean()
+    engine.backward(loss, retain_graph=True)
+    engine.backward(loss)
+    ref_loss = reference(x).pow(2).mean()
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    for (name, p), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5,
+                                   atol=1e-7, msg=name)
+
+
 class _OutsideOwner(torch.nn.Module):  # a parent computes with its child's weight
     def __init__(self):
         super().__init__()
@@ -2185,13 +2227,15 @@ class _BatchNorm(torch.nn.Module):
 
 @pytest.mark.parametrize("cls,autocast,dtype", [
     (_InplaceRelu, False, "fp32"), (_InplaceAdd, False, "fp32"), (_InplaceRelu, True, "fp32"),
+    (_InplaceOnAView, False, "fp32"),
     (_OutsideOwner, False, "fp32"), (_ParameterList, False, "fp32"),
     (_TiedTransposed, False, "fp32"), (_CalledTwice, False, "fp32"), (_BatchNorm, False, "bf16")])
 def test_stage3_runs_what_models_do_with_their_parameters_as_plain_torch(tmp_path, cls, autocast,
                                                                          dtype):
     # In-place ops on a linear's 3-D output, torch.autocast, parameters used outside their
     # owner's forward, bf16 with BatchNorm's float buffers: each crashed at stage 3, naming
-    # nothing.
+    # nothing. A module's output that is a view, changed in place by its parent, lost the hook
+    # that lends the module's parameters again for its backward (its gradient's shape refused).
     torch.manual_seed(0)
     model = cls()
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
