@@ -35,7 +35,7 @@ from torch.utils import _pytree
 from torch.utils.dlpack import from_dlpack
 
 from strata import _strata
-from strata.parameters import data_of, set_data
+from strata.parameters import data_of, set_data, version_of
 from strata import placeholders
 from strata.placeholders import holds_values
 
@@ -62,6 +62,7 @@ class Lending:
         self.runtime = runtime  # the engine's; None once it is closed
         self.module = None  # the model, once hooked (install)
         self.by_module = {}  # module -> the entries its forward lends
+        self._forward_start = {}  # module -> the graph's next node number as its forward began
         # module -> (any of them frozen, any trained): what its hooks check on each call
         self._kinds = {}
         self._cuda = table.placeholder.device.type == "cuda"
@@ -365,6 +366,9 @@ class Lending:
     # marked without internal()'s context manager (a generator a call).
 
     def _before_forward(self, module, args, kwargs):
+        # Where the module's forward begins in the graph (the next node's number): a node of a
+        # view's base made before it is none of the module's (_before_backward_of).
+        self._forward_start[module] = _next_node_number()
         self.internal_depth += 1
         try:
             self._fetch(module)
@@ -390,7 +394,8 @@ class Lending:
         if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
-                    _before_backward_of(t, module, self._weak_before_backward)
+                    _before_backward_of(t, module, self._weak_before_backward,
+                                        self._forward_start.get(module, 0))
                     hooked = True
             if not hooked and self._kinds[module][1]:
                 # No output carries a gradient back into the module, yet it has trained
@@ -446,20 +451,32 @@ class _SavedViews:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
 
+    # Any other tensor is kept as itself, with its version: under saved-tensor hooks autograd
+    # does not check that a saved tensor was not changed in place before backward (as it does
+    # without them), so _unpack checks it, with torch's words.
+
     def _pack(self, t):
         base = t._base
         lending = self._lending()
         if base is None or lending is None:
-            return t
+            return t, version_of(t)
         e = lending.table.partitioned_by_id.get(id(base))
         if e is None or t.dtype != e.param.dtype or not holds_values(e.param) or \
                 t.untyped_storage().data_ptr() != e.param.untyped_storage().data_ptr():
-            return t
+            return t, version_of(t)
         return _LentView(e, t.size(), t.stride(), t.storage_offset() - e.param.storage_offset())
 
     def _unpack(self, saved):
-        if not isinstance(saved, _LentView):
-            return saved
+        if type(saved) is tuple:
+            t, version = saved
+            if version_of(t) != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{version_of(t)}; expected version {version} instead (saved in the forward "
+                    "of a strata engine's model, whose saved-tensor hooks check it as torch "
+                    "does). Hint: change the tensor out of place, or clone it before")
+            return t
         e = saved.entry
         lending = self._lending()
         if lending is None or not lending.runtime or placeholders.left_by_closed(e.param):
@@ -647,12 +664,18 @@ def weakly(method, gone=None):
     return call
 
 
-def _before_backward_of(t, module, before):
+_next_node_number = torch._C._autograd._get_sequence_nr  # (autograd's, in this thread)
+
+
+def _before_backward_of(t, module, before, start):
     """`before(module)` runs once the gradient of `t`, one of `module`'s outputs, is made,
-    before the module's own backward: a hook on `t`; where `t` is a view (F.linear's output of a
-    3-D input), also one on the node that made its base, whichever runs first: a view changed in
-    place afterwards (ReLU(inplace), ``h += x``) is given a node of its own in the graph, and
-    the hook on `t` no longer runs. Once a backward (a retained graph's next backward runs
+    before the module's own backward: a hook on `t`; where `t` is a view of a tensor `module`'s
+    forward made (F.linear's output of a 3-D input: its base's node numbered from `start`, where
+    the forward began), also one on the node that made its base, whichever runs first: a view
+    changed in place afterwards (ReLU(inplace), ``h += x``) is given a node of its own in the
+    graph, and the hook on `t` no longer runs. (A view of the module's input is not hooked at its
+    base: that node runs after the module's backward, and would lend its parameters again once
+    their gradients had given them back.) Once a backward (a retained graph's next backward runs
     it again)."""
     ran = [None]  # the backward it ran in
 
@@ -664,7 +687,7 @@ def _before_backward_of(t, module, before):
 
     t.register_hook(run)
     base = t._base
-    if base is not None and base.grad_fn is not None:
+    if base is not None and base.grad_fn is not None and base.grad_fn._sequence_nr() >= start:
         base.grad_fn.register_prehook(run)
 
 

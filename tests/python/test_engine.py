@@ -2176,6 +2176,81 @@ def test_stage3_a_retained_graphs_second_backward_lends_the_views_modules_again(
                                    atol=1e-7, msg=name)
 
 
+class _WithAViewOfItsInput(torch.nn.Module):  # a second output its parent leaves unused
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w), x.view(x.shape)
+
+
+def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backward(tmp_path):
+    # The node that made a view output's base was hooked to lend the module's parameters before
+    # its backward: where the view is of the module's input, that node runs after the module's
+    # backward, and lent each layer's weight again once its gradient had given it back, held to
+    # the end of backward (a device budget of two layers ran out).
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_WithAViewOfItsInput() for _ in range(6))
+    reference = copy.deepcopy(layers)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    config["strata"]["device_budget_bytes"] = 2 * 64 * 64 * 4
+
+    class Deep(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)[0] + x
+            return x
+
+    engine, _, _, _ = strata.initialize(model=Deep(layers), config=config)
+    lent = []
+    for layer in engine.module.layers:
+        layer.w.register_post_accumulate_grad_hook(
+            lambda p: lent.append(engine._lending.table.lent_bytes()))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x).pow(2).mean())
+    assert lent == [64 * 64 * 4] * 6
+    Deep(reference)(x).pow(2).mean().backward()
+    for p, theirs in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
+
+
+class _ChangesASavedTensor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.fc, self.out = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), \
+            torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.pre(x)
+        y = self.fc(h)
+        h.mul_(2)  # fc saved h for its weight's gradient
+        return self.out(y + h)
+
+
+def test_stage3_a_saved_tensor_changed_in_place_is_refused_as_plain_torch_refuses_it(tmp_path):
+    # Under the engine's saved-tensor hooks autograd does not check a saved tensor's version:
+    # fc's weight's gradient was computed from the changed h, silently, where plain torch
+    # refuses the backward.
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    plain = _ChangesASavedTensor()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as theirs:
+        plain(x).pow(2).mean().backward()
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=_ChangesASavedTensor(), config=config)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: "
+                                           r"\[torch.FloatTensor \[4, 16\]\] is at version 1; "
+                                           r"expected version 0"):
+        engine.backward(engine(x).pow(2).mean())
+    assert "[torch.FloatTensor [4, 16]]" in str(theirs.value)
+
+
 class _OutsideOwner(torch.nn.Module):  # a parent computes with its child's weight
     def __init__(self):
         super().__init__()
