@@ -20,6 +20,7 @@ from torch.utils.dlpack import from_dlpack
 from strata import _strata
 
 from strata.lending import kernel_stream
+from strata.parameters import clear_grad, grad_of
 
 __all__ = ["BACKWARD_AFTER_CLIP", "Gradients", "HostCopies"]
 
@@ -63,11 +64,11 @@ class Gradients:
             self = gradients()
             if self is None:
                 return
-            grad = e.param.grad
+            grad = grad_of(e.param)  # (read past the placeholder's guard: each backward)
             if grad is None:
                 return
             if self.step.user_clip is not None:  # (refused: nothing of this backward kept)
-                e.param.grad = None
+                clear_grad(e.param)
                 self.lending.drop_all()
                 raise RuntimeError(BACKWARD_AFTER_CLIP)
             self.state.gradient_made()  # (a backward of the user's own: engine._adopt_backward)
@@ -87,7 +88,7 @@ class Gradients:
                         e.grad_norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32)
                 self.fired.add(e)
             if e.partitioned:
-                e.param.grad = None
+                clear_grad(e.param)
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
                 self.lending.give_back(e)
@@ -99,12 +100,12 @@ class Gradients:
                     self.step.stage_from_hook(e)
             elif self.stage == 2 and self.ranks is not None:
                 # Reduce-scattered as it is made: this rank keeps only its shard's mean.
-                e.param.grad = None
+                clear_grad(e.param)
                 self.ranks.add_gradient(e, grad, boundary, self._add_shard)
             elif self.stage == 2 or self.sum_apart:
                 # To the host as it is made, summed there in grad_accum_dtype (stage 2; other
                 # stages when that is not the training dtype).
-                e.param.grad = None
+                clear_grad(e.param)
                 if grad.device.type == "cuda":
                     whole = self.copies.send(e, grad.reshape(-1))
                     e.has_grad = True

@@ -12,12 +12,14 @@ from torch.utils.dlpack import from_dlpack
 
 from strata import zero_init as init_module
 
-__all__ = ["Param", "ParameterTable", "data_of", "load_master", "read_frozen", "read_state",
-           "set_data", "set_weights", "version_of", "write_frozen"]
+__all__ = ["Param", "ParameterTable", "clear_grad", "data_of", "grad_of", "load_master",
+           "read_frozen", "read_state", "set_data", "set_weights", "version_of", "write_frozen"]
 
 _GET_DATA = torch._C.TensorBase.data.__get__
 _SET_DATA = torch._C.TensorBase.data.__set__
 _VERSION = torch._C.TensorBase._version.__get__
+_GET_GRAD = torch._C.TensorBase.grad.__get__
+_SET_GRAD = torch._C.TensorBase.grad.__set__
 _RAW = torch._C._disabled_torch_function_impl  # (past strata/placeholders.py's dispatch)
 
 
@@ -30,6 +32,17 @@ def data_of(p):
 def version_of(p):
     """p's version counter (torch's p._version), past strata/placeholders.py's dispatch."""
     return _RAW(_VERSION, (), (p,), {})
+
+
+def grad_of(p):
+    """p.grad, past strata/placeholders.py's dispatch (the gradient hooks' read, each parameter
+    each backward)."""
+    return _RAW(_GET_GRAD, (), (p,), {})
+
+
+def clear_grad(p):
+    """p.grad = None, past strata/placeholders.py's dispatch."""
+    _RAW(_SET_GRAD, (), (p, None), {})
 
 
 def set_data(p, value):

@@ -55,7 +55,7 @@ torch.nn.Parameter.
 Each torch function given a guarded parameter costs about 1-2 us more (the subclass's dispatch in
 Python), lent or not: 2.2 us for F.linear given a guarded weight and bias, 1.2 us a getter
 (.grad, dtype). The engine's own .data and version-counter reads and writes go past it
-(strata/parameters.py's data_of, set_data, version_of).
+(strata/parameters.py's data_of, set_data, version_of, grad_of, clear_grad).
 
 Thread safety: guard() and unguard() are the engine's (one thread); the torch functions may run in
 any thread, and own() holds for the thread that entered it.
@@ -69,7 +69,8 @@ import weakref
 import torch
 
 __all__ = ["PARTITIONED", "Partitioned", "forward_begins", "forward_ends", "guard",
-           "holds_values", "lent_in_forward", "own", "partitioned_name", "unguard"]
+           "holds_values", "lent_in_forward", "own", "partitioned_name", "passes_guard",
+           "unguard"]
 
 # On a partitioned parameter (in its __dict__): (its name, a weak reference to the engine's watch
 # of it (strata/edits.py): while that is alive, its placeholder's reads are refused; its shape;
@@ -120,6 +121,12 @@ def left_by_closed(p):
 def holds_values(p):
     """Whether parameter `p` holds values now (lent), not its placeholder: read past the guard."""
     return _RAW(_NUMEL, (), (p,), {}) != 0
+
+
+def passes_guard(p):
+    """Whether every torch function given guarded parameter `p` would run now as on a plain
+    parameter: it is lent (neither a live engine's placeholder nor what a closed one left)."""
+    return not _held(p)
 
 
 def forward_begins(lender):

@@ -2220,6 +2220,66 @@ def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backwar
         torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
 
 
+class _Counted(torch.Tensor):
+    """An input whose torch functions a library's tensor subclass sees (and counts)."""
+    linears = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            _Counted.linears += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_stage3_a_linears_input_subclass_still_sees_its_torch_function(tmp_path):
+    # nn.Linear at stage 3 skips the placeholder guard's dispatch for a plain tensor input: a
+    # subclass's own __torch_function__ must still run for its input (skipped, it would not).
+    # (Not yet as plain torch: beside the guarded weight, torch's default handler of the
+    # subclass declines, and the Linear's output is a plain tensor; plain torch keeps the
+    # subclass, and the next Linear sees it too.)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    engine, _, _, _ = strata.initialize(model=_InplaceRelu(), config=config)
+    x = torch.randn(2, 5, 16).as_subclass(_Counted)
+    _Counted.linears = 0
+    engine.backward(engine(x).pow(2).mean())
+    assert _Counted.linears >= 1
+    with torch.no_grad():
+        engine(x)
+    assert _Counted.linears >= 2
+
+
+class _Routed(torch.overrides.TorchFunctionMode):
+    """A user's torch function mode that runs F.linear on an input of its own subclass."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and type(args[0]) is torch.Tensor:
+            return func(args[0].as_subclass(_Counted), *args[1:], **kwargs)
+        return func(*args, **kwargs)
+
+
+def test_stage3_the_linears_skip_of_the_guard_leaves_modes_and_closed_engines_alone(tmp_path):
+    # The skip ran a mode's handler with subclasses' dispatch off (the subclass it made saw
+    # nothing), and a dropped engine's Linear, its forward called directly, computed with the
+    # placeholder left (one element, expanded) where the guard refuses it by name.
+    import gc
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False))
+    engine, _, _, _ = strata.initialize(model=model, config=config)
+    with torch.no_grad():
+        engine(torch.randn(2, 16))
+        _Counted.linears = 0
+        with _Routed():
+            engine(torch.randn(2, 16))
+    assert _Counted.linears == 1
+    del engine, _
+    gc.collect()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="0.weight: linear.*closed"):
+        model[0].forward(torch.randn(2, 16))
+
+
 class _ChangesASavedTensor(torch.nn.Module):
     def __init__(self):
         super().__init__()
