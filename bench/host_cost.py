@@ -7,10 +7,12 @@
 A ZeRO-3 engine whose device budget holds the whole model (every parameter partitioned: the
 persistence threshold 0) against plain PyTorch on the same model, batches and seed, each
 training with AdamW: forward and backward timed apart (each waited for on a GPU), the two systems
-interleaved round by round. What strata adds there is host work alone: its hooks around each
-module, the lends and gives back of each parameter, the gradient hooks (nothing has to cross the
-link, and on the CPU the host-emulated device tier's copies of a few kB each). The optimizer
-steps after backward, in step(), which is not timed (the CPU optimizer is a bound of its own).
+interleaved round by round. What strata adds there is its host work (its hooks around each
+module, the lends and gives back of each parameter, the gradient hooks; on the CPU the
+host-emulated device tier's copies of a few kB each) and, on a GPU, the gradients' copies to the
+host, which the step needs: they go during backward, and the timed backward waits for them (no
+weights cross the link). The optimizer steps after backward, in step(), which is not timed (the
+CPU optimizer is a bound of its own).
 The default model is narrow and deep (16 layers 64 wide, 147 modules that lend parameters), so
 that plain PyTorch's own compute is small and the figure is that host work, per lending module;
 on a GPU, a model as wide as the trainer's (--width 2048 --layers 8) gives issue 49's figure:
@@ -19,7 +21,8 @@ target: within 1.2x).
 
 Reported, the median of the rounds' ratios: strata's forward over plain PyTorch's, its backward
 over plain PyTorch's, and the host time it adds per lending module in forward and backward
-together (microseconds; the ceiling is plain PyTorch's 0). The losses of the two must agree
+together (microseconds; the ceiling is plain PyTorch's 0, so that figure has no ratio). The
+losses of the two must agree
 (fp32: every step's within 1e-5 relative; bf16 on a GPU: the first step's within 1e-2); the run
 says so, and its figures are void where they do not.
 """
@@ -125,7 +128,6 @@ def main():
     times = {s: {"forward": [], "backward": []} for s in systems}
     losses = {s: [] for s in systems}
     ratios = {"forward": [], "backward": [], "us_per_module": []}
-    index = 0
     for name in systems:  # two warm-up steps each, not timed
         for i in range(2):
             x, y = batches[i % len(batches)]
@@ -147,7 +149,6 @@ def main():
         ratios["forward"].append(sf / pf)
         ratios["backward"].append(sb / pb)
         ratios["us_per_module"].append((sf + sb - pf - pb) / modules * 1e6)
-        index += 1
         print(f"round {r + 1}: forward plain {pf * 1e3:.2f} ms, strata {sf * 1e3:.2f} ms; "
               f"backward plain {pb * 1e3:.2f} ms, strata {sb * 1e3:.2f} ms", flush=True)
     engine.close()
@@ -190,13 +191,12 @@ def main():
     print(f"losses {'agree' if agree else 'DIFFER'} ({'every step' if not cuda else 'the first'}"
           f": worst relative difference {worst:.1e}, tolerance {tolerance:g}); last "
           f"{losses['plain'][-1]:.5f} / {losses['strata'][-1]:.5f}")
-    print(f"host_cost/forward: {med['forward']:.2f}x plain PyTorch's [{spread['forward'][0]:.2f}, "
-          f"{spread['forward'][1]:.2f}]")
-    print(f"host_cost/backward: {med['backward']:.2f}x plain PyTorch's "
-          f"[{spread['backward'][0]:.2f}, {spread['backward'][1]:.2f}]")
+    for f in figures[:2]:
+        print(f"host_cost/{f['name']}: {f['value']:.2f} x = {f['ratio']:.2f} of "
+              f"{f['ceiling_source']} [{f['min']:.2f}, {f['max']:.2f}]")
     print(f"host_cost/host_us_per_module: {med['us_per_module']:.0f} us a lending module, "
           f"forward and backward [{spread['us_per_module'][0]:.0f}, "
-          f"{spread['us_per_module'][1]:.0f}] (plain PyTorch: 0)")
+          f"{spread['us_per_module'][1]:.0f}] (plain PyTorch: 0; no ratio)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"bench": "host_cost", "figures": figures, "losses_agree": agree,

@@ -62,7 +62,6 @@ class Lending:
         self.runtime = runtime  # the engine's; None once it is closed
         self.module = None  # the model, once hooked (install)
         self.by_module = {}  # module -> the entries its forward lends
-        self._forward_start = {}  # module -> the graph's next node number as its forward began
         # module -> (any of them frozen, any trained): what its hooks check on each call
         self._kinds = {}
         self._cuda = table.placeholder.device.type == "cuda"
@@ -366,9 +365,6 @@ class Lending:
     # marked without internal()'s context manager (a generator a call).
 
     def _before_forward(self, module, args, kwargs):
-        # Where the module's forward begins in the graph (the next node's number): a node of a
-        # view's base made before it is none of the module's (_before_backward_of).
-        self._forward_start[module] = _next_node_number()
         self.internal_depth += 1
         try:
             self._fetch(module)
@@ -395,7 +391,7 @@ class Lending:
             for t in _tensors(output):
                 if t.requires_grad:
                     _before_backward_of(t, module, self._weak_before_backward,
-                                        self._forward_start.get(module, 0))
+                                        self.by_module[module])
                     hooked = True
             if not hooked and self._kinds[module][1]:
                 # No output carries a gradient back into the module, yet it has trained
@@ -681,19 +677,17 @@ def weakly(method, gone=None):
     return call
 
 
-_next_node_number = torch._C._autograd._get_sequence_nr  # (autograd's, in this thread)
-
-
-def _before_backward_of(t, module, before, start):
+def _before_backward_of(t, module, before, entries):
     """`before(module)` runs once the gradient of `t`, one of `module`'s outputs, is made,
-    before the module's own backward: a hook on `t`; where `t` is a view of a tensor `module`'s
-    forward made (F.linear's output of a 3-D input: its base's node numbered from `start`, where
-    the forward began), also one on the node that made its base, whichever runs first: a view
-    changed in place afterwards (ReLU(inplace), ``h += x``) is given a node of its own in the
-    graph, and the hook on `t` no longer runs. (A view of the module's input is not hooked at its
-    base: that node runs after the module's backward, and would lend its parameters again once
-    their gradients had given them back.) Once a backward (a retained graph's next backward runs
-    it again)."""
+    before the module's own backward: a hook on `t`; where `t` is a view of a tensor made by a
+    node that takes one of the module's trained parameters (`entries`, through a view of it at
+    most: F.linear's output of a 3-D input, with a bias), also one on that node, whichever runs
+    first: a view changed in place afterwards (ReLU(inplace), ``h += x``) is given a node of its
+    own in the graph, and the hook on `t` no longer runs. (That node runs before the parameter's
+    gradient is made, so never after the module's backward: a view of another tensor, the
+    module's input say, is not hooked at its base, whose node would lend the parameters again
+    once their gradients had given them back.) Once a backward (a retained graph's next
+    backward runs it again)."""
     ran = [None]  # the backward it ran in
 
     def run(*unused):
@@ -704,8 +698,20 @@ def _before_backward_of(t, module, before, start):
 
     t.register_hook(run)
     base = t._base
-    if base is not None and base.grad_fn is not None and base.grad_fn._sequence_nr() >= start:
+    if base is not None and base.grad_fn is not None and \
+            _takes_one_of(base.grad_fn, [e.param for e in entries]):
         base.grad_fn.register_prehook(run)
+
+
+def _takes_one_of(node, params):
+    """Whether autograd `node` takes one of `params` as an input, or a view of one (the
+    parameter's gradient is made after it)."""
+    for step, _ in node.next_functions:
+        for leaf, _ in ((step, 0),) + (step.next_functions if step is not None else ()):
+            variable = getattr(leaf, "variable", None)
+            if variable is not None and any(variable is p for p in params):
+                return True
+    return False
 
 
 def _tensors(value):

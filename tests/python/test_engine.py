@@ -2185,13 +2185,22 @@ class _WithAViewOfItsInput(torch.nn.Module):  # a second output its parent leave
         return torch.tanh(x @ self.w), x.view(x.shape)
 
 
-def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backward(tmp_path):
+class _WithAViewMadeBeforeItsWeight(_WithAViewOfItsInput):
+    def forward(self, x):
+        h = x * 1.0  # made in the module's forward, before its weight is used
+        return torch.tanh(h @ self.w), h.view(h.shape)
+
+
+@pytest.mark.parametrize("layer", [_WithAViewOfItsInput, _WithAViewMadeBeforeItsWeight])
+def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backward(tmp_path,
+                                                                                  layer):
     # The node that made a view output's base was hooked to lend the module's parameters before
-    # its backward: where the view is of the module's input, that node runs after the module's
-    # backward, and lent each layer's weight again once its gradient had given it back, held to
-    # the end of backward (a device budget of two layers ran out).
+    # its backward: where the view is of the module's input (or of a tensor the module made
+    # before it used its weight), that node runs after the module's backward, and lent each
+    # layer's weight again once its gradient had given it back, held to the end of backward (a
+    # device budget of two layers ran out).
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList(_WithAViewOfItsInput() for _ in range(6))
+    layers = torch.nn.ModuleList(layer() for _ in range(6))
     reference = copy.deepcopy(layers)
     config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
