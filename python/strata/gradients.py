@@ -91,6 +91,7 @@ class Gradients:
                 clear_grad(e.param)
                 # Its gradient is the last thing backward needed of it (autograd sums the uses of
                 # a shared parameter before this hook): the lent copy goes back now.
+                e.grad_made_in = torch._C._current_graph_task_id()
                 self.lending.give_back(e)
                 if self.ranks is not None:  # reduce-scattered into the owners' shards
                     self.ranks.add_gradient(e, grad, boundary, self._add_shard)

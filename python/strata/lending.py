@@ -275,10 +275,15 @@ class Lending:
         neither records it nor takes it for a step that left the plan."""
         return torch.is_grad_enabled() or self.state.in_backward or self.module.training
 
-    def _fetch(self, module):
+    def _fetch(self, module, backward=None):
+        """Lends `module`'s entries (holding each once more); in `backward` (autograd's graph task
+        of a backward's fetch) not those whose gradients that backward made already: a hook that
+        runs late (a view's base node, _before_backward_of) would hold them to its end."""
         prefetched = self._take_prefetched(module)
         gather = []
         for e in self.by_module[module]:
+            if backward is not None and e.grad_made_in == backward:
+                continue
             held = self.holders.get(e.pid, 0)
             if held == 0 and not holds_values(e.param) and e not in prefetched[0]:
                 try:
@@ -407,7 +412,7 @@ class Lending:
             self.internal_depth -= 1
 
     def _before_backward(self, module):
-        self._fetch(module)
+        self._fetch(module, backward=torch._C._current_graph_task_id())
 
 
 class _SavedViews:

@@ -57,7 +57,8 @@ class Param:
 
     __slots__ = ("name", "param", "shape", "numel", "shard", "pid", "gid", "partitioned", "group",
                  "has_grad", "host_grad", "group_index", "steps", "sent_down", "staged",
-                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights", "grad_norm")
+                 "shard_grad", "frozen", "pinned_grad", "incoming", "pinned_weights", "grad_norm",
+                 "grad_made_in")
 
     def __init__(self, name, param, pid, shard=None, frozen=False):
         self.name = name
@@ -88,6 +89,9 @@ class Param:
         # micro-batch a step, one process, its first in the window): _grad_norm reads it instead
         # of the gradient's host copy. None otherwise.
         self.grad_norm = None
+        # The backward (autograd's graph task) whose gradient hook ran for it last: nothing of
+        # that backward needs its values again (the lending lends it no more there).
+        self.grad_made_in = None
         # A frozen parameter partitioned at stage 3: lent around its modules as any other, with no
         # gradient, no optimizer state (gid unused), never written back.
         self.frozen = frozen

@@ -2289,6 +2289,49 @@ def test_stage3_the_linears_skip_of_the_guard_leaves_modes_and_closed_engines_al
         model[0].forward(torch.randn(2, 16))
 
 
+class _ViewOfWhatItsScaleMade(torch.nn.Module):  # its weight's gradient made before the view's
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 64))
+
+    def forward(self, x):
+        b = x * self.scale
+        return torch.tanh(b @ self.w), b.view(b.shape)
+
+
+def test_stage3_a_backward_lends_no_parameter_whose_gradient_it_made(tmp_path):
+    # A view's base node that takes the module's scale runs after the module's weight's gradient
+    # was made: it lent the weight again, held to the end of backward, a layer more each time.
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_ViewOfWhatItsScaleMade() for _ in range(6))
+    reference = copy.deepcopy(layers)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+
+    class Deep(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)[0] + x
+            return x
+
+    engine, _, _, _ = strata.initialize(model=Deep(layers), config=config)
+    lent = []
+    for layer in engine.module.layers:
+        layer.scale.register_post_accumulate_grad_hook(
+            lambda p: lent.append(engine._lending.table.lent_bytes()))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x).pow(2).mean())
+    assert lent == [64 * 4] * 6
+    Deep(reference)(x).pow(2).mean().backward()
+    for p, theirs in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
+
+
 class _ChangesASavedTensor(torch.nn.Module):
     def __init__(self):
         super().__init__()
