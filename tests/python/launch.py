@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 
+_PORTS = random.Random(os.getpid())  # (one sequence a process: each call draws anew)
+
+
 def free_port():
     """A port free a moment ago whose next one (strata's store, MASTER_PORT + 1) is free too,
     drawn below the kernel's ephemeral range: the neighbours of a port the kernel handed out for a
-    connection are handed out next (CI saw MASTER_PORT + 1 taken)."""
-    rng = random.Random(os.getpid())
+    connection are handed out next (CI saw MASTER_PORT + 1 taken). A process's calls draw on one
+    sequence: a test does not take the port its predecessor's ranks may still be leaving (drawn
+    afresh each call, every call of a process began with the same port)."""
     for _ in range(1000):
-        port = rng.randrange(20000, 32000)
+        port = _PORTS.randrange(20000, 32000)
         try:
             for p in (port, port + 1):
                 with socket.socket() as s:

@@ -154,14 +154,20 @@ def test_ranks_whose_set_ups_differ_or_cannot_go_on_are_named_on_every_rank(case
         pytest.skip("this machine has a GPU for LOCAL_RANK 0")
     start = time.monotonic()
     procs = start_ranks(2, SETUP, (case,))
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode != 0
-        assert message in err, err[-2000:]
-        if case.startswith("gpu"):  # each rank's reason, on every rank
-            assert "rank 1: strata.device \"cuda\": LOCAL_RANK 1 names GPU 1" in err, err[-2000:]
-        if case == "budget":
-            assert "strata.host_budget_bytes" in err, err[-2000:]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode != 0
+            assert message in err, err[-2000:]
+            if case.startswith("gpu"):  # each rank's reason, on every rank
+                assert "rank 1: strata.device \"cuda\": LOCAL_RANK 1 names GPU 1" in err, \
+                    err[-2000:]
+            if case == "budget":
+                assert "strata.host_budget_bytes" in err, err[-2000:]
+    finally:  # (a rank left waiting, its peer failed, would outlive the test on its port)
+        for p in procs:
+            p.kill()
+            p.wait()
     assert time.monotonic() - start < 50  # named at once, not at the timeout (60 s)
 
 
