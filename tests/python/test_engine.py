@@ -2191,6 +2191,40 @@ class _WithAViewMadeBeforeItsWeight(_WithAViewOfItsInput):
         return torch.tanh(h @ self.w), h.view(h.shape)
 
 
+class _Stacked(torch.nn.Module):  # layers whose second output is left unused
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)[0] + x
+        return x
+
+
+def _lent_at_each_gradient(tmp_path, layer, watched, budget=None):
+    """Six `layer`s stacked at stage 3, one backward: the bytes lent as each layer's `watched`
+    parameter's gradient is made (the gradients checked against plain torch's)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(layer() for _ in range(6))
+    reference = copy.deepcopy(layers)
+    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
+    if budget is not None:
+        config["strata"]["device_budget_bytes"] = budget
+    engine, _, _, _ = strata.initialize(model=_Stacked(layers), config=config)
+    lent = []
+    for each in engine.module.layers:
+        getattr(each, watched).register_post_accumulate_grad_hook(
+            lambda p: lent.append(engine._lending.table.lent_bytes()))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
+    engine.backward(engine(x).pow(2).mean())
+    _Stacked(reference)(x).pow(2).mean().backward()
+    for p, theirs in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
+    return lent
+
+
 @pytest.mark.parametrize("layer", [_WithAViewOfItsInput, _WithAViewMadeBeforeItsWeight])
 def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backward(tmp_path,
                                                                                   layer):
@@ -2199,34 +2233,8 @@ def test_stage3_a_view_of_a_modules_input_does_not_lend_it_again_late_in_backwar
     # before it used its weight), that node runs after the module's backward, and lent each
     # layer's weight again once its gradient had given it back, held to the end of backward (a
     # device budget of two layers ran out).
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(layer() for _ in range(6))
-    reference = copy.deepcopy(layers)
-    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
-    config["strata"]["device_budget_bytes"] = 2 * 64 * 64 * 4
-
-    class Deep(torch.nn.Module):
-        def __init__(self, layers):
-            super().__init__()
-            self.layers = layers
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)[0] + x
-            return x
-
-    engine, _, _, _ = strata.initialize(model=Deep(layers), config=config)
-    lent = []
-    for layer in engine.module.layers:
-        layer.w.register_post_accumulate_grad_hook(
-            lambda p: lent.append(engine._lending.table.lent_bytes()))
-    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
-    engine.backward(engine(x).pow(2).mean())
-    assert lent == [64 * 64 * 4] * 6
-    Deep(reference)(x).pow(2).mean().backward()
-    for p, theirs in zip(engine.module.parameters(), reference.parameters()):
-        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
+    assert _lent_at_each_gradient(tmp_path, layer, "w", budget=2 * 64 * 64 * 4) == \
+        [64 * 64 * 4] * 6
 
 
 class _Counted(torch.Tensor):
@@ -2303,33 +2311,7 @@ class _ViewOfWhatItsScaleMade(torch.nn.Module):  # its weight's gradient made be
 def test_stage3_a_backward_lends_no_parameter_whose_gradient_it_made(tmp_path):
     # A view's base node that takes the module's scale runs after the module's weight's gradient
     # was made: it lent the weight again, held to the end of backward, a layer more each time.
-    torch.manual_seed(0)
-    layers = torch.nn.ModuleList(_ViewOfWhatItsScaleMade() for _ in range(6))
-    reference = copy.deepcopy(layers)
-    config = make_config(tmp_path, 3, "cpu", "fp32", accumulation=1, clipping=0.0)
-    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10
-
-    class Deep(torch.nn.Module):
-        def __init__(self, layers):
-            super().__init__()
-            self.layers = layers
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)[0] + x
-            return x
-
-    engine, _, _, _ = strata.initialize(model=Deep(layers), config=config)
-    lent = []
-    for layer in engine.module.layers:
-        layer.scale.register_post_accumulate_grad_hook(
-            lambda p: lent.append(engine._lending.table.lent_bytes()))
-    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(3))
-    engine.backward(engine(x).pow(2).mean())
-    assert lent == [64 * 4] * 6
-    Deep(reference)(x).pow(2).mean().backward()
-    for p, theirs in zip(engine.module.parameters(), reference.parameters()):
-        torch.testing.assert_close(strata.safe_get_full_grad(p), theirs.grad, rtol=1e-5, atol=1e-7)
+    assert _lent_at_each_gradient(tmp_path, _ViewOfWhatItsScaleMade, "scale") == [64 * 4] * 6
 
 
 class _ChangesASavedTensor(torch.nn.Module):
